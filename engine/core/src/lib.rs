@@ -1,0 +1,8 @@
+//! Baton's pure engine core: request and sampling types, the engine API seam,
+//! prefix-cache block hashing, the paged KV block manager, the scheduler and the
+//! sampler. Nothing here does I/O or touches a device; everything is plain data
+//! and deterministic given its inputs, so it is tested exhaustively on CPU.
+
+pub mod api;
+pub mod block_hash;
+pub mod params;
