@@ -1,0 +1,42 @@
+//! CPU reference kernels over plain f32 slices. Every function checks its
+//! shapes up front and returns a [`KernelError`] instead of indexing out of
+//! bounds, so a shape bug surfaces as an error naming the op.
+
+mod activation;
+mod attention;
+mod embed;
+mod linear;
+mod norm;
+mod rope;
+
+pub use activation::silu_mul;
+pub use attention::{KvLayerMut, KvLayerRef, SeqSpan, paged_attention, write_kv};
+pub use embed::embed;
+pub use linear::linear;
+pub use norm::{add_rms_norm, rms_norm};
+pub use rope::{RopeScalingKind, RopeTable};
+
+/// A kernel was called with inconsistent shapes.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{op}: {message}")]
+pub struct KernelError {
+    /// The op that refused its arguments.
+    pub op: &'static str,
+    /// What was inconsistent.
+    pub message: String,
+}
+
+pub(crate) fn check(
+    op: &'static str,
+    ok: bool,
+    message: impl FnOnce() -> String,
+) -> Result<(), KernelError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(KernelError {
+            op,
+            message: message(),
+        })
+    }
+}
