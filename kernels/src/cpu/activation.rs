@@ -6,26 +6,16 @@ use rayon::prelude::*;
 
 /// `out` is `rows × d`; `gate_up` is `rows × 2d`.
 pub fn silu_mul(gate_up: &[f32], out: &mut [f32], d: usize) -> Result<(), KernelError> {
-    check(
-        "silu_mul",
-        d > 0 && gate_up.len() == out.len() * 2 && out.len().is_multiple_of(d),
-        || {
-            format!(
-                "gate_up has {} values, out {} values, d = {d}",
-                gate_up.len(),
-                out.len()
-            )
-        },
-    )?;
-    out.par_chunks_mut(d)
-        .zip(gate_up.par_chunks(2 * d))
-        .for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(d);
-            for i in 0..d {
-                let x = g[i];
-                o[i] = x / (1.0 + (-x).exp()) * u[i];
-            }
-        });
+    check("silu_mul", d > 0 && gate_up.len() == out.len() * 2 && out.len().is_multiple_of(d), || {
+        format!("gate_up has {} values, out {} values, d = {d}", gate_up.len(), out.len())
+    })?;
+    out.par_chunks_mut(d).zip(gate_up.par_chunks(2 * d)).for_each(|(o, gu)| {
+        let (g, u) = gu.split_at(d);
+        for i in 0..d {
+            let x = g[i];
+            o[i] = x / (1.0 + (-x).exp()) * u[i];
+        }
+    });
     Ok(())
 }
 

@@ -64,15 +64,10 @@ fn slot_offset(
     let logical = pos / block_size;
     let block = *block_table.get(logical).ok_or_else(|| KernelError {
         op: "paged_kv",
-        message: format!(
-            "position {pos} needs logical block {logical} but the block table has {}",
-            block_table.len()
-        ),
+        message: format!("position {pos} needs logical block {logical} but the block table has {}", block_table.len()),
     })? as usize;
     let off = (block * block_size + pos % block_size) * token_stride;
-    check("paged_kv", off + token_stride <= cache_len, || {
-        format!("block {block} is outside the cache")
-    })?;
+    check("paged_kv", off + token_stride <= cache_len, || format!("block {block} is outside the cache"))?;
     Ok(off)
 }
 
@@ -86,9 +81,7 @@ pub fn write_kv(
     let stride = cache.n_kv_heads * cache.head_dim;
     check(
         "write_kv",
-        k_new.len() == span.n_tokens * stride
-            && v_new.len() == k_new.len()
-            && cache.k.len() == cache.v.len(),
+        k_new.len() == span.n_tokens * stride && v_new.len() == k_new.len() && cache.k.len() == cache.v.len(),
         || {
             format!(
                 "k_new {} v_new {} values for {} tokens of stride {stride}",
@@ -99,13 +92,7 @@ pub fn write_kv(
         },
     )?;
     for t in 0..span.n_tokens {
-        let off = slot_offset(
-            span.block_table,
-            span.start_pos + t,
-            cache.block_size,
-            stride,
-            cache.k.len(),
-        )?;
+        let off = slot_offset(span.block_table, span.start_pos + t, cache.block_size, stride, cache.k.len())?;
         cache.k[off..off + stride].copy_from_slice(&k_new[t * stride..(t + 1) * stride]);
         cache.v[off..off + stride].copy_from_slice(&v_new[t * stride..(t + 1) * stride]);
     }
@@ -124,34 +111,16 @@ pub fn paged_attention(
 ) -> Result<(), KernelError> {
     let hd = cache.head_dim;
     let kvh = cache.n_kv_heads;
-    check(
-        "paged_attention",
-        kvh > 0 && n_heads.is_multiple_of(kvh),
-        || format!("{n_heads} query heads is not a multiple of {kvh} KV heads"),
-    )?;
-    check(
-        "paged_attention",
-        q.len() == span.n_tokens * n_heads * hd && out.len() == q.len(),
-        || {
-            format!(
-                "q {} / out {} values for {} tokens × {n_heads} heads × {hd}",
-                q.len(),
-                out.len(),
-                span.n_tokens
-            )
-        },
-    )?;
+    check("paged_attention", kvh > 0 && n_heads.is_multiple_of(kvh), || {
+        format!("{n_heads} query heads is not a multiple of {kvh} KV heads")
+    })?;
+    check("paged_attention", q.len() == span.n_tokens * n_heads * hd && out.len() == q.len(), || {
+        format!("q {} / out {} values for {} tokens × {n_heads} heads × {hd}", q.len(), out.len(), span.n_tokens)
+    })?;
     let total = span.start_pos + span.n_tokens;
-    check(
-        "paged_attention",
-        span.block_table.len() * cache.block_size >= total,
-        || {
-            format!(
-                "block table covers {} tokens, need {total}",
-                span.block_table.len() * cache.block_size
-            )
-        },
-    )?;
+    check("paged_attention", span.block_table.len() * cache.block_size >= total, || {
+        format!("block table covers {} tokens, need {total}", span.block_table.len() * cache.block_size)
+    })?;
     let stride = kvh * hd;
     // Resolve every position's slot once; all heads and queries share it.
     let offsets: Vec<usize> = (0..total)
@@ -217,9 +186,7 @@ mod tests {
                 let scores: Vec<f64> = (0..ctx)
                     .map(|p| {
                         (0..hd)
-                            .map(|d| {
-                                q[(t * nh + h) * hd + d] as f64 * k[(p * kvh + kh) * hd + d] as f64
-                            })
+                            .map(|d| q[(t * nh + h) * hd + d] as f64 * k[(p * kvh + kh) * hd + d] as f64)
                             .sum::<f64>()
                             * scale as f64
                     })
@@ -228,9 +195,7 @@ mod tests {
                 let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..hd {
-                    out[(t * nh + h) * hd + d] = (0..ctx)
-                        .map(|p| e[p] / z * v[(p * kvh + kh) * hd + d] as f64)
-                        .sum();
+                    out[(t * nh + h) * hd + d] = (0..ctx).map(|p| e[p] / z * v[(p * kvh + kh) * hd + d] as f64).sum();
                 }
             }
         }
@@ -257,82 +222,43 @@ mod tests {
             }
             table.truncate(n_blocks_needed);
             let stride = kvh * hd;
-            let k: Vec<f32> = (0..total * stride)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
-            let v: Vec<f32> = (0..total * stride)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
-            let q: Vec<f32> = (0..n_q * nh * hd)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
+            let k: Vec<f32> = (0..total * stride).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let v: Vec<f32> = (0..total * stride).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let q: Vec<f32> = (0..n_q * nh * hd).map(|_| rng.random_range(-1.0..1.0)).collect();
             let mut kc = vec![f32::NAN; num_blocks * bs * stride];
             let mut vc = vec![f32::NAN; num_blocks * bs * stride];
-            let mut layer = KvLayerMut {
-                k: &mut kc,
-                v: &mut vc,
-                block_size: bs,
-                n_kv_heads: kvh,
-                head_dim: hd,
-            };
+            let mut layer = KvLayerMut { k: &mut kc, v: &mut vc, block_size: bs, n_kv_heads: kvh, head_dim: hd };
             // Prefix first, then the chunk, as the engine does across steps.
             write_kv(
                 &k[..start * stride],
                 &v[..start * stride],
-                SeqSpan {
-                    start_pos: 0,
-                    n_tokens: start,
-                    block_table: &table,
-                },
+                SeqSpan { start_pos: 0, n_tokens: start, block_table: &table },
                 &mut layer,
             )
             .unwrap();
             write_kv(
                 &k[start * stride..],
                 &v[start * stride..],
-                SeqSpan {
-                    start_pos: start,
-                    n_tokens: n_q,
-                    block_table: &table,
-                },
+                SeqSpan { start_pos: start, n_tokens: n_q, block_table: &table },
                 &mut layer,
             )
             .unwrap();
             let scale = 1.0 / (hd as f32).sqrt();
             let mut out = vec![f32::NAN; q.len()];
-            let span = SeqSpan {
-                start_pos: start,
-                n_tokens: n_q,
-                block_table: &table,
-            };
+            let span = SeqSpan { start_pos: start, n_tokens: n_q, block_table: &table };
             paged_attention(
                 &q,
                 nh,
                 scale,
                 span,
-                KvLayerRef {
-                    k: &kc,
-                    v: &vc,
-                    block_size: bs,
-                    n_kv_heads: kvh,
-                    head_dim: hd,
-                },
+                KvLayerRef { k: &kc, v: &vc, block_size: bs, n_kv_heads: kvh, head_dim: hd },
                 &mut out,
             )
             .unwrap();
             let want = dense(&q, &k, &v, n_q, start, nh, kvh, hd, scale);
-            let err: f64 = out
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).powi(2))
-                .sum::<f64>()
-                .sqrt();
+            let err: f64 = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt();
             let norm: f64 = want.iter().map(|b| b * b).sum::<f64>().sqrt();
-            assert!(
-                err / norm < 1e-5,
-                "case start={start} n_q={n_q}: rel err {}",
-                err / norm
-            );
+            assert!(err / norm < 1e-5, "case start={start} n_q={n_q}: rel err {}", err / norm);
         }
     }
 
@@ -341,23 +267,13 @@ mod tests {
         let kc = vec![0.0f32; 4 * 4 * 8];
         let q = vec![0.5f32; 8];
         let mut out = vec![0.0; 8];
-        let span = SeqSpan {
-            start_pos: 4,
-            n_tokens: 1,
-            block_table: &[0],
-        };
+        let span = SeqSpan { start_pos: 4, n_tokens: 1, block_table: &[0] };
         let r = paged_attention(
             &q,
             1,
             1.0,
             span,
-            KvLayerRef {
-                k: &kc,
-                v: &kc,
-                block_size: 4,
-                n_kv_heads: 1,
-                head_dim: 8,
-            },
+            KvLayerRef { k: &kc, v: &kc, block_size: 4, n_kv_heads: 1, head_dim: 8 },
             &mut out,
         );
         assert!(r.is_err());

@@ -3,30 +3,14 @@
 use super::{KernelError, check};
 
 /// Gathers embedding rows. Token ids outside the table are an error, not a panic.
-pub fn embed(
-    tokens: &[u32],
-    table: &[f32],
-    hidden: usize,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    check(
-        "embed",
-        hidden > 0 && table.len().is_multiple_of(hidden) && out.len() == tokens.len() * hidden,
-        || {
-            format!(
-                "table {} values, hidden {hidden}, {} tokens, out {} values",
-                table.len(),
-                tokens.len(),
-                out.len()
-            )
-        },
-    )?;
+pub fn embed(tokens: &[u32], table: &[f32], hidden: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    check("embed", hidden > 0 && table.len().is_multiple_of(hidden) && out.len() == tokens.len() * hidden, || {
+        format!("table {} values, hidden {hidden}, {} tokens, out {} values", table.len(), tokens.len(), out.len())
+    })?;
     let vocab = table.len() / hidden;
     for (row, &t) in out.chunks_mut(hidden).zip(tokens) {
         let t = t as usize;
-        check("embed", t < vocab, || {
-            format!("token id {t} outside the vocabulary of {vocab}")
-        })?;
+        check("embed", t < vocab, || format!("token id {t} outside the vocabulary of {vocab}"))?;
         row.copy_from_slice(&table[t * hidden..(t + 1) * hidden]);
     }
     Ok(())

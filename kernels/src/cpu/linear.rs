@@ -14,22 +14,11 @@ pub fn linear(
     n: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check(
-        "linear",
-        x.len() == m * k && w.len() == n * k && out.len() == m * n,
-        || {
-            format!(
-                "x {} (want {m}×{k}), w {} (want {n}×{k}), out {} (want {m}×{n})",
-                x.len(),
-                w.len(),
-                out.len()
-            )
-        },
-    )?;
+    check("linear", x.len() == m * k && w.len() == n * k && out.len() == m * n, || {
+        format!("x {} (want {m}×{k}), w {} (want {n}×{k}), out {} (want {m}×{n})", x.len(), w.len(), out.len())
+    })?;
     if let Some(b) = bias {
-        check("linear", b.len() == n, || {
-            format!("bias has {} values, want {n}", b.len())
-        })?;
+        check("linear", b.len() == n, || format!("bias has {} values, want {n}", b.len()))?;
     }
     if m == 0 || n == 0 {
         return Ok(());
@@ -98,19 +87,13 @@ mod tests {
             let mut norm = 0.0f64;
             for i in 0..m {
                 for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
-                        .sum::<f64>()
-                        + b[j] as f64;
+                    let want: f64 =
+                        (0..k).map(|t| x[i * k + t] as f64 * w[j * k + t] as f64).sum::<f64>() + b[j] as f64;
                     err += (out[i * n + j] as f64 - want).powi(2);
                     norm += want * want;
                 }
             }
-            assert!(
-                (err / norm).sqrt() < 1e-5,
-                "m={m} k={k} n={n}: rel err {}",
-                (err / norm).sqrt()
-            );
+            assert!((err / norm).sqrt() < 1e-5, "m={m} k={k} n={n}: rel err {}", (err / norm).sqrt());
         }
         assert!(linear(&[0.0; 6], &[0.0; 6], None, 2, 3, 3, &mut [0.0; 6]).is_err());
     }

@@ -26,17 +26,6 @@ pub struct KernelError {
     pub message: String,
 }
 
-pub(crate) fn check(
-    op: &'static str,
-    ok: bool,
-    message: impl FnOnce() -> String,
-) -> Result<(), KernelError> {
-    if ok {
-        Ok(())
-    } else {
-        Err(KernelError {
-            op,
-            message: message(),
-        })
-    }
+pub(crate) fn check(op: &'static str, ok: bool, message: impl FnOnce() -> String) -> Result<(), KernelError> {
+    if ok { Ok(()) } else { Err(KernelError { op, message: message() }) }
 }

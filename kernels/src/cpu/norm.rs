@@ -16,14 +16,10 @@ fn norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// `out = x / rms(x) * weight`, row by row (`x` is `rows × weight.len()`).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) -> Result<(), KernelError> {
     let d = weight.len();
-    check(
-        "rms_norm",
-        d > 0 && x.len().is_multiple_of(d) && out.len() == x.len(),
-        || format!("x {} values, weight {d}, out {}", x.len(), out.len()),
-    )?;
-    out.par_chunks_mut(d)
-        .zip(x.par_chunks(d))
-        .for_each(|(o, r)| norm_row(r, weight, eps, o));
+    check("rms_norm", d > 0 && x.len().is_multiple_of(d) && out.len() == x.len(), || {
+        format!("x {} values, weight {d}, out {}", x.len(), out.len())
+    })?;
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, r)| norm_row(r, weight, eps, o));
     Ok(())
 }
 
@@ -39,24 +35,14 @@ pub fn add_rms_norm(
     check(
         "add_rms_norm",
         d > 0 && x.len().is_multiple_of(d) && out.len() == x.len() && residual.len() == x.len(),
-        || {
-            format!(
-                "residual {}, x {}, weight {d}, out {}",
-                residual.len(),
-                x.len(),
-                out.len()
-            )
-        },
+        || format!("residual {}, x {}, weight {d}, out {}", residual.len(), x.len(), out.len()),
     )?;
-    out.par_chunks_mut(d)
-        .zip(residual.par_chunks_mut(d))
-        .zip(x.par_chunks(d))
-        .for_each(|((o, r), xr)| {
-            for (a, &b) in r.iter_mut().zip(xr) {
-                *a += b;
-            }
-            norm_row(r, weight, eps, o);
-        });
+    out.par_chunks_mut(d).zip(residual.par_chunks_mut(d)).zip(x.par_chunks(d)).for_each(|((o, r), xr)| {
+        for (a, &b) in r.iter_mut().zip(xr) {
+            *a += b;
+        }
+        norm_row(r, weight, eps, o);
+    });
     Ok(())
 }
 

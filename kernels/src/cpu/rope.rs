@@ -39,38 +39,24 @@ pub struct RopeTable {
 impl RopeTable {
     /// Builds the table for `head_dim` (even) and base `theta`.
     pub fn new(head_dim: usize, theta: f32, scaling: RopeScalingKind) -> Result<Self, KernelError> {
-        check(
-            "rope",
-            head_dim >= 2 && head_dim.is_multiple_of(2) && theta > 0.0,
-            || format!("head_dim {head_dim} must be even and theta {theta} positive"),
-        )?;
+        check("rope", head_dim >= 2 && head_dim.is_multiple_of(2) && theta > 0.0, || {
+            format!("head_dim {head_dim} must be even and theta {theta} positive")
+        })?;
         let half = head_dim / 2;
-        let mut inv_freq: Vec<f64> = (0..half)
-            .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / head_dim as f64))
-            .collect();
+        let mut inv_freq: Vec<f64> =
+            (0..half).map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / head_dim as f64)).collect();
         match scaling {
             RopeScalingKind::None => {}
             RopeScalingKind::Linear { factor } => {
-                check("rope", factor > 0.0, || {
-                    format!("linear factor {factor} must be positive")
-                })?;
+                check("rope", factor > 0.0, || format!("linear factor {factor} must be positive"))?;
                 inv_freq.iter_mut().for_each(|f| *f /= factor as f64);
             }
-            RopeScalingKind::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            } => {
-                check(
-                    "rope",
-                    factor > 0.0 && high_freq_factor > low_freq_factor,
-                    || {
-                        format!(
-                            "llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor (got {factor}, {low_freq_factor}, {high_freq_factor})"
-                        )
-                    },
-                )?;
+            RopeScalingKind::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                check("rope", factor > 0.0 && high_freq_factor > low_freq_factor, || {
+                    format!(
+                        "llama3 scaling needs factor > 0 and high_freq_factor > low_freq_factor (got {factor}, {low_freq_factor}, {high_freq_factor})"
+                    )
+                })?;
                 let old = original_max_position_embeddings as f64;
                 let low_wavelen = old / low_freq_factor as f64;
                 let high_wavelen = old / high_freq_factor as f64;
@@ -98,38 +84,23 @@ impl RopeTable {
     }
 
     /// Rotates `x` (`positions.len() × n_heads × head_dim`) in place; row `t` is at `positions[t]`.
-    pub fn apply(
-        &self,
-        x: &mut [f32],
-        n_heads: usize,
-        positions: &[usize],
-    ) -> Result<(), KernelError> {
+    pub fn apply(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) -> Result<(), KernelError> {
         let hd = self.head_dim;
         check("rope", x.len() == positions.len() * n_heads * hd, || {
-            format!(
-                "x has {} values, want {} tokens × {n_heads} heads × {hd}",
-                x.len(),
-                positions.len()
-            )
+            format!("x has {} values, want {} tokens × {n_heads} heads × {hd}", x.len(), positions.len())
         })?;
         let half = hd / 2;
-        x.par_chunks_mut(n_heads * hd)
-            .zip(positions.par_iter())
-            .for_each(|(row, &pos)| {
-                let (sin, cos): (Vec<f64>, Vec<f64>) = self
-                    .inv_freq
-                    .iter()
-                    .map(|f| (pos as f64 * f).sin_cos())
-                    .unzip();
-                for head in row.chunks_mut(hd) {
-                    for i in 0..half {
-                        let a = head[i] as f64;
-                        let b = head[i + half] as f64;
-                        head[i] = (a * cos[i] - b * sin[i]) as f32;
-                        head[i + half] = (b * cos[i] + a * sin[i]) as f32;
-                    }
+        x.par_chunks_mut(n_heads * hd).zip(positions.par_iter()).for_each(|(row, &pos)| {
+            let (sin, cos): (Vec<f64>, Vec<f64>) = self.inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).unzip();
+            for head in row.chunks_mut(hd) {
+                for i in 0..half {
+                    let a = head[i] as f64;
+                    let b = head[i + half] as f64;
+                    head[i] = (a * cos[i] - b * sin[i]) as f32;
+                    head[i + half] = (b * cos[i] + a * sin[i]) as f32;
                 }
-            });
+            }
+        });
         Ok(())
     }
 }
