@@ -1,1 +1,143 @@
-//! The engine crate.
+//! The Baton engine: a Llama-family model over a backend trait, the CPU
+//! backend, and the engine thread with its async handle.
+//!
+//! [`start_engine`] loads a model's weights into a backend, sizes the paged KV
+//! cache, and spawns the engine thread, which owns the backend and the
+//! scheduler; the returned [`EngineHandle`] implements
+//! [`baton_core::api::EngineClient`] and is what every frontend talks to.
+
+pub mod backend;
+pub mod batch;
+pub mod config;
+mod engine_loop;
+mod handle;
+pub mod model;
+
+pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
+pub use handle::EngineHandle;
+
+use baton_core::api::{EngineInfo, EngineStats};
+use baton_core::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
+use baton_formats::LoadedModel;
+use engine_loop::{EngineLoop, Shared};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineStartError {
+    /// The requested device cannot be used.
+    #[error("device {device} is unavailable: {reason}")]
+    DeviceUnavailable {
+        /// The device asked for.
+        device: DeviceSpec,
+        /// Why not.
+        reason: String,
+    },
+    /// A configuration value is inconsistent with the model or with itself.
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    /// Loading the weights failed.
+    #[error(transparent)]
+    Model(#[from] model::ModelLoadError),
+    /// The backend failed while setting up.
+    #[error(transparent)]
+    Backend(#[from] backend::BackendError),
+    /// The OS refused a thread.
+    #[error("could not start the engine thread: {0}")]
+    Thread(String),
+}
+
+/// Resolves `auto` to a concrete device. This build has only the CPU backend, so `auto`
+/// picks the CPU and an explicit CUDA device is refused with a clear reason.
+pub fn resolve_device(spec: DeviceSpec) -> Result<DeviceSpec, EngineStartError> {
+    match spec {
+        DeviceSpec::Auto | DeviceSpec::Cpu => Ok(DeviceSpec::Cpu),
+        DeviceSpec::Cuda(_) => Err(EngineStartError::DeviceUnavailable {
+            device: spec,
+            reason: "this build has no CUDA backend yet; use --device cpu".into(),
+        }),
+    }
+}
+
+/// Loads `model` onto `device`, allocates the KV cache and starts the engine thread.
+pub fn start_engine(
+    model: &LoadedModel,
+    device: DeviceSpec,
+    config: EngineConfig,
+) -> Result<EngineHandle, EngineStartError> {
+    let device = resolve_device(device)?;
+    let cfg = &model.config;
+    let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings);
+    if max_model_len == 0 {
+        return Err(EngineStartError::Config("max_model_len must be positive".into()));
+    }
+    if max_model_len > cfg.max_position_embeddings {
+        return Err(EngineStartError::Config(format!(
+            "max_model_len {max_model_len} exceeds the model's max_position_embeddings {}",
+            cfg.max_position_embeddings
+        )));
+    }
+    if config.block_size == 0 || config.block_size > 1024 {
+        return Err(EngineStartError::Config(format!("block_size must be in [1, 1024], got {}", config.block_size)));
+    }
+    let threads =
+        config.num_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("baton-cpu-{i}"))
+        .build()
+        .map_err(|e| EngineStartError::Thread(e.to_string()))?;
+    let mut llama =
+        pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new()))?;
+    let per_block = llama.kv_shape(1, config.block_size).bytes_per_token(4) * config.block_size;
+    let num_blocks = config.num_kv_blocks.unwrap_or(config.kv_cache_memory_bytes / per_block.max(1));
+    let needed = max_model_len.div_ceil(config.block_size);
+    if num_blocks < needed {
+        return Err(EngineStartError::Config(format!(
+            "the KV cache has {num_blocks} blocks ({} tokens) but one sequence of max_model_len {max_model_len} needs {needed}; raise the KV budget or lower --max-model-len",
+            num_blocks * config.block_size
+        )));
+    }
+    llama.alloc_kv_cache(num_blocks, config.block_size)?;
+    let sched_cfg = SchedulerConfig {
+        block_size: config.block_size,
+        num_blocks,
+        max_num_seqs: config.max_num_seqs,
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_model_len,
+        enable_chunked_prefill: config.enable_chunked_prefill,
+        enable_prefix_caching: config.enable_prefix_caching,
+        policy: SchedulingPolicy::Fcfs,
+        max_waiting: config.max_waiting,
+    };
+    let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    let mut eos: Vec<u32> = model.generation.eos_token_ids.clone();
+    for e in &cfg.eos_token_ids {
+        if !eos.contains(e) {
+            eos.push(*e);
+        }
+    }
+    let info = EngineInfo {
+        max_model_len,
+        vocab_size: cfg.vocab_size,
+        block_size: config.block_size,
+        num_blocks,
+        eos_token_ids: eos.clone(),
+        device: llama.device_name(),
+    };
+    let shared = Arc::new(Shared {
+        stats: Mutex::new(EngineStats { num_total_blocks: num_blocks, ..Default::default() }),
+        healthy: AtomicBool::new(true),
+        pending: AtomicUsize::new(0),
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let vocab = cfg.vocab_size;
+    let engine = EngineLoop::new(scheduler, Box::new(llama), rx, shared.clone(), eos, vocab, pool);
+    let thread = std::thread::Builder::new()
+        .name("baton-engine".into())
+        .spawn(move || engine.run())
+        .map_err(|e| EngineStartError::Thread(e.to_string()))?;
+    tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
+    Ok(EngineHandle::new(tx, shared, info, config.max_waiting, thread))
+}

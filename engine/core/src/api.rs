@@ -71,7 +71,7 @@ impl FinishReason {
 pub struct TokenLogprob {
     /// The sampled token.
     pub token_id: u32,
-    /// Its log-probability under the processed distribution (after penalties and temperature).
+    /// Its log-probability under the raw model output (log-softmax of the logits before bias, penalties and temperature).
     pub logprob: f32,
     /// The top alternatives, most likely first (`SamplingParams::logprobs` of them).
     pub top: Vec<(u32, f32)>,
@@ -184,9 +184,12 @@ pub trait AbortSink: Send + Sync + 'static {
 }
 
 /// Receives a request's outputs; dropping it aborts the request (unless it already finished).
+///
+/// The channel is unbounded on purpose: a request produces at most `max_model_len`
+/// outputs, and the engine thread must never block on a slow client.
 pub struct OutputStream {
     id: RequestId,
-    rx: mpsc::Receiver<Result<EngineOutput, EngineError>>,
+    rx: mpsc::UnboundedReceiver<Result<EngineOutput, EngineError>>,
     abort: std::sync::Arc<dyn AbortSink>,
     finished: bool,
 }
@@ -195,7 +198,7 @@ impl OutputStream {
     /// Wraps the receiving half of a request's output channel.
     pub fn new(
         id: RequestId,
-        rx: mpsc::Receiver<Result<EngineOutput, EngineError>>,
+        rx: mpsc::UnboundedReceiver<Result<EngineOutput, EngineError>>,
         abort: std::sync::Arc<dyn AbortSink>,
     ) -> Self {
         Self { id, rx, abort, finished: false }

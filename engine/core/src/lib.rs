@@ -5,4 +5,8 @@
 
 pub mod api;
 pub mod block_hash;
+pub mod block_manager;
 pub mod params;
+pub mod request;
+pub mod sampling;
+pub mod scheduler;

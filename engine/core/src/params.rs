@@ -156,19 +156,28 @@ impl SamplingParams {
             ));
         }
         if self.stop.len() > MAX_STOP_STRINGS {
-            return Err(ParamError::new("stop", format!("at most {MAX_STOP_STRINGS} stop strings, got {}", self.stop.len())));
+            return Err(ParamError::new(
+                "stop",
+                format!("at most {MAX_STOP_STRINGS} stop strings, got {}", self.stop.len()),
+            ));
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return Err(ParamError::new("stop", "stop strings must not be empty"));
         }
         for &t in &self.stop_token_ids {
             if t as usize >= vocab_size {
-                return Err(ParamError::new("stop_token_ids", format!("token id {t} is outside the vocabulary (size {vocab_size})")));
+                return Err(ParamError::new(
+                    "stop_token_ids",
+                    format!("token id {t} is outside the vocabulary (size {vocab_size})"),
+                ));
             }
         }
         for &(t, b) in &self.logit_bias {
             if t as usize >= vocab_size {
-                return Err(ParamError::new("logit_bias", format!("token id {t} is outside the vocabulary (size {vocab_size})")));
+                return Err(ParamError::new(
+                    "logit_bias",
+                    format!("token id {t} is outside the vocabulary (size {vocab_size})"),
+                ));
             }
             check_range("logit_bias", b, -100.0, 100.0)?;
         }
@@ -180,11 +189,7 @@ impl SamplingParams {
     /// but the whole request stays reproducible.
     pub fn fan_out(&self) -> Vec<SamplingParams> {
         (0..self.n)
-            .map(|i| SamplingParams {
-                n: 1,
-                seed: self.seed.map(|s| s.wrapping_add(i as u64)),
-                ..self.clone()
-            })
+            .map(|i| SamplingParams { n: 1, seed: self.seed.map(|s| s.wrapping_add(i as u64)), ..self.clone() })
             .collect()
     }
 }

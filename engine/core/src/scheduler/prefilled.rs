@@ -1,0 +1,106 @@
+//! The disaggregation seam: admitting a request whose first tokens' KV was computed
+//! by another worker (a prefill worker, in the relay this project is named after).
+//!
+//! Life of such a request on the decode worker:
+//! 1. [`Scheduler::add_prefilled_request`] reserves fresh blocks for the first `k`
+//!    tokens and returns their table; the request is `WaitingForKv` and never scheduled.
+//! 2. The transport writes the KV into exactly those blocks.
+//! 3. [`Scheduler::complete_kv_transfer`] marks the `k` tokens computed (and caches the
+//!    full blocks); the request joins the running batch and continues like any other.
+//!    On failure or timeout, [`Scheduler::fail_kv_transfer`] drops the blocks and the
+//!    request recomputes locally from scratch; [`Scheduler::abort`] works at any point.
+//!
+//! The reserved blocks are always fresh (never shared prefix blocks), so the transport
+//! writes into blocks no other request can read.
+
+use super::Scheduler;
+use crate::api::{EngineRequest, RequestId, SubmitError};
+use crate::block_manager::BlockId;
+use crate::request::{Request, RequestStatus};
+
+impl Scheduler {
+    /// Admits `req` with its first `num_prefilled_tokens` tokens' KV to be received.
+    /// `first_token`, when the prefill worker already sampled it, becomes the first output
+    /// token, so the next step here decodes it. Returns the block table to fill; it covers
+    /// the `num_prefilled_tokens` positions.
+    ///
+    /// Errors: everything [`Scheduler::add_request`] checks (except the waiting-queue
+    /// length), `InvalidPrompt` when nothing would be left to compute here (the prefilled
+    /// tokens must leave at least one known token uncomputed) or when `first_token` already
+    /// ends the request, and `QueueFull` when the pool has too few free blocks right now.
+    pub fn add_prefilled_request(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        eos_token_ids: &[u32],
+        num_prefilled_tokens: usize,
+        first_token: Option<u32>,
+    ) -> Result<Vec<BlockId>, SubmitError> {
+        let max_tokens = self.admission_check(id, &req)?;
+        let known = req.prompt_token_ids.len() + usize::from(first_token.is_some());
+        if num_prefilled_tokens == 0 || num_prefilled_tokens >= known {
+            return Err(SubmitError::InvalidPrompt(format!(
+                "{num_prefilled_tokens} prefilled tokens for a request with {known} known tokens; \
+                 need between 1 and {} so at least one token is computed here",
+                known.saturating_sub(1)
+            )));
+        }
+        let seq = self.next_arrival_seq;
+        let mut request = Request::new(id, req, eos_token_ids, seq, max_tokens, self.config.block_size);
+        if let Some(t) = first_token {
+            request.append_output(t);
+            if request.check_stop(self.config.max_model_len).is_some() {
+                return Err(SubmitError::InvalidPrompt(format!(
+                    "the first token {t} already ends the request; there is nothing to decode"
+                )));
+            }
+        }
+        self.blocks
+            .allocate(id, &[], num_prefilled_tokens)
+            .map_err(|_| SubmitError::QueueFull { waiting: self.waiting.len() })?;
+        let table = self.blocks.block_table(id).map(<[_]>::to_vec).unwrap_or_default();
+        self.next_arrival_seq += 1;
+        request.num_computed_tokens = num_prefilled_tokens;
+        request.num_cached_tokens = num_prefilled_tokens;
+        request.first_admission_done = true;
+        request.status = RequestStatus::WaitingForKv;
+        self.requests.insert(id, request);
+        Ok(table)
+    }
+
+    /// The KV of a prefilled request has fully arrived: it joins the running batch.
+    /// Returns false if `id` is not waiting for KV.
+    pub fn complete_kv_transfer(&mut self, id: RequestId) -> bool {
+        let bs = self.config.block_size;
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        if req.status() != RequestStatus::WaitingForKv {
+            return false;
+        }
+        req.status = RequestStatus::Running;
+        let full = req.num_computed_tokens() / bs;
+        self.blocks.cache_full_blocks(id, req.block_hashes(), full);
+        self.insert_running(id);
+        true
+    }
+
+    /// The transfer for `id` failed or timed out: its blocks are released and it
+    /// recomputes everything locally, ahead of new requests. Returns false if `id` is not
+    /// waiting for KV.
+    pub fn fail_kv_transfer(&mut self, id: RequestId) -> bool {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        if req.status() != RequestStatus::WaitingForKv {
+            return false;
+        }
+        req.num_computed_tokens = 0;
+        req.num_cached_tokens = 0;
+        req.first_admission_done = false;
+        req.status = RequestStatus::Waiting;
+        self.blocks.free(id);
+        self.enqueue_waiting(id, true);
+        true
+    }
+}

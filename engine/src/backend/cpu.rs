@@ -1,0 +1,252 @@
+//! The CPU backend: f32 weights and activations, f32 paged KV cache, kernels
+//! from `baton_kernels::cpu`, parallel through the rayon pool the engine
+//! thread runs the step in. It is the reference the CUDA backend is checked
+//! against, so it favours exactness over speed (f64 norms and RoPE angles).
+
+use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, RopeTable, SeqSpan};
+
+/// A `rows × cols` row-major f32 weight matrix.
+#[derive(Debug, Clone)]
+pub struct CpuMat {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+/// The CPU backend. Holds the KV cache and the rotary table.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    kv: Vec<(Vec<f32>, Vec<f32>)>,
+    shape: Option<KvCacheShape>,
+    rope: Option<RopeTable>,
+}
+
+impl CpuBackend {
+    /// A backend with no KV cache yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn shape(&self) -> Result<KvCacheShape, BackendError> {
+        self.shape.ok_or_else(|| BackendError::Device("the KV cache was not allocated".into()))
+    }
+
+    fn layer(&self, layer: usize) -> Result<&(Vec<f32>, Vec<f32>), BackendError> {
+        self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))
+    }
+}
+
+fn kerr(op: &'static str, message: String) -> BackendError {
+    BackendError::Kernel(KernelError { op, message })
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Mat = CpuMat;
+
+    fn device_name(&self) -> String {
+        "cpu".into()
+    }
+
+    fn upload_mat(&mut self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuMat, BackendError> {
+        if data.len() != rows * cols {
+            return Err(kerr("upload_mat", format!("{} values for a {rows}×{cols} matrix", data.len())));
+        }
+        Ok(CpuMat { data, rows, cols })
+    }
+
+    fn upload_vec(&mut self, data: Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(data)
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn resize(&mut self, buf: &mut Vec<f32>, len: usize) -> Result<(), BackendError> {
+        buf.resize(len, 0.0);
+        Ok(())
+    }
+
+    fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError> {
+        let per_layer = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
+        self.kv = (0..shape.num_layers).map(|_| (vec![0.0; per_layer], vec![0.0; per_layer])).collect();
+        self.shape = Some(shape);
+        Ok(())
+    }
+
+    fn embed(&mut self, tokens: &[u32], table: &CpuMat, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.resize(tokens.len() * table.cols, 0.0);
+        Ok(k::embed(tokens, &table.data, table.cols, out)?)
+    }
+
+    fn linear(
+        &mut self,
+        x: &Vec<f32>,
+        m: usize,
+        w: &CpuMat,
+        bias: Option<&Vec<f32>>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        out.resize(m * w.rows, 0.0);
+        let x = x
+            .get(..m * w.cols)
+            .ok_or_else(|| kerr("linear", format!("input has {} values, need {m}×{}", x.len(), w.cols)))?;
+        Ok(k::linear(x, &w.data, bias.map(|b| b.as_slice()), m, w.cols, w.rows, out)?)
+    }
+
+    fn rms_norm(&mut self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.resize(x.len(), 0.0);
+        Ok(k::rms_norm(x, weight, eps, out)?)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        out.resize(x.len(), 0.0);
+        Ok(k::add_rms_norm(residual, x, weight, eps, out)?)
+    }
+
+    fn rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        q: &mut Vec<f32>,
+        kb: &mut Vec<f32>,
+        v: &Vec<f32>,
+        n_heads: usize,
+        batch: &BatchLayout,
+    ) -> Result<(), BackendError> {
+        let shape = self.shape()?;
+        let rope = self.rope.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        rope.apply(q, n_heads, &batch.positions)?;
+        rope.apply(kb, shape.num_kv_heads, &batch.positions)?;
+        let stride = shape.num_kv_heads * shape.head_dim;
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        let mut cache = KvLayerMut {
+            k: kc,
+            v: vc,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        for s in &batch.seqs {
+            let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
+            let (kr, vr) = match (kb.get(rows.clone()), v.get(rows)) {
+                (Some(a), Some(b)) => (a, b),
+                _ => {
+                    return Err(kerr(
+                        "write_kv",
+                        format!("rows {}..{} outside the batch", s.row_start, s.row_start + s.n_tokens),
+                    ));
+                }
+            };
+            k::write_kv(
+                kr,
+                vr,
+                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
+                &mut cache,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &Vec<f32>,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let shape = self.shape()?;
+        let (kc, vc) = self.layer(layer)?;
+        let width = n_heads * shape.head_dim;
+        out.resize(batch.tokens.len() * width, 0.0);
+        let cache = KvLayerRef {
+            k: kc,
+            v: vc,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        for s in &batch.seqs {
+            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
+            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
+            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
+            k::paged_attention(
+                qr,
+                n_heads,
+                scale,
+                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
+                cache,
+                or,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn silu_mul(&mut self, gate_up: &Vec<f32>, d: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.resize(gate_up.len() / 2, 0.0);
+        Ok(k::silu_mul(gate_up, out, d)?)
+    }
+
+    fn gather_rows(
+        &mut self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        out.resize(rows.len() * width, 0.0);
+        for (dst, &r) in out.chunks_mut(width).zip(rows) {
+            let src = x
+                .get(r * width..(r + 1) * width)
+                .ok_or_else(|| kerr("gather_rows", format!("row {r} outside the buffer")))?;
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    fn split3(
+        &mut self,
+        x: &Vec<f32>,
+        (wa, wb, wc): (usize, usize, usize),
+        a: &mut Vec<f32>,
+        b: &mut Vec<f32>,
+        c: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let w = wa + wb + wc;
+        if w == 0 || !x.len().is_multiple_of(w) {
+            return Err(kerr("split3", format!("{} values is not a multiple of {w}", x.len())));
+        }
+        let rows = x.len() / w;
+        a.resize(rows * wa, 0.0);
+        b.resize(rows * wb, 0.0);
+        c.resize(rows * wc, 0.0);
+        for (i, row) in x.chunks(w).enumerate() {
+            a[i * wa..(i + 1) * wa].copy_from_slice(&row[..wa]);
+            b[i * wb..(i + 1) * wb].copy_from_slice(&row[wa..wa + wb]);
+            c[i * wc..(i + 1) * wc].copy_from_slice(&row[wa + wb..]);
+        }
+        Ok(())
+    }
+
+    fn to_host(&mut self, buf: &Vec<f32>, len: usize) -> Result<Vec<f32>, BackendError> {
+        buf.get(..len)
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| kerr("to_host", format!("{len} values requested from a buffer of {}", buf.len())))
+    }
+
+    fn set_rope(&mut self, table: RopeTable) -> Result<(), BackendError> {
+        self.rope = Some(table);
+        Ok(())
+    }
+}

@@ -1,0 +1,167 @@
+//! The backend seam: the small set of ops the model is written over.
+//!
+//! The Llama-family forward pass ([`crate::model`]) is written once against
+//! this trait; `cpu` implements it with the reference kernels of
+//! `baton-kernels`, and the CUDA backend implements the same ops on the GPU.
+//! A backend owns its buffers and the paged KV cache; the model owns only
+//! handles. Activations are row-major `tokens × features`.
+
+pub mod cpu;
+
+use baton_kernels::cpu::KernelError;
+
+/// A backend failure. Fatal for the step; the engine marks itself unhealthy on
+/// device errors and fails the requests of that step.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// An op was called with inconsistent shapes (a bug in the caller).
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The device itself failed (out of memory, launch failure).
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// Where one sequence's chunk of the batch sits: rows `row_start..row_start + n_tokens`
+/// of the activations, positions `start_pos..`, blocks from `block_table`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeqLayout {
+    /// First activation row of this sequence's chunk.
+    pub row_start: usize,
+    /// Rows (tokens) in the chunk.
+    pub n_tokens: usize,
+    /// Tokens already in the KV cache before this chunk.
+    pub start_pos: usize,
+    /// Physical KV blocks of the sequence, covering `start_pos + n_tokens` tokens.
+    pub block_table: Vec<u32>,
+}
+
+/// The token-level layout of one forward step.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BatchLayout {
+    /// Token ids of every row, sequence after sequence.
+    pub tokens: Vec<u32>,
+    /// Position of every row.
+    pub positions: Vec<usize>,
+    /// Per-sequence spans.
+    pub seqs: Vec<SeqLayout>,
+    /// Rows whose logits are wanted (the last row of each chunk that samples), in output order.
+    pub logit_rows: Vec<usize>,
+}
+
+/// Shape of the paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheShape {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl KvCacheShape {
+    /// Bytes of K plus V per token across all layers, at `bytes_per_elem`.
+    pub fn bytes_per_token(&self, bytes_per_elem: usize) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+    }
+}
+
+/// The ops a model step needs. Every method validates shapes and returns an error
+/// rather than panicking.
+pub trait Backend: Send + 'static {
+    /// An activation buffer on the device.
+    type Buf: Send;
+    /// A weight matrix `[out, in]` prepared for `linear`.
+    type Mat: Send + Sync;
+
+    /// "cpu" or "cuda:N".
+    fn device_name(&self) -> String;
+    /// Uploads a `rows × cols` f32 matrix.
+    fn upload_mat(&mut self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Mat, BackendError>;
+    /// Uploads a vector (norm weights, biases).
+    fn upload_vec(&mut self, data: Vec<f32>) -> Result<Self::Buf, BackendError>;
+    /// A buffer of `len` elements (contents unspecified).
+    fn alloc(&mut self, len: usize) -> Result<Self::Buf, BackendError>;
+    /// Resizes `buf` to `len` elements, reusing its storage where possible.
+    fn resize(&mut self, buf: &mut Self::Buf, len: usize) -> Result<(), BackendError>;
+    /// Allocates the paged KV cache; replaces any previous one.
+    fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError>;
+
+    /// `out[i] = table[tokens[i]]`.
+    fn embed(&mut self, tokens: &[u32], table: &Self::Mat, out: &mut Self::Buf) -> Result<(), BackendError>;
+    /// `out = x · wᵀ (+ bias)` for `m` rows.
+    fn linear(
+        &mut self,
+        x: &Self::Buf,
+        m: usize,
+        w: &Self::Mat,
+        bias: Option<&Self::Buf>,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// `out = rms_norm(x) * weight`.
+    fn rms_norm(
+        &mut self,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// `residual += x; out = rms_norm(residual) * weight`.
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut Self::Buf,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        n_heads: usize,
+        batch: &BatchLayout,
+    ) -> Result<(), BackendError>;
+    /// Paged causal attention of `q` over layer `layer` of the cache, for every sequence of the batch.
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &Self::Buf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// `out = silu(gate) * up` with rows `[gate | up]` of width `2d`.
+    fn silu_mul(&mut self, gate_up: &Self::Buf, d: usize, out: &mut Self::Buf) -> Result<(), BackendError>;
+    /// `out[i] = x[rows[i]]` for rows of width `width`.
+    fn gather_rows(
+        &mut self,
+        x: &Self::Buf,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// Splits fused rows `[a | b | c]` of widths `(wa, wb, wc)` into three buffers.
+    fn split3(
+        &mut self,
+        x: &Self::Buf,
+        widths: (usize, usize, usize),
+        a: &mut Self::Buf,
+        b: &mut Self::Buf,
+        c: &mut Self::Buf,
+    ) -> Result<(), BackendError>;
+    /// Copies a buffer's first `len` elements to the host.
+    fn to_host(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<f32>, BackendError>;
+    /// Sets the rotary table used by `rope_and_write_kv`.
+    fn set_rope(&mut self, table: baton_kernels::cpu::RopeTable) -> Result<(), BackendError>;
+}

@@ -1,0 +1,108 @@
+//! Engine configuration and device selection.
+//!
+//! [`EngineConfig`] is plain data filled by the CLI (flags, env, TOML) and
+//! validated against the model in [`crate::start_engine`]. KV capacity is
+//! either an explicit block count or derived from a memory budget.
+
+use std::str::FromStr;
+
+/// Which device to run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    /// CUDA when a driver is present, else CPU.
+    #[default]
+    Auto,
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend on device N.
+    Cuda(usize),
+}
+
+/// A device string that is not `auto`, `cpu`, `cuda` or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid device '{0}': expected auto, cpu, cuda or cuda:N")]
+pub struct ParseDeviceError(pub String);
+
+impl FromStr for DeviceSpec {
+    type Err = ParseDeviceError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| ParseDeviceError(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Auto => write!(f, "auto"),
+            DeviceSpec::Cpu => write!(f, "cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// How the engine batches and caches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
+    pub num_kv_blocks: Option<usize>,
+    /// Memory budget for the KV cache when `num_kv_blocks` is `None`.
+    pub kv_cache_memory_bytes: usize,
+    /// Most sequences in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step.
+    pub max_num_batched_tokens: usize,
+    /// Context length; `None` uses the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    /// Reuse KV blocks of identical prefixes.
+    pub enable_prefix_caching: bool,
+    /// Split long prompts across steps.
+    pub enable_chunked_prefill: bool,
+    /// Requests allowed to wait before submissions are refused (`QueueFull`).
+    pub max_waiting: usize,
+    /// Threads for the CPU backend; `None` uses every core.
+    pub num_threads: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_kv_blocks: None,
+            kv_cache_memory_bytes: 1 << 30,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            enable_prefix_caching: true,
+            enable_chunked_prefill: true,
+            max_waiting: 1024,
+            num_threads: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_devices() {
+        assert_eq!("auto".parse::<DeviceSpec>(), Ok(DeviceSpec::Auto));
+        assert_eq!("CPU".parse::<DeviceSpec>(), Ok(DeviceSpec::Cpu));
+        assert_eq!("cuda".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
+        assert!("cuda:x".parse::<DeviceSpec>().is_err());
+        assert!("tpu".parse::<DeviceSpec>().is_err());
+        assert_eq!(DeviceSpec::Cuda(2).to_string(), "cuda:2");
+    }
+}

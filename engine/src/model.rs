@@ -1,0 +1,240 @@
+//! The Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2 with q/k/v
+//! biases, SmolLM2), written once over the [`Backend`] ops.
+//!
+//! Weights are loaded by name from a `baton_formats::WeightStore` (always in
+//! Hugging Face naming and layout) and fused where it saves GEMM launches:
+//! `[q; k; v]` into one matrix and `[gate; up]` into another. One call to
+//! [`LlamaModel::forward`] runs a whole mixed batch (prefill chunks and decode
+//! rows alike) and returns the logits of the rows that sample.
+
+use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape};
+use baton_formats::{ModelConfig, RopeScaling, WeightStore};
+use baton_kernels::cpu::{RopeScalingKind, RopeTable};
+
+/// Why a model could not be built from its weights.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelLoadError {
+    /// A tensor is missing or unreadable.
+    #[error(transparent)]
+    Format(#[from] baton_formats::FormatError),
+    /// A tensor has the wrong number of elements for the config.
+    #[error("tensor {name} has {got} elements, expected {want} for this config")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// Elements found.
+        got: usize,
+        /// Elements expected.
+        want: usize,
+    },
+    /// The backend refused an upload.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Buf,
+    post_attn_norm: B::Buf,
+    qkv: B::Mat,
+    qkv_bias: Option<B::Buf>,
+    o: B::Mat,
+    gate_up: B::Mat,
+    down: B::Mat,
+}
+
+/// Activation buffers reused across steps (resized per batch).
+struct Workspace<B: Backend> {
+    residual: B::Buf,
+    hidden: B::Buf,
+    qkv: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    attn: B::Buf,
+    proj: B::Buf,
+    gate_up: B::Buf,
+    act: B::Buf,
+    last: B::Buf,
+    last_res: B::Buf,
+    logits: B::Buf,
+}
+
+/// A loaded model bound to a backend.
+pub struct LlamaModel<B: Backend> {
+    cfg: ModelConfig,
+    embed: B::Mat,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<B::Mat>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<B>>,
+    ws: Workspace<B>,
+    backend: B,
+}
+
+fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
+    match s {
+        None => RopeScalingKind::None,
+        Some(RopeScaling::Linear { factor }) => RopeScalingKind::Linear { factor: *factor },
+        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
+            RopeScalingKind::Llama3 {
+                factor: *factor,
+                low_freq_factor: *low_freq_factor,
+                high_freq_factor: *high_freq_factor,
+                original_max_position_embeddings: *original_max_position_embeddings,
+            }
+        }
+    }
+}
+
+fn load_f32(store: &dyn WeightStore, name: &str, want: usize) -> Result<Vec<f32>, ModelLoadError> {
+    let t = store.get(name)?;
+    let got = t.numel();
+    if got != want {
+        return Err(ModelLoadError::Shape { name: name.to_string(), got, want });
+    }
+    Ok(t.to_f32())
+}
+
+impl<B: Backend> LlamaModel<B> {
+    /// Loads every tensor of `cfg` from `store` into `backend`.
+    pub fn load(cfg: &ModelConfig, store: &dyn WeightStore, mut backend: B) -> Result<Self, ModelLoadError> {
+        let h = cfg.hidden_size;
+        let hd = cfg.head_dim;
+        let qd = cfg.num_attention_heads * hd;
+        let kvd = cfg.num_key_value_heads * hd;
+        let inter = cfg.intermediate_size;
+        let embed_data = load_f32(store, "model.embed_tokens.weight", cfg.vocab_size * h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(backend.upload_mat(load_f32(store, "lm_head.weight", cfg.vocab_size * h)?, cfg.vocab_size, h)?)
+        };
+        let embed = backend.upload_mat(embed_data, cfg.vocab_size, h)?;
+        let final_norm = backend.upload_vec(load_f32(store, "model.norm.weight", h)?)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let mut qkv = load_f32(store, &format!("{p}.self_attn.q_proj.weight"), qd * h)?;
+            qkv.extend(load_f32(store, &format!("{p}.self_attn.k_proj.weight"), kvd * h)?);
+            qkv.extend(load_f32(store, &format!("{p}.self_attn.v_proj.weight"), kvd * h)?);
+            let qkv_bias = if cfg.attention_bias {
+                let mut b = load_f32(store, &format!("{p}.self_attn.q_proj.bias"), qd)?;
+                b.extend(load_f32(store, &format!("{p}.self_attn.k_proj.bias"), kvd)?);
+                b.extend(load_f32(store, &format!("{p}.self_attn.v_proj.bias"), kvd)?);
+                Some(backend.upload_vec(b)?)
+            } else {
+                None
+            };
+            let mut gate_up = load_f32(store, &format!("{p}.mlp.gate_proj.weight"), inter * h)?;
+            gate_up.extend(load_f32(store, &format!("{p}.mlp.up_proj.weight"), inter * h)?);
+            layers.push(Layer {
+                input_norm: backend.upload_vec(load_f32(store, &format!("{p}.input_layernorm.weight"), h)?)?,
+                post_attn_norm: backend.upload_vec(load_f32(
+                    store,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                )?)?,
+                qkv: backend.upload_mat(qkv, qd + 2 * kvd, h)?,
+                qkv_bias,
+                o: backend.upload_mat(load_f32(store, &format!("{p}.self_attn.o_proj.weight"), h * qd)?, h, qd)?,
+                gate_up: backend.upload_mat(gate_up, 2 * inter, h)?,
+                down: backend.upload_mat(
+                    load_f32(store, &format!("{p}.mlp.down_proj.weight"), h * inter)?,
+                    h,
+                    inter,
+                )?,
+            });
+        }
+        backend
+            .set_rope(RopeTable::new(hd, cfg.rope_theta, rope_kind(&cfg.rope_scaling)).map_err(BackendError::from)?)?;
+        let ws = Workspace {
+            residual: backend.alloc(0)?,
+            hidden: backend.alloc(0)?,
+            qkv: backend.alloc(0)?,
+            q: backend.alloc(0)?,
+            k: backend.alloc(0)?,
+            v: backend.alloc(0)?,
+            attn: backend.alloc(0)?,
+            proj: backend.alloc(0)?,
+            gate_up: backend.alloc(0)?,
+            act: backend.alloc(0)?,
+            last: backend.alloc(0)?,
+            last_res: backend.alloc(0)?,
+            logits: backend.alloc(0)?,
+        };
+        Ok(Self { cfg: cfg.clone(), embed, lm_head, final_norm, layers, ws, backend })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The backend's device name.
+    pub fn device_name(&self) -> String {
+        self.backend.device_name()
+    }
+
+    /// Allocates the paged KV cache for `num_blocks` blocks of `block_size` tokens.
+    pub fn alloc_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), BackendError> {
+        let shape = self.kv_shape(num_blocks, block_size);
+        self.backend.alloc_kv_cache(shape)
+    }
+
+    /// The KV cache geometry for a pool of `num_blocks` blocks.
+    pub fn kv_shape(&self, num_blocks: usize, block_size: usize) -> KvCacheShape {
+        KvCacheShape {
+            num_layers: self.cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: self.cfg.num_key_value_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
+    pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
+        let cfg = &self.cfg;
+        let b = &mut self.backend;
+        let ws = &mut self.ws;
+        let t = batch.tokens.len();
+        let hd = cfg.head_dim;
+        let nh = cfg.num_attention_heads;
+        let qd = nh * hd;
+        let kvd = cfg.num_key_value_heads * hd;
+        let eps = cfg.rms_norm_eps;
+        let scale = 1.0 / (hd as f32).sqrt();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        b.embed(&batch.tokens, &self.embed, &mut ws.residual)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
+            } else {
+                b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
+            }
+            b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
+            b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
+            b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+            b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
+            b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
+            b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
+            b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
+            b.silu_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
+            b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
+        }
+        let rows = &batch.logit_rows;
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Only the sampling rows need the final norm and the (large) LM head.
+        let h = cfg.hidden_size;
+        b.gather_rows(&ws.residual, h, rows, &mut ws.last_res)?;
+        b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
+        b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        b.linear(&ws.hidden, rows.len(), head, None, &mut ws.logits)?;
+        b.to_host(&ws.logits, rows.len() * cfg.vocab_size)
+    }
+}

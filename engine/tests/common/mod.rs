@@ -1,0 +1,80 @@
+//! Shared helpers for the engine's integration tests: tiny models written
+//! through the real writers and loaded through the real loaders, and a
+//! synchronous way to run requests to completion.
+
+#![allow(dead_code)]
+
+use baton_core::api::{EngineClient, EngineOutput, EngineRequest, FinishReason, OutputStream};
+use baton_core::params::SamplingParams;
+use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
+use baton_formats::testing::{TinySpec, write_hf_folder};
+use baton_formats::{LoadFormat, LoadedModel, load_model};
+use std::path::PathBuf;
+
+/// A tiny model written to a fresh temp dir and loaded back.
+pub struct TinyModel {
+    pub dir: tempfile::TempDir,
+    pub path: PathBuf,
+    pub model: LoadedModel,
+}
+
+pub fn tiny(spec: &TinySpec) -> TinyModel {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = write_hf_folder(dir.path(), spec).expect("write tiny model");
+    let model = load_model(&path, LoadFormat::Auto).expect("load tiny model");
+    TinyModel { dir, path, model }
+}
+
+pub fn engine(model: &LoadedModel, cfg: EngineConfig) -> EngineHandle {
+    start_engine(model, DeviceSpec::Cpu, EngineConfig { num_threads: Some(2), ..cfg }).expect("start engine")
+}
+
+/// Collects a request's tokens until it finishes.
+pub fn drain(mut s: OutputStream) -> (Vec<u32>, Vec<EngineOutput>, FinishReason) {
+    let mut toks = Vec::new();
+    let mut outs = Vec::new();
+    while let Some(o) = s.blocking_next() {
+        let o = o.expect("engine error");
+        toks.extend_from_slice(&o.new_token_ids);
+        let fin = o.finish_reason;
+        outs.push(o);
+        if let Some(f) = fin {
+            return (toks, outs, f);
+        }
+    }
+    panic!("stream ended without a finish reason");
+}
+
+pub fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams { max_tokens: Some(max_tokens), ignore_eos: true, ..SamplingParams::greedy() }
+}
+
+pub fn run(engine: &EngineHandle, prompt: &[u32], params: SamplingParams) -> Vec<u32> {
+    let s = engine.submit(EngineRequest::new(prompt.to_vec(), params)).expect("submit");
+    drain(s).0
+}
+
+/// Deterministic pseudo-random prompt of `len` tokens below `vocab`.
+pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Waits until the engine reports every KV block free (the no-leak invariant).
+pub fn assert_all_blocks_free(engine: &EngineHandle) {
+    for _ in 0..500 {
+        let s = engine.stats();
+        if s.num_used_blocks == 0 && s.num_running == 0 && s.num_waiting == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("blocks still in use: {:?}", engine.stats());
+}
