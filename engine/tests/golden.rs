@@ -1,0 +1,97 @@
+//! The CPU forward pass against Hugging Face transformers: logits at the last
+//! prompt position (max abs error < 1e-3 in f32) and 16 greedy tokens, for the
+//! committed tiny fixtures (Llama with GQA, Qwen2 with q/k/v bias and tied
+//! embeddings, Llama with tied embeddings and llama3 rope scaling). The
+//! fixtures were produced by scripts/golden/make_golden.py with transformers.
+//! Also: the same tiny model as an HF folder and as GGUF gives the same logits.
+
+mod common;
+
+use baton_core::api::{EngineClient, EngineRequest};
+use baton_engine::backend::cpu::CpuBackend;
+use baton_engine::backend::{BatchLayout, SeqLayout};
+use baton_engine::model::LlamaModel;
+use baton_engine::{EngineConfig, EngineHandle};
+use baton_formats::testing::{TinySpec, load_golden, write_gguf, write_hf_folder};
+use baton_formats::{GgufType, LoadFormat, LoadedModel, load_model};
+use common::*;
+
+/// Logits of the last prompt position, computed by one prefill through the paged cache.
+fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
+    let mut m = LlamaModel::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
+    let block_size = 16;
+    let blocks = ids.len().div_ceil(block_size);
+    m.alloc_kv_cache(blocks + 2, block_size).expect("kv cache");
+    // A non-identity block table, to exercise the paging.
+    let table: Vec<u32> = (0..blocks as u32).rev().map(|b| b + 2).collect();
+    let batch = BatchLayout {
+        tokens: ids.to_vec(),
+        positions: (0..ids.len()).collect(),
+        seqs: vec![SeqLayout { row_start: 0, n_tokens: ids.len(), start_pos: 0, block_table: table }],
+        logit_rows: vec![ids.len() - 1],
+    };
+    m.forward(&batch).expect("forward")
+}
+
+fn greedy_tokens(engine: &EngineHandle, ids: &[u32], n: usize) -> Vec<u32> {
+    let s = engine.submit(EngineRequest::new(ids.to_vec(), greedy(n))).expect("submit");
+    drain(s).0
+}
+
+fn check_fixture(name: &str) {
+    let (dir, golden) = load_golden(name).expect("golden fixture");
+    let model = load_model(&dir, LoadFormat::Auto).expect("load fixture model");
+    let engine = engine(&model, EngineConfig::default());
+    assert!(!golden.prompts.is_empty());
+    for p in &golden.prompts {
+        let got = last_logits(&model, &p.ids);
+        assert_eq!(got.len(), p.last_logits.len(), "{name}: vocab size");
+        let max_err = got.iter().zip(&p.last_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let scale = p.last_logits.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        assert!(scale > 0.1, "{name}: reference logits are degenerate");
+        assert!(max_err < 1e-3, "{name} prompt {:?}: max abs logit error {max_err}", p.ids);
+        let toks = greedy_tokens(&engine, &p.ids, p.greedy.len());
+        assert_eq!(toks, p.greedy, "{name} prompt {:?}: greedy tokens differ from transformers", p.ids);
+    }
+    assert_all_blocks_free(&engine);
+    engine.shutdown();
+}
+
+#[test]
+fn golden_llama_matches_transformers() {
+    check_fixture("llama");
+}
+
+#[test]
+fn golden_qwen2_bias_tied_matches_transformers() {
+    check_fixture("qwen2");
+}
+
+#[test]
+fn golden_tied_llama3_rope_matches_transformers() {
+    check_fixture("tied");
+}
+
+#[test]
+fn hf_folder_and_gguf_give_the_same_logits() {
+    for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied()] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let hf = load_model(&write_hf_folder(&dir.path().join("hf"), &spec).expect("hf"), LoadFormat::Auto)
+            .expect("load hf");
+        let gguf_path = write_gguf(&dir.path().join("m.gguf"), &spec, GgufType::F32).expect("gguf");
+        let gg = load_model(&gguf_path, LoadFormat::Auto).expect("load gguf");
+        let ids = prompt(77, 37, spec.vocab_size);
+        let a = last_logits(&hf, &ids);
+        let b = last_logits(&gg, &ids);
+        let max_err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(max_err < 1e-5, "{:?}: HF vs GGUF logits differ by {max_err}", spec.architecture);
+        // A quantized GGUF of the same weights stays close (dequantization is exercised).
+        let q8 =
+            load_model(&write_gguf(&dir.path().join("q8.gguf"), &spec, GgufType::Q8_0).expect("q8"), LoadFormat::Auto)
+                .expect("load q8");
+        let c = last_logits(&q8, &ids);
+        let rel =
+            (a.iter().zip(&c).map(|(x, y)| (x - y).powi(2)).sum::<f32>() / a.iter().map(|x| x * x).sum::<f32>()).sqrt();
+        assert!(rel < 0.05, "{:?}: Q8_0 logits relative error {rel}", spec.architecture);
+    }
+}
