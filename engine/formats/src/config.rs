@@ -1,0 +1,493 @@
+//! Model hyperparameters ([`ModelConfig`]) and sampling defaults ([`GenerationConfig`]),
+//! parsed from Hugging Face `config.json` / `generation_config.json` (GGUF metadata is
+//! mapped onto the same types in `gguf::model`). A `ModelConfig` that passed
+//! [`ModelConfig::validate`] has consistent head counts and sizes, so
+//! [`ModelConfig::expected_tensors`] describes exactly what a loader must find.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use crate::error::FormatError;
+
+/// The transformer families Baton implements. All three share Llama's tensor layout;
+/// Qwen2 adds q/k/v biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Architecture {
+    /// Llama 2/3/3.1/3.2 and SmolLM2.
+    Llama,
+    /// Mistral (same tensors as Llama).
+    Mistral,
+    /// Qwen2 / Qwen2.5 (q/k/v biases).
+    Qwen2,
+}
+
+impl Architecture {
+    /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" | "LlamaForCausalLM" => Some(Self::Llama),
+            "mistral" | "MistralForCausalLM" => Some(Self::Mistral),
+            "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// The HF `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Mistral => "mistral",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The HF `architectures[0]` class name.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// RoPE frequency scaling schemes Baton supports.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (`rope_type: linear`).
+    Linear {
+        /// Position divisor.
+        factor: f32,
+    },
+    /// Llama 3.1's frequency-dependent scaling (`rope_type: llama3`).
+    Llama3 {
+        /// Scale applied to low frequencies.
+        factor: f32,
+        /// Wavelength boundary (as a divisor of the original context) for low frequencies.
+        low_freq_factor: f32,
+        /// Wavelength boundary for high frequencies.
+        high_freq_factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// Architecture hyperparameters of a decoder-only transformer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Model family.
+    pub architecture: Architecture,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// MLP inner width.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA when smaller than `num_attention_heads`).
+    pub num_key_value_heads: usize,
+    /// Per-head width (`head_dim` field, else hidden / heads).
+    pub head_dim: usize,
+    /// Rows of the embedding and LM head.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Optional RoPE scaling.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections have biases (Qwen2).
+    pub attention_bias: bool,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens (any of them stops generation).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Width of the q projection output.
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+
+    /// Width of the k and v projection outputs.
+    pub fn kv_dim(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+
+    /// Checks internal consistency; the error names "config" as the source.
+    pub fn validate(&self) -> Result<(), FormatError> {
+        self.validate_at(Path::new("config"))
+    }
+
+    /// Checks internal consistency; errors name `path`.
+    pub fn validate_at(&self, path: &Path) -> Result<(), FormatError> {
+        let bad = |m: String| Err(FormatError::config(path, m));
+        let sizes = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (name, v) in sizes {
+            if v == 0 {
+                return bad(format!("{name} must be positive"));
+            }
+        }
+        // Far above any real model; keeps shape arithmetic and dummy allocations sane when
+        // a config file is corrupt.
+        const MAX_DIM: usize = 1 << 22;
+        for (name, v) in sizes {
+            let limit = if name == "max_position_embeddings" { 1 << 26 } else { MAX_DIM };
+            if v > limit {
+                return bad(format!("{name} ({v}) is implausibly large (limit {limit})"));
+            }
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+            return bad(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return bad(format!("head_dim ({}) must be even for RoPE", self.head_dim));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return bad(format!("rms_norm_eps ({}) must be positive", self.rms_norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return bad(format!("rope_theta ({}) must be positive", self.rope_theta));
+        }
+        match self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) if !(factor.is_finite() && factor > 0.0) => {
+                return bad(format!("rope_scaling.factor ({factor}) must be positive"));
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) if !(factor > 0.0 && low_freq_factor > 0.0 && high_freq_factor > low_freq_factor)
+                || original_max_position_embeddings == 0 =>
+            {
+                return bad(format!(
+                    "llama3 rope_scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and \
+                     original_max_position_embeddings > 0 (got {factor}, {low_freq_factor}, \
+                     {high_freq_factor}, {original_max_position_embeddings})"
+                ));
+            }
+            _ => {}
+        }
+        let vocab = self.vocab_size;
+        for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
+            if *id as usize >= vocab {
+                return bad(format!("special token id {id} is outside the vocabulary ({vocab})"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tensor a loader must provide, with its HF name and HF shape (`[out, in]` for linears).
+    pub fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, q, kv, ffn) = (self.hidden_size, self.q_dim(), self.kv_dim(), self.intermediate_size);
+        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, h])];
+        for i in 0..self.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+            out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+            out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            if self.attention_bias {
+                out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+                out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+                out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+            }
+            out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
+            out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+            out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
+        }
+        out.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![self.vocab_size, h]));
+        }
+        out
+    }
+
+    /// Parses a HF `config.json` file.
+    pub fn from_hf_file(path: &Path) -> Result<Self, FormatError> {
+        let v = read_json(path)?;
+        Self::from_hf_json(&v, path)
+    }
+
+    /// Parses a HF `config.json` value; `path` is only used in error messages.
+    pub fn from_hf_json(v: &Value, path: &Path) -> Result<Self, FormatError> {
+        let arch_name = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .or_else(|| v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str))
+            .ok_or_else(|| FormatError::config(path, "neither model_type nor architectures is set"))?;
+        let architecture = Architecture::from_name(arch_name).ok_or_else(|| FormatError::UnsupportedArchitecture {
+            path: path.to_path_buf(),
+            name: arch_name.to_string(),
+        })?;
+        let req = |key: &str| -> Result<usize, FormatError> {
+            v.get(key)
+                .and_then(Value::as_u64)
+                .map(|x| x as usize)
+                .ok_or_else(|| FormatError::config(path, format!("missing or non-integer {key:?}")))
+        };
+        let opt_usize = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
+        let hidden_size = req("hidden_size")?;
+        let num_attention_heads = req("num_attention_heads")?;
+        if num_attention_heads == 0 {
+            return Err(FormatError::config(path, "num_attention_heads must be positive"));
+        }
+        let num_key_value_heads = opt_usize("num_key_value_heads").unwrap_or(num_attention_heads);
+        let head_dim = opt_usize("head_dim").unwrap_or(hidden_size / num_attention_heads);
+        if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
+            return Err(FormatError::unsupported(path, "mlp_bias = true"));
+        }
+        let attention_bias = match architecture {
+            Architecture::Qwen2 => true,
+            _ => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+        };
+        // transformers v5 moved rope settings into `rope_parameters`; older files use
+        // top-level `rope_theta` plus `rope_scaling`.
+        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
+        let rope_theta = v
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+            .unwrap_or(10000.0) as f32;
+        let scaling = v.get("rope_scaling").filter(|s| s.is_object()).or(rope_params);
+        let rope_scaling = match scaling {
+            Some(s) => parse_rope_scaling(s, path)?,
+            None => None,
+        };
+        let cfg = Self {
+            architecture,
+            hidden_size,
+            intermediate_size: req("intermediate_size")?,
+            num_hidden_layers: req("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size: req("vocab_size")?,
+            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(2048),
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            attention_bias,
+            bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
+            eos_token_ids: parse_id_list(v.get("eos_token_id")),
+        };
+        cfg.validate_at(path)?;
+        Ok(cfg)
+    }
+
+    /// The HF `config.json` transformers needs to build this model (legacy `rope_theta` /
+    /// `rope_scaling` keys, which every transformers version reads).
+    pub fn to_hf_json(&self) -> Value {
+        let rope_scaling = match self.rope_scaling {
+            None => Value::Null,
+            Some(RopeScaling::Linear { factor }) => {
+                json!({"rope_type": "linear", "type": "linear", "factor": f32_json(factor)})
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => json!({
+                "rope_type": "llama3", "factor": f32_json(factor),
+                "low_freq_factor": f32_json(low_freq_factor),
+                "high_freq_factor": f32_json(high_freq_factor),
+                "original_max_position_embeddings": original_max_position_embeddings
+            }),
+        };
+        let eos: Value = match self.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        };
+        let mut v = json!({
+            "architectures": [self.architecture.hf_class()],
+            "model_type": self.architecture.model_type(),
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": f32_json(self.rms_norm_eps),
+            "rope_theta": f32_json(self.rope_theta),
+            "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": "float32",
+            "use_cache": true,
+        });
+        if let Some(obj) = v.as_object_mut() {
+            match self.architecture {
+                Architecture::Llama => {
+                    obj.insert("attention_bias".into(), json!(self.attention_bias));
+                    obj.insert("mlp_bias".into(), json!(false));
+                }
+                Architecture::Mistral => {
+                    obj.insert("sliding_window".into(), Value::Null);
+                }
+                Architecture::Qwen2 => {
+                    obj.insert("use_sliding_window".into(), json!(false));
+                    obj.insert("sliding_window".into(), Value::Null);
+                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                }
+            }
+        }
+        v
+    }
+}
+
+fn parse_rope_scaling(s: &Value, path: &Path) -> Result<Option<RopeScaling>, FormatError> {
+    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> Result<f32, FormatError> {
+        s.get(key)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| FormatError::config(path, format!("rope_scaling.{key} is missing")))
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: s
+                .get("original_max_position_embeddings")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| FormatError::config(path, "rope_scaling.original_max_position_embeddings is missing"))?
+                as usize,
+        })),
+        other => Err(FormatError::unsupported(path, format!("rope_scaling type {other:?}"))),
+    }
+}
+
+/// An f32 as the JSON number with its shortest decimal form (`1e-5`, not `9.99999974e-6`).
+fn f32_json(x: f32) -> Value {
+    x.to_string().parse::<f64>().map(Value::from).unwrap_or(Value::Null)
+}
+
+/// Reads an int, a list of ints, or null as a list of token ids.
+fn parse_id_list(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Reads and parses a JSON file, with errors naming the file.
+pub(crate) fn read_json(path: &Path) -> Result<Value, FormatError> {
+    let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| FormatError::Json { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Sampling defaults and stop tokens from `generation_config.json` (or the model file).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationConfig {
+    /// Tokens that end generation.
+    pub eos_token_ids: Vec<u32>,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// Default temperature.
+    pub temperature: Option<f32>,
+    /// Default nucleus threshold.
+    pub top_p: Option<f32>,
+    /// Default top-k.
+    pub top_k: Option<usize>,
+}
+
+impl GenerationConfig {
+    /// Defaults taken from the model config alone (no generation_config.json).
+    pub fn from_model(config: &ModelConfig) -> Self {
+        Self { eos_token_ids: config.eos_token_ids.clone(), bos_token_id: config.bos_token_id, ..Self::default() }
+    }
+
+    /// Parses `generation_config.json`, filling eos/bos from `config` when the file has none.
+    pub fn from_hf_file(path: &Path, config: &ModelConfig) -> Result<Self, FormatError> {
+        let v = read_json(path)?;
+        let mut eos = parse_id_list(v.get("eos_token_id"));
+        for id in &config.eos_token_ids {
+            if !eos.contains(id) {
+                eos.push(*id);
+            }
+        }
+        let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+        Ok(Self {
+            eos_token_ids: eos,
+            bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32).or(config.bos_token_id),
+            temperature: f("temperature"),
+            top_p: f("top_p"),
+            top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
+        })
+    }
+
+    /// The `generation_config.json` for these defaults.
+    pub fn to_hf_json(&self) -> Value {
+        json!({
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "do_sample": self.temperature.is_some_and(|t| t > 0.0),
+        })
+    }
+}
+
+/// llama.cpp's per-frequency RoPE divisors for Llama 3 scaling (`rope_freqs.weight`): the
+/// scaled inverse frequency of pair `i` is `theta^(-2i/head_dim) / divisors[i]`. Other
+/// scalings give all-ones.
+pub fn llama3_rope_divisors(theta: f32, head_dim: usize, scaling: &RopeScaling) -> Vec<f32> {
+    let half = head_dim / 2;
+    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } = *scaling
+    else {
+        return vec![1.0; half];
+    };
+    let orig = original_max_position_embeddings as f64;
+    let (factor, low, high) = (f64::from(factor), f64::from(low_freq_factor), f64::from(high_freq_factor));
+    let low_wavelen = orig / low;
+    let high_wavelen = orig / high;
+    (0..half)
+        .map(|i| {
+            let freq = f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let divisor = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            divisor as f32
+        })
+        .collect()
+}

@@ -1,0 +1,11 @@
+//! GGUF support: a bounds-checked reader and a writer for the container, ggml block
+//! quantizations, and the mapping of llama.cpp models onto HF names and shapes.
+
+pub mod model;
+pub mod quant;
+pub mod reader;
+pub mod writer;
+
+pub use model::{GgufStore, gguf_config, gguf_to_hf_name, hf_to_gguf_name, permute_qk_rows};
+pub use reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue};
+pub use writer::GgufWriter;

@@ -1,0 +1,318 @@
+//! Maps a llama.cpp GGUF model onto Baton's HF view: hyperparameters → [`ModelConfig`],
+//! tensor names → HF names, quantized tensors → f32, and llama.cpp's RoPE row permutation
+//! of Q/K (applied to `llama`-architecture files only; `qwen2` files keep HF order) undone.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use super::quant::dequantize;
+use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
+use crate::config::{Architecture, ModelConfig, RopeScaling, llama3_rope_divisors};
+use crate::error::FormatError;
+use crate::tensor::{DType, TensorView, WeightStore, f32_to_bytes};
+
+/// The HF name of a GGUF tensor name, if it is one the model uses.
+pub fn gguf_to_hf_name(name: &str) -> Option<String> {
+    let fixed = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, suffix) = tail.rsplit_once('.')?;
+    let hf = match module {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The GGUF name of a HF tensor name (inverse of [`gguf_to_hf_name`]).
+pub fn hf_to_gguf_name(name: &str) -> Option<String> {
+    let fixed = match name {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let (module, suffix) = tail.rsplit_once('.')?;
+    let g = match module {
+        "input_layernorm" => "attn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "post_attention_layernorm" => "ffn_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.{suffix}"))
+}
+
+/// Reorders the rows of a Q or K projection between HF order and llama.cpp's interleaved
+/// RoPE order. Within each head of `rows / n_head` rows, HF keeps the two rotary halves
+/// apart (row `half·hd/2 + i`) while llama.cpp interleaves them (row `2i + half`).
+/// `to_gguf` selects the direction. `bytes` is `rows` equal-sized rows.
+pub fn permute_qk_rows(bytes: &[u8], rows: usize, n_head: usize, to_gguf: bool) -> Option<Vec<u8>> {
+    if rows == 0
+        || n_head == 0
+        || !rows.is_multiple_of(n_head)
+        || !(rows / n_head).is_multiple_of(2)
+        || !bytes.len().is_multiple_of(rows)
+    {
+        return None;
+    }
+    let hd = rows / n_head;
+    let rb = bytes.len() / rows;
+    let mut out = vec![0u8; bytes.len()];
+    for h in 0..n_head {
+        for i in 0..hd / 2 {
+            for half in 0..2 {
+                let g = h * hd + 2 * i + half;
+                let f = h * hd + half * (hd / 2) + i;
+                let (src, dst) = if to_gguf { (f, g) } else { (g, f) };
+                out[dst * rb..(dst + 1) * rb].copy_from_slice(&bytes[src * rb..(src + 1) * rb]);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// Reads the model hyperparameters from GGUF metadata.
+pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
+    let path = &g.path;
+    let arch_name = g
+        .get("general.architecture")
+        .and_then(GgufValue::as_str)
+        .ok_or_else(|| FormatError::gguf(path, "missing general.architecture"))?;
+    let architecture = Architecture::from_name(arch_name)
+        .ok_or_else(|| FormatError::UnsupportedArchitecture { path: path.clone(), name: arch_name.to_string() })?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let num = |k: &str| g.get(&key(k)).and_then(GgufValue::as_u64).map(|v| v as usize);
+    let req = |k: &str| num(k).ok_or_else(|| FormatError::gguf(path, format!("missing metadata {}", key(k))));
+    let hidden_size = req("embedding_length")?;
+    let heads = req("attention.head_count")?;
+    if heads == 0 {
+        return Err(FormatError::config(path, "attention.head_count must be positive"));
+    }
+    let head_dim = num("attention.key_length").unwrap_or(hidden_size / heads);
+    let tokens_len = g.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array).map(<[GgufValue]>::len);
+    let embd_rows = g.tensor("token_embd.weight").and_then(|t| t.dims.get(1)).map(|&d| d as usize);
+    let vocab_size = num("vocab_size")
+        .or(embd_rows)
+        .or(tokens_len)
+        .ok_or_else(|| FormatError::gguf(path, "cannot determine the vocabulary size"))?;
+    let rope_theta = g.get(&key("rope.freq_base")).and_then(GgufValue::as_f64).unwrap_or(10000.0) as f32;
+    let mut rope_scaling = match g.get(&key("rope.scaling.type")).and_then(GgufValue::as_str) {
+        None | Some("none") => None,
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: g
+                .get(&key("rope.scaling.factor"))
+                .and_then(GgufValue::as_f64)
+                .ok_or_else(|| FormatError::gguf(path, "linear rope scaling without rope.scaling.factor"))?
+                as f32,
+        }),
+        Some(other) => return Err(FormatError::unsupported(path, format!("rope scaling type {other:?}"))),
+    };
+    let max_position_embeddings = num("context_length").unwrap_or(2048);
+    if let Some(t) = g.tensor("rope_freqs.weight") {
+        let ty = GgufType::from_id(t.ggml_type)
+            .ok_or_else(|| FormatError::unsupported(path, "rope_freqs.weight has an unsupported type"))?;
+        let divisors = dequantize(ty, g.tensor_bytes(t, ty)?);
+        rope_scaling =
+            Some(fit_llama3(&divisors, rope_theta, head_dim).ok_or_else(|| {
+                FormatError::unsupported(path, "rope_freqs.weight does not match Llama 3 rope scaling")
+            })?);
+    }
+    let id = |k: &str| g.get(k).and_then(GgufValue::as_u64).map(|v| v as u32);
+    let mut eos_token_ids = Vec::new();
+    for k in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(v) = id(k).filter(|v| !eos_token_ids.contains(v)) {
+            eos_token_ids.push(v);
+        }
+    }
+    let cfg = ModelConfig {
+        architecture,
+        hidden_size,
+        intermediate_size: req("feed_forward_length")?,
+        num_hidden_layers: req("block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: num("attention.head_count_kv").unwrap_or(heads),
+        head_dim,
+        vocab_size,
+        rms_norm_eps: g.get(&key("attention.layer_norm_rms_epsilon")).and_then(GgufValue::as_f64).unwrap_or(1e-5)
+            as f32,
+        rope_theta,
+        rope_scaling,
+        max_position_embeddings,
+        tie_word_embeddings: g.tensor("output.weight").is_none(),
+        attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+        bos_token_id: id("tokenizer.ggml.bos_token_id"),
+        eos_token_ids,
+    };
+    cfg.validate_at(path)?;
+    Ok(cfg)
+}
+
+/// Recovers Llama 3 rope scaling from llama.cpp's per-frequency divisors, assuming the
+/// parameters every Llama 3.x release uses (low 1, high 4, original context 8192).
+fn fit_llama3(divisors: &[f32], theta: f32, head_dim: usize) -> Option<RopeScaling> {
+    let factor = divisors.iter().copied().fold(f32::NAN, f32::max);
+    let guess = RopeScaling::Llama3 {
+        factor,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let expect = llama3_rope_divisors(theta, head_dim, &guess);
+    let close = expect.len() == divisors.len()
+        && expect.iter().zip(divisors).all(|(a, b)| (a - b).abs() <= 1e-3 * a.abs().max(1.0));
+    close.then_some(guess)
+}
+
+enum Stored {
+    Mapped(GgufTensorInfo, GgufType),
+    Owned(DType, Vec<u8>),
+}
+
+/// Weights of a GGUF model under HF names: plain-float tensors borrowed from the map,
+/// quantized or permuted ones converted once at load.
+pub struct GgufStore {
+    file: GgufFile,
+    tensors: HashMap<String, (Vec<usize>, Stored)>,
+}
+
+impl std::fmt::Debug for GgufStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufStore").field("path", &self.file.path).field("tensors", &self.tensors.len()).finish()
+    }
+}
+
+fn plain_dtype(ty: GgufType) -> Option<DType> {
+    match ty {
+        GgufType::F32 => Some(DType::F32),
+        GgufType::F16 => Some(DType::F16),
+        GgufType::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+impl GgufStore {
+    /// Converts the tensors of `file` (already parsed) for `config`.
+    pub fn new(file: GgufFile, config: &ModelConfig) -> Result<Self, FormatError> {
+        let permute = config.architecture != Architecture::Qwen2;
+        let jobs: Vec<(String, GgufTensorInfo)> =
+            file.tensors.iter().filter_map(|t| gguf_to_hf_name(&t.name).map(|hf| (hf, t.clone()))).collect();
+        let converted: Result<Vec<_>, FormatError> = jobs
+            .into_par_iter()
+            .map(|(hf, t)| {
+                let ty = GgufType::from_id(t.ggml_type).ok_or_else(|| {
+                    FormatError::unsupported(
+                        &file.path,
+                        format!(
+                            "tensor {:?} has type {} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
+                            t.name,
+                            ggml_type_name(t.ggml_type)
+                        ),
+                    )
+                })?;
+                let shape = t.hf_shape();
+                let n_head = if hf.contains(".q_proj.") {
+                    Some(config.num_attention_heads)
+                } else if hf.contains(".k_proj.") {
+                    Some(config.num_key_value_heads)
+                } else {
+                    None
+                }
+                .filter(|_| permute);
+                let stored = match (plain_dtype(ty), n_head) {
+                    (Some(_), None) => Stored::Mapped(t.clone(), ty),
+                    (dtype, _) => {
+                        let raw = file.tensor_bytes(&t, ty)?;
+                        let (dtype, bytes) = match dtype {
+                            Some(d) => (d, raw.to_vec()),
+                            None => (DType::F32, f32_to_bytes(&dequantize(ty, raw))),
+                        };
+                        let bytes = match n_head {
+                            Some(n) => permute_qk_rows(&bytes, shape[0], n, false).ok_or_else(|| {
+                                FormatError::gguf(
+                                    &file.path,
+                                    format!("tensor {:?}: {} rows do not split into {n} heads", t.name, shape[0]),
+                                )
+                            })?,
+                            None => bytes,
+                        };
+                        Stored::Owned(dtype, bytes)
+                    }
+                };
+                Ok((hf, (shape, stored)))
+            })
+            .collect();
+        Ok(Self { tensors: converted?.into_iter().collect(), file })
+    }
+
+    /// The underlying parsed file (metadata access).
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+}
+
+impl WeightStore for GgufStore {
+    fn get(&self, name: &str) -> Result<TensorView<'_>, FormatError> {
+        let (shape, stored) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| FormatError::MissingTensor { path: self.file.path.clone(), name: name.to_string() })?;
+        let (dtype, bytes) = match stored {
+            Stored::Mapped(t, ty) => {
+                (plain_dtype(*ty).unwrap_or(DType::F32), Cow::Borrowed(self.file.tensor_bytes(t, *ty)?))
+            }
+            Stored::Owned(d, b) => (*d, Cow::Borrowed(b.as_slice())),
+        };
+        Ok(TensorView { name: name.to_string(), shape: shape.clone(), dtype, bytes })
+    }
+
+    fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.tensors.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    fn shape(&self, name: &str) -> Result<Vec<usize>, FormatError> {
+        self.tensors
+            .get(name)
+            .map(|(s, _)| s.clone())
+            .ok_or_else(|| FormatError::MissingTensor { path: self.file.path.clone(), name: name.to_string() })
+    }
+}
+
+/// Parses `path` and returns the file with its config (the caller builds the store).
+pub fn open_gguf(path: &Path) -> Result<(GgufFile, ModelConfig), FormatError> {
+    let file = GgufFile::open(path)?;
+    let config = gguf_config(&file)?;
+    Ok((file, config))
+}

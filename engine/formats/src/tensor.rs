@@ -1,0 +1,94 @@
+//! The loader-independent weight interface: [`WeightStore`] hands out [`TensorView`]s by
+//! HF tensor name, in HF shapes, whatever the file format. A view's `bytes` are
+//! little-endian elements of `dtype`, exactly `numel * dtype.size()` long.
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use half::{bf16, f16};
+
+use crate::config::ModelConfig;
+use crate::error::FormatError;
+
+/// Element type of a tensor handed to the engine (quantized GGUF data is dequantized to F32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+        }
+    }
+}
+
+/// One tensor, borrowed from a memory map where possible.
+#[derive(Debug, Clone)]
+pub struct TensorView<'a> {
+    /// HF name.
+    pub name: String,
+    /// HF shape (row-major, `[out, in]` for linears).
+    pub shape: Vec<usize>,
+    /// Element type of `bytes`.
+    pub dtype: DType,
+    /// Little-endian element data.
+    pub bytes: Cow<'a, [u8]>,
+}
+
+impl TensorView<'_> {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The elements converted to f32 (a copy).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let b = &self.bytes;
+        match self.dtype {
+            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        }
+    }
+}
+
+/// Source of a model's tensors, by HF name.
+pub trait WeightStore: Send + Sync {
+    /// The tensor called `name`, or [`FormatError::MissingTensor`].
+    fn get(&self, name: &str) -> Result<TensorView<'_>, FormatError>;
+    /// Every tensor name the store can serve.
+    fn names(&self) -> Vec<String>;
+    /// The shape of `name` without materializing its data where the store can avoid it.
+    fn shape(&self, name: &str) -> Result<Vec<usize>, FormatError> {
+        Ok(self.get(name)?.shape)
+    }
+}
+
+/// Checks that `store` has every tensor `config` needs, in the right shape; errors name `path`.
+pub fn check_tensors(store: &dyn WeightStore, config: &ModelConfig, path: &Path) -> Result<(), FormatError> {
+    let names: std::collections::HashSet<String> = store.names().into_iter().collect();
+    for (name, expected) in config.expected_tensors() {
+        if !names.contains(&name) {
+            return Err(FormatError::MissingTensor { path: path.to_path_buf(), name });
+        }
+        let shape = store.shape(&name)?;
+        if shape != expected {
+            return Err(FormatError::ShapeMismatch { path: path.to_path_buf(), name, expected, actual: shape });
+        }
+    }
+    Ok(())
+}
+
+/// Little-endian bytes of an f32 slice.
+pub fn f32_to_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}

@@ -1,0 +1,333 @@
+//! Tiny random models for tests (this crate's, the engine's and the router's): a
+//! [`TinySpec`] describes one; [`write_hf_folder`] and [`write_gguf`] write it as a HF
+//! folder or a GGUF file with the same weights (a pure function of the spec and its seed)
+//! and the same tokenizer. GGUF files use llama.cpp's Q/K row permutation, so loading them
+//! exercises the real un-permutation.
+
+pub mod bpe_learn;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+use crate::config::{Architecture, GenerationConfig, ModelConfig, RopeScaling, llama3_rope_divisors};
+use crate::dummy::DummyStore;
+use crate::error::FormatError;
+use crate::gguf::{GgufType, GgufValue, GgufWriter, hf_to_gguf_name, permute_qk_rows};
+use crate::tensor::{DType, f32_to_bytes};
+use crate::tokenizer::gguf_vocab::bpe_to_gguf_metadata;
+use crate::tokenizer::{ByteLevelBpe, PreTokenizerKind};
+
+pub use bpe_learn::{CORPUS, SPECIAL_TOKENS, learn_bpe};
+
+/// The ChatML template written into test models.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Id of `<|endoftext|>` (bos) in test tokenizers.
+pub const BOS_ID: u32 = 0;
+/// Id of `<|im_end|>` (eos) in test tokenizers.
+pub const EOS_ID: u32 = 2;
+
+/// Shape and seed of a tiny test model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TinySpec {
+    /// Model family.
+    pub architecture: Architecture,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head width when not `hidden_size / num_heads` (as in Mistral Nemo, Qwen3).
+    pub head_dim: Option<usize>,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Vocabulary size (the test tokenizer is learned to exactly this size).
+    pub vocab_size: usize,
+    /// Tied embeddings.
+    pub tie_embeddings: bool,
+    /// q/k/v biases.
+    pub attention_bias: bool,
+    /// RoPE scaling.
+    pub rope_scaling: Option<RopeScaling>,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// Context length.
+    pub max_position_embeddings: usize,
+    /// Weight seed.
+    pub seed: u64,
+    /// Standard deviation of linear/embedding weights.
+    pub init_std: f32,
+    /// Pre-tokenizer of the test tokenizer.
+    pub pre_tokenizer: PreTokenizerKind,
+}
+
+impl TinySpec {
+    /// Llama, GQA (4 heads, 2 kv heads), untied.
+    pub fn llama() -> Self {
+        Self {
+            architecture: Architecture::Llama,
+            hidden_size: 64,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: None,
+            intermediate_size: 128,
+            vocab_size: 384,
+            tie_embeddings: false,
+            attention_bias: false,
+            rope_scaling: None,
+            rope_theta: 10000.0,
+            max_position_embeddings: 512,
+            seed: 1,
+            init_std: 0.08,
+            pre_tokenizer: PreTokenizerKind::Smollm,
+        }
+    }
+
+    /// Qwen2 with q/k/v biases.
+    pub fn qwen2() -> Self {
+        Self {
+            architecture: Architecture::Qwen2,
+            attention_bias: true,
+            rope_theta: 1_000_000.0,
+            seed: 2,
+            pre_tokenizer: PreTokenizerKind::Qwen2,
+            ..Self::llama()
+        }
+    }
+
+    /// Llama with tied embeddings and Llama 3.1 RoPE scaling.
+    pub fn tied() -> Self {
+        Self {
+            tie_embeddings: true,
+            rope_scaling: Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            rope_theta: 500_000.0,
+            // Above the original 8192 context, as transformers expects for llama3 scaling.
+            max_position_embeddings: 16384,
+            seed: 3,
+            pre_tokenizer: PreTokenizerKind::Llama3,
+            ..Self::llama()
+        }
+    }
+
+    /// The variants committed as golden fixtures (smaller MLP and vocabulary so that all
+    /// of them stay under 1 MB): `llama` (untied), `qwen2` (biases, tied), `tied` (llama3 rope).
+    pub fn golden_set() -> Vec<(&'static str, TinySpec)> {
+        let shrink = |s: TinySpec| TinySpec { intermediate_size: 64, vocab_size: 288, ..s };
+        vec![
+            ("llama", shrink(Self::llama())),
+            ("qwen2", shrink(TinySpec { tie_embeddings: true, ..Self::qwen2() })),
+            ("tied", shrink(Self::tied())),
+        ]
+    }
+
+    /// The model config this spec describes.
+    pub fn config(&self) -> ModelConfig {
+        ModelConfig {
+            architecture: self.architecture,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_layers,
+            num_attention_heads: self.num_heads,
+            num_key_value_heads: self.num_kv_heads,
+            head_dim: self.head_dim.unwrap_or(self.hidden_size / self.num_heads.max(1)),
+            vocab_size: self.vocab_size,
+            rms_norm_eps: 1e-5,
+            rope_theta: self.rope_theta,
+            rope_scaling: self.rope_scaling,
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_embeddings,
+            attention_bias: self.attention_bias,
+            bos_token_id: Some(BOS_ID),
+            eos_token_ids: vec![EOS_ID],
+        }
+    }
+
+    /// The weights, by HF name, as f32 (identical for every file format).
+    pub fn weights(&self) -> DummyStore {
+        DummyStore::new(&self.config(), self.seed, self.init_std, DType::F32)
+    }
+
+    /// The test tokenizer of this spec.
+    pub fn tokenizer_spec(&self) -> Result<ByteLevelBpe, FormatError> {
+        learn_bpe(self.vocab_size, self.pre_tokenizer)
+    }
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), FormatError> {
+    let text = serde_json::to_string_pretty(v)
+        .map_err(|e| FormatError::Json { path: path.to_path_buf(), message: e.to_string() })?;
+    std::fs::write(path, text).map_err(|e| FormatError::io(path, e))
+}
+
+/// Writes `spec` as a HF folder in `dir` (created if needed): config.json, model.safetensors
+/// (f32), tokenizer.json, tokenizer_config.json (ChatML template), generation_config.json.
+pub fn write_hf_folder(dir: &Path, spec: &TinySpec) -> Result<PathBuf, FormatError> {
+    std::fs::create_dir_all(dir).map_err(|e| FormatError::io(dir, e))?;
+    let config = spec.config();
+    config.validate()?;
+    write_json(&dir.join("config.json"), &config.to_hf_json())?;
+    let store = spec.weights();
+    let mut tensors = Vec::new();
+    for (name, shape) in config.expected_tensors() {
+        tensors.push((name.clone(), shape, f32_to_bytes(&store.values(&name)?)));
+    }
+    let views = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| FormatError::InvalidArgument(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let st_path = dir.join("model.safetensors");
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(meta), &st_path)
+        .map_err(|e| FormatError::Safetensors { path: st_path.clone(), message: e.to_string() })?;
+    let bpe = spec.tokenizer_spec()?;
+    let tok = bpe.build("test tokenizer")?;
+    let tok_path = dir.join("tokenizer.json");
+    tok.save(&tok_path, false)
+        .map_err(|e| FormatError::Tokenizer { context: tok_path.display().to_string(), message: e.to_string() })?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &json!({
+            "bos_token": SPECIAL_TOKENS[BOS_ID as usize],
+            "eos_token": SPECIAL_TOKENS[EOS_ID as usize],
+            "pad_token": SPECIAL_TOKENS[BOS_ID as usize],
+            "add_bos_token": false,
+            "chat_template": CHATML_TEMPLATE,
+            "model_max_length": spec.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }),
+    )?;
+    write_json(&dir.join("generation_config.json"), &GenerationConfig::from_model(&config).to_hf_json())?;
+    Ok(dir.to_path_buf())
+}
+
+/// Writes `spec` as a GGUF v3 file: 2-D tensors as `tensor_type`, 1-D ones as F32 (as
+/// llama.cpp does), Q/K rows permuted for `llama`-architecture files, the tokenizer and
+/// ChatML template in the metadata, and `rope_freqs.weight` for Llama 3 scaling.
+pub fn write_gguf(path: &Path, spec: &TinySpec, tensor_type: GgufType) -> Result<PathBuf, FormatError> {
+    let w = gguf_writer(spec, tensor_type)?;
+    w.write(path)?;
+    Ok(path.to_path_buf())
+}
+
+/// The writer [`write_gguf`] uses, for tests that need to alter or re-version the file.
+pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter, FormatError> {
+    let config = spec.config();
+    config.validate()?;
+    let arch = match config.architecture {
+        Architecture::Qwen2 => "qwen2",
+        Architecture::Llama | Architecture::Mistral => "llama",
+    };
+    let mut w = GgufWriter::new();
+    w.add_meta("general.architecture", GgufValue::String(arch.into()));
+    w.add_meta("general.name", GgufValue::String(format!("baton-tiny-{arch}")));
+    w.add_meta("general.alignment", GgufValue::U32(32));
+    let u = |v: usize| GgufValue::U32(v as u32);
+    let k = |s: &str| format!("{arch}.{s}");
+    w.add_meta(&k("context_length"), u(config.max_position_embeddings));
+    w.add_meta(&k("embedding_length"), u(config.hidden_size));
+    w.add_meta(&k("block_count"), u(config.num_hidden_layers));
+    w.add_meta(&k("feed_forward_length"), u(config.intermediate_size));
+    w.add_meta(&k("rope.dimension_count"), u(config.head_dim));
+    w.add_meta(&k("attention.head_count"), u(config.num_attention_heads));
+    w.add_meta(&k("attention.head_count_kv"), u(config.num_key_value_heads));
+    w.add_meta(&k("attention.key_length"), u(config.head_dim));
+    w.add_meta(&k("attention.value_length"), u(config.head_dim));
+    w.add_meta(&k("attention.layer_norm_rms_epsilon"), GgufValue::F32(config.rms_norm_eps));
+    w.add_meta(&k("rope.freq_base"), GgufValue::F32(config.rope_theta));
+    w.add_meta(&k("vocab_size"), u(config.vocab_size));
+    if let Some(RopeScaling::Linear { factor }) = config.rope_scaling {
+        w.add_meta(&k("rope.scaling.type"), GgufValue::String("linear".into()));
+        w.add_meta(&k("rope.scaling.factor"), GgufValue::F32(factor));
+    }
+    let bpe = spec.tokenizer_spec()?;
+    for (key, v) in bpe_to_gguf_metadata(&bpe, Some(EOS_ID)) {
+        w.add_meta(&key, v);
+    }
+    w.add_meta("tokenizer.chat_template", GgufValue::String(CHATML_TEMPLATE.into()));
+    let store = spec.weights();
+    let permute = arch == "llama";
+    for (name, shape) in config.expected_tensors() {
+        let mut values = store.values(&name)?;
+        let n_head = if name.contains(".q_proj.") {
+            Some(config.num_attention_heads)
+        } else if name.contains(".k_proj.") {
+            Some(config.num_key_value_heads)
+        } else {
+            None
+        };
+        if let (true, Some(n)) = (permute, n_head) {
+            let bytes = permute_qk_rows(&f32_to_bytes(&values), shape[0], n, true)
+                .ok_or_else(|| FormatError::InvalidArgument(format!("{name}: rows do not split into {n} heads")))?;
+            values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        }
+        let ty = if shape.len() == 1 { GgufType::F32 } else { tensor_type };
+        let gname =
+            hf_to_gguf_name(&name).ok_or_else(|| FormatError::InvalidArgument(format!("no GGUF name for {name}")))?;
+        w.add_tensor(&gname, &shape, ty, &values)?;
+    }
+    if let Some(s @ RopeScaling::Llama3 { .. }) = &config.rope_scaling {
+        let div = llama3_rope_divisors(config.rope_theta, config.head_dim, s);
+        w.add_tensor("rope_freqs.weight", &[div.len()], GgufType::F32, &div)?;
+    }
+    Ok(w)
+}
+
+/// Where the golden fixtures (tiny HF folders + transformers outputs) are committed.
+pub fn golden_fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden")
+}
+
+/// Where `scripts/fetch-default-model.sh` puts the default model.
+pub fn default_model_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+/// One prompt of a golden fixture (`golden.json`, written by scripts/golden/make_golden.py).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct GoldenPrompt {
+    /// Prompt token ids.
+    pub ids: Vec<u32>,
+    /// transformers' float32 logits at the last prompt position (full vocabulary).
+    pub last_logits: Vec<f32>,
+    /// Greedy continuation (argmax, no cache, no EOS stop).
+    pub greedy: Vec<u32>,
+    /// Smallest top-2 logit margin along the greedy run.
+    #[serde(default)]
+    pub greedy_min_gap: f32,
+}
+
+/// A golden fixture's reference outputs.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Golden {
+    /// Fixture name (`llama`, `qwen2`, `tied`).
+    pub model: String,
+    /// transformers version that produced it.
+    pub transformers: String,
+    /// One entry per prompt.
+    pub prompts: Vec<GoldenPrompt>,
+}
+
+/// The model folder and reference outputs of golden fixture `name` (see
+/// [`TinySpec::golden_set`]); load the folder with `load_model(.., LoadFormat::Auto)`.
+pub fn load_golden(name: &str) -> Result<(PathBuf, Golden), FormatError> {
+    let dir = golden_fixtures_dir().join(name);
+    let path = dir.join("golden.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| FormatError::io(&path, e))?;
+    let golden =
+        serde_json::from_str(&text).map_err(|e| FormatError::Json { path: path.clone(), message: e.to_string() })?;
+    Ok((dir, golden))
+}

@@ -1,0 +1,146 @@
+//! Baton's tokenizer: a cheap-to-clone handle on a `tokenizers::Tokenizer` plus the bos/eos
+//! strings and the set of special ids the server needs. Built from `tokenizer.json` (+
+//! `tokenizer_config.json`) or from GGUF metadata (`gguf_vocab`). Streaming helpers live
+//! in `detok` (incremental detokenization) and `stop` (stop strings).
+
+pub mod detok;
+pub mod gguf_vocab;
+pub mod stop;
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::error::FormatError;
+
+pub use detok::IncrementalDetokenizer;
+pub use gguf_vocab::{ByteLevelBpe, PreTokenizerKind, tokenizer_from_gguf};
+pub use stop::{StopMatcher, StopOutput};
+
+/// A tokenizer; clones share the underlying vocabulary.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: Arc<tokenizers::Tokenizer>,
+    special_ids: Arc<HashSet<u32>>,
+    bos: Option<String>,
+    eos: Option<String>,
+    context: String,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer").field("source", &self.context).field("vocab_size", &self.vocab_size()).finish()
+    }
+}
+
+fn tok_err(context: &str, e: impl std::fmt::Display) -> FormatError {
+    FormatError::Tokenizer { context: context.to_string(), message: e.to_string() }
+}
+
+/// A token string from tokenizer_config.json: either `"<s>"` or `{"content": "<s>", ...}`.
+fn config_token(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// Wraps a built `tokenizers::Tokenizer`; `context` names its source in errors.
+    pub fn from_inner(
+        inner: tokenizers::Tokenizer,
+        bos: Option<String>,
+        eos: Option<String>,
+        context: impl Into<String>,
+    ) -> Self {
+        let special_ids =
+            inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        Self { inner: Arc::new(inner), special_ids: Arc::new(special_ids), bos, eos, context: context.into() }
+    }
+
+    /// Loads a `tokenizer.json` (bos/eos strings unset; see [`Tokenizer::from_hf_folder`]).
+    pub fn from_file(path: &Path) -> Result<Self, FormatError> {
+        let ctx = path.display().to_string();
+        let bytes = std::fs::read(path).map_err(|e| FormatError::io(path, e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| tok_err(&ctx, e))?;
+        Ok(Self::from_inner(inner, None, None, ctx))
+    }
+
+    /// Loads `tokenizer.json` and, when present, the bos/eos strings of `tokenizer_config.json`.
+    pub fn from_hf_folder(dir: &Path) -> Result<Self, FormatError> {
+        let mut tok = Self::from_file(&dir.join("tokenizer.json"))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        if cfg_path.is_file() {
+            let cfg = crate::config::read_json(&cfg_path)?;
+            tok.bos = config_token(cfg.get("bos_token"));
+            tok.eos = config_token(cfg.get("eos_token"));
+        }
+        Ok(tok)
+    }
+
+    /// Sets the bos/eos strings.
+    pub fn with_bos_eos(mut self, bos: Option<String>, eos: Option<String>) -> Self {
+        self.bos = bos;
+        self.eos = eos;
+        self
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, FormatError> {
+        let enc = self.inner.encode_fast(text, add_special_tokens).map_err(|e| tok_err(&self.context, e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`; an id outside the vocabulary is an error.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, FormatError> {
+        let n = self.vocab_size();
+        if let Some(bad) = ids.iter().find(|&&id| id as usize >= n) {
+            return Err(tok_err(&self.context, format!("token id {bad} is outside the vocabulary (size {n})")));
+        }
+        self.inner.decode(ids, skip_special_tokens).map_err(|e| tok_err(&self.context, e))
+    }
+
+    /// Number of ids, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Display text of one token (as a logprobs entry shows it), or `None` if out of range.
+    pub fn token_to_string(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)?;
+        self.inner.decode(&[id], false).ok()
+    }
+
+    /// The raw vocabulary entry of `id` (e.g. `Ġhello` for byte-level BPE).
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// The id of a vocabulary entry.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The BOS token string, if known.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos.as_deref()
+    }
+
+    /// The EOS token string, if known.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos.as_deref()
+    }
+
+    /// Whether `id` is a special (control) token, skipped by `decode(.., true)`.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special_ids.contains(&id)
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
