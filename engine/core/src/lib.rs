@@ -6,6 +6,7 @@
 pub mod api;
 pub mod block_hash;
 pub mod block_manager;
+pub mod kv_transfer;
 pub mod params;
 pub mod request;
 pub mod sampling;
