@@ -1,0 +1,61 @@
+//! Moving KV blocks between workers.
+//!
+//! A hand-off is one [`Handshake`] (the sender's layout, the request, the
+//! plan) followed by one frame per layer, in layer order, so the receiver can
+//! start writing layer 0 into its cache while the sender still computes later
+//! layers. The receiver checks layout compatibility first and refuses a
+//! mismatch with a reason the sender reports verbatim. Every receive has a
+//! deadline: a stalled or dead peer becomes [`TransportError::Timeout`], never
+//! a hang. `tcp` is the always-available transport (host staging); the NCCL
+//! transport for GPU↔GPU implements the same sequence.
+
+pub mod tcp;
+
+use baton_core::kv_transfer::{BlockRun, KvLayout, LayoutMismatch};
+use serde::{Deserialize, Serialize};
+
+/// Opens a hand-off: who is sending what.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Handshake {
+    /// The sender's cache layout; must equal the receiver's.
+    pub layout: KvLayout,
+    /// Request id on the receiving worker (assigned when it reserved the blocks).
+    pub request_id: u64,
+    /// Tokens whose KV is moved.
+    pub num_tokens: usize,
+    /// Block runs per layer (from `baton_core::kv_transfer::plan_transfer`).
+    pub runs: Vec<BlockRun>,
+    /// Bytes of K (and of V) per layer frame.
+    pub bytes_per_layer_half: usize,
+}
+
+/// One layer's KV for the planned blocks, in plan order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerFrame {
+    /// Layer index.
+    pub layer: usize,
+    /// Keys of the planned blocks, run after run.
+    pub k: Vec<u8>,
+    /// Values, same order.
+    pub v: Vec<u8>,
+}
+
+/// A hand-off that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Socket-level failure (connection refused or reset, peer died).
+    #[error("KV transport I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer did not answer within the deadline.
+    #[error("KV transport timed out after {0:?} waiting for {1}")]
+    Timeout(std::time::Duration, &'static str),
+    /// The receiver refused the layout.
+    #[error(transparent)]
+    Incompatible(#[from] LayoutMismatch),
+    /// The peer refused the hand-off for another reason.
+    #[error("the peer refused the KV hand-off: {0}")]
+    Refused(String),
+    /// The peer sent something that is not this protocol, or out of order.
+    #[error("KV transport protocol error: {0}")]
+    Protocol(String),
+}

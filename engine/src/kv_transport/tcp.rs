@@ -1,0 +1,372 @@
+//! The TCP KV transport: host-staged layer frames over one connection per hand-off.
+//!
+//! Wire format: the sender opens with the 4-byte magic `BKV1`, then frames of
+//! `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (JSON
+//! [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64`,
+//! then K and V bytes), `DONE`. Receiver → sender: `ACCEPT` or `REFUSE`
+//! (reason text) after `HELLO`, and `ACCEPT` after `DONE` once every layer is
+//! stored. Frame lengths are checked against the handshake before anything is
+//! allocated, so a corrupt or hostile peer cannot make us allocate unbounded
+//! memory. Every read has the hand-off's deadline.
+
+use super::{Handshake, LayerFrame, TransportError};
+use baton_core::kv_transfer::KvLayout;
+use std::net::SocketAddr;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const MAGIC: &[u8; 4] = b"BKV1";
+const HELLO: u8 = 1;
+const ACCEPT: u8 = 2;
+const REFUSE: u8 = 3;
+const LAYER: u8 = 4;
+const DONE: u8 = 5;
+const MAX_CONTROL_FRAME: u64 = 16 << 20;
+
+async fn with_deadline<T>(
+    d: Duration,
+    what: &'static str,
+    f: impl std::future::Future<Output = Result<T, TransportError>>,
+) -> Result<T, TransportError> {
+    tokio::time::timeout(d, f).await.map_err(|_| TransportError::Timeout(d, what))?
+}
+
+async fn write_frame(s: &mut TcpStream, kind: u8, parts: &[&[u8]]) -> Result<(), TransportError> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    let mut head = [0u8; 9];
+    head[0] = kind;
+    head[1..].copy_from_slice(&(len as u64).to_le_bytes());
+    s.write_all(&head).await?;
+    for p in parts {
+        s.write_all(p).await?;
+    }
+    s.flush().await?;
+    Ok(())
+}
+
+async fn read_frame(s: &mut TcpStream, max_len: u64) -> Result<(u8, Vec<u8>), TransportError> {
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).await?;
+    let mut len_bytes = [0u8; 8];
+    len_bytes.copy_from_slice(&head[1..]);
+    let len = u64::from_le_bytes(len_bytes);
+    if len > max_len {
+        return Err(TransportError::Protocol(format!("frame of {len} bytes exceeds the limit of {max_len}")));
+    }
+    let mut buf = vec![0u8; len as usize];
+    s.read_exact(&mut buf).await?;
+    Ok((head[0], buf))
+}
+
+/// The sending side of one hand-off.
+pub struct TcpKvSender {
+    stream: TcpStream,
+    hs: Handshake,
+    deadline: Duration,
+    next_layer: usize,
+}
+
+impl TcpKvSender {
+    /// Connects, offers the handshake and waits for the receiver to accept it.
+    pub async fn connect(addr: SocketAddr, hs: Handshake, deadline: Duration) -> Result<Self, TransportError> {
+        let mut stream = with_deadline(deadline, "connect", async { Ok(TcpStream::connect(addr).await?) }).await?;
+        stream.set_nodelay(true)?;
+        let hello = serde_json::to_vec(&hs).map_err(|e| TransportError::Protocol(e.to_string()))?;
+        stream.write_all(MAGIC).await?;
+        write_frame(&mut stream, HELLO, &[&hello]).await?;
+        let (kind, body) =
+            with_deadline(deadline, "the handshake answer", read_frame(&mut stream, MAX_CONTROL_FRAME)).await?;
+        match kind {
+            ACCEPT => Ok(Self { stream, hs, deadline, next_layer: 0 }),
+            REFUSE => Err(TransportError::Refused(String::from_utf8_lossy(&body).into_owned())),
+            k => Err(TransportError::Protocol(format!("unexpected frame kind {k} after HELLO"))),
+        }
+    }
+
+    /// Sends the next layer; layers must go in order and match the handshake's sizes.
+    pub async fn send_layer(&mut self, frame: &LayerFrame) -> Result<(), TransportError> {
+        if frame.layer != self.next_layer || frame.layer >= self.hs.layout.num_layers {
+            return Err(TransportError::Protocol(format!(
+                "layer {} sent out of order (expected {})",
+                frame.layer, self.next_layer
+            )));
+        }
+        let want = self.hs.bytes_per_layer_half;
+        if frame.k.len() != want || frame.v.len() != want {
+            return Err(TransportError::Protocol(format!(
+                "layer {} has {}+{} bytes, the handshake promised {want}+{want}",
+                frame.layer,
+                frame.k.len(),
+                frame.v.len()
+            )));
+        }
+        let mut head = [0u8; 12];
+        head[..4].copy_from_slice(&(frame.layer as u32).to_le_bytes());
+        head[4..].copy_from_slice(&(frame.k.len() as u64).to_le_bytes());
+        let d = self.deadline;
+        with_deadline(d, "sending a layer", write_frame(&mut self.stream, LAYER, &[&head, &frame.k, &frame.v])).await?;
+        self.next_layer += 1;
+        Ok(())
+    }
+
+    /// Ends the hand-off; returns once the receiver confirmed every layer is stored.
+    pub async fn finish(mut self) -> Result<(), TransportError> {
+        if self.next_layer != self.hs.layout.num_layers {
+            return Err(TransportError::Protocol(format!(
+                "finish after {} of {} layers",
+                self.next_layer, self.hs.layout.num_layers
+            )));
+        }
+        write_frame(&mut self.stream, DONE, &[]).await?;
+        let (kind, body) =
+            with_deadline(self.deadline, "the final acknowledgement", read_frame(&mut self.stream, MAX_CONTROL_FRAME))
+                .await?;
+        match kind {
+            ACCEPT => Ok(()),
+            REFUSE => Err(TransportError::Refused(String::from_utf8_lossy(&body).into_owned())),
+            k => Err(TransportError::Protocol(format!("unexpected frame kind {k} after DONE"))),
+        }
+    }
+}
+
+/// Listens for incoming hand-offs.
+pub struct TcpKvListener {
+    listener: TcpListener,
+}
+
+impl TcpKvListener {
+    /// Binds to `addr` (port 0 picks a free port).
+    pub async fn bind(addr: SocketAddr) -> Result<Self, TransportError> {
+        Ok(Self { listener: TcpListener::bind(addr).await? })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransportError> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Accepts one hand-off and checks it against `layout`; a mismatch is refused (the
+    /// sender gets the reason) and returned as [`TransportError::Incompatible`].
+    pub async fn accept(&self, layout: &KvLayout, deadline: Duration) -> Result<IncomingTransfer, TransportError> {
+        let (mut stream, _) = self.listener.accept().await?;
+        stream.set_nodelay(true)?;
+        let hs: Handshake = with_deadline(deadline, "the handshake", async {
+            let mut magic = [0u8; 4];
+            stream.read_exact(&mut magic).await?;
+            if &magic != MAGIC {
+                return Err(TransportError::Protocol("bad magic: not a Baton KV stream".into()));
+            }
+            let (kind, body) = read_frame(&mut stream, MAX_CONTROL_FRAME).await?;
+            if kind != HELLO {
+                return Err(TransportError::Protocol(format!("expected HELLO, got frame kind {kind}")));
+            }
+            serde_json::from_slice(&body).map_err(|e| TransportError::Protocol(format!("bad handshake: {e}")))
+        })
+        .await?;
+        if let Err(m) = layout.check_compatible(&hs.layout) {
+            write_frame(&mut stream, REFUSE, &[m.to_string().as_bytes()]).await?;
+            return Err(m.into());
+        }
+        let expect = 2 * hs.runs.iter().map(|r| r.len).sum::<usize>() * layout.bytes_per_block();
+        if hs.bytes_per_layer_half * 2 != expect {
+            let msg =
+                format!("handshake promises {} bytes per layer, its runs need {expect}", hs.bytes_per_layer_half * 2);
+            write_frame(&mut stream, REFUSE, &[msg.as_bytes()]).await?;
+            return Err(TransportError::Protocol(msg));
+        }
+        write_frame(&mut stream, ACCEPT, &[]).await?;
+        Ok(IncomingTransfer { stream, hs, deadline, next_layer: 0 })
+    }
+}
+
+/// The receiving side of one accepted hand-off.
+pub struct IncomingTransfer {
+    stream: TcpStream,
+    hs: Handshake,
+    deadline: Duration,
+    next_layer: usize,
+}
+
+impl IncomingTransfer {
+    /// What is being received.
+    pub fn handshake(&self) -> &Handshake {
+        &self.hs
+    }
+
+    /// The next layer, or `None` once the sender said DONE after the last layer
+    /// (the sender is then told every layer is stored).
+    pub async fn next_layer(&mut self) -> Result<Option<LayerFrame>, TransportError> {
+        let half = self.hs.bytes_per_layer_half;
+        let max = 12 + 2 * half as u64;
+        let (kind, body) = with_deadline(self.deadline, "the next layer", read_frame(&mut self.stream, max)).await?;
+        match kind {
+            LAYER => {
+                if body.len() != 12 + 2 * half {
+                    return Err(TransportError::Protocol(format!(
+                        "layer frame of {} bytes, expected {}",
+                        body.len(),
+                        12 + 2 * half
+                    )));
+                }
+                let mut lb = [0u8; 4];
+                lb.copy_from_slice(&body[..4]);
+                let layer = u32::from_le_bytes(lb) as usize;
+                if layer != self.next_layer {
+                    return Err(TransportError::Protocol(format!("got layer {layer}, expected {}", self.next_layer)));
+                }
+                self.next_layer += 1;
+                Ok(Some(LayerFrame { layer, k: body[12..12 + half].to_vec(), v: body[12 + half..].to_vec() }))
+            }
+            DONE => {
+                if self.next_layer != self.hs.layout.num_layers {
+                    let msg = format!("DONE after {} of {} layers", self.next_layer, self.hs.layout.num_layers);
+                    write_frame(&mut self.stream, REFUSE, &[msg.as_bytes()]).await?;
+                    return Err(TransportError::Protocol(msg));
+                }
+                write_frame(&mut self.stream, ACCEPT, &[]).await?;
+                Ok(None)
+            }
+            k => Err(TransportError::Protocol(format!("unexpected frame kind {k} during the transfer"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_core::kv_transfer::{KvDtype, plan_transfer};
+
+    fn layout() -> KvLayout {
+        KvLayout { num_layers: 3, block_size: 4, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 }
+    }
+
+    fn handshake(l: KvLayout) -> Handshake {
+        let plan = plan_transfer(&l, &[4, 5, 9], &[0, 1, 2], 10, 0).expect("plan");
+        Handshake {
+            layout: l,
+            request_id: 42,
+            num_tokens: 10,
+            runs: plan.runs,
+            bytes_per_layer_half: plan.bytes_per_layer / 2,
+        }
+    }
+
+    fn frame(layer: usize, half: usize, seed: u8) -> LayerFrame {
+        let k = (0..half).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add(layer as u8)).collect();
+        let v = (0..half).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed ^ 0x5a)).collect();
+        LayerFrame { layer, k, v }
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+    }
+
+    #[test]
+    fn layers_arrive_intact_and_in_order() {
+        rt().block_on(async {
+            let l = layout();
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let hs = handshake(l);
+            let half = hs.bytes_per_layer_half;
+            let sent: Vec<LayerFrame> = (0..3).map(|i| frame(i, half, 7)).collect();
+            let to_send = sent.clone();
+            let sender = tokio::spawn(async move {
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await?;
+                for f in &to_send {
+                    s.send_layer(f).await?;
+                }
+                s.finish().await
+            });
+            let mut incoming = listener.accept(&l, Duration::from_secs(5)).await.expect("accept");
+            assert_eq!(incoming.handshake().request_id, 42);
+            let mut got = Vec::new();
+            while let Some(f) = incoming.next_layer().await.expect("layer") {
+                got.push(f);
+            }
+            assert_eq!(got, sent);
+            sender.await.expect("join").expect("sender finished");
+        });
+    }
+
+    #[test]
+    fn mismatched_layout_is_refused_on_both_sides() {
+        rt().block_on(async {
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let theirs = KvLayout { block_size: 8, ..layout() };
+            let hs = Handshake { layout: theirs, ..handshake(layout()) };
+            let sender =
+                tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
+            let err = listener.accept(&layout(), Duration::from_secs(5)).await.err().expect("refused");
+            assert!(matches!(err, TransportError::Incompatible(_)), "{err}");
+            match sender.await.expect("join") {
+                Err(TransportError::Refused(msg)) => assert!(msg.contains("block_size 4 vs 8"), "{msg}"),
+                other => panic!("sender should be refused, got {:?}", other.map(|_| "ok")),
+            }
+        });
+    }
+
+    #[test]
+    fn a_stalled_sender_times_out_instead_of_hanging() {
+        rt().block_on(async {
+            let l = layout();
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let hs = handshake(l);
+            let half = hs.bytes_per_layer_half;
+            let sender = tokio::spawn(async move {
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.expect("connect");
+                s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
+                // Then stall, holding the connection open.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                drop(s);
+            });
+            let mut incoming = listener.accept(&l, Duration::from_millis(300)).await.expect("accept");
+            assert!(incoming.next_layer().await.expect("layer 0").is_some());
+            let t = std::time::Instant::now();
+            let err = incoming.next_layer().await.err().expect("must time out");
+            assert!(matches!(err, TransportError::Timeout(_, _)), "{err}");
+            assert!(t.elapsed() < Duration::from_secs(2));
+            sender.abort();
+        });
+    }
+
+    #[test]
+    fn a_dead_sender_is_an_error_not_a_hang() {
+        rt().block_on(async {
+            let l = layout();
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let hs = handshake(l);
+            let half = hs.bytes_per_layer_half;
+            let sender = tokio::spawn(async move {
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.expect("connect");
+                s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
+                drop(s); // the prefill worker dies mid-transfer
+            });
+            let mut incoming = listener.accept(&l, Duration::from_secs(5)).await.expect("accept");
+            sender.await.expect("join");
+            assert!(incoming.next_layer().await.expect("layer 0").is_some());
+            let err = incoming.next_layer().await.err().expect("must fail");
+            assert!(matches!(err, TransportError::Io(_)), "{err}");
+        });
+    }
+
+    #[test]
+    fn garbage_is_a_protocol_error() {
+        rt().block_on(async {
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let client = tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.expect("connect");
+                s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.expect("write");
+                s
+            });
+            let err = listener.accept(&layout(), Duration::from_secs(5)).await.err().expect("refused");
+            assert!(matches!(err, TransportError::Protocol(_)), "{err}");
+            drop(client.await);
+        });
+    }
+}
