@@ -1,1 +1,26 @@
-fn main() {}
+//! The `baton` binary: parses the command line, sets up logging, and runs a subcommand
+//! (`serve`, `client grpc`). Everything else lives in the library crates.
+
+mod cli;
+mod client;
+mod config;
+mod serve;
+
+use clap::Parser;
+use cli::{Cli, ClientCommand, Command};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // RUST_LOG overrides the default level; read here, at the edge.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Command::Serve(args) => {
+            let settings = config::settings(&args)?;
+            runtime.block_on(serve::run(settings))
+        }
+        Command::Client(ClientCommand::Grpc(args)) => runtime.block_on(client::run(args)),
+    }
+}

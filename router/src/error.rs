@@ -1,0 +1,124 @@
+//! The frontend's typed error: everything that can go wrong between a client's request and
+//! its last token, independent of the protocol.
+//!
+//! Each edge (HTTP in [`crate::openai::error`], gRPC in [`crate::grpc`]) maps a
+//! [`FrontendError`] to its own status codes; nothing here knows about HTTP or gRPC. Every
+//! variant caused by the client carries enough detail (offending parameter, lengths, names)
+//! for the client to fix its request without reading server logs.
+
+use baton_core::api::{EngineError, SubmitError};
+use baton_core::params::ParamError;
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FrontendError {
+    /// The request is malformed or a field is out of range.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The offending field as the client spelled it, when one is to blame.
+        param: Option<String>,
+        /// What is wrong and what was received.
+        message: String,
+    },
+    /// Prompt plus requested tokens exceed the model's context.
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt_tokens} in the messages/prompt, {max_tokens} in the completion). Please reduce the length of the messages/prompt or the completion.",
+        prompt_tokens + max_tokens
+    )]
+    ContextTooLong {
+        /// Tokens in the prompt.
+        prompt_tokens: usize,
+        /// Tokens requested for the completion.
+        max_tokens: usize,
+        /// The model's context length.
+        max_model_len: usize,
+    },
+    /// The request names a model this server does not serve.
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// The waiting queue is full; the client should retry later.
+    #[error("The server is at capacity ({waiting} requests waiting); retry later.")]
+    Overloaded {
+        /// Requests waiting when this one was refused.
+        waiting: usize,
+    },
+    /// The engine is not running.
+    #[error("The engine is unavailable: {0}")]
+    Unavailable(String),
+    /// The engine failed while running an accepted request.
+    #[error("The engine failed while generating: {0}")]
+    Engine(#[from] EngineError),
+    /// Tokenizer or template failure on server-side data (not the client's fault).
+    #[error("Internal error: {0}")]
+    Internal(String),
+}
+
+impl FrontendError {
+    /// A bad-request error blaming `param`.
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::InvalidRequest { param: Some(param.into()), message: message.into() }
+    }
+
+    /// A bad-request error with no single offending field.
+    pub fn invalid_request(message: impl Into<String>) -> Self {
+        Self::InvalidRequest { param: None, message: message.into() }
+    }
+
+    /// The offending parameter, if one is to blame.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Self::InvalidRequest { param, .. } => param.as_deref(),
+            Self::ContextTooLong { .. } => Some("max_tokens"),
+            Self::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    /// True when the client caused the failure (a 4xx in HTTP terms).
+    pub fn is_client_error(&self) -> bool {
+        matches!(self, Self::InvalidRequest { .. } | Self::ContextTooLong { .. } | Self::ModelNotFound(_))
+    }
+}
+
+impl From<ParamError> for FrontendError {
+    fn from(e: ParamError) -> Self {
+        Self::invalid(e.param, e.message)
+    }
+}
+
+impl From<SubmitError> for FrontendError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::InvalidParams(p) => p.into(),
+            SubmitError::InvalidPrompt(m) => Self::invalid("prompt", m),
+            SubmitError::ContextTooLong { prompt_tokens, max_tokens, max_model_len } => {
+                Self::ContextTooLong { prompt_tokens, max_tokens, max_model_len }
+            }
+            SubmitError::QueueFull { waiting } => Self::Overloaded { waiting },
+            SubmitError::Unavailable(m) => Self::Unavailable(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn submit_errors_keep_their_details() {
+        let e: FrontendError =
+            SubmitError::ContextTooLong { prompt_tokens: 30, max_tokens: 10, max_model_len: 32 }.into();
+        let msg = e.to_string();
+        assert!(msg.contains("32") && msg.contains("30") && msg.contains("10"), "{msg}");
+        assert_eq!(e.param(), Some("max_tokens"));
+        assert!(e.is_client_error());
+
+        let e: FrontendError = SubmitError::InvalidParams(ParamError::new("top_p", "bad top_p")).into();
+        assert_eq!(e.param(), Some("top_p"));
+        assert_eq!(e.to_string(), "bad top_p");
+
+        let e: FrontendError = SubmitError::QueueFull { waiting: 4 }.into();
+        assert_eq!(e, FrontendError::Overloaded { waiting: 4 });
+        assert!(!e.is_client_error());
+    }
+}

@@ -1,0 +1,199 @@
+//! The HTTP server's routes: the OpenAI-compatible `/v1/*` API (behind the optional API key),
+//! vLLM's `/tokenize` and `/detokenize`, and the open operational endpoints `/health` and
+//! `/metrics`.
+//!
+//! Invariants: every error response, including unknown routes, wrong methods, oversized
+//! bodies and authentication failures, has the OpenAI error shape; `/health` and `/metrics`
+//! never require the API key.
+
+use crate::error::FrontendError;
+use crate::openai::chat::chat_completions;
+use crate::openai::completions::completions;
+use crate::openai::error::ApiError;
+use crate::openai::extract::JsonBody;
+use crate::openai::protocol::{
+    DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+};
+use crate::openai::sse::unix_now;
+use crate::pipeline::{Frontend, PromptInput};
+use crate::text::ChatTurn;
+use axum::extract::{DefaultBodyLimit, FromRef, Request, State};
+use axum::http::{StatusCode, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use std::sync::Arc;
+
+/// Default request body limit (bytes).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// Options of the HTTP server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpConfig {
+    /// When set, `/v1/*` requires `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Largest accepted request body; larger ones get a 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        Self { api_key: None, max_body_bytes: DEFAULT_MAX_BODY_BYTES }
+    }
+}
+
+/// State shared by all handlers.
+#[derive(Clone)]
+pub struct AppState {
+    frontend: Frontend,
+    api_key: Option<Arc<str>>,
+    started: u64,
+}
+
+impl FromRef<AppState> for Frontend {
+    fn from_ref(state: &AppState) -> Frontend {
+        state.frontend.clone()
+    }
+}
+
+/// The full HTTP application for one served model.
+pub fn http_router(frontend: Frontend, config: HttpConfig) -> Router {
+    let state = AppState { frontend, api_key: config.api_key.map(Arc::from), started: unix_now() };
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .with_state(state)
+}
+
+/// Compares without an early exit, so response timing does not reveal how much of a guessed
+/// key was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let Some(expected) = &state.api_key else {
+        return next.run(request).await;
+    };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match presented {
+        Some(key) if constant_time_eq(key.as_bytes(), expected.as_bytes()) => next.run(request).await,
+        _ => ApiError::unauthorized().into_response(),
+    }
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::route_not_found(uri.path())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+async fn health(State(frontend): State<Frontend>) -> Response {
+    if frontend.engine().is_healthy() {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::from(FrontendError::Unavailable("the engine is not healthy".into())).into_response()
+    }
+}
+
+async fn metrics(State(frontend): State<Frontend>) -> Response {
+    let text = frontend.metrics().render(&frontend.engine().stats());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let model = state.frontend.model();
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: model.name.clone(),
+            object: "model",
+            created: state.started,
+            owned_by: "baton",
+            root: model.root.clone(),
+            parent: None,
+            max_model_len: state.frontend.info().max_model_len,
+        }],
+    })
+}
+
+async fn tokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<Json<TokenizeResponse>, ApiError> {
+    let request: TokenizeRequest = body.parse()?;
+    frontend.check_model(request.model.as_deref())?;
+    let prompt = match (request.prompt, request.messages) {
+        (Some(text), None) => {
+            PromptInput::Text { text, add_special_tokens: request.add_special_tokens.unwrap_or(true) }
+        }
+        (None, Some(messages)) => {
+            let turns = messages
+                .into_iter()
+                .map(|m| match m.content {
+                    None => Ok(ChatTurn { role: m.role, content: String::new() }),
+                    Some(crate::openai::protocol::MessageContent::Text(content)) => {
+                        Ok(ChatTurn { role: m.role, content })
+                    }
+                    Some(_) => Err(FrontendError::invalid("messages", "only string message content is supported here")),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            PromptInput::Chat { messages: turns, add_generation_prompt: request.add_generation_prompt.unwrap_or(true) }
+        }
+        _ => return Err(FrontendError::invalid_request("exactly one of `prompt` and `messages` is required").into()),
+    };
+    let (tokens, _) = frontend.tokenize(&prompt)?;
+    let codec = frontend.codec();
+    let token_strs =
+        request.return_token_strs.unwrap_or(false).then(|| tokens.iter().map(|&t| codec.vocab_string(t)).collect());
+    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: frontend.info().max_model_len, tokens, token_strs }))
+}
+
+async fn detokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let request: DetokenizeRequest = body.parse()?;
+    frontend.check_model(request.model.as_deref())?;
+    let vocab = frontend.info().vocab_size;
+    let ids = request
+        .tokens
+        .iter()
+        .map(|&t| match u32::try_from(t) {
+            Ok(id) if (id as usize) < vocab => Ok(id),
+            _ => {
+                Err(FrontendError::invalid("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")))
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Json(DetokenizeResponse { prompt: frontend.codec().decode(&ids, false)? }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

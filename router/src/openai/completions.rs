@@ -1,0 +1,258 @@
+//! `POST /v1/completions`: prompts as a string, a list of strings, token ids or a list of
+//! token-id lists; `echo`; legacy-format logprobs; streaming `text_completion` chunks.
+//!
+//! Every prompt is validated and tokenized before any is submitted, so one bad prompt in a
+//! batch fails the whole request without starting work. Choice `index` is
+//! `prompt_index * n + sample_index`, as OpenAI numbers them.
+
+use super::error::ApiError;
+use super::extract::JsonBody;
+use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs};
+use super::params::{EndpointParams, count, sampling_params, top_logprobs};
+use super::protocol::{
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, SamplingFields, Usage,
+    UsageField,
+};
+use super::sse::{ResponseMeta, done_event, error_event, json_event, sse_response};
+use super::stop_reason;
+use crate::error::FrontendError;
+use crate::generation::{ChoiceEnd, ChoiceEvent};
+use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use futures::stream::{BoxStream, StreamExt, select_all};
+
+/// vLLM's and OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+
+/// Handler of `POST /v1/completions`.
+pub async fn completions(State(frontend): State<Frontend>, body: JsonBody) -> Response {
+    match handle(frontend, body).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn token_ids(param: &str, ids: Vec<i64>) -> Result<Vec<u32>, FrontendError> {
+    ids.into_iter()
+        .map(|t| u32::try_from(t).map_err(|_| FrontendError::invalid(param, format!("{t} is not a valid token id"))))
+        .collect()
+}
+
+fn prompts(field: PromptField, add_special_tokens: bool) -> Result<Vec<PromptInput>, FrontendError> {
+    let text = |text: String| PromptInput::Text { text, add_special_tokens };
+    let prompts = match field {
+        PromptField::Text(t) => vec![text(t)],
+        PromptField::Texts(v) => v.into_iter().map(text).collect(),
+        PromptField::Tokens(ids) => vec![PromptInput::Tokens(token_ids("prompt", ids)?)],
+        PromptField::TokenLists(lists) => lists
+            .into_iter()
+            .enumerate()
+            .map(|(i, ids)| Ok(PromptInput::Tokens(token_ids(&format!("prompt[{i}]"), ids)?)))
+            .collect::<Result<_, FrontendError>>()?,
+    };
+    if prompts.is_empty() {
+        return Err(FrontendError::invalid("prompt", "prompt must not be an empty list"));
+    }
+    Ok(prompts)
+}
+
+/// Per-choice output state shared by the streaming and collecting paths.
+struct ChoiceOut {
+    logprobs: Option<CompletionLogprobsBuilder>,
+}
+
+async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError> {
+    let request: CompletionRequest = body.parse()?;
+    let fields: SamplingFields = body.parse()?;
+    frontend.check_model(fields.model.as_deref())?;
+    let logprobs = request.logprobs.map(|k| top_logprobs("logprobs", k)).transpose()?;
+    let echo = request.echo.unwrap_or(false);
+    if echo && logprobs.is_some() {
+        return Err(
+            FrontendError::invalid("echo", "echo together with logprobs (prompt logprobs) is not supported").into()
+        );
+    }
+    if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(FrontendError::invalid("suffix", "suffix is not supported").into());
+    }
+    let max_tokens = fields.max_tokens.map(|v| ("max_tokens", v));
+    let params = sampling_params(
+        &fields,
+        EndpointParams { max_tokens, default_max_tokens: Some(DEFAULT_MAX_TOKENS), logprobs },
+    )?;
+    if let Some(best_of) = request.best_of
+        && count("best_of", best_of)? != params.n
+    {
+        return Err(FrontendError::invalid("best_of", "best_of other than n is not supported").into());
+    }
+    let n = params.n;
+    let inputs = prompts(request.prompt, request.add_special_tokens.unwrap_or(true))?;
+    let prepared = inputs
+        .into_iter()
+        .map(|prompt| frontend.prepare(GenerateRequest::new(prompt, params.clone())))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut echoes = Vec::with_capacity(prepared.len());
+    let mut prompt_tokens = 0;
+    let mut generations = Vec::with_capacity(prepared.len());
+    for p in prepared {
+        let echo_text = match (echo, &p.prompt_text) {
+            (false, _) => String::new(),
+            (true, Some(text)) => text.clone(),
+            (true, None) => frontend.codec().decode(&p.prompt_token_ids, params.skip_special_tokens)?,
+        };
+        echoes.push(echo_text);
+        prompt_tokens += p.prompt_token_ids.len();
+        generations.push(frontend.start(p)?);
+    }
+    // One merged stream of (global choice index, event).
+    let merged: BoxStream<'static, (usize, ChoiceEvent)> = select_all(
+        generations
+            .into_iter()
+            .enumerate()
+            .map(|(p, g)| g.into_stream().map(move |e| (p * n + event_index(&e), e)).boxed()),
+    )
+    .boxed();
+    let outs: Vec<ChoiceOut> = (0..echoes.len() * n)
+        .map(|i| ChoiceOut {
+            logprobs: logprobs.map(|_| CompletionLogprobsBuilder::starting_at(echoes[i / n].chars().count())),
+        })
+        .collect();
+    let meta = ResponseMeta::new("cmpl", &frontend);
+    let echoes: Vec<String> = (0..echoes.len() * n).map(|i| echoes[i / n].clone()).collect();
+    if fields.stream.unwrap_or(false) {
+        let include_usage = fields.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        Ok(stream(frontend, merged, outs, echoes, meta, include_usage, prompt_tokens))
+    } else {
+        collect(frontend, merged, outs, echoes, meta, prompt_tokens).await
+    }
+}
+
+fn event_index(event: &ChoiceEvent) -> usize {
+    match event {
+        ChoiceEvent::Delta(d) => d.index,
+        ChoiceEvent::Finished(e) => e.index,
+        ChoiceEvent::Failed { index, .. } => *index,
+    }
+}
+
+async fn collect(
+    frontend: Frontend,
+    mut merged: BoxStream<'static, (usize, ChoiceEvent)>,
+    mut outs: Vec<ChoiceOut>,
+    mut texts: Vec<String>,
+    meta: ResponseMeta,
+    prompt_tokens: usize,
+) -> Result<Response, ApiError> {
+    let mut logprobs: Vec<Option<CompletionLogprobs>> =
+        outs.iter().map(|o| o.logprobs.as_ref().map(|_| CompletionLogprobs::default())).collect();
+    let mut ends: Vec<Option<ChoiceEnd>> = vec![None; texts.len()];
+    while let Some((index, event)) = merged.next().await {
+        match event {
+            ChoiceEvent::Delta(d) => {
+                if let Some(text) = texts.get_mut(index) {
+                    text.push_str(&d.text);
+                }
+                if let (Some(Some(builder)), Some(Some(acc))) =
+                    (outs.get_mut(index).map(|o| o.logprobs.as_mut()), logprobs.get_mut(index))
+                {
+                    extend_completion_logprobs(acc, builder.push(frontend.codec(), &d.logprobs));
+                }
+            }
+            ChoiceEvent::Finished(end) => {
+                if let Some(slot) = ends.get_mut(index) {
+                    *slot = Some(end);
+                }
+            }
+            ChoiceEvent::Failed { error, .. } => return Err(error.into()),
+        }
+    }
+    let completion_tokens = ends.iter().flatten().map(|e| e.completion_tokens).sum();
+    let choices = texts
+        .into_iter()
+        .zip(logprobs)
+        .zip(ends)
+        .enumerate()
+        .map(|(index, ((text, logprobs), end))| CompletionChoice {
+            index,
+            text,
+            logprobs,
+            finish_reason: end.as_ref().map(|e| e.reason.as_openai_str()),
+            stop_reason: end.as_ref().and_then(stop_reason),
+        })
+        .collect();
+    let response = CompletionResponse {
+        id: meta.id,
+        object: "text_completion",
+        created: meta.created,
+        model: meta.model,
+        choices,
+        usage: UsageField::Counts(Usage::new(prompt_tokens, completion_tokens)),
+    };
+    Ok(axum::Json(response).into_response())
+}
+
+fn stream(
+    frontend: Frontend,
+    mut merged: BoxStream<'static, (usize, ChoiceEvent)>,
+    mut outs: Vec<ChoiceOut>,
+    echoes: Vec<String>,
+    meta: ResponseMeta,
+    include_usage: bool,
+    prompt_tokens: usize,
+) -> Response {
+    let usage_field = if include_usage { UsageField::Null } else { UsageField::Absent };
+    let chunk = move |choices: Vec<CompletionChoice>, usage: UsageField| CompletionResponse {
+        id: meta.id.clone(),
+        object: "text_completion",
+        created: meta.created,
+        model: meta.model.clone(),
+        choices,
+        usage,
+    };
+    let events = async_stream::stream! {
+        for (index, echo) in echoes.into_iter().enumerate() {
+            if !echo.is_empty() {
+                let choice = CompletionChoice { index, text: echo, logprobs: None, finish_reason: None, stop_reason: None };
+                yield json_event(&chunk(vec![choice], usage_field));
+            }
+        }
+        let mut completion_tokens = 0;
+        while let Some((index, event)) = merged.next().await {
+            match event {
+                ChoiceEvent::Delta(d) => {
+                    let logprobs = outs
+                        .get_mut(index)
+                        .and_then(|o| o.logprobs.as_mut())
+                        .map(|b| b.push(frontend.codec(), &d.logprobs));
+                    if d.text.is_empty() && logprobs.as_ref().is_none_or(|l| l.tokens.is_empty()) {
+                        continue;
+                    }
+                    let choice = CompletionChoice { index, text: d.text, logprobs, finish_reason: None, stop_reason: None };
+                    yield json_event(&chunk(vec![choice], usage_field));
+                }
+                ChoiceEvent::Finished(end) => {
+                    completion_tokens += end.completion_tokens;
+                    let choice = CompletionChoice {
+                        index,
+                        text: String::new(),
+                        logprobs: None,
+                        finish_reason: Some(end.reason.as_openai_str()),
+                        stop_reason: stop_reason(&end),
+                    };
+                    yield json_event(&chunk(vec![choice], usage_field));
+                }
+                ChoiceEvent::Failed { error, .. } => {
+                    yield error_event(&ApiError::from(error));
+                    break;
+                }
+            }
+        }
+        if include_usage {
+            let usage = Usage::new(prompt_tokens, completion_tokens);
+            yield json_event(&chunk(Vec::new(), UsageField::Counts(usage)));
+        }
+        yield done_event();
+    };
+    sse_response(events)
+}

@@ -1,0 +1,221 @@
+//! The frontend pipeline shared by the HTTP and gRPC edges: validate → template → tokenize →
+//! check the context → fan out `n` → submit to the engine → a merged [`Generation`] stream.
+//!
+//! Invariants:
+//! - Nothing is submitted unless the whole request passed validation, so a bad request never
+//!   leaves engine work behind.
+//! - Every engine request this module submits is owned by exactly one [`Generation`]; dropping
+//!   the generation (client gone, handler cancelled) drops its `OutputStream`s, which aborts
+//!   the unfinished sequences and frees their KV blocks at once.
+//! - Protocol shapes (JSON, protobuf) never reach this module; errors are [`FrontendError`].
+
+use crate::error::FrontendError;
+use crate::generation::Generation;
+use crate::metrics::Metrics;
+use crate::text::{ChatTurn, ChoiceText, TextCodec};
+use baton_core::api::{EngineClient, EngineInfo, EngineRequest};
+use baton_core::params::SamplingParams;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// Raw text, tokenized as is.
+    Text {
+        /// The prompt.
+        text: String,
+        /// Add BOS and other special tokens the tokenizer's post-processor defines.
+        add_special_tokens: bool,
+    },
+    /// Already tokenized.
+    Tokens(Vec<u32>),
+    /// A conversation rendered through the model's chat template.
+    Chat {
+        /// The messages, oldest first.
+        messages: Vec<ChatTurn>,
+        /// End with the assistant header so the model answers.
+        add_generation_prompt: bool,
+    },
+}
+
+/// A protocol-neutral generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Sampling parameters; `n` is fanned out here, `max_tokens: None` means "up to the context".
+    pub params: SamplingParams,
+    /// When the request arrived, for latency metrics.
+    pub arrival: Instant,
+}
+
+impl GenerateRequest {
+    /// A request arriving now.
+    pub fn new(prompt: PromptInput, params: SamplingParams) -> Self {
+        Self { prompt, params, arrival: Instant::now() }
+    }
+}
+
+/// A request that passed validation and tokenization and fits the context; ready to submit.
+#[derive(Debug, Clone)]
+pub struct PreparedRequest {
+    /// The prompt's token ids (non-empty, all inside the vocabulary).
+    pub prompt_token_ids: Vec<u32>,
+    /// The prompt as text, when it was given as text or rendered from chat messages.
+    pub prompt_text: Option<String>,
+    /// Validated parameters with `max_tokens` resolved against the context.
+    pub params: SamplingParams,
+    /// When the request arrived.
+    pub arrival: Instant,
+}
+
+/// Names under which the model is served.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServedModel {
+    /// The name clients put in `model` (`--served-model-name`, else the model path).
+    pub name: String,
+    /// Where the model was loaded from (reported as `root` by `/v1/models`).
+    pub root: String,
+}
+
+/// The frontend of one served model: everything between a parsed request and engine streams.
+#[derive(Clone)]
+pub struct Frontend {
+    engine: Arc<dyn EngineClient>,
+    codec: Arc<TextCodec>,
+    model: ServedModel,
+    info: EngineInfo,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frontend").field("model", &self.model).field("info", &self.info).finish_non_exhaustive()
+    }
+}
+
+impl Frontend {
+    /// A frontend over `engine`, tokenizing with `codec` and recording into `metrics`.
+    pub fn new(
+        engine: Arc<dyn EngineClient>,
+        codec: Arc<TextCodec>,
+        model: ServedModel,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let info = engine.info();
+        Self { engine, codec, model, info, metrics }
+    }
+
+    /// The served model's names.
+    pub fn model(&self) -> &ServedModel {
+        &self.model
+    }
+
+    /// Static engine facts (context length, vocabulary, KV capacity).
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// The engine, for stats, health and aborts.
+    pub fn engine(&self) -> &Arc<dyn EngineClient> {
+        &self.engine
+    }
+
+    /// The tokenizer and chat template.
+    pub fn codec(&self) -> &TextCodec {
+        &self.codec
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Accepts a request that names no model or the served one; anything else is
+    /// [`FrontendError::ModelNotFound`].
+    pub fn check_model(&self, requested: Option<&str>) -> Result<(), FrontendError> {
+        match requested {
+            None => Ok(()),
+            Some(m) if m == self.model.name || m == self.model.root => Ok(()),
+            Some(m) => Err(FrontendError::ModelNotFound(m.to_owned())),
+        }
+    }
+
+    /// Turns a prompt input into token ids (and text, when there is one).
+    pub fn tokenize(&self, prompt: &PromptInput) -> Result<(Vec<u32>, Option<String>), FrontendError> {
+        match prompt {
+            PromptInput::Text { text, add_special_tokens } => {
+                Ok((self.codec.encode(text, *add_special_tokens)?, Some(text.clone())))
+            }
+            PromptInput::Tokens(ids) => Ok((ids.clone(), None)),
+            PromptInput::Chat { messages, add_generation_prompt } => {
+                if messages.is_empty() {
+                    return Err(FrontendError::invalid("messages", "messages must contain at least one message"));
+                }
+                let text = self.codec.render_chat(messages, *add_generation_prompt)?;
+                // The template already wrote BOS and the other special tokens it wants.
+                Ok((self.codec.encode(&text, false)?, Some(text)))
+            }
+        }
+    }
+
+    /// Validates, tokenizes and fits a request to the context without submitting it.
+    pub fn prepare(&self, request: GenerateRequest) -> Result<PreparedRequest, FrontendError> {
+        let vocab = self.info.vocab_size;
+        request.params.validate(vocab)?;
+        let (prompt_token_ids, prompt_text) = self.tokenize(&request.prompt)?;
+        if prompt_token_ids.is_empty() {
+            return Err(FrontendError::invalid("prompt", "the prompt is empty (0 tokens)"));
+        }
+        if let Some(bad) = prompt_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(FrontendError::invalid(
+                "prompt",
+                format!("prompt token id {bad} is outside the vocabulary (size {vocab})"),
+            ));
+        }
+        let max_model_len = self.info.max_model_len;
+        let prompt_tokens = prompt_token_ids.len();
+        let max_tokens = match request.params.max_tokens {
+            Some(m) => m,
+            None if prompt_tokens < max_model_len => max_model_len - prompt_tokens,
+            None => 1,
+        };
+        if prompt_tokens + max_tokens > max_model_len {
+            return Err(FrontendError::ContextTooLong { prompt_tokens, max_tokens, max_model_len });
+        }
+        let params = SamplingParams { max_tokens: Some(max_tokens), ..request.params };
+        Ok(PreparedRequest { prompt_token_ids, prompt_text, params, arrival: request.arrival })
+    }
+
+    /// Submits a prepared request: one engine request per choice, the 2nd..nth sharing the
+    /// first one's prompt blocks. If a later child is refused, the earlier ones are aborted (by
+    /// dropping their streams) and the error is returned.
+    pub fn start(&self, prepared: PreparedRequest) -> Result<Generation, FrontendError> {
+        let texts = (0..prepared.params.n)
+            .map(|_| ChoiceText::new(&self.codec, &prepared.params, &prepared.prompt_token_ids))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut streams = Vec::with_capacity(prepared.params.n);
+        let mut first = None;
+        for child in prepared.params.fan_out() {
+            let request = EngineRequest {
+                prompt_token_ids: prepared.prompt_token_ids.clone(),
+                params: child,
+                priority: 0,
+                share_prefix_with: first,
+                arrival: prepared.arrival,
+            };
+            let stream = self.engine.submit(request)?;
+            first.get_or_insert(stream.request_id());
+            streams.push(stream);
+        }
+        self.metrics.add_prompt_tokens(prepared.prompt_token_ids.len());
+        Ok(Generation::new(streams, texts, &prepared, self.metrics.clone()))
+    }
+
+    /// [`Frontend::prepare`] then [`Frontend::start`].
+    pub fn generate(&self, request: GenerateRequest) -> Result<Generation, FrontendError> {
+        let prepared = self.prepare(request)?;
+        self.start(prepared)
+    }
+}

@@ -1,0 +1,157 @@
+//! Text in and out of the model for the frontend: prompt encoding, chat templating, token
+//! display strings, and the per-choice output text (incremental detokenization followed by
+//! stop-string matching).
+//!
+//! This is the only module that talks to `baton_formats`' tokenizer types, so the rest of the
+//! router sees one small, stable surface. Tokenizer failures on client input become
+//! [`FrontendError::InvalidRequest`]; failures on server data (a broken template) are internal.
+
+use crate::error::FrontendError;
+use baton_core::params::SamplingParams;
+use baton_formats::{ChatMessage, ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
+
+/// One chat message, protocol-neutral.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTurn {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+/// The served model's tokenizer and chat template.
+pub struct TextCodec {
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for TextCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextCodec").field("has_chat_template", &self.chat_template.is_some()).finish()
+    }
+}
+
+impl TextCodec {
+    /// A codec over a tokenizer and, when the model has one, its chat template.
+    pub fn new(tokenizer: Tokenizer, chat_template: Option<ChatTemplate>) -> Self {
+        Self { tokenizer, chat_template }
+    }
+
+    /// Whether chat requests can be served.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Tokenizes `text`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, FrontendError> {
+        self.tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| FrontendError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
+    }
+
+    /// Decodes `ids` to text.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, FrontendError> {
+        self.tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| FrontendError::invalid("tokens", format!("cannot decode the tokens: {e}")))
+    }
+
+    /// The text of one token as OpenAI's logprobs show it (the token decoded on its own).
+    pub fn token_text(&self, id: u32) -> String {
+        match self.tokenizer.decode(&[id], false) {
+            Ok(s) => s,
+            Err(_) => self.tokenizer.token_to_string(id).unwrap_or_default(),
+        }
+    }
+
+    /// The vocabulary entry of one token (e.g. `Ġhello`), for `/tokenize`'s `token_strs`.
+    pub fn vocab_string(&self, id: u32) -> String {
+        self.tokenizer.token_to_string(id).unwrap_or_default()
+    }
+
+    /// Renders a conversation through the chat template.
+    pub fn render_chat(&self, turns: &[ChatTurn], add_generation_prompt: bool) -> Result<String, FrontendError> {
+        let template = self.chat_template.as_ref().ok_or_else(|| {
+            FrontendError::invalid(
+                "messages",
+                "this model has no chat template; use /v1/completions with a text prompt instead",
+            )
+        })?;
+        let messages: Vec<ChatMessage> =
+            turns.iter().map(|t| ChatMessage { role: t.role.clone(), content: t.content.clone() }).collect();
+        template
+            .render(&messages, add_generation_prompt)
+            .map_err(|e| FrontendError::invalid("messages", format!("cannot apply the chat template: {e}")))
+    }
+}
+
+/// Text produced by pushing one token.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PushedText {
+    /// Text that is now final.
+    pub text: String,
+    /// The stop string that matched, ending the choice.
+    pub stopped_by: Option<String>,
+}
+
+/// The output text of one choice: detokenizes token by token (UTF-8 safe) and applies stop
+/// strings, holding back text that could still turn out to be the start of a stop string.
+pub struct ChoiceText {
+    detok: IncrementalDetokenizer,
+    stop: Option<(StopMatcher, Vec<String>)>,
+    include_stop_str: bool,
+}
+
+fn internal(e: impl std::fmt::Display) -> FrontendError {
+    FrontendError::Internal(format!("detokenization failed: {e}"))
+}
+
+impl ChoiceText {
+    /// State for a new choice of a request with `params` (whose stop strings were validated).
+    pub fn new(codec: &TextCodec, params: &SamplingParams, prompt: &[u32]) -> Result<Self, FrontendError> {
+        let detok = IncrementalDetokenizer::new(codec.tokenizer.clone(), prompt, params.skip_special_tokens);
+        let stop = if params.stop.is_empty() {
+            None
+        } else {
+            let matcher = StopMatcher::new(&params.stop, params.include_stop_str_in_output)
+                .map_err(|e| FrontendError::invalid("stop", e.to_string()))?;
+            Some((matcher, params.stop.clone()))
+        };
+        Ok(Self { detok, stop, include_stop_str: params.include_stop_str_in_output })
+    }
+
+    /// Whether matched stop strings (and stop tokens) stay in the output.
+    pub fn include_stop_str(&self) -> bool {
+        self.include_stop_str
+    }
+
+    /// Feeds one generated token.
+    pub fn push(&mut self, token: u32) -> Result<PushedText, FrontendError> {
+        let delta = self.detok.push(token).map_err(internal)?;
+        Ok(match &mut self.stop {
+            None => PushedText { text: delta, stopped_by: None },
+            Some((matcher, stops)) => {
+                let out = matcher.push(&delta);
+                let stopped_by = match (out.stopped, out.matched) {
+                    (true, Some(i)) => stops.get(i).cloned(),
+                    (true, None) => Some(String::new()),
+                    (false, _) => None,
+                };
+                PushedText { text: out.text, stopped_by }
+            }
+        })
+    }
+
+    /// The text still held back once the choice ends without a stop-string match.
+    pub fn finish(&mut self) -> Result<String, FrontendError> {
+        let mut rest = self.detok.flush().map_err(internal)?;
+        if let Some((matcher, _)) = &mut self.stop {
+            let out = matcher.push(&rest);
+            rest = out.text;
+            if !out.stopped {
+                rest.push_str(&matcher.flush());
+            }
+        }
+        Ok(rest)
+    }
+}

@@ -1,0 +1,250 @@
+//! `baton serve` settings from three layers: command-line flags and `BATON_*` environment
+//! variables (both handled by clap in [`crate::cli`]), a TOML file (`--config`), and
+//! defaults. Precedence: flag > env > file > default.
+//!
+//! The file holds a `[serve]` table whose keys are the flag names with `_` for `-`
+//! (`max_model_len = 2048`). Unknown keys are an error, so a typo never silently falls back
+//! to a default.
+
+use crate::cli::ServeArgs;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// The default model, relative to the working directory.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Default HTTP port.
+pub const DEFAULT_PORT: u16 = 8000;
+/// Default gRPC port.
+pub const DEFAULT_GRPC_PORT: u16 = 50051;
+/// Default bind address.
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+
+/// A config-file problem.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or has unknown/mistyped keys.
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The TOML error, with line and column.
+        message: String,
+    },
+}
+
+/// The `[serve]` table of a config file; every key optional.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeFile {
+    /// See `--model`.
+    pub model: Option<PathBuf>,
+    /// See `--device`.
+    pub device: Option<String>,
+    /// See `--host`.
+    pub host: Option<String>,
+    /// See `--port`.
+    pub port: Option<u16>,
+    /// See `--grpc-port`.
+    pub grpc_port: Option<u16>,
+    /// See `--api-key`.
+    pub api_key: Option<String>,
+    /// See `--served-model-name`.
+    pub served_model_name: Option<String>,
+    /// See `--load-format`.
+    pub load_format: Option<String>,
+    /// See `--max-model-len`.
+    pub max_model_len: Option<usize>,
+    /// See `--max-num-seqs`.
+    pub max_num_seqs: Option<usize>,
+    /// See `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: Option<usize>,
+    /// See `--block-size`.
+    pub block_size: Option<usize>,
+    /// See `--num-kv-blocks`.
+    pub num_kv_blocks: Option<usize>,
+    /// See `--max-waiting`.
+    pub max_waiting: Option<usize>,
+    /// See `--disable-prefix-caching`.
+    pub disable_prefix_caching: Option<bool>,
+    /// See `--disable-chunked-prefill`.
+    pub disable_chunked_prefill: Option<bool>,
+    /// See `--threads`.
+    pub threads: Option<usize>,
+    /// See `--max-body-bytes`.
+    pub max_body_bytes: Option<usize>,
+}
+
+/// A whole config file. Other tables (e.g. a future `[router]`) are for other subcommands.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Settings of `baton serve`.
+    #[serde(default)]
+    pub serve: ServeFile,
+}
+
+impl ConfigFile {
+    /// Parses TOML text; `path` only names the source in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })
+    }
+
+    /// Reads and parses a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::parse(&text, path)
+    }
+}
+
+/// Fully resolved `serve` settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeSettings {
+    /// Model path.
+    pub model: PathBuf,
+    /// Whether `model` is the built-in default (changes the error when it is missing).
+    pub model_is_default: bool,
+    /// `auto`, `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// Bind address of both servers.
+    pub host: String,
+    /// HTTP port (0: any free port).
+    pub port: u16,
+    /// gRPC port (0: any free port).
+    pub grpc_port: u16,
+    /// Required bearer token for `/v1/*`.
+    pub api_key: Option<String>,
+    /// Name clients use in `model`.
+    pub served_model_name: Option<String>,
+    /// `auto`, `safetensors`, `gguf` or `dummy`.
+    pub load_format: String,
+    /// Context length cap (`None`: the model's).
+    pub max_model_len: Option<usize>,
+    /// Running sequences cap.
+    pub max_num_seqs: Option<usize>,
+    /// Tokens per engine step cap.
+    pub max_num_batched_tokens: Option<usize>,
+    /// Tokens per KV block.
+    pub block_size: Option<usize>,
+    /// KV blocks (`None`: sized from memory).
+    pub num_kv_blocks: Option<usize>,
+    /// Waiting-queue cap (beyond it: 429).
+    pub max_waiting: Option<usize>,
+    /// Turn the prefix cache off.
+    pub disable_prefix_caching: bool,
+    /// Prefill whole prompts in one step.
+    pub disable_chunked_prefill: bool,
+    /// CPU threads (`None`: all cores).
+    pub threads: Option<usize>,
+    /// Request body limit in bytes.
+    pub max_body_bytes: usize,
+}
+
+/// Merges flags/env (`args`) over the file over the defaults.
+pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
+    let model = args.model.clone().or_else(|| file.model.clone());
+    ServeSettings {
+        model_is_default: model.is_none(),
+        model: model.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
+        device: args.device.clone().or_else(|| file.device.clone()).unwrap_or_else(|| "auto".to_owned()),
+        host: args.host.clone().or_else(|| file.host.clone()).unwrap_or_else(|| DEFAULT_HOST.to_owned()),
+        port: args.port.or(file.port).unwrap_or(DEFAULT_PORT),
+        grpc_port: args.grpc_port.or(file.grpc_port).unwrap_or(DEFAULT_GRPC_PORT),
+        api_key: args.api_key.clone().or_else(|| file.api_key.clone()).filter(|k| !k.is_empty()),
+        served_model_name: args.served_model_name.clone().or_else(|| file.served_model_name.clone()),
+        load_format: args.load_format.clone().or_else(|| file.load_format.clone()).unwrap_or_else(|| "auto".to_owned()),
+        max_model_len: args.max_model_len.or(file.max_model_len),
+        max_num_seqs: args.max_num_seqs.or(file.max_num_seqs),
+        max_num_batched_tokens: args.max_num_batched_tokens.or(file.max_num_batched_tokens),
+        block_size: args.block_size.or(file.block_size),
+        num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
+        max_waiting: args.max_waiting.or(file.max_waiting),
+        disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
+        disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),
+        threads: args.threads.or(file.threads),
+        max_body_bytes: args
+            .max_body_bytes
+            .or(file.max_body_bytes)
+            .unwrap_or(baton_router::http::DEFAULT_MAX_BODY_BYTES),
+    }
+}
+
+/// Loads `--config` (if any) and resolves the settings.
+pub fn settings(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
+    let file = match &args.config {
+        Some(path) => ConfigFile::load(path)?.serve,
+        None => ServeFile::default(),
+    };
+    Ok(resolve(args, &file))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    fn serve_args(argv: &[&str]) -> ServeArgs {
+        let mut full = vec!["baton", "serve"];
+        full.extend_from_slice(argv);
+        match Cli::try_parse_from(full).expect("parses").command {
+            crate::cli::Command::Serve(args) => *args,
+            other => panic!("not serve: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_when_nothing_is_given() {
+        let s = resolve(&serve_args(&[]), &ServeFile::default());
+        assert_eq!(s.model, PathBuf::from(DEFAULT_MODEL));
+        assert!(s.model_is_default);
+        assert_eq!((s.host.as_str(), s.port, s.grpc_port), (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_GRPC_PORT));
+        assert_eq!((s.device.as_str(), s.load_format.as_str()), ("auto", "auto"));
+        assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_defaults() {
+        let file = ConfigFile::parse(
+            "[serve]\nport = 9000\ngrpc_port = 9001\nmax_model_len = 512\ndisable_prefix_caching = true\n",
+            Path::new("t.toml"),
+        )
+        .expect("valid")
+        .serve;
+        let s = resolve(&serve_args(&["--port", "7000", "--disable-prefix-caching=false"]), &file);
+        assert_eq!(s.port, 7000);
+        assert_eq!(s.grpc_port, 9001);
+        assert_eq!(s.max_model_len, Some(512));
+        assert!(!s.disable_prefix_caching);
+        let s = resolve(&serve_args(&["--disable-chunked-prefill"]), &file);
+        assert!(s.disable_chunked_prefill && s.disable_prefix_caching);
+    }
+
+    #[test]
+    fn bad_files_are_clear_errors() {
+        let err = ConfigFile::parse("[serve]\nmax_modle_len = 5\n", Path::new("x.toml")).expect_err("typo");
+        assert!(err.to_string().contains("max_modle_len"), "{err}");
+        let err = ConfigFile::parse("[serve]\nport = \"eighty\"\n", Path::new("x.toml")).expect_err("type");
+        assert!(err.to_string().contains("x.toml"), "{err}");
+        let err = ConfigFile::load(Path::new("/nonexistent/baton.toml")).expect_err("missing");
+        assert!(matches!(err, ConfigError::Read { .. }), "{err}");
+    }
+
+    #[test]
+    fn example_configs_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+        let unified = ConfigFile::load(&dir.join("unified.toml")).expect("configs/unified.toml parses");
+        let s = resolve(&serve_args(&[]), &unified.serve);
+        assert_eq!(s.port, DEFAULT_PORT);
+        assert_eq!(s.model, PathBuf::from(DEFAULT_MODEL));
+        assert_eq!(s.max_num_seqs, Some(64));
+    }
+}
