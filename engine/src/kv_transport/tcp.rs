@@ -326,7 +326,7 @@ mod tests {
             let mut incoming = listener.accept(&l, Duration::from_millis(300)).await.expect("accept");
             assert!(incoming.next_layer().await.expect("layer 0").is_some());
             let t = std::time::Instant::now();
-            let err = incoming.next_layer().await.err().expect("must time out");
+            let err = incoming.next_layer().await.expect_err("must time out");
             assert!(matches!(err, TransportError::Timeout(_, _)), "{err}");
             assert!(t.elapsed() < Duration::from_secs(2));
             sender.abort();
@@ -349,7 +349,7 @@ mod tests {
             let mut incoming = listener.accept(&l, Duration::from_secs(5)).await.expect("accept");
             sender.await.expect("join");
             assert!(incoming.next_layer().await.expect("layer 0").is_some());
-            let err = incoming.next_layer().await.err().expect("must fail");
+            let err = incoming.next_layer().await.expect_err("must fail");
             assert!(matches!(err, TransportError::Io(_)), "{err}");
         });
     }
