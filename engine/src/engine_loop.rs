@@ -196,6 +196,8 @@ impl EngineLoop {
         let mut logprobs: HashMap<RequestId, baton_core::api::TokenLogprob> =
             sampled.into_iter().filter_map(|(id, s)| s.logprobs.map(|l| (id, l))).collect();
         let updates = self.scheduler.update(&out, &pairs);
+        // Publish before sending, so a client that sees a token also sees the load it implies.
+        self.publish_stats();
         for u in updates {
             let Some(live) = self.live.get(&u.id) else { continue };
             let output = EngineOutput {
