@@ -11,6 +11,7 @@ pub mod batch;
 pub mod config;
 mod engine_loop;
 mod handle;
+pub mod kv_transport;
 pub mod model;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
@@ -48,16 +49,46 @@ pub enum EngineStartError {
     Thread(String),
 }
 
-/// Resolves `auto` to a concrete device. This build has only the CPU backend, so `auto`
-/// picks the CPU and an explicit CUDA device is refused with a clear reason.
+/// Resolves `auto` to a concrete device: CUDA device 0 when the CUDA driver library loads
+/// and reports at least one device, else the CPU; the choice and its reason are logged.
+/// `Cuda(n)` is checked the same way and refused with a clear reason when it cannot work.
 pub fn resolve_device(spec: DeviceSpec) -> Result<DeviceSpec, EngineStartError> {
     match spec {
-        DeviceSpec::Auto | DeviceSpec::Cpu => Ok(DeviceSpec::Cpu),
-        DeviceSpec::Cuda(_) => Err(EngineStartError::DeviceUnavailable {
-            device: spec,
-            reason: "this build has no CUDA backend yet; use --device cpu".into(),
-        }),
+        DeviceSpec::Cpu => Ok(DeviceSpec::Cpu),
+        DeviceSpec::Auto => match cuda_device_count() {
+            Ok(n) if n > 0 => {
+                tracing::info!(devices = n, "device auto: CUDA driver present, using cuda:0");
+                Ok(DeviceSpec::Cuda(0))
+            }
+            Ok(_) => {
+                tracing::info!("device auto: CUDA driver present but it reports no device, using the CPU");
+                Ok(DeviceSpec::Cpu)
+            }
+            Err(reason) => {
+                tracing::info!(%reason, "device auto: using the CPU");
+                Ok(DeviceSpec::Cpu)
+            }
+        },
+        DeviceSpec::Cuda(n) => match cuda_device_count() {
+            Ok(count) if n < count => Ok(spec),
+            Ok(count) => Err(EngineStartError::DeviceUnavailable {
+                device: spec,
+                reason: format!("the CUDA driver reports {count} device(s)"),
+            }),
+            Err(reason) => Err(EngineStartError::DeviceUnavailable { device: spec, reason }),
+        },
     }
+}
+
+/// Devices the CUDA driver reports; an error when the driver library is absent or fails.
+fn cuda_device_count() -> Result<usize, String> {
+    // Checked before any driver call: cudarc panics on a call into a library it cannot load.
+    if !baton_kernels::cuda::driver_present() {
+        return Err("no CUDA driver library (libcuda) on this machine".into());
+    }
+    cudarc::driver::CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .map_err(|e| format!("the CUDA driver failed to initialise: {e}"))
 }
 
 /// Loads `model` onto `device`, allocates the KV cache and starts the engine thread.
@@ -88,18 +119,21 @@ pub fn start_engine(
         .thread_name(|i| format!("baton-cpu-{i}"))
         .build()
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
-    let mut llama =
-        pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new()))?;
-    let per_block = llama.kv_shape(1, config.block_size).bytes_per_token(4) * config.block_size;
-    let num_blocks = config.num_kv_blocks.unwrap_or(config.kv_cache_memory_bytes / per_block.max(1));
-    let needed = max_model_len.div_ceil(config.block_size);
-    if num_blocks < needed {
-        return Err(EngineStartError::Config(format!(
-            "the KV cache has {num_blocks} blocks ({} tokens) but one sequence of max_model_len {max_model_len} needs {needed}; raise the KV budget or lower --max-model-len",
-            num_blocks * config.block_size
-        )));
-    }
-    llama.alloc_kv_cache(num_blocks, config.block_size)?;
+    let (model_box, num_blocks, device_name): (Box<dyn engine_loop::StepModel>, usize, String) = match device {
+        DeviceSpec::Cuda(ordinal) => {
+            let opts =
+                baton_kernels::cuda::CudaOptions { ordinal, cache_dir: baton_kernels::cuda::default_cache_dir() };
+            let backend = backend::cuda::CudaBackend::new(&opts)?;
+            let llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+            // bf16 KV cache: 2 bytes per element.
+            size_kv(llama, &config, max_model_len, 2)?
+        }
+        DeviceSpec::Cpu | DeviceSpec::Auto => {
+            let llama =
+                pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new()))?;
+            size_kv(llama, &config, max_model_len, 4)?
+        }
+    };
     let sched_cfg = SchedulerConfig {
         block_size: config.block_size,
         num_blocks,
@@ -124,7 +158,7 @@ pub fn start_engine(
         block_size: config.block_size,
         num_blocks,
         eos_token_ids: eos.clone(),
-        device: llama.device_name(),
+        device: device_name,
     };
     let shared = Arc::new(Shared {
         stats: Mutex::new(EngineStats { num_total_blocks: num_blocks, ..Default::default() }),
@@ -133,11 +167,49 @@ pub fn start_engine(
     });
     let (tx, rx) = std::sync::mpsc::channel();
     let vocab = cfg.vocab_size;
-    let engine = EngineLoop::new(scheduler, Box::new(llama), rx, shared.clone(), eos, vocab, pool);
+    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, vocab, pool);
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
         .spawn(move || engine.run())
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
     Ok(EngineHandle::new(tx, shared, info, config.max_waiting, thread))
+}
+
+/// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.
+fn size_kv<B: backend::Backend>(
+    mut llama: model::LlamaModel<B>,
+    config: &EngineConfig,
+    max_model_len: usize,
+    elem_bytes: usize,
+) -> Result<(Box<dyn engine_loop::StepModel>, usize, String), EngineStartError> {
+    let per_block = llama.kv_shape(1, config.block_size).bytes_per_token(elem_bytes) * config.block_size;
+    let num_blocks = config.num_kv_blocks.unwrap_or(config.kv_cache_memory_bytes / per_block.max(1));
+    let needed = max_model_len.div_ceil(config.block_size);
+    if num_blocks < needed {
+        return Err(EngineStartError::Config(format!(
+            "the KV cache has {num_blocks} blocks ({} tokens) but one sequence of max_model_len {max_model_len} needs {needed}; raise the KV budget or lower --max-model-len",
+            num_blocks * config.block_size
+        )));
+    }
+    llama.alloc_kv_cache(num_blocks, config.block_size)?;
+    let name = llama.device_name();
+    Ok((Box::new(llama), num_blocks, name))
+}
+
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+
+    #[test]
+    fn device_resolution_never_fails_for_auto_and_refuses_missing_gpus() {
+        // Holds with and without a GPU: auto always resolves to something usable, and no
+        // machine has device 4096.
+        let auto = resolve_device(DeviceSpec::Auto).expect("auto resolves");
+        assert!(matches!(auto, DeviceSpec::Cpu | DeviceSpec::Cuda(0)));
+        assert_eq!(auto == DeviceSpec::Cpu, cuda_device_count().map_or(true, |n| n == 0));
+        let err = resolve_device(DeviceSpec::Cuda(4096)).expect_err("device 4096 refused");
+        assert!(matches!(err, EngineStartError::DeviceUnavailable { .. }), "{err}");
+        assert_eq!(resolve_device(DeviceSpec::Cpu).expect("cpu"), DeviceSpec::Cpu);
+    }
 }

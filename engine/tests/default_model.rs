@@ -20,9 +20,8 @@ fn default_model_answers_a_chat_prompt() {
     let template = model.chat_template.as_ref().expect("GGUF chat template");
     let engine = engine(&model, EngineConfig { max_model_len: Some(2048), ..EngineConfig::default() });
     let ask = |q: &str| -> String {
-        let text = template
-            .render(&[ChatMessage { role: "user".into(), content: q.into() }], true)
-            .expect("render template");
+        let text =
+            template.render(&[ChatMessage { role: "user".into(), content: q.into() }], true).expect("render template");
         let ids = tok.encode(&text, false).expect("encode");
         let params = SamplingParams { max_tokens: Some(24), ..SamplingParams::greedy() };
         let s = engine.submit(EngineRequest::new(ids, params)).expect("submit");

@@ -2,11 +2,12 @@
 //!
 //! The Llama-family forward pass ([`crate::model`]) is written once against
 //! this trait; `cpu` implements it with the reference kernels of
-//! `baton-kernels`, and the CUDA backend implements the same ops on the GPU.
+//! `baton-kernels`, and `cuda` implements the same ops on the GPU (bf16 storage).
 //! A backend owns its buffers and the paged KV cache; the model owns only
 //! handles. Activations are row-major `tokens × features`.
 
 pub mod cpu;
+pub mod cuda;
 
 use baton_kernels::cpu::KernelError;
 

@@ -78,6 +78,11 @@ impl RopeTable {
         Ok(Self { inv_freq, head_dim })
     }
 
+    /// The `head_dim / 2` inverse frequencies, scaling applied (what the GPU kernels upload).
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
     /// Head dimension the table was built for.
     pub fn head_dim(&self) -> usize {
         self.head_dim

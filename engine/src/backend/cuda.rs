@@ -1,0 +1,349 @@
+//! The CUDA backend: bf16 weights, activations and paged KV cache on one GPU, f32
+//! arithmetic inside the kernels of `baton_kernels::cuda`, GEMMs through cuBLAS.
+//!
+//! Invariants: every op enqueues on the device's single stream, so ops are ordered without
+//! events; only `to_host` synchronizes (and so reports asynchronous kernel faults). Buffers
+//! only grow: after the largest step has run once, a step allocates nothing on the device.
+//! The per-step metadata (positions, cache slots, block tables) is built and uploaded once
+//! per batch layout and reused by every layer. Any CUDA failure is returned as
+//! [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
+
+use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use baton_kernels::cpu::{KernelError, RopeTable};
+use baton_kernels::cuda::{CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16};
+
+impl From<CudaError> for BackendError {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::Shape { op, message } => BackendError::Kernel(KernelError { op, message }),
+            other => BackendError::Device(other.to_string()),
+        }
+    }
+}
+
+/// An activation buffer: `len` live bf16 values in an allocation that may be larger.
+pub struct CudaBuf {
+    data: CudaSlice<bf16>,
+    len: usize,
+}
+
+impl CudaBuf {
+    /// Live elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no live elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A `rows × cols` row-major bf16 weight matrix on the device.
+pub struct CudaMat {
+    data: CudaSlice<bf16>,
+    rows: usize,
+    cols: usize,
+}
+
+/// The CUDA backend on one device.
+pub struct CudaBackend {
+    dev: CudaDevice,
+    ordinal: usize,
+    kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    geo: Option<KvGeometry>,
+    inv_freq: Option<CudaSlice<f64>>,
+    meta: StepMeta,
+    /// The batch layout `meta` was built for.
+    meta_for: Option<BatchLayout>,
+    ids: CudaSlice<u32>,
+    rows: CudaSlice<i32>,
+}
+
+fn to_bf16(data: &[f32]) -> Vec<bf16> {
+    data.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn kerr(op: &'static str, message: String) -> BackendError {
+    BackendError::Kernel(KernelError { op, message })
+}
+
+impl CudaBackend {
+    /// Opens the device in `opts` and compiles (or loads from the cache) the kernels.
+    pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
+        let dev = CudaDevice::open(opts)?;
+        let meta = StepMeta::new(&dev)?;
+        let ids = dev.alloc(64)?;
+        let rows = dev.alloc(64)?;
+        let (ms, cached) = dev.module_load();
+        tracing::info!(
+            device = dev.name(),
+            arch = dev.arch(),
+            module_ms = ms,
+            from_cache = cached,
+            "CUDA backend ready"
+        );
+        Ok(Self {
+            dev,
+            ordinal: opts.ordinal,
+            kv: Vec::new(),
+            geo: None,
+            inv_freq: None,
+            meta,
+            meta_for: None,
+            ids,
+            rows,
+        })
+    }
+
+    /// The underlying device (for tests and benchmarks).
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+
+    fn ensure(&self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
+        if buf.data.len() < len {
+            buf.data = self.dev.alloc(len.next_power_of_two())?;
+        }
+        buf.len = len;
+        Ok(())
+    }
+
+    fn geo(&self) -> Result<KvGeometry, BackendError> {
+        self.geo.ok_or_else(|| BackendError::Device("the KV cache was not allocated".into()))
+    }
+
+    /// Builds the step metadata unless it was built for this very layout (every layer of a
+    /// step passes the same layout).
+    fn step_meta(&mut self, batch: &BatchLayout) -> Result<(), BackendError> {
+        if self.meta_for.as_ref() == Some(batch) {
+            return Ok(());
+        }
+        let geo = self.geo()?;
+        let seqs: Vec<HostSeq<'_>> = batch
+            .seqs
+            .iter()
+            .map(|s| HostSeq {
+                row_start: s.row_start,
+                n_tokens: s.n_tokens,
+                start_pos: s.start_pos,
+                block_table: &s.block_table,
+            })
+            .collect();
+        self.meta_for = None;
+        self.meta.set(&self.dev, &seqs, batch.tokens.len(), geo.block_size, geo.num_blocks)?;
+        self.meta_for = Some(batch.clone());
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Mat = CudaMat;
+
+    fn device_name(&self) -> String {
+        format!("cuda:{}", self.ordinal)
+    }
+
+    fn upload_mat(&mut self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CudaMat, BackendError> {
+        if data.len() != rows * cols {
+            return Err(kerr("upload_mat", format!("{} values for a {rows}×{cols} matrix", data.len())));
+        }
+        Ok(CudaMat { data: self.dev.upload(&to_bf16(&data))?, rows, cols })
+    }
+
+    fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {
+        Ok(CudaBuf { data: self.dev.upload(&to_bf16(&data))?, len: data.len() })
+    }
+
+    fn alloc(&mut self, len: usize) -> Result<CudaBuf, BackendError> {
+        Ok(CudaBuf { data: self.dev.alloc(len.max(1))?, len })
+    }
+
+    fn resize(&mut self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
+        if buf.data.len() < len {
+            // Keep the live prefix, as the CPU backend's Vec::resize does.
+            let mut bigger = self.dev.alloc::<bf16>(len.next_power_of_two())?;
+            self.dev.copy(&buf.data, &mut bigger, buf.len)?;
+            buf.data = bigger;
+        }
+        buf.len = len;
+        Ok(())
+    }
+
+    fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError> {
+        let geo = KvGeometry {
+            num_blocks: shape.num_blocks,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        // Free the old cache before allocating the new one.
+        self.kv.clear();
+        self.geo = None;
+        self.meta_for = None;
+        let n = geo.layer_len();
+        for _ in 0..shape.num_layers {
+            self.kv.push((self.dev.alloc(n)?, self.dev.alloc(n)?));
+        }
+        self.geo = Some(geo);
+        Ok(())
+    }
+
+    fn embed(&mut self, tokens: &[u32], table: &CudaMat, out: &mut CudaBuf) -> Result<(), BackendError> {
+        self.ensure(out, tokens.len() * table.cols)?;
+        Ok(self.dev.embed(tokens, &mut self.ids, &table.data, table.rows, table.cols, &mut out.data)?)
+    }
+
+    fn linear(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        w: &CudaMat,
+        bias: Option<&CudaBuf>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        if x.len < m * w.cols {
+            return Err(kerr("linear", format!("input has {} values, need {m}×{}", x.len, w.cols)));
+        }
+        self.ensure(out, m * w.rows)?;
+        self.dev.linear(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
+        if let Some(b) = bias {
+            if b.len != w.rows {
+                return Err(kerr("linear", format!("bias has {} values for {} outputs", b.len, w.rows)));
+            }
+            self.dev.bias_add(&mut out.data, &b.data, m, w.rows)?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&mut self, x: &CudaBuf, weight: &CudaBuf, eps: f32, out: &mut CudaBuf) -> Result<(), BackendError> {
+        let d = weight.len;
+        if d == 0 || !x.len.is_multiple_of(d) {
+            return Err(kerr("rms_norm", format!("x {} values, weight {d}", x.len)));
+        }
+        self.ensure(out, x.len)?;
+        Ok(self.dev.rms_norm(&x.data, &weight.data, x.len / d, d, eps, &mut out.data)?)
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        residual: &mut CudaBuf,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        eps: f32,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let d = weight.len;
+        if d == 0 || !x.len.is_multiple_of(d) || residual.len != x.len {
+            return Err(kerr("add_rms_norm", format!("residual {}, x {}, weight {d}", residual.len, x.len)));
+        }
+        self.ensure(out, x.len)?;
+        Ok(self.dev.add_rms_norm(&mut residual.data, &x.data, &weight.data, x.len / d, d, eps, &mut out.data)?)
+    }
+
+    fn rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        q: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &CudaBuf,
+        n_heads: usize,
+        batch: &BatchLayout,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let rows = batch.tokens.len();
+        let kvw = geo.n_kv_heads * geo.head_dim;
+        if q.len != rows * n_heads * geo.head_dim || k.len != rows * kvw || v.len != rows * kvw {
+            return Err(kerr(
+                "rope_and_write_kv",
+                format!("q {} k {} v {} values for {rows} rows", q.len, k.len, v.len),
+            ));
+        }
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        Ok(self.dev.rope_write_kv(&mut q.data, &mut k.data, &v.data, kc, vc, &self.meta, inv, n_heads, geo)?)
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &CudaBuf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let width = n_heads * geo.head_dim;
+        if q.len != rows * width {
+            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
+        }
+        self.ensure(out, rows * width)?;
+        let (kc, vc) =
+            self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        Ok(self.dev.attention(&q.data, kc, vc, &self.meta, n_heads, geo, scale, &mut out.data)?)
+    }
+
+    fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
+        if d == 0 || !gate_up.len.is_multiple_of(2 * d) {
+            return Err(kerr("silu_mul", format!("{} values is not rows of width {}", gate_up.len, 2 * d)));
+        }
+        let rows = gate_up.len / (2 * d);
+        self.ensure(out, rows * d)?;
+        Ok(self.dev.silu_mul(&gate_up.data, rows, d, &mut out.data)?)
+    }
+
+    fn gather_rows(
+        &mut self,
+        x: &CudaBuf,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        if width == 0 || !x.len.is_multiple_of(width) {
+            return Err(kerr("gather_rows", format!("{} values is not rows of width {width}", x.len)));
+        }
+        self.ensure(out, rows.len() * width)?;
+        Ok(self.dev.gather_rows(&x.data, x.len / width, width, rows, &mut self.rows, &mut out.data)?)
+    }
+
+    fn split3(
+        &mut self,
+        x: &CudaBuf,
+        (wa, wb, wc): (usize, usize, usize),
+        a: &mut CudaBuf,
+        b: &mut CudaBuf,
+        c: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let w = wa + wb + wc;
+        if w == 0 || !x.len.is_multiple_of(w) {
+            return Err(kerr("split3", format!("{} values is not a multiple of {w}", x.len)));
+        }
+        let rows = x.len / w;
+        self.ensure(a, rows * wa)?;
+        self.ensure(b, rows * wb)?;
+        self.ensure(c, rows * wc)?;
+        self.dev.copy_cols(&x.data, rows, w, 0, &mut a.data, wa)?;
+        self.dev.copy_cols(&x.data, rows, w, wa, &mut b.data, wb)?;
+        self.dev.copy_cols(&x.data, rows, w, wa + wb, &mut c.data, wc)?;
+        Ok(())
+    }
+
+    fn to_host(&mut self, buf: &CudaBuf, len: usize) -> Result<Vec<f32>, BackendError> {
+        if len > buf.len {
+            return Err(kerr("to_host", format!("{len} values requested from a buffer of {}", buf.len)));
+        }
+        let v = self.dev.download(&buf.data, len)?;
+        Ok(v.iter().map(|x| x.to_f32()).collect())
+    }
+
+    fn set_rope(&mut self, table: RopeTable) -> Result<(), BackendError> {
+        self.inv_freq = Some(self.dev.upload(table.inv_freq())?);
+        Ok(())
+    }
+}

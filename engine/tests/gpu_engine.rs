@@ -1,0 +1,125 @@
+//! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
+//! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling), written and loaded
+//! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU.
+//!
+//! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
+//! argmax can legitimately flip where the CPU's top two tokens are within rounding of each
+//! other. The rule: tokens must be identical, except that at the first divergence (after
+//! which the continuations are different sequences) the CPU must rate the GPU's token within
+//! `NEAR_TIE` nats of its own choice. Every divergence is printed.
+//!
+//! Named `gpu_*`: excluded from CI by name, and they FAIL when no GPU is present.
+
+mod common;
+
+use baton_core::api::{EngineClient, EngineRequest};
+use baton_core::params::SamplingParams;
+use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, resolve_device, start_engine};
+use baton_formats::testing::TinySpec;
+use common::{drain, prompt, tiny};
+
+/// Largest CPU logprob gap between the CPU's and the GPU's token that counts as a near tie,
+/// and largest logprob difference allowed on tokens both chose (nats).
+const NEAR_TIE: f32 = 0.03;
+const MAX_TOKENS: usize = 24;
+
+fn start(model: &baton_formats::LoadedModel, device: DeviceSpec) -> EngineHandle {
+    let cfg = EngineConfig {
+        num_threads: Some(2),
+        num_kv_blocks: Some(256),
+        max_model_len: Some(512),
+        ..EngineConfig::default()
+    };
+    start_engine(model, device, cfg).unwrap_or_else(|e| panic!("start on {device}: {e}"))
+}
+
+fn params() -> SamplingParams {
+    SamplingParams { max_tokens: Some(MAX_TOKENS), ignore_eos: true, logprobs: Some(5), ..SamplingParams::greedy() }
+}
+
+/// (tokens, per-token (logprob of the chosen token, top alternatives)).
+type Run = (Vec<u32>, Vec<(f32, Vec<(u32, f32)>)>);
+
+/// Submits every prompt at once (so the engine batches prefill chunks with decode rows) and
+/// collects each result.
+fn run_all(engine: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Run> {
+    let streams: Vec<_> =
+        prompts.iter().map(|p| engine.submit(EngineRequest::new(p.clone(), params())).expect("submit")).collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            let (toks, outs, _) = drain(s);
+            let lps = outs.iter().flat_map(|o| o.logprobs.iter().map(|l| (l.logprob, l.top.clone()))).collect();
+            (toks, lps)
+        })
+        .collect()
+}
+
+fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
+    let mut identical = 0;
+    let mut worst = 0.0f32;
+    for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+        assert_eq!(c.0.len(), MAX_TOKENS, "{name} prompt {i}: cpu length");
+        assert_eq!(g.0.len(), MAX_TOKENS, "{name} prompt {i}: gpu length");
+        // Up to the first divergence both ran the same sequence: their logprobs must agree.
+        let same = c.0.iter().zip(&g.0).take_while(|(a, b)| a == b).count();
+        for (t, (lc, lg)) in c.1.iter().zip(&g.1).take(same).enumerate() {
+            let d = (lc.0 - lg.0).abs();
+            worst = worst.max(d);
+            assert!(d < NEAR_TIE, "{name} prompt {i} token {t}: logprob cpu {} gpu {}", lc.0, lg.0);
+        }
+        match c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
+            None => identical += 1,
+            Some(t) => {
+                let (own, top) = &c.1[t];
+                let gpu_tok = g.0[t];
+                let alt = top.iter().find(|(id, _)| *id == gpu_tok).map(|x| x.1);
+                println!(
+                    "{name} prompt {i}: diverges at token {t}: cpu {} ({own:.4}) gpu {gpu_tok} (cpu logprob {alt:?})",
+                    c.0[t]
+                );
+                let alt = alt.unwrap_or_else(|| panic!("{name} prompt {i}: gpu token {gpu_tok} not in cpu top-5"));
+                assert!(own - alt < NEAR_TIE, "{name} prompt {i} token {t}: not a near tie ({own} vs {alt})");
+            }
+        }
+    }
+    println!(
+        "{name}: {identical}/{} prompts identical for {MAX_TOKENS} tokens; largest logprob gap on shared tokens {worst:.4}",
+        cpu.len()
+    );
+    identical
+}
+
+#[test]
+fn gpu_tiny_models_greedy_match_cpu() {
+    let mut identical = 0;
+    let mut total = 0;
+    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+        let m = tiny(&spec);
+        let vocab = m.model.config.vocab_size;
+        // Lengths off the block size (16), one longer than a block table's first blocks.
+        let prompts: Vec<Vec<u32>> =
+            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
+        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu), &prompts);
+        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
+        assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
+        let gpu = run_all(&gpu_engine, &prompts);
+        identical += compare(name, &cpu, &gpu);
+        total += prompts.len();
+        // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
+        let again = run_all(&gpu_engine, &prompts);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again);
+    }
+    // The tiny random models are nearly flat (top logprob ≈ -4.4 over 384 tokens), so near
+    // ties are common (about half the prompts meet one within 24 tokens); every divergence
+    // was checked above to be one. A broken kernel diverges at once and far from a tie; a
+    // third of the prompts identical end to end is the floor (9/18 seen on an H100).
+    println!("{identical}/{total} prompts identical for all {MAX_TOKENS} tokens");
+    assert!(identical * 3 >= total, "only {identical}/{total} prompts identical");
+}
+
+#[test]
+fn gpu_auto_device_picks_cuda() {
+    assert_eq!(resolve_device(DeviceSpec::Auto).expect("resolve"), DeviceSpec::Cuda(0));
+    assert!(resolve_device(DeviceSpec::Cuda(4096)).is_err(), "a missing ordinal must be refused");
+}

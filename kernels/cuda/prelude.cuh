@@ -1,0 +1,36 @@
+// Shared device helpers for every Baton kernel. Prepended to each kernel source by the
+// Rust loader (NVRTC compiles one translation unit), so it needs no include paths.
+// bf16 is carried as its raw 16 bits: conversion is a shift one way and a
+// round-to-nearest-even the other, so no toolkit header is needed at run time.
+
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float bf2f(bf16_t v) { return __uint_as_float(((unsigned)v) << 16); }
+
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    v = warp_sum(v);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? partial[lane] : 0.f;
+    return warp_sum(t);
+}
+
+// NVRTC has no math.h; -inf spelled through its bit pattern.
+#define NEG_INF __int_as_float(0xff800000)

@@ -1,0 +1,204 @@
+//! First measurements of the CUDA kernels (a benchmark program, not a test):
+//!
+//! 1. the device-to-device copy bandwidth (the ceiling), counting bytes read plus written;
+//! 2. paged decode attention at the Llama-3.1-8B shape (32 query heads, 8 KV heads,
+//!    head_dim 128, block size 16, bf16 cache) for several batches and context lengths;
+//!    fewest bytes = every K and V element of every sequence read once, plus q and out;
+//!    FLOPs = 4 · batch · heads · ctx · head_dim;
+//! 3. the bf16 GEMM (cuBLAS, our `linear`) at the model's decode shapes, with the weight
+//!    bytes as the fewest bytes (`M · K + N · K + M · N` elements) and `2 · M · N · K` FLOPs,
+//!    plus one 8192³ product as the matrix-unit ceiling.
+//!
+//! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
+//! zeros); weights rotate among copies so that no shape is served from L2.
+//!
+//! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
+
+use baton_kernels::cuda::{
+    ATTN_DEFAULT, ATTN_VARIANTS, CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16,
+};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use std::fmt::Write as _;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median milliseconds of `reps` timed calls of `f` after `warm` untimed ones.
+fn time_ms(
+    dev: &CudaDevice,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for i in 0..warm {
+        f(i)?;
+    }
+    dev.synchronize()?;
+    let mut out = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let a = dev.event()?;
+        let b = dev.event()?;
+        a.record(dev.stream())?;
+        f(i)?;
+        b.record(dev.stream())?;
+        b.synchronize()?;
+        out.push(a.elapsed_ms(&b)? as f64);
+    }
+    Ok(median(out))
+}
+
+/// A device buffer of `n` random bf16 values in [-1, 1], built from a 16 Mi-element random
+/// tile copied repeatedly (generating gigabytes on the host would dominate the run).
+fn random_bf16(dev: &CudaDevice, r: &mut StdRng, n: usize) -> Result<CudaSlice<bf16>, CudaError> {
+    let tile_len = n.min(1 << 24);
+    let tile: Vec<bf16> = (0..tile_len).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
+    let tile = dev.upload(&tile)?;
+    let mut out = dev.alloc::<bf16>(n)?;
+    let mut off = 0;
+    while off < n {
+        let len = tile_len.min(n - off);
+        let mut dst = out.slice_mut(off..off + len);
+        dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst)?;
+        off += len;
+    }
+    Ok(out)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("cuda_bench failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), CudaError> {
+    let args: Vec<String> = std::env::args().collect();
+    let out_path = args.get(1).cloned().unwrap_or_else(|| "cuda_bench.json".into());
+    let commit = args.get(2).cloned().unwrap_or_default();
+    let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None })?;
+    let mut r = StdRng::seed_from_u64(0x5eed);
+    let mut table = String::new();
+    let mut json = Vec::new();
+    println!("device {} ({})", dev.name(), dev.arch());
+
+    // 1. Copy bandwidth: 1 GiB source, bytes read + written.
+    let n = 1usize << 29; // bf16 elements = 1 GiB
+    let src = random_bf16(&dev, &mut r, n)?;
+    let mut dst = dev.alloc::<bf16>(n)?;
+    let ms = time_ms(&dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
+    let copy_gbs = 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9;
+    drop((src, dst));
+    writeln!(table, "copy 1 GiB d2d: {ms:.3} ms, {copy_gbs:.0} GB/s (read+write)").ok();
+    json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"ms\":{ms:.4},\"gb_s\":{copy_gbs:.1}}}"));
+
+    // 2. Paged decode attention, Llama-3.1-8B shape.
+    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
+    writeln!(
+        table,
+        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = (warps, unroll, heads/block, prefetch), * = default\n variant      batch   ctx     us    GB/s  %copy  TFLOP/s"
+    )
+    .ok();
+    for &(batch, ctx) in &[(1usize, 2048usize), (1, 8192), (32, 2048), (32, 4096), (64, 2048), (64, 8192), (128, 4096)]
+    {
+        let blocks_per = ctx.div_ceil(bs);
+        let num_blocks = batch * blocks_per;
+        let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let kc = random_bf16(&dev, &mut r, geo.layer_len())?;
+        let vc = random_bf16(&dev, &mut r, geo.layer_len())?;
+        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..pool.len()).rev() {
+            pool.swap(i, r.random_range(0..=i));
+        }
+        let tables: Vec<Vec<u32>> = pool.chunks(blocks_per).map(|c| c.to_vec()).collect();
+        let seqs: Vec<HostSeq<'_>> = tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| HostSeq { row_start: i, n_tokens: 1, start_pos: ctx - 1, block_table: t })
+            .collect();
+        let mut meta = StepMeta::new(&dev)?;
+        meta.set(&dev, &seqs, batch, bs, num_blocks)?;
+        let q = random_bf16(&dev, &mut r, batch * nh * hd)?;
+        let mut o = dev.alloc::<bf16>(batch * nh * hd)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let bytes = (2 * batch * ctx * nkv * hd + 2 * batch * nh * hd) * 2;
+        let flops = 4.0 * (batch * nh * ctx * hd) as f64;
+        for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
+            let ms = time_ms(&dev, 3, 20, |_| dev.attention_variant(vi, &q, &kc, &vc, &meta, nh, geo, scale, &mut o))?;
+            let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+            let tf = flops / (ms * 1e-3) / 1e12;
+            let mark = if vi == ATTN_DEFAULT { '*' } else { ' ' };
+            let tag = format!("({},{},{},{}){mark}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch));
+            writeln!(
+                table,
+                " {tag:13} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}",
+                ms * 1e3,
+                100.0 * gbs / copy_gbs
+            )
+            .ok();
+            json.push(format!(
+                "{{\"name\":\"decode_attention\",\"variant\":\"w{}_u{}_g{}_p{}\",\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
+                v.warps,
+                v.unroll,
+                v.max_group,
+                u8::from(v.prefetch),
+                ms * 1e3,
+                gbs / copy_gbs
+            ));
+        }
+    }
+
+    // 3. GEMM through cuBLAS at the decode shapes (N, K) of Llama-3.1-8B.
+    writeln!(table, "\nGEMM bf16 (cuBLAS) out = x·Wᵀ\n shape          M      us  TFLOP/s  weight GB/s  %copy").ok();
+    let shapes = [
+        ("qkv", 6144usize, 4096usize),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+        ("lm_head", 128256, 4096),
+    ];
+    for &(name, nn, k) in &shapes {
+        // Enough weight copies to exceed ~256 MB so successive calls miss L2.
+        let copies = (256usize << 20).div_ceil(nn * k * 2).clamp(1, 8);
+        let ws: Vec<CudaSlice<bf16>> =
+            (0..copies).map(|_| random_bf16(&dev, &mut r, nn * k)).collect::<Result<_, _>>()?;
+        for &m in &[1usize, 8, 32, 128, 256] {
+            let x = random_bf16(&dev, &mut r, m * k)?;
+            let mut o = dev.alloc::<bf16>(m * nn)?;
+            let ms = time_ms(&dev, 3, 20, |i| dev.linear(&x, m, k, &ws[i % copies], nn, &mut o))?;
+            let flops = 2.0 * (m * nn * k) as f64;
+            let bytes = ((m * k + nn * k + m * nn) * 2) as f64;
+            let tf = flops / (ms * 1e-3) / 1e12;
+            let gbs = bytes / (ms * 1e-3) / 1e9;
+            writeln!(table, " {name:8} {m:7} {:7.1} {tf:8.1} {gbs:12.0} {:5.1}%", ms * 1e3, 100.0 * gbs / copy_gbs)
+                .ok();
+            json.push(format!(
+                "{{\"name\":\"gemm\",\"shape\":\"{name}\",\"m\":{m},\"n\":{nn},\"k\":{k},\"us\":{:.2},\"tflop_s\":{tf:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4}}}",
+                ms * 1e3,
+                gbs / copy_gbs
+            ));
+        }
+    }
+    let big = 8192usize;
+    let a = random_bf16(&dev, &mut r, big * big)?;
+    let b = random_bf16(&dev, &mut r, big * big)?;
+    let mut c = dev.alloc::<bf16>(big * big)?;
+    let ms = time_ms(&dev, 3, 10, |_| dev.linear(&a, big, big, &b, big, &mut c))?;
+    let tf = 2.0 * (big as f64).powi(3) / (ms * 1e-3) / 1e12;
+    writeln!(table, " 8192^3 ceiling: {ms:.3} ms, {tf:.0} TFLOP/s").ok();
+    json.push(format!("{{\"name\":\"gemm_8192_cubed\",\"ms\":{ms:.4},\"tflop_s\":{tf:.1}}}"));
+
+    let (cms, cached) = dev.module_load();
+    let doc = format!(
+        "{{\"benchmark\":\"cuda-kernels\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},\"results\":[\n{}\n]}}\n",
+        dev.name(),
+        dev.arch(),
+        args.join(" "),
+        json.join(",\n")
+    );
+    std::fs::write(&out_path, doc)
+        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    println!("{table}");
+    Ok(())
+}

@@ -1,0 +1,650 @@
+//! Typed launchers for the kernels of `kernels/cuda/*.cu`, plus the per-step metadata the
+//! paged kernels read (positions, cache slots, context lengths, block tables).
+//!
+//! Every launcher checks its element counts against the slices it is given before it
+//! enqueues anything, so a shape bug is a [`CudaError::Shape`], never an out-of-bounds
+//! access. Values that index memory inside a kernel (token ids, gathered rows, block ids)
+//! are validated on the host before they are uploaded, which is why those launchers take
+//! host data. Slices may be longer than the op needs (buffers grow and are reused).
+
+use super::{CudaDevice, CudaError, shape_check};
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+const THREADS: u32 = 256;
+
+fn grid_for(total: usize) -> u32 {
+    // Grid-stride kernels: enough blocks to fill any current GPU several times over.
+    total.div_ceil(THREADS as usize).clamp(1, 65_535) as u32
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn int(op: &'static str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Shape { op, message: format!("{v} does not fit a 32-bit index") })
+}
+
+fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) -> Result<(), CudaError> {
+    shape_check(op, s.len() >= n, || format!("{what} has {} elements, needs {n}", s.len()))
+}
+
+/// One compiled shape of the paged attention kernel: warps per block, tokens each warp loads
+/// before using them, and query heads per block (the GQA group is split across blocks when
+/// it is larger).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnVariant {
+    /// Warps per block.
+    pub warps: u32,
+    /// Tokens in flight per warp.
+    pub unroll: u32,
+    /// Query heads per block.
+    pub max_group: u32,
+    /// Block ids loaded one iteration ahead.
+    pub prefetch: bool,
+}
+
+impl AttnVariant {
+    /// The kernel's name for `head_dim` (see `ATT_INSTANCE` in attention.cu).
+    pub fn kernel_name(&self, head_dim: usize) -> String {
+        let p = u8::from(self.prefetch);
+        format!("paged_attention_hd{head_dim}_w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
+    }
+}
+
+/// Every instantiated variant, in the order of `ATT_VARIANTS` in attention.cu.
+pub const ATTN_VARIANTS: [AttnVariant; 8] = [
+    AttnVariant { warps: 8, unroll: 4, max_group: 8, prefetch: false },
+    AttnVariant { warps: 8, unroll: 8, max_group: 8, prefetch: false },
+    AttnVariant { warps: 8, unroll: 4, max_group: 4, prefetch: false },
+    AttnVariant { warps: 8, unroll: 8, max_group: 4, prefetch: false },
+    AttnVariant { warps: 4, unroll: 8, max_group: 4, prefetch: false },
+    AttnVariant { warps: 8, unroll: 4, max_group: 4, prefetch: true },
+    AttnVariant { warps: 8, unroll: 8, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: true },
+];
+
+/// The variant [`CudaDevice::attention`] uses: (8 warps, 4 tokens, 4 heads, prefetch), the
+/// fastest at every measured decode shape on an H100 (bench/results/cuda-kernels-*).
+pub const ATTN_DEFAULT: usize = 5;
+
+/// Where one sequence's chunk sits in the batch and in the paged cache (host side).
+#[derive(Debug, Clone, Copy)]
+pub struct HostSeq<'a> {
+    /// First activation row of the chunk.
+    pub row_start: usize,
+    /// Rows in the chunk.
+    pub n_tokens: usize,
+    /// Tokens already cached before the chunk.
+    pub start_pos: usize,
+    /// Physical block of each logical block.
+    pub block_table: &'a [u32],
+}
+
+/// Per-row metadata of one step for the KV write and the attention kernels, validated on
+/// the host and kept on the device. Its buffers grow and are reused across steps.
+pub struct StepMeta {
+    rows: usize,
+    block_size: usize,
+    num_blocks: usize,
+    positions: CudaSlice<i32>,
+    slots: CudaSlice<i64>,
+    row_ctx: CudaSlice<i32>,
+    row_bt: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    host: HostMeta,
+}
+
+/// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
+#[derive(Default)]
+struct HostMeta(Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>);
+
+/// The metadata the KV write needs (an alias kept for the launcher's signature).
+pub type KvWriteMeta = StepMeta;
+/// The metadata attention needs.
+pub type AttentionMeta = StepMeta;
+
+fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
+    if buf.len() < len {
+        *buf = dev.alloc(len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+impl StepMeta {
+    /// Empty metadata with small buffers.
+    pub fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
+        Ok(Self {
+            rows: 0,
+            block_size: 0,
+            num_blocks: 0,
+            positions: dev.alloc(64)?,
+            slots: dev.alloc(64)?,
+            row_ctx: dev.alloc(64)?,
+            row_bt: dev.alloc(64)?,
+            block_tables: dev.alloc(64)?,
+            host: Default::default(),
+        })
+    }
+
+    /// Rows described.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Fills the metadata for a batch of `n_rows` rows made of `seqs`, over a cache of
+    /// `num_blocks` blocks of `block_size` tokens. Every row must belong to exactly one
+    /// sequence and every block table must cover its chunk with valid block ids.
+    pub fn set(
+        &mut self,
+        dev: &CudaDevice,
+        seqs: &[HostSeq<'_>],
+        n_rows: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "step_meta";
+        shape_check(OP, block_size > 0, || "block_size is 0".into())?;
+        let HostMeta(pos, slots, ctx, bt_off, tables) = &mut self.host;
+        pos.clear();
+        pos.resize(n_rows, -1);
+        slots.clear();
+        slots.resize(n_rows, 0);
+        ctx.clear();
+        ctx.resize(n_rows, 0);
+        bt_off.clear();
+        bt_off.resize(n_rows, 0);
+        tables.clear();
+        for s in seqs {
+            let end = s.start_pos + s.n_tokens;
+            shape_check(OP, s.row_start + s.n_tokens <= n_rows, || {
+                format!("rows {}..{} outside a batch of {n_rows}", s.row_start, s.row_start + s.n_tokens)
+            })?;
+            shape_check(OP, s.block_table.len() * block_size >= end, || {
+                format!("block table covers {} tokens, need {end}", s.block_table.len() * block_size)
+            })?;
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(CudaError::Shape { op: OP, message: format!("block {b} outside a pool of {num_blocks}") });
+            }
+            let off = int(OP, tables.len())?;
+            tables.extend(s.block_table.iter().map(|&b| b as i32));
+            for t in 0..s.n_tokens {
+                let r = s.row_start + t;
+                shape_check(OP, pos[r] < 0, || format!("row {r} belongs to two sequences"))?;
+                let p = s.start_pos + t;
+                pos[r] = int(OP, p)?;
+                slots[r] = (s.block_table[p / block_size] as usize * block_size + p % block_size) as i64;
+                ctx[r] = int(OP, p + 1)?;
+                bt_off[r] = off;
+            }
+        }
+        if let Some(r) = pos.iter().position(|&p| p < 0) {
+            return Err(CudaError::Shape { op: OP, message: format!("row {r} belongs to no sequence") });
+        }
+        if tables.is_empty() {
+            tables.push(0);
+        }
+        grow(dev, &mut self.positions, n_rows)?;
+        grow(dev, &mut self.slots, n_rows)?;
+        grow(dev, &mut self.row_ctx, n_rows)?;
+        grow(dev, &mut self.row_bt, n_rows)?;
+        grow(dev, &mut self.block_tables, tables.len())?;
+        dev.upload_into(pos, &mut self.positions)?;
+        dev.upload_into(slots, &mut self.slots)?;
+        dev.upload_into(ctx, &mut self.row_ctx)?;
+        dev.upload_into(bt_off, &mut self.row_bt)?;
+        dev.upload_into(tables, &mut self.block_tables)?;
+        self.rows = n_rows;
+        self.block_size = block_size;
+        self.num_blocks = num_blocks;
+        Ok(())
+    }
+}
+
+/// Geometry of one layer's paged cache: `[num_blocks * block_size][n_kv_heads][head_dim]` bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct KvGeometry {
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl KvGeometry {
+    /// Elements in one layer's K (or V) array.
+    pub fn layer_len(&self) -> usize {
+        self.num_blocks * self.block_size * self.n_kv_heads * self.head_dim
+    }
+}
+
+impl CudaDevice {
+    fn run(&self, f: &cudarc::driver::CudaFunction, c: LaunchConfig, args: &mut ArgList<'_>) -> Result<(), CudaError> {
+        let mut b = self.stream.launch_builder(f);
+        for a in args.0.iter() {
+            match a {
+                Arg::Bf(s) => b.arg(*s),
+                Arg::F32(s) => b.arg(*s),
+                Arg::I32s(s) => b.arg(*s),
+                Arg::I64s(s) => b.arg(*s),
+                Arg::U32s(s) => b.arg(*s),
+                Arg::F64s(s) => b.arg(*s),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        // SAFETY: every caller checked the element counts its kernel touches against the
+        // slices, and index data (tokens, rows, block ids, slots) was validated on the host.
+        unsafe { b.launch(c) }?;
+        Ok(())
+    }
+
+    /// `out[i] = table[tokens[i]]` (`table` is `vocab × dim`). `scratch` receives the ids.
+    pub fn embed(
+        &self,
+        tokens: &[u32],
+        scratch: &mut CudaSlice<u32>,
+        table: &CudaSlice<bf16>,
+        vocab: usize,
+        dim: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "embed";
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(CudaError::Shape { op: OP, message: format!("token {t} outside a vocabulary of {vocab}") });
+        }
+        need(OP, "table", table, vocab * dim)?;
+        need(OP, "out", out, tokens.len() * dim)?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        grow(self, scratch, tokens.len())?;
+        self.upload_into(tokens, scratch)?;
+        let n = int(OP, tokens.len())?;
+        let d = int(OP, dim)?;
+        self.run(
+            &self.funcs.embed,
+            cfg((n as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::U32s(scratch), Arg::Bf(table), Arg::Bf(out), Arg::I(d)]),
+        )
+    }
+
+    /// `out = x / rms(x) * w` for `rows` rows of width `w.len()`-prefix `dim`.
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm";
+        need(OP, "x", x, rows * dim)?;
+        need(OP, "weight", w, dim)?;
+        need(OP, "out", out, rows * dim)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = int(OP, dim)?;
+        self.run(
+            &self.funcs.rms_norm,
+            cfg((int(OP, rows)? as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
+        )
+    }
+
+    /// `residual += x; out = rms_norm(residual) * w`, row by row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        residual: &mut CudaSlice<bf16>,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "add_rms_norm";
+        need(OP, "residual", residual, rows * dim)?;
+        need(OP, "x", x, rows * dim)?;
+        need(OP, "weight", w, dim)?;
+        need(OP, "out", out, rows * dim)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = int(OP, dim)?;
+        self.run(
+            &self.funcs.add_rms_norm,
+            cfg((int(OP, rows)? as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(residual), Arg::Bf(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
+        )
+    }
+
+    /// `out = silu(gate) * up` for rows `[gate | up]` of width `2d`.
+    pub fn silu_mul(
+        &self,
+        gate_up: &CudaSlice<bf16>,
+        rows: usize,
+        d: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "silu_mul";
+        need(OP, "gate_up", gate_up, rows * 2 * d)?;
+        need(OP, "out", out, rows * d)?;
+        let total = rows * d;
+        if total == 0 {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.silu_mul,
+            cfg((grid_for(total), 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(gate_up), Arg::Bf(out), Arg::I(int(OP, d)?), Arg::L(total as i64)]),
+        )
+    }
+
+    /// `x[r, j] += bias[j]` for `rows` rows of width `n`.
+    pub fn bias_add(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        bias: &CudaSlice<bf16>,
+        rows: usize,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "bias_add";
+        need(OP, "x", x, rows * n)?;
+        need(OP, "bias", bias, n)?;
+        let total = rows * n;
+        if total == 0 {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.bias_add,
+            cfg((grid_for(total), 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(x), Arg::Bf(bias), Arg::I(int(OP, n)?), Arg::L(total as i64)]),
+        )
+    }
+
+    /// `dst[r, c] = src[r, col0 + c]` for `rows` rows, `c < dst_w`; `src` rows have width `src_w`.
+    pub fn copy_cols(
+        &self,
+        src: &CudaSlice<bf16>,
+        rows: usize,
+        src_w: usize,
+        col0: usize,
+        dst: &mut CudaSlice<bf16>,
+        dst_w: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "copy_cols";
+        shape_check(OP, col0 + dst_w <= src_w, || format!("columns {col0}..{} of width {src_w}", col0 + dst_w))?;
+        need(OP, "src", src, rows * src_w)?;
+        need(OP, "dst", dst, rows * dst_w)?;
+        let total = rows * dst_w;
+        if total == 0 {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.copy_cols,
+            cfg((grid_for(total), 1, 1), THREADS),
+            &mut ArgList(vec![
+                Arg::Bf(src),
+                Arg::I(int(OP, src_w)?),
+                Arg::I(int(OP, col0)?),
+                Arg::Bf(dst),
+                Arg::I(int(OP, dst_w)?),
+                Arg::L(total as i64),
+            ]),
+        )
+    }
+
+    /// `dst[i] = src[rows[i]]` for rows of width `w`; `src` has `src_rows` rows. `scratch`
+    /// receives the row ids.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        src: &CudaSlice<bf16>,
+        src_rows: usize,
+        w: usize,
+        rows: &[usize],
+        scratch: &mut CudaSlice<i32>,
+        dst: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "gather_rows";
+        if let Some(r) = rows.iter().find(|&&r| r >= src_rows) {
+            return Err(CudaError::Shape { op: OP, message: format!("row {r} outside {src_rows} rows") });
+        }
+        need(OP, "src", src, src_rows * w)?;
+        need(OP, "dst", dst, rows.len() * w)?;
+        if rows.is_empty() || w == 0 {
+            return Ok(());
+        }
+        let ids = rows.iter().map(|&r| int(OP, r)).collect::<Result<Vec<_>, _>>()?;
+        grow(self, scratch, ids.len())?;
+        self.upload_into(&ids, scratch)?;
+        self.run(
+            &self.funcs.gather_rows,
+            cfg((int(OP, rows.len())? as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(src), Arg::I32s(scratch), Arg::Bf(dst), Arg::I(int(OP, w)?)]),
+        )
+    }
+
+    /// Widens the first `n` values of `src` into `dst`.
+    pub fn bf16_to_f32(&self, src: &CudaSlice<bf16>, dst: &mut CudaSlice<f32>, n: usize) -> Result<(), CudaError> {
+        need("bf16_to_f32", "src", src, n)?;
+        need("bf16_to_f32", "dst", dst, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.bf16_to_f32,
+            cfg((grid_for(n), 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(src), Arg::F32(dst), Arg::L(n as i64)]),
+        )
+    }
+
+    /// Rounds the first `n` values of `src` to bf16 (nearest even) into `dst`.
+    pub fn f32_to_bf16(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<bf16>, n: usize) -> Result<(), CudaError> {
+        need("f32_to_bf16", "src", src, n)?;
+        need("f32_to_bf16", "dst", dst, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.f32_to_bf16,
+            cfg((grid_for(n), 1, 1), THREADS),
+            &mut ArgList(vec![Arg::F32(src), Arg::Bf(dst), Arg::L(n as i64)]),
+        )
+    }
+
+    /// `out = x · wᵀ` through cuBLAS (bf16 in and out, f32 accumulation): `x` is `m × k`,
+    /// `w` is `n × k` row-major (the Hugging Face layout), `out` is `m × n`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        x: &CudaSlice<bf16>,
+        m: usize,
+        k: usize,
+        w: &CudaSlice<bf16>,
+        n: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "linear";
+        need(OP, "x", x, m * k)?;
+        need(OP, "w", w, n * k)?;
+        need(OP, "out", out, m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        // Column-major view: outᵀ (n × m) = W (k × n col-major, transposed) · xᵀ (k × m).
+        let c = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: int(OP, n)?,
+            n: int(OP, m)?,
+            k: int(OP, k)?,
+            alpha: bf16::ONE,
+            lda: int(OP, k)?,
+            ldb: int(OP, k)?,
+            beta: bf16::ZERO,
+            ldc: int(OP, n)?,
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the sizes were checked against the slices above.
+        unsafe { self.blas.gemm(c, w, x, out) }?;
+        Ok(())
+    }
+
+    /// RoPE on `q` (`rows × n_heads × head_dim`) and `k` (`rows × n_kv_heads × head_dim`) in
+    /// place at each row's position, then the rotated k and `v` into the layer's cache slots.
+    /// `inv_freq` holds `head_dim / 2` inverse frequencies (scaling applied).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_write_kv(
+        &self,
+        q: &mut CudaSlice<bf16>,
+        k: &mut CudaSlice<bf16>,
+        v: &CudaSlice<bf16>,
+        k_cache: &mut CudaSlice<bf16>,
+        v_cache: &mut CudaSlice<bf16>,
+        meta: &KvWriteMeta,
+        inv_freq: &CudaSlice<f64>,
+        n_heads: usize,
+        geo: KvGeometry,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_write_kv";
+        let rows = meta.rows;
+        let hd = geo.head_dim;
+        shape_check(OP, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
+        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
+            "metadata built for another cache geometry".into()
+        })?;
+        need(OP, "q", q, rows * n_heads * hd)?;
+        need(OP, "k", k, rows * geo.n_kv_heads * hd)?;
+        need(OP, "v", v, rows * geo.n_kv_heads * hd)?;
+        need(OP, "k_cache", k_cache, geo.layer_len())?;
+        need(OP, "v_cache", v_cache, geo.layer_len())?;
+        need(OP, "inv_freq", inv_freq, hd / 2)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let half = (hd / 2) as u32;
+        let block = half * (128 / half).max(1);
+        self.run(
+            &self.funcs.rope_write_kv,
+            cfg((int(OP, rows)? as u32, 1, 1), block),
+            &mut ArgList(vec![
+                Arg::Bf(q),
+                Arg::Bf(k),
+                Arg::Bf(v),
+                Arg::Bf(k_cache),
+                Arg::Bf(v_cache),
+                Arg::I32s(&meta.positions),
+                Arg::I64s(&meta.slots),
+                Arg::F64s(inv_freq),
+                Arg::I(int(OP, n_heads)?),
+                Arg::I(int(OP, geo.n_kv_heads)?),
+                Arg::I(int(OP, hd)?),
+            ]),
+        )
+    }
+
+    /// Paged causal attention of `q` (`rows × n_heads × head_dim`) over the layer's cache,
+    /// which already holds every row's own K/V; writes `out` in `q`'s layout.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        meta: &AttentionMeta,
+        n_heads: usize,
+        geo: KvGeometry,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        self.attention_variant(ATTN_DEFAULT, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+    }
+
+    /// [`CudaDevice::attention`] with the kernel variant `ATTN_VARIANTS[variant]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_variant(
+        &self,
+        variant: usize,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        meta: &AttentionMeta,
+        n_heads: usize,
+        geo: KvGeometry,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "paged_attention";
+        let rows = meta.rows;
+        let hd = geo.head_dim;
+        let hd_idx = match hd {
+            16 => 0,
+            32 => 1,
+            64 => 2,
+            128 => 3,
+            _ => return Err(CudaError::Shape { op: OP, message: format!("head_dim {hd} has no kernel") }),
+        };
+        let (v, func) = match (ATTN_VARIANTS.get(variant), self.funcs.attention[hd_idx].get(variant)) {
+            (Some(v), Some(f)) => (*v, f),
+            _ => return Err(CudaError::Shape { op: OP, message: format!("no attention variant {variant}") }),
+        };
+        shape_check(OP, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
+            format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
+        })?;
+        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
+            "metadata built for another cache geometry".into()
+        })?;
+        need(OP, "q", q, rows * n_heads * hd)?;
+        need(OP, "out", out, rows * n_heads * hd)?;
+        need(OP, "k_cache", k_cache, geo.layer_len())?;
+        need(OP, "v_cache", v_cache, geo.layer_len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let group = n_heads / geo.n_kv_heads;
+        let z = group.div_ceil(v.max_group as usize) as u32;
+        self.run(
+            func,
+            cfg((int(OP, rows)? as u32, int(OP, geo.n_kv_heads)? as u32, z), v.warps * 32),
+            &mut ArgList(vec![
+                Arg::Bf(q),
+                Arg::Bf(k_cache),
+                Arg::Bf(v_cache),
+                Arg::Bf(out),
+                Arg::I32s(&meta.row_ctx),
+                Arg::I32s(&meta.row_bt),
+                Arg::I32s(&meta.block_tables),
+                Arg::I(int(OP, n_heads)?),
+                Arg::I(int(OP, geo.n_kv_heads)?),
+                Arg::I(int(OP, geo.block_size)?),
+                Arg::F(scale),
+            ]),
+        )
+    }
+}
+
+/// One kernel argument; device slices by reference, scalars by value.
+enum Arg<'a> {
+    Bf(&'a CudaSlice<bf16>),
+    F32(&'a CudaSlice<f32>),
+    I32s(&'a CudaSlice<i32>),
+    I64s(&'a CudaSlice<i64>),
+    U32s(&'a CudaSlice<u32>),
+    F64s(&'a CudaSlice<f64>),
+    I(i32),
+    L(i64),
+    F(f32),
+}
+
+struct ArgList<'a>(Vec<Arg<'a>>);

@@ -1,0 +1,351 @@
+//! Every CUDA kernel against its CPU reference (`baton_kernels::cpu`), on fresh random
+//! inputs (the seed is printed), with outputs poisoned (NaN) before each launch so an
+//! unwritten element fails. Inputs are rounded to bf16 first so that both sides see the
+//! same values; the check is ‖out − ref‖ / ‖ref‖ < 1e-2 (bf16 storage).
+//!
+//! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do
+//! not skip) when no device can be opened. Run them with `scripts/gpu-tests.sh`.
+
+use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
+use baton_kernels::cuda::{ATTN_VARIANTS, CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+const TOL: f64 = 1e-2;
+
+fn device() -> CudaDevice {
+    // A cache shared by the tests of this run (the module has 20 attention instantiations);
+    // gpu_kernel_cache_round_trip checks the cache itself from an empty directory.
+    let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
+    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
+        .expect("a CUDA device is required for gpu_* tests")
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1) as u64;
+    println!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// `n` values uniform in [-a, a], already rounded to bf16.
+fn rand_vec(r: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16::from_f32(r.random_range(-a..a)).to_f32()).collect()
+}
+
+fn up(dev: &CudaDevice, v: &[f32]) -> CudaSlice<bf16> {
+    dev.upload(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).expect("upload")
+}
+
+fn poisoned(dev: &CudaDevice, n: usize) -> CudaSlice<bf16> {
+    dev.upload(&vec![bf16::NAN; n]).expect("upload poison")
+}
+
+fn down(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<f32> {
+    dev.download(s, n).expect("download").iter().map(|v| v.to_f32()).collect()
+}
+
+fn rel_err(out: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(out.len(), want.len());
+    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
+        panic!("output {i} is {} (unwritten or overflow)", out[i]);
+    }
+    let err: f64 = out.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
+    assert!(norm > 0.0, "reference is all zeros");
+    err / norm
+}
+
+fn check(what: &str, out: &[f32], want: &[f32]) {
+    let e = rel_err(out, want);
+    println!("{what}: rel err {e:.2e}");
+    assert!(e < TOL, "{what}: rel err {e:.3e} >= {TOL}");
+}
+
+#[test]
+fn gpu_embed_matches_cpu() {
+    let dev = device();
+    let mut r = rng("embed");
+    for &(vocab, dim, n) in &[(1000usize, 257usize, 1usize), (517, 4096, 257)] {
+        let table = rand_vec(&mut r, vocab * dim, 1.0);
+        let tokens: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+        let mut want = vec![0.0; n * dim];
+        cpu::embed(&tokens, &table, dim, &mut want).expect("cpu embed");
+        let t = up(&dev, &table);
+        let mut out = poisoned(&dev, n * dim);
+        let mut ids = dev.alloc::<u32>(1).expect("alloc");
+        dev.embed(&tokens, &mut ids, &t, vocab, dim, &mut out).expect("embed");
+        let got = down(&dev, &out, n * dim);
+        assert_eq!(got, want, "embed is a copy and must be exact");
+        assert!(dev.embed(&[vocab as u32], &mut ids, &t, vocab, dim, &mut out).is_err(), "bad token accepted");
+    }
+}
+
+#[test]
+fn gpu_rms_norm_and_fused_residual_match_cpu() {
+    let dev = device();
+    let mut r = rng("rms_norm");
+    for &(rows, dim) in &[(1usize, 4096usize), (257, 1000), (3, 64)] {
+        let x = rand_vec(&mut r, rows * dim, 2.0);
+        let res = rand_vec(&mut r, rows * dim, 2.0);
+        let w = rand_vec(&mut r, dim, 1.5);
+        let mut want = vec![0.0; rows * dim];
+        cpu::rms_norm(&x, &w, 1e-5, &mut want).expect("cpu");
+        let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+        let mut out = poisoned(&dev, rows * dim);
+        dev.rms_norm(&xd, &wd, rows, dim, 1e-5, &mut out).expect("rms_norm");
+        check(&format!("rms_norm {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
+
+        let mut res_cpu = res.clone();
+        cpu::add_rms_norm(&mut res_cpu, &x, &w, 1e-5, &mut want).expect("cpu");
+        let mut resd = up(&dev, &res);
+        let mut out = poisoned(&dev, rows * dim);
+        dev.add_rms_norm(&mut resd, &xd, &wd, rows, dim, 1e-5, &mut out).expect("add_rms_norm");
+        check(&format!("add_rms_norm out {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
+        check(&format!("add_rms_norm residual {rows}x{dim}"), &down(&dev, &resd, rows * dim), &res_cpu);
+    }
+}
+
+#[test]
+fn gpu_silu_mul_bias_and_copies_match_cpu() {
+    let dev = device();
+    let mut r = rng("silu_mul");
+    for &(rows, d) in &[(1usize, 14336usize), (257, 1000)] {
+        let gu = rand_vec(&mut r, rows * 2 * d, 4.0);
+        let mut want = vec![0.0; rows * d];
+        cpu::silu_mul(&gu, &mut want, d).expect("cpu");
+        let gd = up(&dev, &gu);
+        let mut out = poisoned(&dev, rows * d);
+        dev.silu_mul(&gd, rows, d, &mut out).expect("silu_mul");
+        check(&format!("silu_mul {rows}x{d}"), &down(&dev, &out, rows * d), &want);
+
+        // Bias add in place.
+        let b = rand_vec(&mut r, d, 1.0);
+        let mut x = up(&dev, &want);
+        dev.bias_add(&mut x, &up(&dev, &b), rows, d).expect("bias_add");
+        let wb: Vec<f32> = want.iter().enumerate().map(|(i, v)| v + b[i % d]).collect();
+        check(&format!("bias_add {rows}x{d}"), &down(&dev, &x, rows * d), &wb);
+
+        // Column band [d/3, d/3 + d/2) and a row gather, both exact copies.
+        let (c0, cw) = (d / 3, d / 2);
+        let mut band = poisoned(&dev, rows * cw);
+        dev.copy_cols(&gd, rows, 2 * d, c0, &mut band, cw).expect("copy_cols");
+        let wband: Vec<f32> = (0..rows).flat_map(|i| gu[i * 2 * d + c0..i * 2 * d + c0 + cw].to_vec()).collect();
+        assert_eq!(down(&dev, &band, rows * cw), wband);
+        let pick: Vec<usize> = (0..rows.min(5)).map(|_| r.random_range(0..rows)).collect();
+        let mut ids = dev.alloc::<i32>(1).expect("alloc");
+        let mut g = poisoned(&dev, pick.len() * 2 * d);
+        dev.gather_rows(&gd, rows, 2 * d, &pick, &mut ids, &mut g).expect("gather");
+        let wg: Vec<f32> = pick.iter().flat_map(|&p| gu[p * 2 * d..(p + 1) * 2 * d].to_vec()).collect();
+        assert_eq!(down(&dev, &g, pick.len() * 2 * d), wg);
+    }
+}
+
+#[test]
+fn gpu_linear_matches_cpu_gemm() {
+    let dev = device();
+    let mut r = rng("linear");
+    for &(m, k, n) in &[(1usize, 4096usize, 1000usize), (257, 1024, 1536), (7, 64, 384)] {
+        let x = rand_vec(&mut r, m * k, 1.0);
+        let w = rand_vec(&mut r, n * k, 0.05);
+        let mut want = vec![0.0; m * n];
+        cpu::linear(&x, &w, None, m, k, n, &mut want).expect("cpu");
+        let mut out = poisoned(&dev, m * n);
+        dev.linear(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out).expect("linear");
+        check(&format!("linear m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
+    }
+}
+
+fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKind, theta: f32) {
+    let (nh, nkv, bs) = (8usize, 2usize, 16usize);
+    // Three sequences: a long prefill chunk over a prefix, a decode row at a large position,
+    // and a short prefill from 0.
+    let specs = [(37usize, 20usize), (100_003, 1), (0, 5)];
+    let rows: usize = specs.iter().map(|s| s.1).sum();
+    let num_blocks = 64;
+    let mut tables = Vec::new();
+    let mut seqs = Vec::new();
+    let mut row = 0;
+    let mut positions = Vec::new();
+    for &(start, n) in &specs {
+        // Logical blocks below the chunk point anywhere (never read); the chunk's own
+        // blocks are distinct physical blocks.
+        let nb = (start + n).div_ceil(bs);
+        let mut t: Vec<u32> = (0..nb).map(|_| r.random_range(0..num_blocks as u32)).collect();
+        for (j, lb) in (start / bs..nb).enumerate() {
+            t[lb] = (seqs.len() * 8 + j) as u32;
+        }
+        tables.push(t);
+        seqs.push((row, n, start));
+        positions.extend(start..start + n);
+        row += n;
+    }
+    let table = RopeTable::new(hd, theta, scaling).expect("table");
+    let q = rand_vec(r, rows * nh * hd, 1.0);
+    let k = rand_vec(r, rows * nkv * hd, 1.0);
+    let v = rand_vec(r, rows * nkv * hd, 1.0);
+    let (mut qw, mut kw) = (q.clone(), k.clone());
+    table.apply(&mut qw, nh, &positions).expect("rope q");
+    table.apply(&mut kw, nkv, &positions).expect("rope k");
+    let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+    let mut kc = vec![f32::NAN; geo.layer_len()];
+    let mut vc = vec![f32::NAN; geo.layer_len()];
+    let stride = nkv * hd;
+    for (s, t) in seqs.iter().zip(&tables) {
+        let mut layer = KvLayerMut { k: &mut kc, v: &mut vc, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        cpu::write_kv(
+            &kw[s.0 * stride..(s.0 + s.1) * stride],
+            &v[s.0 * stride..(s.0 + s.1) * stride],
+            SeqSpan { start_pos: s.2, n_tokens: s.1, block_table: t },
+            &mut layer,
+        )
+        .expect("cpu write_kv");
+    }
+    let host: Vec<HostSeq<'_>> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(s, t)| HostSeq { row_start: s.0, n_tokens: s.1, start_pos: s.2, block_table: t })
+        .collect();
+    let mut meta = StepMeta::new(dev).expect("meta");
+    meta.set(dev, &host, rows, bs, num_blocks).expect("meta set");
+    let (mut qd, mut kd, vd) = (up(dev, &q), up(dev, &k), up(dev, &v));
+    let mut kcd = poisoned(dev, geo.layer_len());
+    let mut vcd = poisoned(dev, geo.layer_len());
+    let inv = dev.upload(table.inv_freq()).expect("inv_freq");
+    dev.rope_write_kv(&mut qd, &mut kd, &vd, &mut kcd, &mut vcd, &meta, &inv, nh, geo).expect("rope_write_kv");
+    let what = format!("rope hd={hd} {scaling:?}");
+    check(&format!("{what} q"), &down(dev, &qd, q.len()), &qw);
+    check(&format!("{what} k"), &down(dev, &kd, k.len()), &kw);
+    // Compare the cache only where the CPU wrote (NaN elsewhere on both sides).
+    let (gk, gv) = (down(dev, &kcd, kc.len()), down(dev, &vcd, vc.len()));
+    let pick = |c: &[f32], g: &[f32]| -> (Vec<f32>, Vec<f32>) {
+        c.iter().zip(g).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*b, *a)).unzip()
+    };
+    let (gk, wk) = pick(&kc, &gk);
+    let (gv, wv) = pick(&vc, &gv);
+    assert_eq!(wk.len(), rows * stride, "every row's K slot written once");
+    check(&format!("{what} k cache"), &gk, &wk);
+    assert_eq!(gv, wv, "V is copied exactly");
+}
+
+#[test]
+fn gpu_rope_write_kv_matches_cpu() {
+    let dev = device();
+    let mut r = rng("rope");
+    for hd in [64usize, 128] {
+        rope_case(&dev, &mut r, hd, RopeScalingKind::None, 10_000.0);
+        rope_case(&dev, &mut r, hd, RopeScalingKind::Linear { factor: 4.0 }, 10_000.0);
+        rope_case(
+            &dev,
+            &mut r,
+            hd,
+            RopeScalingKind::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            },
+            500_000.0,
+        );
+    }
+}
+
+/// A mixed batch: each `(start_pos, n_tokens)` is one sequence over a cache filled with
+/// random K/V (so reading a wrong slot is an error, not a zero).
+fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usize, specs: &[(usize, usize)]) {
+    let bs = 16usize;
+    let total_blocks: usize = specs.iter().map(|s| (s.0 + s.1).div_ceil(bs)).sum();
+    let num_blocks = total_blocks + 5;
+    let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+    let kc = rand_vec(r, geo.layer_len(), 1.0);
+    let vc = rand_vec(r, geo.layer_len(), 1.0);
+    // A shuffled pool, dealt out to the sequences.
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.random_range(0..=i));
+    }
+    let mut tables = Vec::new();
+    let mut rows = 0;
+    for &(start, n) in specs {
+        let nb = (start + n).div_ceil(bs);
+        tables.push(pool.drain(..nb).collect::<Vec<u32>>());
+        rows += n;
+    }
+    let q = rand_vec(r, rows * nh * hd, 1.0);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut want = vec![0.0; q.len()];
+    let mut host = Vec::new();
+    let mut row = 0;
+    let w = nh * hd;
+    for (&(start, n), t) in specs.iter().zip(&tables) {
+        cpu::paged_attention(
+            &q[row * w..(row + n) * w],
+            nh,
+            scale,
+            SeqSpan { start_pos: start, n_tokens: n, block_table: t },
+            KvLayerRef { k: &kc, v: &vc, block_size: bs, n_kv_heads: nkv, head_dim: hd },
+            &mut want[row * w..(row + n) * w],
+        )
+        .expect("cpu attention");
+        host.push(HostSeq { row_start: row, n_tokens: n, start_pos: start, block_table: t });
+        row += n;
+    }
+    let mut meta = StepMeta::new(dev).expect("meta");
+    meta.set(dev, &host, rows, bs, num_blocks).expect("meta set");
+    let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
+    for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
+        let mut out = poisoned(dev, q.len());
+        dev.attention_variant(vi, &qd, &kd, &vd, &meta, nh, geo, scale, &mut out).expect("attention");
+        check(
+            &format!("attention {v:?} hd={hd} heads={nh}/{nkv} seqs={} rows={rows}", specs.len()),
+            &down(dev, &out, q.len()),
+            &want,
+        );
+    }
+}
+
+#[test]
+fn gpu_paged_attention_matches_cpu() {
+    let dev = device();
+    let mut r = rng("attention");
+    // Decode rows at context lengths off the block size, a prefill chunk over a cached
+    // prefix, a prefill from scratch, one long context.
+    let mixed = [(0usize, 1usize), (16, 1), (40, 1), (1000, 1), (37, 20), (0, 33), (2050, 1)];
+    for hd in [64usize, 128] {
+        for &(nh, nkv) in &[(8usize, 8usize), (32, 8), (28, 4), (24, 2)] {
+            attention_case(&dev, &mut r, hd, nh, nkv, &mixed);
+        }
+        attention_case(&dev, &mut r, hd, 4, 2, &[(300, 1)]);
+        // 257 decode rows with random context lengths.
+        let many: Vec<(usize, usize)> = (0..257).map(|_| (r.random_range(0..300), 1)).collect();
+        attention_case(&dev, &mut r, hd, 32, 8, &many);
+    }
+    // The tiny test models' head_dim.
+    attention_case(&dev, &mut r, 16, 4, 2, &mixed);
+}
+
+#[test]
+fn gpu_step_meta_refuses_bad_tables() {
+    let dev = device();
+    let mut meta = StepMeta::new(&dev).expect("meta");
+    let bad_block = [HostSeq { row_start: 0, n_tokens: 1, start_pos: 0, block_table: &[9] }];
+    assert!(meta.set(&dev, &bad_block, 1, 16, 4).is_err());
+    let short = [HostSeq { row_start: 0, n_tokens: 1, start_pos: 16, block_table: &[0] }];
+    assert!(meta.set(&dev, &short, 1, 16, 4).is_err());
+    let uncovered = [HostSeq { row_start: 0, n_tokens: 1, start_pos: 0, block_table: &[0] }];
+    assert!(meta.set(&dev, &uncovered, 2, 16, 4).is_err());
+}
+
+#[test]
+fn gpu_kernel_cache_round_trip() {
+    let dir = std::env::temp_dir().join(format!("baton-kcache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let opts = CudaOptions { ordinal: 0, cache_dir: Some(dir.clone()) };
+    let first = CudaDevice::open(&opts).expect("open");
+    assert!(!first.module_load().1, "an empty cache cannot hit");
+    drop(first);
+    let second = CudaDevice::open(&opts).expect("open again");
+    let (ms, hit) = second.module_load();
+    println!("arch {} cached load {ms:.1} ms", second.arch());
+    assert!(hit, "second open must load from the cache");
+    let _ = std::fs::remove_dir_all(&dir);
+}
