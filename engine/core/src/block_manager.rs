@@ -171,6 +171,16 @@ impl FreeQueue {
     }
 }
 
+/// A change to the set of cached block hashes, for a router's prefix index (DESIGN §1:
+/// workers report blocks stored and evicted by the shared block hash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum CacheEvent {
+    /// A full block with this hash became findable in the prefix cache.
+    Stored(BlockHash),
+    /// The block with this hash was evicted (reused for other content or reset).
+    Evicted(BlockHash),
+}
+
 #[derive(Debug, Clone, Default)]
 struct Table {
     blocks: Vec<BlockId>,
@@ -189,6 +199,8 @@ pub struct KvBlockManager {
     enable_prefix_caching: bool,
     prefix_queries: u64,
     prefix_hits: u64,
+    /// `Some` while event recording is on; drained by [`KvBlockManager::take_cache_events`].
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl KvBlockManager {
@@ -210,7 +222,25 @@ impl KvBlockManager {
             enable_prefix_caching,
             prefix_queries: 0,
             prefix_hits: 0,
+            events: None,
         })
+    }
+
+    /// Starts (or stops) recording [`CacheEvent`]s. Off by default, so a worker nobody
+    /// drains never accumulates them.
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.events = if on { Some(self.events.take().unwrap_or_default()) } else { None };
+    }
+
+    /// The cache events since the last call, oldest first.
+    pub fn take_cache_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn emit(&mut self, e: CacheEvent) {
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(e);
+        }
     }
 
     /// Tokens per block.
@@ -344,8 +374,11 @@ impl KvBlockManager {
                 && self.cached.get(&h) == Some(&b)
             {
                 self.cached.remove(&h);
+                if let Some(ev) = self.events.as_mut() {
+                    ev.push(CacheEvent::Evicted(h));
+                }
             }
-            meta.ref_count = 1;
+            self.blocks[b as usize].ref_count = 1;
             table.blocks.push(b);
         }
         Ok(needed)
@@ -374,6 +407,9 @@ impl KvBlockManager {
             if meta.hash.is_none() && !self.cached.contains_key(&h) {
                 meta.hash = Some(h);
                 self.cached.insert(h, b);
+                if let Some(ev) = self.events.as_mut() {
+                    ev.push(CacheEvent::Stored(h));
+                }
             }
         }
         table.num_hashed = table.num_hashed.max(upto);
@@ -409,6 +445,7 @@ impl KvBlockManager {
         for b in free {
             if let Some(h) = self.blocks[b as usize].hash.take() {
                 self.cached.remove(&h);
+                self.emit(CacheEvent::Evicted(h));
             }
         }
     }
@@ -463,6 +500,47 @@ mod tests {
 
     fn mgr(n: usize, bs: usize) -> KvBlockManager {
         KvBlockManager::new(n, bs, true).expect("valid pool")
+    }
+
+    #[test]
+    fn cache_events_replay_to_the_cached_set() {
+        let mut m = mgr(4, 4);
+        let a: Vec<u32> = (10..18).collect(); // 2 full blocks
+        let ha = hash_full_blocks(&a, 4);
+        // Off by default: nothing accumulates.
+        m.allocate(RequestId(9), &[], 4).expect("fits");
+        m.cache_full_blocks(RequestId(9), &hash_full_blocks(&[1, 2, 3, 4], 4), 1);
+        assert!(m.take_cache_events().is_empty());
+        m.free(RequestId(9));
+        m.record_cache_events(true);
+        m.allocate(RequestId(1), &[], a.len()).expect("fits");
+        m.cache_full_blocks(RequestId(1), &ha, 2);
+        assert_eq!(m.take_cache_events(), vec![CacheEvent::Stored(ha[0]), CacheEvent::Stored(ha[1])]);
+        assert!(m.take_cache_events().is_empty(), "events are drained");
+        m.free(RequestId(1));
+        // Four fresh blocks: every cached block (the unrecorded one too) gets evicted.
+        m.allocate(RequestId(2), &[], 16).expect("fits");
+        let ev = m.take_cache_events();
+        assert_eq!(ev.len(), 3, "{ev:?}");
+        assert!(ev.contains(&CacheEvent::Evicted(ha[0])) && ev.contains(&CacheEvent::Evicted(ha[1])));
+        assert_eq!(m.num_cached_blocks(), 0);
+        // Replaying Stored/Evicted from an empty index gives the live cached set.
+        let b: Vec<u32> = (40..56).collect();
+        let hb = hash_full_blocks(&b, 4);
+        m.cache_full_blocks(RequestId(2), &hb, 4);
+        let mut index = std::collections::HashSet::new();
+        for e in m.take_cache_events() {
+            match e {
+                CacheEvent::Stored(h) => assert!(index.insert(h)),
+                CacheEvent::Evicted(h) => assert!(index.remove(&h)),
+            }
+        }
+        assert_eq!(index.len(), m.num_cached_blocks());
+        assert!(hb.iter().all(|h| index.contains(h)));
+        m.record_cache_events(false);
+        m.free(RequestId(2));
+        m.reset_prefix_cache();
+        assert!(m.take_cache_events().is_empty());
     }
 
     #[test]

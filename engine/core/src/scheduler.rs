@@ -68,6 +68,17 @@ impl Scheduler {
         &self.config
     }
 
+    /// Starts (or stops) recording prefix-cache events (blocks stored and evicted, by hash)
+    /// for a router's prefix index.
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.blocks.record_cache_events(on);
+    }
+
+    /// Prefix-cache events since the last call, oldest first.
+    pub fn take_cache_events(&mut self) -> Vec<crate::block_manager::CacheEvent> {
+        self.blocks.take_cache_events()
+    }
+
     /// The KV block pool (read-only).
     pub fn block_manager(&self) -> &KvBlockManager {
         &self.blocks
