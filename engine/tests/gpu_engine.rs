@@ -126,6 +126,12 @@ fn gpu_auto_device_picks_cuda() {
 
 /// With well-conditioned tiny models (larger init, so the top logit stands clear of the
 /// rest, as in a trained model) bf16 rounding must not change a single greedy token.
+///
+/// KNOWN FAILING (H100, 2026-11-21): all 6 llama prompts diverge at tokens 8–22 where the
+/// CPU's top-2 gap is 0.03–0.42 nats. The GPU's logprobs sit on a 1/16 grid (the logits
+/// reach the host as bf16), and gaps move by up to ~0.4 nats, more than logit rounding
+/// alone: the bf16 residual stream also loses precision with these larger activations.
+/// Fixes to try first: f32 logits out of the LM head, an f32 residual stream.
 #[test]
 fn gpu_well_conditioned_models_match_cpu_exactly() {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
@@ -136,12 +142,23 @@ fn gpu_well_conditioned_models_match_cpu_exactly() {
             [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
         let cpu = run_all(&start(&m.model, DeviceSpec::Cpu), &prompts);
         // The model must actually be peaked, or this test would prove nothing more than the one above.
-        let mean_top: f32 = cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
+        let mean_top: f32 =
+            cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
         assert!(mean_top > -1.5, "{name}: the well-conditioned model is not peaked (mean top logprob {mean_top})");
         let gpu = run_all(&start(&m.model, DeviceSpec::Cuda(0)), &prompts);
+        let mut failures = Vec::new();
         for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
-            assert_eq!(c.0, g.0, "{name} prompt {i}: greedy tokens differ between CPU and CUDA");
+            if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
+                // Both ran the same prefix up to t: show both top-5 lists at the divergence.
+                let msg = format!(
+                    "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
+                    c.0[t], c.1[t].1, g.0[t], g.1[t].1
+                );
+                println!("{msg}");
+                failures.push(msg);
+            }
         }
+        assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
         println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
     }
 }
