@@ -15,7 +15,7 @@ use baton_core::sampling::{SamplingContext, sample_batch};
 use baton_core::scheduler::Scheduler;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
@@ -63,6 +63,8 @@ pub(crate) struct EngineLoop {
     pub vocab_size: usize,
     pub pool: rayon::ThreadPool,
     live: HashMap<RequestId, Live>,
+    /// Set by a `Shutdown` command; the loop exits at the next check.
+    stopping: bool,
 }
 
 impl EngineLoop {
@@ -75,32 +77,26 @@ impl EngineLoop {
         vocab_size: usize,
         pool: rayon::ThreadPool,
     ) -> Self {
-        Self { scheduler, model, rx, shared, eos_token_ids, vocab_size, pool, live: HashMap::new() }
+        Self { scheduler, model, rx, shared, eos_token_ids, vocab_size, pool, live: HashMap::new(), stopping: false }
     }
 
-    /// Runs until shutdown or until every handle is gone.
+    /// Runs until shutdown or until every handle is gone; in-flight requests then get
+    /// `EngineError::Shutdown` and free their blocks.
     pub fn run(mut self) {
-        loop {
-            let first = if self.scheduler.has_unfinished() {
-                self.rx.try_recv().ok()
-            } else {
+        while !self.stopping {
+            if !self.scheduler.has_unfinished() {
+                // Idle: block until there is something to do.
                 match self.rx.recv() {
-                    Ok(c) => Some(c),
+                    Ok(c) => self.handle(c),
                     Err(_) => break,
                 }
-            };
-            if let Some(c) = first
-                && !self.handle(c)
+            }
+            while !self.stopping
+                && let Ok(c) = self.rx.try_recv()
             {
-                break;
+                self.handle(c);
             }
-            while let Ok(c) = self.rx.try_recv() {
-                if !self.handle(c) {
-                    self.fail_all(EngineError::Shutdown);
-                    return;
-                }
-            }
-            if self.scheduler.has_unfinished() {
+            if !self.stopping && self.scheduler.has_unfinished() {
                 self.step();
             }
             self.publish_stats();
@@ -108,8 +104,9 @@ impl EngineLoop {
         self.fail_all(EngineError::Shutdown);
     }
 
-    /// Applies one command; false means shut down.
-    fn handle(&mut self, cmd: Command) -> bool {
+    /// Applies one command. `Shutdown` only sets `stopping`; `run` winds down, wherever
+    /// the command was received.
+    fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, request, tx } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
@@ -122,16 +119,14 @@ impl EngineLoop {
                         let _ = tx.send(Err(submit_to_engine_error(e)));
                     }
                 }
-                true
             }
             Command::Abort(id) => {
                 self.scheduler.abort(id);
                 if let Some(l) = self.live.remove(&id) {
                     let _ = l.tx.send(Ok(abort_output()));
                 }
-                true
             }
-            Command::Shutdown => false,
+            Command::Shutdown => self.stopping = true,
         }
     }
 
@@ -140,13 +135,8 @@ impl EngineLoop {
         if out.seqs.is_empty() {
             // Nothing runnable right now (e.g. a follower waiting for its prefix leader,
             // or no free blocks): wait briefly for a command instead of spinning.
-            match self.rx.recv_timeout(Duration::from_millis(2)) {
-                Ok(c) => {
-                    if !self.handle(c) {
-                        self.fail_all(EngineError::Shutdown);
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+            if let Ok(c) = self.rx.recv_timeout(Duration::from_millis(2)) {
+                self.handle(c);
             }
             return;
         }

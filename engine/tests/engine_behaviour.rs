@@ -211,3 +211,34 @@ fn stop_tokens_and_min_tokens() {
     assert_eq!(outs.last().and_then(|o| o.stop_token), Some(stop_tok));
     assert_all_blocks_free(&e);
 }
+
+#[test]
+fn shutdown_with_requests_in_flight_ends_every_stream_promptly() {
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    // A small pool, so some requests wait for blocks while others run.
+    let e =
+        engine(&m.model, EngineConfig { num_kv_blocks: Some(16), max_model_len: Some(128), ..EngineConfig::default() });
+    let streams: Vec<_> =
+        (0..6).map(|i| e.submit(EngineRequest::new(prompt(500 + i, 60, vocab), greedy(60))).expect("submit")).collect();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let handle = e.clone();
+    std::thread::spawn(move || {
+        handle.shutdown();
+        let _ = done_tx.send(());
+    });
+    done_rx.recv_timeout(std::time::Duration::from_secs(10)).expect("shutdown must not hang");
+    for mut s in streams {
+        // Each stream ends: finished normally before the shutdown, or told why it stopped.
+        let mut last = None;
+        while let Some(item) = s.blocking_next() {
+            last = Some(item);
+        }
+        match last {
+            Some(Ok(o)) => assert!(o.finish_reason.is_some()),
+            Some(Err(err)) => assert_eq!(err, baton_core::api::EngineError::Shutdown),
+            None => panic!("a stream ended with no output and no error"),
+        }
+    }
+    assert!(matches!(e.submit(EngineRequest::new(vec![1], greedy(1))), Err(SubmitError::Unavailable(_))));
+}
