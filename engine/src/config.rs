@@ -72,6 +72,9 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Threads for the CPU backend; `None` uses every core.
     pub num_threads: Option<usize>,
+    /// Keep prefix-cache events (blocks stored/evicted) for [`crate::EngineHandle::take_cache_events`];
+    /// workers turn this on to feed the router's prefix index.
+    pub record_cache_events: bool,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +90,7 @@ impl Default for EngineConfig {
             enable_chunked_prefill: true,
             max_waiting: 1024,
             num_threads: None,
+            record_cache_events: false,
         }
     }
 }

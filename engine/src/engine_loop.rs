@@ -10,7 +10,13 @@
 
 use crate::backend::BackendError;
 use crate::batch::layout_for;
-use baton_core::api::{EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError};
+use crate::kv_transport::LayerFrame;
+use crate::relay::{ExportEvent, TransferTrailer, plan_blocks};
+use baton_core::api::{
+    EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
+};
+use baton_core::block_manager::CacheEvent;
+use baton_core::kv_transfer::{KvLayout, plan_transfer};
 use baton_core::sampling::{SamplingContext, sample_batch};
 use baton_core::scheduler::Scheduler;
 use std::collections::HashMap;
@@ -23,21 +29,73 @@ use tokio::sync::mpsc::UnboundedSender;
 /// Output channel of one request.
 pub(crate) type OutputTx = UnboundedSender<Result<EngineOutput, EngineError>>;
 
+/// Receives a prefill engine's [`ExportEvent`]s for one request.
+pub(crate) type ExportTx = UnboundedSender<ExportEvent>;
+
 /// A message from the handle to the engine thread.
 pub(crate) enum Command {
-    Submit { id: RequestId, request: Box<EngineRequest>, tx: OutputTx },
+    Submit {
+        id: RequestId,
+        request: Box<EngineRequest>,
+        tx: OutputTx,
+    },
+    /// A request whose prompt KV goes to another worker's `dst_block_table`.
+    SubmitExport {
+        id: RequestId,
+        request: Box<EngineRequest>,
+        tx: OutputTx,
+        dst_block_table: Vec<u32>,
+        export: ExportTx,
+    },
+    /// Reserve blocks for a prompt whose KV and first token come from another worker.
+    Reserve {
+        id: RequestId,
+        request: Box<EngineRequest>,
+        tx: OutputTx,
+        reply: tokio::sync::oneshot::Sender<Result<Vec<u32>, SubmitError>>,
+    },
+    /// One received layer for the reserved `blocks` of `id`.
+    ImportLayer {
+        id: RequestId,
+        blocks: Vec<u32>,
+        frame: LayerFrame,
+    },
+    /// Every layer of `id` arrived; the trailer carries the first token.
+    ImportDone {
+        id: RequestId,
+        trailer: TransferTrailer,
+    },
+    /// The transfer for `id` failed: recompute the prompt here.
+    ImportFailed(RequestId),
     Abort(RequestId),
     Shutdown,
 }
 
 /// Runs a forward step; implemented by the model over any backend.
 pub(crate) trait StepModel: Send {
-    fn forward(&mut self, batch: &crate::backend::BatchLayout) -> Result<Vec<f32>, BackendError>;
+    /// See [`crate::model::LlamaModel::forward_exporting`].
+    fn forward(
+        &mut self,
+        batch: &crate::backend::BatchLayout,
+        exports: &[Vec<u32>],
+        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+    ) -> Result<Vec<f32>, BackendError>;
+    /// See [`crate::backend::Backend::write_kv_blocks`].
+    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
 }
 
 impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
-    fn forward(&mut self, batch: &crate::backend::BatchLayout) -> Result<Vec<f32>, BackendError> {
-        crate::model::LlamaModel::forward(self, batch)
+    fn forward(
+        &mut self,
+        batch: &crate::backend::BatchLayout,
+        exports: &[Vec<u32>],
+        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+    ) -> Result<Vec<f32>, BackendError> {
+        crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
+    }
+
+    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
+        crate::model::LlamaModel::write_kv_blocks(self, layer, blocks, k, v)
     }
 }
 
@@ -47,11 +105,24 @@ pub(crate) struct Shared {
     pub healthy: AtomicBool,
     /// Submitted but not yet seen by the engine thread (counts against `max_waiting`).
     pub pending: AtomicUsize,
+    /// Prefix-cache events not yet taken by the worker's reporter (when recording is on).
+    pub cache_events: Mutex<Vec<CacheEvent>>,
 }
+
+/// Most cache events kept for a reporter that stopped draining them; older ones are dropped
+/// (the router's prefix index is a hint, never a correctness input).
+const MAX_PENDING_CACHE_EVENTS: usize = 1 << 20;
 
 struct Live {
     tx: OutputTx,
     seed: u64,
+    /// Set for export requests: where the prompt's KV goes.
+    export: Option<Export>,
+}
+
+struct Export {
+    dst_block_table: Vec<u32>,
+    tx: ExportTx,
 }
 
 pub(crate) struct EngineLoop {
@@ -62,6 +133,7 @@ pub(crate) struct EngineLoop {
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,
     pub pool: rayon::ThreadPool,
+    pub kv_layout: KvLayout,
     live: HashMap<RequestId, Live>,
     /// Set by a `Shutdown` command; the loop exits at the next check.
     stopping: bool,
@@ -76,8 +148,20 @@ impl EngineLoop {
         eos_token_ids: Vec<u32>,
         vocab_size: usize,
         pool: rayon::ThreadPool,
+        kv_layout: KvLayout,
     ) -> Self {
-        Self { scheduler, model, rx, shared, eos_token_ids, vocab_size, pool, live: HashMap::new(), stopping: false }
+        Self {
+            scheduler,
+            model,
+            rx,
+            shared,
+            eos_token_ids,
+            vocab_size,
+            pool,
+            kv_layout,
+            live: HashMap::new(),
+            stopping: false,
+        }
     }
 
     /// Runs until shutdown or until every handle is gone; in-flight requests then get
@@ -108,16 +192,28 @@ impl EngineLoop {
     /// the command was received.
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, request, tx } => {
+            Command::Submit { id, request, tx } => self.admit(id, *request, tx, None),
+            Command::SubmitExport { id, request, tx, dst_block_table, export } => {
+                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export }));
+            }
+            Command::Reserve { id, request, tx, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
                 let seed = request.params.seed.unwrap_or_else(entropy_seed);
-                match self.scheduler.add_request(id, *request, &self.eos_token_ids) {
-                    Ok(()) => {
-                        self.live.insert(id, Live { tx, seed });
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(submit_to_engine_error(e)));
-                    }
+                let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
+                if result.is_ok() {
+                    self.live.insert(id, Live { tx, seed, export: None });
+                }
+                if reply.send(result).is_err() {
+                    // The caller gave up before the answer: release the reservation.
+                    self.scheduler.abort(id);
+                    self.live.remove(&id);
+                }
+            }
+            Command::ImportLayer { id, blocks, frame } => self.import_layer(id, &blocks, &frame),
+            Command::ImportDone { id, trailer } => self.import_done(id, trailer),
+            Command::ImportFailed(id) => {
+                if self.scheduler.fail_kv_transfer(id) {
+                    tracing::warn!(request = %id, "KV transfer failed; recomputing the prompt here");
                 }
             }
             Command::Abort(id) => {
@@ -128,6 +224,97 @@ impl EngineLoop {
             }
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    /// Queues a new request (plain or export).
+    fn admit(&mut self, id: RequestId, request: EngineRequest, tx: OutputTx, export: Option<Export>) {
+        self.shared.pending.fetch_sub(1, Ordering::SeqCst);
+        let seed = request.params.seed.unwrap_or_else(entropy_seed);
+        match self.scheduler.add_request(id, request, &self.eos_token_ids) {
+            Ok(()) => {
+                self.live.insert(id, Live { tx, seed, export });
+            }
+            Err(e) => {
+                let _ = tx.send(Err(submit_to_engine_error(e)));
+            }
+        }
+    }
+
+    /// Writes one received layer into `id`'s reserved blocks. Frames for requests that are no
+    /// longer waiting for KV (aborted, failed over to recompute) are dropped: their blocks may
+    /// already belong to someone else. Blocks outside the request's own table are refused.
+    fn import_layer(&mut self, id: RequestId, blocks: &[u32], frame: &LayerFrame) {
+        let waiting =
+            self.scheduler.request(id).is_some_and(|r| r.status() == baton_core::request::RequestStatus::WaitingForKv);
+        if !waiting {
+            return;
+        }
+        let table = self.scheduler.block_manager().block_table(id).unwrap_or(&[]);
+        let result = if blocks.iter().all(|b| table.contains(b)) {
+            self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v).map_err(|e| e.to_string())
+        } else {
+            Err(format!("the transfer targets blocks {blocks:?} outside the reservation {table:?}"))
+        };
+        if let Err(e) = result {
+            tracing::warn!(request = %id, error = %e, "cannot store a received KV layer; recomputing the prompt here");
+            self.scheduler.fail_kv_transfer(id);
+        }
+    }
+
+    /// The whole prompt KV of `id` arrived with its first token: it joins the batch (or ends).
+    fn import_done(&mut self, id: RequestId, trailer: TransferTrailer) {
+        let Some(u) = self.scheduler.complete_kv_transfer_with_token(id, trailer.first_token) else {
+            return;
+        };
+        self.publish_stats();
+        let Some(live) = self.live.get(&id) else { return };
+        let output = EngineOutput {
+            new_token_ids: vec![u.new_token],
+            logprobs: trailer.logprobs.into_iter().collect(),
+            finish_reason: u.finish_reason,
+            stop_token: u.stop_token,
+            num_prompt_tokens: u.num_prompt_tokens,
+            num_cached_tokens: u.num_cached_tokens,
+        };
+        let gone = live.tx.send(Ok(output)).is_err();
+        if u.finish_reason.is_some() {
+            self.live.remove(&id);
+        } else if gone {
+            self.scheduler.abort(id);
+            self.live.remove(&id);
+        }
+    }
+
+    /// Plans the hand-off of every export request whose prompt completes in this step and
+    /// returns, per export, the request and the sender-side blocks to read each layer.
+    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> Vec<(RequestId, Vec<u32>)> {
+        let mut exports = Vec::new();
+        let mut failed = Vec::new();
+        for seq in out.seqs.iter().filter(|s| s.sample) {
+            let Some(Export { dst_block_table, tx }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref()) else {
+                continue;
+            };
+            let Some(req) = self.scheduler.request(seq.id) else { continue };
+            if req.num_output_tokens() > 0 {
+                continue;
+            }
+            match plan_transfer(&self.kv_layout, &seq.block_table, dst_block_table, req.num_prompt_tokens(), 0) {
+                Ok(plan) => {
+                    let (src, _) = plan_blocks(&plan);
+                    if tx.send(ExportEvent::Plan(plan)).is_ok() {
+                        exports.push((seq.id, src));
+                    }
+                }
+                Err(e) => failed.push((seq.id, e.to_string())),
+            }
+        }
+        for (id, reason) in failed {
+            self.scheduler.abort(id);
+            if let Some(l) = self.live.remove(&id) {
+                let _ = l.tx.send(Err(EngineError::Unschedulable(format!("cannot plan the KV hand-off: {reason}"))));
+            }
+        }
+        exports
     }
 
     fn step(&mut self) {
@@ -141,8 +328,19 @@ impl EngineLoop {
             return;
         }
         let batch = layout_for(&out);
+        let exports = self.plan_exports(&out);
+        let export_txs: Vec<Option<ExportTx>> = exports
+            .iter()
+            .map(|(id, _)| self.live.get(id).and_then(|l| l.export.as_ref()).map(|e| e.tx.clone()))
+            .collect();
+        let export_blocks: Vec<Vec<u32>> = exports.iter().map(|(_, b)| b.clone()).collect();
+        let mut sink = |layer: usize, j: usize, k: Vec<u8>, v: Vec<u8>| {
+            if let Some(Some(tx)) = export_txs.get(j) {
+                let _ = tx.send(ExportEvent::Layer(LayerFrame { layer, k, v }));
+            }
+        };
         let model = &mut self.model;
-        let result = self.pool.install(|| model.forward(&batch));
+        let result = self.pool.install(|| model.forward(&batch, &export_blocks, &mut sink));
         let mut logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -186,20 +384,33 @@ impl EngineLoop {
         let mut logprobs: HashMap<RequestId, baton_core::api::TokenLogprob> =
             sampled.into_iter().filter_map(|(id, s)| s.logprobs.map(|l| (id, l))).collect();
         let updates = self.scheduler.update(&out, &pairs);
+        let exported: Vec<RequestId> =
+            updates.iter().filter(|u| self.live.get(&u.id).is_some_and(|l| l.export.is_some())).map(|u| u.id).collect();
+        for id in &exported {
+            // The prompt is handed off: its blocks go back to the pool (full ones stay cached).
+            self.scheduler.abort(*id);
+        }
         // Publish before sending, so a client that sees a token also sees the load it implies.
         self.publish_stats();
         for u in updates {
             let Some(live) = self.live.get(&u.id) else { continue };
+            let token_logprobs: Option<TokenLogprob> = logprobs.remove(&u.id);
+            if let Some(export) = &live.export {
+                let trailer = TransferTrailer { first_token: u.new_token, logprobs: token_logprobs.clone() };
+                let _ = export.tx.send(ExportEvent::Done(trailer));
+            }
             let output = EngineOutput {
                 new_token_ids: vec![u.new_token],
-                logprobs: logprobs.remove(&u.id).into_iter().collect(),
+                logprobs: token_logprobs.into_iter().collect(),
                 finish_reason: u.finish_reason,
                 stop_token: u.stop_token,
                 num_prompt_tokens: u.num_prompt_tokens,
                 num_cached_tokens: u.num_cached_tokens,
             };
             let gone = live.tx.send(Ok(output)).is_err();
-            if u.finish_reason.is_some() {
+            if u.finish_reason.is_some() || live.export.is_some() {
+                // An export request's stream ends after its first token (the decode worker
+                // carries on); closing the channel tells the reader.
                 self.live.remove(&u.id);
             } else if gone {
                 // The client went away: free its blocks now rather than at the next token.
@@ -209,10 +420,20 @@ impl EngineLoop {
         }
     }
 
-    fn publish_stats(&self) {
+    fn publish_stats(&mut self) {
         let s = self.scheduler.stats();
         if let Ok(mut g) = self.shared.stats.lock() {
             *g = s;
+        }
+        let events = self.scheduler.take_cache_events();
+        if !events.is_empty()
+            && let Ok(mut q) = self.shared.cache_events.lock()
+        {
+            q.extend(events);
+            if q.len() > MAX_PENDING_CACHE_EVENTS {
+                let excess = q.len() - MAX_PENDING_CACHE_EVENTS;
+                q.drain(..excess);
+            }
         }
     }
 

@@ -6,9 +6,13 @@
 //! [`OutputStream`] aborts it through [`AbortSink`].
 
 use crate::engine_loop::{Command, Shared};
+use crate::kv_transport::LayerFrame;
+use crate::relay::{ExportEvent, TransferTrailer};
 use baton_core::api::{
     AbortSink, EngineClient, EngineInfo, EngineRequest, EngineStats, OutputStream, RequestId, SubmitError,
 };
+use baton_core::block_manager::CacheEvent;
+use baton_core::kv_transfer::KvLayout;
 use baton_core::params::ParamError;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
@@ -18,6 +22,7 @@ struct Inner {
     tx: Mutex<Sender<Command>>,
     shared: Arc<Shared>,
     info: EngineInfo,
+    kv_layout: KvLayout,
     max_waiting: usize,
     next_id: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -49,6 +54,7 @@ impl EngineHandle {
         tx: Sender<Command>,
         shared: Arc<Shared>,
         info: EngineInfo,
+        kv_layout: KvLayout,
         max_waiting: usize,
         thread: std::thread::JoinHandle<()>,
     ) -> Self {
@@ -57,6 +63,7 @@ impl EngineHandle {
                 tx: Mutex::new(tx),
                 shared,
                 info,
+                kv_layout,
                 max_waiting,
                 next_id: AtomicU64::new(1),
                 thread: Mutex::new(Some(thread)),
@@ -64,18 +71,71 @@ impl EngineHandle {
         }
     }
 
-    /// Stops the engine thread (in-flight requests get `EngineError::Shutdown`) and waits for it.
-    pub fn shutdown(&self) {
-        self.inner.send(Command::Shutdown);
-        let thread = self.inner.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(t) = thread {
-            let _ = t.join();
+    /// The geometry and dtype of this engine's KV cache (what a hand-off must match).
+    pub fn kv_layout(&self) -> KvLayout {
+        self.inner.kv_layout
+    }
+
+    /// Prefix-cache events since the last call (empty unless `record_cache_events` is on).
+    pub fn take_cache_events(&self) -> Vec<CacheEvent> {
+        self.inner.shared.cache_events.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default()
+    }
+
+    /// Prefill side of a hand-off: runs `request`'s prompt here and streams its KV, layer by
+    /// layer during the step that completes the prompt, into the receiver's blocks
+    /// `dst_block_table` (the returned channel yields the plan, the layers and the first
+    /// token; see [`ExportEvent`]). The output stream yields the first token and then ends;
+    /// the request then no longer holds blocks here.
+    pub fn submit_export(
+        &self,
+        request: EngineRequest,
+        dst_block_table: Vec<u32>,
+    ) -> Result<(OutputStream, tokio::sync::mpsc::UnboundedReceiver<ExportEvent>), SubmitError> {
+        self.check(&request)?;
+        let (export_tx, export_rx) = tokio::sync::mpsc::unbounded_channel();
+        let stream = self.enqueue(|id, tx| Command::SubmitExport {
+            id,
+            request: Box::new(request),
+            tx,
+            dst_block_table,
+            export: export_tx,
+        })?;
+        Ok((stream, export_rx))
+    }
+
+    /// Decode side of a hand-off: reserves blocks for `request`'s whole prompt, whose KV and
+    /// first token will come from a prefill worker, and returns the block table to fill.
+    /// Then feed [`EngineHandle::import_layer`] for every layer and
+    /// [`EngineHandle::import_done`]; or [`EngineHandle::import_failed`] to recompute here.
+    /// The stream yields every output token from the first one on.
+    pub async fn reserve_import(&self, request: EngineRequest) -> Result<(OutputStream, Vec<u32>), SubmitError> {
+        self.check(&request)?;
+        let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+        let stream = self.enqueue(|id, tx| Command::Reserve { id, request: Box::new(request), tx, reply: reply_tx })?;
+        match reply_rx.await {
+            Ok(Ok(table)) => Ok((stream, table)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SubmitError::Unavailable("the engine thread stopped".into())),
         }
     }
-}
 
-impl EngineClient for EngineHandle {
-    fn submit(&self, request: EngineRequest) -> Result<OutputStream, SubmitError> {
+    /// Stores one received layer of request `id` into its reserved `blocks` (in plan order).
+    pub fn import_layer(&self, id: RequestId, blocks: Vec<u32>, frame: LayerFrame) {
+        self.inner.send(Command::ImportLayer { id, blocks, frame });
+    }
+
+    /// Every layer of `id` arrived: it joins the running batch with the trailer's first token.
+    pub fn import_done(&self, id: RequestId, trailer: TransferTrailer) {
+        self.inner.send(Command::ImportDone { id, trailer });
+    }
+
+    /// The transfer for `id` failed or timed out: recompute its prompt here.
+    pub fn import_failed(&self, id: RequestId) {
+        self.inner.send(Command::ImportFailed(id));
+    }
+
+    /// Request checks that need no engine state.
+    fn check(&self, request: &EngineRequest) -> Result<(), SubmitError> {
         let info = &self.inner.info;
         if !self.is_healthy() {
             return Err(SubmitError::Unavailable("the engine hit a fatal error".into()));
@@ -110,15 +170,39 @@ impl EngineClient for EngineHandle {
         if waiting >= self.inner.max_waiting {
             return Err(SubmitError::QueueFull { waiting });
         }
+        Ok(())
+    }
+
+    /// Assigns an id, sends the command `make` builds, and returns the request's stream.
+    fn enqueue(
+        &self,
+        make: impl FnOnce(RequestId, crate::engine_loop::OutputTx) -> Command,
+    ) -> Result<OutputStream, SubmitError> {
         let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::SeqCst));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         self.inner.shared.pending.fetch_add(1, Ordering::SeqCst);
-        if !self.inner.send(Command::Submit { id, request: Box::new(request), tx }) {
+        if !self.inner.send(make(id, tx)) {
             self.inner.shared.pending.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Unavailable("the engine thread has stopped".into()));
         }
         let sink: Arc<dyn AbortSink> = self.inner.clone();
         Ok(OutputStream::new(id, rx, sink))
+    }
+
+    /// Stops the engine thread (in-flight requests get `EngineError::Shutdown`) and waits for it.
+    pub fn shutdown(&self) {
+        self.inner.send(Command::Shutdown);
+        let thread = self.inner.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl EngineClient for EngineHandle {
+    fn submit(&self, request: EngineRequest) -> Result<OutputStream, SubmitError> {
+        self.check(&request)?;
+        self.enqueue(|id, tx| Command::Submit { id, request: Box::new(request), tx })
     }
 
     fn abort(&self, id: RequestId) {

@@ -13,11 +13,13 @@ mod engine_loop;
 mod handle;
 pub mod kv_transport;
 pub mod model;
+pub mod relay;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
 pub use handle::EngineHandle;
 
 use baton_core::api::{EngineInfo, EngineStats};
+use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_core::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use baton_formats::LoadedModel;
 use engine_loop::{EngineLoop, Shared};
@@ -119,21 +121,23 @@ pub fn start_engine(
         .thread_name(|i| format!("baton-cpu-{i}"))
         .build()
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
-    let (model_box, num_blocks, device_name): (Box<dyn engine_loop::StepModel>, usize, String) = match device {
-        DeviceSpec::Cuda(ordinal) => {
-            let opts =
-                baton_kernels::cuda::CudaOptions { ordinal, cache_dir: baton_kernels::cuda::default_cache_dir() };
-            let backend = backend::cuda::CudaBackend::new(&opts)?;
-            let llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
-            // bf16 KV cache: 2 bytes per element.
-            size_kv(llama, &config, max_model_len, 2)?
-        }
-        DeviceSpec::Cpu | DeviceSpec::Auto => {
-            let llama =
-                pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new()))?;
-            size_kv(llama, &config, max_model_len, 4)?
-        }
-    };
+    let (model_box, num_blocks, device_name, kv_dtype): (Box<dyn engine_loop::StepModel>, usize, String, KvDtype) =
+        match device {
+            DeviceSpec::Cuda(ordinal) => {
+                let opts =
+                    baton_kernels::cuda::CudaOptions { ordinal, cache_dir: baton_kernels::cuda::default_cache_dir() };
+                let backend = backend::cuda::CudaBackend::new(&opts)?;
+                let llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+                // bf16 KV cache: 2 bytes per element.
+                size_kv(llama, &config, max_model_len, 2)?
+            }
+            DeviceSpec::Cpu | DeviceSpec::Auto => {
+                let llama = pool.install(|| {
+                    model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new())
+                })?;
+                size_kv(llama, &config, max_model_len, 4)?
+            }
+        };
     let sched_cfg = SchedulerConfig {
         block_size: config.block_size,
         num_blocks,
@@ -145,7 +149,15 @@ pub fn start_engine(
         policy: SchedulingPolicy::Fcfs,
         max_waiting: config.max_waiting,
     };
-    let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    let mut scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    scheduler.record_cache_events(config.record_cache_events);
+    let kv_layout = KvLayout {
+        num_layers: cfg.num_hidden_layers,
+        block_size: config.block_size,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+        dtype: kv_dtype,
+    };
     let mut eos: Vec<u32> = model.generation.eos_token_ids.clone();
     for e in &cfg.eos_token_ids {
         if !eos.contains(e) {
@@ -164,16 +176,17 @@ pub fn start_engine(
         stats: Mutex::new(EngineStats { num_total_blocks: num_blocks, ..Default::default() }),
         healthy: AtomicBool::new(true),
         pending: AtomicUsize::new(0),
+        cache_events: Mutex::new(Vec::new()),
     });
     let (tx, rx) = std::sync::mpsc::channel();
     let vocab = cfg.vocab_size;
-    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, vocab, pool);
+    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, vocab, pool, kv_layout);
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
         .spawn(move || engine.run())
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
-    Ok(EngineHandle::new(tx, shared, info, config.max_waiting, thread))
+    Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread))
 }
 
 /// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.
@@ -182,7 +195,7 @@ fn size_kv<B: backend::Backend>(
     config: &EngineConfig,
     max_model_len: usize,
     elem_bytes: usize,
-) -> Result<(Box<dyn engine_loop::StepModel>, usize, String), EngineStartError> {
+) -> Result<(Box<dyn engine_loop::StepModel>, usize, String, KvDtype), EngineStartError> {
     let per_block = llama.kv_shape(1, config.block_size).bytes_per_token(elem_bytes) * config.block_size;
     let num_blocks = config.num_kv_blocks.unwrap_or(config.kv_cache_memory_bytes / per_block.max(1));
     let needed = max_model_len.div_ceil(config.block_size);
@@ -194,7 +207,8 @@ fn size_kv<B: backend::Backend>(
     }
     llama.alloc_kv_cache(num_blocks, config.block_size)?;
     let name = llama.device_name();
-    Ok((Box::new(llama), num_blocks, name))
+    let dtype = llama.kv_dtype();
+    Ok((Box::new(llama), num_blocks, name, dtype))
 }
 
 #[cfg(test)]

@@ -181,6 +181,16 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.alloc_kv_cache(shape)
     }
 
+    /// Writes received K/V bytes into `blocks` of layer `layer` (see [`Backend::write_kv_blocks`]).
+    pub fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
+        self.backend.write_kv_blocks(layer, blocks, k, v)
+    }
+
+    /// Element type of the backend's KV cache.
+    pub fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
+        self.backend.kv_dtype()
+    }
+
     /// The KV cache geometry for a pool of `num_blocks` blocks.
     pub fn kv_shape(&self, num_blocks: usize, block_size: usize) -> KvCacheShape {
         KvCacheShape {
@@ -194,6 +204,20 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
     pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
+        self.forward_exporting(batch, &[], &mut |_, _, _, _| {})
+    }
+
+    /// [`LlamaModel::forward`] that also hands out KV as soon as each layer has written it:
+    /// for every layer `l` and every block list `exports[j]`, `sink(l, j, k, v)` gets the
+    /// layer's K and V bytes of those blocks (see [`Backend::read_kv_blocks`]), in layer
+    /// order, while later layers are still to run. This is how a prefill worker streams a
+    /// prompt's KV to a decode worker during the step that computes it.
+    pub fn forward_exporting(
+        &mut self,
+        batch: &BatchLayout,
+        exports: &[Vec<u32>],
+        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+    ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.cfg;
         let b = &mut self.backend;
         let ws = &mut self.ws;
@@ -217,6 +241,10 @@ impl<B: Backend> LlamaModel<B> {
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
             b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+            for (j, blocks) in exports.iter().enumerate() {
+                let (k, v) = b.read_kv_blocks(i, blocks)?;
+                sink(i, j, k, v);
+            }
             b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
             b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
             b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;

@@ -249,4 +249,65 @@ impl Backend for CpuBackend {
         self.rope = Some(table);
         Ok(())
     }
+
+    fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
+        baton_core::kv_transfer::KvDtype::F32
+    }
+
+    fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
+        let block_len = self.kv_block_len(blocks)?;
+        let (kc, vc) =
+            self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        let mut k = Vec::with_capacity(blocks.len() * block_len * 4);
+        let mut v = Vec::with_capacity(blocks.len() * block_len * 4);
+        for &b in blocks {
+            let r = b as usize * block_len..(b as usize + 1) * block_len;
+            k.extend(kc[r.clone()].iter().flat_map(|x| x.to_ne_bytes()));
+            v.extend(vc[r].iter().flat_map(|x| x.to_ne_bytes()));
+        }
+        Ok((k, v))
+    }
+
+    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
+        let block_len = self.kv_block_len(blocks)?;
+        let want = blocks.len() * block_len * 4;
+        if k.len() != want || v.len() != want {
+            return Err(BackendError::Kernel(KernelError {
+                op: "write_kv_blocks",
+                message: format!(
+                    "{} blocks need {want} bytes each of K and V, got {} and {}",
+                    blocks.len(),
+                    k.len(),
+                    v.len()
+                ),
+            }));
+        }
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        for (i, &b) in blocks.iter().enumerate() {
+            let dst = b as usize * block_len..(b as usize + 1) * block_len;
+            let src = i * block_len * 4..(i + 1) * block_len * 4;
+            for (d, s) in kc[dst.clone()].iter_mut().zip(k[src.clone()].chunks_exact(4)) {
+                *d = f32::from_ne_bytes([s[0], s[1], s[2], s[3]]);
+            }
+            for (d, s) in vc[dst].iter_mut().zip(v[src].chunks_exact(4)) {
+                *d = f32::from_ne_bytes([s[0], s[1], s[2], s[3]]);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// Elements per block of one layer's K (or V), after checking every block id is in the pool.
+    fn kv_block_len(&self, blocks: &[u32]) -> Result<usize, BackendError> {
+        let shape = self.shape()?;
+        if let Some(bad) = blocks.iter().find(|&&b| b as usize >= shape.num_blocks) {
+            return Err(BackendError::Kernel(KernelError {
+                op: "kv_blocks",
+                message: format!("block {bad} is outside the pool of {}", shape.num_blocks),
+            }));
+        }
+        Ok(shape.block_size * shape.num_kv_heads * shape.head_dim)
+    }
 }

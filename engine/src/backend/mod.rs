@@ -165,4 +165,14 @@ pub trait Backend: Send + 'static {
     fn to_host(&mut self, buf: &Self::Buf, len: usize) -> Result<Vec<f32>, BackendError>;
     /// Sets the rotary table used by `rope_and_write_kv`.
     fn set_rope(&mut self, table: baton_kernels::cpu::RopeTable) -> Result<(), BackendError>;
+
+    /// Element type of the KV cache (what [`Backend::read_kv_blocks`] bytes hold).
+    fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype;
+    /// Copies layer `layer`'s K and V of `blocks`, in the given order, to host bytes (native
+    /// byte order, each block `block_size × kv_heads × head_dim` elements). Used to hand a
+    /// prompt's KV to another worker.
+    fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError>;
+    /// Writes bytes produced by `read_kv_blocks` on a cache of the same layout into `blocks`
+    /// of layer `layer`, in order.
+    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
 }

@@ -9,6 +9,7 @@
 //! a hang. `tcp` is the always-available transport (host staging); the NCCL
 //! transport for GPU↔GPU implements the same sequence.
 
+pub mod handoff;
 pub mod tcp;
 
 use baton_core::kv_transfer::{BlockRun, KvLayout, LayoutMismatch};

@@ -3,13 +3,14 @@
 //! Wire format: the sender opens with the 4-byte magic `BKV1`, then frames of
 //! `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (JSON
 //! [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64`,
-//! then K and V bytes), `DONE`. Receiver → sender: `ACCEPT` or `REFUSE`
-//! (reason text) after `HELLO`, and `ACCEPT` after `DONE` once every layer is
-//! stored. Frame lengths are checked against the handshake before anything is
+//! then K and V bytes), `DONE` (JSON [`TransferTrailer`]: the first token).
+//! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
+//! `ACCEPT` after `DONE` once every layer is stored. Frame lengths are checked against the handshake before anything is
 //! allocated, so a corrupt or hostile peer cannot make us allocate unbounded
 //! memory. Every read has the hand-off's deadline.
 
 use super::{Handshake, LayerFrame, TransportError};
+use crate::relay::TransferTrailer;
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -110,15 +111,17 @@ impl TcpKvSender {
         Ok(())
     }
 
-    /// Ends the hand-off; returns once the receiver confirmed every layer is stored.
-    pub async fn finish(mut self) -> Result<(), TransportError> {
+    /// Ends the hand-off with the first token; returns once the receiver confirmed every
+    /// layer is stored.
+    pub async fn finish(mut self, trailer: &TransferTrailer) -> Result<(), TransportError> {
         if self.next_layer != self.hs.layout.num_layers {
             return Err(TransportError::Protocol(format!(
                 "finish after {} of {} layers",
                 self.next_layer, self.hs.layout.num_layers
             )));
         }
-        write_frame(&mut self.stream, DONE, &[]).await?;
+        let body = serde_json::to_vec(trailer).map_err(|e| TransportError::Protocol(e.to_string()))?;
+        with_deadline(self.deadline, "sending the trailer", write_frame(&mut self.stream, DONE, &[&body])).await?;
         let (kind, body) =
             with_deadline(self.deadline, "the final acknowledgement", read_frame(&mut self.stream, MAX_CONTROL_FRAME))
                 .await?;
@@ -146,11 +149,32 @@ impl TcpKvListener {
         Ok(self.listener.local_addr()?)
     }
 
-    /// Accepts one hand-off and checks it against `layout`; a mismatch is refused (the
-    /// sender gets the reason) and returned as [`TransportError::Incompatible`].
-    pub async fn accept(&self, layout: &KvLayout, deadline: Duration) -> Result<IncomingTransfer, TransportError> {
-        let (mut stream, _) = self.listener.accept().await?;
+    /// Accepts one connection. Read its handshake with [`PendingHandoff::handshake`],
+    /// preferably on its own task so a slow peer cannot hold up the next one.
+    pub async fn accept(&self) -> Result<PendingHandoff, TransportError> {
+        let (stream, _) = self.listener.accept().await?;
         stream.set_nodelay(true)?;
+        Ok(PendingHandoff { stream })
+    }
+}
+
+/// A connection whose handshake has not been read yet.
+pub struct PendingHandoff {
+    stream: TcpStream,
+}
+
+impl PendingHandoff {
+    /// Reads the handshake and checks it against `layout`, then asks `admit` (e.g. "is this
+    /// request still waiting for its KV here?"). A mismatch is refused (the sender gets the
+    /// reason) and returned as [`TransportError::Incompatible`]; a refusal by `admit` as
+    /// [`TransportError::Refused`].
+    pub async fn handshake(
+        self,
+        layout: &KvLayout,
+        deadline: Duration,
+        admit: impl FnOnce(&Handshake) -> Result<(), String>,
+    ) -> Result<IncomingTransfer, TransportError> {
+        let mut stream = self.stream;
         let hs: Handshake = with_deadline(deadline, "the handshake", async {
             let mut magic = [0u8; 4];
             stream.read_exact(&mut magic).await?;
@@ -175,9 +199,23 @@ impl TcpKvListener {
             write_frame(&mut stream, REFUSE, &[msg.as_bytes()]).await?;
             return Err(TransportError::Protocol(msg));
         }
+        if let Err(reason) = admit(&hs) {
+            write_frame(&mut stream, REFUSE, &[reason.as_bytes()]).await?;
+            return Err(TransportError::Refused(reason));
+        }
         write_frame(&mut stream, ACCEPT, &[]).await?;
         Ok(IncomingTransfer { stream, hs, deadline, next_layer: 0 })
     }
+}
+
+/// What [`IncomingTransfer::next`] read.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Incoming {
+    /// The next layer, in order.
+    Layer(LayerFrame),
+    /// Every layer arrived; this is the first token. Acknowledge with
+    /// [`IncomingTransfer::acknowledge`] once the layers are stored.
+    Done(TransferTrailer),
 }
 
 /// The receiving side of one accepted hand-off.
@@ -194,11 +232,12 @@ impl IncomingTransfer {
         &self.hs
     }
 
-    /// The next layer, or `None` once the sender said DONE after the last layer
-    /// (the sender is then told every layer is stored).
-    pub async fn next_layer(&mut self) -> Result<Option<LayerFrame>, TransportError> {
+    /// The next layer, or the trailer once the sender said DONE after the last layer (the
+    /// sender is then told every layer is stored).
+    pub async fn next(&mut self) -> Result<Incoming, TransportError> {
         let half = self.hs.bytes_per_layer_half;
-        let max = 12 + 2 * half as u64;
+        // Layer frames are exactly this long; the trailer is small JSON.
+        let max = (12 + 2 * half as u64).max(64 << 10);
         let (kind, body) = with_deadline(self.deadline, "the next layer", read_frame(&mut self.stream, max)).await?;
         match kind {
             LAYER => {
@@ -216,7 +255,11 @@ impl IncomingTransfer {
                     return Err(TransportError::Protocol(format!("got layer {layer}, expected {}", self.next_layer)));
                 }
                 self.next_layer += 1;
-                Ok(Some(LayerFrame { layer, k: body[12..12 + half].to_vec(), v: body[12 + half..].to_vec() }))
+                Ok(Incoming::Layer(LayerFrame {
+                    layer,
+                    k: body[12..12 + half].to_vec(),
+                    v: body[12 + half..].to_vec(),
+                }))
             }
             DONE => {
                 if self.next_layer != self.hs.layout.num_layers {
@@ -224,11 +267,22 @@ impl IncomingTransfer {
                     write_frame(&mut self.stream, REFUSE, &[msg.as_bytes()]).await?;
                     return Err(TransportError::Protocol(msg));
                 }
-                write_frame(&mut self.stream, ACCEPT, &[]).await?;
-                Ok(None)
+                if body.len() as u64 > MAX_CONTROL_FRAME {
+                    return Err(TransportError::Protocol("oversized trailer".into()));
+                }
+                let trailer: TransferTrailer =
+                    serde_json::from_slice(&body).map_err(|e| TransportError::Protocol(format!("bad trailer: {e}")))?;
+                Ok(Incoming::Done(trailer))
             }
             k => Err(TransportError::Protocol(format!("unexpected frame kind {k} during the transfer"))),
         }
+    }
+}
+
+impl IncomingTransfer {
+    /// Tells the sender every layer is stored (after [`Incoming::Done`]).
+    pub async fn acknowledge(mut self) -> Result<(), TransportError> {
+        write_frame(&mut self.stream, ACCEPT, &[]).await
     }
 }
 
@@ -258,6 +312,21 @@ mod tests {
         LayerFrame { layer, k, v }
     }
 
+    fn trailer() -> TransferTrailer {
+        TransferTrailer {
+            first_token: 1234,
+            logprobs: Some(baton_core::api::TokenLogprob { token_id: 1234, logprob: -0.5, top: vec![(1234, -0.5)] }),
+        }
+    }
+
+    async fn handshake_of(
+        listener: &TcpKvListener,
+        l: &KvLayout,
+        deadline: Duration,
+    ) -> Result<IncomingTransfer, TransportError> {
+        listener.accept().await?.handshake(l, deadline, |_| Ok(())).await
+    }
+
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
     }
@@ -277,15 +346,21 @@ mod tests {
                 for f in &to_send {
                     s.send_layer(f).await?;
                 }
-                s.finish().await
+                s.finish(&trailer()).await
             });
-            let mut incoming = listener.accept(&l, Duration::from_secs(5)).await.expect("accept");
+            let pending = listener.accept().await.expect("accept");
+            let mut incoming = pending.handshake(&l, Duration::from_secs(5), |_| Ok(())).await.expect("handshake");
             assert_eq!(incoming.handshake().request_id, 42);
             let mut got = Vec::new();
-            while let Some(f) = incoming.next_layer().await.expect("layer") {
-                got.push(f);
-            }
+            let done = loop {
+                match incoming.next().await.expect("frame") {
+                    Incoming::Layer(f) => got.push(f),
+                    Incoming::Done(t) => break t,
+                }
+            };
             assert_eq!(got, sent);
+            assert_eq!(done, trailer());
+            incoming.acknowledge().await.expect("ack");
             sender.await.expect("join").expect("sender finished");
         });
     }
@@ -299,7 +374,7 @@ mod tests {
             let hs = Handshake { layout: theirs, ..handshake(layout()) };
             let sender =
                 tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
-            let err = listener.accept(&layout(), Duration::from_secs(5)).await.err().expect("refused");
+            let err = handshake_of(&listener, &layout(), Duration::from_secs(5)).await.err().expect("refused");
             assert!(matches!(err, TransportError::Incompatible(_)), "{err}");
             match sender.await.expect("join") {
                 Err(TransportError::Refused(msg)) => assert!(msg.contains("block_size 4 vs 8"), "{msg}"),
@@ -323,10 +398,10 @@ mod tests {
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 drop(s);
             });
-            let mut incoming = listener.accept(&l, Duration::from_millis(300)).await.expect("accept");
-            assert!(incoming.next_layer().await.expect("layer 0").is_some());
+            let mut incoming = handshake_of(&listener, &l, Duration::from_millis(300)).await.expect("accept");
+            assert!(matches!(incoming.next().await.expect("layer 0"), Incoming::Layer(_)));
             let t = std::time::Instant::now();
-            let err = incoming.next_layer().await.expect_err("must time out");
+            let err = incoming.next().await.expect_err("must time out");
             assert!(matches!(err, TransportError::Timeout(_, _)), "{err}");
             assert!(t.elapsed() < Duration::from_secs(2));
             sender.abort();
@@ -346,10 +421,10 @@ mod tests {
                 s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
                 drop(s); // the prefill worker dies mid-transfer
             });
-            let mut incoming = listener.accept(&l, Duration::from_secs(5)).await.expect("accept");
+            let mut incoming = handshake_of(&listener, &l, Duration::from_secs(5)).await.expect("accept");
             sender.await.expect("join");
-            assert!(incoming.next_layer().await.expect("layer 0").is_some());
-            let err = incoming.next_layer().await.expect_err("must fail");
+            assert!(matches!(incoming.next().await.expect("layer 0"), Incoming::Layer(_)));
+            let err = incoming.next().await.expect_err("must fail");
             assert!(matches!(err, TransportError::Io(_)), "{err}");
         });
     }
@@ -364,9 +439,34 @@ mod tests {
                 s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.expect("write");
                 s
             });
-            let err = listener.accept(&layout(), Duration::from_secs(5)).await.err().expect("refused");
+            let err = handshake_of(&listener, &layout(), Duration::from_secs(5)).await.err().expect("refused");
             assert!(matches!(err, TransportError::Protocol(_)), "{err}");
             drop(client.await);
+        });
+    }
+
+    #[test]
+    fn a_hand_off_the_receiver_does_not_expect_is_refused_with_its_reason() {
+        rt().block_on(async {
+            let l = layout();
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            let hs = handshake(l);
+            let sender =
+                tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
+            let pending = listener.accept().await.expect("accept");
+            let err = pending
+                .handshake(&l, Duration::from_secs(5), |hs| {
+                    Err(format!("request {} is not waiting here", hs.request_id))
+                })
+                .await
+                .err()
+                .expect("refused");
+            assert!(matches!(err, TransportError::Refused(_)), "{err}");
+            match sender.await.expect("join") {
+                Err(TransportError::Refused(msg)) => assert!(msg.contains("request 42 is not waiting"), "{msg}"),
+                other => panic!("sender should be refused, got {:?}", other.map(|_| "ok")),
+            }
         });
     }
 }

@@ -12,8 +12,13 @@
 //!
 //! The reserved blocks are always fresh (never shared prefix blocks), so the transport
 //! writes into blocks no other request can read.
+//!
+//! The relay's usual shape is [`Scheduler::reserve_for_transfer`]: blocks for the whole
+//! prompt are reserved before the prefill worker has sampled anything, and the first token
+//! arrives with the KV ([`Scheduler::complete_kv_transfer_with_token`]). Until then the
+//! request's computed tokens equal its known tokens, so it could not be scheduled anyway.
 
-use super::Scheduler;
+use super::{RequestUpdate, Scheduler};
 use crate::api::{EngineRequest, RequestId, SubmitError};
 use crate::block_manager::BlockId;
 use crate::request::{Request, RequestStatus};
@@ -36,7 +41,6 @@ impl Scheduler {
         num_prefilled_tokens: usize,
         first_token: Option<u32>,
     ) -> Result<Vec<BlockId>, SubmitError> {
-        let max_tokens = self.admission_check(id, &req)?;
         let known = req.prompt_token_ids.len() + usize::from(first_token.is_some());
         if num_prefilled_tokens == 0 || num_prefilled_tokens >= known {
             return Err(SubmitError::InvalidPrompt(format!(
@@ -45,6 +49,35 @@ impl Scheduler {
                 known.saturating_sub(1)
             )));
         }
+        self.reserve(id, req, eos_token_ids, num_prefilled_tokens, first_token)
+    }
+
+    /// Reserves fresh blocks for the whole prompt of `req`, whose KV and first output token
+    /// both come from a prefill worker; finish with
+    /// [`Scheduler::complete_kv_transfer_with_token`] (or fail/abort as usual). Returns the
+    /// block table to fill.
+    ///
+    /// Errors: everything [`Scheduler::add_request`] checks (except the waiting-queue
+    /// length), and `QueueFull` when the pool has too few free blocks right now.
+    pub fn reserve_for_transfer(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        eos_token_ids: &[u32],
+    ) -> Result<Vec<BlockId>, SubmitError> {
+        let prompt = req.prompt_token_ids.len();
+        self.reserve(id, req, eos_token_ids, prompt, None)
+    }
+
+    fn reserve(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        eos_token_ids: &[u32],
+        num_prefilled_tokens: usize,
+        first_token: Option<u32>,
+    ) -> Result<Vec<BlockId>, SubmitError> {
+        let max_tokens = self.admission_check(id, &req)?;
         let seq = self.next_arrival_seq;
         let mut request = Request::new(id, req, eos_token_ids, seq, max_tokens, self.config.block_size);
         if let Some(t) = first_token {
@@ -69,13 +102,14 @@ impl Scheduler {
     }
 
     /// The KV of a prefilled request has fully arrived: it joins the running batch.
-    /// Returns false if `id` is not waiting for KV.
+    /// Returns false if `id` is not waiting for KV, or if it still waits for its first
+    /// token (use [`Scheduler::complete_kv_transfer_with_token`]).
     pub fn complete_kv_transfer(&mut self, id: RequestId) -> bool {
         let bs = self.config.block_size;
         let Some(req) = self.requests.get_mut(&id) else {
             return false;
         };
-        if req.status() != RequestStatus::WaitingForKv {
+        if req.status() != RequestStatus::WaitingForKv || req.num_uncomputed_tokens() == 0 {
             return false;
         }
         req.status = RequestStatus::Running;
@@ -83,6 +117,44 @@ impl Scheduler {
         self.blocks.cache_full_blocks(id, req.block_hashes(), full);
         self.insert_running(id);
         true
+    }
+
+    /// The KV of a request reserved by [`Scheduler::reserve_for_transfer`] has arrived with
+    /// the first token the prefill worker sampled. The token is appended as the first output
+    /// and the request joins the running batch, unless the token already ends it (stop token
+    /// or `max_tokens == 1`): then it finishes here, its blocks are freed, and the update says
+    /// why. `None` if `id` is not waiting for KV and a token.
+    pub fn complete_kv_transfer_with_token(&mut self, id: RequestId, first_token: u32) -> Option<RequestUpdate> {
+        let bs = self.config.block_size;
+        let max_model_len = self.config.max_model_len;
+        let req = self.requests.get_mut(&id)?;
+        if req.status() != RequestStatus::WaitingForKv || req.num_uncomputed_tokens() != 0 {
+            return None;
+        }
+        req.append_output(first_token);
+        let stop = req.check_stop(max_model_len);
+        let update = RequestUpdate {
+            id,
+            new_token: first_token,
+            finish_reason: stop.map(|(r, _)| r),
+            stop_token: stop.and_then(|(_, t)| t),
+            num_prompt_tokens: req.num_prompt_tokens(),
+            num_cached_tokens: req.num_cached_tokens(),
+        };
+        let full = req.num_computed_tokens() / bs;
+        self.blocks.cache_full_blocks(id, req.block_hashes(), full);
+        match stop {
+            Some((reason, _)) => {
+                self.finish(id, reason);
+            }
+            None => {
+                if let Some(req) = self.requests.get_mut(&id) {
+                    req.status = RequestStatus::Running;
+                }
+                self.insert_running(id);
+            }
+        }
+        Some(update)
     }
 
     /// The transfer for `id` failed or timed out: its blocks are released and it

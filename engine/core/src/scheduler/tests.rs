@@ -453,3 +453,45 @@ fn prefilled_request_rejects_bad_counts_and_full_pools() {
     assert!(s.request(RequestId(3)).is_none());
     s.check_invariants().expect("invariants");
 }
+
+#[test]
+fn reservation_for_a_relay_takes_the_first_token_with_the_kv() {
+    let mut s = sched(cfg(8, 16));
+    let prompt = tokens(110, 10);
+    let table = s.reserve_for_transfer(RequestId(1), req(prompt.clone(), 4), &[2]).expect("reserved");
+    assert_eq!(table.len(), 3, "the whole prompt's 10 tokens need 3 blocks of 4");
+    assert!(s.schedule().is_empty(), "nothing runs before the KV and the token arrive");
+    assert!(!s.complete_kv_transfer(RequestId(1)), "without its first token it could never run");
+    s.check_invariants().expect("invariants while waiting");
+    let up = s.complete_kv_transfer_with_token(RequestId(1), 777).expect("completes");
+    assert_eq!((up.new_token, up.finish_reason, up.num_cached_tokens), (777, None, 10));
+    assert!(s.complete_kv_transfer_with_token(RequestId(1), 778).is_none(), "only once");
+    let (out, ups) = step(&mut s, 778);
+    let q = seq_of(&out, 1).expect("decode row");
+    assert_eq!((q.start_pos, q.token_ids.as_slice()), (10, &[777][..]));
+    assert_eq!(&q.block_table[..3], table.as_slice());
+    assert_eq!(ups[0].new_token, 778);
+    assert_eq!(s.request(RequestId(1)).map(|r| r.output_token_ids().to_vec()), Some(vec![777, 778]));
+    s.check_invariants().expect("invariants");
+}
+
+#[test]
+fn a_first_token_that_ends_the_request_finishes_it_and_frees_the_reservation() {
+    let mut s = sched(cfg(8, 16));
+    s.reserve_for_transfer(RequestId(1), req(tokens(120, 9), 4), &[2]).expect("reserved");
+    let up = s.complete_kv_transfer_with_token(RequestId(1), 2).expect("completes");
+    assert_eq!((up.finish_reason, up.stop_token), (Some(FinishReason::Stop), Some(2)));
+    assert!(s.request(RequestId(1)).is_none());
+    assert_eq!(s.block_manager().num_free_blocks(), 8);
+    // max_tokens = 1: the first token is the last one.
+    s.reserve_for_transfer(RequestId(2), req(tokens(121, 9), 1), &[2]).expect("reserved");
+    let up = s.complete_kv_transfer_with_token(RequestId(2), 5).expect("completes");
+    assert_eq!(up.finish_reason, Some(FinishReason::Length));
+    assert_eq!(s.block_manager().num_free_blocks(), 8);
+    // A failed relay recomputes from scratch and samples its own first token.
+    s.reserve_for_transfer(RequestId(3), req(tokens(122, 9), 4), &[2]).expect("reserved");
+    assert!(s.fail_kv_transfer(RequestId(3)));
+    let (out, _) = step(&mut s, 4);
+    assert_eq!(seq_of(&out, 3).map(|q| (q.start_pos, q.token_ids.len(), q.sample)), Some((0, 9, true)));
+    s.check_invariants().expect("invariants");
+}
