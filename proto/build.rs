@@ -5,6 +5,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto/baton.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/baton.proto"], &["proto"])?;
+    println!("cargo:rerun-if-changed=proto/worker.proto");
+    tonic_prost_build::configure().compile_protos(&["proto/baton.proto", "proto/worker.proto"], &["proto"])?;
     Ok(())
 }

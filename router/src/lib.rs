@@ -9,6 +9,7 @@
 //!
 //! Errors are [`error::FrontendError`] inside and become HTTP/gRPC statuses only at the edges.
 
+pub mod cluster;
 pub mod error;
 pub mod generation;
 pub mod grpc;

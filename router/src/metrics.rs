@@ -18,6 +18,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, 
 use std::time::Duration;
 
 /// Time to first token, seconds (histogram).
+/// KV bytes moved between workers (Baton's own).
+pub const KV_TRANSFER_BYTES: &str = "baton_kv_transfer_bytes_total";
+/// Duration of one KV hand-off (Baton's own).
+pub const KV_TRANSFER_SECONDS: &str = "baton_kv_transfer_seconds";
 pub const TIME_TO_FIRST_TOKEN: &str = "vllm:time_to_first_token_seconds";
 /// Time between consecutive output tokens of one sequence, seconds (histogram).
 pub const INTER_TOKEN_LATENCY: &str = "vllm:inter_token_latency_seconds";
@@ -79,6 +83,8 @@ pub struct Metrics {
     preemptions: Counter,
     kv_used: Gauge,
     kv_total: Gauge,
+    kv_transfer_bytes: Counter,
+    kv_transfer_seconds: Histogram,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -119,6 +125,7 @@ impl Metrics {
         describe(TIME_TO_FIRST_TOKEN, Some(Unit::Seconds), "Histogram of time to first token in seconds.");
         describe(INTER_TOKEN_LATENCY, Some(Unit::Seconds), "Histogram of inter-token latency in seconds.");
         describe(E2E_REQUEST_LATENCY, Some(Unit::Seconds), "Histogram of e2e request latency in seconds.");
+        describe(KV_TRANSFER_SECONDS, Some(Unit::Seconds), "Time of one KV hand-off, connect to acknowledgement.");
         let gauge_help = [
             (NUM_REQUESTS_RUNNING, "Number of requests in model execution batches."),
             (NUM_REQUESTS_WAITING, "Number of requests waiting to be processed."),
@@ -136,6 +143,7 @@ impl Metrics {
             (PROMPT_TOKENS, "Number of prefill tokens processed."),
             (GENERATION_TOKENS, "Number of generation tokens processed."),
             (REQUEST_SUCCESS, "Count of successfully processed requests."),
+            (KV_TRANSFER_BYTES, "KV-cache bytes moved between workers (sent by prefill, received by decode)."),
         ];
         for (name, help) in counter_help {
             recorder.describe_counter(name.into(), None, help.into());
@@ -167,6 +175,8 @@ impl Metrics {
             preemptions: counter(NUM_PREEMPTIONS),
             kv_used: gauge(KV_BLOCKS_USED),
             kv_total: gauge(KV_BLOCKS_TOTAL),
+            kv_transfer_bytes: counter(KV_TRANSFER_BYTES),
+            kv_transfer_seconds: histogram(KV_TRANSFER_SECONDS),
             handle,
         })
     }
@@ -199,6 +209,12 @@ impl Metrics {
     /// Counts generated tokens.
     pub fn add_generation_tokens(&self, n: usize) {
         self.generation_tokens.increment(n as u64);
+    }
+
+    /// Records one finished KV hand-off.
+    pub fn observe_kv_transfer(&self, bytes: usize, d: Duration) {
+        self.kv_transfer_bytes.increment(bytes as u64);
+        self.kv_transfer_seconds.record(d.as_secs_f64());
     }
 
     /// Copies the engine's load report into the gauges and cumulative counters, then renders the

@@ -19,6 +19,10 @@ pub struct Cli {
 pub enum Command {
     /// Serve one model from this process: OpenAI-compatible HTTP and the public gRPC API.
     Serve(Box<ServeArgs>),
+    /// Serve the same APIs over pools of `baton worker`s (disaggregated prefill/decode).
+    Router(Box<RouterArgs>),
+    /// Run one engine in a router's prefill, decode or unified pool.
+    Worker(Box<WorkerArgs>),
     /// Example clients.
     #[command(subcommand)]
     Client(ClientCommand),
@@ -86,6 +90,105 @@ pub struct ServeArgs {
     /// Largest accepted HTTP request body in bytes; larger gets 413 [default: 8388608]
     #[arg(long, env = "BATON_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+}
+
+/// Flags of `baton router`. Each also reads `BATON_ROUTER_<NAME>` and the `[router]` table of
+/// `--config`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct RouterArgs {
+    /// TOML config file with a [router] table (keys: flag names with '_' for '-').
+    #[arg(long, env = "BATON_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Model whose tokenizer, chat template and config the router uses (no weights are loaded)
+    /// [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long, env = "BATON_MODEL", value_name = "PATH")]
+    pub model: Option<PathBuf>,
+    /// Format of --model: auto, safetensors, gguf or dummy [default: auto]
+    #[arg(long, env = "BATON_LOAD_FORMAT", value_name = "FORMAT")]
+    pub load_format: Option<String>,
+    /// Address to bind to [default: 127.0.0.1]
+    #[arg(long, env = "BATON_HOST")]
+    pub host: Option<String>,
+    /// HTTP port (OpenAI API, /health, /metrics, /workers) [default: 8000]
+    #[arg(long, env = "BATON_PORT")]
+    pub port: Option<u16>,
+    /// Public gRPC port [default: 50051]
+    #[arg(long, env = "BATON_GRPC_PORT")]
+    pub grpc_port: Option<u16>,
+    /// Port where workers register and heartbeat [default: 50100]
+    #[arg(long, env = "BATON_ROUTER_REGISTRY_PORT")]
+    pub registry_port: Option<u16>,
+    /// Require `Authorization: Bearer KEY` on /v1/*
+    #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Model name clients send in `model` [default: the --model path]
+    #[arg(long, env = "BATON_SERVED_MODEL_NAME", value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    /// Context length; workers must hold at least this much [default: the model's]
+    #[arg(long, env = "BATON_MAX_MODEL_LEN", value_name = "TOKENS")]
+    pub max_model_len: Option<usize>,
+    /// Largest accepted HTTP request body in bytes [default: 8388608]
+    #[arg(long, env = "BATON_MAX_BODY_BYTES", value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+    /// Prefill routing: round_robin, least_loaded or prefix_aware [default: prefix_aware]
+    #[arg(long, env = "BATON_ROUTER_POLICY")]
+    pub policy: Option<String>,
+    /// prefix_aware: tokens of queued prefill that one cached prompt token is worth [default: 1.0]
+    #[arg(long, env = "BATON_ROUTER_PREFIX_LOAD_WEIGHT", value_name = "W")]
+    pub prefix_load_weight: Option<f64>,
+    /// Prompts shorter than this prefill on the decode worker itself [default: 0 (always hand off)]
+    #[arg(long, env = "BATON_ROUTER_DISAGG_THRESHOLD", value_name = "TOKENS")]
+    pub disagg_threshold: Option<usize>,
+    /// When a prefill worker fails mid-hand-off: recompute (on the decode worker) or retry
+    /// (another prefill worker, then recompute) [default: recompute]
+    #[arg(long, env = "BATON_ROUTER_ON_TRANSFER_FAILURE", value_name = "POLICY")]
+    pub on_transfer_failure: Option<String>,
+    /// Extra prefill attempts under `retry` [default: 1]
+    #[arg(long, env = "BATON_ROUTER_MAX_PREFILL_RETRIES", value_name = "N")]
+    pub max_prefill_retries: Option<usize>,
+    /// Deadline of each hand-off stage (reservation, KV arrival) [default: 10000]
+    #[arg(long, env = "BATON_ROUTER_KV_DEADLINE_MS", value_name = "MS")]
+    pub kv_deadline_ms: Option<u64>,
+    /// A request with no event from its workers for this long fails [default: 60000]
+    #[arg(long, env = "BATON_ROUTER_IDLE_TIMEOUT_MS", value_name = "MS")]
+    pub idle_timeout_ms: Option<u64>,
+    /// How often workers report [default: 500]
+    #[arg(long, env = "BATON_ROUTER_HEARTBEAT_INTERVAL_MS", value_name = "MS")]
+    pub heartbeat_interval_ms: Option<u64>,
+    /// Silence after which a worker is ejected [default: 4 heartbeat intervals]
+    #[arg(long, env = "BATON_ROUTER_EJECT_AFTER_MS", value_name = "MS")]
+    pub eject_after_ms: Option<u64>,
+    /// Prefill (or unified) workers needed before /health is 200 [default: 0]
+    #[arg(long, env = "BATON_ROUTER_MIN_PREFILL_WORKERS", value_name = "N")]
+    pub min_prefill_workers: Option<usize>,
+    /// Decode (or unified) workers needed before /health is 200 [default: 1]
+    #[arg(long, env = "BATON_ROUTER_MIN_DECODE_WORKERS", value_name = "N")]
+    pub min_decode_workers: Option<usize>,
+}
+
+/// Flags of `baton worker`: every `serve` flag (model, device, engine; `--port` serves
+/// /health and /metrics, `--grpc-port` the Worker service, both any free port by default)
+/// plus the worker's own. The config file's `[worker]` table takes the same keys.
+#[derive(Debug, Clone, Default, Args)]
+pub struct WorkerArgs {
+    /// Model, device, engine and bind flags, as for `serve`.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Pool to join: prefill, decode or unified
+    #[arg(long, env = "BATON_WORKER_ROLE")]
+    pub role: Option<String>,
+    /// The router's registry address, e.g. http://127.0.0.1:50100
+    #[arg(long, env = "BATON_WORKER_ROUTER", value_name = "ADDR")]
+    pub router: Option<String>,
+    /// Port of the TCP KV listener (decode/unified) [default: any free port]
+    #[arg(long, env = "BATON_WORKER_KV_PORT")]
+    pub kv_port: Option<u16>,
+    /// Host the router and other workers use to reach this one [default: --host]
+    #[arg(long, env = "BATON_WORKER_ADVERTISE_HOST")]
+    pub advertise_host: Option<String>,
+    /// Longest a received KV hand-off may stall between frames [default: 10000]
+    #[arg(long, env = "BATON_WORKER_KV_DEADLINE_MS", value_name = "MS")]
+    pub kv_deadline_ms: Option<u64>,
 }
 
 /// `baton client ...`.

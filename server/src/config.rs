@@ -82,13 +82,21 @@ pub struct ServeFile {
     pub max_body_bytes: Option<usize>,
 }
 
-/// A whole config file. Other tables (e.g. a future `[router]`) are for other subcommands.
+/// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
+/// `[worker]` for `baton worker` (the `[serve]` keys for model and engine plus the worker's
+/// own; see [`crate::cluster_config`]).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConfigFile {
     /// Settings of `baton serve`.
     #[serde(default)]
     pub serve: ServeFile,
+    /// Settings of `baton router`.
+    #[serde(default)]
+    pub router: crate::cluster_config::RouterFile,
+    /// Settings of `baton worker`, checked when a worker reads them.
+    #[serde(default)]
+    pub worker: toml::Table,
 }
 
 impl ConfigFile {

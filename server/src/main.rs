@@ -1,10 +1,13 @@
 //! The `baton` binary: parses the command line, sets up logging, and runs a subcommand
-//! (`serve`, `client grpc`). Everything else lives in the library crates.
+//! (`serve`, `router`, `worker`, `client grpc`). Everything else lives in the library crates.
 
 mod cli;
 mod client;
+mod cluster;
+mod cluster_config;
 mod config;
 mod serve;
+mod worker;
 
 use clap::Parser;
 use cli::{Cli, ClientCommand, Command};
@@ -22,6 +25,14 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(args) => {
             let settings = config::settings(&args)?;
             runtime.block_on(serve::run(settings))
+        }
+        Command::Router(args) => {
+            let settings = cluster_config::router(&args)?;
+            runtime.block_on(cluster::run(settings))
+        }
+        Command::Worker(args) => {
+            let settings = cluster_config::worker(&args)?;
+            runtime.block_on(worker::run(settings))
         }
         Command::Client(ClientCommand::Grpc(args)) => runtime.block_on(client::run(args)),
     }

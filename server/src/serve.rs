@@ -32,12 +32,12 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
     }
 }
 
-async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
+pub(crate) async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
     // Resolves when the flag flips or the sender is gone.
     let _ = stop.wait_for(|s| *s).await;
 }
 
-async fn wait_for_termination() {
+pub(crate) async fn wait_for_termination() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

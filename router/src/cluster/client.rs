@@ -1,0 +1,291 @@
+//! [`ClusterClient`]: the router's [`EngineClient`] over remote worker pools. The HTTP and
+//! gRPC edges talk to it exactly as `baton serve` talks to its in-process engine.
+//!
+//! Each request is routed when it is submitted (so "no workers" is a clean 503 before any
+//! streaming) and then driven by one task ([`super::relay`]). Aborting the request (client
+//! gone, `Abort` RPC, shutdown) aborts the task, which drops its worker streams; the workers
+//! see the cancellation and free the request's KV blocks.
+//!
+//! Unseeded requests get a seed here, so the prefill worker, the decode worker and any
+//! recompute sample the same tokens, and the router can drop the duplicates a recompute or
+//! retry produces by output position.
+
+use super::policy::{PrefillPolicy, RouteRequest, pick_decode};
+use super::registry::{Picked, Registry, Role};
+use super::relay::{Route, drive};
+use baton_core::api::{
+    AbortSink, EngineClient, EngineError, EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason,
+    OutputStream, RequestId, SubmitError,
+};
+use baton_core::block_hash::hash_full_blocks;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What to do when a prefill worker fails during a hand-off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransferFailurePolicy {
+    /// The decode worker recomputes the prompt itself.
+    Recompute,
+    /// Another prefill worker computes it again into the same reservation, up to
+    /// `max_retries` times; then the decode worker recomputes.
+    Retry {
+        /// Extra prefill attempts.
+        max_retries: usize,
+    },
+}
+
+/// How the cluster client routes and hands off.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterSettings {
+    /// Prompts shorter than this many tokens skip the hand-off and run on the decode worker
+    /// (conditional disaggregation); 0 disaggregates everything.
+    pub disagg_threshold: usize,
+    /// See [`TransferFailurePolicy`].
+    pub on_transfer_failure: TransferFailurePolicy,
+    /// Deadline of each hand-off stage: the reservation answer, and the KV's arrival on the
+    /// decode worker (after which it recomputes on its own).
+    pub kv_deadline: Duration,
+    /// A request with no event from any of its workers for this long fails (never hangs).
+    pub idle_timeout: Duration,
+    /// Connecting to a worker.
+    pub connect_timeout: Duration,
+    /// Prefill workers required before `/health` reports ready.
+    pub min_prefill_workers: usize,
+    /// Decode (or unified) workers required before `/health` reports ready.
+    pub min_decode_workers: usize,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        Self {
+            disagg_threshold: 0,
+            on_transfer_failure: TransferFailurePolicy::Recompute,
+            kv_deadline: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(3),
+            min_prefill_workers: 0,
+            min_decode_workers: 1,
+        }
+    }
+}
+
+pub(crate) type OutputTx = UnboundedSender<Result<EngineOutput, EngineError>>;
+
+pub(crate) struct Inner {
+    pub registry: Arc<Registry>,
+    pub policy: Box<dyn PrefillPolicy>,
+    pub settings: ClusterSettings,
+    info: EngineInfo,
+    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+    tasks: Mutex<HashMap<RequestId, (tokio::task::AbortHandle, OutputTx)>>,
+    next_id: AtomicU64,
+}
+
+impl Inner {
+    /// A (lazily connecting) channel to a worker's gRPC service, shared by its requests.
+    pub fn channel(&self, url: &str) -> Result<tonic::transport::Channel, String> {
+        if let Ok(c) = self.channels.lock()
+            && let Some(ch) = c.get(url)
+        {
+            return Ok(ch.clone());
+        }
+        let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+            .map_err(|e| format!("bad worker URL {url}: {e}"))?
+            .connect_timeout(self.settings.connect_timeout)
+            .tcp_nodelay(true);
+        let ch = endpoint.connect_lazy();
+        if let Ok(mut c) = self.channels.lock() {
+            c.insert(url.to_owned(), ch.clone());
+        }
+        Ok(ch)
+    }
+
+    fn finish_task(&self, id: RequestId) {
+        if let Ok(mut t) = self.tasks.lock() {
+            t.remove(&id);
+        }
+    }
+}
+
+impl AbortSink for Inner {
+    fn abort(&self, id: RequestId) {
+        let entry = self.tasks.lock().ok().and_then(|mut t| t.remove(&id));
+        if let Some((task, tx)) = entry {
+            task.abort();
+            let _ = tx.send(Ok(EngineOutput {
+                new_token_ids: Vec::new(),
+                logprobs: Vec::new(),
+                finish_reason: Some(FinishReason::Abort),
+                stop_token: None,
+                num_prompt_tokens: 0,
+                num_cached_tokens: 0,
+            }));
+        }
+    }
+}
+
+/// An [`EngineClient`] whose engines are the registered workers.
+#[derive(Clone)]
+pub struct ClusterClient {
+    inner: Arc<Inner>,
+}
+
+impl ClusterClient {
+    /// A client routing over `registry` with `policy`; `info` describes the served model
+    /// (vocabulary, EOS, context length) as the router was configured.
+    pub fn new(
+        registry: Arc<Registry>,
+        policy: Box<dyn PrefillPolicy>,
+        settings: ClusterSettings,
+        info: EngineInfo,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                registry,
+                policy,
+                settings,
+                info,
+                channels: Mutex::new(HashMap::new()),
+                tasks: Mutex::new(HashMap::new()),
+                next_id: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    /// The worker registry.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.inner.registry
+    }
+
+    /// Requests being driven now.
+    pub fn num_active(&self) -> usize {
+        self.inner.tasks.lock().map(|t| t.len()).unwrap_or(0)
+    }
+
+    /// Picks where `request` runs: a decode worker always; a prefill worker too unless the
+    /// prompt is short, there is no prefill pool, or the pick is the decode worker itself.
+    fn route(&self, request: &EngineRequest) -> Result<Route, SubmitError> {
+        let reg = &self.inner.registry;
+        let decoders = reg.candidates(Role::decodes, None);
+        let block_size = decoders.first().map_or(16, |(_, p)| p.info.layout.block_size);
+        let prompt_tokens = request.prompt_token_ids.len();
+        let rr = RouteRequest {
+            prompt_tokens,
+            total_tokens: prompt_tokens + request.params.max_tokens.unwrap_or(1),
+            block_size,
+        };
+        let cands: Vec<_> = decoders.iter().map(|(c, _)| c.clone()).collect();
+        let decode: Picked = pick_decode(&rr, &cands)
+            .and_then(|i| decoders.get(i))
+            .map(|(_, p)| p.clone())
+            .ok_or_else(|| SubmitError::Unavailable("no decode or unified worker is registered".into()))?;
+        if prompt_tokens < self.inner.settings.disagg_threshold {
+            return Ok(Route::Local(decode));
+        }
+        let hashes =
+            self.inner.policy.uses_prefix_cache().then(|| hash_full_blocks(&request.prompt_token_ids, block_size));
+        let prefillers: Vec<_> = reg
+            .candidates(Role::prefills, hashes.as_deref())
+            .into_iter()
+            .filter(|(_, p)| p.info.role == Role::Prefill || p.info.id != decode.info.id)
+            .collect();
+        let cands: Vec<_> = prefillers.iter().map(|(c, _)| c.clone()).collect();
+        match self.inner.policy.pick(&rr, &cands).and_then(|i| prefillers.get(i)) {
+            Some((c, p)) => {
+                let uncached = prompt_tokens.saturating_sub(c.cached_prefix_blocks * block_size);
+                Ok(Route::Relay { prefill: p.clone(), decode, uncached_tokens: uncached })
+            }
+            None => Ok(Route::Local(decode)),
+        }
+    }
+
+    fn check(&self, request: &EngineRequest) -> Result<(), SubmitError> {
+        let info = &self.inner.info;
+        request.params.validate(info.vocab_size)?;
+        let n = request.prompt_token_ids.len();
+        if n == 0 {
+            return Err(SubmitError::InvalidPrompt("the prompt is empty".into()));
+        }
+        if let Some(bad) = request.prompt_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(SubmitError::InvalidPrompt(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                info.vocab_size
+            )));
+        }
+        let wanted = request.params.max_tokens.unwrap_or(1);
+        if n + wanted > info.max_model_len {
+            return Err(SubmitError::ContextTooLong {
+                prompt_tokens: n,
+                max_tokens: wanted,
+                max_model_len: info.max_model_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl EngineClient for ClusterClient {
+    fn submit(&self, mut request: EngineRequest) -> Result<OutputStream, SubmitError> {
+        self.check(&request)?;
+        let route = self.route(&request)?;
+        if request.params.seed.is_none() {
+            request.params.seed = Some(fresh_seed());
+        }
+        let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::SeqCst));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let inner = self.inner.clone();
+        let task_tx = tx.clone();
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| SubmitError::Unavailable("the router has no async runtime".into()))?;
+        // Hold the task table while spawning so the task cannot finish (and remove itself)
+        // before it is registered.
+        let mut tasks = self.inner.tasks.lock().map_err(|_| SubmitError::Unavailable("poisoned".into()))?;
+        let handle = runtime.spawn(async move {
+            if let Err(e) = drive(&inner, route, request, &task_tx).await {
+                let _ = task_tx.send(Err(e));
+            }
+            inner.finish_task(id);
+        });
+        tasks.insert(id, (handle.abort_handle(), tx));
+        drop(tasks);
+        let sink: Arc<dyn AbortSink> = self.inner.clone();
+        Ok(OutputStream::new(id, rx, sink))
+    }
+
+    fn abort(&self, id: RequestId) {
+        AbortSink::abort(self.inner.as_ref(), id);
+    }
+
+    fn info(&self) -> EngineInfo {
+        self.inner.info.clone()
+    }
+
+    fn stats(&self) -> EngineStats {
+        let load = self.inner.registry.total_load();
+        EngineStats {
+            num_running: load.num_running as usize,
+            num_waiting: load.num_waiting as usize,
+            num_used_blocks: load.num_used_blocks as usize,
+            num_total_blocks: load.num_total_blocks as usize,
+            ..EngineStats::default()
+        }
+    }
+
+    /// Ready when the configured minimum of workers per pool has registered.
+    fn is_healthy(&self) -> bool {
+        let (p, d, u) = self.inner.registry.counts();
+        let s = &self.inner.settings;
+        p + u >= s.min_prefill_workers && d + u >= s.min_decode_workers.max(1)
+    }
+}
+
+/// A seed for a request that gave none: random per request.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
+}

@@ -1,0 +1,223 @@
+//! Conversions between the engine's plain data and the worker-internal protobuf messages
+//! (`baton.worker.v1`). Used on both ends: the router encodes requests and decodes events,
+//! the worker does the opposite. Decoding is total: a malformed message becomes a
+//! [`WireError`], never a panic.
+
+use baton_core::api::{EngineOutput, FinishReason, TokenLogprob};
+use baton_core::kv_transfer::{KvDtype, KvLayout};
+use baton_core::params::SamplingParams;
+use baton_proto::worker as pb;
+
+/// A worker message that does not decode into engine data.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed worker message: {0}")]
+pub struct WireError(pub String);
+
+/// Engine parameters → wire (the router's side).
+pub fn sampling_to_wire(p: &SamplingParams) -> pb::Sampling {
+    pb::Sampling {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k as u32,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        stop_token_ids: p.stop_token_ids.clone(),
+        max_tokens: p.max_tokens.map(|m| m as u32),
+        min_tokens: p.min_tokens as u32,
+        ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs.map(|k| k as u32),
+        logit_bias: p.logit_bias.iter().map(|&(token_id, bias)| pb::LogitBias { token_id, bias }).collect(),
+    }
+}
+
+/// Wire → engine parameters (the worker's side). Stop strings stay with the router, which
+/// detokenizes; the worker's engine validates the rest as for any request.
+pub fn sampling_from_wire(p: Option<pb::Sampling>) -> Result<SamplingParams, WireError> {
+    let p = p.ok_or_else(|| WireError("the request has no sampling parameters".into()))?;
+    Ok(SamplingParams {
+        n: 1,
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k as usize,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        stop: Vec::new(),
+        stop_token_ids: p.stop_token_ids,
+        include_stop_str_in_output: false,
+        max_tokens: p.max_tokens.map(|m| m as usize),
+        min_tokens: p.min_tokens as usize,
+        ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs.map(|k| k as usize),
+        logit_bias: p.logit_bias.into_iter().map(|b| (b.token_id, b.bias)).collect(),
+        skip_special_tokens: true,
+    })
+}
+
+/// One engine output → the `tokens` event, its first token at output position `index`.
+pub fn output_to_wire(o: &EngineOutput, index: usize) -> pb::Tokens {
+    pb::Tokens {
+        index: index as u32,
+        token_ids: o.new_token_ids.clone(),
+        logprobs: o
+            .logprobs
+            .iter()
+            .map(|l| pb::TokenLogprob {
+                token_id: l.token_id,
+                logprob: l.logprob,
+                top: l.top.iter().map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect(),
+            })
+            .collect(),
+        finish_reason: o.finish_reason.map(|f| f.as_openai_str().to_owned()).unwrap_or_default(),
+        stop_token: o.stop_token,
+        num_prompt_tokens: o.num_prompt_tokens as u32,
+        num_cached_tokens: o.num_cached_tokens as u32,
+    }
+}
+
+/// The `tokens` event → (output position of its first token, engine output).
+pub fn output_from_wire(t: pb::Tokens) -> Result<(usize, EngineOutput), WireError> {
+    let finish_reason = match t.finish_reason.as_str() {
+        "" => None,
+        "stop" => Some(FinishReason::Stop),
+        "length" => Some(FinishReason::Length),
+        "abort" => Some(FinishReason::Abort),
+        other => return Err(WireError(format!("unknown finish reason {other:?}"))),
+    };
+    if !t.logprobs.is_empty() && t.logprobs.len() != t.token_ids.len() {
+        return Err(WireError(format!("{} logprobs for {} tokens", t.logprobs.len(), t.token_ids.len())));
+    }
+    let out = EngineOutput {
+        new_token_ids: t.token_ids,
+        logprobs: t
+            .logprobs
+            .into_iter()
+            .map(|l| TokenLogprob {
+                token_id: l.token_id,
+                logprob: l.logprob,
+                top: l.top.into_iter().map(|x| (x.token_id, x.logprob)).collect(),
+            })
+            .collect(),
+        finish_reason,
+        stop_token: t.stop_token,
+        num_prompt_tokens: t.num_prompt_tokens as usize,
+        num_cached_tokens: t.num_cached_tokens as usize,
+    };
+    Ok((t.index as usize, out))
+}
+
+/// KV layout → wire.
+pub fn layout_to_wire(l: &KvLayout) -> pb::KvLayout {
+    pb::KvLayout {
+        num_layers: l.num_layers as u32,
+        block_size: l.block_size as u32,
+        num_kv_heads: l.num_kv_heads as u32,
+        head_dim: l.head_dim as u32,
+        dtype: match l.dtype {
+            KvDtype::F32 => "f32",
+            KvDtype::BF16 => "bf16",
+            KvDtype::F16 => "f16",
+        }
+        .to_owned(),
+    }
+}
+
+/// Wire → KV layout.
+pub fn layout_from_wire(l: &pb::KvLayout) -> Result<KvLayout, WireError> {
+    let dtype = match l.dtype.as_str() {
+        "f32" => KvDtype::F32,
+        "bf16" => KvDtype::BF16,
+        "f16" => KvDtype::F16,
+        other => return Err(WireError(format!("unknown KV dtype {other:?}"))),
+    };
+    if l.block_size == 0 || l.num_layers == 0 {
+        return Err(WireError("a KV layout with zero layers or a zero block size".into()));
+    }
+    Ok(KvLayout {
+        num_layers: l.num_layers as usize,
+        block_size: l.block_size as usize,
+        num_kv_heads: l.num_kv_heads as usize,
+        head_dim: l.head_dim as usize,
+        dtype,
+    })
+}
+
+/// A model's identity for the registry: the shape that decides whether two workers can
+/// exchange KV and produce the same tokens, independent of the file format it came from.
+pub fn model_fingerprint(c: &baton_formats::ModelConfig) -> String {
+    format!(
+        "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}",
+        c.architecture,
+        c.vocab_size,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+        c.rope_theta,
+        c.attention_bias
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_round_trips_except_the_router_only_fields() {
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 40,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            presence_penalty: 0.5,
+            frequency_penalty: -0.5,
+            seed: Some(99),
+            stop_token_ids: vec![7, 8],
+            max_tokens: Some(33),
+            min_tokens: 2,
+            ignore_eos: true,
+            logprobs: Some(4),
+            logit_bias: vec![(5, -100.0), (6, 2.5)],
+            ..SamplingParams::default()
+        };
+        let back = sampling_from_wire(Some(sampling_to_wire(&p))).expect("decodes");
+        assert_eq!(back, p);
+        assert!(sampling_from_wire(None).is_err());
+    }
+
+    #[test]
+    fn outputs_round_trip_and_bad_ones_are_errors() {
+        let o = EngineOutput {
+            new_token_ids: vec![11],
+            logprobs: vec![TokenLogprob { token_id: 11, logprob: -0.25, top: vec![(11, -0.25), (3, -2.0)] }],
+            finish_reason: Some(FinishReason::Length),
+            stop_token: None,
+            num_prompt_tokens: 9,
+            num_cached_tokens: 4,
+        };
+        assert_eq!(output_from_wire(output_to_wire(&o, 5)).expect("decodes"), (5, o.clone()));
+        let mut bad = output_to_wire(&o, 0);
+        bad.finish_reason = "exploded".into();
+        assert!(output_from_wire(bad).is_err());
+        let mut bad = output_to_wire(&o, 0);
+        bad.token_ids.push(12);
+        assert!(output_from_wire(bad).is_err());
+    }
+
+    #[test]
+    fn layouts_round_trip() {
+        let l = KvLayout { num_layers: 2, block_size: 16, num_kv_heads: 4, head_dim: 64, dtype: KvDtype::BF16 };
+        assert_eq!(layout_from_wire(&layout_to_wire(&l)).expect("decodes"), l);
+        let mut bad = layout_to_wire(&l);
+        bad.dtype = "int4".into();
+        assert!(layout_from_wire(&bad).is_err());
+    }
+}

@@ -1,0 +1,128 @@
+//! `baton router`: the OpenAI HTTP API and the public gRPC API (as `serve`), over pools of
+//! `baton worker`s that register on the worker-facing `Registry` gRPC port.
+//!
+//! The router loads only the model's tokenizer, chat template and config (no weights): it
+//! validates, templates and tokenizes, then [`ClusterClient`] routes each request to a
+//! prefill/decode pair. `GET /workers` lists the pools for operators.
+
+use crate::cluster_config::RouterSettings;
+use anyhow::{Context, bail};
+use baton_core::api::EngineInfo;
+use baton_formats::LoadFormat;
+use baton_router::cluster::{ClusterClient, Registry, RegistryService, RegistrySettings, policy_by_name};
+use baton_router::{Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Runs the router until a termination signal.
+pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
+    if s.model_is_default && !s.model.exists() {
+        bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
+    }
+    let format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
+    let path = s.model.clone();
+    let model = tokio::task::spawn_blocking(move || baton_formats::load_model_info(&path, format))
+        .await
+        .context("model loading panicked")?
+        .with_context(|| format!("cannot read model {}", s.model.display()))?;
+    let tokenizer = model
+        .tokenizer
+        .clone()
+        .with_context(|| format!("model {} has no tokenizer; the router needs one", s.model.display()))?;
+    let cfg = &model.config;
+    let max_model_len = s.max_model_len.unwrap_or(cfg.max_position_embeddings);
+    if max_model_len > cfg.max_position_embeddings {
+        bail!("--max-model-len {max_model_len} exceeds the model's context {}", cfg.max_position_embeddings);
+    }
+    let mut eos = model.generation.eos_token_ids.clone();
+    for e in &cfg.eos_token_ids {
+        if !eos.contains(e) {
+            eos.push(*e);
+        }
+    }
+    let info = EngineInfo {
+        max_model_len,
+        vocab_size: cfg.vocab_size,
+        block_size: 0,
+        num_blocks: 0,
+        eos_token_ids: eos,
+        device: "cluster".into(),
+    };
+    let registry = Arc::new(Registry::new(RegistrySettings {
+        model_fingerprint: baton_router::cluster::wire::model_fingerprint(cfg),
+        max_model_len,
+        heartbeat_interval: s.heartbeat_interval,
+        eject_after: s.eject_after,
+    }));
+    let policy = policy_by_name(&s.policy, s.prefix_load_weight)?;
+    tracing::info!(policy = policy.name(), disagg_threshold = s.cluster.disagg_threshold, on_transfer_failure = ?s.cluster.on_transfer_failure, "routing");
+    let client = ClusterClient::new(registry.clone(), policy, s.cluster.clone(), info);
+
+    let root = s.model.display().to_string();
+    let name = s.served_model_name.clone().unwrap_or_else(|| root.clone());
+    let metrics = Arc::new(Metrics::new(&name)?);
+    let frontend = Frontend::new(
+        Arc::new(client.clone()),
+        Arc::new(TextCodec::new(tokenizer, model.chat_template.clone())),
+        ServedModel { name, root },
+        metrics,
+    );
+    let workers_registry = registry.clone();
+    let app =
+        http_router(frontend.clone(), HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes })
+            .route(
+                "/workers",
+                axum::routing::get(move || {
+                    let r = workers_registry.clone();
+                    async move { axum::Json(r.describe()) }
+                }),
+            );
+    let bind = |port: u16, what: &'static str| {
+        let host = s.host.clone();
+        async move {
+            TcpListener::bind((host.as_str(), port))
+                .await
+                .with_context(|| format!("cannot bind {what} to {host}:{port}"))
+        }
+    };
+    let http_listener = bind(s.port, "HTTP").await?;
+    let grpc_listener = bind(s.grpc_port, "gRPC").await?;
+    let registry_listener = bind(s.registry_port, "the worker registry").await?;
+    let http_addr: SocketAddr = http_listener.local_addr()?;
+    let grpc_addr: SocketAddr = grpc_listener.local_addr()?;
+    let registry_addr: SocketAddr = registry_listener.local_addr()?;
+    tracing::info!(http = %format!("http://{http_addr}"), grpc = %grpc_addr, registry = %format!("http://{registry_addr}"), "router listening");
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let http = axum::serve(http_listener, app).with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
+    let grpc = tonic::transport::Server::builder()
+        .add_service(GrpcService::new(frontend).into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            crate::serve::shutdown_signal(stop_rx.clone()),
+        );
+    let registry_server = tonic::transport::Server::builder()
+        .add_service(RegistryService::new(registry.clone()).into_server())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(registry_listener),
+            crate::serve::shutdown_signal(stop_rx),
+        );
+    let ejector = tokio::spawn(registry.run_ejector());
+    let http_task = tokio::spawn(async move { http.await });
+    let grpc_task = tokio::spawn(grpc);
+    let registry_task = tokio::spawn(registry_server);
+    crate::serve::wait_for_termination().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    ejector.abort();
+    // Open client streams end when their worker streams do; do not wait on them forever.
+    let wait = async {
+        let _ = http_task.await;
+        let _ = grpc_task.await;
+        let _ = registry_task.await;
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), wait).await;
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! `baton worker`: one engine serving a router's prefill, decode or unified pool.
+//!
+//! A worker runs its engine, the Worker gRPC service ([`service`]), a TCP KV listener when
+//! it decodes (hand-offs land there), and a small HTTP server with `/health` and `/metrics`
+//! (vLLM names, plus `baton_kv_transfer_*`). It registers with the router and heartbeats
+//! ([`reporter`]); when the router forgets it (ejected, restarted) it registers again.
+//!
+//! Invariant: a KV hand-off is admitted only for a reservation this worker is still
+//! expecting (registered by `Decode`, forgotten on completion, recompute, deadline or
+//! cancellation), so a late or stray transfer can never write into blocks that now belong
+//! to another request.
+
+mod reporter;
+mod service;
+
+use crate::config::ServeSettings;
+use crate::serve::engine_config;
+use anyhow::{Context, bail};
+use baton_core::api::{EngineClient, RequestId};
+use baton_engine::kv_transport::handoff::receive_import;
+use baton_engine::kv_transport::tcp::TcpKvListener;
+use baton_engine::{DeviceSpec, EngineHandle};
+use baton_formats::LoadFormat;
+use baton_router::Metrics;
+use baton_router::cluster::Role;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+
+/// Everything `baton worker` needs beyond the engine settings it shares with `serve`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSettings {
+    /// Model, device, engine knobs, bind host; `port` is the HTTP port (/health, /metrics)
+    /// and `grpc_port` the Worker service's.
+    pub serve: ServeSettings,
+    /// Which pool it joins.
+    pub role: Role,
+    /// The router's registry endpoint, e.g. `http://127.0.0.1:50100`.
+    pub router: String,
+    /// TCP port of the KV listener (0: any free port).
+    pub kv_port: u16,
+    /// Host the router and peers use to reach this worker (default: the bind host).
+    pub advertise_host: Option<String>,
+    /// Longest a received hand-off may stall between frames.
+    pub kv_deadline: Duration,
+}
+
+/// State shared by the worker's services.
+pub struct WorkerState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// This worker's role.
+    pub role: Role,
+    /// Where peers send KV (`host:port`), empty when it does not decode.
+    pub kv_addr: String,
+    /// Request metrics of this worker (engine load, KV transfers).
+    pub metrics: Metrics,
+    /// Reservations waiting for their KV, with their deadline.
+    expected: Mutex<HashMap<RequestId, Instant>>,
+}
+
+impl WorkerState {
+    /// Admits hand-offs for `id` until it is forgotten.
+    pub fn expect_reservation(&self, id: RequestId, deadline: Instant) {
+        if let Ok(mut e) = self.expected.lock() {
+            e.insert(id, deadline);
+        }
+    }
+
+    /// Stops admitting hand-offs for `id`; true if it was still expected.
+    pub fn forget_reservation(&self, id: RequestId) -> bool {
+        self.expected.lock().map(|mut e| e.remove(&id).is_some()).unwrap_or(false)
+    }
+
+    fn is_expected(&self, id: RequestId) -> bool {
+        self.expected.lock().map(|e| e.get(&id).is_some_and(|d| Instant::now() < *d)).unwrap_or(false)
+    }
+}
+
+/// Accepts hand-offs forever; each is received on its own task.
+async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadline: Duration) {
+    loop {
+        let pending = match listener.accept().await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "KV listener accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            let admit = |hs: &baton_engine::kv_transport::Handshake| {
+                if state.is_expected(RequestId(hs.request_id)) {
+                    Ok(())
+                } else {
+                    Err(format!("request {} is not waiting for KV on this worker", hs.request_id))
+                }
+            };
+            match receive_import(pending, &state.engine, deadline, admit).await {
+                Ok((id, report)) => {
+                    state.forget_reservation(id);
+                    state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
+                    tracing::debug!(request = %id, bytes = report.bytes, elapsed = ?report.elapsed, "KV received");
+                }
+                // The router decides between a retry on another prefill worker and a
+                // recompute here; the reservation's deadline covers a router that is gone.
+                Err(e) => tracing::warn!(request = ?e.request, error = %e, "KV hand-off failed"),
+            }
+        });
+    }
+}
+
+/// Runs a worker until SIGINT/SIGTERM.
+pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
+    let s = &settings.serve;
+    if s.model_is_default && !s.model.exists() {
+        bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
+    }
+    let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
+    let device: DeviceSpec = s.device.parse().context("invalid --device")?;
+    let path = s.model.clone();
+    let model = tokio::task::spawn_blocking(move || baton_formats::load_model(&path, load_format))
+        .await
+        .context("model loading panicked")?
+        .with_context(|| format!("cannot load model {}", s.model.display()))?;
+    let fingerprint = baton_router::cluster::wire::model_fingerprint(&model.config);
+    let mut config = engine_config(s);
+    config.record_cache_events = settings.role.prefills();
+    let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))
+        .await
+        .context("engine start panicked")?
+        .context("cannot start the engine")?;
+    let info = engine.info();
+
+    let http_listener = TcpListener::bind((s.host.as_str(), s.port))
+        .await
+        .with_context(|| format!("cannot bind HTTP to {}:{}", s.host, s.port))?;
+    let grpc_listener = TcpListener::bind((s.host.as_str(), s.grpc_port))
+        .await
+        .with_context(|| format!("cannot bind gRPC to {}:{}", s.host, s.grpc_port))?;
+    let advertise = settings.advertise_host.clone().unwrap_or_else(|| s.host.clone());
+    let grpc_addr: SocketAddr = grpc_listener.local_addr()?;
+    let http_addr: SocketAddr = http_listener.local_addr()?;
+    let (kv_listener, kv_addr) = if settings.role.decodes() {
+        let l = TcpKvListener::bind(SocketAddr::new(
+            s.host.parse().context("--host must be an IP address")?,
+            settings.kv_port,
+        ))
+        .await
+        .context("cannot bind the KV listener")?;
+        let port = l.local_addr()?.port();
+        (Some(l), format!("{advertise}:{port}"))
+    } else {
+        (None, String::new())
+    };
+    let name = s.served_model_name.clone().unwrap_or_else(|| s.model.display().to_string());
+    let state = Arc::new(WorkerState {
+        engine: engine.clone(),
+        role: settings.role,
+        kv_addr: kv_addr.clone(),
+        metrics: Metrics::new(&name)?,
+        expected: Mutex::new(HashMap::new()),
+    });
+    tracing::info!(
+        role = settings.role.as_str(),
+        device = %info.device,
+        kv_blocks = info.num_blocks,
+        grpc = %grpc_addr,
+        http = %format!("http://{http_addr}"),
+        kv = %kv_addr,
+        router = %settings.router,
+        "worker ready"
+    );
+
+    let app = axum::Router::new()
+        .route("/health", axum::routing::get(health))
+        .route("/metrics", axum::routing::get(metrics))
+        .with_state(state.clone());
+    let http = tokio::spawn(async move { axum::serve(http_listener, app).await });
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service::WorkerService::new(state.clone()).into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener)),
+    );
+    if let Some(l) = kv_listener {
+        tokio::spawn(run_kv_listener(l, state.clone(), settings.kv_deadline));
+    }
+    let registration = reporter::Registration {
+        router: settings.router.clone(),
+        role: settings.role,
+        worker_url: format!("http://{advertise}:{}", grpc_addr.port()),
+        kv_addr,
+        fingerprint,
+    };
+    let report = tokio::spawn(reporter::run(registration, state.clone()));
+    tokio::select! {
+        _ = crate::serve::wait_for_termination() => tracing::info!("shutting down"),
+        r = http => tracing::error!(result = ?r, "the HTTP server stopped"),
+        r = grpc => tracing::error!(result = ?r, "the gRPC server stopped"),
+        r = report => tracing::error!(result = ?r, "the reporter stopped"),
+    }
+    tokio::task::spawn_blocking(move || engine.shutdown()).await.context("engine shutdown panicked")?;
+    Ok(())
+}
+
+async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> axum::http::StatusCode {
+    if state.engine.is_healthy() { axum::http::StatusCode::OK } else { axum::http::StatusCode::SERVICE_UNAVAILABLE }
+}
+
+async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
+    state.metrics.render(&state.engine.stats())
+}

@@ -1,0 +1,148 @@
+//! Registration and heartbeats: keeps this worker in the router's pool.
+//!
+//! Registers (retrying until the router answers), then heartbeats every interval the router
+//! asked for with the engine's load and the prefix-cache events since the last beat. A beat
+//! answered `known = false` (the router ejected or restarted) or failing repeatedly starts a
+//! fresh registration, so a worker rejoins by itself. Cache events of a beat that failed are
+//! kept for the next one; on re-registration they are dropped, since the router starts the
+//! new entry's prefix index empty.
+
+use super::WorkerState;
+use baton_core::api::EngineClient;
+use baton_core::block_manager::CacheEvent;
+use baton_proto::worker as pb;
+use baton_proto::worker::registry_client::RegistryClient;
+use baton_router::cluster::Role;
+use baton_router::cluster::wire::layout_to_wire;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What this worker tells the router about itself.
+pub struct Registration {
+    /// The router's registry URL.
+    pub router: String,
+    /// Pool to join.
+    pub role: Role,
+    /// Where the router reaches the Worker service.
+    pub worker_url: String,
+    /// Where peers send KV.
+    pub kv_addr: String,
+    /// The model's identity.
+    pub fingerprint: String,
+}
+
+const RETRY: Duration = Duration::from_millis(500);
+
+fn role_to_wire(r: Role) -> pb::Role {
+    match r {
+        Role::Prefill => pb::Role::Prefill,
+        Role::Decode => pb::Role::Decode,
+        Role::Unified => pb::Role::Unified,
+    }
+}
+
+async fn register(
+    reg: &Registration,
+    state: &WorkerState,
+    instance: &str,
+) -> Option<(RegistryClient<tonic::transport::Channel>, u64, Duration)> {
+    let info = state.engine.info();
+    let req = pb::RegisterRequest {
+        role: role_to_wire(reg.role) as i32,
+        worker_url: reg.worker_url.clone(),
+        kv_addr: reg.kv_addr.clone(),
+        model_fingerprint: reg.fingerprint.clone(),
+        vocab_size: info.vocab_size as u32,
+        max_model_len: info.max_model_len as u32,
+        num_blocks: info.num_blocks as u32,
+        layout: Some(layout_to_wire(&state.engine.kv_layout())),
+        device: info.device.clone(),
+        instance: instance.to_owned(),
+        eos_token_ids: info.eos_token_ids.clone(),
+    };
+    let mut client = match RegistryClient::connect(reg.router.clone()).await {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(router = %reg.router, error = %e, "router not reachable yet");
+            return None;
+        }
+    };
+    match client.register(req).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            let interval = Duration::from_millis(u64::from(r.heartbeat_interval_ms.max(10)));
+            tracing::info!(router = %reg.router, worker_id = r.worker_id, ?interval, "registered with the router");
+            Some((client, r.worker_id, interval))
+        }
+        Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+            // Permanent until someone changes the configuration: say so loudly, keep trying.
+            tracing::error!(router = %reg.router, reason = %s.message(), "the router refused this worker");
+            tokio::time::sleep(RETRY * 10).await;
+            None
+        }
+        Err(s) => {
+            tracing::warn!(router = %reg.router, error = %s.message(), "registration failed");
+            None
+        }
+    }
+}
+
+/// Keeps the worker registered, forever.
+pub async fn run(reg: Registration, state: Arc<WorkerState>) {
+    let instance = instance_id();
+    loop {
+        let Some((mut client, worker_id, interval)) = register(&reg, &state, &instance).await else {
+            tokio::time::sleep(RETRY).await;
+            continue;
+        };
+        // Start the new entry's index from now.
+        let _ = state.engine.take_cache_events();
+        let mut pending: Vec<pb::CacheEvent> = Vec::new();
+        let mut failures = 0;
+        let mut tick = tokio::time::interval(interval);
+        loop {
+            tick.tick().await;
+            let stats = state.engine.stats();
+            pending.extend(state.engine.take_cache_events().into_iter().map(|e| match e {
+                CacheEvent::Stored(h) => pb::CacheEvent { block_hash: h.0, stored: true },
+                CacheEvent::Evicted(h) => pb::CacheEvent { block_hash: h.0, stored: false },
+            }));
+            let beat = pb::HeartbeatRequest {
+                worker_id,
+                load: Some(pb::Load {
+                    num_running: stats.num_running as u32,
+                    num_waiting: stats.num_waiting as u32,
+                    num_used_blocks: stats.num_used_blocks as u32,
+                    num_total_blocks: stats.num_total_blocks as u32,
+                }),
+                events: pending.clone(),
+                healthy: state.engine.is_healthy(),
+            };
+            match tokio::time::timeout(interval * 2, client.heartbeat(beat)).await {
+                Ok(Ok(r)) if r.get_ref().known => {
+                    pending.clear();
+                    failures = 0;
+                }
+                Ok(Ok(_)) => {
+                    tracing::warn!("the router no longer knows this worker; registering again");
+                    break;
+                }
+                _ => {
+                    failures += 1;
+                    if failures >= 3 {
+                        tracing::warn!(router = %reg.router, "heartbeats keep failing; registering again");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Random per process start (a restarted worker is a new instance).
+fn instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    format!("{:016x}", h.finish())
+}

@@ -1,0 +1,201 @@
+//! The Worker gRPC service: runs the router's requests on this worker's engine.
+//!
+//! - `Generate`: a whole request here.
+//! - `Decode`: reserve blocks for a prompt whose KV comes from a prefill worker, answer
+//!   `reserved` (request id, block table, KV address), then stream every output token. The
+//!   reservation waits at most the request's deadline for its KV, then recomputes here.
+//! - `Prefill`: compute the prompt, stream its KV to the decode worker while computing,
+//!   stream the first token, then the transfer's result.
+//! - `Recompute`: stop waiting for a reservation's KV and recompute here.
+//!
+//! Cancelling any stream drops its engine stream, which aborts the request and frees its
+//! blocks (on the decode side also a reservation still waiting for KV).
+
+use super::WorkerState;
+use baton_core::api::{EngineClient, EngineRequest, OutputStream, RequestId, SubmitError};
+use baton_engine::kv_transport::handoff::{resolve, send_export};
+use baton_proto::worker as pb;
+use baton_router::cluster::wire::{output_to_wire, sampling_from_wire};
+use futures::Stream;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tonic::{Request, Response, Status};
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::WorkEvent, Status>> + Send>>;
+
+/// The service over one worker's engine.
+pub struct WorkerService {
+    state: Arc<WorkerState>,
+}
+
+impl WorkerService {
+    /// Serves `state`'s engine.
+    pub fn new(state: Arc<WorkerState>) -> Self {
+        Self { state }
+    }
+
+    /// The tonic server wrapper.
+    pub fn into_server(self) -> pb::worker_server::WorkerServer<Self> {
+        pb::worker_server::WorkerServer::new(self)
+    }
+}
+
+fn event(e: pb::work_event::Event) -> pb::WorkEvent {
+    pb::WorkEvent { event: Some(e) }
+}
+
+/// Submission errors as gRPC statuses (the router maps them back for its clients).
+fn submit_status(e: SubmitError) -> Status {
+    match e {
+        SubmitError::InvalidParams(_) | SubmitError::InvalidPrompt(_) | SubmitError::ContextTooLong { .. } => {
+            Status::invalid_argument(e.to_string())
+        }
+        SubmitError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
+        SubmitError::Unavailable(_) => Status::unavailable(e.to_string()),
+    }
+}
+
+fn engine_request(r: Option<pb::WorkRequest>) -> Result<(EngineRequest, Duration), Status> {
+    let r = r.ok_or_else(|| Status::invalid_argument("no request"))?;
+    let params = sampling_from_wire(r.params).map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let mut req = EngineRequest::new(r.prompt_token_ids, params);
+    req.priority = r.priority;
+    let deadline = Duration::from_millis(u64::from(r.deadline_ms.max(1)));
+    Ok((req, deadline))
+}
+
+/// Streams an engine request's outputs as `tokens` events, numbering output positions from
+/// zero; an engine error becomes an `error` event that ends the stream.
+fn token_events(mut stream: OutputStream) -> impl Stream<Item = Result<pb::WorkEvent, Status>> + Send {
+    async_stream::stream! {
+        let mut index = 0;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(out) => {
+                    let finished = out.finish_reason.is_some();
+                    yield Ok(event(pb::work_event::Event::Tokens(output_to_wire(&out, index))));
+                    index += out.new_token_ids.len();
+                    if finished {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    yield Ok(event(pb::work_event::Event::Error(e.to_string())));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Forgets a reservation when its stream goes away, so a late transfer is refused.
+struct PendingGuard {
+    state: Arc<WorkerState>,
+    id: RequestId,
+}
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        self.state.forget_reservation(self.id);
+    }
+}
+
+/// Aborts a spawned task when dropped (the prefill stream's transfer).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[tonic::async_trait]
+impl pb::worker_server::Worker for WorkerService {
+    type GenerateStream = EventStream;
+    type DecodeStream = EventStream;
+    type PrefillStream = EventStream;
+
+    async fn generate(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
+        let (req, _) = engine_request(Some(request.into_inner()))?;
+        let stream = self.state.engine.submit(req).map_err(submit_status)?;
+        Ok(Response::new(Box::pin(token_events(stream))))
+    }
+
+    async fn decode(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
+        if !self.state.role.decodes() {
+            return Err(Status::failed_precondition("this worker does not decode"));
+        }
+        let (req, deadline) = engine_request(Some(request.into_inner()))?;
+        let (stream, table) = self.state.engine.reserve_import(req).await.map_err(submit_status)?;
+        let id = stream.request_id();
+        self.state.expect_reservation(id, Instant::now() + deadline);
+        let guard = PendingGuard { state: self.state.clone(), id };
+        // The deadline: a reservation whose KV has not arrived by then recomputes here.
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(deadline).await;
+            if state.forget_reservation(id) {
+                tracing::warn!(request = %id, ?deadline, "no KV within the deadline; recomputing the prompt here");
+                state.engine.import_failed(id);
+            }
+        });
+        let reserved = pb::Reserved { request_id: id.0, block_table: table, kv_addr: self.state.kv_addr.clone() };
+        let tokens = token_events(stream);
+        let out = async_stream::stream! {
+            let _guard = guard;
+            yield Ok(event(pb::work_event::Event::Reserved(reserved)));
+            for await item in tokens {
+                yield item;
+            }
+        };
+        Ok(Response::new(Box::pin(out)))
+    }
+
+    async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<EventStream>, Status> {
+        if !self.state.role.prefills() {
+            return Err(Status::failed_precondition("this worker does not prefill"));
+        }
+        let p = request.into_inner();
+        let (req, _) = engine_request(p.request)?;
+        let addr = resolve(&p.kv_addr).await.map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (stream, events) = self.state.engine.submit_export(req, p.decode_block_table).map_err(submit_status)?;
+        let deadline = Duration::from_millis(u64::from(p.deadline_ms.max(1)));
+        let layout = self.state.engine.kv_layout();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let state = self.state.clone();
+        let transfer = AbortOnDrop(tokio::spawn(async move {
+            let result = send_export(events, addr, p.decode_request_id, layout, deadline).await;
+            if let Ok(report) = &result {
+                state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
+            }
+            let _ = done_tx.send(result);
+        }));
+        let tokens = token_events(stream);
+        let out = async_stream::stream! {
+            let _transfer = transfer;
+            for await item in tokens {
+                yield item;
+            }
+            let result = match done_rx.await {
+                Ok(Ok(r)) => pb::TransferResult { ok: true, error: String::new(), bytes: r.bytes as u64, seconds: r.elapsed.as_secs_f64() },
+                Ok(Err(e)) => pb::TransferResult { ok: false, error: e.to_string(), bytes: 0, seconds: 0.0 },
+                Err(_) => pb::TransferResult { ok: false, error: "the transfer task ended".into(), bytes: 0, seconds: 0.0 },
+            };
+            yield Ok(event(pb::work_event::Event::Transfer(result)));
+        };
+        Ok(Response::new(Box::pin(out)))
+    }
+
+    async fn recompute(
+        &self,
+        request: Request<pb::RecomputeRequest>,
+    ) -> Result<Response<pb::RecomputeResponse>, Status> {
+        let id = RequestId(request.into_inner().request_id);
+        if self.state.forget_reservation(id) {
+            tracing::warn!(request = %id, "the router reports the prefill failed; recomputing the prompt here");
+            self.state.engine.import_failed(id);
+        }
+        Ok(Response::new(pb::RecomputeResponse {}))
+    }
+}
