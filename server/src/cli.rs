@@ -189,6 +189,12 @@ pub struct WorkerArgs {
     /// Longest a received KV hand-off may stall between frames [default: 10000]
     #[arg(long, env = "BATON_WORKER_KV_DEADLINE_MS", value_name = "MS")]
     pub kv_deadline_ms: Option<u64>,
+    /// Fault injection for failure tests: the process exits after sending this many KV layers.
+    #[arg(long, hide = true, value_name = "N")]
+    pub chaos_exit_after_kv_layers: Option<usize>,
+    /// Fault injection for failure tests: the process exits after streaming this many tokens.
+    #[arg(long, hide = true, value_name = "N")]
+    pub chaos_exit_after_tokens: Option<usize>,
 }
 
 /// `baton client ...`.

@@ -238,6 +238,10 @@ pub fn worker_settings(
         kv_port: args.kv_port.or(own.kv_port).unwrap_or(0),
         advertise_host: args.advertise_host.clone().or(own.advertise_host),
         kv_deadline: Duration::from_millis(args.kv_deadline_ms.or(own.kv_deadline_ms).unwrap_or(10_000)),
+        chaos: crate::worker::Chaos {
+            exit_after_kv_layers: args.chaos_exit_after_kv_layers,
+            exit_after_tokens: args.chaos_exit_after_tokens,
+        },
     })
 }
 

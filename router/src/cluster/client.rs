@@ -82,6 +82,7 @@ pub(crate) struct Inner {
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
     tasks: Mutex<HashMap<RequestId, (tokio::task::AbortHandle, OutputTx)>>,
     next_id: AtomicU64,
+    decode_turn: AtomicU64,
 }
 
 impl Inner {
@@ -151,6 +152,7 @@ impl ClusterClient {
                 channels: Mutex::new(HashMap::new()),
                 tasks: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
+                decode_turn: AtomicU64::new(0),
             }),
         }
     }
@@ -178,7 +180,8 @@ impl ClusterClient {
             block_size,
         };
         let cands: Vec<_> = decoders.iter().map(|(c, _)| c.clone()).collect();
-        let decode: Picked = pick_decode(&rr, &cands)
+        let turn = self.inner.decode_turn.fetch_add(1, Ordering::Relaxed) as usize;
+        let decode: Picked = pick_decode(&rr, &cands, turn)
             .and_then(|i| decoders.get(i))
             .map(|(_, p)| p.clone())
             .ok_or_else(|| SubmitError::Unavailable("no decode or unified worker is registered".into()))?;

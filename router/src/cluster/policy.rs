@@ -163,14 +163,22 @@ impl PrefillPolicy for PrefixAware {
 
 /// The decode worker: among those with room for the whole sequence (by their last report),
 /// the least loaded, then the one with the most free blocks; when none has room, the one with
-/// the most free blocks (its engine queues the request until blocks free up).
-pub fn pick_decode(req: &RouteRequest, candidates: &[Candidate]) -> Option<usize> {
+/// the most free blocks (its engine queues the request until blocks free up). Exact ties
+/// rotate with `turn` (a counter the caller advances), so idle workers share the traffic.
+pub fn pick_decode(req: &RouteRequest, candidates: &[Candidate], turn: usize) -> Option<usize> {
     let need = req.total_tokens.div_ceil(req.block_size.max(1));
-    let fits: Vec<usize> = (0..candidates.len()).filter(|&i| candidates[i].free_blocks() >= need).collect();
-    if fits.is_empty() {
-        return argmin_from(candidates.len(), 0, |i| (-(candidates[i].free_blocks() as f64), candidates[i].load()));
+    let n = candidates.len();
+    let start = turn % n.max(1);
+    if candidates.iter().all(|c| c.free_blocks() < need) {
+        return argmin_from(n, start, |i| (-(candidates[i].free_blocks() as f64), candidates[i].load()));
     }
-    fits.iter().copied().min_by_key(|&i| (candidates[i].load(), std::cmp::Reverse(candidates[i].free_blocks()), i))
+    argmin_from(n, start, |i| {
+        let c = &candidates[i];
+        // Workers without room rank after every worker with room; then load; then free share.
+        let rank = if c.free_blocks() >= need { 0.0 } else { f64::INFINITY };
+        let free_share = c.free_blocks() as f64 / (c.total_blocks as f64 + 1.0);
+        (rank + c.load() as f64 - free_share, 0)
+    })
 }
 
 /// Index of the smallest key, scanning from `start` round the ring so equal keys rotate.
@@ -257,13 +265,18 @@ mod tests {
         let c = cand(3, 1, 0, 0, 0);
         // b is idle but nearly full: 300 tokens need 19 blocks.
         b.used_blocks = 90;
-        assert_eq!(pick_decode(&REQ, &[a.clone(), b.clone(), c.clone()]), Some(2));
+        for turn in 0..3 {
+            assert_eq!(pick_decode(&REQ, &[a.clone(), b.clone(), c.clone()], turn), Some(2));
+        }
+        // Equal idle workers take turns.
+        let idle = [cand(1, 0, 0, 0, 0), cand(2, 0, 0, 0, 0)];
+        assert_eq!((pick_decode(&REQ, &idle, 0), pick_decode(&REQ, &idle, 1)), (Some(0), Some(1)));
         // Nobody has room: the most free blocks wins.
         a.used_blocks = 95;
         let mut c2 = c;
         c2.used_blocks = 85;
-        assert_eq!(pick_decode(&REQ, &[a, b, c2]), Some(2));
-        assert_eq!(pick_decode(&REQ, &[]), None);
+        assert_eq!(pick_decode(&REQ, &[a, b, c2], 0), Some(2));
+        assert_eq!(pick_decode(&REQ, &[], 0), None);
     }
 
     #[test]

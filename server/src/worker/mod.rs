@@ -45,7 +45,22 @@ pub struct WorkerSettings {
     pub advertise_host: Option<String>,
     /// Longest a received hand-off may stall between frames.
     pub kv_deadline: Duration,
+    /// Fault injection (hidden flags), for the failure tests.
+    pub chaos: Chaos,
 }
+
+/// Fault injection: make this worker process die at a precise point, as a crashed or
+/// killed worker would. Off unless a hidden flag sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Chaos {
+    /// Exit after sending this many KV layers (prefill side).
+    pub exit_after_kv_layers: Option<usize>,
+    /// Exit after streaming this many tokens.
+    pub exit_after_tokens: Option<usize>,
+}
+
+/// The exit status of a chaos exit, so a test can tell it from a crash.
+pub const CHAOS_EXIT_CODE: i32 = 101;
 
 /// State shared by the worker's services.
 pub struct WorkerState {
@@ -59,6 +74,10 @@ pub struct WorkerState {
     pub metrics: Metrics,
     /// Reservations waiting for their KV, with their deadline.
     expected: Mutex<HashMap<RequestId, Instant>>,
+    /// Fault injection.
+    pub chaos: Chaos,
+    /// Tokens streamed so far (for `Chaos::exit_after_tokens`).
+    tokens_streamed: std::sync::atomic::AtomicUsize,
 }
 
 impl WorkerState {
@@ -72,6 +91,15 @@ impl WorkerState {
     /// Stops admitting hand-offs for `id`; true if it was still expected.
     pub fn forget_reservation(&self, id: RequestId) -> bool {
         self.expected.lock().map(|mut e| e.remove(&id).is_some()).unwrap_or(false)
+    }
+
+    /// Counts streamed tokens; exits the process when the chaos limit is reached.
+    pub fn count_tokens(&self, n: usize) {
+        let total = self.tokens_streamed.fetch_add(n, std::sync::atomic::Ordering::SeqCst) + n;
+        if self.chaos.exit_after_tokens.is_some_and(|limit| total >= limit) {
+            tracing::error!(total, "chaos: exiting after streaming tokens");
+            std::process::exit(CHAOS_EXIT_CODE);
+        }
     }
 
     fn is_expected(&self, id: RequestId) -> bool {
@@ -163,6 +191,8 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         kv_addr: kv_addr.clone(),
         metrics: Metrics::new(&name)?,
         expected: Mutex::new(HashMap::new()),
+        chaos: settings.chaos,
+        tokens_streamed: Default::default(),
     });
     tracing::info!(
         role = settings.role.as_str(),

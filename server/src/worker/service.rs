@@ -67,7 +67,10 @@ fn engine_request(r: Option<pb::WorkRequest>) -> Result<(EngineRequest, Duration
 
 /// Streams an engine request's outputs as `tokens` events, numbering output positions from
 /// zero; an engine error becomes an `error` event that ends the stream.
-fn token_events(mut stream: OutputStream) -> impl Stream<Item = Result<pb::WorkEvent, Status>> + Send {
+fn token_events(
+    mut stream: OutputStream,
+    state: Arc<WorkerState>,
+) -> impl Stream<Item = Result<pb::WorkEvent, Status>> + Send {
     async_stream::stream! {
         let mut index = 0;
         while let Some(item) = stream.next().await {
@@ -76,6 +79,7 @@ fn token_events(mut stream: OutputStream) -> impl Stream<Item = Result<pb::WorkE
                     let finished = out.finish_reason.is_some();
                     yield Ok(event(pb::work_event::Event::Tokens(output_to_wire(&out, index))));
                     index += out.new_token_ids.len();
+                    state.count_tokens(out.new_token_ids.len());
                     if finished {
                         break;
                     }
@@ -87,6 +91,32 @@ fn token_events(mut stream: OutputStream) -> impl Stream<Item = Result<pb::WorkE
             }
         }
     }
+}
+
+/// Passes export events through and exits the process once `layers` layers went by: a
+/// prefill worker dying in the middle of a hand-off.
+fn chaos_tap(
+    mut events: tokio::sync::mpsc::UnboundedReceiver<baton_engine::relay::ExportEvent>,
+    layers: usize,
+) -> tokio::sync::mpsc::UnboundedReceiver<baton_engine::relay::ExportEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut sent = 0;
+        while let Some(e) = events.recv().await {
+            let is_layer = matches!(e, baton_engine::relay::ExportEvent::Layer(_));
+            if is_layer && sent == layers {
+                // Give the transport a moment to put the earlier layers on the wire.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                tracing::error!(layers, "chaos: exiting in the middle of a KV hand-off");
+                std::process::exit(super::CHAOS_EXIT_CODE);
+            }
+            sent += usize::from(is_layer);
+            if tx.send(e).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }
 
 /// Forgets a reservation when its stream goes away, so a late transfer is refused.
@@ -119,7 +149,7 @@ impl pb::worker_server::Worker for WorkerService {
     async fn generate(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
         let (req, _) = engine_request(Some(request.into_inner()))?;
         let stream = self.state.engine.submit(req).map_err(submit_status)?;
-        Ok(Response::new(Box::pin(token_events(stream))))
+        Ok(Response::new(Box::pin(token_events(stream, self.state.clone()))))
     }
 
     async fn decode(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
@@ -141,7 +171,7 @@ impl pb::worker_server::Worker for WorkerService {
             }
         });
         let reserved = pb::Reserved { request_id: id.0, block_table: table, kv_addr: self.state.kv_addr.clone() };
-        let tokens = token_events(stream);
+        let tokens = token_events(stream, self.state.clone());
         let out = async_stream::stream! {
             let _guard = guard;
             yield Ok(event(pb::work_event::Event::Reserved(reserved)));
@@ -164,6 +194,10 @@ impl pb::worker_server::Worker for WorkerService {
         let layout = self.state.engine.kv_layout();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let state = self.state.clone();
+        let events = match self.state.chaos.exit_after_kv_layers {
+            Some(n) => chaos_tap(events, n),
+            None => events,
+        };
         let transfer = AbortOnDrop(tokio::spawn(async move {
             let result = send_export(events, addr, p.decode_request_id, layout, deadline).await;
             if let Ok(report) = &result {
@@ -171,7 +205,7 @@ impl pb::worker_server::Worker for WorkerService {
             }
             let _ = done_tx.send(result);
         }));
-        let tokens = token_events(stream);
+        let tokens = token_events(stream, self.state.clone());
         let out = async_stream::stream! {
             let _transfer = transfer;
             for await item in tokens {
