@@ -357,3 +357,235 @@ async fn one_prefill_one_decode_matches_serve() {
 async fn two_prefill_two_decode_matches_serve() {
     disaggregated_matches_serve("2p2d.toml", 2).await;
 }
+
+/// Waits until the router's pools hold `prefill` and `decode` workers (after an ejection).
+async fn wait_pools(c: &Cluster, prefill: usize, decode: usize, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let ws = c.workers().await;
+        let n = |role: &str| ws.iter().filter(|w| w["role"] == role).count();
+        if n("prefill") == prefill && n("decode") == decode {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pools never became {prefill}P{decode}D: {ws:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_exit(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = p.exited() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{} did not exit:\n{}", p.http, p.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_dying_mid_transfer_is_recomputed_on_the_decode_worker() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let ps = prompts(vocab);
+    let want = reference(dir.path(), &model, &ps[4..5]).await;
+    // The prefill worker exits after sending 1 of its 2 layers of its first hand-off.
+    let mut c = Cluster::start(
+        dir.path(),
+        &model,
+        "1p1d.toml",
+        &["--on-transfer-failure", "recompute"],
+        &[vec!["--chaos-exit-after-kv-layers", "1"]],
+        &[vec![]],
+    )
+    .await;
+    let started = Instant::now();
+    let got = complete(&c.http, &c.router.http, &ps[4], false).await;
+    assert_same(&got, &want[0], "recomputed after the prefill worker died");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}: it waited for a deadline", started.elapsed());
+    let status = wait_exit(&mut c.prefill[0], Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(101), "the prefill worker died by the chaos hook");
+    // The dead worker leaves the pool; requests go on (prefilled on the decode worker).
+    wait_pools(&c, 0, 1, Duration::from_secs(5)).await;
+    let got = complete(&c.http, &c.router.http, &ps[4], true).await;
+    assert_same(&got, &want[0], "after the ejection");
+    c.decode[0].assert_idle(&c.http).await;
+    let router_log = c.router.log_text();
+    assert!(router_log.contains("recomputes"), "the router log says what happened:\n{router_log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_dying_mid_transfer_is_retried_on_another() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let ps = prompts(vocab);
+    let want = reference(dir.path(), &model, &ps[4..6]).await;
+    let c = Cluster::start(
+        dir.path(),
+        &model,
+        "2p2d.toml",
+        &["--on-transfer-failure", "retry", "--policy", "round_robin"],
+        &[vec!["--chaos-exit-after-kv-layers", "1"], vec![]],
+        &[vec![]],
+    )
+    .await;
+    // Round robin: the first request goes to the dying worker, the retry to the other.
+    for (p, w) in ps[4..6].iter().zip(&want) {
+        let got = complete(&c.http, &c.router.http, p, false).await;
+        assert_same(&got, w, "retried on the healthy prefill worker");
+    }
+    let retried = c.router.log_text().contains("retrying the prefill on another worker");
+    assert!(retried, "{}", c.router.log_text());
+    // The healthy prefill worker did the work.
+    let bytes = c.prefill[1].metric(&c.http, &format!("baton_kv_transfer_bytes_total{{model_name=\"{MODEL}\"}}")).await;
+    assert!(bytes > 0.0);
+    for w in [&c.prefill[1], &c.decode[0]] {
+        w.assert_idle(&c.http).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_dying_fails_its_client_clearly_and_others_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let ps = prompts(vocab);
+    let want = reference(dir.path(), &model, &ps[3..4]).await;
+    // Decode worker 0 exits after streaming 5 tokens; decode worker 1 is healthy.
+    let mut c = Cluster::start(
+        dir.path(),
+        &model,
+        "1p1d.toml",
+        &[],
+        &[vec![]],
+        &[vec!["--chaos-exit-after-tokens", "5"], vec![]],
+    )
+    .await;
+    // Decode picks rotate from the first registered worker: this request lands on worker 0.
+    let started = Instant::now();
+    let r = c.http.post(format!("{}/v1/completions", c.router.http)).json(&completion(&ps[3], true)).send().await;
+    let body = r.expect("response").text().await.unwrap_or_default();
+    assert!(started.elapsed() < Duration::from_secs(10), "the client waited {:?}", started.elapsed());
+    assert!(body.contains("\"error\""), "the stream must end with an error event: {body}");
+    assert!(body.contains("decode worker"), "the error names the failed worker: {body}");
+    assert_eq!(wait_exit(&mut c.decode[0], Duration::from_secs(5)).await.code(), Some(101));
+    wait_pools(&c, 1, 1, Duration::from_secs(5)).await;
+    for stream in [false, true] {
+        let got = complete(&c.http, &c.router.http, &ps[3], stream).await;
+        assert_same(&got, &want[0], "on the surviving decode worker");
+    }
+    for w in [&c.prefill[0], &c.decode[1]] {
+        w.assert_idle(&c.http).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_sends_a_repeated_prefix_to_the_worker_that_holds_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let c =
+        Cluster::start(dir.path(), &model, "2p2d.toml", &["--policy", "prefix_aware"], &[vec![], vec![]], &[vec![]])
+            .await;
+    let prefix: Vec<u32> = (0..160u32).map(|j| (j * 31 + 7) % vocab).collect();
+    let with_suffix = |k: u32| -> Vec<u32> {
+        let mut p = prefix.clone();
+        p.extend((0..5).map(|j| (k * 13 + j * 3 + 1) % vocab));
+        p
+    };
+    complete(&c.http, &c.router.http, &with_suffix(0), false).await;
+    // Let the holder report its cached blocks (heartbeats every 200 ms).
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    for k in 1..6 {
+        complete(&c.http, &c.router.http, &with_suffix(k), false).await;
+    }
+    let hits_series = format!("vllm:prefix_cache_hits_total{{model_name=\"{MODEL}\"}}");
+    let mut hits = Vec::new();
+    for w in &c.prefill {
+        hits.push(w.metric(&c.http, &hits_series).await);
+    }
+    hits.sort_by(f64::total_cmp);
+    // 5 repeats × 10 cached blocks × 16 tokens on the holder; nothing on the other.
+    assert_eq!(hits, vec![0.0, 5.0 * 160.0], "prefix hits per prefill worker");
+    let ws = c.workers().await;
+    assert!(ws.iter().any(|w| w["role"] == "prefill" && w["cached_blocks"].as_u64() >= Some(10)), "{ws:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_stream_frees_blocks_on_both_sides() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &[], &[vec![]], &[vec![]]).await;
+    let p: Vec<u32> = (0..70u32).map(|j| (j * 17 + 3) % vocab).collect();
+    for _ in 0..3 {
+        let body = json!({"model": MODEL, "prompt": p, "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true});
+        let mut r = c.http.post(format!("{}/v1/completions", c.router.http)).json(&body).send().await.expect("send");
+        // Read the first chunk, then hang up.
+        let first = r.chunk().await.expect("chunk");
+        assert!(first.is_some());
+        drop(r);
+    }
+    for w in c.all_workers() {
+        w.assert_idle(&c.http).await;
+    }
+    // The router has nothing in flight either, and the streams really were cut short.
+    let ws = c.workers().await;
+    assert!(ws.iter().all(|w| w["inflight"] == 0), "{ws:?}");
+    let generated = c.router.metric(&c.http, &format!("vllm:generation_tokens_total{{model_name=\"{MODEL}\"}}")).await;
+    assert!(generated < 3.0 * 400.0, "{generated} tokens: the disconnects did not abort the requests");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_and_missing_workers_get_clear_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let http = reqwest::Client::new();
+    let args: Vec<String> = ["router", "--model", model.to_str().expect("utf8"), "--served-model-name", MODEL]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--grpc-port".into(), "0".into(), "--registry-port".into(), free_port().to_string()])
+        .collect();
+    let mut router = Proc::spawn(dir.path(), "router", &args);
+    let deadline = Instant::now() + STARTUP;
+    let health = loop {
+        if let Some(s) = router.exited() {
+            panic!("router exited with {s}:\n{}", router.log_text());
+        }
+        if let Ok(r) = http.get(format!("{}/health", router.http)).send().await {
+            break r.status().as_u16();
+        }
+        assert!(Instant::now() < deadline, "router did not come up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(health, 503, "no workers: not ready");
+    let post = |body: Value| {
+        let http = http.clone();
+        let url = format!("{}/v1/completions", router.http);
+        async move {
+            let r = http.post(url).json(&body).send().await.expect("send");
+            (r.status().as_u16(), r.json::<Value>().await.expect("json"))
+        }
+    };
+    let (status, body) = post(json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4})).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"]["message"].as_str().is_some_and(|m| m.contains("no decode")), "{body}");
+    // Validation happens before routing: bad requests are 400 even with no workers.
+    let (status, body) = post(json!({"model": MODEL, "prompt": [1, vocab + 5], "max_tokens": 4})).await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = post(json!({"model": MODEL, "prompt": [1, 2], "temperature": -1})).await;
+    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("temperature")), "{body}");
+    let (status, body) = post(json!({"model": MODEL, "prompt": [1, 2], "max_tokens": 100000})).await;
+    assert_eq!(status, 400, "{body}");
+    // A worker of another model is refused with the reason in its log.
+    let other_dir = dir.path().join("other");
+    let other = write_hf_folder(&other_dir, &TinySpec { num_layers: 3, ..TinySpec::llama() }).expect("model");
+    let registry = args[args.len() - 1].clone();
+    let mut wargs: Vec<String> = vec!["worker".into(), "--role".into(), "decode".into()];
+    wargs.extend(model_args(&other));
+    wargs.extend(["--router".into(), format!("127.0.0.1:{registry}")]);
+    let worker = Proc::spawn(dir.path(), "wrong-worker", &wargs);
+    let deadline = Instant::now() + STARTUP;
+    while !worker.log_text().contains("the router refused this worker") {
+        assert!(Instant::now() < deadline, "no refusal:\n{}", worker.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(worker.log_text().contains("layers3"), "the refusal names the models:\n{}", worker.log_text());
+}
