@@ -5,90 +5,13 @@
 
 mod common;
 
-use baton_core::api::{EngineClient, EngineOutput, EngineRequest, OutputStream};
+use baton_core::api::{EngineClient, EngineOutput, EngineRequest};
 use baton_core::params::SamplingParams;
-use baton_engine::kv_transport::handoff::{receive_import, send_export};
+use baton_engine::EngineConfig;
 use baton_engine::kv_transport::tcp::TcpKvListener;
-use baton_engine::{EngineConfig, EngineHandle};
 use baton_formats::testing::TinySpec;
+use common::relay::*;
 use common::*;
-use std::time::Duration;
-
-const DEADLINE: Duration = Duration::from_secs(10);
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-}
-
-async fn collect(mut s: OutputStream) -> Vec<EngineOutput> {
-    let mut outs = Vec::new();
-    while let Some(o) = s.next().await {
-        let o = o.expect("engine error");
-        let done = o.finish_reason.is_some();
-        outs.push(o);
-        if done {
-            break;
-        }
-    }
-    outs
-}
-
-fn tokens(outs: &[EngineOutput]) -> Vec<u32> {
-    outs.iter().flat_map(|o| o.new_token_ids.iter().copied()).collect()
-}
-
-/// One relayed request: D reserves, P computes and streams, D decodes. `break_after` cuts the
-/// transfer after that many layers (the prefill worker "dies"); D then recomputes.
-async fn relay(
-    p: &EngineHandle,
-    d: &EngineHandle,
-    listener: &TcpKvListener,
-    prompt: &[u32],
-    params: SamplingParams,
-    break_after: Option<usize>,
-) -> (Vec<EngineOutput>, Vec<EngineOutput>) {
-    let addr = listener.local_addr().expect("addr");
-    let (d_stream, table) =
-        d.reserve_import(EngineRequest::new(prompt.to_vec(), params.clone())).await.expect("reserve");
-    let d_id = d_stream.request_id();
-    let (p_stream, mut events) = p.submit_export(EngineRequest::new(prompt.to_vec(), params), table).expect("export");
-    let layout = p.kv_layout();
-    let sender = tokio::spawn(async move {
-        match break_after {
-            None => send_export(events, addr, d_id.0, layout, DEADLINE).await.map(|_| ()),
-            Some(n) => {
-                // Forward only the plan and n layers, then drop the connection mid-transfer.
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                for _ in 0..=n {
-                    if let Some(e) = events.recv().await {
-                        let _ = tx.send(e);
-                    }
-                }
-                drop(tx);
-                send_export(rx, addr, d_id.0, layout, DEADLINE).await.map(|_| ())
-            }
-        }
-    });
-    let pending = listener.accept().await.expect("accept");
-    let received = receive_import(pending, d, DEADLINE, |hs| {
-        if hs.request_id == d_id.0 { Ok(()) } else { Err("unexpected request".into()) }
-    })
-    .await;
-    match (&received, break_after) {
-        (Ok((id, report)), None) => {
-            assert_eq!(*id, d_id);
-            assert!(report.bytes > 0);
-        }
-        (Err(e), Some(_)) => {
-            assert_eq!(e.request, Some(d_id), "{e}");
-            d.import_failed(d_id);
-        }
-        (other, _) => panic!("unexpected receive outcome {:?}", other.as_ref().map(|_| ()).map_err(|e| e.to_string())),
-    }
-    let sent = sender.await.expect("join");
-    assert_eq!(sent.is_ok(), break_after.is_none(), "sender: {sent:?}");
-    (collect(p_stream).await, collect(d_stream).await)
-}
 
 #[test]
 fn relayed_requests_match_one_engine_token_for_token() {

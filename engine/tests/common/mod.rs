@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod relay;
+
 use baton_core::api::{EngineClient, EngineOutput, EngineRequest, FinishReason, OutputStream};
 use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};

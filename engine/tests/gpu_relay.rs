@@ -1,0 +1,108 @@
+//! The relay on CUDA: two CUDA engines (prefill and decode, same device) exchanging a prompt's
+//! bf16 KV over the TCP transport must produce exactly the greedy tokens and logprobs of one
+//! CUDA engine alone, and a CUDA-to-CPU-layout mismatch is refused. This exercises the CUDA
+//! backend's `read_kv_blocks`/`write_kv_blocks` (device↔host copies of scattered blocks).
+//!
+//! Named `gpu_*`: excluded from CI by name, and they FAIL when no GPU is present.
+
+mod common;
+
+use baton_core::api::{EngineClient, EngineOutput, EngineRequest};
+use baton_core::params::SamplingParams;
+use baton_engine::kv_transport::tcp::TcpKvListener;
+use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
+use baton_formats::testing::TinySpec;
+use common::relay::*;
+use common::{assert_all_blocks_free, prompt, tiny};
+
+fn start(model: &baton_formats::LoadedModel, device: DeviceSpec) -> EngineHandle {
+    let cfg = EngineConfig { num_kv_blocks: Some(128), max_model_len: Some(512), ..EngineConfig::default() };
+    start_engine(model, device, cfg).unwrap_or_else(|e| panic!("start on {device}: {e}"))
+}
+
+#[test]
+fn gpu_relayed_requests_match_one_cuda_engine() {
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    let (unified, p, d) = (
+        start(&m.model, DeviceSpec::Cuda(0)),
+        start(&m.model, DeviceSpec::Cuda(0)),
+        start(&m.model, DeviceSpec::Cuda(0)),
+    );
+    assert_eq!(p.kv_layout().dtype, baton_core::kv_transfer::KvDtype::BF16);
+    let params =
+        SamplingParams { max_tokens: Some(16), ignore_eos: true, logprobs: Some(2), ..SamplingParams::greedy() };
+    rt().block_on(async {
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        // Scatter the blocks: keep a few reservations on D so the relayed ones are not 0, 1, 2...
+        let mut keep = Vec::new();
+        for i in 0..3 {
+            keep.push(
+                d.reserve_import(EngineRequest::new(prompt(900 + i, 20, vocab), params.clone())).await.expect("r"),
+            );
+        }
+        for (i, len) in [1usize, 16, 17, 63, 130].into_iter().enumerate() {
+            let pr = prompt(700 + i as u64, len, vocab);
+            let alone: Vec<EngineOutput> =
+                collect(unified.submit(EngineRequest::new(pr.clone(), params.clone())).expect("submit")).await;
+            let (p_out, d_out) = relay(&p, &d, &listener, &pr, params.clone(), None).await;
+            assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids, "first token, prompt of {len}");
+            assert_eq!(tokens(&d_out), tokens(&alone), "prompt of {len}");
+            let lp =
+                |o: &[EngineOutput]| o.iter().flat_map(|x| x.logprobs.iter().map(|l| l.logprob)).collect::<Vec<_>>();
+            assert_eq!(lp(&d_out), lp(&alone), "logprobs, prompt of {len}");
+        }
+        drop(keep);
+    });
+    for e in [&unified, &p, &d] {
+        assert_all_blocks_free(e);
+    }
+    for e in [unified, p, d] {
+        e.shutdown();
+    }
+}
+
+#[test]
+fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    let (p, d) = (start(&m.model, DeviceSpec::Cuda(0)), start(&m.model, DeviceSpec::Cpu));
+    rt().block_on(async {
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let params = SamplingParams { max_tokens: Some(4), ..SamplingParams::greedy() };
+        let pr = prompt(5, 20, vocab);
+        let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("r");
+        let (_p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table).expect("export");
+        let layout = p.kv_layout();
+        let id = d_stream.request_id().0;
+        let sender = tokio::spawn(async move {
+            baton_engine::kv_transport::handoff::send_export(
+                events,
+                addr,
+                id,
+                layout,
+                std::time::Duration::from_secs(5),
+            )
+            .await
+        });
+        let pending = listener.accept().await.expect("accept");
+        let err =
+            baton_engine::kv_transport::handoff::receive_import(pending, &d, std::time::Duration::from_secs(5), |_| {
+                Ok(())
+            })
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().contains("dtype"), "{err}");
+        let sent = sender.await.expect("join");
+        assert!(
+            sent.err().is_some_and(|e| e.to_string().contains("dtype BF16 vs F32") || e.to_string().contains("dtype"))
+        );
+        d.import_failed(d_stream.request_id());
+        drop(d_stream);
+    });
+    assert_all_blocks_free(&p);
+    assert_all_blocks_free(&d);
+    p.shutdown();
+    d.shutdown();
+}
