@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (the README points here, and .ci/run runs it).
-# Runs on a machine without a GPU: every test named gpu_* is excluded here and
+# Runs on a machine without a GPU: every test named gpu_* or gpu2_* (two GPUs) is excluded here and
 # runs on the GPU machine instead (scripts/gpu-tests.sh).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,7 +12,7 @@ trap 'rm -rf "$logs"' EXIT
 scripts/fetch-default-model.sh || exit 1
 
 # Rust: unit, property and end-to-end tests (real `baton` processes on loopback).
-cargo nextest run --workspace --no-fail-fast -E 'not test(/^gpu_/)' 2>&1 | tee "$logs/nextest.log"
+cargo nextest run --workspace --no-fail-fast -E 'not test(/^gpu/)' 2>&1 | tee "$logs/nextest.log"
 rust_rc=${PIPESTATUS[0]}
 
 # OpenAI client conformance: the official `openai` Python package against `baton serve`

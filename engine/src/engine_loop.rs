@@ -11,7 +11,8 @@
 use crate::backend::BackendError;
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
-use crate::relay::{ExportEvent, TransferTrailer, plan_blocks};
+use crate::kv_transport::nccl::NcclLink;
+use crate::relay::{ExportEvent, ExportSpec, TransferTrailer, plan_blocks};
 use baton_core::api::{
     EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
 };
@@ -46,6 +47,7 @@ pub(crate) enum Command {
         tx: OutputTx,
         dst_block_table: Vec<u32>,
         export: ExportTx,
+        link: Option<Arc<NcclLink>>,
     },
     /// Reserve blocks for a prompt whose KV and first token come from another worker.
     Reserve {
@@ -59,6 +61,17 @@ pub(crate) enum Command {
         id: RequestId,
         blocks: Vec<u32>,
         frame: LayerFrame,
+    },
+    /// Layer `layer` of `id` was sent over `link`: enqueue receiving it into `blocks`.
+    ImportLayerNccl {
+        id: RequestId,
+        layer: usize,
+        runs: Vec<(usize, usize)>,
+        link: Arc<NcclLink>,
+    },
+    /// A new transfer stream on the engine's device, for a new NCCL link.
+    TransferStream {
+        reply: tokio::sync::oneshot::Sender<Result<Arc<cudarc::driver::CudaStream>, String>>,
     },
     /// Every layer of `id` arrived; the trailer carries the first token.
     ImportDone {
@@ -77,18 +90,22 @@ pub(crate) trait StepModel: Send {
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
-        exports: &[Vec<u32>],
+        exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
     ) -> Result<Vec<f32>, BackendError>;
     /// See [`crate::backend::Backend::write_kv_blocks`].
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::nccl_recv_layer`].
+    fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::new_transfer_stream`].
+    fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError>;
 }
 
 impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
-        exports: &[Vec<u32>],
+        exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
     ) -> Result<Vec<f32>, BackendError> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
@@ -96,6 +113,14 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
         crate::model::LlamaModel::write_kv_blocks(self, layer, blocks, k, v)
+    }
+
+    fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError> {
+        crate::model::LlamaModel::nccl_recv_layer(self, layer, runs, link)
+    }
+
+    fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
+        crate::model::LlamaModel::new_transfer_stream(self)
     }
 }
 
@@ -123,6 +148,7 @@ struct Live {
 struct Export {
     dst_block_table: Vec<u32>,
     tx: ExportTx,
+    link: Option<Arc<NcclLink>>,
 }
 
 pub(crate) struct EngineLoop {
@@ -193,8 +219,12 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, request, tx } => self.admit(id, *request, tx, None),
-            Command::SubmitExport { id, request, tx, dst_block_table, export } => {
-                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export }));
+            Command::SubmitExport { id, request, tx, dst_block_table, export, link } => {
+                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link }));
+            }
+            Command::ImportLayerNccl { id, layer, runs, link } => self.import_layer_nccl(id, layer, &runs, &link),
+            Command::TransferStream { reply } => {
+                let _ = reply.send(self.model.new_transfer_stream().map_err(|e| e.to_string()));
             }
             Command::Reserve { id, request, tx, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
@@ -237,6 +267,35 @@ impl EngineLoop {
             Err(e) => {
                 let _ = tx.send(Err(submit_to_engine_error(e)));
             }
+        }
+    }
+
+    /// Checks that `id` still waits for KV and that `blocks` are its own; the reason otherwise.
+    fn import_target_ok(&self, id: RequestId, blocks: &[u32]) -> Result<bool, String> {
+        let waiting =
+            self.scheduler.request(id).is_some_and(|r| r.status() == baton_core::request::RequestStatus::WaitingForKv);
+        if !waiting {
+            return Ok(false);
+        }
+        let table = self.scheduler.block_manager().block_table(id).unwrap_or(&[]);
+        if blocks.iter().all(|b| table.contains(b)) {
+            Ok(true)
+        } else {
+            Err(format!("the transfer targets blocks {blocks:?} outside the reservation {table:?}"))
+        }
+    }
+
+    /// Enqueues receiving one layer of `id` over an NCCL link into its reserved blocks.
+    fn import_layer_nccl(&mut self, id: RequestId, layer: usize, runs: &[(usize, usize)], link: &NcclLink) {
+        let blocks: Vec<u32> = runs.iter().flat_map(|&(s, n)| (s as u32)..(s + n) as u32).collect();
+        let result = match self.import_target_ok(id, &blocks) {
+            Ok(false) => return,
+            Ok(true) => self.model.nccl_recv_layer(layer, runs, link).map_err(|e| e.to_string()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = result {
+            tracing::warn!(request = %id, error = %e, "cannot receive a KV layer over NCCL; recomputing the prompt here");
+            self.scheduler.fail_kv_transfer(id);
         }
     }
 
@@ -287,11 +346,12 @@ impl EngineLoop {
 
     /// Plans the hand-off of every export request whose prompt completes in this step and
     /// returns, per export, the request and the sender-side blocks to read each layer.
-    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> Vec<(RequestId, Vec<u32>)> {
+    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> Vec<(RequestId, ExportSpec)> {
         let mut exports = Vec::new();
         let mut failed = Vec::new();
         for seq in out.seqs.iter().filter(|s| s.sample) {
-            let Some(Export { dst_block_table, tx }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref()) else {
+            let Some(Export { dst_block_table, tx, link }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
+            else {
                 continue;
             };
             let Some(req) = self.scheduler.request(seq.id) else { continue };
@@ -301,8 +361,9 @@ impl EngineLoop {
             match plan_transfer(&self.kv_layout, &seq.block_table, dst_block_table, req.num_prompt_tokens(), 0) {
                 Ok(plan) => {
                     let (src, _) = plan_blocks(&plan);
+                    let runs = plan.runs.iter().map(|r| (r.src_start as usize, r.len)).collect();
                     if tx.send(ExportEvent::Plan(plan)).is_ok() {
-                        exports.push((seq.id, src));
+                        exports.push((seq.id, ExportSpec { blocks: src, runs, link: link.clone() }));
                     }
                 }
                 Err(e) => failed.push((seq.id, e.to_string())),
@@ -333,14 +394,14 @@ impl EngineLoop {
             .iter()
             .map(|(id, _)| self.live.get(id).and_then(|l| l.export.as_ref()).map(|e| e.tx.clone()))
             .collect();
-        let export_blocks: Vec<Vec<u32>> = exports.iter().map(|(_, b)| b.clone()).collect();
+        let export_specs: Vec<ExportSpec> = exports.iter().map(|(_, e)| e.clone()).collect();
         let mut sink = |layer: usize, j: usize, k: Vec<u8>, v: Vec<u8>| {
             if let Some(Some(tx)) = export_txs.get(j) {
                 let _ = tx.send(ExportEvent::Layer(LayerFrame { layer, k, v }));
             }
         };
         let model = &mut self.model;
-        let result = self.pool.install(|| model.forward(&batch, &export_blocks, &mut sink));
+        let result = self.pool.install(|| model.forward(&batch, &export_specs, &mut sink));
         let mut logits = match result {
             Ok(l) => l,
             Err(e) => {

@@ -86,10 +86,12 @@ impl EngineHandle {
     /// `dst_block_table` (the returned channel yields the plan, the layers and the first
     /// token; see [`ExportEvent`]). The output stream yields the first token and then ends;
     /// the request then no longer holds blocks here.
+    /// With `link`, the data goes over that NCCL link (CUDA only) instead of to the host.
     pub fn submit_export(
         &self,
         request: EngineRequest,
         dst_block_table: Vec<u32>,
+        link: Option<Arc<crate::kv_transport::nccl::NcclLink>>,
     ) -> Result<(OutputStream, tokio::sync::mpsc::UnboundedReceiver<ExportEvent>), SubmitError> {
         self.check(&request)?;
         let (export_tx, export_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -99,6 +101,7 @@ impl EngineHandle {
             tx,
             dst_block_table,
             export: export_tx,
+            link,
         })?;
         Ok((stream, export_rx))
     }
@@ -122,6 +125,27 @@ impl EngineHandle {
     /// Stores one received layer of request `id` into its reserved `blocks` (in plan order).
     pub fn import_layer(&self, id: RequestId, blocks: Vec<u32>, frame: LayerFrame) {
         self.inner.send(Command::ImportLayer { id, blocks, frame });
+    }
+
+    /// Layer `layer` of request `id` was sent over `link`: enqueue receiving it into the
+    /// receiver-side runs `(first block, count)` of the plan.
+    pub fn import_layer_nccl(
+        &self,
+        id: RequestId,
+        layer: usize,
+        runs: Vec<(usize, usize)>,
+        link: Arc<crate::kv_transport::nccl::NcclLink>,
+    ) {
+        self.inner.send(Command::ImportLayerNccl { id, layer, runs, link });
+    }
+
+    /// A new stream on the engine's device for an NCCL link (an error on the CPU backend).
+    pub async fn transfer_stream(&self) -> Result<Arc<cudarc::driver::CudaStream>, String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        if !self.inner.send(Command::TransferStream { reply }) {
+            return Err("the engine thread has stopped".into());
+        }
+        rx.await.map_err(|_| "the engine thread stopped".to_string())?
     }
 
     /// Every layer of `id` arrived: it joins the running batch with the trailer's first token.

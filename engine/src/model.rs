@@ -186,6 +186,29 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.write_kv_blocks(layer, blocks, k, v)
     }
 
+    /// Enqueues receiving layer `layer`'s K/V into block runs over an NCCL link.
+    pub fn nccl_recv_layer(
+        &mut self,
+        layer: usize,
+        runs: &[(usize, usize)],
+        link: &crate::kv_transport::nccl::NcclLink,
+    ) -> Result<(), BackendError> {
+        self.backend
+            .nccl_ops()
+            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
+            .recv_layer(layer, runs, link)
+            .map_err(|e| BackendError::Device(e.to_string()))
+    }
+
+    /// A new transfer stream on the backend's device (for an NCCL link).
+    pub fn new_transfer_stream(&mut self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError> {
+        self.backend
+            .nccl_ops()
+            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
+            .new_transfer_stream()
+            .map_err(|e| BackendError::Device(e.to_string()))
+    }
+
     /// Element type of the backend's KV cache.
     pub fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
         self.backend.kv_dtype()
@@ -208,14 +231,15 @@ impl<B: Backend> LlamaModel<B> {
     }
 
     /// [`LlamaModel::forward`] that also hands out KV as soon as each layer has written it:
-    /// for every layer `l` and every block list `exports[j]`, `sink(l, j, k, v)` gets the
-    /// layer's K and V bytes of those blocks (see [`Backend::read_kv_blocks`]), in layer
-    /// order, while later layers are still to run. This is how a prefill worker streams a
-    /// prompt's KV to a decode worker during the step that computes it.
+    /// for every layer `l` and every export `exports[j]`, either `sink(l, j, k, v)` gets the
+    /// layer's K and V bytes of its blocks (see [`Backend::read_kv_blocks`]), or, for an NCCL
+    /// export, the sends are enqueued and `sink(l, j, [], [])` is told; in layer order, while
+    /// later layers are still to run. This is how a prefill worker streams a prompt's KV to a
+    /// decode worker during the step that computes it.
     pub fn forward_exporting(
         &mut self,
         batch: &BatchLayout,
-        exports: &[Vec<u32>],
+        exports: &[crate::relay::ExportSpec],
         sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
     ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.cfg;
@@ -241,9 +265,20 @@ impl<B: Backend> LlamaModel<B> {
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
             b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
-            for (j, blocks) in exports.iter().enumerate() {
-                let (k, v) = b.read_kv_blocks(i, blocks)?;
-                sink(i, j, k, v);
+            for (j, e) in exports.iter().enumerate() {
+                match &e.link {
+                    None => {
+                        let (k, v) = b.read_kv_blocks(i, &e.blocks)?;
+                        sink(i, j, k, v);
+                    }
+                    Some(link) => {
+                        b.nccl_ops()
+                            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
+                            .send_layer(i, &e.runs, link)
+                            .map_err(|e| BackendError::Device(e.to_string()))?;
+                        sink(i, j, Vec::new(), Vec::new());
+                    }
+                }
             }
             b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
             b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;

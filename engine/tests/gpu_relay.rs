@@ -3,7 +3,10 @@
 //! CUDA engine alone, and a CUDA-to-CPU-layout mismatch is refused. This exercises the CUDA
 //! backend's `read_kv_blocks`/`write_kv_blocks` (device↔host copies of scattered blocks).
 //!
-//! Named `gpu_*`: excluded from CI by name, and they FAIL when no GPU is present.
+//! `gpu2_*` tests need two GPUs: P on `cuda:0`, D on `cuda:1`, the KV moving over an NCCL
+//! link (no host staging).
+//!
+//! Named `gpu_*`/`gpu2_*`: excluded from CI by name, and they FAIL when no GPU is present.
 
 mod common;
 
@@ -73,7 +76,7 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
         let params = SamplingParams { max_tokens: Some(4), ..SamplingParams::greedy() };
         let pr = prompt(5, 20, vocab);
         let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("r");
-        let (_p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table).expect("export");
+        let (_p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table, None).expect("export");
         let layout = p.kv_layout();
         let id = d_stream.request_id().0;
         let sender = tokio::spawn(async move {
@@ -83,16 +86,20 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
                 id,
                 layout,
                 std::time::Duration::from_secs(5),
+                None,
             )
             .await
         });
         let pending = listener.accept().await.expect("accept");
-        let err =
-            baton_engine::kv_transport::handoff::receive_import(pending, &d, std::time::Duration::from_secs(5), |_| {
-                Ok(())
-            })
-            .await
-            .expect_err("refused");
+        let err = baton_engine::kv_transport::handoff::receive_import(
+            pending,
+            &d,
+            &Default::default(),
+            std::time::Duration::from_secs(5),
+            |_| true,
+        )
+        .await
+        .expect_err("refused");
         assert!(err.to_string().contains("dtype"), "{err}");
         let sent = sender.await.expect("join");
         assert!(
@@ -105,4 +112,57 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
     assert_all_blocks_free(&d);
     p.shutdown();
     d.shutdown();
+}
+
+#[test]
+fn gpu2_nccl_relay_matches_one_cuda_engine() {
+    use baton_engine::kv_transport::handoff::setup_link;
+    use baton_engine::kv_transport::nccl::NcclLinks;
+    use std::sync::Arc;
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    let unified = start(&m.model, DeviceSpec::Cuda(0));
+    let p = start(&m.model, DeviceSpec::Cuda(0));
+    let d = start(&m.model, DeviceSpec::Cuda(1));
+    let params =
+        SamplingParams { max_tokens: Some(16), ignore_eos: true, logprobs: Some(2), ..SamplingParams::greedy() };
+    rt().block_on(async {
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let d_links = Arc::new(NcclLinks::default());
+        // Link setup: P offers, D accepts (and joins in the background), P joins.
+        let stream = p.transfer_stream().await.expect("transfer stream on cuda:0");
+        let offer =
+            tokio::spawn(setup_link(addr, p.kv_layout(), std::time::Duration::from_secs(30), "p0".into(), stream));
+        let pending = listener.accept().await.expect("accept");
+        let got = baton_engine::kv_transport::handoff::receive_import(
+            pending,
+            &d,
+            &d_links,
+            std::time::Duration::from_secs(30),
+            |_| false,
+        )
+        .await
+        .expect("link setup");
+        assert_eq!(got, baton_engine::kv_transport::handoff::Received::Link { name: "p0".into() });
+        let link = Arc::new(offer.await.expect("join").expect("P joined the link"));
+        let via = Via { d_links, p_link: Some(("p0".into(), link)) };
+        for (i, len) in [1usize, 16, 17, 63, 130, 400].into_iter().enumerate() {
+            let pr = prompt(800 + i as u64, len, vocab);
+            let alone: Vec<EngineOutput> =
+                collect(unified.submit(EngineRequest::new(pr.clone(), params.clone())).expect("submit")).await;
+            let (p_out, d_out) = relay_via(&p, &d, &listener, &pr, params.clone(), None, &via).await;
+            assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids, "first token, prompt of {len}");
+            assert_eq!(tokens(&d_out), tokens(&alone), "NCCL relay, prompt of {len}");
+            let lp =
+                |o: &[EngineOutput]| o.iter().flat_map(|x| x.logprobs.iter().map(|l| l.logprob)).collect::<Vec<_>>();
+            assert_eq!(lp(&d_out), lp(&alone), "logprobs, prompt of {len}");
+        }
+    });
+    for e in [&unified, &p, &d] {
+        assert_all_blocks_free(e);
+    }
+    for e in [unified, p, d] {
+        e.shutdown();
+    }
 }

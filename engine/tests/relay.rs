@@ -78,7 +78,7 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
         drop(a);
         let (b_stream, table) = b;
         let (p_stream, events) =
-            p.submit_export(EngineRequest::new(prompt(2, 60, vocab), greedy(4)), table).expect("x");
+            p.submit_export(EngineRequest::new(prompt(2, 60, vocab), greedy(4)), table, None).expect("x");
         drop(events);
         drop(p_stream);
         drop(b_stream);

@@ -189,6 +189,10 @@ pub struct WorkerArgs {
     /// Longest a received KV hand-off may stall between frames [default: 10000]
     #[arg(long, env = "BATON_WORKER_KV_DEADLINE_MS", value_name = "MS")]
     pub kv_deadline_ms: Option<u64>,
+    /// How a prefill worker sends KV: tcp (host-staged) or nccl (GPU to GPU; CUDA on both
+    /// ends) [default: tcp]
+    #[arg(long, env = "BATON_WORKER_KV_TRANSPORT", value_name = "TRANSPORT")]
+    pub kv_transport: Option<String>,
     /// Fault injection for failure tests: the process exits after sending this many KV layers.
     #[arg(long, hide = true, value_name = "N")]
     pub chaos_exit_after_kv_layers: Option<usize>,

@@ -198,9 +198,10 @@ struct WorkerOwn {
     kv_port: Option<u16>,
     advertise_host: Option<String>,
     kv_deadline_ms: Option<u64>,
+    kv_transport: Option<String>,
 }
 
-const WORKER_KEYS: [&str; 5] = ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms"];
+const WORKER_KEYS: [&str; 6] = ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms", "kv_transport"];
 
 /// Resolves `baton worker` settings from flags/env and a `[worker]` table (`path` names the
 /// file in errors).
@@ -238,6 +239,11 @@ pub fn worker_settings(
         kv_port: args.kv_port.or(own.kv_port).unwrap_or(0),
         advertise_host: args.advertise_host.clone().or(own.advertise_host),
         kv_deadline: Duration::from_millis(args.kv_deadline_ms.or(own.kv_deadline_ms).unwrap_or(10_000)),
+        kv_transport: match args.kv_transport.clone().or(own.kv_transport).as_deref().unwrap_or("tcp") {
+            "tcp" => crate::worker::KvTransportKind::Tcp,
+            "nccl" => crate::worker::KvTransportKind::Nccl,
+            other => return Err(invalid("kv_transport", format!("{other:?}: expected tcp or nccl"))),
+        },
         chaos: crate::worker::Chaos {
             exit_after_kv_layers: args.chaos_exit_after_kv_layers,
             exit_after_tokens: args.chaos_exit_after_tokens,

@@ -351,6 +351,10 @@ impl Backend for CudaBackend {
         baton_core::kv_transfer::KvDtype::BF16
     }
 
+    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
+        Some(self)
+    }
+
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
         let (kc, vc) =
@@ -414,6 +418,9 @@ impl CudaBackend {
         Ok(geo.block_size * geo.n_kv_heads * geo.head_dim)
     }
 }
+
+#[path = "cuda_nccl.rs"]
+mod nccl;
 
 /// `(first block, count)` for each run of consecutive block ids, in order.
 fn contiguous_runs(blocks: &[u32]) -> Vec<(usize, usize)> {

@@ -175,4 +175,8 @@ pub trait Backend: Send + 'static {
     /// Writes bytes produced by `read_kv_blocks` on a cache of the same layout into `blocks`
     /// of layer `layer`, in order.
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
+    /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
+    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
+        None
+    }
 }

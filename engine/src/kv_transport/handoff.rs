@@ -1,18 +1,22 @@
-//! Driving one hand-off over TCP from the engines' relay events: the prefill side turns an
-//! export's [`ExportEvent`]s into a [`TcpKvSender`] session, the decode side turns an
-//! accepted connection into import commands for its engine.
+//! Driving one hand-off from the engines' relay events: the prefill side turns an export's
+//! [`ExportEvent`]s into a [`TcpKvSender`] session, the decode side turns an accepted
+//! connection into import commands for its engine. With an NCCL link the TCP session only
+//! carries control frames and the data moves GPU to GPU (see [`super::nccl`]); links are
+//! made by [`setup_link`] on first contact.
 //!
 //! Both sides are plain async functions so the worker process, tests and benchmarks use
 //! the same code. Neither side decides what happens after a failure: the caller (the worker,
 //! following the router's policy) recomputes or waits for a retry.
 
+use super::nccl::{NcclLink, NcclLinks, new_id};
 use super::tcp::{Incoming, PendingHandoff, TcpKvSender};
-use super::{Handshake, TransportError};
+use super::{Handshake, NcclHandshake, TransportError};
 use crate::EngineHandle;
 use crate::relay::{ExportEvent, plan_blocks};
 use baton_core::api::RequestId;
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -27,7 +31,8 @@ pub struct HandoffReport {
 
 /// Prefill side: waits for the export's plan, connects to the decode worker at `addr`
 /// (whose engine reserved `request_id`), streams every layer as the engine produces it and
-/// ends with the first token. `deadline` bounds every network wait.
+/// ends with the first token. `deadline` bounds every network wait. With `nccl_link` (the
+/// link's name; the export was submitted with that link) layer frames are empty notices.
 ///
 /// Errors when the export ends early (the prefill request failed or was aborted), when the
 /// receiver refuses (layout mismatch, unknown request), or on any transport failure;
@@ -38,6 +43,7 @@ pub async fn send_export(
     request_id: u64,
     layout: KvLayout,
     deadline: Duration,
+    nccl_link: Option<String>,
 ) -> Result<HandoffReport, TransportError> {
     let ended = || TransportError::Protocol("the prefill request ended before its KV was complete".into());
     let plan = match events.recv().await {
@@ -52,13 +58,15 @@ pub async fn send_export(
         num_tokens: plan.num_blocks() * layout.block_size,
         runs: plan.runs.clone(),
         bytes_per_layer_half: plan.bytes_per_layer / 2,
+        nccl: nccl_link.map(|link| NcclHandshake::Use { link }),
     };
+    let nccl = hs.nccl.is_some();
     let mut sender = TcpKvSender::connect(addr, hs, deadline).await?;
     let mut bytes = 0;
     loop {
         match events.recv().await {
             Some(ExportEvent::Layer(frame)) => {
-                bytes += frame.k.len() + frame.v.len();
+                bytes += if nccl { plan.bytes_per_layer } else { frame.k.len() + frame.v.len() };
                 sender.send_layer(&frame).await?;
             }
             Some(ExportEvent::Done(trailer)) => {
@@ -71,39 +79,137 @@ pub async fn send_export(
     }
 }
 
+/// What an accepted connection was.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Received {
+    /// A request's KV, now stored (or, over NCCL, being received) in its reserved blocks.
+    Import {
+        /// The request.
+        id: RequestId,
+        /// What moved.
+        report: HandoffReport,
+    },
+    /// A new NCCL link from a prefill worker (it becomes usable once both sides joined).
+    Link {
+        /// Its name.
+        name: String,
+    },
+}
+
 /// Decode side: reads the handshake of an accepted connection (refusing a layout mismatch,
-/// or whatever `admit` refuses), stores every layer into the reserved blocks through
-/// `engine`, then completes the request with the trailer's first token. Returns the
-/// request it completed.
+/// a request `expected` rejects, or an unknown NCCL link), stores every layer into the
+/// reserved blocks through `engine` (or enqueues the NCCL receives), then completes the
+/// request with the trailer's first token. A link setup joins the new communicator in the
+/// background and files it in `links`.
 pub async fn receive_import(
     pending: PendingHandoff,
     engine: &EngineHandle,
+    links: &Arc<NcclLinks>,
     deadline: Duration,
-    admit: impl FnOnce(&Handshake) -> Result<(), String>,
-) -> Result<(RequestId, HandoffReport), ImportError> {
+    expected: impl FnOnce(RequestId) -> bool,
+) -> Result<Received, ImportError> {
     let started = Instant::now();
     let layout = engine.kv_layout();
+    let admit = async |hs: &Handshake| -> Result<(), String> {
+        match &hs.nccl {
+            Some(NcclHandshake::Setup { link, id }) => {
+                let stream = engine.transfer_stream().await?;
+                let (link, id, links) = (link.clone(), id.clone(), links.clone());
+                // Joining blocks until the prefill side joins, which it does once we accept.
+                tokio::task::spawn_blocking(move || match NcclLink::join(stream, &id, 1) {
+                    Ok(l) => links.insert(link, Arc::new(l)),
+                    Err(e) => tracing::error!(link, error = %e, "cannot join the NCCL link"),
+                });
+                Ok(())
+            }
+            Some(NcclHandshake::Use { link }) => {
+                // The link may still be finishing its setup: wait for it within the deadline.
+                let until = Instant::now() + deadline;
+                while links.get(link).is_none() {
+                    if Instant::now() > until {
+                        return Err(format!("no NCCL link {link:?} on this worker"));
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if expected(RequestId(hs.request_id)) { Ok(()) } else { Err(not_waiting(hs.request_id)) }
+            }
+            None => {
+                if expected(RequestId(hs.request_id)) {
+                    Ok(())
+                } else {
+                    Err(not_waiting(hs.request_id))
+                }
+            }
+        }
+    };
     let mut incoming = pending.handshake(&layout, deadline, admit).await.map_err(ImportError::before)?;
     let hs = incoming.handshake().clone();
+    let link = match &hs.nccl {
+        Some(NcclHandshake::Setup { link, .. }) => return Ok(Received::Link { name: link.clone() }),
+        Some(NcclHandshake::Use { link }) => links.get(link),
+        None => None,
+    };
     let id = RequestId(hs.request_id);
     let (_, dst) = plan_blocks(&baton_core::kv_transfer::TransferPlan {
         runs: hs.runs.clone(),
         num_layers: hs.layout.num_layers,
         bytes_per_layer: hs.bytes_per_layer_half * 2,
     });
+    let dst_runs: Vec<(usize, usize)> = hs.runs.iter().map(|r| (r.dst_start as usize, r.len)).collect();
     let mut bytes = 0;
     loop {
         match incoming.next().await.map_err(|e| ImportError::during(id, e))? {
-            Incoming::Layer(frame) => {
-                bytes += frame.k.len() + frame.v.len();
-                engine.import_layer(id, dst.clone(), frame);
-            }
+            Incoming::Layer(frame) => match &link {
+                Some(link) => {
+                    bytes += hs.bytes_per_layer_half * 2;
+                    engine.import_layer_nccl(id, frame.layer, dst_runs.clone(), link.clone());
+                }
+                None => {
+                    bytes += frame.k.len() + frame.v.len();
+                    engine.import_layer(id, dst.clone(), frame);
+                }
+            },
             Incoming::Done(trailer) => {
                 engine.import_done(id, trailer);
                 incoming.acknowledge().await.map_err(|e| ImportError::during(id, e))?;
-                return Ok((id, HandoffReport { bytes, elapsed: started.elapsed() }));
+                return Ok(Received::Import { id, report: HandoffReport { bytes, elapsed: started.elapsed() } });
             }
         }
+    }
+}
+
+fn not_waiting(id: u64) -> String {
+    format!("request {id} is not waiting for KV on this worker")
+}
+
+/// Prefill side, first contact with a decode worker: draws an NCCL unique id, offers the
+/// link `name` to the decode worker at `addr` and joins it as rank 0 on `stream` (a transfer
+/// stream of the prefill engine's device). Returns once both sides joined.
+pub async fn setup_link(
+    addr: SocketAddr,
+    layout: KvLayout,
+    deadline: Duration,
+    name: String,
+    stream: Arc<cudarc::driver::CudaStream>,
+) -> Result<NcclLink, TransportError> {
+    let id = new_id().map_err(|e| TransportError::Protocol(e.to_string()))?;
+    let hs = Handshake {
+        layout,
+        request_id: 0,
+        num_tokens: 0,
+        runs: Vec::new(),
+        bytes_per_layer_half: 0,
+        nccl: Some(NcclHandshake::Setup { link: name, id: id.clone() }),
+    };
+    // The receiver accepts before joining; both joins then meet.
+    let sender = TcpKvSender::connect(addr, hs, deadline).await?;
+    drop(sender);
+    let join = tokio::task::spawn_blocking(move || NcclLink::join(stream, &id, 0));
+    match tokio::time::timeout(deadline, join).await {
+        Ok(Ok(Ok(link))) => Ok(link),
+        Ok(Ok(Err(e))) => Err(TransportError::Protocol(e.to_string())),
+        Ok(Err(e)) => Err(TransportError::Protocol(format!("the NCCL join panicked: {e}"))),
+        Err(_) => Err(TransportError::Timeout(deadline, "the NCCL link setup")),
     }
 }
 

@@ -10,6 +10,7 @@
 //! transport for GPU↔GPU implements the same sequence.
 
 pub mod handoff;
+pub mod nccl;
 pub mod tcp;
 
 use baton_core::kv_transfer::{BlockRun, KvLayout, LayoutMismatch};
@@ -26,8 +27,35 @@ pub struct Handshake {
     pub num_tokens: usize,
     /// Block runs per layer (from `baton_core::kv_transfer::plan_transfer`).
     pub runs: Vec<BlockRun>,
-    /// Bytes of K (and of V) per layer frame.
+    /// Bytes of K (and of V) per layer.
     pub bytes_per_layer_half: usize,
+    /// Set when the data moves over NCCL (layer frames are then empty "enqueued" notices).
+    #[serde(default)]
+    pub nccl: Option<NcclHandshake>,
+}
+
+impl Handshake {
+    /// Payload bytes of K (and of V) in each layer frame: none when NCCL carries the data.
+    pub fn frame_half(&self) -> usize {
+        if self.nccl.is_some() { 0 } else { self.bytes_per_layer_half }
+    }
+}
+
+/// The NCCL part of a handshake.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum NcclHandshake {
+    /// Create the link `link` from this unique id (the sender is rank 0); no request moves.
+    Setup {
+        /// The name both sides file the link under.
+        link: String,
+        /// The 128-byte NCCL unique id.
+        id: Vec<u8>,
+    },
+    /// Move this request's KV over the existing link `link`.
+    Use {
+        /// The link's name.
+        link: String,
+    },
 }
 
 /// One layer's KV for the planned blocks, in plan order.

@@ -93,7 +93,7 @@ impl TcpKvSender {
                 frame.layer, self.next_layer
             )));
         }
-        let want = self.hs.bytes_per_layer_half;
+        let want = self.hs.frame_half();
         if frame.k.len() != want || frame.v.len() != want {
             return Err(TransportError::Protocol(format!(
                 "layer {} has {}+{} bytes, the handshake promised {want}+{want}",
@@ -172,7 +172,7 @@ impl PendingHandoff {
         self,
         layout: &KvLayout,
         deadline: Duration,
-        admit: impl FnOnce(&Handshake) -> Result<(), String>,
+        admit: impl AsyncFnOnce(&Handshake) -> Result<(), String>,
     ) -> Result<IncomingTransfer, TransportError> {
         let mut stream = self.stream;
         let hs: Handshake = with_deadline(deadline, "the handshake", async {
@@ -199,7 +199,7 @@ impl PendingHandoff {
             write_frame(&mut stream, REFUSE, &[msg.as_bytes()]).await?;
             return Err(TransportError::Protocol(msg));
         }
-        if let Err(reason) = admit(&hs) {
+        if let Err(reason) = admit(&hs).await {
             write_frame(&mut stream, REFUSE, &[reason.as_bytes()]).await?;
             return Err(TransportError::Refused(reason));
         }
@@ -235,7 +235,7 @@ impl IncomingTransfer {
     /// The next layer, or the trailer once the sender said DONE after the last layer (the
     /// sender is then told every layer is stored).
     pub async fn next(&mut self) -> Result<Incoming, TransportError> {
-        let half = self.hs.bytes_per_layer_half;
+        let half = self.hs.frame_half();
         // Layer frames are exactly this long; the trailer is small JSON.
         let max = (12 + 2 * half as u64).max(64 << 10);
         let (kind, body) = with_deadline(self.deadline, "the next layer", read_frame(&mut self.stream, max)).await?;
@@ -303,6 +303,7 @@ mod tests {
             num_tokens: 10,
             runs: plan.runs,
             bytes_per_layer_half: plan.bytes_per_layer / 2,
+            nccl: None,
         }
     }
 
@@ -324,7 +325,7 @@ mod tests {
         l: &KvLayout,
         deadline: Duration,
     ) -> Result<IncomingTransfer, TransportError> {
-        listener.accept().await?.handshake(l, deadline, |_| Ok(())).await
+        listener.accept().await?.handshake(l, deadline, async |_| Ok(())).await
     }
 
     fn rt() -> tokio::runtime::Runtime {
@@ -349,7 +350,8 @@ mod tests {
                 s.finish(&trailer()).await
             });
             let pending = listener.accept().await.expect("accept");
-            let mut incoming = pending.handshake(&l, Duration::from_secs(5), |_| Ok(())).await.expect("handshake");
+            let mut incoming =
+                pending.handshake(&l, Duration::from_secs(5), async |_| Ok(())).await.expect("handshake");
             assert_eq!(incoming.handshake().request_id, 42);
             let mut got = Vec::new();
             let done = loop {
@@ -456,7 +458,7 @@ mod tests {
                 tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
             let pending = listener.accept().await.expect("accept");
             let err = pending
-                .handshake(&l, Duration::from_secs(5), |hs| {
+                .handshake(&l, Duration::from_secs(5), async |hs: &Handshake| {
                     Err(format!("request {} is not waiting here", hs.request_id))
                 })
                 .await

@@ -4,8 +4,10 @@
 use baton_core::api::{EngineOutput, EngineRequest, OutputStream};
 use baton_core::params::SamplingParams;
 use baton_engine::EngineHandle;
-use baton_engine::kv_transport::handoff::{receive_import, send_export};
+use baton_engine::kv_transport::handoff::{Received, receive_import, send_export};
+use baton_engine::kv_transport::nccl::{NcclLink, NcclLinks};
 use baton_engine::kv_transport::tcp::TcpKvListener;
+use std::sync::Arc;
 use std::time::Duration;
 
 const DEADLINE: Duration = Duration::from_secs(10);
@@ -31,6 +33,15 @@ pub fn tokens(outs: &[EngineOutput]) -> Vec<u32> {
     outs.iter().flat_map(|o| o.new_token_ids.iter().copied()).collect()
 }
 
+/// How a relay moves the data.
+#[derive(Clone, Default)]
+pub struct Via {
+    /// The decode side's NCCL links (empty for TCP).
+    pub d_links: Arc<NcclLinks>,
+    /// The prefill side's link and its name, for NCCL.
+    pub p_link: Option<(String, Arc<NcclLink>)>,
+}
+
 /// One relayed request: D reserves, P computes and streams, D decodes. `break_after` cuts the
 /// transfer after that many layers (the prefill worker "dies"); D then recomputes.
 pub async fn relay(
@@ -41,15 +52,31 @@ pub async fn relay(
     params: SamplingParams,
     break_after: Option<usize>,
 ) -> (Vec<EngineOutput>, Vec<EngineOutput>) {
+    relay_via(p, d, listener, prompt, params, break_after, &Via::default()).await
+}
+
+/// [`relay`] over the transport `via` says.
+pub async fn relay_via(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    listener: &TcpKvListener,
+    prompt: &[u32],
+    params: SamplingParams,
+    break_after: Option<usize>,
+    via: &Via,
+) -> (Vec<EngineOutput>, Vec<EngineOutput>) {
     let addr = listener.local_addr().expect("addr");
     let (d_stream, table) =
         d.reserve_import(EngineRequest::new(prompt.to_vec(), params.clone())).await.expect("reserve");
     let d_id = d_stream.request_id();
-    let (p_stream, mut events) = p.submit_export(EngineRequest::new(prompt.to_vec(), params), table).expect("export");
+    let link = via.p_link.as_ref().map(|(_, l)| l.clone());
+    let name = via.p_link.as_ref().map(|(n, _)| n.clone());
+    let (p_stream, mut events) =
+        p.submit_export(EngineRequest::new(prompt.to_vec(), params), table, link).expect("export");
     let layout = p.kv_layout();
     let sender = tokio::spawn(async move {
         match break_after {
-            None => send_export(events, addr, d_id.0, layout, DEADLINE).await.map(|_| ()),
+            None => send_export(events, addr, d_id.0, layout, DEADLINE, name).await.map(|_| ()),
             Some(n) => {
                 // Forward only the plan and n layers, then drop the connection mid-transfer.
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -59,17 +86,14 @@ pub async fn relay(
                     }
                 }
                 drop(tx);
-                send_export(rx, addr, d_id.0, layout, DEADLINE).await.map(|_| ())
+                send_export(rx, addr, d_id.0, layout, DEADLINE, name).await.map(|_| ())
             }
         }
     });
     let pending = listener.accept().await.expect("accept");
-    let received = receive_import(pending, d, DEADLINE, |hs| {
-        if hs.request_id == d_id.0 { Ok(()) } else { Err("unexpected request".into()) }
-    })
-    .await;
+    let received = receive_import(pending, d, &via.d_links, DEADLINE, |id| id == d_id).await;
     match (&received, break_after) {
-        (Ok((id, report)), None) => {
+        (Ok(Received::Import { id, report }), None) => {
             assert_eq!(*id, d_id);
             assert!(report.bytes > 0);
         }

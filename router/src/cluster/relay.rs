@@ -206,9 +206,18 @@ struct Reservation {
     kv_addr: String,
 }
 
-async fn reserve(inner: &Inner, decode: &Picked, request: &EngineRequest) -> Result<Reservation, EngineError> {
+/// Why a decode worker gave no reservation.
+enum ReserveError {
+    /// It cannot be reached or is at capacity: another decode worker may do.
+    TryAnother(EngineError),
+    /// Anything else (e.g. the request is invalid there): fail the request.
+    Fatal(EngineError),
+}
+
+async fn reserve(inner: &Inner, decode: &Picked, request: &EngineRequest) -> Result<Reservation, ReserveError> {
     let deadline = inner.settings.kv_deadline;
-    let mut client = WorkerClient::new(inner.channel(&decode.info.url).map_err(EngineError::Backend)?);
+    let channel = inner.channel(&decode.info.url).map_err(|e| ReserveError::Fatal(EngineError::Backend(e)))?;
+    let mut client = WorkerClient::new(channel);
     let call = async {
         let mut stream = client
             .decode(work_request(request, deadline.as_millis() as u32))
@@ -218,16 +227,30 @@ async fn reserve(inner: &Inner, decode: &Picked, request: &EngineRequest) -> Res
         let first = stream.message().await?;
         Ok::<_, tonic::Status>((stream, first))
     };
-    let (stream, first) = tokio::time::timeout(deadline, call)
-        .await
-        .map_err(|_| worker_error("decode", decode, format!("no reservation within {deadline:?}")))?
-        .map_err(|s| worker_error("decode", decode, s.message()))?;
+    let (stream, first) = match tokio::time::timeout(deadline, call).await {
+        Err(_) => {
+            let e = worker_error("decode", decode, format!("no reservation within {deadline:?}"));
+            return Err(ReserveError::TryAnother(e));
+        }
+        Ok(Err(s)) => {
+            let e = worker_error("decode", decode, s.message());
+            return Err(match s.code() {
+                tonic::Code::Unavailable | tonic::Code::ResourceExhausted => ReserveError::TryAnother(e),
+                _ => ReserveError::Fatal(e),
+            });
+        }
+        Ok(Ok(x)) => x,
+    };
     match first.and_then(|e| e.event) {
         Some(pb::work_event::Event::Reserved(r)) => {
             Ok(Reservation { stream, request_id: r.request_id, block_table: r.block_table, kv_addr: r.kv_addr })
         }
-        Some(pb::work_event::Event::Error(e)) => Err(worker_error("decode", decode, e)),
-        _ => Err(worker_error("decode", decode, "the decode stream did not start with a reservation")),
+        Some(pb::work_event::Event::Error(e)) => Err(ReserveError::Fatal(worker_error("decode", decode, e))),
+        _ => Err(ReserveError::Fatal(worker_error(
+            "decode",
+            decode,
+            "the decode stream did not start with a reservation",
+        ))),
     }
 }
 
@@ -259,32 +282,30 @@ async fn run_relay(
     request: &EngineRequest,
     delivery: &mut Delivery<'_>,
 ) -> Result<(), EngineError> {
-    // A decode worker that cannot even be reached is ejected and replaced (twice at most).
+    // A decode worker that cannot be reached (ejected) or is full is replaced by another one.
     let mut decode = decode;
-    let mut res = None;
-    for _ in 0..3 {
+    let mut tried_decode = vec![decode.info.id];
+    let mut res = loop {
         match reserve(inner, &decode, request).await {
-            Ok(r) => {
-                res = Some(r);
-                break;
-            }
-            Err(e) => {
-                let gone = inner.registry.candidates(Role::decodes, None).iter().all(|(c, _)| c.id != decode.info.id);
-                let other = inner
+            Ok(r) => break r,
+            Err(ReserveError::Fatal(e)) => return Err(e),
+            Err(ReserveError::TryAnother(e)) => {
+                let next = inner
                     .registry
                     .candidates(Role::decodes, None)
                     .into_iter()
-                    .find(|(c, _)| c.id != decode.info.id)
+                    .find(|(c, _)| !tried_decode.contains(&c.id))
                     .map(|(_, p)| p);
-                match (gone, other) {
-                    (true, Some(next)) => decode = next,
-                    _ => return Err(e),
+                match next {
+                    Some(p) => {
+                        tracing::warn!(error = %e, next = p.info.id, "trying another decode worker");
+                        tried_decode.push(p.info.id);
+                        decode = p;
+                    }
+                    None => return Err(e),
                 }
             }
         }
-    }
-    let Some(mut res) = res else {
-        return Err(EngineError::Backend("no decode worker could reserve the request's KV blocks".into()));
     };
     let _decode_load = decode.track();
     let mut prefill = first_prefill;

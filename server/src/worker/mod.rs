@@ -17,7 +17,7 @@ use crate::config::ServeSettings;
 use crate::serve::engine_config;
 use anyhow::{Context, bail};
 use baton_core::api::{EngineClient, RequestId};
-use baton_engine::kv_transport::handoff::receive_import;
+use baton_engine::kv_transport::handoff::{Received, receive_import};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineHandle};
 use baton_formats::LoadFormat;
@@ -45,8 +45,20 @@ pub struct WorkerSettings {
     pub advertise_host: Option<String>,
     /// Longest a received hand-off may stall between frames.
     pub kv_deadline: Duration,
+    /// How this worker sends KV as a prefill worker (decode workers accept both).
+    pub kv_transport: KvTransportKind,
     /// Fault injection (hidden flags), for the failure tests.
     pub chaos: Chaos,
+}
+
+/// How a prefill worker moves KV to decode workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvTransportKind {
+    /// Host-staged over TCP (any device, any host).
+    #[default]
+    Tcp,
+    /// GPU to GPU over NCCL, TCP only for control (CUDA on both sides).
+    Nccl,
 }
 
 /// Fault injection: make this worker process die at a precise point, as a crashed or
@@ -78,6 +90,13 @@ pub struct WorkerState {
     pub chaos: Chaos,
     /// Tokens streamed so far (for `Chaos::exit_after_tokens`).
     tokens_streamed: std::sync::atomic::AtomicUsize,
+    /// NCCL links: to decode workers by their KV address (prefill side), from prefill
+    /// workers by link name (decode side).
+    pub links: Arc<baton_engine::kv_transport::nccl::NcclLinks>,
+    /// How this worker sends KV.
+    pub kv_transport: KvTransportKind,
+    /// Random per process, names this worker's NCCL links.
+    pub instance: String,
 }
 
 impl WorkerState {
@@ -120,19 +139,14 @@ async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadl
         };
         let state = state.clone();
         tokio::spawn(async move {
-            let admit = |hs: &baton_engine::kv_transport::Handshake| {
-                if state.is_expected(RequestId(hs.request_id)) {
-                    Ok(())
-                } else {
-                    Err(format!("request {} is not waiting for KV on this worker", hs.request_id))
-                }
-            };
-            match receive_import(pending, &state.engine, deadline, admit).await {
-                Ok((id, report)) => {
+            let expected = |id| state.is_expected(id);
+            match receive_import(pending, &state.engine, &state.links, deadline, expected).await {
+                Ok(Received::Import { id, report }) => {
                     state.forget_reservation(id);
                     state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
                     tracing::debug!(request = %id, bytes = report.bytes, elapsed = ?report.elapsed, "KV received");
                 }
+                Ok(Received::Link { name }) => tracing::info!(link = %name, "NCCL link offered by a prefill worker"),
                 // The router decides between a retry on another prefill worker and a
                 // recompute here; the reservation's deadline covers a router that is gone.
                 Err(e) => tracing::warn!(request = ?e.request, error = %e, "KV hand-off failed"),
@@ -193,6 +207,9 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         expected: Mutex::new(HashMap::new()),
         chaos: settings.chaos,
         tokens_streamed: Default::default(),
+        links: Default::default(),
+        kv_transport: settings.kv_transport,
+        instance: reporter::instance_id(),
     });
     tracing::info!(
         role = settings.role.as_str(),

@@ -89,7 +89,7 @@ async fn register(
 
 /// Keeps the worker registered, forever.
 pub async fn run(reg: Registration, state: Arc<WorkerState>) {
-    let instance = instance_id();
+    let instance = state.instance.clone();
     loop {
         let Some((mut client, worker_id, interval)) = register(&reg, &state, &instance).await else {
             tokio::time::sleep(RETRY).await;
@@ -140,7 +140,7 @@ pub async fn run(reg: Registration, state: Arc<WorkerState>) {
 }
 
 /// Random per process start (a restarted worker is a new instance).
-fn instance_id() -> String {
+pub(super) fn instance_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());

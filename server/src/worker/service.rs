@@ -11,9 +11,11 @@
 //! Cancelling any stream drops its engine stream, which aborts the request and frees its
 //! blocks (on the decode side also a reservation still waiting for KV).
 
+use super::KvTransportKind;
 use super::WorkerState;
 use baton_core::api::{EngineClient, EngineRequest, OutputStream, RequestId, SubmitError};
-use baton_engine::kv_transport::handoff::{resolve, send_export};
+use baton_engine::kv_transport::handoff::{resolve, send_export, setup_link};
+use baton_engine::kv_transport::nccl::NcclLink;
 use baton_proto::worker as pb;
 use baton_router::cluster::wire::{output_to_wire, sampling_from_wire};
 use futures::Stream;
@@ -91,6 +93,27 @@ fn token_events(
             }
         }
     }
+}
+
+/// The NCCL link to the decode worker at `kv_addr` (made on first contact), with its name.
+async fn ensure_link(
+    state: &WorkerState,
+    kv_addr: &str,
+    addr: std::net::SocketAddr,
+    deadline: Duration,
+) -> Result<(String, Arc<NcclLink>), Status> {
+    let name = format!("{}->{kv_addr}", state.instance);
+    if let Some(link) = state.links.get(kv_addr) {
+        return Ok((name, link));
+    }
+    let stream = state.engine.transfer_stream().await.map_err(Status::failed_precondition)?;
+    let link = setup_link(addr, state.engine.kv_layout(), deadline, name.clone(), stream)
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot set up an NCCL link to {kv_addr}: {e}")))?;
+    let link = Arc::new(link);
+    state.links.insert(kv_addr.to_owned(), link.clone());
+    tracing::info!(peer = %kv_addr, link = %name, "NCCL link ready");
+    Ok((name, link))
 }
 
 /// Passes export events through and exits the process once `layers` layers went by: a
@@ -189,19 +212,30 @@ impl pb::worker_server::Worker for WorkerService {
         let p = request.into_inner();
         let (req, _) = engine_request(p.request)?;
         let addr = resolve(&p.kv_addr).await.map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let (stream, events) = self.state.engine.submit_export(req, p.decode_block_table).map_err(submit_status)?;
         let deadline = Duration::from_millis(u64::from(p.deadline_ms.max(1)));
         let layout = self.state.engine.kv_layout();
+        let link = match self.state.kv_transport {
+            KvTransportKind::Tcp => None,
+            KvTransportKind::Nccl => Some(ensure_link(&self.state, &p.kv_addr, addr, deadline).await?),
+        };
+        let link_name = link.as_ref().map(|(name, _)| name.clone());
+        let (stream, events) =
+            self.state.engine.submit_export(req, p.decode_block_table, link.map(|(_, l)| l)).map_err(submit_status)?;
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let state = self.state.clone();
+        let kv_addr = p.kv_addr.clone();
         let events = match self.state.chaos.exit_after_kv_layers {
             Some(n) => chaos_tap(events, n),
             None => events,
         };
         let transfer = AbortOnDrop(tokio::spawn(async move {
-            let result = send_export(events, addr, p.decode_request_id, layout, deadline).await;
-            if let Ok(report) = &result {
-                state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
+            let nccl = link_name.is_some();
+            let result = send_export(events, addr, p.decode_request_id, layout, deadline, link_name).await;
+            match &result {
+                Ok(report) => state.metrics.observe_kv_transfer(report.bytes, report.elapsed),
+                // A failed NCCL hand-off may leave the link unusable: make a new one next time.
+                Err(_) if nccl => state.links.remove(&kv_addr),
+                Err(_) => {}
             }
             let _ = done_tx.send(result);
         }));

@@ -1,0 +1,74 @@
+//! NCCL sends and receives straight from and into the CUDA backend's paged KV cache, one
+//! group per layer, one send (receive) per contiguous block run of K and of V. Everything is
+//! enqueued on the link's transfer stream; cudarc's event tracking orders it against the
+//! compute stream's writes and reads of the same layer (see `kv_transport::nccl`).
+
+use super::CudaBackend;
+use crate::kv_transport::nccl::{NcclError, NcclLink, NcclOps};
+use cudarc::driver::CudaStream;
+use cudarc::nccl::result::{group_end, group_start};
+use std::sync::Arc;
+
+impl CudaBackend {
+    fn layer_block_len(&self, layer: usize, runs: &[(usize, usize)]) -> Result<usize, NcclError> {
+        if layer >= self.kv.len() {
+            return Err(NcclError(format!("layer {layer} has no KV cache")));
+        }
+        let last: Vec<u32> = runs.iter().filter(|r| r.1 > 0).map(|&(s, n)| (s + n - 1) as u32).collect();
+        self.kv_block_len(&last).map_err(|e| NcclError(e.to_string()))
+    }
+}
+
+fn nccl_err(what: &str, e: impl std::fmt::Debug) -> NcclError {
+    NcclError(format!("{what} failed: {e:?}"))
+}
+
+impl NcclOps for CudaBackend {
+    fn new_transfer_stream(&self) -> Result<Arc<CudaStream>, NcclError> {
+        self.dev.stream().context().new_stream().map_err(|e| nccl_err("creating a transfer stream", e))
+    }
+
+    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
+        let bl = self.layer_block_len(layer, runs)?;
+        let (kc, vc) = &self.kv[layer];
+        link.with(|comm, peer| {
+            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+            let mut result = Ok(());
+            for &(start, len) in runs {
+                let r = start * bl..(start + len) * bl;
+                result = comm
+                    .send(&kc.slice(r.clone()), peer)
+                    .and_then(|_| comm.send(&vc.slice(r), peer))
+                    .map_err(|e| nccl_err("ncclSend", e));
+                if result.is_err() {
+                    break;
+                }
+            }
+            // Close the group whatever happened, so the communicator stays usable.
+            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+            result
+        })
+    }
+
+    fn recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
+        let bl = self.layer_block_len(layer, runs)?;
+        let (kc, vc) = &mut self.kv[layer];
+        link.with(|comm, peer| {
+            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+            let mut result = Ok(());
+            for &(start, len) in runs {
+                let r = start * bl..(start + len) * bl;
+                result = comm
+                    .recv(&mut kc.slice_mut(r.clone()), peer)
+                    .and_then(|_| comm.recv(&mut vc.slice_mut(r), peer))
+                    .map(|_| ())
+                    .map_err(|e| nccl_err("ncclRecv", e));
+                if result.is_err() {
+                    break;
+                }
+            }
+            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+            result
+        })
+    }
+}

@@ -1,0 +1,139 @@
+//! NCCL links: GPU-to-GPU KV hand-offs between a prefill worker (rank 0) and a decode
+//! worker (rank 1).
+//!
+//! One [`NcclLink`] per P–D pair, created on first contact and reused: the prefill side draws
+//! a unique id and sends it over the TCP control connection; both sides then join the
+//! two-rank communicator on their own device and a dedicated *transfer stream*, so sends and
+//! receives never queue behind (or block) the engine's compute stream. Per hand-off the TCP
+//! connection carries only control frames: the handshake naming the link, an empty `LAYER`
+//! frame when a layer has been enqueued for sending (the decode side then enqueues the
+//! matching receives), and the trailer with the first token. Data moves straight between the
+//! paged caches, one grouped send/recv per layer and contiguous block run, with no staging.
+//!
+//! Ordering relies on cudarc's per-buffer event tracking: a send waits for the compute
+//! kernels that wrote the layer, the next write to that layer's cache waits for the send,
+//! and the decode side's next use of the layer waits for the receive. A peer that dies with
+//! a transfer in flight leaves that link's transfer stream blocked; the link is then
+//! dropped (aborting the communicator) and a new one is made on the next contact.
+
+use cudarc::driver::CudaStream;
+use cudarc::nccl::safe::{Comm, Id};
+use std::sync::{Arc, Mutex};
+
+/// A failure to set up or use an NCCL link.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("NCCL: {0}")]
+pub struct NcclError(pub String);
+
+/// The 128-byte NCCL unique id, as it travels in the TCP handshake.
+pub type NcclId = Vec<u8>;
+
+/// Draws a fresh unique id (prefill side). Needs libnccl.
+pub fn new_id() -> Result<NcclId, NcclError> {
+    let id = Id::new().map_err(|e| NcclError(format!("ncclGetUniqueId failed: {e:?}")))?;
+    Ok(id.internal().iter().map(|&c| c as u8).collect())
+}
+
+/// One side of a two-rank communicator with its transfer stream.
+pub struct NcclLink {
+    comm: Mutex<Comm>,
+    peer: i32,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not
+// overlap; the mutex serializes them. The stream it holds is itself Send + Sync.
+unsafe impl Send for NcclLink {}
+// SAFETY: as above: every use goes through the mutex.
+unsafe impl Sync for NcclLink {}
+
+impl std::fmt::Debug for NcclLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclLink").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+impl NcclLink {
+    /// Joins the communicator `id` as `rank` (0: prefill, 1: decode) on `stream`'s device.
+    /// Blocks until the peer joins too, so call it off the async runtime.
+    pub fn join(stream: Arc<CudaStream>, id: &[u8], rank: usize) -> Result<Self, NcclError> {
+        if id.len() != 128 || rank > 1 {
+            return Err(NcclError(format!("bad link setup: {}-byte id, rank {rank}", id.len())));
+        }
+        stream.context().bind_to_thread().map_err(|e| NcclError(format!("cannot bind the CUDA context: {e}")))?;
+        let mut raw = [0 as core::ffi::c_char; 128];
+        for (r, b) in raw.iter_mut().zip(id) {
+            *r = *b as core::ffi::c_char;
+        }
+        let comm = Comm::from_rank(stream, rank, 2, Id::uninit(raw))
+            .map_err(|e| NcclError(format!("ncclCommInitRank (rank {rank}) failed: {e:?}")))?;
+        Ok(Self { comm: Mutex::new(comm), peer: 1 - rank as i32 })
+    }
+
+    /// Runs `f` with the communicator and the peer's rank.
+    pub fn with<T>(&self, f: impl FnOnce(&Comm, i32) -> Result<T, NcclError>) -> Result<T, NcclError> {
+        let comm = self.comm.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))?;
+        f(&comm, self.peer)
+    }
+}
+
+/// The backend side of a link: what a GPU backend does with its paged cache.
+pub trait NcclOps {
+    /// A new stream on the backend's device, for one link's transfers.
+    fn new_transfer_stream(&self) -> Result<Arc<CudaStream>, NcclError>;
+    /// Enqueues sending layer `layer`'s K and V of each run `(first block, count)` to the
+    /// link's peer. The runs must be the plan's (contiguous on both sides), so every send
+    /// meets a receive of the same size.
+    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
+    /// Enqueues receiving layer `layer`'s K and V into each run `(first block, count)`.
+    fn recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
+}
+
+/// Contiguous runs `(first, count)` of a block list, in order.
+pub fn block_runs(blocks: &[u32]) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &b in blocks {
+        match runs.last_mut() {
+            Some((start, len)) if *start + *len == b as usize => *len += 1,
+            _ => runs.push((b as usize, 1)),
+        }
+    }
+    runs
+}
+
+/// Links by peer, shared by a worker's hand-offs.
+#[derive(Default)]
+pub struct NcclLinks {
+    links: Mutex<std::collections::HashMap<String, Arc<NcclLink>>>,
+}
+
+impl NcclLinks {
+    /// The link to `peer`, if one exists.
+    pub fn get(&self, peer: &str) -> Option<Arc<NcclLink>> {
+        self.links.lock().ok().and_then(|l| l.get(peer).cloned())
+    }
+
+    /// Remembers the link to `peer` (replacing an older one).
+    pub fn insert(&self, peer: String, link: Arc<NcclLink>) {
+        if let Ok(mut l) = self.links.lock() {
+            l.insert(peer, link);
+        }
+    }
+
+    /// Forgets the link to `peer` (after a failure); dropping the last handle aborts it.
+    pub fn remove(&self, peer: &str) {
+        if let Ok(mut l) = self.links.lock() {
+            l.remove(peer);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_merge_consecutive_blocks() {
+        assert_eq!(block_runs(&[3, 4, 5, 9, 10, 2]), vec![(3, 3), (9, 2), (2, 1)]);
+        assert!(block_runs(&[]).is_empty());
+    }
+}
