@@ -125,9 +125,10 @@ mod tests {
     fn module_source_holds_every_kernel() {
         let src = module_source();
         for k in [
-            "embed_bf16",
-            "rms_norm_bf16",
-            "add_rms_norm_bf16",
+            "embed_f32",
+            "rms_norm_f32",
+            "add_rms_norm_f32",
+            "gather_rows_f32",
             "silu_mul_bf16",
             "bias_add_bf16",
             "copy_cols_bf16",
@@ -149,7 +150,7 @@ mod tests {
             .collect();
         let rust: Vec<String> = super::super::ops::ATTN_VARIANTS
             .iter()
-            .map(|v| format!("{}, {}, {}, {}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch)))
+            .map(|v| format!("{}, {}, {}", v.warps, v.unroll, v.max_group))
             .collect();
         assert_eq!(cuda, rust);
         assert!(!src.contains("#include"), "kernels must stay self-contained");
