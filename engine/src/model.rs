@@ -168,6 +168,16 @@ impl<B: Backend> LlamaModel<B> {
         &self.cfg
     }
 
+    /// The backend (for device queries such as free memory).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (benchmarks fill the KV cache through it).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     /// The backend's device name.
     pub fn device_name(&self) -> String {
         self.backend.device_name()

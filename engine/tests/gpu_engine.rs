@@ -162,3 +162,29 @@ fn gpu_well_conditioned_models_match_cpu_exactly() {
         println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
     }
 }
+
+/// With no block count given, the CUDA engine sizes the KV pool from free device memory:
+/// a larger `gpu_memory_utilization` gives a larger pool, and the engine still serves.
+#[test]
+fn gpu_kv_cache_sized_from_free_memory() {
+    let m = tiny(&TinySpec::llama());
+    let mut blocks = Vec::new();
+    for util in [0.05f32, 0.1] {
+        let cfg = EngineConfig {
+            num_threads: Some(2),
+            num_kv_blocks: None,
+            gpu_memory_utilization: util,
+            max_model_len: Some(512),
+            ..EngineConfig::default()
+        };
+        let engine = start_engine(&m.model, DeviceSpec::Cuda(0), cfg).expect("start with sized KV cache");
+        let n = engine.info().num_blocks;
+        println!("gpu_memory_utilization {util}: {n} blocks");
+        let toks = common::run(&engine, &prompt(5, 20, m.model.config.vocab_size), common::greedy(8));
+        assert_eq!(toks.len(), 8);
+        blocks.push(n);
+    }
+    assert!(blocks[0] > 0 && blocks[1] > blocks[0], "pool sizes {blocks:?}");
+    let bad = EngineConfig { num_kv_blocks: None, gpu_memory_utilization: 1.5, ..EngineConfig::default() };
+    assert!(start_engine(&m.model, DeviceSpec::Cuda(0), bad).is_err(), "utilization above 1 accepted");
+}

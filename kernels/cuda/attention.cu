@@ -8,7 +8,8 @@
 // bf16 is read by LPT = HD/8 lanes with one 16-byte load each, so a warp covers TPW = 32/LPT
 // tokens per load and the CTA's NW warps form TS = NW*TPW independent token streams; each
 // thread issues the loads of U tokens (K and V: 2*U 16-byte loads) before using any, so a
-// CTA keeps 2*U*16*NW*32 bytes in flight. Dot products finish with log2(LPT) shuffles; each
+// CTA keeps 2*U*16*NW*32 bytes in flight; with PF the next tile's loads are issued before
+// the current one is consumed (register double-buffering), so they overlap the arithmetic. Dot products finish with log2(LPT) shuffles; each
 // stream keeps its own running (max, sum, acc) per head, and streams merge at the end
 // (shuffles within a warp, shared memory across warps).
 //
@@ -41,7 +42,7 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* a, float 
     m = mx;
 }
 
-template <int HD, int NW, int U, int G>
+template <int HD, int NW, int U, int G, bool PF>
 __device__ __forceinline__ void paged_attention_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
@@ -94,12 +95,8 @@ __device__ __forceinline__ void paged_attention_body(
         for (int j = 0; j < 8; j++) acc[g][j] = 0.f;
     }
 
-    // The loop bound is uniform across the warp (the shuffles below need every lane), so
-    // lanes whose token falls past the chunk carry it as invalid.
-    for (int wbase = c0 + warp * TPW; wbase < c1; wbase += TS * U) {
-        uint4 kr[U], vr[U];
-        bool ok[U];
-        // All U tokens' loads are issued before any is used.
+    // Loads the K/V rows of the tile starting at wbase (each lane: U tokens, 16 bytes each).
+    auto load_tile = [&](int wbase, uint4* kr, uint4* vr, bool* ok) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = wbase + lane / LPT + u * TS;
@@ -114,6 +111,9 @@ __device__ __forceinline__ void paged_attention_body(
                 vr[u] = make_uint4(0, 0, 0, 0);
             }
         }
+    };
+    // Online softmax over one loaded tile, for every head of the CTA.
+    auto consume = [&](const uint4* kr, const uint4* vr, const bool* ok) {
         float kf[U][8];
 #pragma unroll
         for (int u = 0; u < U; u++) bf8_to_f(kr[u], kf[u]);
@@ -149,6 +149,38 @@ __device__ __forceinline__ void paged_attention_body(
                 }
                 m[g] = mx;
             }
+        }
+    };
+
+    // The loop bound is uniform across the warp (the shuffles need every lane), so lanes
+    // whose token falls past the chunk carry it as invalid. With PF the next tile's loads are
+    // issued before the current tile is consumed, so a warp always has loads in flight.
+    const int w0 = c0 + warp * TPW;
+    if (PF) {
+        uint4 kr[U], vr[U];
+        bool ok[U];
+        if (w0 < c1) load_tile(w0, kr, vr, ok);
+        for (int wbase = w0; wbase < c1; wbase += TS * U) {
+            uint4 nk[U], nv[U];
+            bool nok[U];
+#pragma unroll
+            for (int u = 0; u < U; u++) nok[u] = false;
+            const int nb = wbase + TS * U;
+            if (nb < c1) load_tile(nb, nk, nv, nok);
+            consume(kr, vr, ok);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                kr[u] = nk[u];
+                vr[u] = nv[u];
+                ok[u] = nok[u];
+            }
+        }
+    } else {
+        for (int wbase = w0; wbase < c1; wbase += TS * U) {
+            uint4 kr[U], vr[U];
+            bool ok[U];
+            load_tile(wbase, kr, vr, ok);
+            consume(kr, vr, ok);
         }
     }
 
@@ -227,22 +259,24 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     out[rh * HD + d] = f2bf(o / L);
 }
 
-#define ATT_INSTANCE(HD, NW, U, G)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(NW * 32) paged_attention_hd##HD##_w##NW##_u##U##_g##G(             \
+#define ATT_INSTANCE(HD, NW, U, G, P)                                                                              \
+    extern "C" __global__ void __launch_bounds__(NW * 32) paged_attention_hd##HD##_w##NW##_u##U##_g##G##_p##P(      \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int chunk) {                                    \
-        paged_attention_body<HD, NW, U, G>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
+        paged_attention_body<HD, NW, U, G, P != 0>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
                                            block_tables, n_heads, n_kv_heads, block_size, qscale, chunk);         \
     }
 
 // The variants, in the order of ATTN_VARIANTS in kernels/src/cuda/ops.rs.
 #define ATT_VARIANTS(HD)       \
-    ATT_INSTANCE(HD, 4, 4, 4)  \
-    ATT_INSTANCE(HD, 4, 8, 4)  \
-    ATT_INSTANCE(HD, 8, 4, 4)  \
-    ATT_INSTANCE(HD, 4, 4, 8)  \
+    ATT_INSTANCE(HD, 4, 4, 4, 0)  \
+    ATT_INSTANCE(HD, 4, 8, 4, 0)  \
+    ATT_INSTANCE(HD, 4, 4, 8, 0)  \
+    ATT_INSTANCE(HD, 4, 4, 4, 1)  \
+    ATT_INSTANCE(HD, 4, 2, 4, 1)  \
+    ATT_INSTANCE(HD, 4, 2, 8, 1)  \
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \

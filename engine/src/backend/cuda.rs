@@ -107,6 +107,34 @@ impl CudaBackend {
         })
     }
 
+    /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
+    /// decode over a context without computing it; never zeros, which can time faster).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        let tile_len = 1usize << 22;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let tile: Vec<bf16> = (0..tile_len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            })
+            .collect();
+        let tile = self.dev.upload(&tile)?;
+        for (k, v) in self.kv.iter_mut() {
+            for buf in [k, v] {
+                let mut off = 0;
+                while off < buf.len() {
+                    let len = tile_len.min(buf.len() - off);
+                    let mut dst = buf.slice_mut(off..off + len);
+                    self.dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst).map_err(CudaError::from)?;
+                    off += len;
+                }
+            }
+        }
+        Ok(self.dev.synchronize()?)
+    }
+
     /// The underlying device (for tests and benchmarks).
     pub fn device(&self) -> &CudaDevice {
         &self.dev

@@ -150,7 +150,7 @@ mod tests {
             .collect();
         let rust: Vec<String> = super::super::ops::ATTN_VARIANTS
             .iter()
-            .map(|v| format!("{}, {}, {}", v.warps, v.unroll, v.max_group))
+            .map(|v| format!("{}, {}, {}, {}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch)))
             .collect();
         assert_eq!(cuda, rust);
         assert!(!src.contains("#include"), "kernels must stay self-contained");

@@ -32,8 +32,8 @@ fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) -> Result<(
 }
 
 /// One compiled shape of the paged attention kernel (see attention.cu): warps per CTA, tokens
-/// each thread loads before using them, and query heads per CTA (a larger GQA group is split
-/// across CTAs).
+/// each thread loads before using them, query heads per CTA (a larger GQA group is split
+/// across CTAs), and whether the next tile's loads are issued before the current one is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnVariant {
     /// Warps per CTA.
@@ -42,27 +42,33 @@ pub struct AttnVariant {
     pub unroll: u32,
     /// Query heads per CTA.
     pub max_group: u32,
+    /// Register double-buffering of the next tile.
+    pub prefetch: bool,
 }
 
 impl AttnVariant {
     /// The kernel's name for `head_dim` (see `ATT_INSTANCE` in attention.cu).
     pub fn kernel_name(&self, head_dim: usize) -> String {
-        format!("paged_attention_hd{head_dim}_w{}_u{}_g{}", self.warps, self.unroll, self.max_group)
+        let p = u8::from(self.prefetch);
+        format!("paged_attention_hd{head_dim}_w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
     }
 }
 
 /// Every instantiated variant, in the order of `ATT_VARIANTS` in attention.cu.
-pub const ATTN_VARIANTS: [AttnVariant; 4] = [
-    AttnVariant { warps: 4, unroll: 4, max_group: 4 },
-    AttnVariant { warps: 4, unroll: 8, max_group: 4 },
-    AttnVariant { warps: 8, unroll: 4, max_group: 4 },
-    AttnVariant { warps: 4, unroll: 4, max_group: 8 },
+pub const ATTN_VARIANTS: [AttnVariant; 6] = [
+    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: false },
+    AttnVariant { warps: 4, unroll: 8, max_group: 4, prefetch: false },
+    AttnVariant { warps: 4, unroll: 4, max_group: 8, prefetch: false },
+    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 2, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 2, max_group: 8, prefetch: true },
 ];
 
 /// The variant [`CudaDevice::attention`] uses for a GQA group of `group` query heads: 8 heads
-/// per CTA once the group has 8 or more (fewer CTAs re-read the same K/V), else 4.
+/// per CTA once the group has 8 or more (fewer CTAs re-read the same K/V), else 4. Chosen
+/// from the H100 measurements in bench/results/cuda-kernels-split-*.
 pub fn attn_default(group: usize) -> usize {
-    if group >= 8 { 3 } else { 0 }
+    if group >= 8 { 2 } else { 0 }
 }
 
 /// How [`CudaDevice::attention_variant`] splits each row's context: `Auto` aims at several
@@ -832,7 +838,10 @@ mod tests {
         for ctx in [1usize, 15, 16, 17, 63, 64, 65, 1000, 4100, 131_072] {
             for f in [1usize, 2, 7, 64, 1000] {
                 let (s, c) = plan_splits(AttnSplit::Fixed(f), 8, ctx, 132);
-                assert!(s >= 1 && s <= MAX_SPLITS && s * c >= ctx && (s - 1) * c < ctx, "ctx {ctx} f {f}: {s} × {c}");
+                assert!(
+                    (1..=MAX_SPLITS).contains(&s) && s * c >= ctx && (s - 1) * c < ctx,
+                    "ctx {ctx} f {f}: {s} × {c}"
+                );
                 assert!(c.is_multiple_of(16));
             }
         }
