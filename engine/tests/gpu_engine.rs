@@ -127,11 +127,13 @@ fn gpu_auto_device_picks_cuda() {
 /// With well-conditioned tiny models (larger init, so the top logit stands clear of the
 /// rest, as in a trained model) bf16 rounding must not change a single greedy token.
 ///
-/// KNOWN FAILING (H100, 2026-11-21): all 6 llama prompts diverge at tokens 8–22 where the
-/// CPU's top-2 gap is 0.03–0.42 nats. The GPU's logprobs sit on a 1/16 grid (the logits
-/// reach the host as bf16), and gaps move by up to ~0.4 nats, more than logit rounding
-/// alone: the bf16 residual stream also loses precision with these larger activations.
-/// Fixes to try first: f32 logits out of the LM head, an f32 residual stream.
+/// KNOWN FAILING (H100, 2026-11-21, with the f32 residual stream and f32 logits): the
+/// assertion cannot hold for a bf16 backend on these models. Rounding only the weights to
+/// bf16 (f32 arithmetic everywhere) already changes the CPU's own greedy tokens within 3–28
+/// steps, and the CUDA run matches a CPU emulation of its bf16 activations to three decimals
+/// (bench/results/exactness-bf16-emulation-cpu-2026-11-21.md). Kept unweakened as the record
+/// of that limit; the whole-model check that matters is against transformers on the same bf16
+/// weights (scripts/golden/hf_compare.py).
 #[test]
 fn gpu_well_conditioned_models_match_cpu_exactly() {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
