@@ -2,7 +2,8 @@
 //!
 //! [`EngineConfig`] is plain data filled by the CLI (flags, env, TOML) and
 //! validated against the model in [`crate::start_engine`]. KV capacity is
-//! either an explicit block count or derived from a memory budget.
+//! either an explicit block count or derived from a memory budget (on CUDA,
+//! from free device memory and `gpu_memory_utilization`).
 
 use std::str::FromStr;
 
@@ -56,8 +57,12 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
     pub num_kv_blocks: Option<usize>,
-    /// Memory budget for the KV cache when `num_kv_blocks` is `None`.
+    /// Memory budget for the KV cache when `num_kv_blocks` is `None` (CPU backend).
     pub kv_cache_memory_bytes: usize,
+    /// Fraction of the GPU's total memory the engine may use (weights, workspaces and KV
+    /// cache together); on CUDA, when `num_kv_blocks` is `None`, the KV pool takes what is
+    /// free after the weights and workspaces minus `(1 - utilization) × total`.
+    pub gpu_memory_utilization: f32,
     /// Most sequences in one step.
     pub max_num_seqs: usize,
     /// Most tokens in one step.
@@ -83,6 +88,7 @@ impl Default for EngineConfig {
             block_size: 16,
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,
+            gpu_memory_utilization: 0.9,
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             max_model_len: None,

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 mod engine_loop;
+mod gpu_memory;
 mod handle;
 pub mod kv_transport;
 pub mod model;
@@ -127,7 +128,8 @@ pub fn start_engine(
                 let opts =
                     baton_kernels::cuda::CudaOptions { ordinal, cache_dir: baton_kernels::cuda::default_cache_dir() };
                 let backend = backend::cuda::CudaBackend::new(&opts)?;
-                let llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+                let mut llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+                let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
                 // bf16 KV cache: 2 bytes per element.
                 size_kv(llama, &config, max_model_len, 2)?
             }

@@ -44,7 +44,7 @@ struct Layer<B: Backend> {
 
 /// Activation buffers reused across steps (resized per batch).
 struct Workspace<B: Backend> {
-    residual: B::Buf,
+    residual: B::Res,
     hidden: B::Buf,
     qkv: B::Buf,
     q: B::Buf,
@@ -55,8 +55,7 @@ struct Workspace<B: Backend> {
     gate_up: B::Buf,
     act: B::Buf,
     last: B::Buf,
-    last_res: B::Buf,
-    logits: B::Buf,
+    last_res: B::Res,
 }
 
 /// A loaded model bound to a backend.
@@ -148,7 +147,7 @@ impl<B: Backend> LlamaModel<B> {
         backend
             .set_rope(RopeTable::new(hd, cfg.rope_theta, rope_kind(&cfg.rope_scaling)).map_err(BackendError::from)?)?;
         let ws = Workspace {
-            residual: backend.alloc(0)?,
+            residual: backend.alloc_res(0)?,
             hidden: backend.alloc(0)?,
             qkv: backend.alloc(0)?,
             q: backend.alloc(0)?,
@@ -159,8 +158,7 @@ impl<B: Backend> LlamaModel<B> {
             gate_up: backend.alloc(0)?,
             act: backend.alloc(0)?,
             last: backend.alloc(0)?,
-            last_res: backend.alloc(0)?,
-            logits: backend.alloc(0)?,
+            last_res: backend.alloc_res(0)?,
         };
         Ok(Self { cfg: cfg.clone(), embed, lm_head, final_norm, layers, ws, backend })
     }
@@ -168,6 +166,16 @@ impl<B: Backend> LlamaModel<B> {
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// The backend (for device queries such as free memory).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (benchmarks fill the KV cache through it).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
     }
 
     /// The backend's device name.
@@ -293,11 +301,10 @@ impl<B: Backend> LlamaModel<B> {
         }
         // Only the sampling rows need the final norm and the (large) LM head.
         let h = cfg.hidden_size;
-        b.gather_rows(&ws.residual, h, rows, &mut ws.last_res)?;
+        b.gather_res_rows(&ws.residual, h, rows, &mut ws.last_res)?;
         b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
         b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.linear(&ws.hidden, rows.len(), head, None, &mut ws.logits)?;
-        b.to_host(&ws.logits, rows.len() * cfg.vocab_size)
+        b.logits(&ws.hidden, rows.len(), head)
     }
 }

@@ -127,11 +127,13 @@ fn gpu_auto_device_picks_cuda() {
 /// With well-conditioned tiny models (larger init, so the top logit stands clear of the
 /// rest, as in a trained model) bf16 rounding must not change a single greedy token.
 ///
-/// KNOWN FAILING (H100, 2026-11-21): all 6 llama prompts diverge at tokens 8–22 where the
-/// CPU's top-2 gap is 0.03–0.42 nats. The GPU's logprobs sit on a 1/16 grid (the logits
-/// reach the host as bf16), and gaps move by up to ~0.4 nats, more than logit rounding
-/// alone: the bf16 residual stream also loses precision with these larger activations.
-/// Fixes to try first: f32 logits out of the LM head, an f32 residual stream.
+/// KNOWN FAILING (H100, 2026-11-21, with the f32 residual stream and f32 logits): the
+/// assertion cannot hold for a bf16 backend on these models. Rounding only the weights to
+/// bf16 (f32 arithmetic everywhere) already changes the CPU's own greedy tokens within 3–28
+/// steps, and the CUDA run matches a CPU emulation of its bf16 activations to three decimals
+/// (bench/results/exactness-bf16-emulation-cpu-2026-11-21.md). Kept unweakened as the record
+/// of that limit; the whole-model check that matters is against transformers on the same bf16
+/// weights (scripts/golden/hf_compare.py).
 #[test]
 fn gpu_well_conditioned_models_match_cpu_exactly() {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
@@ -161,4 +163,30 @@ fn gpu_well_conditioned_models_match_cpu_exactly() {
         assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
         println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
     }
+}
+
+/// With no block count given, the CUDA engine sizes the KV pool from free device memory:
+/// a larger `gpu_memory_utilization` gives a larger pool, and the engine still serves.
+#[test]
+fn gpu_kv_cache_sized_from_free_memory() {
+    let m = tiny(&TinySpec::llama());
+    let mut blocks = Vec::new();
+    for util in [0.05f32, 0.1] {
+        let cfg = EngineConfig {
+            num_threads: Some(2),
+            num_kv_blocks: None,
+            gpu_memory_utilization: util,
+            max_model_len: Some(512),
+            ..EngineConfig::default()
+        };
+        let engine = start_engine(&m.model, DeviceSpec::Cuda(0), cfg).expect("start with sized KV cache");
+        let n = engine.info().num_blocks;
+        println!("gpu_memory_utilization {util}: {n} blocks");
+        let toks = common::run(&engine, &prompt(5, 20, m.model.config.vocab_size), common::greedy(8));
+        assert_eq!(toks.len(), 8);
+        blocks.push(n);
+    }
+    assert!(blocks[0] > 0 && blocks[1] > blocks[0], "pool sizes {blocks:?}");
+    let bad = EngineConfig { num_kv_blocks: None, gpu_memory_utilization: 1.5, ..EngineConfig::default() };
+    assert!(start_engine(&m.model, DeviceSpec::Cuda(0), bad).is_err(), "utilization above 1 accepted");
 }

@@ -1,41 +1,45 @@
-// Row-wise and element-wise kernels: embedding gather, RMSNorm (alone and fused with the
-// residual add), SiLU*mul, bias add, column split and row gather, bf16<->f32 conversion.
+// Row-wise and element-wise kernels: embedding gather into the f32 residual stream, RMSNorm
+// of it (alone and fused with the residual add), SiLU*mul, bias add, column split and row gather, bf16<->f32 conversion.
 // bf16 storage, f32 arithmetic. One block per row where a row reduction is needed.
 
-extern "C" __global__ void embed_bf16(const unsigned* __restrict__ tokens, const bf16_t* __restrict__ table,
-                                      bf16_t* __restrict__ out, int dim) {
+// The residual stream is f32 (the bf16 branch outputs are added to it without rounding the
+// sum), so precision does not drain away over the layers; the normalized activation that
+// feeds the next GEMM is rounded to bf16 once.
+
+// out[row] = table[tokens[row]] widened to f32 (the residual stream), one block per row.
+extern "C" __global__ void embed_f32(const unsigned* __restrict__ tokens, const bf16_t* __restrict__ table,
+                                     float* __restrict__ out, int dim) {
     const long long row = blockIdx.x;
     const bf16_t* src = table + (long long)tokens[row] * dim;
-    bf16_t* dst = out + row * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
+    float* dst = out + row * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = bf2f(src[i]);
 }
 
-// out = x / rms(x) * w, one block per row.
-extern "C" __global__ void rms_norm_bf16(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                                         bf16_t* __restrict__ out, int dim, float eps) {
+// out = x / rms(x) * w with an f32 input row (the residual stream), one block per row.
+extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_t* __restrict__ w,
+                                        bf16_t* __restrict__ out, int dim, float eps) {
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = bf2f(x[base + i]); ss += v * v; }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; ss += v * v; }
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(bf2f(x[base + i]) * inv * bf2f(w[i]));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(x[base + i] * inv * bf2f(w[i]));
 }
 
-// residual += x (stored as bf16); out = rms_norm(residual) * w. The norm reads the rounded
-// residual so that it normalizes exactly what the next layer adds to.
-extern "C" __global__ void add_rms_norm_bf16(bf16_t* __restrict__ residual, const bf16_t* __restrict__ x,
-                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int dim,
-                                             float eps) {
+// residual += x in f32 (x is a bf16 branch output); out = rms_norm(residual) * w in bf16.
+// Each thread re-reads only the residual elements it wrote itself, so no barrier is needed
+// between the add and the normalization beyond the one inside block_sum.
+extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const bf16_t* __restrict__ x,
+                                            const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int dim,
+                                            float eps) {
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        bf16_t r = f2bf(bf2f(residual[base + i]) + bf2f(x[base + i]));
+        float r = residual[base + i] + bf2f(x[base + i]);
         residual[base + i] = r;
-        float v = bf2f(r);
-        ss += v * v;
+        ss += r * r;
     }
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        out[base + i] = f2bf(bf2f(residual[base + i]) * inv * bf2f(w[i]));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(residual[base + i] * inv * bf2f(w[i]));
 }
 
 // Rows of gate_up are [gate | up] of width 2d; out rows are silu(gate) * up of width d.
@@ -71,6 +75,13 @@ extern "C" __global__ void copy_cols_bf16(const bf16_t* __restrict__ src, int sr
 // dst[i] = src[rows[i]] for rows of width w; one block per output row.
 extern "C" __global__ void gather_rows_bf16(const bf16_t* __restrict__ src, const int* __restrict__ rows,
                                             bf16_t* __restrict__ dst, int w) {
+    const long long o = (long long)blockIdx.x * w, s = (long long)rows[blockIdx.x] * w;
+    for (int i = threadIdx.x; i < w; i += blockDim.x) dst[o + i] = src[s + i];
+}
+
+// dst[i] = src[rows[i]] for f32 rows of width w (the residual stream); one block per output row.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ src, const int* __restrict__ rows,
+                                           float* __restrict__ dst, int w) {
     const long long o = (long long)blockIdx.x * w, s = (long long)rows[blockIdx.x] * w;
     for (int i = threadIdx.x; i < w; i += blockDim.x) dst[o + i] = src[s + i];
 }

@@ -15,7 +15,8 @@
 //! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
 
 use baton_kernels::cuda::{
-    ATTN_DEFAULT, ATTN_VARIANTS, CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16,
+    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta,
+    attn_default, bf16, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -93,17 +94,32 @@ fn run() -> Result<(), CudaError> {
     writeln!(table, "copy 1 GiB d2d: {ms:.3} ms, {copy_gbs:.0} GB/s (read+write)").ok();
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"ms\":{ms:.4},\"gb_s\":{copy_gbs:.1}}}"));
 
-    // 2. Paged decode attention, Llama-3.1-8B shape.
+    // 2. Paged decode attention, Llama-3.1-8B shape. Small pools are replicated (disjoint
+    // blocks, one block table set per copy, used in turn) so that no timing is served from L2.
     let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
     writeln!(
         table,
-        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = (warps, unroll, heads/block, prefetch), * = default\n variant      batch   ctx     us    GB/s  %copy  TFLOP/s"
+        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = (warps, unroll, heads/CTA, prefetch), split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s"
     )
     .ok();
-    for &(batch, ctx) in &[(1usize, 2048usize), (1, 8192), (32, 2048), (32, 4096), (64, 2048), (64, 8192), (128, 4096)]
-    {
+    for &(batch, ctx) in &[
+        (1usize, 2048usize),
+        (1, 8192),
+        (1, 32768),
+        (8, 4096),
+        (32, 2048),
+        (32, 4096),
+        (64, 1024),
+        (64, 2048),
+        (64, 8192),
+        (128, 1024),
+        (128, 4096),
+        (256, 1024),
+    ] {
         let blocks_per = ctx.div_ceil(bs);
-        let num_blocks = batch * blocks_per;
+        let set_bytes = 2 * batch * blocks_per * bs * nkv * hd * 2;
+        let copies = (512usize << 20).div_ceil(set_bytes).clamp(1, 16);
+        let num_blocks = copies * batch * blocks_per;
         let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
         let kc = random_bf16(&dev, &mut r, geo.layer_len())?;
         let vc = random_bf16(&dev, &mut r, geo.layer_len())?;
@@ -112,40 +128,51 @@ fn run() -> Result<(), CudaError> {
             pool.swap(i, r.random_range(0..=i));
         }
         let tables: Vec<Vec<u32>> = pool.chunks(blocks_per).map(|c| c.to_vec()).collect();
-        let seqs: Vec<HostSeq<'_>> = tables
-            .iter()
-            .enumerate()
-            .map(|(i, t)| HostSeq { row_start: i, n_tokens: 1, start_pos: ctx - 1, block_table: t })
-            .collect();
-        let mut meta = StepMeta::new(&dev)?;
-        meta.set(&dev, &seqs, batch, bs, num_blocks)?;
+        let mut metas = Vec::with_capacity(copies);
+        for c in 0..copies {
+            let seqs: Vec<HostSeq<'_>> = tables[c * batch..(c + 1) * batch]
+                .iter()
+                .enumerate()
+                .map(|(i, t)| HostSeq { row_start: i, n_tokens: 1, start_pos: ctx - 1, block_table: t })
+                .collect();
+            let mut meta = StepMeta::new(&dev)?;
+            meta.set(&dev, &seqs, batch, bs, num_blocks)?;
+            metas.push(meta);
+        }
         let q = random_bf16(&dev, &mut r, batch * nh * hd)?;
         let mut o = dev.alloc::<bf16>(batch * nh * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let bytes = (2 * batch * ctx * nkv * hd + 2 * batch * nh * hd) * 2;
         let flops = 4.0 * (batch * nh * ctx * hd) as f64;
         for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
-            let ms = time_ms(&dev, 3, 20, |_| dev.attention_variant(vi, &q, &kc, &vc, &meta, nh, geo, scale, &mut o))?;
-            let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let mark = if vi == ATTN_DEFAULT { '*' } else { ' ' };
-            let tag = format!("({},{},{},{}){mark}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch));
-            writeln!(
-                table,
-                " {tag:13} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}",
-                ms * 1e3,
-                100.0 * gbs / copy_gbs
-            )
-            .ok();
-            json.push(format!(
-                "{{\"name\":\"decode_attention\",\"variant\":\"w{}_u{}_g{}_p{}\",\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
-                v.warps,
-                v.unroll,
-                v.max_group,
-                u8::from(v.prefetch),
-                ms * 1e3,
-                gbs / copy_gbs
-            ));
+            for split in [AttnSplit::Auto, AttnSplit::Fixed(1)] {
+                let ms = time_ms(&dev, 3, 20, |i| {
+                    dev.attention_variant(vi, split, &q, &kc, &vc, &mut metas[i % copies], nh, geo, scale, &mut o)
+                })?;
+                let x = nkv * (nh / nkv).div_ceil(v.max_group as usize);
+                let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count());
+                let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+                let tf = flops / (ms * 1e-3) / 1e12;
+                let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };
+                let tag = format!("({},{},{},{}){mark}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch));
+                writeln!(
+                    table,
+                    " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}",
+                    ms * 1e3,
+                    100.0 * gbs / copy_gbs
+                )
+                .ok();
+                json.push(format!(
+                    "{{\"name\":\"decode_attention\",\"variant\":\"w{}_u{}_g{}_p{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
+                    v.warps,
+                    v.unroll,
+                    v.max_group,
+                    u8::from(v.prefetch),
+                    mark == '*',
+                    ms * 1e3,
+                    gbs / copy_gbs
+                ));
+            }
         }
     }
 

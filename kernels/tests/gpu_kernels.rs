@@ -7,7 +7,9 @@
 //! not skip) when no device can be opened. Run them with `scripts/gpu-tests.sh`.
 
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
-use baton_kernels::cuda::{ATTN_VARIANTS, CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16};
+use baton_kernels::cuda::{
+    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16,
+};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 const TOL: f64 = 1e-2;
@@ -44,6 +46,25 @@ fn down(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<f32> {
     dev.download(s, n).expect("download").iter().map(|v| v.to_f32()).collect()
 }
 
+fn up32(dev: &CudaDevice, v: &[f32]) -> CudaSlice<f32> {
+    dev.upload(v).expect("upload")
+}
+
+fn poisoned32(dev: &CudaDevice, n: usize) -> CudaSlice<f32> {
+    dev.upload(&vec![f32::NAN; n]).expect("upload poison")
+}
+
+fn down32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
+    dev.download(s, n).expect("download")
+}
+
+/// The f32 check (f32 arithmetic, f32 storage): ‖out − ref‖ / ‖ref‖ < 1e-5.
+fn check32(what: &str, out: &[f32], want: &[f32]) {
+    let e = rel_err(out, want);
+    println!("{what}: rel err {e:.2e}");
+    assert!(e < 1e-5, "{what}: rel err {e:.3e} >= 1e-5");
+}
+
 fn rel_err(out: &[f32], want: &[f32]) -> f64 {
     assert_eq!(out.len(), want.len());
     if let Some(i) = out.iter().position(|v| !v.is_finite()) {
@@ -71,37 +92,53 @@ fn gpu_embed_matches_cpu() {
         let mut want = vec![0.0; n * dim];
         cpu::embed(&tokens, &table, dim, &mut want).expect("cpu embed");
         let t = up(&dev, &table);
-        let mut out = poisoned(&dev, n * dim);
+        let mut out = poisoned32(&dev, n * dim);
         let mut ids = dev.alloc::<u32>(1).expect("alloc");
         dev.embed(&tokens, &mut ids, &t, vocab, dim, &mut out).expect("embed");
-        let got = down(&dev, &out, n * dim);
-        assert_eq!(got, want, "embed is a copy and must be exact");
+        let got = down32(&dev, &out, n * dim);
+        assert_eq!(got, want, "embed is a copy (bf16 widened to f32) and must be exact");
         assert!(dev.embed(&[vocab as u32], &mut ids, &t, vocab, dim, &mut out).is_err(), "bad token accepted");
     }
 }
 
+/// RMSNorm of the f32 residual stream, alone and fused with the add of a bf16 branch
+/// output: the normalized output is bf16 (1e-2), the updated residual f32 (1e-5, and it
+/// must not be rounded to bf16: the residual carries values no bf16 can hold).
 #[test]
 fn gpu_rms_norm_and_fused_residual_match_cpu() {
     let dev = device();
     let mut r = rng("rms_norm");
-    for &(rows, dim) in &[(1usize, 4096usize), (257, 1000), (3, 64)] {
+    for &(rows, dim) in &[(1usize, 4096usize), (257, 1000), (3, 64), (2, 2048)] {
         let x = rand_vec(&mut r, rows * dim, 2.0);
-        let res = rand_vec(&mut r, rows * dim, 2.0);
+        // A residual with full f32 mantissas (not bf16-representable).
+        let res: Vec<f32> = (0..rows * dim).map(|_| r.random_range(-8.0f32..8.0)).collect();
         let w = rand_vec(&mut r, dim, 1.5);
         let mut want = vec![0.0; rows * dim];
-        cpu::rms_norm(&x, &w, 1e-5, &mut want).expect("cpu");
-        let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+        cpu::rms_norm(&res, &w, 1e-5, &mut want).expect("cpu");
+        let (resd0, xd, wd) = (up32(&dev, &res), up(&dev, &x), up(&dev, &w));
         let mut out = poisoned(&dev, rows * dim);
-        dev.rms_norm(&xd, &wd, rows, dim, 1e-5, &mut out).expect("rms_norm");
+        dev.rms_norm(&resd0, &wd, rows, dim, 1e-5, &mut out).expect("rms_norm");
         check(&format!("rms_norm {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
 
         let mut res_cpu = res.clone();
         cpu::add_rms_norm(&mut res_cpu, &x, &w, 1e-5, &mut want).expect("cpu");
-        let mut resd = up(&dev, &res);
+        let mut resd = up32(&dev, &res);
         let mut out = poisoned(&dev, rows * dim);
         dev.add_rms_norm(&mut resd, &xd, &wd, rows, dim, 1e-5, &mut out).expect("add_rms_norm");
         check(&format!("add_rms_norm out {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
-        check(&format!("add_rms_norm residual {rows}x{dim}"), &down(&dev, &resd, rows * dim), &res_cpu);
+        let got_res = down32(&dev, &resd, rows * dim);
+        check32(&format!("add_rms_norm residual {rows}x{dim}"), &got_res, &res_cpu);
+        let bf16_exact = got_res.iter().filter(|v| bf16::from_f32(**v).to_f32() == **v).count();
+        assert!(bf16_exact * 2 < got_res.len(), "the f32 residual was rounded to bf16");
+
+        // Row gather of the residual stream: an exact copy.
+        let pick: Vec<usize> = (0..rows.min(5)).map(|_| r.random_range(0..rows)).collect();
+        let mut ids = dev.alloc::<i32>(1).expect("alloc");
+        let mut g = poisoned32(&dev, pick.len() * dim);
+        dev.gather_rows_f32(&resd, rows, dim, &pick, &mut ids, &mut g).expect("gather f32");
+        let wg: Vec<f32> = pick.iter().flat_map(|&p| res_cpu[p * dim..(p + 1) * dim].to_vec()).collect();
+        assert_eq!(down32(&dev, &g, pick.len() * dim), wg);
+        assert!(dev.gather_rows_f32(&resd, rows, dim, &[rows], &mut ids, &mut g).is_err(), "bad row accepted");
     }
 }
 
@@ -152,6 +189,10 @@ fn gpu_linear_matches_cpu_gemm() {
         let mut out = poisoned(&dev, m * n);
         dev.linear(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out).expect("linear");
         check(&format!("linear m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
+        // The LM head's f32 output: only bf16 operands round, so it sits far closer (1e-5).
+        let mut out32 = poisoned32(&dev, m * n);
+        dev.linear_f32_out(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out32).expect("linear_f32_out");
+        check32(&format!("linear_f32_out m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
     }
 }
 
@@ -292,15 +333,22 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
     let mut meta = StepMeta::new(dev).expect("meta");
     meta.set(dev, &host, rows, bs, num_blocks).expect("meta set");
     let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
+    // Every variant, unsplit, split as the device would choose, and split finely (many
+    // splits past short rows' contexts); then the default entry point.
     for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
-        let mut out = poisoned(dev, q.len());
-        dev.attention_variant(vi, &qd, &kd, &vd, &meta, nh, geo, scale, &mut out).expect("attention");
-        check(
-            &format!("attention {v:?} hd={hd} heads={nh}/{nkv} seqs={} rows={rows}", specs.len()),
-            &down(dev, &out, q.len()),
-            &want,
-        );
+        for split in [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64)] {
+            let mut out = poisoned(dev, q.len());
+            dev.attention_variant(vi, split, &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+            check(
+                &format!("attention {v:?} {split:?} hd={hd} heads={nh}/{nkv} seqs={} rows={rows}", specs.len()),
+                &down(dev, &out, q.len()),
+                &want,
+            );
+        }
     }
+    let mut out = poisoned(dev, q.len());
+    dev.attention(&qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+    check(&format!("attention default hd={hd} heads={nh}/{nkv}"), &down(dev, &out, q.len()), &want);
 }
 
 #[test]
@@ -319,8 +367,11 @@ fn gpu_paged_attention_matches_cpu() {
         let many: Vec<(usize, usize)> = (0..257).map(|_| (r.random_range(0..300), 1)).collect();
         attention_case(&dev, &mut r, hd, 32, 8, &many);
     }
-    // The tiny test models' head_dim.
+    // Batch 1 at a long context not a multiple of the block size (the split path's case).
+    attention_case(&dev, &mut r, 128, 32, 8, &[(4100, 1)]);
+    // The tiny test models' head_dim, and 32.
     attention_case(&dev, &mut r, 16, 4, 2, &mixed);
+    attention_case(&dev, &mut r, 32, 8, 2, &mixed);
 }
 
 #[test]

@@ -75,6 +75,9 @@ pub struct ServeArgs {
     /// KV-cache blocks to allocate [default: sized from available memory]
     #[arg(long, env = "BATON_NUM_KV_BLOCKS", value_name = "N")]
     pub num_kv_blocks: Option<usize>,
+    /// Fraction of GPU memory for weights, workspaces and KV cache [default: 0.9]
+    #[arg(long, env = "BATON_GPU_MEMORY_UTILIZATION", value_name = "FRACTION")]
+    pub gpu_memory_utilization: Option<f32>,
     /// Waiting requests beyond which new ones get 429 [default: engine default]
     #[arg(long, env = "BATON_MAX_WAITING", value_name = "N")]
     pub max_waiting: Option<usize>,

@@ -70,6 +70,8 @@ pub struct ServeFile {
     pub block_size: Option<usize>,
     /// See `--num-kv-blocks`.
     pub num_kv_blocks: Option<usize>,
+    /// See `--gpu-memory-utilization`.
+    pub gpu_memory_utilization: Option<f32>,
     /// See `--max-waiting`.
     pub max_waiting: Option<usize>,
     /// See `--disable-prefix-caching`.
@@ -144,6 +146,8 @@ pub struct ServeSettings {
     pub block_size: Option<usize>,
     /// KV blocks (`None`: sized from memory).
     pub num_kv_blocks: Option<usize>,
+    /// Fraction of GPU memory the engine may use (`None`: the engine's default).
+    pub gpu_memory_utilization: Option<f32>,
     /// Waiting-queue cap (beyond it: 429).
     pub max_waiting: Option<usize>,
     /// Turn the prefix cache off.
@@ -174,6 +178,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         max_num_batched_tokens: args.max_num_batched_tokens.or(file.max_num_batched_tokens),
         block_size: args.block_size.or(file.block_size),
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
+        gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
         max_waiting: args.max_waiting.or(file.max_waiting),
         disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
         disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),

@@ -21,6 +21,7 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
     EngineConfig {
         block_size: s.block_size.unwrap_or(d.block_size),
         num_kv_blocks: s.num_kv_blocks.or(d.num_kv_blocks),
+        gpu_memory_utilization: s.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
         max_num_seqs: s.max_num_seqs.unwrap_or(d.max_num_seqs),
         max_num_batched_tokens: s.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
         max_model_len: s.max_model_len.or(d.max_model_len),

@@ -44,6 +44,7 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
     type Mat = CpuMat;
+    type Res = Vec<f32>;
 
     fn device_name(&self) -> String {
         "cpu".into()
@@ -61,6 +62,10 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn alloc_res(&mut self, len: usize) -> Result<Vec<f32>, BackendError> {
         Ok(vec![0.0; len])
     }
 
@@ -111,6 +116,22 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         out.resize(x.len(), 0.0);
         Ok(k::add_rms_norm(residual, x, weight, eps, out)?)
+    }
+
+    fn gather_res_rows(
+        &mut self,
+        x: &Vec<f32>,
+        width: usize,
+        rows: &[usize],
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.gather_rows(x, width, rows, out)
+    }
+
+    fn logits(&mut self, x: &Vec<f32>, m: usize, w: &CpuMat) -> Result<Vec<f32>, BackendError> {
+        let mut out = Vec::new();
+        self.linear(x, m, w, None, &mut out)?;
+        Ok(out)
     }
 
     fn rope_and_write_kv(

@@ -1,5 +1,6 @@
-//! The CUDA backend: bf16 weights, activations and paged KV cache on one GPU, f32
-//! arithmetic inside the kernels of `baton_kernels::cuda`, GEMMs through cuBLAS.
+//! The CUDA backend: bf16 weights, activations and paged KV cache on one GPU, an f32
+//! residual stream and f32 logits, f32 arithmetic inside the kernels of
+//! `baton_kernels::cuda`, GEMMs through cuBLAS.
 //!
 //! Invariants: every op enqueues on the device's single stream, so ops are ordered without
 //! events; only `to_host` synchronizes (and so reports asynchronous kernel faults). Buffers
@@ -39,6 +40,12 @@ impl CudaBuf {
     }
 }
 
+/// A residual-stream buffer: `len` live f32 values in an allocation that may be larger.
+pub struct CudaRes {
+    data: CudaSlice<f32>,
+    len: usize,
+}
+
 /// A `rows × cols` row-major bf16 weight matrix on the device.
 pub struct CudaMat {
     data: CudaSlice<bf16>,
@@ -58,6 +65,8 @@ pub struct CudaBackend {
     meta_for: Option<BatchLayout>,
     ids: CudaSlice<u32>,
     rows: CudaSlice<i32>,
+    /// f32 LM-head output, grown to the largest step.
+    logits: CudaSlice<f32>,
 }
 
 fn to_bf16(data: &[f32]) -> Vec<bf16> {
@@ -75,6 +84,7 @@ impl CudaBackend {
         let meta = StepMeta::new(&dev)?;
         let ids = dev.alloc(64)?;
         let rows = dev.alloc(64)?;
+        let logits = dev.alloc(1)?;
         let (ms, cached) = dev.module_load();
         tracing::info!(
             device = dev.name(),
@@ -93,7 +103,36 @@ impl CudaBackend {
             meta_for: None,
             ids,
             rows,
+            logits,
         })
+    }
+
+    /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
+    /// decode over a context without computing it; never zeros, which can time faster).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        let tile_len = 1usize << 22;
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let tile: Vec<bf16> = (0..tile_len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            })
+            .collect();
+        let tile = self.dev.upload(&tile)?;
+        for (k, v) in self.kv.iter_mut() {
+            for buf in [k, v] {
+                let mut off = 0;
+                while off < buf.len() {
+                    let len = tile_len.min(buf.len() - off);
+                    let mut dst = buf.slice_mut(off..off + len);
+                    self.dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst).map_err(CudaError::from)?;
+                    off += len;
+                }
+            }
+        }
+        Ok(self.dev.synchronize()?)
     }
 
     /// The underlying device (for tests and benchmarks).
@@ -102,6 +141,14 @@ impl CudaBackend {
     }
 
     fn ensure(&self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
+        if buf.data.len() < len {
+            buf.data = self.dev.alloc(len.next_power_of_two())?;
+        }
+        buf.len = len;
+        Ok(())
+    }
+
+    fn ensure_res(&self, buf: &mut CudaRes, len: usize) -> Result<(), BackendError> {
         if buf.data.len() < len {
             buf.data = self.dev.alloc(len.next_power_of_two())?;
         }
@@ -140,6 +187,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Buf = CudaBuf;
     type Mat = CudaMat;
+    type Res = CudaRes;
 
     fn device_name(&self) -> String {
         format!("cuda:{}", self.ordinal)
@@ -158,6 +206,10 @@ impl Backend for CudaBackend {
 
     fn alloc(&mut self, len: usize) -> Result<CudaBuf, BackendError> {
         Ok(CudaBuf { data: self.dev.alloc(len.max(1))?, len })
+    }
+
+    fn alloc_res(&mut self, len: usize) -> Result<CudaRes, BackendError> {
+        Ok(CudaRes { data: self.dev.alloc(len.max(1))?, len })
     }
 
     fn resize(&mut self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
@@ -190,8 +242,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn embed(&mut self, tokens: &[u32], table: &CudaMat, out: &mut CudaBuf) -> Result<(), BackendError> {
-        self.ensure(out, tokens.len() * table.cols)?;
+    fn embed(&mut self, tokens: &[u32], table: &CudaMat, out: &mut CudaRes) -> Result<(), BackendError> {
+        self.ensure_res(out, tokens.len() * table.cols)?;
         Ok(self.dev.embed(tokens, &mut self.ids, &table.data, table.rows, table.cols, &mut out.data)?)
     }
 
@@ -217,7 +269,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn rms_norm(&mut self, x: &CudaBuf, weight: &CudaBuf, eps: f32, out: &mut CudaBuf) -> Result<(), BackendError> {
+    fn rms_norm(&mut self, x: &CudaRes, weight: &CudaBuf, eps: f32, out: &mut CudaBuf) -> Result<(), BackendError> {
         let d = weight.len;
         if d == 0 || !x.len.is_multiple_of(d) {
             return Err(kerr("rms_norm", format!("x {} values, weight {d}", x.len)));
@@ -228,7 +280,7 @@ impl Backend for CudaBackend {
 
     fn add_rms_norm(
         &mut self,
-        residual: &mut CudaBuf,
+        residual: &mut CudaRes,
         x: &CudaBuf,
         weight: &CudaBuf,
         eps: f32,
@@ -240,6 +292,32 @@ impl Backend for CudaBackend {
         }
         self.ensure(out, x.len)?;
         Ok(self.dev.add_rms_norm(&mut residual.data, &x.data, &weight.data, x.len / d, d, eps, &mut out.data)?)
+    }
+
+    fn gather_res_rows(
+        &mut self,
+        x: &CudaRes,
+        width: usize,
+        rows: &[usize],
+        out: &mut CudaRes,
+    ) -> Result<(), BackendError> {
+        if width == 0 || !x.len.is_multiple_of(width) {
+            return Err(kerr("gather_res_rows", format!("{} values is not rows of width {width}", x.len)));
+        }
+        self.ensure_res(out, rows.len() * width)?;
+        Ok(self.dev.gather_rows_f32(&x.data, x.len / width, width, rows, &mut self.rows, &mut out.data)?)
+    }
+
+    fn logits(&mut self, x: &CudaBuf, m: usize, w: &CudaMat) -> Result<Vec<f32>, BackendError> {
+        if x.len < m * w.cols {
+            return Err(kerr("logits", format!("input has {} values, need {m}×{}", x.len, w.cols)));
+        }
+        let n = m * w.rows;
+        if self.logits.len() < n {
+            self.logits = self.dev.alloc(n.next_power_of_two())?;
+        }
+        self.dev.linear_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
+        Ok(self.dev.download(&self.logits, n)?)
     }
 
     fn rope_and_write_kv(
@@ -286,7 +364,7 @@ impl Backend for CudaBackend {
         self.ensure(out, rows * width)?;
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.attention(&q.data, kc, vc, &self.meta, n_heads, geo, scale, &mut out.data)?)
+        Ok(self.dev.attention(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
     }
 
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {

@@ -79,6 +79,9 @@ pub trait Backend: Send + 'static {
     type Buf: Send;
     /// A weight matrix `[out, in]` prepared for `linear`.
     type Mat: Send + Sync;
+    /// The residual stream: at least f32 precision even where activations are stored
+    /// narrower, so that rounding does not accumulate over the layers.
+    type Res: Send;
 
     /// "cpu" or "cuda:N".
     fn device_name(&self) -> String;
@@ -88,13 +91,15 @@ pub trait Backend: Send + 'static {
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<Self::Buf, BackendError>;
     /// A buffer of `len` elements (contents unspecified).
     fn alloc(&mut self, len: usize) -> Result<Self::Buf, BackendError>;
+    /// A residual-stream buffer of `len` elements (contents unspecified).
+    fn alloc_res(&mut self, len: usize) -> Result<Self::Res, BackendError>;
     /// Resizes `buf` to `len` elements, reusing its storage where possible.
     fn resize(&mut self, buf: &mut Self::Buf, len: usize) -> Result<(), BackendError>;
     /// Allocates the paged KV cache; replaces any previous one.
     fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError>;
 
-    /// `out[i] = table[tokens[i]]`.
-    fn embed(&mut self, tokens: &[u32], table: &Self::Mat, out: &mut Self::Buf) -> Result<(), BackendError>;
+    /// `out[i] = table[tokens[i]]`, into the residual stream.
+    fn embed(&mut self, tokens: &[u32], table: &Self::Mat, out: &mut Self::Res) -> Result<(), BackendError>;
     /// `out = x · wᵀ (+ bias)` for `m` rows.
     fn linear(
         &mut self,
@@ -104,23 +109,34 @@ pub trait Backend: Send + 'static {
         bias: Option<&Self::Buf>,
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
-    /// `out = rms_norm(x) * weight`.
+    /// `out = rms_norm(x) * weight` of the residual stream `x`.
     fn rms_norm(
         &mut self,
-        x: &Self::Buf,
+        x: &Self::Res,
         weight: &Self::Buf,
         eps: f32,
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
-    /// `residual += x; out = rms_norm(residual) * weight`.
+    /// `residual += x; out = rms_norm(residual) * weight` (the sum kept at the residual's precision).
     fn add_rms_norm(
         &mut self,
-        residual: &mut Self::Buf,
+        residual: &mut Self::Res,
         x: &Self::Buf,
         weight: &Self::Buf,
         eps: f32,
         out: &mut Self::Buf,
     ) -> Result<(), BackendError>;
+    /// `out[i] = x[rows[i]]` for residual-stream rows of width `width`.
+    fn gather_res_rows(
+        &mut self,
+        x: &Self::Res,
+        width: usize,
+        rows: &[usize],
+        out: &mut Self::Res,
+    ) -> Result<(), BackendError>;
+    /// The LM head: `x · wᵀ` for `m` rows, computed and returned to the host in f32
+    /// (`m × w.rows`, row-major), so logits carry no bf16 rounding.
+    fn logits(&mut self, x: &Self::Buf, m: usize, w: &Self::Mat) -> Result<Vec<f32>, BackendError>;
     /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.
     #[allow(clippy::too_many_arguments)]
     fn rope_and_write_kv(

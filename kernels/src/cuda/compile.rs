@@ -125,9 +125,10 @@ mod tests {
     fn module_source_holds_every_kernel() {
         let src = module_source();
         for k in [
-            "embed_bf16",
-            "rms_norm_bf16",
-            "add_rms_norm_bf16",
+            "embed_f32",
+            "rms_norm_f32",
+            "add_rms_norm_f32",
+            "gather_rows_f32",
             "silu_mul_bf16",
             "bias_add_bf16",
             "copy_cols_bf16",

@@ -9,7 +9,8 @@
 //!
 //! Invariants: one [`CudaDevice`] owns one context and one stream; every launcher enqueues
 //! on that stream, validates its sizes against the slices before launching and returns a
-//! [`CudaError`] (never panics); storage is bf16, arithmetic f32.
+//! [`CudaError`] (never panics); storage is bf16 (the residual stream and the logits f32),
+//! arithmetic f32.
 
 mod compile;
 mod ops;
@@ -17,7 +18,10 @@ mod ops;
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use half::bf16;
-pub use ops::{ATTN_DEFAULT, ATTN_VARIANTS, AttentionMeta, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta};
+pub use ops::{
+    ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
+    plan_splits,
+};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction};
@@ -100,11 +104,14 @@ pub(crate) struct Funcs {
     pub bias_add: CudaFunction,
     pub copy_cols: CudaFunction,
     pub gather_rows: CudaFunction,
+    pub gather_rows_f32: CudaFunction,
     pub bf16_to_f32: CudaFunction,
     pub f32_to_bf16: CudaFunction,
     pub rope_write_kv: CudaFunction,
     /// Paged attention: `[head_dim 16, 32, 64, 128][variant of ops::ATTN_VARIANTS]`.
     pub attention: Vec<Vec<CudaFunction>>,
+    /// The merge of split-attention partials, per head_dim as above.
+    pub attention_combine: Vec<CudaFunction>,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -115,6 +122,8 @@ pub struct CudaDevice {
     funcs: Funcs,
     name: String,
     arch: String,
+    /// Streaming multiprocessors, for sizing grids.
+    pub(crate) sm_count: usize,
     compile_ms: f64,
     from_cache: bool,
 }
@@ -156,13 +165,14 @@ impl CudaDevice {
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
         let f = |n: &str| module.load_function(n);
         let funcs = Funcs {
-            embed: f("embed_bf16")?,
-            rms_norm: f("rms_norm_bf16")?,
-            add_rms_norm: f("add_rms_norm_bf16")?,
+            embed: f("embed_f32")?,
+            rms_norm: f("rms_norm_f32")?,
+            add_rms_norm: f("add_rms_norm_f32")?,
             silu_mul: f("silu_mul_bf16")?,
             bias_add: f("bias_add_bf16")?,
             copy_cols: f("copy_cols_bf16")?,
             gather_rows: f("gather_rows_bf16")?,
+            gather_rows_f32: f("gather_rows_f32")?,
             bf16_to_f32: f("bf16_to_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
             rope_write_kv: f("rope_write_kv_bf16")?,
@@ -170,9 +180,16 @@ impl CudaDevice {
                 .iter()
                 .map(|hd| ops::ATTN_VARIANTS.iter().map(|v| f(&v.kernel_name(*hd))).collect::<Result<Vec<_>, _>>())
                 .collect::<Result<Vec<_>, _>>()?,
+            attention_combine: [16, 32, 64, 128]
+                .iter()
+                .map(|hd| f(&format!("attention_combine_hd{hd}")))
+                .collect::<Result<Vec<_>, _>>()?,
         };
         let blas = CudaBlas::new(stream.clone())?;
-        Ok(Self { ctx, stream, blas, funcs, name, arch, compile_ms, from_cache })
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
+        Ok(Self { ctx, stream, blas, funcs, name, arch, sm_count, compile_ms, from_cache })
     }
 
     /// The device's name as the driver reports it.
@@ -183,6 +200,17 @@ impl CudaDevice {
     /// The NVRTC target the kernels were built for (e.g. `compute_90a`).
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// Streaming multiprocessors on the device.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// Free and total device memory in bytes, as the driver reports them now.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.bind_to_thread()?;
+        Ok(self.ctx.mem_get_info()?)
     }
 
     /// Milliseconds spent compiling or loading the kernel module, and whether it came from the cache.

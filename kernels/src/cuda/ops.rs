@@ -31,18 +31,18 @@ fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) -> Result<(
     shape_check(op, s.len() >= n, || format!("{what} has {} elements, needs {n}", s.len()))
 }
 
-/// One compiled shape of the paged attention kernel: warps per block, tokens each warp loads
-/// before using them, and query heads per block (the GQA group is split across blocks when
-/// it is larger).
+/// One compiled shape of the paged attention kernel (see attention.cu): warps per CTA, tokens
+/// each thread loads before using them, query heads per CTA (a larger GQA group is split
+/// across CTAs), and whether the next tile's loads are issued before the current one is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnVariant {
-    /// Warps per block.
+    /// Warps per CTA.
     pub warps: u32,
-    /// Tokens in flight per warp.
+    /// Tokens in flight per thread (each a 16-byte K and a 16-byte V load).
     pub unroll: u32,
-    /// Query heads per block.
+    /// Query heads per CTA.
     pub max_group: u32,
-    /// Block ids loaded one iteration ahead.
+    /// Register double-buffering of the next tile.
     pub prefetch: bool,
 }
 
@@ -55,20 +55,52 @@ impl AttnVariant {
 }
 
 /// Every instantiated variant, in the order of `ATT_VARIANTS` in attention.cu.
-pub const ATTN_VARIANTS: [AttnVariant; 8] = [
-    AttnVariant { warps: 8, unroll: 4, max_group: 8, prefetch: false },
-    AttnVariant { warps: 8, unroll: 8, max_group: 8, prefetch: false },
-    AttnVariant { warps: 8, unroll: 4, max_group: 4, prefetch: false },
-    AttnVariant { warps: 8, unroll: 8, max_group: 4, prefetch: false },
+pub const ATTN_VARIANTS: [AttnVariant; 6] = [
+    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: false },
     AttnVariant { warps: 4, unroll: 8, max_group: 4, prefetch: false },
-    AttnVariant { warps: 8, unroll: 4, max_group: 4, prefetch: true },
-    AttnVariant { warps: 8, unroll: 8, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 4, max_group: 8, prefetch: false },
     AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 2, max_group: 4, prefetch: true },
+    AttnVariant { warps: 4, unroll: 2, max_group: 8, prefetch: true },
 ];
 
-/// The variant [`CudaDevice::attention`] uses: (8 warps, 4 tokens, 4 heads, prefetch), the
-/// fastest at every measured decode shape on an H100 (bench/results/cuda-kernels-*).
-pub const ATTN_DEFAULT: usize = 5;
+/// The variant [`CudaDevice::attention`] uses for a GQA group of `group` query heads: 8 heads
+/// per CTA once the group has 8 or more (fewer CTAs re-read the same K/V), else 4. Chosen
+/// from the H100 measurements in bench/results/cuda-kernels-split-*.
+pub fn attn_default(group: usize) -> usize {
+    if group >= 8 { 2 } else { 0 }
+}
+
+/// How [`CudaDevice::attention_variant`] splits each row's context: `Auto` aims at several
+/// CTAs per SM, `Fixed(n)` forces at most `n` splits (1 = no split; for benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnSplit {
+    /// Chosen from the batch, the context lengths and the SM count.
+    Auto,
+    /// At most this many splits.
+    Fixed(usize),
+}
+
+/// Most splits of one row's context.
+const MAX_SPLITS: usize = 128;
+/// Fewest tokens per split: below this the partial results cost more than they save.
+const MIN_SPLIT_TOKENS: usize = 64;
+
+/// Splits and tokens per split for `ctas` CTAs per split over contexts of at most `max_ctx`
+/// tokens on `sms` SMs: enough splits for about 4 CTAs per SM, each split at least
+/// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
+pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
+    let max_ctx = max_ctx.max(1);
+    let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let want = match split {
+        AttnSplit::Auto => (4 * sms.max(1)).div_ceil(ctas.max(1)),
+        AttnSplit::Fixed(n) => n,
+    };
+    let splits = want.clamp(1, by_len);
+    // Chunks a multiple of 16 tokens (a common block size); recount after rounding.
+    let chunk = max_ctx.div_ceil(splits).next_multiple_of(16);
+    (max_ctx.div_ceil(chunk), chunk)
+}
 
 /// Where one sequence's chunk sits in the batch and in the paged cache (host side).
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +126,12 @@ pub struct StepMeta {
     row_ctx: CudaSlice<i32>,
     row_bt: CudaSlice<i32>,
     block_tables: CudaSlice<i32>,
+    /// Longest context of any row.
+    max_ctx: usize,
+    /// Split-attention partials: `rows × heads × splits × head_dim` outputs and
+    /// `rows × heads × splits × 2` (max, sum), grown on demand.
+    part_o: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
     host: HostMeta,
 }
 
@@ -125,6 +163,9 @@ impl StepMeta {
             row_ctx: dev.alloc(64)?,
             row_bt: dev.alloc(64)?,
             block_tables: dev.alloc(64)?,
+            max_ctx: 0,
+            part_o: dev.alloc(64)?,
+            part_ml: dev.alloc(64)?,
             host: Default::default(),
         })
     }
@@ -196,6 +237,7 @@ impl StepMeta {
         dev.upload_into(ctx, &mut self.row_ctx)?;
         dev.upload_into(bt_off, &mut self.row_bt)?;
         dev.upload_into(tables, &mut self.block_tables)?;
+        self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
         self.rows = n_rows;
         self.block_size = block_size;
         self.num_blocks = num_blocks;
@@ -245,7 +287,8 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// `out[i] = table[tokens[i]]` (`table` is `vocab × dim`). `scratch` receives the ids.
+    /// `out[i] = table[tokens[i]]` widened to f32, the residual stream (`table` is
+    /// `vocab × dim` bf16). `scratch` receives the ids.
     pub fn embed(
         &self,
         tokens: &[u32],
@@ -253,7 +296,7 @@ impl CudaDevice {
         table: &CudaSlice<bf16>,
         vocab: usize,
         dim: usize,
-        out: &mut CudaSlice<bf16>,
+        out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
         const OP: &str = "embed";
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -271,14 +314,15 @@ impl CudaDevice {
         self.run(
             &self.funcs.embed,
             cfg((n as u32, 1, 1), THREADS),
-            &mut ArgList(vec![Arg::U32s(scratch), Arg::Bf(table), Arg::Bf(out), Arg::I(d)]),
+            &mut ArgList(vec![Arg::U32s(scratch), Arg::Bf(table), Arg::F32(out), Arg::I(d)]),
         )
     }
 
-    /// `out = x / rms(x) * w` for `rows` rows of width `w.len()`-prefix `dim`.
+    /// `out = x / rms(x) * w` for `rows` rows of width `dim`: `x` is the f32 residual
+    /// stream, `out` the bf16 activation.
     pub fn rms_norm(
         &self,
-        x: &CudaSlice<bf16>,
+        x: &CudaSlice<f32>,
         w: &CudaSlice<bf16>,
         rows: usize,
         dim: usize,
@@ -296,15 +340,16 @@ impl CudaDevice {
         self.run(
             &self.funcs.rms_norm,
             cfg((int(OP, rows)? as u32, 1, 1), THREADS),
-            &mut ArgList(vec![Arg::Bf(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
+            &mut ArgList(vec![Arg::F32(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
         )
     }
 
-    /// `residual += x; out = rms_norm(residual) * w`, row by row.
+    /// `residual += x; out = rms_norm(residual) * w`, row by row: the residual is f32 (the
+    /// bf16 branch output `x` is added without rounding the sum), `out` is bf16.
     #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(
         &self,
-        residual: &mut CudaSlice<bf16>,
+        residual: &mut CudaSlice<f32>,
         x: &CudaSlice<bf16>,
         w: &CudaSlice<bf16>,
         rows: usize,
@@ -324,7 +369,7 @@ impl CudaDevice {
         self.run(
             &self.funcs.add_rms_norm,
             cfg((int(OP, rows)? as u32, 1, 1), THREADS),
-            &mut ArgList(vec![Arg::Bf(residual), Arg::Bf(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
+            &mut ArgList(vec![Arg::F32(residual), Arg::Bf(x), Arg::Bf(w), Arg::Bf(out), Arg::I(d), Arg::F(eps)]),
         )
     }
 
@@ -404,8 +449,8 @@ impl CudaDevice {
         )
     }
 
-    /// `dst[i] = src[rows[i]]` for rows of width `w`; `src` has `src_rows` rows. `scratch`
-    /// receives the row ids.
+    /// `dst[i] = src[rows[i]]` for bf16 rows of width `w`; `src` has `src_rows` rows.
+    /// `scratch` receives the row ids.
     #[allow(clippy::too_many_arguments)]
     pub fn gather_rows(
         &self,
@@ -416,23 +461,61 @@ impl CudaDevice {
         scratch: &mut CudaSlice<i32>,
         dst: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "gather_rows";
-        if let Some(r) = rows.iter().find(|&&r| r >= src_rows) {
-            return Err(CudaError::Shape { op: OP, message: format!("row {r} outside {src_rows} rows") });
-        }
-        need(OP, "src", src, src_rows * w)?;
-        need(OP, "dst", dst, rows.len() * w)?;
-        if rows.is_empty() || w == 0 {
+        if !self.gather_prepare("gather_rows", src.len(), dst.len(), src_rows, w, rows, scratch)? {
             return Ok(());
         }
-        let ids = rows.iter().map(|&r| int(OP, r)).collect::<Result<Vec<_>, _>>()?;
-        grow(self, scratch, ids.len())?;
-        self.upload_into(&ids, scratch)?;
         self.run(
             &self.funcs.gather_rows,
-            cfg((int(OP, rows.len())? as u32, 1, 1), THREADS),
-            &mut ArgList(vec![Arg::Bf(src), Arg::I32s(scratch), Arg::Bf(dst), Arg::I(int(OP, w)?)]),
+            cfg((int("gather_rows", rows.len())? as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::Bf(src), Arg::I32s(scratch), Arg::Bf(dst), Arg::I(int("gather_rows", w)?)]),
         )
+    }
+
+    /// [`CudaDevice::gather_rows`] over f32 rows (the residual stream).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows_f32(
+        &self,
+        src: &CudaSlice<f32>,
+        src_rows: usize,
+        w: usize,
+        rows: &[usize],
+        scratch: &mut CudaSlice<i32>,
+        dst: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        if !self.gather_prepare("gather_rows_f32", src.len(), dst.len(), src_rows, w, rows, scratch)? {
+            return Ok(());
+        }
+        self.run(
+            &self.funcs.gather_rows_f32,
+            cfg((int("gather_rows_f32", rows.len())? as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::F32(src), Arg::I32s(scratch), Arg::F32(dst), Arg::I(int("gather_rows_f32", w)?)]),
+        )
+    }
+
+    /// Validates a row gather and uploads the row ids; `false` when there is nothing to do.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_prepare(
+        &self,
+        op: &'static str,
+        src_len: usize,
+        dst_len: usize,
+        src_rows: usize,
+        w: usize,
+        rows: &[usize],
+        scratch: &mut CudaSlice<i32>,
+    ) -> Result<bool, CudaError> {
+        if let Some(r) = rows.iter().find(|&&r| r >= src_rows) {
+            return Err(CudaError::Shape { op, message: format!("row {r} outside {src_rows} rows") });
+        }
+        shape_check(op, src_len >= src_rows * w, || format!("src has {src_len} elements, needs {}", src_rows * w))?;
+        shape_check(op, dst_len >= rows.len() * w, || format!("dst has {dst_len} elements, needs {}", rows.len() * w))?;
+        if rows.is_empty() || w == 0 {
+            return Ok(false);
+        }
+        let ids = rows.iter().map(|&r| int(op, r)).collect::<Result<Vec<_>, _>>()?;
+        grow(self, scratch, ids.len())?;
+        self.upload_into(&ids, scratch)?;
+        Ok(true)
     }
 
     /// Widens the first `n` values of `src` into `dst`.
@@ -501,6 +584,63 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `out = x · wᵀ` like [`CudaDevice::linear`], but the product is written in f32 (bf16
+    /// operands, f32 accumulation and output): used for the LM head, so that logits reach the
+    /// sampler without bf16 rounding (a 1/16 grid at |logit| ≈ 16).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_f32_out(
+        &self,
+        x: &CudaSlice<bf16>,
+        m: usize,
+        k: usize,
+        w: &CudaSlice<bf16>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        const OP: &str = "linear_f32_out";
+        need(OP, "x", x, m * k)?;
+        need(OP, "w", w, n * k)?;
+        need(OP, "out", out, m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (mi, ni, ki) = (int(OP, m)?, int(OP, n)?, int(OP, k)?);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        self.ctx.bind_to_thread()?;
+        let (wp, _gw) = w.device_ptr(&self.stream);
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr_mut(&self.stream);
+        // Column-major view as in `linear`: outᵀ (n × m) = Wᵀ-view (n × k) · xᵀ (k × m).
+        // SAFETY: the sizes were checked against the slices above; the pointers stay valid
+        // while the guards live, and the handle enqueues on this device's stream.
+        unsafe {
+            gemm_ex(
+                *self.blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                ni,
+                mi,
+                ki,
+                (&alpha) as *const f32 as *const _,
+                wp as *const _,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                ki,
+                xp as *const _,
+                sys::cudaDataType_t::CUDA_R_16BF,
+                ki,
+                (&beta) as *const f32 as *const _,
+                op as *mut _,
+                sys::cudaDataType_t::CUDA_R_32F,
+                ni,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }?;
+        Ok(())
+    }
+
     /// RoPE on `q` (`rows × n_heads × head_dim`) and `k` (`rows × n_kv_heads × head_dim`) in
     /// place at each row's position, then the rotated k and `v` into the layer's cache slots.
     /// `inv_freq` holds `head_dim / 2` inverse frequencies (scaling applied).
@@ -555,31 +695,37 @@ impl CudaDevice {
     }
 
     /// Paged causal attention of `q` (`rows × n_heads × head_dim`) over the layer's cache,
-    /// which already holds every row's own K/V; writes `out` in `q`'s layout.
+    /// which already holds every row's own K/V; writes `out` in `q`'s layout. Long contexts
+    /// are split across CTAs (`meta` holds the partials).
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         q: &CudaSlice<bf16>,
         k_cache: &CudaSlice<bf16>,
         v_cache: &CudaSlice<bf16>,
-        meta: &AttentionMeta,
+        meta: &mut AttentionMeta,
         n_heads: usize,
         geo: KvGeometry,
         scale: f32,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
-        self.attention_variant(ATTN_DEFAULT, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+        let group = n_heads / geo.n_kv_heads.max(1);
+        let v = attn_default(group);
+        self.attention_variant(v, AttnSplit::Auto, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
     }
 
-    /// [`CudaDevice::attention`] with the kernel variant `ATTN_VARIANTS[variant]`.
+    /// [`CudaDevice::attention`] with the kernel variant `ATTN_VARIANTS[variant]` and the
+    /// given split policy. Returns after enqueueing; the split count used is
+    /// [`plan_splits`] of the same arguments.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_variant(
         &self,
         variant: usize,
+        split: AttnSplit,
         q: &CudaSlice<bf16>,
         k_cache: &CudaSlice<bf16>,
         v_cache: &CudaSlice<bf16>,
-        meta: &AttentionMeta,
+        meta: &mut AttentionMeta,
         n_heads: usize,
         geo: KvGeometry,
         scale: f32,
@@ -612,25 +758,52 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
+        shape_check(OP, rows <= 65_535, || format!("{rows} rows exceed the grid's y limit"))?;
         let group = n_heads / geo.n_kv_heads;
-        let z = group.div_ceil(v.max_group as usize) as u32;
+        let gchunks = group.div_ceil(v.max_group as usize);
+        let x = geo.n_kv_heads * gchunks;
+        let (splits, chunk) = plan_splits(split, x * rows, meta.max_ctx, self.sm_count);
+        if splits > 1 {
+            grow(self, &mut meta.part_o, rows * n_heads * splits * hd)?;
+            grow(self, &mut meta.part_ml, rows * n_heads * splits * 2)?;
+        }
+        let qscale = scale * std::f32::consts::LOG2_E;
         self.run(
             func,
-            cfg((int(OP, rows)? as u32, int(OP, geo.n_kv_heads)? as u32, z), v.warps * 32),
+            cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32),
             &mut ArgList(vec![
                 Arg::Bf(q),
                 Arg::Bf(k_cache),
                 Arg::Bf(v_cache),
                 Arg::Bf(out),
+                Arg::F32(&meta.part_o),
+                Arg::F32(&meta.part_ml),
                 Arg::I32s(&meta.row_ctx),
                 Arg::I32s(&meta.row_bt),
                 Arg::I32s(&meta.block_tables),
                 Arg::I(int(OP, n_heads)?),
                 Arg::I(int(OP, geo.n_kv_heads)?),
                 Arg::I(int(OP, geo.block_size)?),
-                Arg::F(scale),
+                Arg::F(qscale),
+                Arg::I(int(OP, chunk)?),
             ]),
-        )
+        )?;
+        if splits > 1 {
+            self.run(
+                &self.funcs.attention_combine[hd_idx],
+                cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32),
+                &mut ArgList(vec![
+                    Arg::F32(&meta.part_o),
+                    Arg::F32(&meta.part_ml),
+                    Arg::Bf(out),
+                    Arg::I32s(&meta.row_ctx),
+                    Arg::I(int(OP, n_heads)?),
+                    Arg::I(int(OP, splits)?),
+                    Arg::I(int(OP, chunk)?),
+                ]),
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -648,3 +821,29 @@ enum Arg<'a> {
 }
 
 struct ArgList<'a>(Vec<Arg<'a>>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_plans_cover_the_context_and_fill_the_device() {
+        // Batch 1, 8 KV heads, 2k context on 132 SMs: many splits of at least 64 tokens.
+        let (s, c) = plan_splits(AttnSplit::Auto, 8, 2048, 132);
+        assert!(s >= 16 && c >= MIN_SPLIT_TOKENS && s * c >= 2048 && (s - 1) * c < 2048, "{s} × {c}");
+        // A large batch already fills the device: no split.
+        assert_eq!(plan_splits(AttnSplit::Auto, 256 * 8, 4096, 132).0, 1);
+        // Forced values, clamped by the context; every split but the last is non-empty.
+        assert_eq!(plan_splits(AttnSplit::Fixed(1), 8, 100_000, 132), (1, 100_000usize.next_multiple_of(16)));
+        for ctx in [1usize, 15, 16, 17, 63, 64, 65, 1000, 4100, 131_072] {
+            for f in [1usize, 2, 7, 64, 1000] {
+                let (s, c) = plan_splits(AttnSplit::Fixed(f), 8, ctx, 132);
+                assert!(
+                    (1..=MAX_SPLITS).contains(&s) && s * c >= ctx && (s - 1) * c < ctx,
+                    "ctx {ctx} f {f}: {s} × {c}"
+                );
+                assert!(c.is_multiple_of(16));
+            }
+        }
+    }
+}

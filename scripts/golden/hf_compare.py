@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Whole-model comparison of Baton (CUDA) against Hugging Face transformers on the GPU machine.
+
+Subcommands (torch + transformers, on the GPU machine):
+
+  make-1b DIR [--init-std S] [--seed N]
+      A random model of Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, head_dim 64,
+      vocab 128256, tied embeddings, llama3 RoPE scaling), saved with save_pretrained as bf16
+      safetensors. Weights are drawn N(0, S) (transformers' own init with
+      initializer_range = S); RMSNorm weights are 1.
+
+  prompts VOCAB SEED OUT.json [--lengths 1,7,16,...]
+      Deterministic random prompts (token ids below VOCAB) as a JSON list of lists.
+
+  compare MODEL_DIR DUMP.json OUT.json [--near-tie T]
+      DUMP.json is what `greedy_dump run` wrote (greedy tokens and per-step top logits, plus
+      DUMP.logits0.f32 with the full first-step logits). For every prompt, transformers runs the
+      prompt followed by Baton's own tokens in one causal pass (teacher forcing), so at every
+      step both saw the same prefix. Two references:
+        f32  - float32 arithmetic on the bf16-rounded weights Baton uses (the exact answer for
+               those weights);
+        bf16 - transformers' native bf16 path (bf16 weights and activations, sdpa).
+      Reported per prompt and reference: the first step where the reference's argmax differs
+      from Baton's token, the reference's top-2 gap there (nats), whether that is a near tie
+      (gap < T, default 0.05), the smallest top-2 gap over the matched steps, and the largest
+      |logit difference| (full vocabulary at step 0; Baton's top-k ids at every matched step).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+
+import torch
+
+
+def make_1b(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import inspect
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    # transformers v5 keeps RoPE settings in `rope_parameters`; v4 in rope_theta + rope_scaling.
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+        rope = {"rope_parameters": dict(scaling, rope_theta=500000.0)}
+    else:
+        rope = {"rope_theta": 500000.0, "rope_scaling": scaling}
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=args.init_std,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        **rope,
+    )
+    torch.manual_seed(args.seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(args.dir, safe_serialization=True)
+    print(f"wrote {args.dir}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B parameters, init std {args.init_std}")
+
+
+def prompts(args):
+    rng = random.Random(args.seed)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    out = [[rng.randrange(args.vocab) for _ in range(n)] for n in lengths]
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+
+
+def load_ref(model_dir, kind):
+    from transformers import AutoModelForCausalLM
+
+    if kind == "f32":
+        # The weights Baton uses are the file's values rounded to bf16 (a no-op for bf16
+        # files); the arithmetic is float32.
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    else:
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return m.cuda().eval()
+
+
+@torch.no_grad()
+def compare(args):
+    import transformers
+
+    dump = json.load(open(args.dump))
+    vocab = None
+    base = os.path.splitext(args.dump)[0]
+    logits0_path = base + ".logits0.f32"
+    logits0 = torch.from_numpy(__import__("numpy").fromfile(logits0_path, dtype="<f4")) if os.path.exists(logits0_path) else None
+    result = {
+        "model": args.model,
+        "baton_device": dump["device"],
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "near_tie_nats": args.near_tie,
+        "references": {},
+    }
+    for kind in ("f32", "bf16"):
+        model = load_ref(args.model, kind)
+        vocab = model.config.vocab_size
+        rows = []
+        for pi, p in enumerate(dump["prompts"]):
+            prompt, toks, steps = p["prompt"], p["tokens"], p["steps"]
+            n = len(toks)
+            ids = torch.tensor([prompt + toks[:-1]], device="cuda")
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+            lsm = torch.log_softmax(logits, dim=-1)
+            ref_arg = logits.argmax(dim=-1).tolist()
+            first_div = next((t for t in range(n) if ref_arg[t] != toks[t]), None)
+            top2 = lsm.topk(2, dim=-1).values
+            gaps = (top2[:, 0] - top2[:, 1]).tolist()
+            matched = n if first_div is None else first_div
+            max_diff = 0.0
+            max_lp_diff = 0.0
+            for t in range(matched):
+                for tid, bl in steps[t]["top"]:
+                    max_diff = max(max_diff, abs(bl - logits[t, tid].item()))
+                    max_lp_diff = max(max_lp_diff, abs((bl - steps[t]["lse"]) - lsm[t, tid].item()))
+            full0 = None
+            if logits0 is not None:
+                b0 = logits0[pi * vocab : (pi + 1) * vocab].cuda()
+                full0 = (b0 - logits[0]).abs().max().item()
+                max_diff = max(max_diff, full0)
+            row = {
+                "prompt_len": len(prompt),
+                "steps": n,
+                "first_divergence": first_div,
+                "min_top2_gap_matched": min(gaps[:matched]) if matched > 0 else None,
+                "max_abs_logit_diff": max_diff,
+                "max_abs_logprob_diff": max_lp_diff,
+                "max_abs_logit_diff_step0_full_vocab": full0,
+                "mean_top_logprob": sum(top2[:matched, 0].tolist()) / max(matched, 1),
+            }
+            if first_div is not None:
+                t = first_div
+                g_ref = gaps[t]
+                # How much the reference prefers its own choice over Baton's token.
+                pref = (lsm[t, ref_arg[t]] - lsm[t, toks[t]]).item()
+                row.update(
+                    {
+                        "ref_token": ref_arg[t],
+                        "baton_token": toks[t],
+                        "ref_top2_gap": g_ref,
+                        "ref_pref_over_baton": pref,
+                        "near_tie": pref < args.near_tie,
+                    }
+                )
+            rows.append(row)
+        ok = all(r["first_divergence"] is None or r["near_tie"] for r in rows)
+        result["references"][kind] = {
+            "prompts": rows,
+            "identical": sum(r["first_divergence"] is None for r in rows),
+            "pass": ok,
+            "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        }
+        del model
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    name = os.path.basename(os.path.normpath(args.model))
+    for kind, r in result["references"].items():
+        divs = [
+            f"p{i}@{x['first_divergence']}(gap {x['ref_pref_over_baton']:.3f}{' tie' if x['near_tie'] else ' FAIL'})"
+            for i, x in enumerate(r["prompts"])
+            if x["first_divergence"] is not None
+        ]
+        min_gap = min((x["min_top2_gap_matched"] for x in r["prompts"] if x["min_top2_gap_matched"] is not None), default=float("nan"))
+        print(
+            f"{name:14} vs HF {kind:4}: {r['identical']}/{len(r['prompts'])} identical over {dump['steps']} tokens,"
+            f" max|dlogit| {r['max_abs_logit_diff']:.4f}, min matched top2 gap {min_gap:.3f}"
+            f" {'PASS' if r['pass'] else 'FAIL'} {' '.join(divs)}"
+        )
+    return 0 if all(r["pass"] for r in result["references"].values()) else 1
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("make-1b")
+    a.add_argument("dir")
+    a.add_argument("--init-std", type=float, default=0.02)
+    a.add_argument("--seed", type=int, default=0)
+    a = sub.add_parser("prompts")
+    a.add_argument("vocab", type=int)
+    a.add_argument("seed", type=int)
+    a.add_argument("out")
+    a.add_argument("--lengths", default="1,7,16,17,40,100")
+    a = sub.add_parser("compare")
+    a.add_argument("model")
+    a.add_argument("dump")
+    a.add_argument("out")
+    a.add_argument("--near-tie", type=float, default=0.05)
+    args = ap.parse_args()
+    if args.cmd == "make-1b":
+        make_1b(args)
+    elif args.cmd == "prompts":
+        prompts(args)
+    else:
+        sys.exit(compare(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The CUDA backend's checks and benchmarks on the GPU machine, in one call: every gpu_* test,
+# the kernel benchmark, the whole-model comparison with Hugging Face transformers (tiny test
+# models and a random Llama-3.2-1B-shape model) and, when built, the whole-model benchmark.
+#
+#   here (dev machine):   scripts/gpu-cuda.sh --build
+#       builds the nextest archive (debuginfo stripped), the example programs and copies
+#       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
+#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model]
+#       (default: all four) writes logs and JSON to $OUT (or bench/results/) and prints a
+#       short summary last.
+#
+# With the device tool: run(command="bash .carry/cuda/gpu-cuda.sh", carry=[".carry/cuda"]).
+set -uo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+if [[ "${1:-}" == "--build" ]]; then
+    set -e
+    cd "$HERE/.."
+    CARRY="${BATON_GPU_CARRY:-.carry/cuda}"
+    export CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=debuginfo
+    export CARGO_PROFILE_TEST_DEBUG=0 CARGO_PROFILE_TEST_STRIP=debuginfo
+    mkdir -p "$CARRY"
+    cargo nextest archive -p baton-kernels -p baton-engine --archive-file "$CARRY/tests.tar.zst"
+    cargo build -p baton-kernels -p baton-engine --examples
+    target="${CARGO_TARGET_DIR:-target}"
+    for ex in cuda_bench cuda_compile greedy_dump bench_cuda; do
+        [[ -f "$target/debug/examples/$ex" ]] && cp "$target/debug/examples/$ex" "$CARRY/"
+    done
+    cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py "$CARRY/"
+    mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"
+    git rev-parse --short HEAD > "$CARRY/COMMIT" 2>/dev/null || echo unknown > "$CARRY/COMMIT"
+    du -sh "$CARRY"
+    exit 0
+fi
+
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUTDIR="${OUT:-bench/results}"
+mkdir -p "$OUTDIR"
+COMMIT="$(cat "$HERE/COMMIT" 2>/dev/null || echo unknown)"
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests bench golden model)
+want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+summary=()
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/device.txt"
+
+if want tests; then
+    timeout 300 "$HERE/cargo-nextest" nextest run --archive-file "$HERE/tests.tar.zst" --workspace-remap . \
+        -E 'test(/^gpu_/)' --no-fail-fast --success-output immediate --test-threads 1 >"$OUTDIR/gpu-tests.log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && status=1
+    summary+=("tests: $(grep -E '^ +Summary' "$OUTDIR/gpu-tests.log" | tail -1 | sed 's/^ *//') (rc $rc)")
+    while read -r l; do summary+=("  $l"); done < <(grep -E '^ +(FAIL|PASS) ' "$OUTDIR/gpu-tests.log" | sed 's/^ *//' | sort -u | head -20)
+fi
+
+if want bench; then
+    timeout 240 "$HERE/cuda_bench" "$OUTDIR/cuda-kernels.json" "$COMMIT" >"$OUTDIR/cuda-bench.log" 2>&1 || status=1
+    summary+=("$(grep -E '^copy' "$OUTDIR/cuda-bench.log")")
+    while read -r l; do summary+=("  $l"); done < <(grep -E '\*' "$OUTDIR/cuda-bench.log" | head -14)
+fi
+
+if want golden; then
+    G=/tmp/golden
+    mkdir -p $G
+    {
+        "$HERE/greedy_dump" write-tiny $G/models
+        python3 "$HERE/hf_compare.py" prompts 384 7 $G/prompts_tiny.json --lengths 1,7,16,17,40,100
+        for m in llama qwen2 tied llama_wc qwen2_wc tied_wc; do
+            "$HERE/greedy_dump" run $G/models/$m $G/prompts_tiny.json $G/$m.json --steps 64
+            python3 "$HERE/hf_compare.py" compare $G/models/$m $G/$m.json $G/cmp_$m.json
+        done
+    } >"$OUTDIR/golden.log" 2>&1 || status=1
+    summary+=("golden (tiny):")
+    while read -r l; do summary+=("  $l"); done < <(grep -E ' vs HF ' "$OUTDIR/golden.log")
+fi
+
+if want model; then
+    G=/tmp/golden
+    mkdir -p $G
+    {
+        python3 "$HERE/hf_compare.py" prompts 128256 11 $G/prompts_1b.json --lengths 1,7,16,17,40,100,300,1000
+        for std in ${BATON_1B_STDS:-0.02 0.08}; do
+            d=$G/llama1b_std$std
+            python3 "$HERE/hf_compare.py" make-1b $d --init-std $std
+            "$HERE/greedy_dump" run $d $G/prompts_1b.json $G/1b_$std.json --steps 64
+            python3 "$HERE/hf_compare.py" compare $d $G/1b_$std.json $G/cmp_1b_$std.json
+        done
+    } >>"$OUTDIR/golden.log" 2>&1 || status=1
+    summary+=("golden (1B shape):")
+    while read -r l; do summary+=("  $l"); done < <(grep -E 'llama1b.* vs HF ' "$OUTDIR/golden.log")
+fi
+
+if want golden || want model; then
+    python3 - "$OUTDIR/golden-compare.json" "$COMMIT" <<'EOF'
+import glob, json, sys
+out = {"commit": sys.argv[2], "results": {}}
+for f in sorted(glob.glob("/tmp/golden/cmp_*.json")):
+    out["results"][f.split("cmp_")[1][:-5]] = json.load(open(f))
+json.dump(out, open(sys.argv[1], "w"), indent=1)
+EOF
+fi
+
+if want e2e && [[ -x "$HERE/bench_cuda" ]]; then
+    timeout 420 "$HERE/bench_cuda" --config "$HERE/configs/llama-3.1-8b.json" --out "$OUTDIR/bench-cuda.json" \
+        --commit "$COMMIT" >"$OUTDIR/bench-cuda.log" 2>&1 || status=1
+    while read -r l; do summary+=("$l"); done < <(tail -12 "$OUTDIR/bench-cuda.log")
+fi
+
+echo "===== summary (commit $COMMIT) ====="
+printf '%s\n' "${summary[@]}"
+exit $status
