@@ -367,3 +367,19 @@ fn model_info_matches_the_full_load_for_every_format() {
         assert_eq!(info.chat_template.is_some(), full.chat_template.is_some());
     }
 }
+
+#[test]
+fn every_model_config_under_configs_loads_as_dummy_weights() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("configs/models") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let m = load(&path, LoadFormat::Dummy);
+            assert_eq!(m.weights.names().len(), m.config.expected_tensors().len(), "{}", path.display());
+            assert_eq!(m.config.vocab_size, 128256, "{}: benchmark shapes use the real vocabulary", path.display());
+            n += 1;
+        }
+    }
+    assert!(n >= 2, "expected the 8B and 1B configs, found {n}");
+}
