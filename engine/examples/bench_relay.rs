@@ -146,6 +146,11 @@ async fn relay_once(
     })
 }
 
+/// Fails instead of hanging when one relay takes more than 30 s.
+async fn bounded<T>(f: impl std::future::Future<Output = Res<T>>) -> Res<T> {
+    tokio::time::timeout(Duration::from_secs(30), f).await.map_err(|_| "timed out after 30 s")?
+}
+
 fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let config = flag(&args, "--config").ok_or("--config PATH is required")?;
@@ -195,7 +200,8 @@ fn run() -> Res<()> {
         ));
         let pending = listener.accept().await?;
         receive_import(pending, &d, &d_links, Duration::from_secs(60), |_| false).await.map_err(|e| e.to_string())?;
-        let link = ("bench".to_string(), Arc::new(offer.await??));
+        let link = ("bench".to_string(), Arc::new(bounded(async { Ok(offer.await??) }).await?));
+        println!("NCCL link ready");
         let mut seed = 1u64;
         let mut prompt = |len: usize| -> Vec<u32> {
             (0..len)
@@ -209,8 +215,8 @@ fn run() -> Res<()> {
             // Warm up every path at this length (kernel compiles, workspace growth).
             let mut s = unified.submit(EngineRequest::new(prompt(len), params.clone()))?;
             first(&mut s).await?;
-            relay_once(&p, &d, &listener, &d_links, Some(&link), prompt(len), &params).await?;
-            relay_once(&p, &d, &listener, &d_links, None, prompt(len), &params).await?;
+            bounded(relay_once(&p, &d, &listener, &d_links, Some(&link), prompt(len), &params)).await?;
+            bounded(relay_once(&p, &d, &listener, &d_links, None, prompt(len), &params)).await?;
             let mut uni = Vec::new();
             let (mut nccl, mut tcp) = (Vec::new(), Vec::new());
             for _ in 0..reps {
@@ -218,8 +224,8 @@ fn run() -> Res<()> {
                 let mut s = unified.submit(EngineRequest::new(prompt(len), params.clone()))?;
                 uni.push((first(&mut s).await? - t0).as_secs_f64());
                 drop(s);
-                nccl.push(relay_once(&p, &d, &listener, &d_links, Some(&link), prompt(len), &params).await?);
-                tcp.push(relay_once(&p, &d, &listener, &d_links, None, prompt(len), &params).await?);
+                nccl.push(bounded(relay_once(&p, &d, &listener, &d_links, Some(&link), prompt(len), &params)).await?);
+                tcp.push(bounded(relay_once(&p, &d, &listener, &d_links, None, prompt(len), &params)).await?);
             }
             rows.push((len, median(uni), nccl, tcp));
         }

@@ -64,9 +64,20 @@ impl NcclLink {
         for (r, b) in raw.iter_mut().zip(id) {
             *r = *b as core::ffi::c_char;
         }
-        let comm = Comm::from_rank(stream, rank, 2, Id::uninit(raw))
+        let comm = Comm::from_rank(stream.clone(), rank, 2, Id::uninit(raw))
             .map_err(|e| NcclError(format!("ncclCommInitRank (rank {rank}) failed: {e:?}")))?;
-        Ok(Self { comm: Mutex::new(comm), peer: 1 - rank as i32 })
+        let peer = 1 - rank as i32;
+        // NCCL connects point-to-point channels lazily, inside the first grouped send/recv, and
+        // that call blocks until the peer makes the matching call. Do it here, on the joining
+        // threads, so the engine threads' later sends and receives only ever enqueue.
+        let mut probe = stream.alloc_zeros::<u8>(1).map_err(|e| NcclError(format!("probe buffer: {e}")))?;
+        if rank == 0 {
+            comm.send(&probe, peer).map_err(|e| NcclError(format!("warm-up ncclSend failed: {e:?}")))?;
+        } else {
+            comm.recv(&mut probe, peer).map_err(|e| NcclError(format!("warm-up ncclRecv failed: {e:?}")))?;
+        }
+        stream.synchronize().map_err(|e| NcclError(format!("warm-up sync: {e}")))?;
+        Ok(Self { comm: Mutex::new(comm), peer })
     }
 
     /// Runs `f` with the communicator and the peer's rank.
