@@ -99,6 +99,8 @@ pub(crate) trait StepModel: Send {
     fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::new_transfer_stream`].
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError>;
+    /// See [`crate::model::LlamaModel::nccl_fence`].
+    fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError>;
 }
 
 impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
@@ -121,6 +123,10 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
 
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
         crate::model::LlamaModel::new_transfer_stream(self)
+    }
+
+    fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError> {
+        crate::model::LlamaModel::nccl_fence(self, link)
     }
 }
 
@@ -161,6 +167,8 @@ pub(crate) struct EngineLoop {
     pub pool: rayon::ThreadPool,
     pub kv_layout: KvLayout,
     live: HashMap<RequestId, Live>,
+    /// NCCL links that are receiving KV for a reservation (fenced before it first runs).
+    nccl_imports: HashMap<RequestId, Arc<NcclLink>>,
     /// Set by a `Shutdown` command; the loop exits at the next check.
     stopping: bool,
 }
@@ -186,6 +194,7 @@ impl EngineLoop {
             pool,
             kv_layout,
             live: HashMap::new(),
+            nccl_imports: HashMap::new(),
             stopping: false,
         }
     }
@@ -242,11 +251,13 @@ impl EngineLoop {
             Command::ImportLayer { id, blocks, frame } => self.import_layer(id, &blocks, &frame),
             Command::ImportDone { id, trailer } => self.import_done(id, trailer),
             Command::ImportFailed(id) => {
+                self.nccl_imports.remove(&id);
                 if self.scheduler.fail_kv_transfer(id) {
                     tracing::warn!(request = %id, "KV transfer failed; recomputing the prompt here");
                 }
             }
             Command::Abort(id) => {
+                self.nccl_imports.remove(&id);
                 self.scheduler.abort(id);
                 if let Some(l) = self.live.remove(&id) {
                     let _ = l.tx.send(Ok(abort_output()));
@@ -286,11 +297,14 @@ impl EngineLoop {
     }
 
     /// Enqueues receiving one layer of `id` over an NCCL link into its reserved blocks.
-    fn import_layer_nccl(&mut self, id: RequestId, layer: usize, runs: &[(usize, usize)], link: &NcclLink) {
+    fn import_layer_nccl(&mut self, id: RequestId, layer: usize, runs: &[(usize, usize)], link: &Arc<NcclLink>) {
         let blocks: Vec<u32> = runs.iter().flat_map(|&(s, n)| (s as u32)..(s + n) as u32).collect();
         let result = match self.import_target_ok(id, &blocks) {
             Ok(false) => return,
-            Ok(true) => self.model.nccl_recv_layer(layer, runs, link).map_err(|e| e.to_string()),
+            Ok(true) => {
+                self.nccl_imports.insert(id, link.clone());
+                self.model.nccl_recv_layer(layer, runs, link).map_err(|e| e.to_string())
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = result {
@@ -322,6 +336,13 @@ impl EngineLoop {
 
     /// The whole prompt KV of `id` arrived with its first token: it joins the batch (or ends).
     fn import_done(&mut self, id: RequestId, trailer: TransferTrailer) {
+        if let Some(link) = self.nccl_imports.remove(&id)
+            && let Err(e) = self.model.nccl_fence(&link)
+        {
+            tracing::warn!(request = %id, error = %e, "cannot order the received KV; recomputing the prompt here");
+            self.scheduler.fail_kv_transfer(id);
+            return;
+        }
         let Some(u) = self.scheduler.complete_kv_transfer_with_token(id, trailer.first_token) else {
             return;
         };
@@ -417,6 +438,14 @@ impl EngineLoop {
                 return;
             }
         };
+        // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
+        // before the sends are done (the GPU waits, the host does not).
+        for link in export_specs.iter().filter_map(|e| e.link.as_ref()) {
+            if let Err(e) = self.model.nccl_fence(link) {
+                tracing::error!(error = %e, "cannot fence an NCCL export; marking the engine unhealthy");
+                self.shared.healthy.store(false, Ordering::SeqCst);
+            }
+        }
         let sampling_ids: Vec<RequestId> =
             out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty()).map(|s| s.id).collect();
         let mut sampled = Vec::with_capacity(sampling_ids.len());

@@ -208,6 +208,15 @@ impl<B: Backend> LlamaModel<B> {
             .map_err(|e| BackendError::Device(e.to_string()))
     }
 
+    /// Makes compute wait for everything enqueued on `link` (see `NcclOps::fence`).
+    pub fn nccl_fence(&mut self, link: &crate::kv_transport::nccl::NcclLink) -> Result<(), BackendError> {
+        self.backend
+            .nccl_ops()
+            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
+            .fence(link)
+            .map_err(|e| BackendError::Device(e.to_string()))
+    }
+
     /// A new transfer stream on the backend's device (for an NCCL link).
     pub fn new_transfer_stream(&mut self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError> {
         self.backend

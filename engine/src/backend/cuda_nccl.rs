@@ -24,14 +24,22 @@ fn nccl_err(what: &str, e: impl std::fmt::Debug) -> NcclError {
 }
 
 impl NcclOps for CudaBackend {
+    fn fence(&mut self, link: &NcclLink) -> Result<(), NcclError> {
+        let compute = self.dev.stream().clone();
+        link.with(|comm, _| compute.join(&comm.stream()).map_err(|e| nccl_err("fencing compute on the transfer", e)))
+    }
+
     fn new_transfer_stream(&self) -> Result<Arc<CudaStream>, NcclError> {
         self.dev.stream().context().new_stream().map_err(|e| nccl_err("creating a transfer stream", e))
     }
 
     fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
         let bl = self.layer_block_len(layer, runs)?;
+        let compute = self.dev.stream().clone();
         let (kc, vc) = &self.kv[layer];
         link.with(|comm, peer| {
+            // Send what the compute stream has written so far (this layer's KV included).
+            comm.stream().join(&compute).map_err(|e| nccl_err("ordering the send after compute", e))?;
             group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
             let mut result = Ok(());
             for &(start, len) in runs {
@@ -52,8 +60,10 @@ impl NcclOps for CudaBackend {
 
     fn recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
         let bl = self.layer_block_len(layer, runs)?;
+        let compute = self.dev.stream().clone();
         let (kc, vc) = &mut self.kv[layer];
         link.with(|comm, peer| {
+            comm.stream().join(&compute).map_err(|e| nccl_err("ordering the receive after compute", e))?;
             group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
             let mut result = Ok(());
             for &(start, len) in runs {

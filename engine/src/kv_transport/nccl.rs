@@ -10,9 +10,11 @@
 //! matching receives), and the trailer with the first token. Data moves straight between the
 //! paged caches, one grouped send/recv per layer and contiguous block run, with no staging.
 //!
-//! Ordering relies on cudarc's per-buffer event tracking: a send waits for the compute
-//! kernels that wrote the layer, the next write to that layer's cache waits for the send,
-//! and the decode side's next use of the layer waits for the receive. A peer that dies with
+//! Ordering is explicit: the transfer stream waits for the compute stream before each
+//! layer's sends (so they read finished KV) and receives; the compute stream waits for the
+//! transfer stream after the sending step (before those blocks can be reused) and before
+//! the decode side's first step over the received KV ([`NcclOps::fence`]). The sending
+//! step itself never waits for the transfer, so the transfer overlaps the prefill. A peer that dies with
 //! a transfer in flight leaves that link's transfer stream blocked; the link is then
 //! dropped (aborting the communicator) and a new one is made on the next contact.
 
@@ -97,6 +99,10 @@ pub trait NcclOps {
     fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
     /// Enqueues receiving layer `layer`'s K and V into each run `(first block, count)`.
     fn recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
+    /// Makes the compute stream wait for everything enqueued on the link so far: after the
+    /// step that sent a prompt (before its blocks can be reused) and before the first step
+    /// that reads received KV.
+    fn fence(&mut self, link: &NcclLink) -> Result<(), NcclError>;
 }
 
 /// Contiguous runs `(first, count)` of a block list, in order.
