@@ -15,6 +15,12 @@ use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // NVLink SHARP (NVLS) multicast must stay off on the machines Baton's NCCL links run on;
+    // an operator's explicit setting wins. Set here, before any thread or NCCL call exists.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // SAFETY: single-threaded at this point: no runtime, engine or logger thread started yet.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
     // RUST_LOG overrides the default level; read here, at the edge.
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Colour only on a terminal: logs piped to files or collectors stay plain text.

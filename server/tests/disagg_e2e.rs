@@ -589,3 +589,26 @@ async fn bad_input_and_missing_workers_get_clear_errors() {
     }
     assert!(worker.log_text().contains("layers3"), "the refusal names the models:\n{}", worker.log_text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_prompts_stay_on_the_decode_worker_under_conditional_disaggregation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let ps = prompts(vocab);
+    let want = reference(dir.path(), &model, &ps).await;
+    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &["--disagg-threshold", "32"], &[vec![]], &[vec![]]).await;
+    let bytes = format!("baton_kv_transfer_bytes_total{{model_name=\"{MODEL}\"}}");
+    // Prompts of 3..17 tokens (< 32) run on the decode worker alone: nothing moves.
+    for (p, w) in ps.iter().zip(&want).filter(|(p, _)| p.len() < 32) {
+        assert_same(&complete(&c.http, &c.router.http, p, false).await, w, "short prompt kept on D");
+    }
+    assert_eq!(c.prefill[0].metric(&c.http, &bytes).await, 0.0, "a short prompt was handed off");
+    // Longer ones are disaggregated.
+    for (p, w) in ps.iter().zip(&want).filter(|(p, _)| p.len() >= 32) {
+        assert_same(&complete(&c.http, &c.router.http, p, true).await, w, "long prompt handed off");
+    }
+    assert!(c.prefill[0].metric(&c.http, &bytes).await > 0.0, "long prompts were not handed off");
+    for w in c.all_workers() {
+        w.assert_idle(&c.http).await;
+    }
+}
