@@ -10,7 +10,10 @@
 //!     token), over NCCL and over TCP;
 //!   - the exposed hand-off: from P's first token to D holding the KV with that token (what a
 //!     decode step on D waits for), and the hand-off's bytes ÷ its whole duration;
-//!   - D's second token (the relay really continues on D).
+//!   - D's second token (the relay really continues on D);
+//!   - the transfer alone: a repeated prompt is a prefix-cache hit on P (one token computed),
+//!     so its hand-off (connect → acknowledgement) is nearly all data movement; bytes ÷ that
+//!     time against the NCCL ceiling.
 //!
 //! Usage: `bench_relay --config configs/models/llama-3.2-1b.json --out OUT.json [--commit C]
 //! [--lens 512,2048,8192] [--reps 3]`.
@@ -181,7 +184,9 @@ fn run() -> Res<()> {
         ..EngineConfig::default()
     };
     let unified = start_engine(&model, DeviceSpec::Cuda(0), cfg.clone())?;
-    let p = start_engine(&model, DeviceSpec::Cuda(0), cfg.clone())?;
+    // The prefill engine caches prefixes, so a repeated prompt re-sends all its KV while
+    // computing one token: that hand-off isolates the transfer (see `cached` below).
+    let p = start_engine(&model, DeviceSpec::Cuda(0), EngineConfig { enable_prefix_caching: true, ..cfg.clone() })?;
     let d = start_engine(&model, DeviceSpec::Cuda(1), cfg)?;
     let vocab = model.config.vocab_size as u64;
     let params = SamplingParams { max_tokens: Some(2), ignore_eos: true, ..SamplingParams::greedy() };
@@ -227,24 +232,32 @@ fn run() -> Res<()> {
                 nccl.push(bounded(relay_once(&p, &d, &listener, &d_links, Some(&link), prompt(len), &params)).await?);
                 tcp.push(bounded(relay_once(&p, &d, &listener, &d_links, None, prompt(len), &params)).await?);
             }
-            rows.push((len, median(uni), nccl, tcp));
+            // Transfer alone: the same prompt twice; the second prefill is a prefix-cache hit
+            // (one token computed), so its hand-off is nearly all data movement.
+            let mut cached = Vec::new();
+            for _ in 0..reps {
+                let pr = prompt(len);
+                bounded(relay_once(&p, &d, &listener, &d_links, Some(&link), pr.clone(), &params)).await?;
+                cached.push(bounded(relay_once(&p, &d, &listener, &d_links, Some(&link), pr, &params)).await?);
+            }
+            rows.push((len, median(uni), nccl, tcp, cached));
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
     let mut json_rows = Vec::new();
     writeln!(
         table,
-        "{:>6} {:>10} | {:>10} {:>9} {:>9} {:>9} | {:>10} {:>9} {:>9}",
-        "len", "unified", "nccl ttft", "vs uni", "exposed", "GB/s", "tcp ttft", "exposed", "GB/s"
+        "{:>6} {:>10} | {:>10} {:>9} {:>9} {:>9} | {:>10} {:>9} {:>9} | {:>12}",
+        "len", "unified", "nccl ttft", "vs uni", "exposed", "GB/s", "tcp ttft", "exposed", "GB/s", "cached GB/s"
     )?;
-    for (len, uni, nccl, tcp) in &rows {
+    for (len, uni, nccl, tcp, cached) in &rows {
         let m = |v: &[Relayed], f: fn(&Relayed) -> f64| median(v.iter().map(f).collect());
         let gbs = |v: &[Relayed]| median(v.iter().map(|r| r.bytes as f64 / r.handoff / 1e9).collect());
         let (nt, ne, ns) = (m(nccl, |r| r.ttft), m(nccl, |r| r.exposed), m(nccl, |r| r.second));
         let (tt, te, ts) = (m(tcp, |r| r.ttft), m(tcp, |r| r.exposed), m(tcp, |r| r.second));
         writeln!(
             table,
-            "{len:>6} {:>8.2}ms | {:>8.2}ms {:>8.1}% {:>7.2}ms {:>9.1} | {:>8.2}ms {:>7.2}ms {:>9.2}",
+            "{len:>6} {:>8.2}ms | {:>8.2}ms {:>8.1}% {:>7.2}ms {:>9.1} | {:>8.2}ms {:>7.2}ms {:>9.2} | {:>12.1}",
             uni * 1e3,
             nt * 1e3,
             (nt / uni - 1.0) * 100.0,
@@ -252,10 +265,11 @@ fn run() -> Res<()> {
             gbs(nccl),
             tt * 1e3,
             te * 1e3,
-            gbs(tcp)
+            gbs(tcp),
+            gbs(cached)
         )?;
         json_rows.push(format!(
-            "{{\"prompt_tokens\": {len}, \"unified_ttft_ms\": {:.3}, \"nccl\": {{\"ttft_ms\": {:.3}, \"ttft_vs_unified\": {:.4}, \"exposed_handoff_ms\": {:.3}, \"second_token_ms\": {:.3}, \"kv_bytes\": {}, \"handoff_gb_per_s\": {:.2}}}, \"tcp\": {{\"ttft_ms\": {:.3}, \"exposed_handoff_ms\": {:.3}, \"second_token_ms\": {:.3}, \"handoff_gb_per_s\": {:.3}}}}}",
+            "{{\"prompt_tokens\": {len}, \"unified_ttft_ms\": {:.3}, \"nccl\": {{\"ttft_ms\": {:.3}, \"ttft_vs_unified\": {:.4}, \"exposed_handoff_ms\": {:.3}, \"second_token_ms\": {:.3}, \"kv_bytes\": {}, \"handoff_gb_per_s\": {:.2}}}, \"tcp\": {{\"ttft_ms\": {:.3}, \"exposed_handoff_ms\": {:.3}, \"second_token_ms\": {:.3}, \"handoff_gb_per_s\": {:.3}}}, \"cached_prompt_handoff\": {{\"gb_per_s\": {:.2}, \"ms\": {:.3}, \"vs_nccl_ceiling\": {:.4}}}}}",
             uni * 1e3,
             nt * 1e3,
             nt / uni,
@@ -266,7 +280,10 @@ fn run() -> Res<()> {
             tt * 1e3,
             te * 1e3,
             ts * 1e3,
-            gbs(tcp)
+            gbs(tcp),
+            gbs(cached),
+            m(cached, |r| r.handoff) * 1e3,
+            gbs(cached) / nccl_gbs
         ));
     }
     let device = std::process::Command::new("nvidia-smi")
