@@ -364,6 +364,7 @@ impl KvBlockManager {
             // Hit blocks already carry their hashes; registration resumes after them.
             table.num_hashed = cached_prefix.len();
         }
+        let first_fresh = table.blocks.len();
         for _ in 0..needed {
             let Some(b) = self.free.pop_front() else {
                 // Unreachable given the check above; leave a consistent, shorter table.
@@ -381,6 +382,11 @@ impl KvBlockManager {
             self.blocks[b as usize].ref_count = 1;
             table.blocks.push(b);
         }
+        // Tails are freed first, so the queue often holds a freed table backwards; taking a
+        // batch in ascending order turns it back into one contiguous run, which a KV hand-off
+        // moves with one copy (or one NCCL send) per layer instead of one per block. Which
+        // blocks are taken is unchanged, only their order within this fresh batch.
+        table.blocks[first_fresh..].sort_unstable();
         Ok(needed)
     }
 
@@ -680,5 +686,21 @@ mod tests {
         m.cache_full_blocks(RequestId(1), &h, 1);
         assert!(m.find_cached_prefix(&h, 3).is_empty());
         assert_eq!(m.num_cached_blocks(), 0);
+    }
+
+    #[test]
+    fn a_fresh_batch_is_taken_in_ascending_order_so_a_recycled_table_stays_one_run() {
+        let mut m = mgr(8, 4);
+        m.allocate(RequestId(1), &[], 32).expect("the whole pool");
+        let first = m.block_table(RequestId(1)).expect("table").to_vec();
+        let tokens: Vec<u32> = (0..32).collect();
+        m.cache_full_blocks(RequestId(1), &crate::block_hash::hash_full_blocks(&tokens, 4), 8);
+        m.free(RequestId(1));
+        // Cached blocks are freed tail-first to the back of the queue, so they sit there
+        // backwards; a new prompt taking them must still get one ascending run.
+        m.allocate(RequestId(2), &[], 32).expect("the whole pool");
+        let table = m.block_table(RequestId(2)).expect("table").to_vec();
+        assert!(table.windows(2).all(|w| w[1] == w[0] + 1), "{table:?} (first table {first:?})");
+        m.check_consistency().expect("consistent");
     }
 }
