@@ -97,6 +97,8 @@ pub struct WorkerState {
     pub kv_transport: KvTransportKind,
     /// Random per process, names this worker's NCCL links.
     pub instance: String,
+    /// Serializes NCCL link setups (see `service::ensure_link`).
+    pub link_setup: tokio::sync::Mutex<()>,
 }
 
 impl WorkerState {
@@ -210,6 +212,7 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         links: Default::default(),
         kv_transport: settings.kv_transport,
         instance: reporter::instance_id(),
+        link_setup: tokio::sync::Mutex::new(()),
     });
     tracing::info!(
         role = settings.role.as_str(),

@@ -106,6 +106,13 @@ async fn ensure_link(
     if let Some(link) = state.links.get(kv_addr) {
         return Ok((name, link));
     }
+    // One setup at a time: concurrent first requests to the same decode worker must share one
+    // communicator (two would be filed under one name on the decode side, and sends on one
+    // would wait forever for receives posted on the other).
+    let _setup = state.link_setup.lock().await;
+    if let Some(link) = state.links.get(kv_addr) {
+        return Ok((name, link));
+    }
     let stream = state.engine.transfer_stream().await.map_err(Status::failed_precondition)?;
     let link = setup_link(addr, state.engine.kv_layout(), deadline, name.clone(), stream)
         .await
