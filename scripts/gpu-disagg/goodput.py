@@ -10,10 +10,12 @@ H = os.path.dirname(os.path.abspath(__file__))
 OUT = os.environ.get("OUT", "/tmp/out")
 B, LT = os.path.join(H, "baton"), os.path.join(H, "baton-loadtest")
 SLO = ["tpot:25", "ttft:2000"]
+SCALE = float(os.environ.get("GOODPUT_SCALE", "1"))  # fraction of the prompt counts (quick checks)
 LOADS = {  # name: (input, output, rate req/s, prompts)
-    "long_prompt": (2048, 8, 8, 160),
-    "short_prompt": (128, 128, 16, 320),
+    "long_prompt": (2048, 8, 8, max(8, int(160 * SCALE))),
+    "short_prompt": (128, 128, 16, max(16, int(320 * SCALE))),
 }
+CONFIGS = os.environ.get("GOODPUT_CONFIGS", "1p1d,2unified").split(",")
 
 def model_dir():
     subprocess.run([os.path.join(H, "write_tiny_models"), "/tmp/m"], check=True, capture_output=True)
@@ -75,17 +77,19 @@ def run_config(name, model, router_flags, workers):
         time.sleep(2)
 
 model = model_dir()
-results = {
-    "1p1d": run_config("1p1d", model, ["--policy", "least_loaded", "--min-prefill-workers", "1"],
-                       [("prefill", "cuda:0", ["--kv-transport", "nccl"]), ("decode", "cuda:1", [])]),
-    "2unified": run_config("2unified", model, ["--disagg-threshold", "1000000", "--min-decode-workers", "2"],
-                           [("unified", "cuda:0", []), ("unified", "cuda:1", [])]),
+SETUPS = {
+    "1p1d": (["--policy", "least_loaded", "--min-prefill-workers", "1"],
+             [("prefill", "cuda:0", ["--kv-transport", "nccl"]), ("decode", "cuda:1", [])]),
+    "2unified": (["--disagg-threshold", "1000000", "--min-decode-workers", "2"],
+                 [("unified", "cuda:0", []), ("unified", "cuda:1", [])]),
 }
+results = {name: run_config(name, model, *SETUPS[name]) for name in CONFIGS}
 total = {k: sum((v.get("request_goodput") or 0) for v in r.values()) for k, r in results.items()}
+ratio = total["1p1d"] / total["2unified"] if total.get("2unified") and "1p1d" in total else None
 out = {"slo": SLO, "loads": LOADS, "results": results, "total_goodput_req_per_s": total,
-       "ratio_1p1d_vs_2unified": (total["1p1d"] / total["2unified"]) if total["2unified"] else None}
+       "ratio_1p1d_vs_2unified": ratio}
 json.dump(out, open(os.path.join(OUT, "goodput.json"), "w"), indent=1)
 for k, r in results.items():
     for lname, v in r.items():
         print(k, lname, json.dumps(v)[:300])
-print("total goodput req/s:", total, "ratio:", out["ratio_1p1d_vs_2unified"])
+print("total goodput req/s:", total, "ratio:", ratio)
