@@ -63,6 +63,8 @@ pub struct EngineConfig {
     /// cache together); on CUDA, when `num_kv_blocks` is `None`, the KV pool takes what is
     /// free after the weights and workspaces minus `(1 - utilization) × total`.
     pub gpu_memory_utilization: f32,
+    /// Where NVRTC-compiled kernels are cached on disk (CUDA); `None` compiles every start.
+    pub kernel_cache_dir: Option<std::path::PathBuf>,
     /// Most sequences in one step.
     pub max_num_seqs: usize,
     /// Most tokens in one step.
@@ -89,6 +91,7 @@ impl Default for EngineConfig {
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,
             gpu_memory_utilization: 0.9,
+            kernel_cache_dir: None,
             max_num_seqs: 64,
             max_num_batched_tokens: 2048,
             max_model_len: None,

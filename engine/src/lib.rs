@@ -125,8 +125,7 @@ pub fn start_engine(
     let (model_box, num_blocks, device_name, kv_dtype): (Box<dyn engine_loop::StepModel>, usize, String, KvDtype) =
         match device {
             DeviceSpec::Cuda(ordinal) => {
-                let opts =
-                    baton_kernels::cuda::CudaOptions { ordinal, cache_dir: baton_kernels::cuda::default_cache_dir() };
+                let opts = baton_kernels::cuda::CudaOptions { ordinal, cache_dir: config.kernel_cache_dir.clone() };
                 let backend = backend::cuda::CudaBackend::new(&opts)?;
                 let mut llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;

@@ -78,6 +78,9 @@ pub struct ServeArgs {
     /// Fraction of GPU memory for weights, workspaces and KV cache [default: 0.9]
     #[arg(long, env = "BATON_GPU_MEMORY_UTILIZATION", value_name = "FRACTION")]
     pub gpu_memory_utilization: Option<f32>,
+    /// Disk cache of compiled CUDA kernels [default: $XDG_CACHE_HOME/baton/kernels or ~/.cache/baton/kernels]
+    #[arg(long, env = "BATON_KERNEL_CACHE_DIR", value_name = "DIR")]
+    pub kernel_cache_dir: Option<std::path::PathBuf>,
     /// Waiting requests beyond which new ones get 429 [default: engine default]
     #[arg(long, env = "BATON_MAX_WAITING", value_name = "N")]
     pub max_waiting: Option<usize>,

@@ -72,6 +72,8 @@ pub struct ServeFile {
     pub num_kv_blocks: Option<usize>,
     /// See `--gpu-memory-utilization`.
     pub gpu_memory_utilization: Option<f32>,
+    /// See `--kernel-cache-dir`.
+    pub kernel_cache_dir: Option<PathBuf>,
     /// See `--max-waiting`.
     pub max_waiting: Option<usize>,
     /// See `--disable-prefix-caching`.
@@ -148,6 +150,8 @@ pub struct ServeSettings {
     pub num_kv_blocks: Option<usize>,
     /// Fraction of GPU memory the engine may use (`None`: the engine's default).
     pub gpu_memory_utilization: Option<f32>,
+    /// Disk cache of compiled kernels (`None`: none could be determined).
+    pub kernel_cache_dir: Option<PathBuf>,
     /// Waiting-queue cap (beyond it: 429).
     pub max_waiting: Option<usize>,
     /// Turn the prefix cache off.
@@ -179,6 +183,12 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         block_size: args.block_size.or(file.block_size),
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
         gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
+        // The default comes from the environment, read here at the binary's edge.
+        kernel_cache_dir: args
+            .kernel_cache_dir
+            .clone()
+            .or_else(|| file.kernel_cache_dir.clone())
+            .or_else(baton_kernels::cuda::default_cache_dir),
         max_waiting: args.max_waiting.or(file.max_waiting),
         disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
         disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),

@@ -22,6 +22,7 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         block_size: s.block_size.unwrap_or(d.block_size),
         num_kv_blocks: s.num_kv_blocks.or(d.num_kv_blocks),
         gpu_memory_utilization: s.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
+        kernel_cache_dir: s.kernel_cache_dir.clone(),
         max_num_seqs: s.max_num_seqs.unwrap_or(d.max_num_seqs),
         max_num_batched_tokens: s.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
         max_model_len: s.max_model_len.or(d.max_model_len),
@@ -155,8 +156,11 @@ mod tests {
     fn engine_config_takes_settings_and_defaults() {
         let args = crate::cli::ServeArgs::default();
         let mut s = crate::config::resolve(&args, &Default::default());
-        let d = EngineConfig::default();
+        // The kernel cache defaults to a directory from the environment (or none without one).
+        let d = EngineConfig { kernel_cache_dir: baton_kernels::cuda::default_cache_dir(), ..EngineConfig::default() };
         assert_eq!(engine_config(&s), d);
+        s.kernel_cache_dir = Some("/tmp/k".into());
+        assert_eq!(engine_config(&s).kernel_cache_dir, Some("/tmp/k".into()));
         s.block_size = Some(8);
         s.num_kv_blocks = Some(40);
         s.max_model_len = Some(128);
