@@ -237,7 +237,7 @@ impl EngineLoop {
             }
             Command::Reserve { id, request, tx, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
-                let seed = request.params.seed.unwrap_or_else(entropy_seed);
+                let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
                 let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
                 if result.is_ok() {
                     self.live.insert(id, Live { tx, seed, export: None });
@@ -270,7 +270,7 @@ impl EngineLoop {
     /// Queues a new request (plain or export).
     fn admit(&mut self, id: RequestId, request: EngineRequest, tx: OutputTx, export: Option<Export>) {
         self.shared.pending.fetch_sub(1, Ordering::SeqCst);
-        let seed = request.params.seed.unwrap_or_else(entropy_seed);
+        let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
         match self.scheduler.add_request(id, request, &self.eos_token_ids) {
             Ok(()) => {
                 self.live.insert(id, Live { tx, seed, export });
@@ -549,12 +549,4 @@ fn abort_output() -> EngineOutput {
 
 fn submit_to_engine_error(e: SubmitError) -> EngineError {
     EngineError::Unschedulable(e.to_string())
-}
-
-/// A seed for requests that did not give one: process-random, never repeated in practice.
-fn entropy_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    h.finish()
 }

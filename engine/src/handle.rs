@@ -171,25 +171,7 @@ impl EngineHandle {
             )
             .into());
         }
-        request.params.validate(info.vocab_size)?;
-        let prompt_len = request.prompt_token_ids.len();
-        if prompt_len == 0 {
-            return Err(SubmitError::InvalidPrompt("the prompt is empty".into()));
-        }
-        if let Some(bad) = request.prompt_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(SubmitError::InvalidPrompt(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                info.vocab_size
-            )));
-        }
-        let wanted = request.params.max_tokens.unwrap_or(1);
-        if prompt_len + wanted > info.max_model_len {
-            return Err(SubmitError::ContextTooLong {
-                prompt_tokens: prompt_len,
-                max_tokens: wanted,
-                max_model_len: info.max_model_len,
-            });
-        }
+        request.check(info)?;
         let waiting = self.stats().num_waiting + self.inner.shared.pending.load(Ordering::SeqCst);
         if waiting >= self.inner.max_waiting {
             return Err(SubmitError::QueueFull { waiting });

@@ -42,6 +42,42 @@ impl EngineRequest {
     pub fn new(prompt_token_ids: Vec<u32>, params: SamplingParams) -> Self {
         Self { prompt_token_ids, params, priority: 0, share_prefix_with: None, arrival: Instant::now() }
     }
+
+    /// The checks any [`EngineClient`] makes before accepting a request, against the engine's
+    /// facts: valid parameters, a non-empty prompt inside the vocabulary, and prompt plus
+    /// requested tokens within the context.
+    pub fn check(&self, info: &EngineInfo) -> Result<(), SubmitError> {
+        self.params.validate(info.vocab_size)?;
+        let prompt_len = self.prompt_token_ids.len();
+        if prompt_len == 0 {
+            return Err(SubmitError::InvalidPrompt("the prompt is empty".into()));
+        }
+        if let Some(bad) = self.prompt_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+            return Err(SubmitError::InvalidPrompt(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                info.vocab_size
+            )));
+        }
+        let wanted = self.params.max_tokens.unwrap_or(1);
+        if prompt_len + wanted > info.max_model_len {
+            return Err(SubmitError::ContextTooLong {
+                prompt_tokens: prompt_len,
+                max_tokens: wanted,
+                max_model_len: info.max_model_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A seed for a request that gave none: process-random, never repeated in practice. Drawn
+/// once per request so every worker that samples for it (prefill, decode, a recompute)
+/// draws the same tokens.
+pub fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
 }
 
 /// Why a sequence finished.

@@ -441,7 +441,7 @@ impl Backend for CudaBackend {
         let mut v = vec![bf16::ZERO; blocks.len() * block_len];
         let stream = self.dev.stream();
         let mut at = 0;
-        for (start, len) in contiguous_runs(blocks) {
+        for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
             let src = start * block_len..(start + len) * block_len;
             let dst = at..at + len * block_len;
             stream
@@ -472,7 +472,7 @@ impl Backend for CudaBackend {
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let mut at = 0;
-        for (start, len) in contiguous_runs(blocks) {
+        for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
             let dst = start * block_len..(start + len) * block_len;
             let src = at..at + len * block_len;
             stream
@@ -499,15 +499,3 @@ impl CudaBackend {
 
 #[path = "cuda_nccl.rs"]
 mod nccl;
-
-/// `(first block, count)` for each run of consecutive block ids, in order.
-fn contiguous_runs(blocks: &[u32]) -> Vec<(usize, usize)> {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for &b in blocks {
-        match runs.last_mut() {
-            Some((start, len)) if *start + *len == b as usize => *len += 1,
-            _ => runs.push((b as usize, 1)),
-        }
-    }
-    runs
-}

@@ -204,38 +204,14 @@ impl ClusterClient {
             None => Ok(Route::Local(decode)),
         }
     }
-
-    fn check(&self, request: &EngineRequest) -> Result<(), SubmitError> {
-        let info = &self.inner.info;
-        request.params.validate(info.vocab_size)?;
-        let n = request.prompt_token_ids.len();
-        if n == 0 {
-            return Err(SubmitError::InvalidPrompt("the prompt is empty".into()));
-        }
-        if let Some(bad) = request.prompt_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return Err(SubmitError::InvalidPrompt(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                info.vocab_size
-            )));
-        }
-        let wanted = request.params.max_tokens.unwrap_or(1);
-        if n + wanted > info.max_model_len {
-            return Err(SubmitError::ContextTooLong {
-                prompt_tokens: n,
-                max_tokens: wanted,
-                max_model_len: info.max_model_len,
-            });
-        }
-        Ok(())
-    }
 }
 
 impl EngineClient for ClusterClient {
     fn submit(&self, mut request: EngineRequest) -> Result<OutputStream, SubmitError> {
-        self.check(&request)?;
+        request.check(&self.inner.info)?;
         let route = self.route(&request)?;
         if request.params.seed.is_none() {
-            request.params.seed = Some(fresh_seed());
+            request.params.seed = Some(baton_core::api::fresh_seed());
         }
         let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::SeqCst));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -283,12 +259,4 @@ impl EngineClient for ClusterClient {
         let s = &self.inner.settings;
         p + u >= s.min_prefill_workers && d + u >= s.min_decode_workers.max(1)
     }
-}
-
-/// A seed for a request that gave none: random per request.
-fn fresh_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    h.finish()
 }
