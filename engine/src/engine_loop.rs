@@ -366,9 +366,10 @@ impl EngineLoop {
     }
 
     /// Plans the hand-off of every export request whose prompt completes in this step and
-    /// returns, per export, the request and the sender-side blocks to read each layer.
-    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> Vec<(RequestId, ExportSpec)> {
-        let mut exports = Vec::new();
+    /// returns, in step order, what the model does with each export's blocks after every
+    /// layer and the channel its layers go to (parallel vectors: the model indexes exports).
+    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> (Vec<ExportSpec>, Vec<ExportTx>) {
+        let (mut specs, mut txs) = (Vec::new(), Vec::new());
         let mut failed = Vec::new();
         for seq in out.seqs.iter().filter(|s| s.sample) {
             let Some(Export { dst_block_table, tx, link }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
@@ -384,7 +385,8 @@ impl EngineLoop {
                     let (src, _) = plan_blocks(&plan);
                     let runs = plan.runs.iter().map(|r| (r.src_start as usize, r.len)).collect();
                     if tx.send(ExportEvent::Plan(plan)).is_ok() {
-                        exports.push((seq.id, ExportSpec { blocks: src, runs, link: link.clone() }));
+                        specs.push(ExportSpec { blocks: src, runs, link: link.clone() });
+                        txs.push(tx.clone());
                     }
                 }
                 Err(e) => failed.push((seq.id, e.to_string())),
@@ -396,7 +398,7 @@ impl EngineLoop {
                 let _ = l.tx.send(Err(EngineError::Unschedulable(format!("cannot plan the KV hand-off: {reason}"))));
             }
         }
-        exports
+        (specs, txs)
     }
 
     fn step(&mut self) {
@@ -410,14 +412,9 @@ impl EngineLoop {
             return;
         }
         let batch = layout_for(&out);
-        let exports = self.plan_exports(&out);
-        let export_txs: Vec<Option<ExportTx>> = exports
-            .iter()
-            .map(|(id, _)| self.live.get(id).and_then(|l| l.export.as_ref()).map(|e| e.tx.clone()))
-            .collect();
-        let export_specs: Vec<ExportSpec> = exports.iter().map(|(_, e)| e.clone()).collect();
+        let (export_specs, export_txs) = self.plan_exports(&out);
         let mut sink = |layer: usize, j: usize, k: Vec<u8>, v: Vec<u8>| {
-            if let Some(Some(tx)) = export_txs.get(j) {
+            if let Some(tx) = export_txs.get(j) {
                 let _ = tx.send(ExportEvent::Layer(LayerFrame { layer, k, v }));
             }
         };

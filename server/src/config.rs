@@ -188,7 +188,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .kernel_cache_dir
             .clone()
             .or_else(|| file.kernel_cache_dir.clone())
-            .or_else(baton_kernels::cuda::default_cache_dir),
+            .or_else(default_kernel_cache_dir),
         max_waiting: args.max_waiting.or(file.max_waiting),
         disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
         disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),
@@ -198,6 +198,17 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .or(file.max_body_bytes)
             .unwrap_or(baton_router::http::DEFAULT_MAX_BODY_BYTES),
     }
+}
+
+/// The default kernel cache: `$XDG_CACHE_HOME/baton/kernels`, else `$HOME/.cache/baton/kernels`;
+/// `None` when neither is set. Read here, in the binary's config layer, and handed to the
+/// engine as `EngineConfig::kernel_cache_dir`.
+pub fn default_kernel_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("baton").join("kernels"))
 }
 
 /// Loads `--config` (if any) and resolves the settings.

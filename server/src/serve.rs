@@ -157,7 +157,7 @@ mod tests {
         let args = crate::cli::ServeArgs::default();
         let mut s = crate::config::resolve(&args, &Default::default());
         // The kernel cache defaults to a directory from the environment (or none without one).
-        let d = EngineConfig { kernel_cache_dir: baton_kernels::cuda::default_cache_dir(), ..EngineConfig::default() };
+        let d = EngineConfig { kernel_cache_dir: crate::config::default_kernel_cache_dir(), ..EngineConfig::default() };
         assert_eq!(engine_config(&s), d);
         s.kernel_cache_dir = Some("/tmp/k".into());
         assert_eq!(engine_config(&s).kernel_cache_dir, Some("/tmp/k".into()));

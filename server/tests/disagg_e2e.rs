@@ -492,8 +492,16 @@ async fn prefix_aware_sends_a_repeated_prefix_to_the_worker_that_holds_it() {
         p
     };
     complete(&c.http, &c.router.http, &with_suffix(0), false).await;
-    // Let the holder report its cached blocks (heartbeats every 200 ms).
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Wait until the holder has reported its cached blocks (heartbeats every 200 ms).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ws = c.workers().await;
+        if ws.iter().any(|w| w["role"] == "prefill" && w["cached_blocks"].as_u64() >= Some(10)) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no prefill worker reported the cached prefix: {ws:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     for k in 1..6 {
         complete(&c.http, &c.router.http, &with_suffix(k), false).await;
     }

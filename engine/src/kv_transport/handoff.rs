@@ -124,12 +124,8 @@ pub async fn receive_import(
             }
             Some(NcclHandshake::Use { link }) => {
                 // The link may still be finishing its setup: wait for it within the deadline.
-                let until = Instant::now() + deadline;
-                while links.get(link).is_none() {
-                    if Instant::now() > until {
-                        return Err(format!("no NCCL link {link:?} on this worker"));
-                    }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                if links.wait_for(link, deadline).await.is_none() {
+                    return Err(format!("no NCCL link {link:?} on this worker"));
                 }
                 if expected(RequestId(hs.request_id)) { Ok(()) } else { Err(not_waiting(hs.request_id)) }
             }

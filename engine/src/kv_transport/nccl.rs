@@ -121,6 +121,8 @@ pub fn block_runs(blocks: &[u32]) -> Vec<(usize, usize)> {
 #[derive(Default)]
 pub struct NcclLinks {
     links: Mutex<std::collections::HashMap<String, Arc<NcclLink>>>,
+    /// Woken on every insert, for [`NcclLinks::wait_for`].
+    added: tokio::sync::Notify,
 }
 
 impl NcclLinks {
@@ -133,6 +135,22 @@ impl NcclLinks {
     pub fn insert(&self, peer: String, link: Arc<NcclLink>) {
         if let Ok(mut l) = self.links.lock() {
             l.insert(peer, link);
+        }
+        self.added.notify_waiters();
+    }
+
+    /// The link to `peer`, waiting up to `within` for a setup still in progress to file it.
+    pub async fn wait_for(&self, peer: &str, within: std::time::Duration) -> Option<Arc<NcclLink>> {
+        let until = tokio::time::Instant::now() + within;
+        loop {
+            // Registered before looking, so an insert between the look and the wait is seen.
+            let added = self.added.notified();
+            if let Some(link) = self.get(peer) {
+                return Some(link);
+            }
+            if tokio::time::timeout_at(until, added).await.is_err() {
+                return self.get(peer);
+            }
         }
     }
 

@@ -396,8 +396,8 @@ mod tests {
             let sender = tokio::spawn(async move {
                 let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.expect("connect");
                 s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
-                // Then stall, holding the connection open.
-                tokio::time::sleep(Duration::from_secs(3)).await;
+                // Then stall, holding the connection open until the test aborts this task.
+                std::future::pending::<()>().await;
                 drop(s);
             });
             let mut incoming = handshake_of(&listener, &l, Duration::from_millis(300)).await.expect("accept");

@@ -75,17 +75,6 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
-/// The default kernel cache directory: `$XDG_CACHE_HOME/baton/kernels`, else
-/// `$HOME/.cache/baton/kernels`; `None` when neither variable is set. Meant for the binary's
-/// top level, which passes the result into [`CudaOptions`].
-pub fn default_cache_dir() -> Option<PathBuf> {
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("baton").join("kernels"))
-}
-
 /// How to open a device.
 #[derive(Debug, Clone, Default)]
 pub struct CudaOptions {
