@@ -78,7 +78,10 @@ try:
     used = [metric(f"http://127.0.0.1:{p}", 'baton_kv_blocks_used') for p in (8101, 8102)]
     moved = [metric(f"http://127.0.0.1:{p}", 'baton_kv_transfer_bytes_total') for p in (8101, 8102)]
     nccl = "NCCL link ready" in open(os.path.join(OUT, "prefill.log")).read()
-    res = {"completions": len(want), "identical_text": same_text, "max_logprob_diff": max_lp,
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.split("\n")
+    commit = open(os.path.join(H, "COMMIT")).read().strip() if os.path.exists(os.path.join(H, "COMMIT")) else "unknown"
+    res = {"name": "disagg-e2e-nccl", "device": f"{len([g for g in gpu if g])}x {gpu[0]}", "commit": commit,
+           "anchor": "baton serve on cuda:0 (same prompts, greedy)", "completions": len(want), "identical_text": same_text, "max_logprob_diff": max_lp,
            "kv_blocks_used_after": used, "kv_bytes_moved": moved, "nccl_link_used": nccl}
     json.dump(res, open(os.path.join(OUT, "e2e.json"), "w"), indent=1)
     print(json.dumps(res))
