@@ -11,7 +11,7 @@
 use crate::backend::BackendError;
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
-use crate::kv_transport::nccl::NcclLink;
+use crate::kv_transport::nccl::{NcclLink, PendingRecv};
 use crate::relay::{ExportEvent, ExportSpec, TransferTrailer, plan_blocks};
 use baton_core::api::{
     EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
@@ -66,6 +66,8 @@ pub(crate) enum Command {
     ImportLayerNccl {
         id: RequestId,
         layer: usize,
+        /// The send group's number on the link.
+        seq: u64,
         runs: Vec<(usize, usize)>,
         link: Arc<NcclLink>,
     },
@@ -91,12 +93,19 @@ pub(crate) trait StepModel: Send {
         &mut self,
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
-        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+        sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<Vec<f32>, BackendError>;
     /// See [`crate::backend::Backend::write_kv_blocks`].
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::nccl_recv_layer`].
     fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::nccl_discard_layer`].
+    fn nccl_discard_layer(
+        &mut self,
+        layer: usize,
+        runs: &[(usize, usize)],
+        link: &NcclLink,
+    ) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::new_transfer_stream`].
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError>;
     /// See [`crate::model::LlamaModel::nccl_fence`].
@@ -108,7 +117,7 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         &mut self,
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
-        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+        sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<Vec<f32>, BackendError> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
     }
@@ -119,6 +128,15 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
 
     fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError> {
         crate::model::LlamaModel::nccl_recv_layer(self, layer, runs, link)
+    }
+
+    fn nccl_discard_layer(
+        &mut self,
+        layer: usize,
+        runs: &[(usize, usize)],
+        link: &NcclLink,
+    ) -> Result<(), BackendError> {
+        crate::model::LlamaModel::nccl_discard_layer(self, layer, runs, link)
     }
 
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
@@ -231,7 +249,9 @@ impl EngineLoop {
             Command::SubmitExport { id, request, tx, dst_block_table, export, link } => {
                 self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link }));
             }
-            Command::ImportLayerNccl { id, layer, runs, link } => self.import_layer_nccl(id, layer, &runs, &link),
+            Command::ImportLayerNccl { id, layer, seq, runs, link } => {
+                self.import_layer_nccl(id, layer, seq, runs, &link)
+            }
             Command::TransferStream { reply } => {
                 let _ = reply.send(self.model.new_transfer_stream().map_err(|e| e.to_string()));
             }
@@ -296,20 +316,40 @@ impl EngineLoop {
         }
     }
 
-    /// Enqueues receiving one layer of `id` over an NCCL link into its reserved blocks.
-    fn import_layer_nccl(&mut self, id: RequestId, layer: usize, runs: &[(usize, usize)], link: &Arc<NcclLink>) {
-        let blocks: Vec<u32> = runs.iter().flat_map(|&(s, n)| (s as u32)..(s + n) as u32).collect();
-        let result = match self.import_target_ok(id, &blocks) {
-            Ok(false) => return,
-            Ok(true) => {
-                self.nccl_imports.insert(id, link.clone());
-                self.model.nccl_recv_layer(layer, runs, link).map_err(|e| e.to_string())
+    /// Files the notice that send group `seq` (layer `layer` of `id`) was enqueued on `link`,
+    /// then enqueues every receive now due on that link, in send order: into the request's
+    /// reserved blocks, or into scratch when the request no longer waits for KV (the send
+    /// must still be matched, or the link would pair every later send with the wrong receive).
+    fn import_layer_nccl(
+        &mut self,
+        id: RequestId,
+        layer: usize,
+        seq: u64,
+        runs: Vec<(usize, usize)>,
+        link: &Arc<NcclLink>,
+    ) {
+        let due = match link.order_recv(seq, PendingRecv { request: id, layer, runs }) {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!(request = %id, error = %e, "bad NCCL layer notice; recomputing the prompt here");
+                self.scheduler.fail_kv_transfer(id);
+                return;
             }
-            Err(e) => Err(e),
         };
-        if let Err(e) = result {
-            tracing::warn!(request = %id, error = %e, "cannot receive a KV layer over NCCL; recomputing the prompt here");
-            self.scheduler.fail_kv_transfer(id);
+        for r in due {
+            let blocks: Vec<u32> = r.runs.iter().flat_map(|&(s, n)| (s as u32)..(s + n) as u32).collect();
+            let result = match self.import_target_ok(r.request, &blocks) {
+                Ok(true) => {
+                    self.nccl_imports.insert(r.request, link.clone());
+                    self.model.nccl_recv_layer(r.layer, &r.runs, link).map_err(|e| e.to_string())
+                }
+                Ok(false) => self.model.nccl_discard_layer(r.layer, &r.runs, link).map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                tracing::warn!(request = %r.request, error = %e, "cannot receive a KV layer over NCCL; recomputing the prompt here");
+                self.scheduler.fail_kv_transfer(r.request);
+            }
         }
     }
 
@@ -413,9 +453,9 @@ impl EngineLoop {
         }
         let batch = layout_for(&out);
         let (export_specs, export_txs) = self.plan_exports(&out);
-        let mut sink = |layer: usize, j: usize, k: Vec<u8>, v: Vec<u8>| {
+        let mut sink = |j: usize, frame: LayerFrame| {
             if let Some(tx) = export_txs.get(j) {
-                let _ = tx.send(ExportEvent::Layer(LayerFrame { layer, k, v }));
+                let _ = tx.send(ExportEvent::Layer(frame));
             }
         };
         let model = &mut self.model;

@@ -127,16 +127,18 @@ impl EngineHandle {
         self.inner.send(Command::ImportLayer { id, blocks, frame });
     }
 
-    /// Layer `layer` of request `id` was sent over `link`: enqueue receiving it into the
-    /// receiver-side runs `(first block, count)` of the plan.
+    /// Layer `layer` of request `id` was sent over `link` as send group `seq`: enqueue
+    /// receiving it into the receiver-side runs `(first block, count)` of the plan, in the
+    /// link's send order.
     pub fn import_layer_nccl(
         &self,
         id: RequestId,
         layer: usize,
+        seq: u64,
         runs: Vec<(usize, usize)>,
         link: Arc<crate::kv_transport::nccl::NcclLink>,
     ) {
-        self.inner.send(Command::ImportLayerNccl { id, layer, runs, link });
+        self.inner.send(Command::ImportLayerNccl { id, layer, seq, runs, link });
     }
 
     /// A new stream on the engine's device for an NCCL link (an error on the CPU backend).

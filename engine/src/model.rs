@@ -8,6 +8,7 @@
 //! rows alike) and returns the logits of the rows that sample.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape};
+use crate::kv_transport::LayerFrame;
 use baton_formats::{ModelConfig, RopeScaling, WeightStore};
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
 
@@ -208,6 +209,21 @@ impl<B: Backend> LlamaModel<B> {
             .map_err(|e| BackendError::Device(e.to_string()))
     }
 
+    /// Enqueues receiving layer `layer`'s K/V for block runs into scratch memory (the request
+    /// is gone, but the link's sends must still be matched).
+    pub fn nccl_discard_layer(
+        &mut self,
+        layer: usize,
+        runs: &[(usize, usize)],
+        link: &crate::kv_transport::nccl::NcclLink,
+    ) -> Result<(), BackendError> {
+        self.backend
+            .nccl_ops()
+            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
+            .discard_layer(layer, runs, link)
+            .map_err(|e| BackendError::Device(e.to_string()))
+    }
+
     /// Makes compute wait for everything enqueued on `link` (see `NcclOps::fence`).
     pub fn nccl_fence(&mut self, link: &crate::kv_transport::nccl::NcclLink) -> Result<(), BackendError> {
         self.backend
@@ -244,20 +260,20 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
     pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
-        self.forward_exporting(batch, &[], &mut |_, _, _, _| {})
+        self.forward_exporting(batch, &[], &mut |_, _| {})
     }
 
     /// [`LlamaModel::forward`] that also hands out KV as soon as each layer has written it:
-    /// for every layer `l` and every export `exports[j]`, either `sink(l, j, k, v)` gets the
+    /// for every layer and every export `exports[j]`, either `sink(j, frame)` gets the
     /// layer's K and V bytes of its blocks (see [`Backend::read_kv_blocks`]), or, for an NCCL
-    /// export, the sends are enqueued and `sink(l, j, [], [])` is told; in layer order, while
-    /// later layers are still to run. This is how a prefill worker streams a prompt's KV to a
+    /// export, the sends are enqueued and `sink(j, frame)` gets an empty frame carrying the
+    /// send group's number on the link; in layer order, while later layers are still to run. This is how a prefill worker streams a prompt's KV to a
     /// decode worker during the step that computes it.
     pub fn forward_exporting(
         &mut self,
         batch: &BatchLayout,
         exports: &[crate::relay::ExportSpec],
-        sink: &mut dyn FnMut(usize, usize, Vec<u8>, Vec<u8>),
+        sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.cfg;
         let b = &mut self.backend;
@@ -286,14 +302,15 @@ impl<B: Backend> LlamaModel<B> {
                 match &e.link {
                     None => {
                         let (k, v) = b.read_kv_blocks(i, &e.blocks)?;
-                        sink(i, j, k, v);
+                        sink(j, LayerFrame { layer: i, k, v, seq: 0 });
                     }
                     Some(link) => {
-                        b.nccl_ops()
+                        let seq = b
+                            .nccl_ops()
                             .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
                             .send_layer(i, &e.runs, link)
                             .map_err(|e| BackendError::Device(e.to_string()))?;
-                        sink(i, j, Vec::new(), Vec::new());
+                        sink(j, LayerFrame { layer: i, k: Vec::new(), v: Vec::new(), seq });
                     }
                 }
             }

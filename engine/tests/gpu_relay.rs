@@ -147,6 +147,18 @@ fn gpu2_nccl_relay_matches_one_cuda_engine() {
         assert_eq!(got, baton_engine::kv_transport::handoff::Received::Link { name: "p0".into() });
         let link = Arc::new(offer.await.expect("join").expect("P joined the link"));
         let via = Via { d_links, p_link: Some(("p0".into(), link)) };
+        // Several hand-offs at once on the one link: P computes them in one step, so their
+        // layer sends interleave, and D must post the receives in P's send order.
+        let many: Vec<Vec<u32>> = [3usize, 40, 17, 130, 64, 1, 250, 90]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| prompt(700 + i as u64, n, vocab))
+            .collect();
+        let outs = relay_many(&p, &d, &listener, &many, params.clone(), &via).await;
+        for (pr, d_out) in many.iter().zip(&outs) {
+            let alone = collect(unified.submit(EngineRequest::new(pr.clone(), params.clone())).expect("submit")).await;
+            assert_eq!(tokens(d_out), tokens(&alone), "concurrent NCCL relay, prompt of {}", pr.len());
+        }
         for (i, len) in [1usize, 16, 17, 63, 130, 400].into_iter().enumerate() {
             let pr = prompt(800 + i as u64, len, vocab);
             let alone: Vec<EngineOutput> =

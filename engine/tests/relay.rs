@@ -61,6 +61,31 @@ fn relayed_requests_match_one_engine_token_for_token() {
 }
 
 #[test]
+fn concurrent_relays_match_one_engine() {
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    let unified = engine(&m.model, EngineConfig::default());
+    let (p, d) = (engine(&m.model, EngineConfig::default()), engine(&m.model, EngineConfig::default()));
+    let params = SamplingParams { logprobs: Some(1), ..greedy(8) };
+    let prompts: Vec<Vec<u32>> =
+        [5usize, 16, 33, 70, 1, 48].iter().enumerate().map(|(i, &n)| prompt(900 + i as u64, n, vocab)).collect();
+    rt().block_on(async {
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let outs = relay_many(&p, &d, &listener, &prompts, params.clone(), &Via::default()).await;
+        for (pr, d_out) in prompts.iter().zip(&outs) {
+            let alone = collect(unified.submit(EngineRequest::new(pr.clone(), params.clone())).expect("submit")).await;
+            assert_eq!(tokens(d_out), tokens(&alone), "prompt of {} tokens", pr.len());
+        }
+    });
+    for e in [&unified, &p, &d] {
+        assert_all_blocks_free(e);
+    }
+    for e in [unified, p, d] {
+        e.shutdown();
+    }
+}
+
+#[test]
 fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both_sides() {
     let spec = TinySpec::llama();
     let m = tiny(&spec);

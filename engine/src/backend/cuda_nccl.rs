@@ -33,11 +33,11 @@ impl NcclOps for CudaBackend {
         self.dev.stream().context().new_stream().map_err(|e| nccl_err("creating a transfer stream", e))
     }
 
-    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
+    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<u64, NcclError> {
         let bl = self.layer_block_len(layer, runs)?;
         let compute = self.dev.stream().clone();
         let (kc, vc) = &self.kv[layer];
-        link.with(|comm, peer| {
+        link.send_numbered(|comm, peer| {
             // Send what the compute stream has written so far (this layer's KV included).
             comm.stream().join(&compute).map_err(|e| nccl_err("ordering the send after compute", e))?;
             group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
@@ -71,6 +71,36 @@ impl NcclOps for CudaBackend {
                 result = comm
                     .recv(&mut kc.slice_mut(r.clone()), peer)
                     .and_then(|_| comm.recv(&mut vc.slice_mut(r), peer))
+                    .map(|_| ())
+                    .map_err(|e| nccl_err("ncclRecv", e));
+                if result.is_err() {
+                    break;
+                }
+            }
+            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+            result
+        })
+    }
+
+    fn discard_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError> {
+        let bl = self.layer_block_len(layer, runs)?;
+        link.with(|comm, peer| {
+            let total: usize = runs.iter().map(|r| r.1 * bl).sum();
+            // On the transfer stream, so it is freed only after the receives into it ran.
+            let mut scratch = comm
+                .stream()
+                .alloc_zeros::<baton_kernels::cuda::bf16>(total.max(1))
+                .map_err(|e| nccl_err("allocating scratch for a discarded layer", e))?;
+            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+            let mut result = Ok(());
+            let mut at = 0;
+            for &(_, len) in runs {
+                let r = at..at + len * bl;
+                at += len * bl;
+                // K and V of a run land on the same scratch: only the byte counts matter.
+                result = comm
+                    .recv(&mut scratch.slice_mut(r.clone()), peer)
+                    .and_then(|_| comm.recv(&mut scratch.slice_mut(r), peer))
                     .map(|_| ())
                     .map_err(|e| nccl_err("ncclRecv", e));
                 if result.is_err() {

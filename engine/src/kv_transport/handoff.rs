@@ -158,7 +158,7 @@ pub async fn receive_import(
             Incoming::Layer(frame) => match &link {
                 Some(link) => {
                     bytes += hs.bytes_per_layer_half * 2;
-                    engine.import_layer_nccl(id, frame.layer, dst_runs.clone(), link.clone());
+                    engine.import_layer_nccl(id, frame.layer, frame.seq, dst_runs.clone(), link.clone());
                 }
                 None => {
                     bytes += frame.k.len() + frame.v.len();

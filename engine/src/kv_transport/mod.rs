@@ -67,6 +67,9 @@ pub struct LayerFrame {
     pub k: Vec<u8>,
     /// Values, same order.
     pub v: Vec<u8>,
+    /// Over an NCCL link (where `k` and `v` are empty): the number of this layer's send
+    /// group on the link, which orders the receives (see [`nccl`]). 0 otherwise.
+    pub seq: u64,
 }
 
 /// A hand-off that failed.

@@ -17,6 +17,13 @@
 //! step itself never waits for the transfer, so the transfer overlaps the prefill. A peer that dies with
 //! a transfer in flight leaves that link's transfer stream blocked; the link is then
 //! dropped (aborting the communicator) and a new one is made on the next contact.
+//!
+//! Several hand-offs share one link, and NCCL matches a pair's sends and receives in the
+//! order they were enqueued. The prefill side therefore numbers every layer group it sends
+//! on a link (the number travels in the layer notice), and the decode side enqueues the
+//! receives in that order ([`RecvOrder`]), whatever order the notices of concurrent hand-offs
+//! arrive in. A receive whose request is gone still has to be enqueued (into scratch memory)
+//! or every later transfer on the link would be matched against the wrong send.
 
 use cudarc::driver::CudaStream;
 use cudarc::nccl::safe::{Comm, Id};
@@ -40,6 +47,58 @@ pub fn new_id() -> Result<NcclId, NcclError> {
 pub struct NcclLink {
     comm: Mutex<Comm>,
     peer: i32,
+    /// Sending side: the number the next layer group sent on this link gets.
+    next_send: Mutex<u64>,
+    /// Receiving side: layer notices waiting for their turn.
+    recv_order: Mutex<RecvOrder<PendingRecv>>,
+}
+
+/// One layer's receive, waiting until every earlier send on the link has its receive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingRecv {
+    /// The request whose KV it is.
+    pub request: baton_core::api::RequestId,
+    /// Layer index.
+    pub layer: usize,
+    /// Receiver-side block runs `(first block, count)`.
+    pub runs: Vec<(usize, usize)>,
+}
+
+/// Puts numbered items back in order: items `0, 1, 2, ...` come out in that order, each as
+/// soon as every lower number has come out. A number seen twice or already released is
+/// refused (the sender never reuses one).
+#[derive(Debug)]
+pub struct RecvOrder<T> {
+    next: u64,
+    waiting: std::collections::BTreeMap<u64, T>,
+}
+
+impl<T> Default for RecvOrder<T> {
+    fn default() -> Self {
+        Self { next: 0, waiting: std::collections::BTreeMap::new() }
+    }
+}
+
+impl<T> RecvOrder<T> {
+    /// Files item `seq` and returns every item now due, in order; `Err` for a number that
+    /// was already released or is already waiting.
+    pub fn push(&mut self, seq: u64, item: T) -> Result<Vec<T>, NcclError> {
+        if seq < self.next || self.waiting.contains_key(&seq) {
+            return Err(NcclError(format!("layer notice {seq} seen twice on one link")));
+        }
+        self.waiting.insert(seq, item);
+        let mut due = Vec::new();
+        while let Some(item) = self.waiting.remove(&self.next) {
+            due.push(item);
+            self.next += 1;
+        }
+        Ok(due)
+    }
+
+    /// How many items wait for a lower number.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not
@@ -79,7 +138,28 @@ impl NcclLink {
             comm.recv(&mut probe, peer).map_err(|e| NcclError(format!("warm-up ncclRecv failed: {e:?}")))?;
         }
         stream.synchronize().map_err(|e| NcclError(format!("warm-up sync: {e}")))?;
-        Ok(Self { comm: Mutex::new(comm), peer })
+        Ok(Self { comm: Mutex::new(comm), peer, next_send: Mutex::new(0), recv_order: Mutex::default() })
+    }
+
+    /// Sending side: runs `f` (which enqueues one layer group of sends) under the link's
+    /// lock and returns the group's number, which the receiver needs to match it.
+    pub fn send_numbered(&self, f: impl FnOnce(&Comm, i32) -> Result<(), NcclError>) -> Result<u64, NcclError> {
+        let mut next = self.next_send.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))?;
+        self.with(f)?;
+        let seq = *next;
+        *next += 1;
+        Ok(seq)
+    }
+
+    /// Receiving side: files the notice for send group `seq` and returns every receive now
+    /// due, in the order the sender enqueued the matching sends.
+    pub fn order_recv(&self, seq: u64, recv: PendingRecv) -> Result<Vec<PendingRecv>, NcclError> {
+        let mut order = self.recv_order.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))?;
+        let due = order.push(seq, recv)?;
+        if order.waiting() > 0 && due.is_empty() {
+            tracing::debug!(seq, waiting = order.waiting(), "layer notice ahead of an earlier one; holding it");
+        }
+        Ok(due)
     }
 
     /// Runs `f` with the communicator and the peer's rank.
@@ -94,11 +174,15 @@ pub trait NcclOps {
     /// A new stream on the backend's device, for one link's transfers.
     fn new_transfer_stream(&self) -> Result<Arc<CudaStream>, NcclError>;
     /// Enqueues sending layer `layer`'s K and V of each run `(first block, count)` to the
-    /// link's peer. The runs must be the plan's (contiguous on both sides), so every send
-    /// meets a receive of the same size.
-    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
+    /// link's peer and returns the group's number on the link (see [`NcclLink::send_numbered`]).
+    /// The runs must be the plan's (contiguous on both sides), so every send meets a receive
+    /// of the same size.
+    fn send_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<u64, NcclError>;
     /// Enqueues receiving layer `layer`'s K and V into each run `(first block, count)`.
     fn recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
+    /// Enqueues receiving what [`NcclOps::recv_layer`] would, into scratch memory that is then
+    /// dropped: for a send whose request is gone, so the link stays in step.
+    fn discard_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), NcclError>;
     /// Makes the compute stream wait for everything enqueued on the link so far: after the
     /// step that sent a prompt (before its blocks can be reused) and before the first step
     /// that reads received KV.
@@ -165,6 +249,27 @@ impl NcclLinks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recv_order_releases_in_sequence() {
+        let mut o = RecvOrder::default();
+        assert_eq!(o.push(1, 'b').expect("1"), Vec::<char>::new());
+        assert_eq!(o.push(2, 'c').expect("2"), Vec::<char>::new());
+        assert_eq!(o.waiting(), 2);
+        assert_eq!(o.push(0, 'a').expect("0"), vec!['a', 'b', 'c']);
+        assert_eq!(o.push(3, 'd').expect("3"), vec!['d']);
+        assert_eq!(o.waiting(), 0);
+    }
+
+    #[test]
+    fn recv_order_refuses_a_number_twice() {
+        let mut o = RecvOrder::default();
+        o.push(0, 'a').expect("0");
+        assert!(o.push(0, 'x').is_err(), "released numbers are refused");
+        o.push(2, 'c').expect("2");
+        assert!(o.push(2, 'y').is_err(), "waiting numbers are refused");
+        assert_eq!(o.push(1, 'b').expect("1"), vec!['b', 'c']);
+    }
 
     #[test]
     fn runs_merge_consecutive_blocks() {

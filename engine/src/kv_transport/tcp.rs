@@ -1,9 +1,9 @@
 //! The TCP KV transport: host-staged layer frames over one connection per hand-off.
 //!
-//! Wire format: the sender opens with the 4-byte magic `BKV1`, then frames of
+//! Wire format: the sender opens with the 4-byte magic `BKV2`, then frames of
 //! `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (JSON
-//! [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64`,
-//! then K and V bytes), `DONE` (JSON [`TransferTrailer`]: the first token).
+//! [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64`,
+//! then K and V bytes; `seq` orders NCCL receives, see `nccl`), `DONE` (JSON [`TransferTrailer`]: the first token).
 //! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
 //! `ACCEPT` after `DONE` once every layer is stored. Frame lengths are checked against the handshake before anything is
 //! allocated, so a corrupt or hostile peer cannot make us allocate unbounded
@@ -17,13 +17,16 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const MAGIC: &[u8; 4] = b"BKV1";
+/// Bumped with every wire change, so mismatched builds refuse each other at once.
+const MAGIC: &[u8; 4] = b"BKV2";
 const HELLO: u8 = 1;
 const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
 const LAYER: u8 = 4;
 const DONE: u8 = 5;
 const MAX_CONTROL_FRAME: u64 = 16 << 20;
+/// Bytes before K and V in a `LAYER` frame.
+const LAYER_HEAD: usize = 20;
 
 async fn with_deadline<T>(
     d: Duration,
@@ -102,9 +105,10 @@ impl TcpKvSender {
                 frame.v.len()
             )));
         }
-        let mut head = [0u8; 12];
+        let mut head = [0u8; LAYER_HEAD];
         head[..4].copy_from_slice(&(frame.layer as u32).to_le_bytes());
-        head[4..].copy_from_slice(&(frame.k.len() as u64).to_le_bytes());
+        head[4..12].copy_from_slice(&(frame.k.len() as u64).to_le_bytes());
+        head[12..].copy_from_slice(&frame.seq.to_le_bytes());
         let d = self.deadline;
         with_deadline(d, "sending a layer", write_frame(&mut self.stream, LAYER, &[&head, &frame.k, &frame.v])).await?;
         self.next_layer += 1;
@@ -237,15 +241,15 @@ impl IncomingTransfer {
     pub async fn next(&mut self) -> Result<Incoming, TransportError> {
         let half = self.hs.frame_half();
         // Layer frames are exactly this long; the trailer is small JSON.
-        let max = (12 + 2 * half as u64).max(64 << 10);
+        let max = ((LAYER_HEAD + 2 * half) as u64).max(64 << 10);
         let (kind, body) = with_deadline(self.deadline, "the next layer", read_frame(&mut self.stream, max)).await?;
         match kind {
             LAYER => {
-                if body.len() != 12 + 2 * half {
+                if body.len() != LAYER_HEAD + 2 * half {
                     return Err(TransportError::Protocol(format!(
                         "layer frame of {} bytes, expected {}",
                         body.len(),
-                        12 + 2 * half
+                        LAYER_HEAD + 2 * half
                     )));
                 }
                 let mut lb = [0u8; 4];
@@ -255,10 +259,13 @@ impl IncomingTransfer {
                     return Err(TransportError::Protocol(format!("got layer {layer}, expected {}", self.next_layer)));
                 }
                 self.next_layer += 1;
+                let mut sb = [0u8; 8];
+                sb.copy_from_slice(&body[12..LAYER_HEAD]);
                 Ok(Incoming::Layer(LayerFrame {
                     layer,
-                    k: body[12..12 + half].to_vec(),
-                    v: body[12 + half..].to_vec(),
+                    k: body[LAYER_HEAD..LAYER_HEAD + half].to_vec(),
+                    v: body[LAYER_HEAD + half..].to_vec(),
+                    seq: u64::from_le_bytes(sb),
                 }))
             }
             DONE => {
@@ -310,7 +317,7 @@ mod tests {
     fn frame(layer: usize, half: usize, seed: u8) -> LayerFrame {
         let k = (0..half).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add(layer as u8)).collect();
         let v = (0..half).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed ^ 0x5a)).collect();
-        LayerFrame { layer, k, v }
+        LayerFrame { layer, k, v, seq: layer as u64 + 100 }
     }
 
     fn trailer() -> TransferTrailer {

@@ -107,3 +107,60 @@ pub async fn relay_via(
     assert_eq!(sent.is_ok(), break_after.is_none(), "sender: {sent:?}");
     (collect(p_stream).await, collect(d_stream).await)
 }
+
+/// Several relays at once over one listener (and, with NCCL, one link): every reservation and
+/// export is made before any transfer starts, so the prefill engine computes the prompts in
+/// one step and their layer sends interleave on the link. Returns each prompt's decode-side
+/// outputs (the first token included), in prompt order.
+pub async fn relay_many(
+    p: &EngineHandle,
+    d: &EngineHandle,
+    listener: &TcpKvListener,
+    prompts: &[Vec<u32>],
+    params: SamplingParams,
+    via: &Via,
+) -> Vec<Vec<EngineOutput>> {
+    let addr = listener.local_addr().expect("addr");
+    let layout = p.kv_layout();
+    let mut d_streams = Vec::new();
+    let mut p_streams = Vec::new();
+    let mut senders = Vec::new();
+    for pr in prompts {
+        let (d_stream, table) =
+            d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("reserve");
+        let d_id = d_stream.request_id();
+        let link = via.p_link.as_ref().map(|(_, l)| l.clone());
+        let name = via.p_link.as_ref().map(|(n, _)| n.clone());
+        let (p_stream, events) =
+            p.submit_export(EngineRequest::new(pr.clone(), params.clone()), table, link).expect("export");
+        senders.push(tokio::spawn(send_export(events, addr, d_id.0, layout, DEADLINE, name)));
+        d_streams.push((d_id, d_stream));
+        p_streams.push(p_stream);
+    }
+    let ids: Vec<_> = d_streams.iter().map(|(id, _)| *id).collect();
+    let mut receivers = Vec::new();
+    for _ in prompts {
+        let pending = listener.accept().await.expect("accept");
+        let (d, links, ids) = (d.clone(), via.d_links.clone(), ids.clone());
+        receivers.push(tokio::spawn(async move {
+            receive_import(pending, &d, &links, DEADLINE, |id| ids.contains(&id)).await.map_err(|e| e.to_string())
+        }));
+    }
+    for r in receivers {
+        match r.await.expect("join") {
+            Ok(Received::Import { report, .. }) => assert!(report.bytes > 0),
+            other => panic!("unexpected receive outcome {other:?}"),
+        }
+    }
+    for s in senders {
+        s.await.expect("join").expect("sender");
+    }
+    for s in p_streams {
+        assert_eq!(collect(s).await.len(), 1, "an export's stream ends after its first token");
+    }
+    let mut outs = Vec::new();
+    for (_, s) in d_streams {
+        outs.push(collect(s).await);
+    }
+    outs
+}
