@@ -96,17 +96,18 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
     tracing::info!(http = %format!("http://{http_addr}"), grpc = %grpc_addr, registry = %format!("http://{registry_addr}"), "router listening");
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let http = axum::serve(http_listener, app).with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
+    let http = axum::serve(crate::listeners::http(http_listener), app)
+        .with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
     let grpc = tonic::transport::Server::builder()
         .add_service(GrpcService::new(frontend).into_server())
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            crate::listeners::grpc(grpc_listener),
             crate::serve::shutdown_signal(stop_rx.clone()),
         );
     let registry_server = tonic::transport::Server::builder()
         .add_service(RegistryService::new(registry.clone()).into_server())
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(registry_listener),
+            crate::listeners::grpc(registry_listener),
             crate::serve::shutdown_signal(stop_rx),
         );
     let ejector = tokio::spawn(registry.run_ejector());

@@ -129,13 +129,11 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
     );
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let http = axum::serve(http_listener, app).with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
+    let http = axum::serve(crate::listeners::http(http_listener), app)
+        .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
     let grpc = tonic::transport::Server::builder()
         .add_service(GrpcService::new(frontend).into_server())
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
-            shutdown_signal(stop_rx),
-        );
+        .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
     wait_for_termination().await;

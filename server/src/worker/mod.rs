@@ -229,11 +229,11 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         .route("/health", axum::routing::get(health))
         .route("/metrics", axum::routing::get(metrics))
         .with_state(state.clone());
-    let http = tokio::spawn(async move { axum::serve(http_listener, app).await });
+    let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(service::WorkerService::new(state.clone()).into_server())
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener)),
+            .serve_with_incoming(crate::listeners::grpc(grpc_listener)),
     );
     if let Some(l) = kv_listener {
         tokio::spawn(run_kv_listener(l, state.clone(), settings.kv_deadline));

@@ -1,0 +1,59 @@
+//! Accepted connections with `TCP_NODELAY`, for every server this binary runs (HTTP and
+//! gRPC, on `serve`, `router` and `worker`).
+//!
+//! Streamed tokens are small writes. With Nagle's algorithm on, the kernel holds each small
+//! segment until the previous one is acknowledged, and the peer delays that acknowledgement
+//! (up to 40 ms on Linux): tokens produced every few milliseconds then reach the client in
+//! bursts. Neither `axum::serve` nor tonic's `serve_with_incoming` sets the option on
+//! sockets they did not bind themselves, so every listener goes through here.
+
+use axum::serve::ListenerExt;
+use tokio::net::TcpListener;
+
+/// An HTTP listener whose accepted connections have `TCP_NODELAY` set.
+pub fn http(
+    listener: TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    listener.tap_io(|stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            // A latency defect, not a reason to refuse the peer.
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an HTTP connection");
+        }
+    })
+}
+
+/// A gRPC incoming stream whose accepted connections have `TCP_NODELAY` set.
+pub fn grpc(listener: TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use tokio_stream::StreamExt;
+
+    async fn bound() -> (TcpListener, std::net::SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let a = l.local_addr().expect("addr");
+        (l, a)
+    }
+
+    #[tokio::test]
+    async fn http_connections_have_nodelay() {
+        let (l, addr) = bound().await;
+        let mut l = http(l);
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (stream, _) = l.accept().await;
+        assert!(stream.nodelay().expect("nodelay"));
+    }
+
+    #[tokio::test]
+    async fn grpc_connections_have_nodelay() {
+        let (l, addr) = bound().await;
+        let mut incoming = grpc(l);
+        let _client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let stream = incoming.next().await.expect("a connection").expect("accepted");
+        assert!(stream.nodelay().expect("nodelay"));
+    }
+}
