@@ -20,9 +20,11 @@ use baton_kernels::cuda::{
 ///
 /// Up to 8 rows the kernel costs what one row costs: one 8-column tensor-core tile, and the
 /// weights are read once whatever m is, while cuBLAS reads them at 40–90% of copy bandwidth
-/// at M = 1 on an H100. The kernel takes up to 16 rows (a second tile), but every CTA then
-/// re-reads x (m/16 of its weight bytes, from L1 or L2) and cuBLAS's tiles start to fill,
-/// so 9–16 stays on cuBLAS until `cuda_bench` shows where the two cross.
+/// on an H100, with the same time at M = 1, 8 and 32 on all five Llama-3.1-8B shapes
+/// (bench/results/cuda-kernels-split-*). The kernel takes up to 16 rows (a second tile) and
+/// would likely win there too, but every CTA re-reads m × k of x from L1 or L2 (at m = 16 as
+/// many bytes as its weights; more than L1 holds at k = 14336), which may make it L2-bound;
+/// so 9–16 stays on cuBLAS until `cuda_bench`'s M = 16 rows show gemv ahead on every shape.
 pub const GEMV_MAX_M: usize = 8;
 
 /// Whether a product of `m` rows over `k` columns goes to the skinny-GEMM kernel.
