@@ -13,7 +13,8 @@
 //!   weight + KV bytes per step over the copy bandwidth as the floor.
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
-//! [--batches 64,128,256] [--ctx 1024]`.
+//! [--batches 64,128,256] [--ctx 1024] [--cublas]`; `--cublas` sends every GEMM to cuBLAS
+//! (by default small batches use the skinny-GEMM kernel), for comparisons.
 
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
@@ -61,11 +62,13 @@ fn run() -> Res<()> {
         ordinal: 0,
         cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
     };
-    let backend = CudaBackend::new(&opts)?;
+    let mut backend = CudaBackend::new(&opts)?;
+    let gemv = !args.iter().any(|a| a == "--cublas");
+    backend.set_gemv(gemv);
     let device = backend.device().name().to_string();
     let mut model = LlamaModel::load(&cfg, loaded.weights.as_ref(), backend)?;
     let load_s = t0.elapsed().as_secs_f64();
-    println!("{device}: loaded {config} (random bf16 weights) in {load_s:.1} s");
+    println!("{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}");
 
     // Ceiling: device copy bandwidth, 1 GiB, read + written.
     let copy_gbs = {
@@ -199,7 +202,7 @@ fn run() -> Res<()> {
     }
 
     let doc = format!(
-        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"command\":{:?},\"model_config\":{config:?},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
+        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
         args.join(" "),
         json.join(",\n")
     );

@@ -7,7 +7,9 @@
 //!    FLOPs = 4 · batch · heads · ctx · head_dim;
 //! 3. the bf16 GEMM (cuBLAS, our `linear`) at the model's decode shapes, with the weight
 //!    bytes as the fewest bytes (`M · K + N · K + M · N` elements) and `2 · M · N · K` FLOPs,
-//!    plus one 8192³ product as the matrix-unit ceiling.
+//!    and for M ≤ 16 every variant of the skinny GEMM (`gemv`) on the same inputs, with its
+//!    speed-up over cuBLAS and its output's relative difference from cuBLAS's; plus one 8192³
+//!    product as the matrix-unit ceiling.
 //!
 //! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
 //! zeros); weights rotate among copies so that no shape is served from L2.
@@ -15,8 +17,8 @@
 //! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
 
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta,
-    attn_default, bf16, plan_splits,
+    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
+    KvGeometry, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -65,6 +67,18 @@ fn random_bf16(dev: &CudaDevice, r: &mut StdRng, n: usize) -> Result<CudaSlice<b
         off += len;
     }
     Ok(out)
+}
+
+/// The first `n` values of a bf16 buffer, widened (synchronizes).
+fn download_f32(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>, CudaError> {
+    Ok(dev.download(s, n)?.iter().map(|v| v.to_f32()).collect())
+}
+
+/// ‖a − b‖ / ‖b‖ (NaN when either holds a non-finite value).
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let err: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    err / norm
 }
 
 fn main() {
@@ -176,8 +190,15 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
-    // 3. GEMM through cuBLAS at the decode shapes (N, K) of Llama-3.1-8B.
-    writeln!(table, "\nGEMM bf16 (cuBLAS) out = x·Wᵀ\n shape          M      us  TFLOP/s  weight GB/s  %copy").ok();
+    // 3. GEMM at the decode shapes (N, K) of Llama-3.1-8B: cuBLAS for every M, and for
+    // M ≤ GEMV_KERNEL_MAX_M every variant of the skinny GEMM next to it (bf16 out; the LM head
+    // also with f32 out, as the engine runs it), with its relative difference from cuBLAS's
+    // output as a sanity check of what was timed.
+    writeln!(
+        table,
+        "\nGEMM bf16 out = x·Wᵀ: cuBLAS, and gemv variant (warps, k-steps) with * = default\n shape          M kernel        us  TFLOP/s  weight GB/s  %copy  vs cuBLAS  rel diff"
+    )
+    .ok();
     let shapes = [
         ("qkv", 6144usize, 4096usize),
         ("o", 4096, 4096),
@@ -190,21 +211,73 @@ fn run() -> Result<(), CudaError> {
         let copies = (256usize << 20).div_ceil(nn * k * 2).clamp(1, 8);
         let ws: Vec<CudaSlice<bf16>> =
             (0..copies).map(|_| random_bf16(&dev, &mut r, nn * k)).collect::<Result<_, _>>()?;
-        for &m in &[1usize, 8, 32, 128, 256] {
+        for &m in &[1usize, 2, 4, 8, 16, 32, 128, 256] {
             let x = random_bf16(&dev, &mut r, m * k)?;
             let mut o = dev.alloc::<bf16>(m * nn)?;
-            let ms = time_ms(&dev, 3, 20, |i| dev.linear(&x, m, k, &ws[i % copies], nn, &mut o))?;
             let flops = 2.0 * (m * nn * k) as f64;
             let bytes = ((m * k + nn * k + m * nn) * 2) as f64;
-            let tf = flops / (ms * 1e-3) / 1e12;
-            let gbs = bytes / (ms * 1e-3) / 1e9;
-            writeln!(table, " {name:8} {m:7} {:7.1} {tf:8.1} {gbs:12.0} {:5.1}%", ms * 1e3, 100.0 * gbs / copy_gbs)
+            let ms = time_ms(&dev, 3, 20, |i| dev.linear(&x, m, k, &ws[i % copies], nn, &mut o))?;
+            let mut row = |kernel: &str, ms: f64, cublas_ms: f64, diff: Option<f64>| {
+                let tf = flops / (ms * 1e-3) / 1e12;
+                let gbs = bytes / (ms * 1e-3) / 1e9;
+                let d = diff.map(|d| format!("{d:.1e}")).unwrap_or_default();
+                writeln!(
+                    table,
+                    " {name:8} {m:7} {kernel:10} {:7.1} {tf:8.1} {gbs:12.0} {:5.1}% {:9.2}x {d:>9}",
+                    ms * 1e3,
+                    100.0 * gbs / copy_gbs,
+                    cublas_ms / ms
+                )
                 .ok();
+                (tf, gbs)
+            };
+            let (tf, gbs) = row("cublas", ms, ms, None);
             json.push(format!(
                 "{{\"name\":\"gemm\",\"shape\":\"{name}\",\"m\":{m},\"n\":{nn},\"k\":{k},\"us\":{:.2},\"tflop_s\":{tf:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4}}}",
                 ms * 1e3,
                 gbs / copy_gbs
             ));
+            if m > GEMV_KERNEL_MAX_M {
+                continue;
+            }
+            let reference = download_f32(&dev, &o, m * nn)?;
+            let default = gemv_default(nn, dev.sm_count());
+            for (vi, v) in GEMV_VARIANTS.iter().enumerate() {
+                let gms = time_ms(&dev, 3, 20, |i| dev.gemv_variant(vi, &x, m, k, &ws[i % copies], nn, &mut o))?;
+                let diff = rel_diff(&download_f32(&dev, &o, m * nn)?, &reference);
+                let mark = if vi == default { "*" } else { "" };
+                let (tf, gbs) = row(&format!("gemv({},{}){mark}", v.warps, v.unroll), gms, ms, Some(diff));
+                json.push(format!(
+                    "{{\"name\":\"gemv\",\"shape\":\"{name}\",\"m\":{m},\"n\":{nn},\"k\":{k},\"out\":\"bf16\",\"variant\":\"w{}_u{}\",\"default\":{},\"us\":{:.2},\"tflop_s\":{tf:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"cublas_us\":{:.2},\"speedup_vs_cublas\":{:.3},\"rel_diff_vs_cublas\":{diff:.2e}}}",
+                    v.warps,
+                    v.unroll,
+                    vi == default,
+                    gms * 1e3,
+                    gbs / copy_gbs,
+                    ms * 1e3,
+                    ms / gms
+                ));
+            }
+            if name == "lm_head" {
+                // The engine's LM head: f32 logits, cuBLAS vs the default gemv variant.
+                let mut o32 = dev.alloc::<f32>(m * nn)?;
+                let cms = time_ms(&dev, 3, 20, |i| dev.linear_f32_out(&x, m, k, &ws[i % copies], nn, &mut o32))?;
+                row("cublas f32", cms, cms, None);
+                let reference = dev.download(&o32, m * nn)?;
+                let gms = time_ms(&dev, 3, 20, |i| dev.gemv_f32_out(&x, m, k, &ws[i % copies], nn, &mut o32))?;
+                let diff = rel_diff(&dev.download(&o32, m * nn)?, &reference);
+                let (tf, gbs) = row("gemv f32*", gms, cms, Some(diff));
+                let v = GEMV_VARIANTS[default];
+                json.push(format!(
+                    "{{\"name\":\"gemv\",\"shape\":\"{name}\",\"m\":{m},\"n\":{nn},\"k\":{k},\"out\":\"f32\",\"variant\":\"w{}_u{}\",\"default\":true,\"us\":{:.2},\"tflop_s\":{tf:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"cublas_us\":{:.2},\"speedup_vs_cublas\":{:.3},\"rel_diff_vs_cublas\":{diff:.2e}}}",
+                    v.warps,
+                    v.unroll,
+                    gms * 1e3,
+                    gbs / copy_gbs,
+                    cms * 1e3,
+                    cms / gms
+                ));
+            }
         }
     }
     let big = 8192usize;

@@ -8,7 +8,8 @@
 
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16,
+    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
+    KvGeometry, StepMeta, bf16, gemv_supports,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -193,6 +194,86 @@ fn gpu_linear_matches_cpu_gemm() {
         let mut out32 = poisoned32(&dev, m * n);
         dev.linear_f32_out(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out32).expect("linear_f32_out");
         check32(&format!("linear_f32_out m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
+    }
+}
+
+/// `x · wᵀ` in f64 (the inputs are already bf16 values).
+fn gemm_f64(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        let xr = &x[i * k..(i + 1) * k];
+        for j in 0..n {
+            let wr = &w[j * k..(j + 1) * k];
+            out[i * n + j] = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+/// The skinny GEMM against an f64 reference, every variant, bf16 and f32 outputs: m across
+/// both instantiations (≤ 8 and 9..16 rows), k a multiple of 8 but not of a whole batch
+/// (4104, 136, 8: the partial last batch) and long (14336), n not a multiple of the 16 rows
+/// of a CTA. Outputs past m × n must stay untouched; shapes the kernel cannot take are
+/// refused, and cuBLAS (the backend's fallback) takes them.
+#[test]
+fn gpu_gemv_matches_cpu() {
+    let dev = device();
+    let mut r = rng("gemv");
+    for &(k, n) in &[(4096usize, 1000usize), (4104, 257), (136, 1000), (8, 33), (14336, 64)] {
+        for m in [1usize, 2, 3, 5, 8, 9, GEMV_KERNEL_MAX_M] {
+            let x = rand_vec(&mut r, m * k, 1.0);
+            let w = rand_vec(&mut r, n * k, 0.05);
+            let want = gemm_f64(&x, &w, m, k, n);
+            let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+            let spare = 64;
+            for (vi, v) in GEMV_VARIANTS.iter().enumerate() {
+                let what = format!("gemv {v:?} m={m} k={k} n={n}");
+                let mut out = poisoned(&dev, m * n + spare);
+                dev.gemv_variant(vi, &xd, m, k, &wd, n, &mut out).expect("gemv");
+                let got = down(&dev, &out, m * n + spare);
+                assert!(got[m * n..].iter().all(|v| v.is_nan()), "{what}: wrote past m × n");
+                check(&what, &got[..m * n], &want);
+                // f32 output: only the bf16 operands round (1e-5, as cuBLAS's linear_f32_out).
+                let mut out32 = poisoned32(&dev, m * n + spare);
+                dev.gemv_f32_out_variant(vi, &xd, m, k, &wd, n, &mut out32).expect("gemv_f32_out");
+                let got = down32(&dev, &out32, m * n + spare);
+                assert!(got[m * n..].iter().all(|v| v.is_nan()), "{what} f32: wrote past m × n");
+                check32(&format!("{what} f32"), &got[..m * n], &want);
+            }
+            // The default entry points.
+            let mut out = poisoned(&dev, m * n);
+            dev.gemv(&xd, m, k, &wd, n, &mut out).expect("gemv");
+            check(&format!("gemv default m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
+            let mut out32 = poisoned32(&dev, m * n);
+            dev.gemv_f32_out(&xd, m, k, &wd, n, &mut out32).expect("gemv_f32_out");
+            check32(&format!("gemv_f32_out default m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
+        }
+    }
+
+    // Refusals: too many rows, k off a multiple of 8, a short output, an unknown variant.
+    let (m, k, n) = (GEMV_KERNEL_MAX_M + 1, 4100usize, 40usize);
+    let x = rand_vec(&mut r, m * k, 1.0);
+    let w = rand_vec(&mut r, n * k, 0.05);
+    let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+    let mut out = poisoned(&dev, m * n);
+    let mut out32 = poisoned32(&dev, m * n);
+    assert!(!gemv_supports(1, k) && !gemv_supports(m, 4096));
+    assert!(dev.gemv(&xd, 1, k, &wd, n, &mut out).is_err(), "k % 8 != 0 accepted");
+    assert!(dev.gemv_f32_out(&xd, 1, k, &wd, n, &mut out32).is_err(), "k % 8 != 0 accepted (f32)");
+    assert!(dev.gemv(&xd, m, 4096, &wd, n, &mut out).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
+    let mut short = poisoned(&dev, n - 1);
+    assert!(dev.gemv(&xd, 1, 4096, &wd, n, &mut short).is_err(), "short output accepted");
+    assert!(dev.gemv_variant(GEMV_VARIANTS.len(), &xd, 1, 4096, &wd, n, &mut out).is_err(), "bad variant");
+    dev.gemv(&xd, 0, 4096, &wd, n, &mut out).expect("m = 0 is a no-op");
+    // What the backend does with those shapes instead: cuBLAS.
+    for mm in [1usize, m] {
+        let mut out = poisoned(&dev, mm * n);
+        dev.linear(&xd, mm, k, &wd, n, &mut out).expect("linear");
+        check(
+            &format!("cuBLAS fallback m={mm} k={k} n={n}"),
+            &down(&dev, &out, mm * n),
+            &gemm_f64(&x[..mm * k], &w, mm, k, n),
+        );
     }
 }
 

@@ -1,6 +1,7 @@
 //! The CUDA backend: bf16 weights, activations and paged KV cache on one GPU, an f32
 //! residual stream and f32 logits, f32 arithmetic inside the kernels of
-//! `baton_kernels::cuda`, GEMMs through cuBLAS.
+//! `baton_kernels::cuda`, GEMMs through cuBLAS except small-batch ones (at most
+//! [`GEMV_MAX_M`] rows, k a multiple of 8), which go to the skinny-GEMM kernel.
 //!
 //! Invariants: every op enqueues on the device's single stream, so ops are ordered without
 //! events; only `to_host` synchronizes (and so reports asynchronous kernel faults). Buffers
@@ -11,7 +12,25 @@
 
 use super::{Backend, BackendError, BatchLayout, KvCacheShape};
 use baton_kernels::cpu::{KernelError, RopeTable};
-use baton_kernels::cuda::{CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16};
+use baton_kernels::cuda::{
+    CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16, gemv_supports,
+};
+
+/// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
+///
+/// Up to 8 rows the kernel costs what one row costs: one 8-column tensor-core tile, and the
+/// weights are read once whatever m is, while cuBLAS reads them at 40–90% of copy bandwidth
+/// on an H100, with the same time at M = 1, 8 and 32 on all five Llama-3.1-8B shapes
+/// (bench/results/cuda-kernels-split-*). The kernel takes up to 16 rows (a second tile) and
+/// would likely win there too, but every CTA re-reads m × k of x from L1 or L2 (at m = 16 as
+/// many bytes as its weights; more than L1 holds at k = 14336), which may make it L2-bound;
+/// so 9–16 stays on cuBLAS until `cuda_bench`'s M = 16 rows show gemv ahead on every shape.
+pub const GEMV_MAX_M: usize = 8;
+
+/// Whether a product of `m` rows over `k` columns goes to the skinny-GEMM kernel.
+fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
+    enabled && m <= GEMV_MAX_M && gemv_supports(m, k)
+}
 
 impl From<CudaError> for BackendError {
     fn from(e: CudaError) -> Self {
@@ -67,6 +86,9 @@ pub struct CudaBackend {
     rows: CudaSlice<i32>,
     /// f32 LM-head output, grown to the largest step.
     logits: CudaSlice<f32>,
+    /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
+    /// for every GEMM, for comparisons.
+    gemv: bool,
 }
 
 fn to_bf16(data: &[f32]) -> Vec<bf16> {
@@ -104,7 +126,14 @@ impl CudaBackend {
             ids,
             rows,
             logits,
+            gemv: true,
         })
+    }
+
+    /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
+    /// to cuBLAS (`false`: for benchmarks and comparisons).
+    pub fn set_gemv(&mut self, on: bool) {
+        self.gemv = on;
     }
 
     /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
@@ -259,7 +288,11 @@ impl Backend for CudaBackend {
             return Err(kerr("linear", format!("input has {} values, need {m}×{}", x.len, w.cols)));
         }
         self.ensure(out, m * w.rows)?;
-        self.dev.linear(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
+        if gemv_applies(self.gemv, m, w.cols) {
+            self.dev.gemv(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
+        } else {
+            self.dev.linear(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
+        }
         if let Some(b) = bias {
             if b.len != w.rows {
                 return Err(kerr("linear", format!("bias has {} values for {} outputs", b.len, w.rows)));
@@ -316,7 +349,11 @@ impl Backend for CudaBackend {
         if self.logits.len() < n {
             self.logits = self.dev.alloc(n.next_power_of_two())?;
         }
-        self.dev.linear_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
+        if gemv_applies(self.gemv, m, w.cols) {
+            self.dev.gemv_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
+        } else {
+            self.dev.linear_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
+        }
         Ok(self.dev.download(&self.logits, n)?)
     }
 
@@ -499,3 +536,17 @@ impl CudaBackend {
 
 #[path = "cuda_nccl.rs"]
 mod nccl;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_dispatch_rule() {
+        assert!(gemv_applies(true, 1, 4096) && gemv_applies(true, GEMV_MAX_M, 14336));
+        assert!(!gemv_applies(false, 1, 4096), "switched off: cuBLAS");
+        assert!(!gemv_applies(true, GEMV_MAX_M + 1, 4096), "larger batches: cuBLAS");
+        assert!(!gemv_applies(true, 0, 4096));
+        assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
+    }
+}

@@ -20,6 +20,7 @@ pub(crate) fn module_source() -> String {
         include_str!("../../cuda/elementwise.cu"),
         include_str!("../../cuda/rope_kv.cu"),
         include_str!("../../cuda/attention.cu"),
+        include_str!("../../cuda/gemv.cu"),
     ]
     .join("\n")
 }
@@ -153,6 +154,18 @@ mod tests {
             .map(|v| format!("{}, {}, {}, {}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch)))
             .collect();
         assert_eq!(cuda, rust);
+        // The same for the gemv variants, instantiated for up to 8 and up to 16 rows.
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("GEMV_INSTANCE(MAXM, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+            .collect();
+        let rust: Vec<String> =
+            super::super::GEMV_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
+        assert_eq!(cuda, rust);
+        for max_m in [8, 16] {
+            assert!(src.contains(&format!("GEMV_VARIANTS({max_m})")));
+        }
         assert!(!src.contains("#include"), "kernels must stay self-contained");
     }
 }

@@ -13,10 +13,12 @@
 //! arithmetic f32.
 
 mod compile;
+mod gemv;
 mod ops;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
+pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
 pub use half::bf16;
 pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
@@ -101,6 +103,9 @@ pub(crate) struct Funcs {
     pub attention: Vec<Vec<CudaFunction>>,
     /// The merge of split-attention partials, per head_dim as above.
     pub attention_combine: Vec<CudaFunction>,
+    /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of gemv::GEMV_VARIANTS]`, each
+    /// `[bf16 out, f32 out]`.
+    pub gemv: [Vec<[CudaFunction; 2]>; 2],
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -173,6 +178,7 @@ impl CudaDevice {
                 .iter()
                 .map(|hd| f(&format!("attention_combine_hd{hd}")))
                 .collect::<Result<Vec<_>, _>>()?,
+            gemv: [gemv_funcs(&f, 8)?, gemv_funcs(&f, 16)?],
         };
         let blas = CudaBlas::new(stream.clone())?;
         let sm_count = ctx
@@ -289,6 +295,14 @@ impl CudaDevice {
     pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
         Ok(self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
     }
+}
+
+/// The bf16- and f32-output kernels of every gemv variant for up to `max_m` rows of x.
+fn gemv_funcs<E>(f: &impl Fn(&str) -> Result<CudaFunction, E>, max_m: usize) -> Result<Vec<[CudaFunction; 2]>, E> {
+    gemv::GEMV_VARIANTS
+        .iter()
+        .map(|v| Ok([f(&v.kernel_name(max_m, false))?, f(&v.kernel_name(max_m, true))?]))
+        .collect()
 }
 
 /// The kernel cache file for `key` under `dir`.

@@ -19,15 +19,15 @@ fn grid_for(total: usize) -> u32 {
     total.div_ceil(THREADS as usize).clamp(1, 65_535) as u32
 }
 
-fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+pub(super) fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
 }
 
-fn int(op: &'static str, v: usize) -> Result<i32, CudaError> {
+pub(super) fn int(op: &'static str, v: usize) -> Result<i32, CudaError> {
     i32::try_from(v).map_err(|_| CudaError::Shape { op, message: format!("{v} does not fit a 32-bit index") })
 }
 
-fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) -> Result<(), CudaError> {
+pub(super) fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) -> Result<(), CudaError> {
     shape_check(op, s.len() >= n, || format!("{what} has {} elements, needs {n}", s.len()))
 }
 
@@ -266,7 +266,12 @@ impl KvGeometry {
 }
 
 impl CudaDevice {
-    fn run(&self, f: &cudarc::driver::CudaFunction, c: LaunchConfig, args: &mut ArgList<'_>) -> Result<(), CudaError> {
+    pub(super) fn run(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        c: LaunchConfig,
+        args: &mut ArgList<'_>,
+    ) -> Result<(), CudaError> {
         let mut b = self.stream.launch_builder(f);
         for a in args.0.iter() {
             match a {
@@ -808,7 +813,7 @@ impl CudaDevice {
 }
 
 /// One kernel argument; device slices by reference, scalars by value.
-enum Arg<'a> {
+pub(super) enum Arg<'a> {
     Bf(&'a CudaSlice<bf16>),
     F32(&'a CudaSlice<f32>),
     I32s(&'a CudaSlice<i32>),
@@ -820,7 +825,7 @@ enum Arg<'a> {
     F(f32),
 }
 
-struct ArgList<'a>(Vec<Arg<'a>>);
+pub(super) struct ArgList<'a>(pub(super) Vec<Arg<'a>>);
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,171 @@
+// Skinny GEMM for decode: out[m][n] = sum_k x[m][k] * w[n][k] for a few rows m (1..16), x
+// (m x k) and w (n x k) bf16 row-major (the Hugging Face layout), f32 accumulation, output
+// bf16 or f32 (the LM head). At these sizes the product is bound by reading w once: the
+// kernel's job is to keep enough 16-byte loads of w in flight to saturate HBM, and to spend
+// as few instructions as possible per weight byte.
+//
+// The arithmetic runs on the tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate): the
+// weight tile is the A operand (16 rows of w), x is the B operand (8 columns = 8 rows of x,
+// NT tiles of them), so one warp-wide instruction does 16 x 8 x 16 multiply-adds and the
+// FFMA/unpack cost of a CUDA-core GEMV (which would eat most of the issue slots at m = 8)
+// disappears. Rows of x beyond m read row m-1 instead (valid memory); their output columns
+// are computed and discarded, since a column of the product depends only on its own column
+// of B.
+//
+// Fragment trick: a dot product does not care in which order k is summed, as long as A and
+// B use the same order. mma's A fragment gives thread (g = lane/4, t = lane%4) the elements
+// {2t, 2t+1, 2t+8, 2t+9} of rows g and g+8, and its B fragment the same k positions of
+// column g. So each thread loads 8 consecutive k (one 16-byte load) of w row g, of w row
+// g+8 and of x row g, and feeds elements 0..3 to one mma and 4..7 to the next: the map from
+// the mma's k to memory depends only on t, identical for A and B. Per k-step of 32 the four
+// threads of a group cover 64 contiguous bytes of each row; U steps per batch make 64*U
+// contiguous bytes per row (full 32-byte sectors per instruction, whole lines per batch).
+//
+// Grid: one CTA per 16 rows of w (the last CTA's missing rows load row n-1 and store
+// nothing). The NW warps of a CTA split k: warp i takes batches i, i + NW, ... of U k-steps
+// (4*U 16-byte chunks per row); each thread issues its 2*U weight loads (L1 no-allocate:
+// streamed once) and NT*U x loads (L1-cached: every CTA re-reads x) before the first mma.
+// Partial sums meet in shared memory; each of the 16 x 8*NT outputs is summed by one
+// thread. K must be a multiple of 8 (16-byte rows); a last partial batch zeroes the chunks
+// past k on both operands.
+
+__device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 gemv_ld_cached(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// d += A (16x16, rows g/g+8 in a0..a3) * B (16x8, column g in b0, b1), f32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void gemv_store(bf16_t* out, long long i, float v) { out[i] = f2bf(v); }
+__device__ __forceinline__ void gemv_store(float* out, long long i, float v) { out[i] = v; }
+
+// NT: tiles of 8 x rows (m <= 8 * NT). NW: warps per CTA (k split). U: k-steps of 32 per
+// batch (2*U weight loads of 16 bytes in flight per thread).
+template <int NT, int NW, int U, typename OUT>
+__device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                                          OUT* __restrict__ out, int m, int n, int k) {
+    constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
+    __shared__ float red[NW][NT * 4][32];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16;
+    const int kc = k >> 3;
+    const long long ra = min(row0 + g, n - 1), rb = min(row0 + g + 8, n - 1);
+    const uint4* wa = reinterpret_cast<const uint4*>(w + ra * k) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(w + rb * k) + t;
+    const uint4* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const long long xm = min(nt * 8 + g, m - 1);
+        xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + t;
+    }
+
+    // Two accumulator sets (even and odd mma of a step) halve the dependent mma chain.
+    float acc[2][NT][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[h][nt][j] = 0.f;
+
+    const int nb = (kc + BATCH - 1) / BATCH;
+    for (int b = warp; b < nb; b += NW) {
+        const int c0 = b * BATCH;
+        uint4 va[U], vb[U], vx[NT][U];
+        if (c0 + BATCH <= kc) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                va[u] = gemv_ld_stream(wa + c0 + 4 * u);
+                vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int u = 0; u < U; u++) vx[nt][u] = gemv_ld_cached(xr[nt] + c0 + 4 * u);
+        } else {
+            // The last, partial batch: chunks past k load chunk 0 (valid memory) and are
+            // zeroed on both operands, so they add exact zeros.
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = c0 + 4 * u;
+                const bool in = c + t < kc;
+                const int cc = in ? c : -t;
+                va[u] = gemv_ld_stream(wa + cc);
+                vb[u] = gemv_ld_stream(wb + cc);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) vx[nt][u] = gemv_ld_cached(xr[nt] + cc);
+                if (!in) {
+                    va[u] = make_uint4(0, 0, 0, 0);
+                    vb[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) vx[nt][u] = make_uint4(0, 0, 0, 0);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                mma_bf16_16816(acc[0][nt], va[u].x, vb[u].x, va[u].y, vb[u].y, vx[nt][u].x, vx[nt][u].y);
+                mma_bf16_16816(acc[1][nt], va[u].z, vb[u].z, va[u].w, vb[u].w, vx[nt][u].z, vx[nt][u].w);
+            }
+    }
+
+    // Accumulator j of tile nt in lane (g, t) is D[g + 8*(j/2)][nt*8 + 2t + j%2]. Laid out
+    // [warp][j][lane] so that a warp's stores and the summing loads are conflict-free.
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += NW * 32) {
+        const int j = i >> 5, l = i & 31;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < NW; v++) s += red[v][j][l];
+        const int row = row0 + (l >> 2) + ((j & 2) ? 8 : 0);
+        const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
+        if (row < n && mm < m) gemv_store(out, (long long)mm * n + row, s);
+    }
+}
+
+#define GEMV_INSTANCE(MAXM, NW, U)                                                                              \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_bf16(                   \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
+        int k) {                                                                                                \
+        gemv_body<MAXM / 8, NW, U, bf16_t>(x, w, out, m, n, k);                                                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_f32(                    \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ out, int m, int n,      \
+        int k) {                                                                                                \
+        gemv_body<MAXM / 8, NW, U, float>(x, w, out, m, n, k);                                                  \
+    }
+
+// The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
+// kernels/src/cuda/gemv.rs, for up to 8 and up to 16 rows of x.
+#define GEMV_VARIANTS(MAXM)     \
+    GEMV_INSTANCE(MAXM, 4, 4)   \
+    GEMV_INSTANCE(MAXM, 8, 4)   \
+    GEMV_INSTANCE(MAXM, 4, 8)   \
+    GEMV_INSTANCE(MAXM, 8, 2)
+
+GEMV_VARIANTS(8)
+GEMV_VARIANTS(16)
