@@ -9,18 +9,25 @@ import json, os, subprocess, sys, time, urllib.request
 H = os.path.dirname(os.path.abspath(__file__))
 OUT = os.environ.get("OUT", "/tmp/out")
 B, LT = os.path.join(H, "baton"), os.path.join(H, "baton-loadtest")
-SLO = ["tpot:25", "ttft:2000"]
+# Overridable: GOODPUT_SLO="tpot:25,ttft:2000", GOODPUT_MODEL=llama-3.1-8b.json,
+# GOODPUT_LOADS="2048:8:8:160,128:128:16:320" (input:output:rate:prompts for the long-prompt
+# and the short-prompt load).
+SLO = os.environ.get("GOODPUT_SLO", "tpot:25,ttft:2000").split(",")
+MODEL_CFG = os.environ.get("GOODPUT_MODEL", "llama-3.2-1b.json")
 SCALE = float(os.environ.get("GOODPUT_SCALE", "1"))  # fraction of the prompt counts (quick checks)
 LOADS = {  # name: (input, output, rate req/s, prompts)
     "long_prompt": (2048, 8, 8, max(8, int(160 * SCALE))),
     "short_prompt": (128, 128, 16, max(16, int(320 * SCALE))),
 }
+if os.environ.get("GOODPUT_LOADS"):
+    parts = [tuple(float(x) for x in l.split(":")) for l in os.environ["GOODPUT_LOADS"].split(",")]
+    LOADS = {name: (int(i), int(o), r, int(n)) for name, (i, o, r, n) in zip(("long_prompt", "short_prompt"), parts)}
 CONFIGS = os.environ.get("GOODPUT_CONFIGS", "1p1d,2unified").split(",")
 
 def model_dir():
     subprocess.run([os.path.join(H, "write_tiny_models"), "/tmp/m"], check=True, capture_output=True)
     tiny = json.load(open("/tmp/m/llama/config.json"))
-    cfg = json.load(open(os.path.join(H, "llama-3.2-1b.json")))
+    cfg = json.load(open(os.path.join(H, MODEL_CFG)))
     cfg["vocab_size"] = tiny["vocab_size"]
     cfg["bos_token_id"] = tiny.get("bos_token_id")
     cfg["eos_token_id"] = tiny.get("eos_token_id")
@@ -31,7 +38,7 @@ def model_dir():
             subprocess.run(["cp", f"/tmp/m/llama/{f}", "/tmp/g/"], check=True)
     return "/tmp/g"
 
-def wait(url, secs=180):
+def wait(url, secs=420):
     t = time.time()
     while time.time() - t < secs:
         try:
@@ -88,7 +95,36 @@ total = {k: sum((v.get("request_goodput") or 0) for v in r.values()) for k, r in
 ratio = total["1p1d"] / total["2unified"] if total.get("2unified") and "1p1d" in total else None
 out = {"slo": SLO, "loads": LOADS, "results": results, "total_goodput_req_per_s": total,
        "ratio_1p1d_vs_2unified": ratio}
+
+def attainment(name, tpot_slos_ms, ttft_slo_ms):
+    """Fraction of all requests of both loads (and req/s) meeting TTFT and each TPOT SLO, from
+    the per-request records: the SLO can be chosen after the run."""
+    recs, dur = [], 0.0
+    for lname in LOADS:
+        d = json.load(open(os.path.join(OUT, f"{name}-{lname}.json")))
+        recs += d["records"]
+        dur = max(dur, d["summary"]["duration_s"])
+    rows = {}
+    for slo in tpot_slos_ms:
+        ok = 0
+        for r in recs:
+            if not r["success"] or r["ttft_s"] is None or r["ttft_s"] * 1000 > ttft_slo_ms:
+                continue
+            n = r["output_tokens"]
+            tpot = (r["latency_s"] - r["ttft_s"]) / (n - 1) * 1000 if n > 1 else 0.0
+            ok += tpot <= slo
+        rows[str(slo)] = {"attained": ok / len(recs), "goodput_req_per_s": ok / dur}
+    return rows
+
+SWEEP = [float(x) for x in os.environ.get("GOODPUT_TPOT_SWEEP", "5,10,15,20,25,30,40,50").split(",")]
+TTFT_SLO = float([x for x in SLO if x.startswith("ttft:")][0].split(":")[1])
+out["tpot_sweep"] = {name: attainment(name, SWEEP, TTFT_SLO) for name in results}
 json.dump(out, open(os.path.join(OUT, "goodput.json"), "w"), indent=1)
+print("TPOT SLO sweep (TTFT <=", TTFT_SLO, "ms): attained fraction / goodput req/s")
+for slo in SWEEP:
+    print(f"  tpot<={slo:>5} ms  " + "  ".join(
+        f"{name}: {out['tpot_sweep'][name][str(slo)]['attained']:.3f} / {out['tpot_sweep'][name][str(slo)]['goodput_req_per_s']:.2f}"
+        for name in results))
 for k, r in results.items():
     for lname, v in r.items():
         print(k, lname, json.dumps(v)[:300])
