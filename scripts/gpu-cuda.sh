@@ -6,8 +6,9 @@
 #   here (dev machine):   scripts/gpu-cuda.sh --build
 #       builds the nextest archive (debuginfo stripped), the example programs and copies
 #       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
-#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model]
-#       (default: all four) writes logs and JSON to $OUT (or bench/results/) and prints a
+#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput]
+#       (default: the first four; e2e is the whole-model bench_cuda, throughput the offline
+#       throughput runs) writes logs and JSON to $OUT (or bench/results/) and prints a
 #       short summary last.
 #
 # With the device tool: run(command="bash .carry/cuda/gpu-cuda.sh", carry=[".carry/cuda"]).
@@ -24,7 +25,7 @@ if [[ "${1:-}" == "--build" ]]; then
     cargo nextest archive -p baton-kernels -p baton-engine --archive-file "$CARRY/tests.tar.zst"
     cargo build -p baton-kernels -p baton-engine --examples
     target="${CARGO_TARGET_DIR:-target}"
-    for ex in cuda_bench cuda_compile greedy_dump bench_cuda; do
+    for ex in cuda_bench cuda_compile greedy_dump bench_cuda bench_throughput; do
         [[ -f "$target/debug/examples/$ex" ]] && cp "$target/debug/examples/$ex" "$CARRY/"
     done
     cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py "$CARRY/"
@@ -104,8 +105,19 @@ fi
 
 if want e2e && [[ -x "$HERE/bench_cuda" ]]; then
     timeout 420 "$HERE/bench_cuda" --config "$HERE/configs/llama-3.1-8b.json" --out "$OUTDIR/bench-cuda.json" \
-        --commit "$COMMIT" >"$OUTDIR/bench-cuda.log" 2>&1 || status=1
+        --commit "$COMMIT" ${BENCH_CUDA_ARGS:-} >"$OUTDIR/bench-cuda.log" 2>&1 || status=1
     while read -r l; do summary+=("$l"); done < <(tail -12 "$OUTDIR/bench-cuda.log")
+fi
+
+# Offline throughput, Llama-3.1-8B shape: THROUGHPUT_RUNS="isl:osl:prompts:time_limit_s ..."
+if want throughput && [[ -x "$HERE/bench_throughput" ]]; then
+    for r in ${THROUGHPUT_RUNS:-128:128:1000:200 1000:1000:1000:240}; do
+        IFS=: read -r isl osl n lim <<<"$r"
+        timeout $((lim + 150)) "$HERE/bench_throughput" --config "$HERE/configs/llama-3.1-8b.json" \
+            --out "$OUTDIR/throughput-$isl-$osl.json" --commit "$COMMIT" --prompts "$n" --isl "$isl" --osl "$osl" \
+            --time-limit-s "$lim" ${THROUGHPUT_ARGS:-} >"$OUTDIR/throughput-$isl-$osl.log" 2>&1 || status=1
+        summary+=("throughput $isl/$osl: $(tail -1 "$OUTDIR/throughput-$isl-$osl.log")")
+    done
 fi
 
 echo "===== summary (commit $COMMIT) ====="

@@ -1,0 +1,155 @@
+//! Offline throughput (a benchmark program, not a test), as vLLM's `benchmark_throughput`
+//! measures it: every prompt is submitted at once to one engine (random token ids, random
+//! weights via `--load-format dummy`, `ignore_eos` so every request makes exactly `--osl`
+//! tokens), and the figure is output tokens ÷ wall time from the first submission to the
+//! last token. The engine's own scheduler decides batching, chunked prefill and preemption,
+//! so this covers the whole engine path: scheduling, the forward step, the logits' trip to
+//! the sampler and sampling.
+//!
+//! Usage: `bench_throughput --config configs/models/llama-3.1-8b.json --out OUT.json
+//! [--device cuda:0] [--prompts 1000] [--isl 128] [--osl 128] [--max-num-seqs 256]
+//! [--max-num-batched-tokens 8192] [--commit C] [--time-limit-s 300]`. When the time limit
+//! passes first, the figures cover the requests that finished and the JSON says `timed_out`.
+
+use baton_core::api::{EngineClient, EngineRequest};
+use baton_core::params::SamplingParams;
+use baton_engine::{DeviceSpec, EngineConfig, start_engine};
+use baton_formats::{LoadFormat, load_model};
+use std::time::{Duration, Instant};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("bench_throughput: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn num<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Res<T>
+where
+    T::Err: std::error::Error + 'static,
+{
+    match flag(args, name) {
+        Some(v) => Ok(v.parse()?),
+        None => Ok(default),
+    }
+}
+
+/// Deterministic random prompt ids in `[0, vocab)` (xorshift; the values only need to vary).
+fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn run() -> Res<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let config = flag(&args, "--config").ok_or("--config PATH is required")?;
+    let out = flag(&args, "--out").unwrap_or_else(|| "bench-throughput.json".into());
+    let commit = flag(&args, "--commit").unwrap_or_default();
+    let device: DeviceSpec = flag(&args, "--device").unwrap_or_else(|| "cuda:0".into()).parse()?;
+    let prompts: usize = num(&args, "--prompts", 1000)?;
+    let isl: usize = num(&args, "--isl", 128)?;
+    let osl: usize = num(&args, "--osl", 128)?;
+    let time_limit = Duration::from_secs_f64(num(&args, "--time-limit-s", 300.0)?);
+    let engine_cfg = EngineConfig {
+        max_num_seqs: num(&args, "--max-num-seqs", 256)?,
+        max_num_batched_tokens: num(&args, "--max-num-batched-tokens", 8192)?,
+        max_model_len: Some(isl + osl + 16),
+        // Random prompts share no prefix; caching would only add bookkeeping.
+        enable_prefix_caching: false,
+        max_waiting: prompts + 1,
+        kernel_cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
+        ..EngineConfig::default()
+    };
+
+    let t_load = Instant::now();
+    let loaded = load_model(std::path::Path::new(&config), LoadFormat::Dummy)?;
+    let vocab = loaded.config.vocab_size;
+    let engine = start_engine(&loaded, device, engine_cfg.clone())?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    println!("loaded {config} on {device} in {load_s:.1} s; {prompts} prompts, ISL {isl}, OSL {osl}");
+
+    let params = SamplingParams { max_tokens: Some(osl), ignore_eos: true, ..SamplingParams::greedy() };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let (finished, output_tokens, elapsed, timed_out) = rt.block_on(async {
+        let start = Instant::now();
+        let mut tasks = Vec::with_capacity(prompts);
+        for i in 0..prompts {
+            let req = EngineRequest::new(prompt(i as u64 + 1, isl, vocab), params.clone());
+            let mut stream = engine.submit(req)?;
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0usize;
+                while let Some(o) = stream.next().await {
+                    let o = o.map_err(|e| e.to_string())?;
+                    n += o.new_token_ids.len();
+                    if o.finish_reason.is_some() {
+                        return Ok::<_, String>((n, Instant::now()));
+                    }
+                }
+                Err("the stream ended without a finish reason".to_string())
+            }));
+        }
+        let deadline = tokio::time::Instant::now() + time_limit;
+        let (mut finished, mut tokens, mut last) = (0usize, 0usize, start);
+        let mut timed_out = false;
+        for t in tasks {
+            match tokio::time::timeout_at(deadline, t).await {
+                Ok(joined) => {
+                    let (n, at) = joined.map_err(|e| e.to_string())??;
+                    finished += 1;
+                    tokens += n;
+                    last = last.max(at);
+                }
+                Err(_) => {
+                    timed_out = true;
+                    break;
+                }
+            }
+        }
+        Ok::<_, Box<dyn std::error::Error>>((finished, tokens, (last - start).as_secs_f64(), timed_out))
+    })?;
+    engine.shutdown();
+
+    let out_tps = output_tokens as f64 / elapsed;
+    let total_tps = (finished * isl + output_tokens) as f64 / elapsed;
+    let req_s = finished as f64 / elapsed;
+    let note = if timed_out { " (time limit hit: figures over the requests that finished)" } else { "" };
+    println!(
+        "finished {finished}/{prompts} in {elapsed:.1} s: {out_tps:.0} output tok/s, {total_tps:.0} total tok/s, {req_s:.2} req/s{note}"
+    );
+    let json = format!(
+        concat!(
+            "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},",
+            "\"prompts\":{},\"finished\":{},\"isl\":{},\"osl\":{},\"max_num_seqs\":{},\"max_num_batched_tokens\":{},",
+            "\"elapsed_s\":{:.3},\"output_tok_s\":{:.1},\"total_tok_s\":{:.1},\"req_s\":{:.3},\"timed_out\":{}}}\n"
+        ),
+        config,
+        device,
+        commit,
+        prompts,
+        finished,
+        isl,
+        osl,
+        engine_cfg.max_num_seqs,
+        engine_cfg.max_num_batched_tokens,
+        elapsed,
+        out_tps,
+        total_tps,
+        req_s,
+        timed_out
+    );
+    std::fs::write(&out, json)?;
+    Ok(())
+}
