@@ -14,6 +14,7 @@
 
 mod compile;
 mod ops;
+mod sampling;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
@@ -22,6 +23,7 @@ pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
     plan_splits,
 };
+pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction};
@@ -101,6 +103,8 @@ pub(crate) struct Funcs {
     pub attention: Vec<Vec<CudaFunction>>,
     /// The merge of split-attention partials, per head_dim as above.
     pub attention_combine: Vec<CudaFunction>,
+    /// Sampling, one CTA per row (sampling.cu).
+    pub sample_rows: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -173,6 +177,7 @@ impl CudaDevice {
                 .iter()
                 .map(|hd| f(&format!("attention_combine_hd{hd}")))
                 .collect::<Result<Vec<_>, _>>()?,
+            sample_rows: f("sample_rows")?,
         };
         let blas = CudaBlas::new(stream.clone())?;
         let sm_count = ctx
