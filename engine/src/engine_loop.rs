@@ -18,7 +18,7 @@ use baton_core::api::{
 };
 use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::{KvLayout, plan_transfer};
-use baton_core::sampling::{SamplingContext, sample_batch};
+use baton_core::sampling::{Sampled, SamplingContext};
 use baton_core::scheduler::Scheduler;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -94,7 +94,9 @@ pub(crate) trait StepModel: Send {
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
-    ) -> Result<Vec<f32>, BackendError>;
+    ) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::sample`].
+    fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError>;
     /// See [`crate::backend::Backend::write_kv_blocks`].
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::nccl_recv_layer`].
@@ -118,8 +120,12 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
-    ) -> Result<Vec<f32>, BackendError> {
+    ) -> Result<(), BackendError> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
+    }
+
+    fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError> {
+        crate::model::LlamaModel::sample(self, ctxs)
     }
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
@@ -181,7 +187,6 @@ pub(crate) struct EngineLoop {
     pub rx: Receiver<Command>,
     pub shared: Arc<Shared>,
     pub eos_token_ids: Vec<u32>,
-    pub vocab_size: usize,
     pub pool: rayon::ThreadPool,
     pub kv_layout: KvLayout,
     live: HashMap<RequestId, Live>,
@@ -198,7 +203,6 @@ impl EngineLoop {
         rx: Receiver<Command>,
         shared: Arc<Shared>,
         eos_token_ids: Vec<u32>,
-        vocab_size: usize,
         pool: rayon::ThreadPool,
         kv_layout: KvLayout,
     ) -> Self {
@@ -208,7 +212,6 @@ impl EngineLoop {
             rx,
             shared,
             eos_token_ids,
-            vocab_size,
             pool,
             kv_layout,
             live: HashMap::new(),
@@ -460,21 +463,10 @@ impl EngineLoop {
         };
         let model = &mut self.model;
         let result = self.pool.install(|| model.forward(&batch, &export_specs, &mut sink));
-        let mut logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "backend step failed; marking the engine unhealthy");
-                self.shared.healthy.store(false, Ordering::SeqCst);
-                let ids: Vec<RequestId> = out.seqs.iter().map(|s| s.id).collect();
-                for id in ids {
-                    self.scheduler.abort(id);
-                    if let Some(l) = self.live.remove(&id) {
-                        let _ = l.tx.send(Err(EngineError::Backend(e.to_string())));
-                    }
-                }
-                return;
-            }
-        };
+        if let Err(e) = result {
+            self.fail_step(&out, &e);
+            return;
+        }
         // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
         // before the sends are done (the GPU waits, the host does not).
         for link in export_specs.iter().filter_map(|e| e.link.as_ref()) {
@@ -486,6 +478,7 @@ impl EngineLoop {
         let sampling_ids: Vec<RequestId> =
             out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty()).map(|s| s.id).collect();
         let mut sampled = Vec::with_capacity(sampling_ids.len());
+        let mut failed = None;
         {
             let mut ctxs = Vec::with_capacity(sampling_ids.len());
             for id in &sampling_ids {
@@ -501,11 +494,16 @@ impl EngineLoop {
                 });
             }
             if ctxs.len() == sampling_ids.len() {
-                let pool = &self.pool;
-                let vocab = self.vocab_size;
-                let picks = pool.install(|| sample_batch(&mut logits, vocab, &ctxs));
-                sampled.extend(sampling_ids.iter().copied().zip(picks));
+                let model = &mut self.model;
+                match self.pool.install(|| model.sample(&ctxs)) {
+                    Ok(picks) => sampled.extend(sampling_ids.iter().copied().zip(picks)),
+                    Err(e) => failed = Some(e),
+                }
             }
+        }
+        if let Some(e) = failed {
+            self.fail_step(&out, &e);
+            return;
         }
         let pairs: Vec<(RequestId, u32)> = sampled.iter().map(|(id, s)| (*id, s.token_id)).collect();
         let mut logprobs: HashMap<RequestId, baton_core::api::TokenLogprob> =
@@ -543,6 +541,19 @@ impl EngineLoop {
                 // The client went away: free its blocks now rather than at the next token.
                 self.scheduler.abort(u.id);
                 self.live.remove(&u.id);
+            }
+        }
+    }
+
+    /// A backend failure during a step: the engine is unhealthy and every request of the
+    /// step fails.
+    fn fail_step(&mut self, out: &baton_core::scheduler::SchedulerOutput, e: &BackendError) {
+        tracing::error!(error = %e, "backend step failed; marking the engine unhealthy");
+        self.shared.healthy.store(false, Ordering::SeqCst);
+        for id in out.seqs.iter().map(|s| s.id) {
+            self.scheduler.abort(id);
+            if let Some(l) = self.live.remove(&id) {
+                let _ = l.tx.send(Err(EngineError::Backend(e.to_string())));
             }
         }
     }

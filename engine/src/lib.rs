@@ -180,8 +180,7 @@ pub fn start_engine(
         cache_events: Mutex::new(Vec::new()),
     });
     let (tx, rx) = std::sync::mpsc::channel();
-    let vocab = cfg.vocab_size;
-    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, vocab, pool, kv_layout);
+    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout);
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
         .spawn(move || engine.run())

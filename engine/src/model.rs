@@ -5,10 +5,12 @@
 //! Hugging Face naming and layout) and fused where it saves GEMM launches:
 //! `[q; k; v]` into one matrix and `[gate; up]` into another. One call to
 //! [`LlamaModel::forward`] runs a whole mixed batch (prefill chunks and decode
-//! rows alike) and returns the logits of the rows that sample.
+//! rows alike); [`LlamaModel::sample`] then picks the next tokens from the logits
+//! it left in the backend (on the GPU for the CUDA backend).
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape};
 use crate::kv_transport::LayerFrame;
+use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
 use baton_formats::{ModelConfig, RopeScaling, WeightStore};
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
 
@@ -69,6 +71,8 @@ pub struct LlamaModel<B: Backend> {
     layers: Vec<Layer<B>>,
     ws: Workspace<B>,
     backend: B,
+    /// Logit rows the last step left in the backend.
+    logit_count: usize,
 }
 
 fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
@@ -161,7 +165,7 @@ impl<B: Backend> LlamaModel<B> {
             last: backend.alloc(0)?,
             last_res: backend.alloc_res(0)?,
         };
-        Ok(Self { cfg: cfg.clone(), embed, lm_head, final_norm, layers, ws, backend })
+        Ok(Self { cfg: cfg.clone(), embed, lm_head, final_norm, layers, ws, backend, logit_count: 0 })
     }
 
     /// The model's configuration.
@@ -260,10 +264,54 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
     pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
-        self.forward_exporting(batch, &[], &mut |_, _| {})
+        self.forward_exporting(batch, &[], &mut |_, _| {})?;
+        let rows: Vec<usize> = (0..self.logit_count).collect();
+        self.backend.logit_rows(&rows)
     }
 
-    /// [`LlamaModel::forward`] that also hands out KV as soon as each layer has written it:
+    /// Samples the logits of the last step, row `i` with `ctxs[i]` (one context per logit
+    /// row), exactly as `baton_core::sampling::sample_batch` would. Rows the backend can
+    /// sample where the logits are (the CUDA backend) never come to the host; the others
+    /// are downloaded and sampled on the CPU.
+    pub fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError> {
+        if ctxs.len() != self.logit_count {
+            return Err(BackendError::Kernel(baton_kernels::cpu::KernelError {
+                op: "sample",
+                message: format!("{} sampling contexts for {} logit rows", ctxs.len(), self.logit_count),
+            }));
+        }
+        let vocab = self.cfg.vocab_size;
+        let mut out: Vec<Option<Sampled>> = vec![None; ctxs.len()];
+        let plans: Vec<Option<RowPlan>> = ctxs
+            .iter()
+            .map(|ctx| {
+                let plan = plan_row(ctx, vocab);
+                self.backend.can_sample_on_device(vocab, &plan).then_some(plan)
+            })
+            .collect();
+        let on_device: Vec<(usize, &RowPlan)> =
+            plans.iter().enumerate().filter_map(|(i, p)| p.as_ref().map(|p| (i, p))).collect();
+        if !on_device.is_empty() {
+            let picks = self.backend.sample_on_device(&on_device)?;
+            for (&(i, _), pick) in on_device.iter().zip(picks) {
+                out[i] = Some(pick);
+            }
+        }
+        let on_host: Vec<usize> = (0..ctxs.len()).filter(|&i| plans[i].is_none()).collect();
+        if !on_host.is_empty() {
+            let mut logits = self.backend.logit_rows(&on_host)?;
+            let host_ctxs: Vec<SamplingContext<'_>> = on_host.iter().map(|&i| ctxs[i]).collect();
+            for (&i, pick) in on_host.iter().zip(sample_batch(&mut logits, vocab, &host_ctxs)) {
+                out[i] = Some(pick);
+            }
+        }
+        out.into_iter()
+            .map(|s| s.ok_or_else(|| BackendError::Device("the device sampler returned too few rows".into())))
+            .collect()
+    }
+
+    /// [`LlamaModel::forward`] that leaves the logits in the backend (for
+    /// [`LlamaModel::sample`]) and also hands out KV as soon as each layer has written it:
     /// for every layer and every export `exports[j]`, either `sink(j, frame)` gets the
     /// layer's K and V bytes of its blocks (see [`Backend::read_kv_blocks`]), or, for an NCCL
     /// export, the sends are enqueued and `sink(j, frame)` gets an empty frame carrying the
@@ -274,7 +322,8 @@ impl<B: Backend> LlamaModel<B> {
         batch: &BatchLayout,
         exports: &[crate::relay::ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
-    ) -> Result<Vec<f32>, BackendError> {
+    ) -> Result<(), BackendError> {
+        self.logit_count = 0;
         let cfg = &self.cfg;
         let b = &mut self.backend;
         let ws = &mut self.ws;
@@ -286,7 +335,7 @@ impl<B: Backend> LlamaModel<B> {
         let eps = cfg.rms_norm_eps;
         let scale = 1.0 / (hd as f32).sqrt();
         if t == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         b.embed(&batch.tokens, &self.embed, &mut ws.residual)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -323,7 +372,7 @@ impl<B: Backend> LlamaModel<B> {
         }
         let rows = &batch.logit_rows;
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         // Only the sampling rows need the final norm and the (large) LM head.
         let h = cfg.hidden_size;
@@ -331,6 +380,8 @@ impl<B: Backend> LlamaModel<B> {
         b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
         b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.logits(&ws.hidden, rows.len(), head)
+        b.lm_head(&ws.hidden, rows.len(), head)?;
+        self.logit_count = rows.len();
+        Ok(())
     }
 }

@@ -20,6 +20,9 @@ pub struct CpuBackend {
     kv: Vec<(Vec<f32>, Vec<f32>)>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
+    /// The last LM-head output, `rows × vocab`.
+    logits: Vec<f32>,
+    vocab: usize,
 }
 
 impl CpuBackend {
@@ -128,9 +131,24 @@ impl Backend for CpuBackend {
         self.gather_rows(x, width, rows, out)
     }
 
-    fn logits(&mut self, x: &Vec<f32>, m: usize, w: &CpuMat) -> Result<Vec<f32>, BackendError> {
-        let mut out = Vec::new();
+    fn lm_head(&mut self, x: &Vec<f32>, m: usize, w: &CpuMat) -> Result<(), BackendError> {
+        let mut out = std::mem::take(&mut self.logits);
         self.linear(x, m, w, None, &mut out)?;
+        self.logits = out;
+        self.vocab = w.rows;
+        Ok(())
+    }
+
+    fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError> {
+        let v = self.vocab;
+        let have = self.logits.len().checked_div(v).unwrap_or(0);
+        if let Some(bad) = rows.iter().find(|&&r| r >= have) {
+            return Err(kerr("logit_rows", format!("row {bad} of {have} logit rows")));
+        }
+        let mut out = Vec::with_capacity(rows.len() * v);
+        for &r in rows {
+            out.extend_from_slice(&self.logits[r * v..(r + 1) * v]);
+        }
         Ok(out)
     }
 

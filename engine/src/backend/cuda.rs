@@ -4,16 +4,20 @@
 //! [`GEMV_MAX_M`] rows, k a multiple of 8), which go to the skinny-GEMM kernel.
 //!
 //! Invariants: every op enqueues on the device's single stream, so ops are ordered without
-//! events; only `to_host` synchronizes (and so reports asynchronous kernel faults). Buffers
+//! events; only the copies to the host (`to_host`, `logit_rows`, KV reads) and sampling on the
+//! device (which downloads a few hundred bytes per row instead of the logits) synchronize (and so reports asynchronous kernel faults). Buffers
 //! only grow: after the largest step has run once, a step allocates nothing on the device.
 //! The per-step metadata (positions, cache slots, block tables) is built and uploaded once
 //! per batch layout and reused by every layer. Any CUDA failure is returned as
 //! [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
 use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use baton_core::api::TokenLogprob;
+use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
-    CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq, KvGeometry, StepMeta, bf16, gemv_supports,
+    CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, HostSeq,
+    KvGeometry, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, StepMeta, bf16, gemv_supports,
 };
 
 /// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
@@ -89,6 +93,49 @@ pub struct CudaBackend {
     /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
     /// for every GEMM, for comparisons.
     gemv: bool,
+    /// Rows and width of the live LM-head output in `logits`.
+    logit_shape: (usize, usize),
+    /// Device buffers of the sampler.
+    sample_bufs: SampleBuffers,
+}
+
+/// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
+/// `ops`), in the kernel crate's terms. Public for the GPU tests.
+pub fn device_row<'a>(logit_row: usize, plan: &RowPlan, ops: &'a [DeviceOp]) -> DeviceRow<'a> {
+    DeviceRow {
+        logit_row,
+        ops,
+        greedy: plan.greedy,
+        temperature: plan.temperature,
+        top_k: plan.top_k,
+        top_p: plan.top_p,
+        min_p: plan.min_p,
+        logprobs: plan.logprobs,
+        u: plan.u,
+    }
+}
+
+/// The kernel's answer as the sampler's result (logprobs only when the plan asked).
+pub fn sampled(pick: DeviceSample, plan: &RowPlan) -> Sampled {
+    Sampled {
+        token_id: pick.token,
+        logprobs: plan.logprobs.map(|_| TokenLogprob { token_id: pick.token, logprob: pick.logprob, top: pick.top }),
+    }
+}
+
+/// A plan's ops in the kernel crate's terms.
+pub fn device_ops(ops: &[TokenOp]) -> Vec<DeviceOp> {
+    ops.iter()
+        .map(|op| {
+            let (kind, value) = match op.kind {
+                TokenOpKind::Bias(b) => (DeviceOpKind::Bias, b),
+                TokenOpKind::Mask => (DeviceOpKind::Mask, 0.0),
+                TokenOpKind::Repetition(r) => (DeviceOpKind::Repetition, r),
+                TokenOpKind::Subtract(s) => (DeviceOpKind::Subtract, s),
+            };
+            DeviceOp { id: op.id, kind, value }
+        })
+        .collect()
 }
 
 fn to_bf16(data: &[f32]) -> Vec<bf16> {
@@ -107,6 +154,7 @@ impl CudaBackend {
         let ids = dev.alloc(64)?;
         let rows = dev.alloc(64)?;
         let logits = dev.alloc(1)?;
+        let sample_bufs = SampleBuffers::new(&dev)?;
         let (ms, cached) = dev.module_load();
         tracing::info!(
             device = dev.name(),
@@ -127,6 +175,8 @@ impl CudaBackend {
             rows,
             logits,
             gemv: true,
+            logit_shape: (0, 0),
+            sample_bufs,
         })
     }
 
@@ -341,11 +391,12 @@ impl Backend for CudaBackend {
         Ok(self.dev.gather_rows_f32(&x.data, x.len / width, width, rows, &mut self.rows, &mut out.data)?)
     }
 
-    fn logits(&mut self, x: &CudaBuf, m: usize, w: &CudaMat) -> Result<Vec<f32>, BackendError> {
+    fn lm_head(&mut self, x: &CudaBuf, m: usize, w: &CudaMat) -> Result<(), BackendError> {
         if x.len < m * w.cols {
-            return Err(kerr("logits", format!("input has {} values, need {m}×{}", x.len, w.cols)));
+            return Err(kerr("lm_head", format!("input has {} values, need {m}×{}", x.len, w.cols)));
         }
         let n = m * w.rows;
+        self.logit_shape = (0, w.rows);
         if self.logits.len() < n {
             self.logits = self.dev.alloc(n.next_power_of_two())?;
         }
@@ -354,7 +405,39 @@ impl Backend for CudaBackend {
         } else {
             self.dev.linear_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
         }
-        Ok(self.dev.download(&self.logits, n)?)
+        self.logit_shape = (m, w.rows);
+        Ok(())
+    }
+
+    fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError> {
+        let (have, vocab) = self.logit_shape;
+        if let Some(bad) = rows.iter().find(|&&r| r >= have) {
+            return Err(kerr("logit_rows", format!("row {bad} of {have} logit rows")));
+        }
+        if rows.iter().enumerate().all(|(i, &r)| i == r) {
+            // The common case (every row, in order) is one copy.
+            return Ok(self.dev.download(&self.logits, rows.len() * vocab)?);
+        }
+        let mut out = vec![0f32; rows.len() * vocab];
+        let stream = self.dev.stream();
+        for (dst, &r) in out.chunks_exact_mut(vocab.max(1)).zip(rows) {
+            stream.memcpy_dtoh(&self.logits.slice(r * vocab..(r + 1) * vocab), dst).map_err(CudaError::from)?;
+        }
+        stream.synchronize().map_err(CudaError::from)?;
+        Ok(out)
+    }
+
+    fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
+        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
+    }
+
+    fn sample_on_device(&mut self, rows: &[(usize, &RowPlan)]) -> Result<Vec<Sampled>, BackendError> {
+        let (have, vocab) = self.logit_shape;
+        let ops: Vec<Vec<DeviceOp>> = rows.iter().map(|(_, plan)| device_ops(&plan.ops)).collect();
+        let dev_rows: Vec<DeviceRow<'_>> =
+            rows.iter().zip(&ops).map(|(&(logit_row, plan), ops)| device_row(logit_row, plan, ops)).collect();
+        let picks = self.dev.sample_rows(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
+        Ok(picks.into_iter().zip(rows).map(|(p, (_, plan))| sampled(p, plan)).collect())
     }
 
     fn rope_and_write_kv(

@@ -9,6 +9,7 @@
 pub mod cpu;
 pub mod cuda;
 
+use baton_core::sampling::{RowPlan, Sampled};
 use baton_kernels::cpu::KernelError;
 
 /// A backend failure. Fatal for the step; the engine marks itself unhealthy on
@@ -134,9 +135,26 @@ pub trait Backend: Send + 'static {
         rows: &[usize],
         out: &mut Self::Res,
     ) -> Result<(), BackendError>;
-    /// The LM head: `x · wᵀ` for `m` rows, computed and returned to the host in f32
-    /// (`m × w.rows`, row-major), so logits carry no bf16 rounding.
-    fn logits(&mut self, x: &Self::Buf, m: usize, w: &Self::Mat) -> Result<Vec<f32>, BackendError>;
+    /// The LM head: `x · wᵀ` for `m` rows in f32 (`m × w.rows`, row-major), so logits carry
+    /// no bf16 rounding. The backend keeps them (on the device, where it has one) for
+    /// [`Backend::logit_rows`] and [`Backend::sample_on_device`] until the next call.
+    fn lm_head(&mut self, x: &Self::Buf, m: usize, w: &Self::Mat) -> Result<(), BackendError>;
+    /// Rows of the last [`Backend::lm_head`] output copied to the host, in the order given
+    /// (`rows.len() × vocab`, row-major). A row that sampling on the device rewrote holds
+    /// processed values, not logits: take each row one way only.
+    fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError>;
+    /// Whether [`Backend::sample_on_device`] can sample this row of a `vocab`-wide output
+    /// exactly as `baton_core::sampling::sample` would. The default backend samples nothing
+    /// on a device; the caller then downloads the row and samples it on the CPU.
+    fn can_sample_on_device(&self, _vocab: usize, _plan: &RowPlan) -> bool {
+        false
+    }
+    /// Samples rows of the last [`Backend::lm_head`] output where they are, each given as
+    /// `(row, plan)` with a plan that [`Backend::can_sample_on_device`] accepted; one result
+    /// per row, in order.
+    fn sample_on_device(&mut self, _rows: &[(usize, &RowPlan)]) -> Result<Vec<Sampled>, BackendError> {
+        Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
+    }
     /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.
     #[allow(clippy::too_many_arguments)]
     fn rope_and_write_kv(

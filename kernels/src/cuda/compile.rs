@@ -21,6 +21,7 @@ pub(crate) fn module_source() -> String {
         include_str!("../../cuda/rope_kv.cu"),
         include_str!("../../cuda/attention.cu"),
         include_str!("../../cuda/gemv.cu"),
+        include_str!("../../cuda/sampling.cu"),
     ]
     .join("\n")
 }
@@ -137,6 +138,7 @@ mod tests {
             "bf16_to_f32",
             "f32_to_bf16",
             "rope_write_kv_bf16",
+            "sample_rows",
         ] {
             assert!(src.contains(&format!("void {k}(")), "{k} missing");
         }

@@ -15,6 +15,7 @@
 mod compile;
 mod gemv;
 mod ops;
+mod sampling;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
@@ -24,6 +25,7 @@ pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
     plan_splits,
 };
+pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction};
@@ -106,6 +108,8 @@ pub(crate) struct Funcs {
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of gemv::GEMV_VARIANTS]`, each
     /// `[bf16 out, f32 out]`.
     pub gemv: [Vec<[CudaFunction; 2]>; 2],
+    /// Sampling, one CTA per row (sampling.cu).
+    pub sample_rows: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -179,6 +183,7 @@ impl CudaDevice {
                 .map(|hd| f(&format!("attention_combine_hd{hd}")))
                 .collect::<Result<Vec<_>, _>>()?,
             gemv: [gemv_funcs(&f, 8)?, gemv_funcs(&f, 16)?],
+            sample_rows: f("sample_rows")?,
         };
         let blas = CudaBlas::new(stream.clone())?;
         let sm_count = ctx

@@ -38,14 +38,19 @@
 //! own history and `(seed, position)`, never on the rest of the batch, so a preempted
 //! and recomputed sequence continues identically. Token ids outside the row (in bias
 //! lists, stop lists, histories) are ignored; no input makes this module panic.
+//!
+//! [`plan_row`] compiles steps 2–5 of one row into per-token ops plus the scalars of
+//! steps 6–8, which is what a device sampler executes ([`apply_ops`] is its CPU check).
 
 mod logprobs;
 mod penalties;
+mod plan;
 mod rng;
 mod row_ops;
 mod truncation;
 
 pub use logprobs::{LogSoftmax, top_entries};
+pub use plan::{RowPlan, TokenOp, TokenOpKind, apply_ops, plan_row};
 pub use rng::{random_bits, uniform};
 pub use truncation::{draw_inverse_cdf, truncated_weights};
 
