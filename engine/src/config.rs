@@ -82,6 +82,10 @@ pub struct EngineConfig {
     /// Keep prefix-cache events (blocks stored/evicted) for [`crate::EngineHandle::take_cache_events`];
     /// workers turn this on to feed the router's prefix index.
     pub record_cache_events: bool,
+    /// CPU backend only: round to bf16 where the CUDA backend stores bf16
+    /// ([`crate::backend::cpu::CpuBackend::emulating_bf16`]), the reference a bf16 GPU run is
+    /// compared with token for token. Off for serving.
+    pub cpu_emulates_bf16: bool,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +104,7 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             num_threads: None,
             record_cache_events: false,
+            cpu_emulates_bf16: false,
         }
     }
 }

@@ -133,9 +133,12 @@ pub fn start_engine(
                 size_kv(llama, &config, max_model_len, 2)?
             }
             DeviceSpec::Cpu | DeviceSpec::Auto => {
-                let llama = pool.install(|| {
-                    model::LlamaModel::load(cfg, model.weights.as_ref(), backend::cpu::CpuBackend::new())
-                })?;
+                let backend = if config.cpu_emulates_bf16 {
+                    backend::cpu::CpuBackend::emulating_bf16()
+                } else {
+                    backend::cpu::CpuBackend::new()
+                };
+                let llama = pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend))?;
                 size_kv(llama, &config, max_model_len, 4)?
             }
         };

@@ -24,10 +24,16 @@ const NEAR_TIE: f32 = 0.03;
 const MAX_TOKENS: usize = 24;
 
 fn start(model: &baton_formats::LoadedModel, device: DeviceSpec) -> EngineHandle {
+    start_with(model, device, false)
+}
+
+/// `bf16_reference`: on the CPU, emulate the CUDA backend's bf16 storage.
+fn start_with(model: &baton_formats::LoadedModel, device: DeviceSpec, bf16_reference: bool) -> EngineHandle {
     let cfg = EngineConfig {
         num_threads: Some(2),
         num_kv_blocks: Some(256),
         max_model_len: Some(512),
+        cpu_emulates_bf16: bf16_reference,
         ..EngineConfig::default()
     };
     start_engine(model, device, cfg).unwrap_or_else(|e| panic!("start on {device}: {e}"))
@@ -125,24 +131,23 @@ fn gpu_auto_device_picks_cuda() {
 }
 
 /// With well-conditioned tiny models (larger init, so the top logit stands clear of the
-/// rest, as in a trained model) bf16 rounding must not change a single greedy token.
+/// rest, as in a trained model) the CUDA run must give exactly the greedy tokens of the CPU
+/// reference that stores bf16 where the CUDA backend does (`cpu_emulates_bf16`).
 ///
-/// KNOWN FAILING (H100, 2026-11-21, with the f32 residual stream and f32 logits): the
-/// assertion cannot hold for a bf16 backend on these models. Rounding only the weights to
-/// bf16 (f32 arithmetic everywhere) already changes the CPU's own greedy tokens within 3–28
-/// steps, and the CUDA run matches a CPU emulation of its bf16 activations to three decimals
-/// (bench/results/exactness-bf16-emulation-cpu-2026-11-21.md). Kept unweakened as the record
-/// of that limit; the whole-model check that matters is against transformers on the same bf16
-/// weights (scripts/golden/hf_compare.py).
+/// Not against the exact f32 CPU run: on these models rounding only the weights to bf16
+/// already changes the CPU's own greedy tokens within 3–28 steps, so no bf16 backend can match
+/// it (bench/results/exactness-bf16-emulation-cpu-2026-11-21.md; this test's earlier form
+/// compared with it and failed for that reason). Peaked models make near ties rare, so the
+/// remaining differences (accumulation order, exp2 vs exp) must not flip a token here.
 #[test]
-fn gpu_well_conditioned_models_match_cpu_exactly() {
+fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> =
             [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
-        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu), &prompts);
+        let cpu = run_all(&start_with(&m.model, DeviceSpec::Cpu, true), &prompts);
         // The model must actually be peaked, or this test would prove nothing more than the one above.
         let mean_top: f32 =
             cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;

@@ -2,6 +2,13 @@
 //! from `baton_kernels::cpu`, parallel through the rayon pool the engine
 //! thread runs the step in. It is the reference the CUDA backend is checked
 //! against, so it favours exactness over speed (f64 norms and RoPE angles).
+//!
+//! [`CpuBackend::emulating_bf16`] is a second reference: it rounds to bf16 exactly where the
+//! CUDA backend stores bf16 (weights; the outputs of every linear, bias add, RMSNorm, RoPE,
+//! attention and SiLU·mul; so the KV cache too) and keeps the residual stream and the logits
+//! in f32, as the CUDA backend does. A bf16 backend cannot match the exact f32 reference
+//! token for token on peaked models (rounding the weights alone changes greedy tokens), but
+//! it must match this one.
 
 use super::{Backend, BackendError, BatchLayout, KvCacheShape};
 use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, RopeTable, SeqSpan};
@@ -20,6 +27,8 @@ pub struct CpuBackend {
     kv: Vec<(Vec<f32>, Vec<f32>)>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
+    /// Round to bf16 where the CUDA backend stores bf16 (see the module doc).
+    bf16: bool,
     /// The last LM-head output, `rows × vocab`.
     logits: Vec<f32>,
     vocab: usize,
@@ -29,6 +38,20 @@ impl CpuBackend {
     /// A backend with no KV cache yet.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backend that emulates the CUDA backend's bf16 storage (see the module doc).
+    pub fn emulating_bf16() -> Self {
+        Self { bf16: true, ..Self::default() }
+    }
+
+    /// Rounds `xs` to bf16 in place when emulating bf16 storage.
+    fn store(&self, xs: &mut [f32]) {
+        if self.bf16 {
+            for x in xs {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }
+        }
     }
 
     fn shape(&self) -> Result<KvCacheShape, BackendError> {
@@ -57,10 +80,14 @@ impl Backend for CpuBackend {
         if data.len() != rows * cols {
             return Err(kerr("upload_mat", format!("{} values for a {rows}×{cols} matrix", data.len())));
         }
+        let mut data = data;
+        self.store(&mut data);
         Ok(CpuMat { data, rows, cols })
     }
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        let mut data = data;
+        self.store(&mut data);
         Ok(data)
     }
 
@@ -101,12 +128,28 @@ impl Backend for CpuBackend {
         let x = x
             .get(..m * w.cols)
             .ok_or_else(|| kerr("linear", format!("input has {} values, need {m}×{}", x.len(), w.cols)))?;
-        Ok(k::linear(x, &w.data, bias.map(|b| b.as_slice()), m, w.cols, w.rows, out)?)
+        if !self.bf16 {
+            return Ok(k::linear(x, &w.data, bias.map(|b| b.as_slice()), m, w.cols, w.rows, out)?);
+        }
+        // As on the GPU: the product is stored in bf16, then the bias is added and stored again.
+        k::linear(x, &w.data, None, m, w.cols, w.rows, out)?;
+        self.store(out);
+        if let Some(b) = bias {
+            for row in out.chunks_exact_mut(w.rows) {
+                for (o, bv) in row.iter_mut().zip(b) {
+                    *o += bv;
+                }
+            }
+            self.store(out);
+        }
+        Ok(())
     }
 
     fn rms_norm(&mut self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, out: &mut Vec<f32>) -> Result<(), BackendError> {
         out.resize(x.len(), 0.0);
-        Ok(k::rms_norm(x, weight, eps, out)?)
+        k::rms_norm(x, weight, eps, out)?;
+        self.store(out);
+        Ok(())
     }
 
     fn add_rms_norm(
@@ -118,7 +161,9 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         out.resize(x.len(), 0.0);
-        Ok(k::add_rms_norm(residual, x, weight, eps, out)?)
+        k::add_rms_norm(residual, x, weight, eps, out)?;
+        self.store(out);
+        Ok(())
     }
 
     fn gather_res_rows(
@@ -165,6 +210,8 @@ impl Backend for CpuBackend {
         let rope = self.rope.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
         rope.apply(q, n_heads, &batch.positions)?;
         rope.apply(kb, shape.num_kv_heads, &batch.positions)?;
+        self.store(q);
+        self.store(kb);
         let stride = shape.num_kv_heads * shape.head_dim;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -229,12 +276,15 @@ impl Backend for CpuBackend {
                 or,
             )?;
         }
+        self.store(out);
         Ok(())
     }
 
     fn silu_mul(&mut self, gate_up: &Vec<f32>, d: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
         out.resize(gate_up.len() / 2, 0.0);
-        Ok(k::silu_mul(gate_up, out, d)?)
+        k::silu_mul(gate_up, out, d)?;
+        self.store(out);
+        Ok(())
     }
 
     fn gather_rows(
