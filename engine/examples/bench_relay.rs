@@ -13,8 +13,14 @@
 //!   - D's second token (the relay really continues on D);
 //!   - the transfer alone: a repeated prompt is a prefix-cache hit on P (one token computed),
 //!     so its hand-off (connect → acknowledgement) is nearly all data movement; bytes ÷ that
-//!     time against the NCCL ceiling.
+//!     time against the NCCL ceiling;
+//! - the NCCL transport by itself, without engines or control messages: the backends' own
+//!   per-layer grouped sends and receives between two paged KV caches of the model's shape
+//!   (every layer of a prompt back to back, host-timed to the transfer stream's completion as
+//!   the ceiling is), with the prompt's blocks in one contiguous run and with every block its
+//!   own run (the worst case of a fragmented cache).
 //!
+//! `--transport-only` measures the ceiling and the transport alone and skips the engines.
 //! Usage: `bench_relay --config configs/models/llama-3.2-1b.json --out OUT.json [--commit C]
 //! [--lens 512,2048,8192] [--reps 3]`.
 
@@ -89,6 +95,66 @@ fn raw_nccl(bytes: usize, reps: usize) -> Res<f64> {
         }
     }
     Ok(bytes as f64 / median(recv_times) / 1e9)
+}
+
+/// The NCCL transport alone: a prompt of `tokens` tokens moves GPU 0 → GPU 1 as the hand-off
+/// moves it (`NcclOps::send_layer` / `recv_layer` per layer between paged caches), every layer
+/// back to back; median seconds over `reps` after 2 warm-ups, per block layout
+/// (`contiguous`: one run; else one run per block).
+fn nccl_transport(cfg: &baton_formats::ModelConfig, tokens: usize, contiguous: bool, reps: usize) -> Res<f64> {
+    use baton_engine::backend::cuda::CudaBackend;
+    use baton_engine::backend::{Backend, KvCacheShape};
+    use baton_engine::kv_transport::nccl::NcclOps;
+    let blocks = tokens.div_ceil(16);
+    let runs: Vec<(usize, usize)> = if contiguous { vec![(0, blocks)] } else { (0..blocks).map(|b| (b, 1)).collect() };
+    let shape = KvCacheShape {
+        num_layers: cfg.num_hidden_layers,
+        num_blocks: blocks,
+        block_size: 16,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+    };
+    let id = new_id()?;
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let mut handles = Vec::new();
+    for rank in 0..2usize {
+        let (id, barrier, runs) = (id.clone(), barrier.clone(), runs.clone());
+        handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
+            let opts = baton_kernels::cuda::CudaOptions { ordinal: rank, cache_dir: None };
+            let mut backend = CudaBackend::new(&opts).map_err(|e| e.to_string())?;
+            backend.alloc_kv_cache(shape).map_err(|e| e.to_string())?;
+            let stream = backend.new_transfer_stream().map_err(|e| e.to_string())?;
+            let link = NcclLink::join(stream, &id, rank).map_err(|e| e.to_string())?;
+            let mut times = Vec::new();
+            for i in 0..reps + 2 {
+                barrier.wait();
+                let t = Instant::now();
+                for layer in 0..shape.num_layers {
+                    if rank == 0 {
+                        backend.send_layer(layer, &runs, &link).map_err(|e| e.to_string())?;
+                    } else {
+                        backend.recv_layer(layer, &runs, &link).map_err(|e| e.to_string())?;
+                    }
+                }
+                link.with(|comm, _| {
+                    comm.stream().synchronize().map_err(|e| baton_engine::kv_transport::nccl::NcclError(e.to_string()))
+                })
+                .map_err(|e| e.to_string())?;
+                if i >= 2 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            Ok(times)
+        }));
+    }
+    let mut recv_times = Vec::new();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let times = h.join().map_err(|_| "an NCCL thread panicked")??;
+        if rank == 1 {
+            recv_times = times;
+        }
+    }
+    Ok(median(recv_times))
 }
 
 async fn first(s: &mut OutputStream) -> Res<Instant> {
@@ -170,6 +236,41 @@ fn run() -> Res<()> {
     let nccl_gbs = raw_nccl(1 << 30, 5)?;
     writeln!(table, "NCCL send/recv GPU0->GPU1, 1 GiB: {nccl_gbs:.1} GB/s")?;
     println!("{table}");
+
+    let model_cfg = baton_formats::load_model_info(std::path::Path::new(&config), LoadFormat::Dummy)?.config;
+    let kv_per_token = 2 * model_cfg.num_hidden_layers * model_cfg.num_key_value_heads * model_cfg.head_dim * 2;
+    let mut transport = Vec::new();
+    for &len in &lens {
+        for contiguous in [true, false] {
+            let secs = nccl_transport(&model_cfg, len, contiguous, reps.max(5))?;
+            let bytes = len.div_ceil(16) * 16 * kv_per_token;
+            let gbs = bytes as f64 / secs / 1e9;
+            let layout = if contiguous { "one run" } else { "one run per block" };
+            let line = format!(
+                "NCCL transport alone, {len} tokens ({:.0} MiB), {layout}: {:.3} ms, {gbs:.1} GB/s = {:.1}% of the ceiling",
+                bytes as f64 / (1 << 20) as f64,
+                secs * 1e3,
+                100.0 * gbs / nccl_gbs
+            );
+            println!("{line}");
+            writeln!(table, "{line}")?;
+            transport.push(format!(
+                "{{\"tokens\": {len}, \"contiguous\": {contiguous}, \"bytes\": {bytes}, \"ms\": {:.4}, \"gb_per_s\": {gbs:.2}, \"frac_of_ceiling\": {:.4}}}",
+                secs * 1e3,
+                gbs / nccl_gbs
+            ));
+        }
+    }
+    if args.iter().any(|a| a == "--transport-only") {
+        let json = format!(
+            "{{\"name\": \"nccl-transport\", \"commit\": \"{commit}\", \"command\": \"{}\", \"model\": \"{config}\", \"nccl_send_recv_gb_per_s\": {nccl_gbs:.2}, \"transport\": [{}]}}\n",
+            args.join(" "),
+            transport.join(", ")
+        );
+        std::fs::write(&out, json)?;
+        println!("{table}");
+        return Ok(());
+    }
 
     let t = Instant::now();
     let model = load_model(std::path::Path::new(&config), LoadFormat::Dummy)?;
