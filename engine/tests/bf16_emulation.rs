@@ -1,5 +1,5 @@
 //! The CPU backend's bf16 emulation (the reference a bf16 GPU run is compared with): what it
-//! stores is bf16-representable, and it moves the logits of the exact backend by bf16-sized
+//! stores is bf16-representable, its logits are not rounded, and it moves the logits of the exact backend by bf16-sized
 //! amounts only.
 
 mod common;
@@ -49,6 +49,8 @@ fn emulated_bf16_storage_is_bf16_and_close_to_exact() {
     }
     assert!(kv_bits_ok[0] > 0, "the exact backend keeps f32 KV (else this test proves nothing)");
     assert_eq!(kv_bits_ok[1], 0, "the emulating backend stores only bf16 values");
+    // The logits themselves stay f32, as the CUDA backend's f32-output LM head writes them.
+    assert!(logits[1].iter().any(|&x| !is_bf16(x)), "the emulating backend rounded the logits to bf16");
     let diff = logits[0].iter().zip(&logits[1]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(diff > 0.0, "bf16 rounding must change the logits somewhere");
     assert!(diff < 0.1, "bf16 rounding moved a logit by {diff}");

@@ -177,9 +177,13 @@ impl Backend for CpuBackend {
     }
 
     fn lm_head(&mut self, x: &Vec<f32>, m: usize, w: &CpuMat) -> Result<(), BackendError> {
-        let mut out = std::mem::take(&mut self.logits);
-        self.linear(x, m, w, None, &mut out)?;
-        self.logits = out;
+        // Not through `linear`: the logits stay f32 (as the CUDA backend's f32-output LM head
+        // writes them) even when emulating bf16 storage.
+        let x = x
+            .get(..m * w.cols)
+            .ok_or_else(|| kerr("lm_head", format!("input has {} values, need {m}×{}", x.len(), w.cols)))?;
+        self.logits.resize(m * w.rows, 0.0);
+        k::linear(x, &w.data, None, m, w.cols, w.rows, &mut self.logits)?;
         self.vocab = w.rows;
         Ok(())
     }
