@@ -90,6 +90,15 @@ fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
     }
 }
 
+/// Runs `f` on the backend's NCCL side; an error on a backend without one (the CPU).
+fn with_nccl<B: Backend, T>(
+    backend: &mut B,
+    f: impl FnOnce(&mut dyn crate::kv_transport::nccl::NcclOps) -> Result<T, crate::kv_transport::nccl::NcclError>,
+) -> Result<T, BackendError> {
+    let ops = backend.nccl_ops().ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?;
+    f(ops).map_err(|e| BackendError::Device(e.to_string()))
+}
+
 fn load_f32(store: &dyn WeightStore, name: &str, want: usize) -> Result<Vec<f32>, ModelLoadError> {
     let t = store.get(name)?;
     let got = t.numel();
@@ -206,11 +215,7 @@ impl<B: Backend> LlamaModel<B> {
         runs: &[(usize, usize)],
         link: &crate::kv_transport::nccl::NcclLink,
     ) -> Result<(), BackendError> {
-        self.backend
-            .nccl_ops()
-            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
-            .recv_layer(layer, runs, link)
-            .map_err(|e| BackendError::Device(e.to_string()))
+        with_nccl(&mut self.backend, |n| n.recv_layer(layer, runs, link))
     }
 
     /// Enqueues receiving layer `layer`'s K/V for block runs into scratch memory (the request
@@ -221,29 +226,17 @@ impl<B: Backend> LlamaModel<B> {
         runs: &[(usize, usize)],
         link: &crate::kv_transport::nccl::NcclLink,
     ) -> Result<(), BackendError> {
-        self.backend
-            .nccl_ops()
-            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
-            .discard_layer(layer, runs, link)
-            .map_err(|e| BackendError::Device(e.to_string()))
+        with_nccl(&mut self.backend, |n| n.discard_layer(layer, runs, link))
     }
 
     /// Makes compute wait for everything enqueued on `link` (see `NcclOps::fence`).
     pub fn nccl_fence(&mut self, link: &crate::kv_transport::nccl::NcclLink) -> Result<(), BackendError> {
-        self.backend
-            .nccl_ops()
-            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
-            .fence(link)
-            .map_err(|e| BackendError::Device(e.to_string()))
+        with_nccl(&mut self.backend, |n| n.fence(link))
     }
 
     /// A new transfer stream on the backend's device (for an NCCL link).
     pub fn new_transfer_stream(&mut self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError> {
-        self.backend
-            .nccl_ops()
-            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
-            .new_transfer_stream()
-            .map_err(|e| BackendError::Device(e.to_string()))
+        with_nccl(&mut self.backend, |n| n.new_transfer_stream())
     }
 
     /// Element type of the backend's KV cache.
@@ -354,11 +347,7 @@ impl<B: Backend> LlamaModel<B> {
                         sink(j, LayerFrame { layer: i, k, v, seq: 0 });
                     }
                     Some(link) => {
-                        let seq = b
-                            .nccl_ops()
-                            .ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?
-                            .send_layer(i, &e.runs, link)
-                            .map_err(|e| BackendError::Device(e.to_string()))?;
+                        let seq = with_nccl(b, |n| n.send_layer(i, &e.runs, link))?;
                         sink(j, LayerFrame { layer: i, k: Vec::new(), v: Vec::new(), seq });
                     }
                 }
