@@ -312,7 +312,9 @@ impl EngineLoop {
             return Ok(false);
         }
         let table = self.scheduler.block_manager().block_table(id).unwrap_or(&[]);
-        if blocks.iter().all(|b| table.contains(b)) {
+        // Called per layer with every block of a prompt: a set keeps it linear.
+        let own: std::collections::HashSet<u32> = table.iter().copied().collect();
+        if blocks.iter().all(|b| own.contains(b)) {
             Ok(true)
         } else {
             Err(format!("the transfer targets blocks {blocks:?} outside the reservation {table:?}"))
@@ -360,16 +362,10 @@ impl EngineLoop {
     /// longer waiting for KV (aborted, failed over to recompute) are dropped: their blocks may
     /// already belong to someone else. Blocks outside the request's own table are refused.
     fn import_layer(&mut self, id: RequestId, blocks: &[u32], frame: &LayerFrame) {
-        let waiting =
-            self.scheduler.request(id).is_some_and(|r| r.status() == baton_core::request::RequestStatus::WaitingForKv);
-        if !waiting {
-            return;
-        }
-        let table = self.scheduler.block_manager().block_table(id).unwrap_or(&[]);
-        let result = if blocks.iter().all(|b| table.contains(b)) {
-            self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v).map_err(|e| e.to_string())
-        } else {
-            Err(format!("the transfer targets blocks {blocks:?} outside the reservation {table:?}"))
+        let result = match self.import_target_ok(id, blocks) {
+            Ok(false) => return,
+            Ok(true) => self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v).map_err(|e| e.to_string()),
+            Err(e) => Err(e),
         };
         if let Err(e) = result {
             tracing::warn!(request = %id, error = %e, "cannot store a received KV layer; recomputing the prompt here");
