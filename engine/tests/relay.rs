@@ -113,3 +113,62 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
     d.shutdown();
     p.shutdown();
 }
+
+/// A sender whose plan aims at blocks the receiving request does not own (another request's
+/// reservation) is refused layer by layer: nothing is written there, the request falls back to
+/// computing its prompt itself and still gives the tokens one engine gives, and every block
+/// ends free.
+#[test]
+fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed() {
+    use baton_engine::kv_transport::handoff::{Received, receive_import};
+    use baton_engine::kv_transport::nccl::NcclLinks;
+    use baton_engine::kv_transport::tcp::TcpKvSender;
+    use baton_engine::kv_transport::{Handshake, LayerFrame};
+    use baton_engine::relay::TransferTrailer;
+    let m = tiny(&TinySpec::llama());
+    let vocab = m.model.config.vocab_size;
+    let unified = engine(&m.model, EngineConfig::default());
+    let d = engine(&m.model, EngineConfig::default());
+    let params = greedy(6);
+    let (pa, pb) = (prompt(41, 40, vocab), prompt(42, 40, vocab));
+    rt().block_on(async {
+        let alone = collect(unified.submit(EngineRequest::new(pa.clone(), params.clone())).expect("submit")).await;
+        let (a_stream, a_table) = d.reserve_import(EngineRequest::new(pa.clone(), params.clone())).await.expect("a");
+        let (b_stream, b_table) = d.reserve_import(EngineRequest::new(pb, params.clone())).await.expect("b");
+        assert!(a_table.iter().all(|blk| !b_table.contains(blk)));
+        let a_id = a_stream.request_id();
+        let layout = d.kv_layout();
+        // Request a's hand-off, planned onto b's blocks.
+        let plan = baton_core::kv_transfer::plan_transfer(&layout, &a_table, &b_table, pa.len(), 0).expect("plan");
+        let hs = Handshake {
+            layout,
+            request_id: a_id.0,
+            num_tokens: pa.len(),
+            runs: plan.runs.clone(),
+            bytes_per_layer_half: plan.bytes_per_layer / 2,
+            nccl: None,
+        };
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let first_token = alone[0].new_token_ids[0];
+        let sender = tokio::spawn(async move {
+            let mut s = TcpKvSender::connect(addr, hs, std::time::Duration::from_secs(10)).await?;
+            let half = plan.bytes_per_layer / 2;
+            for layer in 0..layout.num_layers {
+                s.send_layer(&LayerFrame { layer, k: vec![0x7f; half], v: vec![0x7f; half], seq: 0 }).await?;
+            }
+            s.finish(&TransferTrailer { first_token, logprobs: None }).await
+        });
+        let pending = listener.accept().await.expect("accept");
+        let links = std::sync::Arc::new(NcclLinks::default());
+        let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), |id| id == a_id).await;
+        assert!(matches!(got, Ok(Received::Import { .. })), "{:?}", got.map(|_| ()).map_err(|e| e.to_string()));
+        sender.await.expect("join").expect("sender");
+        assert_eq!(tokens(&collect(a_stream).await), tokens(&alone), "a recomputed its prompt");
+        drop(b_stream);
+    });
+    assert_all_blocks_free(&d);
+    for e in [unified, d] {
+        e.shutdown();
+    }
+}
