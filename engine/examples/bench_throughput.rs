@@ -14,6 +14,7 @@
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, start_engine};
+use baton_formats::testing::random_token_ids;
 use baton_formats::{LoadFormat, load_model};
 use std::time::{Duration, Instant};
 
@@ -38,19 +39,6 @@ where
         Some(v) => Ok(v.parse()?),
         None => Ok(default),
     }
-}
-
-/// Deterministic random prompt ids in `[0, vocab)` (xorshift; the values only need to vary).
-fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as u32
-        })
-        .collect()
 }
 
 fn run() -> Res<()> {
@@ -87,7 +75,7 @@ fn run() -> Res<()> {
         let start = Instant::now();
         let mut tasks = Vec::with_capacity(prompts);
         for i in 0..prompts {
-            let req = EngineRequest::new(prompt(i as u64 + 1, isl, vocab), params.clone());
+            let req = EngineRequest::new(random_token_ids(i as u64 + 1, isl, vocab), params.clone());
             let mut stream = engine.submit(req)?;
             tasks.push(tokio::spawn(async move {
                 let mut n = 0usize;

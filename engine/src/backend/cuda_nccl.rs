@@ -23,6 +23,15 @@ fn nccl_err(what: &str, e: impl std::fmt::Debug) -> NcclError {
     NcclError(format!("{what} failed: {e:?}"))
 }
 
+/// Runs `f` (which enqueues sends or receives) inside one NCCL group, and closes the group
+/// whatever `f` returned, so the communicator stays usable after a failure.
+fn grouped(f: impl FnOnce() -> Result<(), NcclError>) -> Result<(), NcclError> {
+    group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+    let result = f();
+    group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+    result
+}
+
 impl NcclOps for CudaBackend {
     fn fence(&mut self, link: &NcclLink) -> Result<(), NcclError> {
         let compute = self.dev.stream().clone();
@@ -40,21 +49,14 @@ impl NcclOps for CudaBackend {
         link.send_numbered(|comm, peer| {
             // Send what the compute stream has written so far (this layer's KV included).
             comm.stream().join(&compute).map_err(|e| nccl_err("ordering the send after compute", e))?;
-            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
-            let mut result = Ok(());
-            for &(start, len) in runs {
-                let r = start * bl..(start + len) * bl;
-                result = comm
-                    .send(&kc.slice(r.clone()), peer)
-                    .and_then(|_| comm.send(&vc.slice(r), peer))
-                    .map_err(|e| nccl_err("ncclSend", e));
-                if result.is_err() {
-                    break;
-                }
-            }
-            // Close the group whatever happened, so the communicator stays usable.
-            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
-            result
+            grouped(|| {
+                runs.iter().try_for_each(|&(start, len)| {
+                    let r = start * bl..(start + len) * bl;
+                    comm.send(&kc.slice(r.clone()), peer)
+                        .and_then(|_| comm.send(&vc.slice(r), peer))
+                        .map_err(|e| nccl_err("ncclSend", e))
+                })
+            })
         })
     }
 
@@ -64,21 +66,15 @@ impl NcclOps for CudaBackend {
         let (kc, vc) = &mut self.kv[layer];
         link.with(|comm, peer| {
             comm.stream().join(&compute).map_err(|e| nccl_err("ordering the receive after compute", e))?;
-            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
-            let mut result = Ok(());
-            for &(start, len) in runs {
-                let r = start * bl..(start + len) * bl;
-                result = comm
-                    .recv(&mut kc.slice_mut(r.clone()), peer)
-                    .and_then(|_| comm.recv(&mut vc.slice_mut(r), peer))
-                    .map(|_| ())
-                    .map_err(|e| nccl_err("ncclRecv", e));
-                if result.is_err() {
-                    break;
-                }
-            }
-            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
-            result
+            grouped(|| {
+                runs.iter().try_for_each(|&(start, len)| {
+                    let r = start * bl..(start + len) * bl;
+                    comm.recv(&mut kc.slice_mut(r.clone()), peer)
+                        .and_then(|_| comm.recv(&mut vc.slice_mut(r), peer))
+                        .map(|_| ())
+                        .map_err(|e| nccl_err("ncclRecv", e))
+                })
+            })
         })
     }
 
@@ -91,24 +87,18 @@ impl NcclOps for CudaBackend {
                 .stream()
                 .alloc_zeros::<baton_kernels::cuda::bf16>(total.max(1))
                 .map_err(|e| nccl_err("allocating scratch for a discarded layer", e))?;
-            group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
-            let mut result = Ok(());
             let mut at = 0;
-            for &(_, len) in runs {
-                let r = at..at + len * bl;
-                at += len * bl;
-                // K and V of a run land on the same scratch: only the byte counts matter.
-                result = comm
-                    .recv(&mut scratch.slice_mut(r.clone()), peer)
-                    .and_then(|_| comm.recv(&mut scratch.slice_mut(r), peer))
-                    .map(|_| ())
-                    .map_err(|e| nccl_err("ncclRecv", e));
-                if result.is_err() {
-                    break;
-                }
-            }
-            group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
-            result
+            grouped(|| {
+                runs.iter().try_for_each(|&(_, len)| {
+                    let r = at..at + len * bl;
+                    at += len * bl;
+                    // K and V of a run land on the same scratch: only the byte counts matter.
+                    comm.recv(&mut scratch.slice_mut(r.clone()), peer)
+                        .and_then(|_| comm.recv(&mut scratch.slice_mut(r), peer))
+                        .map(|_| ())
+                        .map_err(|e| nccl_err("ncclRecv", e))
+                })
+            })
         })
     }
 }

@@ -45,12 +45,17 @@ pub fn new_id() -> Result<NcclId, NcclError> {
 
 /// One side of a two-rank communicator with its transfer stream.
 pub struct NcclLink {
-    comm: Mutex<Comm>,
+    comm: Mutex<LinkComm>,
     peer: i32,
-    /// Sending side: the number the next layer group sent on this link gets.
-    next_send: Mutex<u64>,
     /// Receiving side: layer notices waiting for their turn.
     recv_order: Mutex<RecvOrder<PendingRecv>>,
+}
+
+/// The communicator and what is numbered under its lock.
+struct LinkComm {
+    comm: Comm,
+    /// Sending side: the number the next layer group sent on this link gets.
+    next_send: u64,
 }
 
 /// One layer's receive, waiting until every earlier send on the link has its receive.
@@ -138,16 +143,16 @@ impl NcclLink {
             comm.recv(&mut probe, peer).map_err(|e| NcclError(format!("warm-up ncclRecv failed: {e:?}")))?;
         }
         stream.synchronize().map_err(|e| NcclError(format!("warm-up sync: {e}")))?;
-        Ok(Self { comm: Mutex::new(comm), peer, next_send: Mutex::new(0), recv_order: Mutex::default() })
+        Ok(Self { comm: Mutex::new(LinkComm { comm, next_send: 0 }), peer, recv_order: Mutex::default() })
     }
 
     /// Sending side: runs `f` (which enqueues one layer group of sends) under the link's
     /// lock and returns the group's number, which the receiver needs to match it.
     pub fn send_numbered(&self, f: impl FnOnce(&Comm, i32) -> Result<(), NcclError>) -> Result<u64, NcclError> {
-        let mut next = self.next_send.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))?;
-        self.with(f)?;
-        let seq = *next;
-        *next += 1;
+        let mut link = self.lock()?;
+        f(&link.comm, self.peer)?;
+        let seq = link.next_send;
+        link.next_send += 1;
         Ok(seq)
     }
 
@@ -164,8 +169,11 @@ impl NcclLink {
 
     /// Runs `f` with the communicator and the peer's rank.
     pub fn with<T>(&self, f: impl FnOnce(&Comm, i32) -> Result<T, NcclError>) -> Result<T, NcclError> {
-        let comm = self.comm.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))?;
-        f(&comm, self.peer)
+        f(&self.lock()?.comm, self.peer)
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, LinkComm>, NcclError> {
+        self.comm.lock().map_err(|_| NcclError("the link's lock is poisoned".into()))
     }
 }
 

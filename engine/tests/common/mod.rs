@@ -58,15 +58,7 @@ pub fn run(engine: &EngineHandle, prompt: &[u32], params: SamplingParams) -> Vec
 
 /// Deterministic pseudo-random prompt of `len` tokens below `vocab`.
 pub fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % vocab as u64) as u32
-        })
-        .collect()
+    baton_formats::testing::random_token_ids(seed, len, vocab)
 }
 
 /// Waits until the engine reports every KV block free (the no-leak invariant).

@@ -20,6 +20,20 @@ use crate::tokenizer::{ByteLevelBpe, PreTokenizerKind};
 
 pub use bpe_learn::{CORPUS, SPECIAL_TOKENS, learn_bpe};
 
+/// Deterministic pseudo-random token ids: `len` of them below `vocab`, a pure function of
+/// `seed` (xorshift64). For test prompts and benchmark loads.
+pub fn random_token_ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab.max(1) as u64) as u32
+        })
+        .collect()
+}
+
 /// The ChatML template written into test models.
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
