@@ -19,8 +19,20 @@
 // scale * log2(e)) so the exponentials are exp2f.
 //
 // row_ctx[r]: tokens row r attends to (its position + 1: causal over the cache, which
-// already holds the row's own K/V). row_bt[r]: offset of the row's block table in
+// already holds the row's own K/V); 0 marks a padding row (a CUDA-graph bucket's unused
+// rows), whose output is zeros. row_bt[r]: offset of the row's block table in
 // block_tables. Cache layout per layer: [slot][n_kv_heads][head_dim].
+//
+// Each row's context is cut into gridDim.z splits of split_chunk(ctx, splits, min_chunk)
+// tokens, computed here from the row's own length rather than passed in, so that one launch
+// configuration (grid z = splits) serves any context lengths: a captured CUDA graph replays
+// with new lengths. Splits past a row's context do nothing.
+
+// Tokens per split of a row of ctx tokens: an even share rounded up to 16, at least min_chunk.
+__device__ __forceinline__ int split_chunk(int ctx, int n_splits, int min_chunk) {
+    const int even = ((ctx + n_splits - 1) / n_splits + 15) & ~15;
+    return max(min_chunk, even);
+}
 
 __device__ __forceinline__ void bf8_to_f(const uint4 u, float* d) {
     const unsigned w[4] = {u.x, u.y, u.z, u.w};
@@ -47,7 +59,7 @@ __device__ __forceinline__ void paged_attention_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int chunk) {
+    float qscale, int min_chunk) {
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
     constexpr int TS = NW * TPW;
@@ -64,6 +76,15 @@ __device__ __forceinline__ void paged_attention_body(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int dl = lane % LPT;
     const int ctx = row_ctx[row];
+    if (ctx <= 0) {
+        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
+        if (split == 0) {
+            for (int i = threadIdx.x; i < ng * HD; i += NW * 32)
+                out[((long long)row * n_heads + h0 + i / HD) * HD + i % HD] = f2bf(0.f);
+        }
+        return;
+    }
+    const int chunk = split_chunk(ctx, n_splits, min_chunk);
     const int c0 = split * chunk;
     const int c1 = min(ctx, c0 + chunk);
     // A split past this row's context (rows of one launch have different lengths): the
@@ -243,10 +264,16 @@ template <int HD>
 __device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
                                                        const float* __restrict__ part_ml, bf16_t* __restrict__ out,
                                                        const int* __restrict__ row_ctx, int n_heads, int n_splits,
-                                                       int chunk) {
+                                                       int min_chunk) {
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
-    const int used = min(n_splits, (row_ctx[row] + chunk - 1) / chunk);
+    const int ctx = row_ctx[row];
     const long long rh = (long long)row * n_heads + h;
+    if (ctx <= 0) {
+        out[rh * HD + d] = f2bf(0.f);  // a padding row (see above)
+        return;
+    }
+    const int chunk = split_chunk(ctx, n_splits, min_chunk);
+    const int used = min(n_splits, (ctx + chunk - 1) / chunk);
     const float* ml = part_ml + rh * n_splits * 2;
     float mx = NEG_INF;
     for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[2 * s]);
@@ -264,9 +291,9 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
-        int n_heads, int n_kv_heads, int block_size, float qscale, int chunk) {                                    \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) {                                \
         paged_attention_body<HD, NW, U, G, P != 0>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
-                                           block_tables, n_heads, n_kv_heads, block_size, qscale, chunk);         \
+                                           block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk);     \
     }
 
 // The variants, in the order of ATTN_VARIANTS in kernels/src/cuda/ops.rs.
@@ -280,8 +307,8 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int chunk) {                                                \
-        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, chunk);                       \
+                                                        int min_chunk) {                                            \
+        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk);                   \
     }
 
 ATT_VARIANTS(16)

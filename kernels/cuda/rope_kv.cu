@@ -4,7 +4,8 @@
 // already holds the linear / Llama 3 scaling), so long positions keep their accuracy.
 // One block per row; thread t owns frequency t % half for heads t / half, t / half + step, ...
 // Cache layout per layer: [num_blocks * block_size slots][n_kv_heads][head_dim];
-// slots[row] is the row's physical slot (block * block_size + offset).
+// slots[row] is the row's physical slot (block * block_size + offset); a negative slot marks
+// a padding row (a CUDA-graph bucket's unused rows): rotated in place, written nowhere.
 
 extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
                                               const bf16_t* __restrict__ v, bf16_t* __restrict__ k_cache,
@@ -28,8 +29,10 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
         p[i + half] = f2bf(b * c + a * s);
     }
     const long long kv_w = (long long)n_kv_heads * head_dim;
+    const long long slot = slots[row];
+    if (slot < 0) return;
     bf16_t* kr = k + row * kv_w;
-    bf16_t* kc = k_cache + slots[row] * kv_w;
+    bf16_t* kc = k_cache + slot * kv_w;
     for (int h = h0; h < n_kv_heads; h += hstep) {
         bf16_t* p = kr + h * head_dim;
         float a = bf2f(p[i]), b = bf2f(p[i + half]);
@@ -40,6 +43,6 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
         kc[h * head_dim + i + half] = rb;
     }
     const bf16_t* vr = v + row * kv_w;
-    bf16_t* vc = v_cache + slots[row] * kv_w;
+    bf16_t* vc = v_cache + slot * kv_w;
     for (int j = threadIdx.x; j < kv_w; j += blockDim.x) vc[j] = vr[j];
 }

@@ -79,6 +79,10 @@ pub enum AttnSplit {
     Auto,
     /// At most this many splits.
     Fixed(usize),
+    /// Exactly this many splits (clamped to 1..=128) whatever the contexts: one launch
+    /// configuration for any lengths, as a captured CUDA graph needs. Each row's context is
+    /// cut in the kernel, so rows shorter than the splits leave the extra CTAs idle.
+    Exact(usize),
 }
 
 /// Most splits of one row's context.
@@ -91,10 +95,14 @@ const MIN_SPLIT_TOKENS: usize = 64;
 /// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
 pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
+    if let AttnSplit::Exact(n) = split {
+        let n = n.clamp(1, MAX_SPLITS);
+        return (n, max_ctx.div_ceil(n).next_multiple_of(16).max(MIN_SPLIT_TOKENS));
+    }
     let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
     let want = match split {
         AttnSplit::Auto => (4 * sms.max(1)).div_ceil(ctas.max(1)),
-        AttnSplit::Fixed(n) => n,
+        AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
     };
     let splits = want.clamp(1, by_len);
     // Chunks a multiple of 16 tokens (a common block size); recount after rounding.
@@ -186,8 +194,24 @@ impl StepMeta {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<(), CudaError> {
+        self.set_padded(dev, seqs, n_rows, n_rows, block_size, num_blocks)
+    }
+
+    /// [`StepMeta::set`] for a batch padded to `padded_rows` rows (a CUDA-graph bucket): rows
+    /// `n_rows..padded_rows` belong to no sequence, write no KV (slot -1) and attend to nothing
+    /// (context 0, output zeros).
+    pub fn set_padded(
+        &mut self,
+        dev: &CudaDevice,
+        seqs: &[HostSeq<'_>],
+        n_rows: usize,
+        padded_rows: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<(), CudaError> {
         const OP: &str = "step_meta";
         shape_check(OP, block_size > 0, || "block_size is 0".into())?;
+        shape_check(OP, padded_rows >= n_rows, || format!("{padded_rows} padded rows for {n_rows} rows"))?;
         let HostMeta(pos, slots, ctx, bt_off, tables) = &mut self.host;
         pos.clear();
         pos.resize(n_rows, -1);
@@ -227,10 +251,14 @@ impl StepMeta {
         if tables.is_empty() {
             tables.push(0);
         }
-        grow(dev, &mut self.positions, n_rows)?;
-        grow(dev, &mut self.slots, n_rows)?;
-        grow(dev, &mut self.row_ctx, n_rows)?;
-        grow(dev, &mut self.row_bt, n_rows)?;
+        pos.resize(padded_rows, 0);
+        slots.resize(padded_rows, -1);
+        ctx.resize(padded_rows, 0);
+        bt_off.resize(padded_rows, 0);
+        grow(dev, &mut self.positions, padded_rows)?;
+        grow(dev, &mut self.slots, padded_rows)?;
+        grow(dev, &mut self.row_ctx, padded_rows)?;
+        grow(dev, &mut self.row_bt, padded_rows)?;
         grow(dev, &mut self.block_tables, tables.len())?;
         dev.upload_into(pos, &mut self.positions)?;
         dev.upload_into(slots, &mut self.slots)?;
@@ -238,7 +266,7 @@ impl StepMeta {
         dev.upload_into(bt_off, &mut self.row_bt)?;
         dev.upload_into(tables, &mut self.block_tables)?;
         self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
-        self.rows = n_rows;
+        self.rows = padded_rows;
         self.block_size = block_size;
         self.num_blocks = num_blocks;
         Ok(())
@@ -767,7 +795,10 @@ impl CudaDevice {
         let group = n_heads / geo.n_kv_heads;
         let gchunks = group.div_ceil(v.max_group as usize);
         let x = geo.n_kv_heads * gchunks;
-        let (splits, chunk) = plan_splits(split, x * rows, meta.max_ctx, self.sm_count);
+        // Only the split count reaches the kernel: each row's chunk is cut there from its own
+        // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
+        let (splits, _) = plan_splits(split, x * rows, meta.max_ctx, self.sm_count);
+        let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
         if splits > 1 {
             grow(self, &mut meta.part_o, rows * n_heads * splits * hd)?;
             grow(self, &mut meta.part_ml, rows * n_heads * splits * 2)?;
@@ -790,7 +821,7 @@ impl CudaDevice {
                 Arg::I(int(OP, geo.n_kv_heads)?),
                 Arg::I(int(OP, geo.block_size)?),
                 Arg::F(qscale),
-                Arg::I(int(OP, chunk)?),
+                Arg::I(min_chunk),
             ]),
         )?;
         if splits > 1 {
@@ -804,7 +835,7 @@ impl CudaDevice {
                     Arg::I32s(&meta.row_ctx),
                     Arg::I(int(OP, n_heads)?),
                     Arg::I(int(OP, splits)?),
-                    Arg::I(int(OP, chunk)?),
+                    Arg::I(min_chunk),
                 ]),
             )?;
         }
