@@ -4,7 +4,7 @@
 # models and a random Llama-3.2-1B-shape model) and, when built, the whole-model benchmark.
 #
 #   here (dev machine):   scripts/gpu-cuda.sh --build
-#       builds the nextest archive (debuginfo stripped), the example programs and copies
+#       builds the nextest archive (debuginfo stripped), the example programs (release) and copies
 #       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
 #   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput]
 #       (default: the first four; e2e is the whole-model bench_cuda, throughput the offline
@@ -23,10 +23,12 @@ if [[ "${1:-}" == "--build" ]]; then
     export CARGO_PROFILE_TEST_DEBUG=0 CARGO_PROFILE_TEST_STRIP=debuginfo
     mkdir -p "$CARRY"
     cargo nextest archive -p baton-kernels -p baton-engine --archive-file "$CARRY/tests.tar.zst"
-    cargo build -p baton-kernels -p baton-engine --examples
+    # The benchmark programs are release builds: host-side launch overhead is part of what
+    # single-stream decode measures.
+    cargo build --release -p baton-kernels -p baton-engine --examples
     target="${CARGO_TARGET_DIR:-target}"
     for ex in cuda_bench cuda_compile greedy_dump bench_cuda bench_throughput; do
-        [[ -f "$target/debug/examples/$ex" ]] && cp "$target/debug/examples/$ex" "$CARRY/"
+        [[ -f "$target/release/examples/$ex" ]] && cp "$target/release/examples/$ex" "$CARRY/" && strip "$CARRY/$ex"
     done
     cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py "$CARRY/"
     mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"

@@ -15,8 +15,9 @@
 //!   weight + KV bytes per step over the copy bandwidth as the floor.
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
-//! [--batches 64,128,256] [--ctx 1024] [--cublas]`; `--cublas` sends every GEMM to cuBLAS
-//! (by default small batches use the skinny-GEMM kernel), for comparisons.
+//! [--batches 64,128,256] [--ctx 1024] [--cublas] [--graphs on|off|both]`; `--cublas` sends every
+//! GEMM to cuBLAS (by default small batches use the skinny-GEMM kernel), for comparisons;
+//! decode is measured with CUDA graphs and op by op (`--graphs`, default both).
 
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
@@ -162,62 +163,78 @@ fn run() -> Res<()> {
         ttft * 1e3
     ));
 
-    // Single stream: 64 decode steps after a 128-token context.
-    let steps = 64usize;
-    let mut times = Vec::new();
-    for s in 0..steps + 8 {
-        let b = decode_batch(1, 128 + s);
-        let st = Instant::now();
-        engine_step(&mut model, &b)?;
-        if s >= 8 {
-            times.push(st.elapsed().as_secs_f64());
-        }
-    }
-    let step = median(times);
-    let roof = copy_gbs * 1e9 / weight_bytes;
-    writeln!(
-        table,
-        "single-stream decode: {:.1} tok/s ({:.2} ms/step); roofline {roof:.1} tok/s; {:.1}% of roofline",
-        1.0 / step,
-        step * 1e3,
-        100.0 / step / roof
-    )?;
-    json.push(format!(
-        "{{\"name\":\"decode_single_stream\",\"context\":128,\"tok_s\":{:.2},\"ms_per_step\":{:.3},\"roofline_tok_s\":{roof:.2},\"frac_of_roofline\":{:.4}}}",
-        1.0 / step,
-        step * 1e3,
-        1.0 / step / roof
-    ));
-
-    // Batched decode at `ctx` tokens of context.
-    for &b in &batches {
+    // Decode, with CUDA graphs (the default) and op by op (`--enforce-eager`), in this run.
+    let modes: Vec<bool> = match flag(&args, "--graphs").as_deref() {
+        Some("on") => vec![true],
+        Some("off") => vec![false],
+        _ => vec![true, false],
+    };
+    for graphs in modes {
+        model.backend_mut().set_graphs(graphs);
+        let mode = if graphs { "graphs" } else { "eager" };
+        // Single stream: 64 decode steps after a 128-token context.
+        let steps = 64usize;
         let mut times = Vec::new();
-        for s in 0..24 {
-            let lay = decode_batch(b, ctx + s);
+        for s in 0..steps + 8 {
+            let b = decode_batch(1, 128 + s);
             let st = Instant::now();
-            engine_step(&mut model, &lay)?;
-            if s >= 4 {
+            engine_step(&mut model, &b)?;
+            if s >= 8 {
                 times.push(st.elapsed().as_secs_f64());
             }
         }
         let step = median(times);
-        let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
-        let floor = bytes / (copy_gbs * 1e9);
+        let roof = copy_gbs * 1e9 / weight_bytes;
         writeln!(
             table,
-            "batched decode b={b:3} ctx={ctx}: {:.0} tok/s ({:.2} ms/step); floor {:.2} ms (weights + KV at copy bandwidth): {:.1}%",
-            b as f64 / step,
+            "[{mode}] single-stream decode: {:.1} tok/s ({:.2} ms/step); roofline {roof:.1} tok/s; {:.1}% of roofline",
+            1.0 / step,
             step * 1e3,
-            floor * 1e3,
-            100.0 * floor / step
+            100.0 / step / roof
         )?;
         json.push(format!(
-            "{{\"name\":\"decode_batched\",\"batch\":{b},\"context\":{ctx},\"tok_s\":{:.1},\"ms_per_step\":{:.3},\"floor_ms\":{:.3},\"frac_of_floor\":{:.4}}}",
-            b as f64 / step,
+            "{{\"name\":\"decode_single_stream\",\"graphs\":{graphs},\"context\":128,\"tok_s\":{:.2},\"ms_per_step\":{:.3},\"roofline_tok_s\":{roof:.2},\"frac_of_roofline\":{:.4}}}",
+            1.0 / step,
             step * 1e3,
-            floor * 1e3,
-            floor / step
+            1.0 / step / roof
         ));
+
+        // Batched decode at `ctx` tokens of context.
+        for &b in &batches {
+            let mut times = Vec::new();
+            for s in 0..24 {
+                let lay = decode_batch(b, ctx + s);
+                let st = Instant::now();
+                engine_step(&mut model, &lay)?;
+                if s >= 4 {
+                    times.push(st.elapsed().as_secs_f64());
+                }
+            }
+            let step = median(times);
+            let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
+            let floor = bytes / (copy_gbs * 1e9);
+            writeln!(
+                table,
+                "[{mode}] batched decode b={b:3} ctx={ctx}: {:.0} tok/s ({:.2} ms/step); floor {:.2} ms (weights + KV at copy bandwidth): {:.1}%",
+                b as f64 / step,
+                step * 1e3,
+                floor * 1e3,
+                100.0 * floor / step
+            )?;
+            json.push(format!(
+                "{{\"name\":\"decode_batched\",\"graphs\":{graphs},\"batch\":{b},\"context\":{ctx},\"tok_s\":{:.1},\"ms_per_step\":{:.3},\"floor_ms\":{:.3},\"frac_of_floor\":{:.4}}}",
+                b as f64 / step,
+                step * 1e3,
+                floor * 1e3,
+                floor / step
+            ));
+        }
+        let st = model.backend().graph_stats();
+        writeln!(
+            table,
+            "[{mode}] CUDA graphs: {} recorded, {} replayed, {} failed, {} invalidations",
+            st.recorded, st.replayed, st.failed, st.invalidated
+        )?;
     }
 
     let doc = format!(

@@ -86,6 +86,9 @@ pub struct EngineConfig {
     /// ([`crate::backend::cpu::CpuBackend::emulating_bf16`]), the reference a bf16 GPU run is
     /// compared with token for token. Off for serving.
     pub cpu_emulates_bf16: bool,
+    /// CUDA only: run every step op by op instead of replaying decode steps from CUDA graphs
+    /// (vLLM's `--enforce-eager`), for debugging and comparisons.
+    pub enforce_eager: bool,
 }
 
 impl Default for EngineConfig {
@@ -105,6 +108,7 @@ impl Default for EngineConfig {
             num_threads: None,
             record_cache_events: false,
             cpu_emulates_bf16: false,
+            enforce_eager: false,
         }
     }
 }

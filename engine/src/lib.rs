@@ -126,7 +126,8 @@ pub fn start_engine(
         match device {
             DeviceSpec::Cuda(ordinal) => {
                 let opts = baton_kernels::cuda::CudaOptions { ordinal, cache_dir: config.kernel_cache_dir.clone() };
-                let backend = backend::cuda::CudaBackend::new(&opts)?;
+                let mut backend = backend::cuda::CudaBackend::new(&opts)?;
+                backend.set_graphs(!config.enforce_eager);
                 let mut llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
                 // bf16 KV cache: 2 bytes per element.

@@ -8,7 +8,7 @@
 //! rows alike); [`LlamaModel::sample`] then picks the next tokens from the logits
 //! it left in the backend (on the GPU for the CUDA backend).
 
-use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape};
+use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use crate::kv_transport::LayerFrame;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
 use baton_formats::{ModelConfig, RopeScaling, WeightStore};
@@ -97,6 +97,17 @@ fn with_nccl<B: Backend, T>(
 ) -> Result<T, BackendError> {
     let ops = backend.nccl_ops().ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?;
     f(ops).map_err(|e| BackendError::Device(e.to_string()))
+}
+
+/// `batch` (pure decode: one row per sequence, every row sampled) padded with `rows - len`
+/// rows of token 0 that belong to no sequence, every row a logit row.
+fn padded_decode(batch: &BatchLayout, rows: usize) -> BatchLayout {
+    let mut p = batch.clone();
+    let n = rows.max(batch.tokens.len());
+    p.tokens.resize(n, 0);
+    p.positions.resize(n, 0);
+    p.logit_rows = (0..n).collect();
+    p
 }
 
 fn load_f32(store: &dyn WeightStore, name: &str, want: usize) -> Result<Vec<f32>, ModelLoadError> {
@@ -317,6 +328,50 @@ impl<B: Backend> LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
+        if exports.is_empty()
+            && let Some(rows) = self.backend.replay_rows(batch)
+        {
+            let padded = padded_decode(batch, rows);
+            let real = batch.tokens.len();
+            let done = self.replay(&padded, real);
+            self.backend.finish_replay();
+            if done? {
+                self.logit_count = batch.logit_rows.len();
+                return Ok(());
+            }
+        }
+        self.run_ops(batch, exports, sink)
+    }
+
+    /// Runs a padded decode step from a recording, recording it first if needed; `false` when
+    /// the backend declined (the caller runs the step op by op).
+    fn replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<bool, BackendError> {
+        match self.backend.begin_replay(padded, real_rows)? {
+            ReplayStart::Eager => Ok(false),
+            ReplayStart::Replayed => Ok(true),
+            ReplayStart::Record => {
+                // This pass computes the step (and grows every buffer to this shape, so the
+                // recording pass allocates nothing); the recording pass only records.
+                self.run_ops(padded, &[], &mut |_, _| {})?;
+                self.backend.begin_recording()?;
+                let recorded = self.run_ops(padded, &[], &mut |_, _| {});
+                self.backend.end_recording(recorded.is_ok())?;
+                if let Err(e) = recorded {
+                    tracing::warn!(rows = padded.tokens.len(), error = %e, "a decode step could not be recorded; this shape runs op by op");
+                }
+                Ok(true)
+            }
+        }
+    }
+
+    /// The step's ops, one by one (see [`LlamaModel::forward_exporting`]).
+    fn run_ops(
+        &mut self,
+        batch: &BatchLayout,
+        exports: &[crate::relay::ExportSpec],
+        sink: &mut dyn FnMut(usize, LayerFrame),
+    ) -> Result<(), BackendError> {
+        self.logit_count = 0;
         let cfg = &self.cfg;
         let b = &mut self.backend;
         let ws = &mut self.ws;
@@ -363,11 +418,16 @@ impl<B: Backend> LlamaModel<B> {
         if rows.is_empty() {
             return Ok(());
         }
-        // Only the sampling rows need the final norm and the (large) LM head.
+        // Only the sampling rows need the final norm and the (large) LM head. When that is
+        // every row in order (decode), the last layer's buffers are used as they are.
         let h = cfg.hidden_size;
-        b.gather_res_rows(&ws.residual, h, rows, &mut ws.last_res)?;
-        b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
-        b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
+        if rows.iter().copied().eq(0..t) {
+            b.add_rms_norm(&mut ws.residual, &ws.proj, &self.final_norm, eps, &mut ws.hidden)?;
+        } else {
+            b.gather_res_rows(&ws.residual, h, rows, &mut ws.last_res)?;
+            b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
+            b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         b.lm_head(&ws.hidden, rows.len(), head)?;
         self.logit_count = rows.len();

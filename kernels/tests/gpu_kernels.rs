@@ -327,9 +327,14 @@ fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKi
         .zip(&tables)
         .map(|(s, t)| HostSeq { row_start: s.0, n_tokens: s.1, start_pos: s.2, block_table: t })
         .collect();
+    // Two padding rows (a CUDA-graph bucket) follow the real ones: they must write no slot.
+    let pad = 2;
     let mut meta = StepMeta::new(dev).expect("meta");
-    meta.set(dev, &host, rows, bs, num_blocks).expect("meta set");
-    let (mut qd, mut kd, vd) = (up(dev, &q), up(dev, &k), up(dev, &v));
+    meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("meta set");
+    let with_pad =
+        |x: &[f32], w: usize| -> Vec<f32> { x.iter().copied().chain((0..pad * w).map(|i| i as f32)).collect() };
+    let (mut qd, mut kd, vd) =
+        (up(dev, &with_pad(&q, nh * hd)), up(dev, &with_pad(&k, stride)), up(dev, &with_pad(&v, stride)));
     let mut kcd = poisoned(dev, geo.layer_len());
     let mut vcd = poisoned(dev, geo.layer_len());
     let inv = dev.upload(table.inv_freq()).expect("inv_freq");
@@ -339,6 +344,8 @@ fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKi
     check(&format!("{what} k"), &down(dev, &kd, k.len()), &kw);
     // Compare the cache only where the CPU wrote (NaN elsewhere on both sides).
     let (gk, gv) = (down(dev, &kcd, kc.len()), down(dev, &vcd, vc.len()));
+    let untouched = |c: &[f32], g: &[f32]| c.iter().zip(g).filter(|(a, _)| a.is_nan()).all(|(_, b)| b.is_nan());
+    assert!(untouched(&kc, &gk) && untouched(&vc, &gv), "{what}: a padding row wrote into the cache");
     let pick = |c: &[f32], g: &[f32]| -> (Vec<f32>, Vec<f32>) {
         c.iter().zip(g).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*b, *a)).unzip()
     };
@@ -417,7 +424,9 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
     // Every variant, unsplit, split as the device would choose, and split finely (many
     // splits past short rows' contexts); then the default entry point.
     for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
-        for split in [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64)] {
+        for split in
+            [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64), AttnSplit::Exact(7), AttnSplit::Exact(128)]
+        {
             let mut out = poisoned(dev, q.len());
             dev.attention_variant(vi, split, &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
             check(
@@ -430,6 +439,21 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
     let mut out = poisoned(dev, q.len());
     dev.attention(&qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
     check(&format!("attention default hd={hd} heads={nh}/{nkv}"), &down(dev, &out, q.len()), &want);
+
+    // The same batch padded with 3 rows that belong to no sequence (a CUDA-graph bucket):
+    // real rows unchanged, padding rows exactly zero (never the poison), split or not.
+    let pad = 3;
+    let mut padded_q = q.clone();
+    padded_q.extend(rand_vec(r, pad * w, 1.0));
+    let pq = up(dev, &padded_q);
+    meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("padded meta");
+    for split in [AttnSplit::Fixed(1), AttnSplit::Exact(16)] {
+        let mut out = poisoned(dev, padded_q.len());
+        dev.attention_split(split, &pq, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("padded attention");
+        let got = down(dev, &out, padded_q.len());
+        check(&format!("attention padded {split:?} hd={hd} heads={nh}/{nkv}"), &got[..q.len()], &want);
+        assert!(got[q.len()..].iter().all(|&x| x == 0.0), "padding rows must be zeros ({split:?})");
+    }
 }
 
 #[test]

@@ -90,6 +90,9 @@ pub struct ServeArgs {
     /// Prefill each prompt in one step instead of chunks [default: false]
     #[arg(long, env = "BATON_DISABLE_CHUNKED_PREFILL", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub disable_chunked_prefill: Option<bool>,
+    /// Run every CUDA step op by op, without CUDA graphs (also --enforce-eager=false) [default: false]
+    #[arg(long, env = "BATON_ENFORCE_EAGER", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub enforce_eager: Option<bool>,
     /// CPU threads for the CPU backend [default: all cores]
     #[arg(long, env = "BATON_THREADS", value_name = "N")]
     pub threads: Option<usize>,

@@ -78,6 +78,8 @@ pub struct ServeFile {
     pub max_waiting: Option<usize>,
     /// See `--disable-prefix-caching`.
     pub disable_prefix_caching: Option<bool>,
+    /// See `--enforce-eager`.
+    pub enforce_eager: Option<bool>,
     /// See `--disable-chunked-prefill`.
     pub disable_chunked_prefill: Option<bool>,
     /// See `--threads`.
@@ -158,6 +160,8 @@ pub struct ServeSettings {
     pub disable_prefix_caching: bool,
     /// Prefill whole prompts in one step.
     pub disable_chunked_prefill: bool,
+    /// No CUDA graphs: every step op by op.
+    pub enforce_eager: bool,
     /// CPU threads (`None`: all cores).
     pub threads: Option<usize>,
     /// Request body limit in bytes.
@@ -192,6 +196,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         max_waiting: args.max_waiting.or(file.max_waiting),
         disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
         disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),
+        enforce_eager: args.enforce_eager.or(file.enforce_eager).unwrap_or(false),
         threads: args.threads.or(file.threads),
         max_body_bytes: args
             .max_body_bytes
@@ -243,6 +248,7 @@ mod tests {
         assert_eq!((s.host.as_str(), s.port, s.grpc_port), (DEFAULT_HOST, DEFAULT_PORT, DEFAULT_GRPC_PORT));
         assert_eq!((s.device.as_str(), s.load_format.as_str()), ("auto", "auto"));
         assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
+        assert!(!s.enforce_eager, "CUDA graphs are on by default");
     }
 
     #[test]
@@ -260,6 +266,10 @@ mod tests {
         assert!(!s.disable_prefix_caching);
         let s = resolve(&serve_args(&["--disable-chunked-prefill"]), &file);
         assert!(s.disable_chunked_prefill && s.disable_prefix_caching);
+        let eager = ConfigFile::parse("[serve]\nenforce_eager = true\n", Path::new("t.toml")).expect("valid").serve;
+        assert!(resolve(&serve_args(&[]), &eager).enforce_eager);
+        assert!(!resolve(&serve_args(&["--enforce-eager=false"]), &eager).enforce_eager, "the flag beats the file");
+        assert!(resolve(&serve_args(&["--enforce-eager"]), &ServeFile::default()).enforce_eager);
     }
 
     #[test]

@@ -30,6 +30,7 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         enable_chunked_prefill: !s.disable_chunked_prefill,
         max_waiting: s.max_waiting.unwrap_or(d.max_waiting),
         num_threads: s.threads.or(d.num_threads),
+        enforce_eager: s.enforce_eager,
         ..d
     }
 }

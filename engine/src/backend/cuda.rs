@@ -11,7 +11,7 @@
 //! per batch layout and reused by every layer. Any CUDA failure is returned as
 //! [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use baton_core::api::TokenLogprob;
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_kernels::cpu::{KernelError, RopeTable};
@@ -97,6 +97,8 @@ pub struct CudaBackend {
     logit_shape: (usize, usize),
     /// Device buffers of the sampler.
     sample_bufs: SampleBuffers,
+    /// Decode steps recorded as CUDA graphs, and the staged step (cuda_graph.rs).
+    graphs: graph::GraphState,
 }
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
@@ -177,6 +179,7 @@ impl CudaBackend {
             gemv: true,
             logit_shape: (0, 0),
             sample_bufs,
+            graphs: graph::GraphState::new(),
         })
     }
 
@@ -257,7 +260,14 @@ impl CudaBackend {
             })
             .collect();
         self.meta_for = None;
-        self.meta.set(&self.dev, &seqs, batch.tokens.len(), geo.block_size, geo.num_blocks)?;
+        let rows = batch.tokens.len();
+        // A staged replay's padding rows belong to no sequence; every other batch must be
+        // covered row for row.
+        let real = match self.graphs.staged {
+            Some(s) if s.key.rows == rows => s.real_rows,
+            _ => rows,
+        };
+        self.meta.set_padded(&self.dev, &seqs, real, rows, geo.block_size, geo.num_blocks)?;
         self.meta_for = Some(batch.clone());
         Ok(())
     }
@@ -323,6 +333,19 @@ impl Backend for CudaBackend {
 
     fn embed(&mut self, tokens: &[u32], table: &CudaMat, out: &mut CudaRes) -> Result<(), BackendError> {
         self.ensure_res(out, tokens.len() * table.cols)?;
+        self.graphs.vocab = Some(table.rows);
+        if self.graphs.staged.is_some_and(|s| s.key.rows == tokens.len()) {
+            // A staged replay: the ids are on the device already (checked and uploaded by
+            // stage_replay), and a recording must not upload.
+            return Ok(self.dev.embed_staged(
+                tokens.len(),
+                &self.ids,
+                &table.data,
+                table.rows,
+                table.cols,
+                &mut out.data,
+            )?);
+        }
         Ok(self.dev.embed(tokens, &mut self.ids, &table.data, table.rows, table.cols, &mut out.data)?)
     }
 
@@ -482,9 +505,11 @@ impl Backend for CudaBackend {
             return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
         }
         self.ensure(out, rows * width)?;
+        self.graphs.n_heads = Some(n_heads);
+        let split = self.attention_policy();
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.attention(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        Ok(self.dev.attention_split(split, &q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
     }
 
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
@@ -553,6 +578,30 @@ impl Backend for CudaBackend {
         Some(self)
     }
 
+    fn replay_rows(&self, batch: &BatchLayout) -> Option<usize> {
+        self.graph_rows(batch)
+    }
+
+    fn begin_replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<ReplayStart, BackendError> {
+        let started = self.stage_replay(padded, real_rows);
+        if !matches!(started, Ok(ReplayStart::Record | ReplayStart::Replayed)) {
+            self.graphs.staged = None;
+        }
+        started
+    }
+
+    fn begin_recording(&mut self) -> Result<(), BackendError> {
+        self.start_recording()
+    }
+
+    fn end_recording(&mut self, ok: bool) -> Result<(), BackendError> {
+        self.stop_recording(ok)
+    }
+
+    fn finish_replay(&mut self) {
+        self.unstage();
+    }
+
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
         let (kc, vc) =
@@ -619,6 +668,10 @@ impl CudaBackend {
 
 #[path = "cuda_nccl.rs"]
 mod nccl;
+
+#[path = "cuda_graph.rs"]
+mod graph;
+pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 
 #[cfg(test)]
 mod tests {

@@ -51,6 +51,18 @@ pub struct BatchLayout {
     pub logit_rows: Vec<usize>,
 }
 
+/// What a backend does with a step offered for replay (see [`Backend::begin_replay`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayStart {
+    /// The backend declines: run the unpadded step's ops as usual.
+    Eager,
+    /// The step ran from a recording: its work up to the LM head is enqueued; run no ops.
+    Replayed,
+    /// No recording yet: run the padded step's ops (they execute), then run them again between
+    /// [`Backend::begin_recording`] and [`Backend::end_recording`] to record them.
+    Record,
+}
+
 /// Shape of the paged KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCacheShape {
@@ -209,6 +221,32 @@ pub trait Backend: Send + 'static {
     /// Writes bytes produced by `read_kv_blocks` on a cache of the same layout into `blocks`
     /// of layer `layer`, in order.
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
+    /// Rows a step of `batch` would be padded to for replay from a recording (a CUDA graph),
+    /// or `None` when it must run op by op: backends without recordings (the default), steps
+    /// that are not pure decode (one token per sequence, every row sampled in order), batches
+    /// past the largest recorded size, recordings switched off.
+    fn replay_rows(&self, _batch: &BatchLayout) -> Option<usize> {
+        None
+    }
+    /// Stages `padded` (a [`Backend::replay_rows`]-sized batch whose first `real_rows` rows
+    /// are real and the rest padding: no sequence, token 0, logits never read): uploads its
+    /// per-step data, then replays the matching recording or asks for one. Until
+    /// [`Backend::finish_replay`], ops called with `padded` read the staged data.
+    fn begin_replay(&mut self, _padded: &BatchLayout, _real_rows: usize) -> Result<ReplayStart, BackendError> {
+        Ok(ReplayStart::Eager)
+    }
+    /// Starts recording the staged step's ops instead of running them.
+    fn begin_recording(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} cannot record steps", self.device_name())))
+    }
+    /// Ends a recording: keeps it for later replays when `ok` (every op succeeded), else
+    /// discards it and runs this batch shape op by op from then on.
+    fn end_recording(&mut self, _ok: bool) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Ends the staged step (ops run op by op again).
+    fn finish_replay(&mut self) {}
+
     /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
     fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
         None

@@ -14,12 +14,14 @@
 
 mod compile;
 mod gemv;
+mod graph;
 mod ops;
 mod sampling;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
+pub use graph::StepGraph;
 pub use half::bf16;
 pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
@@ -31,6 +33,11 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Bytes of the workspace cuBLAS gets at open: given one, it allocates nothing per call, which
+/// a GEMM recorded into a CUDA graph requires.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A CUDA failure, from the driver, NVRTC, cuBLAS, the kernel cache or a launcher's checks.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +65,9 @@ pub enum CudaError {
         /// What went wrong.
         message: String,
     },
+    /// A call that must not happen while a CUDA graph is being recorded, or a failed recording.
+    #[error("CUDA graph: {0}")]
+    Capture(String),
     /// A launcher was given inconsistent sizes (a bug in the caller).
     #[error("{op}: {message}")]
     Shape {
@@ -124,6 +134,12 @@ pub struct CudaDevice {
     pub(crate) sm_count: usize,
     compile_ms: f64,
     from_cache: bool,
+    /// Whether a graph is being recorded on `stream` (see `graph.rs`).
+    capturing: AtomicBool,
+    /// Allocations made so far (see [`CudaDevice::alloc_generation`]).
+    alloc_gen: AtomicU64,
+    /// cuBLAS's workspace; kept alive as long as the handle.
+    _blas_workspace: cudarc::driver::CudaSlice<u8>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -186,10 +202,38 @@ impl CudaDevice {
             sample_rows: f("sample_rows")?,
         };
         let blas = CudaBlas::new(stream.clone())?;
+        // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.
+        let blas_workspace = unsafe { stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES) }?;
+        {
+            let (ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(&blas_workspace, &stream);
+            // SAFETY: the handle and the buffer both live as long as this device (the buffer
+            // is kept in `_blas_workspace`), and both belong to `stream`.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
-        Ok(Self { ctx, stream, blas, funcs, name, arch, sm_count, compile_ms, from_cache })
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            name,
+            arch,
+            sm_count,
+            compile_ms,
+            from_cache,
+            capturing: AtomicBool::new(false),
+            alloc_gen: AtomicU64::new(0),
+            _blas_workspace: blas_workspace,
+        })
     }
 
     /// The device's name as the driver reports it.
@@ -236,7 +280,20 @@ impl CudaDevice {
 
     /// A device buffer of `len` elements with unspecified contents (`len` 0 allocates one).
     pub fn alloc<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+        self.not_capturing("allocating")?;
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
         // SAFETY: the contents are unspecified by contract; every reader writes first.
+        Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
+    }
+
+    /// [`CudaDevice::alloc`] for a buffer that no CUDA graph may ever use: it leaves
+    /// [`CudaDevice::alloc_generation`] alone, so recorded graphs stay valid.
+    pub(crate) fn alloc_outside_graphs<T: cudarc::driver::DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        self.not_capturing("allocating")?;
+        // SAFETY: as in `alloc`.
         Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
     }
 
@@ -245,6 +302,8 @@ impl CudaDevice {
         if data.is_empty() {
             return self.alloc(1);
         }
+        self.not_capturing("uploading")?;
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
         Ok(self.stream.clone_htod(data)?)
     }
 
@@ -254,6 +313,7 @@ impl CudaDevice {
         data: &[T],
         dst: &mut CudaSlice<T>,
     ) -> Result<(), CudaError> {
+        self.not_capturing("uploading")?;
         shape_check("upload_into", dst.len() >= data.len(), || {
             format!("{} values into a buffer of {}", data.len(), dst.len())
         })?;
@@ -270,6 +330,7 @@ impl CudaDevice {
         src: &CudaSlice<T>,
         len: usize,
     ) -> Result<Vec<T>, CudaError> {
+        self.not_capturing("downloading")?;
         shape_check("download", src.len() >= len, || format!("{len} values from a buffer of {}", src.len()))?;
         let mut out = vec![T::default(); len];
         if len > 0 {

@@ -183,6 +183,11 @@ impl StepMeta {
         self.rows
     }
 
+    /// Longest context of any row.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
     /// Fills the metadata for a batch of `n_rows` rows made of `seqs`, over a cache of
     /// `num_blocks` blocks of `block_size` tokens. Every row must belong to exactly one
     /// sequence and every block table must cover its chunk with valid block ids.
@@ -331,23 +336,50 @@ impl CudaDevice {
         dim: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        const OP: &str = "embed";
+        self.stage_ids(tokens, vocab, scratch)?;
+        self.embed_staged(tokens.len(), scratch, table, vocab, dim, out)
+    }
+
+    /// Checks `tokens` against the vocabulary and uploads them into `ids` (grown as needed):
+    /// the upload half of [`CudaDevice::embed`], done before a graph replay.
+    pub fn stage_ids(&self, tokens: &[u32], vocab: usize, ids: &mut CudaSlice<u32>) -> Result<(), CudaError> {
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(CudaError::Shape { op: OP, message: format!("token {t} outside a vocabulary of {vocab}") });
+            return Err(CudaError::Shape {
+                op: "embed",
+                message: format!("token {t} outside a vocabulary of {vocab}"),
+            });
         }
-        need(OP, "table", table, vocab * dim)?;
-        need(OP, "out", out, tokens.len() * dim)?;
         if tokens.is_empty() {
             return Ok(());
         }
-        grow(self, scratch, tokens.len())?;
-        self.upload_into(tokens, scratch)?;
-        let n = int(OP, tokens.len())?;
+        grow(self, ids, tokens.len())?;
+        self.upload_into(tokens, ids)
+    }
+
+    /// The launch half of [`CudaDevice::embed`]: rows `0..n` from ids already in `ids`
+    /// (uploaded by [`CudaDevice::stage_ids`]); nothing is uploaded, so it can be recorded.
+    pub fn embed_staged(
+        &self,
+        n: usize,
+        ids: &CudaSlice<u32>,
+        table: &CudaSlice<bf16>,
+        vocab: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "embed";
+        need(OP, "table", table, vocab * dim)?;
+        need(OP, "out", out, n * dim)?;
+        need(OP, "ids", ids, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let rows = int(OP, n)?;
         let d = int(OP, dim)?;
         self.run(
             &self.funcs.embed,
-            cfg((n as u32, 1, 1), THREADS),
-            &mut ArgList(vec![Arg::U32s(scratch), Arg::Bf(table), Arg::F32(out), Arg::I(d)]),
+            cfg((rows as u32, 1, 1), THREADS),
+            &mut ArgList(vec![Arg::U32s(ids), Arg::Bf(table), Arg::F32(out), Arg::I(d)]),
         )
     }
 
@@ -742,9 +774,36 @@ impl CudaDevice {
         scale: f32,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
+        self.attention_split(AttnSplit::Auto, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+    }
+
+    /// [`CudaDevice::attention`] with the given split policy (graph replays use
+    /// [`AttnSplit::Exact`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_split(
+        &self,
+        split: AttnSplit,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        meta: &mut AttentionMeta,
+        n_heads: usize,
+        geo: KvGeometry,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
         let group = n_heads / geo.n_kv_heads.max(1);
         let v = attn_default(group);
-        self.attention_variant(v, AttnSplit::Auto, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+        self.attention_variant(v, split, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+    }
+
+    /// The splits [`CudaDevice::attention`] would use for `rows` rows of contexts up to
+    /// `max_ctx` (what a graph recorded for such a step is keyed by).
+    pub fn attention_auto_splits(&self, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize) -> usize {
+        let group = n_heads / n_kv_heads.max(1);
+        let max_group = ATTN_VARIANTS.get(attn_default(group)).map_or(1, |v| v.max_group as usize);
+        let ctas = n_kv_heads * group.div_ceil(max_group.max(1)) * rows;
+        plan_splits(AttnSplit::Auto, ctas, max_ctx, self.sm_count).0
     }
 
     /// [`CudaDevice::attention`] with the kernel variant `ATTN_VARIANTS[variant]` and the

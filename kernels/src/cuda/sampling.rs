@@ -105,7 +105,9 @@ impl SampleBuffers {
 
 fn grow<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
     if buf.len() < len {
-        *buf = dev.alloc(len.next_power_of_two())?;
+        // Sampling is never recorded into a CUDA graph, so its buffers may move without
+        // invalidating the decode graphs (the penalty lists grow as generations get longer).
+        *buf = dev.alloc_outside_graphs(len.next_power_of_two())?;
     }
     Ok(())
 }
