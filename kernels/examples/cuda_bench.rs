@@ -113,7 +113,7 @@ fn run() -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
     writeln!(
         table,
-        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = (warps, unroll, heads/CTA, prefetch), split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s"
+        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = w(warps)_u(tokens per thread)_g(heads/CTA)_p(prefetch), tc_ = tensor cores with s(stages); split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s"
     )
     .ok();
     for &(batch, ctx) in &[
@@ -168,7 +168,7 @@ fn run() -> Result<(), CudaError> {
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };
-                let tag = format!("({},{},{},{}){mark}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch));
+                let tag = format!("{}{mark}", v.label());
                 writeln!(
                     table,
                     " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}",
@@ -177,11 +177,8 @@ fn run() -> Result<(), CudaError> {
                 )
                 .ok();
                 json.push(format!(
-                    "{{\"name\":\"decode_attention\",\"variant\":\"w{}_u{}_g{}_p{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
-                    v.warps,
-                    v.unroll,
-                    v.max_group,
-                    u8::from(v.prefetch),
+                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
+                    v.label(),
                     mark == '*',
                     ms * 1e3,
                     gbs / copy_gbs
