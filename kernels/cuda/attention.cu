@@ -448,6 +448,21 @@ __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned 
     }
 }
 
+// Shared memory of one CTA (the ring; the end-of-kernel merge reuses it).
+constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg) {
+    return ns * 2 * (8 * nw) * (hd + 8) * 2 > nw * mg * (hd + 2) * 4 ? ns * 2 * (8 * nw) * (hd + 8) * 2
+                                                                       : nw * mg * (hd + 2) * 4;
+}
+
+// CTAs per SM that shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 6:
+// the residency the register allocation must leave room for (__launch_bounds__' second
+// value; 6 CTAs of 2 warps leave 170 registers a thread). Without it ptxas picked 72
+// registers and spilled for some head_dim 64 shapes; a cap of 8 CTAs (128 registers) spilled
+// at head_dim 128, whose shapes take 154-168.
+constexpr int tc_min_ctas(int hd, int nw, int ns, int mg) {
+    return 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) < 6 ? 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) : 6;
+}
+
 template <int HD, int NW, int NS, int MG>
 __device__ __forceinline__ void paged_attention_tc_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
@@ -466,9 +481,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
     constexpr bool BOTH = KCH >= THREADS;  // each thread copies K and V rows (else K or V)
     constexpr int NTOK = BOTH ? KCH / THREADS : 1;  // tokens per thread per stage
     constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
-    constexpr int PIPE_BYTES = NS * 2 * TILE * 2;
-    constexpr int MERGE_BYTES = NW * MG * (HD + 2) * 4;
-    constexpr int SMEM = PIPE_BYTES > MERGE_BYTES ? PIPE_BYTES : MERGE_BYTES;
+    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG);
+    static_assert(SMEM >= NS * 2 * TILE * 2 && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
     static_assert(SMEM <= 48 * 1024, "static shared memory limit (the launcher passes no dynamic size)");
     static_assert(BOTH || 2 * KCH == THREADS, "copy mapping");
     __shared__ __align__(16) unsigned char smem[SMEM];
@@ -705,7 +719,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
-    extern "C" __global__ void __launch_bounds__(NW * 32) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
@@ -718,9 +732,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
 // register variants in ATTN_VARIANTS.
 #define ATT_TC_VARIANTS(HD)          \
     ATT_TC_INSTANCE(HD, 2, 4, 8)     \
-    ATT_TC_INSTANCE(HD, 2, 3, 8)     \
     ATT_TC_INSTANCE(HD, 2, 5, 8)     \
-    ATT_TC_INSTANCE(HD, 4, 2, 8)     \
     ATT_TC_INSTANCE(HD, 2, 4, 16)
 
 ATT_TC_VARIANTS(16)

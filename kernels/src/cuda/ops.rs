@@ -102,7 +102,7 @@ const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
 
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
 /// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu).
-pub const ATTN_VARIANTS: [AttnVariant; 11] = [
+pub const ATTN_VARIANTS: [AttnVariant; 9] = [
     reg(4, 4, 4, false),
     reg(4, 8, 4, false),
     reg(4, 4, 8, false),
@@ -111,11 +111,8 @@ pub const ATTN_VARIANTS: [AttnVariant; 11] = [
     reg(4, 2, 8, true),
     // 2 warps, 4 stages of 16 tokens: 34.8 KB of shared memory at head_dim 128, 6 CTAs per SM.
     tc(2, 4, 8),
-    // Fewer stages, more CTAs (8 per SM); more stages, fewer CTAs (5 per SM).
-    tc(2, 3, 8),
+    // One more stage, one CTA fewer per SM (43.5 KB: 5 per SM): 4 stages in flight each.
     tc(2, 5, 8),
-    // 4 warps, 2 stages of 32 tokens (plain double buffering).
-    tc(4, 2, 8),
     // Up to 16 query heads per CTA (all 16 M rows): a group of 12 or 16 reads K/V once.
     tc(2, 4, 16),
 ];
@@ -127,7 +124,7 @@ pub const ATTN_VARIANTS: [AttnVariant; 11] = [
 /// chosen for the bytes it keeps in flight (see attention.cu) and awaits its GPU measurement:
 /// to go back, return 2 for group >= 8 and 0 otherwise.
 pub fn attn_default(group: usize) -> usize {
-    if group > 8 { 10 } else { 6 }
+    if group > 8 { 8 } else { 6 }
 }
 
 /// How [`CudaDevice::attention_variant`] splits each row's context: `Auto` aims at several
