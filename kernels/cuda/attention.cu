@@ -477,14 +477,11 @@ __device__ __forceinline__ void paged_attention_tc_body(
     constexpr int RS = HD + 8;             // padded row stride, elements
     constexpr int CPR = HD / 8;            // 16-byte chunks per row
     constexpr int TILE = TT * RS;          // elements of one K (or V) stage
-    constexpr int KCH = TT * CPR;          // 16-byte chunks of one K (or V) stage
-    constexpr bool BOTH = KCH >= THREADS;  // each thread copies K and V rows (else K or V)
-    constexpr int NTOK = BOTH ? KCH / THREADS : 1;  // tokens per thread per stage
     constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
     constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG);
     static_assert(SMEM >= NS * 2 * TILE * 2 && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
     static_assert(SMEM <= 48 * 1024, "static shared memory limit (the launcher passes no dynamic size)");
-    static_assert(BOTH || 2 * KCH == THREADS, "copy mapping");
+    static_assert(THREADS == 4 * TT && CPR % 2 == 0, "copy mapping: four threads per token");
     __shared__ __align__(16) unsigned char smem[SMEM];
     bf16_t* const sk = reinterpret_cast<bf16_t*>(smem);
     bf16_t* const sv = sk + NS * TILE;
@@ -515,41 +512,53 @@ __device__ __forceinline__ void paged_attention_tc_body(
     const int* bt = block_tables + row_bt[row];
     const long long kv_w = (long long)n_kv_heads * HD;
 
-    // Copy assignment: this thread's tokens tok[k] of every stage, 16-byte chunk ch of each row;
-    // with head_dim 16 one thread copies either the K or the V row.
-    const int ch = tid % CPR;
-    const int kv_sel = BOTH ? 0 : tid / KCH;
-    const bf16_t* const kbase = k_cache + (long long)kvh * HD + ch * 8;
-    const bf16_t* const vbase = v_cache + (long long)kvh * HD + ch * 8;
+    // Copy assignment: a stage has TT = 8 * NW tokens and THREADS = 32 * NW threads, so four
+    // threads share each token: thread q = tid % 4 of token tid / 4 copies 16-byte chunks
+    // q, q + 4, q + 8, ... of its K row then its V row (2 * CPR chunks, CPR / 2 per thread;
+    // with head_dim 16 threads 0-1 copy K, 2-3 V). One warp instruction thus reads 64
+    // contiguous bytes of each of 8 rows (whole 32-byte sectors), and each thread tracks the
+    // block of one token only.
+    constexpr int CPT = CPR / 2;  // copies per thread per stage
+    const int ctok = tid >> 2, cq = tid & 3;
+    const bf16_t* const kbase = k_cache + (long long)kvh * HD;
+    const bf16_t* const vbase = v_cache + (long long)kvh * HD;
     const unsigned sk_a = smem_addr(sk), sv_a = smem_addr(sv);
-    int tok[NTOK], lb[NTOK], off[NTOK], blk[NTOK];
-#pragma unroll
-    for (int k = 0; k < NTOK; k++) {
-        tok[k] = ((tid % KCH) + k * THREADS) / CPR;
-        const int p = c0 + tok[k];
-        lb[k] = p / block_size;
-        off[k] = p - lb[k] * block_size;
-        blk[k] = p < c1 ? bt[lb[k]] : 0;
+    const unsigned drow = (unsigned)(ctok * RS * 2);
+    int lb, off, blk;
+    {
+        const int p = c0 + ctok;
+        lb = p / block_size;
+        off = p - lb * block_size;
+        blk = p < c1 ? bt[lb] : 0;
     }
-    // Copies stage `tile` (the next in order: the per-token state advances by one stage) into
-    // ring slot `s`, then loads the block ids of the following stage.
+    // Copies the next stage in order (the token state advances by one stage) into ring slot
+    // `s`, then loads the block id of this thread's token in the following stage, so the
+    // dependent block-table read is a stage old by the time its copies are issued.
     int issue_p0 = c0;
     auto issue = [&](int s) {
+        const int p = issue_p0 + ctok;
+        const int n = p < c1 ? 16 : 0;
+        const long long e = n ? ((long long)blk * block_size + off) * kv_w : 0;
+        const unsigned d = (unsigned)(s * TILE * 2) + drow;
 #pragma unroll
-        for (int k = 0; k < NTOK; k++) {
-            const int p = issue_p0 + tok[k];
-            const int n = p < c1 ? 16 : 0;
-            const long long e = ((long long)blk[k] * block_size + off[k]) * kv_w;
-            const unsigned d = (unsigned)((s * TILE + tok[k] * RS + ch * 8) * 2);
-            if (BOTH || kv_sel == 0) cp_async16(sk_a + d, n ? kbase + e : k_cache, n);
-            if (BOTH || kv_sel == 1) cp_async16(sv_a + d, n ? vbase + e : v_cache, n);
-            off[k] += TT;
-            while (off[k] >= block_size) {
-                off[k] -= block_size;
-                lb[k]++;
+        for (int j = 0; j < CPT; j++) {
+            if constexpr (CPR >= 4) {
+                // Chunk cq + 4j of the K row (first CPR / 4 copies) or of the V row.
+                const int c = cq + (4 * j) % CPR;
+                const bool is_v = 4 * j >= CPR;
+                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
+            } else {
+                const int c = cq & 1;
+                const bool is_v = cq >= 2;
+                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
             }
-            blk[k] = p + TT < c1 ? bt[lb[k]] : 0;
         }
+        off += TT;
+        while (off >= block_size) {
+            off -= block_size;
+            lb++;
+        }
+        blk = p + TT < c1 ? bt[lb] : 0;
         issue_p0 += TT;
     };
 
