@@ -344,7 +344,13 @@ ATT_VARIANTS(128)
 //          ~1 us (the register kernel peaks at ~48 KB: 3 CTAs * 128 threads * 4 tokens * 32 B).
 //          b = 32, ctx 2k makes 768 CTAs (3 splits): one wave at 6 per SM (792 slots).
 //   Predicted: 75-85 % of copy at b >= 32, ctx >= 2k (from 50-57 %); the rest is DRAM
-//          efficiency on 256-byte rows scattered by the block table, and the CTA prologue.
+//          efficiency on 256-byte rows scattered by the block table, the CTA prologue (four
+//          dependent loads before the first copy) and, where a launch has more CTAs than 6 per
+//          SM (b = 64 at 2k: 1,024), a second partial wave.
+//   ptxas (sm_90a, head_dim 128): w2_s4_g8 144 registers, 34,816 B shared, 0 spills -> 6 CTAs
+//          per SM (shared memory and registers both allow 6); w2_s5_g8 144 / 43,520 B -> 5;
+//          w2_s4_g16 160 / 34,816 B -> 6. The issue per stage and warp is ~250 instructions
+//          against ~630 cycles of the SM's share of bandwidth per stage: compute keeps up.
 //
 // Layout. Stage s holds TT consecutive tokens of the chunk, K then V, one row per token of HD
 // bf16 padded to RS = HD + 8 elements (16 bytes): ldmatrix reads 8 rows at one column, and the
@@ -354,9 +360,10 @@ ATT_VARIANTS(128)
 // HD/8 m16n8k8 (k = its 8 tokens). Warps keep their own (max, sum, O) and merge once at the
 // end through shared memory (the pipeline buffers, drained by then).
 //
-// Block tables: each thread copies the rows of HD/32 tokens (one for head_dim 16) per stage; the
-// block ids of its next stage's tokens are loaded one stage ahead into registers, so the
-// dependent block-table read never stalls the copy issue. Tokens past the chunk are copied
+// Block tables: four threads share each token of a stage (see the copy assignment below), so
+// a thread tracks one token's block; the block id of its token in the next stage is loaded
+// one stage ahead into a register, so the dependent block-table read never stalls the copy
+// issue. Tokens past the chunk are copied
 // as zeros (cp.async src-size 0), so no stale or uninitialized shared memory (possibly NaN)
 // meets a zero probability in the P V product; their scores are masked to -inf.
 // ---------------------------------------------------------------------------------------------
