@@ -919,6 +919,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn attention_variants_name_their_kernels() {
+        assert_eq!(ATTN_VARIANTS[0].kernel_name(128), "paged_attention_hd128_w4_u4_g4_p0");
+        assert_eq!(ATTN_VARIANTS[6].kernel_name(16), "paged_attention_tc_hd16_w2_s4_g8");
+        assert_eq!(ATTN_VARIANTS[6].label(), "tc_w2_s4_g8");
+        // The default exists for any group and, being a tensor-core variant, covers a group of
+        // up to 8 (16 beyond) in one CTA per KV head.
+        for group in 1..=32 {
+            let v = ATTN_VARIANTS[attn_default(group)];
+            assert_eq!(v.kind, AttnKind::TensorCore);
+            assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+        }
+    }
+
+    #[test]
     fn split_plans_cover_the_context_and_fill_the_device() {
         // Batch 1, 8 KV heads, 2k context on 132 SMs: many splits of at least 64 tokens.
         let (s, c) = plan_splits(AttnSplit::Auto, 8, 2048, 132);
