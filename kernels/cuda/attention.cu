@@ -315,3 +315,443 @@ ATT_VARIANTS(16)
 ATT_VARIANTS(32)
 ATT_VARIANTS(64)
 ATT_VARIANTS(128)
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core decode attention (`paged_attention_tc_*`): the same contract as above (arguments,
+// grid (n_kv_heads * group chunks, rows, splits), split_chunk cut here, padding rows, partials
+// for attention_combine), a different inside.
+//
+// Why. The kernel above is limited by loads in flight per SM: its K/V tiles live in registers,
+// so more tokens in flight means more registers, fewer resident warps and no net gain (see
+// BENCHMARKS.md). Here K/V tiles go global -> shared memory by cp.async (16-byte copies that
+// need no registers while in flight) through an NS-stage ring, and the arithmetic runs on the
+// tensor cores: the CTA's query heads (up to MG = 8 or 16) are the M rows of
+// mma.sync.m16n8k16 (rows past the group are zero: the kernel is memory-bound, so wasted M is
+// free), tokens are N for S = Q K^T and K for O += P V (P stays in registers: the S
+// accumulators are exactly the A fragment of the P V product). No per-token shuffle
+// reduction, no per-token f32 K/V conversion.
+//
+// Numbers written before measuring (Llama-3.1-8B shape: 32 query heads, 8 KV heads, head_dim
+// 128, GQA group 4, block 16, bf16 cache; b = 32 rows at ctx 2,048):
+//   bytes: K + V = 2 * 32 * 2048 * 8 * 128 * 2 = 268.4 MB, q + out 0.5 MB -> 268.9 MB;
+//          at the measured H100 copy rate (2,980 GB/s) the floor is 90 us.
+//   FLOPs: 4 * 32 * 32 * 2048 * 128 = 1.07 GFLOP useful; the tensor cores execute 4x that
+//          (4 of 16 M rows used) = 4.3 GFLOP, ~10 us at mma.sync rates: memory-bound still.
+//   In flight: a stage is TT = 8*NW tokens of K and V: 8 KB at NW = 2, head_dim 128. With
+//          NS = 4 stages (34.8 KB of shared memory with the row padding) 6 CTAs fit an SM
+//          (228 KB), each keeping NS-1 = 3 stages in flight while it computes on the fourth:
+//          6 * 3 * 8 KB = 144 KB per SM, against ~23 KB that Little's law needs at 3 TB/s and
+//          ~1 us (the register kernel peaks at ~48 KB: 3 CTAs * 128 threads * 4 tokens * 32 B).
+//          b = 32, ctx 2k makes 768 CTAs (3 splits): one wave at 6 per SM (792 slots).
+//   Predicted: 75-85 % of copy at b >= 32, ctx >= 2k (from 50-57 %); the rest is DRAM
+//          efficiency on 256-byte rows scattered by the block table, the CTA prologue (four
+//          dependent loads before the first copy) and, where a launch has more CTAs than 6 per
+//          SM (b = 64 at 2k: 1,024), a second partial wave.
+//   ptxas (sm_90a, head_dim 128): w2_s4_g8 144 registers, 34,816 B shared, 0 spills -> 6 CTAs
+//          per SM (shared memory and registers both allow 6); w2_s5_g8 144 / 43,520 B -> 5;
+//          w2_s4_g16 160 / 34,816 B -> 6. The issue per stage and warp is ~250 instructions
+//          against ~630 cycles of the SM's share of bandwidth per stage: compute keeps up.
+//
+// Layout. Stage s holds TT consecutive tokens of the chunk, K then V, one row per token of HD
+// bf16 padded to RS = HD + 8 elements (16 bytes): ldmatrix reads 8 rows at one column, and the
+// odd 16-byte stride puts them in 8 different bank groups. Warp w owns tokens 8w..8w+7 of
+// every stage: S (16 x 8) = Q (16 x HD) K^T by HD/16 m16n8k16; online softmax per row over
+// its 8 tokens (a quad of lanes holds a row: two shuffles for the max); O (16 x HD) += P V by
+// HD/8 m16n8k8 (k = its 8 tokens). Warps keep their own (max, sum, O) and merge once at the
+// end through shared memory (the pipeline buffers, drained by then).
+//
+// Block tables: four threads share each token of a stage (see the copy assignment below), so
+// a thread tracks one token's block; the block id of its token in the next stage is loaded
+// one stage ahead into a register, so the dependent block-table read never stalls the copy
+// issue. Tokens past the chunk are copied
+// as zeros (cp.async src-size 0), so no stale or uninitialized shared memory (possibly NaN)
+// meets a zero probability in the P V product; their scores are masked to -inf.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte global -> shared copy; n = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x2(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x2_t(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// Two f32 as bf16x2, lo in the low half (the lower column of an mma fragment).
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c (MG/4 accumulators: rows g, and g + 8 when MG = 16) += A (16 x 16) B (16 x 8). With MG = 8
+// rows 8..15 are zero: a1, a3 and c2, c3 are constants and d2, d3 are dropped, so the
+// accumulators of those rows take no registers.
+template <int MG>
+__device__ __forceinline__ void tc_mma_k16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    if constexpr (MG == 16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        float x2, x3;
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %10, %10};"
+            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
+            : "r"(a[0]), "r"(0u), "r"(a[1]), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
+    }
+}
+
+// c += A (16 x 8: a0 rows g, a1 rows g + 8) B (8 x 8), as tc_mma_k16.
+template <int MG>
+__device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned b0) {
+    if constexpr (MG == 16) {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(b0));
+    } else {
+        float x2, x3;
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %7, %7};"
+            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
+            : "r"(a[0]), "r"(0u), "r"(b0), "f"(0.f));
+    }
+}
+
+// Shared memory of one CTA (the ring; the end-of-kernel merge reuses it).
+constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg) {
+    return ns * 2 * (8 * nw) * (hd + 8) * 2 > nw * mg * (hd + 2) * 4 ? ns * 2 * (8 * nw) * (hd + 8) * 2
+                                                                       : nw * mg * (hd + 2) * 4;
+}
+
+// CTAs per SM that shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 6:
+// the residency the register allocation must leave room for (__launch_bounds__' second
+// value; 6 CTAs of 2 warps leave 170 registers a thread). Without it ptxas picked 72
+// registers and spilled for some head_dim 64 shapes; a cap of 8 CTAs (128 registers) spilled
+// at head_dim 128, whose shapes take 154-168.
+constexpr int tc_min_ctas(int hd, int nw, int ns, int mg) {
+    return 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) < 6 ? 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) : 6;
+}
+
+template <int HD, int NW, int NS, int MG>
+__device__ __forceinline__ void paged_attention_tc_body(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk) {
+    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 128, "head_dim: a multiple of 16, at most 128");
+    static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
+    static_assert(NS >= 2, "at least double buffering");
+    constexpr int THREADS = NW * 32;
+    constexpr int TT = 8 * NW;             // tokens per stage (8 per warp)
+    constexpr int RS = HD + 8;             // padded row stride, elements
+    constexpr int CPR = HD / 8;            // 16-byte chunks per row
+    constexpr int TILE = TT * RS;          // elements of one K (or V) stage
+    constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
+    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG);
+    static_assert(SMEM >= NS * 2 * TILE * 2 && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
+    static_assert(SMEM <= 48 * 1024, "static shared memory limit (the launcher passes no dynamic size)");
+    static_assert(THREADS == 4 * TT && CPR % 2 == 0, "copy mapping: four threads per token");
+    __shared__ __align__(16) unsigned char smem[SMEM];
+    bf16_t* const sk = reinterpret_cast<bf16_t*>(smem);
+    bf16_t* const sv = sk + NS * TILE;
+
+    const int group = n_heads / n_kv_heads;
+    const int gchunks = (group + MG - 1) / MG;
+    const int kvh = blockIdx.x / gchunks, gc = blockIdx.x - kvh * gchunks;
+    const int row = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
+    const int h0 = kvh * group + gc * MG;
+    const int ng = min(MG, group - gc * MG);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int ctx = row_ctx[row];
+    if (ctx <= 0) {
+        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
+        if (split == 0) {
+            for (int i = tid; i < ng * HD; i += THREADS)
+                out[((long long)row * n_heads + h0 + i / HD) * HD + i % HD] = f2bf(0.f);
+        }
+        return;
+    }
+    const int chunk = split_chunk(ctx, n_splits, min_chunk);
+    const int c0 = split * chunk;
+    const int c1 = min(ctx, c0 + chunk);
+    // A split past this row's context: the combine step never reads it.
+    if (c0 >= c1) return;
+    const int n_tiles = (c1 - c0 + TT - 1) / TT;
+    const int* bt = block_tables + row_bt[row];
+    const long long kv_w = (long long)n_kv_heads * HD;
+
+    // Copy assignment: a stage has TT = 8 * NW tokens and THREADS = 32 * NW threads, so four
+    // threads share each token: thread q = tid % 4 of token tid / 4 copies 16-byte chunks
+    // q, q + 4, q + 8, ... of its K row then its V row (2 * CPR chunks, CPR / 2 per thread;
+    // with head_dim 16 threads 0-1 copy K, 2-3 V). One warp instruction thus reads 64
+    // contiguous bytes of each of 8 rows (whole 32-byte sectors), and each thread tracks the
+    // block of one token only.
+    constexpr int CPT = CPR / 2;  // copies per thread per stage
+    const int ctok = tid >> 2, cq = tid & 3;
+    const bf16_t* const kbase = k_cache + (long long)kvh * HD;
+    const bf16_t* const vbase = v_cache + (long long)kvh * HD;
+    const unsigned sk_a = smem_addr(sk), sv_a = smem_addr(sv);
+    const unsigned drow = (unsigned)(ctok * RS * 2);
+    int lb, off, blk;
+    {
+        const int p = c0 + ctok;
+        lb = p / block_size;
+        off = p - lb * block_size;
+        blk = p < c1 ? bt[lb] : 0;
+    }
+    // Copies the next stage in order (the token state advances by one stage) into ring slot
+    // `s`, then loads the block id of this thread's token in the following stage, so the
+    // dependent block-table read is a stage old by the time its copies are issued.
+    int issue_p0 = c0;
+    auto issue = [&](int s) {
+        const int p = issue_p0 + ctok;
+        const int n = p < c1 ? 16 : 0;
+        const long long e = n ? ((long long)blk * block_size + off) * kv_w : 0;
+        const unsigned d = (unsigned)(s * TILE * 2) + drow;
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            if constexpr (CPR >= 4) {
+                // Chunk cq + 4j of the K row (first CPR / 4 copies) or of the V row.
+                const int c = cq + (4 * j) % CPR;
+                const bool is_v = 4 * j >= CPR;
+                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
+            } else {
+                const int c = cq & 1;
+                const bool is_v = cq >= 2;
+                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
+            }
+        }
+        off += TT;
+        while (off >= block_size) {
+            off -= block_size;
+            lb++;
+        }
+        blk = p + TT < c1 ? bt[lb] : 0;
+        issue_p0 += TT;
+    };
+
+    // Q as A fragments (rows g and g + 8 = query heads of this CTA, k = head dims), unscaled:
+    // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
+    unsigned qa[HD / 16][2 * RH];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+        for (int h = 0; h < RH; h++) {
+            const int r = g + 8 * h;
+            unsigned lo = 0, hi = 0;
+            if (r < ng) {
+                const unsigned* qr =
+                    reinterpret_cast<const unsigned*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
+                lo = qr[0];
+                hi = qr[4];
+            }
+            // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
+            // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
+            if constexpr (RH == 2) {
+                qa[kk][h] = lo;
+                qa[kk][2 + h] = hi;
+            } else {
+                qa[kk][0] = lo;
+                qa[kk][1] = hi;
+            }
+        }
+    }
+
+    float m[RH], l[RH], acc[HD / 8][2 * RH];
+#pragma unroll
+    for (int h = 0; h < RH; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 2 * RH; i++) acc[j][i] = 0.f;
+
+    // The ring: NS - 1 stages in flight while one is consumed. Empty commit groups keep the
+    // wait count uniform at the tail.
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < n_tiles) issue(s);
+        cp_async_commit();
+    }
+    // ldmatrix row addresses: lane l supplies row l % 8 of matrix l / 8.
+    const unsigned lrow = (unsigned)(((warp * 8 + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
+    const unsigned lrow2 = (unsigned)(((warp * 8 + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
+    for (int it = 0; it < n_tiles; it++) {
+        cp_async_wait<NS - 2>();
+        // Stage `it` is visible to every warp, and every warp is done with the slot that the
+        // next copy overwrites (consumed in the previous iteration).
+        __syncthreads();
+        if (it + NS - 1 < n_tiles) issue((it + NS - 1) % NS);
+        cp_async_commit();
+
+        const int s = it % NS;
+        const unsigned ks = sk_a + (unsigned)(s * TILE * 2), vs = sv_a + (unsigned)(s * TILE * 2);
+        // S = Q K^T over this warp's 8 tokens.
+        float sc[2 * RH];
+#pragma unroll
+        for (int i = 0; i < 2 * RH; i++) sc[i] = 0.f;
+        if constexpr (HD >= 32) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk += 2) {
+                unsigned b[4];
+                ldsm_x4(ks + lrow + kk * 32, b);
+                tc_mma_k16<MG>(sc, qa[kk], b[0], b[1]);
+                tc_mma_k16<MG>(sc, qa[kk + 1], b[2], b[3]);
+            }
+        } else {
+            unsigned b[2];
+            ldsm_x2(ks + lrow2, b);
+            tc_mma_k16<MG>(sc, qa[0], b[0], b[1]);
+        }
+        // Online softmax (log2 domain) per row over the 8 tokens; a row lives in one quad.
+        const int pt = c0 + it * TT + warp * 8 + 2 * t;
+        const bool v0 = pt < c1, v1 = pt + 1 < c1;
+        unsigned pa[RH];
+        float corr[RH];
+#pragma unroll
+        for (int h = 0; h < RH; h++) {
+            const float s0 = v0 ? sc[2 * h] * qscale : NEG_INF;
+            const float s1 = v1 ? sc[2 * h + 1] * qscale : NEG_INF;
+            float tm = fmaxf(s0, s1);
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+            const float mn = fmaxf(m[h], tm);
+            // No valid token seen yet by this warp: keep everything at zero.
+            const float mu = mn == NEG_INF ? 0.f : mn;
+            corr[h] = exp2f(m[h] - mu);
+            const float p0 = exp2f(s0 - mu), p1 = exp2f(s1 - mu);
+            l[h] = l[h] * corr[h] + p0 + p1;
+            m[h] = mn;
+            pa[h] = pack_bf16x2(p0, p1);
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+            for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
+        // O += P V: the 8 tokens are k, head dims n (8 per mma).
+        if constexpr (HD >= 32) {
+#pragma unroll
+            for (int nb = 0; nb < HD / 32; nb++) {
+                unsigned b[4];
+                ldsm_x4_t(vs + lrow + nb * 64, b);
+#pragma unroll
+                for (int j = 0; j < 4; j++) tc_mma_k8<MG>(acc[nb * 4 + j], pa, b[j]);
+            }
+        } else {
+            unsigned b[2];
+            ldsm_x2_t(vs + lrow2, b);
+            tc_mma_k8<MG>(acc[0], pa, b[0]);
+            tc_mma_k8<MG>(acc[1], pa, b[1]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is free: reuse it for the merge
+
+    // Merge the warps: each writes its rows' (max, sum, O) and the CTA combines per output.
+    float* const sm_o = reinterpret_cast<float*>(smem);  // [NW][MG][HD]
+    float* const sm_ml = sm_o + NW * MG * HD;            // [NW][MG][2]
+#pragma unroll
+    for (int h = 0; h < RH; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const int r = g + 8 * h;
+        if (t == 0) {
+            sm_ml[(warp * MG + r) * 2] = m[h];
+            sm_ml[(warp * MG + r) * 2 + 1] = l[h];
+        }
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++) {
+            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t] = acc[j][2 * h];
+            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t + 1] = acc[j][2 * h + 1];
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < ng * HD; i += THREADS) {
+        const int r = i / HD, d = i - r * HD;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm_ml[(w * MG + r) * 2]);
+        float L = 0.f, o = 0.f;
+        // mx is finite: the chunk holds at least one valid token, so some warp saw one.
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const float f = exp2f(sm_ml[(w * MG + r) * 2] - mx);
+            L += sm_ml[(w * MG + r) * 2 + 1] * f;
+            o += sm_o[(w * MG + r) * HD + d] * f;
+        }
+        const long long rh = (long long)row * n_heads + h0 + r;
+        if (n_splits == 1) {
+            out[rh * HD + d] = f2bf(o / L);
+        } else {
+            const long long ps = rh * n_splits + split;
+            part_o[ps * HD + d] = o;
+            if (d == 0) {
+                part_ml[ps * 2] = mx;
+                part_ml[ps * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+#define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
+        const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
+        bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
+        const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) {                                \
+        paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
+                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk); \
+    }
+
+// The tensor-core variants (warps, stages, heads per CTA), in the order they follow the
+// register variants in ATTN_VARIANTS.
+#define ATT_TC_VARIANTS(HD)          \
+    ATT_TC_INSTANCE(HD, 2, 4, 8)     \
+    ATT_TC_INSTANCE(HD, 2, 5, 8)     \
+    ATT_TC_INSTANCE(HD, 2, 4, 16)
+
+ATT_TC_VARIANTS(16)
+ATT_TC_VARIANTS(32)
+ATT_TC_VARIANTS(64)
+ATT_TC_VARIANTS(128)

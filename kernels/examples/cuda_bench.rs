@@ -113,7 +113,7 @@ fn run() -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
     writeln!(
         table,
-        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = (warps, unroll, heads/CTA, prefetch), split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s"
+        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = w(warps)_u(tokens per thread)_g(heads/CTA)_p(prefetch), tc_ = tensor cores with s(stages); split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s  rel diff"
     )
     .ok();
     for &(batch, ctx) in &[
@@ -158,30 +158,33 @@ fn run() -> Result<(), CudaError> {
         let scale = 1.0 / (hd as f32).sqrt();
         let bytes = (2 * batch * ctx * nkv * hd + 2 * batch * nh * hd) * 2;
         let flops = 4.0 * (batch * nh * ctx * hd) as f64;
+        // What was timed is checked too: each variant's output on the first block-table set
+        // against the register kernel's unsplit output (bf16 outputs: expect ~1e-3).
+        dev.attention_variant(0, AttnSplit::Fixed(1), &q, &kc, &vc, &mut metas[0], nh, geo, scale, &mut o)?;
+        let reference = download_f32(&dev, &o, batch * nh * hd)?;
         for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
             for split in [AttnSplit::Auto, AttnSplit::Fixed(1)] {
                 let ms = time_ms(&dev, 3, 20, |i| {
                     dev.attention_variant(vi, split, &q, &kc, &vc, &mut metas[i % copies], nh, geo, scale, &mut o)
                 })?;
+                dev.attention_variant(vi, split, &q, &kc, &vc, &mut metas[0], nh, geo, scale, &mut o)?;
+                let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
                 let x = nkv * (nh / nkv).div_ceil(v.max_group as usize);
                 let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count());
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };
-                let tag = format!("({},{},{},{}){mark}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch));
+                let tag = format!("{}{mark}", v.label());
                 writeln!(
                     table,
-                    " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}",
+                    " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}  {diff:.1e}",
                     ms * 1e3,
                     100.0 * gbs / copy_gbs
                 )
                 .ok();
                 json.push(format!(
-                    "{{\"name\":\"decode_attention\",\"variant\":\"w{}_u{}_g{}_p{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3}}}",
-                    v.warps,
-                    v.unroll,
-                    v.max_group,
-                    u8::from(v.prefetch),
+                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3},\"rel_diff_vs_reg_unsplit\":{diff:.2e}}}",
+                    v.label(),
                     mark == '*',
                     ms * 1e3,
                     gbs / copy_gbs

@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 const TOL: f64 = 1e-2;
 
 fn device() -> CudaDevice {
-    // A cache shared by the tests of this run (the module has 20 attention instantiations);
+    // A cache shared by the tests of this run (the module has 36 attention instantiations);
     // gpu_kernel_cache_round_trip checks the cache itself from an empty directory.
     let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
     CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
@@ -378,10 +378,21 @@ fn gpu_rope_write_kv_matches_cpu() {
     }
 }
 
-/// A mixed batch: each `(start_pos, n_tokens)` is one sequence over a cache filled with
-/// random K/V (so reading a wrong slot is an error, not a zero).
-fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usize, specs: &[(usize, usize)]) {
-    let bs = 16usize;
+/// A mixed batch: each `(start_pos, n_tokens)` is one sequence over a cache of `bs`-token
+/// blocks filled with random K/V (so reading a wrong slot is an error, not a zero), followed by
+/// `pad` padding rows (a CUDA-graph bucket's unused rows: context 0, output zeros) whose q is
+/// random too.
+#[allow(clippy::too_many_arguments)]
+fn attention_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    hd: usize,
+    nh: usize,
+    nkv: usize,
+    bs: usize,
+    pad: usize,
+    specs: &[(usize, usize)],
+) {
     let total_blocks: usize = specs.iter().map(|s| (s.0 + s.1).div_ceil(bs)).sum();
     let num_blocks = total_blocks + 5;
     let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
@@ -399,8 +410,10 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
         tables.push(pool.drain(..nb).collect::<Vec<u32>>());
         rows += n;
     }
-    let q = rand_vec(r, rows * nh * hd, 1.0);
+    let padded = rows + pad;
+    let q = rand_vec(r, padded * nh * hd, 1.0);
     let scale = 1.0 / (hd as f32).sqrt();
+    // Padding rows stay zero in the reference.
     let mut want = vec![0.0; q.len()];
     let mut host = Vec::new();
     let mut row = 0;
@@ -419,18 +432,24 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
         row += n;
     }
     let mut meta = StepMeta::new(dev).expect("meta");
-    meta.set(dev, &host, rows, bs, num_blocks).expect("meta set");
+    meta.set_padded(dev, &host, rows, padded, bs, num_blocks).expect("meta set");
     let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
-    // Every variant, unsplit, split as the device would choose, and split finely (many
-    // splits past short rows' contexts); then the default entry point.
+    // Every variant (register and tensor-core kernels), unsplit, split as the device would
+    // choose, split finely (many splits past short rows' contexts), and an exact split count
+    // (one launch shape for any contexts, as a captured graph uses); then the default entry
+    // point.
     for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
         for split in
-            [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64), AttnSplit::Exact(7), AttnSplit::Exact(128)]
+            [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64), AttnSplit::Exact(5), AttnSplit::Exact(128)]
         {
             let mut out = poisoned(dev, q.len());
             dev.attention_variant(vi, split, &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
             check(
-                &format!("attention {v:?} {split:?} hd={hd} heads={nh}/{nkv} seqs={} rows={rows}", specs.len()),
+                &format!(
+                    "attention {} {split:?} hd={hd} heads={nh}/{nkv} bs={bs} seqs={} rows={rows}+{pad}",
+                    v.label(),
+                    specs.len()
+                ),
                 &down(dev, &out, q.len()),
                 &want,
             );
@@ -438,24 +457,16 @@ fn attention_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: u
     }
     let mut out = poisoned(dev, q.len());
     dev.attention(&qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
-    check(&format!("attention default hd={hd} heads={nh}/{nkv}"), &down(dev, &out, q.len()), &want);
-
-    // The same batch padded with 3 rows that belong to no sequence (a CUDA-graph bucket):
-    // real rows unchanged, padding rows exactly zero (never the poison), split or not.
-    let pad = 3;
-    let mut padded_q = q.clone();
-    padded_q.extend(rand_vec(r, pad * w, 1.0));
-    let pq = up(dev, &padded_q);
-    meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("padded meta");
-    for split in [AttnSplit::Fixed(1), AttnSplit::Exact(16)] {
-        let mut out = poisoned(dev, padded_q.len());
-        dev.attention_split(split, &pq, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("padded attention");
-        let got = down(dev, &out, padded_q.len());
-        check(&format!("attention padded {split:?} hd={hd} heads={nh}/{nkv}"), &got[..q.len()], &want);
-        assert!(got[q.len()..].iter().all(|&x| x == 0.0), "padding rows must be zeros ({split:?})");
-    }
+    check(&format!("attention default hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
+    // The default variant with an exact split count, as a graph replay launches it.
+    let mut out = poisoned(dev, q.len());
+    dev.attention_split(AttnSplit::Exact(16), &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+    check(&format!("attention default exact-16 hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
 }
 
+/// Every attention variant against the CPU: head_dims 16/32/64/128 (every variant, the
+/// tensor-core ones included, is instantiated for all four), GQA groups 1, 3, 4, 7, 12, block
+/// sizes 16, 1, 5, 7, contexts off every multiple, padding rows.
 #[test]
 fn gpu_paged_attention_matches_cpu() {
     let dev = device();
@@ -464,19 +475,27 @@ fn gpu_paged_attention_matches_cpu() {
     // prefix, a prefill from scratch, one long context.
     let mixed = [(0usize, 1usize), (16, 1), (40, 1), (1000, 1), (37, 20), (0, 33), (2050, 1)];
     for hd in [64usize, 128] {
-        for &(nh, nkv) in &[(8usize, 8usize), (32, 8), (28, 4), (24, 2)] {
-            attention_case(&dev, &mut r, hd, nh, nkv, &mixed);
+        for &(nh, nkv) in &[(8usize, 8usize), (32, 8), (28, 4), (24, 2), (12, 4)] {
+            attention_case(&dev, &mut r, hd, nh, nkv, 16, 0, &mixed);
         }
-        attention_case(&dev, &mut r, hd, 4, 2, &[(300, 1)]);
-        // 257 decode rows with random context lengths.
+        attention_case(&dev, &mut r, hd, 4, 2, 16, 0, &[(300, 1)]);
+        // 257 decode rows with random context lengths, and 3 padding rows.
         let many: Vec<(usize, usize)> = (0..257).map(|_| (r.random_range(0..300), 1)).collect();
-        attention_case(&dev, &mut r, hd, 32, 8, &many);
+        attention_case(&dev, &mut r, hd, 32, 8, 16, 3, &many);
     }
     // Batch 1 at a long context not a multiple of the block size (the split path's case).
-    attention_case(&dev, &mut r, 128, 32, 8, &[(4100, 1)]);
+    attention_case(&dev, &mut r, 128, 32, 8, 16, 0, &[(4100, 1)]);
+    // Block sizes that are not a multiple of anything (a stage of 16 tokens spans several
+    // blocks, or a block straddles stages).
+    let odd = [(0usize, 1usize), (6, 1), (200, 1), (33, 9), (517, 1)];
+    for bs in [1usize, 5, 7] {
+        attention_case(&dev, &mut r, 128, 32, 8, bs, 2, &odd);
+        attention_case(&dev, &mut r, 64, 12, 4, bs, 0, &odd);
+    }
     // The tiny test models' head_dim, and 32.
-    attention_case(&dev, &mut r, 16, 4, 2, &mixed);
-    attention_case(&dev, &mut r, 32, 8, 2, &mixed);
+    attention_case(&dev, &mut r, 16, 4, 2, 16, 1, &mixed);
+    attention_case(&dev, &mut r, 32, 8, 2, 16, 0, &mixed);
+    attention_case(&dev, &mut r, 16, 12, 1, 5, 0, &mixed);
 }
 
 #[test]

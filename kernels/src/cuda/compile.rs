@@ -151,11 +151,31 @@ mod tests {
             .filter_map(|l| l.trim().strip_prefix("ATT_INSTANCE(HD, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
             .collect();
-        let rust: Vec<String> = super::super::ops::ATTN_VARIANTS
+        use super::super::ops::{ATTN_VARIANTS, AttnKind};
+        let rust: Vec<String> = ATTN_VARIANTS
             .iter()
+            .filter(|v| v.kind == AttnKind::Registers)
             .map(|v| format!("{}, {}, {}, {}", v.warps, v.unroll, v.max_group, u8::from(v.prefetch)))
             .collect();
         assert_eq!(cuda, rust);
+        // The tensor-core variants (warps, stages, heads per CTA), after the register ones.
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("ATT_TC_INSTANCE(HD, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+            .collect();
+        let rust: Vec<String> = ATTN_VARIANTS
+            .iter()
+            .skip_while(|v| v.kind == AttnKind::Registers)
+            .map(|v| {
+                assert_eq!(v.kind, AttnKind::TensorCore, "register variants come first");
+                format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
+            })
+            .collect();
+        assert_eq!(cuda, rust);
+        for hd in [16, 32, 64, 128] {
+            assert!(src.contains(&format!("ATT_TC_VARIANTS({hd})")));
+        }
         // The same for the gemv variants, instantiated for up to 8 and up to 16 rows.
         let cuda: Vec<String> = src
             .lines()

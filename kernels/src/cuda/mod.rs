@@ -24,8 +24,8 @@ pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv
 pub use graph::StepGraph;
 pub use half::bf16;
 pub use ops::{
-    ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
-    plan_splits,
+    ATTN_VARIANTS, AttentionMeta, AttnKind, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta,
+    attn_default, plan_splits,
 };
 pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 

@@ -31,44 +31,100 @@ pub(super) fn need<T>(op: &'static str, what: &str, s: &CudaSlice<T>, n: usize) 
     shape_check(op, s.len() >= n, || format!("{what} has {} elements, needs {n}", s.len()))
 }
 
-/// One compiled shape of the paged attention kernel (see attention.cu): warps per CTA, tokens
-/// each thread loads before using them, query heads per CTA (a larger GQA group is split
-/// across CTAs), and whether the next tile's loads are issued before the current one is used.
+/// Which paged attention kernel a variant instantiates (see attention.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKind {
+    /// `paged_attention_hd*`: each thread loads K/V rows into registers (16 bytes a token) and
+    /// the dot products run on the CUDA cores with shuffle reductions.
+    Registers,
+    /// `paged_attention_tc_hd*`: K/V tiles go to a ring of shared-memory stages by cp.async
+    /// (loads in flight without registers) and both products run on the tensor cores
+    /// (`mma.sync`, the CTA's query heads as the M rows).
+    TensorCore,
+}
+
+/// One compiled shape of the paged attention kernel (see attention.cu): the kernel kind,
+/// warps per CTA, the load depth, query heads per CTA (a larger GQA group is split across
+/// CTAs), and whether the next tile's loads are issued before the current one is used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnVariant {
+    /// Which kernel.
+    pub kind: AttnKind,
     /// Warps per CTA.
     pub warps: u32,
-    /// Tokens in flight per thread (each a 16-byte K and a 16-byte V load).
+    /// [`AttnKind::Registers`]: tokens in flight per thread (each a 16-byte K and a 16-byte V
+    /// load). [`AttnKind::TensorCore`]: shared-memory stages in the ring (one is consumed while
+    /// the others are in flight).
     pub unroll: u32,
     /// Query heads per CTA.
     pub max_group: u32,
-    /// Register double-buffering of the next tile.
+    /// Register double-buffering of the next tile ([`AttnKind::Registers`] only).
     pub prefetch: bool,
 }
 
 impl AttnVariant {
-    /// The kernel's name for `head_dim` (see `ATT_INSTANCE` in attention.cu).
+    /// The kernel's name for `head_dim` (see `ATT_INSTANCE` and `ATT_TC_INSTANCE` in
+    /// attention.cu). Both kinds are instantiated for every head_dim the launcher accepts
+    /// (16, 32, 64, 128), so no variant needs a fallback.
     pub fn kernel_name(&self, head_dim: usize) -> String {
-        let p = u8::from(self.prefetch);
-        format!("paged_attention_hd{head_dim}_w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
+        format!("paged_attention_{}", self.label_for(head_dim))
+    }
+
+    /// A short name of the shape, as in the kernel name without the head_dim
+    /// (`w4_u4_g4_p0`, `tc_w2_s4_g8`): for benchmark tables and result files.
+    pub fn label(&self) -> String {
+        match self.kind {
+            AttnKind::Registers => {
+                let p = u8::from(self.prefetch);
+                format!("w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
+            }
+            AttnKind::TensorCore => format!("tc_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
+        }
+    }
+
+    fn label_for(&self, head_dim: usize) -> String {
+        match self.kind {
+            AttnKind::Registers => format!("hd{head_dim}_{}", self.label()),
+            AttnKind::TensorCore => {
+                format!("tc_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group)
+            }
+        }
     }
 }
 
-/// Every instantiated variant, in the order of `ATT_VARIANTS` in attention.cu.
-pub const ATTN_VARIANTS: [AttnVariant; 6] = [
-    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: false },
-    AttnVariant { warps: 4, unroll: 8, max_group: 4, prefetch: false },
-    AttnVariant { warps: 4, unroll: 4, max_group: 8, prefetch: false },
-    AttnVariant { warps: 4, unroll: 4, max_group: 4, prefetch: true },
-    AttnVariant { warps: 4, unroll: 2, max_group: 4, prefetch: true },
-    AttnVariant { warps: 4, unroll: 2, max_group: 8, prefetch: true },
+const fn reg(warps: u32, unroll: u32, max_group: u32, prefetch: bool) -> AttnVariant {
+    AttnVariant { kind: AttnKind::Registers, warps, unroll, max_group, prefetch }
+}
+
+const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
+    AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
+}
+
+/// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
+/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu).
+pub const ATTN_VARIANTS: [AttnVariant; 9] = [
+    reg(4, 4, 4, false),
+    reg(4, 8, 4, false),
+    reg(4, 4, 8, false),
+    reg(4, 4, 4, true),
+    reg(4, 2, 4, true),
+    reg(4, 2, 8, true),
+    // 2 warps, 4 stages of 16 tokens: 34.8 KB of shared memory at head_dim 128, 6 CTAs per SM.
+    tc(2, 4, 8),
+    // One more stage, one CTA fewer per SM (43.5 KB: 5 per SM): 4 stages in flight each.
+    tc(2, 5, 8),
+    // Up to 16 query heads per CTA (all 16 M rows): a group of 12 or 16 reads K/V once.
+    tc(2, 4, 16),
 ];
 
-/// The variant [`CudaDevice::attention`] uses for a GQA group of `group` query heads: 8 heads
-/// per CTA once the group has 8 or more (fewer CTAs re-read the same K/V), else 4. Chosen
-/// from the H100 measurements in bench/results/cuda-kernels-split-*.
+/// The variant [`CudaDevice::attention`] uses for a GQA group of `group` query heads: the
+/// tensor-core kernel with 4 shared-memory stages, 8 heads per CTA up to a group of 8 and 16
+/// beyond (so that a group of 12 or 16 reads each K/V row once). The register kernels reached
+/// 50-57 % of copy on the H100 (bench/results/cuda-kernels-split-*); the tensor-core kernel is
+/// chosen for the bytes it keeps in flight (see attention.cu) and awaits its GPU measurement:
+/// to go back, return 2 for group >= 8 and 0 otherwise.
 pub fn attn_default(group: usize) -> usize {
-    if group >= 8 { 2 } else { 0 }
+    if group > 8 { 8 } else { 6 }
 }
 
 /// How [`CudaDevice::attention_variant`] splits each row's context: `Auto` aims at several
@@ -920,6 +976,20 @@ pub(super) struct ArgList<'a>(pub(super) Vec<Arg<'a>>);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_variants_name_their_kernels() {
+        assert_eq!(ATTN_VARIANTS[0].kernel_name(128), "paged_attention_hd128_w4_u4_g4_p0");
+        assert_eq!(ATTN_VARIANTS[6].kernel_name(16), "paged_attention_tc_hd16_w2_s4_g8");
+        assert_eq!(ATTN_VARIANTS[6].label(), "tc_w2_s4_g8");
+        // The default exists for any group and, being a tensor-core variant, covers a group of
+        // up to 8 (16 beyond) in one CTA per KV head.
+        for group in 1..=32 {
+            let v = ATTN_VARIANTS[attn_default(group)];
+            assert_eq!(v.kind, AttnKind::TensorCore);
+            assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+        }
+    }
 
     #[test]
     fn split_plans_cover_the_context_and_fill_the_device() {
