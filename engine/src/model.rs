@@ -393,8 +393,7 @@ impl<B: Backend> LlamaModel<B> {
                 b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
             }
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
-            b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
-            b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+            b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
             for (j, e) in exports.iter().enumerate() {
                 match &e.link {
                     None => {

@@ -5,14 +5,21 @@
 // One block per row; thread t owns frequency t % half for heads t / half, t / half + step, ...
 // Cache layout per layer: [num_blocks * block_size slots][n_kv_heads][head_dim];
 // slots[row] is the row's physical slot (block * block_size + offset); a negative slot marks
-// a padding row (a CUDA-graph bucket's unused rows): rotated in place, written nowhere.
+// a padding row (a CUDA-graph bucket's unused rows): q rotated, nothing written to the cache.
+//
+// Inputs are read with a row stride, so the fused entry takes q, k and v straight from the
+// QKV projection's rows [q | k | v] (no split copies) and writes only the rotated q out; the
+// in-place entry keeps separate q/k/v buffers (rotated q and k written back).
 
-extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
-                                              const bf16_t* __restrict__ v, bf16_t* __restrict__ k_cache,
-                                              bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
-                                              const long long* __restrict__ slots,
-                                              const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                              int head_dim) {
+// q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
+__device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
+                                                   const bf16_t* k_in, long long k_stride, bf16_t* k_out,
+                                                   const bf16_t* __restrict__ v_in, long long v_stride,
+                                                   bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                                   const int* __restrict__ positions,
+                                                   const long long* __restrict__ slots,
+                                                   const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                                   int head_dim) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
     const int i = threadIdx.x % half;
@@ -21,28 +28,60 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
     double sd, cd;
     sincos((double)positions[row] * inv_freq[i], &sd, &cd);
     const float s = (float)sd, c = (float)cd;
-    bf16_t* qr = q + (long long)row * n_heads * head_dim;
+    const bf16_t* qr = q_in + row * q_stride;
+    bf16_t* qo = q_out + (long long)row * n_heads * head_dim;
     for (int h = h0; h < n_heads; h += hstep) {
-        bf16_t* p = qr + h * head_dim;
-        float a = bf2f(p[i]), b = bf2f(p[i + half]);
-        p[i] = f2bf(a * c - b * s);
-        p[i + half] = f2bf(b * c + a * s);
+        const float a = bf2f(qr[h * head_dim + i]), b = bf2f(qr[h * head_dim + i + half]);
+        const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
+        // Every thread reads its pair before writing it, so in place (q_in == q_out) is safe.
+        qo[h * head_dim + i] = ra;
+        qo[h * head_dim + i + half] = rb;
     }
     const long long kv_w = (long long)n_kv_heads * head_dim;
     const long long slot = slots[row];
-    if (slot < 0) return;
-    bf16_t* kr = k + row * kv_w;
-    bf16_t* kc = k_cache + slot * kv_w;
+    const bf16_t* kr = k_in + row * k_stride;
+    bf16_t* ko = k_out ? k_out + row * kv_w : nullptr;
+    bf16_t* kc = slot >= 0 ? k_cache + slot * kv_w : nullptr;
     for (int h = h0; h < n_kv_heads; h += hstep) {
-        bf16_t* p = kr + h * head_dim;
-        float a = bf2f(p[i]), b = bf2f(p[i + half]);
-        bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
-        p[i] = ra;
-        p[i + half] = rb;
-        kc[h * head_dim + i] = ra;
-        kc[h * head_dim + i + half] = rb;
+        const float a = bf2f(kr[h * head_dim + i]), b = bf2f(kr[h * head_dim + i + half]);
+        const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
+        if (ko) {
+            ko[h * head_dim + i] = ra;
+            ko[h * head_dim + i + half] = rb;
+        }
+        if (kc) {
+            kc[h * head_dim + i] = ra;
+            kc[h * head_dim + i + half] = rb;
+        }
     }
-    const bf16_t* vr = v + row * kv_w;
+    if (slot < 0) return;
+    const bf16_t* vr = v_in + row * v_stride;
     bf16_t* vc = v_cache + slot * kv_w;
     for (int j = threadIdx.x; j < kv_w; j += blockDim.x) vc[j] = vr[j];
+}
+
+// Separate q (rows × n_heads × head_dim), k and v (rows × n_kv_heads × head_dim): q and k
+// rotated in place.
+extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                              const bf16_t* __restrict__ v, bf16_t* __restrict__ k_cache,
+                                              bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
+                                              const long long* __restrict__ slots,
+                                              const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                              int head_dim) {
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions, slots,
+                       inv_freq, n_heads, n_kv_heads, head_dim);
+}
+
+// Rows [q | k | v] of the QKV projection: rotated q to q_out, rotated k and v to the cache only.
+extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
+                                                  bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                                  const int* __restrict__ positions,
+                                                  const long long* __restrict__ slots,
+                                                  const double* __restrict__ inv_freq, int n_heads,
+                                                  int n_kv_heads, int head_dim) {
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
+                       positions, slots, inv_freq, n_heads, n_kv_heads, head_dim);
 }

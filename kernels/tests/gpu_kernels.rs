@@ -354,6 +354,29 @@ fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKi
     assert_eq!(wk.len(), rows * stride, "every row's K slot written once");
     check(&format!("{what} k cache"), &gk, &wk);
     assert_eq!(gv, wv, "V is copied exactly");
+
+    // The fused entry: the same rows as [q | k | v] of one QKV projection, rotated q out,
+    // k and v to the cache only (padding rows included, writing nothing).
+    let padded = rows + pad;
+    let (qp, kp, vp) = (with_pad(&q, nh * hd), with_pad(&k, stride), with_pad(&v, stride));
+    let qkv: Vec<f32> = (0..padded)
+        .flat_map(|r| {
+            let q = &qp[r * nh * hd..(r + 1) * nh * hd];
+            q.iter().chain(&kp[r * stride..(r + 1) * stride]).chain(&vp[r * stride..(r + 1) * stride]).copied()
+        })
+        .collect();
+    let mut q_out = poisoned(dev, padded * nh * hd);
+    let mut kcd = poisoned(dev, geo.layer_len());
+    let mut vcd = poisoned(dev, geo.layer_len());
+    dev.rope_qkv_write_kv(&up(dev, &qkv), &mut q_out, &mut kcd, &mut vcd, &meta, &inv, nh, geo).expect("fused");
+    check(&format!("{what} fused q"), &down(dev, &q_out, q.len()), &qw);
+    let (gk, gv) = (down(dev, &kcd, kc.len()), down(dev, &vcd, vc.len()));
+    assert!(untouched(&kc, &gk) && untouched(&vc, &gv), "{what} fused: a padding row wrote into the cache");
+    let (gk, wk) = pick(&kc, &gk);
+    let (gv, wv) = pick(&vc, &gv);
+    assert_eq!(wk.len(), rows * stride, "fused: every row's K slot written once");
+    check(&format!("{what} fused k cache"), &gk, &wk);
+    assert_eq!(gv, wv, "fused: V is copied exactly");
 }
 
 #[test]

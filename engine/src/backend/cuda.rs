@@ -488,6 +488,34 @@ impl Backend for CudaBackend {
         Ok(self.dev.rope_write_kv(&mut q.data, &mut k.data, &v.data, kc, vc, &self.meta, inv, n_heads, geo)?)
     }
 
+    fn split_rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        (qd, kvd, kvd2): (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        q: &mut CudaBuf,
+        _k: &mut CudaBuf,
+        _v: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let kvw = geo.n_kv_heads * geo.head_dim;
+        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
+            return Err(kerr(
+                "split_rope_and_write_kv",
+                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
+            ));
+        }
+        self.ensure(q, rows * qd)?;
+        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        Ok(self.dev.rope_qkv_write_kv(&qkv.data, &mut q.data, kc, vc, &self.meta, inv, n_heads, geo)?)
+    }
+
     fn attention(
         &mut self,
         layer: usize,

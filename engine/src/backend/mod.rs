@@ -178,6 +178,25 @@ pub trait Backend: Send + 'static {
         n_heads: usize,
         batch: &BatchLayout,
     ) -> Result<(), BackendError>;
+    /// Splits fused rows `[q | k | v]` of widths `(qd, kvd, kvd)`, applies RoPE to q and k,
+    /// and writes k and v into layer `layer` of the cache; afterwards `q` holds the rotated q
+    /// and `k`, `v` are unspecified (a backend may skip them: the cache holds k and v). The
+    /// default is [`Backend::split3`] then [`Backend::rope_and_write_kv`].
+    #[allow(clippy::too_many_arguments)]
+    fn split_rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &Self::Buf,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        q: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        self.split3(qkv, widths, q, k, v)?;
+        self.rope_and_write_kv(layer, q, k, v, n_heads, batch)
+    }
     /// Paged causal attention of `q` over layer `layer` of the cache, for every sequence of the batch.
     fn attention(
         &mut self,

@@ -138,6 +138,7 @@ mod tests {
             "bf16_to_f32",
             "f32_to_bf16",
             "rope_write_kv_bf16",
+            "rope_qkv_write_kv_bf16",
             "sample_rows",
         ] {
             assert!(src.contains(&format!("void {k}(")), "{k} missing");

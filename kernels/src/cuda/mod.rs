@@ -111,6 +111,7 @@ pub(crate) struct Funcs {
     pub bf16_to_f32: CudaFunction,
     pub f32_to_bf16: CudaFunction,
     pub rope_write_kv: CudaFunction,
+    pub rope_qkv_write_kv: CudaFunction,
     /// Paged attention: `[head_dim 16, 32, 64, 128][variant of ops::ATTN_VARIANTS]`.
     pub attention: Vec<Vec<CudaFunction>>,
     /// The merge of split-attention partials, per head_dim as above.
@@ -190,6 +191,7 @@ impl CudaDevice {
             bf16_to_f32: f("bf16_to_f32")?,
             f32_to_bf16: f("f32_to_bf16")?,
             rope_write_kv: f("rope_write_kv_bf16")?,
+            rope_qkv_write_kv: f("rope_qkv_write_kv_bf16")?,
             attention: [16, 32, 64, 128]
                 .iter()
                 .map(|hd| ops::ATTN_VARIANTS.iter().map(|v| f(&v.kernel_name(*hd))).collect::<Result<Vec<_>, _>>())

@@ -815,6 +815,57 @@ impl CudaDevice {
         )
     }
 
+    /// [`CudaDevice::rope_write_kv`] reading rows `[q | k | v]` of the QKV projection
+    /// (`rows × (n_heads + 2·n_kv_heads) × head_dim`) in place of three split buffers: the
+    /// rotated q goes to `q_out` (`rows × n_heads × head_dim`), the rotated k and v only to
+    /// the cache. Saves the three column copies of a split and their launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_qkv_write_kv(
+        &self,
+        qkv: &CudaSlice<bf16>,
+        q_out: &mut CudaSlice<bf16>,
+        k_cache: &mut CudaSlice<bf16>,
+        v_cache: &mut CudaSlice<bf16>,
+        meta: &KvWriteMeta,
+        inv_freq: &CudaSlice<f64>,
+        n_heads: usize,
+        geo: KvGeometry,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "rope_qkv_write_kv";
+        let rows = meta.rows;
+        let hd = geo.head_dim;
+        shape_check(OP, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
+        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
+            "metadata built for another cache geometry".into()
+        })?;
+        need(OP, "qkv", qkv, rows * (n_heads + 2 * geo.n_kv_heads) * hd)?;
+        need(OP, "q_out", q_out, rows * n_heads * hd)?;
+        need(OP, "k_cache", k_cache, geo.layer_len())?;
+        need(OP, "v_cache", v_cache, geo.layer_len())?;
+        need(OP, "inv_freq", inv_freq, hd / 2)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let half = (hd / 2) as u32;
+        let block = half * (128 / half).max(1);
+        self.run(
+            &self.funcs.rope_qkv_write_kv,
+            cfg((int(OP, rows)? as u32, 1, 1), block),
+            &mut ArgList(vec![
+                Arg::Bf(qkv),
+                Arg::Bf(q_out),
+                Arg::Bf(k_cache),
+                Arg::Bf(v_cache),
+                Arg::I32s(&meta.positions),
+                Arg::I64s(&meta.slots),
+                Arg::F64s(inv_freq),
+                Arg::I(int(OP, n_heads)?),
+                Arg::I(int(OP, geo.n_kv_heads)?),
+                Arg::I(int(OP, hd)?),
+            ]),
+        )
+    }
+
     /// Paged causal attention of `q` (`rows × n_heads × head_dim`) over the layer's cache,
     /// which already holds every row's own K/V; writes `out` in `q`'s layout. Long contexts
     /// are split across CTAs (`meta` holds the partials).
