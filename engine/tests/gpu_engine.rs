@@ -138,7 +138,16 @@ fn gpu_auto_device_picks_cuda() {
 /// already changes the CPU's own greedy tokens within 3–28 steps, so no bf16 backend can match
 /// it (bench/results/exactness-bf16-emulation-cpu-2026-11-21.md; this test's earlier form
 /// compared with it and failed for that reason). Peaked models make near ties rare, so the
-/// remaining differences (accumulation order, exp2 vs exp) must not flip a token here.
+/// remaining differences (accumulation order, exp2 vs exp) must not flip a token here, except
+/// at a near tie within [`ATTENTION_TIE`].
+/// The one kind of divergence the exactness test allows: the tensor-core attention kernels
+/// round the softmax weights to bf16 before P·V (as FlashAttention does) at the running max
+/// of each key tile, which the CPU emulation cannot reproduce (the rounding depends on the
+/// tile order), and that moves logits by up to ~1e-2. A token whose reference top-2 gap is
+/// below this (nats) may flip; the first H100 run with those kernels met two such ties in 108
+/// tokens of the qwen2 model (gaps 0.0049 and 0.0005).
+const ATTENTION_TIE: f32 = 0.01;
+
 #[test]
 fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
@@ -156,6 +165,16 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
         let mut failures = Vec::new();
         for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
             if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
+                // A divergence where the reference's own top two are within ATTENTION_TIE is
+                // allowed (and printed): see ATTENTION_TIE.
+                let (own, top) = &c.1[t];
+                let gpu_tok = g.0[t];
+                if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
+                    && own - alt < ATTENTION_TIE
+                {
+                    println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
+                    continue;
+                }
                 // Both ran the same prefix up to t: show both top-5 lists at the divergence.
                 let msg = format!(
                     "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
