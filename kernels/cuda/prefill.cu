@@ -70,7 +70,8 @@ __device__ __forceinline__ void pf_ldsm4_t(unsigned addr, unsigned& r0, unsigned
 
 // d += A (16x16 row-major fragment a) * B (16x8 col-major fragment b0, b1), f32 accumulators.
 __device__ __forceinline__ void pf_mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile(
+    // Not volatile: a pure register operation, free for the scheduler to interleave.
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

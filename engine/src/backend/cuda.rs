@@ -93,6 +93,9 @@ pub struct CudaBackend {
     /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
     /// for every GEMM, for comparisons.
     gemv: bool,
+    /// Prefill chunks through the tensor-core prefill kernel (`CudaDevice::attention_mixed`);
+    /// off = the decode kernel for every row, for comparisons.
+    prefill_kernel: bool,
     /// Rows and width of the live LM-head output in `logits`.
     logit_shape: (usize, usize),
     /// Device buffers of the sampler.
@@ -175,6 +178,7 @@ impl CudaBackend {
             rows,
             logits,
             gemv: true,
+            prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
         })
@@ -184,6 +188,12 @@ impl CudaBackend {
     /// to cuBLAS (`false`: for benchmarks and comparisons).
     pub fn set_gemv(&mut self, on: bool) {
         self.gemv = on;
+    }
+
+    /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
+    /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
+    pub fn set_prefill_kernel(&mut self, on: bool) {
+        self.prefill_kernel = on;
     }
 
     /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
@@ -484,7 +494,11 @@ impl Backend for CudaBackend {
         self.ensure(out, rows * width)?;
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.attention(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        if self.prefill_kernel {
+            Ok(self.dev.attention_mixed(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        } else {
+            Ok(self.dev.attention(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        }
     }
 
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {

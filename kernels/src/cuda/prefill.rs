@@ -226,6 +226,8 @@ impl CudaDevice {
         shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
             "metadata built for another cache geometry".into()
         })?;
+        // The kernel takes the running max on unscaled scores, which needs scale > 0.
+        shape_check(OP, scale > 0.0 && scale.is_finite(), || format!("softmax scale {scale} is not positive"))?;
         let rows = meta.rows;
         need(OP, "q", q, rows * n_heads * geo.head_dim)?;
         need(OP, "out", out, rows * n_heads * geo.head_dim)?;
