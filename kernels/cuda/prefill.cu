@@ -2,11 +2,12 @@
 // tensor cores: mma.sync m16n8k16 bf16 -> f32), GQA, bf16 K/V cache.
 //
 // Grid: (n_kv_heads, work items). A work item is one query tile of one prefill chunk; the CTA
-// serves every query head of its KV head's group at once: packed row p of the 64-row tile is
+// serves every query head of its KV head's group at once: packed row p of the BM-row tile is
 // token p / group of the tile and head p % group of the group, so each K/V tile it loads
-// serves all heads (tq = 64 / group tokens per tile; packed rows past tq * group, or past
+// serves all heads (tq = BM / group tokens per tile; packed rows past tq * group, or past
 // the chunk's last token, are padding: computed on a clamped copy of a real row and never
-// stored). 4 warps, 16 packed rows each.
+// stored). NW warps of 16 packed rows each, BM = 16 * NW: NW = 4 (BM 64, three CTAs per SM at
+// HD 128) or NW = 8 (BM 128: half the K/V traffic from L2 per FLOP, one CTA per SM).
 //
 // Work items are enumerated in-kernel from the per-sequence list the host built in
 // StepMeta::set (row_start, n_tokens, start_pos, block-table offset), heaviest sequence
@@ -34,9 +35,7 @@
 // GPU has no integer divider, and a software division per gathered token (8 per thread per
 // tile at HD 128) would cost about as many issue slots as the tile's matrix work.
 
-#define PF_BM 64
 #define PF_BN 64
-#define PF_WARPS 4
 
 __device__ __forceinline__ unsigned pf_smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -91,7 +90,7 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
-template <int HD>
+template <int HD, int NW>
 __device__ __forceinline__ void prefill_attention_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables,
@@ -99,18 +98,19 @@ __device__ __forceinline__ void prefill_attention_body(
     constexpr int RS = HD + 8;                    // shared row stride, elements
     constexpr int TILE = PF_BN * RS;              // elements of one K (or V) tile
     constexpr int CPR = HD / 8;                   // 16-byte chunks per token row
-    constexpr int TPP = PF_WARPS * 32 / CPR;      // token rows per load pass
-    constexpr int PASSES = PF_BN / TPP;           // load passes per tile
+    constexpr int BM = 16 * NW;                   // packed query rows per CTA
+    constexpr int TPP = NW * 32 / CPR;            // token rows per load pass
+    constexpr int PASSES = (PF_BN + TPP - 1) / TPP;  // load passes per tile (HD 16, NW 8: TPP > BN)
     constexpr int KS = HD / 16;                   // k-steps of Q K^T
     constexpr int NT = PF_BN / 8;                 // 8-key column tiles of S
     constexpr int OT = HD / 8;                    // 8-wide column tiles of O
-    static_assert(PASSES >= 1 && PF_BN % TPP == 0, "tile rows must split evenly over the passes");
+    static_assert(PF_BN % TPP == 0 || TPP % PF_BN == 0, "tile rows must split evenly over the passes");
     static_assert(NT % 2 == 0 && OT % 2 == 0, "ldmatrix.x4 covers two column tiles");
     extern __shared__ __align__(16) unsigned char pf_smem[];
     bf16_t* const sm = reinterpret_cast<bf16_t*>(pf_smem);  // [stage][K, V][PF_BN][RS]
 
     const int group = n_heads / n_kv_heads;
-    const int tq = PF_BM / group;  // tokens per tile (the launcher guarantees group <= PF_BM)
+    const int tq = BM / group;  // tokens per tile (the launcher guarantees group <= BM)
     const int kvh = blockIdx.x;
 
     // Find this CTA's (sequence, tile): items run over the sequences in list order, and
@@ -170,6 +170,7 @@ __device__ __forceinline__ void prefill_attention_body(
 #pragma unroll
         for (int ps = 0; ps < PASSES; ps++) {
             const int r = lr + ps * TPP;
+            if (TPP > PF_BN && r >= PF_BN) break;  // more threads than chunks: the rest idle
             const int p = j * PF_BN + r;
             const bool ok = p < n_kv;
             long long off = head_off;
@@ -315,16 +316,21 @@ __device__ __forceinline__ void prefill_attention_body(
 }
 
 // Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16 (see prefill.rs).
-#define PF_INSTANCE(HD)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(PF_WARPS * 32) prefill_attention_hd##HD(                       \
+#define PF_INSTANCE(HD, NW)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_hd##HD##_w##NW(                    \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                        \
-        prefill_attention_body<HD>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,   \
-                                   block_size, bs_magic, qscale);                                              \
+        prefill_attention_body<HD, NW>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,           \
+                                       n_kv_heads, block_size, bs_magic, qscale);                              \
     }
 
-PF_INSTANCE(16)
-PF_INSTANCE(32)
-PF_INSTANCE(64)
-PF_INSTANCE(128)
+// The variants, in the order of PREFILL_HEAD_DIMS x PREFILL_WARPS in kernels/src/cuda/prefill.rs.
+PF_INSTANCE(16, 4)
+PF_INSTANCE(16, 8)
+PF_INSTANCE(32, 4)
+PF_INSTANCE(32, 8)
+PF_INSTANCE(64, 4)
+PF_INSTANCE(64, 8)
+PF_INSTANCE(128, 4)
+PF_INSTANCE(128, 8)

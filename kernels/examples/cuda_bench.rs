@@ -23,7 +23,7 @@
 
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
-    KvGeometry, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    KvGeometry, PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -327,7 +327,7 @@ fn prefill_section(
     let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
     writeln!(
         table,
-        "\nprefill attention (one sequence, no prefix, causal, 32/8 heads, hd 128, bs 16); FLOPs = 2·S²·hd·heads\n     S kernel           us  TFLOP/s  rel diff vs old"
+        "\nprefill attention (one sequence, no prefix, causal, 32/8 heads, hd 128, bs 16); FLOPs = 2·S²·hd·heads; * = router default\n     S kernel                us  TFLOP/s  rel diff vs decode kernel"
     )
     .ok();
     for &s in &[512usize, 2048, 4096, 8192] {
@@ -345,18 +345,32 @@ fn prefill_section(
         meta.set(dev, &[HostSeq { row_start: 0, n_tokens: s, start_pos: 0, block_table: &bt }], s, bs, num_blocks)?;
         let q = random_bf16(dev, r, s * nh * hd)?;
         let mut o_new = dev.alloc::<bf16>(s * nh * hd)?;
+        let mut o_var = dev.alloc::<bf16>(s * nh * hd)?;
         let mut o_old = dev.alloc::<bf16>(s * nh * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
         let flops = 4.0 * (s as f64) * (s as f64) * (hd * nh) as f64 / 2.0;
         let bytes = (2 * s * nh * hd + 2 * s * nkv * hd) * 2;
         let ms_new = time_ms(dev, 3, 20, |_| dev.attention_mixed(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_new))?;
         let ms_old = time_ms(dev, 2, 10, |_| dev.attention(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_old))?;
-        let diff = rel_diff(&download_f32(dev, &o_new, s * nh * hd)?, &download_f32(dev, &o_old, s * nh * hd)?);
-        for (name, ms) in [("prefill_mma", ms_new), ("decode_kernel", ms_old)] {
+        let n = s * nh * hd;
+        let old = download_f32(dev, &o_old, n)?;
+        let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);
+        let mut rows = vec![(format!("prefill_mma_w{}*", PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]), ms_new, diff)];
+        // The other CTA sizes, launched directly (the router uses the default).
+        for (vi, &w) in PREFILL_WARPS.iter().enumerate().filter(|&(vi, _)| vi != PREFILL_DEFAULT_VARIANT) {
+            let ms = time_ms(dev, 3, 20, |_| {
+                dev.prefill_attention_variant(vi, &q, &kc, &vc, &meta, nh, geo, scale, &mut o_var)
+            })?;
+            rows.push((format!("prefill_mma_w{w}"), ms, rel_diff(&download_f32(dev, &o_var, n)?, &old)));
+        }
+        rows.push(("decode_kernel".to_string(), ms_old, 0.0));
+        for (name, ms, diff) in rows {
             let tf = flops / (ms * 1e-3) / 1e12;
-            writeln!(table, " {s:5} {name:14} {:9.1} {tf:8.1}  {diff:.2e}", ms * 1e3).ok();
+            writeln!(table, " {s:5} {name:16} {:9.1} {tf:8.1}  {diff:.2e}", ms * 1e3).ok();
             json.push(format!(
-                "{{\"name\":\"prefill_attention\",\"kernel\":\"{name}\",\"seq\":{s},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"causal\":true,\"us\":{:.2},\"flops\":{flops:.0},\"min_bytes\":{bytes},\"tflop_s\":{tf:.2},\"rel_diff_new_vs_old\":{diff:.3e}}}",
+                "{{\"name\":\"prefill_attention\",\"kernel\":\"{}\",\"default\":{},\"seq\":{s},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"causal\":true,\"us\":{:.2},\"flops\":{flops:.0},\"min_bytes\":{bytes},\"tflop_s\":{tf:.2},\"rel_diff_vs_decode_kernel\":{diff:.3e}}}",
+                name.trim_end_matches('*'),
+                name.ends_with('*'),
                 ms * 1e3
             ));
         }

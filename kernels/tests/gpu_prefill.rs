@@ -10,7 +10,8 @@
 
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, StepMeta, bf16, prefill_supported,
+    CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16,
+    prefill_supported,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -65,8 +66,8 @@ fn check(what: &str, out: &[f32], want: &[f32]) {
 
 /// One step: each `(start_pos, n_tokens)` is a sequence's chunk, rows in the given order, over
 /// a cache of random K/V whose blocks are dealt out from a shuffled pool (so a wrong slot reads
-/// a wrong random value, never a zero). Checks the router on every row, and the prefill
-/// launcher alone on the prefill rows (decode rows must stay untouched: still NaN).
+/// a wrong random value, never a zero). Checks the router on every row, and each variant of
+/// the prefill launcher alone on the prefill rows (decode rows must stay untouched: still NaN).
 fn prefill_case(
     dev: &CudaDevice,
     r: &mut StdRng,
@@ -125,20 +126,25 @@ fn prefill_case(
     if !prefill_supported(nh, nkv, hd) || !is_prefill.iter().any(|&p| p) {
         return;
     }
-    let mut out = poisoned(dev, q.len());
-    dev.prefill_attention(&qd, &kd, &vd, &meta, nh, geo, scale, &mut out).expect("prefill_attention");
-    let got = down(dev, &out, q.len());
-    let (mut g, mut wnt) = (Vec::new(), Vec::new());
-    for (r, &p) in is_prefill.iter().enumerate() {
-        let span = r * w..(r + 1) * w;
-        if p {
-            g.extend_from_slice(&got[span.clone()]);
-            wnt.extend_from_slice(&want[span]);
-        } else {
-            assert!(got[span].iter().all(|v| v.is_nan()), "{what}: prefill kernel wrote decode row {r}");
+    for (vi, &warps) in PREFILL_WARPS.iter().enumerate() {
+        if nh / nkv > 16 * warps {
+            continue;
         }
+        let mut out = poisoned(dev, q.len());
+        dev.prefill_attention_variant(vi, &qd, &kd, &vd, &meta, nh, geo, scale, &mut out).expect("prefill_attention");
+        let got = down(dev, &out, q.len());
+        let (mut g, mut wnt) = (Vec::new(), Vec::new());
+        for (r, &p) in is_prefill.iter().enumerate() {
+            let span = r * w..(r + 1) * w;
+            if p {
+                g.extend_from_slice(&got[span.clone()]);
+                wnt.extend_from_slice(&want[span]);
+            } else {
+                assert!(got[span].iter().all(|v| v.is_nan()), "{what}: prefill kernel wrote decode row {r}");
+            }
+        }
+        check(&format!("prefill only, {warps} warps, {what}"), &g, &wnt);
     }
-    check(&format!("prefill only {what}"), &g, &wnt);
 }
 
 #[test]
@@ -167,7 +173,8 @@ fn gpu_prefill_attention_matches_cpu() {
     prefill_case(&dev, &mut r, 16, 4, 2, 16, &mixed);
     prefill_case(&dev, &mut r, 32, 8, 2, 7, &mixed);
     prefill_case(&dev, &mut r, 64, 64, 1, 16, &[(0, 40), (9, 1)]);
-    // A group past the prefill kernel's tile: the router falls back to the decode kernel.
+    // A group past the default tile: the router falls back to the decode kernel (the 8-warp
+    // variant, 128 rows, still runs it).
     prefill_case(&dev, &mut r, 64, 128, 1, 16, &[(0, 20), (9, 1)]);
 }
 

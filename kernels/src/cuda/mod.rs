@@ -26,7 +26,10 @@ pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta, attn_default,
     plan_splits,
 };
-pub use prefill::{PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, prefill_smem_bytes, prefill_supported};
+pub use prefill::{
+    PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_WARPS, prefill_smem_bytes,
+    prefill_supported,
+};
 pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 
 use cudarc::cublas::CudaBlas;
@@ -107,8 +110,8 @@ pub(crate) struct Funcs {
     pub attention: Vec<Vec<CudaFunction>>,
     /// The merge of split-attention partials, per head_dim as above.
     pub attention_combine: Vec<CudaFunction>,
-    /// Prefill flash attention, per head_dim of `prefill::PREFILL_HEAD_DIMS`.
-    pub prefill: Vec<CudaFunction>,
+    /// Prefill flash attention: `[head_dim of prefill::PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`.
+    pub prefill: Vec<Vec<CudaFunction>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of gemv::GEMV_VARIANTS]`, each
     /// `[bf16 out, f32 out]`.
     pub gemv: [Vec<[CudaFunction; 2]>; 2],

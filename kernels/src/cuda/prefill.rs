@@ -11,6 +11,8 @@
 //! - the prefill kernel handles GQA groups up to [`PREFILL_MAX_GROUP`] query heads per KV head
 //!   and head_dim 16, 32, 64 or 128 ([`prefill_supported`]); other shapes go to the decode
 //!   kernel for every row;
+//! - it comes in two CTA sizes ([`PREFILL_WARPS`]): 4 warps (64 packed query rows, the
+//!   default) and 8 warps (128 rows); [`CudaDevice::prefill_attention_variant`] picks one;
 //! - the sequence list is ordered heaviest first (longest context), so the longest CTAs start
 //!   first; the kernel enumerates its work items (query tiles of `64 / group` tokens) from it;
 //! - decode rows reach the decode kernel through a second context-length array in which the
@@ -27,14 +29,17 @@ use half::bf16;
 
 /// Fewest rows in a chunk for it to go to the prefill kernel (a 1-row chunk is a decode row).
 pub const PREFILL_MIN_TOKENS: usize = 2;
-/// Query rows per CTA (packed rows: tokens × heads of one GQA group); see prefill.cu.
-const BM: usize = 64;
 /// Keys per KV tile; see prefill.cu.
 const BN: usize = 64;
-/// Most query heads per KV head the prefill kernel packs into one tile.
-pub const PREFILL_MAX_GROUP: usize = BM;
-/// Threads per CTA.
-const THREADS: u32 = 128;
+/// Warps per CTA of each compiled variant (16 packed query rows per warp: tokens × heads of
+/// one GQA group), in the order of prefill.cu's instances.
+pub const PREFILL_WARPS: [usize; 2] = [4, 8];
+/// The variant [`CudaDevice::prefill_attention`] uses: 4 warps (three CTAs per SM at head_dim
+/// 128, where the 8-warp CTA fits once). To be confirmed by cuda_bench's prefill section.
+pub const PREFILL_DEFAULT_VARIANT: usize = 0;
+/// Most query heads per KV head the router sends to the prefill kernel (the default
+/// variant's tile rows: a group must fit one tile).
+pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT];
 /// Head dims with a compiled prefill kernel, in the order of [`CudaDevice`]'s function table.
 pub(super) const PREFILL_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -52,23 +57,26 @@ pub fn prefill_supported(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> 
         && PREFILL_HEAD_DIMS.contains(&head_dim)
 }
 
-/// Loads the prefill kernels (one per head dim of [`PREFILL_HEAD_DIMS`]) and raises each
-/// one's dynamic shared-memory limit (above the default 48 KiB at head_dim 128).
-pub(super) fn load_funcs<E>(f: &impl Fn(&str) -> Result<CudaFunction, E>) -> Result<Vec<CudaFunction>, CudaError>
+/// Loads the prefill kernels, `[head dim of PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`,
+/// and raises each one's dynamic shared-memory limit (above the default 48 KiB at head_dim 128).
+pub(super) fn load_funcs<E>(f: &impl Fn(&str) -> Result<CudaFunction, E>) -> Result<Vec<Vec<CudaFunction>>, CudaError>
 where
     CudaError: From<E>,
 {
     PREFILL_HEAD_DIMS
         .iter()
         .map(|&hd| {
-            let func = f(&format!("prefill_attention_hd{hd}"))?;
-            func.set_attribute(
-                FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                prefill_smem_bytes(hd) as i32,
-            )?;
-            // Three CTAs of 68 KiB per SM at head_dim 128 need the largest shared carve-out.
-            func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
-            Ok(func)
+            PREFILL_WARPS
+                .iter()
+                .map(|&w| {
+                    let func = f(&format!("prefill_attention_hd{hd}_w{w}"))?;
+                    let smem = prefill_smem_bytes(hd) as i32;
+                    func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)?;
+                    // Three CTAs of 68 KiB per SM at head_dim 128 need the largest shared carve-out.
+                    func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                    Ok(func)
+                })
+                .collect()
         })
         .collect()
 }
@@ -117,9 +125,10 @@ impl PrefillLists {
         Ok(out)
     }
 
-    /// Query tiles of `64 / group` tokens over every prefill sequence: the kernel's grid height.
-    pub fn items(&self, group: usize) -> usize {
-        let tq = (BM / group.max(1)).max(1);
+    /// Query tiles of `bm / group` tokens over every prefill sequence (`bm` packed rows per
+    /// CTA): the kernel's grid height.
+    pub fn items(&self, group: usize, bm: usize) -> usize {
+        let tq = (bm / group.max(1)).max(1);
         self.seqs.iter().map(|s| (s[1] as usize).div_ceil(tq)).sum()
     }
 }
@@ -176,14 +185,17 @@ fn block_magic(block_size: usize) -> u32 {
     if block_size <= 1 { 0 } else { (1u64 << 32).div_ceil(block_size as u64) as u32 }
 }
 
-/// Checks the launch shape that needs no device; returns the head-dim index and the grid height.
+/// Checks the launch shape that needs no device for the variant of `warps` warps; returns the
+/// head-dim index and the grid height.
 pub(super) fn check_prefill_shape(
     lists: &PrefillLists,
     n_heads: usize,
     geo: KvGeometry,
+    warps: usize,
 ) -> Result<(usize, usize), CudaError> {
     const OP: &str = "prefill_attention";
     let hd = geo.head_dim;
+    let bm = 16 * warps;
     let hd_idx = PREFILL_HEAD_DIMS
         .iter()
         .position(|&d| d == hd)
@@ -192,14 +204,12 @@ pub(super) fn check_prefill_shape(
         format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
     })?;
     let group = n_heads / geo.n_kv_heads;
-    shape_check(OP, group <= PREFILL_MAX_GROUP, || {
-        format!("a GQA group of {group} heads exceeds the tile's {PREFILL_MAX_GROUP} rows")
-    })?;
+    shape_check(OP, group <= bm, || format!("a GQA group of {group} heads exceeds the tile's {bm} rows"))?;
     shape_check(OP, geo.n_kv_heads <= 65_535, || format!("{} KV heads exceed the grid", geo.n_kv_heads))?;
     shape_check(OP, (lists.max_end as u64) * (geo.block_size as u64) < 1u64 << 32, || {
         format!("positions up to {} with blocks of {} overflow the block index", lists.max_end, geo.block_size)
     })?;
-    let items = lists.items(group);
+    let items = lists.items(group, bm);
     shape_check(OP, items <= 65_535, || format!("{items} query tiles exceed the grid's y limit"))?;
     Ok((hd_idx, items))
 }
@@ -220,9 +230,30 @@ impl CudaDevice {
         scale: f32,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
+        let v = PREFILL_DEFAULT_VARIANT;
+        self.prefill_attention_variant(v, q, k_cache, v_cache, meta, n_heads, geo, scale, out)
+    }
+
+    /// [`CudaDevice::prefill_attention`] with the CTA of `PREFILL_WARPS[variant]` warps.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill_attention_variant(
+        &self,
+        variant: usize,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        meta: &AttentionMeta,
+        n_heads: usize,
+        geo: KvGeometry,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention";
         let lists = &meta.prefill.lists;
-        let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo)?;
+        let warps = *PREFILL_WARPS
+            .get(variant)
+            .ok_or_else(|| CudaError::Shape { op: OP, message: format!("no prefill variant {variant}") })?;
+        let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
         shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
             "metadata built for another cache geometry".into()
         })?;
@@ -236,13 +267,13 @@ impl CudaDevice {
         if items == 0 {
             return Ok(());
         }
-        let func = self.funcs.prefill.get(hd_idx).ok_or_else(|| CudaError::Shape {
+        let func = self.funcs.prefill.get(hd_idx).and_then(|v| v.get(variant)).ok_or_else(|| CudaError::Shape {
             op: OP,
             message: format!("no prefill kernel loaded for head_dim {}", geo.head_dim),
         })?;
         let c = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: prefill_smem_bytes(geo.head_dim) as u32,
         };
         self.run(
@@ -286,7 +317,7 @@ impl CudaDevice {
             return self.attention(q, k_cache, v_cache, meta, n_heads, geo, scale, out);
         }
         // Validate the prefill launch before enqueueing anything.
-        check_prefill_shape(&meta.prefill.lists, n_heads, geo)?;
+        check_prefill_shape(&meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
         if meta.prefill.lists.decode_rows_end > 0 {
             let v = attn_default(n_heads / geo.n_kv_heads);
             self.attention_launch(v, AttnSplit::Auto, q, k_cache, v_cache, meta, n_heads, geo, scale, out, true)?;
@@ -322,12 +353,14 @@ mod tests {
         assert!(l.decode_ctx[3..13].iter().all(|&c| c == 0) && l.decode_ctx[14..].iter().all(|&c| c == 0));
         assert_eq!(&l.decode_ctx[..3], &[5, 9, 1]);
         // Tiles of 64 / group tokens: group 4 → 16 tokens: 7 + 1 tiles; group 64 → 1 token.
-        assert_eq!(l.items(4), 7 + 1);
-        assert_eq!(l.items(1), 2 + 1);
-        assert_eq!(l.items(64), 110);
+        assert_eq!(l.items(4, 64), 7 + 1);
+        assert_eq!(l.items(1, 64), 2 + 1);
+        assert_eq!(l.items(64, 64), 110);
+        // 128-row tiles: group 4 → 32 tokens.
+        assert_eq!(l.items(4, 128), 4 + 1);
         // A decode-only step has nothing for the prefill kernel.
         let d = PrefillLists::build([(0, 1, 3)].into_iter(), &[4], &[0]).expect("lists");
-        assert!(d.seqs.is_empty() && d.decode_rows_end == 1 && d.items(8) == 0);
+        assert!(d.seqs.is_empty() && d.decode_rows_end == 1 && d.items(8, 64) == 0);
         // A chunk outside the rows is refused.
         assert!(PrefillLists::build([(0, 4, 0)].into_iter(), &[1, 2, 3], &[0, 0, 0]).is_err());
     }
@@ -335,16 +368,18 @@ mod tests {
     #[test]
     fn prefill_shape_refusals() {
         let l = PrefillLists { seqs: vec![[0, 300, 0, 0]], max_end: 300, ..Default::default() };
-        assert!(check_prefill_shape(&l, 32, geo(16, 8, 128)).is_ok());
-        assert_eq!(check_prefill_shape(&l, 32, geo(16, 8, 128)).map(|r| r.1).ok(), Some(300usize.div_ceil(16)));
-        assert!(check_prefill_shape(&l, 32, geo(16, 8, 96)).is_err(), "head_dim without a kernel");
-        assert!(check_prefill_shape(&l, 30, geo(16, 8, 128)).is_err(), "heads not a multiple of KV heads");
-        assert!(check_prefill_shape(&l, 32, geo(16, 0, 128)).is_err(), "no KV heads");
-        assert!(check_prefill_shape(&l, 128, geo(16, 1, 64)).is_err(), "group larger than a tile");
+        assert!(check_prefill_shape(&l, 32, geo(16, 8, 128), 4).is_ok());
+        assert_eq!(check_prefill_shape(&l, 32, geo(16, 8, 128), 4).map(|r| r.1).ok(), Some(300usize.div_ceil(16)));
+        assert!(check_prefill_shape(&l, 32, geo(16, 8, 96), 4).is_err(), "head_dim without a kernel");
+        assert!(check_prefill_shape(&l, 30, geo(16, 8, 128), 4).is_err(), "heads not a multiple of KV heads");
+        assert!(check_prefill_shape(&l, 32, geo(16, 0, 128), 4).is_err(), "no KV heads");
+        assert!(check_prefill_shape(&l, 128, geo(16, 1, 64), 4).is_err(), "group larger than a tile");
+        assert!(check_prefill_shape(&l, 128, geo(16, 1, 64), 8).is_ok(), "a 128-row tile holds 128 heads");
         let far = PrefillLists { max_end: 1 << 28, ..l.clone() };
-        assert!(check_prefill_shape(&far, 32, geo(32, 8, 128)).is_err(), "block index overflow");
+        assert!(check_prefill_shape(&far, 32, geo(32, 8, 128), 4).is_err(), "block index overflow");
         let many = PrefillLists { seqs: vec![[0, 600_000, 0, 0]], max_end: 600_000, ..Default::default() };
-        assert!(check_prefill_shape(&many, 64, geo(16, 8, 128)).is_err(), "grid too tall");
+        assert!(check_prefill_shape(&many, 64, geo(16, 8, 128), 4).is_err(), "grid too tall");
+        assert!(check_prefill_shape(&many, 64, geo(16, 8, 128), 8).is_ok(), "half the tiles at 128 rows");
         assert!(!prefill_supported(128, 1, 128) && prefill_supported(64, 1, 16) && !prefill_supported(8, 3, 64));
     }
 
