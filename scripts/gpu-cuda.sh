@@ -30,7 +30,7 @@ if [[ "${1:-}" == "--build" ]]; then
     for ex in cuda_bench cuda_compile greedy_dump bench_cuda bench_throughput; do
         [[ -f "$target/release/examples/$ex" ]] && cp "$target/release/examples/$ex" "$CARRY/" && strip "$CARRY/$ex"
     done
-    cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py "$CARRY/"
+    cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py scripts/bench/sdpa_anchor.py "$CARRY/"
     mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"
     git rev-parse --short HEAD > "$CARRY/COMMIT" 2>/dev/null || echo unknown > "$CARRY/COMMIT"
     # The carry limit is 64 MiB: the programs travel gzipped and are unpacked on arrival.
@@ -73,6 +73,10 @@ if want bench; then
     timeout 240 "$HERE/cuda_bench" "$OUTDIR/cuda-kernels.json" "$COMMIT" >"$OUTDIR/cuda-bench.log" 2>&1 || status=1
     summary+=("$(grep -E '^copy' "$OUTDIR/cuda-bench.log")")
     while read -r l; do summary+=("  $l"); done < <(grep -E '\*' "$OUTDIR/cuda-bench.log" | head -14)
+    while read -r l; do summary+=("  $l"); done < <(grep -E 'prefill_mma|decode_kernel' "$OUTDIR/cuda-bench.log")
+    # The prefill kernel's anchor, same run: torch SDPA (FA2 and cuDNN backends), same shapes.
+    timeout 120 python3 "$HERE/sdpa_anchor.py" "$OUTDIR/sdpa-anchor.json" >"$OUTDIR/sdpa-anchor.log" 2>&1 || status=1
+    while read -r l; do summary+=("  sdpa $l"); done < <(grep -E '_ATTENTION' "$OUTDIR/sdpa-anchor.log")
 fi
 
 if want golden; then

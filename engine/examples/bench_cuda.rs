@@ -9,7 +9,8 @@
 //! - the device-to-device copy bandwidth (bytes read + written, 1 GiB);
 //! - single-stream decode tok/s at a 128-token context vs the roofline: weight bytes read per
 //!   step (every matrix except the embedding table, of which one row is read) ÷ copy bandwidth;
-//! - TTFT of one 2,048-token prompt (one prefill step, median of 3);
+//! - TTFT of one 2,048-token prompt (one prefill step, median of 3), with the tensor-core
+//!   prefill attention and again with the decode kernel over every row (the old path);
 //! - batched decode throughput at batch 64 / 128 / 256 with 1,024 tokens of context per
 //!   sequence (the KV cache is filled with random values instead of prefilled), with the
 //!   weight + KV bytes per step over the copy bandwidth as the floor.
@@ -148,20 +149,29 @@ fn run() -> Res<()> {
         seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: 0, block_table: prefill_table }],
         logit_rows: vec![n - 1],
     };
-    engine_step(&mut model, &prefill)?;
-    let mut t = Vec::new();
-    for _ in 0..3 {
-        let s = Instant::now();
+    for prefill_kernel in [true, false] {
+        model.backend_mut().set_prefill_kernel(prefill_kernel);
         engine_step(&mut model, &prefill)?;
-        t.push(s.elapsed().as_secs_f64());
+        let mut t = Vec::new();
+        for _ in 0..3 {
+            let s = Instant::now();
+            engine_step(&mut model, &prefill)?;
+            t.push(s.elapsed().as_secs_f64());
+        }
+        let ttft = median(t);
+        let prefill_tflops = 2.0 * (weight_bytes / 2.0) * n as f64 / ttft / 1e12;
+        let attn = if prefill_kernel { "prefill kernel" } else { "decode kernel" };
+        writeln!(
+            table,
+            "TTFT 2048-token prompt, attention on the {attn}: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)",
+            ttft * 1e3
+        )?;
+        json.push(format!(
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            ttft * 1e3
+        ));
     }
-    let ttft = median(t);
-    let prefill_tflops = 2.0 * (weight_bytes / 2.0) * n as f64 / ttft / 1e12;
-    writeln!(table, "TTFT 2048-token prompt: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)", ttft * 1e3)?;
-    json.push(format!(
-        "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
-        ttft * 1e3
-    ));
+    model.backend_mut().set_prefill_kernel(true);
 
     // Decode, with CUDA graphs (the default) and op by op (`--enforce-eager`), in this run.
     let modes: Vec<bool> = match flag(&args, "--graphs").as_deref() {

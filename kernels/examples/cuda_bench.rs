@@ -9,7 +9,12 @@
 //!    bytes as the fewest bytes (`M · K + N · K + M · N` elements) and `2 · M · N · K` FLOPs,
 //!    and for M ≤ 16 every variant of the skinny GEMM (`gemv`) on the same inputs, with its
 //!    speed-up over cuBLAS and its output's relative difference from cuBLAS's; plus one 8192³
-//!    product as the matrix-unit ceiling.
+//!    product as the matrix-unit ceiling;
+//! 4. prefill attention at the Llama-3.1-8B shape (one sequence of S tokens, no cached
+//!    prefix, causal, 32/8 heads, head_dim 128, block size 16): the tensor-core prefill
+//!    kernel (`attention_mixed`) and the decode kernel over every row (`attention`, the old
+//!    path), with causal FLOPs = 4 · S · S · head_dim · n_heads / 2 (the FA2/FA3/torch
+//!    convention: the diagonal's extra S · hd · n_heads · 2 terms are ignored).
 //!
 //! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
 //! zeros); weights rotate among copies so that no shape is served from L2.
@@ -18,7 +23,7 @@
 
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
-    KvGeometry, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    KvGeometry, PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -283,6 +288,8 @@ fn run() -> Result<(), CudaError> {
             }
         }
     }
+    prefill_section(&dev, &mut r, &mut table, &mut json)?;
+
     let big = 8192usize;
     let a = random_bf16(&dev, &mut r, big * big)?;
     let b = random_bf16(&dev, &mut r, big * big)?;
@@ -303,5 +310,73 @@ fn run() -> Result<(), CudaError> {
     std::fs::write(&out_path, doc)
         .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
     println!("{table}");
+    Ok(())
+}
+
+/// Section 4: prefill attention, new kernel vs the decode kernel over every row.
+///
+/// Two numbers at S = 4096 (32/8 heads, hd 128): FLOPs = 4 · 4096² · 128 · 32 / 2 = 137.4 G;
+/// fewest bytes = q + out (2 · 4096 · 32 · 128 · 2 B = 67.1 MB) + K + V (2 · 4096 · 8 · 128 · 2 B
+/// = 16.8 MB) = 83.9 MB. At the measured 780 TFLOP/s (cuBLAS 8192³, H200) the arithmetic
+/// takes 176 µs; the bytes at ~4 TB/s take 21 µs: the FLOPs are the floor (compute-bound by
+/// ~8×). No input rotation: the call is compute-bound, and from S = 4096 its working set
+/// (84 MB) exceeds L2 anyway; K/V re-reads across query tiles are meant to hit L2.
+fn prefill_section(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    table: &mut String,
+    json: &mut Vec<String>,
+) -> Result<(), CudaError> {
+    let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
+    writeln!(
+        table,
+        "\nprefill attention (one sequence, no prefix, causal, 32/8 heads, hd 128, bs 16); FLOPs = 2·S²·hd·heads; * = router default\n     S kernel                us  TFLOP/s  rel diff vs decode kernel"
+    )
+    .ok();
+    for &s in &[512usize, 2048, 4096, 8192] {
+        let blocks = s.div_ceil(bs);
+        let num_blocks = blocks + 3;
+        let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let kc = random_bf16(dev, r, geo.layer_len())?;
+        let vc = random_bf16(dev, r, geo.layer_len())?;
+        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..pool.len()).rev() {
+            pool.swap(i, r.random_range(0..=i));
+        }
+        let bt = pool[..blocks].to_vec();
+        let mut meta = StepMeta::new(dev)?;
+        meta.set(dev, &[HostSeq { row_start: 0, n_tokens: s, start_pos: 0, block_table: &bt }], s, bs, num_blocks)?;
+        let q = random_bf16(dev, r, s * nh * hd)?;
+        let mut o_new = dev.alloc::<bf16>(s * nh * hd)?;
+        let mut o_var = dev.alloc::<bf16>(s * nh * hd)?;
+        let mut o_old = dev.alloc::<bf16>(s * nh * hd)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let flops = 4.0 * (s as f64) * (s as f64) * (hd * nh) as f64 / 2.0;
+        let bytes = (2 * s * nh * hd + 2 * s * nkv * hd) * 2;
+        let ms_new = time_ms(dev, 3, 20, |_| dev.attention_mixed(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_new))?;
+        let ms_old = time_ms(dev, 2, 10, |_| dev.attention(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_old))?;
+        let n = s * nh * hd;
+        let old = download_f32(dev, &o_old, n)?;
+        let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);
+        let mut rows = vec![(format!("prefill_mma_w{}*", PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]), ms_new, diff)];
+        // The other CTA sizes, launched directly (the router uses the default).
+        for (vi, &w) in PREFILL_WARPS.iter().enumerate().filter(|&(vi, _)| vi != PREFILL_DEFAULT_VARIANT) {
+            let ms = time_ms(dev, 3, 20, |_| {
+                dev.prefill_attention_variant(vi, &q, &kc, &vc, &meta, nh, geo, scale, &mut o_var)
+            })?;
+            rows.push((format!("prefill_mma_w{w}"), ms, rel_diff(&download_f32(dev, &o_var, n)?, &old)));
+        }
+        rows.push(("decode_kernel".to_string(), ms_old, 0.0));
+        for (name, ms, diff) in rows {
+            let tf = flops / (ms * 1e-3) / 1e12;
+            writeln!(table, " {s:5} {name:16} {:9.1} {tf:8.1}  {diff:.2e}", ms * 1e3).ok();
+            json.push(format!(
+                "{{\"name\":\"prefill_attention\",\"kernel\":\"{}\",\"default\":{},\"seq\":{s},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"causal\":true,\"us\":{:.2},\"flops\":{flops:.0},\"min_bytes\":{bytes},\"tflop_s\":{tf:.2},\"rel_diff_vs_decode_kernel\":{diff:.3e}}}",
+                name.trim_end_matches('*'),
+                name.ends_with('*'),
+                ms * 1e3
+            ));
+        }
+    }
     Ok(())
 }

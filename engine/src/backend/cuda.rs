@@ -93,6 +93,9 @@ pub struct CudaBackend {
     /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
     /// for every GEMM, for comparisons.
     gemv: bool,
+    /// Prefill chunks through the tensor-core prefill kernel (`CudaDevice::attention_mixed`);
+    /// off = the decode kernel for every row, for comparisons.
+    prefill_kernel: bool,
     /// Rows and width of the live LM-head output in `logits`.
     logit_shape: (usize, usize),
     /// Device buffers of the sampler.
@@ -177,6 +180,7 @@ impl CudaBackend {
             rows,
             logits,
             gemv: true,
+            prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
             graphs: graph::GraphState::new(),
@@ -187,6 +191,12 @@ impl CudaBackend {
     /// to cuBLAS (`false`: for benchmarks and comparisons).
     pub fn set_gemv(&mut self, on: bool) {
         self.gemv = on;
+    }
+
+    /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
+    /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
+    pub fn set_prefill_kernel(&mut self, on: bool) {
+        self.prefill_kernel = on;
     }
 
     /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
@@ -537,7 +547,12 @@ impl Backend for CudaBackend {
         let split = self.attention_policy();
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.attention_split(split, &q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        if self.graphs.staged.is_some() || !self.prefill_kernel {
+            // A staged replay is pure decode (and needs its exact split count).
+            Ok(self.dev.attention_split(split, &q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        } else {
+            Ok(self.dev.attention_mixed(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
+        }
     }
 
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {

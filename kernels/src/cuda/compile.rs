@@ -21,6 +21,7 @@ pub(crate) fn module_source() -> String {
         include_str!("../../cuda/rope_kv.cu"),
         include_str!("../../cuda/attention.cu"),
         include_str!("../../cuda/gemv.cu"),
+        include_str!("../../cuda/prefill.cu"),
         include_str!("../../cuda/sampling.cu"),
     ]
     .join("\n")

@@ -16,6 +16,7 @@ mod compile;
 mod gemv;
 mod graph;
 mod ops;
+mod prefill;
 mod sampling;
 
 pub use compile::compile_ptx;
@@ -26,6 +27,10 @@ pub use half::bf16;
 pub use ops::{
     ATTN_VARIANTS, AttentionMeta, AttnKind, AttnSplit, AttnVariant, HostSeq, KvGeometry, KvWriteMeta, StepMeta,
     attn_default, plan_splits,
+};
+pub use prefill::{
+    PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_WARPS, prefill_smem_bytes,
+    prefill_supported,
 };
 pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 
@@ -116,6 +121,8 @@ pub(crate) struct Funcs {
     pub attention: Vec<Vec<CudaFunction>>,
     /// The merge of split-attention partials, per head_dim as above.
     pub attention_combine: Vec<CudaFunction>,
+    /// Prefill flash attention: `[head_dim of prefill::PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`.
+    pub prefill: Vec<Vec<CudaFunction>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of gemv::GEMV_VARIANTS]`, each
     /// `[bf16 out, f32 out]`.
     pub gemv: [Vec<[CudaFunction; 2]>; 2],
@@ -200,6 +207,7 @@ impl CudaDevice {
                 .iter()
                 .map(|hd| f(&format!("attention_combine_hd{hd}")))
                 .collect::<Result<Vec<_>, _>>()?,
+            prefill: prefill::load_funcs(&f)?,
             gemv: [gemv_funcs(&f, 8)?, gemv_funcs(&f, 16)?],
             sample_rows: f("sample_rows")?,
         };

@@ -7,6 +7,7 @@
 //! are validated on the host before they are uploaded, which is why those launchers take
 //! host data. Slices may be longer than the op needs (buffers grow and are reused).
 
+use super::prefill::{PrefillLists, PrefillMeta};
 use super::{CudaDevice, CudaError, shape_check};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -182,14 +183,14 @@ pub struct HostSeq<'a> {
 /// Per-row metadata of one step for the KV write and the attention kernels, validated on
 /// the host and kept on the device. Its buffers grow and are reused across steps.
 pub struct StepMeta {
-    rows: usize,
-    block_size: usize,
-    num_blocks: usize,
+    pub(super) rows: usize,
+    pub(super) block_size: usize,
+    pub(super) num_blocks: usize,
     positions: CudaSlice<i32>,
     slots: CudaSlice<i64>,
     row_ctx: CudaSlice<i32>,
     row_bt: CudaSlice<i32>,
-    block_tables: CudaSlice<i32>,
+    pub(super) block_tables: CudaSlice<i32>,
     /// Longest context of any row.
     max_ctx: usize,
     /// Split-attention partials: `rows × heads × splits × head_dim` outputs and
@@ -197,6 +198,8 @@ pub struct StepMeta {
     part_o: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     host: HostMeta,
+    /// The routing of prefill chunks and decode rows (see `prefill.rs`).
+    pub(super) prefill: PrefillMeta,
 }
 
 /// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
@@ -231,6 +234,7 @@ impl StepMeta {
             part_o: dev.alloc(64)?,
             part_ml: dev.alloc(64)?,
             host: Default::default(),
+            prefill: PrefillMeta::new(dev)?,
         })
     }
 
@@ -327,6 +331,8 @@ impl StepMeta {
         dev.upload_into(bt_off, &mut self.row_bt)?;
         dev.upload_into(tables, &mut self.block_tables)?;
         self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let lists = PrefillLists::build(seqs.iter().map(|s| (s.row_start, s.n_tokens, s.start_pos)), ctx, bt_off)?;
+        self.prefill.fill(dev, lists)?;
         self.rows = padded_rows;
         self.block_size = block_size;
         self.num_blocks = num_blocks;
@@ -930,8 +936,29 @@ impl CudaDevice {
         scale: f32,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
+        self.attention_launch(variant, split, q, k_cache, v_cache, meta, n_heads, geo, scale, out, false)
+    }
+
+    /// The decode kernel's launch. With `decode_only` it reads the context lengths in which
+    /// prefill rows hold 0 (they exit at once; see `prefill.rs`) and covers rows up to the last
+    /// decode row only.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_launch(
+        &self,
+        variant: usize,
+        split: AttnSplit,
+        q: &CudaSlice<bf16>,
+        k_cache: &CudaSlice<bf16>,
+        v_cache: &CudaSlice<bf16>,
+        meta: &mut AttentionMeta,
+        n_heads: usize,
+        geo: KvGeometry,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+        decode_only: bool,
+    ) -> Result<(), CudaError> {
         const OP: &str = "paged_attention";
-        let rows = meta.rows;
+        let all_rows = meta.rows;
         let hd = geo.head_dim;
         let hd_idx = match hd {
             16 => 0,
@@ -950,10 +977,15 @@ impl CudaDevice {
         shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
             "metadata built for another cache geometry".into()
         })?;
-        need(OP, "q", q, rows * n_heads * hd)?;
-        need(OP, "out", out, rows * n_heads * hd)?;
+        need(OP, "q", q, all_rows * n_heads * hd)?;
+        need(OP, "out", out, all_rows * n_heads * hd)?;
         need(OP, "k_cache", k_cache, geo.layer_len())?;
         need(OP, "v_cache", v_cache, geo.layer_len())?;
+        let (rows, max_ctx) = if decode_only {
+            (meta.prefill.lists.decode_rows_end, meta.prefill.lists.decode_max_ctx)
+        } else {
+            (all_rows, meta.max_ctx)
+        };
         if rows == 0 {
             return Ok(());
         }
@@ -963,13 +995,14 @@ impl CudaDevice {
         let x = geo.n_kv_heads * gchunks;
         // Only the split count reaches the kernel: each row's chunk is cut there from its own
         // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
-        let (splits, _) = plan_splits(split, x * rows, meta.max_ctx, self.sm_count);
+        let (splits, _) = plan_splits(split, x * rows, max_ctx, self.sm_count);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
         if splits > 1 {
             grow(self, &mut meta.part_o, rows * n_heads * splits * hd)?;
             grow(self, &mut meta.part_ml, rows * n_heads * splits * 2)?;
         }
         let qscale = scale * std::f32::consts::LOG2_E;
+        let row_ctx = if decode_only { &meta.prefill.decode_ctx } else { &meta.row_ctx };
         self.run(
             func,
             cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32),
@@ -980,7 +1013,7 @@ impl CudaDevice {
                 Arg::Bf(out),
                 Arg::F32(&meta.part_o),
                 Arg::F32(&meta.part_ml),
-                Arg::I32s(&meta.row_ctx),
+                Arg::I32s(row_ctx),
                 Arg::I32s(&meta.row_bt),
                 Arg::I32s(&meta.block_tables),
                 Arg::I(int(OP, n_heads)?),
@@ -998,7 +1031,7 @@ impl CudaDevice {
                     Arg::F32(&meta.part_o),
                     Arg::F32(&meta.part_ml),
                     Arg::Bf(out),
-                    Arg::I32s(&meta.row_ctx),
+                    Arg::I32s(row_ctx),
                     Arg::I(int(OP, n_heads)?),
                     Arg::I(int(OP, splits)?),
                     Arg::I(min_chunk),
