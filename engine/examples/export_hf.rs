@@ -15,7 +15,8 @@ use baton_formats::{ExportDType, ExportOptions, LoadFormat, export_hf, load_mode
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-const USAGE: &str = "usage: export_hf MODEL_PATH OUT_DIR [--dtype f32|bf16] [--force] [--load-format auto|gguf|safetensors|dummy]";
+const USAGE: &str =
+    "usage: export_hf MODEL_PATH OUT_DIR [--dtype f32|bf16] [--force] [--load-format auto|gguf|safetensors|dummy]";
 
 fn main() {
     if let Err(e) = real_main() {

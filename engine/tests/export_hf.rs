@@ -6,10 +6,10 @@
 
 mod common;
 
+use baton_engine::EngineConfig;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::model::LlamaModel;
-use baton_engine::EngineConfig;
 use baton_formats::testing::{TinySpec, write_gguf};
 use baton_formats::{ExportDType, ExportOptions, GgufType, LoadFormat, LoadedModel, export_hf, load_model};
 use common::*;
@@ -36,7 +36,8 @@ fn last_logits(model: &LoadedModel, backend: CpuBackend, ids: &[u32]) -> Vec<f32
 
 #[test]
 fn gguf_and_its_export_give_identical_logits_and_greedy_tokens() {
-    for (spec, ty) in [(TinySpec::llama(), GgufType::Q4_1), (TinySpec::tied(), GgufType::Q8_0), (TinySpec::qwen2(), GgufType::Q4_1)]
+    for (spec, ty) in
+        [(TinySpec::llama(), GgufType::Q4_1), (TinySpec::tied(), GgufType::Q8_0), (TinySpec::qwen2(), GgufType::Q4_1)]
     {
         let what = format!("{:?} {ty:?}", spec.architecture);
         let tmp = tempfile::tempdir().expect("tmp");
@@ -74,8 +75,9 @@ fn gguf_and_its_export_give_identical_logits_and_greedy_tokens() {
 fn bf16_export_matches_the_gguf_under_bf16_weight_emulation() {
     let spec = TinySpec::llama();
     let tmp = tempfile::tempdir().expect("tmp");
-    let gguf = load_model(&write_gguf(&tmp.path().join("m.gguf"), &spec, GgufType::Q4_1).expect("gguf"), LoadFormat::Auto)
-        .expect("load gguf");
+    let gguf =
+        load_model(&write_gguf(&tmp.path().join("m.gguf"), &spec, GgufType::Q4_1).expect("gguf"), LoadFormat::Auto)
+            .expect("load gguf");
     let out = tmp.path().join("hf-bf16");
     export_hf(&gguf, &out, &ExportOptions { dtype: ExportDType::BF16, force: false }).expect("export");
     let hf = load_model(&out, LoadFormat::Auto).expect("load export");

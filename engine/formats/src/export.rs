@@ -56,7 +56,9 @@ impl FromStr for ExportDType {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" => Ok(Self::F32),
             "bf16" | "bfloat16" => Ok(Self::BF16),
-            other => Err(FormatError::InvalidArgument(format!("unknown export dtype {other:?} (expected f32 or bf16)"))),
+            other => {
+                Err(FormatError::InvalidArgument(format!("unknown export dtype {other:?} (expected f32 or bf16)")))
+            }
         }
     }
 }
@@ -238,10 +240,9 @@ pub fn export_hf(model: &LoadedModel, dir: &Path, opts: &ExportOptions) -> Resul
 
     if let Some(tok) = &model.tokenizer {
         let tok_path = dir.join("tokenizer.json");
-        tok.inner().save(&tok_path, true).map_err(|e| FormatError::Tokenizer {
-            context: tok_path.display().to_string(),
-            message: e.to_string(),
-        })?;
+        tok.inner()
+            .save(&tok_path, true)
+            .map_err(|e| FormatError::Tokenizer { context: tok_path.display().to_string(), message: e.to_string() })?;
         files.push(tok_path);
         let tc = dir.join("tokenizer_config.json");
         let template = model.chat_template.as_ref().map(|t| t.source());
