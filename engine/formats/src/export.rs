@@ -136,8 +136,8 @@ fn tensor_bytes<'a>(store: &'a dyn WeightStore, name: &str, dtype: ExportDType) 
 
 /// Writes the tensors `config` needs from `store` into one safetensors file at `path`
 /// (metadata `format: pt`, as `save_pretrained` writes). Returns (tensor count, data bytes).
-/// The file is written under a temporary name and renamed, so an interrupted export never
-/// leaves a truncated `model.safetensors` behind.
+/// The `safetensors` crate writes a sibling temporary file and renames it, so an interrupted
+/// export never leaves a truncated file under `path`.
 pub fn write_safetensors(
     store: &dyn WeightStore,
     config: &ModelConfig,
@@ -167,12 +167,18 @@ pub fn write_safetensors(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let tmp = path.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(io) => FormatError::io(&tmp, io),
-        other => FormatError::Safetensors { path: tmp.clone(), message: other.to_string() },
+    safetensors::serialize_to_file(views, Some(meta), path).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(io) => FormatError::io(path, io),
+        other => FormatError::Safetensors { path: path.to_path_buf(), message: other.to_string() },
     })?;
-    std::fs::rename(&tmp, path).map_err(|e| FormatError::io(path, e))?;
+    // That temporary file is created private (0600) and keeps its mode through the rename;
+    // the weights are no more secret than the config beside them, so give them the mode of
+    // an ordinary file (a server under another user must be able to read the folder).
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(|e| FormatError::io(path, e))?;
+    }
     Ok((data.len(), total))
 }
 
