@@ -6,10 +6,12 @@
 #   here (dev machine):   scripts/gpu-cuda.sh --build
 #       builds the nextest archive (debuginfo stripped), the example programs (release) and copies
 #       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
-#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput]
+#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput] [smollm2]
 #       (default: the first four; e2e is the whole-model bench_cuda, throughput the offline
-#       throughput runs) writes logs and JSON to $OUT (or bench/results/) and prints a
-#       short summary last.
+#       throughput runs, smollm2 the default model vs transformers through
+#       scripts/golden/smollm2-gpu.sh, which needs the GGUF's parts stashed by earlier calls
+#       or SMOL_GGUF; the usual way is that script's own two calls) writes logs and JSON to
+#       $OUT (or bench/results/) and prints a short summary last.
 #
 # With the device tool: run(command="bash .carry/cuda/gpu-cuda.sh", carry=[".carry/cuda"]).
 set -uo pipefail
@@ -27,14 +29,14 @@ if [[ "${1:-}" == "--build" ]]; then
     # single-stream decode measures.
     cargo build --release -p baton-kernels -p baton-engine --examples
     target="${CARGO_TARGET_DIR:-target}"
-    for ex in cuda_bench cuda_compile greedy_dump bench_cuda bench_throughput; do
+    for ex in cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput; do
         [[ -f "$target/release/examples/$ex" ]] && cp "$target/release/examples/$ex" "$CARRY/" && strip "$CARRY/$ex"
     done
     cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py scripts/bench/sdpa_anchor.py "$CARRY/"
     mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"
     git rev-parse --short HEAD > "$CARRY/COMMIT" 2>/dev/null || echo unknown > "$CARRY/COMMIT"
     # The carry limit is 64 MiB: the programs travel gzipped and are unpacked on arrival.
-    for f in cargo-nextest cuda_bench cuda_compile greedy_dump bench_cuda bench_throughput; do
+    for f in cargo-nextest cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput; do
         if [[ -f "$CARRY/$f" ]]; then gzip -9f "$CARRY/$f"; fi
     done
     du -sh "$CARRY"
@@ -118,6 +120,12 @@ for f in sorted(glob.glob("/tmp/golden/cmp_*.json")):
     out["results"][f.split("cmp_")[1][:-5]] = json.load(open(f))
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 EOF
+fi
+
+if want smollm2; then
+    SMOL_BIN="$HERE" OUT="$OUTDIR" bash scripts/golden/smollm2-gpu.sh >"$OUTDIR/smollm2-summary.txt" 2>&1 || status=1
+    summary+=("smollm2 (default model) vs transformers:")
+    while read -r l; do summary+=("  $l"); done < <(sed -n '/^backend /,$p' "$OUTDIR/smollm2-summary.txt" | head -8)
 fi
 
 if want e2e && [[ -x "$HERE/bench_cuda" ]]; then

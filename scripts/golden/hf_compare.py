@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Whole-model comparison of Baton (CUDA) against Hugging Face transformers on the GPU machine.
+"""Whole-model comparison of Baton (CUDA or CPU) against Hugging Face transformers.
 
-Subcommands (torch + transformers, on the GPU machine):
+Subcommands (torch + transformers; on the GPU machine, or on a CPU with --device cpu):
 
   make-1b DIR [--init-std S] [--seed N]
       A random model of Llama-3.2-1B shape (16 layers, hidden 2048, 32/8 heads, head_dim 64,
@@ -9,21 +9,26 @@ Subcommands (torch + transformers, on the GPU machine):
       safetensors. Weights are drawn N(0, S) (transformers' own init with
       initializer_range = S); RMSNorm weights are 1.
 
-  prompts VOCAB SEED OUT.json [--lengths 1,7,16,...]
-      Deterministic random prompts (token ids below VOCAB) as a JSON list of lists.
+  prompts VOCAB SEED OUT.json [--lengths 1,7,16,...] [--chat-tokenizer DIR]
+      Deterministic random prompts (token ids below VOCAB) as a JSON list of lists. With
+      --chat-tokenizer, a few fixed chat prompts, rendered with DIR's chat template and
+      tokenized by DIR's tokenizer (a real model's text, where random ids are noise), follow.
 
-  compare MODEL_DIR DUMP.json OUT.json [--near-tie T]
+  compare MODEL_DIR DUMP.json OUT.json [--near-tie T] [--device cuda|cpu] [--refs f32,bf16]
+          [--round-weights auto|bf16|none]
       DUMP.json is what `greedy_dump run` wrote (greedy tokens and per-step top logits, plus
       DUMP.logits0.f32 with the full first-step logits). For every prompt, transformers runs the
       prompt followed by Baton's own tokens in one causal pass (teacher forcing), so at every
       step both saw the same prefix. Two references:
-        f32  - float32 arithmetic on the bf16-rounded weights Baton uses (the exact answer for
-               those weights);
+        f32  - float32 arithmetic on the weights Baton uses: rounded to bf16 for a CUDA dump
+               (the CUDA backend stores bf16 weights), as they are for a CPU dump (the CPU
+               backend computes in f32); --round-weights overrides;
         bf16 - transformers' native bf16 path (bf16 weights and activations, sdpa).
       Reported per prompt and reference: the first step where the reference's argmax differs
       from Baton's token, the reference's top-2 gap there (nats), whether that is a near tie
       (gap < T, default 0.05), the smallest top-2 gap over the matched steps, and the largest
       |logit difference| (full vocabulary at step 0; Baton's top-k ids at every matched step).
+      --device picks where transformers runs; --refs which references (default both).
 """
 import argparse
 import json
@@ -83,23 +88,44 @@ def prompts(args):
     rng = random.Random(args.seed)
     lengths = [int(x) for x in args.lengths.split(",")]
     out = [[rng.randrange(args.vocab) for _ in range(n)] for n in lengths]
+    if args.chat_tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.chat_tokenizer)
+        for q in CHAT_PROMPTS:
+            msgs = [{"role": "user", "content": q}]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            # transformers v5 returns a BatchEncoding here; v4 a plain list.
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            out.append([int(i) for i in ids])
     with open(args.out, "w") as f:
         json.dump(out, f)
 
 
-def load_ref(model_dir, kind):
+# Fixed chat prompts for `prompts --chat-tokenizer` (plain questions a small instruct model
+# answers with ordinary text, so greedy runs are not dominated by near ties).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 10.",
+]
+
+
+def load_ref(model_dir, kind, device, round_bf16):
     from transformers import AutoModelForCausalLM
 
     if kind == "f32":
-        # The weights Baton uses are the file's values rounded to bf16 (a no-op for bf16
-        # files); the arithmetic is float32.
+        # float32 arithmetic on the weights Baton uses: for the CUDA backend those are the
+        # file's values rounded to bf16 (a no-op for bf16 files).
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        if round_bf16:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.copy_(p.to(torch.bfloat16).to(torch.float32))
     else:
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    return m.cuda().eval()
+    return m.to(device).eval()
 
 
 @torch.no_grad()
@@ -111,23 +137,27 @@ def compare(args):
     base = os.path.splitext(args.dump)[0]
     logits0_path = base + ".logits0.f32"
     logits0 = torch.from_numpy(__import__("numpy").fromfile(logits0_path, dtype="<f4")) if os.path.exists(logits0_path) else None
+    device = args.device
+    round_bf16 = {"bf16": True, "none": False}.get(args.round_weights, dump.get("backend", "cuda") == "cuda")
     result = {
         "model": args.model,
         "baton_device": dump["device"],
+        "baton_backend": dump.get("backend"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0),
+        "reference_device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "f32_weights_rounded_to_bf16": round_bf16,
         "near_tie_nats": args.near_tie,
         "references": {},
     }
-    for kind in ("f32", "bf16"):
-        model = load_ref(args.model, kind)
+    for kind in args.refs.split(","):
+        model = load_ref(args.model, kind, device, round_bf16)
         vocab = model.config.vocab_size
         rows = []
         for pi, p in enumerate(dump["prompts"]):
             prompt, toks, steps = p["prompt"], p["tokens"], p["steps"]
             n = len(toks)
-            ids = torch.tensor([prompt + toks[:-1]], device="cuda")
+            ids = torch.tensor([prompt + toks[:-1]], device=device)
             logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
             lsm = torch.log_softmax(logits, dim=-1)
             ref_arg = logits.argmax(dim=-1).tolist()
@@ -143,7 +173,7 @@ def compare(args):
                     max_lp_diff = max(max_lp_diff, abs((bl - steps[t]["lse"]) - lsm[t, tid].item()))
             full0 = None
             if logits0 is not None:
-                b0 = logits0[pi * vocab : (pi + 1) * vocab].cuda()
+                b0 = logits0[pi * vocab : (pi + 1) * vocab].to(device)
                 full0 = (b0 - logits[0]).abs().max().item()
                 max_diff = max(max_diff, full0)
             row = {
@@ -179,10 +209,13 @@ def compare(args):
             "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
         }
         del model
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     name = os.path.basename(os.path.normpath(args.model))
+    if dump.get("backend", "cuda") != "cuda":
+        name += f"[{dump['backend']}]"
     for kind, r in result["references"].items():
         divs = [
             f"p{i}@{x['first_divergence']}(gap {x['ref_pref_over_baton']:.3f}{' tie' if x['near_tie'] else ' FAIL'})"
@@ -210,11 +243,15 @@ def main():
     a.add_argument("seed", type=int)
     a.add_argument("out")
     a.add_argument("--lengths", default="1,7,16,17,40,100")
+    a.add_argument("--chat-tokenizer", default=None)
     a = sub.add_parser("compare")
     a.add_argument("model")
     a.add_argument("dump")
     a.add_argument("out")
     a.add_argument("--near-tie", type=float, default=0.05)
+    a.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    a.add_argument("--refs", default="f32,bf16")
+    a.add_argument("--round-weights", default="auto", choices=["auto", "bf16", "none"])
     args = ap.parse_args()
     if args.cmd == "make-1b":
         make_1b(args)

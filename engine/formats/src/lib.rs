@@ -3,11 +3,14 @@
 //! tokenizer (from `tokenizer.json` or GGUF metadata), streaming detokenization, stop
 //! strings and chat templates. Whatever the source, weights are served under HF Llama
 //! tensor names in HF shapes, and [`load_model`] checks every tensor before returning.
+//! [`export_hf`] writes any loaded model back out as a HF folder (for comparisons with
+//! transformers on exactly the weights Baton uses).
 
 pub mod chat_template;
 pub mod config;
 pub mod dummy;
 pub mod error;
+pub mod export;
 pub mod gguf;
 pub mod safetensors_store;
 pub mod tensor;
@@ -21,6 +24,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
 pub use dummy::DummyStore;
 pub use error::FormatError;
+pub use export::{ExportDType, ExportOptions, ExportSummary, export_hf};
 pub use gguf::GgufType;
 pub use safetensors_store::SafetensorsStore;
 pub use tensor::{DType, TensorView, WeightStore, check_tensors};
