@@ -6,46 +6,15 @@
 //! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do
 //! not skip) when no device can be opened. Run them with `scripts/gpu-tests.sh`.
 
+mod common;
+
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
     KvGeometry, StepMeta, bf16, gemv_supports,
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
-
-const TOL: f64 = 1e-2;
-
-fn device() -> CudaDevice {
-    // A cache shared by the tests of this run (the module has 36 attention instantiations);
-    // gpu_kernel_cache_round_trip checks the cache itself from an empty directory.
-    let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
-    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
-        .expect("a CUDA device is required for gpu_* tests")
-}
-
-fn rng(test: &str) -> StdRng {
-    let seed =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1) as u64;
-    println!("{test}: seed {seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-/// `n` values uniform in [-a, a], already rounded to bf16.
-fn rand_vec(r: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(-a..a)).to_f32()).collect()
-}
-
-fn up(dev: &CudaDevice, v: &[f32]) -> CudaSlice<bf16> {
-    dev.upload(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).expect("upload")
-}
-
-fn poisoned(dev: &CudaDevice, n: usize) -> CudaSlice<bf16> {
-    dev.upload(&vec![bf16::NAN; n]).expect("upload poison")
-}
-
-fn down(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<f32> {
-    dev.download(s, n).expect("download").iter().map(|v| v.to_f32()).collect()
-}
+use common::{check, device, down, poisoned, rand_vec, rel_err, rng, up};
+use rand::{Rng, rngs::StdRng};
 
 fn up32(dev: &CudaDevice, v: &[f32]) -> CudaSlice<f32> {
     dev.upload(v).expect("upload")
@@ -64,23 +33,6 @@ fn check32(what: &str, out: &[f32], want: &[f32]) {
     let e = rel_err(out, want);
     println!("{what}: rel err {e:.2e}");
     assert!(e < 1e-5, "{what}: rel err {e:.3e} >= 1e-5");
-}
-
-fn rel_err(out: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(out.len(), want.len());
-    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        panic!("output {i} is {} (unwritten or overflow)", out[i]);
-    }
-    let err: f64 = out.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
-    let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-    assert!(norm > 0.0, "reference is all zeros");
-    err / norm
-}
-
-fn check(what: &str, out: &[f32], want: &[f32]) {
-    let e = rel_err(out, want);
-    println!("{what}: rel err {e:.2e}");
-    assert!(e < TOL, "{what}: rel err {e:.3e} >= {TOL}");
 }
 
 #[test]

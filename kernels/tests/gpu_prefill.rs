@@ -8,61 +8,14 @@
 //! and FAIL (do not skip) when no device can be opened. Run them with `scripts/gpu-tests.sh`.
 //! The shape refusals that need no device are unit tests of `cuda::prefill`.
 
+mod common;
+
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    CudaDevice, CudaOptions, CudaSlice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16,
-    prefill_supported,
+    CudaDevice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
-use rand::{Rng, SeedableRng, rngs::StdRng};
-
-const TOL: f64 = 1e-2;
-
-fn device() -> CudaDevice {
-    let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
-    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
-        .expect("a CUDA device is required for gpu_* tests")
-}
-
-fn rng(test: &str) -> StdRng {
-    let seed =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1) as u64;
-    println!("{test}: seed {seed}");
-    StdRng::seed_from_u64(seed)
-}
-
-/// `n` values uniform in [-a, a], already rounded to bf16.
-fn rand_vec(r: &mut StdRng, n: usize, a: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16::from_f32(r.random_range(-a..a)).to_f32()).collect()
-}
-
-fn up(dev: &CudaDevice, v: &[f32]) -> CudaSlice<bf16> {
-    dev.upload(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).expect("upload")
-}
-
-fn poisoned(dev: &CudaDevice, n: usize) -> CudaSlice<bf16> {
-    dev.upload(&vec![bf16::NAN; n]).expect("upload poison")
-}
-
-fn down(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<f32> {
-    dev.download(s, n).expect("download").iter().map(|v| v.to_f32()).collect()
-}
-
-fn rel_err(out: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(out.len(), want.len());
-    if let Some(i) = out.iter().position(|v| !v.is_finite()) {
-        panic!("output {i} is {} (unwritten or overflow)", out[i]);
-    }
-    let err: f64 = out.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum::<f64>().sqrt();
-    let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
-    assert!(norm > 0.0, "reference is all zeros");
-    err / norm
-}
-
-fn check(what: &str, out: &[f32], want: &[f32]) {
-    let e = rel_err(out, want);
-    println!("{what}: rel err {e:.2e}");
-    assert!(e < TOL, "{what}: rel err {e:.3e} >= {TOL}");
-}
+use common::{check, device, down, poisoned, rand_vec, rng, up};
+use rand::{Rng, rngs::StdRng};
 
 /// One step: each `(start_pos, n_tokens)` is a sequence's chunk, rows in the given order, over
 /// a cache of random K/V whose blocks are dealt out from a shuffled pool (so a wrong slot reads

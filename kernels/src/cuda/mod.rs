@@ -18,6 +18,7 @@ mod graph;
 mod ops;
 mod prefill;
 mod sampling;
+mod step_meta;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};

@@ -7,10 +7,11 @@
 //! are validated on the host before they are uploaded, which is why those launchers take
 //! host data. Slices may be longer than the op needs (buffers grow and are reused).
 
-use super::prefill::{PrefillLists, PrefillMeta};
+use super::step_meta::grow;
+pub use super::step_meta::{AttentionMeta, HostSeq, KvWriteMeta, StepMeta};
 use super::{CudaDevice, CudaError, shape_check};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 const THREADS: u32 = 256;
@@ -120,10 +121,9 @@ pub const ATTN_VARIANTS: [AttnVariant; 9] = [
 
 /// The variant [`CudaDevice::attention`] uses for a GQA group of `group` query heads: the
 /// tensor-core kernel with 4 shared-memory stages, 8 heads per CTA up to a group of 8 and 16
-/// beyond (so that a group of 12 or 16 reads each K/V row once). The register kernels reached
-/// 50-57 % of copy on the H100 (bench/results/cuda-kernels-split-*); the tensor-core kernel is
-/// chosen for the bytes it keeps in flight (see attention.cu) and awaits its GPU measurement:
-/// to go back, return 2 for group >= 8 and 0 otherwise.
+/// beyond (so that a group of 12 or 16 reads each K/V row once). Measured on an H100
+/// (bench/results/cuda-kernels-tc-prefill-*): 71-86 % of copy at batch >= 32 and contexts of
+/// 1k-4k, where the register kernels reached 50-57 %.
 pub fn attn_default(group: usize) -> usize {
     if group > 8 { 8 } else { 6 }
 }
@@ -167,177 +167,30 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     (max_ctx.div_ceil(chunk), chunk)
 }
 
-/// Where one sequence's chunk sits in the batch and in the paged cache (host side).
-#[derive(Debug, Clone, Copy)]
-pub struct HostSeq<'a> {
-    /// First activation row of the chunk.
-    pub row_start: usize,
-    /// Rows in the chunk.
-    pub n_tokens: usize,
-    /// Tokens already cached before the chunk.
-    pub start_pos: usize,
-    /// Physical block of each logical block.
-    pub block_table: &'a [u32],
-}
-
-/// Per-row metadata of one step for the KV write and the attention kernels, validated on
-/// the host and kept on the device. Its buffers grow and are reused across steps.
-pub struct StepMeta {
-    pub(super) rows: usize,
-    pub(super) block_size: usize,
-    pub(super) num_blocks: usize,
-    positions: CudaSlice<i32>,
-    slots: CudaSlice<i64>,
-    row_ctx: CudaSlice<i32>,
-    row_bt: CudaSlice<i32>,
-    pub(super) block_tables: CudaSlice<i32>,
-    /// Longest context of any row.
-    max_ctx: usize,
-    /// Split-attention partials: `rows × heads × splits × head_dim` outputs and
-    /// `rows × heads × splits × 2` (max, sum), grown on demand.
-    part_o: CudaSlice<f32>,
-    part_ml: CudaSlice<f32>,
-    host: HostMeta,
-    /// The routing of prefill chunks and decode rows (see `prefill.rs`).
-    pub(super) prefill: PrefillMeta,
-}
-
-/// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
-#[derive(Default)]
-struct HostMeta(Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>);
-
-/// The metadata the KV write needs (an alias kept for the launcher's signature).
-pub type KvWriteMeta = StepMeta;
-/// The metadata attention needs.
-pub type AttentionMeta = StepMeta;
-
-fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
-    if buf.len() < len {
-        *buf = dev.alloc(len.next_power_of_two())?;
+/// The checks both RoPE + KV-write launchers share (head_dim, the metadata's geometry, the
+/// caches and the frequency table), and their launch shape: one CTA per row, threads a
+/// multiple of head_dim / 2. `None` when there are no rows.
+fn rope_launch_config(
+    op: &'static str,
+    k_cache: &CudaSlice<bf16>,
+    v_cache: &CudaSlice<bf16>,
+    meta: &KvWriteMeta,
+    inv_freq: &CudaSlice<f64>,
+    geo: KvGeometry,
+) -> Result<Option<LaunchConfig>, CudaError> {
+    let hd = geo.head_dim;
+    shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
+    shape_check(op, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
+        "metadata built for another cache geometry".into()
+    })?;
+    need(op, "k_cache", k_cache, geo.layer_len())?;
+    need(op, "v_cache", v_cache, geo.layer_len())?;
+    need(op, "inv_freq", inv_freq, hd / 2)?;
+    if meta.rows == 0 {
+        return Ok(None);
     }
-    Ok(())
-}
-
-impl StepMeta {
-    /// Empty metadata with small buffers.
-    pub fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
-        Ok(Self {
-            rows: 0,
-            block_size: 0,
-            num_blocks: 0,
-            positions: dev.alloc(64)?,
-            slots: dev.alloc(64)?,
-            row_ctx: dev.alloc(64)?,
-            row_bt: dev.alloc(64)?,
-            block_tables: dev.alloc(64)?,
-            max_ctx: 0,
-            part_o: dev.alloc(64)?,
-            part_ml: dev.alloc(64)?,
-            host: Default::default(),
-            prefill: PrefillMeta::new(dev)?,
-        })
-    }
-
-    /// Rows described.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Longest context of any row.
-    pub fn max_ctx(&self) -> usize {
-        self.max_ctx
-    }
-
-    /// Fills the metadata for a batch of `n_rows` rows made of `seqs`, over a cache of
-    /// `num_blocks` blocks of `block_size` tokens. Every row must belong to exactly one
-    /// sequence and every block table must cover its chunk with valid block ids.
-    pub fn set(
-        &mut self,
-        dev: &CudaDevice,
-        seqs: &[HostSeq<'_>],
-        n_rows: usize,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<(), CudaError> {
-        self.set_padded(dev, seqs, n_rows, n_rows, block_size, num_blocks)
-    }
-
-    /// [`StepMeta::set`] for a batch padded to `padded_rows` rows (a CUDA-graph bucket): rows
-    /// `n_rows..padded_rows` belong to no sequence, write no KV (slot -1) and attend to nothing
-    /// (context 0, output zeros).
-    pub fn set_padded(
-        &mut self,
-        dev: &CudaDevice,
-        seqs: &[HostSeq<'_>],
-        n_rows: usize,
-        padded_rows: usize,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "step_meta";
-        shape_check(OP, block_size > 0, || "block_size is 0".into())?;
-        shape_check(OP, padded_rows >= n_rows, || format!("{padded_rows} padded rows for {n_rows} rows"))?;
-        let HostMeta(pos, slots, ctx, bt_off, tables) = &mut self.host;
-        pos.clear();
-        pos.resize(n_rows, -1);
-        slots.clear();
-        slots.resize(n_rows, 0);
-        ctx.clear();
-        ctx.resize(n_rows, 0);
-        bt_off.clear();
-        bt_off.resize(n_rows, 0);
-        tables.clear();
-        for s in seqs {
-            let end = s.start_pos + s.n_tokens;
-            shape_check(OP, s.row_start + s.n_tokens <= n_rows, || {
-                format!("rows {}..{} outside a batch of {n_rows}", s.row_start, s.row_start + s.n_tokens)
-            })?;
-            shape_check(OP, s.block_table.len() * block_size >= end, || {
-                format!("block table covers {} tokens, need {end}", s.block_table.len() * block_size)
-            })?;
-            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
-                return Err(CudaError::Shape { op: OP, message: format!("block {b} outside a pool of {num_blocks}") });
-            }
-            let off = int(OP, tables.len())?;
-            tables.extend(s.block_table.iter().map(|&b| b as i32));
-            for t in 0..s.n_tokens {
-                let r = s.row_start + t;
-                shape_check(OP, pos[r] < 0, || format!("row {r} belongs to two sequences"))?;
-                let p = s.start_pos + t;
-                pos[r] = int(OP, p)?;
-                slots[r] = (s.block_table[p / block_size] as usize * block_size + p % block_size) as i64;
-                ctx[r] = int(OP, p + 1)?;
-                bt_off[r] = off;
-            }
-        }
-        if let Some(r) = pos.iter().position(|&p| p < 0) {
-            return Err(CudaError::Shape { op: OP, message: format!("row {r} belongs to no sequence") });
-        }
-        if tables.is_empty() {
-            tables.push(0);
-        }
-        pos.resize(padded_rows, 0);
-        slots.resize(padded_rows, -1);
-        ctx.resize(padded_rows, 0);
-        bt_off.resize(padded_rows, 0);
-        grow(dev, &mut self.positions, padded_rows)?;
-        grow(dev, &mut self.slots, padded_rows)?;
-        grow(dev, &mut self.row_ctx, padded_rows)?;
-        grow(dev, &mut self.row_bt, padded_rows)?;
-        grow(dev, &mut self.block_tables, tables.len())?;
-        dev.upload_into(pos, &mut self.positions)?;
-        dev.upload_into(slots, &mut self.slots)?;
-        dev.upload_into(ctx, &mut self.row_ctx)?;
-        dev.upload_into(bt_off, &mut self.row_bt)?;
-        dev.upload_into(tables, &mut self.block_tables)?;
-        self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
-        let lists = PrefillLists::build(seqs.iter().map(|s| (s.row_start, s.n_tokens, s.start_pos)), ctx, bt_off)?;
-        self.prefill.fill(dev, lists)?;
-        self.rows = padded_rows;
-        self.block_size = block_size;
-        self.num_blocks = num_blocks;
-        Ok(())
-    }
+    let half = (hd / 2) as u32;
+    Ok(Some(cfg((int(op, meta.rows)? as u32, 1, 1), half * (128 / half).max(1))))
 }
 
 /// Geometry of one layer's paged cache: `[num_blocks * block_size][n_kv_heads][head_dim]` bf16.
@@ -785,26 +638,16 @@ impl CudaDevice {
         geo: KvGeometry,
     ) -> Result<(), CudaError> {
         const OP: &str = "rope_write_kv";
-        let rows = meta.rows;
-        let hd = geo.head_dim;
-        shape_check(OP, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
-        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
-            "metadata built for another cache geometry".into()
-        })?;
+        let (rows, hd) = (meta.rows, geo.head_dim);
         need(OP, "q", q, rows * n_heads * hd)?;
         need(OP, "k", k, rows * geo.n_kv_heads * hd)?;
         need(OP, "v", v, rows * geo.n_kv_heads * hd)?;
-        need(OP, "k_cache", k_cache, geo.layer_len())?;
-        need(OP, "v_cache", v_cache, geo.layer_len())?;
-        need(OP, "inv_freq", inv_freq, hd / 2)?;
-        if rows == 0 {
+        let Some(launch) = rope_launch_config(OP, k_cache, v_cache, meta, inv_freq, geo)? else {
             return Ok(());
-        }
-        let half = (hd / 2) as u32;
-        let block = half * (128 / half).max(1);
+        };
         self.run(
             &self.funcs.rope_write_kv,
-            cfg((int(OP, rows)? as u32, 1, 1), block),
+            launch,
             &mut ArgList(vec![
                 Arg::Bf(q),
                 Arg::Bf(k),
@@ -838,25 +681,15 @@ impl CudaDevice {
         geo: KvGeometry,
     ) -> Result<(), CudaError> {
         const OP: &str = "rope_qkv_write_kv";
-        let rows = meta.rows;
-        let hd = geo.head_dim;
-        shape_check(OP, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
-        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
-            "metadata built for another cache geometry".into()
-        })?;
+        let (rows, hd) = (meta.rows, geo.head_dim);
         need(OP, "qkv", qkv, rows * (n_heads + 2 * geo.n_kv_heads) * hd)?;
         need(OP, "q_out", q_out, rows * n_heads * hd)?;
-        need(OP, "k_cache", k_cache, geo.layer_len())?;
-        need(OP, "v_cache", v_cache, geo.layer_len())?;
-        need(OP, "inv_freq", inv_freq, hd / 2)?;
-        if rows == 0 {
+        let Some(launch) = rope_launch_config(OP, k_cache, v_cache, meta, inv_freq, geo)? else {
             return Ok(());
-        }
-        let half = (hd / 2) as u32;
-        let block = half * (128 / half).max(1);
+        };
         self.run(
             &self.funcs.rope_qkv_write_kv,
-            cfg((int(OP, rows)? as u32, 1, 1), block),
+            launch,
             &mut ArgList(vec![
                 Arg::Bf(qkv),
                 Arg::Bf(q_out),

@@ -1,0 +1,186 @@
+//! Per-step metadata on the device: each row's position, cache slot, context length and
+//! block-table offset, the block tables, the split-attention partials and the prefill work
+//! lists, validated on the host and uploaded once per batch layout.
+//!
+//! Invariants: every upload happens in [`StepMeta::set_padded`], never in a launch (launches
+//! may be recorded into a CUDA graph); buffers only grow, so after the largest step they keep
+//! their addresses; rows past the real ones (a graph bucket's padding) carry position 0,
+//! slot -1 and context 0.
+
+use super::ops::int;
+use super::prefill::{PrefillLists, PrefillMeta};
+use super::{CudaDevice, CudaError, shape_check};
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+/// Where one sequence's chunk sits in the batch and in the paged cache (host side).
+#[derive(Debug, Clone, Copy)]
+pub struct HostSeq<'a> {
+    /// First activation row of the chunk.
+    pub row_start: usize,
+    /// Rows in the chunk.
+    pub n_tokens: usize,
+    /// Tokens already cached before the chunk.
+    pub start_pos: usize,
+    /// Physical block of each logical block.
+    pub block_table: &'a [u32],
+}
+
+/// Per-row metadata of one step for the KV write and the attention kernels, validated on
+/// the host and kept on the device. Its buffers grow and are reused across steps.
+pub struct StepMeta {
+    pub(super) rows: usize,
+    pub(super) block_size: usize,
+    pub(super) num_blocks: usize,
+    pub(super) positions: CudaSlice<i32>,
+    pub(super) slots: CudaSlice<i64>,
+    pub(super) row_ctx: CudaSlice<i32>,
+    pub(super) row_bt: CudaSlice<i32>,
+    pub(super) block_tables: CudaSlice<i32>,
+    /// Longest context of any row.
+    pub(super) max_ctx: usize,
+    /// Split-attention partials: `rows × heads × splits × head_dim` outputs and
+    /// `rows × heads × splits × 2` (max, sum), grown on demand.
+    pub(super) part_o: CudaSlice<f32>,
+    pub(super) part_ml: CudaSlice<f32>,
+    host: HostMeta,
+    /// The routing of prefill chunks and decode rows (see `prefill.rs`).
+    pub(super) prefill: PrefillMeta,
+}
+
+/// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
+#[derive(Default)]
+struct HostMeta(Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>);
+
+/// The metadata the KV write needs (an alias kept for the launcher's signature).
+pub type KvWriteMeta = StepMeta;
+/// The metadata attention needs.
+pub type AttentionMeta = StepMeta;
+
+pub(super) fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
+    if buf.len() < len {
+        *buf = dev.alloc(len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+impl StepMeta {
+    /// Empty metadata with small buffers.
+    pub fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
+        Ok(Self {
+            rows: 0,
+            block_size: 0,
+            num_blocks: 0,
+            positions: dev.alloc(64)?,
+            slots: dev.alloc(64)?,
+            row_ctx: dev.alloc(64)?,
+            row_bt: dev.alloc(64)?,
+            block_tables: dev.alloc(64)?,
+            max_ctx: 0,
+            part_o: dev.alloc(64)?,
+            part_ml: dev.alloc(64)?,
+            host: Default::default(),
+            prefill: PrefillMeta::new(dev)?,
+        })
+    }
+
+    /// Rows described.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Longest context of any row.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    /// Fills the metadata for a batch of `n_rows` rows made of `seqs`, over a cache of
+    /// `num_blocks` blocks of `block_size` tokens. Every row must belong to exactly one
+    /// sequence and every block table must cover its chunk with valid block ids.
+    pub fn set(
+        &mut self,
+        dev: &CudaDevice,
+        seqs: &[HostSeq<'_>],
+        n_rows: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<(), CudaError> {
+        self.set_padded(dev, seqs, n_rows, n_rows, block_size, num_blocks)
+    }
+
+    /// [`StepMeta::set`] for a batch padded to `padded_rows` rows (a CUDA-graph bucket): rows
+    /// `n_rows..padded_rows` belong to no sequence, write no KV (slot -1) and attend to nothing
+    /// (context 0, output zeros).
+    pub fn set_padded(
+        &mut self,
+        dev: &CudaDevice,
+        seqs: &[HostSeq<'_>],
+        n_rows: usize,
+        padded_rows: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<(), CudaError> {
+        const OP: &str = "step_meta";
+        shape_check(OP, block_size > 0, || "block_size is 0".into())?;
+        shape_check(OP, padded_rows >= n_rows, || format!("{padded_rows} padded rows for {n_rows} rows"))?;
+        let HostMeta(pos, slots, ctx, bt_off, tables) = &mut self.host;
+        pos.clear();
+        pos.resize(n_rows, -1);
+        slots.clear();
+        slots.resize(n_rows, 0);
+        ctx.clear();
+        ctx.resize(n_rows, 0);
+        bt_off.clear();
+        bt_off.resize(n_rows, 0);
+        tables.clear();
+        for s in seqs {
+            let end = s.start_pos + s.n_tokens;
+            shape_check(OP, s.row_start + s.n_tokens <= n_rows, || {
+                format!("rows {}..{} outside a batch of {n_rows}", s.row_start, s.row_start + s.n_tokens)
+            })?;
+            shape_check(OP, s.block_table.len() * block_size >= end, || {
+                format!("block table covers {} tokens, need {end}", s.block_table.len() * block_size)
+            })?;
+            if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
+                return Err(CudaError::Shape { op: OP, message: format!("block {b} outside a pool of {num_blocks}") });
+            }
+            let off = int(OP, tables.len())?;
+            tables.extend(s.block_table.iter().map(|&b| b as i32));
+            for t in 0..s.n_tokens {
+                let r = s.row_start + t;
+                shape_check(OP, pos[r] < 0, || format!("row {r} belongs to two sequences"))?;
+                let p = s.start_pos + t;
+                pos[r] = int(OP, p)?;
+                slots[r] = (s.block_table[p / block_size] as usize * block_size + p % block_size) as i64;
+                ctx[r] = int(OP, p + 1)?;
+                bt_off[r] = off;
+            }
+        }
+        if let Some(r) = pos.iter().position(|&p| p < 0) {
+            return Err(CudaError::Shape { op: OP, message: format!("row {r} belongs to no sequence") });
+        }
+        if tables.is_empty() {
+            tables.push(0);
+        }
+        pos.resize(padded_rows, 0);
+        slots.resize(padded_rows, -1);
+        ctx.resize(padded_rows, 0);
+        bt_off.resize(padded_rows, 0);
+        grow(dev, &mut self.positions, padded_rows)?;
+        grow(dev, &mut self.slots, padded_rows)?;
+        grow(dev, &mut self.row_ctx, padded_rows)?;
+        grow(dev, &mut self.row_bt, padded_rows)?;
+        grow(dev, &mut self.block_tables, tables.len())?;
+        dev.upload_into(pos, &mut self.positions)?;
+        dev.upload_into(slots, &mut self.slots)?;
+        dev.upload_into(ctx, &mut self.row_ctx)?;
+        dev.upload_into(bt_off, &mut self.row_bt)?;
+        dev.upload_into(tables, &mut self.block_tables)?;
+        self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let lists = PrefillLists::build(seqs.iter().map(|s| (s.row_start, s.n_tokens, s.start_pos)), ctx, bt_off)?;
+        self.prefill.fill(dev, lists)?;
+        self.rows = padded_rows;
+        self.block_size = block_size;
+        self.num_blocks = num_blocks;
+        Ok(())
+    }
+}
