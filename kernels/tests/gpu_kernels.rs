@@ -13,7 +13,7 @@ use baton_kernels::cuda::{
     ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
     KvGeometry, StepMeta, bf16, gemv_supports,
 };
-use common::{check, device, down, poisoned, rand_vec, rel_err, rng, up};
+use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
 
 fn up32(dev: &CudaDevice, v: &[f32]) -> CudaSlice<f32> {
@@ -368,23 +368,10 @@ fn attention_case(
     pad: usize,
     specs: &[(usize, usize)],
 ) {
-    let total_blocks: usize = specs.iter().map(|s| (s.0 + s.1).div_ceil(bs)).sum();
-    let num_blocks = total_blocks + 5;
+    let (num_blocks, tables, rows) = shuffled_tables(r, specs, bs, 5);
     let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
     let kc = rand_vec(r, geo.layer_len(), 1.0);
     let vc = rand_vec(r, geo.layer_len(), 1.0);
-    // A shuffled pool, dealt out to the sequences.
-    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-    for i in (1..pool.len()).rev() {
-        pool.swap(i, r.random_range(0..=i));
-    }
-    let mut tables = Vec::new();
-    let mut rows = 0;
-    for &(start, n) in specs {
-        let nb = (start + n).div_ceil(bs);
-        tables.push(pool.drain(..nb).collect::<Vec<u32>>());
-        rows += n;
-    }
     let padded = rows + pad;
     let q = rand_vec(r, padded * nh * hd, 1.0);
     let scale = 1.0 / (hd as f32).sqrt();

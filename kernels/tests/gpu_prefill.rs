@@ -14,8 +14,8 @@ use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
     CudaDevice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
-use common::{check, device, down, poisoned, rand_vec, rng, up};
-use rand::{Rng, rngs::StdRng};
+use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
+use rand::rngs::StdRng;
 
 /// One step: each `(start_pos, n_tokens)` is a sequence's chunk, rows in the given order, over
 /// a cache of random K/V whose blocks are dealt out from a shuffled pool (so a wrong slot reads
@@ -30,21 +30,10 @@ fn prefill_case(
     bs: usize,
     specs: &[(usize, usize)],
 ) {
-    let total_blocks: usize = specs.iter().map(|s| (s.0 + s.1).div_ceil(bs)).sum();
-    let num_blocks = total_blocks + 7;
+    let (num_blocks, tables, rows) = shuffled_tables(r, specs, bs, 7);
     let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
     let kc = rand_vec(r, geo.layer_len(), 1.0);
     let vc = rand_vec(r, geo.layer_len(), 1.0);
-    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-    for i in (1..pool.len()).rev() {
-        pool.swap(i, r.random_range(0..=i));
-    }
-    let mut tables = Vec::new();
-    let mut rows = 0;
-    for &(start, n) in specs {
-        tables.push(pool.drain(..(start + n).div_ceil(bs)).collect::<Vec<u32>>());
-        rows += n;
-    }
     // Scores of a few units (q and k in [-1.5, 1.5]) so the softmax is far from uniform.
     let q = rand_vec(r, rows * nh * hd, 1.5);
     let scale = 1.0 / (hd as f32).sqrt();

@@ -167,6 +167,31 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     (max_ctx.div_ceil(chunk), chunk)
 }
 
+/// The checks every attention launcher (decode and prefill kernels) makes: GQA heads, the
+/// metadata's cache geometry, and `q`/`out` (`rows × n_heads × head_dim`) and the caches long
+/// enough.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn check_attention_io(
+    op: &'static str,
+    q: &CudaSlice<bf16>,
+    out: &CudaSlice<bf16>,
+    k_cache: &CudaSlice<bf16>,
+    v_cache: &CudaSlice<bf16>,
+    meta: &AttentionMeta,
+    n_heads: usize,
+    geo: KvGeometry,
+) -> Result<(), CudaError> {
+    shape_check(op, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
+        format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
+    })?;
+    meta.check_geometry(op, geo.block_size, geo.num_blocks)?;
+    let len = meta.rows * n_heads * geo.head_dim;
+    need(op, "q", q, len)?;
+    need(op, "out", out, len)?;
+    need(op, "k_cache", k_cache, geo.layer_len())?;
+    need(op, "v_cache", v_cache, geo.layer_len())
+}
+
 /// The checks both RoPE + KV-write launchers share (head_dim, the metadata's geometry, the
 /// caches and the frequency table), and their launch shape: one CTA per row, threads a
 /// multiple of head_dim / 2. `None` when there are no rows.
@@ -180,9 +205,7 @@ fn rope_launch_config(
 ) -> Result<Option<LaunchConfig>, CudaError> {
     let hd = geo.head_dim;
     shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
-    shape_check(op, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
-        "metadata built for another cache geometry".into()
-    })?;
+    meta.check_geometry(op, geo.block_size, geo.num_blocks)?;
     need(op, "k_cache", k_cache, geo.layer_len())?;
     need(op, "v_cache", v_cache, geo.layer_len())?;
     need(op, "inv_freq", inv_freq, hd / 2)?;
@@ -191,6 +214,32 @@ fn rope_launch_config(
     }
     let half = (hd / 2) as u32;
     Ok(Some(cfg((int(op, meta.rows)? as u32, 1, 1), half * (128 / half).max(1))))
+}
+
+/// The arguments of a RoPE + KV-write kernel: its own inputs (`lead`), then the caches, the
+/// metadata, the frequency table and the head counts every entry takes in the same order.
+#[allow(clippy::too_many_arguments)]
+fn rope_args<'a>(
+    op: &'static str,
+    mut lead: Vec<Arg<'a>>,
+    k_cache: &'a CudaSlice<bf16>,
+    v_cache: &'a CudaSlice<bf16>,
+    meta: &'a KvWriteMeta,
+    inv_freq: &'a CudaSlice<f64>,
+    n_heads: usize,
+    geo: KvGeometry,
+) -> Result<ArgList<'a>, CudaError> {
+    lead.extend([
+        Arg::Bf(k_cache),
+        Arg::Bf(v_cache),
+        Arg::I32s(&meta.positions),
+        Arg::I64s(&meta.slots),
+        Arg::F64s(inv_freq),
+        Arg::I(int(op, n_heads)?),
+        Arg::I(int(op, geo.n_kv_heads)?),
+        Arg::I(int(op, geo.head_dim)?),
+    ]);
+    Ok(ArgList(lead))
 }
 
 /// Geometry of one layer's paged cache: `[num_blocks * block_size][n_kv_heads][head_dim]` bf16.
@@ -648,19 +697,16 @@ impl CudaDevice {
         self.run(
             &self.funcs.rope_write_kv,
             launch,
-            &mut ArgList(vec![
-                Arg::Bf(q),
-                Arg::Bf(k),
-                Arg::Bf(v),
-                Arg::Bf(k_cache),
-                Arg::Bf(v_cache),
-                Arg::I32s(&meta.positions),
-                Arg::I64s(&meta.slots),
-                Arg::F64s(inv_freq),
-                Arg::I(int(OP, n_heads)?),
-                Arg::I(int(OP, geo.n_kv_heads)?),
-                Arg::I(int(OP, hd)?),
-            ]),
+            &mut rope_args(
+                OP,
+                vec![Arg::Bf(q), Arg::Bf(k), Arg::Bf(v)],
+                k_cache,
+                v_cache,
+                meta,
+                inv_freq,
+                n_heads,
+                geo,
+            )?,
         )
     }
 
@@ -690,18 +736,7 @@ impl CudaDevice {
         self.run(
             &self.funcs.rope_qkv_write_kv,
             launch,
-            &mut ArgList(vec![
-                Arg::Bf(qkv),
-                Arg::Bf(q_out),
-                Arg::Bf(k_cache),
-                Arg::Bf(v_cache),
-                Arg::I32s(&meta.positions),
-                Arg::I64s(&meta.slots),
-                Arg::F64s(inv_freq),
-                Arg::I(int(OP, n_heads)?),
-                Arg::I(int(OP, geo.n_kv_heads)?),
-                Arg::I(int(OP, hd)?),
-            ]),
+            &mut rope_args(OP, vec![Arg::Bf(qkv), Arg::Bf(q_out)], k_cache, v_cache, meta, inv_freq, n_heads, geo)?,
         )
     }
 
@@ -804,16 +839,7 @@ impl CudaDevice {
             (Some(v), Some(f)) => (*v, f),
             _ => return Err(CudaError::Shape { op: OP, message: format!("no attention variant {variant}") }),
         };
-        shape_check(OP, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
-            format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
-        })?;
-        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
-            "metadata built for another cache geometry".into()
-        })?;
-        need(OP, "q", q, all_rows * n_heads * hd)?;
-        need(OP, "out", out, all_rows * n_heads * hd)?;
-        need(OP, "k_cache", k_cache, geo.layer_len())?;
-        need(OP, "v_cache", v_cache, geo.layer_len())?;
+        check_attention_io(OP, q, out, k_cache, v_cache, meta, n_heads, geo)?;
         let (rows, max_ctx) = if decode_only {
             (meta.prefill.lists.decode_rows_end, meta.prefill.lists.decode_max_ctx)
         } else {

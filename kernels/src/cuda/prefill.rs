@@ -17,11 +17,11 @@
 //!   first; the kernel enumerates its work items (query tiles of `64 / group` tokens) from it;
 //! - decode rows reach the decode kernel through a second context-length array in which the
 //!   prefill rows hold 0: the decode kernel already skips a row whose context is empty, so it
-//!   needs no change. With split contexts its combine step writes NaN (0/0) into those rows;
-//!   the router therefore always launches the prefill kernel *after* the decode kernel, on the
-//!   same stream, and it overwrites them.
+//!   needs no change. It writes zeros into those rows (an empty context's output), so the
+//!   router always launches the prefill kernel *after* the decode kernel, on the same stream,
+//!   and it overwrites them.
 
-use super::ops::{Arg, ArgList, AttentionMeta, AttnSplit, KvGeometry, attn_default, int, need};
+use super::ops::{Arg, ArgList, AttentionMeta, AttnSplit, KvGeometry, attn_default, check_attention_io, int};
 use super::{CudaDevice, CudaError, shape_check};
 use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
@@ -254,16 +254,9 @@ impl CudaDevice {
             .get(variant)
             .ok_or_else(|| CudaError::Shape { op: OP, message: format!("no prefill variant {variant}") })?;
         let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
-        shape_check(OP, meta.block_size == geo.block_size && meta.num_blocks <= geo.num_blocks, || {
-            "metadata built for another cache geometry".into()
-        })?;
+        check_attention_io(OP, q, out, k_cache, v_cache, meta, n_heads, geo)?;
         // The kernel takes the running max on unscaled scores, which needs scale > 0.
         shape_check(OP, scale > 0.0 && scale.is_finite(), || format!("softmax scale {scale} is not positive"))?;
-        let rows = meta.rows;
-        need(OP, "q", q, rows * n_heads * geo.head_dim)?;
-        need(OP, "out", out, rows * n_heads * geo.head_dim)?;
-        need(OP, "k_cache", k_cache, geo.layer_len())?;
-        need(OP, "v_cache", v_cache, geo.layer_len())?;
         if items == 0 {
             return Ok(());
         }
@@ -322,7 +315,7 @@ impl CudaDevice {
             let v = attn_default(n_heads / geo.n_kv_heads);
             self.attention_launch(v, AttnSplit::Auto, q, k_cache, v_cache, meta, n_heads, geo, scale, out, true)?;
         }
-        // After the decode kernel: it may have written NaN into prefill rows (module doc).
+        // After the decode kernel: it wrote zeros into the prefill rows (module doc).
         self.prefill_attention(q, k_cache, v_cache, meta, n_heads, geo, scale, out)
     }
 }

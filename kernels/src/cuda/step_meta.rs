@@ -88,6 +88,19 @@ impl StepMeta {
         self.rows
     }
 
+    /// Refuses a launch over a cache this metadata was not built for (another block size, or
+    /// fewer blocks than the tables may name).
+    pub(super) fn check_geometry(
+        &self,
+        op: &'static str,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<(), CudaError> {
+        shape_check(op, self.block_size == block_size && self.num_blocks <= num_blocks, || {
+            "metadata built for another cache geometry".into()
+        })
+    }
+
     /// Longest context of any row.
     pub fn max_ctx(&self) -> usize {
         self.max_ctx

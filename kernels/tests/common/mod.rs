@@ -60,3 +60,21 @@ pub fn check(what: &str, out: &[f32], want: &[f32]) {
     println!("{what}: rel err {e:.2e}");
     assert!(e < TOL, "{what}: rel err {e:.3e} >= {TOL}");
 }
+
+/// Block tables for sequences `(start_pos, n_tokens)` over `bs`-token blocks, dealt out from a
+/// shuffled pool with `spare` blocks left over (so tables are non-contiguous and a wrong slot
+/// reads someone else's data). Returns the pool size, the tables and the total rows.
+pub fn shuffled_tables(
+    r: &mut StdRng,
+    specs: &[(usize, usize)],
+    bs: usize,
+    spare: usize,
+) -> (usize, Vec<Vec<u32>>, usize) {
+    let num_blocks = specs.iter().map(|s| (s.0 + s.1).div_ceil(bs)).sum::<usize>() + spare;
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.random_range(0..=i));
+    }
+    let tables = specs.iter().map(|&(start, n)| pool.drain(..(start + n).div_ceil(bs)).collect()).collect();
+    (num_blocks, tables, specs.iter().map(|s| s.1).sum())
+}
