@@ -134,14 +134,21 @@ if want e2e && [[ -x "$HERE/bench_cuda" ]]; then
     while read -r l; do summary+=("$l"); done < <(tail -12 "$OUTDIR/bench-cuda.log")
 fi
 
-# Offline throughput, Llama-3.1-8B shape: THROUGHPUT_RUNS="isl:osl:prompts:time_limit_s ..."
+# Offline throughput, Llama-3.1-8B shape:
+# THROUGHPUT_RUNS="isl:osl:prompts:time_limit_s[:max_num_seqs[:on|off|both]] ..." (the last field
+# is --async-scheduling; `both` runs off then on with one model load and writes a JSON array).
 if want throughput && [[ -x "$HERE/bench_throughput" ]]; then
     for r in ${THROUGHPUT_RUNS:-128:128:1000:200 1000:1000:1000:240}; do
-        IFS=: read -r isl osl n lim <<<"$r"
-        timeout $((lim + 150)) "$HERE/bench_throughput" --config "$HERE/configs/llama-3.1-8b.json" \
-            --out "$OUTDIR/throughput-$isl-$osl.json" --commit "$COMMIT" --prompts "$n" --isl "$isl" --osl "$osl" \
-            --time-limit-s "$lim" ${THROUGHPUT_ARGS:-} >"$OUTDIR/throughput-$isl-$osl.log" 2>&1 || status=1
-        summary+=("throughput $isl/$osl: $(tail -1 "$OUTDIR/throughput-$isl-$osl.log")")
+        IFS=: read -r isl osl n lim seqs mode <<<"$r"
+        seqs="${seqs:-256}" mode="${mode:-on}"
+        name="throughput-$isl-$osl-n$n-s$seqs-async-$mode"
+        runs=1; [[ "$mode" == both ]] && runs=2
+        timeout $((runs * lim + 150)) "$HERE/bench_throughput" --config "$HERE/configs/llama-3.1-8b.json" \
+            --out "$OUTDIR/$name.json" --commit "$COMMIT" --prompts "$n" --isl "$isl" --osl "$osl" \
+            --max-num-seqs "$seqs" --async-scheduling "$mode" --time-limit-s "$lim" ${THROUGHPUT_ARGS:-} \
+            >"$OUTDIR/$name.log" 2>&1 || status=1
+        while read -r line; do summary+=("$name: $line"); done < <(grep '^async scheduling' "$OUTDIR/$name.log")
+        [[ -s "$OUTDIR/$name.log" ]] || summary+=("$name: no output")
     done
 fi
 

@@ -140,6 +140,7 @@ fn run() -> Res<()> {
             .map(|i| SeqLayout { row_start: i, n_tokens: 1, start_pos: pos, block_table: table_of(i) })
             .collect(),
         logit_rows: (0..b).collect(),
+        pending: Vec::new(),
     };
 
     // TTFT: one 2,048-token prompt as one prefill step.
@@ -148,6 +149,7 @@ fn run() -> Res<()> {
         positions: (0..n).collect(),
         seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: 0, block_table: prefill_table }],
         logit_rows: vec![n - 1],
+        pending: Vec::new(),
     };
     for prefill_kernel in [true, false] {
         model.backend_mut().set_prefill_kernel(prefill_kernel);

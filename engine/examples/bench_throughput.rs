@@ -8,12 +8,16 @@
 //!
 //! Usage: `bench_throughput --config configs/models/llama-3.1-8b.json --out OUT.json
 //! [--device cuda:0] [--prompts 1000] [--isl 128] [--osl 128] [--max-num-seqs 256]
-//! [--max-num-batched-tokens 8192] [--commit C] [--time-limit-s 300]`. When the time limit
-//! passes first, the figures cover the requests that finished and the JSON says `timed_out`.
+//! [--max-num-batched-tokens 8192] [--commit C] [--time-limit-s 300]
+//! [--async-scheduling on|off|both]`. When the time limit passes first, the figures cover the
+//! requests that finished and the JSON says `timed_out`. `both` runs the workload with async
+//! scheduling off, then on, on one loaded model, and writes a JSON array of the two runs.
+//! Each run also records where the engine thread's time went (`StepTiming`): host time and
+//! time waiting for sampled tokens, per step, and how many steps were planned ahead.
 
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::params::SamplingParams;
-use baton_engine::{DeviceSpec, EngineConfig, start_engine};
+use baton_engine::{DeviceSpec, EngineConfig, StepTiming, start_engine};
 use baton_formats::testing::random_token_ids;
 use baton_formats::{LoadFormat, load_model};
 use std::time::{Duration, Instant};
@@ -41,6 +45,16 @@ where
     }
 }
 
+/// One workload's figures.
+struct Figures {
+    async_scheduling: bool,
+    finished: usize,
+    output_tokens: usize,
+    elapsed: f64,
+    timed_out: bool,
+    timing: StepTiming,
+}
+
 fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let config = flag(&args, "--config").ok_or("--config PATH is required")?;
@@ -51,7 +65,13 @@ fn run() -> Res<()> {
     let isl: usize = num(&args, "--isl", 128)?;
     let osl: usize = num(&args, "--osl", 128)?;
     let time_limit = Duration::from_secs_f64(num(&args, "--time-limit-s", 300.0)?);
-    let engine_cfg = EngineConfig {
+    let modes: Vec<bool> = match flag(&args, "--async-scheduling").as_deref().unwrap_or("on") {
+        "on" => vec![true],
+        "off" => vec![false],
+        "both" => vec![false, true],
+        other => return Err(format!("--async-scheduling takes on, off or both, not {other}").into()),
+    };
+    let base_cfg = EngineConfig {
         max_num_seqs: num(&args, "--max-num-seqs", 256)?,
         max_num_batched_tokens: num(&args, "--max-num-batched-tokens", 8192)?,
         max_model_len: Some(isl + osl + 16),
@@ -64,11 +84,78 @@ fn run() -> Res<()> {
 
     let t_load = Instant::now();
     let loaded = load_model(std::path::Path::new(&config), LoadFormat::Dummy)?;
-    let vocab = loaded.config.vocab_size;
-    let engine = start_engine(&loaded, device, engine_cfg.clone())?;
     let load_s = t_load.elapsed().as_secs_f64();
-    println!("loaded {config} on {device} in {load_s:.1} s; {prompts} prompts, ISL {isl}, OSL {osl}");
+    println!("loaded {config} in {load_s:.1} s; {prompts} prompts, ISL {isl}, OSL {osl}");
+    let mut runs = Vec::new();
+    for async_scheduling in modes {
+        let cfg = EngineConfig { async_scheduling, ..base_cfg.clone() };
+        let engine = start_engine(&loaded, device, cfg)?;
+        let f = workload(&engine, loaded.config.vocab_size, prompts, isl, osl, time_limit, async_scheduling)?;
+        engine.shutdown();
+        let t = &f.timing;
+        println!(
+            "async scheduling {}: finished {}/{prompts} in {:.1} s: {:.0} output tok/s{}; {} steps ({} planned ahead), host {:.3} ms and wait {:.3} ms per step",
+            if async_scheduling { "on" } else { "off" },
+            f.finished,
+            f.elapsed,
+            f.output_tokens as f64 / f.elapsed,
+            if f.timed_out { " (time limit hit: figures over the requests that finished)" } else { "" },
+            t.steps,
+            t.planned_ahead,
+            t.host_ms_per_step(),
+            t.wait_ms_per_step(),
+        );
+        runs.push(f);
+    }
+    let json: Vec<String> = runs
+        .iter()
+        .map(|f| {
+            let t = &f.timing;
+            format!(
+                concat!(
+                    "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},",
+                    "\"prompts\":{},\"finished\":{},\"isl\":{},\"osl\":{},\"max_num_seqs\":{},\"max_num_batched_tokens\":{},",
+                    "\"async_scheduling\":{},\"elapsed_s\":{:.3},\"output_tok_s\":{:.1},\"total_tok_s\":{:.1},\"req_s\":{:.3},",
+                    "\"timed_out\":{},\"steps\":{},\"planned_ahead\":{},\"host_ms_per_step\":{:.4},\"wait_ms_per_step\":{:.4}}}"
+                ),
+                config,
+                device,
+                commit,
+                prompts,
+                f.finished,
+                isl,
+                osl,
+                base_cfg.max_num_seqs,
+                base_cfg.max_num_batched_tokens,
+                f.async_scheduling,
+                f.elapsed,
+                f.output_tokens as f64 / f.elapsed,
+                (f.finished * isl + f.output_tokens) as f64 / f.elapsed,
+                f.finished as f64 / f.elapsed,
+                f.timed_out,
+                t.steps,
+                t.planned_ahead,
+                t.host_ms_per_step(),
+                t.wait_ms_per_step(),
+            )
+        })
+        .collect();
+    let body = if json.len() == 1 { json[0].clone() } else { format!("[{}]", json.join(",\n")) };
+    std::fs::write(&out, body + "\n")?;
+    Ok(())
+}
 
+/// Submits every prompt at once and waits for the last token (or the time limit).
+fn workload(
+    engine: &baton_engine::EngineHandle,
+    vocab: usize,
+    prompts: usize,
+    isl: usize,
+    osl: usize,
+    time_limit: Duration,
+    async_scheduling: bool,
+) -> Res<Figures> {
+    let timing0 = engine.step_timing();
     let params = SamplingParams { max_tokens: Some(osl), ignore_eos: true, ..SamplingParams::greedy() };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let (finished, output_tokens, elapsed, timed_out) = rt.block_on(async {
@@ -108,36 +195,12 @@ fn run() -> Res<()> {
         }
         Ok::<_, Box<dyn std::error::Error>>((finished, tokens, (last - start).as_secs_f64(), timed_out))
     })?;
-    engine.shutdown();
-
-    let out_tps = output_tokens as f64 / elapsed;
-    let total_tps = (finished * isl + output_tokens) as f64 / elapsed;
-    let req_s = finished as f64 / elapsed;
-    let note = if timed_out { " (time limit hit: figures over the requests that finished)" } else { "" };
-    println!(
-        "finished {finished}/{prompts} in {elapsed:.1} s: {out_tps:.0} output tok/s, {total_tps:.0} total tok/s, {req_s:.2} req/s{note}"
-    );
-    let json = format!(
-        concat!(
-            "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},",
-            "\"prompts\":{},\"finished\":{},\"isl\":{},\"osl\":{},\"max_num_seqs\":{},\"max_num_batched_tokens\":{},",
-            "\"elapsed_s\":{:.3},\"output_tok_s\":{:.1},\"total_tok_s\":{:.1},\"req_s\":{:.3},\"timed_out\":{}}}\n"
-        ),
-        config,
-        device,
-        commit,
-        prompts,
+    Ok(Figures {
+        async_scheduling,
         finished,
-        isl,
-        osl,
-        engine_cfg.max_num_seqs,
-        engine_cfg.max_num_batched_tokens,
+        output_tokens,
         elapsed,
-        out_tps,
-        total_tps,
-        req_s,
-        timed_out
-    );
-    std::fs::write(&out, json)?;
-    Ok(())
+        timed_out,
+        timing: engine.step_timing().since(&timing0),
+    })
 }

@@ -89,6 +89,12 @@ pub struct EngineConfig {
     /// CUDA only: run every step op by op instead of replaying decode steps from CUDA graphs
     /// (vLLM's `--enforce-eager`), for debugging and comparisons.
     pub enforce_eager: bool,
+    /// Plan each decode step while the one before it runs on the device (vLLM's
+    /// `--async-scheduling`): the new step feeds the previous step's tokens from where they
+    /// were sampled, and a request that stopped meanwhile has its extra row discarded. Only
+    /// pure decode steps with nothing waiting for a seat are planned ahead; everything else is
+    /// scheduled after the previous step's tokens are applied, as with this off.
+    pub async_scheduling: bool,
 }
 
 impl Default for EngineConfig {
@@ -109,6 +115,7 @@ impl Default for EngineConfig {
             record_cache_events: false,
             cpu_emulates_bf16: false,
             enforce_eager: false,
+            async_scheduling: true,
         }
     }
 }

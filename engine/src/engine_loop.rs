@@ -3,28 +3,38 @@
 //!
 //! Each iteration drains commands (blocking only when idle), asks the
 //! scheduler for a step, runs it, samples, and hands the sampled tokens back
-//! to the scheduler, which decides what finished. Invariants: every request
-//! known to the scheduler has a live entry here and vice versa; a request whose
-//! receiver is gone is aborted (freeing its blocks) on the next send; a backend
-//! error fails the step's requests and marks the engine unhealthy.
+//! to the scheduler, which decides what finished.
+//!
+//! With async scheduling, a step's sampling is launched and left in flight: the next
+//! iteration first plans and launches the step after it
+//! ([`Scheduler::continue_decode`]: its rows take the in-flight picks on the device), and
+//! only then waits for the in-flight tokens and applies them, so the host's work for one
+//! step runs while the device computes the next. A step that cannot be planned that way
+//! is scheduled once the tokens are applied, as without async scheduling.
+//!
+//! Invariants: every request known to the scheduler has a live entry here and vice versa;
+//! at most one step is in flight, and it is applied before the step planned after it; a
+//! request whose receiver is gone is aborted (freeing its blocks) on the next send; a
+//! backend error fails the step's requests and marks the engine unhealthy.
 
 use crate::backend::BackendError;
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
 use crate::kv_transport::nccl::{NcclLink, PendingRecv};
 use crate::relay::{ExportEvent, ExportSpec, TransferTrailer, plan_blocks};
+use crate::step_timing::StepTiming;
 use baton_core::api::{
     EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
 };
 use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::{KvLayout, plan_transfer};
 use baton_core::sampling::{Sampled, SamplingContext};
-use baton_core::scheduler::Scheduler;
+use baton_core::scheduler::{Scheduler, SchedulerOutput};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// Output channel of one request.
@@ -95,8 +105,10 @@ pub(crate) trait StepModel: Send {
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::sample`].
-    fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError>;
+    /// See [`crate::model::LlamaModel::sample_launch`].
+    fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::sample_collect`].
+    fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError>;
     /// See [`crate::backend::Backend::write_kv_blocks`].
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::nccl_recv_layer`].
@@ -124,8 +136,12 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
     }
 
-    fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError> {
-        crate::model::LlamaModel::sample(self, ctxs)
+    fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
+        crate::model::LlamaModel::sample_launch(self, rows)
+    }
+
+    fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError> {
+        crate::model::LlamaModel::sample_collect(self)
     }
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
@@ -162,6 +178,8 @@ pub(crate) struct Shared {
     pub pending: AtomicUsize,
     /// Prefix-cache events not yet taken by the worker's reporter (when recording is on).
     pub cache_events: Mutex<Vec<CacheEvent>>,
+    /// Where the engine thread's time went.
+    pub timing: Mutex<StepTiming>,
 }
 
 /// Most cache events kept for a reporter that stopped draining them; older ones are dropped
@@ -181,6 +199,16 @@ struct Export {
     link: Option<Arc<NcclLink>>,
 }
 
+/// A step whose forward and sampling are enqueued and whose tokens are not applied yet.
+struct InFlight {
+    out: SchedulerOutput,
+    /// The requests sampled, in the order of the sampling's entries.
+    sampled: Vec<RequestId>,
+    /// Whether the step after it may be planned before its tokens are known (a decode step
+    /// with no KV export).
+    continuable: bool,
+}
+
 pub(crate) struct EngineLoop {
     pub scheduler: Scheduler,
     pub model: Box<dyn StepModel>,
@@ -194,6 +222,11 @@ pub(crate) struct EngineLoop {
     nccl_imports: HashMap<RequestId, Arc<NcclLink>>,
     /// Set by a `Shutdown` command; the loop exits at the next check.
     stopping: bool,
+    /// See [`crate::EngineConfig::async_scheduling`].
+    pub async_scheduling: bool,
+    in_flight: Option<InFlight>,
+    /// Counters published to `shared.timing` with the stats.
+    timing: StepTiming,
 }
 
 impl EngineLoop {
@@ -217,6 +250,9 @@ impl EngineLoop {
             live: HashMap::new(),
             nccl_imports: HashMap::new(),
             stopping: false,
+            async_scheduling: false,
+            in_flight: None,
+            timing: StepTiming::default(),
         }
     }
 
@@ -224,7 +260,7 @@ impl EngineLoop {
     /// `EngineError::Shutdown` and free their blocks.
     pub fn run(mut self) {
         while !self.stopping {
-            if !self.scheduler.has_unfinished() {
+            if !self.scheduler.has_unfinished() && self.in_flight.is_none() {
                 // Idle: block until there is something to do.
                 match self.rx.recv() {
                     Ok(c) => self.handle(c),
@@ -236,8 +272,12 @@ impl EngineLoop {
             {
                 self.handle(c);
             }
-            if !self.stopping && self.scheduler.has_unfinished() {
+            if !self.stopping && (self.scheduler.has_unfinished() || self.in_flight.is_some()) {
+                let t0 = Instant::now();
+                let wait0 = self.timing.wait;
                 self.step();
+                let waited = self.timing.wait.saturating_sub(wait0);
+                self.timing.host += t0.elapsed().saturating_sub(waited);
             }
             self.publish_stats();
         }
@@ -440,7 +480,21 @@ impl EngineLoop {
         (specs, txs)
     }
 
+    /// One iteration's work: with a step in flight, plan and launch the step after it if it
+    /// can be planned now, then apply the in-flight tokens; otherwise schedule a step, run
+    /// it, launch its sampling, and (without async scheduling) apply its tokens at once.
     fn step(&mut self) {
+        if let Some(prev) = self.in_flight.take() {
+            let next = if prev.continuable { self.launch_continuation(&prev) } else { None };
+            let applied = self.finish(prev);
+            if let Some(next) = next
+                && applied
+            {
+                self.timing.planned_ahead += 1;
+                self.launch_sample(next, true);
+            }
+            return;
+        }
         let out = self.scheduler.schedule();
         if out.seqs.is_empty() {
             // Nothing runnable right now (e.g. a follower waiting for its prefix leader,
@@ -458,6 +512,7 @@ impl EngineLoop {
             }
         };
         let model = &mut self.model;
+        self.timing.steps += 1;
         let result = self.pool.install(|| model.forward(&batch, &export_specs, &mut sink));
         if let Err(e) = result {
             self.fail_step(&out, &e);
@@ -471,40 +526,89 @@ impl EngineLoop {
                 self.shared.healthy.store(false, Ordering::SeqCst);
             }
         }
-        let sampling_ids: Vec<RequestId> =
-            out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty()).map(|s| s.id).collect();
-        let mut sampled = Vec::with_capacity(sampling_ids.len());
-        let mut failed = None;
+        self.launch_sample(out, self.async_scheduling && export_specs.is_empty());
+        if !self.async_scheduling
+            && let Some(f) = self.in_flight.take()
         {
-            let mut ctxs = Vec::with_capacity(sampling_ids.len());
-            for id in &sampling_ids {
-                let (Some(req), Some(live)) = (self.scheduler.request(*id), self.live.get(id)) else {
+            self.finish(f);
+        }
+    }
+
+    /// Plans the decode step after `prev` (still in flight) and enqueues its forward, its
+    /// rows fed with `prev`'s picks where they are; `None` when it cannot be planned now or
+    /// failed (then its requests are failed).
+    fn launch_continuation(&mut self, prev: &InFlight) -> Option<SchedulerOutput> {
+        let next = self.scheduler.continue_decode(&prev.out)?;
+        let entry: HashMap<RequestId, usize> = prev.sampled.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let mut batch = layout_for(&next);
+        // One row per sequence: row r is next.seqs[r].
+        let pending: Option<Vec<(usize, usize)>> =
+            next.seqs.iter().enumerate().map(|(r, s)| entry.get(&s.id).map(|&i| (r, i))).collect();
+        // A sequence whose pick is not in flight cannot be fed; its blocks stay allocated for
+        // the normal step that will run it.
+        batch.pending = pending?;
+        let model = &mut self.model;
+        self.timing.steps += 1;
+        match self.pool.install(|| model.forward(&batch, &[], &mut |_, _| {})) {
+            Ok(()) => Some(next),
+            Err(e) => {
+                self.fail_step(&next, &e);
+                None
+            }
+        }
+    }
+
+    /// Launches the sampling of `out`'s sampling rows whose requests are still live (a
+    /// planned-ahead row of a request that stopped meanwhile is skipped) and leaves the step
+    /// in flight.
+    fn launch_sample(&mut self, out: SchedulerOutput, continuable: bool) {
+        let mut sampled = Vec::new();
+        let result = {
+            let mut rows = Vec::new();
+            let sampling_seqs = out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty());
+            for (logit_row, seq) in sampling_seqs.enumerate() {
+                let (Some(req), Some(live)) = (self.scheduler.request(seq.id), self.live.get(&seq.id)) else {
                     continue;
                 };
-                ctxs.push(SamplingContext {
-                    params: req.params(),
-                    prompt_token_ids: req.prompt_token_ids(),
-                    output_token_ids: req.output_token_ids(),
-                    eos_token_ids: &self.eos_token_ids,
-                    seed: live.seed,
-                });
+                rows.push((
+                    logit_row,
+                    SamplingContext {
+                        params: req.params(),
+                        prompt_token_ids: req.prompt_token_ids(),
+                        output_token_ids: req.output_token_ids(),
+                        eos_token_ids: &self.eos_token_ids,
+                        seed: live.seed,
+                    },
+                ));
+                sampled.push(seq.id);
             }
-            if ctxs.len() == sampling_ids.len() {
-                let model = &mut self.model;
-                match self.pool.install(|| model.sample(&ctxs)) {
-                    Ok(picks) => sampled.extend(sampling_ids.iter().copied().zip(picks)),
-                    Err(e) => failed = Some(e),
-                }
+            let model = &mut self.model;
+            self.pool.install(|| model.sample_launch(&rows))
+        };
+        match result {
+            Ok(()) => self.in_flight = Some(InFlight { out, sampled, continuable }),
+            Err(e) => self.fail_step(&out, &e),
+        }
+    }
+
+    /// Waits for the in-flight step's tokens and applies them: the scheduler's update, the
+    /// outputs, the end of finished and exported requests. False when the device failed
+    /// (the step's requests are failed).
+    fn finish(&mut self, step: InFlight) -> bool {
+        let t0 = Instant::now();
+        let picks = self.model.sample_collect();
+        self.timing.wait += t0.elapsed();
+        let picks = match picks {
+            Ok(p) => p,
+            Err(e) => {
+                self.fail_step(&step.out, &e);
+                return false;
             }
-        }
-        if let Some(e) = failed {
-            self.fail_step(&out, &e);
-            return;
-        }
-        let pairs: Vec<(RequestId, u32)> = sampled.iter().map(|(id, s)| (*id, s.token_id)).collect();
-        let mut logprobs: HashMap<RequestId, baton_core::api::TokenLogprob> =
-            sampled.into_iter().filter_map(|(id, s)| s.logprobs.map(|l| (id, l))).collect();
-        let updates = self.scheduler.update(&out, &pairs);
+        };
+        let pairs: Vec<(RequestId, u32)> = step.sampled.iter().zip(&picks).map(|(id, s)| (*id, s.token_id)).collect();
+        let mut logprobs: HashMap<RequestId, TokenLogprob> =
+            step.sampled.iter().zip(picks).filter_map(|(id, s)| s.logprobs.map(|l| (*id, l))).collect();
+        let updates = self.scheduler.update(&step.out, &pairs);
         let exported: Vec<RequestId> =
             updates.iter().filter(|u| self.live.get(&u.id).is_some_and(|l| l.export.is_some())).map(|u| u.id).collect();
         for id in &exported {
@@ -539,6 +643,7 @@ impl EngineLoop {
                 self.live.remove(&u.id);
             }
         }
+        true
     }
 
     /// A backend failure during a step: the engine is unhealthy and every request of the
@@ -558,6 +663,9 @@ impl EngineLoop {
         let s = self.scheduler.stats();
         if let Ok(mut g) = self.shared.stats.lock() {
             *g = s;
+        }
+        if let Ok(mut t) = self.shared.timing.lock() {
+            *t = self.timing;
         }
         let events = self.scheduler.take_cache_events();
         if !events.is_empty()

@@ -32,6 +32,7 @@ pub(crate) fn size_from_free_memory(
         positions: (0..rows).collect(),
         seqs: vec![SeqLayout { row_start: 0, n_tokens: rows, start_pos: 0, block_table: (0..blocks as u32).collect() }],
         logit_rows: (rows - logit_rows..rows).collect(),
+        pending: Vec::new(),
     };
     llama.forward(&batch)?;
     // Release the temporary pool before measuring.

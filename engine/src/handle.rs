@@ -71,6 +71,11 @@ impl EngineHandle {
         }
     }
 
+    /// Where the engine thread's time went so far (see [`crate::StepTiming`]).
+    pub fn step_timing(&self) -> crate::StepTiming {
+        self.inner.shared.timing.lock().map(|t| *t).unwrap_or_default()
+    }
+
     /// The geometry and dtype of this engine's KV cache (what a hand-off must match).
     pub fn kv_layout(&self) -> KvLayout {
         self.inner.kv_layout

@@ -15,9 +15,11 @@ mod handle;
 pub mod kv_transport;
 pub mod model;
 pub mod relay;
+mod step_timing;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
 pub use handle::EngineHandle;
+pub use step_timing::StepTiming;
 
 use baton_core::api::{EngineInfo, EngineStats};
 use baton_core::kv_transfer::{KvDtype, KvLayout};
@@ -182,9 +184,11 @@ pub fn start_engine(
         healthy: AtomicBool::new(true),
         pending: AtomicUsize::new(0),
         cache_events: Mutex::new(Vec::new()),
+        timing: Mutex::new(StepTiming::default()),
     });
     let (tx, rx) = std::sync::mpsc::channel();
-    let engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout);
+    let mut engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout);
+    engine.async_scheduling = config.async_scheduling;
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
         .spawn(move || engine.run())

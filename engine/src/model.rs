@@ -7,6 +7,11 @@
 //! [`LlamaModel::forward`] runs a whole mixed batch (prefill chunks and decode
 //! rows alike); [`LlamaModel::sample`] then picks the next tokens from the logits
 //! it left in the backend (on the GPU for the CUDA backend).
+//!
+//! Sampling can also be split in two ([`LlamaModel::sample_launch`], then
+//! [`LlamaModel::sample_collect`]) with the next step's forward in between: that step's
+//! pending rows ([`BatchLayout::pending`]) embed the picks where they were made, the host's
+//! as known tokens, the device's on the device.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use crate::kv_transport::LayerFrame;
@@ -61,6 +66,21 @@ struct Workspace<B: Backend> {
     last_res: B::Res,
 }
 
+/// Where the pick of one row of the last sampling is.
+#[derive(Debug, Clone, Copy)]
+enum Pick {
+    /// Sampled on the host: known.
+    Host(u32),
+    /// Row `i` of the backend's last device sampling.
+    Device(usize),
+}
+
+/// A sampling launched and not yet collected.
+struct LaunchedSample {
+    /// The host-sampled answers, by row; `None` where the device samples.
+    host: Vec<Option<Sampled>>,
+}
+
 /// A loaded model bound to a backend.
 pub struct LlamaModel<B: Backend> {
     cfg: ModelConfig,
@@ -73,6 +93,10 @@ pub struct LlamaModel<B: Backend> {
     backend: B,
     /// Logit rows the last step left in the backend.
     logit_count: usize,
+    /// Where each row's pick of the last launched sampling is (for pending rows).
+    picks: Vec<Pick>,
+    /// The sampling launched and not yet collected.
+    launched: Option<LaunchedSample>,
 }
 
 fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
@@ -185,7 +209,18 @@ impl<B: Backend> LlamaModel<B> {
             last: backend.alloc(0)?,
             last_res: backend.alloc_res(0)?,
         };
-        Ok(Self { cfg: cfg.clone(), embed, lm_head, final_norm, layers, ws, backend, logit_count: 0 })
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            lm_head,
+            final_norm,
+            layers,
+            ws,
+            backend,
+            logit_count: 0,
+            picks: Vec::new(),
+            launched: None,
+        })
     }
 
     /// The model's configuration.
@@ -279,39 +314,96 @@ impl<B: Backend> LlamaModel<B> {
     /// are downloaded and sampled on the CPU.
     pub fn sample(&mut self, ctxs: &[SamplingContext<'_>]) -> Result<Vec<Sampled>, BackendError> {
         if ctxs.len() != self.logit_count {
-            return Err(BackendError::Kernel(baton_kernels::cpu::KernelError {
-                op: "sample",
-                message: format!("{} sampling contexts for {} logit rows", ctxs.len(), self.logit_count),
-            }));
+            return Err(kernel_error(
+                "sample",
+                format!("{} sampling contexts for {} logit rows", ctxs.len(), self.logit_count),
+            ));
+        }
+        let rows: Vec<(usize, SamplingContext<'_>)> = ctxs.iter().copied().enumerate().collect();
+        self.sample_launch(&rows)?;
+        self.sample_collect()
+    }
+
+    /// Starts [`LlamaModel::sample`] for some logit rows of the last step, each given as
+    /// `(logit row, context)` in increasing row order: the device's share is enqueued, the
+    /// host's is sampled now. [`LlamaModel::sample_collect`] returns one answer per entry.
+    /// Until the next launch, a step's pending row `(row, i)` embeds the pick for entry `i`.
+    pub fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
+        self.launched = None;
+        self.picks.clear();
+        if !rows.windows(2).all(|w| w[0].0 < w[1].0) || rows.last().is_some_and(|r| r.0 >= self.logit_count) {
+            return Err(kernel_error("sample", format!("logit rows not increasing below {}", self.logit_count)));
         }
         let vocab = self.cfg.vocab_size;
-        let mut out: Vec<Option<Sampled>> = vec![None; ctxs.len()];
-        let plans: Vec<Option<RowPlan>> = ctxs
+        let plans: Vec<Option<RowPlan>> = rows
             .iter()
-            .map(|ctx| {
+            .map(|(_, ctx)| {
                 let plan = plan_row(ctx, vocab);
                 self.backend.can_sample_on_device(vocab, &plan).then_some(plan)
             })
             .collect();
-        let on_device: Vec<(usize, &RowPlan)> =
-            plans.iter().enumerate().filter_map(|(i, p)| p.as_ref().map(|p| (i, p))).collect();
-        if !on_device.is_empty() {
-            let picks = self.backend.sample_on_device(&on_device)?;
-            for (&(i, _), pick) in on_device.iter().zip(picks) {
-                out[i] = Some(pick);
-            }
-        }
-        let on_host: Vec<usize> = (0..ctxs.len()).filter(|&i| plans[i].is_none()).collect();
+        let on_host: Vec<usize> = (0..rows.len()).filter(|&i| plans[i].is_none()).collect();
+        let mut host: Vec<Option<Sampled>> = vec![None; rows.len()];
         if !on_host.is_empty() {
-            let mut logits = self.backend.logit_rows(&on_host)?;
-            let host_ctxs: Vec<SamplingContext<'_>> = on_host.iter().map(|&i| ctxs[i]).collect();
+            let logit_rows: Vec<usize> = on_host.iter().map(|&i| rows[i].0).collect();
+            let mut logits = self.backend.logit_rows(&logit_rows)?;
+            let host_ctxs: Vec<SamplingContext<'_>> = on_host.iter().map(|&i| rows[i].1).collect();
             for (&i, pick) in on_host.iter().zip(sample_batch(&mut logits, vocab, &host_ctxs)) {
-                out[i] = Some(pick);
+                host[i] = Some(pick);
             }
         }
-        out.into_iter()
-            .map(|s| s.ok_or_else(|| BackendError::Device("the device sampler returned too few rows".into())))
+        let on_device: Vec<(usize, &RowPlan)> =
+            plans.iter().zip(rows).filter_map(|(p, (row, _))| p.as_ref().map(|p| (*row, p))).collect();
+        if !on_device.is_empty() {
+            self.backend.launch_device_sample(&on_device)?;
+        }
+        let mut next_device = 0;
+        self.picks = host
+            .iter()
+            .map(|h| match h {
+                Some(s) => Pick::Host(s.token_id),
+                None => {
+                    next_device += 1;
+                    Pick::Device(next_device - 1)
+                }
+            })
+            .collect();
+        self.launched = Some(LaunchedSample { host });
+        Ok(())
+    }
+
+    /// The answers of the last [`LlamaModel::sample_launch`], one per entry in order (waits
+    /// for the device's share). Each launch is collected once.
+    pub fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError> {
+        let LaunchedSample { host } =
+            self.launched.take().ok_or_else(|| kernel_error("sample", "no sampling was launched".into()))?;
+        let mut device = if host.iter().any(Option::is_none) {
+            self.backend.collect_device_sample()?.into_iter()
+        } else {
+            Vec::new().into_iter()
+        };
+        host.into_iter()
+            .map(|h| {
+                h.or_else(|| device.next())
+                    .ok_or_else(|| BackendError::Device("the device sampler returned too few rows".into()))
+            })
             .collect()
+    }
+
+    /// `batch` with its pending rows that the host picked filled in; the rest stay pending,
+    /// renumbered as rows of the backend's device sampling.
+    fn resolve_pending(&self, batch: &BatchLayout) -> Result<BatchLayout, BackendError> {
+        let mut b = batch.clone();
+        b.pending.clear();
+        for &(row, i) in &batch.pending {
+            let bad = || kernel_error("embed", format!("pending row {row} names pick {i} of {}", self.picks.len()));
+            match (self.picks.get(i), b.tokens.get_mut(row)) {
+                (Some(Pick::Host(t)), Some(slot)) => *slot = *t,
+                (Some(Pick::Device(k)), Some(_)) => b.pending.push((row, *k)),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(b)
     }
 
     /// [`LlamaModel::forward`] that leaves the logits in the backend (for
@@ -328,6 +420,13 @@ impl<B: Backend> LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
+        let resolved;
+        let batch = if batch.pending.is_empty() {
+            batch
+        } else {
+            resolved = self.resolve_pending(batch)?;
+            &resolved
+        };
         if exports.is_empty()
             && let Some(rows) = self.backend.replay_rows(batch)
         {
@@ -385,7 +484,7 @@ impl<B: Backend> LlamaModel<B> {
         if t == 0 {
             return Ok(());
         }
-        b.embed(&batch.tokens, &self.embed, &mut ws.residual)?;
+        b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
@@ -432,4 +531,8 @@ impl<B: Backend> LlamaModel<B> {
         self.logit_count = rows.len();
         Ok(())
     }
+}
+
+fn kernel_error(op: &'static str, message: String) -> BackendError {
+    BackendError::Kernel(baton_kernels::cpu::KernelError { op, message })
 }

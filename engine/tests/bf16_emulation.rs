@@ -22,6 +22,7 @@ fn one_prompt_batch(tokens: Vec<u32>) -> BatchLayout {
             block_table: (0..n.div_ceil(16) as u32).collect(),
         }],
         logit_rows: vec![n - 1],
+        pending: Vec::new(),
         tokens,
     }
 }

@@ -30,6 +30,7 @@ fn last_logits(model: &LoadedModel, backend: CpuBackend, ids: &[u32]) -> Vec<f32
             block_table: (0..blocks as u32).collect(),
         }],
         logit_rows: vec![ids.len() - 1],
+        pending: Vec::new(),
     };
     m.forward(&batch).expect("forward")
 }

@@ -29,6 +29,7 @@ fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
         positions: (0..ids.len()).collect(),
         seqs: vec![SeqLayout { row_start: 0, n_tokens: ids.len(), start_pos: 0, block_table: table }],
         logit_rows: vec![ids.len() - 1],
+        pending: Vec::new(),
     };
     m.forward(&batch).expect("forward")
 }

@@ -15,6 +15,7 @@
 mod common;
 
 use baton_core::api::EngineClient;
+use baton_core::params::SamplingParams;
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::model::LlamaModel;
@@ -158,4 +159,54 @@ fn gpu_enforce_eager_engine_matches_graph_engine() {
     assert_eq!(outs[0].0, outs[1].0, "one at a time: graphs vs enforce_eager");
     assert_eq!(outs[0].1, outs[1].1, "all at once: graphs vs enforce_eager");
     assert!(outs[0].0.iter().all(|t| t.len() == 40));
+}
+
+/// Through the engine on the GPU: async scheduling (decode steps planned while the previous
+/// one runs, their ids taken from the sampler's picks on the device) gives the same tokens as
+/// planning after each step's tokens are known, with graphs and op by op, under stop tokens
+/// that end requests while a step is planned ahead and penalties that read the newest token.
+#[test]
+fn gpu_async_scheduling_matches_sync() {
+    let m = tiny(&TinySpec { init_std: 0.5, seed: 78, ..TinySpec::llama() });
+    let vocab = m.model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..12).map(|i| prompt(i + 700, 2 + 9 * i as usize, vocab)).collect();
+    let cfg = |async_scheduling: bool, enforce_eager: bool| EngineConfig {
+        num_kv_blocks: Some(256),
+        max_model_len: Some(512),
+        max_num_seqs: 8,
+        async_scheduling,
+        enforce_eager,
+        ..EngineConfig::default()
+    };
+    let probe = start_engine(&m.model, DeviceSpec::Cuda(0), cfg(false, false)).expect("start");
+    let stops: Vec<u32> = prompts.iter().take(3).map(|p| common::run(&probe, p, common::greedy(12))[5]).collect();
+    probe.shutdown();
+    let params = |i: usize| {
+        let base = common::greedy(20 + i * 3);
+        match i % 3 {
+            0 => base,
+            1 => SamplingParams { repetition_penalty: 1.5, frequency_penalty: 0.7, logprobs: Some(2), ..base },
+            _ => SamplingParams { stop_token_ids: stops.clone(), ..base },
+        }
+    };
+    let mut runs = Vec::new();
+    for (async_scheduling, eager) in [(false, false), (true, false), (true, true)] {
+        let engine = start_engine(&m.model, DeviceSpec::Cuda(0), cfg(async_scheduling, eager)).expect("start");
+        let streams: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| engine.submit(baton_core::api::EngineRequest::new(p.clone(), params(i))).expect("submit"))
+            .collect();
+        let outs: Vec<(Vec<u32>, baton_core::api::FinishReason)> =
+            streams.into_iter().map(common::drain).map(|(t, _, f)| (t, f)).collect();
+        common::assert_all_blocks_free(&engine);
+        let t = engine.step_timing();
+        println!("async {async_scheduling} eager {eager}: {t:?}");
+        assert_eq!(t.planned_ahead > 0, async_scheduling, "async {async_scheduling}: {t:?}");
+        engine.shutdown();
+        runs.push(outs);
+    }
+    assert!(runs[0].iter().any(|o| o.1 == baton_core::api::FinishReason::Stop), "no request stopped early");
+    assert_eq!(runs[1], runs[0], "graphs: async vs sync scheduling");
+    assert_eq!(runs[2], runs[0], "op by op, async vs graphs, sync");
 }

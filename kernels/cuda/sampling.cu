@@ -511,3 +511,11 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
         }
     }
 }
+
+// ids[pending[2 i]] = the token sample_rows picked for its row pending[2 i + 1], for i < n:
+// a step planned before the previous step's tokens reached the host feeds them from here.
+extern "C" __global__ void take_sampled_ids(const unsigned* __restrict__ out, const int* __restrict__ pending, int n,
+                                            unsigned* __restrict__ ids) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) ids[pending[2 * i]] = out[(long long)pending[2 * i + 1] * SAMPLE_OUT_WORDS];
+}

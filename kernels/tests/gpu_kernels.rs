@@ -10,8 +10,8 @@ mod common;
 
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
-    KvGeometry, StepMeta, bf16, gemv_supports,
+    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, DeviceRow, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
+    KvGeometry, SampleBuffers, StepIds, StepMeta, bf16, gemv_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -46,12 +46,83 @@ fn gpu_embed_matches_cpu() {
         cpu::embed(&tokens, &table, dim, &mut want).expect("cpu embed");
         let t = up(&dev, &table);
         let mut out = poisoned32(&dev, n * dim);
-        let mut ids = dev.alloc::<u32>(1).expect("alloc");
+        let mut ids = StepIds::new(&dev).expect("ids");
         dev.embed(&tokens, &mut ids, &t, vocab, dim, &mut out).expect("embed");
         let got = down32(&dev, &out, n * dim);
         assert_eq!(got, want, "embed is a copy (bf16 widened to f32) and must be exact");
         assert!(dev.embed(&[vocab as u32], &mut ids, &t, vocab, dim, &mut out).is_err(), "bad token accepted");
     }
+}
+
+/// A step planned before the previous step's tokens reached the host embeds them straight
+/// from the sampler: rows named as pending take the greedy picks of a sampling that was
+/// launched and not collected, the other rows their host ids; bad pending lists are refused.
+#[test]
+fn gpu_pending_ids_come_from_the_sampler() {
+    let dev = device();
+    let mut r = rng("pending_ids");
+    let (vocab, dim, n_logit_rows) = (3001usize, 96usize, 37usize);
+    let logits: Vec<f32> = (0..n_logit_rows * vocab).map(|_| r.random_range(-4.0f32..4.0)).collect();
+    let argmax: Vec<u32> = logits
+        .chunks_exact(vocab)
+        .map(|row| (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a))).unwrap_or(0) as u32)
+        .collect();
+    // Sample the logit rows in a shuffled order, so sampler row i is logit row order[i].
+    let mut order: Vec<usize> = (0..n_logit_rows).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, r.random_range(0..=i));
+    }
+    let rows: Vec<DeviceRow<'_>> = order
+        .iter()
+        .map(|&l| DeviceRow {
+            logit_row: l,
+            ops: &[],
+            greedy: true,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            logprobs: None,
+            u: 0.0,
+        })
+        .collect();
+    let mut d_logits = up32(&dev, &logits);
+    let mut bufs = SampleBuffers::new(&dev).expect("buffers");
+    dev.sample_rows_launch(&mut d_logits, n_logit_rows, vocab, &rows, &mut bufs).expect("launch");
+    // The next step: 50 rows, every third one pending on sampler row (row * 7) % 37.
+    let n = 50;
+    let mut tokens: Vec<u32> = (0..n).map(|_| r.random_range(0..vocab as u32)).collect();
+    let pending: Vec<(usize, usize)> = (0..n).step_by(3).map(|row| (row, (row * 7) % n_logit_rows)).collect();
+    for &(row, _) in &pending {
+        tokens[row] = u32::MAX; // ignored: must not reach the vocabulary check
+    }
+    let table = rand_vec(&mut r, vocab * dim, 1.0);
+    let t = up(&dev, &table);
+    let mut ids = StepIds::new(&dev).expect("ids");
+    ids.stage(&dev, &tokens, vocab, &pending, Some(&bufs)).expect("stage");
+    let mut out = poisoned32(&dev, n * dim);
+    dev.embed_staged(n, ids.ids(), &t, vocab, dim, &mut out).expect("embed");
+    let mut want_tokens = tokens.clone();
+    for &(row, i) in &pending {
+        want_tokens[row] = argmax[order[i]];
+    }
+    let mut want = vec![0.0; n * dim];
+    cpu::embed(&want_tokens, &table, dim, &mut want).expect("cpu embed");
+    assert_eq!(down32(&dev, &out, n * dim), want, "pending rows embed the sampler's picks");
+    let picks = dev.sample_rows_collect(&mut bufs).expect("collect");
+    assert_eq!(picks.iter().map(|p| p.token).collect::<Vec<_>>(), order.iter().map(|&l| argmax[l]).collect::<Vec<_>>());
+    assert!(dev.sample_rows_collect(&mut bufs).is_err(), "a launch is collected once");
+    for (bad, why) in [
+        (vec![(0, n_logit_rows)], "a sampler row past the launch"),
+        (vec![(n, 0)], "a row past the step"),
+        (vec![(3, 0), (3, 1)], "a row named twice"),
+    ] {
+        assert!(ids.stage(&dev, &tokens, vocab, &bad, Some(&bufs)).is_err(), "{why} accepted");
+    }
+    assert!(ids.stage(&dev, &want_tokens, vocab, &[(0, 0)], None).is_err(), "pending without a sampling accepted");
+    let mut host_bad = want_tokens.clone();
+    host_bad[1] = vocab as u32;
+    assert!(ids.stage(&dev, &host_bad, vocab, &[(0, 0)], Some(&bufs)).is_err(), "a bad host id accepted");
 }
 
 /// RMSNorm of the f32 residual stream, alone and fused with the add of a bf16 branch

@@ -93,6 +93,9 @@ pub struct ServeArgs {
     /// Run every CUDA step op by op, without CUDA graphs (also --enforce-eager=false) [default: false]
     #[arg(long, env = "BATON_ENFORCE_EAGER", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub enforce_eager: Option<bool>,
+    /// Plan each decode step while the previous one runs on the device; --async-scheduling=false plans after its tokens arrive [default: true]
+    #[arg(long, env = "BATON_ASYNC_SCHEDULING", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub async_scheduling: Option<bool>,
     /// CPU threads for the CPU backend [default: all cores]
     #[arg(long, env = "BATON_THREADS", value_name = "N")]
     pub threads: Option<usize>,

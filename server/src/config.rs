@@ -80,6 +80,8 @@ pub struct ServeFile {
     pub disable_prefix_caching: Option<bool>,
     /// See `--enforce-eager`.
     pub enforce_eager: Option<bool>,
+    /// See `--async-scheduling`.
+    pub async_scheduling: Option<bool>,
     /// See `--disable-chunked-prefill`.
     pub disable_chunked_prefill: Option<bool>,
     /// See `--threads`.
@@ -162,6 +164,8 @@ pub struct ServeSettings {
     pub disable_chunked_prefill: bool,
     /// No CUDA graphs: every step op by op.
     pub enforce_eager: bool,
+    /// Plan decode steps while the previous one runs.
+    pub async_scheduling: bool,
     /// CPU threads (`None`: all cores).
     pub threads: Option<usize>,
     /// Request body limit in bytes.
@@ -197,6 +201,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         disable_prefix_caching: args.disable_prefix_caching.or(file.disable_prefix_caching).unwrap_or(false),
         disable_chunked_prefill: args.disable_chunked_prefill.or(file.disable_chunked_prefill).unwrap_or(false),
         enforce_eager: args.enforce_eager.or(file.enforce_eager).unwrap_or(false),
+        async_scheduling: args.async_scheduling.or(file.async_scheduling).unwrap_or(true),
         threads: args.threads.or(file.threads),
         max_body_bytes: args
             .max_body_bytes
@@ -249,6 +254,7 @@ mod tests {
         assert_eq!((s.device.as_str(), s.load_format.as_str()), ("auto", "auto"));
         assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
         assert!(!s.enforce_eager, "CUDA graphs are on by default");
+        assert!(s.async_scheduling, "async scheduling is on by default");
     }
 
     #[test]
@@ -270,6 +276,10 @@ mod tests {
         assert!(resolve(&serve_args(&[]), &eager).enforce_eager);
         assert!(!resolve(&serve_args(&["--enforce-eager=false"]), &eager).enforce_eager, "the flag beats the file");
         assert!(resolve(&serve_args(&["--enforce-eager"]), &ServeFile::default()).enforce_eager);
+        let sync = ConfigFile::parse("[serve]\nasync_scheduling = false\n", Path::new("t.toml")).expect("valid").serve;
+        assert!(!resolve(&serve_args(&[]), &sync).async_scheduling);
+        assert!(resolve(&serve_args(&["--async-scheduling"]), &sync).async_scheduling, "the flag beats the file");
+        assert!(!resolve(&serve_args(&["--async-scheduling=false"]), &ServeFile::default()).async_scheduling);
     }
 
     #[test]

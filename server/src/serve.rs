@@ -31,6 +31,7 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         max_waiting: s.max_waiting.unwrap_or(d.max_waiting),
         num_threads: s.threads.or(d.num_threads),
         enforce_eager: s.enforce_eager,
+        async_scheduling: s.async_scheduling,
         ..d
     }
 }

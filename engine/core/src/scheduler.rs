@@ -17,15 +17,19 @@
 //! - `WaitingForKv` requests hold blocks but are in neither queue;
 //! - finished requests are removed at once and hold nothing.
 //!
-//! `schedule` and `update` alternate; `add_request` and `abort` may come in between.
+//! `schedule` and `update` alternate; `add_request` and `abort` may come in between. A
+//! [`Scheduler::continue_decode`] step may be planned between a step's `schedule` and its
+//! `update`; it is applied after that step.
 
 mod config;
+mod continuation;
 mod output;
 mod prefilled;
 #[cfg(test)]
 mod tests;
 
 pub use config::{ConfigError, SchedulerConfig, SchedulingPolicy};
+pub use continuation::PENDING_TOKEN;
 pub use output::{RequestUpdate, ScheduledSeq, SchedulerOutput};
 
 use crate::api::{EngineRequest, EngineStats, FinishReason, RequestId, SubmitError};

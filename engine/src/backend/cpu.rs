@@ -111,7 +111,20 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embed(&mut self, tokens: &[u32], table: &CpuMat, out: &mut Vec<f32>) -> Result<(), BackendError> {
+    fn embed(
+        &mut self,
+        tokens: &[u32],
+        pending: &[(usize, usize)],
+        table: &CpuMat,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        if !pending.is_empty() {
+            // The model resolves picks made on the host itself; this backend makes no others.
+            return Err(BackendError::Kernel(KernelError {
+                op: "embed",
+                message: "the CPU backend has no device-side sampler picks to embed".into(),
+            }));
+        }
         out.resize(tokens.len() * table.cols, 0.0);
         Ok(k::embed(tokens, &table.data, table.cols, out)?)
     }

@@ -4,12 +4,14 @@
 //! [`GEMV_MAX_M`] rows, k a multiple of 8), which go to the skinny-GEMM kernel.
 //!
 //! Invariants: every op enqueues on the device's single stream, so ops are ordered without
-//! events; only the copies to the host (`to_host`, `logit_rows`, KV reads) and sampling on the
-//! device (which downloads a few hundred bytes per row instead of the logits) synchronize (and so reports asynchronous kernel faults). Buffers
-//! only grow: after the largest step has run once, a step allocates nothing on the device.
-//! The per-step metadata (positions, cache slots, block tables) is built and uploaded once
-//! per batch layout and reused by every layer. Any CUDA failure is returned as
-//! [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
+//! events; only the copies to the host (`to_host`, `logit_rows`, KV reads) and collecting a
+//! sampling made on the device (which downloads a few hundred bytes per row instead of the
+//! logits) synchronize, and so report asynchronous kernel faults. Buffers only grow: after
+//! the largest step has run once, a step allocates nothing on the device. The per-step
+//! metadata (positions, cache slots, block tables) and the token ids go up through
+//! page-locked staging without waiting, once per batch layout, and are reused by every layer;
+//! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
+//! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
 use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use baton_core::api::TokenLogprob;
@@ -17,7 +19,7 @@ use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
     CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, HostSeq,
-    KvGeometry, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, StepMeta, bf16, gemv_supports,
+    KvGeometry, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, StepIds, StepMeta, bf16, gemv_supports,
 };
 
 /// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
@@ -86,7 +88,7 @@ pub struct CudaBackend {
     meta: StepMeta,
     /// The batch layout `meta` was built for.
     meta_for: Option<BatchLayout>,
-    ids: CudaSlice<u32>,
+    ids: StepIds,
     rows: CudaSlice<i32>,
     /// f32 LM-head output, grown to the largest step.
     logits: CudaSlice<f32>,
@@ -100,6 +102,8 @@ pub struct CudaBackend {
     logit_shape: (usize, usize),
     /// Device buffers of the sampler.
     sample_bufs: SampleBuffers,
+    /// The plans' `logprobs` of the rows of the launched, not yet collected sampling.
+    sample_logprobs: Vec<Option<usize>>,
     /// Decode steps recorded as CUDA graphs, and the staged step (cuda_graph.rs).
     graphs: graph::GraphState,
 }
@@ -122,9 +126,13 @@ pub fn device_row<'a>(logit_row: usize, plan: &RowPlan, ops: &'a [DeviceOp]) -> 
 
 /// The kernel's answer as the sampler's result (logprobs only when the plan asked).
 pub fn sampled(pick: DeviceSample, plan: &RowPlan) -> Sampled {
+    with_logprobs(pick, plan.logprobs)
+}
+
+fn with_logprobs(pick: DeviceSample, logprobs: Option<usize>) -> Sampled {
     Sampled {
         token_id: pick.token,
-        logprobs: plan.logprobs.map(|_| TokenLogprob { token_id: pick.token, logprob: pick.logprob, top: pick.top }),
+        logprobs: logprobs.map(|_| TokenLogprob { token_id: pick.token, logprob: pick.logprob, top: pick.top }),
     }
 }
 
@@ -156,7 +164,7 @@ impl CudaBackend {
     pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
         let dev = CudaDevice::open(opts)?;
         let meta = StepMeta::new(&dev)?;
-        let ids = dev.alloc(64)?;
+        let ids = StepIds::new(&dev)?;
         let rows = dev.alloc(64)?;
         let logits = dev.alloc(1)?;
         let sample_bufs = SampleBuffers::new(&dev)?;
@@ -183,6 +191,7 @@ impl CudaBackend {
             prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
+            sample_logprobs: Vec::new(),
             graphs: graph::GraphState::new(),
         })
     }
@@ -341,22 +350,21 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn embed(&mut self, tokens: &[u32], table: &CudaMat, out: &mut CudaRes) -> Result<(), BackendError> {
+    fn embed(
+        &mut self,
+        tokens: &[u32],
+        pending: &[(usize, usize)],
+        table: &CudaMat,
+        out: &mut CudaRes,
+    ) -> Result<(), BackendError> {
         self.ensure_res(out, tokens.len() * table.cols)?;
         self.graphs.vocab = Some(table.rows);
-        if self.graphs.staged.is_some_and(|s| s.key.rows == tokens.len()) {
-            // A staged replay: the ids are on the device already (checked and uploaded by
-            // stage_replay), and a recording must not upload.
-            return Ok(self.dev.embed_staged(
-                tokens.len(),
-                &self.ids,
-                &table.data,
-                table.rows,
-                table.cols,
-                &mut out.data,
-            )?);
+        // A staged replay's ids are on the device already (checked and uploaded, pending rows
+        // included, by stage_replay), and a recording must not upload.
+        if self.graphs.staged.is_none_or(|s| s.key.rows != tokens.len()) {
+            self.ids.stage(&self.dev, tokens, table.rows, pending, Some(&self.sample_bufs))?;
         }
-        Ok(self.dev.embed(tokens, &mut self.ids, &table.data, table.rows, table.cols, &mut out.data)?)
+        Ok(self.dev.embed_staged(tokens.len(), self.ids.ids(), &table.data, table.rows, table.cols, &mut out.data)?)
     }
 
     fn linear(
@@ -464,13 +472,20 @@ impl Backend for CudaBackend {
         (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
     }
 
-    fn sample_on_device(&mut self, rows: &[(usize, &RowPlan)]) -> Result<Vec<Sampled>, BackendError> {
+    fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
         let (have, vocab) = self.logit_shape;
         let ops: Vec<Vec<DeviceOp>> = rows.iter().map(|(_, plan)| device_ops(&plan.ops)).collect();
         let dev_rows: Vec<DeviceRow<'_>> =
             rows.iter().zip(&ops).map(|(&(logit_row, plan), ops)| device_row(logit_row, plan, ops)).collect();
-        let picks = self.dev.sample_rows(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
-        Ok(picks.into_iter().zip(rows).map(|(p, (_, plan))| sampled(p, plan)).collect())
+        self.sample_logprobs.clear();
+        self.dev.sample_rows_launch(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
+        self.sample_logprobs.extend(rows.iter().map(|(_, plan)| plan.logprobs));
+        Ok(())
+    }
+
+    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
+        let picks = self.dev.sample_rows_collect(&mut self.sample_bufs)?;
+        Ok(picks.into_iter().zip(self.sample_logprobs.drain(..)).map(|(p, lp)| with_logprobs(p, lp)).collect())
     }
 
     fn rope_and_write_kv(

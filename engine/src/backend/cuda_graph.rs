@@ -171,7 +171,7 @@ impl CudaBackend {
         // below then sees.
         self.graphs.staged = Some(Staged { key: GraphKey { rows, splits: 1 }, real_rows, recording: false });
         self.step_meta(padded)?;
-        self.dev.stage_ids(&padded.tokens, vocab, &mut self.ids)?;
+        self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
         let auto = self.dev.attention_auto_splits(rows, n_heads, geo.n_kv_heads, self.meta.max_ctx());
         let key = GraphKey { rows, splits: auto.next_power_of_two().min(MAX_KEY_SPLITS) };
         self.graphs.staged = Some(Staged { key, real_rows, recording: false });
@@ -265,6 +265,7 @@ mod tests {
                 .map(|i| SeqLayout { row_start: i, n_tokens: 1, start_pos: 10 + i, block_table: vec![i as u32] })
                 .collect(),
             logit_rows: (0..n).collect(),
+            pending: Vec::new(),
         }
     }
 

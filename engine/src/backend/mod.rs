@@ -49,6 +49,10 @@ pub struct BatchLayout {
     pub seqs: Vec<SeqLayout>,
     /// Rows whose logits are wanted (the last row of each chunk that samples), in output order.
     pub logit_rows: Vec<usize>,
+    /// `(row, i)`: the token of `row` is the one the previous step's sampling picked for its
+    /// `i`-th row, still unknown to the host when this step was planned (`tokens[row]` holds
+    /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::model::LlamaModel::forward_exporting`].
+    pub pending: Vec<(usize, usize)>,
 }
 
 /// What a backend does with a step offered for replay (see [`Backend::begin_replay`]).
@@ -111,8 +115,17 @@ pub trait Backend: Send + 'static {
     /// Allocates the paged KV cache; replaces any previous one.
     fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError>;
 
-    /// `out[i] = table[tokens[i]]`, into the residual stream.
-    fn embed(&mut self, tokens: &[u32], table: &Self::Mat, out: &mut Self::Res) -> Result<(), BackendError>;
+    /// `out[i] = table[tokens[i]]`, into the residual stream; each `(row, i)` of `pending`
+    /// embeds instead the pick for row `i` of the last [`Backend::launch_device_sample`]
+    /// (where it still is: on the device). Backends that sample nothing on a device refuse
+    /// a non-empty `pending`.
+    fn embed(
+        &mut self,
+        tokens: &[u32],
+        pending: &[(usize, usize)],
+        table: &Self::Mat,
+        out: &mut Self::Res,
+    ) -> Result<(), BackendError>;
     /// `out = x · wᵀ (+ bias)` for `m` rows.
     fn linear(
         &mut self,
@@ -149,22 +162,27 @@ pub trait Backend: Send + 'static {
     ) -> Result<(), BackendError>;
     /// The LM head: `x · wᵀ` for `m` rows in f32 (`m × w.rows`, row-major), so logits carry
     /// no bf16 rounding. The backend keeps them (on the device, where it has one) for
-    /// [`Backend::logit_rows`] and [`Backend::sample_on_device`] until the next call.
+    /// [`Backend::logit_rows`] and [`Backend::launch_device_sample`] until the next call.
     fn lm_head(&mut self, x: &Self::Buf, m: usize, w: &Self::Mat) -> Result<(), BackendError>;
     /// Rows of the last [`Backend::lm_head`] output copied to the host, in the order given
     /// (`rows.len() × vocab`, row-major). A row that sampling on the device rewrote holds
     /// processed values, not logits: take each row one way only.
     fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError>;
-    /// Whether [`Backend::sample_on_device`] can sample this row of a `vocab`-wide output
+    /// Whether [`Backend::launch_device_sample`] can sample this row of a `vocab`-wide output
     /// exactly as `baton_core::sampling::sample` would. The default backend samples nothing
     /// on a device; the caller then downloads the row and samples it on the CPU.
     fn can_sample_on_device(&self, _vocab: usize, _plan: &RowPlan) -> bool {
         false
     }
-    /// Samples rows of the last [`Backend::lm_head`] output where they are, each given as
-    /// `(row, plan)` with a plan that [`Backend::can_sample_on_device`] accepted; one result
-    /// per row, in order.
-    fn sample_on_device(&mut self, _rows: &[(usize, &RowPlan)]) -> Result<Vec<Sampled>, BackendError> {
+    /// Starts sampling rows of the last [`Backend::lm_head`] output where they are, each
+    /// given as `(row, plan)` with a plan that [`Backend::can_sample_on_device`] accepted,
+    /// and returns without waiting for the answers.
+    fn launch_device_sample(&mut self, _rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
+    }
+    /// The answers of the last [`Backend::launch_device_sample`], one per row in order
+    /// (waits for them); each launch is collected once.
+    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
         Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
     }
     /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.

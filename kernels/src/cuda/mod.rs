@@ -18,6 +18,8 @@ mod graph;
 mod ops;
 mod prefill;
 mod sampling;
+mod staging;
+mod step_ids;
 mod step_meta;
 
 pub use compile::compile_ptx;
@@ -34,6 +36,7 @@ pub use prefill::{
     prefill_supported,
 };
 pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
+pub use step_ids::StepIds;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction};
@@ -129,6 +132,8 @@ pub(crate) struct Funcs {
     pub gemv: [Vec<[CudaFunction; 2]>; 2],
     /// Sampling, one CTA per row (sampling.cu).
     pub sample_rows: CudaFunction,
+    /// Sampled tokens into the next step's ids (sampling.cu).
+    pub take_sampled_ids: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -211,6 +216,7 @@ impl CudaDevice {
             prefill: prefill::load_funcs(&f)?,
             gemv: [gemv_funcs(&f, 8)?, gemv_funcs(&f, 16)?],
             sample_rows: f("sample_rows")?,
+            take_sampled_ids: f("take_sampled_ids")?,
         };
         let blas = CudaBlas::new(stream.clone())?;
         // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.

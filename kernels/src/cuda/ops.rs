@@ -9,7 +9,7 @@
 
 use super::step_meta::grow;
 pub use super::step_meta::{AttentionMeta, HostSeq, KvWriteMeta, StepMeta};
-use super::{CudaDevice, CudaError, shape_check};
+use super::{CudaDevice, CudaError, StepIds, shape_check};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -290,38 +290,22 @@ impl CudaDevice {
     }
 
     /// `out[i] = table[tokens[i]]` widened to f32, the residual stream (`table` is
-    /// `vocab × dim` bf16). `scratch` receives the ids.
+    /// `vocab × dim` bf16). `ids` receives the ids (see [`StepIds::stage`]).
     pub fn embed(
         &self,
         tokens: &[u32],
-        scratch: &mut CudaSlice<u32>,
+        ids: &mut StepIds,
         table: &CudaSlice<bf16>,
         vocab: usize,
         dim: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), CudaError> {
-        self.stage_ids(tokens, vocab, scratch)?;
-        self.embed_staged(tokens.len(), scratch, table, vocab, dim, out)
-    }
-
-    /// Checks `tokens` against the vocabulary and uploads them into `ids` (grown as needed):
-    /// the upload half of [`CudaDevice::embed`], done before a graph replay.
-    pub fn stage_ids(&self, tokens: &[u32], vocab: usize, ids: &mut CudaSlice<u32>) -> Result<(), CudaError> {
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(CudaError::Shape {
-                op: "embed",
-                message: format!("token {t} outside a vocabulary of {vocab}"),
-            });
-        }
-        if tokens.is_empty() {
-            return Ok(());
-        }
-        grow(self, ids, tokens.len())?;
-        self.upload_into(tokens, ids)
+        ids.stage(self, tokens, vocab, &[], None)?;
+        self.embed_staged(tokens.len(), ids.ids(), table, vocab, dim, out)
     }
 
     /// The launch half of [`CudaDevice::embed`]: rows `0..n` from ids already in `ids`
-    /// (uploaded by [`CudaDevice::stage_ids`]); nothing is uploaded, so it can be recorded.
+    /// (staged by [`StepIds::stage`]); nothing is uploaded, so it can be recorded.
     pub fn embed_staged(
         &self,
         n: usize,

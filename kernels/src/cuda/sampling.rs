@@ -5,11 +5,18 @@
 //! per-token ops of steps 2–5 and the scalars of steps 6–8 of `baton_core::sampling`,
 //! compiled by `baton_core::sampling::plan_row`) and leaves as a [`DeviceSample`].
 //!
+//! A sampling is launched ([`CudaDevice::sample_rows_launch`]) and collected
+//! ([`CudaDevice::sample_rows_collect`]) separately: the rows go up and the answers come down
+//! through page-locked staging, so between the two the host is free, and the picks stay on
+//! the device for a step planned before they are known ([`super::StepIds::stage`]).
+//!
 //! Invariants: everything the kernel indexes with (logit rows, op ids, op ranges, top
 //! counts, top_k) is checked here before the launch, so a bad row is a
 //! [`CudaError::Shape`], never an out-of-bounds access; the logits of sampled rows are
-//! overwritten (sanitised and processed in place); the buffers only grow.
+//! overwritten (sanitised and processed in place); the buffers only grow; the answers of
+//! the last launch stay in the device buffer until the next launch.
 
+use super::staging::{Direction, Staging};
 use super::{CudaDevice, CudaError, shape_check};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -81,13 +88,21 @@ pub struct DeviceSample {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Device buffers reused by every [`CudaDevice::sample_rows`] call.
+/// Device buffers and host staging reused by every sampling.
 pub struct SampleBuffers {
     rows: CudaSlice<u32>,
     us: CudaSlice<f64>,
     ops: CudaSlice<u32>,
     op_raw: CudaSlice<f32>,
     out: CudaSlice<u32>,
+    rows_up: Staging<u32>,
+    us_up: Staging<f64>,
+    ops_up: Staging<u32>,
+    out_down: Staging<u32>,
+    /// Rows of the last launch (their answers are in `out`).
+    launched: usize,
+    /// Whether the last launch's answers were collected.
+    collected: bool,
 }
 
 impl SampleBuffers {
@@ -99,7 +114,18 @@ impl SampleBuffers {
             ops: dev.alloc(3 * 1024)?,
             op_raw: dev.alloc(1024)?,
             out: dev.alloc(OUT_WORDS * 64)?,
+            rows_up: Staging::new(Direction::Up),
+            us_up: Staging::new(Direction::Up),
+            ops_up: Staging::new(Direction::Up),
+            out_down: Staging::new(Direction::Down),
+            launched: 0,
+            collected: true,
         })
+    }
+
+    /// Rows of the last launch; their picks are what [`super::StepIds::stage`] can take.
+    pub fn launched_rows(&self) -> usize {
+        self.launched
     }
 }
 
@@ -134,7 +160,7 @@ fn check_row(row: &DeviceRow<'_>, n_logit_rows: usize, vocab: usize) -> Result<(
 impl CudaDevice {
     /// Samples `rows` from the `n_logit_rows × vocab` f32 matrix `logits` (row-major) and
     /// returns one answer per row, in order. Rewrites the sampled rows of `logits`.
-    /// Synchronizes the stream (the answers are downloaded).
+    /// Synchronizes with the stream (the answers are downloaded).
     pub fn sample_rows(
         &self,
         logits: &mut CudaSlice<f32>,
@@ -143,6 +169,20 @@ impl CudaDevice {
         rows: &[DeviceRow<'_>],
         bufs: &mut SampleBuffers,
     ) -> Result<Vec<DeviceSample>, CudaError> {
+        self.sample_rows_launch(logits, n_logit_rows, vocab, rows, bufs)?;
+        self.sample_rows_collect(bufs)
+    }
+
+    /// Enqueues [`CudaDevice::sample_rows`]'s work and the download of its answers, and
+    /// returns without waiting; [`CudaDevice::sample_rows_collect`] returns the answers.
+    pub fn sample_rows_launch(
+        &self,
+        logits: &mut CudaSlice<f32>,
+        n_logit_rows: usize,
+        vocab: usize,
+        rows: &[DeviceRow<'_>],
+        bufs: &mut SampleBuffers,
+    ) -> Result<(), CudaError> {
         const OP: &str = "sample_rows";
         shape_check(OP, (1..=SAMPLE_MAX_VOCAB).contains(&vocab), || {
             format!("vocabulary {vocab} (the kernel handles 1..={SAMPLE_MAX_VOCAB})")
@@ -151,8 +191,10 @@ impl CudaDevice {
             format!("logits has {} values, needs {n_logit_rows}×{vocab}", logits.len())
         })?;
         shape_check(OP, vocab <= i32::MAX as usize && rows.len() <= u16::MAX as usize, || "too large".into())?;
+        bufs.launched = 0;
+        bufs.collected = false;
         if rows.is_empty() {
-            return Ok(Vec::new());
+            return bufs.out_down.download_async(self, &bufs.out, 0);
         }
         let mut words = Vec::with_capacity(rows.len() * ROW_WORDS);
         let mut us = Vec::with_capacity(rows.len());
@@ -191,9 +233,9 @@ impl CudaDevice {
         grow(self, &mut bufs.ops, ops.len().max(1))?;
         grow(self, &mut bufs.op_raw, n_ops.max(1))?;
         grow(self, &mut bufs.out, rows.len() * OUT_WORDS)?;
-        self.upload_into(&words, &mut bufs.rows)?;
-        self.upload_into(&us, &mut bufs.us)?;
-        self.upload_into(&ops, &mut bufs.ops)?;
+        bufs.rows_up.upload(self, &words, &mut bufs.rows)?;
+        bufs.us_up.upload(self, &us, &mut bufs.us)?;
+        bufs.ops_up.upload(self, &ops, &mut bufs.ops)?;
         let vocab_i = vocab as i32;
         let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.funcs.sample_rows);
@@ -207,8 +249,43 @@ impl CudaDevice {
         // SAFETY: every row's logit row, op ids and op range, top_k and top count were
         // checked above against `logits` and the uploaded buffers, which are large enough.
         unsafe { b.launch(cfg) }?;
-        let out = self.download(&bufs.out, rows.len() * OUT_WORDS)?;
-        Ok(out.chunks_exact(OUT_WORDS).map(decode).collect())
+        bufs.out_down.download_async(self, &bufs.out, rows.len() * OUT_WORDS)?;
+        bufs.launched = rows.len();
+        Ok(())
+    }
+
+    /// Waits for the last [`CudaDevice::sample_rows_launch`] and returns one answer per row,
+    /// in order (and any fault of the work enqueued before it). A launch is collected once.
+    pub fn sample_rows_collect(&self, bufs: &mut SampleBuffers) -> Result<Vec<DeviceSample>, CudaError> {
+        shape_check("sample_rows_collect", !bufs.collected, || "no sampling launched since the last collect".into())?;
+        bufs.collected = true;
+        Ok(bufs.out_down.wait()?.chunks_exact(OUT_WORDS).map(decode).collect())
+    }
+
+    /// `ids[row] = the token the last launch picked for its row i`, for each `(row, i)` pair
+    /// of `pending` (2 ints each, already on the device, `n` pairs), checked by the caller.
+    pub(crate) fn take_sampled_ids(
+        &self,
+        bufs: &SampleBuffers,
+        pending: &CudaSlice<i32>,
+        n: usize,
+        ids: &mut CudaSlice<u32>,
+    ) -> Result<(), CudaError> {
+        shape_check("take_sampled_ids", pending.len() >= 2 * n && n <= i32::MAX as usize, || {
+            format!("{n} pairs in {} ints", pending.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i32;
+        let cfg =
+            LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.funcs.take_sampled_ids);
+        b.arg(&bufs.out).arg(pending).arg(&n_i).arg(ids);
+        // SAFETY: the caller checked every row against `ids` and every i against the last
+        // launch's rows, whose answers `out` holds.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
     }
 }
 

@@ -3,12 +3,14 @@
 //! lists, validated on the host and uploaded once per batch layout.
 //!
 //! Invariants: every upload happens in [`StepMeta::set_padded`], never in a launch (launches
-//! may be recorded into a CUDA graph); buffers only grow, so after the largest step they keep
+//! may be recorded into a CUDA graph), through page-locked staging (`staging.rs`), so the
+//! host does not wait for the copies; buffers only grow, so after the largest step they keep
 //! their addresses; rows past the real ones (a graph bucket's padding) carry position 0,
 //! slot -1 and context 0.
 
 use super::ops::int;
 use super::prefill::{PrefillLists, PrefillMeta};
+use super::staging::{Direction, Staging};
 use super::{CudaDevice, CudaError, shape_check};
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -43,6 +45,7 @@ pub struct StepMeta {
     pub(super) part_o: CudaSlice<f32>,
     pub(super) part_ml: CudaSlice<f32>,
     host: HostMeta,
+    up: MetaStaging,
     /// The routing of prefill chunks and decode rows (see `prefill.rs`).
     pub(super) prefill: PrefillMeta,
 }
@@ -50,6 +53,16 @@ pub struct StepMeta {
 /// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
 #[derive(Default)]
 struct HostMeta(Vec<i32>, Vec<i64>, Vec<i32>, Vec<i32>, Vec<i32>);
+
+/// Page-locked staging of the [`HostMeta`] vectors, in the same order.
+struct MetaStaging(Staging<i32>, Staging<i64>, Staging<i32>, Staging<i32>, Staging<i32>);
+
+impl MetaStaging {
+    fn new() -> Self {
+        let up = || Staging::new(Direction::Up);
+        Self(up(), Staging::new(Direction::Up), up(), up(), up())
+    }
+}
 
 /// The metadata the KV write needs (an alias kept for the launcher's signature).
 pub type KvWriteMeta = StepMeta;
@@ -79,6 +92,7 @@ impl StepMeta {
             part_o: dev.alloc(64)?,
             part_ml: dev.alloc(64)?,
             host: Default::default(),
+            up: MetaStaging::new(),
             prefill: PrefillMeta::new(dev)?,
         })
     }
@@ -183,11 +197,12 @@ impl StepMeta {
         grow(dev, &mut self.row_ctx, padded_rows)?;
         grow(dev, &mut self.row_bt, padded_rows)?;
         grow(dev, &mut self.block_tables, tables.len())?;
-        dev.upload_into(pos, &mut self.positions)?;
-        dev.upload_into(slots, &mut self.slots)?;
-        dev.upload_into(ctx, &mut self.row_ctx)?;
-        dev.upload_into(bt_off, &mut self.row_bt)?;
-        dev.upload_into(tables, &mut self.block_tables)?;
+        let up = &mut self.up;
+        up.0.upload(dev, pos, &mut self.positions)?;
+        up.1.upload(dev, slots, &mut self.slots)?;
+        up.2.upload(dev, ctx, &mut self.row_ctx)?;
+        up.3.upload(dev, bt_off, &mut self.row_bt)?;
+        up.4.upload(dev, tables, &mut self.block_tables)?;
         self.max_ctx = ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
         let lists = PrefillLists::build(seqs.iter().map(|s| (s.row_start, s.n_tokens, s.start_pos)), ctx, bt_off)?;
         self.prefill.fill(dev, lists)?;
