@@ -1,6 +1,6 @@
 //! Where the engine thread's time goes, step by step: working on the host, or waiting for
-//! the device's answers. Plain counters, published by the engine thread, read by benchmarks
-//! and the metrics endpoint.
+//! the device's answers. Plain counters, published by the engine thread with its stats and
+//! read through `EngineHandle::step_timing` (by `bench_throughput`; not yet on /metrics).
 
 use std::time::Duration;
 
