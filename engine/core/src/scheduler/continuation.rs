@@ -10,9 +10,9 @@
 //!
 //! Invariants:
 //! - only offered when nothing else could run instead: every running request is in the
-//!   step, no waiting request could be admitted or preempt, and each continued sequence gets
-//!   its next block without preemption (otherwise `None`, and the engine schedules normally
-//!   once the step is applied);
+//!   step, no waiting request could be admitted (a seat and blocks for its first chunk) or
+//!   preempt, and each continued sequence gets its next block without preemption (otherwise
+//!   `None`, and the engine schedules normally once the step is applied);
 //! - a sequence whose pending token surely ends it (its length cap) is left out; one that
 //!   ends on a stop token is found out only when the step is applied, and its row in the
 //!   continuation is discarded then (the KV it writes lands past every computed token of a
@@ -75,17 +75,23 @@ impl Scheduler {
         Some(out)
     }
 
-    /// Whether a normal [`Scheduler::schedule`] could admit a waiting request now (a free
-    /// seat, or under the priority policy a running request it would preempt).
+    /// Whether a normal [`Scheduler::schedule`] could admit a waiting request now: a free seat
+    /// and free blocks for the front request's first chunk (cached prefix blocks not counted),
+    /// or under the priority policy a running request it would preempt. Free blocks only shrink
+    /// between finishes, and every finish makes the engine schedule normally, so a request this
+    /// misjudges as not fitting waits at most until the next finish, when the real rule runs.
     fn admission_pending(&self) -> bool {
-        let Some(&front) = self.waiting.front() else {
+        let Some(front) = self.waiting.front().and_then(|id| self.requests.get(id)) else {
             return false;
         };
         if self.running.len() < self.config.max_num_seqs {
-            return true;
+            let budget = self.config.max_num_batched_tokens.saturating_sub(self.running.len()).max(1);
+            let chunk = (front.num_tokens() - front.num_computed_tokens()).min(budget);
+            if self.blocks.num_free_blocks() >= chunk.div_ceil(self.config.block_size) {
+                return true;
+            }
         }
-        self.config.policy == SchedulingPolicy::Priority
-            && self.requests.get(&front).is_some_and(|r| self.priority_victim(r.priority()).is_some())
+        self.config.policy == SchedulingPolicy::Priority && self.priority_victim(front.priority()).is_some()
     }
 }
 
@@ -236,5 +242,30 @@ mod tests {
         apply(&mut s, &next, &mut texts);
         assert_eq!(s.block_manager().num_free_blocks(), 4);
         assert_eq!(texts[&1].0.len(), 2, "the prefill's token and the first decode's; the aborted steps add none");
+    }
+
+    #[test]
+    fn a_waiting_request_that_cannot_get_blocks_does_not_stop_planning_ahead() {
+        // 6 blocks of 4, 4 seats: two 9-token prompts take 3 blocks each; a third waits with a
+        // free seat but no blocks, so nothing could admit it and the decode may run ahead.
+        let mut s = Scheduler::new(cfg(6, 4)).expect("config");
+        let params = SamplingParams { max_tokens: Some(3), ignore_eos: true, ..SamplingParams::greedy() };
+        for id in 1..=3 {
+            let prompt = (0..9).map(|p| token(RequestId(id), p)).collect();
+            s.add_request(RequestId(id), EngineRequest::new(prompt, params.clone()), &[EOS]).expect("fits");
+        }
+        let mut texts = Texts::new();
+        let out = s.schedule();
+        assert_eq!(out.seqs.len(), 2, "the third prompt finds no blocks");
+        apply(&mut s, &out, &mut texts);
+        let prev = s.schedule();
+        assert!(!s.admission_pending(), "a free seat but no blocks for the waiting prompt");
+        assert!(s.clone().continue_decode(&prev).is_some(), "the waiting request could not be admitted anyway");
+        // Once blocks are free, it could be: a normal step admits it at once.
+        assert!(s.abort(RequestId(1)));
+        assert!(s.admission_pending(), "a seat and blocks are free for the waiting request");
+        apply(&mut s, &prev, &mut texts);
+        let out = s.schedule();
+        assert_eq!(out.seqs.iter().map(|q| q.token_ids.len()).collect::<Vec<_>>(), [1, 9], "admitted at once");
     }
 }
