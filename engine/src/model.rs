@@ -391,8 +391,14 @@ impl<B: Backend> LlamaModel<B> {
     }
 
     /// `batch` with its pending rows that the host picked filled in; the rest stay pending,
-    /// renumbered as rows of the backend's device sampling.
-    fn resolve_pending(&self, batch: &BatchLayout) -> Result<BatchLayout, BackendError> {
+    /// renumbered as rows of the backend's device sampling. `None` when `batch` is right as it
+    /// is (nothing pending, or every pick made on the device with no host pick before it, the
+    /// CUDA case), so the common step copies nothing.
+    fn resolve_pending(&self, batch: &BatchLayout) -> Result<Option<BatchLayout>, BackendError> {
+        let as_is = batch.pending.iter().all(|&(_, i)| matches!(self.picks.get(i), Some(Pick::Device(k)) if *k == i));
+        if as_is {
+            return Ok(None);
+        }
         let mut b = batch.clone();
         b.pending.clear();
         for &(row, i) in &batch.pending {
@@ -403,7 +409,7 @@ impl<B: Backend> LlamaModel<B> {
                 _ => return Err(bad()),
             }
         }
-        Ok(b)
+        Ok(Some(b))
     }
 
     /// [`LlamaModel::forward`] that leaves the logits in the backend (for
@@ -420,13 +426,8 @@ impl<B: Backend> LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
-        let resolved;
-        let batch = if batch.pending.is_empty() {
-            batch
-        } else {
-            resolved = self.resolve_pending(batch)?;
-            &resolved
-        };
+        let resolved = self.resolve_pending(batch)?;
+        let batch = resolved.as_ref().unwrap_or(batch);
         if exports.is_empty()
             && let Some(rows) = self.backend.replay_rows(batch)
         {

@@ -85,9 +85,13 @@ impl Scheduler {
             return false;
         };
         if self.running.len() < self.config.max_num_seqs {
-            let budget = self.config.max_num_batched_tokens.saturating_sub(self.running.len()).max(1);
-            let chunk = (front.num_tokens() - front.num_computed_tokens()).min(budget);
-            if self.blocks.num_free_blocks() >= chunk.div_ceil(self.config.block_size) {
+            // The budget `schedule` would have left after one decode token per running request.
+            let budget = self.config.max_num_batched_tokens.saturating_sub(self.running.len());
+            let remaining = front.num_tokens() - front.num_computed_tokens();
+            if self
+                .chunk_len(remaining, budget)
+                .is_some_and(|n| self.blocks.num_free_blocks() >= n.div_ceil(self.config.block_size))
+            {
                 return true;
             }
         }
