@@ -11,17 +11,23 @@
 //!   step (every matrix except the embedding table, of which one row is read) ÷ copy bandwidth;
 //! - TTFT of one 2,048-token prompt (one prefill step, median of 3), with the tensor-core
 //!   prefill attention and again with the decode kernel over every row (the old path);
-//! - batched decode throughput at batch 64 / 128 / 256 with 1,024 tokens of context per
-//!   sequence (the KV cache is filled with random values instead of prefilled), with the
-//!   weight + KV bytes per step over the copy bandwidth as the floor.
+//! - decode steps at each `--shapes` `batch:context` (default the torch.compile peer's:
+//!   1:128, 64:1024, 256:1024, 1:8192, 32:8192; the KV cache is filled with random values
+//!   instead of prefilled), with the weight + KV bytes per step over the copy bandwidth as the
+//!   floor, and, with `--peer PEER.json` (written by `scripts/bench/peer_decode.py` in the same
+//!   device call), the peer's step time and Baton's speed relative to it;
+//! - per shape, a profile of one eager step (queued behind a spin so its kernels run back to
+//!   back): each op's time summed over the layers, next to its own floor (its fewest bytes
+//!   over the copy bandwidth); `--no-profile` skips it.
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
-//! [--batches 64,128,256] [--ctx 1024] [--cublas] [--graphs on|off|both]`; `--cublas` sends every
-//! GEMM to cuBLAS (by default small batches use the skinny-GEMM kernel), for comparisons;
-//! decode is measured with CUDA graphs and op by op (`--graphs`, default both).
+//! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]`;
+//! `--cublas` sends every GEMM to cuBLAS (by default small batches use the skinny-GEMM
+//! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
+//! default both).
 
 use baton_engine::backend::cuda::CudaBackend;
-use baton_engine::backend::{BatchLayout, SeqLayout};
+use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::model::LlamaModel;
 use baton_formats::{LoadFormat, load_model};
 use std::fmt::Write as _;
@@ -67,12 +73,6 @@ fn run() -> Res<()> {
     let config = flag(&args, "--config").ok_or("--config PATH is required")?;
     let out = flag(&args, "--out").unwrap_or_else(|| "bench-cuda.json".into());
     let commit = flag(&args, "--commit").unwrap_or_default();
-    let batches: Vec<usize> = flag(&args, "--batches")
-        .unwrap_or_else(|| "64,128,256".into())
-        .split(',')
-        .map(|s| s.parse())
-        .collect::<Result<_, _>>()?;
-    let ctx: usize = flag(&args, "--ctx").unwrap_or_else(|| "1024".into()).parse()?;
     let mut table = String::new();
     let mut json = Vec::new();
 
@@ -123,25 +123,50 @@ fn run() -> Res<()> {
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
 
     let bs = 16usize;
-    let max_batch = batches.iter().copied().max().unwrap_or(1).max(1);
-    // Each decode sequence gets room for ctx + 32 tokens; the 2,048-token prompt its own blocks after them.
+    // Decode shapes `batch:context`; the defaults are the table (the torch.compile
+    // peer's shapes).
+    let shapes: Vec<(usize, usize)> = flag(&args, "--shapes")
+        .unwrap_or_else(|| "1:128,64:1024,256:1024,1:8192,32:8192".into())
+        .split(',')
+        .map(|s| -> Res<(usize, usize)> {
+            let (b, c) = s.split_once(':').ok_or("--shapes takes batch:context pairs")?;
+            Ok((b.parse()?, c.parse()?))
+        })
+        .collect::<Res<_>>()?;
+    let peer = match flag(&args, "--peer") {
+        Some(p) => Some(serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&p)?)?),
+        None => None,
+    };
+    let peer_ms = |b: usize, c: usize| -> Option<f64> {
+        peer.as_ref()?["results"].as_array()?.iter().find_map(|r| {
+            (r["batch"].as_u64()? == b as u64 && r["context"].as_u64()? == c as u64)
+                .then(|| r["ms_per_step"].as_f64())
+                .flatten()
+        })
+    };
+    // Every sequence gets room for its context + 64 tokens; the 2,048-token prompt its own
+    // blocks after the largest shape's.
     let n = 2048usize;
-    let per_seq = (ctx + 32).div_ceil(bs);
+    let per_seq = |ctx: usize| (ctx + 64).div_ceil(bs);
+    let decode_blocks = shapes.iter().map(|&(b, c)| b * per_seq(c)).max().unwrap_or(0);
     let prefill_blocks = n.div_ceil(bs);
-    model.alloc_kv_cache(per_seq * max_batch + prefill_blocks, bs)?;
+    model.alloc_kv_cache(decode_blocks + prefill_blocks, bs)?;
     model.backend_mut().fill_kv_random(7)?;
-    let table_of = |i: usize| -> Vec<u32> { ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect() };
-    let prefill_table: Vec<u32> =
-        ((per_seq * max_batch) as u32..(per_seq * max_batch + prefill_blocks) as u32).collect();
-    let decode_batch = |b: usize, pos: usize| BatchLayout {
+    let decode_batch = |b: usize, ctx: usize, pos: usize| BatchLayout {
         tokens: (0..b).map(|i| (i * 7919 % cfg.vocab_size) as u32).collect(),
         positions: vec![pos; b],
         seqs: (0..b)
-            .map(|i| SeqLayout { row_start: i, n_tokens: 1, start_pos: pos, block_table: table_of(i) })
+            .map(|i| SeqLayout {
+                row_start: i,
+                n_tokens: 1,
+                start_pos: pos,
+                block_table: ((i * per_seq(ctx)) as u32..((i + 1) * per_seq(ctx)) as u32).collect(),
+            })
             .collect(),
         logit_rows: (0..b).collect(),
         pending: Vec::new(),
     };
+    let prefill_table: Vec<u32> = (decode_blocks as u32..(decode_blocks + prefill_blocks) as u32).collect();
 
     // TTFT: one 2,048-token prompt as one prefill step.
     let prefill = BatchLayout {
@@ -181,70 +206,66 @@ fn run() -> Res<()> {
         Some("off") => vec![false],
         _ => vec![true, false],
     };
-    for graphs in modes {
-        model.backend_mut().set_graphs(graphs);
-        let mode = if graphs { "graphs" } else { "eager" };
-        // Single stream: 64 decode steps after a 128-token context.
-        let steps = 64usize;
-        let mut times = Vec::new();
-        for s in 0..steps + 8 {
-            let b = decode_batch(1, 128 + s);
-            let st = Instant::now();
-            engine_step(&mut model, &b)?;
-            if s >= 8 {
-                times.push(st.elapsed().as_secs_f64());
-            }
-        }
-        let step = median(times);
-        let roof = copy_gbs * 1e9 / weight_bytes;
-        writeln!(
-            table,
-            "[{mode}] single-stream decode: {:.1} tok/s ({:.2} ms/step); roofline {roof:.1} tok/s; {:.1}% of roofline",
-            1.0 / step,
-            step * 1e3,
-            100.0 / step / roof
-        )?;
-        json.push(format!(
-            "{{\"name\":\"decode_single_stream\",\"graphs\":{graphs},\"context\":128,\"tok_s\":{:.2},\"ms_per_step\":{:.3},\"roofline_tok_s\":{roof:.2},\"frac_of_roofline\":{:.4}}}",
-            1.0 / step,
-            step * 1e3,
-            1.0 / step / roof
-        ));
-
-        // Batched decode at `ctx` tokens of context.
-        for &b in &batches {
+    writeln!(
+        table,
+        "decode step (median of 40): shape | mode | ms | floor ms (weights + KV at copy) | % of floor | peer ms | baton/peer speed"
+    )?;
+    for &(b, ctx) in &shapes {
+        let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
+        let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
+        for &graphs in &modes {
+            model.backend_mut().set_graphs(graphs);
+            let mode = if graphs { "graphs" } else { "eager" };
             let mut times = Vec::new();
-            for s in 0..24 {
-                let lay = decode_batch(b, ctx + s);
+            for s in 0..48 {
+                let lay = decode_batch(b, ctx, ctx + s);
                 let st = Instant::now();
                 engine_step(&mut model, &lay)?;
-                if s >= 4 {
+                if s >= 8 {
                     times.push(st.elapsed().as_secs_f64());
                 }
             }
-            let step = median(times);
-            let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
-            let floor = bytes / (copy_gbs * 1e9);
+            let ms = median(times) * 1e3;
+            let peer = peer_ms(b, ctx);
+            let (peer_txt, ratio_txt) = match peer {
+                Some(p) => (format!("{p:.3}"), format!("{:.3}x", p / ms)),
+                None => ("-".into(), "-".into()),
+            };
             writeln!(
                 table,
-                "[{mode}] batched decode b={b:3} ctx={ctx}: {:.0} tok/s ({:.2} ms/step); floor {:.2} ms (weights + KV at copy bandwidth): {:.1}%",
-                b as f64 / step,
-                step * 1e3,
-                floor * 1e3,
-                100.0 * floor / step
+                "  b={b:3} ctx={ctx:5} | {mode:6} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
+                100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_batched\",\"graphs\":{graphs},\"batch\":{b},\"context\":{ctx},\"tok_s\":{:.1},\"ms_per_step\":{:.3},\"floor_ms\":{:.3},\"frac_of_floor\":{:.4}}}",
-                b as f64 / step,
-                step * 1e3,
-                floor * 1e3,
-                floor / step
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                b as f64 * 1e3 / ms,
+                floor_ms / ms,
+                peer.map_or("null".into(), |p| format!("{p:.4}")),
+                peer.map_or("null".into(), |p| format!("{:.4}", p / ms)),
             ));
+        }
+        if !args.iter().any(|a| a == "--no-profile") {
+            let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
+            let shape = OpShape { b, ctx, cfg: &cfg };
+            writeln!(
+                table,
+                "  per-op (eager, queue filled first) b={b} ctx={ctx}: op | us/step | floor us | % of floor"
+            )?;
+            let mut total = 0.0;
+            for (label, us) in &rows {
+                total += us;
+                let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
+                writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
+                json.push(format!(
+                    "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                ));
+            }
+            writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
         }
         let st = model.backend().graph_stats();
         writeln!(
             table,
-            "[{mode}] CUDA graphs: {} recorded, {} replayed, {} failed, {} invalidations",
+            "  CUDA graphs so far: {} recorded, {} replayed, {} failed, {} invalidations",
             st.recorded, st.replayed, st.failed, st.invalidated
         )?;
     }
@@ -257,4 +278,82 @@ fn run() -> Res<()> {
     std::fs::write(&out, doc)?;
     println!("{table}");
     Ok(())
+}
+
+/// One eager decode step profiled `reps` times (the host queues it behind a spin, so its
+/// kernels run back to back): each op's microseconds per step, summed over the layers,
+/// median over the repetitions, in the order the ops first run.
+fn profile_step(model: &mut LlamaModel<CudaBackend>, lay: &BatchLayout, reps: usize) -> Res<Vec<(&'static str, f64)>> {
+    model.backend_mut().set_graphs(false);
+    engine_step(model, lay)?;
+    let params = baton_core::params::SamplingParams::greedy();
+    let ctx = baton_core::sampling::SamplingContext {
+        params: &params,
+        prompt_token_ids: &[],
+        output_token_ids: &[],
+        eos_token_ids: &[],
+        seed: 0,
+    };
+    let ctxs: Vec<(usize, _)> = (0..lay.logit_rows.len()).map(|i| (i, ctx)).collect();
+    let mut order: Vec<&'static str> = Vec::new();
+    let mut samples: std::collections::HashMap<&'static str, Vec<f64>> = Default::default();
+    for _ in 0..reps {
+        model.backend_mut().profile_begin(30_000_000)?;
+        model.forward_exporting(lay, &[], &mut |_, _| {})?;
+        model.backend_mut().mark("sample");
+        model.sample_launch(&ctxs)?;
+        model.backend_mut().mark("end");
+        let marks = model.backend_mut().profile_end()?;
+        model.sample_collect()?;
+        let mut sums: std::collections::HashMap<&'static str, f64> = Default::default();
+        for (label, ms) in marks {
+            if !order.contains(&label) {
+                order.push(label);
+            }
+            *sums.entry(label).or_default() += ms * 1e3;
+        }
+        for (label, us) in sums {
+            samples.entry(label).or_default().push(us);
+        }
+    }
+    model.backend_mut().set_graphs(true);
+    Ok(order.into_iter().map(|l| (l, median(samples.remove(l).unwrap_or_default()))).collect())
+}
+
+/// The fewest bytes each op of a decode step of `b` sequences at `ctx` tokens must move,
+/// summed over the layers (weights once, activations read and written once, the KV of the
+/// context read once).
+struct OpShape<'a> {
+    b: usize,
+    ctx: usize,
+    cfg: &'a baton_formats::ModelConfig,
+}
+
+impl OpShape<'_> {
+    fn bytes(&self, op: &str) -> f64 {
+        let c = self.cfg;
+        let (b, l) = (self.b as f64, c.num_hidden_layers as f64);
+        let h = c.hidden_size as f64;
+        let qd = (c.num_attention_heads * c.head_dim) as f64;
+        let kvd = (c.num_key_value_heads * c.head_dim) as f64;
+        let inter = c.intermediate_size as f64;
+        let vocab = c.vocab_size as f64;
+        let linear = |n: f64, k: f64| 2.0 * n * k + 2.0 * b * (n + k);
+        match op {
+            "embed" => b * h * 6.0,
+            // Two norms per layer: the f32 residual read and written, x read, out written.
+            "norm" => 2.0 * l * b * h * 12.0,
+            "qkv" => l * linear(qd + 2.0 * kvd, h),
+            "rope_kv" => l * b * 2.0 * 2.0 * (qd + 2.0 * kvd),
+            "attention" => l * (4.0 * b * self.ctx as f64 * kvd + 4.0 * b * qd),
+            "o_proj" => l * linear(h, qd),
+            "gate_up" => l * linear(2.0 * inter, h),
+            "silu_mul" => l * b * 6.0 * inter,
+            "down" => l * linear(h, inter),
+            "final_norm" => b * h * 12.0,
+            "lm_head" => 2.0 * vocab * h + b * (2.0 * h + 4.0 * vocab),
+            "sample" => b * vocab * 4.0,
+            _ => 0.0,
+        }
+    }
 }

@@ -143,54 +143,100 @@ fn load_f32(store: &dyn WeightStore, name: &str, want: usize) -> Result<Vec<f32>
     Ok(t.to_f32())
 }
 
+/// The model's tensors, read from a store or drawn by the backend: each call takes named
+/// tensors of `rows × cols` (vectors: `cols` 1) and stacks them by rows into one matrix or
+/// vector (the fused `[q; k; v]` and `[gate; up]`).
+struct Tensors<'a> {
+    store: &'a dyn WeightStore,
+}
+
+impl Tensors<'_> {
+    fn mat<B: Backend>(&self, b: &mut B, names: &[(String, usize)], cols: usize) -> Result<B::Mat, ModelLoadError> {
+        if let Some(parts) = self.drawn(names, cols)? {
+            return Ok(b.random_mat(&parts, cols)?);
+        }
+        let rows = names.iter().map(|n| n.1).sum();
+        Ok(b.upload_mat(self.read(names, cols)?, rows, cols)?)
+    }
+
+    fn vec<B: Backend>(&self, b: &mut B, names: &[(String, usize)]) -> Result<B::Buf, ModelLoadError> {
+        if let Some(parts) = self.drawn(names, 1)? {
+            return Ok(b.random_vec(&parts)?);
+        }
+        Ok(b.upload_vec(self.read(names, 1)?)?)
+    }
+
+    fn read(&self, names: &[(String, usize)], cols: usize) -> Result<Vec<f32>, ModelLoadError> {
+        let mut data = Vec::new();
+        for (name, rows) in names {
+            data.extend(load_f32(self.store, name, rows * cols)?);
+        }
+        Ok(data)
+    }
+
+    /// The counter draws of `names` when the store draws every one of them (random weights),
+    /// checked against the expected shapes; `None` for stored weights.
+    fn drawn(
+        &self,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<Option<Vec<(usize, baton_formats::CounterInit)>>, ModelLoadError> {
+        let mut parts = Vec::with_capacity(names.len());
+        for (name, rows) in names {
+            let Some(init) = self.store.counter_init(name) else { return Ok(None) };
+            let got: usize = self.store.shape(name)?.iter().product();
+            if got != rows * cols {
+                return Err(ModelLoadError::Shape { name: name.clone(), got, want: rows * cols });
+            }
+            parts.push((*rows, init));
+        }
+        Ok(Some(parts))
+    }
+}
+
 impl<B: Backend> LlamaModel<B> {
-    /// Loads every tensor of `cfg` from `store` into `backend`.
+    /// Loads every tensor of `cfg` from `store` into `backend` (random weights are drawn by
+    /// the backend itself, see [`WeightStore::counter_init`]).
     pub fn load(cfg: &ModelConfig, store: &dyn WeightStore, mut backend: B) -> Result<Self, ModelLoadError> {
         let h = cfg.hidden_size;
         let hd = cfg.head_dim;
         let qd = cfg.num_attention_heads * hd;
         let kvd = cfg.num_key_value_heads * hd;
         let inter = cfg.intermediate_size;
-        let embed_data = load_f32(store, "model.embed_tokens.weight", cfg.vocab_size * h)?;
+        let w = Tensors { store };
+        let b = &mut backend;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(backend.upload_mat(load_f32(store, "lm_head.weight", cfg.vocab_size * h)?, cfg.vocab_size, h)?)
+            Some(w.mat(b, &[("lm_head.weight".into(), cfg.vocab_size)], h)?)
         };
-        let embed = backend.upload_mat(embed_data, cfg.vocab_size, h)?;
-        let final_norm = backend.upload_vec(load_f32(store, "model.norm.weight", h)?)?;
+        let embed = w.mat(b, &[("model.embed_tokens.weight".into(), cfg.vocab_size)], h)?;
+        let final_norm = w.vec(b, &[("model.norm.weight".into(), h)])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let mut qkv = load_f32(store, &format!("{p}.self_attn.q_proj.weight"), qd * h)?;
-            qkv.extend(load_f32(store, &format!("{p}.self_attn.k_proj.weight"), kvd * h)?);
-            qkv.extend(load_f32(store, &format!("{p}.self_attn.v_proj.weight"), kvd * h)?);
+            let attn = |n: &str, rows: usize| (format!("{p}.self_attn.{n}"), rows);
             let qkv_bias = if cfg.attention_bias {
-                let mut b = load_f32(store, &format!("{p}.self_attn.q_proj.bias"), qd)?;
-                b.extend(load_f32(store, &format!("{p}.self_attn.k_proj.bias"), kvd)?);
-                b.extend(load_f32(store, &format!("{p}.self_attn.v_proj.bias"), kvd)?);
-                Some(backend.upload_vec(b)?)
+                Some(w.vec(b, &[attn("q_proj.bias", qd), attn("k_proj.bias", kvd), attn("v_proj.bias", kvd)])?)
             } else {
                 None
             };
-            let mut gate_up = load_f32(store, &format!("{p}.mlp.gate_proj.weight"), inter * h)?;
-            gate_up.extend(load_f32(store, &format!("{p}.mlp.up_proj.weight"), inter * h)?);
             layers.push(Layer {
-                input_norm: backend.upload_vec(load_f32(store, &format!("{p}.input_layernorm.weight"), h)?)?,
-                post_attn_norm: backend.upload_vec(load_f32(
-                    store,
-                    &format!("{p}.post_attention_layernorm.weight"),
+                input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
+                post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
+                qkv: w.mat(
+                    b,
+                    &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
                     h,
-                )?)?,
-                qkv: backend.upload_mat(qkv, qd + 2 * kvd, h)?,
-                qkv_bias,
-                o: backend.upload_mat(load_f32(store, &format!("{p}.self_attn.o_proj.weight"), h * qd)?, h, qd)?,
-                gate_up: backend.upload_mat(gate_up, 2 * inter, h)?,
-                down: backend.upload_mat(
-                    load_f32(store, &format!("{p}.mlp.down_proj.weight"), h * inter)?,
-                    h,
-                    inter,
                 )?,
+                qkv_bias,
+                o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
+                gate_up: w.mat(
+                    b,
+                    &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
+                    h,
+                )?,
+                down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
             });
         }
         backend
@@ -485,15 +531,23 @@ impl<B: Backend> LlamaModel<B> {
         if t == 0 {
             return Ok(());
         }
+        // `mark` labels each op for a step profile (a no-op unless the backend profiles).
+        b.mark("embed");
         b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
         for (i, layer) in self.layers.iter().enumerate() {
+            b.mark("norm");
             if i == 0 {
                 b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
             } else {
                 b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
             }
+            b.mark("qkv");
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
+            b.mark("rope_kv");
             b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
+            if !exports.is_empty() {
+                b.mark("kv_export");
+            }
             for (j, e) in exports.iter().enumerate() {
                 match &e.link {
                     None => {
@@ -506,11 +560,17 @@ impl<B: Backend> LlamaModel<B> {
                     }
                 }
             }
+            b.mark("attention");
             b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
+            b.mark("o_proj");
             b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
+            b.mark("norm");
             b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
+            b.mark("gate_up");
             b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
+            b.mark("silu_mul");
             b.silu_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
+            b.mark("down");
             b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
         }
         let rows = &batch.logit_rows;
@@ -520,6 +580,7 @@ impl<B: Backend> LlamaModel<B> {
         // Only the sampling rows need the final norm and the (large) LM head. When that is
         // every row in order (decode), the last layer's buffers are used as they are.
         let h = cfg.hidden_size;
+        b.mark("final_norm");
         if rows.iter().copied().eq(0..t) {
             b.add_rms_norm(&mut ws.residual, &ws.proj, &self.final_norm, eps, &mut ws.hidden)?;
         } else {
@@ -528,6 +589,7 @@ impl<B: Backend> LlamaModel<B> {
             b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
         }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        b.mark("lm_head");
         b.lm_head(&ws.hidden, rows.len(), head)?;
         self.logit_count = rows.len();
         Ok(())

@@ -2,6 +2,15 @@
 //! in `get` so an 8B-shaped model costs no memory until the engine asks for a tensor. Each
 //! tensor's values depend only on (seed, tensor name), in fixed-size chunks generated in
 //! parallel, so they are identical across runs and thread counts.
+//!
+//! Two generators:
+//! - [`DummyKind::Normal`]: N(mean, std²) from seeded streams (Box–Muller). The tiny test
+//!   models and their committed golden fixtures are drawn this way, so it never changes.
+//! - [`DummyKind::Counter`]: uniform with the same mean and std, each element a pure function
+//!   of (seed, tensor name, index) ([`CounterInit::value`]) in exactly rounded f32 steps. A
+//!   device can draw a tensor where it lives (the CUDA backend does, in milliseconds, instead
+//!   of generating 16 GB on the host and uploading it) and get the very values the host
+//!   would: [`WeightStore::counter_init`] tells the engine which tensors it may draw itself.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -13,25 +22,50 @@ use rayon::prelude::*;
 
 use crate::config::ModelConfig;
 use crate::error::FormatError;
-use crate::tensor::{DType, TensorView, WeightStore};
+use crate::tensor::{CounterInit, DType, TensorView, WeightStore};
 
 /// Elements generated from one RNG stream; fixed so results do not depend on threading.
 const CHUNK: usize = 1 << 16;
 
-/// Seeded random weights: linears and embeddings ~ N(0, std²), norms ~ 1 + N(0, (std/2)²)
-/// … kept near one so activations neither vanish nor explode, biases ~ N(0, std²).
+/// Which distribution a [`DummyStore`] draws from (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DummyKind {
+    /// Normal, from seeded streams: the test models' generator.
+    Normal,
+    /// Uniform, a pure function of (seed, name, index): drawable on any device.
+    Counter,
+}
+
+/// Seeded random weights: linears and embeddings with mean 0 and std `std`, norms with mean
+/// 1 and std `std/2` (kept near one so activations neither vanish nor explode), biases with
+/// mean 0 and std `std`; normal or uniform by [`DummyKind`].
 #[derive(Debug, Clone)]
 pub struct DummyStore {
     shapes: HashMap<String, Vec<usize>>,
     seed: u64,
     std: f32,
     dtype: DType,
+    kind: DummyKind,
 }
 
 impl DummyStore {
-    /// A store for `config` producing `dtype` tensors with init std `std`.
+    /// A store for `config` producing `dtype` tensors with init std `std`, normally
+    /// distributed ([`DummyKind::Normal`]).
     pub fn new(config: &ModelConfig, seed: u64, std: f32, dtype: DType) -> Self {
-        Self { shapes: config.expected_tensors().into_iter().collect(), seed, std, dtype }
+        Self { shapes: config.expected_tensors().into_iter().collect(), seed, std, dtype, kind: DummyKind::Normal }
+    }
+
+    /// The same store drawing from `kind`.
+    pub fn with_kind(mut self, kind: DummyKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// The counter generator's parameters for `name` (mean, std and a key from the seed and
+    /// the name), whatever this store's kind.
+    fn counter(&self, name: &str) -> CounterInit {
+        let (mean, std) = mean_std(name, self.std);
+        CounterInit::uniform(fnv1a(name.as_bytes()) ^ self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), mean, std)
     }
 
     /// The f32 values of `name` (the same values `get` returns before dtype conversion).
@@ -48,8 +82,15 @@ impl DummyStore {
 
     /// Fills chunk `ci` (elements `ci * CHUNK ..`) of tensor `name`.
     fn fill_chunk(&self, name: &str, ci: usize, chunk: &mut [f32]) {
-        let is_norm = name.ends_with("norm.weight");
-        let (mean, std) = if is_norm { (1.0, self.std * 0.5) } else { (0.0, self.std) };
+        if self.kind == DummyKind::Counter {
+            let init = self.counter(name);
+            let first = (ci * CHUNK) as u64;
+            for (i, x) in chunk.iter_mut().enumerate() {
+                *x = init.value(first + i as u64);
+            }
+            return;
+        }
+        let (mean, std) = mean_std(name, self.std);
         let stream = fnv1a(name.as_bytes()) ^ self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut rng = StdRng::seed_from_u64(stream.wrapping_add((ci as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)));
         for pair in chunk.chunks_mut(2) {
@@ -60,6 +101,11 @@ impl DummyStore {
             }
         }
     }
+}
+
+/// Mean and std of tensor `name` for a store of init std `std`.
+fn mean_std(name: &str, std: f32) -> (f32, f32) {
+    if name.ends_with("norm.weight") { (1.0, std * 0.5) } else { (0.0, std) }
 }
 
 /// Two independent standard normals.
@@ -109,5 +155,9 @@ impl WeightStore for DummyStore {
             .get(name)
             .cloned()
             .ok_or_else(|| FormatError::MissingTensor { path: "dummy".into(), name: name.to_string() })
+    }
+
+    fn counter_init(&self, name: &str) -> Option<CounterInit> {
+        (self.kind == DummyKind::Counter && self.shapes.contains_key(name)).then(|| self.counter(name))
     }
 }

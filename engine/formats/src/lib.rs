@@ -22,12 +22,12 @@ use std::str::FromStr;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
-pub use dummy::DummyStore;
+pub use dummy::{DummyKind, DummyStore};
 pub use error::FormatError;
 pub use export::{ExportDType, ExportOptions, ExportSummary, export_hf};
 pub use gguf::GgufType;
 pub use safetensors_store::SafetensorsStore;
-pub use tensor::{DType, TensorView, WeightStore, check_tensors};
+pub use tensor::{CounterInit, DType, TensorView, WeightStore, check_tensors};
 pub use tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutput, Tokenizer};
 
 /// Seed of `--load-format dummy` weights.
@@ -247,6 +247,7 @@ fn dummy_info(path: &Path) -> Result<ModelInfo, FormatError> {
 
 fn load_dummy(path: &Path) -> Result<LoadedModel, FormatError> {
     let info = dummy_info(path)?;
-    let store = DummyStore::new(&info.config, DUMMY_SEED, DUMMY_STD, DType::BF16);
+    // The counter generator: the engine may draw these weights on its device.
+    let store = DummyStore::new(&info.config, DUMMY_SEED, DUMMY_STD, DType::BF16).with_kind(DummyKind::Counter);
     Ok(LoadedModel::from_info(info, Box::new(store)))
 }

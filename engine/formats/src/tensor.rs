@@ -61,6 +61,42 @@ impl TensorView<'_> {
     }
 }
 
+/// A tensor drawn by the counter generator: element `i` is
+/// `mean + amp · (2u − 1)` with `u = (splitmix64(key + (i + 1)·γ) >> 40) · 2⁻²⁴`, computed in
+/// f32 one correctly rounded operation at a time (no fused multiply-add), so every device
+/// that follows the recipe draws bit-identical values; the CUDA kernel `fill_counter_bf16`
+/// does. Uniform on `mean ± amp`, i.e. std `amp / √3`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CounterInit {
+    /// Per-tensor key (from the seed and the tensor name).
+    pub key: u64,
+    /// Centre of the distribution.
+    pub mean: f32,
+    /// Half-width of the distribution.
+    pub amp: f32,
+}
+
+/// The golden-ratio increment of splitmix64.
+pub const COUNTER_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+
+impl CounterInit {
+    /// A uniform draw with the given mean and standard deviation.
+    pub fn uniform(key: u64, mean: f32, std: f32) -> Self {
+        Self { key, mean, amp: std * 3f32.sqrt() }
+    }
+
+    /// Element `i`.
+    pub fn value(&self, i: u64) -> f32 {
+        let mut z = self.key.wrapping_add(i.wrapping_add(1).wrapping_mul(COUNTER_GAMMA));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        // 24 random bits: exact in f32, as is the scaling by 2⁻²⁴ and 2u − 1.
+        let u = (z >> 40) as f32 * (1.0 / 16_777_216.0);
+        self.mean + self.amp * (2.0 * u - 1.0)
+    }
+}
+
 /// Source of a model's tensors, by HF name.
 pub trait WeightStore: Send + Sync {
     /// The tensor called `name`, or [`FormatError::MissingTensor`].
@@ -70,6 +106,12 @@ pub trait WeightStore: Send + Sync {
     /// The shape of `name` without materializing its data where the store can avoid it.
     fn shape(&self, name: &str) -> Result<Vec<usize>, FormatError> {
         Ok(self.get(name)?.shape)
+    }
+    /// When `name`'s values are drawn by the counter generator (random weights), how: the
+    /// engine may then draw them on its device instead of asking for them. `None` (the
+    /// default) for stored weights.
+    fn counter_init(&self, _name: &str) -> Option<CounterInit> {
+        None
     }
 }
 

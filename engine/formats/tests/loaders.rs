@@ -383,3 +383,28 @@ fn every_model_config_under_configs_loads_as_dummy_weights() {
     }
     assert!(n >= 2, "expected the 8B and 1B configs, found {n}");
 }
+
+#[test]
+fn counter_dummy_weights_are_pure_uniform_draws_with_the_asked_mean_and_std() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/llama-3.1-8b.json");
+    let m = load(&path, LoadFormat::Dummy);
+    let name = "model.layers.3.mlp.down_proj.weight";
+    let init = m.weights.counter_init(name).expect("--load-format dummy draws with the counter generator");
+    let t = m.weights.get(name).expect("down").to_f32();
+    // `get` serves exactly the draws (rounded to the store's bf16).
+    for (i, &x) in t.iter().enumerate().step_by(997) {
+        assert_eq!(x, half::bf16::from_f32(init.value(i as u64)).to_f32(), "element {i}");
+    }
+    let mean = t.iter().map(|&x| f64::from(x)).sum::<f64>() / t.len() as f64;
+    let std = (t.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / t.len() as f64).sqrt();
+    assert!(mean.abs() < 1e-4 && (std - 0.02).abs() < 5e-4, "mean {mean} std {std}");
+    assert!(t.iter().all(|x| x.abs() <= 0.02 * 3f32.sqrt() * 1.01), "uniform on ±std·√3");
+    // Norms centre on one; other tensors get other keys; unknown names draw nothing.
+    let norm = m.weights.counter_init("model.layers.3.input_layernorm.weight").expect("norm");
+    assert_eq!(norm.mean, 1.0);
+    assert_ne!(norm.key, init.key);
+    assert!(m.weights.counter_init("model.layers.99.mlp.down_proj.weight").is_none());
+    // The test models keep their normal generator (their golden fixtures depend on it).
+    let tiny = TinySpec::qwen2().weights();
+    assert!(tiny.counter_init("model.embed_tokens.weight").is_none());
+}

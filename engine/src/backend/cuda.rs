@@ -16,6 +16,7 @@
 use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use baton_core::api::TokenLogprob;
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
+use baton_formats::CounterInit;
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
     CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, HostSeq,
@@ -106,6 +107,9 @@ pub struct CudaBackend {
     sample_logprobs: Vec<Option<usize>>,
     /// Decode steps recorded as CUDA graphs, and the staged step (cuda_graph.rs).
     graphs: graph::GraphState,
+    /// Events of the step being profiled, one per [`Backend::mark`] (see
+    /// [`CudaBackend::profile_begin`]); `None` when not profiling.
+    profile: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
 }
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
@@ -193,6 +197,7 @@ impl CudaBackend {
             sample_bufs,
             sample_logprobs: Vec::new(),
             graphs: graph::GraphState::new(),
+            profile: None,
         })
     }
 
@@ -206,6 +211,41 @@ impl CudaBackend {
     /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
     pub fn set_prefill_kernel(&mut self, on: bool) {
         self.prefill_kernel = on;
+    }
+
+    /// The counter draws `parts` (rows each) of `cols` columns, one bf16 buffer.
+    fn draw(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaSlice<bf16>, BackendError> {
+        let total: usize = parts.iter().map(|p| p.0 * cols).sum();
+        let mut data = self.dev.alloc::<bf16>(total)?;
+        let mut offset = 0;
+        for (rows, init) in parts {
+            self.dev.fill_counter(&mut data, offset, rows * cols, (init.key, init.mean, init.amp))?;
+            offset += rows * cols;
+        }
+        Ok(data)
+    }
+
+    /// Starts profiling the ops enqueued from now on: a spin of `spin_ns` nanoseconds goes
+    /// first, so the host can queue the whole step behind it and its kernels then run back
+    /// to back (as from a graph); every [`Backend::mark`] records an event. Profile eager
+    /// steps only (graphs off).
+    pub fn profile_begin(&mut self, spin_ns: u64) -> Result<(), BackendError> {
+        self.dev.spin(spin_ns)?;
+        self.profile = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Ends the profile: waits for the device and returns, for each mark, its label and the
+    /// milliseconds until the next mark (the last mark closes the profile and gets none).
+    pub fn profile_end(&mut self) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let events = self.profile.take().unwrap_or_default();
+        self.dev.synchronize()?;
+        let mut out = Vec::with_capacity(events.len());
+        for w in events.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(|e| BackendError::from(CudaError::from(e)))?;
+            out.push((w[0].0, f64::from(ms)));
+        }
+        Ok(out)
     }
 
     /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
@@ -310,6 +350,25 @@ impl Backend for CudaBackend {
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {
         Ok(CudaBuf { data: self.dev.upload(&to_bf16(&data))?, len: data.len() })
+    }
+
+    fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaMat, BackendError> {
+        let rows = parts.iter().map(|p| p.0).sum();
+        Ok(CudaMat { data: self.draw(parts, cols)?, rows, cols })
+    }
+
+    fn random_vec(&mut self, parts: &[(usize, CounterInit)]) -> Result<CudaBuf, BackendError> {
+        let data = self.draw(parts, 1)?;
+        Ok(CudaBuf { len: parts.iter().map(|p| p.0).sum(), data })
+    }
+
+    fn mark(&mut self, label: &'static str) {
+        if let Some(events) = &mut self.profile {
+            match self.dev.event().and_then(|e| Ok(e.record(self.dev.stream()).map(|_| e)?)) {
+                Ok(e) => events.push((label, e)),
+                Err(err) => tracing::warn!(error = %err, "cannot record a profile event; the profile stops"),
+            }
+        }
     }
 
     fn alloc(&mut self, len: usize) -> Result<CudaBuf, BackendError> {

@@ -10,7 +10,25 @@ pub mod cpu;
 pub mod cuda;
 
 use baton_core::sampling::{RowPlan, Sampled};
+use baton_formats::CounterInit;
 use baton_kernels::cpu::KernelError;
+use rayon::prelude::*;
+
+/// The host's draw of [`Backend::random_mat`]: `parts` (rows each) of `cols` columns.
+pub fn counter_values(parts: &[(usize, CounterInit)], cols: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(parts.iter().map(|p| p.0 * cols).sum());
+    for (rows, init) in parts {
+        let start = out.len();
+        out.resize(start + rows * cols, 0.0);
+        out[start..].par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+            let first = (c << 16) as u64;
+            for (i, x) in chunk.iter_mut().enumerate() {
+                *x = init.value(first + i as u64);
+            }
+        });
+    }
+    out
+}
 
 /// A backend failure. Fatal for the step; the engine marks itself unhealthy on
 /// device errors and fails the requests of that step.
@@ -106,6 +124,18 @@ pub trait Backend: Send + 'static {
     fn upload_mat(&mut self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Mat, BackendError>;
     /// Uploads a vector (norm weights, biases).
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<Self::Buf, BackendError>;
+    /// A `rows × cols` matrix of random weights: its rows are `parts` in order, each
+    /// `(rows, init)` drawn by the counter generator (element `i` of a part is
+    /// `init.value(i)`, row-major). The default draws them on the host and uploads them; a
+    /// device backend draws them where they live.
+    fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<Self::Mat, BackendError> {
+        let rows = parts.iter().map(|p| p.0).sum();
+        self.upload_mat(counter_values(parts, cols), rows, cols)
+    }
+    /// A vector of random weights, `parts` in order (see [`Backend::random_mat`]).
+    fn random_vec(&mut self, parts: &[(usize, CounterInit)]) -> Result<Self::Buf, BackendError> {
+        self.upload_vec(counter_values(parts, 1))
+    }
     /// A buffer of `len` elements (contents unspecified).
     fn alloc(&mut self, len: usize) -> Result<Self::Buf, BackendError>;
     /// A residual-stream buffer of `len` elements (contents unspecified).
@@ -283,6 +313,10 @@ pub trait Backend: Send + 'static {
     }
     /// Ends the staged step (ops run op by op again).
     fn finish_replay(&mut self) {}
+
+    /// Marks the start of the op `label` for a step profile (see
+    /// `CudaBackend::profile_begin`); a no-op unless the backend is profiling.
+    fn mark(&mut self, _label: &'static str) {}
 
     /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
     fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {

@@ -23,6 +23,7 @@ pub(crate) fn module_source() -> String {
         include_str!("../../cuda/gemv.cu"),
         include_str!("../../cuda/prefill.cu"),
         include_str!("../../cuda/sampling.cu"),
+        include_str!("../../cuda/util.cu"),
     ]
     .join("\n")
 }

@@ -21,6 +21,7 @@ mod sampling;
 mod staging;
 mod step_ids;
 mod step_meta;
+mod util;
 
 pub use compile::compile_ptx;
 pub use cudarc::driver::{CudaSlice, CudaStream};
@@ -134,6 +135,10 @@ pub(crate) struct Funcs {
     pub sample_rows: CudaFunction,
     /// Sampled tokens into the next step's ids (sampling.cu).
     pub take_sampled_ids: CudaFunction,
+    /// Counter-generated random weights (util.cu).
+    pub fill_counter: CudaFunction,
+    /// A timed wait (util.cu).
+    pub spin: CudaFunction,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -217,6 +222,8 @@ impl CudaDevice {
             gemv: [gemv_funcs(&f, 8)?, gemv_funcs(&f, 16)?],
             sample_rows: f("sample_rows")?,
             take_sampled_ids: f("take_sampled_ids")?,
+            fill_counter: f("fill_counter_bf16")?,
+            spin: f("spin_ns")?,
         };
         let blas = CudaBlas::new(stream.clone())?;
         // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.
