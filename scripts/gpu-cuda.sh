@@ -32,7 +32,8 @@ if [[ "${1:-}" == "--build" ]]; then
     for ex in cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput; do
         [[ -f "$target/release/examples/$ex" ]] && cp "$target/release/examples/$ex" "$CARRY/" && strip "$CARRY/$ex"
     done
-    cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py scripts/bench/sdpa_anchor.py "$CARRY/"
+    cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py scripts/bench/sdpa_anchor.py \
+        scripts/bench/peer_decode.py "$CARRY/"
     mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"
     git rev-parse --short HEAD > "$CARRY/COMMIT" 2>/dev/null || echo unknown > "$CARRY/COMMIT"
     # The carry limit is 64 MiB: the programs travel gzipped and are unpacked on arrival.
@@ -128,10 +129,26 @@ if want smollm2; then
     while read -r l; do summary+=("  $l"); done < <(sed -n '/^backend /,$p' "$OUTDIR/smollm2-summary.txt" | head -8)
 fi
 
+# The torch.compile peer (scripts/bench/peer_decode.py) at bench_cuda's decode shapes, before
+# bench_cuda in the same call. Inductor's compiled kernels are cached: a carried
+# inductor-cache.tar.gz (from an earlier call's $OUT) is unpacked first, and the cache is
+# packed into $OUT again afterwards (each shape compiles for ~80 s without it).
+if want peer; then
+    export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache/inductor TRITON_CACHE_DIR=/tmp/inductor-cache/triton
+    mkdir -p /tmp/inductor-cache
+    [[ -f "$HERE/inductor-cache.tar.gz" ]] && tar -xzf "$HERE/inductor-cache.tar.gz" -C /tmp/inductor-cache
+    timeout "${PEER_TIMEOUT:-480}" python3 "$HERE/peer_decode.py" "$OUTDIR/peer-decode.json" \
+        --config "$HERE/configs/llama-3.1-8b.json" ${PEER_SHAPES:+--shapes $PEER_SHAPES} >"$OUTDIR/peer-decode.log" 2>&1 || status=1
+    tar -czf "$OUTDIR/inductor-cache.tar.gz" -C /tmp/inductor-cache . 2>/dev/null
+    while read -r l; do summary+=("$l"); done < <(grep -E '^peer ' "$OUTDIR/peer-decode.log")
+fi
+
 if want e2e && [[ -x "$HERE/bench_cuda" ]]; then
-    timeout 420 "$HERE/bench_cuda" --config "$HERE/configs/llama-3.1-8b.json" --out "$OUTDIR/bench-cuda.json" \
-        --commit "$COMMIT" ${BENCH_CUDA_ARGS:-} >"$OUTDIR/bench-cuda.log" 2>&1 || status=1
-    while read -r l; do summary+=("$l"); done < <(tail -12 "$OUTDIR/bench-cuda.log")
+    peer_arg=()
+    [[ -f "$OUTDIR/peer-decode.json" ]] && peer_arg=(--peer "$OUTDIR/peer-decode.json")
+    timeout "${BENCH_CUDA_TIMEOUT:-420}" "$HERE/bench_cuda" --config "$HERE/configs/llama-3.1-8b.json" --out "$OUTDIR/bench-cuda.json" \
+        --commit "$COMMIT" "${peer_arg[@]}" ${BENCH_CUDA_ARGS:-} >"$OUTDIR/bench-cuda.log" 2>&1 || status=1
+    while read -r l; do summary+=("$l"); done < <(grep -E '^  b=|^TTFT|^copy' "$OUTDIR/bench-cuda.log")
 fi
 
 # Offline throughput, Llama-3.1-8B shape:

@@ -3,6 +3,10 @@
 //! over time, on one 3×2 canvas. The same drawing code targets SVG (embedded
 //! in the HTML report) and PNG. Everything is derived from the per-request
 //! records, so any saved results JSON can be drawn.
+//!
+//! Text is drawn with DejaVu Sans, compiled into the binary (the `dejavu` crate) and
+//! registered with plotters' `ab_glyph` text backend: the load tester needs no fontconfig,
+//! freetype or system font, so it runs on a bare machine.
 
 use std::path::Path;
 
@@ -17,8 +21,18 @@ use crate::timeseries;
 const SIZE: (u32, u32) = (1500, 900);
 const FONT: &str = "sans-serif";
 
+/// Registers the bundled font under [`FONT`] once per process.
+fn register_font() -> Result<(), LoadtestError> {
+    static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
+    });
+    if ok { Ok(()) } else { Err(LoadtestError::Plot("the bundled DejaVu Sans font does not parse".into())) }
+}
+
 /// The charts as an SVG document.
 pub fn render_svg(result: &RunResult) -> Result<String, LoadtestError> {
+    register_font()?;
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -30,6 +44,7 @@ pub fn render_svg(result: &RunResult) -> Result<String, LoadtestError> {
 
 /// The charts as a PNG file at `path`.
 pub fn render_png(result: &RunResult, path: &Path) -> Result<(), LoadtestError> {
+    register_font()?;
     let root = BitMapBackend::new(path, SIZE).into_drawing_area();
     draw(&root, result).map_err(|e| LoadtestError::Plot(format!("{}: {e}", path.display())))?;
     root.present().map_err(|e| LoadtestError::Plot(format!("{}: {e}", path.display())))

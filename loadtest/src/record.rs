@@ -26,6 +26,8 @@ pub struct Stopwatch {
     start: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
+    /// The first chunk that ended a choice (for a response whose tokens had no text).
+    finish: Option<Instant>,
     itl_s: Vec<f64>,
     chunks: u64,
     /// Tokens counted from chunks that carry token ids (gRPC), exact.
@@ -41,6 +43,7 @@ impl Stopwatch {
             start: Instant::now(),
             first: None,
             last: None,
+            finish: None,
             itl_s: Vec::new(),
             chunks: 0,
             chunk_tokens: None,
@@ -71,6 +74,11 @@ impl Stopwatch {
         self.text.push_str(text);
     }
 
+    /// A chunk arrived that only ends a choice (its `finish_reason`, no token).
+    pub fn finish_chunk(&mut self) {
+        self.finish.get_or_insert_with(Instant::now);
+    }
+
     /// The server reported token counts; the last report wins.
     pub fn usage(&mut self, usage: Usage) {
         self.usage = Some(usage);
@@ -95,8 +103,14 @@ impl Stopwatch {
     ) -> RequestRecord {
         let end = Instant::now();
         let offset = |t: Instant| t.saturating_duration_since(run_start).as_secs_f64();
-        let error = error
-            .or_else(|| self.first.is_none().then(|| "no content received (the server sent no tokens)".to_string()));
+        // A completed response whose tokens all had empty text (the server counted them but
+        // sent no text) is a success with empty text, as in vLLM's benchmark, timed to the
+        // chunk that ended it; one with no tokens at all is a failure.
+        let tokens_reported = self.usage.is_some_and(|u| u.completion_tokens > 0);
+        let first = self.first.or(if tokens_reported { self.finish } else { None });
+        let error = error.or_else(|| {
+            first.is_none().then(|| "no content received (the server sent no tokens)".to_string())
+        });
         let (output_tokens, estimated) = match (self.usage, self.chunk_tokens) {
             (Some(u), _) => (u.completion_tokens, false),
             (None, Some(n)) => (n, false),
@@ -117,7 +131,7 @@ impl Stopwatch {
             output_tokens,
             requested_output_tokens: 0,
             output_tokens_estimated: estimated,
-            ttft_s: self.first.map(|f| (f - self.start).as_secs_f64()),
+            ttft_s: first.map(|f| (f - self.start).as_secs_f64()),
             latency_s: (end - self.start).as_secs_f64(),
             itl_s: self.itl_s,
         }

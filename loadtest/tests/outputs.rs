@@ -156,3 +156,16 @@ fn binary_rejects_bad_input_with_clear_messages() {
         assert!(help.contains(flag), "help lacks {flag}");
     }
 }
+
+/// The load tester must start on a bare machine: no fontconfig or freetype among the shared
+/// libraries it needs (its charts use a font compiled into the binary).
+#[test]
+fn the_binary_needs_no_system_font_libraries() {
+    let bin = env!("CARGO_BIN_EXE_baton-loadtest");
+    let out = std::process::Command::new("ldd").arg(bin).output().expect("ldd runs (glibc Linux)");
+    let libs = String::from_utf8_lossy(&out.stdout);
+    assert!(libs.contains("libc.so"), "ldd listed no libraries: {libs}");
+    for lib in ["fontconfig", "freetype", "expat"] {
+        assert!(!libs.contains(lib), "baton-loadtest links {lib}:\n{libs}");
+    }
+}

@@ -119,3 +119,50 @@ async fn sends_follow_the_arrival_schedule() {
     }
     assert!(result.summary.failed == 0);
 }
+
+/// Tokens whose text is empty still arrive as chunks (Baton and vLLM send them): they are
+/// timed as tokens, and the request succeeds with empty text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_text_tokens_are_timed_and_succeed() {
+    for chat in [false, true] {
+        let server = start(Script { text: common::Text::Empty, ..Script::new(TTFT_MS as u64, ITL_MS as u64) }).await;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = config(&server.base_url, common::prompts_file(&dir, 4), 4, 4);
+        if chat {
+            cfg.backend = BackendKind::OpenaiChat;
+        }
+        let result = run(&cfg).await.expect("run completes");
+        let s = &result.summary;
+        assert_eq!((s.completed, s.failed), (4, 0), "chat {chat}: errors {:?}", s.errors);
+        in_range("TTFT", s.ttft_ms.median, TTFT_MS, TTFT_MS + 20.0);
+        // Every empty-text token is a timed chunk (the chunk that only ends the choice is not).
+        assert_eq!(s.itl_ms.count, 4 * (TOKENS - 1), "chat {chat}");
+        in_range("ITL mean", s.itl_ms.mean, ITL_MS - 4.0, ITL_MS + 5.0);
+        assert_eq!(s.total_output_tokens, 4 * TOKENS as u64);
+    }
+}
+
+/// A server that counts tokens in `usage` but sends no token chunk at all: a success with
+/// empty text (as vLLM's benchmark counts it), its TTFT the chunk that ended the choice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_with_usage_but_no_token_chunks_succeeds_with_empty_text() {
+    let server = start(Script { text: common::Text::FinishOnly, ..Script::new(TTFT_MS as u64, ITL_MS as u64) }).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = config(&server.base_url, common::prompts_file(&dir, 3), 3, 3);
+    let result = run(&cfg).await.expect("run completes");
+    let s = &result.summary;
+    assert_eq!((s.completed, s.failed), (3, 0), "errors {:?}", s.errors);
+    let end_ms = TTFT_MS + (TOKENS - 1) as f64 * ITL_MS;
+    in_range("TTFT (the finishing chunk)", s.ttft_ms.median, end_ms, end_ms + 20.0);
+    assert_eq!(s.total_output_tokens, 3 * TOKENS as u64);
+    // Without a usage count, nothing says any token was generated: a failure.
+    let server = start(Script {
+        text: common::Text::FinishOnly,
+        send_usage: false,
+        ..Script::new(TTFT_MS as u64, ITL_MS as u64)
+    })
+    .await;
+    let cfg = config(&server.base_url, common::prompts_file(&dir, 2), 2, 2);
+    let result = run(&cfg).await.expect("run completes");
+    assert_eq!((result.summary.completed, result.summary.failed), (0, 2));
+}

@@ -377,3 +377,25 @@ async fn metrics_use_vllm_names_and_follow_requests() {
     assert_eq!(metric_value(&text, &format!("baton_kv_blocks_total{l}")), Some(1024.0));
     assert!(metric_value(&text, &format!("vllm:prompt_tokens_total{l}")).expect("prompt tokens") > 0.0);
 }
+
+/// Every token step makes a chunk, also when its text is empty for now (held back while it
+/// may still begin a stop string): clients see each token arrive, as from vLLM.
+#[tokio::test]
+async fn streaming_sends_a_chunk_per_token_step_even_with_held_back_text() {
+    let s = TestServer::default_start().await;
+    let (_, full) = s.post("/v1/completions", completion_body(json!({}))).await;
+    let text = full["choices"][0]["text"].as_str().expect("text").to_owned();
+    let (first, _) = text.split_at(text.char_indices().nth(1).map_or(text.len(), |(i, _)| i));
+    // A stop string that begins with the whole output but never completes: every token's
+    // text is held back until the end.
+    let stop = format!("{text}\u{1}never");
+    assert!(stop.starts_with(first));
+    let body = completion_body(json!({"stream": true, "stop": [stop], "stream_options": {"include_usage": true}}));
+    let chunks = chunks(&s.stream("/v1/completions", body).await);
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    let steps = chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && c["choices"][0].is_object()).count();
+    assert_eq!(steps as u64, usage["completion_tokens"].as_u64().expect("count"), "{chunks:?}");
+    assert!(chunks.iter().any(|c| c["choices"][0]["text"] == ""), "some token's text was held back");
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(streamed, text);
+}

@@ -2,10 +2,15 @@
 //!
 //! Requests ask for `stream_options.include_usage` so the output length comes
 //! from the server's own count, and (unless disabled) `ignore_eos` and
-//! `min_tokens` so it is the length asked for. A content chunk is one whose
-//! first choice carries non-empty `text` (completions) or `delta.content` /
-//! `delta.reasoning_content` (chat). A stream must end with `data: [DONE]`;
-//! one that stops earlier is a failed request.
+//! `min_tokens` so it is the length asked for. A token chunk is one whose first
+//! choice carries generated text: `text` (completions) or `delta.content` /
+//! `delta.reasoning_content` (chat), **empty text included** (tokens whose text
+//! is held back or decodes to nothing still arrive, and vLLM and Baton send them
+//! as chunks), but not a chat role-only delta and not a chunk that only carries
+//! the `finish_reason`. A stream must end with `data: [DONE]`; one that stops
+//! earlier is a failed request. A completed stream whose tokens were all empty
+//! text is a success with empty text, as in vLLM's benchmark (see
+//! [`crate::record::Stopwatch::finish`]).
 
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -128,15 +133,23 @@ impl OpenAiBackend {
         let Some(choice) = event.get("choices").and_then(|c| c.get(0)) else {
             return Ok(());
         };
+        let finishes = choice.get("finish_reason").is_some_and(|f| !f.is_null());
         let text = if self.chat {
             let delta = choice.get("delta");
             let field = |name: &str| delta.and_then(|d| d.get(name)).and_then(Value::as_str);
-            field("content").filter(|s| !s.is_empty()).or_else(|| field("reasoning_content"))
+            let text = field("content").filter(|s| !s.is_empty()).or_else(|| field("reasoning_content"));
+            // The opening role-only delta (`content: ""`) is not a token.
+            let role_only = delta.is_some_and(|d| d.get("role").is_some()) && text.is_none_or(str::is_empty);
+            if role_only { None } else { text.or_else(|| field("content")) }
         } else {
             choice.get("text").and_then(Value::as_str)
         };
-        if let Some(text) = text.filter(|s| !s.is_empty()) {
-            watch.content(text, None);
+        match text {
+            Some(text) if !text.is_empty() => watch.content(text, None),
+            // A token step whose text is empty; an empty chunk that only ends the choice is not one.
+            Some(_) if !finishes => watch.content("", None),
+            _ if finishes => watch.finish_chunk(),
+            _ => {}
         }
         Ok(())
     }

@@ -31,11 +31,24 @@ pub struct Script {
     pub fail_every: Option<usize>,
     /// Send the usage chunk when asked for it.
     pub send_usage: bool,
+    /// Whether the generated tokens have text (see [`Text`]).
+    pub text: Text,
+}
+
+/// What the scripted tokens look like on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Text {
+    /// `" tok{k}"` per chunk.
+    Words,
+    /// Each token a chunk with empty text (tokens that decode to nothing).
+    Empty,
+    /// No token chunks at all, only the chunk that ends the choice (and the usage).
+    FinishOnly,
 }
 
 impl Script {
     pub fn new(ttft_ms: u64, itl_ms: u64) -> Self {
-        Self { ttft_ms, itl_ms, fail_every: None, send_usage: true }
+        Self { ttft_ms, itl_ms, fail_every: None, send_usage: true, text: Text::Words }
     }
 }
 
@@ -169,14 +182,24 @@ fn generate(s: AppState, body: Value, chat: bool) -> Response {
     }
     for k in 0..max_tokens {
         let due = arrived + Duration::from_millis(script.ttft_ms + k as u64 * script.itl_ms);
-        let piece = format!(" tok{k}");
+        let piece = if script.text == Text::Words { format!(" tok{k}") } else { String::new() };
         let chunk = if chat {
             json!({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": null}]})
         } else {
             json!({"choices": [{"index": 0, "text": piece, "finish_reason": null}]})
         };
-        events.push((Some(due), chunk.to_string()));
+        if script.text != Text::FinishOnly {
+            events.push((Some(due), chunk.to_string()));
+        }
     }
+    // The chunk that ends the choice, after the last token's due time.
+    let end = arrived + Duration::from_millis(script.ttft_ms + max_tokens.saturating_sub(1) as u64 * script.itl_ms);
+    let finish = if chat {
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    } else {
+        json!({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+    };
+    events.push((Some(end), finish.to_string()));
     if want_usage {
         let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens, "total_tokens": prompt_tokens + max_tokens});
         events.push((None, json!({"choices": [], "usage": usage}).to_string()));

@@ -172,7 +172,9 @@ fn stream(
                 ChoiceEvent::Delta(d) => {
                     let logprobs = (want_logprobs && !d.logprobs.is_empty())
                         .then(|| chat_logprobs(frontend.codec(), &d.logprobs));
-                    if d.text.is_empty() && logprobs.is_none() {
+                    // A step's tokens make a chunk even when their text is empty (see
+                    // completions.rs): every token step reaches the client.
+                    if d.token_ids.is_empty() && d.text.is_empty() && logprobs.is_none() {
                         continue;
                     }
                     let delta = ChatDelta { role: None, content: Some(d.text) };

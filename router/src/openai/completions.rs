@@ -225,7 +225,10 @@ fn stream(
                         .get_mut(index)
                         .and_then(|o| o.logprobs.as_mut())
                         .map(|b| b.push(frontend.codec(), &d.logprobs));
-                    if d.text.is_empty() && logprobs.as_ref().is_none_or(|l| l.tokens.is_empty()) {
+                    // A step's tokens make a chunk even when their text is empty (held back
+                    // by a possible stop string, or special tokens skipped), as vLLM sends
+                    // them: clients then see every token step arrive (TTFT, ITL).
+                    if d.token_ids.is_empty() && d.text.is_empty() && logprobs.as_ref().is_none_or(|l| l.tokens.is_empty()) {
                         continue;
                     }
                     let choice = CompletionChoice { index, text: d.text, logprobs, finish_reason: None, stop_reason: None };
