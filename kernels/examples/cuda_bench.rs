@@ -283,9 +283,9 @@ fn run() -> Result<(), CudaError> {
                 })?;
                 row("cublas f32", cms, cms, None);
                 let reference = dev.download(&o32, m * nn)?;
-                let kernel = LinearKernel::Gemv { variant: None };
                 let gms = time_ms(&dev, 3, 20, |i| {
-                    LinearCall { x: &x, m, k, w: &ws[i % copies], n: nn, out: &mut o32, kernel }.launch(&dev)
+                    LinearCall { x: &x, m, k, w: &ws[i % copies], n: nn, out: &mut o32, kernel: LinearKernel::GEMV }
+                        .launch(&dev)
                 })?;
                 let diff = rel_diff(&dev.download(&o32, m * nn)?, &reference);
                 let (tf, gbs) = row("gemv f32*", gms, cms, Some(diff));
@@ -375,8 +375,7 @@ fn prefill_section(
                 .launch(dev)
         };
         let ms_new = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_new, AttnKernel::Mixed))?;
-        let decode = AttnKernel::Decode { variant: None };
-        let ms_old = time_ms(dev, 2, 10, |_| attention(&mut meta, &mut o_old, decode))?;
+        let ms_old = time_ms(dev, 2, 10, |_| attention(&mut meta, &mut o_old, AttnKernel::DECODE))?;
         let n = s * nh * hd;
         let old = download_f32(dev, &o_old, n)?;
         let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);

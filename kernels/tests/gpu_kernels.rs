@@ -30,12 +30,6 @@ fn down32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
     dev.download(s, n).expect("download")
 }
 
-/// The skinny GEMM with its default variant.
-const GEMV: LinearKernel = LinearKernel::Gemv { variant: None };
-
-/// The decode kernel with its default variant.
-const DECODE: AttnKernel = AttnKernel::Decode { variant: None };
-
 /// The f32 check (f32 arithmetic, f32 storage): ‖out − ref‖ / ‖ref‖ < 1e-5.
 fn check32(what: &str, out: &[f32], want: &[f32]) {
     let e = rel_err(out, want);
@@ -294,10 +288,14 @@ fn gpu_gemv_matches_cpu() {
             }
             // The default entry points.
             let mut out = poisoned(&dev, m * n);
-            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel: GEMV }.launch(&dev).expect("gemv");
+            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV }
+                .launch(&dev)
+                .expect("gemv");
             check(&format!("gemv default m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
             let mut out32 = poisoned32(&dev, m * n);
-            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel: GEMV }.launch(&dev).expect("gemv_f32_out");
+            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel: LinearKernel::GEMV }
+                .launch(&dev)
+                .expect("gemv_f32_out");
             check32(&format!("gemv_f32_out default m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
         }
     }
@@ -310,19 +308,19 @@ fn gpu_gemv_matches_cpu() {
     let mut out = poisoned(&dev, m * n);
     let mut out32 = poisoned32(&dev, m * n);
     assert!(!gemv_supports(1, k) && !gemv_supports(m, 4096));
-    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out, kernel: GEMV };
+    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV };
     assert!(bad_k.launch(&dev).is_err(), "k % 8 != 0 accepted");
-    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out32, kernel: GEMV };
+    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out32, kernel: LinearKernel::GEMV };
     assert!(bad_k.launch(&dev).is_err(), "k % 8 != 0 accepted (f32)");
-    let many_rows = LinearCall { x: &xd, m, k: 4096, w: &wd, n, out: &mut out, kernel: GEMV };
+    let many_rows = LinearCall { x: &xd, m, k: 4096, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV };
     assert!(many_rows.launch(&dev).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
     let mut short = poisoned(&dev, n - 1);
-    let short_out = LinearCall { x: &xd, m: 1, k: 4096, w: &wd, n, out: &mut short, kernel: GEMV };
+    let short_out = LinearCall { x: &xd, m: 1, k: 4096, w: &wd, n, out: &mut short, kernel: LinearKernel::GEMV };
     assert!(short_out.launch(&dev).is_err(), "short output accepted");
     let kernel = LinearKernel::Gemv { variant: Some(GEMV_VARIANTS.len()) };
     let bad_variant = LinearCall { x: &xd, m: 1, k: 4096, w: &wd, n, out: &mut out, kernel };
     assert!(bad_variant.launch(&dev).is_err(), "bad variant");
-    LinearCall { x: &xd, m: 0, k: 4096, w: &wd, n, out: &mut out, kernel: GEMV }
+    LinearCall { x: &xd, m: 0, k: 4096, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV }
         .launch(&dev)
         .expect("m = 0 is a no-op");
     // What the backend does with those shapes instead: cuBLAS.
@@ -552,11 +550,11 @@ fn attention_case(
         }
     }
     let mut out = poisoned(dev, q.len());
-    attention(&mut meta, &mut out, DECODE, AttnSplit::Auto).expect("attention");
+    attention(&mut meta, &mut out, AttnKernel::DECODE, AttnSplit::Auto).expect("attention");
     check(&format!("attention default hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
     // The default variant with an exact split count, as a graph replay launches it.
     let mut out = poisoned(dev, q.len());
-    attention(&mut meta, &mut out, DECODE, AttnSplit::Exact(16)).expect("attention");
+    attention(&mut meta, &mut out, AttnKernel::DECODE, AttnSplit::Exact(16)).expect("attention");
     check(&format!("attention default exact-16 hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
 }
 

@@ -43,7 +43,7 @@ fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
 /// The implementation of a product of `m` rows over `k` columns: the skinny GEMM (its default
 /// variant) where [`gemv_applies`], else cuBLAS.
 fn linear_kernel(gemv: bool, m: usize, k: usize) -> LinearKernel {
-    if gemv_applies(gemv, m, k) { LinearKernel::Gemv { variant: None } } else { LinearKernel::Cublas }
+    if gemv_applies(gemv, m, k) { LinearKernel::GEMV } else { LinearKernel::Cublas }
 }
 
 impl From<CudaError> for BackendError {
@@ -598,11 +598,8 @@ impl Backend for CudaBackend {
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         // A staged replay is pure decode (and needs its exact split count).
-        let kernel = if self.graphs.staged.is_some() || !self.prefill_kernel {
-            AttnKernel::Decode { variant: None }
-        } else {
-            AttnKernel::Mixed
-        };
+        let kernel =
+            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
         let call = AttentionCall {
             q: &q.data,
             k_cache: kc,
@@ -792,7 +789,7 @@ mod tests {
         assert!(!gemv_applies(true, GEMV_MAX_M + 1, 4096), "larger batches: cuBLAS");
         assert!(!gemv_applies(true, 0, 4096));
         assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
-        assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::Gemv { variant: None });
+        assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::GEMV);
         assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Cublas);
         assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
     }

@@ -40,9 +40,15 @@ pub enum AttnKernel {
         variant: usize,
     },
     /// The router: prefill chunks on the prefill kernel, every other row on the decode kernel
-    /// (default variants). The decode kernel takes every row when the step has no prefill
-    /// chunk or the shape has no prefill kernel ([`prefill_supported`]).
+    /// (default variants; the decode launch splits by [`AttentionCall::split`]). The decode
+    /// kernel takes every row when the step has no prefill chunk or the shape has no prefill
+    /// kernel ([`prefill_supported`]).
     Mixed,
+}
+
+impl AttnKernel {
+    /// The decode kernel on every row with the default variant for the GQA group.
+    pub const DECODE: Self = Self::Decode { variant: None };
 }
 
 /// Paged causal attention of `q` (`rows × n_heads × head_dim`, `rows` the metadata's) over

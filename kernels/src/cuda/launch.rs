@@ -2,7 +2,7 @@
 //! launches, the argument list it passes and the launch itself (in the spirit of cudarc's
 //! `result` layer: small functions over plain values, no state).
 //!
-//! Owns: the size checks ([`shape_check`], [`need`], [`int`]), the grid helpers ([`cfg`],
+//! Owns: the size checks ([`shape_check`], [`need`], [`int`]), the grid helpers ([`cfg()`],
 //! [`grid_for`], [`per_row`], [`grid_stride`]), the argument builder [`Args`] and
 //! [`Args::launch`].
 //!

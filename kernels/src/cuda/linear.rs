@@ -28,6 +28,11 @@ pub enum LinearKernel {
     },
 }
 
+impl LinearKernel {
+    /// The skinny GEMM with the default variant for the output width.
+    pub const GEMV: Self = Self::Gemv { variant: None };
+}
+
 /// `out = x · wᵀ`; `O` is the output element: bf16, or f32 for logits.
 pub struct LinearCall<'a, O> {
     /// `m × k` bf16.
