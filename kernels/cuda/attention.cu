@@ -296,7 +296,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
                                            block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk);     \
     }
 
-// The variants, in the order of ATTN_VARIANTS in kernels/src/cuda/ops.rs.
+// The variants, in the order of ATTN_VARIANTS in kernels/src/cuda/paged_attention.rs.
 #define ATT_VARIANTS(HD)       \
     ATT_INSTANCE(HD, 4, 4, 4, 0)  \
     ATT_INSTANCE(HD, 4, 8, 4, 0)  \

@@ -5,9 +5,11 @@
 // splitmix64 of key + (i + 1)·γ, its top 24 bits as u in [0, 1), then mean + amp·(2u − 1) in
 // single correctly rounded f32 operations (the _rn intrinsics: no contraction into an FMA,
 // which would round differently from the host).
-extern "C" __global__ void fill_counter_bf16(bf16_t* __restrict__ out, long long n, unsigned long long key,
-                                             float mean, float amp) {
+// Writes elements 0..n of the draw to out[offset ..].
+extern "C" __global__ void fill_counter_bf16(bf16_t* __restrict__ out, long long offset, long long n,
+                                             unsigned long long key, float mean, float amp) {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    out += offset;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         unsigned long long z = key + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;

@@ -12,8 +12,8 @@
 //!    product as the matrix-unit ceiling;
 //! 4. prefill attention at the Llama-3.1-8B shape (one sequence of S tokens, no cached
 //!    prefix, causal, 32/8 heads, head_dim 128, block size 16): the tensor-core prefill
-//!    kernel (`attention_mixed`) and the decode kernel over every row (`attention`, the old
-//!    path), with causal FLOPs = 4 · S · S · head_dim · n_heads / 2 (the FA2/FA3/torch
+//!    kernel (`AttnKernel::Mixed`) and the decode kernel over every row (`AttnKernel::Decode`,
+//!    the old path), with causal FLOPs = 4 · S · S · head_dim · n_heads / 2 (the FA2/FA3/torch
 //!    convention: the diagonal's extra S · hd · n_heads · 2 terms are ignored).
 //!
 //! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
@@ -22,8 +22,9 @@
 //! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
 
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
-    KvGeometry, PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    ATTN_VARIANTS, AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice,
+    GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvGeometry, LinearCall, LinearKernel, PREFILL_DEFAULT_VARIANT,
+    PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -165,14 +166,17 @@ fn run() -> Result<(), CudaError> {
         let flops = 4.0 * (batch * nh * ctx * hd) as f64;
         // What was timed is checked too: each variant's output on the first block-table set
         // against the register kernel's unsplit output (bf16 outputs: expect ~1e-3).
-        dev.attention_variant(0, AttnSplit::Fixed(1), &q, &kc, &vc, &mut metas[0], nh, geo, scale, &mut o)?;
+        let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, variant, split| {
+            let kernel = AttnKernel::Decode { variant: Some(variant) };
+            AttentionCall { q: &q, k_cache: &kc, v_cache: &vc, meta, n_heads: nh, geo, scale, out, kernel, split }
+                .launch(&dev)
+        };
+        attention(&mut metas[0], &mut o, 0, AttnSplit::Fixed(1))?;
         let reference = download_f32(&dev, &o, batch * nh * hd)?;
         for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
             for split in [AttnSplit::Auto, AttnSplit::Fixed(1)] {
-                let ms = time_ms(&dev, 3, 20, |i| {
-                    dev.attention_variant(vi, split, &q, &kc, &vc, &mut metas[i % copies], nh, geo, scale, &mut o)
-                })?;
-                dev.attention_variant(vi, split, &q, &kc, &vc, &mut metas[0], nh, geo, scale, &mut o)?;
+                let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;
+                attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
                 let x = nkv * (nh / nkv).div_ceil(v.max_group as usize);
                 let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count());
@@ -224,7 +228,10 @@ fn run() -> Result<(), CudaError> {
             let mut o = dev.alloc::<bf16>(m * nn)?;
             let flops = 2.0 * (m * nn * k) as f64;
             let bytes = ((m * k + nn * k + m * nn) * 2) as f64;
-            let ms = time_ms(&dev, 3, 20, |i| dev.linear(&x, m, k, &ws[i % copies], nn, &mut o))?;
+            let linear = |w: &CudaSlice<bf16>, out: &mut CudaSlice<bf16>, kernel| {
+                LinearCall { x: &x, m, k, w, n: nn, out, kernel }.launch(&dev)
+            };
+            let ms = time_ms(&dev, 3, 20, |i| linear(&ws[i % copies], &mut o, LinearKernel::Cublas))?;
             let mut row = |kernel: &str, ms: f64, cublas_ms: f64, diff: Option<f64>| {
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let gbs = bytes / (ms * 1e-3) / 1e9;
@@ -251,7 +258,8 @@ fn run() -> Result<(), CudaError> {
             let reference = download_f32(&dev, &o, m * nn)?;
             let default = gemv_default(nn, dev.sm_count());
             for (vi, v) in GEMV_VARIANTS.iter().enumerate() {
-                let gms = time_ms(&dev, 3, 20, |i| dev.gemv_variant(vi, &x, m, k, &ws[i % copies], nn, &mut o))?;
+                let kernel = LinearKernel::Gemv { variant: Some(vi) };
+                let gms = time_ms(&dev, 3, 20, |i| linear(&ws[i % copies], &mut o, kernel))?;
                 let diff = rel_diff(&download_f32(&dev, &o, m * nn)?, &reference);
                 let mark = if vi == default { "*" } else { "" };
                 let (tf, gbs) = row(&format!("gemv({},{}){mark}", v.warps, v.unroll), gms, ms, Some(diff));
@@ -269,10 +277,16 @@ fn run() -> Result<(), CudaError> {
             if name == "lm_head" {
                 // The engine's LM head: f32 logits, cuBLAS vs the default gemv variant.
                 let mut o32 = dev.alloc::<f32>(m * nn)?;
-                let cms = time_ms(&dev, 3, 20, |i| dev.linear_f32_out(&x, m, k, &ws[i % copies], nn, &mut o32))?;
+                let cms = time_ms(&dev, 3, 20, |i| {
+                    LinearCall { x: &x, m, k, w: &ws[i % copies], n: nn, out: &mut o32, kernel: LinearKernel::Cublas }
+                        .launch(&dev)
+                })?;
                 row("cublas f32", cms, cms, None);
                 let reference = dev.download(&o32, m * nn)?;
-                let gms = time_ms(&dev, 3, 20, |i| dev.gemv_f32_out(&x, m, k, &ws[i % copies], nn, &mut o32))?;
+                let gms = time_ms(&dev, 3, 20, |i| {
+                    LinearCall { x: &x, m, k, w: &ws[i % copies], n: nn, out: &mut o32, kernel: LinearKernel::GEMV }
+                        .launch(&dev)
+                })?;
                 let diff = rel_diff(&dev.download(&o32, m * nn)?, &reference);
                 let (tf, gbs) = row("gemv f32*", gms, cms, Some(diff));
                 let v = GEMV_VARIANTS[default];
@@ -294,7 +308,9 @@ fn run() -> Result<(), CudaError> {
     let a = random_bf16(&dev, &mut r, big * big)?;
     let b = random_bf16(&dev, &mut r, big * big)?;
     let mut c = dev.alloc::<bf16>(big * big)?;
-    let ms = time_ms(&dev, 3, 10, |_| dev.linear(&a, big, big, &b, big, &mut c))?;
+    let ms = time_ms(&dev, 3, 10, |_| {
+        LinearCall { x: &a, m: big, k: big, w: &b, n: big, out: &mut c, kernel: LinearKernel::Cublas }.launch(&dev)
+    })?;
     let tf = 2.0 * (big as f64).powi(3) / (ms * 1e-3) / 1e12;
     writeln!(table, " 8192^3 ceiling: {ms:.3} ms, {tf:.0} TFLOP/s").ok();
     json.push(format!("{{\"name\":\"gemm_8192_cubed\",\"ms\":{ms:.4},\"tflop_s\":{tf:.1}}}"));
@@ -353,17 +369,21 @@ fn prefill_section(
         let scale = 1.0 / (hd as f32).sqrt();
         let flops = 4.0 * (s as f64) * (s as f64) * (hd * nh) as f64 / 2.0;
         let bytes = (2 * s * nh * hd + 2 * s * nkv * hd) * 2;
-        let ms_new = time_ms(dev, 3, 20, |_| dev.attention_mixed(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_new))?;
-        let ms_old = time_ms(dev, 2, 10, |_| dev.attention(&q, &kc, &vc, &mut meta, nh, geo, scale, &mut o_old))?;
+        let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, kernel| {
+            let split = AttnSplit::Auto;
+            AttentionCall { q: &q, k_cache: &kc, v_cache: &vc, meta, n_heads: nh, geo, scale, out, kernel, split }
+                .launch(dev)
+        };
+        let ms_new = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_new, AttnKernel::Mixed))?;
+        let ms_old = time_ms(dev, 2, 10, |_| attention(&mut meta, &mut o_old, AttnKernel::DECODE))?;
         let n = s * nh * hd;
         let old = download_f32(dev, &o_old, n)?;
         let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);
         let mut rows = vec![(format!("prefill_mma_w{}*", PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]), ms_new, diff)];
         // The other CTA sizes, launched directly (the router uses the default).
         for (vi, &w) in PREFILL_WARPS.iter().enumerate().filter(|&(vi, _)| vi != PREFILL_DEFAULT_VARIANT) {
-            let ms = time_ms(dev, 3, 20, |_| {
-                dev.prefill_attention_variant(vi, &q, &kc, &vc, &meta, nh, geo, scale, &mut o_var)
-            })?;
+            let kernel = AttnKernel::Prefill { variant: vi };
+            let ms = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_var, kernel))?;
             rows.push((format!("prefill_mma_w{w}"), ms, rel_diff(&download_f32(dev, &o_var, n)?, &old)));
         }
         rows.push(("decode_kernel".to_string(), ms_old, 0.0));

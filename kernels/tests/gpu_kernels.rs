@@ -10,8 +10,10 @@ mod common;
 
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttnSplit, CudaDevice, CudaOptions, CudaSlice, DeviceRow, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq,
-    KvGeometry, SampleBuffers, StepIds, StepMeta, bf16, gemv_supports,
+    ATTN_VARIANTS, AddRmsNormCall, AttentionCall, AttnKernel, AttnSplit, BiasAddCall, CopyColsCall, CudaDevice,
+    CudaOptions, CudaSlice, DeviceRow, EmbedCall, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatherRowsCall, HostSeq,
+    KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers, SiluMulCall, StepIds,
+    StepMeta, bf16, gemv_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -47,10 +49,15 @@ fn gpu_embed_matches_cpu() {
         let t = up(&dev, &table);
         let mut out = poisoned32(&dev, n * dim);
         let mut ids = StepIds::new(&dev).expect("ids");
-        dev.embed(&tokens, &mut ids, &t, vocab, dim, &mut out).expect("embed");
+        ids.stage(&dev, &tokens, vocab, &[], None).expect("stage");
+        EmbedCall { ids: &ids, table: &t, vocab, dim, out: &mut out }.launch(&dev).expect("embed");
         let got = down32(&dev, &out, n * dim);
         assert_eq!(got, want, "embed is a copy (bf16 widened to f32) and must be exact");
-        assert!(dev.embed(&[vocab as u32], &mut ids, &t, vocab, dim, &mut out).is_err(), "bad token accepted");
+        assert!(ids.stage(&dev, &[vocab as u32], vocab, &[], None).is_err(), "bad token accepted");
+        // Ids checked against a larger vocabulary than the table's are refused at launch.
+        ids.stage(&dev, &tokens, vocab + 1, &[], None).expect("stage");
+        let call = EmbedCall { ids: &ids, table: &t, vocab, dim, out: &mut out };
+        assert!(call.launch(&dev).is_err(), "ids of another vocabulary accepted");
     }
 }
 
@@ -101,7 +108,7 @@ fn gpu_pending_ids_come_from_the_sampler() {
     let mut ids = StepIds::new(&dev).expect("ids");
     ids.stage(&dev, &tokens, vocab, &pending, Some(&bufs)).expect("stage");
     let mut out = poisoned32(&dev, n * dim);
-    dev.embed_staged(n, ids.ids(), &t, vocab, dim, &mut out).expect("embed");
+    EmbedCall { ids: &ids, table: &t, vocab, dim, out: &mut out }.launch(&dev).expect("embed");
     let mut want_tokens = tokens.clone();
     for &(row, i) in &pending {
         want_tokens[row] = argmax[order[i]];
@@ -141,14 +148,16 @@ fn gpu_rms_norm_and_fused_residual_match_cpu() {
         cpu::rms_norm(&res, &w, 1e-5, &mut want).expect("cpu");
         let (resd0, xd, wd) = (up32(&dev, &res), up(&dev, &x), up(&dev, &w));
         let mut out = poisoned(&dev, rows * dim);
-        dev.rms_norm(&resd0, &wd, rows, dim, 1e-5, &mut out).expect("rms_norm");
+        RmsNormCall { x: &resd0, weight: &wd, rows, dim, eps: 1e-5, out: &mut out }.launch(&dev).expect("rms_norm");
         check(&format!("rms_norm {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
 
         let mut res_cpu = res.clone();
         cpu::add_rms_norm(&mut res_cpu, &x, &w, 1e-5, &mut want).expect("cpu");
         let mut resd = up32(&dev, &res);
         let mut out = poisoned(&dev, rows * dim);
-        dev.add_rms_norm(&mut resd, &xd, &wd, rows, dim, 1e-5, &mut out).expect("add_rms_norm");
+        AddRmsNormCall { residual: &mut resd, x: &xd, weight: &wd, rows, dim, eps: 1e-5, out: &mut out }
+            .launch(&dev)
+            .expect("add_rms_norm");
         check(&format!("add_rms_norm out {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
         let got_res = down32(&dev, &resd, rows * dim);
         check32(&format!("add_rms_norm residual {rows}x{dim}"), &got_res, &res_cpu);
@@ -159,10 +168,14 @@ fn gpu_rms_norm_and_fused_residual_match_cpu() {
         let pick: Vec<usize> = (0..rows.min(5)).map(|_| r.random_range(0..rows)).collect();
         let mut ids = dev.alloc::<i32>(1).expect("alloc");
         let mut g = poisoned32(&dev, pick.len() * dim);
-        dev.gather_rows_f32(&resd, rows, dim, &pick, &mut ids, &mut g).expect("gather f32");
+        GatherRowsCall { src: &resd, src_rows: rows, width: dim, rows: &pick, scratch: &mut ids, dst: &mut g }
+            .launch(&dev)
+            .expect("gather f32");
         let wg: Vec<f32> = pick.iter().flat_map(|&p| res_cpu[p * dim..(p + 1) * dim].to_vec()).collect();
         assert_eq!(down32(&dev, &g, pick.len() * dim), wg);
-        assert!(dev.gather_rows_f32(&resd, rows, dim, &[rows], &mut ids, &mut g).is_err(), "bad row accepted");
+        let bad =
+            GatherRowsCall { src: &resd, src_rows: rows, width: dim, rows: &[rows], scratch: &mut ids, dst: &mut g };
+        assert!(bad.launch(&dev).is_err(), "bad row accepted");
     }
 }
 
@@ -176,26 +189,30 @@ fn gpu_silu_mul_bias_and_copies_match_cpu() {
         cpu::silu_mul(&gu, &mut want, d).expect("cpu");
         let gd = up(&dev, &gu);
         let mut out = poisoned(&dev, rows * d);
-        dev.silu_mul(&gd, rows, d, &mut out).expect("silu_mul");
+        SiluMulCall { gate_up: &gd, rows, d, out: &mut out }.launch(&dev).expect("silu_mul");
         check(&format!("silu_mul {rows}x{d}"), &down(&dev, &out, rows * d), &want);
 
         // Bias add in place.
         let b = rand_vec(&mut r, d, 1.0);
         let mut x = up(&dev, &want);
-        dev.bias_add(&mut x, &up(&dev, &b), rows, d).expect("bias_add");
+        BiasAddCall { x: &mut x, bias: &up(&dev, &b), rows, n: d }.launch(&dev).expect("bias_add");
         let wb: Vec<f32> = want.iter().enumerate().map(|(i, v)| v + b[i % d]).collect();
         check(&format!("bias_add {rows}x{d}"), &down(&dev, &x, rows * d), &wb);
 
         // Column band [d/3, d/3 + d/2) and a row gather, both exact copies.
         let (c0, cw) = (d / 3, d / 2);
         let mut band = poisoned(&dev, rows * cw);
-        dev.copy_cols(&gd, rows, 2 * d, c0, &mut band, cw).expect("copy_cols");
+        CopyColsCall { src: &gd, rows, src_width: 2 * d, col0: c0, dst: &mut band, dst_width: cw }
+            .launch(&dev)
+            .expect("copy_cols");
         let wband: Vec<f32> = (0..rows).flat_map(|i| gu[i * 2 * d + c0..i * 2 * d + c0 + cw].to_vec()).collect();
         assert_eq!(down(&dev, &band, rows * cw), wband);
         let pick: Vec<usize> = (0..rows.min(5)).map(|_| r.random_range(0..rows)).collect();
         let mut ids = dev.alloc::<i32>(1).expect("alloc");
         let mut g = poisoned(&dev, pick.len() * 2 * d);
-        dev.gather_rows(&gd, rows, 2 * d, &pick, &mut ids, &mut g).expect("gather");
+        GatherRowsCall { src: &gd, src_rows: rows, width: 2 * d, rows: &pick, scratch: &mut ids, dst: &mut g }
+            .launch(&dev)
+            .expect("gather");
         let wg: Vec<f32> = pick.iter().flat_map(|&p| gu[p * 2 * d..(p + 1) * 2 * d].to_vec()).collect();
         assert_eq!(down(&dev, &g, pick.len() * 2 * d), wg);
     }
@@ -211,11 +228,16 @@ fn gpu_linear_matches_cpu_gemm() {
         let mut want = vec![0.0; m * n];
         cpu::linear(&x, &w, None, m, k, n, &mut want).expect("cpu");
         let mut out = poisoned(&dev, m * n);
-        dev.linear(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out).expect("linear");
+        let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+        LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel: LinearKernel::Cublas }
+            .launch(&dev)
+            .expect("linear");
         check(&format!("linear m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
         // The LM head's f32 output: only bf16 operands round, so it sits far closer (1e-5).
         let mut out32 = poisoned32(&dev, m * n);
-        dev.linear_f32_out(&up(&dev, &x), m, k, &up(&dev, &w), n, &mut out32).expect("linear_f32_out");
+        LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel: LinearKernel::Cublas }
+            .launch(&dev)
+            .expect("linear_f32_out");
         check32(&format!("linear_f32_out m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
     }
 }
@@ -252,23 +274,28 @@ fn gpu_gemv_matches_cpu() {
             for (vi, v) in GEMV_VARIANTS.iter().enumerate() {
                 let what = format!("gemv {v:?} m={m} k={k} n={n}");
                 let mut out = poisoned(&dev, m * n + spare);
-                dev.gemv_variant(vi, &xd, m, k, &wd, n, &mut out).expect("gemv");
+                let kernel = LinearKernel::Gemv { variant: Some(vi) };
+                LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel }.launch(&dev).expect("gemv");
                 let got = down(&dev, &out, m * n + spare);
                 assert!(got[m * n..].iter().all(|v| v.is_nan()), "{what}: wrote past m × n");
                 check(&what, &got[..m * n], &want);
                 // f32 output: only the bf16 operands round (1e-5, as cuBLAS's linear_f32_out).
                 let mut out32 = poisoned32(&dev, m * n + spare);
-                dev.gemv_f32_out_variant(vi, &xd, m, k, &wd, n, &mut out32).expect("gemv_f32_out");
+                LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel }.launch(&dev).expect("gemv_f32_out");
                 let got = down32(&dev, &out32, m * n + spare);
                 assert!(got[m * n..].iter().all(|v| v.is_nan()), "{what} f32: wrote past m × n");
                 check32(&format!("{what} f32"), &got[..m * n], &want);
             }
             // The default entry points.
             let mut out = poisoned(&dev, m * n);
-            dev.gemv(&xd, m, k, &wd, n, &mut out).expect("gemv");
+            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV }
+                .launch(&dev)
+                .expect("gemv");
             check(&format!("gemv default m={m} k={k} n={n}"), &down(&dev, &out, m * n), &want);
             let mut out32 = poisoned32(&dev, m * n);
-            dev.gemv_f32_out(&xd, m, k, &wd, n, &mut out32).expect("gemv_f32_out");
+            LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel: LinearKernel::GEMV }
+                .launch(&dev)
+                .expect("gemv_f32_out");
             check32(&format!("gemv_f32_out default m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
         }
     }
@@ -281,17 +308,27 @@ fn gpu_gemv_matches_cpu() {
     let mut out = poisoned(&dev, m * n);
     let mut out32 = poisoned32(&dev, m * n);
     assert!(!gemv_supports(1, k) && !gemv_supports(m, 4096));
-    assert!(dev.gemv(&xd, 1, k, &wd, n, &mut out).is_err(), "k % 8 != 0 accepted");
-    assert!(dev.gemv_f32_out(&xd, 1, k, &wd, n, &mut out32).is_err(), "k % 8 != 0 accepted (f32)");
-    assert!(dev.gemv(&xd, m, 4096, &wd, n, &mut out).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
+    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV };
+    assert!(bad_k.launch(&dev).is_err(), "k % 8 != 0 accepted");
+    let bad_k = LinearCall { x: &xd, m: 1, k, w: &wd, n, out: &mut out32, kernel: LinearKernel::GEMV };
+    assert!(bad_k.launch(&dev).is_err(), "k % 8 != 0 accepted (f32)");
+    let many_rows = LinearCall { x: &xd, m, k: 4096, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV };
+    assert!(many_rows.launch(&dev).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
     let mut short = poisoned(&dev, n - 1);
-    assert!(dev.gemv(&xd, 1, 4096, &wd, n, &mut short).is_err(), "short output accepted");
-    assert!(dev.gemv_variant(GEMV_VARIANTS.len(), &xd, 1, 4096, &wd, n, &mut out).is_err(), "bad variant");
-    dev.gemv(&xd, 0, 4096, &wd, n, &mut out).expect("m = 0 is a no-op");
+    let short_out = LinearCall { x: &xd, m: 1, k: 4096, w: &wd, n, out: &mut short, kernel: LinearKernel::GEMV };
+    assert!(short_out.launch(&dev).is_err(), "short output accepted");
+    let kernel = LinearKernel::Gemv { variant: Some(GEMV_VARIANTS.len()) };
+    let bad_variant = LinearCall { x: &xd, m: 1, k: 4096, w: &wd, n, out: &mut out, kernel };
+    assert!(bad_variant.launch(&dev).is_err(), "bad variant");
+    LinearCall { x: &xd, m: 0, k: 4096, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV }
+        .launch(&dev)
+        .expect("m = 0 is a no-op");
     // What the backend does with those shapes instead: cuBLAS.
     for mm in [1usize, m] {
         let mut out = poisoned(&dev, mm * n);
-        dev.linear(&xd, mm, k, &wd, n, &mut out).expect("linear");
+        LinearCall { x: &xd, m: mm, k, w: &wd, n, out: &mut out, kernel: LinearKernel::Cublas }
+            .launch(&dev)
+            .expect("linear");
         check(
             &format!("cuBLAS fallback m={mm} k={k} n={n}"),
             &down(&dev, &out, mm * n),
@@ -361,7 +398,17 @@ fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKi
     let mut kcd = poisoned(dev, geo.layer_len());
     let mut vcd = poisoned(dev, geo.layer_len());
     let inv = dev.upload(table.inv_freq()).expect("inv_freq");
-    dev.rope_write_kv(&mut qd, &mut kd, &vd, &mut kcd, &mut vcd, &meta, &inv, nh, geo).expect("rope_write_kv");
+    RopeKvCall {
+        input: RopeInput::Split { q: &mut qd, k: &mut kd, v: &vd },
+        k_cache: &mut kcd,
+        v_cache: &mut vcd,
+        meta: &meta,
+        inv_freq: &inv,
+        n_heads: nh,
+        geo,
+    }
+    .launch(dev)
+    .expect("rope_write_kv");
     let what = format!("rope hd={hd} {scaling:?}");
     check(&format!("{what} q"), &down(dev, &qd, q.len()), &qw);
     check(&format!("{what} k"), &down(dev, &kd, k.len()), &kw);
@@ -391,7 +438,17 @@ fn rope_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, scaling: RopeScalingKi
     let mut q_out = poisoned(dev, padded * nh * hd);
     let mut kcd = poisoned(dev, geo.layer_len());
     let mut vcd = poisoned(dev, geo.layer_len());
-    dev.rope_qkv_write_kv(&up(dev, &qkv), &mut q_out, &mut kcd, &mut vcd, &meta, &inv, nh, geo).expect("fused");
+    RopeKvCall {
+        input: RopeInput::Fused { qkv: &up(dev, &qkv), q_out: &mut q_out },
+        k_cache: &mut kcd,
+        v_cache: &mut vcd,
+        meta: &meta,
+        inv_freq: &inv,
+        n_heads: nh,
+        geo,
+    }
+    .launch(dev)
+    .expect("fused");
     check(&format!("{what} fused q"), &down(dev, &q_out, q.len()), &qw);
     let (gk, gv) = (down(dev, &kcd, kc.len()), down(dev, &vcd, vc.len()));
     assert!(untouched(&kc, &gk) && untouched(&vc, &gv), "{what} fused: a padding row wrote into the cache");
@@ -428,7 +485,6 @@ fn gpu_rope_write_kv_matches_cpu() {
 /// blocks filled with random K/V (so reading a wrong slot is an error, not a zero), followed by
 /// `pad` padding rows (a CUDA-graph bucket's unused rows: context 0, output zeros) whose q is
 /// random too.
-#[allow(clippy::too_many_arguments)]
 fn attention_case(
     dev: &CudaDevice,
     r: &mut StdRng,
@@ -467,6 +523,10 @@ fn attention_case(
     let mut meta = StepMeta::new(dev).expect("meta");
     meta.set_padded(dev, &host, rows, padded, bs, num_blocks).expect("meta set");
     let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
+    let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, kernel, split| {
+        AttentionCall { q: &qd, k_cache: &kd, v_cache: &vd, meta, n_heads: nh, geo, scale, out, kernel, split }
+            .launch(dev)
+    };
     // Every variant (register and tensor-core kernels), unsplit, split as the device would
     // choose, split finely (many splits past short rows' contexts), and an exact split count
     // (one launch shape for any contexts, as a captured graph uses); then the default entry
@@ -476,7 +536,8 @@ fn attention_case(
             [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(64), AttnSplit::Exact(5), AttnSplit::Exact(128)]
         {
             let mut out = poisoned(dev, q.len());
-            dev.attention_variant(vi, split, &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+            let kernel = AttnKernel::Decode { variant: Some(vi) };
+            attention(&mut meta, &mut out, kernel, split).expect("attention");
             check(
                 &format!(
                     "attention {} {split:?} hd={hd} heads={nh}/{nkv} bs={bs} seqs={} rows={rows}+{pad}",
@@ -489,11 +550,11 @@ fn attention_case(
         }
     }
     let mut out = poisoned(dev, q.len());
-    dev.attention(&qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+    attention(&mut meta, &mut out, AttnKernel::DECODE, AttnSplit::Auto).expect("attention");
     check(&format!("attention default hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
     // The default variant with an exact split count, as a graph replay launches it.
     let mut out = poisoned(dev, q.len());
-    dev.attention_split(AttnSplit::Exact(16), &qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention");
+    attention(&mut meta, &mut out, AttnKernel::DECODE, AttnSplit::Exact(16)).expect("attention");
     check(&format!("attention default exact-16 hd={hd} heads={nh}/{nkv} bs={bs}"), &down(dev, &out, q.len()), &want);
 }
 

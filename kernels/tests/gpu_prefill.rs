@@ -1,18 +1,19 @@
-//! The tensor-core prefill attention (`CudaDevice::prefill_attention`) and the mixed-batch
-//! router (`CudaDevice::attention_mixed`) against the CPU reference attention, on fresh
+//! The tensor-core prefill attention (`AttnKernel::Prefill`) and the mixed-batch router
+//! (`AttnKernel::Mixed`) against the CPU reference attention, on fresh
 //! random q and K/V caches (the seed is printed), outputs poisoned (NaN) before each launch.
 //! Inputs are rounded to bf16 first so both sides see the same values; the check is
 //! ‖out − ref‖ / ‖ref‖ < 1e-2 over every row.
 //!
 //! Like gpu_kernels.rs these need a GPU: they are named `gpu_*`, excluded from CI by name,
 //! and FAIL (do not skip) when no device can be opened. Run them with `scripts/gpu-tests.sh`.
-//! The shape refusals that need no device are unit tests of `cuda::prefill`.
+//! The shape refusals that need no device are unit tests of `cuda::attention`.
 
 mod common;
 
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    CudaDevice, HostSeq, KvGeometry, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
+    AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvGeometry, PREFILL_DEFAULT_VARIANT,
+    PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::rngs::StdRng;
@@ -62,7 +63,20 @@ fn prefill_case(
     let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
 
     let mut out = poisoned(dev, q.len());
-    dev.attention_mixed(&qd, &kd, &vd, &mut meta, nh, geo, scale, &mut out).expect("attention_mixed");
+    AttentionCall {
+        q: &qd,
+        k_cache: &kd,
+        v_cache: &vd,
+        meta: &mut meta,
+        n_heads: nh,
+        geo,
+        scale,
+        out: &mut out,
+        kernel: AttnKernel::Mixed,
+        split: AttnSplit::Auto,
+    }
+    .launch(dev)
+    .expect("attention_mixed");
     check(&format!("mixed {what}"), &down(dev, &out, q.len()), &want);
 
     if !prefill_supported(nh, nkv, hd) || !is_prefill.iter().any(|&p| p) {
@@ -73,7 +87,20 @@ fn prefill_case(
             continue;
         }
         let mut out = poisoned(dev, q.len());
-        dev.prefill_attention_variant(vi, &qd, &kd, &vd, &meta, nh, geo, scale, &mut out).expect("prefill_attention");
+        AttentionCall {
+            q: &qd,
+            k_cache: &kd,
+            v_cache: &vd,
+            meta: &mut meta,
+            n_heads: nh,
+            geo,
+            scale,
+            out: &mut out,
+            kernel: AttnKernel::Prefill { variant: vi },
+            split: AttnSplit::Auto,
+        }
+        .launch(dev)
+        .expect("prefill_attention");
         let got = down(dev, &out, q.len());
         let (mut g, mut wnt) = (Vec::new(), Vec::new());
         for (r, &p) in is_prefill.iter().enumerate() {
@@ -121,7 +148,7 @@ fn gpu_prefill_attention_matches_cpu() {
 }
 
 /// The prefill launcher refuses inconsistent shapes on a device too (the device-free
-/// refusals are unit tests of `cuda::prefill`).
+/// refusals are unit tests of `cuda::attention`).
 #[test]
 fn gpu_prefill_attention_refuses_bad_shapes() {
     let dev = device();
@@ -134,11 +161,24 @@ fn gpu_prefill_attention_refuses_bad_shapes() {
     let q = dev.alloc::<bf16>(40 * 8 * 64).expect("alloc");
     let mut out = dev.alloc::<bf16>(40 * 8 * 64).expect("alloc");
     let short = dev.alloc::<bf16>(40 * 8 * 64 - 1).expect("alloc");
-    assert!(dev.prefill_attention(&short, &kv, &kv, &meta, 8, geo, 0.1, &mut out).is_err(), "short q");
-    assert!(dev.prefill_attention(&q, &kv, &kv, &meta, 7, geo, 0.1, &mut out).is_err(), "heads vs KV heads");
-    let odd = KvGeometry { head_dim: 96, ..geo };
-    assert!(dev.prefill_attention(&q, &kv, &kv, &meta, 8, odd, 0.1, &mut out).is_err(), "head_dim 96");
-    let other = KvGeometry { block_size: 8, ..geo };
-    assert!(dev.prefill_attention(&q, &kv, &kv, &meta, 8, other, 0.1, &mut out).is_err(), "geometry");
+    let mut prefill = |q: &CudaSlice<bf16>, n_heads: usize, geo: KvGeometry| {
+        AttentionCall {
+            q,
+            k_cache: &kv,
+            v_cache: &kv,
+            meta: &mut meta,
+            n_heads,
+            geo,
+            scale: 0.1,
+            out: &mut out,
+            kernel: AttnKernel::Prefill { variant: PREFILL_DEFAULT_VARIANT },
+            split: AttnSplit::Auto,
+        }
+        .launch(&dev)
+    };
+    assert!(prefill(&short, 8, geo).is_err(), "short q");
+    assert!(prefill(&q, 7, geo).is_err(), "heads vs KV heads");
+    assert!(prefill(&q, 8, KvGeometry { head_dim: 96, ..geo }).is_err(), "head_dim 96");
+    assert!(prefill(&q, 8, KvGeometry { block_size: 8, ..geo }).is_err(), "geometry");
     dev.synchronize().expect("nothing was launched");
 }

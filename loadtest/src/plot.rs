@@ -24,9 +24,8 @@ const FONT: &str = "sans-serif";
 /// Registers the bundled font under [`FONT`] once per process.
 fn register_font() -> Result<(), LoadtestError> {
     static REGISTERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let ok = *REGISTERED.get_or_init(|| {
-        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok()
-    });
+    let ok = *REGISTERED
+        .get_or_init(|| plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular()).is_ok());
     if ok { Ok(()) } else { Err(LoadtestError::Plot("the bundled DejaVu Sans font does not parse".into())) }
 }
 

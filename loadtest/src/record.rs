@@ -108,9 +108,8 @@ impl Stopwatch {
         // chunk that ended it; one with no tokens at all is a failure.
         let tokens_reported = self.usage.is_some_and(|u| u.completion_tokens > 0);
         let first = self.first.or(if tokens_reported { self.finish } else { None });
-        let error = error.or_else(|| {
-            first.is_none().then(|| "no content received (the server sent no tokens)".to_string())
-        });
+        let error =
+            error.or_else(|| first.is_none().then(|| "no content received (the server sent no tokens)".to_string()));
         let (output_tokens, estimated) = match (self.usage, self.chunk_tokens) {
             (Some(u), _) => (u.completion_tokens, false),
             (None, Some(n)) => (n, false),

@@ -393,7 +393,8 @@ async fn streaming_sends_a_chunk_per_token_step_even_with_held_back_text() {
     let body = completion_body(json!({"stream": true, "stop": [stop], "stream_options": {"include_usage": true}}));
     let chunks = chunks(&s.stream("/v1/completions", body).await);
     let usage = &chunks.last().expect("usage chunk")["usage"];
-    let steps = chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && c["choices"][0].is_object()).count();
+    let steps =
+        chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && c["choices"][0].is_object()).count();
     assert_eq!(steps as u64, usage["completion_tokens"].as_u64().expect("count"), "{chunks:?}");
     assert!(chunks.iter().any(|c| c["choices"][0]["text"] == ""), "some token's text was held back");
     let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();

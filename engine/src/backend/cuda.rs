@@ -19,8 +19,10 @@ use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::CounterInit;
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
-    CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, HostSeq,
-    KvGeometry, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, StepIds, StepMeta, bf16, gemv_supports,
+    AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvGeometry,
+    LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
+    SiluMulCall, StepIds, StepMeta, bf16, gemv_supports,
 };
 
 /// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
@@ -37,6 +39,12 @@ pub const GEMV_MAX_M: usize = 8;
 /// Whether a product of `m` rows over `k` columns goes to the skinny-GEMM kernel.
 fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
     enabled && m <= GEMV_MAX_M && gemv_supports(m, k)
+}
+
+/// The implementation of a product of `m` rows over `k` columns: the skinny GEMM (its default
+/// variant) where [`gemv_applies`], else cuBLAS.
+fn linear_kernel(gemv: bool, m: usize, k: usize) -> LinearKernel {
+    if gemv_applies(gemv, m, k) { LinearKernel::GEMV } else { LinearKernel::Cublas }
 }
 
 impl From<CudaError> for BackendError {
@@ -96,7 +104,7 @@ pub struct CudaBackend {
     /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
     /// for every GEMM, for comparisons.
     gemv: bool,
-    /// Prefill chunks through the tensor-core prefill kernel (`CudaDevice::attention_mixed`);
+    /// Prefill chunks through the tensor-core prefill kernel (`AttnKernel::Mixed`);
     /// off = the decode kernel for every row, for comparisons.
     prefill_kernel: bool,
     /// Rows and width of the live LM-head output in `logits`.
@@ -423,7 +431,9 @@ impl Backend for CudaBackend {
         if self.graphs.staged.is_none_or(|s| s.key.rows != tokens.len()) {
             self.ids.stage(&self.dev, tokens, table.rows, pending, Some(&self.sample_bufs))?;
         }
-        Ok(self.dev.embed_staged(tokens.len(), self.ids.ids(), &table.data, table.rows, table.cols, &mut out.data)?)
+        let call =
+            EmbedCall { ids: &self.ids, table: &table.data, vocab: table.rows, dim: table.cols, out: &mut out.data };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn linear(
@@ -438,16 +448,13 @@ impl Backend for CudaBackend {
             return Err(kerr("linear", format!("input has {} values, need {m}×{}", x.len, w.cols)));
         }
         self.ensure(out, m * w.rows)?;
-        if gemv_applies(self.gemv, m, w.cols) {
-            self.dev.gemv(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
-        } else {
-            self.dev.linear(&x.data, m, w.cols, &w.data, w.rows, &mut out.data)?;
-        }
+        let kernel = linear_kernel(self.gemv, m, w.cols);
+        LinearCall { x: &x.data, m, k: w.cols, w: &w.data, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
         if let Some(b) = bias {
             if b.len != w.rows {
                 return Err(kerr("linear", format!("bias has {} values for {} outputs", b.len, w.rows)));
             }
-            self.dev.bias_add(&mut out.data, &b.data, m, w.rows)?;
+            BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: w.rows }.launch(&self.dev)?;
         }
         Ok(())
     }
@@ -458,7 +465,8 @@ impl Backend for CudaBackend {
             return Err(kerr("rms_norm", format!("x {} values, weight {d}", x.len)));
         }
         self.ensure(out, x.len)?;
-        Ok(self.dev.rms_norm(&x.data, &weight.data, x.len / d, d, eps, &mut out.data)?)
+        let call = RmsNormCall { x: &x.data, weight: &weight.data, rows: x.len / d, dim: d, eps, out: &mut out.data };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn add_rms_norm(
@@ -474,7 +482,16 @@ impl Backend for CudaBackend {
             return Err(kerr("add_rms_norm", format!("residual {}, x {}, weight {d}", residual.len, x.len)));
         }
         self.ensure(out, x.len)?;
-        Ok(self.dev.add_rms_norm(&mut residual.data, &x.data, &weight.data, x.len / d, d, eps, &mut out.data)?)
+        let call = AddRmsNormCall {
+            residual: &mut residual.data,
+            x: &x.data,
+            weight: &weight.data,
+            rows: x.len / d,
+            dim: d,
+            eps,
+            out: &mut out.data,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn gather_res_rows(
@@ -488,7 +505,9 @@ impl Backend for CudaBackend {
             return Err(kerr("gather_res_rows", format!("{} values is not rows of width {width}", x.len)));
         }
         self.ensure_res(out, rows.len() * width)?;
-        Ok(self.dev.gather_rows_f32(&x.data, x.len / width, width, rows, &mut self.rows, &mut out.data)?)
+        let src_rows = x.len / width;
+        let call = GatherRowsCall { src: &x.data, src_rows, width, rows, scratch: &mut self.rows, dst: &mut out.data };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn lm_head(&mut self, x: &CudaBuf, m: usize, w: &CudaMat) -> Result<(), BackendError> {
@@ -500,11 +519,9 @@ impl Backend for CudaBackend {
         if self.logits.len() < n {
             self.logits = self.dev.alloc(n.next_power_of_two())?;
         }
-        if gemv_applies(self.gemv, m, w.cols) {
-            self.dev.gemv_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
-        } else {
-            self.dev.linear_f32_out(&x.data, m, w.cols, &w.data, w.rows, &mut self.logits)?;
-        }
+        let kernel = linear_kernel(self.gemv, m, w.cols);
+        LinearCall { x: &x.data, m, k: w.cols, w: &w.data, n: w.rows, out: &mut self.logits, kernel }
+            .launch(&self.dev)?;
         self.logit_shape = (m, w.rows);
         Ok(())
     }
@@ -569,7 +586,16 @@ impl Backend for CudaBackend {
         }
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.rope_write_kv(&mut q.data, &mut k.data, &v.data, kc, vc, &self.meta, inv, n_heads, geo)?)
+        let call = RopeKvCall {
+            input: RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data },
+            k_cache: kc,
+            v_cache: vc,
+            meta: &self.meta,
+            inv_freq: inv,
+            n_heads,
+            geo,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn split_rope_and_write_kv(
@@ -597,7 +623,16 @@ impl Backend for CudaBackend {
         let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        Ok(self.dev.rope_qkv_write_kv(&qkv.data, &mut q.data, kc, vc, &self.meta, inv, n_heads, geo)?)
+        let call = RopeKvCall {
+            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
+            k_cache: kc,
+            v_cache: vc,
+            meta: &self.meta,
+            inv_freq: inv,
+            n_heads,
+            geo,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn attention(
@@ -621,12 +656,22 @@ impl Backend for CudaBackend {
         let split = self.attention_policy();
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        if self.graphs.staged.is_some() || !self.prefill_kernel {
-            // A staged replay is pure decode (and needs its exact split count).
-            Ok(self.dev.attention_split(split, &q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
-        } else {
-            Ok(self.dev.attention_mixed(&q.data, kc, vc, &mut self.meta, n_heads, geo, scale, &mut out.data)?)
-        }
+        // A staged replay is pure decode (and needs its exact split count).
+        let kernel =
+            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
+        let call = AttentionCall {
+            q: &q.data,
+            k_cache: kc,
+            v_cache: vc,
+            meta: &mut self.meta,
+            n_heads,
+            geo,
+            scale,
+            out: &mut out.data,
+            kernel,
+            split,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
@@ -635,7 +680,7 @@ impl Backend for CudaBackend {
         }
         let rows = gate_up.len / (2 * d);
         self.ensure(out, rows * d)?;
-        Ok(self.dev.silu_mul(&gate_up.data, rows, d, &mut out.data)?)
+        Ok(SiluMulCall { gate_up: &gate_up.data, rows, d, out: &mut out.data }.launch(&self.dev)?)
     }
 
     fn gather_rows(
@@ -649,7 +694,9 @@ impl Backend for CudaBackend {
             return Err(kerr("gather_rows", format!("{} values is not rows of width {width}", x.len)));
         }
         self.ensure(out, rows.len() * width)?;
-        Ok(self.dev.gather_rows(&x.data, x.len / width, width, rows, &mut self.rows, &mut out.data)?)
+        let src_rows = x.len / width;
+        let call = GatherRowsCall { src: &x.data, src_rows, width, rows, scratch: &mut self.rows, dst: &mut out.data };
+        Ok(call.launch(&self.dev)?)
     }
 
     fn split3(
@@ -668,9 +715,9 @@ impl Backend for CudaBackend {
         self.ensure(a, rows * wa)?;
         self.ensure(b, rows * wb)?;
         self.ensure(c, rows * wc)?;
-        self.dev.copy_cols(&x.data, rows, w, 0, &mut a.data, wa)?;
-        self.dev.copy_cols(&x.data, rows, w, wa, &mut b.data, wb)?;
-        self.dev.copy_cols(&x.data, rows, w, wa + wb, &mut c.data, wc)?;
+        for (col0, dst, dst_width) in [(0, a, wa), (wa, b, wb), (wa + wb, c, wc)] {
+            CopyColsCall { src: &x.data, rows, src_width: w, col0, dst: &mut dst.data, dst_width }.launch(&self.dev)?;
+        }
         Ok(())
     }
 
@@ -801,5 +848,8 @@ mod tests {
         assert!(!gemv_applies(true, GEMV_MAX_M + 1, 4096), "larger batches: cuBLAS");
         assert!(!gemv_applies(true, 0, 4096));
         assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
+        assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::GEMV);
+        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Cublas);
+        assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
     }
 }

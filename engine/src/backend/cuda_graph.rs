@@ -20,7 +20,7 @@
 
 use super::CudaBackend;
 use crate::backend::{BackendError, BatchLayout, ReplayStart};
-use baton_kernels::cuda::{AttnSplit, StepGraph};
+use baton_kernels::cuda::{AttnSplit, StepGraph, auto_splits};
 use std::collections::{HashMap, HashSet};
 
 /// Largest decode batch replayed from a graph; larger ones run op by op.
@@ -172,7 +172,7 @@ impl CudaBackend {
         self.graphs.staged = Some(Staged { key: GraphKey { rows, splits: 1 }, real_rows, recording: false });
         self.step_meta(padded)?;
         self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
-        let auto = self.dev.attention_auto_splits(rows, n_heads, geo.n_kv_heads, self.meta.max_ctx());
+        let auto = auto_splits(self.dev.sm_count(), rows, n_heads, geo.n_kv_heads, self.meta.max_ctx());
         let key = GraphKey { rows, splits: auto.next_power_of_two().min(MAX_KEY_SPLITS) };
         self.graphs.staged = Some(Staged { key, real_rows, recording: false });
         if self.graphs.failed.contains(&key) {

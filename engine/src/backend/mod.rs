@@ -216,7 +216,6 @@ pub trait Backend: Send + 'static {
         Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
     }
     /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.
-    #[allow(clippy::too_many_arguments)]
     fn rope_and_write_kv(
         &mut self,
         layer: usize,
@@ -230,7 +229,6 @@ pub trait Backend: Send + 'static {
     /// and writes k and v into layer `layer` of the cache; afterwards `q` holds the rotated q
     /// and `k`, `v` are unspecified (a backend may skip them: the cache holds k and v). The
     /// default is [`Backend::split3`] then [`Backend::rope_and_write_kv`].
-    #[allow(clippy::too_many_arguments)]
     fn split_rope_and_write_kv(
         &mut self,
         layer: usize,

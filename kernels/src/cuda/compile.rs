@@ -7,10 +7,10 @@
 //! partial file. A cache that cannot be read or written is bypassed with a warning-free
 //! fallback to compiling (the cache is an optimisation, never a requirement).
 
-use super::{CudaError, cache_file};
+use super::CudaError;
 use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The whole module's source, in dependency order.
@@ -95,6 +95,11 @@ pub(crate) fn load_module(
     Ok((ctx.load_module(Ptx::from_src(text))?, false))
 }
 
+/// The kernel cache file for `key` under `dir`.
+fn cache_file(dir: &Path, key: u128) -> PathBuf {
+    dir.join(format!("{key:032x}.ptx"))
+}
+
 fn describe(e: &cudarc::nvrtc::CompileError) -> String {
     match e {
         cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
@@ -154,7 +159,7 @@ mod tests {
             .filter_map(|l| l.trim().strip_prefix("ATT_INSTANCE(HD, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
             .collect();
-        use super::super::ops::{ATTN_VARIANTS, AttnKind};
+        use super::super::paged_attention::{ATTN_VARIANTS, AttnKind};
         let rust: Vec<String> = ATTN_VARIANTS
             .iter()
             .filter(|v| v.kind == AttnKind::Registers)
@@ -191,6 +196,16 @@ mod tests {
         for max_m in [8, 16] {
             assert!(src.contains(&format!("GEMV_VARIANTS({max_m})")));
         }
+        // The prefill instances: every head_dim × CTA size, in the function table's order.
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("PF_INSTANCE("))
+            .map(|l| l.trim_end_matches(')').to_string())
+            .collect();
+        use super::super::prefill::{PREFILL_HEAD_DIMS, PREFILL_WARPS};
+        let rust: Vec<String> =
+            PREFILL_HEAD_DIMS.iter().flat_map(|hd| PREFILL_WARPS.iter().map(move |w| format!("{hd}, {w}"))).collect();
+        assert_eq!(cuda, rust);
         assert!(!src.contains("#include"), "kernels must stay self-contained");
     }
 }

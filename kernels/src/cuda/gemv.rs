@@ -1,18 +1,14 @@
-//! Launchers for the skinny GEMM of `kernels/cuda/gemv.cu`: `out = x · wᵀ` for a few rows of
-//! `x` (decode), where cuBLAS reads the weights well below the memory bandwidth.
+//! The skinny GEMM of `kernels/cuda/gemv.cu` (`out = x · wᵀ` for a few rows of `x`, decode,
+//! where cuBLAS reads the weights well below the memory bandwidth), described: its compiled
+//! variants (warps per CTA × k-steps in flight) and their names, the rule that picks one per
+//! shape, and the shapes it takes at all. Pure data and rules, no device: the launcher is
+//! [`LinearCall`](super::LinearCall) with [`LinearKernel::Gemv`](super::LinearKernel::Gemv).
 //!
-//! This module owns the kernel's variants (warps per CTA × k-steps in flight), the rule that
-//! picks one per shape, and the conditions under which the kernel applies at all
-//! ([`gemv_supports`]: 1 ≤ m ≤ [`GEMV_KERNEL_MAX_M`], k a multiple of 8 so that every row
-//! starts on a 16-byte boundary). Invariants, as for every launcher: sizes are checked against
-//! the slices before anything is enqueued, and a refusal is a [`CudaError::Shape`], never a
-//! panic. Callers that may see other shapes ask [`gemv_supports`] first and fall back to
-//! [`CudaDevice::linear`].
-
-use super::ops::{Arg, ArgList, cfg, int, need};
-use super::{CudaDevice, CudaError, shape_check};
-use cudarc::driver::CudaSlice;
-use half::bf16;
+//! Invariants: [`GEMV_VARIANTS`] lists the `GEMV_INSTANCE` lines of gemv.cu in order (a unit
+//! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
+//! and for bf16 and f32 outputs; the kernel takes `m × k` inputs with 1 ≤ m ≤
+//! [`GEMV_KERNEL_MAX_M`] and k a multiple of 8 ([`gemv_supports`]), so that every row starts
+//! on a 16-byte boundary. Callers that may see other shapes ask first and use cuBLAS.
 
 /// Most rows of `x` one launch takes: two 8-column tiles of the tensor-core product.
 pub const GEMV_KERNEL_MAX_M: usize = 16;
@@ -21,7 +17,16 @@ pub const GEMV_KERNEL_MAX_M: usize = 16;
 const TILE_M: usize = 8;
 
 /// Rows of `w` per CTA (the M of the m16n8k16 product).
-const ROWS_PER_CTA: usize = 16;
+pub(crate) const GEMV_ROWS_PER_CTA: usize = 16;
+
+/// The instantiations for up to 8 and up to 16 rows of x, in the order of the device's
+/// function table.
+pub(crate) const GEMV_MAX_MS: [usize; 2] = [TILE_M, GEMV_KERNEL_MAX_M];
+
+/// Index in [`GEMV_MAX_MS`] of the instantiation for `m` rows of x.
+pub(crate) fn gemv_tile_index(m: usize) -> usize {
+    usize::from(m > TILE_M)
+}
 
 /// One compiled shape of the kernel (see `GEMV_INSTANCE` in gemv.cu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,116 +62,13 @@ pub const GEMV_VARIANTS: [GemvVariant; 4] = [
 /// CTAs, fewer than 3 per SM) get 8 warps per CTA, so that k is split further and twice the
 /// loads are in flight.
 pub fn gemv_default(n: usize, sms: usize) -> usize {
-    if n.div_ceil(ROWS_PER_CTA) >= 4 * sms.max(1) { 0 } else { 1 }
+    if n.div_ceil(GEMV_ROWS_PER_CTA) >= 4 * sms.max(1) { 0 } else { 1 }
 }
 
 /// Whether the kernel takes an `m × k` input: 1 ≤ m ≤ [`GEMV_KERNEL_MAX_M`] and k a multiple
-/// of 8 (16-byte rows). Anything else goes to [`CudaDevice::linear`].
+/// of 8 (16-byte rows). Anything else goes to cuBLAS ([`LinearKernel::Cublas`](super::LinearKernel::Cublas)).
 pub fn gemv_supports(m: usize, k: usize) -> bool {
     (1..=GEMV_KERNEL_MAX_M).contains(&m) && k.is_multiple_of(8)
-}
-
-impl CudaDevice {
-    /// `out = x · wᵀ` with the skinny-GEMM kernel (bf16 in and out, f32 accumulation): `x` is
-    /// `m × k`, `w` is `n × k` row-major, `out` is `m × n`; the same contract as
-    /// [`CudaDevice::linear`] for the shapes [`gemv_supports`] accepts (others are refused).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv(
-        &self,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-        w: &CudaSlice<bf16>,
-        n: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CudaError> {
-        self.gemv_variant(gemv_default(n, self.sm_count), x, m, k, w, n, out)
-    }
-
-    /// [`CudaDevice::gemv`] with an f32 output (the LM head's logits; see
-    /// [`CudaDevice::linear_f32_out`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_f32_out(
-        &self,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-        w: &CudaSlice<bf16>,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        self.gemv_f32_out_variant(gemv_default(n, self.sm_count), x, m, k, w, n, out)
-    }
-
-    /// [`CudaDevice::gemv`] with the variant `GEMV_VARIANTS[variant]` (for benchmarks and tests).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_variant(
-        &self,
-        variant: usize,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-        w: &CudaSlice<bf16>,
-        n: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "gemv";
-        need(OP, "out", out, m * n)?;
-        self.gemv_launch(OP, variant, x, m, k, w, n, Arg::Bf(out), false)
-    }
-
-    /// [`CudaDevice::gemv_f32_out`] with the variant `GEMV_VARIANTS[variant]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemv_f32_out_variant(
-        &self,
-        variant: usize,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-        w: &CudaSlice<bf16>,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
-        const OP: &str = "gemv_f32_out";
-        need(OP, "out", out, m * n)?;
-        self.gemv_launch(OP, variant, x, m, k, w, n, Arg::F32(out), true)
-    }
-
-    /// Checks the inputs (the caller checked `out`) and launches one CTA per 16 rows of `w`.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_launch(
-        &self,
-        op: &'static str,
-        variant: usize,
-        x: &CudaSlice<bf16>,
-        m: usize,
-        k: usize,
-        w: &CudaSlice<bf16>,
-        n: usize,
-        out: Arg<'_>,
-        f32_out: bool,
-    ) -> Result<(), CudaError> {
-        need(op, "x", x, m * k)?;
-        need(op, "w", w, n * k)?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
-        shape_check(op, gemv_supports(m, k), || {
-            format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
-        })?;
-        let tile = usize::from(m > TILE_M);
-        let (v, funcs) = match (GEMV_VARIANTS.get(variant), self.funcs.gemv[tile].get(variant)) {
-            (Some(v), Some(f)) => (*v, f),
-            _ => return Err(CudaError::Shape { op, message: format!("no gemv variant {variant}") }),
-        };
-        let ctas = int(op, n.div_ceil(ROWS_PER_CTA))?;
-        let (mi, ni, ki) = (int(op, m)?, int(op, n)?, int(op, k)?);
-        self.run(
-            &funcs[usize::from(f32_out)],
-            cfg((ctas as u32, 1, 1), v.warps * 32),
-            &mut ArgList(vec![Arg::Bf(x), Arg::Bf(w), out, Arg::I(mi), Arg::I(ni), Arg::I(ki)]),
-        )
-    }
 }
 
 #[cfg(test)]
@@ -179,6 +81,8 @@ mod tests {
         assert!(!gemv_supports(0, 4096), "m = 0 is cuBLAS's (a no-op) case");
         assert!(!gemv_supports(17, 4096));
         assert!(!gemv_supports(1, 4100), "rows off a 16-byte boundary");
+        // The 8-row instantiation up to 8 rows, the 16-row one beyond.
+        assert_eq!([1, 8, 9, 16].map(gemv_tile_index), [0, 0, 1, 1]);
     }
 
     #[test]

@@ -76,23 +76,4 @@ impl CudaDevice {
             self.capturing.store(false, Ordering::SeqCst);
         }
     }
-
-    /// Whether a recording is in progress.
-    pub fn is_capturing(&self) -> bool {
-        self.capturing.load(Ordering::SeqCst)
-    }
-
-    /// How many device allocations this device has made; a graph recorded at one generation
-    /// may hold pointers to buffers replaced since.
-    pub fn alloc_generation(&self) -> u64 {
-        self.alloc_gen.load(Ordering::SeqCst)
-    }
-
-    /// An error when a recording is in progress (for calls that must not be recorded).
-    pub(crate) fn not_capturing(&self, what: &str) -> Result<(), CudaError> {
-        if self.capturing.load(Ordering::SeqCst) {
-            return Err(CudaError::Capture(format!("{what} while recording a graph")));
-        }
-        Ok(())
-    }
 }

@@ -16,9 +16,10 @@
 //! overwritten (sanitised and processed in place); the buffers only grow; the answers of
 //! the last launch stay in the device buffer until the next launch.
 
+use super::launch::{Args, cfg, shape_check, shape_error};
 use super::staging::{Direction, Staging};
-use super::{CudaDevice, CudaError, shape_check};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use super::{CudaDevice, CudaError};
+use cudarc::driver::CudaSlice;
 
 /// Most top logprobs a row can ask for (OpenAI's limit; `SAMPLE_MAX_TOP` in sampling.cu).
 pub const SAMPLE_MAX_TOP: usize = 20;
@@ -129,17 +130,8 @@ impl SampleBuffers {
     }
 }
 
-fn grow<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
-    if buf.len() < len {
-        // Sampling is never recorded into a CUDA graph, so its buffers may move without
-        // invalidating the decode graphs (the penalty lists grow as generations get longer).
-        *buf = dev.alloc_outside_graphs(len.next_power_of_two())?;
-    }
-    Ok(())
-}
-
 fn word(op: &'static str, v: usize) -> Result<u32, CudaError> {
-    u32::try_from(v).map_err(|_| CudaError::Shape { op, message: format!("{v} does not fit 32 bits") })
+    u32::try_from(v).map_err(|_| shape_error(op, format!("{v} does not fit 32 bits")))
 }
 
 /// Checks one row against the logits it samples from.
@@ -228,27 +220,28 @@ impl CudaDevice {
         }
         let n_ops = ops.len() / 3;
         shape_check(OP, n_ops <= i32::MAX as usize, || format!("{n_ops} ops"))?;
-        grow(self, &mut bufs.rows, words.len())?;
-        grow(self, &mut bufs.us, us.len())?;
-        grow(self, &mut bufs.ops, ops.len().max(1))?;
-        grow(self, &mut bufs.op_raw, n_ops.max(1))?;
-        grow(self, &mut bufs.out, rows.len() * OUT_WORDS)?;
+        // Sampling is never recorded into a CUDA graph, so its buffers may move without
+        // invalidating the decode graphs (the penalty lists grow as generations get longer).
+        self.grow_outside_graphs(&mut bufs.rows, words.len())?;
+        self.grow_outside_graphs(&mut bufs.us, us.len())?;
+        self.grow_outside_graphs(&mut bufs.ops, ops.len().max(1))?;
+        self.grow_outside_graphs(&mut bufs.op_raw, n_ops.max(1))?;
+        self.grow_outside_graphs(&mut bufs.out, rows.len() * OUT_WORDS)?;
         bufs.rows_up.upload(self, &words, &mut bufs.rows)?;
         bufs.us_up.upload(self, &us, &mut bufs.us)?;
         bufs.ops_up.upload(self, &ops, &mut bufs.ops)?;
-        let vocab_i = vocab as i32;
-        let cfg = LaunchConfig { grid_dim: (rows.len() as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.funcs.sample_rows);
-        b.arg(&mut *logits)
-            .arg(&vocab_i)
-            .arg(&bufs.rows)
-            .arg(&bufs.us)
-            .arg(&bufs.ops)
-            .arg(&mut bufs.op_raw)
-            .arg(&mut bufs.out);
+        let grid = cfg((rows.len() as u32, 1, 1), THREADS);
+        let args = Args::new(OP)
+            .buf(&*logits)
+            .i32(vocab as i32)
+            .buf(&bufs.rows)
+            .buf(&bufs.us)
+            .buf(&bufs.ops)
+            .buf(&bufs.op_raw)
+            .buf(&bufs.out);
         // SAFETY: every row's logit row, op ids and op range, top_k and top count were
         // checked above against `logits` and the uploaded buffers, which are large enough.
-        unsafe { b.launch(cfg) }?;
+        unsafe { args.launch(&self.stream, &self.kernels.sample_rows, grid) }?;
         bufs.out_down.download_async(self, &bufs.out, rows.len() * OUT_WORDS)?;
         bufs.launched = rows.len();
         Ok(())
@@ -277,14 +270,11 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let n_i = n as i32;
-        let cfg =
-            LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.funcs.take_sampled_ids);
-        b.arg(&bufs.out).arg(pending).arg(&n_i).arg(ids);
+        let grid = cfg((n.div_ceil(256) as u32, 1, 1), 256);
+        let args = Args::new("take_sampled_ids").buf(&bufs.out).buf(pending).i32(n as i32).buf(&*ids);
         // SAFETY: the caller checked every row against `ids` and every i against the last
         // launch's rows, whose answers `out` holds.
-        unsafe { b.launch(cfg) }?;
+        unsafe { args.launch(&self.stream, &self.kernels.take_sampled_ids, grid) }?;
         Ok(())
     }
 }

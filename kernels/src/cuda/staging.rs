@@ -11,7 +11,8 @@
 //! still in flight never reads half-written data or loses its answer; buffers only grow
 //! (power-of-two lengths); copies are refused while a CUDA graph is being recorded.
 
-use super::{CudaDevice, CudaError, shape_check};
+use super::launch::shape_check;
+use super::{CudaDevice, CudaError};
 use cudarc::driver::sys::{CU_MEMHOSTALLOC_WRITECOMBINED, CUevent_flags};
 use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 

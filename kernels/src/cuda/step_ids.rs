@@ -7,10 +7,10 @@
 //! upload happens in [`StepIds::stage`], never in a launch, so the embedding that reads the
 //! ids can be recorded into a CUDA graph; the id buffer only grows.
 
+use super::launch::{int, shape_check, shape_error};
 use super::sampling::SampleBuffers;
 use super::staging::{Direction, Staging};
-use super::step_meta::grow;
-use super::{CudaDevice, CudaError, CudaSlice, shape_check};
+use super::{CudaDevice, CudaError, CudaSlice};
 
 /// A step's token ids on the device and their staging.
 pub struct StepIds {
@@ -23,6 +23,10 @@ pub struct StepIds {
     host: Vec<u32>,
     /// Which rows are pending.
     from_sampler: Vec<bool>,
+    /// Ids the last successful [`StepIds::stage`] put on the device, and the vocabulary they
+    /// were checked against (0 and 0 before the first, and after a refused one).
+    staged: usize,
+    vocab: usize,
 }
 
 impl StepIds {
@@ -35,7 +39,19 @@ impl StepIds {
             pending_up: Staging::new(Direction::Up),
             host: Vec::new(),
             from_sampler: Vec::new(),
+            staged: 0,
+            vocab: 0,
         })
+    }
+
+    /// Rows the last [`StepIds::stage`] staged.
+    pub fn rows(&self) -> usize {
+        self.staged
+    }
+
+    /// The vocabulary every staged id is below.
+    pub fn vocab(&self) -> usize {
+        self.vocab
     }
 
     /// The device ids of the last [`StepIds::stage`].
@@ -58,6 +74,7 @@ impl StepIds {
     ) -> Result<(), CudaError> {
         const OP: &str = "embed";
         let picks = sampled.map_or(0, SampleBuffers::launched_rows);
+        (self.staged, self.vocab) = (0, 0);
         self.from_sampler.clear();
         self.from_sampler.resize(tokens.len(), false);
         let mut flat = Vec::with_capacity(2 * pending.len());
@@ -66,26 +83,28 @@ impl StepIds {
             shape_check(OP, i < picks, || format!("sampler row {i} of {picks} sampled"))?;
             shape_check(OP, !self.from_sampler[row], || format!("row {row} is pending twice"))?;
             self.from_sampler[row] = true;
-            flat.extend([super::ops::int(OP, row)?, super::ops::int(OP, i)?]);
+            flat.extend([int(OP, row)?, int(OP, i)?]);
         }
         self.host.clear();
         for (&t, &pending) in tokens.iter().zip(&self.from_sampler) {
             if !pending && t as usize >= vocab {
-                return Err(CudaError::Shape { op: OP, message: format!("token {t} outside a vocabulary of {vocab}") });
+                return Err(shape_error(OP, format!("token {t} outside a vocabulary of {vocab}")));
             }
             // A pending row's id is written on the device after the upload.
             self.host.push(if pending { 0 } else { t });
         }
         if tokens.is_empty() {
+            (self.staged, self.vocab) = (0, vocab);
             return Ok(());
         }
-        grow(dev, &mut self.ids, tokens.len())?;
+        dev.grow(&mut self.ids, tokens.len())?;
         self.up.upload(dev, &self.host, &mut self.ids)?;
         if let (false, Some(sampled)) = (pending.is_empty(), sampled) {
-            grow(dev, &mut self.pending, flat.len())?;
+            dev.grow(&mut self.pending, flat.len())?;
             self.pending_up.upload(dev, &flat, &mut self.pending)?;
             dev.take_sampled_ids(sampled, &self.pending, pending.len(), &mut self.ids)?;
         }
+        (self.staged, self.vocab) = (tokens.len(), vocab);
         Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! Per-step metadata on the device: each row's position, cache slot, context length and
 //! block-table offset, the block tables, the split-attention partials and the prefill work
-//! lists, validated on the host and uploaded once per batch layout.
+//! lists, validated on the host and uploaded once per batch layout; and the paged cache's
+//! geometry ([`KvGeometry`]) the kernels read it against.
 //!
 //! Invariants: every upload happens in [`StepMeta::set_padded`], never in a launch (launches
 //! may be recorded into a CUDA graph), through page-locked staging (`staging.rs`), so the
@@ -8,11 +9,31 @@
 //! their addresses; rows past the real ones (a graph bucket's padding) carry position 0,
 //! slot -1 and context 0.
 
-use super::ops::int;
-use super::prefill::{PrefillLists, PrefillMeta};
+use super::launch::{int, shape_check, shape_error};
+use super::prefill::PrefillLists;
 use super::staging::{Direction, Staging};
-use super::{CudaDevice, CudaError, shape_check};
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use super::{CudaDevice, CudaError};
+use cudarc::driver::CudaSlice;
+
+/// Geometry of one layer's paged cache: `[num_blocks * block_size][n_kv_heads][head_dim]` bf16.
+#[derive(Debug, Clone, Copy)]
+pub struct KvGeometry {
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+impl KvGeometry {
+    /// Elements in one layer's K (or V) array.
+    pub fn layer_len(&self) -> usize {
+        self.num_blocks * self.block_size * self.n_kv_heads * self.head_dim
+    }
+}
 
 /// Where one sequence's chunk sits in the batch and in the paged cache (host side).
 #[derive(Debug, Clone, Copy)]
@@ -30,24 +51,24 @@ pub struct HostSeq<'a> {
 /// Per-row metadata of one step for the KV write and the attention kernels, validated on
 /// the host and kept on the device. Its buffers grow and are reused across steps.
 pub struct StepMeta {
-    pub(super) rows: usize,
-    pub(super) block_size: usize,
-    pub(super) num_blocks: usize,
-    pub(super) positions: CudaSlice<i32>,
-    pub(super) slots: CudaSlice<i64>,
-    pub(super) row_ctx: CudaSlice<i32>,
-    pub(super) row_bt: CudaSlice<i32>,
-    pub(super) block_tables: CudaSlice<i32>,
+    pub(crate) rows: usize,
+    pub(crate) block_size: usize,
+    pub(crate) num_blocks: usize,
+    pub(crate) positions: CudaSlice<i32>,
+    pub(crate) slots: CudaSlice<i64>,
+    pub(crate) row_ctx: CudaSlice<i32>,
+    pub(crate) row_bt: CudaSlice<i32>,
+    pub(crate) block_tables: CudaSlice<i32>,
     /// Longest context of any row.
-    pub(super) max_ctx: usize,
+    pub(crate) max_ctx: usize,
     /// Split-attention partials: `rows × heads × splits × head_dim` outputs and
     /// `rows × heads × splits × 2` (max, sum), grown on demand.
-    pub(super) part_o: CudaSlice<f32>,
-    pub(super) part_ml: CudaSlice<f32>,
+    pub(crate) part_o: CudaSlice<f32>,
+    pub(crate) part_ml: CudaSlice<f32>,
     host: HostMeta,
     up: MetaStaging,
     /// The routing of prefill chunks and decode rows (see `prefill.rs`).
-    pub(super) prefill: PrefillMeta,
+    pub(crate) prefill: PrefillMeta,
 }
 
 /// Host staging for [`StepMeta`]: positions, slots, context lengths, block-table offsets, tables.
@@ -68,13 +89,6 @@ impl MetaStaging {
 pub type KvWriteMeta = StepMeta;
 /// The metadata attention needs.
 pub type AttentionMeta = StepMeta;
-
-pub(super) fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
-    if buf.len() < len {
-        *buf = dev.alloc(len.next_power_of_two())?;
-    }
-    Ok(())
-}
 
 impl StepMeta {
     /// Empty metadata with small buffers.
@@ -104,13 +118,8 @@ impl StepMeta {
 
     /// Refuses a launch over a cache this metadata was not built for (another block size, or
     /// fewer blocks than the tables may name).
-    pub(super) fn check_geometry(
-        &self,
-        op: &'static str,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<(), CudaError> {
-        shape_check(op, self.block_size == block_size && self.num_blocks <= num_blocks, || {
+    pub(crate) fn check_geometry(&self, op: &'static str, geo: &KvGeometry) -> Result<(), CudaError> {
+        shape_check(op, self.block_size == geo.block_size && self.num_blocks <= geo.num_blocks, || {
             "metadata built for another cache geometry".into()
         })
     }
@@ -168,7 +177,7 @@ impl StepMeta {
                 format!("block table covers {} tokens, need {end}", s.block_table.len() * block_size)
             })?;
             if let Some(&b) = s.block_table.iter().find(|&&b| b as usize >= num_blocks) {
-                return Err(CudaError::Shape { op: OP, message: format!("block {b} outside a pool of {num_blocks}") });
+                return Err(shape_error(OP, format!("block {b} outside a pool of {num_blocks}")));
             }
             let off = int(OP, tables.len())?;
             tables.extend(s.block_table.iter().map(|&b| b as i32));
@@ -183,7 +192,7 @@ impl StepMeta {
             }
         }
         if let Some(r) = pos.iter().position(|&p| p < 0) {
-            return Err(CudaError::Shape { op: OP, message: format!("row {r} belongs to no sequence") });
+            return Err(shape_error(OP, format!("row {r} belongs to no sequence")));
         }
         if tables.is_empty() {
             tables.push(0);
@@ -192,11 +201,11 @@ impl StepMeta {
         slots.resize(padded_rows, -1);
         ctx.resize(padded_rows, 0);
         bt_off.resize(padded_rows, 0);
-        grow(dev, &mut self.positions, padded_rows)?;
-        grow(dev, &mut self.slots, padded_rows)?;
-        grow(dev, &mut self.row_ctx, padded_rows)?;
-        grow(dev, &mut self.row_bt, padded_rows)?;
-        grow(dev, &mut self.block_tables, tables.len())?;
+        dev.grow(&mut self.positions, padded_rows)?;
+        dev.grow(&mut self.slots, padded_rows)?;
+        dev.grow(&mut self.row_ctx, padded_rows)?;
+        dev.grow(&mut self.row_bt, padded_rows)?;
+        dev.grow(&mut self.block_tables, tables.len())?;
         let up = &mut self.up;
         up.0.upload(dev, pos, &mut self.positions)?;
         up.1.upload(dev, slots, &mut self.slots)?;
@@ -210,5 +219,44 @@ impl StepMeta {
         self.block_size = block_size;
         self.num_blocks = num_blocks;
         Ok(())
+    }
+}
+
+/// The device side of [`PrefillLists`], part of [`StepMeta`]. Uploads happen only when the step
+/// has prefill chunks (a decode-only step pays nothing), and the decode context array only
+/// when it also has decode rows.
+pub(crate) struct PrefillMeta {
+    pub(crate) lists: PrefillLists,
+    /// `seqs` flattened, 4 ints per sequence.
+    pub(crate) seqs: CudaSlice<i32>,
+    /// `decode_ctx`.
+    pub(crate) decode_ctx: CudaSlice<i32>,
+}
+
+impl PrefillMeta {
+    fn new(dev: &CudaDevice) -> Result<Self, CudaError> {
+        Ok(Self { lists: PrefillLists::default(), seqs: dev.alloc(64)?, decode_ctx: dev.alloc(64)? })
+    }
+
+    /// Replaces the lists and uploads what the launches of this step will read.
+    fn fill(&mut self, dev: &CudaDevice, lists: PrefillLists) -> Result<(), CudaError> {
+        self.lists = lists;
+        if self.lists.seqs.is_empty() {
+            return Ok(());
+        }
+        let flat: Vec<i32> = self.lists.seqs.iter().flatten().copied().collect();
+        dev.grow(&mut self.seqs, flat.len())?;
+        dev.upload_into(&flat, &mut self.seqs)?;
+        if self.lists.decode_rows_end > 0 {
+            let n = self.lists.decode_rows_end;
+            dev.grow(&mut self.decode_ctx, n)?;
+            dev.upload_into(&self.lists.decode_ctx[..n], &mut self.decode_ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the step has a chunk for the prefill kernel.
+    pub(crate) fn has_prefill(&self) -> bool {
+        !self.lists.seqs.is_empty()
     }
 }

@@ -1,0 +1,305 @@
+//! Paged causal attention over the layer's cache: [`AttentionCall`] launches the decode
+//! kernel (attention.cu, described in `paged_attention.rs`), the prefill kernel (prefill.cu,
+//! described in `prefill.rs`), or both for a mixed batch ([`AttnKernel::Mixed`]).
+//!
+//! Invariants:
+//! - every launch checks the GQA heads, the metadata's cache geometry and the sizes of `q`,
+//!   `out` and the caches before it enqueues anything;
+//! - the decode kernel splits long contexts across CTAs by [`AttnSplit`] and merges the
+//!   partials with a combine launch; the partial buffers live in the step's metadata and grow
+//!   on demand (never while a graph is recorded: the staged split count was run op by op
+//!   first);
+//! - in a mixed batch the decode kernel runs first (over rows up to the last decode row; the
+//!   prefill rows among them have context 0 and get zeros) and the prefill kernel after it,
+//!   on the same stream, overwriting the prefill rows (see `prefill.rs`).
+
+use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
+use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, attn_default, plan_splits};
+use super::prefill::{
+    PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_smem_bytes,
+    prefill_supported,
+};
+use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
+use cudarc::driver::LaunchConfig;
+use half::bf16;
+
+/// Which kernel computes which rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// The decode kernel on every row: `ATTN_VARIANTS[variant]`, or when `None` the default
+    /// for the GQA group ([`attn_default`]).
+    Decode {
+        /// Index in [`ATTN_VARIANTS`].
+        variant: Option<usize>,
+    },
+    /// The prefill kernel on the step's prefill chunks only (sequences of at least
+    /// `PREFILL_MIN_TOKENS` rows), with CTAs of `PREFILL_WARPS[variant]` warps; other rows
+    /// are not touched.
+    Prefill {
+        /// Index in [`PREFILL_WARPS`].
+        variant: usize,
+    },
+    /// The router: prefill chunks on the prefill kernel, every other row on the decode kernel
+    /// (default variants; the decode launch splits by [`AttentionCall::split`]). The decode
+    /// kernel takes every row when the step has no prefill chunk or the shape has no prefill
+    /// kernel ([`prefill_supported`]).
+    Mixed,
+}
+
+impl AttnKernel {
+    /// The decode kernel on every row with the default variant for the GQA group.
+    pub const DECODE: Self = Self::Decode { variant: None };
+}
+
+/// Paged causal attention of `q` (`rows × n_heads × head_dim`, `rows` the metadata's) over
+/// the layer's cache, which already holds every row's own K/V; writes `out` in `q`'s layout.
+pub struct AttentionCall<'a> {
+    /// `rows × n_heads × head_dim` bf16.
+    pub q: &'a CudaSlice<bf16>,
+    /// The layer's K cache (`geo.layer_len()` bf16).
+    pub k_cache: &'a CudaSlice<bf16>,
+    /// The layer's V cache.
+    pub v_cache: &'a CudaSlice<bf16>,
+    /// The step's context lengths and block tables; holds the split partials and the prefill
+    /// lists.
+    pub meta: &'a mut AttentionMeta,
+    /// Query heads (a multiple of `geo.n_kv_heads`).
+    pub n_heads: usize,
+    /// The cache's geometry.
+    pub geo: KvGeometry,
+    /// Softmax scale (usually `1 / sqrt(head_dim)`); positive for the prefill kernel.
+    pub scale: f32,
+    /// `rows × n_heads × head_dim` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+    /// Which kernel computes which rows.
+    pub kernel: AttnKernel,
+    /// How the decode kernel splits each row's context ([`AttnSplit::Exact`] for a graph
+    /// replay); the prefill kernel does not split.
+    pub split: AttnSplit,
+}
+
+/// Which rows a decode launch covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeRows {
+    /// Every row, at its own context length.
+    All,
+    /// Rows up to the last decode row, reading the context lengths in which prefill rows hold
+    /// 0 (they exit at once).
+    DecodeOnly,
+}
+
+impl AttentionCall<'_> {
+    /// Checks the arguments and enqueues the kernel(s) of [`AttentionCall::kernel`].
+    pub fn launch(mut self, dev: &CudaDevice) -> Result<(), CudaError> {
+        match self.kernel {
+            AttnKernel::Decode { variant } => {
+                let v = variant.unwrap_or_else(|| attn_default(self.n_heads / self.geo.n_kv_heads.max(1)));
+                self.decode(dev, v, DecodeRows::All)
+            }
+            AttnKernel::Prefill { variant } => self.prefill(dev, variant),
+            AttnKernel::Mixed => self.mixed(dev),
+        }
+    }
+
+    /// The checks every attention launch makes: GQA heads, the metadata's cache geometry, and
+    /// `q`/`out` (`rows × n_heads × head_dim`) and the caches long enough.
+    fn check_io(&self, op: &'static str) -> Result<(), CudaError> {
+        let (n_heads, geo) = (self.n_heads, self.geo);
+        shape_check(op, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
+            format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
+        })?;
+        self.meta.check_geometry(op, &geo)?;
+        let len = self.meta.rows * n_heads * geo.head_dim;
+        need(op, "q", self.q, len)?;
+        need(op, "out", self.out, len)?;
+        need(op, "k_cache", self.k_cache, geo.layer_len())?;
+        need(op, "v_cache", self.v_cache, geo.layer_len())
+    }
+
+    fn mixed(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
+        let (n_heads, geo) = (self.n_heads, self.geo);
+        if !self.meta.prefill.has_prefill() || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim) {
+            return self.decode(dev, attn_default(n_heads / geo.n_kv_heads.max(1)), DecodeRows::All);
+        }
+        // Validate the prefill launch before enqueueing anything.
+        check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
+        if self.meta.prefill.lists.decode_rows_end > 0 {
+            self.decode(dev, attn_default(n_heads / geo.n_kv_heads), DecodeRows::DecodeOnly)?;
+        }
+        // After the decode kernel: it wrote zeros into the prefill rows (module doc).
+        self.prefill(dev, PREFILL_DEFAULT_VARIANT)
+    }
+
+    /// The decode kernel with `ATTN_VARIANTS[variant]`, then the combine of its partials when
+    /// the plan splits the contexts.
+    fn decode(&mut self, dev: &CudaDevice, variant: usize, which: DecodeRows) -> Result<(), CudaError> {
+        const OP: &str = "paged_attention";
+        let (n_heads, geo) = (self.n_heads, self.geo);
+        let hd = geo.head_dim;
+        let hd_idx = ATTN_HEAD_DIMS
+            .iter()
+            .position(|&d| d == hd)
+            .ok_or_else(|| shape_error(OP, format!("head_dim {hd} has no kernel")))?;
+        let (v, func) = match (ATTN_VARIANTS.get(variant), dev.kernels.attention[hd_idx].get(variant)) {
+            (Some(v), Some(f)) => (*v, f),
+            _ => return Err(shape_error(OP, format!("no attention variant {variant}"))),
+        };
+        self.check_io(OP)?;
+        let meta = &mut *self.meta;
+        let (rows, max_ctx) = match which {
+            DecodeRows::All => (meta.rows, meta.max_ctx),
+            DecodeRows::DecodeOnly => (meta.prefill.lists.decode_rows_end, meta.prefill.lists.decode_max_ctx),
+        };
+        if rows == 0 {
+            return Ok(());
+        }
+        shape_check(OP, rows <= MAX_GRID_YZ, || format!("{rows} rows exceed the grid's y limit"))?;
+        let x = v.ctas_per_row(n_heads, geo.n_kv_heads);
+        // Only the split count reaches the kernel: each row's chunk is cut there from its own
+        // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
+        let (splits, _) = plan_splits(self.split, x * rows, max_ctx, dev.sm_count());
+        let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
+        if splits > 1 {
+            dev.grow(&mut meta.part_o, rows * n_heads * splits * hd)?;
+            dev.grow(&mut meta.part_ml, rows * n_heads * splits * 2)?;
+        }
+        let row_ctx = match which {
+            DecodeRows::All => &meta.row_ctx,
+            DecodeRows::DecodeOnly => &meta.prefill.decode_ctx,
+        };
+        let grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32);
+        let args = Args::new(OP)
+            .buf(self.q)
+            .buf(self.k_cache)
+            .buf(self.v_cache)
+            .buf(&*self.out)
+            .buf(&meta.part_o)
+            .buf(&meta.part_ml)
+            .buf(row_ctx)
+            .buf(&meta.row_bt)
+            .buf(&meta.block_tables)
+            .int(n_heads)?
+            .int(geo.n_kv_heads)?
+            .int(geo.block_size)?
+            .f32(self.scale * std::f32::consts::LOG2_E)
+            .i32(min_chunk);
+        // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
+        // the metadata's contexts, block-table offsets and tables were validated against this
+        // geometry when it was set; the partials hold `rows × heads × splits` entries.
+        unsafe { args.launch(&dev.stream, func, grid) }?;
+        if splits > 1 {
+            let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
+            let args = Args::new(OP)
+                .buf(&meta.part_o)
+                .buf(&meta.part_ml)
+                .buf(&*self.out)
+                .buf(row_ctx)
+                .int(n_heads)?
+                .int(splits)?
+                .i32(min_chunk);
+            // SAFETY: as above: the partials and out of `rows × n_heads` heads.
+            unsafe { args.launch(&dev.stream, &dev.kernels.attention_combine[hd_idx], grid) }?;
+        }
+        Ok(())
+    }
+
+    /// The prefill kernel with CTAs of `PREFILL_WARPS[variant]` warps over the step's prefill
+    /// chunks.
+    fn prefill(&self, dev: &CudaDevice, variant: usize) -> Result<(), CudaError> {
+        const OP: &str = "prefill_attention";
+        let (n_heads, geo, scale) = (self.n_heads, self.geo, self.scale);
+        let lists = &self.meta.prefill.lists;
+        let warps =
+            *PREFILL_WARPS.get(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
+        let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
+        self.check_io(OP)?;
+        // The kernel takes the running max on unscaled scores, which needs scale > 0.
+        shape_check(OP, scale > 0.0 && scale.is_finite(), || format!("softmax scale {scale} is not positive"))?;
+        if items == 0 {
+            return Ok(());
+        }
+        let func = dev
+            .kernels
+            .prefill
+            .get(hd_idx)
+            .and_then(|v| v.get(variant))
+            .ok_or_else(|| shape_error(OP, format!("no prefill kernel loaded for head_dim {}", geo.head_dim)))?;
+        let grid = LaunchConfig {
+            grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: prefill_smem_bytes(geo.head_dim) as u32,
+        };
+        let args = Args::new(OP)
+            .buf(self.q)
+            .buf(self.k_cache)
+            .buf(self.v_cache)
+            .buf(&*self.out)
+            .buf(&self.meta.prefill.seqs)
+            .int(lists.seqs.len())?
+            .buf(&self.meta.block_tables)
+            .int(n_heads)?
+            .int(geo.n_kv_heads)?
+            .int(geo.block_size)?
+            .u32(block_magic(geo.block_size))
+            .f32(scale * std::f32::consts::LOG2_E);
+        // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
+        // the sequence list was built from the validated metadata (positions below the block
+        // index's exact range, checked above), and the grid covers its work items.
+        unsafe { args.launch(&dev.stream, func, grid) }
+    }
+}
+
+/// Checks the prefill launch shape that needs no device for the variant of `warps` warps;
+/// returns the head-dim index and the grid height.
+fn check_prefill_shape(
+    lists: &PrefillLists,
+    n_heads: usize,
+    geo: KvGeometry,
+    warps: usize,
+) -> Result<(usize, usize), CudaError> {
+    const OP: &str = "prefill_attention";
+    let hd = geo.head_dim;
+    let bm = 16 * warps;
+    let hd_idx = PREFILL_HEAD_DIMS
+        .iter()
+        .position(|&d| d == hd)
+        .ok_or_else(|| shape_error(OP, format!("head_dim {hd} has no prefill kernel")))?;
+    shape_check(OP, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
+        format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
+    })?;
+    let group = n_heads / geo.n_kv_heads;
+    shape_check(OP, group <= bm, || format!("a GQA group of {group} heads exceeds the tile's {bm} rows"))?;
+    shape_check(OP, geo.n_kv_heads <= MAX_GRID_YZ, || format!("{} KV heads exceed the grid", geo.n_kv_heads))?;
+    shape_check(OP, (lists.max_end as u64) * (geo.block_size as u64) < 1u64 << 32, || {
+        format!("positions up to {} with blocks of {} overflow the block index", lists.max_end, geo.block_size)
+    })?;
+    let items = lists.items(group, bm);
+    shape_check(OP, items <= MAX_GRID_YZ, || format!("{items} query tiles exceed the grid's y limit"))?;
+    Ok((hd_idx, items))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geo(block_size: usize, n_kv_heads: usize, head_dim: usize) -> KvGeometry {
+        KvGeometry { num_blocks: 64, block_size, n_kv_heads, head_dim }
+    }
+
+    #[test]
+    fn prefill_shape_refusals() {
+        let l = PrefillLists { seqs: vec![[0, 300, 0, 0]], max_end: 300, ..Default::default() };
+        assert!(check_prefill_shape(&l, 32, geo(16, 8, 128), 4).is_ok());
+        assert_eq!(check_prefill_shape(&l, 32, geo(16, 8, 128), 4).map(|r| r.1).ok(), Some(300usize.div_ceil(16)));
+        assert!(check_prefill_shape(&l, 32, geo(16, 8, 96), 4).is_err(), "head_dim without a kernel");
+        assert!(check_prefill_shape(&l, 30, geo(16, 8, 128), 4).is_err(), "heads not a multiple of KV heads");
+        assert!(check_prefill_shape(&l, 32, geo(16, 0, 128), 4).is_err(), "no KV heads");
+        assert!(check_prefill_shape(&l, 128, geo(16, 1, 64), 4).is_err(), "group larger than a tile");
+        assert!(check_prefill_shape(&l, 128, geo(16, 1, 64), 8).is_ok(), "a 128-row tile holds 128 heads");
+        let far = PrefillLists { max_end: 1 << 28, ..l.clone() };
+        assert!(check_prefill_shape(&far, 32, geo(32, 8, 128), 4).is_err(), "block index overflow");
+        let many = PrefillLists { seqs: vec![[0, 600_000, 0, 0]], max_end: 600_000, ..Default::default() };
+        assert!(check_prefill_shape(&many, 64, geo(16, 8, 128), 4).is_err(), "grid too tall");
+        assert!(check_prefill_shape(&many, 64, geo(16, 8, 128), 8).is_ok(), "half the tiles at 128 rows");
+    }
+}

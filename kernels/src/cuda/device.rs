@@ -1,0 +1,288 @@
+//! [`CudaDevice`]: one GPU's context, its single stream, the cuBLAS handle, the loaded
+//! kernels ([`KernelTable`]) and device memory (allocation, copies, growth). Every launcher
+//! is handed one.
+//!
+//! Invariants: one context and one stream per device, and every launch, copy and GEMM is
+//! enqueued on that stream, so stream order orders every read after its write (cudarc's
+//! cross-stream event tracking is turned off); while a CUDA graph is being recorded
+//! (`graph.rs`) the device refuses to allocate, upload or download; every allocation a graph
+//! may use bumps [`CudaDevice::alloc_generation`].
+
+use super::compile;
+use super::error::CudaError;
+use super::kernel_table::KernelTable;
+use super::launch::shape_check;
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Bytes of the workspace cuBLAS gets at open: given one, it allocates nothing per call, which
+/// a GEMM recorded into a CUDA graph requires.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Whether the CUDA driver library can be loaded here. Cheap, creates no context; call it
+/// before [`CudaDevice::open`] to decide between CUDA and CPU.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda and reports whether it succeeded.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// How to open a device.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Where compiled kernels are cached; `None` compiles every time.
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// One GPU: context, stream, cuBLAS handle and the loaded kernels.
+pub struct CudaDevice {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) blas: CudaBlas,
+    pub(crate) kernels: KernelTable,
+    name: String,
+    arch: String,
+    /// Streaming multiprocessors, for sizing grids.
+    sm_count: usize,
+    compile_ms: f64,
+    from_cache: bool,
+    /// Whether a graph is being recorded on `stream` (see `graph.rs`).
+    pub(crate) capturing: AtomicBool,
+    /// Allocations made so far (see [`CudaDevice::alloc_generation`]).
+    alloc_gen: AtomicU64,
+    /// cuBLAS's workspace; kept alive as long as the handle.
+    _blas_workspace: CudaSlice<u8>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("name", &self.name).field("arch", &self.arch).finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `opts.ordinal`: creates its context and stream, compiles (or loads from
+    /// the cache) the kernels for its architecture, and creates the cuBLAS handle.
+    pub fn open(opts: &CudaOptions) -> Result<Self, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        // cudarc panics on the first call into a library it cannot load, so check each first.
+        // SAFETY: these only try to dlopen the library.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::MissingLibrary("nvrtc"));
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::MissingLibrary("cublas"));
+        }
+        let ctx = CudaContext::new(opts.ordinal)?;
+        // One stream only: cudarc's cross-stream event tracking is unnecessary work per launch.
+        // SAFETY: every buffer of this context is used on `stream` alone, so stream order
+        // already orders every read after its write.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let (major, minor) = ctx.compute_capability()?;
+        // The `a` targets unlock wgmma/setmaxnreg; PTX for them only runs on that exact chip.
+        let arch = if major >= 9 { format!("compute_{major}{minor}a") } else { format!("compute_{major}{minor}") };
+        let name = ctx.name()?;
+        let t0 = std::time::Instant::now();
+        let (module, from_cache) = compile::load_module(&ctx, &arch, opts.cache_dir.as_deref())?;
+        let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let kernels = KernelTable::load(|n| module.load_function(n))?;
+        kernels.prepare()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.
+        let blas_workspace = unsafe { stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES) }?;
+        {
+            let (ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(&blas_workspace, &stream);
+            // SAFETY: the handle and the buffer both live as long as this device (the buffer
+            // is kept in `_blas_workspace`), and both belong to `stream`.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as usize;
+        Ok(Self {
+            ctx,
+            stream,
+            blas,
+            kernels,
+            name,
+            arch,
+            sm_count,
+            compile_ms,
+            from_cache,
+            capturing: AtomicBool::new(false),
+            alloc_gen: AtomicU64::new(0),
+            _blas_workspace: blas_workspace,
+        })
+    }
+
+    /// The device's name as the driver reports it.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The NVRTC target the kernels were built for (e.g. `compute_90a`).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Streaming multiprocessors on the device.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// Free and total device memory in bytes, as the driver reports them now.
+    pub fn mem_info(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.bind_to_thread()?;
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Milliseconds spent compiling or loading the kernel module, and whether it came from the cache.
+    pub fn module_load(&self) -> (f64, bool) {
+        (self.compile_ms, self.from_cache)
+    }
+
+    /// The stream every launcher enqueues on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Makes this device's context current on the calling thread (the engine thread is not
+    /// the one that opened the device).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        Ok(self.ctx.bind_to_thread()?)
+    }
+
+    /// Waits for all enqueued work; surfaces any asynchronous kernel fault.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// A device buffer of `len` elements with unspecified contents (`len` 0 allocates one).
+    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+        self.not_capturing("allocating")?;
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: the contents are unspecified by contract; every reader writes first.
+        Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
+    }
+
+    /// [`CudaDevice::alloc`] for a buffer that no CUDA graph may ever use: it leaves
+    /// [`CudaDevice::alloc_generation`] alone, so recorded graphs stay valid.
+    pub(crate) fn alloc_outside_graphs<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, CudaError> {
+        self.not_capturing("allocating")?;
+        // SAFETY: as in `alloc`.
+        Ok(unsafe { self.stream.alloc::<T>(len.max(1)) }?)
+    }
+
+    /// Replaces `buf` by one of at least `len` elements (a power of two, contents
+    /// unspecified) when it is shorter; buffers only grow, so after the largest step they keep
+    /// their addresses.
+    pub(crate) fn grow<T: DeviceRepr>(&self, buf: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
+        if buf.len() < len {
+            *buf = self.alloc(len.next_power_of_two())?;
+        }
+        Ok(())
+    }
+
+    /// [`CudaDevice::grow`] for a buffer no CUDA graph uses (see
+    /// [`CudaDevice::alloc_outside_graphs`]).
+    pub(crate) fn grow_outside_graphs<T: DeviceRepr>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if buf.len() < len {
+            *buf = self.alloc_outside_graphs(len.next_power_of_two())?;
+        }
+        Ok(())
+    }
+
+    /// Copies host data to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if data.is_empty() {
+            return self.alloc(1);
+        }
+        self.not_capturing("uploading")?;
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// Copies `data` into the start of `dst` (which must be at least as long).
+    pub fn upload_into<T: DeviceRepr>(&self, data: &[T], dst: &mut CudaSlice<T>) -> Result<(), CudaError> {
+        self.not_capturing("uploading")?;
+        shape_check("upload_into", dst.len() >= data.len(), || {
+            format!("{} values into a buffer of {}", data.len(), dst.len())
+        })?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice_mut(..data.len());
+        Ok(self.stream.memcpy_htod(data, &mut view)?)
+    }
+
+    /// Copies the first `len` elements of `src` to the host (synchronizes the stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+        len: usize,
+    ) -> Result<Vec<T>, CudaError> {
+        self.not_capturing("downloading")?;
+        shape_check("download", src.len() >= len, || format!("{len} values from a buffer of {}", src.len()))?;
+        let mut out = vec![T::default(); len];
+        if len > 0 {
+            self.stream.memcpy_dtoh(&src.slice(..len), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// Device-to-device copy of the first `len` elements.
+    pub fn copy<T: DeviceRepr>(&self, src: &CudaSlice<T>, dst: &mut CudaSlice<T>, len: usize) -> Result<(), CudaError> {
+        shape_check("copy", src.len() >= len && dst.len() >= len, || {
+            format!("{len} values from {} into {}", src.len(), dst.len())
+        })?;
+        if len == 0 {
+            return Ok(());
+        }
+        let mut d = dst.slice_mut(..len);
+        Ok(self.stream.memcpy_dtod(&src.slice(..len), &mut d)?)
+    }
+
+    /// A timing event on this device's stream.
+    pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        Ok(self.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+
+    /// Whether a recording is in progress.
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::SeqCst)
+    }
+
+    /// How many device allocations this device has made; a graph recorded at one generation
+    /// may hold pointers to buffers replaced since.
+    pub fn alloc_generation(&self) -> u64 {
+        self.alloc_gen.load(Ordering::SeqCst)
+    }
+
+    /// An error when a recording is in progress (for calls that must not be recorded).
+    pub(crate) fn not_capturing(&self, what: &str) -> Result<(), CudaError> {
+        if self.is_capturing() {
+            return Err(CudaError::Capture(format!("{what} while recording a graph")));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,144 @@
+//! The element-wise kernels of elementwise.cu: [`SiluMulCall`], [`BiasAddCall`],
+//! [`CopyColsCall`] and [`CastCall`] (bf16 ↔ f32).
+//!
+//! Invariants: every one is a grid-stride loop over the elements it writes (`grid_stride`),
+//! so any size launches at most 65,535 CTAs; an empty op enqueues nothing.
+
+use super::launch::{Args, Elem, grid_stride, need, shape_check};
+use super::{CudaDevice, CudaError, CudaSlice};
+use cudarc::driver::CudaFunction;
+use half::bf16;
+
+/// `out = silu(gate) * up` for `rows` rows `[gate | up]` of width `2d`.
+pub struct SiluMulCall<'a> {
+    /// `rows × 2d` bf16.
+    pub gate_up: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Width of the output rows (half the input's).
+    pub d: usize,
+    /// `rows × d` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl SiluMulCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "silu_mul";
+        need(OP, "gate_up", self.gate_up, self.rows * 2 * self.d)?;
+        need(OP, "out", self.out, self.rows * self.d)?;
+        let total = self.rows * self.d;
+        if total == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.gate_up).buf(self.out).int(self.d)?.long(total)?;
+        // SAFETY: the loop writes `total` outputs and reads their gate and up, checked above.
+        unsafe { args.launch(&dev.stream, &dev.kernels.silu_mul, grid_stride(total)) }
+    }
+}
+
+/// `x[r, j] += bias[j]` for `rows` rows of width `n`.
+pub struct BiasAddCall<'a> {
+    /// `rows × n` bf16, updated in place.
+    pub x: &'a mut CudaSlice<bf16>,
+    /// `n` bf16.
+    pub bias: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Row width.
+    pub n: usize,
+}
+
+impl BiasAddCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "bias_add";
+        need(OP, "x", self.x, self.rows * self.n)?;
+        need(OP, "bias", self.bias, self.n)?;
+        let total = self.rows * self.n;
+        if total == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.x).buf(self.bias).int(self.n)?.long(total)?;
+        // SAFETY: the loop updates `total` elements of `x` and reads `n` biases, checked above.
+        unsafe { args.launch(&dev.stream, &dev.kernels.bias_add, grid_stride(total)) }
+    }
+}
+
+/// `dst[r, c] = src[r, col0 + c]` for `rows` rows and `c < dst_width`: a band of columns.
+pub struct CopyColsCall<'a> {
+    /// `rows × src_width` bf16.
+    pub src: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Width of a `src` row.
+    pub src_width: usize,
+    /// First column of the band.
+    pub col0: usize,
+    /// `rows × dst_width` bf16.
+    pub dst: &'a mut CudaSlice<bf16>,
+    /// Width of the band.
+    pub dst_width: usize,
+}
+
+impl CopyColsCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "copy_cols";
+        let (rows, src_w, col0, dst_w) = (self.rows, self.src_width, self.col0, self.dst_width);
+        shape_check(OP, col0 + dst_w <= src_w, || format!("columns {col0}..{} of width {src_w}", col0 + dst_w))?;
+        need(OP, "src", self.src, rows * src_w)?;
+        need(OP, "dst", self.dst, rows * dst_w)?;
+        let total = rows * dst_w;
+        if total == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.src).int(src_w)?.int(col0)?.buf(self.dst).int(dst_w)?.long(total)?;
+        // SAFETY: the band lies inside each `src` row and `dst` holds `total`, checked above.
+        unsafe { args.launch(&dev.stream, &dev.kernels.copy_cols, grid_stride(total)) }
+    }
+}
+
+/// `dst[i] = src[i]` for the first `n` values, converted: bf16 → f32 widens exactly, f32 →
+/// bf16 rounds to nearest even.
+pub struct CastCall<'a, S, D> {
+    /// At least `n` values.
+    pub src: &'a CudaSlice<S>,
+    /// At least `n` values.
+    pub dst: &'a mut CudaSlice<D>,
+    /// Values converted.
+    pub n: usize,
+}
+
+impl CastCall<'_, bf16, f32> {
+    /// Checks the sizes and enqueues `bf16_to_f32`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        cast("bf16_to_f32", dev, &dev.kernels.bf16_to_f32, self.src, self.dst, self.n)
+    }
+}
+
+impl CastCall<'_, f32, bf16> {
+    /// Checks the sizes and enqueues `f32_to_bf16`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        cast("f32_to_bf16", dev, &dev.kernels.f32_to_bf16, self.src, self.dst, self.n)
+    }
+}
+
+/// The launch both casts share (`src`, `dst`, `n`).
+fn cast<S: Elem, D: Elem>(
+    op: &'static str,
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    src: &CudaSlice<S>,
+    dst: &CudaSlice<D>,
+    n: usize,
+) -> Result<(), CudaError> {
+    need(op, "src", src, n)?;
+    need(op, "dst", dst, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let args = Args::new(op).buf(src).buf(dst).long(n)?;
+    // SAFETY: both slices hold at least `n` values, checked above.
+    unsafe { args.launch(&dev.stream, func, grid_stride(n)) }
+}

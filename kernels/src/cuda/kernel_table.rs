@@ -1,0 +1,168 @@
+//! The function handle of every kernel in the compiled module, looked up once when the device
+//! opens, so a launch never searches by name.
+//!
+//! Invariants: [`KernelTable::load`] is the one list of kernel names: the device resolves it
+//! against the module (a missing kernel fails `CudaDevice::open`, not a later launch), and
+//! [`kernel_names`] runs the same list to check a compiled module offline (`cuda_compile`).
+//! The templated kernels are indexed like their descriptions: attention
+//! `[ATTN_HEAD_DIMS][ATTN_VARIANTS]`, prefill `[PREFILL_HEAD_DIMS][PREFILL_WARPS]`, gemv
+//! `[GEMV_MAX_MS][GEMV_VARIANTS][bf16 out, f32 out]`.
+
+use super::CudaError;
+use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
+use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name};
+use super::prefill::{PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_kernel_name, prefill_smem_bytes};
+use cudarc::driver::CudaFunction;
+use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
+
+/// One handle per kernel. `F` is [`CudaFunction`] on a device; [`kernel_names`] instantiates
+/// it with `()` to list the names alone.
+pub(crate) struct KernelTable<F = CudaFunction> {
+    pub embed: F,
+    pub rms_norm: F,
+    pub add_rms_norm: F,
+    pub silu_mul: F,
+    pub bias_add: F,
+    pub copy_cols: F,
+    pub gather_rows_bf16: F,
+    pub gather_rows_f32: F,
+    pub bf16_to_f32: F,
+    pub f32_to_bf16: F,
+    pub rope_write_kv: F,
+    pub rope_qkv_write_kv: F,
+    /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
+    pub attention: Vec<Vec<F>>,
+    /// The merge of split-attention partials, per head_dim as above.
+    pub attention_combine: Vec<F>,
+    /// Prefill flash attention: `[head_dim of PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`.
+    pub prefill: Vec<Vec<F>>,
+    /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
+    /// `[bf16 out, f32 out]`.
+    pub gemv: [Vec<[F; 2]>; 2],
+    /// Sampling, one CTA per row (sampling.cu).
+    pub sample_rows: F,
+    /// Sampled tokens into the next step's ids (sampling.cu).
+    pub take_sampled_ids: F,
+    /// Counter-generated random weights (util.cu).
+    pub fill_counter: F,
+    /// A timed wait (util.cu).
+    pub spin: F,
+}
+
+impl<F> KernelTable<F> {
+    /// Resolves every kernel's name with `f`.
+    pub fn load<E>(mut f: impl FnMut(&str) -> Result<F, E>) -> Result<Self, E> {
+        let embed = f("embed_f32")?;
+        let rms_norm = f("rms_norm_f32")?;
+        let add_rms_norm = f("add_rms_norm_f32")?;
+        let silu_mul = f("silu_mul_bf16")?;
+        let bias_add = f("bias_add_bf16")?;
+        let copy_cols = f("copy_cols_bf16")?;
+        let gather_rows_bf16 = f("gather_rows_bf16")?;
+        let gather_rows_f32 = f("gather_rows_f32")?;
+        let bf16_to_f32 = f("bf16_to_f32")?;
+        let f32_to_bf16 = f("f32_to_bf16")?;
+        let rope_write_kv = f("rope_write_kv_bf16")?;
+        let rope_qkv_write_kv = f("rope_qkv_write_kv_bf16")?;
+        let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
+        let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
+        for hd in ATTN_HEAD_DIMS {
+            attention.push(ATTN_VARIANTS.iter().map(|v| f(&v.kernel_name(hd))).collect::<Result<Vec<_>, _>>()?);
+            attention_combine.push(f(&combine_kernel_name(hd))?);
+        }
+        let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        for hd in PREFILL_HEAD_DIMS {
+            prefill.push(PREFILL_WARPS.iter().map(|&w| f(&prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
+        }
+        let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
+            GEMV_VARIANTS
+                .iter()
+                .map(|v| Ok([f(&v.kernel_name(max_m, false))?, f(&v.kernel_name(max_m, true))?]))
+                .collect()
+        };
+        let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
+        Ok(Self {
+            embed,
+            rms_norm,
+            add_rms_norm,
+            silu_mul,
+            bias_add,
+            copy_cols,
+            gather_rows_bf16,
+            gather_rows_f32,
+            bf16_to_f32,
+            f32_to_bf16,
+            rope_write_kv,
+            rope_qkv_write_kv,
+            attention,
+            attention_combine,
+            prefill,
+            gemv,
+            sample_rows: f("sample_rows")?,
+            take_sampled_ids: f("take_sampled_ids")?,
+            fill_counter: f("fill_counter_bf16")?,
+            spin: f("spin_ns")?,
+        })
+    }
+}
+
+impl KernelTable<CudaFunction> {
+    /// Sets the attributes some kernels need before their first launch: each prefill kernel's
+    /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
+    /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128).
+    pub fn prepare(&self) -> Result<(), CudaError> {
+        for (hd, funcs) in PREFILL_HEAD_DIMS.iter().zip(&self.prefill) {
+            for func in funcs {
+                func.set_attribute(
+                    FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    prefill_smem_bytes(*hd) as i32,
+                )?;
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The name of every kernel the device loads, in load order: a compiled module must define
+/// each one (the `cuda_compile` example checks the PTX with it).
+pub fn kernel_names() -> Vec<String> {
+    let mut names = Vec::new();
+    let listed = KernelTable::<()>::load(|name| {
+        names.push(name.to_string());
+        Ok::<(), std::convert::Infallible>(())
+    });
+    drop(listed);
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_kernel_is_listed_once() {
+        let names = kernel_names();
+        let unique: HashSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "a kernel listed twice");
+        // 12 plain kernels, 2 sampling kernels, per attention head_dim every variant and the
+        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
+        let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
+            + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
+            + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
+        assert_eq!(names.len(), 14 + templated);
+        for n in ["embed_f32", "paged_attention_tc_hd128_w2_s4_g16", "prefill_attention_hd16_w8", "gemv_m16_w8_u2_f32"]
+        {
+            assert!(unique.contains(&n.to_string()), "{n} missing");
+        }
+        // The plain kernels are defined verbatim in the sources (the templated ones come from
+        // instance macros, which `compile::tests` compares with the variant tables).
+        let src = super::super::compile::module_source();
+        for n in names.iter().filter(|n| {
+            !["paged_attention_", "attention_combine_", "prefill_attention_", "gemv_"].iter().any(|p| n.starts_with(p))
+        }) {
+            assert!(src.contains(&format!("void {n}(")), "{n} is not defined in kernels/cuda");
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! The linear layer `out = x · wᵀ` (bf16 operands, f32 accumulation): [`LinearCall`] runs it
+//! on cuBLAS or on the skinny-GEMM kernel of gemv.cu (described in `gemv.rs`), with a bf16
+//! output (activations) or an f32 one (the LM head's logits, so they reach the sampler
+//! without bf16 rounding: a 1/16 grid at |logit| ≈ 16).
+//!
+//! Invariants: `x` is `m × k`, `w` is `n × k` row-major (the Hugging Face layout), `out` is
+//! `m × n`; sizes are checked before anything is enqueued; an empty product (m or n = 0)
+//! enqueues nothing; the skinny GEMM refuses the shapes [`gemv_supports`] rejects (callers
+//! that may see them pick cuBLAS); cuBLAS runs on the device's stream with the workspace it
+//! got at open, so it allocates nothing and can be recorded into a CUDA graph.
+
+use super::gemv::{GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GEMV_VARIANTS, gemv_default, gemv_supports, gemv_tile_index};
+use super::launch::{Args, Elem, cfg, int, need, shape_check, shape_error};
+use super::{CudaDevice, CudaError, CudaSlice};
+use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use half::bf16;
+
+/// Which implementation computes the product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearKernel {
+    /// cuBLAS: any shape.
+    Cublas,
+    /// The skinny-GEMM kernel with `GEMV_VARIANTS[variant]`, or when `None` the default for
+    /// the output width ([`gemv_default`]): only shapes [`gemv_supports`] accepts.
+    Gemv {
+        /// Index in [`GEMV_VARIANTS`].
+        variant: Option<usize>,
+    },
+}
+
+impl LinearKernel {
+    /// The skinny GEMM with the default variant for the output width.
+    pub const GEMV: Self = Self::Gemv { variant: None };
+}
+
+/// `out = x · wᵀ`; `O` is the output element: bf16, or f32 for logits.
+pub struct LinearCall<'a, O> {
+    /// `m × k` bf16.
+    pub x: &'a CudaSlice<bf16>,
+    /// Rows of `x`.
+    pub m: usize,
+    /// The reduction length: columns of `x` and `w`.
+    pub k: usize,
+    /// `n × k` bf16, row-major.
+    pub w: &'a CudaSlice<bf16>,
+    /// Rows of `w`: columns of `out`.
+    pub n: usize,
+    /// `m × n`.
+    pub out: &'a mut CudaSlice<O>,
+    /// Which implementation.
+    pub kernel: LinearKernel,
+}
+
+impl LinearCall<'_, bf16> {
+    /// Checks the sizes and enqueues the product with a bf16 output.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        match self.kernel {
+            LinearKernel::Gemv { variant } => gemv(self, dev, "gemv", variant, false),
+            LinearKernel::Cublas => {
+                const OP: &str = "linear";
+                if !self.checked(OP)? {
+                    return Ok(());
+                }
+                let (m, n, k) = (int(OP, self.m)?, int(OP, self.n)?, int(OP, self.k)?);
+                // Column-major view: outᵀ (n × m) = W (k × n col-major, transposed) · xᵀ (k × m).
+                let c = GemmConfig {
+                    transa: cublasOperation_t::CUBLAS_OP_T,
+                    transb: cublasOperation_t::CUBLAS_OP_N,
+                    m: n,
+                    n: m,
+                    k,
+                    alpha: bf16::ONE,
+                    lda: k,
+                    ldb: k,
+                    beta: bf16::ZERO,
+                    ldc: n,
+                };
+                dev.ctx.bind_to_thread()?;
+                // SAFETY: the sizes were checked against the slices above.
+                unsafe { dev.blas.gemm(c, self.w, self.x, self.out) }?;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl LinearCall<'_, f32> {
+    /// Checks the sizes and enqueues the product with an f32 output (bf16 operands, f32
+    /// accumulation and output).
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        use cudarc::cublas::{result::gemm_ex, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        match self.kernel {
+            LinearKernel::Gemv { variant } => gemv(self, dev, "gemv_f32_out", variant, true),
+            LinearKernel::Cublas => {
+                const OP: &str = "linear_f32_out";
+                if !self.checked(OP)? {
+                    return Ok(());
+                }
+                let (mi, ni, ki) = (int(OP, self.m)?, int(OP, self.n)?, int(OP, self.k)?);
+                let (alpha, beta) = (1.0f32, 0.0f32);
+                dev.ctx.bind_to_thread()?;
+                let (wp, _gw) = self.w.device_ptr(&dev.stream);
+                let (xp, _gx) = self.x.device_ptr(&dev.stream);
+                let (op, _go) = self.out.device_ptr_mut(&dev.stream);
+                // Column-major view as for bf16: outᵀ (n × m) = Wᵀ-view (n × k) · xᵀ (k × m).
+                // SAFETY: the sizes were checked against the slices above; the pointers stay
+                // valid while the guards live, and the handle enqueues on the device's stream.
+                unsafe {
+                    gemm_ex(
+                        *dev.blas.handle(),
+                        sys::cublasOperation_t::CUBLAS_OP_T,
+                        sys::cublasOperation_t::CUBLAS_OP_N,
+                        ni,
+                        mi,
+                        ki,
+                        (&alpha) as *const f32 as *const _,
+                        wp as *const _,
+                        sys::cudaDataType_t::CUDA_R_16BF,
+                        ki,
+                        xp as *const _,
+                        sys::cudaDataType_t::CUDA_R_16BF,
+                        ki,
+                        (&beta) as *const f32 as *const _,
+                        op as *mut _,
+                        sys::cudaDataType_t::CUDA_R_32F,
+                        ni,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }?;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl<O> LinearCall<'_, O> {
+    /// The size checks every implementation makes; `false` when the product is empty.
+    fn checked(&self, op: &'static str) -> Result<bool, CudaError> {
+        need(op, "x", self.x, self.m * self.k)?;
+        need(op, "w", self.w, self.n * self.k)?;
+        need(op, "out", self.out, self.m * self.n)?;
+        Ok(self.m > 0 && self.n > 0)
+    }
+}
+
+/// The skinny GEMM: one CTA per 16 rows of `w`; `f32_out` (`O` is f32) picks the
+/// instantiation.
+fn gemv<O: Elem>(
+    call: LinearCall<'_, O>,
+    dev: &CudaDevice,
+    op: &'static str,
+    variant: Option<usize>,
+    f32_out: bool,
+) -> Result<(), CudaError> {
+    let (m, k, n) = (call.m, call.k, call.n);
+    if !call.checked(op)? {
+        return Ok(());
+    }
+    shape_check(op, gemv_supports(m, k), || {
+        format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
+    })?;
+    let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
+    let (v, funcs) = match (GEMV_VARIANTS.get(variant), dev.kernels.gemv[gemv_tile_index(m)].get(variant)) {
+        (Some(v), Some(f)) => (*v, f),
+        _ => return Err(shape_error(op, format!("no gemv variant {variant}"))),
+    };
+    let grid = cfg((int(op, n.div_ceil(GEMV_ROWS_PER_CTA))? as u32, 1, 1), v.warps * 32);
+    let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?;
+    // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
+    // 16-byte rows, which k % 8 == 0 guarantees, and writes only rows < n of out.
+    unsafe { args.launch(&dev.stream, &funcs[usize::from(f32_out)], grid) }
+}

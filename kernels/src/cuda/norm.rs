@@ -1,0 +1,85 @@
+//! RMSNorm of the residual stream (`rms_norm_f32`, `add_rms_norm_f32` in elementwise.cu):
+//! [`RmsNormCall`] and [`AddRmsNormCall`].
+//!
+//! Invariants: the residual stream is f32 and is never rounded to bf16 (the fused add keeps
+//! the sum in f32); the normalized output is bf16; one CTA per row.
+
+use super::launch::{Args, THREADS, int, need, per_row};
+use super::{CudaDevice, CudaError, CudaSlice};
+use half::bf16;
+
+/// `out = x / rms(x) * weight` for `rows` rows of width `dim`: `x` is the f32 residual
+/// stream, `out` the bf16 activation.
+pub struct RmsNormCall<'a> {
+    /// `rows × dim` f32.
+    pub x: &'a CudaSlice<f32>,
+    /// `dim` bf16.
+    pub weight: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Row width.
+    pub dim: usize,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// `rows × dim` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl RmsNormCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "rms_norm";
+        let n = self.rows * self.dim;
+        need(OP, "x", self.x, n)?;
+        need(OP, "weight", self.weight, self.dim)?;
+        need(OP, "out", self.out, n)?;
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let grid = per_row(OP, self.rows, THREADS)?;
+        let args = Args::new(OP).buf(self.x).buf(self.weight).buf(self.out).int(self.dim)?.f32(self.eps);
+        // SAFETY: one CTA per row reads `x` and writes `out` within `rows × dim`, and reads
+        // `dim` weights: all checked above.
+        unsafe { args.launch(&dev.stream, &dev.kernels.rms_norm, grid) }
+    }
+}
+
+/// `residual += x; out = rms_norm(residual) * weight`, row by row: the residual is f32 (the
+/// bf16 branch output `x` is added without rounding the sum), `out` is bf16.
+pub struct AddRmsNormCall<'a> {
+    /// `rows × dim` f32, updated in place.
+    pub residual: &'a mut CudaSlice<f32>,
+    /// `rows × dim` bf16: the branch output added to the residual.
+    pub x: &'a CudaSlice<bf16>,
+    /// `dim` bf16.
+    pub weight: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Row width.
+    pub dim: usize,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// `rows × dim` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl AddRmsNormCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "add_rms_norm";
+        let n = self.rows * self.dim;
+        need(OP, "residual", self.residual, n)?;
+        need(OP, "x", self.x, n)?;
+        need(OP, "weight", self.weight, self.dim)?;
+        need(OP, "out", self.out, n)?;
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let grid = per_row(OP, self.rows, THREADS)?;
+        let d = int(OP, self.dim)?;
+        let args = Args::new(OP).buf(self.residual).buf(self.x).buf(self.weight).buf(self.out).i32(d).f32(self.eps);
+        // SAFETY: one CTA per row touches `residual`, `x` and `out` within `rows × dim` and
+        // `dim` weights: all checked above.
+        unsafe { args.launch(&dev.stream, &dev.kernels.add_rms_norm, grid) }
+    }
+}

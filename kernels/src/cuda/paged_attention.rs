@@ -1,0 +1,222 @@
+//! The decode kernel of `kernels/cuda/attention.cu` (`paged_attention_*`), described: its
+//! compiled variants and their names, which one runs by default, and how each row's context
+//! is split across CTAs. Pure data and rules, no device: the launcher is
+//! [`AttentionCall`](super::AttentionCall).
+//!
+//! Invariants: [`ATTN_VARIANTS`] lists the `ATT_INSTANCE` then the `ATT_TC_INSTANCE` lines of
+//! attention.cu in order (a unit test of `compile.rs` compares them), and every variant is
+//! instantiated for every head_dim of [`ATTN_HEAD_DIMS`]; [`plan_splits`] never returns more
+//! than 128 splits, and its splits cover the longest context.
+
+/// Head dims every attention variant is instantiated for, in the order of the device's
+/// function table.
+pub(crate) const ATTN_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Which paged attention kernel a variant instantiates (see attention.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnKind {
+    /// `paged_attention_hd*`: each thread loads K/V rows into registers (16 bytes a token) and
+    /// the dot products run on the CUDA cores with shuffle reductions.
+    Registers,
+    /// `paged_attention_tc_hd*`: K/V tiles go to a ring of shared-memory stages by cp.async
+    /// (loads in flight without registers) and both products run on the tensor cores
+    /// (`mma.sync`, the CTA's query heads as the M rows).
+    TensorCore,
+}
+
+/// One compiled shape of the paged attention kernel (see attention.cu): the kernel kind,
+/// warps per CTA, the load depth, query heads per CTA (a larger GQA group is split across
+/// CTAs), and whether the next tile's loads are issued before the current one is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnVariant {
+    /// Which kernel.
+    pub kind: AttnKind,
+    /// Warps per CTA.
+    pub warps: u32,
+    /// [`AttnKind::Registers`]: tokens in flight per thread (each a 16-byte K and a 16-byte V
+    /// load). [`AttnKind::TensorCore`]: shared-memory stages in the ring (one is consumed while
+    /// the others are in flight).
+    pub unroll: u32,
+    /// Query heads per CTA.
+    pub max_group: u32,
+    /// Register double-buffering of the next tile ([`AttnKind::Registers`] only).
+    pub prefetch: bool,
+}
+
+impl AttnVariant {
+    /// The kernel's name for `head_dim` (see `ATT_INSTANCE` and `ATT_TC_INSTANCE` in
+    /// attention.cu). Both kinds are instantiated for every head_dim the launcher accepts
+    /// (16, 32, 64, 128), so no variant needs a fallback.
+    pub fn kernel_name(&self, head_dim: usize) -> String {
+        format!("paged_attention_{}", self.label_for(head_dim))
+    }
+
+    /// A short name of the shape, as in the kernel name without the head_dim
+    /// (`w4_u4_g4_p0`, `tc_w2_s4_g8`): for benchmark tables and result files.
+    pub fn label(&self) -> String {
+        match self.kind {
+            AttnKind::Registers => {
+                let p = u8::from(self.prefetch);
+                format!("w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
+            }
+            AttnKind::TensorCore => format!("tc_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
+        }
+    }
+
+    fn label_for(&self, head_dim: usize) -> String {
+        match self.kind {
+            AttnKind::Registers => format!("hd{head_dim}_{}", self.label()),
+            AttnKind::TensorCore => {
+                format!("tc_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group)
+            }
+        }
+    }
+
+    /// CTAs one row takes along the grid's x axis: one per KV head and chunk of
+    /// `max_group` query heads of its GQA group.
+    pub(crate) fn ctas_per_row(&self, n_heads: usize, n_kv_heads: usize) -> usize {
+        let group = n_heads / n_kv_heads.max(1);
+        n_kv_heads * group.div_ceil((self.max_group as usize).max(1))
+    }
+}
+
+/// The combine kernel's name for `head_dim` (the merge of split partials; attention.cu).
+pub(crate) fn combine_kernel_name(head_dim: usize) -> String {
+    format!("attention_combine_hd{head_dim}")
+}
+
+const fn reg(warps: u32, unroll: u32, max_group: u32, prefetch: bool) -> AttnVariant {
+    AttnVariant { kind: AttnKind::Registers, warps, unroll, max_group, prefetch }
+}
+
+const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
+    AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
+}
+
+/// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
+/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu).
+pub const ATTN_VARIANTS: [AttnVariant; 9] = [
+    reg(4, 4, 4, false),
+    reg(4, 8, 4, false),
+    reg(4, 4, 8, false),
+    reg(4, 4, 4, true),
+    reg(4, 2, 4, true),
+    reg(4, 2, 8, true),
+    // 2 warps, 4 stages of 16 tokens: 34.8 KB of shared memory at head_dim 128, 6 CTAs per SM.
+    tc(2, 4, 8),
+    // One more stage, one CTA fewer per SM (43.5 KB: 5 per SM): 4 stages in flight each.
+    tc(2, 5, 8),
+    // Up to 16 query heads per CTA (all 16 M rows): a group of 12 or 16 reads K/V once.
+    tc(2, 4, 16),
+];
+
+/// The variant the decode kernel uses by default for a GQA group of `group` query heads: the
+/// tensor-core kernel with 4 shared-memory stages, 8 heads per CTA up to a group of 8 and 16
+/// beyond (so that a group of 12 or 16 reads each K/V row once). Measured on an H100
+/// (bench/results/cuda-kernels-tc-prefill-*): 71-86 % of copy at batch >= 32 and contexts of
+/// 1k-4k, where the register kernels reached 50-57 %.
+pub fn attn_default(group: usize) -> usize {
+    if group > 8 { 8 } else { 6 }
+}
+
+/// How the decode kernel splits each row's context across CTAs: `Auto` aims at several CTAs
+/// per SM, `Fixed(n)` forces at most `n` splits (1 = no split; for benchmarks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnSplit {
+    /// Chosen from the batch, the context lengths and the SM count.
+    Auto,
+    /// At most this many splits.
+    Fixed(usize),
+    /// Exactly this many splits (clamped to 1..=128) whatever the contexts: one launch
+    /// configuration for any lengths, as a captured CUDA graph needs. Each row's context is
+    /// cut in the kernel, so rows shorter than the splits leave the extra CTAs idle.
+    Exact(usize),
+}
+
+/// Most splits of one row's context.
+pub(crate) const MAX_SPLITS: usize = 128;
+/// Fewest tokens per split: below this the partial results cost more than they save. The
+/// kernel receives it too: it cuts each row's chunk from the row's own length with this as
+/// the least (`split_chunk` in attention.cu).
+pub(crate) const MIN_SPLIT_TOKENS: usize = 64;
+
+/// Splits and tokens per split for `ctas` CTAs per split over contexts of at most `max_ctx`
+/// tokens on `sms` SMs: enough splits for about 4 CTAs per SM, each split at least
+/// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
+pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
+    let max_ctx = max_ctx.max(1);
+    if let AttnSplit::Exact(n) = split {
+        let n = n.clamp(1, MAX_SPLITS);
+        return (n, max_ctx.div_ceil(n).next_multiple_of(16).max(MIN_SPLIT_TOKENS));
+    }
+    let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let want = match split {
+        AttnSplit::Auto => (4 * sms.max(1)).div_ceil(ctas.max(1)),
+        AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
+    };
+    let splits = want.clamp(1, by_len);
+    // Chunks a multiple of 16 tokens (a common block size); recount after rounding.
+    let chunk = max_ctx.div_ceil(splits).next_multiple_of(16);
+    (max_ctx.div_ceil(chunk), chunk)
+}
+
+/// The splits the default decode launch ([`AttnSplit::Auto`], [`attn_default`]'s variant)
+/// uses for `rows` rows of contexts up to `max_ctx` on `sms` SMs: what a CUDA graph recorded
+/// for such a step is keyed by.
+pub fn auto_splits(sms: usize, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize) -> usize {
+    let variant = ATTN_VARIANTS[attn_default(n_heads / n_kv_heads.max(1))];
+    plan_splits(AttnSplit::Auto, variant.ctas_per_row(n_heads, n_kv_heads) * rows, max_ctx, sms).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_variants_name_their_kernels() {
+        assert_eq!(ATTN_VARIANTS[0].kernel_name(128), "paged_attention_hd128_w4_u4_g4_p0");
+        assert_eq!(ATTN_VARIANTS[6].kernel_name(16), "paged_attention_tc_hd16_w2_s4_g8");
+        assert_eq!(ATTN_VARIANTS[6].label(), "tc_w2_s4_g8");
+        assert_eq!(combine_kernel_name(64), "attention_combine_hd64");
+        // The default exists for any group and, being a tensor-core variant, covers a group of
+        // up to 8 (16 beyond) in one CTA per KV head.
+        for group in 1..=32 {
+            let v = ATTN_VARIANTS[attn_default(group)];
+            assert_eq!(v.kind, AttnKind::TensorCore);
+            assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+        }
+    }
+
+    #[test]
+    fn split_plans_cover_the_context_and_fill_the_device() {
+        // Batch 1, 8 KV heads, 2k context on 132 SMs: many splits of at least 64 tokens.
+        let (s, c) = plan_splits(AttnSplit::Auto, 8, 2048, 132);
+        assert!(s >= 16 && c >= MIN_SPLIT_TOKENS && s * c >= 2048 && (s - 1) * c < 2048, "{s} × {c}");
+        // A large batch already fills the device: no split.
+        assert_eq!(plan_splits(AttnSplit::Auto, 256 * 8, 4096, 132).0, 1);
+        // Forced values, clamped by the context; every split but the last is non-empty.
+        assert_eq!(plan_splits(AttnSplit::Fixed(1), 8, 100_000, 132), (1, 100_000usize.next_multiple_of(16)));
+        for ctx in [1usize, 15, 16, 17, 63, 64, 65, 1000, 4100, 131_072] {
+            for f in [1usize, 2, 7, 64, 1000] {
+                let (s, c) = plan_splits(AttnSplit::Fixed(f), 8, ctx, 132);
+                assert!(
+                    (1..=MAX_SPLITS).contains(&s) && s * c >= ctx && (s - 1) * c < ctx,
+                    "ctx {ctx} f {f}: {s} × {c}"
+                );
+                assert!(c.is_multiple_of(16));
+            }
+        }
+    }
+
+    #[test]
+    fn auto_splits_count_the_default_variants_ctas() {
+        // Llama-3.1-8B (32/8 heads: group 4, one CTA per KV head) at batch 1, 2k: the plan for
+        // 8 CTAs per split; at 12/1 heads (group 12: the 16-head variant) one CTA per row.
+        assert_eq!(auto_splits(132, 1, 32, 8, 2048), plan_splits(AttnSplit::Auto, 8, 2048, 132).0);
+        assert_eq!(auto_splits(132, 3, 12, 1, 4096), plan_splits(AttnSplit::Auto, 3, 4096, 132).0);
+        // A group of 32 takes two CTAs of 16 heads per KV head.
+        assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2), 4);
+        assert_eq!(auto_splits(132, 512, 32, 8, 4096), 1, "a full batch needs no split");
+        assert!(auto_splits(132, 1, 32, 0, 100) >= 1, "no KV heads: still a plan (the launch refuses)");
+    }
+}
