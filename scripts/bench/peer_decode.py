@@ -3,8 +3,9 @@
 
 A gpt-fast-style Llama decoder written for this comparison: random bf16 weights of the
 Llama-3.1-8B shape (or any config JSON), a dense static KV cache of `ctx + 64` tokens per
-sequence, SDPA with GQA, greedy argmax, and `torch.compile(mode="reduce-overhead",
-fullgraph=True)` (Inductor kernels replayed from CUDA graphs). Every sequence of a batch is
+sequence, SDPA with a mask and GQA (`enable_gqa`, no repeated copy of the cache), greedy
+argmax, and `torch.compile(mode="reduce-overhead", fullgraph=True)` with gpt-fast's Inductor
+settings (coordinate-descent tuning): Inductor kernels replayed from CUDA graphs. Every sequence of a batch is
 at the same position, as in Baton's `bench_cuda` decode shapes.
 
 For each shape `batch:context` it times decode steps with CUDA events (8 warm-up steps
@@ -85,6 +86,8 @@ class Layer(nn.Module):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         self.k_cache[:, :, pos] = k
         self.v_cache[:, :, pos] = v
+        # GQA inside SDPA (no repeated copy of the cache, which gpt-fast's repeat_interleave
+        # would write every step).
         y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
@@ -135,6 +138,13 @@ def main():
     ap.add_argument("--timed", type=int, default=40)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    # gpt-fast's Inductor settings: coordinate-descent tuning of the generated kernels (the
+    # decode GEMVs become tuned Triton reductions), a unique name per kernel, the FX graph cache.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = True
+    inductor_config.triton.unique_kernel_names = True
+    inductor_config.fx_graph_cache = True
     c = Config(json.load(open(args.config)))
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)

@@ -54,6 +54,8 @@ pub struct CudaDevice {
     pub(crate) capturing: AtomicBool,
     /// Allocations made so far (see [`CudaDevice::alloc_generation`]).
     alloc_gen: AtomicU64,
+    /// Whether kernels launch with programmatic dependent launch (see [`CudaDevice::pdl`]).
+    pdl: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
 }
@@ -126,6 +128,9 @@ impl CudaDevice {
             from_cache,
             capturing: AtomicBool::new(false),
             alloc_gen: AtomicU64::new(0),
+            // Hopper and later: kernels overlap their launch and prologue with the previous
+            // kernel's tail (griddepcontrol needs sm_90).
+            pdl: AtomicBool::new(major >= 9),
             _blas_workspace: blas_workspace,
         })
     }
@@ -270,6 +275,22 @@ impl CudaDevice {
     /// Whether a recording is in progress.
     pub fn is_capturing(&self) -> bool {
         self.capturing.load(Ordering::SeqCst)
+    }
+
+    /// Whether kernels launch with programmatic dependent launch (on by default from compute
+    /// capability 9.0, Hopper): each kernel may start while the previous one finishes and
+    /// waits for it inside (`PDL_ENTER` in the prelude).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off (for comparisons; a device below compute
+    /// capability 9.0 ignores `on`). Recorded graphs hold the old launches, so this counts as
+    /// an allocation for [`CudaDevice::alloc_generation`] and they are dropped.
+    pub fn set_pdl(&self, on: bool) {
+        let capable = self.arch.starts_with("compute_9") || self.arch.starts_with("compute_1");
+        self.pdl.store(on && capable, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
     /// How many device allocations this device has made; a graph recorded at one generation

@@ -146,12 +146,13 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 2 sampling kernels, per attention head_dim every variant and the
+        // 12 plain kernels, 2 sampling kernels, 2 utility kernels (random weights, the
+        // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 14 + templated);
+        assert_eq!(names.len(), 16 + templated);
         for n in ["embed_f32", "paged_attention_tc_hd128_w2_s4_g16", "prefill_attention_hd16_w8", "gemv_m16_w8_u2_f32"]
         {
             assert!(unique.contains(&n.to_string()), "{n} missing");

@@ -170,5 +170,5 @@ fn gemv<O: Elem>(
     let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?;
     // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
     // 16-byte rows, which k % 8 == 0 guarantees, and writes only rows < n of out.
-    unsafe { args.launch(&dev.stream, &funcs[usize::from(f32_out)], grid) }
+    unsafe { args.launch(dev, &funcs[usize::from(f32_out)], grid) }
 }
