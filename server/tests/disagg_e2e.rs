@@ -42,6 +42,11 @@ async fn disaggregated_matches_serve_with(config: &str, n: usize, flags: impl Fn
     }
     let workers = c.workers().await;
     assert_eq!(workers.len(), 2 * n, "{workers:?}");
+    let tls = flags.contains(&"--tls-cert");
+    for w in &workers {
+        let url = w["url"].as_str().expect("url");
+        assert_eq!(url.starts_with("https://"), tls, "worker URLs follow the TLS setting: {url}");
+    }
     for w in c.all_workers() {
         w.assert_idle(&c.http).await;
     }

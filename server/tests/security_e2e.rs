@@ -10,6 +10,8 @@
 //!   recomputes by itself and completes.
 //! - Binding 0.0.0.0 without a secret refuses to start (router and worker), and starts with
 //!   `--insecure-cluster` or a secret.
+//! - A worker restarted on the same address replaces its still-live old entry at once: the
+//!   router asks the address which instance serves it.
 
 mod common;
 
@@ -365,4 +367,47 @@ async fn binding_all_interfaces_needs_a_secret_or_insecure_cluster() {
         wait_up(&mut p, &http).await;
         assert!(p.exited().is_none(), "{tag}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_replaces_its_old_entry_at_once_after_the_router_asks_its_url() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let secret = secret_file(dir.path(), "cluster.secret");
+    let grpc = free_port().to_string();
+    let mut decode_flags = secret_flags(&secret);
+    decode_flags.extend(strings(&["--grpc-port", &grpc]));
+    let p_flags = secret_flags(&secret);
+    let p_flags: Vec<&str> = p_flags.iter().map(String::as_str).collect();
+    let d_flags: Vec<&str> = decode_flags.iter().map(String::as_str).collect();
+    // A long eject_after: the old entry is still live when the new process registers.
+    let mut router_flags = p_flags.clone();
+    router_flags.extend(["--eject-after-ms", "60000"]);
+    let mut c = Cluster::start(dir.path(), &model, "1p1d.toml", &router_flags, &[p_flags], &[d_flags]).await;
+    let before = c.workers().await;
+    let old = before.iter().find(|w| w["role"] == "decode").expect("decode").clone();
+    // The decode worker restarts on the same address: a new instance, a live old entry.
+    drop(c.decode.remove(0));
+    let mut args = strings(&["worker", "--role", "decode", "--router", &c.registry]);
+    args.extend(model_args(&model));
+    args.extend(decode_flags.iter().cloned());
+    let mut restarted = Proc::spawn(dir.path(), "decode-restarted", &args);
+    restarted.wait_healthy(&c.http).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new = loop {
+        let ws = c.workers().await;
+        let decoders: Vec<&Value> = ws.iter().filter(|w| w["role"] == "decode").collect();
+        if decoders.len() == 1 && decoders[0]["id"] != old["id"] {
+            break decoders[0].clone();
+        }
+        assert!(Instant::now() < deadline, "the old entry was never replaced: {ws:?}\n{}", c.router.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(new["url"], old["url"], "same address");
+    assert!(c.router.log_text().contains("a new instance serves a registered URL; replacing"));
+    // Requests run on the new process.
+    let p: Vec<u32> = (0..20u32).map(|j| (j * 7 + 1) % vocab).collect();
+    let r = c.http.post(format!("{}/v1/completions", c.router.http)).json(&completion(&p, false)).send().await;
+    assert_eq!(r.expect("send").status().as_u16(), 200);
+    c.decode.push(restarted);
 }

@@ -147,8 +147,9 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Starts a router from `config` (ports overridden) plus workers; `extra_p`/`extra_d`
-    /// give per-worker extra flags (fault injection).
+    /// Starts a router from `config` (ports overridden; `router_flags` added, and overriding
+    /// the test defaults they name) plus workers; `extra_p`/`extra_d` give per-worker extra
+    /// flags (fault injection, security).
     pub async fn start(
         dir: &Path,
         model: &Path,
@@ -161,32 +162,25 @@ impl Cluster {
         let registry = free_port();
         let config = configs().join(config);
         let mut router_args: Vec<String> = vec!["router".into(), "--config".into(), config.display().to_string()];
-        router_args.extend(
-            [
-                "--model",
-                model.to_str().expect("utf8"),
-                "--served-model-name",
-                MODEL,
-                "--max-model-len",
-                "512",
-                "--grpc-port",
-                "0",
-                "--heartbeat-interval-ms",
-                "200",
-                "--eject-after-ms",
-                "1500",
-                "--kv-deadline-ms",
-                "5000",
-                "--idle-timeout-ms",
-                "20000",
-                "--min-prefill-workers",
-                &extra_p.len().to_string(),
-                "--min-decode-workers",
-                &extra_d.len().to_string(),
-            ]
-            .iter()
-            .map(|s| s.to_string()),
-        );
+        let (np, nd) = (extra_p.len().to_string(), extra_d.len().to_string());
+        let defaults = [
+            ("--model", model.to_str().expect("utf8")),
+            ("--served-model-name", MODEL),
+            ("--max-model-len", "512"),
+            ("--grpc-port", "0"),
+            ("--heartbeat-interval-ms", "200"),
+            ("--eject-after-ms", "1500"),
+            ("--kv-deadline-ms", "5000"),
+            ("--idle-timeout-ms", "20000"),
+            ("--min-prefill-workers", &np),
+            ("--min-decode-workers", &nd),
+        ];
+        // `router_flags` may override a default.
+        for (flag, value) in defaults {
+            if !router_flags.contains(&flag) {
+                router_args.extend([flag.to_owned(), value.to_owned()]);
+            }
+        }
         router_args.extend(["--registry-port".into(), registry.to_string()]);
         router_args.extend(router_flags.iter().map(|s| s.to_string()));
         let router = Proc::spawn(dir, "router", &router_args);
