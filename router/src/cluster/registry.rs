@@ -413,13 +413,10 @@ impl Registry {
     /// cached-prefix overlap when `hashes` is given) alongside what a request needs to use them.
     pub fn candidates(&self, want: fn(Role) -> bool, hashes: Option<&[BlockHash]>) -> Vec<(Candidate, Picked)> {
         let Ok(w) = self.workers.read() else { return Vec::new() };
-        // In registration order (by sequence number, through the BTreeMap), so round-robin
-        // and tie-breaks are deterministic.
-        let out: Vec<(Candidate, Picked)> = w
+        let mut out: Vec<(u64, (Candidate, Picked))> = w
             .values()
             .filter(|e| e.healthy && want(e.info.role))
             .map(|e| {
-                let seq = e.seq;
                 let cached_prefix_blocks =
                     hashes.map_or(0, |hs| hs.iter().take_while(|h| e.cached.contains(&h.0)).count());
                 let c = Candidate {
@@ -437,14 +434,12 @@ impl Registry {
                     inflight: e.inflight.clone(),
                     queued_prefill_tokens: e.queued_prefill_tokens.clone(),
                 };
-                (seq, (c, p))
+                (e.seq, (c, p))
             })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .collect::<std::collections::BTreeMap<_, _>>()
-            .into_values()
             .collect();
-        out
+        // Registration order (ids are random), so round-robin and tie-breaks are deterministic.
+        out.sort_by_key(|(seq, _)| *seq);
+        out.into_iter().map(|(_, cp)| cp).collect()
     }
 
     /// Every registered worker, for operators.
