@@ -254,22 +254,29 @@ fn run() -> Res<()> {
         }
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
-            let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
-            let shape = OpShape { b, ctx, cfg: &cfg };
-            writeln!(
-                table,
-                "  per-op (eager, queue filled first) b={b} ctx={ctx}: op | us/step | floor us | % of floor"
-            )?;
-            let mut total = 0.0;
-            for (label, us) in &rows {
-                total += us;
-                let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
-                writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
-                json.push(format!(
-                    "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
-                ));
+            // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
+            // cuBLAS too, for the comparison.
+            let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
+            for &gemm in gemms {
+                model.backend_mut().set_gemv(gemm == "default" && gemv);
+                let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
+                let shape = OpShape { b, ctx, cfg: &cfg };
+                writeln!(
+                    table,
+                    "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}: op | us/step | floor us | % of floor"
+                )?;
+                let mut total = 0.0;
+                for (label, us) in &rows {
+                    total += us;
+                    let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
+                    writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
+                    json.push(format!(
+                        "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                    ));
+                }
+                writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
             }
-            writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
+            model.backend_mut().set_gemv(gemv);
         }
         let st = model.backend().graph_stats();
         writeln!(

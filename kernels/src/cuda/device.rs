@@ -58,6 +58,8 @@ pub struct CudaDevice {
     pdl: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
+    /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
+    pub(crate) lt: Option<super::lt::LtGemm>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -116,6 +118,7 @@ impl CudaDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
+        let lt = super::lt::LtGemm::new(&stream)?;
         Ok(Self {
             ctx,
             stream,
@@ -132,6 +135,7 @@ impl CudaDevice {
             // kernel's tail (griddepcontrol needs sm_90).
             pdl: AtomicBool::new(major >= 9),
             _blas_workspace: blas_workspace,
+            lt,
         })
     }
 
