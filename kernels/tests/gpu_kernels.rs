@@ -32,9 +32,15 @@ fn down32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
 
 /// The f32 check (f32 arithmetic, f32 storage): ‖out − ref‖ / ‖ref‖ < 1e-5.
 fn check32(what: &str, out: &[f32], want: &[f32]) {
+    check32_within(what, out, want, 1e-5);
+}
+
+/// [`check32`] with a bound of the caller's: a dot product of `k` terms summed in another
+/// order than the reference's (cuBLASLt's split-K algorithms) differs by up to ~k·ε.
+fn check32_within(what: &str, out: &[f32], want: &[f32], bound: f64) {
     let e = rel_err(out, want);
     println!("{what}: rel err {e:.2e}");
-    assert!(e < 1e-5, "{what}: rel err {e:.3e} >= 1e-5");
+    assert!(e < bound, "{what}: rel err {e:.3e} >= {bound:.1e}");
 }
 
 #[test]
@@ -242,7 +248,15 @@ fn gpu_linear_matches_cpu_gemm() {
             // The LM head's f32 output: only bf16 operands round, so it sits far closer (1e-5).
             let mut out32 = poisoned32(&dev, m * n);
             LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out32, kernel }.launch(&dev).expect("linear_f32_out");
-            check32(&format!("linear_f32_out {kernel:?} m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
+            // 1e-5 up to k = 4096, growing with k past it (f32 sums of k terms; at k = 14,336
+            // a split-K algorithm measured 1.6e-5).
+            let bound = 1e-5 * (k as f64 / 4096.0).max(1.0);
+            check32_within(
+                &format!("linear_f32_out {kernel:?} m={m} k={k} n={n}"),
+                &down32(&dev, &out32, m * n),
+                &want,
+                bound,
+            );
         }
     }
 }
