@@ -78,6 +78,45 @@ async fn malformed_json_wrong_types_and_missing_fields_are_400() {
 }
 
 #[tokio::test]
+async fn fields_the_server_does_not_honour_are_400s_naming_them() {
+    // An agent that sends tools or a response format must never get a 200 of free text.
+    let s = TestServer::default_start().await;
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let tool = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    for (body, param, words) in [
+        (json!({"messages": msgs, "tools": tool}), "tools", "tool calling"),
+        (json!({"messages": msgs, "tool_choice": "required"}), "tool_choice", "tool calling"),
+        (
+            json!({"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+            "tool",
+        ),
+        (json!({"messages": msgs, "response_format": {"type": "json_object"}}), "response_format", "structured output"),
+        (json!({"messages": msgs, "guided_choice": ["a", "b"]}), "guided_choice", "structured output"),
+        (json!({"messages": msgs, "max_tokens": 3, "mystery_knob": 7}), "mystery_knob", "mystery_knob"),
+        (json!({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}), "messages[0].name", "name"),
+    ] {
+        for stream in [false, true] {
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let response = expect_error(&s, chat, body, 400, Some(param)).await;
+            let message = response["error"]["message"].as_str().expect("message");
+            assert!(message.contains(param) && message.contains(words), "{message}");
+        }
+    }
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "guided_regex": "a+"}), 400, Some("guided_regex")).await;
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "prompt_logprobs": 1}), 400, Some("prompt_logprobs"))
+        .await;
+    // Values that ask for what the server does anyway, and nulls, are served.
+    let body = json!({"messages": msgs, "max_tokens": 2, "tools": null, "tool_choice": "none",
+        "response_format": {"type": "text"}, "user": "u-1"});
+    let (status, response) = s.post(chat, body).await;
+    assert_eq!(status, 200, "{response}");
+    still_serving(&s).await;
+}
+
+#[tokio::test]
 async fn out_of_range_sampling_values_name_their_param() {
     let s = TestServer::default_start().await;
     let cases = [
@@ -160,8 +199,10 @@ async fn prompt_plus_max_tokens_over_the_context_names_both_lengths() {
 #[tokio::test]
 async fn unknown_model_is_404_model_not_found() {
     let s = TestServer::default_start().await;
-    for path in ["/v1/chat/completions", "/v1/completions"] {
-        let body = json!({"model": "gpt-17", "prompt": "x", "messages": [{"role": "user", "content": "x"}]});
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]})),
+        ("/v1/completions", json!({"model": "gpt-17", "prompt": "x"})),
+    ] {
         let err = expect_error(&s, path, body, 404, Some("model")).await;
         assert_eq!(err["error"]["code"], "model_not_found");
         assert!(err["error"]["message"].as_str().expect("m").contains("gpt-17"));
