@@ -457,8 +457,8 @@ fn resolve(
 /// no GPU: what `baton kernels build` runs to ship compiled kernels with an image. Returns
 /// a report per module.
 pub fn build_cache(arch: &str, dir: &Path) -> Result<Vec<ModuleReport>, CudaError> {
-    nvrtc_present()?;
     let kind = ImageKind::for_arch(arch)?;
+    nvrtc_present()?;
     std::fs::create_dir_all(dir).map_err(|e| CudaError::Cache { path: dir.to_path_buf(), message: e.to_string() })?;
     let resolved = resolve(look_up(arch, kind, Some(dir)), arch, kind, Some(dir))?;
     let mut reports = Vec::with_capacity(resolved.len());
