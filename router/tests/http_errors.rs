@@ -221,7 +221,7 @@ async fn full_queue_is_429_with_retry_after() {
 }
 
 #[tokio::test]
-async fn api_key_guards_v1_but_not_health_or_metrics() {
+async fn api_key_guards_v1_tokenize_and_detokenize_but_not_health_or_metrics() {
     let config = HttpConfig { api_key: Some("sekret".into()), ..Default::default() };
     let s = TestServer::start(FakeConfig::default(), config).await;
     let body = json!({"prompt": "x", "max_tokens": 2});
@@ -235,8 +235,23 @@ async fn api_key_guards_v1_but_not_health_or_metrics() {
     assert_eq!(r.status().as_u16(), 401);
     let r = s.client.post(&url).bearer_auth("sekret").json(&body).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 200);
+    // The scheme is case-insensitive.
+    let r = s.client.post(&url).header("authorization", "bearer sekret").json(&body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let r = s.client.post(&url).header("authorization", "BEARER sekret").json(&body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
     let r = s.client.get(format!("{}/v1/models", s.url)).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 401);
+    for (path, body) in [("/tokenize", json!({"prompt": "hello"})), ("/detokenize", json!({"tokens": [20, 21]}))] {
+        let r = s.client.post(format!("{}{path}", s.url)).json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 401, "{path} without the key");
+        let err: Value = r.json().await.expect("json");
+        assert_error_shape(&err);
+        let r = s.client.post(format!("{}{path}", s.url)).bearer_auth("nope").json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 401, "{path} with a wrong key");
+        let r = s.client.post(format!("{}{path}", s.url)).bearer_auth("sekret").json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 200, "{path} with the key");
+    }
     assert_eq!(s.get("/health").await.status().as_u16(), 200);
     assert_eq!(s.get("/metrics").await.status().as_u16(), 200);
 }

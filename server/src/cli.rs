@@ -75,7 +75,8 @@ pub struct ServeArgs {
     /// gRPC port; 0 picks a free one [default: 50051]
     #[arg(long, env = "BATON_GRPC_PORT")]
     pub grpc_port: Option<u16>,
-    /// Require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and the gRPC API
+    /// (/health and /metrics stay open)
     #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
     pub api_key: Option<String>,
     /// Model name clients send in `model` [default: the --model path]
@@ -154,9 +155,13 @@ pub struct RouterArgs {
     /// Port where workers register and heartbeat [default: 50100]
     #[arg(long, env = "BATON_ROUTER_REGISTRY_PORT")]
     pub registry_port: Option<u16>,
-    /// Require `Authorization: Bearer KEY` on /v1/*
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /workers and the
+    /// public gRPC API (/health and /metrics stay open)
     #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Internal-plane security (cluster secret, TLS).
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Model name clients send in `model` [default: the --model path]
     #[arg(long, env = "BATON_SERVED_MODEL_NAME", value_name = "NAME")]
     pub served_model_name: Option<String>,
@@ -229,12 +234,38 @@ pub struct WorkerArgs {
     /// ends) [default: tcp]
     #[arg(long, env = "BATON_WORKER_KV_TRANSPORT", value_name = "TRANSPORT")]
     pub kv_transport: Option<String>,
+    /// Internal-plane security (cluster secret, TLS).
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Fault injection for failure tests: the process exits after sending this many KV layers.
     #[arg(long, hide = true, value_name = "N")]
     pub chaos_exit_after_kv_layers: Option<usize>,
     /// Fault injection for failure tests: the process exits after streaming this many tokens.
     #[arg(long, hide = true, value_name = "N")]
     pub chaos_exit_after_tokens: Option<usize>,
+}
+
+/// Security flags of the internal plane, shared by `baton router` and `baton worker` (the
+/// `[router]`/`[worker]` tables take the same keys).
+#[derive(Debug, Clone, Default, Args)]
+pub struct SecurityArgs {
+    /// File holding the cluster secret (>= 16 bytes; a trailing newline is ignored), the same
+    /// on the router and every worker: every internal call and KV hand-off proves it
+    #[arg(long, env = "BATON_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Allow binding a non-loopback address without a cluster secret (anyone who can reach
+    /// the ports can then join and call the cluster) [default: false]
+    #[arg(long, env = "BATON_INSECURE_CLUSTER", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub insecure_cluster: Option<bool>,
+    /// TLS certificate chain (PEM) this process presents on the internal plane (with --tls-key, --tls-ca)
+    #[arg(long, env = "BATON_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) of --tls-cert
+    #[arg(long, env = "BATON_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate (PEM) that signed every cluster member's certificate (mutual TLS)
+    #[arg(long, env = "BATON_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// `baton client ...`.
@@ -268,4 +299,7 @@ pub struct GrpcClientArgs {
     /// Request id (for `Abort` from another client).
     #[arg(long, default_value = "")]
     pub request_id: String,
+    /// API key of the server (sent as `authorization: Bearer KEY`).
+    #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
+    pub api_key: Option<String>,
 }

@@ -5,6 +5,7 @@ mod cli;
 mod client;
 mod cluster;
 mod cluster_config;
+mod cluster_security;
 mod config;
 mod kernels;
 mod listeners;

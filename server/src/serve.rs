@@ -1,5 +1,6 @@
 //! `baton serve`: load the model, start the engine, and serve the OpenAI-compatible HTTP API
-//! and the public gRPC API from one process until SIGINT/SIGTERM.
+//! and the public gRPC API from one process until SIGINT/SIGTERM. `--api-key` guards both;
+//! there is no internal plane here, so no cluster secret.
 //!
 //! Startup logs name the device, the model, the KV capacity (blocks and tokens) and the bound
 //! addresses (the real ports, also when 0 asked for any free port).
@@ -9,7 +10,7 @@ use anyhow::{Context, bail};
 use baton_core::api::EngineClient;
 use baton_engine::{DeviceSpec, EngineConfig};
 use baton_formats::LoadFormat;
-use baton_router::{Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -147,7 +148,7 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
     let grpc = tonic::transport::Server::builder()
-        .add_service(GrpcService::new(frontend).into_server())
+        .add_service(GrpcService::new(frontend).into_server(ApiKey::from_config(settings.api_key.as_deref())))
         .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
     // Logged before the servers run, so the line is in the log before the first /health 200
     // (what tests and `bench_startup` read); spawning them is all that is left.

@@ -45,8 +45,21 @@ fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
 /// The implementation of a product of `m` rows over `k` columns: the skinny GEMM (its default
 /// variant) where [`gemv_applies`], else cuBLAS.
 fn linear_kernel(gemv: bool, m: usize, k: usize) -> LinearKernel {
-    if gemv_applies(gemv, m, k) { LinearKernel::GEMV } else { LinearKernel::Cublas }
+    if gemv_applies(gemv, m, k) {
+        LinearKernel::GEMV
+    } else if gemv && m <= TUNED_MAX_M {
+        // Batched decode: cuBLASLt's algorithm measured fastest per shape (the skinny GEMM's
+        // switch turns this off too: `--cublas` compares against plain cuBLAS).
+        LinearKernel::Tuned
+    } else {
+        LinearKernel::Cublas
+    }
 }
+
+/// Most rows whose products go to [`LinearKernel::Tuned`]: decode batches (graphs pad them
+/// to at most 512); prefill chunks, which are larger, keep plain cuBLAS (compute-bound, where
+/// it does well, and too many distinct shapes to time each).
+const TUNED_MAX_M: usize = 512;
 
 impl From<CudaError> for BackendError {
     fn from(e: CudaError) -> Self {
@@ -923,7 +936,10 @@ mod tests {
         assert!(!gemv_applies(true, 0, 4096));
         assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
         assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::GEMV);
-        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Cublas);
+        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Tuned, "batched decode: cuBLASLt");
+        assert_eq!(linear_kernel(true, TUNED_MAX_M, 4096), LinearKernel::Tuned);
+        assert_eq!(linear_kernel(true, TUNED_MAX_M + 1, 4096), LinearKernel::Cublas, "prefill chunks: cuBLAS");
         assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
+        assert_eq!(linear_kernel(false, 64, 4096), LinearKernel::Cublas);
     }
 }

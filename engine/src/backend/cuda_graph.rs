@@ -136,6 +136,15 @@ impl CudaBackend {
         self.graphs.failed.clear();
     }
 
+    /// Launches kernels with programmatic dependent launch (`true`, the default on Hopper) or
+    /// plainly (`false`), for comparisons; see `CudaDevice::set_pdl`. Switching drops the
+    /// graphs (they hold the old launches).
+    pub fn set_pdl(&mut self, on: bool) {
+        self.device().set_pdl(on);
+        self.graphs.graphs.clear();
+        self.graphs.failed.clear();
+    }
+
     /// Replay counters so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats

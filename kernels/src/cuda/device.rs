@@ -56,8 +56,14 @@ pub struct CudaDevice {
     pub(crate) capturing: AtomicBool,
     /// Allocations made so far (see [`CudaDevice::alloc_generation`]).
     alloc_gen: AtomicU64,
+    /// Whether kernels launch with programmatic dependent launch (see [`CudaDevice::pdl`]).
+    pdl: AtomicBool,
+    /// Whether the device can launch that way (compute capability 9.0 and later).
+    pdl_capable: bool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
+    /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
+    pub(crate) lt: Option<super::lt::LtGemm>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -120,6 +126,7 @@ impl CudaDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
+        let lt = super::lt::LtGemm::new(&stream)?;
         Ok(Self {
             ctx,
             stream,
@@ -132,7 +139,12 @@ impl CudaDevice {
             module_reports,
             capturing: AtomicBool::new(false),
             alloc_gen: AtomicU64::new(0),
+            // Hopper and later: kernels overlap their launch and prologue with the previous
+            // kernel's tail (griddepcontrol needs sm_90).
+            pdl: AtomicBool::new(major >= 9),
+            pdl_capable: major >= 9,
             _blas_workspace: blas_workspace,
+            lt,
         })
     }
 
@@ -282,6 +294,21 @@ impl CudaDevice {
     /// Whether a recording is in progress.
     pub fn is_capturing(&self) -> bool {
         self.capturing.load(Ordering::SeqCst)
+    }
+
+    /// Whether kernels launch with programmatic dependent launch (on by default from compute
+    /// capability 9.0, Hopper): each kernel may start while the previous one finishes and
+    /// waits for it inside (`PDL_ENTER` in the prelude).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off (for comparisons; a device below compute
+    /// capability 9.0 ignores `on`). Recorded graphs hold the old launches, so this counts as
+    /// an allocation for [`CudaDevice::alloc_generation`] and they are dropped.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on && self.pdl_capable, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
     /// How many device allocations this device has made; a graph recorded at one generation

@@ -157,9 +157,9 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 2 sampling kernels, 2 utility kernels (util.cu), per attention
-        // head_dim every variant and the combine, per prefill head_dim both CTA sizes, gemv per
-        // tile and variant both outputs.
+        // 12 plain kernels, 2 sampling kernels, 2 utility kernels (random weights, the
+        // profiler's spin), per attention head_dim every variant and the
+        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;

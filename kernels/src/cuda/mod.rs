@@ -74,6 +74,7 @@ mod graph;
 mod kernel_table;
 mod launch;
 mod linear;
+mod lt;
 mod norm;
 mod paged_attention;
 mod prefill;
@@ -100,6 +101,7 @@ pub use graph::StepGraph;
 pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{LinearCall, LinearKernel};
+pub use lt::{LtChoice, LtShape};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, auto_splits, plan_splits};
 pub use prefill::{

@@ -133,6 +133,10 @@ pub enum AttnSplit {
     Exact(usize),
 }
 
+/// CTAs of the default (tensor-core) decode variants resident on one SM at head_dim 128:
+/// shared memory and the launch bounds allow six (`tc_min_ctas` in attention.cu).
+pub(crate) const RESIDENT_CTAS_PER_SM: usize = 6;
+
 /// Most splits of one row's context.
 pub(crate) const MAX_SPLITS: usize = 128;
 /// Fewest tokens per split: below this the partial results cost more than they save. The
@@ -141,7 +145,7 @@ pub(crate) const MAX_SPLITS: usize = 128;
 pub(crate) const MIN_SPLIT_TOKENS: usize = 64;
 
 /// Splits and tokens per split for `ctas` CTAs per split over contexts of at most `max_ctx`
-/// tokens on `sms` SMs: enough splits for about 4 CTAs per SM, each split at least
+/// tokens on `sms` SMs: as many splits as fit one wave of resident CTAs (`Auto`), each at least
 /// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
 pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
@@ -151,7 +155,10 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     }
     let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
     let want = match split {
-        AttnSplit::Auto => (4 * sms.max(1)).div_ceil(ctas.max(1)),
+        // The most splits that keep every CTA resident at once: one wave of equal CTAs that
+        // finish together. More splits than that leave a partial second wave running alone
+        // (b = 64 at 1k took 2 splits = 1,024 CTAs over 792 slots: 70 % of copy).
+        AttnSplit::Auto => (RESIDENT_CTAS_PER_SM * sms.max(1) / ctas.max(1)).max(1),
         AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
     };
     let splits = want.clamp(1, by_len);
