@@ -403,7 +403,8 @@ fn main() {
         let _ = std::fs::remove_dir_all(&a.dir);
         match write_checkpoint(&a, &cfg, &raw_config) {
             Ok((b, s)) => {
-                println!("wrote {:.2} GB in {} shard(s) to {} in {s:.1} s", b as f64 / 1e9, a.shards, a.dir.display());
+                let written = shards(&a.dir).map_or(0, |v| v.len());
+                println!("wrote {:.2} GB in {written} shard(s) to {} in {s:.1} s", b as f64 / 1e9, a.dir.display());
                 (b, s)
             }
             Err(e) => {
