@@ -26,6 +26,30 @@ pub enum Command {
     /// Example clients.
     #[command(subcommand)]
     Client(ClientCommand),
+    /// CUDA kernel tools.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
+}
+
+/// `baton kernels ...`.
+#[derive(Debug, Subcommand)]
+pub enum KernelsCommand {
+    /// Compile every CUDA kernel module for an architecture into a kernel cache directory, with
+    /// no GPU (NVRTC only): a server given that directory (--kernel-cache-dir) on a GPU of that
+    /// architecture, with the same NVRTC version, then starts without compiling.
+    Build(KernelsBuildArgs),
+}
+
+/// Flags of `baton kernels build`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelsBuildArgs {
+    /// Target: sm_XY or sm_XYa for machine code (sm_90a: H100/H200), compute_XY[a] for PTX
+    #[arg(long, default_value = "sm_90a")]
+    pub arch: String,
+    /// The kernel cache directory to fill (modules already there are kept) [default: the
+    /// servers' default kernel cache: $XDG_CACHE_HOME/baton/kernels or ~/.cache/baton/kernels]
+    #[arg(long, env = "BATON_KERNEL_CACHE_DIR", value_name = "DIR")]
+    pub out: Option<PathBuf>,
 }
 
 /// Flags of `baton serve`. Each also reads `BATON_<NAME>` and the `[serve]` table of

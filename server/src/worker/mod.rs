@@ -200,8 +200,9 @@ async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadl
     }
 }
 
-/// Runs a worker until SIGINT/SIGTERM.
-pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
+/// Runs a worker until SIGINT/SIGTERM; `started` is when the process started (the start-up
+/// log's total is measured from it).
+pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<()> {
     let s = &settings.serve;
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
@@ -212,11 +213,7 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         crate::cluster_security::load(&settings.security, &instance, &s.host, "the worker service and KV listener")?;
     let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
-    let path = s.model.clone();
-    let model = tokio::task::spawn_blocking(move || baton_formats::load_model(&path, load_format))
-        .await
-        .context("model loading panicked")?
-        .with_context(|| format!("cannot load model {}", s.model.display()))?;
+    let model = crate::serve::load_model(&s.model, load_format).await?;
     let fingerprint = baton_router::cluster::wire::model_fingerprint(&model.config);
     let mut config = engine_config(s);
     config.record_cache_events = settings.role.prefills();
@@ -278,6 +275,8 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         .route("/health", axum::routing::get(health))
         .route("/metrics", axum::routing::get(metrics))
         .with_state(state.clone());
+    // Logged before the servers run, so the line is in the log before the first /health 200.
+    baton_engine::log_phase("total", started);
     let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
         security
