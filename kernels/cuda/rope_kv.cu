@@ -10,16 +10,11 @@
 // QKV projection's rows [q | k | v] (no split copies) and writes only the rotated q out; the
 // in-place entry keeps separate q/k/v buffers (rotated q and k written back).
 
-// Heads per CTA (see above); rope.rs launches with the same value.
-#define ROPE_HEADS_PER_CTA 8
-
-// Grid (rows, ceil((n_heads + 2 * n_kv_heads) / ROPE_HEADS_PER_CTA)), ROPE_HEADS_PER_CTA *
-// head_dim / 2 threads: thread t of CTA (row, y) works on head h = y * ROPE_HEADS_PER_CTA +
-// t / (head_dim / 2) and owns the pair (i, i + head_dim / 2), i = t % (head_dim / 2). Head h
-// is a query head (h < n_heads: rotated), a key head (rotated and cached) or a value head
-// (copied into the cache). Every head in parallel: at one row (decode at b = 1) a CTA per row
-// looping over 40 heads took ~10 us, latency-bound; one head per CTA made 48 small CTAs per
-// row, three waves of them at 256 rows (19 us per layer on an H100).
+// Grid (rows, n_heads + 2 * n_kv_heads), head_dim / 2 threads: CTA (row, y) rotates query
+// head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads + n_kv_heads), or
+// copies value head y - n_heads - n_kv_heads into the cache; thread i owns the pair (i,
+// i + head_dim / 2). One pass per CTA and every head in parallel: at one row (decode at b = 1)
+// a CTA per row looping over 40 heads took ~10 us, latency-bound.
 //
 // q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
@@ -32,9 +27,8 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    int head_dim) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
-    const int i = threadIdx.x % half;
-    const int head = blockIdx.y * ROPE_HEADS_PER_CTA + threadIdx.x / half;
-    if (head >= n_heads + 2 * n_kv_heads) return;
+    const int i = threadIdx.x;
+    const int head = blockIdx.y;
     const long long kv_w = (long long)n_kv_heads * head_dim;
     const long long slot = slots[row];
     if (head >= n_heads + n_kv_heads) {

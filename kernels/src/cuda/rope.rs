@@ -3,17 +3,12 @@
 //! the rows of a fused QKV projection ([`RopeInput`]).
 //!
 //! Invariants: positions and slots come from the step's [`KvWriteMeta`], validated when it
-//! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per row
-//! and [`HEADS_PER_CTA`] heads, `head_dim / 2` threads per head (one rotation pair each).
+//! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per row,
+//! its threads a multiple of `head_dim / 2` (one rotation pair each).
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
 use half::bf16;
-
-/// Heads one CTA handles (`ROPE_HEADS_PER_CTA` in rope_kv.cu): at `head_dim` ≤ 256, at most
-/// 1,024 threads. Fewer, larger CTAs than one per head: a 256-row decode step has 48 heads a
-/// row, and 12,288 CTAs of 64 threads ran in three waves.
-const HEADS_PER_CTA: usize = 8;
 
 /// Where the rows' q, k and v come from.
 pub enum RopeInput<'a> {
@@ -83,12 +78,10 @@ impl RopeKvCall<'_> {
         if rows == 0 {
             return Ok(());
         }
-        // One CTA per row and `HEADS_PER_CTA` heads (query heads, key heads, then value
-        // heads; see rope_kv.cu), `head_dim / 2` threads per head.
-        let heads = self.n_heads + 2 * nkv;
-        let groups = int(op, heads.div_ceil(HEADS_PER_CTA))? as u32;
-        shape_check(op, groups as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
-        let grid = cfg((int(op, rows)? as u32, groups, 1), (HEADS_PER_CTA * hd / 2) as u32);
+        // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
+        let heads = int(op, self.n_heads + 2 * nkv)? as u32;
+        shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
+        let grid = cfg((int(op, rows)? as u32, heads, 1), (hd / 2) as u32);
         let args = lead
             .buf(self.k_cache)
             .buf(self.v_cache)
@@ -98,10 +91,9 @@ impl RopeKvCall<'_> {
             .int(self.n_heads)?
             .int(nkv)?
             .int(hd)?;
-        // SAFETY: each thread reads and writes one pair of one head of its own row of the
-        // inputs (checked against `rows` and the head counts above; threads past the last head
-        // return), writes one slot validated by the metadata against this cache's geometry (or
-        // none for slot -1), and reads one of the `head_dim / 2` frequencies.
+        // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
+        // and the head counts above), writes one slot validated by the metadata against this
+        // cache's geometry (or none for slot -1), and reads `head_dim / 2` frequencies.
         unsafe { args.launch(dev, func, grid) }
     }
 }
