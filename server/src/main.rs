@@ -6,6 +6,7 @@ mod client;
 mod cluster;
 mod cluster_config;
 mod config;
+mod engine_watch;
 mod listeners;
 mod serve;
 mod worker;

@@ -4,16 +4,23 @@
 //! carries control frames and the data moves GPU to GPU (see [`super::nccl`]); links are
 //! made by [`setup_link`] on first contact.
 //!
+//! The decode side trusts nothing it reads: the handshake is checked against the engine's
+//! [`crate::relay::Reservation`] for the request before anything is allocated
+//! ([`super::admission`]), layers are written only into that reservation's blocks, and the
+//! trailer is checked ([`crate::relay::TransferTrailer::check`]) before its token reaches the engine. A
+//! bad peer fails its own hand-off and nothing else.
+//!
 //! Both sides are plain async functions so the worker process, tests and benchmarks use
 //! the same code. Neither side decides what happens after a failure: the caller (the worker,
 //! following the router's policy) recomputes or waits for a retry.
 
+use super::admission::check_handshake;
 use super::nccl::{NcclLink, NcclLinks, new_id};
 use super::tcp::{Incoming, PendingHandoff, TcpKvSender};
 use super::{Handshake, NcclHandshake, TransportError};
 use crate::EngineHandle;
-use crate::relay::{ExportEvent, plan_blocks};
-use baton_core::api::RequestId;
+use crate::relay::{ExportEvent, Reservation};
+use baton_core::api::{EngineClient, RequestId};
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,7 +62,7 @@ pub async fn send_export(
     let hs = Handshake {
         layout,
         request_id,
-        num_tokens: plan.num_blocks() * layout.block_size,
+        num_tokens: plan.num_tokens,
         runs: plan.runs.clone(),
         bytes_per_layer_half: plan.bytes_per_layer / 2,
         nccl: nccl_link.map(|link| NcclHandshake::Use { link }),
@@ -97,10 +104,14 @@ pub enum Received {
 }
 
 /// Decode side: reads the handshake of an accepted connection (refusing a layout mismatch,
-/// a request `expected` rejects, or an unknown NCCL link), stores every layer into the
-/// reserved blocks through `engine` (or enqueues the NCCL receives), then completes the
-/// request with the trailer's first token. A link setup joins the new communicator in the
-/// background and files it in `links`.
+/// a request `expected` rejects or `engine` holds no reservation for, a handshake that does
+/// not fit that reservation, or an unknown NCCL link), stores every layer into the reserved
+/// blocks through `engine` (or enqueues the NCCL receives), then completes the request with
+/// the trailer's first token (a bad trailer is refused). A link setup joins the new
+/// communicator in the background and files it in `links`.
+///
+/// A failure after the handshake named the request leaves it waiting for its KV: the caller
+/// decides between a retry and a recompute ([`EngineHandle::import_failed`]).
 pub async fn receive_import(
     pending: PendingHandoff,
     engine: &EngineHandle,
@@ -110,7 +121,20 @@ pub async fn receive_import(
 ) -> Result<Received, ImportError> {
     let started = Instant::now();
     let layout = engine.kv_layout();
-    let admit = async |hs: &Handshake| -> Result<(), String> {
+    let mut admitted: Option<Arc<Reservation>> = None;
+    let slot = &mut admitted;
+    // The reservation a request hand-off is checked against (and then written into).
+    let reserved = move |hs: &Handshake| -> Result<(), String> {
+        let id = RequestId(hs.request_id);
+        let res = match engine.reservation(id) {
+            Some(res) if expected(id) => res,
+            _ => return Err(not_waiting(hs.request_id)),
+        };
+        check_handshake(hs, &layout, &res).map_err(|e| e.to_string())?;
+        *slot = Some(res);
+        Ok(())
+    };
+    let admit = async move |hs: &Handshake| -> Result<(), String> {
         match &hs.nccl {
             Some(NcclHandshake::Setup { link, id }) => {
                 let stream = engine.transfer_stream().await?;
@@ -127,15 +151,9 @@ pub async fn receive_import(
                 if links.wait_for(link, deadline).await.is_none() {
                     return Err(format!("no NCCL link {link:?} on this worker"));
                 }
-                if expected(RequestId(hs.request_id)) { Ok(()) } else { Err(not_waiting(hs.request_id)) }
+                reserved(hs)
             }
-            None => {
-                if expected(RequestId(hs.request_id)) {
-                    Ok(())
-                } else {
-                    Err(not_waiting(hs.request_id))
-                }
-            }
+            None => reserved(hs),
         }
     };
     let mut incoming = pending.handshake(&layout, deadline, admit).await.map_err(ImportError::before)?;
@@ -146,12 +164,16 @@ pub async fn receive_import(
         None => None,
     };
     let id = RequestId(hs.request_id);
-    let (_, dst) = plan_blocks(&baton_core::kv_transfer::TransferPlan {
-        runs: hs.runs.clone(),
-        num_layers: hs.layout.num_layers,
-        bytes_per_layer: hs.bytes_per_layer_half * 2,
-    });
+    let Some(res) = admitted else {
+        return Err(ImportError::during(
+            id,
+            TransportError::Protocol("a hand-off admitted without its reservation".into()),
+        ));
+    };
+    // The runs were checked to map the reservation's blocks in order: they are its table.
+    let dst = res.block_table.clone();
     let dst_runs: Vec<(usize, usize)> = hs.runs.iter().map(|r| (r.dst_start as usize, r.len)).collect();
+    let vocab_size = engine.info().vocab_size;
     let mut bytes = 0;
     loop {
         match incoming.next().await.map_err(|e| ImportError::during(id, e))? {
@@ -166,6 +188,10 @@ pub async fn receive_import(
                 }
             },
             Incoming::Done(trailer) => {
+                if let Err(reason) = trailer.check(vocab_size, res.logprobs) {
+                    let _ = incoming.refuse(&reason).await;
+                    return Err(ImportError::during(id, TransportError::Protocol(reason)));
+                }
                 engine.import_done(id, trailer);
                 incoming.acknowledge().await.map_err(|e| ImportError::during(id, e))?;
                 return Ok(Received::Import { id, report: HandoffReport { bytes, elapsed: started.elapsed() } });

@@ -8,8 +8,15 @@
 //! deadline: a stalled or dead peer becomes [`TransportError::Timeout`], never
 //! a hang. `tcp` is the always-available transport (host staging); the NCCL
 //! transport for GPU↔GPU implements the same sequence.
+//!
+//! The receiving side treats the peer as hostile: a handshake is checked against the
+//! receiver's reservation before anything is allocated ([`admission`]), a listener serves a
+//! bounded number of connections with a short deadline for the handshake ([`intake`]), and
+//! a bad peer costs its own hand-off (the request then recomputes) and nothing else.
 
+pub mod admission;
 pub mod handoff;
+pub mod intake;
 pub mod nccl;
 pub mod tcp;
 
