@@ -115,12 +115,13 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
 }
 
 /// A sender whose plan aims at blocks the receiving request does not own (another request's
-/// reservation) is refused layer by layer: nothing is written there, the request falls back to
-/// computing its prompt itself and still gives the tokens one engine gives, and every block
-/// ends free.
+/// reservation) is refused at the handshake, before any layer: nothing is written there, the
+/// request falls back to computing its prompt itself (the router's choice after a failed
+/// hand-off) and still gives the tokens one engine gives, and every block ends free.
 #[test]
 fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed() {
-    use baton_engine::kv_transport::handoff::{Received, receive_import};
+    use baton_engine::kv_transport::TransportError;
+    use baton_engine::kv_transport::handoff::receive_import;
     use baton_engine::kv_transport::nccl::NcclLinks;
     use baton_engine::kv_transport::tcp::TcpKvSender;
     use baton_engine::kv_transport::{Handshake, LayerFrame};
@@ -165,8 +166,14 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         let links = std::sync::Arc::new(NcclLinks::default());
         let admit = common::relay::admit_from(vec![(token, a_id)]);
         let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), admit).await;
-        assert!(matches!(got, Ok(Received::Import { .. })), "{:?}", got.map(|_| ()).map_err(|e| e.to_string()));
-        sender.await.expect("join").expect("sender");
+        let err = got.map(|_| ()).expect_err("refused");
+        assert!(
+            matches!(&err.source, TransportError::Refused(m) if m.contains("where the reservation holds")),
+            "{err}"
+        );
+        let sent = sender.await.expect("join");
+        assert!(matches!(&sent, Err(TransportError::Refused(_))), "{sent:?}");
+        d.import_failed(a_id);
         assert_eq!(tokens(&collect(a_stream).await), tokens(&alone), "a recomputed its prompt");
         drop(b_stream);
     });

@@ -103,6 +103,14 @@ pub struct ServeArgs {
     /// Largest accepted HTTP request body in bytes; larger gets 413 [default: 8388608]
     #[arg(long, env = "BATON_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// An engine step running longer than this makes /health answer 503 (and a worker's
+    /// heartbeat unhealthy) until it returns [default: 60000]
+    #[arg(long, env = "BATON_ENGINE_STALL_TIMEOUT_MS", value_name = "MS")]
+    pub engine_stall_timeout_ms: Option<u64>,
+    /// Fault injection for failure tests: panic@N, stall=MS@N, error@N or fatal@N makes the
+    /// engine's Nth forward pass panic, hang, fail recoverably or lose its device.
+    #[arg(long, hide = true, value_name = "FAULT")]
+    pub chaos_engine_fault: Option<baton_engine::FaultInjection>,
 }
 
 /// Flags of `baton router`. Each also reads `BATON_ROUTER_<NAME>` and the `[router]` table of

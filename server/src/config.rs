@@ -88,6 +88,8 @@ pub struct ServeFile {
     pub threads: Option<usize>,
     /// See `--max-body-bytes`.
     pub max_body_bytes: Option<usize>,
+    /// See `--engine-stall-timeout-ms`.
+    pub engine_stall_timeout_ms: Option<u64>,
 }
 
 /// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
@@ -170,6 +172,10 @@ pub struct ServeSettings {
     pub threads: Option<usize>,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
+    /// A step running longer makes the engine report itself stalled.
+    pub engine_stall_timeout: std::time::Duration,
+    /// Fault injection (hidden flag), for the failure tests.
+    pub engine_fault: Option<baton_engine::FaultInjection>,
 }
 
 /// Merges flags/env (`args`) over the file over the defaults.
@@ -207,6 +213,11 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .max_body_bytes
             .or(file.max_body_bytes)
             .unwrap_or(baton_router::http::DEFAULT_MAX_BODY_BYTES),
+        engine_stall_timeout: args
+            .engine_stall_timeout_ms
+            .or(file.engine_stall_timeout_ms)
+            .map_or(baton_engine::EngineConfig::default().stall_timeout, std::time::Duration::from_millis),
+        engine_fault: args.chaos_engine_fault,
     }
 }
 
@@ -280,6 +291,21 @@ mod tests {
         assert!(!resolve(&serve_args(&[]), &sync).async_scheduling);
         assert!(resolve(&serve_args(&["--async-scheduling"]), &sync).async_scheduling, "the flag beats the file");
         assert!(!resolve(&serve_args(&["--async-scheduling=false"]), &ServeFile::default()).async_scheduling);
+    }
+
+    #[test]
+    fn stall_timeout_and_fault_injection() {
+        use std::time::Duration;
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).engine_stall_timeout, Duration::from_secs(60));
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).engine_fault, None);
+        let file =
+            ConfigFile::parse("[serve]\nengine_stall_timeout_ms = 5000\n", Path::new("t.toml")).expect("valid").serve;
+        assert_eq!(resolve(&serve_args(&[]), &file).engine_stall_timeout, Duration::from_secs(5));
+        let s = resolve(&serve_args(&["--engine-stall-timeout-ms", "250", "--chaos-engine-fault", "panic@3"]), &file);
+        assert_eq!(s.engine_stall_timeout, Duration::from_millis(250));
+        assert_eq!(s.engine_fault, Some("panic@3".parse().expect("fault")));
+        let bad = Cli::try_parse_from(["baton", "serve", "--chaos-engine-fault", "boom"]).map(|_| ());
+        assert!(bad.is_err_and(|e| e.to_string().contains("boom")));
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod cluster;
 mod cluster_config;
 mod cluster_security;
 mod config;
+mod engine_watch;
 mod listeners;
 mod serve;
 mod worker;

@@ -33,6 +33,8 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         num_threads: s.threads.or(d.num_threads),
         enforce_eager: s.enforce_eager,
         async_scheduling: s.async_scheduling,
+        stall_timeout: s.engine_stall_timeout,
+        fault: s.engine_fault,
         ..d
     }
 }
@@ -139,6 +141,7 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
         .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
+    tokio::spawn(crate::engine_watch::watch(engine.clone()));
     wait_for_termination().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);

@@ -25,6 +25,12 @@ use futures::stream::{BoxStream, StreamExt, select_all};
 /// vLLM's and OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
+/// Most prompts in one completions request. Neither OpenAI nor vLLM documents a cap, but
+/// every prompt is tokenized on the request path and becomes `n` engine requests, so a body of
+/// thousands of tiny prompts costs far more than its size suggests; 1024 is ample for batch
+/// clients (the router's own `prompts × n` cap bounds the fan-out as a whole).
+pub const MAX_PROMPTS: usize = 1024;
+
 /// Handler of `POST /v1/completions`.
 pub async fn completions(State(frontend): State<Frontend>, body: JsonBody) -> Response {
     match handle(frontend, body).await {
@@ -40,6 +46,17 @@ fn token_ids(param: &str, ids: Vec<i64>) -> Result<Vec<u32>, FrontendError> {
 }
 
 fn prompts(field: PromptField, add_special_tokens: bool) -> Result<Vec<PromptInput>, FrontendError> {
+    let count = match &field {
+        PromptField::Texts(v) => v.len(),
+        PromptField::TokenLists(v) => v.len(),
+        PromptField::Text(_) | PromptField::Tokens(_) => 1,
+    };
+    if count > MAX_PROMPTS {
+        return Err(FrontendError::invalid(
+            "prompt",
+            format!("at most {MAX_PROMPTS} prompts per request, got {count}"),
+        ));
+    }
     let text = |text: String| PromptInput::Text { text, add_special_tokens };
     let prompts = match field {
         PromptField::Text(t) => vec![text(t)],
