@@ -198,12 +198,9 @@ impl LtGemm {
         out: &mut CudaSlice<O>,
     ) -> Result<LtChoice, CudaError> {
         let mut plans = self.plans.lock().map_err(|_| CudaError::BlasLt("the plans' lock is poisoned".into()))?;
-        if !plans.contains_key(&shape) {
-            let plan = self.plan(shape)?;
-            plans.insert(shape, plan);
-        }
-        let Some(plan) = plans.get_mut(&shape) else {
-            return Err(CudaError::BlasLt("a plan vanished".into()));
+        let plan = match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(shape)?),
         };
         let stream = dev.stream();
         let mut choice = LtChoice::default();
