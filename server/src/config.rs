@@ -88,6 +88,8 @@ pub struct ServeFile {
     pub threads: Option<usize>,
     /// See `--max-body-bytes`.
     pub max_body_bytes: Option<usize>,
+    /// See `--max-inflight`.
+    pub max_inflight: Option<usize>,
 }
 
 /// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
@@ -170,6 +172,8 @@ pub struct ServeSettings {
     pub threads: Option<usize>,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
+    /// Engine sequences in flight beyond which requests get 429 (worker: open streams).
+    pub max_inflight: usize,
 }
 
 /// Merges flags/env (`args`) over the file over the defaults.
@@ -207,6 +211,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .max_body_bytes
             .or(file.max_body_bytes)
             .unwrap_or(baton_router::http::DEFAULT_MAX_BODY_BYTES),
+        max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
     }
 }
 
@@ -255,6 +260,10 @@ mod tests {
         assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
         assert!(!s.enforce_eager, "CUDA graphs are on by default");
         assert!(s.async_scheduling, "async scheduling is on by default");
+        assert_eq!(s.max_inflight, baton_router::admission::DEFAULT_MAX_INFLIGHT);
+        let capped = ConfigFile::parse("[serve]\nmax_inflight = 8\n", Path::new("t.toml")).expect("valid").serve;
+        assert_eq!(resolve(&serve_args(&[]), &capped).max_inflight, 8);
+        assert_eq!(resolve(&serve_args(&["--max-inflight", "3"]), &capped).max_inflight, 3, "the flag beats the file");
     }
 
     #[test]

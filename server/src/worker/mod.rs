@@ -99,6 +99,8 @@ pub struct WorkerState {
     pub instance: String,
     /// Serializes NCCL link setups (see `service::ensure_link`).
     pub link_setup: tokio::sync::Mutex<()>,
+    /// Worker-service streams open, capped by `--max-inflight`.
+    pub streams: Arc<baton_router::Admission>,
 }
 
 impl WorkerState {
@@ -213,6 +215,10 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         kv_transport: settings.kv_transport,
         instance: reporter::instance_id(),
         link_setup: tokio::sync::Mutex::new(()),
+        streams: baton_router::Admission::new(baton_router::AdmissionLimits {
+            max_inflight: s.max_inflight,
+            max_sequences_per_request: 1,
+        }),
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -231,7 +237,7 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         .with_state(state.clone());
     let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
+        crate::listeners::grpc_server()
             .add_service(service::WorkerService::new(state.clone()).into_server())
             .serve_with_incoming(crate::listeners::grpc(grpc_listener)),
     );
@@ -245,7 +251,8 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         kv_addr,
         fingerprint,
     };
-    let report = tokio::spawn(reporter::run(registration, state.clone()));
+    // On its own thread and runtime: request work on this runtime never delays a heartbeat.
+    let report = reporter::spawn(registration, state.clone())?;
     tokio::select! {
         _ = crate::serve::wait_for_termination() => tracing::info!("shutting down"),
         r = http => tracing::error!(result = ?r, "the HTTP server stopped"),
@@ -261,5 +268,7 @@ async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerStat
 }
 
 async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    state.metrics.set_process_load(state.streams.inflight(), tasks);
     state.metrics.render(&state.engine.stats())
 }
