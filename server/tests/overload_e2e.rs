@@ -3,11 +3,14 @@
 //!
 //! - Overload: 100 concurrent requests and one 5,000-prompt × n=128 request against two
 //!   workers with `--max-waiting 2` get only 200, 429 or 503 (and the 400 for the giant);
-//!   the router's in-flight gauge stays under its cap, its tasks and RSS come back down, and
-//!   the workers end idle.
+//!   the router's in-flight gauge stays under its cap (and the decode worker's open streams
+//!   under its own `--max-inflight`), the router's tasks and RSS come back down, and the
+//!   workers end idle.
 //! - A slow, queued prefill with a small `--kv-deadline-ms`: the deadline counts from the
 //!   start of the prefill, so every prompt is computed exactly once (the workers' computed
 //!   prompt-token counters add up to the prompts), the output is `serve`'s, blocks are freed.
+//! - A prefill longer than the idle timeout (relayed, and kept on the decode worker) completes:
+//!   workers report progress while their engine computes it.
 //! - Eight 8 MiB `/tokenize` bodies while a stream runs: token gaps stay under a second and
 //!   no worker is ejected (tokenizing runs off the router's runtime).
 
@@ -30,8 +33,9 @@ async fn total(c: &Cluster, name: &str) -> f64 {
 async fn overload_is_refused_cleanly_and_leaves_nothing_behind() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (model, vocab) = tiny(dir.path());
-    let full = || vec!["--max-waiting", "2"];
-    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &["--max-inflight", "64"], &[full()], &[full()]).await;
+    let p_flags = vec!["--max-waiting", "2"];
+    let d_flags = vec!["--max-waiting", "2", "--max-inflight", "8"];
+    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &["--max-inflight", "64"], &[p_flags], &[d_flags]).await;
     // One request first, so the router's connections to the workers are part of the baseline.
     let p: Vec<u32> = (0..20u32).map(|j| (j * 3 + 1) % vocab).collect();
     complete(&c.http, &c.router.http, &p, false).await;
@@ -49,18 +53,22 @@ async fn overload_is_refused_cleanly_and_leaves_nothing_behind() {
     // 100 at once (half of them streaming), from a client of their own whose connections
     // close when it is dropped.
     let load = reqwest::Client::new();
-    let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Peak in-flight gauges of the router and of the decode worker, sampled throughout.
+    let peaks = std::sync::Arc::new([std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0)]);
     let sampler = {
-        let (http, url, peak) = (c.http.clone(), c.router.http.clone(), peak.clone());
+        let (http, peaks) = (c.http.clone(), peaks.clone());
+        let urls = [c.router.http.clone(), c.decode[0].http.clone()];
         tokio::spawn(async move {
             loop {
-                if let Ok(r) = http.get(format!("{url}/metrics")).send().await
-                    && let Ok(text) = r.text().await
-                    && let Some(v) = metric_value(&text, &series("baton_router_inflight"))
-                {
-                    peak.fetch_max(v as u64, std::sync::atomic::Ordering::SeqCst);
+                for (url, peak) in urls.iter().zip(peaks.iter()) {
+                    if let Ok(r) = http.get(format!("{url}/metrics")).send().await
+                        && let Ok(text) = r.text().await
+                        && let Some(v) = metric_value(&text, &series("baton_router_inflight"))
+                    {
+                        peak.fetch_max(v as u64, std::sync::atomic::Ordering::SeqCst);
+                    }
                 }
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
         })
     };
@@ -96,8 +104,9 @@ async fn overload_is_refused_cleanly_and_leaves_nothing_behind() {
     }
     assert!(by_status.get(&200).is_some_and(|&n| n > 0), "nothing fit: {by_status:?}");
     assert!(by_status.get(&429).is_some_and(|&n| n > 0), "nothing was refused: {by_status:?}");
-    let peak = peak.load(std::sync::atomic::Ordering::SeqCst);
-    assert!(peak <= 64, "{peak} sequences in flight over a cap of 64");
+    let [router_peak, decode_peak] = [0, 1].map(|i| peaks[i].load(std::sync::atomic::Ordering::SeqCst));
+    assert!(router_peak <= 64, "{router_peak} sequences in flight over a cap of 64");
+    assert!(decode_peak <= 8, "{decode_peak} streams open on the decode worker over its cap of 8");
 
     // Nothing is left behind: workers idle, router idle, its tasks and memory back down.
     for w in c.all_workers() {
@@ -122,14 +131,7 @@ async fn overload_is_refused_cleanly_and_leaves_nothing_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_prefill_is_not_recomputed_by_a_short_kv_deadline() {
     let dir = tempfile::tempdir().expect("tempdir");
-    // Wider than the tiny model, so a prompt takes milliseconds to compute, not microseconds.
-    let spec = baton_formats::testing::TinySpec {
-        hidden_size: 256,
-        num_layers: 4,
-        intermediate_size: 768,
-        ..baton_formats::testing::TinySpec::llama()
-    };
-    let (model, vocab) = model_of(dir.path(), &spec);
+    let (model, vocab) = model_of(dir.path(), &wider());
     // 12 distinct 128-token prompts.
     let ps: Vec<Vec<u32>> =
         (0..12u32).map(|i| (0..128u32).map(|j| (i * 7919 + j * 104_729 + 5) % vocab).collect()).collect();
@@ -163,6 +165,45 @@ async fn a_queued_prefill_is_not_recomputed_by_a_short_kv_deadline() {
         w.assert_idle(&c.http).await;
     }
     c.assert_router_idle().await;
+}
+
+/// Wider than the tiny model, so a prompt takes milliseconds to compute, not microseconds.
+fn wider() -> baton_formats::testing::TinySpec {
+    baton_formats::testing::TinySpec {
+        hidden_size: 256,
+        num_layers: 4,
+        intermediate_size: 768,
+        ..baton_formats::testing::TinySpec::llama()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_longer_than_the_idle_timeout_completes_while_it_progresses() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let spec = baton_formats::testing::TinySpec { hidden_size: 512, intermediate_size: 1536, ..wider() };
+    let (model, vocab) = model_of(dir.path(), &spec);
+    let long: Vec<u32> = (0..480u32).map(|j| (j * 104_729 + 17) % vocab).collect();
+    let want = reference(dir.path(), &model, std::slice::from_ref(&long)).await;
+    // 4 tokens per step: the prompt takes 120 steps, far more than 250 ms in all.
+    let slow = || vec!["--max-num-batched-tokens", "4", "--max-num-seqs", "4"];
+    let idle = ["--idle-timeout-ms", "250", "--kv-deadline-ms", "250"];
+    for route in ["relayed", "kept on the decode worker"] {
+        let mut flags = idle.to_vec();
+        if route != "relayed" {
+            flags.extend(["--disagg-threshold", "1000"]);
+        }
+        let c = Cluster::start(dir.path(), &model, "1p1d.toml", &flags, &[slow()], &[slow()]).await;
+        let started = Instant::now();
+        let got = complete(&c.http, &c.router.http, &long, true).await;
+        let took = started.elapsed();
+        assert_same(&got, &want[0], route);
+        assert!(took > Duration::from_millis(500), "{route}: the prompt took only {took:?}: nothing was tested");
+        let computed = total(&c, "baton_prompt_tokens_computed_total").await;
+        assert_eq!(computed as usize, long.len(), "{route}: computed once");
+        for w in c.all_workers() {
+            w.assert_idle(&c.http).await;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
