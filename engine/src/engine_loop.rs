@@ -221,6 +221,8 @@ struct Export {
     dst_block_table: Vec<u32>,
     tx: ExportTx,
     link: Option<Arc<NcclLink>>,
+    /// `ExportEvent::Started` was sent.
+    started: bool,
 }
 
 /// A step whose forward and sampling are enqueued and whose tokens are not applied yet.
@@ -322,7 +324,7 @@ impl EngineLoop {
         match cmd {
             Command::Submit { id, request, tx } => self.admit(id, *request, tx, None),
             Command::SubmitExport { id, request, tx, dst_block_table, export, link } => {
-                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link }));
+                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link, started: false }));
             }
             Command::ImportLayerNccl { id, layer, seq, runs, link } => {
                 self.import_layer_nccl(id, layer, seq, runs, &link)
@@ -545,7 +547,7 @@ impl EngineLoop {
         let (mut specs, mut txs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
         let mut failed = Vec::new();
         for seq in out.seqs.iter().filter(|s| s.sample) {
-            let Some(Export { dst_block_table, tx, link }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
+            let Some(Export { dst_block_table, tx, link, .. }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
             else {
                 continue;
             };
@@ -573,6 +575,19 @@ impl EngineLoop {
             }
         }
         (specs, txs, ids)
+    }
+
+    /// Tells each export request scheduled for the first time that its prompt is being
+    /// computed (the router counts its hand-off deadline from then, not from the enqueue).
+    fn report_export_starts(&mut self, out: &SchedulerOutput) {
+        for seq in &out.seqs {
+            if let Some(export) = self.live.get_mut(&seq.id).and_then(|l| l.export.as_mut())
+                && !export.started
+            {
+                export.started = true;
+                let _ = export.tx.send(ExportEvent::Started);
+            }
+        }
     }
 
     /// One iteration's work: with a step in flight, plan and launch the step after it if it
@@ -603,6 +618,7 @@ impl EngineLoop {
             }
             return;
         }
+        self.report_export_starts(&out);
         let batch = layout_for(&out);
         let (export_specs, export_txs, export_ids) = self.plan_exports(&out);
         let mut sink = |j: usize, frame: LayerFrame| {

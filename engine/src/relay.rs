@@ -22,11 +22,14 @@ use baton_core::kv_transfer::TransferPlan;
 use baton_core::params::MAX_TOP_LOGPROBS;
 use serde::{Deserialize, Serialize};
 
-/// What a prefill engine emits for one export request, in this order: one `Plan`, one
-/// `Layer` per layer (layer order), one `Done`. A channel that closes before `Done` means
-/// the request failed or was aborted on the prefill side.
+/// What a prefill engine emits for one export request, in this order: one `Started`, one
+/// `Plan`, one `Layer` per layer (layer order), one `Done`. A channel that closes before
+/// `Done` means the request failed or was aborted on the prefill side.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ExportEvent {
+    /// The scheduler took the request for the first time: its prompt is being computed (the
+    /// time before this was spent queued behind other requests).
+    Started,
     /// Which blocks move (sender's and receiver's physical blocks, merged into runs).
     Plan(TransferPlan),
     /// One layer's K and V of the planned blocks, in plan order.

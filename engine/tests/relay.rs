@@ -182,3 +182,43 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         e.shutdown();
     }
 }
+
+/// An export says when the engine first schedules its prompt (the router counts the hand-off
+/// deadline from there, not from the enqueue): one `Started` before the plan, however many
+/// chunks the prompt takes, then the plan, one frame per layer, and the first token.
+#[test]
+fn an_export_reports_its_start_once_before_the_plan() {
+    use baton_engine::relay::ExportEvent;
+    let spec = TinySpec::llama();
+    let m = tiny(&spec);
+    let vocab = m.model.config.vocab_size;
+    let layers = m.model.config.num_hidden_layers;
+    let d = engine(&m.model, EngineConfig::default());
+    // 16 tokens per step: the 60-token prompt takes four steps.
+    let p = engine(&m.model, EngineConfig { max_num_batched_tokens: 16, max_num_seqs: 16, ..EngineConfig::default() });
+    let rt = rt();
+    rt.block_on(async {
+        let pr = prompt(9, 60, vocab);
+        let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), greedy(4))).await.expect("reserve");
+        let (p_stream, mut events) = p.submit_export(EngineRequest::new(pr, greedy(4)), table, None).expect("export");
+        let mut kinds = Vec::new();
+        while let Some(e) = events.recv().await {
+            kinds.push(match e {
+                ExportEvent::Started => "started",
+                ExportEvent::Plan(_) => "plan",
+                ExportEvent::Layer(_) => "layer",
+                ExportEvent::Done(_) => "done",
+            });
+        }
+        let mut want = vec!["started", "plan"];
+        want.extend(std::iter::repeat_n("layer", layers));
+        want.push("done");
+        assert_eq!(kinds, want);
+        drop(p_stream);
+        drop(d_stream);
+    });
+    assert_all_blocks_free(&d);
+    assert_all_blocks_free(&p);
+    d.shutdown();
+    p.shutdown();
+}

@@ -90,6 +90,8 @@ pub struct ServeFile {
     pub max_body_bytes: Option<usize>,
     /// See `--engine-stall-timeout-ms`.
     pub engine_stall_timeout_ms: Option<u64>,
+    /// See `--max-inflight`.
+    pub max_inflight: Option<usize>,
 }
 
 /// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
@@ -176,6 +178,8 @@ pub struct ServeSettings {
     pub engine_stall_timeout: std::time::Duration,
     /// Fault injection (hidden flag), for the failure tests.
     pub engine_fault: Option<baton_engine::FaultInjection>,
+    /// Engine sequences in flight beyond which requests get 429 (worker: open streams).
+    pub max_inflight: usize,
 }
 
 /// Merges flags/env (`args`) over the file over the defaults.
@@ -218,6 +222,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .or(file.engine_stall_timeout_ms)
             .map_or(baton_engine::EngineConfig::default().stall_timeout, std::time::Duration::from_millis),
         engine_fault: args.chaos_engine_fault,
+        max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
     }
 }
 
@@ -266,6 +271,10 @@ mod tests {
         assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
         assert!(!s.enforce_eager, "CUDA graphs are on by default");
         assert!(s.async_scheduling, "async scheduling is on by default");
+        assert_eq!(s.max_inflight, baton_router::admission::DEFAULT_MAX_INFLIGHT);
+        let capped = ConfigFile::parse("[serve]\nmax_inflight = 8\n", Path::new("t.toml")).expect("valid").serve;
+        assert_eq!(resolve(&serve_args(&[]), &capped).max_inflight, 8);
+        assert_eq!(resolve(&serve_args(&["--max-inflight", "3"]), &capped).max_inflight, 3, "the flag beats the file");
     }
 
     #[test]

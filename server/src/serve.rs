@@ -10,7 +10,9 @@ use anyhow::{Context, bail};
 use baton_core::api::EngineClient;
 use baton_engine::{DeviceSpec, EngineConfig};
 use baton_formats::LoadFormat;
-use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{
+    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -113,7 +115,8 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
         Arc::new(TextCodec::new(tokenizer, chat_template)),
         ServedModel { name, root },
         metrics,
-    );
+    )
+    .with_admission(AdmissionLimits { max_inflight: settings.max_inflight, ..AdmissionLimits::default() });
     let app = http_router(
         frontend.clone(),
         HttpConfig { api_key: settings.api_key.clone(), max_body_bytes: settings.max_body_bytes },
@@ -136,7 +139,7 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
-    let grpc = tonic::transport::Server::builder()
+    let grpc = crate::listeners::grpc_server()
         .add_service(GrpcService::new(frontend).into_server(ApiKey::from_config(settings.api_key.as_deref())))
         .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
     let http_task = tokio::spawn(async move { http.await });

@@ -431,6 +431,7 @@ fn help_lists_every_flag() {
         "--disable-chunked-prefill",
         "--threads",
         "--max-body-bytes",
+        "--max-inflight",
         "BATON_MODEL",
         "BATON_PORT",
     ] {

@@ -55,10 +55,14 @@ pub async fn send_export(
     creds: KvCredentials,
 ) -> Result<HandoffReport, TransportError> {
     let ended = || TransportError::Protocol("the prefill request ended before its KV was complete".into());
-    let plan = match events.recv().await {
-        Some(ExportEvent::Plan(plan)) => plan,
-        Some(_) => return Err(TransportError::Protocol("export events out of order: expected the plan".into())),
-        None => return Err(ended()),
+    let plan = loop {
+        match events.recv().await {
+            // The prompt is being computed; the plan follows when it completes.
+            Some(ExportEvent::Started) => continue,
+            Some(ExportEvent::Plan(plan)) => break plan,
+            Some(_) => return Err(TransportError::Protocol("export events out of order: expected the plan".into())),
+            None => return Err(ended()),
+        }
     };
     let started = Instant::now();
     let hs = Handshake {
@@ -84,6 +88,7 @@ pub async fn send_export(
                 return Ok(HandoffReport { bytes, elapsed: started.elapsed() });
             }
             Some(ExportEvent::Plan(_)) => return Err(TransportError::Protocol("a second plan for one export".into())),
+            Some(ExportEvent::Started) => return Err(TransportError::Protocol("a start after the plan".into())),
             None => return Err(ended()),
         }
     }

@@ -113,6 +113,8 @@ pub struct WorkerState {
     pub link_setup: tokio::sync::Mutex<()>,
     /// What this worker proves and claims when it sends KV.
     pub kv_credentials: KvCredentials,
+    /// Worker-service streams open, capped by `--max-inflight`.
+    pub streams: Arc<baton_router::Admission>,
 }
 
 /// A reservation waiting for its KV.
@@ -256,6 +258,10 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         instance: instance.clone(),
         link_setup: tokio::sync::Mutex::new(()),
         kv_credentials: KvCredentials { secret: security.secret().cloned(), identity: instance.clone() },
+        streams: baton_router::Admission::new(baton_router::AdmissionLimits {
+            max_inflight: s.max_inflight,
+            max_sequences_per_request: 1,
+        }),
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -274,9 +280,7 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         .with_state(state.clone());
     let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
-        security
-            .server()
-            .context("invalid --tls-cert/--tls-key/--tls-ca")?
+        crate::listeners::with_keepalive(security.server().context("invalid --tls-cert/--tls-key/--tls-ca")?)
             .add_service(security.guard(service::WorkerService::new(state.clone()).into_server()))
             .serve_with_incoming(crate::listeners::grpc(grpc_listener)),
     );
@@ -291,7 +295,8 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         fingerprint,
         security,
     };
-    let report = tokio::spawn(reporter::run(registration, state.clone()));
+    // On its own thread and runtime: request work on this runtime never delays a heartbeat.
+    let report = reporter::spawn(registration, state.clone())?;
     tokio::spawn(crate::engine_watch::watch(engine.clone()));
     tokio::select! {
         _ = crate::serve::wait_for_termination() => tracing::info!("shutting down"),
@@ -308,5 +313,7 @@ async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerStat
 }
 
 async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    state.metrics.set_process_load(state.streams.inflight(), tasks);
     state.metrics.render(&state.engine.stats())
 }
