@@ -95,6 +95,11 @@ pub struct EngineConfig {
     /// pure decode steps with nothing waiting for a seat are planned ahead; everything else is
     /// scheduled after the previous step's tokens are applied, as with this off.
     pub async_scheduling: bool,
+    /// A step (one iteration of the engine loop) running longer than this makes the engine
+    /// report itself stalled (`/health` 503, an unhealthy heartbeat) until it returns.
+    pub stall_timeout: std::time::Duration,
+    /// Fault injection for the liveness tests; `None` when serving.
+    pub fault: Option<crate::fault::FaultInjection>,
 }
 
 impl Default for EngineConfig {
@@ -116,6 +121,10 @@ impl Default for EngineConfig {
             cpu_emulates_bf16: false,
             enforce_eager: false,
             async_scheduling: true,
+            // Generous: a long prompt's chunk on the CPU backend takes seconds, a GPU step
+            // milliseconds; a minute without progress is a hang.
+            stall_timeout: std::time::Duration::from_secs(60),
+            fault: None,
         }
     }
 }

@@ -14,14 +14,35 @@
 //!
 //! Invariants: every request known to the scheduler has a live entry here and vice versa;
 //! at most one step is in flight, and it is applied before the step planned after it; a
-//! request whose receiver is gone is aborted (freeing its blocks) on the next send; a
-//! backend error fails the step's requests and marks the engine unhealthy.
+//! request whose receiver is gone is aborted (freeing its blocks) on the next send; every
+//! request waiting for KV from another worker has its [`Reservation`] published in
+//! `Shared::reservations` (for the transport's checks), and only those do.
+//!
+//! Errors and liveness:
+//! - A **recoverable** backend error (out of memory, a refused argument: anything but
+//!   [`BackendError::DeviceLost`]) fails the requests of the step it happened in with
+//!   [`EngineError::Backend`]; the engine stays healthy and runs the next step.
+//! - A **fatal** one ([`BackendError::is_fatal`]: the device's context is lost) fails every
+//!   request, records [`EngineHealth::Fatal`] and stops the loop. The engine library does not
+//!   exit: the binary watches the health and exits so its supervisor restarts it.
+//! - A **panic** unwinds out of `run` and is caught at the thread's boundary
+//!   (`start_engine`), which records [`EngineHealth::Panicked`] and only then fails the
+//!   requests still here ([`EngineLoop::fail_after_panic`]), so a client that sees its
+//!   request fail also sees the engine unhealthy.
+//! - The loop beats [`Liveness`] every iteration and marks itself idle before blocking for
+//!   a command, so a step that runs past the stall timeout reads as
+//!   [`EngineHealth::Stalled`] until it returns.
+//! - Bytes from a peer never reach the backend unchecked: a received layer must be a layer
+//!   of the layout, sized for its blocks, aimed at the request's own reservation; a trailer's
+//!   token must be in the vocabulary. Anything else fails that hand-off and the request
+//!   recomputes its prompt here; the engine's health is not affected.
 
 use crate::backend::BackendError;
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
 use crate::kv_transport::nccl::{NcclLink, PendingRecv};
-use crate::relay::{ExportEvent, ExportSpec, TransferTrailer, plan_blocks};
+use crate::liveness::{EngineHealth, Liveness};
+use crate::relay::{ExportEvent, ExportSpec, Reservation, TransferTrailer, plan_blocks};
 use crate::step_timing::StepTiming;
 use baton_core::api::{
     EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
@@ -31,7 +52,7 @@ use baton_core::kv_transfer::{KvLayout, plan_transfer};
 use baton_core::sampling::{Sampled, SamplingContext};
 use baton_core::scheduler::{Scheduler, SchedulerOutput};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -173,7 +194,10 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
 /// State shared between the engine thread and its handles.
 pub(crate) struct Shared {
     pub stats: Mutex<EngineStats>,
-    pub healthy: AtomicBool,
+    /// The engine thread's progress and end.
+    pub liveness: Liveness,
+    /// What each request waiting for KV from another worker reserved (see the invariants).
+    pub reservations: Mutex<HashMap<RequestId, Arc<Reservation>>>,
     /// Submitted but not yet seen by the engine thread (counts against `max_waiting`).
     pub pending: AtomicUsize,
     /// Prefix-cache events not yet taken by the worker's reporter (when recording is on).
@@ -197,6 +221,8 @@ struct Export {
     dst_block_table: Vec<u32>,
     tx: ExportTx,
     link: Option<Arc<NcclLink>>,
+    /// `ExportEvent::Started` was sent.
+    started: bool,
 }
 
 /// A step whose forward and sampling are enqueued and whose tokens are not applied yet.
@@ -217,6 +243,8 @@ pub(crate) struct EngineLoop {
     pub eos_token_ids: Vec<u32>,
     pub pool: rayon::ThreadPool,
     pub kv_layout: KvLayout,
+    /// Token ids must be below this (a peer's first token is checked against it).
+    pub vocab_size: usize,
     live: HashMap<RequestId, Live>,
     /// NCCL links that are receiving KV for a reservation (fenced before it first runs).
     nccl_imports: HashMap<RequestId, Arc<NcclLink>>,
@@ -238,6 +266,7 @@ impl EngineLoop {
         eos_token_ids: Vec<u32>,
         pool: rayon::ThreadPool,
         kv_layout: KvLayout,
+        vocab_size: usize,
     ) -> Self {
         Self {
             scheduler,
@@ -247,6 +276,7 @@ impl EngineLoop {
             eos_token_ids,
             pool,
             kv_layout,
+            vocab_size,
             live: HashMap::new(),
             nccl_imports: HashMap::new(),
             stopping: false,
@@ -258,11 +288,15 @@ impl EngineLoop {
 
     /// Runs until shutdown or until every handle is gone; in-flight requests then get
     /// `EngineError::Shutdown` and free their blocks.
-    pub fn run(mut self) {
+    pub fn run(&mut self) {
         while !self.stopping {
+            self.shared.liveness.beat();
             if !self.scheduler.has_unfinished() && self.in_flight.is_none() {
-                // Idle: block until there is something to do.
-                match self.rx.recv() {
+                // Idle: block until there is something to do (waiting is not a stall).
+                self.shared.liveness.idle();
+                let next = self.rx.recv();
+                self.shared.liveness.beat();
+                match next {
                     Ok(c) => self.handle(c),
                     Err(_) => break,
                 }
@@ -290,7 +324,7 @@ impl EngineLoop {
         match cmd {
             Command::Submit { id, request, tx } => self.admit(id, *request, tx, None),
             Command::SubmitExport { id, request, tx, dst_block_table, export, link } => {
-                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link }));
+                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link, started: false }));
             }
             Command::ImportLayerNccl { id, layer, seq, runs, link } => {
                 self.import_layer_nccl(id, layer, seq, runs, &link)
@@ -301,12 +335,18 @@ impl EngineLoop {
             Command::Reserve { id, request, tx, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
                 let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
+                let (num_prompt_tokens, logprobs) = (request.prompt_token_ids.len(), request.params.logprobs);
                 let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
-                if result.is_ok() {
+                if let Ok(table) = &result {
                     self.live.insert(id, Live { tx, seed, export: None });
+                    let res = Reservation { block_table: table.clone(), num_prompt_tokens, logprobs };
+                    if let Ok(mut r) = self.shared.reservations.lock() {
+                        r.insert(id, Arc::new(res));
+                    }
                 }
                 if reply.send(result).is_err() {
                     // The caller gave up before the answer: release the reservation.
+                    self.forget_reservation(id);
                     self.scheduler.abort(id);
                     self.live.remove(&id);
                 }
@@ -315,12 +355,14 @@ impl EngineLoop {
             Command::ImportDone { id, trailer } => self.import_done(id, trailer),
             Command::ImportFailed(id) => {
                 self.nccl_imports.remove(&id);
+                self.forget_reservation(id);
                 if self.scheduler.fail_kv_transfer(id) {
                     tracing::warn!(request = %id, "KV transfer failed; recomputing the prompt here");
                 }
             }
             Command::Abort(id) => {
                 self.nccl_imports.remove(&id);
+                self.forget_reservation(id);
                 self.scheduler.abort(id);
                 if let Some(l) = self.live.remove(&id) {
                     let _ = l.tx.send(Ok(abort_output()));
@@ -341,6 +383,32 @@ impl EngineLoop {
             Err(e) => {
                 let _ = tx.send(Err(submit_to_engine_error(e)));
             }
+        }
+    }
+
+    /// `id` no longer waits for KV: the transport stops admitting hand-offs for it.
+    fn forget_reservation(&self, id: RequestId) {
+        if let Ok(mut r) = self.shared.reservations.lock() {
+            r.remove(&id);
+        }
+    }
+
+    /// A hand-off for `id` failed here (bad data, a refused write): it recomputes its prompt.
+    fn fail_import(&mut self, id: RequestId, reason: &str) {
+        self.nccl_imports.remove(&id);
+        self.forget_reservation(id);
+        if self.scheduler.fail_kv_transfer(id) {
+            tracing::warn!(request = %id, reason, "bad KV hand-off; recomputing the prompt here");
+        }
+    }
+
+    /// A backend error while storing a peer's KV for `id`: fatal ones stop the engine,
+    /// others fail only this hand-off.
+    fn import_backend_failed(&mut self, id: RequestId, e: &BackendError) {
+        if e.is_fatal() {
+            self.go_fatal(e);
+        } else {
+            self.fail_import(id, &e.to_string());
         }
     }
 
@@ -375,53 +443,78 @@ impl EngineLoop {
     ) {
         let due = match link.order_recv(seq, PendingRecv { request: id, layer, runs }) {
             Ok(due) => due,
-            Err(e) => {
-                tracing::warn!(request = %id, error = %e, "bad NCCL layer notice; recomputing the prompt here");
-                self.scheduler.fail_kv_transfer(id);
-                return;
-            }
+            Err(e) => return self.fail_import(id, &format!("bad NCCL layer notice: {e}")),
         };
         for r in due {
-            let blocks: Vec<u32> = r.runs.iter().flat_map(|&(s, n)| (s as u32)..(s + n) as u32).collect();
-            let result = match self.import_target_ok(r.request, &blocks) {
+            let blocks: Option<Vec<u32>> = r
+                .runs
+                .iter()
+                .map(|&(s, n)| Some(u32::try_from(s).ok()?..u32::try_from(s.checked_add(n)?).ok()?))
+                .collect::<Option<Vec<_>>>()
+                .map(|ranges| ranges.into_iter().flatten().collect());
+            let target = match blocks {
+                Some(_) if r.layer >= self.kv_layout.num_layers => {
+                    Err(format!("layer {} is not in the layout", r.layer))
+                }
+                Some(blocks) => self.import_target_ok(r.request, &blocks),
+                None => Err("runs beyond the largest block id".to_owned()),
+            };
+            let result = match target {
                 Ok(true) => {
                     self.nccl_imports.insert(r.request, link.clone());
-                    self.model.nccl_recv_layer(r.layer, &r.runs, link).map_err(|e| e.to_string())
+                    self.model.nccl_recv_layer(r.layer, &r.runs, link)
                 }
-                Ok(false) => self.model.nccl_discard_layer(r.layer, &r.runs, link).map_err(|e| e.to_string()),
-                Err(e) => Err(e),
+                Ok(false) => self.model.nccl_discard_layer(r.layer, &r.runs, link),
+                Err(e) => {
+                    self.fail_import(r.request, &format!("cannot receive a KV layer over NCCL: {e}"));
+                    continue;
+                }
             };
             if let Err(e) = result {
-                tracing::warn!(request = %r.request, error = %e, "cannot receive a KV layer over NCCL; recomputing the prompt here");
-                self.scheduler.fail_kv_transfer(r.request);
+                self.import_backend_failed(r.request, &e);
             }
         }
     }
 
     /// Writes one received layer into `id`'s reserved blocks. Frames for requests that are no
     /// longer waiting for KV (aborted, failed over to recompute) are dropped: their blocks may
-    /// already belong to someone else. Blocks outside the request's own table are refused.
+    /// already belong to someone else. A layer outside the layout, a size that is not the
+    /// blocks' or blocks outside the request's own table fail the hand-off before the backend
+    /// sees them.
     fn import_layer(&mut self, id: RequestId, blocks: &[u32], frame: &LayerFrame) {
-        let result = match self.import_target_ok(id, blocks) {
-            Ok(false) => return,
-            Ok(true) => self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v).map_err(|e| e.to_string()),
-            Err(e) => Err(e),
+        let want = blocks.len().checked_mul(self.kv_layout.bytes_per_block());
+        let checked = if frame.layer >= self.kv_layout.num_layers {
+            Err(format!("layer {} is not in the layout ({} layers)", frame.layer, self.kv_layout.num_layers))
+        } else if want != Some(frame.k.len()) || want != Some(frame.v.len()) {
+            Err(format!("{}+{} bytes for {} blocks", frame.k.len(), frame.v.len(), blocks.len()))
+        } else {
+            self.import_target_ok(id, blocks)
         };
-        if let Err(e) = result {
-            tracing::warn!(request = %id, error = %e, "cannot store a received KV layer; recomputing the prompt here");
-            self.scheduler.fail_kv_transfer(id);
+        match checked {
+            Ok(false) => {}
+            Ok(true) => {
+                if let Err(e) = self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v) {
+                    self.import_backend_failed(id, &e);
+                }
+            }
+            Err(e) => self.fail_import(id, &format!("cannot store a received KV layer: {e}")),
         }
     }
 
     /// The whole prompt KV of `id` arrived with its first token: it joins the batch (or ends).
+    /// A trailer that does not fit the request (a token outside the vocabulary, logprobs it
+    /// did not ask for) fails the hand-off instead.
     fn import_done(&mut self, id: RequestId, trailer: TransferTrailer) {
         if let Some(link) = self.nccl_imports.remove(&id)
             && let Err(e) = self.model.nccl_fence(&link)
         {
-            tracing::warn!(request = %id, error = %e, "cannot order the received KV; recomputing the prompt here");
-            self.scheduler.fail_kv_transfer(id);
-            return;
+            return self.import_backend_failed(id, &e);
         }
+        let Some(want_logprobs) = self.scheduler.request(id).map(|r| r.params().logprobs) else { return };
+        if let Err(reason) = trailer.check(self.vocab_size, want_logprobs) {
+            return self.fail_import(id, &reason);
+        }
+        self.forget_reservation(id);
         let Some(u) = self.scheduler.complete_kv_transfer_with_token(id, trailer.first_token) else {
             return;
         };
@@ -447,11 +540,14 @@ impl EngineLoop {
     /// Plans the hand-off of every export request whose prompt completes in this step and
     /// returns, in step order, what the model does with each export's blocks after every
     /// layer and the channel its layers go to (parallel vectors: the model indexes exports).
-    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> (Vec<ExportSpec>, Vec<ExportTx>) {
-        let (mut specs, mut txs) = (Vec::new(), Vec::new());
+    fn plan_exports(
+        &mut self,
+        out: &baton_core::scheduler::SchedulerOutput,
+    ) -> (Vec<ExportSpec>, Vec<ExportTx>, Vec<RequestId>) {
+        let (mut specs, mut txs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
         let mut failed = Vec::new();
         for seq in out.seqs.iter().filter(|s| s.sample) {
-            let Some(Export { dst_block_table, tx, link }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
+            let Some(Export { dst_block_table, tx, link, .. }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
             else {
                 continue;
             };
@@ -466,6 +562,7 @@ impl EngineLoop {
                     if tx.send(ExportEvent::Plan(plan)).is_ok() {
                         specs.push(ExportSpec { blocks: src, runs, link: link.clone() });
                         txs.push(tx.clone());
+                        ids.push(seq.id);
                     }
                 }
                 Err(e) => failed.push((seq.id, e.to_string())),
@@ -477,7 +574,20 @@ impl EngineLoop {
                 let _ = l.tx.send(Err(EngineError::Unschedulable(format!("cannot plan the KV hand-off: {reason}"))));
             }
         }
-        (specs, txs)
+        (specs, txs, ids)
+    }
+
+    /// Tells each export request scheduled for the first time that its prompt is being
+    /// computed (the router counts its hand-off deadline from then, not from the enqueue).
+    fn report_export_starts(&mut self, out: &SchedulerOutput) {
+        for seq in &out.seqs {
+            if let Some(export) = self.live.get_mut(&seq.id).and_then(|l| l.export.as_mut())
+                && !export.started
+            {
+                export.started = true;
+                let _ = export.tx.send(ExportEvent::Started);
+            }
+        }
     }
 
     /// One iteration's work: with a step in flight, plan and launch the step after it if it
@@ -486,6 +596,10 @@ impl EngineLoop {
     fn step(&mut self) {
         if let Some(prev) = self.in_flight.take() {
             let next = if prev.continuable { self.launch_continuation(&prev) } else { None };
+            if self.stopping {
+                // The continuation hit a fatal error: every request has already failed.
+                return;
+            }
             let applied = self.finish(prev);
             if let Some(next) = next
                 && applied
@@ -504,8 +618,9 @@ impl EngineLoop {
             }
             return;
         }
+        self.report_export_starts(&out);
         let batch = layout_for(&out);
-        let (export_specs, export_txs) = self.plan_exports(&out);
+        let (export_specs, export_txs, export_ids) = self.plan_exports(&out);
         let mut sink = |j: usize, frame: LayerFrame| {
             if let Some(tx) = export_txs.get(j) {
                 let _ = tx.send(ExportEvent::Layer(frame));
@@ -519,11 +634,19 @@ impl EngineLoop {
             return;
         }
         // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
-        // before the sends are done (the GPU waits, the host does not).
-        for link in export_specs.iter().filter_map(|e| e.link.as_ref()) {
+        // before the sends are done (the GPU waits, the host does not). An export whose sends
+        // cannot be fenced fails (its receiver recomputes), so no one trusts what it sent.
+        for (spec, id) in export_specs.iter().zip(&export_ids) {
+            let Some(link) = spec.link.as_ref() else { continue };
             if let Err(e) = self.model.nccl_fence(link) {
-                tracing::error!(error = %e, "cannot fence an NCCL export; marking the engine unhealthy");
-                self.shared.healthy.store(false, Ordering::SeqCst);
+                if e.is_fatal() {
+                    return self.go_fatal(&e);
+                }
+                tracing::warn!(request = %id, error = %e, "cannot fence an NCCL export; failing the export");
+                self.scheduler.abort(*id);
+                if let Some(l) = self.live.remove(id) {
+                    let _ = l.tx.send(Err(EngineError::Backend(e.to_string())));
+                }
             }
         }
         self.launch_sample(out, self.async_scheduling && export_specs.is_empty());
@@ -646,11 +769,13 @@ impl EngineLoop {
         true
     }
 
-    /// A backend failure during a step: the engine is unhealthy and every request of the
-    /// step fails.
+    /// A backend failure during a step: every request of the step fails. A fatal error also
+    /// stops the engine; after any other the engine runs the next step as usual.
     fn fail_step(&mut self, out: &baton_core::scheduler::SchedulerOutput, e: &BackendError) {
-        tracing::error!(error = %e, "backend step failed; marking the engine unhealthy");
-        self.shared.healthy.store(false, Ordering::SeqCst);
+        if e.is_fatal() {
+            return self.go_fatal(e);
+        }
+        tracing::error!(error = %e, requests = out.seqs.len(), "backend step failed; failing its requests");
         for id in out.seqs.iter().map(|s| s.id) {
             self.scheduler.abort(id);
             if let Some(l) = self.live.remove(&id) {
@@ -679,7 +804,27 @@ impl EngineLoop {
         }
     }
 
+    /// A fatal backend error: records it, fails every request, and stops the loop.
+    fn go_fatal(&mut self, e: &BackendError) {
+        tracing::error!(error = %e, "fatal backend error; the engine stops");
+        self.shared.liveness.end(EngineHealth::Fatal(e.to_string()));
+        self.in_flight = None;
+        self.fail_all(EngineError::Backend(e.to_string()));
+        self.stopping = true;
+    }
+
+    /// After a panic escaped [`EngineLoop::run`]: every request still here gets `err`. Touches
+    /// nothing but the output channels, whose state a panic cannot have broken.
+    pub fn fail_after_panic(&mut self, err: EngineError) {
+        for (_, l) in self.live.drain() {
+            let _ = l.tx.send(Err(err.clone()));
+        }
+    }
+
     fn fail_all(&mut self, err: EngineError) {
+        if let Ok(mut r) = self.shared.reservations.lock() {
+            r.clear();
+        }
         for (id, l) in self.live.drain() {
             self.scheduler.abort(id);
             let _ = l.tx.send(Err(err.clone()));

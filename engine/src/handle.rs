@@ -7,7 +7,8 @@
 
 use crate::engine_loop::{Command, Shared};
 use crate::kv_transport::LayerFrame;
-use crate::relay::{ExportEvent, TransferTrailer};
+use crate::liveness::EngineHealth;
+use crate::relay::{ExportEvent, Reservation, TransferTrailer};
 use baton_core::api::{
     AbortSink, EngineClient, EngineInfo, EngineRequest, EngineStats, OutputStream, RequestId, SubmitError,
 };
@@ -79,6 +80,18 @@ impl EngineHandle {
     /// The geometry and dtype of this engine's KV cache (what a hand-off must match).
     pub fn kv_layout(&self) -> KvLayout {
         self.inner.kv_layout
+    }
+
+    /// Whether the engine thread is alive and making progress, and if not why (see
+    /// [`EngineHealth`]); [`EngineClient::is_healthy`] is `health().is_healthy()`.
+    pub fn health(&self) -> EngineHealth {
+        self.inner.shared.liveness.health()
+    }
+
+    /// What `id` reserved, while it waits for its KV from another worker (`None` once the KV
+    /// arrived, the request recomputes or ended): what a hand-off for it is checked against.
+    pub fn reservation(&self, id: RequestId) -> Option<Arc<Reservation>> {
+        self.inner.shared.reservations.lock().ok()?.get(&id).cloned()
     }
 
     /// Prefix-cache events since the last call (empty unless `record_cache_events` is on).
@@ -168,8 +181,9 @@ impl EngineHandle {
     /// Request checks that need no engine state.
     fn check(&self, request: &EngineRequest) -> Result<(), SubmitError> {
         let info = &self.inner.info;
-        if !self.is_healthy() {
-            return Err(SubmitError::Unavailable("the engine hit a fatal error".into()));
+        let health = self.health();
+        if !health.is_healthy() {
+            return Err(SubmitError::Unavailable(health.to_string()));
         }
         if request.params.n != 1 {
             return Err(ParamError::new(
@@ -231,6 +245,6 @@ impl EngineClient for EngineHandle {
     }
 
     fn is_healthy(&self) -> bool {
-        self.inner.shared.healthy.load(Ordering::SeqCst)
+        self.health().is_healthy()
     }
 }

@@ -10,15 +10,19 @@ pub mod backend;
 pub mod batch;
 pub mod config;
 mod engine_loop;
+pub mod fault;
 mod gpu_memory;
 mod handle;
 pub mod kv_transport;
+mod liveness;
 pub mod model;
 pub mod relay;
 mod step_timing;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
+pub use fault::{FaultInjection, FaultKind};
 pub use handle::EngineHandle;
+pub use liveness::EngineHealth;
 pub use step_timing::StepTiming;
 
 use baton_core::api::{EngineInfo, EngineStats};
@@ -26,7 +30,7 @@ use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_core::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use baton_formats::LoadedModel;
 use engine_loop::{EngineLoop, Shared};
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
 /// Why the engine could not start.
@@ -188,17 +192,23 @@ pub fn start_engine(
     };
     let shared = Arc::new(Shared {
         stats: Mutex::new(EngineStats { num_total_blocks: num_blocks, ..Default::default() }),
-        healthy: AtomicBool::new(true),
+        liveness: liveness::Liveness::new(config.stall_timeout),
+        reservations: Mutex::new(Default::default()),
         pending: AtomicUsize::new(0),
         cache_events: Mutex::new(Vec::new()),
         timing: Mutex::new(StepTiming::default()),
     });
     let (tx, rx) = std::sync::mpsc::channel();
-    let mut engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout);
+    let model_box: Box<dyn engine_loop::StepModel> = match config.fault {
+        Some(fault) => Box::new(fault::FaultyModel::new(model_box, fault)),
+        None => model_box,
+    };
+    let mut engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout, cfg.vocab_size);
     engine.async_scheduling = config.async_scheduling;
+    let boundary = shared.clone();
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
-        .spawn(move || engine.run())
+        .spawn(move || run_engine_thread(engine, &boundary))
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
     // CUDA graphs are recorded by the first decode step of each batch size, not here.
@@ -210,6 +220,33 @@ pub fn start_engine(
 /// (`startup phase phase=NAME ms=N`, what `bench_startup` reads back).
 pub fn log_phase(phase: &'static str, started: std::time::Instant) {
     tracing::info!(phase, ms = format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3), "startup phase");
+}
+
+/// The engine thread's boundary: runs the loop and records how it ended. A panic is caught
+/// here, so the handle reports it instead of a healthy engine that never answers; it is
+/// recorded before the requests still in the loop are failed (the loop is owned out here, so
+/// unwinding does not close their channels first).
+fn run_engine_thread(mut engine: EngineLoop, shared: &Shared) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run())) {
+        Ok(()) => shared.liveness.end(EngineHealth::Stopped),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned());
+            tracing::error!(%message, "the engine thread panicked; the engine reports unhealthy");
+            shared.liveness.end(EngineHealth::Panicked(message.clone()));
+            let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                engine.fail_after_panic(baton_core::api::EngineError::Backend(format!(
+                    "the engine thread panicked: {message}"
+                )))
+            }));
+            if failed.is_err() {
+                tracing::error!("failing the requests after the panic panicked too; their streams just end");
+            }
+        }
+    }
 }
 
 /// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.

@@ -115,12 +115,13 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
 }
 
 /// A sender whose plan aims at blocks the receiving request does not own (another request's
-/// reservation) is refused layer by layer: nothing is written there, the request falls back to
-/// computing its prompt itself and still gives the tokens one engine gives, and every block
-/// ends free.
+/// reservation) is refused at the handshake, before any layer: nothing is written there, the
+/// request falls back to computing its prompt itself (the router's choice after a failed
+/// hand-off) and still gives the tokens one engine gives, and every block ends free.
 #[test]
 fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed() {
-    use baton_engine::kv_transport::handoff::{Received, receive_import};
+    use baton_engine::kv_transport::TransportError;
+    use baton_engine::kv_transport::handoff::receive_import;
     use baton_engine::kv_transport::nccl::NcclLinks;
     use baton_engine::kv_transport::tcp::TcpKvSender;
     use baton_engine::kv_transport::{Handshake, LayerFrame};
@@ -165,8 +166,14 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         let links = std::sync::Arc::new(NcclLinks::default());
         let admit = common::relay::admit_from(vec![(token, a_id)]);
         let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), admit).await;
-        assert!(matches!(got, Ok(Received::Import { .. })), "{:?}", got.map(|_| ()).map_err(|e| e.to_string()));
-        sender.await.expect("join").expect("sender");
+        let err = got.map(|_| ()).expect_err("refused");
+        assert!(
+            matches!(&err.source, TransportError::Refused(m) if m.contains("where the reservation holds")),
+            "{err}"
+        );
+        let sent = sender.await.expect("join");
+        assert!(matches!(&sent, Err(TransportError::Refused(_))), "{sent:?}");
+        d.import_failed(a_id);
         assert_eq!(tokens(&collect(a_stream).await), tokens(&alone), "a recomputed its prompt");
         drop(b_stream);
     });
@@ -174,4 +181,44 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
     for e in [unified, d] {
         e.shutdown();
     }
+}
+
+/// An export says when the engine first schedules its prompt (the router counts the hand-off
+/// deadline from there, not from the enqueue): one `Started` before the plan, however many
+/// chunks the prompt takes, then the plan, one frame per layer, and the first token.
+#[test]
+fn an_export_reports_its_start_once_before_the_plan() {
+    use baton_engine::relay::ExportEvent;
+    let spec = TinySpec::llama();
+    let m = tiny(&spec);
+    let vocab = m.model.config.vocab_size;
+    let layers = m.model.config.num_hidden_layers;
+    let d = engine(&m.model, EngineConfig::default());
+    // 16 tokens per step: the 60-token prompt takes four steps.
+    let p = engine(&m.model, EngineConfig { max_num_batched_tokens: 16, max_num_seqs: 16, ..EngineConfig::default() });
+    let rt = rt();
+    rt.block_on(async {
+        let pr = prompt(9, 60, vocab);
+        let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), greedy(4))).await.expect("reserve");
+        let (p_stream, mut events) = p.submit_export(EngineRequest::new(pr, greedy(4)), table, None).expect("export");
+        let mut kinds = Vec::new();
+        while let Some(e) = events.recv().await {
+            kinds.push(match e {
+                ExportEvent::Started => "started",
+                ExportEvent::Plan(_) => "plan",
+                ExportEvent::Layer(_) => "layer",
+                ExportEvent::Done(_) => "done",
+            });
+        }
+        let mut want = vec!["started", "plan"];
+        want.extend(std::iter::repeat_n("layer", layers));
+        want.push("done");
+        assert_eq!(kinds, want);
+        drop(p_stream);
+        drop(d_stream);
+    });
+    assert_all_blocks_free(&d);
+    assert_all_blocks_free(&p);
+    d.shutdown();
+    p.shutdown();
 }

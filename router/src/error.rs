@@ -42,12 +42,16 @@ pub enum FrontendError {
         /// Requests waiting when this one was refused.
         waiting: usize,
     },
+    /// The server has no room for the request right now (the router's in-flight cap, or
+    /// every worker that could run it is at capacity); the client should retry later.
+    #[error("The server is busy: {0}; retry later.")]
+    Busy(String),
     /// The engine is not running.
     #[error("The engine is unavailable: {0}")]
     Unavailable(String),
     /// The engine failed while running an accepted request.
     #[error("The engine failed while generating: {0}")]
-    Engine(#[from] EngineError),
+    Engine(EngineError),
     /// Tokenizer or template failure on server-side data (not the client's fault).
     #[error("Internal error: {0}")]
     Internal(String),
@@ -77,6 +81,24 @@ impl FrontendError {
     /// True when the client caused the failure (a 4xx in HTTP terms).
     pub fn is_client_error(&self) -> bool {
         matches!(self, Self::InvalidRequest { .. } | Self::ContextTooLong { .. } | Self::ModelNotFound(_))
+    }
+
+    /// True when the request was refused for lack of capacity or of engines and never
+    /// started: nothing was generated, and the same request may succeed later.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Self::Overloaded { .. } | Self::Busy(_) | Self::Unavailable(_))
+    }
+}
+
+impl From<EngineError> for FrontendError {
+    /// Refusals that reach the frontend on an engine stream (a remote engine said no before
+    /// starting) keep their meaning, so the edges answer 429/503 and not 500.
+    fn from(e: EngineError) -> Self {
+        match e {
+            EngineError::Overloaded(m) => Self::Busy(m),
+            EngineError::Unavailable(m) => Self::Unavailable(m),
+            other => Self::Engine(other),
+        }
     }
 }
 
@@ -119,6 +141,17 @@ mod tests {
 
         let e: FrontendError = SubmitError::QueueFull { waiting: 4 }.into();
         assert_eq!(e, FrontendError::Overloaded { waiting: 4 });
-        assert!(!e.is_client_error());
+        assert!(!e.is_client_error() && e.is_refusal());
+    }
+
+    #[test]
+    fn engine_refusals_stay_refusals() {
+        let e: FrontendError = EngineError::Overloaded("every decode worker is full".into()).into();
+        assert!(matches!(&e, FrontendError::Busy(m) if m.contains("decode worker")), "{e:?}");
+        assert!(e.is_refusal() && !e.is_client_error());
+        let e: FrontendError = EngineError::Unavailable("unreachable".into()).into();
+        assert_eq!(e, FrontendError::Unavailable("unreachable".into()));
+        let e: FrontendError = EngineError::Backend("boom".into()).into();
+        assert!(matches!(e, FrontendError::Engine(_)) && !e.is_refusal());
     }
 }

@@ -7,7 +7,10 @@
 //! - When a stop string matches, the choice's engine stream is dropped right away, which
 //!   aborts that sequence in the engine (its KV blocks are freed) while the other choices go on.
 //! - Dropping the [`Generation`] aborts every unfinished sequence.
+//! - Each choice holds one sequence of the in-flight budget ([`crate::admission::Permit`])
+//!   until it ends, however it ends.
 
+use crate::admission::Permit;
 use crate::error::FrontendError;
 use crate::metrics::Metrics;
 use crate::pipeline::PreparedRequest;
@@ -83,6 +86,8 @@ struct ChoiceState {
     cached_tokens: usize,
     last_token_at: Option<Instant>,
     done: bool,
+    /// Its sequence of the in-flight budget, given back when the choice ends.
+    permit: Option<Permit>,
 }
 
 /// The merged, detokenized output of one request's choices.
@@ -113,16 +118,19 @@ fn child_stream(out: OutputStream) -> ChildStream {
 }
 
 impl Generation {
-    /// Wraps the engine streams of a request's choices; `texts[i]` decodes choice `i`.
+    /// Wraps the engine streams of a request's choices; `texts[i]` decodes choice `i` and
+    /// `permits[i]` is its admission.
     pub(crate) fn new(
         outputs: Vec<OutputStream>,
         texts: Vec<ChoiceText>,
+        permits: Vec<Permit>,
         prepared: &PreparedRequest,
         metrics: Arc<Metrics>,
     ) -> Self {
         let request_ids = outputs.iter().map(OutputStream::request_id).collect();
         let mut streams = StreamMap::with_capacity(outputs.len());
         let mut choices = Vec::with_capacity(outputs.len());
+        let mut permits = permits.into_iter();
         for (index, (out, text)) in outputs.into_iter().zip(texts).enumerate() {
             streams.insert(index, child_stream(out));
             choices.push(ChoiceState {
@@ -131,6 +139,7 @@ impl Generation {
                 cached_tokens: 0,
                 last_token_at: None,
                 done: false,
+                permit: permits.next(),
             });
         }
         Self {
@@ -184,6 +193,22 @@ impl Generation {
         }
     }
 
+    /// Waits for the generation's first event and answers the refusal it carries, if it is
+    /// one: a remote engine at capacity or unreachable before anything was generated. The
+    /// edges call this before committing to a response, so such a request gets a 429/503 (or
+    /// `RESOURCE_EXHAUSTED`/`UNAVAILABLE`) instead of a 200 stream that ends in an error.
+    /// Any other first event is kept and comes out of [`Generation::next`] as usual.
+    pub async fn refused(&mut self) -> Result<(), FrontendError> {
+        match self.next().await {
+            Some(ChoiceEvent::Failed { error, .. }) if error.is_refusal() => Err(error),
+            Some(event) => {
+                self.pending.push_front(event);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
     /// Turns the generation into a `Stream` of events.
     pub fn into_stream(self) -> BoxStream<'static, ChoiceEvent> {
         stream::unfold(self, |mut g| async move { g.next().await.map(|e| (e, g)) }).boxed()
@@ -195,6 +220,7 @@ impl Generation {
             return;
         }
         choice.done = true;
+        choice.permit = None;
         self.streams.remove(&index);
         self.pending.push_back(ChoiceEvent::Failed { index, error });
     }
@@ -261,6 +287,7 @@ impl Generation {
             _ => StopCause::None,
         };
         choice.done = true;
+        choice.permit = None;
         let end = ChoiceEnd {
             index,
             reason,
@@ -277,4 +304,20 @@ impl Generation {
         }
         self.pending.push_back(ChoiceEvent::Finished(end));
     }
+}
+
+/// [`Generation::refused`] for a merged stream of several generations' events (a completions
+/// request with several prompts): a refusal as the very first event fails the request;
+/// otherwise the stream comes back whole.
+pub async fn refused_first<T: Send + 'static>(
+    mut events: BoxStream<'static, T>,
+    event: impl Fn(&T) -> &ChoiceEvent,
+) -> Result<BoxStream<'static, T>, FrontendError> {
+    let Some(first) = events.next().await else { return Ok(events) };
+    if let ChoiceEvent::Failed { error, .. } = event(&first)
+        && error.is_refusal()
+    {
+        return Err(error.clone());
+    }
+    Ok(stream::once(async move { first }).chain(events).boxed())
 }

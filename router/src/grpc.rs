@@ -8,6 +8,14 @@
 //! - Cancelling the call drops the stream and the generation with it, which aborts every
 //!   unfinished sequence. `Abort` aborts by the request id of an active `Generate` call;
 //!   the call then completes with `finish_reason: "abort"`.
+//! - Request ids are scoped per caller: `Abort` only reaches the caller's own requests (any
+//!   other id, running or not, is `NOT_FOUND`, which does not reveal whether another caller
+//!   uses it), and two callers may use the same id. The caller is the client's connection
+//!   (remote address and port), not the API key: one key is shared by every client of a
+//!   deployment, so it cannot tell them apart, while a connection is one client's. A client
+//!   aborts over the channel it generates on (tonic multiplexes both calls on it).
+//! - A request refused before it started (every worker at capacity, or none reachable) is a
+//!   `RESOURCE_EXHAUSTED` / `UNAVAILABLE` status, not a stream ending in an error.
 
 use crate::auth::{ApiKey, ApiKeyInterceptor};
 use crate::error::FrontendError;
@@ -25,7 +33,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-type Active = Arc<Mutex<HashMap<String, Vec<RequestId>>>>;
+/// Active `Generate` calls by (caller, request id).
+type Active = Arc<Mutex<HashMap<(String, String), Vec<RequestId>>>>;
+
+/// The caller a request id belongs to: the client's connection (see the module docs).
+fn caller_of<T>(request: &Request<T>) -> String {
+    request.remote_addr().map_or_else(|| "unknown peer".to_owned(), |a| a.to_string())
+}
 
 /// The `baton.v1.Baton` service.
 #[derive(Debug, Clone)]
@@ -55,7 +69,7 @@ pub fn status_of(error: &FrontendError) -> Status {
             Status::invalid_argument(message)
         }
         FrontendError::ModelNotFound(_) => Status::not_found(message),
-        FrontendError::Overloaded { .. } => Status::resource_exhausted(message),
+        FrontendError::Overloaded { .. } | FrontendError::Busy(_) => Status::resource_exhausted(message),
         FrontendError::Unavailable(_) => Status::unavailable(message),
         FrontendError::Engine(_) | FrontendError::Internal(_) => Status::internal(message),
     }
@@ -141,12 +155,12 @@ fn logprobs_to_proto(frontend: &Frontend, logprobs: &[EngineLogprob]) -> Vec<pb:
 /// Removes a request from the active table when its stream ends or is dropped.
 struct ActiveGuard {
     active: Active,
-    id: String,
+    key: (String, String),
 }
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
-        self.active.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.id);
+        self.active.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.key);
     }
 }
 
@@ -157,27 +171,31 @@ impl Baton for GrpcService {
     type GenerateStream = GenerateStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let caller = caller_of(&request);
         let mut request = request.into_inner();
         let request_id = if request.request_id.is_empty() {
             uuid::Uuid::new_v4().simple().to_string()
         } else {
             request.request_id.clone()
         };
-        if self.active.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&request_id) {
+        let key = (caller, request_id.clone());
+        if self.active.lock().unwrap_or_else(PoisonError::into_inner).contains_key(&key) {
             return Err(Status::already_exists(format!("request id {request_id:?} is already running")));
         }
         let prompt = prompt_from_proto(&mut request).map_err(|e| status_of(&e))?;
         let params = sampling_from_proto(request.sampling.take());
-        let mut generation = self.frontend.generate(FrontendRequest::new(prompt, params)).map_err(|e| status_of(&e))?;
+        let mut generation =
+            self.frontend.generate(FrontendRequest::new(prompt, params)).await.map_err(|e| status_of(&e))?;
+        generation.refused().await.map_err(|e| status_of(&e))?;
         let prompt_tokens = to_u32(generation.prompt_tokens());
         {
             let mut active = self.active.lock().unwrap_or_else(PoisonError::into_inner);
-            if active.contains_key(&request_id) {
+            if active.contains_key(&key) {
                 return Err(Status::already_exists(format!("request id {request_id:?} is already running")));
             }
-            active.insert(request_id.clone(), generation.request_ids().to_vec());
+            active.insert(key.clone(), generation.request_ids().to_vec());
         }
-        let guard = ActiveGuard { active: self.active.clone(), id: request_id.clone() };
+        let guard = ActiveGuard { active: self.active.clone(), key };
         let frontend = self.frontend.clone();
         let stream = async_stream::stream! {
             let _guard = guard;
@@ -221,13 +239,18 @@ impl Baton for GrpcService {
     }
 
     async fn abort(&self, request: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        let id = request.into_inner().request_id;
-        let ids = self.active.lock().unwrap_or_else(PoisonError::into_inner).get(&id).cloned();
-        let found = ids.is_some();
-        for engine_id in ids.into_iter().flatten() {
+        let key = (caller_of(&request), request.into_inner().request_id);
+        let ids = self.active.lock().unwrap_or_else(PoisonError::into_inner).get(&key).cloned();
+        let Some(ids) = ids else {
+            return Err(Status::not_found(format!(
+                "no request {:?} of this caller is running (ids are scoped to the connection that started them)",
+                key.1
+            )));
+        };
+        for engine_id in ids {
             self.frontend.engine().abort(engine_id);
         }
-        Ok(Response::new(pb::AbortResponse { found }))
+        Ok(Response::new(pb::AbortResponse { found: true }))
     }
 
     async fn health(&self, _: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
@@ -292,6 +315,8 @@ mod tests {
     fn statuses() {
         assert_eq!(status_of(&FrontendError::invalid("n", "x")).code(), tonic::Code::InvalidArgument);
         assert_eq!(status_of(&FrontendError::Overloaded { waiting: 1 }).code(), tonic::Code::ResourceExhausted);
+        assert_eq!(status_of(&FrontendError::Busy("full".into())).code(), tonic::Code::ResourceExhausted);
+        assert_eq!(status_of(&FrontendError::Unavailable("gone".into())).code(), tonic::Code::Unavailable);
         assert_eq!(status_of(&FrontendError::ModelNotFound("m".into())).code(), tonic::Code::NotFound);
         assert_eq!(code_name(&FrontendError::Unavailable("x".into())), "UNAVAILABLE");
     }

@@ -91,7 +91,7 @@ async fn health(State(frontend): State<Frontend>) -> Response {
 }
 
 async fn metrics(State(frontend): State<Frontend>) -> Response {
-    let text = frontend.metrics().render(&frontend.engine().stats());
+    let text = frontend.render_metrics();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
@@ -133,10 +133,21 @@ async fn tokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<Js
         }
         _ => return Err(FrontendError::invalid_request("exactly one of `prompt` and `messages` is required").into()),
     };
-    let (tokens, _) = frontend.tokenize(&prompt)?;
-    let codec = frontend.codec();
-    let token_strs =
-        request.return_token_strs.unwrap_or(false).then(|| tokens.iter().map(|&t| codec.vocab_string(t)).collect());
+    // Templating, tokenizing and the token strings run on the text pool: an 8 MiB prompt
+    // takes seconds of CPU that the runtime's threads must not spend.
+    let (tokens, _) = frontend.tokenize(prompt).await?;
+    let (tokens, token_strs) = if request.return_token_strs.unwrap_or(false) {
+        let codec = frontend.codec_handle();
+        frontend
+            .offload()
+            .run(move || {
+                let strs = tokens.iter().map(|&t| codec.vocab_string(t)).collect();
+                (tokens, Some(strs))
+            })
+            .await?
+    } else {
+        (tokens, None)
+    };
     Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: frontend.info().max_model_len, tokens, token_strs }))
 }
 
@@ -154,5 +165,7 @@ async fn detokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<
             }
         })
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(Json(DetokenizeResponse { prompt: frontend.codec().decode(&ids, false)? }))
+    let codec = frontend.codec_handle();
+    let prompt = frontend.offload().run(move || codec.decode(&ids, false)).await??;
+    Ok(Json(DetokenizeResponse { prompt }))
 }

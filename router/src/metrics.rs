@@ -49,6 +49,16 @@ pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
 pub const KV_BLOCKS_USED: &str = "baton_kv_blocks_used";
 /// KV blocks in the pool (gauge).
 pub const KV_BLOCKS_TOTAL: &str = "baton_kv_blocks_total";
+/// Engine sequences admitted by the frontend and not finished (gauge; Baton's own). On a
+/// worker: its Worker-service streams open.
+pub const INFLIGHT: &str = "baton_router_inflight";
+/// Tasks alive on the process's async runtime (gauge; Baton's own): flat under steady load,
+/// back to its idle level when the load stops.
+pub const RUNTIME_TASKS: &str = "baton_runtime_alive_tasks";
+/// Prompt tokens this process's engine actually computed: not served from its prefix cache
+/// and not received from another worker (counter; Baton's own). Summed over a cluster's
+/// workers it shows whether a prompt was computed once or twice.
+pub const PROMPT_TOKENS_COMPUTED: &str = "baton_prompt_tokens_computed_total";
 
 /// vLLM's buckets for [`TIME_TO_FIRST_TOKEN`].
 pub const TTFT_BUCKETS: &[f64] = &[
@@ -85,6 +95,9 @@ pub struct Metrics {
     kv_total: Gauge,
     kv_transfer_bytes: Counter,
     kv_transfer_seconds: Histogram,
+    inflight: Gauge,
+    runtime_tasks: Gauge,
+    prompt_tokens_computed: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -132,6 +145,8 @@ impl Metrics {
             (KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage."),
             (KV_BLOCKS_USED, "KV blocks referenced by some request."),
             (KV_BLOCKS_TOTAL, "KV blocks in the pool."),
+            (INFLIGHT, "Engine sequences admitted and not finished (worker: streams open)."),
+            (RUNTIME_TASKS, "Tasks alive on the async runtime."),
         ];
         for (name, help) in gauge_help {
             recorder.describe_gauge(name.into(), None, help.into());
@@ -144,6 +159,7 @@ impl Metrics {
             (GENERATION_TOKENS, "Number of generation tokens processed."),
             (REQUEST_SUCCESS, "Count of successfully processed requests."),
             (KV_TRANSFER_BYTES, "KV-cache bytes moved between workers (sent by prefill, received by decode)."),
+            (PROMPT_TOKENS_COMPUTED, "Prompt tokens computed here (not cached, not received)."),
         ];
         for (name, help) in counter_help {
             recorder.describe_counter(name.into(), None, help.into());
@@ -177,6 +193,9 @@ impl Metrics {
             kv_total: gauge(KV_BLOCKS_TOTAL),
             kv_transfer_bytes: counter(KV_TRANSFER_BYTES),
             kv_transfer_seconds: histogram(KV_TRANSFER_SECONDS),
+            inflight: gauge(INFLIGHT),
+            runtime_tasks: gauge(RUNTIME_TASKS),
+            prompt_tokens_computed: counter(PROMPT_TOKENS_COMPUTED),
             handle,
         })
     }
@@ -209,6 +228,18 @@ impl Metrics {
     /// Counts generated tokens.
     pub fn add_generation_tokens(&self, n: usize) {
         self.generation_tokens.increment(n as u64);
+    }
+
+    /// Counts prompt tokens this process's engine computed itself.
+    pub fn add_prompt_tokens_computed(&self, n: usize) {
+        self.prompt_tokens_computed.increment(n as u64);
+    }
+
+    /// Sets the process's own load gauges before a scrape: work admitted and not finished,
+    /// and tasks alive on the runtime.
+    pub fn set_process_load(&self, inflight: usize, runtime_tasks: usize) {
+        self.inflight.set(inflight as f64);
+        self.runtime_tasks.set(runtime_tasks as f64);
     }
 
     /// Records one finished KV hand-off.
@@ -257,6 +288,8 @@ mod tests {
         m.observe_finished(Duration::from_millis(700), FinishReason::Length);
         m.add_prompt_tokens(7);
         m.add_generation_tokens(5);
+        m.add_prompt_tokens_computed(6);
+        m.set_process_load(3, 42);
         let stats = EngineStats {
             num_running: 2,
             num_waiting: 3,
@@ -278,6 +311,9 @@ mod tests {
         assert_eq!(sample(&text, &format!("{NUM_PREEMPTIONS}{lbl}")), Some(1.0));
         assert_eq!(sample(&text, &format!("{PROMPT_TOKENS}{lbl}")), Some(7.0));
         assert_eq!(sample(&text, &format!("{GENERATION_TOKENS}{lbl}")), Some(5.0));
+        assert_eq!(sample(&text, &format!("{PROMPT_TOKENS_COMPUTED}{lbl}")), Some(6.0));
+        assert_eq!(sample(&text, &format!("{INFLIGHT}{lbl}")), Some(3.0));
+        assert_eq!(sample(&text, &format!("{RUNTIME_TASKS}{lbl}")), Some(42.0));
         // 30 ms lands in the 0.04 bucket but not the 0.02 one: vLLM's bucket edges are in use.
         let ttft = |le: &str| {
             sample(&text, &format!("vllm:time_to_first_token_seconds_bucket{{model_name=\"tiny\",le=\"{le}\"}}"))

@@ -1,7 +1,12 @@
-//! The frontend pipeline shared by the HTTP and gRPC edges: validate → template → tokenize →
-//! check the context → fan out `n` → submit to the engine → a merged [`Generation`] stream.
+//! The frontend pipeline shared by the HTTP and gRPC edges: admit → validate → template →
+//! tokenize → check the context → fan out `n` → submit to the engine → a merged
+//! [`Generation`] stream.
 //!
 //! Invariants:
+//! - A request is admitted ([`crate::admission`]) before any work is done for it: its
+//!   sequences count against the in-flight cap from tokenization until each choice ends.
+//! - Templating and tokenizing run on the bounded blocking pool ([`crate::offload`]), never
+//!   on the async runtime's threads.
 //! - Nothing is submitted unless the whole request passed validation, so a bad request never
 //!   leaves engine work behind.
 //! - Every engine request this module submits is owned by exactly one [`Generation`]; dropping
@@ -9,9 +14,11 @@
 //!   the unfinished sequences and frees their KV blocks at once.
 //! - Protocol shapes (JSON, protobuf) never reach this module; errors are [`FrontendError`].
 
+use crate::admission::{Admission, AdmissionLimits, Permit};
 use crate::error::FrontendError;
 use crate::generation::Generation;
 use crate::metrics::Metrics;
+use crate::offload::Offload;
 use crate::text::{ChatTurn, ChoiceText, TextCodec};
 use baton_core::api::{EngineClient, EngineInfo, EngineRequest};
 use baton_core::params::SamplingParams;
@@ -87,6 +94,8 @@ pub struct Frontend {
     model: ServedModel,
     info: EngineInfo,
     metrics: Arc<Metrics>,
+    admission: Arc<Admission>,
+    offload: Offload,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -96,7 +105,8 @@ impl std::fmt::Debug for Frontend {
 }
 
 impl Frontend {
-    /// A frontend over `engine`, tokenizing with `codec` and recording into `metrics`.
+    /// A frontend over `engine`, tokenizing with `codec` and recording into `metrics`, with the
+    /// default [`AdmissionLimits`] and a text pool sized for this machine.
     pub fn new(
         engine: Arc<dyn EngineClient>,
         codec: Arc<TextCodec>,
@@ -104,7 +114,42 @@ impl Frontend {
         metrics: Arc<Metrics>,
     ) -> Self {
         let info = engine.info();
-        Self { engine, codec, model, info, metrics }
+        let admission = Admission::new(AdmissionLimits::default());
+        Self { engine, codec, model, info, metrics, admission, offload: Offload::for_this_machine() }
+    }
+
+    /// The same frontend with other admission limits (a fresh in-flight count).
+    pub fn with_admission(mut self, limits: AdmissionLimits) -> Self {
+        self.admission = Admission::new(limits);
+        self
+    }
+
+    /// The same frontend running its text work on `offload`.
+    pub fn with_offload(mut self, offload: Offload) -> Self {
+        self.offload = offload;
+        self
+    }
+
+    /// The in-flight gate.
+    pub fn admission(&self) -> &Arc<Admission> {
+        &self.admission
+    }
+
+    /// The pool CPU-heavy text work runs on.
+    pub fn offload(&self) -> &Offload {
+        &self.offload
+    }
+
+    /// Admits a request of `prompts` prompts × `n` choices (see [`Admission::admit`]).
+    pub fn admit(&self, prompts: usize, n: usize) -> Result<Permit, FrontendError> {
+        self.admission.admit(prompts, n)
+    }
+
+    /// The Prometheus text of `/metrics`: the engine's load plus the frontend's own gauges.
+    pub fn render_metrics(&self) -> String {
+        let tasks = tokio::runtime::Handle::try_current().map_or(0, |h| h.metrics().num_alive_tasks());
+        self.metrics.set_process_load(self.admission.inflight(), tasks);
+        self.metrics.render(&self.engine.stats())
     }
 
     /// The served model's names.
@@ -127,6 +172,11 @@ impl Frontend {
         &self.codec
     }
 
+    /// The tokenizer and chat template, shared (to move into a job on the text pool).
+    pub fn codec_handle(&self) -> Arc<TextCodec> {
+        self.codec.clone()
+    }
+
     /// The metrics registry.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
@@ -142,29 +192,24 @@ impl Frontend {
         }
     }
 
-    /// Turns a prompt input into token ids (and text, when there is one).
-    pub fn tokenize(&self, prompt: &PromptInput) -> Result<(Vec<u32>, Option<String>), FrontendError> {
+    /// Turns a prompt input into token ids (and text, when there is one), templating and
+    /// tokenizing on the text pool.
+    pub async fn tokenize(&self, prompt: PromptInput) -> Result<(Vec<u32>, Option<String>), FrontendError> {
         match prompt {
-            PromptInput::Text { text, add_special_tokens } => {
-                Ok((self.codec.encode(text, *add_special_tokens)?, Some(text.clone())))
-            }
-            PromptInput::Tokens(ids) => Ok((ids.clone(), None)),
-            PromptInput::Chat { messages, add_generation_prompt } => {
-                if messages.is_empty() {
-                    return Err(FrontendError::invalid("messages", "messages must contain at least one message"));
-                }
-                let text = self.codec.render_chat(messages, *add_generation_prompt)?;
-                // The template already wrote BOS and the other special tokens it wants.
-                Ok((self.codec.encode(&text, false)?, Some(text)))
+            // Nothing to compute: no need for a trip to the pool.
+            PromptInput::Tokens(ids) => Ok((ids, None)),
+            prompt => {
+                let codec = self.codec.clone();
+                self.offload.run(move || tokenize_now(&codec, prompt)).await?
             }
         }
     }
 
     /// Validates, tokenizes and fits a request to the context without submitting it.
-    pub fn prepare(&self, request: GenerateRequest) -> Result<PreparedRequest, FrontendError> {
+    pub async fn prepare(&self, request: GenerateRequest) -> Result<PreparedRequest, FrontendError> {
         let vocab = self.info.vocab_size;
         request.params.validate(vocab)?;
-        let (prompt_token_ids, prompt_text) = self.tokenize(&request.prompt)?;
+        let (prompt_token_ids, prompt_text) = self.tokenize(request.prompt).await?;
         if prompt_token_ids.is_empty() {
             return Err(FrontendError::invalid("prompt", "the prompt is empty (0 tokens)"));
         }
@@ -189,10 +234,19 @@ impl Frontend {
     }
 
     /// Submits a prepared request: one engine request per choice, the 2nd..nth sharing the
-    /// first one's prompt blocks. If a later child is refused, the earlier ones are aborted (by
-    /// dropping their streams) and the error is returned.
-    pub fn start(&self, prepared: PreparedRequest) -> Result<Generation, FrontendError> {
-        let texts = (0..prepared.params.n)
+    /// first one's prompt blocks. `permit` (from [`Frontend::admit`]) must hold a sequence per
+    /// choice; each choice gives its sequence back when it ends. If a later child is refused,
+    /// the earlier ones are aborted (by dropping their streams) and the error is returned.
+    pub fn start(&self, prepared: PreparedRequest, permit: &mut Permit) -> Result<Generation, FrontendError> {
+        let n = prepared.params.n;
+        if permit.count() < n {
+            return Err(FrontendError::Internal(format!(
+                "the request was admitted for {} sequences but has {n} choices",
+                permit.count()
+            )));
+        }
+        let permits: Vec<Permit> = (0..n).map(|_| permit.split(1)).collect();
+        let texts = (0..n)
             .map(|_| ChoiceText::new(&self.codec, &prepared.params, &prepared.prompt_token_ids))
             .collect::<Result<Vec<_>, _>>()?;
         let mut streams = Vec::with_capacity(prepared.params.n);
@@ -210,12 +264,32 @@ impl Frontend {
             streams.push(stream);
         }
         self.metrics.add_prompt_tokens(prepared.prompt_token_ids.len());
-        Ok(Generation::new(streams, texts, &prepared, self.metrics.clone()))
+        Ok(Generation::new(streams, texts, permits, &prepared, self.metrics.clone()))
     }
 
-    /// [`Frontend::prepare`] then [`Frontend::start`].
-    pub fn generate(&self, request: GenerateRequest) -> Result<Generation, FrontendError> {
-        let prepared = self.prepare(request)?;
-        self.start(prepared)
+    /// [`Frontend::admit`], [`Frontend::prepare`], then [`Frontend::start`].
+    pub async fn generate(&self, request: GenerateRequest) -> Result<Generation, FrontendError> {
+        let mut permit = self.admit(1, request.params.n)?;
+        let prepared = self.prepare(request).await?;
+        self.start(prepared, &mut permit)
+    }
+}
+
+/// Templates and tokenizes on the calling thread (the text pool's).
+fn tokenize_now(codec: &TextCodec, prompt: PromptInput) -> Result<(Vec<u32>, Option<String>), FrontendError> {
+    match prompt {
+        PromptInput::Text { text, add_special_tokens } => {
+            let ids = codec.encode(&text, add_special_tokens)?;
+            Ok((ids, Some(text)))
+        }
+        PromptInput::Tokens(ids) => Ok((ids, None)),
+        PromptInput::Chat { messages, add_generation_prompt } => {
+            if messages.is_empty() {
+                return Err(FrontendError::invalid("messages", "messages must contain at least one message"));
+            }
+            let text = codec.render_chat(&messages, add_generation_prompt)?;
+            // The template already wrote BOS and the other special tokens it wants.
+            Ok((codec.encode(&text, false)?, Some(text)))
+        }
     }
 }

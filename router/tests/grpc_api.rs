@@ -18,6 +18,18 @@ async fn start(config: FakeConfig) -> (FakeEngine, BatonClient<Channel>) {
 }
 
 async fn start_with_key(config: FakeConfig, key: Option<&str>) -> (FakeEngine, BatonClient<Channel>) {
+    let (engine, url) = serve_with_key(config, key).await;
+    let client = BatonClient::connect(url).await.expect("connect");
+    (engine, client)
+}
+
+/// A server over a fresh fake engine, and its URL.
+async fn serve(config: FakeConfig) -> (FakeEngine, String) {
+    serve_with_key(config, None).await
+}
+
+/// A server over a fresh fake engine (with `key`, every call must carry it), and its URL.
+async fn serve_with_key(config: FakeConfig, key: Option<&str>) -> (FakeEngine, String) {
     let engine = FakeEngine::new(common::codec_parts().0.vocab_size(), config);
     let service = GrpcService::new(frontend(&engine)).into_server(key.map(baton_router::ApiKey::new));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -29,8 +41,7 @@ async fn start_with_key(config: FakeConfig, key: Option<&str>) -> (FakeEngine, B
             .await
             .expect("serve")
     });
-    let client = BatonClient::connect(format!("http://{addr}")).await.expect("connect");
-    (engine, client)
+    (engine, format!("http://{addr}"))
 }
 
 fn text_request(id: &str, text: &str, max_tokens: u32) -> GenerateRequest {
@@ -139,8 +150,43 @@ async fn cancel_and_abort_free_blocks() {
     assert!(eventually(Duration::from_secs(2), || async { engine.live() == 0 }).await, "abort freed blocks");
     let loads = client.loads(LoadsRequest {}).await.expect("loads").into_inner();
     assert_eq!(loads.num_used_blocks, 0);
-    let missing = client.abort(AbortRequest { request_id: "a1".into() }).await.expect("abort").into_inner();
-    assert!(!missing.found, "finished requests are forgotten");
+    let missing = client.abort(AbortRequest { request_id: "a1".into() }).await.expect_err("finished");
+    assert_eq!(missing.code(), tonic::Code::NotFound, "finished requests are forgotten: {missing:?}");
+}
+
+#[tokio::test]
+async fn abort_reaches_only_the_callers_own_requests() {
+    let config = FakeConfig { token_delay: Duration::from_millis(20), ..Default::default() };
+    let (engine, url) = serve(config).await;
+    let mut owner = BatonClient::connect(url.clone()).await.expect("connect");
+    // Another client: its own connection, so another caller.
+    let mut other = BatonClient::connect(url).await.expect("connect");
+    let mut stream = owner.generate(text_request("shared-id", "a long one", 200)).await.expect("generate").into_inner();
+    let _ = stream.message().await.expect("message").expect("some");
+    // The other caller cannot abort it, and learns nothing about it.
+    let err = other.abort(AbortRequest { request_id: "shared-id".into() }).await.expect_err("not its request");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(engine.aborted().is_empty(), "another caller's abort aborted something");
+    // It may even use the same id for a request of its own, and abort that one.
+    let mut theirs = other.generate(text_request("shared-id", "another one", 200)).await.expect("same id").into_inner();
+    let _ = theirs.message().await.expect("message").expect("some");
+    assert_eq!(engine.live(), 2);
+    assert!(other.abort(AbortRequest { request_id: "shared-id".into() }).await.expect("own abort").into_inner().found);
+    let finish = |mut s: tonic::Streaming<baton_proto::v1::GenerateResponse>| async move {
+        let mut reason = String::new();
+        while let Some(m) = s.message().await.expect("message") {
+            if let Some(Msg::Complete(c)) = m.response {
+                reason = c.finish_reason;
+            }
+        }
+        reason
+    };
+    assert_eq!(finish(theirs).await, "abort");
+    // The owner's request went on untouched until the owner aborted it.
+    assert_eq!(engine.aborted().len(), 1);
+    assert!(owner.abort(AbortRequest { request_id: "shared-id".into() }).await.expect("own abort").into_inner().found);
+    assert_eq!(finish(stream).await, "abort");
+    assert!(eventually(Duration::from_secs(2), || async { engine.live() == 0 }).await, "aborts freed blocks");
 }
 
 #[tokio::test]
@@ -207,4 +253,19 @@ async fn an_api_key_guards_every_grpc_method() {
     }
     let info = client.model_info(with_auth(ModelInfoRequest {}, "Bearer sekret")).await.expect("info").into_inner();
     assert_eq!(info.model, MODEL);
+}
+
+#[tokio::test]
+async fn refusals_after_submission_are_statuses_not_stream_errors() {
+    use baton_core::api::EngineError;
+    for (error, code) in [
+        (EngineError::Overloaded("every decode worker is full".into()), tonic::Code::ResourceExhausted),
+        (EngineError::Unavailable("no decode worker answers".into()), tonic::Code::Unavailable),
+    ] {
+        let (engine, mut client) = start(FakeConfig { refuse_with: Some(error), ..Default::default() }).await;
+        let status = client.generate(text_request("r", "hi", 4)).await.expect_err("refused");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(status.message().contains("decode worker"), "{status:?}");
+        assert_eq!(engine.live(), 0);
+    }
 }

@@ -127,6 +127,18 @@ pub struct ServeArgs {
     /// Largest accepted HTTP request body in bytes; larger gets 413 [default: 8388608]
     #[arg(long, env = "BATON_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+    /// An engine step running longer than this makes /health answer 503 (and a worker's
+    /// heartbeat unhealthy) until it returns [default: 60000]
+    #[arg(long, env = "BATON_ENGINE_STALL_TIMEOUT_MS", value_name = "MS")]
+    pub engine_stall_timeout_ms: Option<u64>,
+    /// Fault injection for failure tests: panic@N, stall=MS@N, error@N or fatal@N makes the
+    /// engine's Nth forward pass panic, hang, fail recoverably or lose its device.
+    #[arg(long, hide = true, value_name = "FAULT")]
+    pub chaos_engine_fault: Option<baton_engine::FaultInjection>,
+    /// Engine sequences in flight (all requests × n) beyond which new requests get 429;
+    /// on a worker, its open streams [default: 4096]
+    #[arg(long, env = "BATON_MAX_INFLIGHT", value_name = "N")]
+    pub max_inflight: Option<usize>,
 }
 
 /// Flags of `baton router`. Each also reads `BATON_ROUTER_<NAME>` and the `[router]` table of
@@ -187,10 +199,11 @@ pub struct RouterArgs {
     /// Extra prefill attempts under `retry` [default: 1]
     #[arg(long, env = "BATON_ROUTER_MAX_PREFILL_RETRIES", value_name = "N")]
     pub max_prefill_retries: Option<usize>,
-    /// Deadline of each hand-off stage (reservation, KV arrival) [default: 10000]
+    /// Hand-off deadline, from the start of the prefill (not its enqueue), renewed while the
+    /// prefill worker makes progress; past it the decode worker recomputes [default: 10000]
     #[arg(long, env = "BATON_ROUTER_KV_DEADLINE_MS", value_name = "MS")]
     pub kv_deadline_ms: Option<u64>,
-    /// A request with no event from its workers for this long fails [default: 60000]
+    /// A request with no event (tokens or progress) from its workers for this long fails [default: 60000]
     #[arg(long, env = "BATON_ROUTER_IDLE_TIMEOUT_MS", value_name = "MS")]
     pub idle_timeout_ms: Option<u64>,
     /// How often workers report [default: 500]
@@ -205,6 +218,17 @@ pub struct RouterArgs {
     /// Decode (or unified) workers needed before /health is 200 [default: 1]
     #[arg(long, env = "BATON_ROUTER_MIN_DECODE_WORKERS", value_name = "N")]
     pub min_decode_workers: Option<usize>,
+    /// Engine sequences in flight (all requests × n) beyond which new requests get 429 [default: 4096]
+    #[arg(long, env = "BATON_MAX_INFLIGHT", value_name = "N")]
+    pub max_inflight: Option<usize>,
+    /// Longest a worker may take to answer a call (reservation, stream start, recompute) before
+    /// another worker is tried [default: 10000]
+    #[arg(long, env = "BATON_ROUTER_RPC_TIMEOUT_MS", value_name = "MS")]
+    pub rpc_timeout_ms: Option<u64>,
+    /// Longest a relayed prompt waits in its prefill worker's queue before the decode worker
+    /// computes it instead [default: 60000]
+    #[arg(long, env = "BATON_ROUTER_PREFILL_QUEUE_TIMEOUT_MS", value_name = "MS")]
+    pub prefill_queue_timeout_ms: Option<u64>,
 }
 
 /// Flags of `baton worker`: every `serve` flag (model, device, engine; `--port` serves

@@ -8,13 +8,21 @@
 //! Security: `--api-key` guards the public HTTP and gRPC APIs; the registry and the calls to
 //! workers are signed with the cluster secret and optionally run over mutual TLS
 //! ([`crate::cluster_security`]); binding a non-loopback address without a secret is refused.
+//!
+//! The registry (workers' registrations and heartbeats) and its ejector run on a thread and
+//! runtime of their own ([`spawn_registry`]): however busy the request side is, heartbeats are
+//! answered and staleness is judged on time, so a healthy worker is never ejected because the
+//! router was slow.
 
 use crate::cluster_config::RouterSettings;
 use anyhow::{Context, bail};
 use baton_core::api::EngineInfo;
 use baton_formats::LoadFormat;
+use baton_router::cluster::auth::ClusterSecurity;
 use baton_router::cluster::{ClusterClient, Registry, RegistryService, RegistrySettings, policy_by_name};
-use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{
+    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -73,7 +81,8 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         Arc::new(TextCodec::new(tokenizer, model.chat_template.clone())),
         ServedModel { name, root },
         metrics,
-    );
+    )
+    .with_admission(AdmissionLimits { max_inflight: s.max_inflight, ..AdmissionLimits::default() });
     let api_key = ApiKey::from_config(s.api_key.as_deref());
     let workers_registry = registry.clone();
     // Worker addresses are for operators: behind the API key like the rest of the API.
@@ -109,34 +118,68 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
-    let grpc = tonic::transport::Server::builder()
+    let grpc = crate::listeners::grpc_server()
         .add_service(GrpcService::new(frontend).into_server(api_key))
         .serve_with_incoming_shutdown(
             crate::listeners::grpc(grpc_listener),
             crate::serve::shutdown_signal(stop_rx.clone()),
         );
-    let registry_server = security
-        .server()
-        .context("invalid --tls-cert/--tls-key/--tls-ca")?
-        .add_service(RegistryService::new(registry.clone(), security.clone()).into_server())
-        .serve_with_incoming_shutdown(
-            crate::listeners::grpc(registry_listener),
-            crate::serve::shutdown_signal(stop_rx),
-        );
-    let ejector = tokio::spawn(registry.run_ejector());
+    let registry_server = security.server().context("invalid --tls-cert/--tls-key/--tls-ca")?;
+    let registry_done =
+        spawn_registry(registry.clone(), security, registry_server, registry_listener.into_std()?, stop_rx)?;
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
-    let registry_task = tokio::spawn(registry_server);
     crate::serve::wait_for_termination().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
-    ejector.abort();
     // Open client streams end when their worker streams do; do not wait on them forever.
     let wait = async {
         let _ = http_task.await;
         let _ = grpc_task.await;
-        let _ = registry_task.await;
+        let _ = registry_done.await;
     };
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), wait).await;
     Ok(())
+}
+
+/// Serves the registry on `listener` with `server` (TLS when configured; calls checked
+/// against `security`) and runs its ejector, on a thread with a runtime of its own, until
+/// `stop` flips. The receiver resolves when it has stopped.
+fn spawn_registry(
+    registry: Arc<Registry>,
+    security: ClusterSecurity,
+    server: tonic::transport::Server,
+    listener: std::net::TcpListener,
+    stop: watch::Receiver<bool>,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot build the registry's runtime")?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("baton-registry".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot serve the worker registry");
+                        return;
+                    }
+                };
+                let ejector = tokio::spawn(registry.clone().run_ejector());
+                let served = crate::listeners::with_keepalive(server)
+                    .add_service(RegistryService::new(registry, security).into_server())
+                    .serve_with_incoming_shutdown(crate::listeners::grpc(listener), crate::serve::shutdown_signal(stop))
+                    .await;
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the worker registry stopped");
+                }
+                ejector.abort();
+            });
+            let _ = done_tx.send(());
+        })
+        .context("cannot start the registry's thread")?;
+    Ok(done_rx)
 }

@@ -76,6 +76,12 @@ pub struct RouterFile {
     pub tls_key: Option<PathBuf>,
     /// See `--tls-ca`.
     pub tls_ca: Option<PathBuf>,
+    /// See `--max-inflight`.
+    pub max_inflight: Option<usize>,
+    /// See `--rpc-timeout-ms`.
+    pub rpc_timeout_ms: Option<u64>,
+    /// See `--prefill-queue-timeout-ms`.
+    pub prefill_queue_timeout_ms: Option<u64>,
 }
 
 impl RouterFile {
@@ -127,6 +133,8 @@ pub struct RouterSettings {
     pub cluster: ClusterSettings,
     /// Cluster secret and TLS of the internal plane.
     pub security: SecuritySettings,
+    /// Engine sequences in flight beyond which requests get 429.
+    pub max_inflight: usize,
 }
 
 /// A router or worker setting that does not parse.
@@ -201,14 +209,21 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
         prefix_load_weight,
         heartbeat_interval,
         eject_after,
+        max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
         cluster: ClusterSettings {
             disagg_threshold: args.disagg_threshold.or(file.disagg_threshold).unwrap_or(d.disagg_threshold),
             on_transfer_failure,
             kv_deadline: ms(args.kv_deadline_ms, file.kv_deadline_ms, d.kv_deadline),
             idle_timeout: ms(args.idle_timeout_ms, file.idle_timeout_ms, d.idle_timeout),
-            connect_timeout: d.connect_timeout,
             min_prefill_workers: args.min_prefill_workers.or(file.min_prefill_workers).unwrap_or(d.min_prefill_workers),
             min_decode_workers: args.min_decode_workers.or(file.min_decode_workers).unwrap_or(d.min_decode_workers),
+            rpc_timeout: ms(args.rpc_timeout_ms, file.rpc_timeout_ms, d.rpc_timeout),
+            prefill_queue_timeout: ms(
+                args.prefill_queue_timeout_ms,
+                file.prefill_queue_timeout_ms,
+                d.prefill_queue_timeout,
+            ),
+            ..d
         },
         security: crate::cluster_security::resolve(&args.security, &file.security())?,
     })
@@ -330,6 +345,13 @@ mod tests {
             .router;
         let s = router_settings(&router_args(&["--port", "7000"]), &file).expect("valid");
         assert_eq!((s.port, s.policy.as_str()), (7000, "round_robin"));
+        assert_eq!(s.max_inflight, baton_router::admission::DEFAULT_MAX_INFLIGHT);
+        let s = router_settings(&router_args(&["--max-inflight", "64"]), &file).expect("valid");
+        assert_eq!(s.max_inflight, 64);
+        let timeouts = ConfigFile::parse("[router]\nrpc_timeout_ms = 2000\n", Path::new("r.toml")).expect("ok").router;
+        let s = router_settings(&router_args(&["--prefill-queue-timeout-ms", "5000"]), &timeouts).expect("valid");
+        let want = (Duration::from_secs(2), Duration::from_secs(5));
+        assert_eq!((s.cluster.rpc_timeout, s.cluster.prefill_queue_timeout), want);
         assert_eq!(s.registry_port, DEFAULT_REGISTRY_PORT);
         let err = router_settings(&router_args(&["--policy", "fastest"]), &file).expect_err("bad policy");
         assert!(err.to_string().contains("fastest"), "{err}");

@@ -88,6 +88,10 @@ pub struct ServeFile {
     pub threads: Option<usize>,
     /// See `--max-body-bytes`.
     pub max_body_bytes: Option<usize>,
+    /// See `--engine-stall-timeout-ms`.
+    pub engine_stall_timeout_ms: Option<u64>,
+    /// See `--max-inflight`.
+    pub max_inflight: Option<usize>,
 }
 
 /// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
@@ -170,6 +174,12 @@ pub struct ServeSettings {
     pub threads: Option<usize>,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
+    /// A step running longer makes the engine report itself stalled.
+    pub engine_stall_timeout: std::time::Duration,
+    /// Fault injection (hidden flag), for the failure tests.
+    pub engine_fault: Option<baton_engine::FaultInjection>,
+    /// Engine sequences in flight beyond which requests get 429 (worker: open streams).
+    pub max_inflight: usize,
 }
 
 /// Merges flags/env (`args`) over the file over the defaults.
@@ -207,6 +217,12 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .max_body_bytes
             .or(file.max_body_bytes)
             .unwrap_or(baton_router::http::DEFAULT_MAX_BODY_BYTES),
+        engine_stall_timeout: args
+            .engine_stall_timeout_ms
+            .or(file.engine_stall_timeout_ms)
+            .map_or(baton_engine::EngineConfig::default().stall_timeout, std::time::Duration::from_millis),
+        engine_fault: args.chaos_engine_fault,
+        max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
     }
 }
 
@@ -255,6 +271,10 @@ mod tests {
         assert!(!s.disable_prefix_caching && !s.disable_chunked_prefill);
         assert!(!s.enforce_eager, "CUDA graphs are on by default");
         assert!(s.async_scheduling, "async scheduling is on by default");
+        assert_eq!(s.max_inflight, baton_router::admission::DEFAULT_MAX_INFLIGHT);
+        let capped = ConfigFile::parse("[serve]\nmax_inflight = 8\n", Path::new("t.toml")).expect("valid").serve;
+        assert_eq!(resolve(&serve_args(&[]), &capped).max_inflight, 8);
+        assert_eq!(resolve(&serve_args(&["--max-inflight", "3"]), &capped).max_inflight, 3, "the flag beats the file");
     }
 
     #[test]
@@ -280,6 +300,21 @@ mod tests {
         assert!(!resolve(&serve_args(&[]), &sync).async_scheduling);
         assert!(resolve(&serve_args(&["--async-scheduling"]), &sync).async_scheduling, "the flag beats the file");
         assert!(!resolve(&serve_args(&["--async-scheduling=false"]), &ServeFile::default()).async_scheduling);
+    }
+
+    #[test]
+    fn stall_timeout_and_fault_injection() {
+        use std::time::Duration;
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).engine_stall_timeout, Duration::from_secs(60));
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).engine_fault, None);
+        let file =
+            ConfigFile::parse("[serve]\nengine_stall_timeout_ms = 5000\n", Path::new("t.toml")).expect("valid").serve;
+        assert_eq!(resolve(&serve_args(&[]), &file).engine_stall_timeout, Duration::from_secs(5));
+        let s = resolve(&serve_args(&["--engine-stall-timeout-ms", "250", "--chaos-engine-fault", "panic@3"]), &file);
+        assert_eq!(s.engine_stall_timeout, Duration::from_millis(250));
+        assert_eq!(s.engine_fault, Some("panic@3".parse().expect("fault")));
+        let bad = Cli::try_parse_from(["baton", "serve", "--chaos-engine-fault", "boom"]).map(|_| ());
+        assert!(bad.is_err_and(|e| e.to_string().contains("boom")));
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod cluster_config;
 mod cluster_security;
 mod config;
 mod kernels;
+mod engine_watch;
 mod listeners;
 mod serve;
 mod worker;

@@ -10,7 +10,9 @@ use anyhow::{Context, bail};
 use baton_core::api::EngineClient;
 use baton_engine::{DeviceSpec, EngineConfig};
 use baton_formats::LoadFormat;
-use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{
+    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -33,6 +35,8 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         num_threads: s.threads.or(d.num_threads),
         enforce_eager: s.enforce_eager,
         async_scheduling: s.async_scheduling,
+        stall_timeout: s.engine_stall_timeout,
+        fault: s.engine_fault,
         ..d
     }
 }
@@ -124,7 +128,8 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
         Arc::new(TextCodec::new(tokenizer, chat_template)),
         ServedModel { name, root },
         metrics,
-    );
+    )
+    .with_admission(AdmissionLimits { max_inflight: settings.max_inflight, ..AdmissionLimits::default() });
     let app = http_router(
         frontend.clone(),
         HttpConfig { api_key: settings.api_key.clone(), max_body_bytes: settings.max_body_bytes },
@@ -147,7 +152,7 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
     let (stop_tx, stop_rx) = watch::channel(false);
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
-    let grpc = tonic::transport::Server::builder()
+    let grpc = crate::listeners::grpc_server()
         .add_service(GrpcService::new(frontend).into_server(ApiKey::from_config(settings.api_key.as_deref())))
         .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
     // Logged before the servers run, so the line is in the log before the first /health 200
@@ -155,6 +160,7 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
     baton_engine::log_phase("total", started);
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
+    tokio::spawn(crate::engine_watch::watch(engine.clone()));
     wait_for_termination().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);

@@ -322,3 +322,42 @@ async fn short_prompts_stay_on_the_decode_worker_under_conditional_disaggregatio
         w.assert_idle(&c.http).await;
     }
 }
+
+/// A prefill worker whose engine panics in its first step: the request still completes
+/// (recomputed on the decode worker), the worker's `/health` answers 503 and its heartbeats
+/// report it unhealthy, so the router lists it unhealthy and sends it no more work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_whose_engine_panics_reports_unhealthy_and_requests_go_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (model, vocab) = tiny(dir.path());
+    let ps = prompts(vocab);
+    let want = reference(dir.path(), &model, &ps[4..5]).await;
+    let c = Cluster::start(
+        dir.path(),
+        &model,
+        "1p1d.toml",
+        &["--on-transfer-failure", "recompute"],
+        &[vec!["--chaos-engine-fault", "panic@1"]],
+        &[vec![]],
+    )
+    .await;
+    let got = complete(&c.http, &c.router.http, &ps[4], false).await;
+    assert_same(&got, &want[0], "recomputed after the prefill engine panicked");
+    let p = &c.prefill[0];
+    let health = c.http.get(format!("{}/health", p.http)).send().await.expect("health").status().as_u16();
+    assert_eq!(health, 503, "{}", p.log_text());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let ws = c.workers().await;
+        let prefill: Vec<&Value> = ws.iter().filter(|w| w["role"] == "prefill").collect();
+        if prefill.len() == 1 && prefill[0]["healthy"] == false {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the router never saw the unhealthy heartbeat: {ws:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = complete(&c.http, &c.router.http, &ps[4], true).await;
+    assert_same(&got, &want[0], "with the prefill worker unhealthy");
+    c.decode[0].assert_idle(&c.http).await;
+    assert!(p.log_text().contains("panicked"), "{}", p.log_text());
+}

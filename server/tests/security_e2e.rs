@@ -166,6 +166,8 @@ fn work(prompt: &[u32], max_tokens: u32, deadline_ms: u32, prefill: &str) -> pb:
         priority: 0,
         deadline_ms,
         prefill_instance: prefill.into(),
+        // No progress reports: these calls check refusals, not liveness.
+        progress_ms: 0,
     }
 }
 

@@ -431,6 +431,7 @@ fn help_lists_every_flag() {
         "--disable-chunked-prefill",
         "--threads",
         "--max-body-bytes",
+        "--max-inflight",
         "BATON_MODEL",
         "BATON_PORT",
     ] {
@@ -514,4 +515,76 @@ fn gpu_kernels_build_fills_a_cache() {
     assert!(cubins >= 10, "{cubins} modules in the cache:\n{first}");
     let second = build();
     assert!(second.contains(&format!("(0 compiled, {cubins} already there)")), "{second}");
+}
+
+/// Engine faults injected into one forward pass (the hidden `--chaos-engine-fault` flag): a
+/// panic turns `/health` to 503 for good; a stall past `--engine-stall-timeout-ms` turns it
+/// to 503 until the step returns; a recoverable error fails one request and the next one
+/// succeeds; a fatal error ends the process with its own status and a clear log line.
+#[tokio::test]
+async fn engine_faults_show_on_health_and_a_fatal_one_exits() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tiny_model(dir.path());
+    let model = model.to_str().expect("utf8");
+    let start = |extra: &'static [&'static str]| {
+        let mut args = vec!["--model", model, "--served-model-name", MODEL, "--max-model-len", "256"];
+        args.extend_from_slice(extra);
+        let dir = dir.path().to_owned();
+        async move { Serve::start(&dir, MODEL, &args, &[]).await }
+    };
+    let completion = |max_tokens: u32| json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens});
+    let health = |s: &Serve| {
+        let url = format!("{}/health", s.http);
+        let client = s.client.clone();
+        async move { client.get(url).send().await.expect("health").status().as_u16() }
+    };
+
+    // A panic at the second forward pass.
+    let s = start(&["--chaos-engine-fault", "panic@2"]).await;
+    assert_eq!(s.post("/v1/completions", completion(1)).await.0, 200, "the first step is fine");
+    let (status, body) = s.post("/v1/completions", completion(4)).await;
+    assert!(status >= 500, "{status} {body}");
+    assert_eq!(health(&s).await, 503);
+    let (status, body) = s.post("/v1/completions", completion(1)).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(s.log_text().contains("panicked"), "{}", s.log_text());
+    drop(s);
+
+    // A step that hangs for 3 s with a 300 ms stall timeout.
+    let s = start(&["--chaos-engine-fault", "stall=3000@1", "--engine-stall-timeout-ms", "300"]).await;
+    let (url, client) = (format!("{}/v1/completions", s.http), s.client.clone());
+    let stalled =
+        tokio::spawn(async move { client.post(url).json(&completion(2)).send().await.expect("send").status() });
+    let t0 = Instant::now();
+    while health(&s).await != 503 {
+        assert!(t0.elapsed() < Duration::from_millis(2500), "/health never reported the stall");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stalled.await.expect("join").as_u16(), 200, "the stalled request completes once the step returns");
+    assert_eq!(health(&s).await, 200, "healthy again");
+    drop(s);
+
+    // A recoverable error at the first forward pass.
+    let s = start(&["--chaos-engine-fault", "error@1"]).await;
+    let (status, body) = s.post("/v1/completions", completion(3)).await;
+    assert_eq!(status, 500, "{body}");
+    assert_eq!(health(&s).await, 200);
+    let (status, body) = s.post("/v1/completions", completion(3)).await;
+    assert_eq!(status, 200, "{body}");
+    drop(s);
+
+    // A fatal error: the process exits with status 70 and says why.
+    let mut s = start(&["--chaos-engine-fault", "fatal@1"]).await;
+    let (status, _) = s.post("/v1/completions", completion(3)).await;
+    assert!(status >= 500);
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(status) = s.child.try_wait().expect("wait") {
+            break status.code();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the process did not exit:\n{}", s.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, Some(70), "{}", s.log_text());
+    assert!(s.log_text().contains("FATAL: the engine lost its device"), "{}", s.log_text());
 }

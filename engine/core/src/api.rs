@@ -175,6 +175,23 @@ pub enum EngineError {
     /// The request can never be scheduled (e.g. needs more KV blocks than exist).
     #[error("request cannot be scheduled: {0}")]
     Unschedulable(String),
+    /// A remote engine refused the request before it started because it is at capacity
+    /// (the stream's first and only item): retry later. Only remote clients (the router's
+    /// cluster client) produce it; an in-process engine refuses with [`SubmitError::QueueFull`].
+    #[error("no capacity: {0}")]
+    Overloaded(String),
+    /// No remote engine could be reached to start the request (the stream's first and only
+    /// item).
+    #[error("no engine available: {0}")]
+    Unavailable(String),
+}
+
+impl EngineError {
+    /// True when the request never started (the engine side holds nothing for it), so the
+    /// client may retry it as is.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, EngineError::Overloaded(_) | EngineError::Unavailable(_))
+    }
 }
 
 /// Static facts about the served model and engine.

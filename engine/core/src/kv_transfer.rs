@@ -104,6 +104,8 @@ pub struct TransferPlan {
     pub num_layers: usize,
     /// Bytes per layer (K and V together).
     pub bytes_per_layer: usize,
+    /// Tokens of the prompt whose KV the plan covers (its last block may be partly filled).
+    pub num_tokens: usize,
 }
 
 impl TransferPlan {
@@ -192,7 +194,12 @@ pub fn plan_transfer(
         }
     }
     let blocks: usize = runs.iter().map(|r| r.len).sum();
-    Ok(TransferPlan { runs, num_layers: layout.num_layers, bytes_per_layer: 2 * blocks * layout.bytes_per_block() })
+    Ok(TransferPlan {
+        runs,
+        num_layers: layout.num_layers,
+        bytes_per_layer: 2 * blocks * layout.bytes_per_block(),
+        num_tokens,
+    })
 }
 
 #[cfg(test)]
@@ -282,6 +289,7 @@ mod tests {
             let blocks: usize = c.want.iter().map(|r| r.len).sum();
             assert_eq!(p.bytes_per_layer, 2 * blocks * 16 * 2 * 64 * 2, "{}", c.name);
             assert_eq!(p.total_bytes(), p.bytes_per_layer * 4, "{}", c.name);
+            assert_eq!(p.num_tokens, c.tokens, "{}", c.name);
         }
     }
 

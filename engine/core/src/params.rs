@@ -12,8 +12,21 @@ use serde::{Deserialize, Serialize};
 pub const MAX_N: usize = 128;
 /// Largest number of top logprobs a request may ask for (OpenAI's limit is 20).
 pub const MAX_TOP_LOGPROBS: usize = 20;
-/// Largest number of stop strings.
-pub const MAX_STOP_STRINGS: usize = 16;
+/// Largest number of stop strings. OpenAI allows 4 and vLLM has no cap; 64 is generous for
+/// any real use while bounding the frontend's per-token matching work (every stop string is
+/// searched in the held-back text after each token).
+pub const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, in bytes. The frontend holds back up to this many bytes of output
+/// while a stop string may be starting, and searches them per token; 1 KiB is far longer
+/// than any delimiter a client uses.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+/// Most `logit_bias` entries, as OpenAI allows. Each entry is applied to its row on the
+/// engine thread every step.
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// Most `stop_token_ids`. They are checked against every sampled token (and suppressed
+/// under `min_tokens`) on the engine thread every step; 1024 covers every special-token
+/// set of the vocabularies Baton serves.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 
 /// How one sequence is sampled and when it stops.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -164,6 +177,24 @@ impl SamplingParams {
         if self.stop.iter().any(|s| s.is_empty()) {
             return Err(ParamError::new("stop", "stop strings must not be empty"));
         }
+        if let Some(long) = self.stop.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(ParamError::new(
+                "stop",
+                format!("stop strings must be at most {MAX_STOP_STRING_BYTES} bytes, got one of {}", long.len()),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ParamError::new(
+                "stop_token_ids",
+                format!("at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {}", self.stop_token_ids.len()),
+            ));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(ParamError::new(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} logit_bias entries, got {}", self.logit_bias.len()),
+            ));
+        }
         for &t in &self.stop_token_ids {
             if t as usize >= vocab_size {
                 return Err(ParamError::new(
@@ -215,11 +246,29 @@ mod tests {
             (SamplingParams { logit_bias: vec![(3, 200.0)], ..Default::default() }, "logit_bias"),
             (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
             (SamplingParams { presence_penalty: 3.0, ..Default::default() }, "presence_penalty"),
+            (SamplingParams { stop: vec!["x".into(); MAX_STOP_STRINGS + 1], ..Default::default() }, "stop"),
+            (SamplingParams { stop: vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)], ..Default::default() }, "stop"),
+            (
+                SamplingParams { stop_token_ids: vec![1; MAX_STOP_TOKEN_IDS + 1], ..Default::default() },
+                "stop_token_ids",
+            ),
+            (SamplingParams { logit_bias: vec![(1, 0.5); MAX_LOGIT_BIAS + 1], ..Default::default() }, "logit_bias"),
         ];
         for (p, name) in cases {
             let err = p.validate(100).expect_err(name);
             assert_eq!(err.param, name, "{err}");
         }
+    }
+
+    #[test]
+    fn limits_are_inclusive() {
+        let at_limit = SamplingParams {
+            stop: vec!["s".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS],
+            stop_token_ids: vec![7; MAX_STOP_TOKEN_IDS],
+            logit_bias: vec![(3, 1.0); MAX_LOGIT_BIAS],
+            ..Default::default()
+        };
+        assert_eq!(at_limit.validate(100), Ok(()));
     }
 
     #[test]

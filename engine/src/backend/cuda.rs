@@ -65,9 +65,38 @@ impl From<CudaError> for BackendError {
     fn from(e: CudaError) -> Self {
         match e {
             CudaError::Shape { op, message } => BackendError::Kernel(KernelError { op, message }),
+            CudaError::Driver(d) => driver_error(d),
             other => BackendError::Device(other.to_string()),
         }
     }
+}
+
+/// A driver error as a backend error: [`BackendError::DeviceLost`] for the errors that leave
+/// the context unusable ([`is_sticky`]), [`BackendError::Device`] for the others.
+pub fn driver_error(e: cudarc::driver::DriverError) -> BackendError {
+    if is_sticky(e.0) { BackendError::DeviceLost(e.to_string()) } else { BackendError::Device(e.to_string()) }
+}
+
+/// CUDA errors after which the context is corrupt and every later call fails ("the process
+/// must be terminated and relaunched", as the CUDA documentation puts it for these codes),
+/// plus a context that is gone. Out of memory, invalid values and the like are not sticky.
+pub fn is_sticky(code: cudarc::driver::sys::CUresult) -> bool {
+    use cudarc::driver::sys::CUresult as R;
+    matches!(
+        code,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_LAUNCH_FAILED
+            | R::CUDA_ERROR_LAUNCH_TIMEOUT
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | R::CUDA_ERROR_INVALID_PC
+            | R::CUDA_ERROR_ASSERT
+            | R::CUDA_ERROR_ECC_UNCORRECTABLE
+            | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+            | R::CUDA_ERROR_DEINITIALIZED
+    )
 }
 
 /// An activation buffer: `len` live bf16 values in an allocation that may be larger.
@@ -864,13 +893,11 @@ impl Backend for CudaBackend {
         for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
             let src = start * block_len..(start + len) * block_len;
             let dst = at..at + len * block_len;
-            stream
-                .memcpy_dtoh(&kc.slice(src.clone()), &mut k[dst.clone()])
-                .map_err(|e| BackendError::Device(e.to_string()))?;
-            stream.memcpy_dtoh(&vc.slice(src), &mut v[dst]).map_err(|e| BackendError::Device(e.to_string()))?;
+            stream.memcpy_dtoh(&kc.slice(src.clone()), &mut k[dst.clone()]).map_err(driver_error)?;
+            stream.memcpy_dtoh(&vc.slice(src), &mut v[dst]).map_err(driver_error)?;
             at += len * block_len;
         }
-        stream.synchronize().map_err(|e| BackendError::Device(e.to_string()))?;
+        stream.synchronize().map_err(driver_error)?;
         let bytes = |x: Vec<bf16>| x.into_iter().flat_map(|e| e.to_bits().to_ne_bytes()).collect::<Vec<u8>>();
         Ok((bytes(k), bytes(v)))
     }
@@ -895,14 +922,12 @@ impl Backend for CudaBackend {
         for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
             let dst = start * block_len..(start + len) * block_len;
             let src = at..at + len * block_len;
-            stream
-                .memcpy_htod(&kh[src.clone()], &mut kc.slice_mut(dst.clone()))
-                .map_err(|e| BackendError::Device(e.to_string()))?;
-            stream.memcpy_htod(&vh[src], &mut vc.slice_mut(dst)).map_err(|e| BackendError::Device(e.to_string()))?;
+            stream.memcpy_htod(&kh[src.clone()], &mut kc.slice_mut(dst.clone())).map_err(driver_error)?;
+            stream.memcpy_htod(&vh[src], &mut vc.slice_mut(dst)).map_err(driver_error)?;
             at += len * block_len;
         }
         // The host staging vectors are freed on return: wait for the copies to read them.
-        stream.synchronize().map_err(|e| BackendError::Device(e.to_string()))
+        stream.synchronize().map_err(driver_error)
     }
 }
 
@@ -941,5 +966,21 @@ mod tests {
         assert_eq!(linear_kernel(true, TUNED_MAX_M + 1, 4096), LinearKernel::Cublas, "prefill chunks: cuBLAS");
         assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
         assert_eq!(linear_kernel(false, 64, 4096), LinearKernel::Cublas);
+    }
+
+    #[test]
+    fn only_context_poisoning_driver_errors_are_fatal() {
+        // Formatting a driver error needs the driver, so this checks the rule itself.
+        use cudarc::driver::sys::CUresult as R;
+        for code in [R::CUDA_ERROR_ILLEGAL_ADDRESS, R::CUDA_ERROR_LAUNCH_FAILED, R::CUDA_ERROR_ECC_UNCORRECTABLE] {
+            assert!(is_sticky(code), "{code:?}");
+        }
+        for code in [R::CUDA_ERROR_OUT_OF_MEMORY, R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY] {
+            assert!(!is_sticky(code), "{code:?}");
+        }
+        let shape: BackendError = CudaError::Shape { op: "gemm", message: "m".into() }.into();
+        assert!(!shape.is_fatal());
+        assert!(BackendError::DeviceLost("illegal address".into()).is_fatal());
+        assert!(!BackendError::Device("out of memory".into()).is_fatal());
     }
 }

@@ -53,16 +53,29 @@ pub struct WeightUploadReport {
     pub wait_s: f64,
 }
 
-/// A backend failure. Fatal for the step; the engine marks itself unhealthy on
-/// device errors and fails the requests of that step.
+/// A backend failure. It fails the requests of the step it happened in; only
+/// [`BackendError::DeviceLost`] is fatal to the engine (see [`BackendError::is_fatal`]).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BackendError {
     /// An op was called with inconsistent shapes (a bug in the caller).
     #[error(transparent)]
     Kernel(#[from] KernelError),
-    /// The device itself failed (out of memory, launch failure).
+    /// The device refused or failed one operation (out of memory, a bad argument) and is
+    /// still usable.
     #[error("device error: {0}")]
     Device(String),
+    /// The device's context is lost: every later call fails the same way (CUDA's "sticky"
+    /// errors: an illegal address, a launch failure, an uncorrectable ECC error...). Only a
+    /// new process can use the device again.
+    #[error("device lost: {0}")]
+    DeviceLost(String),
+}
+
+impl BackendError {
+    /// Whether the engine cannot go on after this error (the process must restart).
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, BackendError::DeviceLost(_))
+    }
 }
 
 /// Where one sequence's chunk of the batch sits: rows `row_start..row_start + n_tokens`

@@ -4,16 +4,23 @@
 //! carries control frames and the data moves GPU to GPU (see [`super::nccl`]); links are
 //! made by [`setup_link`] on first contact.
 //!
+//! The decode side trusts nothing it reads: the handshake is checked against the engine's
+//! [`crate::relay::Reservation`] for the request before anything is allocated
+//! ([`super::admission`]), layers are written only into that reservation's blocks, and the
+//! trailer is checked ([`crate::relay::TransferTrailer::check`]) before its token reaches the engine. A
+//! bad peer fails its own hand-off and nothing else.
+//!
 //! Both sides are plain async functions so the worker process, tests and benchmarks use
 //! the same code. Neither side decides what happens after a failure: the caller (the worker,
 //! following the router's policy) recomputes or waits for a retry.
 
+use super::admission::check_handshake;
 use super::nccl::{NcclLink, NcclLinks, new_id};
 use super::tcp::{Incoming, PendingHandoff, TcpKvSender};
 use super::{Handshake, KvCredentials, NcclHandshake, TransportError};
 use crate::EngineHandle;
-use crate::relay::{ExportEvent, plan_blocks};
-use baton_core::api::RequestId;
+use crate::relay::{ExportEvent, Reservation};
+use baton_core::api::{EngineClient, RequestId};
 use baton_core::cluster_auth::ReservationToken;
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
@@ -48,17 +55,21 @@ pub async fn send_export(
     creds: KvCredentials,
 ) -> Result<HandoffReport, TransportError> {
     let ended = || TransportError::Protocol("the prefill request ended before its KV was complete".into());
-    let plan = match events.recv().await {
-        Some(ExportEvent::Plan(plan)) => plan,
-        Some(_) => return Err(TransportError::Protocol("export events out of order: expected the plan".into())),
-        None => return Err(ended()),
+    let plan = loop {
+        match events.recv().await {
+            // The prompt is being computed; the plan follows when it completes.
+            Some(ExportEvent::Started) => continue,
+            Some(ExportEvent::Plan(plan)) => break plan,
+            Some(_) => return Err(TransportError::Protocol("export events out of order: expected the plan".into())),
+            None => return Err(ended()),
+        }
     };
     let started = Instant::now();
     let hs = Handshake {
         layout,
         sender: creds.identity.clone(),
         reservation: Some(reservation),
-        num_tokens: plan.num_blocks() * layout.block_size,
+        num_tokens: plan.num_tokens,
         runs: plan.runs.clone(),
         bytes_per_layer_half: plan.bytes_per_layer / 2,
         nccl: nccl_link.map(|link| NcclHandshake::Use { link }),
@@ -77,6 +88,7 @@ pub async fn send_export(
                 return Ok(HandoffReport { bytes, elapsed: started.elapsed() });
             }
             Some(ExportEvent::Plan(_)) => return Err(TransportError::Protocol("a second plan for one export".into())),
+            Some(ExportEvent::Started) => return Err(TransportError::Protocol("a start after the plan".into())),
             None => return Err(ended()),
         }
     }
@@ -101,13 +113,19 @@ pub enum Received {
     },
 }
 
-/// Decode side: reads the handshake of an accepted connection (refusing a sender without
-/// the listener's secret, a layout mismatch, a reservation `admit` does not resolve for
-/// this sender, or an unknown NCCL link), stores every layer into the reserved blocks
-/// through `engine` (or enqueues the NCCL receives), then completes the request with the
-/// trailer's first token. `admit` maps (reservation, sender identity) to the engine request
-/// waiting for that KV, or says why not. A link setup joins the new communicator in the
-/// background and files it in `links`.
+/// Decode side: reads the handshake of an accepted connection and refuses, in this order,
+/// a sender without the listener's secret, a layout mismatch or sizes that do not add up
+/// (see [`PendingHandoff::handshake`]), a reservation `admit` does not resolve for this
+/// sender, one `engine` no longer holds, a handshake that does not fit that reservation
+/// ([`check_handshake`]), or an unknown NCCL link. It then stores every layer into the
+/// reservation's own blocks through `engine` (or enqueues the NCCL receives) and completes
+/// the request with the trailer's first token (a bad trailer is refused). `admit` maps
+/// (reservation token, sender identity) to the engine request waiting for that KV, or says
+/// why not. A link setup joins the new communicator in the background and files it in
+/// `links`.
+///
+/// A failure after the handshake named the request leaves it waiting for its KV: the caller
+/// decides between a retry and a recompute ([`EngineHandle::import_failed`]).
 pub async fn receive_import(
     pending: PendingHandoff,
     engine: &EngineHandle,
@@ -117,14 +135,20 @@ pub async fn receive_import(
 ) -> Result<Received, ImportError> {
     let started = Instant::now();
     let layout = engine.kv_layout();
-    let mut admitted: Option<(RequestId, ReservationToken)> = None;
-    let resolve_reservation = |hs: &Handshake| -> Result<(), String> {
+    let mut admitted: Option<(RequestId, ReservationToken, Arc<Reservation>)> = None;
+    let slot = &mut admitted;
+    // The token names the reservation (and the sender must be the one it is bound to); the
+    // engine's record of it is what the handshake's sizes and runs are checked against, and
+    // the blocks the layers are written into.
+    let reserved = move |hs: &Handshake| -> Result<(), String> {
         let token = hs.reservation.ok_or_else(|| "the handshake names no reservation".to_owned())?;
         let id = admit(&token, &hs.sender)?;
-        admitted = Some((id, token));
+        let res = engine.reservation(id).ok_or_else(|| format!("reservation {token} is not waiting for KV here"))?;
+        check_handshake(hs, &layout, &res).map_err(|e| e.to_string())?;
+        *slot = Some((id, token, res));
         Ok(())
     };
-    let admit = async |hs: &Handshake| -> Result<(), String> {
+    let admit = async move |hs: &Handshake| -> Result<(), String> {
         match &hs.nccl {
             Some(NcclHandshake::Setup { link, id }) => {
                 let stream = engine.transfer_stream().await?;
@@ -141,9 +165,9 @@ pub async fn receive_import(
                 if links.wait_for(link, deadline).await.is_none() {
                     return Err(format!("no NCCL link {link:?} on this worker"));
                 }
-                resolve_reservation(hs)
+                reserved(hs)
             }
-            None => resolve_reservation(hs),
+            None => reserved(hs),
         }
     };
     let mut incoming = pending.handshake(&layout, deadline, admit).await.map_err(ImportError::before)?;
@@ -153,15 +177,15 @@ pub async fn receive_import(
         Some(NcclHandshake::Use { link }) => links.get(link),
         None => None,
     };
-    let Some((id, reservation)) = admitted else {
-        return Err(ImportError::before(TransportError::Protocol("a hand-off admitted without a reservation".into())));
+    let Some((id, reservation, res)) = admitted else {
+        return Err(ImportError::before(TransportError::Protocol(
+            "a hand-off admitted without its reservation".into(),
+        )));
     };
-    let (_, dst) = plan_blocks(&baton_core::kv_transfer::TransferPlan {
-        runs: hs.runs.clone(),
-        num_layers: hs.layout.num_layers,
-        bytes_per_layer: hs.bytes_per_layer_half * 2,
-    });
+    // The runs were checked to map the reservation's blocks in order: they are its table.
+    let dst = res.block_table.clone();
     let dst_runs: Vec<(usize, usize)> = hs.runs.iter().map(|r| (r.dst_start as usize, r.len)).collect();
+    let vocab_size = engine.info().vocab_size;
     let mut bytes = 0;
     loop {
         match incoming.next().await.map_err(|e| ImportError::during(id, e))? {
@@ -176,6 +200,10 @@ pub async fn receive_import(
                 }
             },
             Incoming::Done(trailer) => {
+                if let Err(reason) = trailer.check(vocab_size, res.logprobs) {
+                    let _ = incoming.refuse(&reason).await;
+                    return Err(ImportError::during(id, TransportError::Protocol(reason)));
+                }
                 engine.import_done(id, trailer);
                 incoming.acknowledge().await.map_err(|e| ImportError::during(id, e))?;
                 return Ok(Received::Import {

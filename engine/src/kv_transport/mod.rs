@@ -12,8 +12,16 @@
 //! Authentication: the TCP handshake is a challenge-response over the cluster secret
 //! ([`KvCredentials`], see `tcp`); the reservation is named by an unguessable
 //! [`ReservationToken`] bound to one prefill worker's identity, which the receiver checks.
+//!
+//! The receiving side treats the peer as hostile: only after the proof, a handshake is
+//! checked against the receiver's reservation before anything is allocated ([`admission`]),
+//! a listener serves a bounded number of connections with a short deadline for the handshake
+//! ([`intake`]), and a bad peer costs its own hand-off (the request then recomputes) and
+//! nothing else.
 
+pub mod admission;
 pub mod handoff;
+pub mod intake;
 pub mod nccl;
 pub mod tcp;
 

@@ -71,12 +71,19 @@ pub struct PendingRecv {
 
 /// Puts numbered items back in order: items `0, 1, 2, ...` come out in that order, each as
 /// soon as every lower number has come out. A number seen twice or already released is
-/// refused (the sender never reuses one).
+/// refused (the sender never reuses one), and so is one more than [`MAX_NOTICES_AHEAD`] past
+/// the next due: numbers come from a peer, and each one held costs memory until the gap
+/// before it is filled.
 #[derive(Debug)]
 pub struct RecvOrder<T> {
     next: u64,
     waiting: std::collections::BTreeMap<u64, T>,
 }
+
+/// How far past the next due number a notice may be. Honest gaps come from concurrent
+/// hand-offs on one link (a few hundred prompts × their layers at most); a peer's number
+/// beyond this would hold memory for a gap that never fills.
+pub const MAX_NOTICES_AHEAD: u64 = 1 << 16;
 
 impl<T> Default for RecvOrder<T> {
     fn default() -> Self {
@@ -90,6 +97,9 @@ impl<T> RecvOrder<T> {
     pub fn push(&mut self, seq: u64, item: T) -> Result<Vec<T>, NcclError> {
         if seq < self.next || self.waiting.contains_key(&seq) {
             return Err(NcclError(format!("layer notice {seq} seen twice on one link")));
+        }
+        if seq - self.next > MAX_NOTICES_AHEAD {
+            return Err(NcclError(format!("layer notice {seq} is too far past {} on one link", self.next)));
         }
         self.waiting.insert(seq, item);
         let mut due = Vec::new();
@@ -277,6 +287,10 @@ mod tests {
         o.push(2, 'c').expect("2");
         assert!(o.push(2, 'y').is_err(), "waiting numbers are refused");
         assert_eq!(o.push(1, 'b').expect("1"), vec!['b', 'c']);
+        assert!(o.push(u64::MAX, 'z').is_err(), "a number far ahead is refused");
+        assert!(o.push(3 + MAX_NOTICES_AHEAD + 1, 'z').is_err());
+        assert_eq!(o.push(3 + MAX_NOTICES_AHEAD, 'y').expect("in the window"), Vec::<char>::new());
+        assert_eq!(o.waiting(), 1);
     }
 
     #[test]

@@ -6,9 +6,7 @@
 //! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64`,
 //! then K and V bytes; `seq` orders NCCL receives, see `nccl`), `DONE` (JSON [`TransferTrailer`]: the first token).
 //! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
-//! `ACCEPT` after `DONE` once every layer is stored. Frame lengths are checked against the handshake before anything is
-//! allocated, so a corrupt or hostile peer cannot make us allocate unbounded
-//! memory. Every read has the hand-off's deadline.
+//! `ACCEPT` after `DONE` once every layer is stored (or `REFUSE` when the trailer is bad).
 //!
 //! Authentication: the proof is `HMAC(cluster secret, challenge ‖ handshake JSON)`
 //! (`baton_core::cluster_auth`; zeros from a sender without a secret). A listener with a
@@ -19,6 +17,16 @@
 //! authenticates the peer that opened the connection, and the layer frames that follow
 //! travel in clear over that TCP connection; run the KV network where on-path attackers
 //! cannot reach it (as NCCL's own traffic requires too).
+//!
+//! Nothing the peer declares is trusted: a frame's declared length is checked before its
+//! body is read (a `LAYER` frame must be exactly what the accepted handshake implies, a
+//! control frame at most a few KiB, the `HELLO` at most [`MAX_HELLO`]); control frames are
+//! read as their bytes arrive, so a declared length costs nothing until it is sent; a layer
+//! past the layout's last is refused; sizes are computed with checked arithmetic. The
+//! handshake is read within the hello deadline, every later read within the hand-off's.
+//! The order on the receiver is: proof (before the handshake is even parsed), layout, the
+//! sizes the handshake declares, then the caller's admission (the reservation's own checks).
+
 use super::{Handshake, LayerFrame, TransportError};
 use crate::relay::TransferTrailer;
 use baton_core::cluster_auth::{ClusterSecret, KV_NONCE_LEN, KvChallenge, TAG_LEN};
@@ -35,7 +43,14 @@ const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
 const LAYER: u8 = 4;
 const DONE: u8 = 5;
-const MAX_CONTROL_FRAME: u64 = 16 << 20;
+/// Largest `HELLO`: room for tens of thousands of block runs (a long prompt in a fragmented
+/// pool), far below what a hostile peer could make us hold per connection otherwise.
+pub const MAX_HELLO: u64 = 2 << 20;
+/// Largest `ACCEPT`/`REFUSE` (a reason text) and `DONE` (the trailer: a token and at most
+/// 20 logprobs, as JSON).
+const MAX_CONTROL_FRAME: u64 = 64 << 10;
+/// Control frames are read in pieces of at most this much, as their bytes arrive.
+const READ_CHUNK: usize = 64 << 10;
 /// Bytes before K and V in a `LAYER` frame.
 const LAYER_HEAD: usize = 20;
 
@@ -60,18 +75,33 @@ async fn write_frame(s: &mut TcpStream, kind: u8, parts: &[&[u8]]) -> Result<(),
     Ok(())
 }
 
-async fn read_frame(s: &mut TcpStream, max_len: u64) -> Result<(u8, Vec<u8>), TransportError> {
+/// A frame's kind and declared length.
+async fn read_head(s: &mut TcpStream) -> Result<(u8, u64), TransportError> {
     let mut head = [0u8; 9];
     s.read_exact(&mut head).await?;
     let mut len_bytes = [0u8; 8];
     len_bytes.copy_from_slice(&head[1..]);
-    let len = u64::from_le_bytes(len_bytes);
+    Ok((head[0], u64::from_le_bytes(len_bytes)))
+}
+
+/// Reads a body of `len` declared bytes, refused above `max_len` before anything is read;
+/// the buffer grows as the bytes arrive.
+async fn read_body(s: &mut TcpStream, len: u64, max_len: u64) -> Result<Vec<u8>, TransportError> {
     if len > max_len {
         return Err(TransportError::Protocol(format!("frame of {len} bytes exceeds the limit of {max_len}")));
     }
-    let mut buf = vec![0u8; len as usize];
-    s.read_exact(&mut buf).await?;
-    Ok((head[0], buf))
+    let want = usize::try_from(len).map_err(|_| TransportError::Protocol(format!("frame of {len} bytes")))?;
+    let mut buf = Vec::with_capacity(want.min(READ_CHUNK));
+    let got = (&mut *s).take(len).read_to_end(&mut buf).await?;
+    if got != want {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok(buf)
+}
+
+async fn read_frame(s: &mut TcpStream, max_len: u64) -> Result<(u8, Vec<u8>), TransportError> {
+    let (kind, len) = read_head(s).await?;
+    Ok((kind, read_body(s, len, max_len).await?))
 }
 
 /// The sending side of one hand-off.
@@ -198,7 +228,7 @@ impl TcpKvListener {
     pub async fn accept(&self) -> Result<PendingHandoff, TransportError> {
         let (stream, _) = self.listener.accept().await?;
         stream.set_nodelay(true)?;
-        Ok(PendingHandoff { stream, secret: self.secret.clone() })
+        Ok(PendingHandoff { stream, secret: self.secret.clone(), hello_deadline: None })
     }
 }
 
@@ -206,15 +236,25 @@ impl TcpKvListener {
 pub struct PendingHandoff {
     stream: TcpStream,
     secret: Option<ClusterSecret>,
+    hello_deadline: Option<Duration>,
 }
 
 impl PendingHandoff {
+    /// Reads the handshake within `d` (instead of the hand-off's deadline): an honest sender
+    /// answers the challenge as soon as it connects, so a connection that stays silent is
+    /// dropped early.
+    pub fn with_hello_deadline(mut self, d: Duration) -> Self {
+        self.hello_deadline = Some(d);
+        self
+    }
+
     /// Challenges the sender, reads the handshake and checks its proof (with a secret) and
     /// then `layout`, then asks `admit` (e.g. "is this reservation still waiting for its KV
     /// here, from this sender?"). A wrong proof is refused as
     /// [`TransportError::Unauthenticated`] before the handshake is parsed; a mismatch is
     /// refused (the sender gets the reason) and returned as [`TransportError::Incompatible`];
-    /// a refusal by `admit` as [`TransportError::Refused`].
+    /// a refusal by `admit` as [`TransportError::Refused`]. Sizes the handshake declares
+    /// are checked (with checked arithmetic) before `admit` runs.
     pub async fn handshake(
         self,
         layout: &KvLayout,
@@ -223,7 +263,8 @@ impl PendingHandoff {
     ) -> Result<IncomingTransfer, TransportError> {
         let mut stream = self.stream;
         let challenge = KvChallenge::random();
-        let body = with_deadline(deadline, "the handshake", async {
+        let hello_deadline = self.hello_deadline.map_or(deadline, |d| d.min(deadline));
+        let body = with_deadline(hello_deadline, "the handshake", async {
             stream.write_all(MAGIC).await?;
             stream.write_all(&challenge.0).await?;
             stream.flush().await?;
@@ -232,7 +273,7 @@ impl PendingHandoff {
             if &magic != MAGIC {
                 return Err(TransportError::Protocol("bad magic: not a Baton KV stream".into()));
             }
-            let (kind, body) = read_frame(&mut stream, MAX_CONTROL_FRAME).await?;
+            let (kind, body) = read_frame(&mut stream, MAX_HELLO).await?;
             if kind != HELLO || body.len() < TAG_LEN {
                 return Err(TransportError::Protocol(format!("expected HELLO, got frame kind {kind}")));
             }
@@ -258,19 +299,27 @@ impl PendingHandoff {
             write_frame(&mut stream, REFUSE, &[m.to_string().as_bytes()]).await?;
             return Err(m.into());
         }
-        let expect = 2 * hs.runs.iter().map(|r| r.len).sum::<usize>() * layout.bytes_per_block();
-        if hs.bytes_per_layer_half * 2 != expect {
+        // K bytes per layer of the runs, and the layer frame that carries K and V: checked
+        // arithmetic, the peer picks these numbers.
+        let need = hs
+            .runs
+            .iter()
+            .try_fold(0usize, |n, r| n.checked_add(r.len))
+            .and_then(|b| b.checked_mul(layout.bytes_per_block()));
+        let frame_len = hs.frame_half().checked_mul(2).and_then(|kv| kv.checked_add(LAYER_HEAD));
+        let (Some(frame_len), true) = (frame_len, need == Some(hs.bytes_per_layer_half)) else {
+            let need = need.map_or_else(|| "more than can be counted".to_owned(), |n| n.to_string());
             let msg =
-                format!("handshake promises {} bytes per layer, its runs need {expect}", hs.bytes_per_layer_half * 2);
+                format!("handshake promises {} bytes of K per layer, its runs need {need}", hs.bytes_per_layer_half);
             write_frame(&mut stream, REFUSE, &[msg.as_bytes()]).await?;
             return Err(TransportError::Protocol(msg));
-        }
+        };
         if let Err(reason) = admit(&hs).await {
             write_frame(&mut stream, REFUSE, &[reason.as_bytes()]).await?;
             return Err(TransportError::Refused(reason));
         }
         write_frame(&mut stream, ACCEPT, &[]).await?;
-        Ok(IncomingTransfer { stream, hs, deadline, next_layer: 0 })
+        Ok(IncomingTransfer { stream, hs, deadline, next_layer: 0, frame_len: frame_len as u64 })
     }
 }
 
@@ -290,6 +339,8 @@ pub struct IncomingTransfer {
     hs: Handshake,
     deadline: Duration,
     next_layer: usize,
+    /// Exact length of every `LAYER` frame (checked when the handshake was accepted).
+    frame_len: u64,
 }
 
 impl IncomingTransfer {
@@ -302,18 +353,30 @@ impl IncomingTransfer {
     /// sender is then told every layer is stored).
     pub async fn next(&mut self) -> Result<Incoming, TransportError> {
         let half = self.hs.frame_half();
-        // Layer frames are exactly this long; the trailer is small JSON.
-        let max = ((LAYER_HEAD + 2 * half) as u64).max(64 << 10);
-        let (kind, body) = with_deadline(self.deadline, "the next layer", read_frame(&mut self.stream, max)).await?;
-        match kind {
-            LAYER => {
-                if body.len() != LAYER_HEAD + 2 * half {
+        let (num_layers, frame_len) = (self.hs.layout.num_layers, self.frame_len);
+        let next_layer = self.next_layer;
+        let stream = &mut self.stream;
+        // Layer frames are exactly `frame_len` long and only `num_layers` of them come; the
+        // trailer is small JSON. Both are known before the body is read.
+        let (kind, body) = with_deadline(self.deadline, "the next layer", async move {
+            let (kind, len) = read_head(stream).await?;
+            let max = match kind {
+                LAYER if next_layer >= num_layers => {
                     return Err(TransportError::Protocol(format!(
-                        "layer frame of {} bytes, expected {}",
-                        body.len(),
-                        LAYER_HEAD + 2 * half
+                        "a layer frame after the last of {num_layers} layers"
                     )));
                 }
+                LAYER if len != frame_len => {
+                    return Err(TransportError::Protocol(format!("layer frame of {len} bytes, expected {frame_len}")));
+                }
+                LAYER => frame_len,
+                _ => MAX_CONTROL_FRAME,
+            };
+            Ok((kind, read_body(stream, len, max).await?))
+        })
+        .await?;
+        match kind {
+            LAYER => {
                 let mut lb = [0u8; 4];
                 lb.copy_from_slice(&body[..4]);
                 let layer = u32::from_le_bytes(lb) as usize;
@@ -336,9 +399,6 @@ impl IncomingTransfer {
                     write_frame(&mut self.stream, REFUSE, &[msg.as_bytes()]).await?;
                     return Err(TransportError::Protocol(msg));
                 }
-                if body.len() as u64 > MAX_CONTROL_FRAME {
-                    return Err(TransportError::Protocol("oversized trailer".into()));
-                }
                 let trailer: TransferTrailer =
                     serde_json::from_slice(&body).map_err(|e| TransportError::Protocol(format!("bad trailer: {e}")))?;
                 Ok(Incoming::Done(trailer))
@@ -352,6 +412,11 @@ impl IncomingTransfer {
     /// Tells the sender every layer is stored (after [`Incoming::Done`]).
     pub async fn acknowledge(mut self) -> Result<(), TransportError> {
         write_frame(&mut self.stream, ACCEPT, &[]).await
+    }
+
+    /// Tells the sender the hand-off is refused, with `reason` (e.g. a bad trailer).
+    pub async fn refuse(mut self, reason: &str) -> Result<(), TransportError> {
+        write_frame(&mut self.stream, REFUSE, &[reason.as_bytes()]).await
     }
 }
 
@@ -644,6 +709,28 @@ mod tests {
             assert_eq!(kind, REFUSE);
             let mut rest = Vec::new();
             assert_eq!(c.read_to_end(&mut rest).await.expect("eof"), 0, "closed");
+        });
+    }
+
+    #[test]
+    fn declared_lengths_over_the_limits_are_refused_before_reading() {
+        rt().block_on(async {
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+            let addr = listener.local_addr().expect("addr");
+            // A HELLO declaring a terabyte, and nothing after it: refused at once, not timed out.
+            let client = tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.expect("connect");
+                s.write_all(MAGIC).await.expect("magic");
+                let mut head = vec![HELLO];
+                head.extend_from_slice(&(1u64 << 40).to_le_bytes());
+                s.write_all(&head).await.expect("head");
+                s
+            });
+            let t = std::time::Instant::now();
+            let err = handshake_of(&listener, &layout(), Duration::from_secs(5)).await.err().expect("refused");
+            assert!(matches!(&err, TransportError::Protocol(m) if m.contains("exceeds")), "{err}");
+            assert!(t.elapsed() < Duration::from_secs(2));
+            drop(client.await);
         });
     }
 }

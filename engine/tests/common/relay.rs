@@ -102,9 +102,10 @@ pub async fn relay_via(
         match break_after {
             None => send_export(events, addr, token, layout, DEADLINE, name, creds()).await.map(|_| ()),
             Some(n) => {
-                // Forward only the plan and n layers, then drop the connection mid-transfer.
+                // Forward only the start, the plan and n layers, then drop the connection
+                // mid-transfer.
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                for _ in 0..=n {
+                for _ in 0..n + 2 {
                     if let Some(e) = events.recv().await {
                         let _ = tx.send(e);
                     }

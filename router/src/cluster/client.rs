@@ -38,7 +38,8 @@ pub enum TransferFailurePolicy {
     },
 }
 
-/// How the cluster client routes and hands off.
+/// How the cluster client routes and hands off, and how long it waits for what (see
+/// [`super::relay`] for where each deadline applies).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClusterSettings {
     /// Prompts shorter than this many tokens skip the hand-off and run on the decode worker
@@ -46,13 +47,27 @@ pub struct ClusterSettings {
     pub disagg_threshold: usize,
     /// See [`TransferFailurePolicy`].
     pub on_transfer_failure: TransferFailurePolicy,
-    /// Deadline of each hand-off stage: the reservation answer, and the KV's arrival on the
-    /// decode worker (after which it recomputes on its own).
+    /// The hand-off's deadline, counted from the moment the prefill worker's engine starts
+    /// the prompt (not from its enqueue) and renewed by each progress report after that:
+    /// past it, the prefill is cancelled and the decode worker recomputes (or another prefill
+    /// worker retries). Also bounds each network wait of the KV transfer itself.
     pub kv_deadline: Duration,
+    /// Longest a relayed prompt may wait in its prefill worker's queue before the prefill is
+    /// cancelled and the decode worker computes it instead.
+    pub prefill_queue_timeout: Duration,
     /// A request with no event from any of its workers for this long fails (never hangs).
+    /// Workers report progress while their engine steps, so only a stuck, stopped or
+    /// unreachable worker is silent that long.
     pub idle_timeout: Duration,
+    /// A worker's answer to a call (a reservation, the start of a stream, a recompute).
+    pub rpc_timeout: Duration,
     /// Connecting to a worker.
     pub connect_timeout: Duration,
+    /// HTTP/2 pings to each worker this often, even when no call is open, so a stopped or
+    /// partitioned worker is noticed without waiting for TCP to give up.
+    pub keepalive_interval: Duration,
+    /// A ping unanswered for this long closes the connection and fails its calls.
+    pub keepalive_timeout: Duration,
     /// Prefill workers required before `/health` reports ready.
     pub min_prefill_workers: usize,
     /// Decode (or unified) workers required before `/health` reports ready.
@@ -65,8 +80,12 @@ impl Default for ClusterSettings {
             disagg_threshold: 0,
             on_transfer_failure: TransferFailurePolicy::Recompute,
             kv_deadline: Duration::from_secs(10),
+            prefill_queue_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(60),
+            rpc_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(3),
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(10),
             min_prefill_workers: 0,
             min_decode_workers: 1,
         }
@@ -74,6 +93,9 @@ impl Default for ClusterSettings {
 }
 
 pub(crate) type OutputTx = UnboundedSender<Result<EngineOutput, EngineError>>;
+
+/// TCP keepalive on worker connections: the kernel's own check under HTTP/2's pings.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
 pub(crate) struct Inner {
     pub registry: Arc<Registry>,
@@ -101,7 +123,11 @@ impl Inner {
             .endpoint(url)
             .map_err(|e| format!("bad worker URL {url}: {e}"))?
             .connect_timeout(self.settings.connect_timeout)
-            .tcp_nodelay(true);
+            .tcp_nodelay(true)
+            .tcp_keepalive(Some(TCP_KEEPALIVE))
+            .http2_keep_alive_interval(self.settings.keepalive_interval)
+            .keep_alive_timeout(self.settings.keepalive_timeout)
+            .keep_alive_while_idle(true);
         let ch = endpoint.connect_lazy();
         if let Ok(mut c) = self.channels.lock() {
             c.insert(url.to_owned(), ch.clone());

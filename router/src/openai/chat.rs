@@ -83,7 +83,9 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     let params = sampling_params(&fields, EndpointParams { max_tokens, default_max_tokens: None, logprobs })?;
     let prompt =
         PromptInput::Chat { messages: turns, add_generation_prompt: request.add_generation_prompt.unwrap_or(true) };
-    let generation = frontend.generate(GenerateRequest::new(prompt, params))?;
+    let mut generation = frontend.generate(GenerateRequest::new(prompt, params)).await?;
+    // A refusal (every worker full) is a 429/503, not a 200 stream ending in an error.
+    generation.refused().await?;
     let meta = ResponseMeta::new("chatcmpl", &frontend);
     if fields.stream.unwrap_or(false) {
         let include_usage = fields.stream_options.and_then(|o| o.include_usage).unwrap_or(false);

@@ -17,7 +17,7 @@ use super::protocol::{
 use super::sse::{ResponseMeta, done_event, error_event, json_event, sse_response};
 use super::stop_reason;
 use crate::error::FrontendError;
-use crate::generation::{ChoiceEnd, ChoiceEvent};
+use crate::generation::{ChoiceEnd, ChoiceEvent, refused_first};
 use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -25,6 +25,12 @@ use futures::stream::{BoxStream, StreamExt, select_all};
 
 /// vLLM's and OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: usize = 16;
+
+/// Most prompts in one completions request. Neither OpenAI nor vLLM documents a cap, but
+/// every prompt is tokenized on the request path and becomes `n` engine requests, so a body of
+/// thousands of tiny prompts costs far more than its size suggests; 1024 is ample for batch
+/// clients (the router's own `prompts × n` cap bounds the fan-out as a whole).
+pub const MAX_PROMPTS: usize = 1024;
 
 /// Handler of `POST /v1/completions`.
 pub async fn completions(State(frontend): State<Frontend>, body: JsonBody) -> Response {
@@ -40,7 +46,23 @@ fn token_ids(param: &str, ids: Vec<i64>) -> Result<Vec<u32>, FrontendError> {
         .collect()
 }
 
+/// How many prompts `field` holds.
+fn prompt_count(field: &PromptField) -> usize {
+    match field {
+        PromptField::Texts(v) => v.len(),
+        PromptField::TokenLists(v) => v.len(),
+        PromptField::Text(_) | PromptField::Tokens(_) => 1,
+    }
+}
+
 fn prompts(field: PromptField, add_special_tokens: bool) -> Result<Vec<PromptInput>, FrontendError> {
+    let count = prompt_count(&field);
+    if count > MAX_PROMPTS {
+        return Err(FrontendError::invalid(
+            "prompt",
+            format!("at most {MAX_PROMPTS} prompts per request, got {count}"),
+        ));
+    }
     let text = |text: String| PromptInput::Text { text, add_special_tokens };
     let prompts = match field {
         PromptField::Text(t) => vec![text(t)],
@@ -89,11 +111,17 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         return Err(FrontendError::invalid("best_of", "best_of other than n is not supported").into());
     }
     let n = params.n;
+    // The request's size before anything else about its prompts: prompts × n within the
+    // per-request cap (the 400 names both numbers), then the prompt count on its own.
+    frontend.admission().check_size(prompt_count(&request.prompt), n)?;
     let inputs = prompts(request.prompt, request.add_special_tokens.unwrap_or(true))?;
-    let prepared = inputs
-        .into_iter()
-        .map(|prompt| frontend.prepare(GenerateRequest::new(prompt, params.clone())))
-        .collect::<Result<Vec<_>, _>>()?;
+    // Admitted as a whole before any prompt is tokenized: prompts × n within the per-request
+    // cap, and room for all of them in flight.
+    let mut permit = frontend.admit(inputs.len(), n)?;
+    let mut prepared = Vec::with_capacity(inputs.len());
+    for prompt in inputs {
+        prepared.push(frontend.prepare(GenerateRequest::new(prompt, params.clone())).await?);
+    }
     let mut echoes = Vec::with_capacity(prepared.len());
     let mut prompt_tokens = 0;
     let mut generations = Vec::with_capacity(prepared.len());
@@ -101,11 +129,11 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         let echo_text = match (echo, &p.prompt_text) {
             (false, _) => String::new(),
             (true, Some(text)) => text.clone(),
-            (true, None) => frontend.codec().decode(&p.prompt_token_ids, params.skip_special_tokens)?,
+            (true, None) => decode_prompt(&frontend, p.prompt_token_ids.clone(), params.skip_special_tokens).await?,
         };
         echoes.push(echo_text);
         prompt_tokens += p.prompt_token_ids.len();
-        generations.push(frontend.start(p)?);
+        generations.push(frontend.start(p, &mut permit)?);
     }
     // One merged stream of (global choice index, event).
     let merged: BoxStream<'static, (usize, ChoiceEvent)> = select_all(
@@ -115,6 +143,8 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
             .map(|(p, g)| g.into_stream().map(move |e| (p * n + event_index(&e), e)).boxed()),
     )
     .boxed();
+    // A refusal (every worker full) is a 429/503, not a 200 stream ending in an error.
+    let merged = refused_first(merged, |(_, e)| e).await?;
     let outs: Vec<ChoiceOut> = (0..echoes.len() * n)
         .map(|i| ChoiceOut {
             logprobs: logprobs.map(|_| CompletionLogprobsBuilder::starting_at(echoes[i / n].chars().count())),
@@ -128,6 +158,12 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     } else {
         collect(frontend, merged, outs, echoes, meta, prompt_tokens).await
     }
+}
+
+/// The text of a token prompt, for `echo`, decoded on the text pool.
+async fn decode_prompt(frontend: &Frontend, ids: Vec<u32>, skip_special_tokens: bool) -> Result<String, ApiError> {
+    let codec = frontend.codec_handle();
+    Ok(frontend.offload().run(move || codec.decode(&ids, skip_special_tokens)).await??)
 }
 
 fn event_index(event: &ChoiceEvent) -> usize {

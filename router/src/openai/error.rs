@@ -123,7 +123,16 @@ impl From<FrontendError> for ApiError {
                 retry_after: Some(RETRY_AFTER_SECS),
                 ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
             },
-            FrontendError::Unavailable(_) => Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message),
+            FrontendError::Busy(_) => Self {
+                code: Some("server_busy"),
+                retry_after: Some(RETRY_AFTER_SECS),
+                ..Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            },
+            // No engine to run it now; one may come back (a worker re-registering).
+            FrontendError::Unavailable(_) => Self {
+                retry_after: Some(RETRY_AFTER_SECS),
+                ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+            },
             FrontendError::Engine(_) | FrontendError::Internal(_) => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
             }
@@ -158,6 +167,7 @@ mod tests {
             ),
             (FrontendError::ModelNotFound("x".into()), StatusCode::NOT_FOUND, Some("model"), Some("model_not_found")),
             (FrontendError::Overloaded { waiting: 3 }, StatusCode::TOO_MANY_REQUESTS, None, Some("queue_full")),
+            (FrontendError::Busy("full".into()), StatusCode::TOO_MANY_REQUESTS, None, Some("server_busy")),
             (FrontendError::Unavailable("down".into()), StatusCode::SERVICE_UNAVAILABLE, None, None),
             (FrontendError::Internal("boom".into()), StatusCode::INTERNAL_SERVER_ERROR, None, None),
         ];
@@ -172,9 +182,15 @@ mod tests {
 
     #[test]
     fn queue_full_sets_retry_after_and_body_has_all_four_fields() {
-        let response = ApiError::from(FrontendError::Overloaded { waiting: 1 }).into_response();
-        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(response.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        for (e, status) in [
+            (FrontendError::Overloaded { waiting: 1 }, StatusCode::TOO_MANY_REQUESTS),
+            (FrontendError::Busy("every worker is full".into()), StatusCode::TOO_MANY_REQUESTS),
+            (FrontendError::Unavailable("no worker".into()), StatusCode::SERVICE_UNAVAILABLE),
+        ] {
+            let response = ApiError::from(e).into_response();
+            assert_eq!(response.status(), status);
+            assert_eq!(response.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()), Some("1"));
+        }
         let body = serde_json::to_value(ApiError::bad_request(None, "m").body()).expect("json");
         let obj = body["error"].as_object().expect("error object");
         for key in ["message", "type", "param", "code"] {

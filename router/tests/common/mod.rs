@@ -39,11 +39,21 @@ pub struct FakeConfig {
     pub num_blocks: usize,
     /// Fail with a backend error instead of producing this (0-based) output token.
     pub fail_at: Option<usize>,
+    /// Accept every request but answer its stream with this error first, as a remote engine
+    /// that refuses after submission (the cluster client) does.
+    pub refuse_with: Option<EngineError>,
 }
 
 impl Default for FakeConfig {
     fn default() -> Self {
-        Self { token_delay: Duration::from_millis(1), capacity: 64, eos_at: None, num_blocks: 1024, fail_at: None }
+        Self {
+            token_delay: Duration::from_millis(1),
+            capacity: 64,
+            eos_at: None,
+            num_blocks: 1024,
+            fail_at: None,
+            refuse_with: None,
+        }
     }
 }
 
@@ -168,6 +178,11 @@ impl EngineClient for FakeEngine {
             state.submitted.push(request.clone());
         }
         let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(e) = &self.inner.config.refuse_with {
+            let _ = tx.send(Err(e.clone()));
+            self.inner.release(id);
+            return Ok(OutputStream::new(id, rx, self.inner.clone()));
+        }
         let inner = self.inner.clone();
         let vocab = self.inner.info.vocab_size;
         let cached = if request.share_prefix_with.is_some() { prompt_len / BLOCK_SIZE * BLOCK_SIZE } else { 0 };
@@ -304,6 +319,17 @@ impl TestServer {
         let vocab = codec_parts().0.vocab_size();
         let engine = FakeEngine::new(vocab, config);
         let app = baton_router::http_router(frontend(&engine), http);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+        Self { engine, url: format!("http://{addr}"), client: reqwest::Client::new() }
+    }
+
+    /// Starts the HTTP app over a fresh fake engine with these admission limits.
+    pub async fn start_limited(config: FakeConfig, limits: baton_router::AdmissionLimits) -> Self {
+        let vocab = codec_parts().0.vocab_size();
+        let engine = FakeEngine::new(vocab, config);
+        let app = baton_router::http_router(frontend(&engine).with_admission(limits), HttpConfig::default());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr: SocketAddr = listener.local_addr().expect("addr");
         tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });

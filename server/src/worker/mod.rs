@@ -26,7 +26,8 @@ use anyhow::{Context, bail};
 use baton_core::api::{EngineClient, RequestId};
 use baton_core::cluster_auth::ReservationToken;
 use baton_engine::kv_transport::KvCredentials;
-use baton_engine::kv_transport::handoff::{Received, receive_import};
+use baton_engine::kv_transport::handoff::{ImportError, Received};
+use baton_engine::kv_transport::intake::{ImportIntake, IntakeLimits};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineHandle};
 use baton_formats::LoadFormat;
@@ -112,6 +113,8 @@ pub struct WorkerState {
     pub link_setup: tokio::sync::Mutex<()>,
     /// What this worker proves and claims when it sends KV.
     pub kv_credentials: KvCredentials,
+    /// Worker-service streams open, capped by `--max-inflight`.
+    pub streams: Arc<baton_router::Admission>,
 }
 
 /// A reservation waiting for its KV.
@@ -171,33 +174,26 @@ impl WorkerState {
     }
 }
 
-/// Accepts hand-offs forever; each is received on its own task.
+/// Accepts hand-offs forever, a bounded number at once (see [`ImportIntake`]); each is
+/// received on its own task.
 async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadline: Duration) {
-    loop {
-        let pending = match listener.accept().await {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = %e, "KV listener accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+    let intake = ImportIntake::new(state.engine.clone(), state.links.clone(), deadline, IntakeLimits::default());
+    let admit = {
         let state = state.clone();
-        tokio::spawn(async move {
-            let admit = |token: &ReservationToken, sender: &str| state.admit(token, sender);
-            match receive_import(pending, &state.engine, &state.links, deadline, admit).await {
-                Ok(Received::Import { id, reservation, report }) => {
-                    state.forget_reservation(&reservation);
-                    state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
-                    tracing::debug!(request = %id, bytes = report.bytes, elapsed = ?report.elapsed, "KV received");
-                }
-                Ok(Received::Link { name }) => tracing::info!(link = %name, "NCCL link offered by a prefill worker"),
-                // The router decides between a retry on another prefill worker and a
-                // recompute here; the reservation's deadline covers a router that is gone.
-                Err(e) => tracing::warn!(request = ?e.request, error = %e, "KV hand-off failed"),
-            }
-        });
-    }
+        move |token: &ReservationToken, sender: &str| state.admit(token, sender)
+    };
+    let on_result = move |result: Result<Received, ImportError>| match result {
+        Ok(Received::Import { id, reservation, report }) => {
+            state.forget_reservation(&reservation);
+            state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
+            tracing::debug!(request = %id, bytes = report.bytes, elapsed = ?report.elapsed, "KV received");
+        }
+        Ok(Received::Link { name }) => tracing::info!(link = %name, "NCCL link offered by a prefill worker"),
+        // The router decides between a retry on another prefill worker and a recompute
+        // here; the reservation's deadline covers a router that is gone.
+        Err(e) => tracing::warn!(request = ?e.request, error = %e, "KV hand-off failed"),
+    };
+    intake.serve(listener, admit, on_result).await;
 }
 
 /// Runs a worker until SIGINT/SIGTERM; `started` is when the process started (the start-up
@@ -259,6 +255,10 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
         instance: instance.clone(),
         link_setup: tokio::sync::Mutex::new(()),
         kv_credentials: KvCredentials { secret: security.secret().cloned(), identity: instance.clone() },
+        streams: baton_router::Admission::new(baton_router::AdmissionLimits {
+            max_inflight: s.max_inflight,
+            max_sequences_per_request: 1,
+        }),
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -279,9 +279,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     baton_engine::log_phase("total", started);
     let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
-        security
-            .server()
-            .context("invalid --tls-cert/--tls-key/--tls-ca")?
+        crate::listeners::with_keepalive(security.server().context("invalid --tls-cert/--tls-key/--tls-ca")?)
             .add_service(security.guard(service::WorkerService::new(state.clone()).into_server()))
             .serve_with_incoming(crate::listeners::grpc(grpc_listener)),
     );
@@ -296,7 +294,9 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
         fingerprint,
         security,
     };
-    let report = tokio::spawn(reporter::run(registration, state.clone()));
+    // On its own thread and runtime: request work on this runtime never delays a heartbeat.
+    let report = reporter::spawn(registration, state.clone())?;
+    tokio::spawn(crate::engine_watch::watch(engine.clone()));
     tokio::select! {
         _ = crate::serve::wait_for_termination() => tracing::info!("shutting down"),
         r = http => tracing::error!(result = ?r, "the HTTP server stopped"),
@@ -312,5 +312,7 @@ async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerStat
 }
 
 async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    state.metrics.set_process_load(state.streams.inflight(), tasks);
     state.metrics.render(&state.engine.stats())
 }

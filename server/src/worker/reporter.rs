@@ -9,6 +9,11 @@
 //!
 //! Every registry call is signed as this worker's instance (with a cluster secret) and runs
 //! over TLS when configured; every heartbeat presents the session its registration got.
+//!
+//! The reporter runs on its own thread with its own single-threaded runtime ([`spawn`]), so
+//! no amount of request work on the worker's main runtime can delay a heartbeat and get a
+//! healthy worker ejected. Its connection to the router pings (HTTP/2 keepalive), so a
+//! vanished router is noticed and the registration retried.
 
 use super::WorkerState;
 use baton_core::api::EngineClient;
@@ -46,6 +51,22 @@ struct Session {
 }
 
 const RETRY: Duration = Duration::from_millis(500);
+/// Connecting to the router, and its answer to a registration.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// HTTP/2 ping interval and timeout on the connection to the router.
+const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// Runs [`run`] on a thread of its own, with a single-threaded runtime of its own. The
+/// returned receiver resolves if the reporter ever stops (it should not).
+pub fn spawn(reg: Registration, state: Arc<WorkerState>) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("baton-reporter".into()).spawn(move || {
+        runtime.block_on(run(reg, state));
+        let _ = stopped_tx.send(());
+    })?;
+    Ok(stopped_rx)
+}
 
 fn role_to_wire(r: Role) -> pb::Role {
     match r {
@@ -71,7 +92,12 @@ async fn register(reg: &Registration, state: &WorkerState, instance: &str) -> Op
         eos_token_ids: info.eos_token_ids.clone(),
     };
     let endpoint = match reg.security.endpoint(&reg.router) {
-        Ok(e) => e,
+        Ok(e) => e
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(KEEPALIVE)
+            .keep_alive_timeout(KEEPALIVE)
+            .keep_alive_while_idle(true),
         Err(e) => {
             // Permanent until someone changes the configuration.
             tracing::error!(router = %reg.router, error = %e, "cannot use the router address");
@@ -87,7 +113,10 @@ async fn register(reg: &Registration, state: &WorkerState, instance: &str) -> Op
         }
     };
     let mut client = RegistryClient::new(reg.security.client(channel));
-    match client.register(req).await {
+    match tokio::time::timeout(CONNECT_TIMEOUT, client.register(req))
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded(format!("no answer within {CONNECT_TIMEOUT:?}"))))
+    {
         Ok(r) => {
             let r = r.into_inner();
             let interval = Duration::from_millis(u64::from(r.heartbeat_interval_ms.max(10)));

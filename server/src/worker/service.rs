@@ -16,19 +16,33 @@
 //!
 //! Cancelling any stream drops its engine stream, which aborts the request and frees its
 //! blocks (on the decode side also a reservation still waiting for KV).
+//!
+//! Liveness on the streams: while a request produces no tokens for the request's
+//! `progress_ms` (queued, computing a long prompt, waiting for KV) and the engine keeps
+//! stepping, its stream carries `progress`; a prefill stream says `prefill_started` when the
+//! engine first schedules the prompt; a decode stream says `recomputing` when its backstop
+//! deadline passes. So the router can tell a busy worker from a stuck one and count its
+//! hand-off deadline from the start of the prefill.
+//!
+//! Every stream holds one of the worker's `--max-inflight` slots while it is open; past the
+//! cap new calls are `RESOURCE_EXHAUSTED`.
 
 use super::KvTransportKind;
 use super::WorkerState;
-use baton_core::api::{EngineClient, EngineRequest, OutputStream, SubmitError};
+use baton_core::api::{EngineClient, EngineError, EngineOutput, EngineRequest, OutputStream, SubmitError};
 use baton_core::cluster_auth::ReservationToken;
 use baton_engine::kv_transport::handoff::{resolve, send_export, setup_link};
 use baton_engine::kv_transport::nccl::NcclLink;
+use baton_engine::relay::ExportEvent;
 use baton_proto::worker as pb;
+use baton_router::admission::Permit;
 use baton_router::cluster::wire::{output_to_wire, sampling_from_wire};
 use futures::Stream;
+use pb::work_event::Event;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tonic::{Request, Response, Status};
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::WorkEvent, Status>> + Send>>;
@@ -50,7 +64,7 @@ impl WorkerService {
     }
 }
 
-fn event(e: pb::work_event::Event) -> pb::WorkEvent {
+fn event(e: Event) -> pb::WorkEvent {
     pb::WorkEvent { event: Some(e) }
 }
 
@@ -65,41 +79,122 @@ fn submit_status(e: SubmitError) -> Status {
     }
 }
 
-fn engine_request(r: Option<pb::WorkRequest>) -> Result<(EngineRequest, Duration), Status> {
+/// A work request's engine request and timing: its deadline and how often to report
+/// progress on a silent stream (`None`: never).
+struct Work {
+    request: EngineRequest,
+    deadline: Duration,
+    progress: Option<Duration>,
+}
+
+fn engine_request(r: Option<pb::WorkRequest>) -> Result<Work, Status> {
     let r = r.ok_or_else(|| Status::invalid_argument("no request"))?;
     let params = sampling_from_wire(r.params).map_err(|e| Status::invalid_argument(e.to_string()))?;
-    let mut req = EngineRequest::new(r.prompt_token_ids, params);
-    req.priority = r.priority;
+    let mut request = EngineRequest::new(r.prompt_token_ids, params);
+    request.priority = r.priority;
     let deadline = Duration::from_millis(u64::from(r.deadline_ms.max(1)));
-    Ok((req, deadline))
+    // Not more often than every 10 ms, whatever the caller asks.
+    let progress = (r.progress_ms > 0).then(|| Duration::from_millis(u64::from(r.progress_ms.max(10))));
+    Ok(Work { request, deadline, progress })
+}
+
+/// Takes one of the worker's stream slots (`--max-inflight`).
+fn stream_slot(state: &WorkerState) -> Result<Permit, Status> {
+    state.streams.try_acquire(1).map_err(|e| Status::resource_exhausted(e.to_string()))
+}
+
+/// What a worker stream waits for next.
+enum Next {
+    Output(Option<Result<EngineOutput, EngineError>>),
+    Notice(Option<Event>),
+    Tick,
 }
 
 /// Streams an engine request's outputs as `tokens` events, numbering output positions from
-/// zero; an engine error becomes an `error` event that ends the stream.
+/// zero; an engine error becomes an `error` event that ends the stream. `notices` (e.g.
+/// `prefill_started`) are passed through as they come. After `progress` without anything
+/// sent, a `progress` event goes out if the engine stepped meanwhile (a stuck engine stays
+/// silent, so the router notices). The stream holds `slot` until it ends.
 fn token_events(
     mut stream: OutputStream,
     state: Arc<WorkerState>,
+    progress: Option<Duration>,
+    mut notices: UnboundedReceiver<Event>,
+    slot: Permit,
 ) -> impl Stream<Item = Result<pb::WorkEvent, Status>> + Send {
     async_stream::stream! {
+        let _slot = slot;
         let mut index = 0;
-        while let Some(item) = stream.next().await {
-            match item {
-                Ok(out) => {
+        let mut first = true;
+        let mut notices_open = true;
+        let mut steps = state.engine.step_timing().steps;
+        let mut ticker = progress.map(|p| {
+            let mut t = tokio::time::interval_at(tokio::time::Instant::now() + p, p);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        });
+        loop {
+            let next = tokio::select! {
+                item = stream.next() => Next::Output(item),
+                notice = notices.recv(), if notices_open => Next::Notice(notice),
+                _ = tick(&mut ticker) => Next::Tick,
+            };
+            match next {
+                Next::Output(None) => break,
+                Next::Output(Some(Ok(out))) => {
                     let finished = out.finish_reason.is_some();
-                    yield Ok(event(pb::work_event::Event::Tokens(output_to_wire(&out, index))));
+                    if first && !out.new_token_ids.is_empty() {
+                        first = false;
+                        let computed = out.num_prompt_tokens.saturating_sub(out.num_cached_tokens);
+                        state.metrics.add_prompt_tokens_computed(computed);
+                    }
+                    yield Ok(event(Event::Tokens(output_to_wire(&out, index))));
                     index += out.new_token_ids.len();
                     state.count_tokens(out.new_token_ids.len());
                     if finished {
                         break;
                     }
                 }
-                Err(e) => {
-                    yield Ok(event(pb::work_event::Event::Error(e.to_string())));
+                Next::Output(Some(Err(e))) => {
+                    yield Ok(event(Event::Error(e.to_string())));
                     break;
                 }
+                Next::Notice(Some(notice)) => yield Ok(event(notice)),
+                Next::Notice(None) => {
+                    notices_open = false;
+                    continue;
+                }
+                Next::Tick => {
+                    let now = state.engine.step_timing().steps;
+                    if now == steps {
+                        continue;
+                    }
+                    steps = now;
+                    yield Ok(event(Event::Progress(pb::Progress {})));
+                    continue;
+                }
+            }
+            // Something was sent: the silence starts again.
+            if let Some(t) = ticker.as_mut() {
+                t.reset();
             }
         }
     }
+}
+
+/// The next tick, or never without a ticker.
+async fn tick(ticker: &mut Option<tokio::time::Interval>) {
+    match ticker {
+        Some(t) => {
+            t.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// A channel for notices on a stream that has none.
+fn no_notices() -> UnboundedReceiver<Event> {
+    unbounded_channel().1
 }
 
 /// The NCCL link to the decode worker at `kv_addr` (made on first contact), with its name.
@@ -130,17 +225,35 @@ async fn ensure_link(
     Ok((name, link))
 }
 
+/// Passes export events through to the transfer, except `Started`, which goes to the
+/// router's stream as `prefill_started`.
+fn start_tap(
+    mut events: UnboundedReceiver<ExportEvent>,
+    started: UnboundedSender<Event>,
+) -> UnboundedReceiver<ExportEvent> {
+    let (tx, rx) = unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(e) = events.recv().await {
+            if matches!(e, ExportEvent::Started) {
+                let _ = started.send(Event::PrefillStarted(pb::PrefillStarted {}));
+                continue;
+            }
+            if tx.send(e).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
 /// Passes export events through and exits the process once `layers` layers went by: a
 /// prefill worker dying in the middle of a hand-off.
-fn chaos_tap(
-    mut events: tokio::sync::mpsc::UnboundedReceiver<baton_engine::relay::ExportEvent>,
-    layers: usize,
-) -> tokio::sync::mpsc::UnboundedReceiver<baton_engine::relay::ExportEvent> {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+fn chaos_tap(mut events: UnboundedReceiver<ExportEvent>, layers: usize) -> UnboundedReceiver<ExportEvent> {
+    let (tx, rx) = unbounded_channel();
     tokio::spawn(async move {
         let mut sent = 0;
         while let Some(e) = events.recv().await {
-            let is_layer = matches!(e, baton_engine::relay::ExportEvent::Layer(_));
+            let is_layer = matches!(e, ExportEvent::Layer(_));
             if is_layer && sent == layers {
                 // Give the transport a moment to put the earlier layers on the wire.
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -188,41 +301,48 @@ impl pb::worker_server::Worker for WorkerService {
     type PrefillStream = EventStream;
 
     async fn generate(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
-        let (req, _) = engine_request(Some(request.into_inner()))?;
-        let stream = self.state.engine.submit(req).map_err(submit_status)?;
-        Ok(Response::new(Box::pin(token_events(stream, self.state.clone()))))
+        let slot = stream_slot(&self.state)?;
+        let work = engine_request(Some(request.into_inner()))?;
+        let stream = self.state.engine.submit(work.request).map_err(submit_status)?;
+        let events = token_events(stream, self.state.clone(), work.progress, no_notices(), slot);
+        Ok(Response::new(Box::pin(events)))
     }
 
     async fn decode(&self, request: Request<pb::WorkRequest>) -> Result<Response<EventStream>, Status> {
         if !self.state.role.decodes() {
             return Err(Status::failed_precondition("this worker does not decode"));
         }
+        let slot = stream_slot(&self.state)?;
         let work = request.into_inner();
         if !baton_core::cluster_auth::valid_identity(&work.prefill_instance) {
             return Err(Status::invalid_argument("Decode needs the prefill_instance allowed to send the KV"));
         }
         let prefill = work.prefill_instance.clone();
-        let (req, deadline) = engine_request(Some(work))?;
+        let Work { request: req, deadline, progress } = engine_request(Some(work))?;
         let (stream, table) = self.state.engine.reserve_import(req).await.map_err(submit_status)?;
         let id = stream.request_id();
         let token = ReservationToken::random();
         self.state.expect_reservation(token, id, Instant::now() + deadline, prefill);
         let guard = PendingGuard { state: self.state.clone(), token };
-        // The deadline: a reservation whose KV has not arrived by then recomputes here.
+        // The backstop: a reservation whose KV has not arrived by then recomputes here, and
+        // says so (the router cancels a prefill still running for it).
+        let (notice_tx, notices) = unbounded_channel();
         let state = self.state.clone();
-        tokio::spawn(async move {
+        let backstop = AbortOnDrop(tokio::spawn(async move {
             tokio::time::sleep(deadline).await;
             if let Some(id) = state.forget_reservation(&token) {
                 tracing::warn!(request = %id, ?deadline, "no KV within the deadline; recomputing the prompt here");
                 state.engine.import_failed(id);
+                let _ = notice_tx.send(Event::Recomputing(pb::Recomputing {}));
             }
-        });
+        }));
         let reserved =
             pb::Reserved { reservation: token.0.to_vec(), block_table: table, kv_addr: self.state.kv_addr.clone() };
-        let tokens = token_events(stream, self.state.clone());
+        let tokens = token_events(stream, self.state.clone(), progress, notices, slot);
         let out = async_stream::stream! {
             let _guard = guard;
-            yield Ok(event(pb::work_event::Event::Reserved(reserved)));
+            let _backstop = backstop;
+            yield Ok(event(Event::Reserved(reserved)));
             for await item in tokens {
                 yield item;
             }
@@ -234,9 +354,10 @@ impl pb::worker_server::Worker for WorkerService {
         if !self.state.role.prefills() {
             return Err(Status::failed_precondition("this worker does not prefill"));
         }
+        let slot = stream_slot(&self.state)?;
         let p = request.into_inner();
         let token = reservation_token(&p.reservation)?;
-        let (req, _) = engine_request(p.request)?;
+        let Work { request: req, progress, .. } = engine_request(p.request)?;
         let addr = resolve(&p.kv_addr).await.map_err(|e| Status::invalid_argument(e.to_string()))?;
         let deadline = Duration::from_millis(u64::from(p.deadline_ms.max(1)));
         let layout = self.state.engine.kv_layout();
@@ -251,6 +372,8 @@ impl pb::worker_server::Worker for WorkerService {
         let state = self.state.clone();
         let kv_addr = p.kv_addr.clone();
         let creds = self.state.kv_credentials.clone();
+        let (started_tx, notices) = unbounded_channel();
+        let events = start_tap(events, started_tx);
         let events = match self.state.chaos.exit_after_kv_layers {
             Some(n) => chaos_tap(events, n),
             None => events,
@@ -266,7 +389,7 @@ impl pb::worker_server::Worker for WorkerService {
             }
             let _ = done_tx.send(result);
         }));
-        let tokens = token_events(stream, self.state.clone());
+        let tokens = token_events(stream, self.state.clone(), progress, notices, slot);
         let out = async_stream::stream! {
             let _transfer = transfer;
             for await item in tokens {
@@ -277,7 +400,7 @@ impl pb::worker_server::Worker for WorkerService {
                 Ok(Err(e)) => pb::TransferResult { ok: false, error: e.to_string(), bytes: 0, seconds: 0.0 },
                 Err(_) => pb::TransferResult { ok: false, error: "the transfer task ended".into(), bytes: 0, seconds: 0.0 },
             };
-            yield Ok(event(pb::work_event::Event::Transfer(result)));
+            yield Ok(event(Event::Transfer(result)));
         };
         Ok(Response::new(Box::pin(out)))
     }
