@@ -16,6 +16,7 @@ pub mod kv_transport;
 pub mod model;
 pub mod relay;
 mod step_timing;
+pub mod synthetic;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
 pub use handle::EngineHandle;
