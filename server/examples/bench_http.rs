@@ -22,8 +22,9 @@
 //! Usage: `bench_http [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--step-ms 3]
 //! [--max-num-seqs 512] [--prompts 2000] [--isl 128] [--osl 256] [--concurrency 512]
 //! [--client lean|loadtest|both] [--server-threads N] [--client-threads N] [--endpoint
-//! completions|chat] [--label L] [--out PATH] [--commit C]`.
+//! completions|chat] [--label L] [--out PATH] [--commit C] [--trace FILE]`.
 
+use axum::serve::ListenerExt;
 use baton_core::api::{EngineClient, EngineInfo, EngineRequest};
 use baton_core::params::SamplingParams;
 use baton_engine::synthetic::{SyntheticConfig, SyntheticCounters, SyntheticEngine};
@@ -75,6 +76,9 @@ struct Shape {
     osl: usize,
     concurrency: usize,
     chat: bool,
+    /// `--trace FILE` (lean client): a line per request, `start_s ttft_s e2e_s` from the timed
+    /// run's start, and the server's latency sums printed at the end (where a run loses time).
+    trace: Option<PathBuf>,
 }
 
 fn run() -> Res<()> {
@@ -94,6 +98,7 @@ fn run() -> Res<()> {
             "chat" => true,
             other => return Err(format!("--endpoint takes completions or chat, not {other}").into()),
         },
+        trace: flag(&args, "--trace").map(PathBuf::from),
     };
     let clients: Vec<&str> = match flag(&args, "--client").as_deref().unwrap_or("lean") {
         "lean" => vec!["lean"],
@@ -302,6 +307,10 @@ fn serve_and_drive(setup: &Setup<'_>, shape: &Shape, client: &str) -> Res<Value>
     let listener = server.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
     let app = http_router(frontend, HttpConfig::default());
+    // As `baton serve` does (server/src/listeners.rs): streamed tokens are small writes.
+    let listener = listener.tap_io(|stream| {
+        let _ = stream.set_nodelay(true);
+    });
     server.spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
@@ -485,6 +494,7 @@ async fn drive_lean(base: &str, shape: &Shape, prompts: Vec<String>, engine: &Sy
     let workers: Vec<_> = (0..shape.concurrency.min(bodies.len()))
         .map(|_| {
             let (client, url, bodies, next) = (client.clone(), url.clone(), bodies.clone(), next.clone());
+            let trace = shape.trace.clone();
             tokio::spawn(async move {
                 let mut done = (0usize, 0usize, 0u64, None::<String>, Vec::new(), Vec::new());
                 loop {
@@ -497,6 +507,18 @@ async fn drive_lean(base: &str, shape: &Shape, prompts: Vec<String>, engine: &Sy
                             done.2 += tokens;
                             done.4.push(ttft.as_secs_f64());
                             done.5.push(started.elapsed().as_secs_f64());
+                            if let Some(path) = &trace {
+                                use std::io::Write;
+                                if let Ok(mut f) = std::fs::OpenOptions::new().append(true).create(true).open(path) {
+                                    let line = format!(
+                                        "{} {} {}\n",
+                                        (started - t0).as_secs_f64(),
+                                        ttft.as_secs_f64(),
+                                        started.elapsed().as_secs_f64()
+                                    );
+                                    let _ = f.write_all(line.as_bytes());
+                                }
+                            }
                         }
                         Err(e) => {
                             done.1 += 1;
@@ -522,6 +544,12 @@ async fn drive_lean(base: &str, shape: &Shape, prompts: Vec<String>, engine: &Sy
     let elapsed = t0.elapsed().as_secs_f64();
     let cpu_after = cpu_by_thread();
     let counters_after = engine.counters();
+    if shape.trace.is_some() {
+        let text = client.get(format!("{base}/metrics")).send().await?.text().await?;
+        for l in text.lines().filter(|l| l.contains("_sum") || l.contains("_count")) {
+            eprintln!("  {l}");
+        }
+    }
     let mut result = timed_json(
         "lean",
         Timed {
