@@ -6,9 +6,11 @@
 #   here (dev machine):   scripts/gpu-cuda.sh --build
 #       builds the nextest archive (debuginfo stripped), the example programs (release) and copies
 #       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
-#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput] [smollm2]
+#   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput] [smollm2] [startup]
 #       (default: the first four; e2e is the whole-model bench_cuda, throughput the offline
-#       throughput runs, smollm2 the default model vs transformers through
+#       throughput runs, startup the start-up benchmark (bench_startup: an 8B-shape bf16
+#       checkpoint to /health 200, without and with a kernel cache, and with the kernel cache
+#       built here by `baton kernels build` when NVRTC was found), smollm2 the default model vs transformers through
 #       scripts/golden/smollm2-gpu.sh, which needs the GGUF's parts stashed by earlier calls
 #       or SMOL_GGUF; the usual way is that script's own two calls) writes logs and JSON to
 #       $OUT (or bench/results/) and prints a short summary last.
@@ -28,16 +30,23 @@ if [[ "${1:-}" == "--build" ]]; then
     # The benchmark programs are release builds: host-side launch overhead is part of what
     # single-stream decode measures.
     cargo build --release -p baton-kernels -p baton-engine --examples
+    cargo build --release -p baton
     target="${CARGO_TARGET_DIR:-target}"
-    for ex in cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput; do
+    for ex in cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput bench_startup; do
         [[ -f "$target/release/examples/$ex" ]] && cp "$target/release/examples/$ex" "$CARRY/" && strip "$CARRY/$ex"
     done
+    cp "$target/release/baton" "$CARRY/" && strip "$CARRY/baton"
+    # Compiled kernels for the GPU machine, built here without a GPU (needs NVRTC 13.0, e.g.
+    # LD_LIBRARY_PATH=/opt/cuda-pip/x/nvidia/cu13/lib); `startup` then times a shipped cache.
+    rm -rf "$CARRY/kernels"
+    "$CARRY/baton" kernels build --arch sm_90a --out "$CARRY/kernels" \
+        || { echo "no NVRTC here: the startup step will not time a shipped kernel cache"; rm -rf "$CARRY/kernels"; }
     cp "$(command -v cargo-nextest)" scripts/gpu-cuda.sh scripts/golden/hf_compare.py scripts/bench/sdpa_anchor.py \
         scripts/bench/peer_decode.py "$CARRY/"
     mkdir -p "$CARRY/configs" && cp configs/models/*.json "$CARRY/configs/"
     git rev-parse --short HEAD > "$CARRY/COMMIT" 2>/dev/null || echo unknown > "$CARRY/COMMIT"
     # The carry limit is 64 MiB: the programs travel gzipped and are unpacked on arrival.
-    for f in cargo-nextest cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput; do
+    for f in cargo-nextest cuda_bench cuda_compile greedy_dump export_hf bench_cuda bench_throughput bench_startup baton; do
         if [[ -f "$CARRY/$f" ]]; then gzip -9f "$CARRY/$f"; fi
     done
     du -sh "$CARRY"
@@ -167,6 +176,19 @@ if want throughput && [[ -x "$HERE/bench_throughput" ]]; then
         while read -r line; do summary+=("$name: $line"); done < <(grep '^async scheduling' "$OUTDIR/$name.log")
         [[ -s "$OUTDIR/$name.log" ]] || summary+=("$name: no output")
     done
+fi
+
+# Start-up: process start to /health 200 of `baton serve` on a random bf16 8B-shape checkpoint
+# (16 GB in 4 shards, written to /tmp and read once so the page cache is warm), without and
+# with a kernel cache (and with the one built on the dev machine, when carried).
+if want startup && [[ -x "$HERE/bench_startup" && -x "$HERE/baton" ]]; then
+    shipped=()
+    [[ -d "$HERE/kernels" ]] && shipped=(--shipped-cache "$HERE/kernels")
+    timeout "${STARTUP_TIMEOUT:-300}" "$HERE/bench_startup" --baton "$HERE/baton" --config "$HERE/configs/llama-3.1-8b.json" \
+        --dir /tmp/baton-startup-model --commit "$COMMIT" --out-dir "$OUTDIR" "${shipped[@]}" \
+        ${STARTUP_ARGS:-} >"$OUTDIR/startup.log" 2>&1 || status=1
+    cp /tmp/baton-startup-model/.bench/startup-*.log "$OUTDIR/" 2>/dev/null
+    while read -r l; do summary+=("startup $l"); done < <(grep -E 'healthy in|^wrote|page cache' "$OUTDIR/startup.log")
 fi
 
 echo "===== summary (commit $COMMIT) ====="

@@ -200,12 +200,19 @@ fn run() -> Res<()> {
     }
     model.backend_mut().set_prefill_kernel(true);
 
-    // Decode, with CUDA graphs (the default) and op by op (`--enforce-eager`), in this run.
-    let modes: Vec<bool> = match flag(&args, "--graphs").as_deref() {
+    // Decode, with CUDA graphs (the default) and op by op (`--enforce-eager`), and with and
+    // without programmatic dependent launch (`--pdl both`), in this run.
+    let graph_modes: Vec<bool> = match flag(&args, "--graphs").as_deref() {
         Some("on") => vec![true],
         Some("off") => vec![false],
         _ => vec![true, false],
     };
+    let pdl_modes: Vec<bool> = match flag(&args, "--pdl").as_deref() {
+        Some("off") => vec![false],
+        Some("both") => vec![true, false],
+        _ => vec![true],
+    };
+    let modes: Vec<(bool, bool)> = graph_modes.iter().flat_map(|&g| pdl_modes.iter().map(move |&p| (g, p))).collect();
     writeln!(
         table,
         "decode step (median of 40): shape | mode | ms | floor ms (weights + KV at copy) | % of floor | peer ms | baton/peer speed"
@@ -213,9 +220,10 @@ fn run() -> Res<()> {
     for &(b, ctx) in &shapes {
         let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &graphs in &modes {
+        for &(graphs, pdl) in &modes {
             model.backend_mut().set_graphs(graphs);
-            let mode = if graphs { "graphs" } else { "eager" };
+            model.backend_mut().set_pdl(pdl);
+            let mode = format!("{}{}", if graphs { "graphs" } else { "eager" }, if pdl { "+pdl" } else { "" });
             let mut times = Vec::new();
             for s in 0..48 {
                 let lay = decode_batch(b, ctx, ctx + s);
@@ -233,11 +241,11 @@ fn run() -> Res<()> {
             };
             writeln!(
                 table,
-                "  b={b:3} ctx={ctx:5} | {mode:6} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
+                "  b={b:3} ctx={ctx:5} | {mode:10} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -245,22 +253,30 @@ fn run() -> Res<()> {
             ));
         }
         if !args.iter().any(|a| a == "--no-profile") {
-            let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
-            let shape = OpShape { b, ctx, cfg: &cfg };
-            writeln!(
-                table,
-                "  per-op (eager, queue filled first) b={b} ctx={ctx}: op | us/step | floor us | % of floor"
-            )?;
-            let mut total = 0.0;
-            for (label, us) in &rows {
-                total += us;
-                let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
-                writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
-                json.push(format!(
-                    "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
-                ));
+            model.backend_mut().set_pdl(pdl_modes[0]);
+            // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
+            // cuBLAS too, for the comparison.
+            let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
+            for &gemm in gemms {
+                model.backend_mut().set_gemv(gemm == "default" && gemv);
+                let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
+                let shape = OpShape { b, ctx, cfg: &cfg };
+                writeln!(
+                    table,
+                    "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}: op | us/step | floor us | % of floor"
+                )?;
+                let mut total = 0.0;
+                for (label, us) in &rows {
+                    total += us;
+                    let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
+                    writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
+                    json.push(format!(
+                        "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                    ));
+                }
+                writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
             }
-            writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
+            model.backend_mut().set_gemv(gemv);
         }
         let st = model.backend().graph_stats();
         writeln!(

@@ -25,7 +25,9 @@
 //! [--lens 512,2048,8192] [--reps 3]`.
 
 use baton_core::api::{EngineClient, EngineRequest, OutputStream};
+use baton_core::cluster_auth::ReservationToken;
 use baton_core::params::SamplingParams;
+use baton_engine::kv_transport::KvCredentials;
 use baton_engine::kv_transport::handoff::{Received, receive_import, send_export, setup_link};
 use baton_engine::kv_transport::nccl::{NcclLink, NcclLinks, new_id};
 use baton_engine::kv_transport::tcp::TcpKvListener;
@@ -186,17 +188,19 @@ async fn relay_once(
     let t0 = Instant::now();
     let (mut d_stream, table) = d.reserve_import(EngineRequest::new(prompt.clone(), params.clone())).await?;
     let d_id = d_stream.request_id();
+    let token = ReservationToken::random();
     let (mut p_stream, events) =
         p.submit_export(EngineRequest::new(prompt, params.clone()), table, link.map(|(_, l)| l.clone()))?;
     let name = link.map(|(n, _)| n.clone());
-    let sender = tokio::spawn(send_export(events, addr, d_id.0, p.kv_layout(), Duration::from_secs(60), name));
+    let creds = KvCredentials { secret: None, identity: "bench-prefill".into() };
+    let sender = tokio::spawn(send_export(events, addr, token, p.kv_layout(), Duration::from_secs(60), name, creds));
     let pending = listener.accept().await?;
     let d2 = d.clone();
     let links = d_links.clone();
-    let receiver =
-        tokio::spawn(
-            async move { receive_import(pending, &d2, &links, Duration::from_secs(60), |id| id == d_id).await },
-        );
+    let receiver = tokio::spawn(async move {
+        let admit = |t: &ReservationToken, _: &str| if *t == token { Ok(d_id) } else { Err("unknown".into()) };
+        receive_import(pending, &d2, &links, Duration::from_secs(60), admit).await
+    });
     let t_first = first(&mut p_stream).await?;
     let t_kv = first(&mut d_stream).await?;
     let t_second = first(&mut d_stream).await?;
@@ -303,9 +307,11 @@ fn run() -> Res<()> {
             Duration::from_secs(60),
             "bench".into(),
             stream,
+            KvCredentials { secret: None, identity: "bench-prefill".into() },
         ));
         let pending = listener.accept().await?;
-        receive_import(pending, &d, &d_links, Duration::from_secs(60), |_| false).await.map_err(|e| e.to_string())?;
+        let admit = |_: &ReservationToken, _: &str| Err("no reservations here".to_owned());
+        receive_import(pending, &d, &d_links, Duration::from_secs(60), admit).await.map_err(|e| e.to_string())?;
         let link = ("bench".to_string(), Arc::new(bounded(async { Ok(offer.await??) }).await?));
         println!("NCCL link ready");
         let mut seed = 1u64;

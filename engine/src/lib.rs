@@ -103,6 +103,7 @@ pub fn start_engine(
     device: DeviceSpec,
     config: EngineConfig,
 ) -> Result<EngineHandle, EngineStartError> {
+    let started = std::time::Instant::now();
     let device = resolve_device(device)?;
     let cfg = &model.config;
     let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings);
@@ -132,9 +133,12 @@ pub fn start_engine(
                 let mut backend = backend::cuda::CudaBackend::new(&opts)?;
                 backend.set_graphs(!config.enforce_eager);
                 let mut llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+                let kv_started = std::time::Instant::now();
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
                 // bf16 KV cache: 2 bytes per element.
-                size_kv(llama, &config, max_model_len, 2)?
+                let sized = size_kv(llama, &config, max_model_len, 2)?;
+                log_phase("kv_cache", kv_started);
+                sized
             }
             DeviceSpec::Cpu | DeviceSpec::Auto => {
                 let backend = if config.cpu_emulates_bf16 {
@@ -143,7 +147,10 @@ pub fn start_engine(
                     backend::cpu::CpuBackend::new()
                 };
                 let llama = pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend))?;
-                size_kv(llama, &config, max_model_len, 4)?
+                let kv_started = std::time::Instant::now();
+                let sized = size_kv(llama, &config, max_model_len, 4)?;
+                log_phase("kv_cache", kv_started);
+                sized
             }
         };
     let sched_cfg = SchedulerConfig {
@@ -195,7 +202,15 @@ pub fn start_engine(
         .spawn(move || engine.run())
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
+    // CUDA graphs are recorded by the first decode step of each batch size, not here.
+    log_phase("engine", started);
     Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread))
+}
+
+/// Logs one phase of start-up, `started` until now, in the format every phase uses
+/// (`startup phase phase=NAME ms=N`, what `bench_startup` reads back).
+pub fn log_phase(phase: &'static str, started: std::time::Instant) {
+    tracing::info!(phase, ms = format_args!("{:.0}", started.elapsed().as_secs_f64() * 1e3), "startup phase");
 }
 
 /// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.

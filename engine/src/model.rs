@@ -16,7 +16,7 @@
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
 use crate::kv_transport::LayerFrame;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
-use baton_formats::{ModelConfig, RopeScaling, WeightStore};
+use baton_formats::{ModelConfig, RopeScaling, TensorView, WeightStore};
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
 
 /// Why a model could not be built from its weights.
@@ -134,44 +134,50 @@ fn padded_decode(batch: &BatchLayout, rows: usize) -> BatchLayout {
     p
 }
 
-fn load_f32(store: &dyn WeightStore, name: &str, want: usize) -> Result<Vec<f32>, ModelLoadError> {
-    let t = store.get(name)?;
-    let got = t.numel();
-    if got != want {
-        return Err(ModelLoadError::Shape { name: name.to_string(), got, want });
-    }
-    Ok(t.to_f32())
-}
-
 /// The model's tensors, read from a store or drawn by the backend: each call takes named
 /// tensors of `rows × cols` (vectors: `cols` 1) and stacks them by rows into one matrix or
 /// vector (the fused `[q; k; v]` and `[gate; up]`).
 struct Tensors<'a> {
     store: &'a dyn WeightStore,
+    /// Tensors read from the store so far.
+    read: usize,
 }
 
-impl Tensors<'_> {
-    fn mat<B: Backend>(&self, b: &mut B, names: &[(String, usize)], cols: usize) -> Result<B::Mat, ModelLoadError> {
+impl<'a> Tensors<'a> {
+    fn mat<B: Backend>(&mut self, b: &mut B, names: &[(String, usize)], cols: usize) -> Result<B::Mat, ModelLoadError> {
         if let Some(parts) = self.drawn(names, cols)? {
             return Ok(b.random_mat(&parts, cols)?);
         }
         let rows = names.iter().map(|n| n.1).sum();
-        Ok(b.upload_mat(self.read(names, cols)?, rows, cols)?)
+        Ok(b.upload_mat_raw(&self.views(names, cols)?, rows, cols)?)
     }
 
-    fn vec<B: Backend>(&self, b: &mut B, names: &[(String, usize)]) -> Result<B::Buf, ModelLoadError> {
+    fn vec<B: Backend>(&mut self, b: &mut B, names: &[(String, usize)]) -> Result<B::Buf, ModelLoadError> {
         if let Some(parts) = self.drawn(names, 1)? {
             return Ok(b.random_vec(&parts)?);
         }
-        Ok(b.upload_vec(self.read(names, 1)?)?)
+        Ok(b.upload_vec_raw(&self.views(names, 1)?)?)
     }
 
-    fn read(&self, names: &[(String, usize)], cols: usize) -> Result<Vec<f32>, ModelLoadError> {
-        let mut data = Vec::new();
-        for (name, rows) in names {
-            data.extend(load_f32(self.store, name, rows * cols)?);
-        }
-        Ok(data)
+    /// The stored tensors `names`, each checked to hold `rows × cols` elements.
+    fn views(&mut self, names: &[(String, usize)], cols: usize) -> Result<Vec<TensorView<'a>>, ModelLoadError> {
+        let store = self.store;
+        let views = names
+            .iter()
+            .map(|(name, rows)| {
+                let t = store.get(name)?;
+                let want = rows * cols;
+                // The element count from the shape, and from the bytes (what a device upload reads).
+                for got in [t.numel(), t.bytes.len() / t.dtype.size()] {
+                    if got != want {
+                        return Err(ModelLoadError::Shape { name: name.clone(), got, want });
+                    }
+                }
+                Ok(t)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.read += views.len();
+        Ok(views)
     }
 
     /// The counter draws of `names` when the store draws every one of them (random weights),
@@ -203,7 +209,8 @@ impl<B: Backend> LlamaModel<B> {
         let qd = cfg.num_attention_heads * hd;
         let kvd = cfg.num_key_value_heads * hd;
         let inter = cfg.intermediate_size;
-        let w = Tensors { store };
+        let started = std::time::Instant::now();
+        let mut w = Tensors { store, read: 0 };
         let b = &mut backend;
         let lm_head = if cfg.tie_word_embeddings {
             None
@@ -239,6 +246,8 @@ impl<B: Backend> LlamaModel<B> {
                 down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
             });
         }
+        let upload = backend.finish_weights()?;
+        log_weights(started.elapsed(), w.read, upload);
         backend
             .set_rope(RopeTable::new(hd, cfg.rope_theta, rope_kind(&cfg.rope_scaling)).map_err(BackendError::from)?)?;
         let ws = Workspace {
@@ -593,6 +602,28 @@ impl<B: Backend> LlamaModel<B> {
         b.lm_head(&ws.hidden, rows.len(), head)?;
         self.logit_count = rows.len();
         Ok(())
+    }
+}
+
+/// Logs the weights phase of start-up: wall time, and for streamed uploads the bytes, the
+/// rate and how the time split between reading and waiting for the device.
+fn log_weights(elapsed: std::time::Duration, tensors: usize, upload: Option<crate::backend::WeightUploadReport>) {
+    let ms = elapsed.as_secs_f64() * 1e3;
+    match upload {
+        Some(u) => tracing::info!(
+            phase = "weights",
+            ms = format_args!("{ms:.0}"),
+            tensors,
+            gb = format_args!("{:.2}", u.bytes_read as f64 / 1e9),
+            gb_per_s = format_args!("{:.2}", u.bytes_read as f64 / 1e9 / elapsed.as_secs_f64().max(1e-9)),
+            read_ms = format_args!("{:.0}", u.read_s * 1e3),
+            upload_wait_ms = format_args!("{:.0}", u.wait_s * 1e3),
+            "startup phase"
+        ),
+        None if tensors == 0 => {
+            tracing::info!(phase = "weights", ms = format_args!("{ms:.0}"), drawn = true, "startup phase")
+        }
+        None => tracing::info!(phase = "weights", ms = format_args!("{ms:.0}"), tensors, "startup phase"),
     }
 }
 

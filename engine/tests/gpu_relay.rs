@@ -78,15 +78,17 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
         let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("r");
         let (_p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table, None).expect("export");
         let layout = p.kv_layout();
-        let id = d_stream.request_id().0;
+        let d_id = d_stream.request_id();
+        let token = baton_core::cluster_auth::ReservationToken::random();
         let sender = tokio::spawn(async move {
             baton_engine::kv_transport::handoff::send_export(
                 events,
                 addr,
-                id,
+                token,
                 layout,
                 std::time::Duration::from_secs(5),
                 None,
+                creds(),
             )
             .await
         });
@@ -96,7 +98,7 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
             &d,
             &Default::default(),
             std::time::Duration::from_secs(5),
-            |_| true,
+            admit_from(vec![(token, d_id)]),
         )
         .await
         .expect_err("refused");
@@ -132,15 +134,21 @@ fn gpu2_nccl_relay_matches_one_cuda_engine() {
         let d_links = Arc::new(NcclLinks::default());
         // Link setup: P offers, D accepts (and joins in the background), P joins.
         let stream = p.transfer_stream().await.expect("transfer stream on cuda:0");
-        let offer =
-            tokio::spawn(setup_link(addr, p.kv_layout(), std::time::Duration::from_secs(30), "p0".into(), stream));
+        let offer = tokio::spawn(setup_link(
+            addr,
+            p.kv_layout(),
+            std::time::Duration::from_secs(30),
+            "p0".into(),
+            stream,
+            creds(),
+        ));
         let pending = listener.accept().await.expect("accept");
         let got = baton_engine::kv_transport::handoff::receive_import(
             pending,
             &d,
             &d_links,
             std::time::Duration::from_secs(30),
-            |_| false,
+            admit_from(vec![]),
         )
         .await
         .expect("link setup");

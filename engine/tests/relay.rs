@@ -140,9 +140,11 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         let layout = d.kv_layout();
         // Request a's hand-off, planned onto b's blocks.
         let plan = baton_core::kv_transfer::plan_transfer(&layout, &a_table, &b_table, pa.len(), 0).expect("plan");
+        let token = baton_core::cluster_auth::ReservationToken::random();
         let hs = Handshake {
             layout,
-            request_id: a_id.0,
+            sender: common::relay::PREFILL.into(),
+            reservation: Some(token),
             num_tokens: pa.len(),
             runs: plan.runs.clone(),
             bytes_per_layer_half: plan.bytes_per_layer / 2,
@@ -152,7 +154,7 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         let addr = listener.local_addr().expect("addr");
         let first_token = alone[0].new_token_ids[0];
         let sender = tokio::spawn(async move {
-            let mut s = TcpKvSender::connect(addr, hs, std::time::Duration::from_secs(10)).await?;
+            let mut s = TcpKvSender::connect(addr, hs, std::time::Duration::from_secs(10), None).await?;
             let half = plan.bytes_per_layer / 2;
             for layer in 0..layout.num_layers {
                 s.send_layer(&LayerFrame { layer, k: vec![0x7f; half], v: vec![0x7f; half], seq: 0 }).await?;
@@ -161,7 +163,8 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
         });
         let pending = listener.accept().await.expect("accept");
         let links = std::sync::Arc::new(NcclLinks::default());
-        let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), |id| id == a_id).await;
+        let admit = common::relay::admit_from(vec![(token, a_id)]);
+        let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), admit).await;
         assert!(matches!(got, Ok(Received::Import { .. })), "{:?}", got.map(|_| ()).map_err(|e| e.to_string()));
         sender.await.expect("join").expect("sender");
         assert_eq!(tokens(&collect(a_stream).await), tokens(&alone), "a recomputed its prompt");

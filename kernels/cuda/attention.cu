@@ -291,7 +291,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
-        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) {                                \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) { PDL_ENTER();                                \
         paged_attention_body<HD, NW, U, G, P != 0>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
                                            block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk);     \
     }
@@ -307,7 +307,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int min_chunk) {                                            \
+                                                        int min_chunk) { PDL_ENTER();                                            \
         attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk);                   \
     }
 
@@ -739,7 +739,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
-        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) {                                \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) { PDL_ENTER();                                \
         paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
                                                 block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk); \
     }

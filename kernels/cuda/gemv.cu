@@ -77,6 +77,23 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + t;
     }
 
+    // Before waiting for the previous kernel (PDL, see the prelude): pull the first round of
+    // this CTA's weights (batches 0..NW-1 of its 16 rows: NW * BATCH 16-byte chunks a row)
+    // into L2, so the loads below start from L2 while the previous kernel finishes. Weights
+    // are never written during a step; x is read only after the wait.
+    {
+        constexpr int LINE_CHUNKS = 8;  // 16-byte chunks per 128-byte line
+        constexpr int LPR = NW * BATCH / LINE_CHUNKS;
+        for (int l = threadIdx.x; l < 16 * LPR; l += NW * 32) {
+            const int c = (l >> 4) * LINE_CHUNKS;
+            if (c < kc) {
+                const long long r = min(row0 + (l & 15), n - 1);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w + r * k) + c));
+            }
+        }
+    }
+    PDL_ENTER();
+
     // Two accumulator sets (even and odd mma of a step) halve the dependent mma chain.
     float acc[2][NT][4];
 #pragma unroll

@@ -320,7 +320,7 @@ __device__ __forceinline__ void prefill_attention_body(
     extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_hd##HD##_w##NW(                    \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
-        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                        \
+        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) { PDL_ENTER();                        \
         prefill_attention_body<HD, NW>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,           \
                                        n_kv_heads, block_size, bs_magic, qscale);                              \
     }

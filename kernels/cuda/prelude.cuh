@@ -32,5 +32,31 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+// Programmatic dependent launch (Hopper): a kernel launched with the programmatic-serialization
+// attribute may start while the kernel before it on the stream still runs. Every kernel
+// calls PDL_ENTER before it touches memory that kernel may write or read: `griddepcontrol.wait`
+// returns once the previous grid has completed and its writes are visible (at once when the
+// launch had no such attribute), and `launch_dependents` lets the next kernel's CTAs start
+// as soon as all of this grid's CTAs are running, so its launch and prologue overlap this
+// kernel's tail. Work that only reads data no kernel of the step writes (weights) may come
+// before the wait: the skinny GEMM prefetches its first weight tiles there.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define PDL_ENTER() \
+    do {            \
+        pdl_wait();    \
+        pdl_trigger(); \
+    } while (0)
+
 // NVRTC has no math.h; -inf spelled through its bit pattern.
 #define NEG_INF __int_as_float(0xff800000)

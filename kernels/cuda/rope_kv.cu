@@ -2,7 +2,6 @@
 // each row's position, fused with the write of the rotated k and of v into the paged cache.
 // Angles are position * inv_freq in f64 (the same inverse-frequency table as the CPU, which
 // already holds the linear / Llama 3 scaling), so long positions keep their accuracy.
-// One block per row; thread t owns frequency t % half for heads t / half, t / half + step, ...
 // Cache layout per layer: [num_blocks * block_size slots][n_kv_heads][head_dim];
 // slots[row] is the row's physical slot (block * block_size + offset); a negative slot marks
 // a padding row (a CUDA-graph bucket's unused rows): q rotated, nothing written to the cache.
@@ -11,6 +10,12 @@
 // QKV projection's rows [q | k | v] (no split copies) and writes only the rotated q out; the
 // in-place entry keeps separate q/k/v buffers (rotated q and k written back).
 
+// Grid (rows, n_heads + 2 * n_kv_heads), head_dim / 2 threads: CTA (row, y) rotates query
+// head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads + n_kv_heads), or
+// copies value head y - n_heads - n_kv_heads into the cache; thread i owns the pair (i,
+// i + head_dim / 2). One pass per CTA and every head in parallel: at one row (decode at b = 1)
+// a CTA per row looping over 40 heads took ~10 us, latency-bound.
+//
 // q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
                                                    const bf16_t* k_in, long long k_stride, bf16_t* k_out,
@@ -22,42 +27,46 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    int head_dim) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
-    const int i = threadIdx.x % half;
-    const int h0 = threadIdx.x / half;
-    const int hstep = blockDim.x / half;
+    const int i = threadIdx.x;
+    const int head = blockIdx.y;
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    const long long slot = slots[row];
+    if (head >= n_heads + n_kv_heads) {
+        if (slot < 0) return;
+        const int h = head - n_heads - n_kv_heads;
+        const bf16_t* vr = v_in + row * v_stride + h * head_dim;
+        bf16_t* vc = v_cache + slot * kv_w + h * head_dim;
+        vc[i] = vr[i];
+        vc[i + half] = vr[i + half];
+        return;
+    }
     double sd, cd;
     sincos((double)positions[row] * inv_freq[i], &sd, &cd);
     const float s = (float)sd, c = (float)cd;
-    const bf16_t* qr = q_in + row * q_stride;
-    bf16_t* qo = q_out + (long long)row * n_heads * head_dim;
-    for (int h = h0; h < n_heads; h += hstep) {
-        const float a = bf2f(qr[h * head_dim + i]), b = bf2f(qr[h * head_dim + i + half]);
+    if (head < n_heads) {
+        const bf16_t* qr = q_in + row * q_stride + head * head_dim;
+        bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
+        const float a = bf2f(qr[i]), b = bf2f(qr[i + half]);
         const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
-        // Every thread reads its pair before writing it, so in place (q_in == q_out) is safe.
-        qo[h * head_dim + i] = ra;
-        qo[h * head_dim + i + half] = rb;
+        // The thread reads its pair before writing it, so in place (q_in == q_out) is safe.
+        qo[i] = ra;
+        qo[i + half] = rb;
+        return;
     }
-    const long long kv_w = (long long)n_kv_heads * head_dim;
-    const long long slot = slots[row];
-    const bf16_t* kr = k_in + row * k_stride;
-    bf16_t* ko = k_out ? k_out + row * kv_w : nullptr;
-    bf16_t* kc = slot >= 0 ? k_cache + slot * kv_w : nullptr;
-    for (int h = h0; h < n_kv_heads; h += hstep) {
-        const float a = bf2f(kr[h * head_dim + i]), b = bf2f(kr[h * head_dim + i + half]);
-        const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
-        if (ko) {
-            ko[h * head_dim + i] = ra;
-            ko[h * head_dim + i + half] = rb;
-        }
-        if (kc) {
-            kc[h * head_dim + i] = ra;
-            kc[h * head_dim + i + half] = rb;
-        }
+    const int h = head - n_heads;
+    const bf16_t* kr = k_in + row * k_stride + h * head_dim;
+    const float a = bf2f(kr[i]), b = bf2f(kr[i + half]);
+    const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
+    if (k_out) {
+        bf16_t* ko = k_out + row * kv_w + h * head_dim;
+        ko[i] = ra;
+        ko[i + half] = rb;
     }
-    if (slot < 0) return;
-    const bf16_t* vr = v_in + row * v_stride;
-    bf16_t* vc = v_cache + slot * kv_w;
-    for (int j = threadIdx.x; j < kv_w; j += blockDim.x) vc[j] = vr[j];
+    if (slot >= 0) {
+        bf16_t* kc = k_cache + slot * kv_w + h * head_dim;
+        kc[i] = ra;
+        kc[i + half] = rb;
+    }
 }
 
 // Separate q (rows × n_heads × head_dim), k and v (rows × n_kv_heads × head_dim): q and k
@@ -68,6 +77,7 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               const long long* __restrict__ slots,
                                               const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                               int head_dim) {
+    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions, slots,
                        inv_freq, n_heads, n_kv_heads, head_dim);
@@ -80,6 +90,7 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
                                                   const long long* __restrict__ slots,
                                                   const double* __restrict__ inv_freq, int n_heads,
                                                   int n_kv_heads, int head_dim) {
+    PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,

@@ -366,6 +366,7 @@ __device__ int s_draw(SampleShared& s, int n, double u, const SampleWeights& w) 
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
     float* __restrict__ logits, int vocab, const unsigned* __restrict__ rows, const double* __restrict__ us,
     const unsigned* __restrict__ ops, float* __restrict__ op_raw, unsigned* __restrict__ out) {
+    PDL_ENTER();
     __shared__ SampleShared s;
     const unsigned* rp = rows + (long long)blockIdx.x * SAMPLE_ROW_WORDS;
     float* row = logits + (long long)rp[0] * vocab;
@@ -516,6 +517,7 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
 // a step planned before the previous step's tokens reached the host feeds them from here.
 extern "C" __global__ void take_sampled_ids(const unsigned* __restrict__ out, const int* __restrict__ pending, int n,
                                             unsigned* __restrict__ ids) {
+    PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) ids[pending[2 * i]] = out[(long long)pending[2 * i + 1] * SAMPLE_OUT_WORDS];
 }

@@ -8,6 +8,7 @@
 // Writes elements 0..n of the draw to out[offset ..].
 extern "C" __global__ void fill_counter_bf16(bf16_t* __restrict__ out, long long offset, long long n,
                                              unsigned long long key, float mean, float amp) {
+    PDL_ENTER();
     const long long stride = (long long)gridDim.x * blockDim.x;
     out += offset;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -22,6 +23,7 @@ extern "C" __global__ void fill_counter_bf16(bf16_t* __restrict__ out, long long
 
 // One thread waits `ns` nanoseconds of the global timer.
 extern "C" __global__ void spin_ns(long long ns) {
+    PDL_ENTER();
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {

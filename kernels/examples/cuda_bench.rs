@@ -174,7 +174,12 @@ fn run() -> Result<(), CudaError> {
         attention(&mut metas[0], &mut o, 0, AttnSplit::Fixed(1))?;
         let reference = download_f32(&dev, &o, batch * nh * hd)?;
         for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
-            for split in [AttnSplit::Auto, AttnSplit::Fixed(1)] {
+            // The default variant also at fixed split counts, to see where Auto's choice sits.
+            let mut splits_to_time = vec![AttnSplit::Auto, AttnSplit::Fixed(1)];
+            if vi == attn_default(nh / nkv) {
+                splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
+            }
+            for split in splits_to_time {
                 let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;
                 attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);

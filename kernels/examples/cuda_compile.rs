@@ -1,43 +1,66 @@
-//! Compiles the CUDA kernels with NVRTC for an architecture and writes the PTX, with no GPU
-//! needed: a quick check of the sources on any machine where libnvrtc loads. Also checks that
-//! the PTX defines every kernel the device loads at open (`kernel_names`), so a renamed or
-//! missing instantiation fails here rather than in `CudaDevice::open` on a GPU.
+//! Compiles every CUDA kernel module with NVRTC for an architecture, in parallel, and writes
+//! each image, with no GPU needed: a quick check of the sources on any machine where libnvrtc
+//! loads. Also checks that every module defines the kernels the device loads from it
+//! (`kernel_modules`), so a renamed or missing instantiation fails here rather than in
+//! `CudaDevice::open` on a GPU, and prints each module's compile time (the longest one bounds a
+//! cold start on a machine with enough cores).
 //!
-//! Usage: `cuda_compile [ARCH] [OUT.ptx]` (default `compute_90a`, `baton_kernels.ptx`).
+//! Usage: `cuda_compile [ARCH] [OUT_DIR]` (default `sm_90a`, `baton_kernels/`). An `sm_*`
+//! architecture gives CUBINs, a `compute_*` one PTX. To fill a kernel *cache* (what a server
+//! reads), use `baton kernels build --arch ARCH --out DIR`.
 
-use std::collections::HashSet;
+use baton_kernels::cuda::{ImageKind, compile_all, missing_kernels};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let arch = args.get(1).map(String::as_str).unwrap_or("compute_90a");
-    let out = args.get(2).map(String::as_str).unwrap_or("baton_kernels.ptx");
-    let ptx = match baton_kernels::cuda::compile_ptx(arch) {
-        Ok(ptx) => ptx,
+    let arch = args.get(1).map(String::as_str).unwrap_or("sm_90a");
+    let out = std::path::PathBuf::from(args.get(2).map(String::as_str).unwrap_or("baton_kernels"));
+    let kind = match ImageKind::for_arch(arch) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let t0 = std::time::Instant::now();
+    let compiled = match compile_all(arch) {
+        Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
             std::process::exit(1);
         }
     };
-    if let Err(e) = std::fs::write(out, &ptx) {
-        eprintln!("cannot write {out}: {e}");
+    let wall = t0.elapsed().as_secs_f64();
+    if let Err(e) = std::fs::create_dir_all(&out) {
+        eprintln!("cannot create {}: {e}", out.display());
         std::process::exit(1);
     }
-    // Entry points appear as `.visible .entry NAME(`.
-    let entries: HashSet<&str> = ptx
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
-        .map(|l| l.split('(').next().unwrap_or(l).trim())
-        .collect();
-    let names = baton_kernels::cuda::kernel_names();
-    let missing: Vec<&String> = names.iter().filter(|n| !entries.contains(n.as_str())).collect();
-    if !missing.is_empty() {
-        eprintln!("{arch}: the PTX lacks {} kernel(s) the device loads: {missing:?}", missing.len());
-        std::process::exit(1);
+    let ext = if kind == ImageKind::Cubin { "cubin" } else { "ptx" };
+    let mut failed = false;
+    for c in &compiled {
+        let name = c.module.name();
+        let path = out.join(format!("{name}.{ext}"));
+        if let Err(e) = std::fs::write(&path, &c.image) {
+            eprintln!("cannot write {}: {e}", path.display());
+            std::process::exit(1);
+        }
+        let missing = missing_kernels(&c.module, &c.image, kind);
+        if !missing.is_empty() {
+            eprintln!("{arch} {name}: lacks {} kernel(s) the device loads: {missing:?}", missing.len());
+            failed = true;
+        }
+        println!("{name:<16} {:>9} bytes {:>8.0} ms", c.image.len(), c.ms);
     }
+    let longest = compiled.iter().map(|c| c.ms).fold(0.0, f64::max);
+    let total: f64 = compiled.iter().map(|c| c.ms).sum();
     println!(
-        "{arch}: {} bytes of PTX in {out}; all {} kernels the device loads are defined ({} entries)",
-        ptx.len(),
-        names.len(),
-        entries.len()
+        "{arch}: {} modules in {}, {wall:.1} s wall ({:.1} s longest module, {:.1} s summed)",
+        compiled.len(),
+        out.display(),
+        longest / 1e3,
+        total / 1e3
     );
+    if failed {
+        std::process::exit(1);
+    }
 }

@@ -1,6 +1,7 @@
 //! The public gRPC API (`baton.v1.Baton`) over the same [`Frontend`] pipeline as HTTP.
 //!
 //! Invariants:
+//! - With an API key configured, every call is checked first ([`crate::auth`]).
 //! - Validation failures are returned as a gRPC status before any message is streamed;
 //!   failures after the stream started are sent as one `Error` message that ends the stream.
 //! - A stream ends after one `Complete` per sequence (`index`), or an `Error`.
@@ -8,6 +9,7 @@
 //!   unfinished sequence. `Abort` aborts by the request id of an active `Generate` call;
 //!   the call then completes with `finish_reason: "abort"`.
 
+use crate::auth::{ApiKey, ApiKeyInterceptor};
 use crate::error::FrontendError;
 use crate::generation::ChoiceEvent;
 use crate::pipeline::{Frontend, GenerateRequest as FrontendRequest, PromptInput};
@@ -20,6 +22,7 @@ use futures::Stream;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
 type Active = Arc<Mutex<HashMap<String, Vec<RequestId>>>>;
@@ -37,9 +40,10 @@ impl GrpcService {
         Self { frontend, active: Arc::default() }
     }
 
-    /// The tonic server wrapper, ready for `tonic::transport::Server::add_service`.
-    pub fn into_server(self) -> BatonServer<Self> {
-        BatonServer::new(self)
+    /// The tonic server wrapper, ready for `tonic::transport::Server::add_service`; with
+    /// `api_key`, every call must carry `authorization: Bearer KEY` (else `UNAUTHENTICATED`).
+    pub fn into_server(self, api_key: Option<ApiKey>) -> InterceptedService<BatonServer<Self>, ApiKeyInterceptor> {
+        BatonServer::with_interceptor(self, ApiKeyInterceptor::new(api_key))
     }
 }
 

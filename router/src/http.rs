@@ -1,11 +1,12 @@
-//! The HTTP server's routes: the OpenAI-compatible `/v1/*` API (behind the optional API key),
-//! vLLM's `/tokenize` and `/detokenize`, and the open operational endpoints `/health` and
-//! `/metrics`.
+//! The HTTP server's routes: the OpenAI-compatible `/v1/*` API and vLLM's `/tokenize` and
+//! `/detokenize` (all behind the optional API key, see [`crate::auth`]), and the open
+//! operational endpoints `/health` and `/metrics`.
 //!
 //! Invariants: every error response, including unknown routes, wrong methods, oversized
 //! bodies and authentication failures, has the OpenAI error shape; `/health` and `/metrics`
 //! never require the API key.
 
+use crate::auth::{ApiKey, protect};
 use crate::error::FrontendError;
 use crate::openai::chat::chat_completions;
 use crate::openai::completions::completions;
@@ -17,13 +18,11 @@ use crate::openai::protocol::{
 use crate::openai::sse::unix_now;
 use crate::pipeline::{Frontend, PromptInput};
 use crate::text::ChatTurn;
-use axum::extract::{DefaultBodyLimit, FromRef, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{StatusCode, Uri, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use std::sync::Arc;
 
 /// Default request body limit (bytes).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -31,7 +30,7 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
 /// Options of the HTTP server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpConfig {
-    /// When set, `/v1/*` requires `Authorization: Bearer <key>`.
+    /// When set, `/v1/*`, `/tokenize` and `/detokenize` require `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
     /// Largest accepted request body; larger ones get a 413.
     pub max_body_bytes: usize,
@@ -47,7 +46,6 @@ impl Default for HttpConfig {
 #[derive(Clone)]
 pub struct AppState {
     frontend: Frontend,
-    api_key: Option<Arc<str>>,
     started: u64,
 }
 
@@ -59,47 +57,21 @@ impl FromRef<AppState> for Frontend {
 
 /// The full HTTP application for one served model.
 pub fn http_router(frontend: Frontend, config: HttpConfig) -> Router {
-    let state = AppState { frontend, api_key: config.api_key.map(Arc::from), started: unix_now() };
-    let v1 = Router::new()
+    let state = AppState { frontend, started: unix_now() };
+    let guarded = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    Router::new()
-        .merge(v1)
         .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
+        .route("/detokenize", post(detokenize));
+    Router::new()
+        .merge(protect(guarded, ApiKey::from_config(config.api_key.as_deref())))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .with_state(state)
-}
-
-/// Compares without an early exit, so response timing does not reveal how much of a guessed
-/// key was right.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let Some(expected) = &state.api_key else {
-        return next.run(request).await;
-    };
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match presented {
-        Some(key) if constant_time_eq(key.as_bytes(), expected.as_bytes()) => next.run(request).await,
-        _ => ApiError::unauthorized().into_response(),
-    }
 }
 
 async fn not_found(uri: Uri) -> ApiError {
@@ -183,17 +155,4 @@ async fn detokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Json(DetokenizeResponse { prompt: frontend.codec().decode(&ids, false)? }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::constant_time_eq;
-
-    #[test]
-    fn key_comparison() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
-    }
 }

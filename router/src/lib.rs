@@ -6,9 +6,11 @@
 //! - [`openai`] + [`http`]: the OpenAI-compatible HTTP API (axum).
 //! - [`grpc`]: the public gRPC API (tonic, `baton.v1`).
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
+//! - [`auth`]: the public API key, for HTTP and gRPC.
 //!
 //! Errors are [`error::FrontendError`] inside and become HTTP/gRPC statuses only at the edges.
 
+pub mod auth;
 pub mod cluster;
 pub mod error;
 pub mod generation;
@@ -19,6 +21,7 @@ pub mod openai;
 pub mod pipeline;
 pub mod text;
 
+pub use auth::ApiKey;
 pub use error::FrontendError;
 pub use generation::{ChoiceDelta, ChoiceEnd, ChoiceEvent, Generation, StopCause};
 pub use grpc::GrpcService;

@@ -14,8 +14,12 @@ use std::time::Duration;
 use tonic::transport::Channel;
 
 async fn start(config: FakeConfig) -> (FakeEngine, BatonClient<Channel>) {
+    start_with_key(config, None).await
+}
+
+async fn start_with_key(config: FakeConfig, key: Option<&str>) -> (FakeEngine, BatonClient<Channel>) {
     let engine = FakeEngine::new(common::codec_parts().0.vocab_size(), config);
-    let service = GrpcService::new(frontend(&engine)).into_server();
+    let service = GrpcService::new(frontend(&engine)).into_server(key.map(baton_router::ApiKey::new));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
@@ -166,4 +170,41 @@ async fn bad_requests_get_statuses_and_info_endpoints_answer() {
     assert!(!health.healthy);
     let err = client.generate(text_request("x", "hi", 3)).await.expect_err("down");
     assert_eq!(err.code(), tonic::Code::Unavailable);
+}
+
+fn with_auth<T>(message: T, value: &str) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut().insert("authorization", value.parse().expect("ascii"));
+    r
+}
+
+#[tokio::test]
+async fn an_api_key_guards_every_grpc_method() {
+    let (_engine, mut client) = start_with_key(FakeConfig::default(), Some("sekret")).await;
+    let unauthenticated = |r: Result<_, tonic::Status>| match r {
+        Err(s) => s.code() == tonic::Code::Unauthenticated,
+        Ok(_) => false,
+    };
+    assert!(unauthenticated(client.generate(text_request("a", "hi", 2)).await.map(|_| ())), "no metadata");
+    assert!(unauthenticated(client.generate(with_auth(text_request("b", "hi", 2), "Bearer nope")).await.map(|_| ())));
+    assert!(unauthenticated(client.health(HealthRequest {}).await.map(|_| ())));
+    assert!(unauthenticated(client.model_info(with_auth(ModelInfoRequest {}, "Bearer sekre")).await.map(|_| ())));
+    assert!(unauthenticated(client.abort(AbortRequest { request_id: "x".into() }).await.map(|_| ())));
+    // The right key, with the scheme in any case, works.
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let mut stream = client
+            .generate(with_auth(text_request(&format!("ok-{scheme}"), "hi", 3), &format!("{scheme} sekret")))
+            .await
+            .expect("authenticated generate")
+            .into_inner();
+        let mut tokens = 0;
+        while let Some(m) = stream.message().await.expect("message") {
+            if let Some(Msg::Chunk(c)) = m.response {
+                tokens += c.token_ids.len();
+            }
+        }
+        assert_eq!(tokens, 3, "{scheme}");
+    }
+    let info = client.model_info(with_auth(ModelInfoRequest {}, "Bearer sekret")).await.expect("info").into_inner();
+    assert_eq!(info.model, MODEL);
 }

@@ -78,6 +78,45 @@ async fn malformed_json_wrong_types_and_missing_fields_are_400() {
 }
 
 #[tokio::test]
+async fn fields_the_server_does_not_honour_are_400s_naming_them() {
+    // An agent that sends tools or a response format must never get a 200 of free text.
+    let s = TestServer::default_start().await;
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let tool = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    for (body, param, words) in [
+        (json!({"messages": msgs, "tools": tool}), "tools", "tool calling"),
+        (json!({"messages": msgs, "tool_choice": "required"}), "tool_choice", "tool calling"),
+        (
+            json!({"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+            "tool",
+        ),
+        (json!({"messages": msgs, "response_format": {"type": "json_object"}}), "response_format", "structured output"),
+        (json!({"messages": msgs, "guided_choice": ["a", "b"]}), "guided_choice", "structured output"),
+        (json!({"messages": msgs, "max_tokens": 3, "mystery_knob": 7}), "mystery_knob", "mystery_knob"),
+        (json!({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}), "messages[0].name", "name"),
+    ] {
+        for stream in [false, true] {
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let response = expect_error(&s, chat, body, 400, Some(param)).await;
+            let message = response["error"]["message"].as_str().expect("message");
+            assert!(message.contains(param) && message.contains(words), "{message}");
+        }
+    }
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "guided_regex": "a+"}), 400, Some("guided_regex")).await;
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "prompt_logprobs": 1}), 400, Some("prompt_logprobs"))
+        .await;
+    // Values that ask for what the server does anyway, and nulls, are served.
+    let body = json!({"messages": msgs, "max_tokens": 2, "tools": null, "tool_choice": "none",
+        "response_format": {"type": "text"}, "user": "u-1"});
+    let (status, response) = s.post(chat, body).await;
+    assert_eq!(status, 200, "{response}");
+    still_serving(&s).await;
+}
+
+#[tokio::test]
 async fn out_of_range_sampling_values_name_their_param() {
     let s = TestServer::default_start().await;
     let cases = [
@@ -160,8 +199,10 @@ async fn prompt_plus_max_tokens_over_the_context_names_both_lengths() {
 #[tokio::test]
 async fn unknown_model_is_404_model_not_found() {
     let s = TestServer::default_start().await;
-    for path in ["/v1/chat/completions", "/v1/completions"] {
-        let body = json!({"model": "gpt-17", "prompt": "x", "messages": [{"role": "user", "content": "x"}]});
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]})),
+        ("/v1/completions", json!({"model": "gpt-17", "prompt": "x"})),
+    ] {
         let err = expect_error(&s, path, body, 404, Some("model")).await;
         assert_eq!(err["error"]["code"], "model_not_found");
         assert!(err["error"]["message"].as_str().expect("m").contains("gpt-17"));
@@ -221,7 +262,7 @@ async fn full_queue_is_429_with_retry_after() {
 }
 
 #[tokio::test]
-async fn api_key_guards_v1_but_not_health_or_metrics() {
+async fn api_key_guards_v1_tokenize_and_detokenize_but_not_health_or_metrics() {
     let config = HttpConfig { api_key: Some("sekret".into()), ..Default::default() };
     let s = TestServer::start(FakeConfig::default(), config).await;
     let body = json!({"prompt": "x", "max_tokens": 2});
@@ -235,8 +276,23 @@ async fn api_key_guards_v1_but_not_health_or_metrics() {
     assert_eq!(r.status().as_u16(), 401);
     let r = s.client.post(&url).bearer_auth("sekret").json(&body).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 200);
+    // The scheme is case-insensitive.
+    let r = s.client.post(&url).header("authorization", "bearer sekret").json(&body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let r = s.client.post(&url).header("authorization", "BEARER sekret").json(&body).send().await.expect("send");
+    assert_eq!(r.status().as_u16(), 200);
     let r = s.client.get(format!("{}/v1/models", s.url)).send().await.expect("send");
     assert_eq!(r.status().as_u16(), 401);
+    for (path, body) in [("/tokenize", json!({"prompt": "hello"})), ("/detokenize", json!({"tokens": [20, 21]}))] {
+        let r = s.client.post(format!("{}{path}", s.url)).json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 401, "{path} without the key");
+        let err: Value = r.json().await.expect("json");
+        assert_error_shape(&err);
+        let r = s.client.post(format!("{}{path}", s.url)).bearer_auth("nope").json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 401, "{path} with a wrong key");
+        let r = s.client.post(format!("{}{path}", s.url)).bearer_auth("sekret").json(&body).send().await.expect("send");
+        assert_eq!(r.status().as_u16(), 200, "{path} with the key");
+    }
     assert_eq!(s.get("/health").await.status().as_u16(), 200);
     assert_eq!(s.get("/metrics").await.status().as_u16(), 200);
 }

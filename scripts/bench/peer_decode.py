@@ -3,8 +3,9 @@
 
 A gpt-fast-style Llama decoder written for this comparison: random bf16 weights of the
 Llama-3.1-8B shape (or any config JSON), a dense static KV cache of `ctx + 64` tokens per
-sequence, SDPA with GQA, greedy argmax, and `torch.compile(mode="reduce-overhead",
-fullgraph=True)` (Inductor kernels replayed from CUDA graphs). Every sequence of a batch is
+sequence, SDPA with a mask and GQA (`enable_gqa`, no repeated copy of the cache), greedy
+argmax, and `torch.compile(mode="reduce-overhead", fullgraph=True)` with gpt-fast's Inductor
+settings (coordinate-descent tuning): Inductor kernels replayed from CUDA graphs. Every sequence of a batch is
 at the same position, as in Baton's `bench_cuda` decode shapes.
 
 For each shape `batch:context` it times decode steps with CUDA events (8 warm-up steps
@@ -85,6 +86,8 @@ class Layer(nn.Module):
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         self.k_cache[:, :, pos] = k
         self.v_cache[:, :, pos] = v
+        # GQA inside SDPA (no repeated copy of the cache, which gpt-fast's repeat_interleave
+        # would write every step).
         y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, enable_gqa=True)
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
@@ -133,8 +136,20 @@ def main():
     ap.add_argument("--config", default="configs/models/llama-3.1-8b.json")
     ap.add_argument("--shapes", default="1:128,64:1024,256:1024,1:8192,32:8192")
     ap.add_argument("--timed", type=int, default=40)
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile every shape (filling Inductor's cache) and time nothing: run it beside other GPU work",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
+    # gpt-fast's Inductor settings: coordinate-descent tuning of the generated kernels (the
+    # decode GEMVs become tuned Triton reductions), a unique name per kernel, the FX graph cache.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.coordinate_descent_tuning = True
+    inductor_config.triton.unique_kernel_names = True
+    inductor_config.fx_graph_cache = True
     c = Config(json.load(open(args.config)))
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
@@ -163,6 +178,13 @@ def main():
                 tokens = step(model, tokens, pos).clone()
             torch.cuda.synchronize()
             compile_s = time.time() - t0
+            if args.compile_only:
+                print(f"peer b={batch:3} ctx={ctx:5}: compiled in {compile_s:.0f} s", flush=True)
+                for layer in model.layers:
+                    layer.register_buffer("k_cache", None, persistent=False)
+                    layer.register_buffer("v_cache", None, persistent=False)
+                torch.cuda.empty_cache()
+                continue
             times = []
             for i in range(8 + args.timed):
                 pos = torch.tensor([ctx + i], device=dev)
@@ -191,6 +213,8 @@ def main():
             layer.register_buffer("k_cache", None, persistent=False)
             layer.register_buffer("v_cache", None, persistent=False)
         torch.cuda.empty_cache()
+    if args.compile_only:
+        return
     doc = {
         "benchmark": "peer-decode-torch-compile",
         "device": torch.cuda.get_device_name(0),

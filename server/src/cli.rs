@@ -26,6 +26,30 @@ pub enum Command {
     /// Example clients.
     #[command(subcommand)]
     Client(ClientCommand),
+    /// CUDA kernel tools.
+    #[command(subcommand)]
+    Kernels(KernelsCommand),
+}
+
+/// `baton kernels ...`.
+#[derive(Debug, Subcommand)]
+pub enum KernelsCommand {
+    /// Compile every CUDA kernel module for an architecture into a kernel cache directory, with
+    /// no GPU (NVRTC only): a server given that directory (--kernel-cache-dir) on a GPU of that
+    /// architecture, with the same NVRTC version, then starts without compiling.
+    Build(KernelsBuildArgs),
+}
+
+/// Flags of `baton kernels build`.
+#[derive(Debug, Clone, Args)]
+pub struct KernelsBuildArgs {
+    /// Target: sm_XY or sm_XYa for machine code (sm_90a: H100/H200), compute_XY[a] for PTX
+    #[arg(long, default_value = "sm_90a")]
+    pub arch: String,
+    /// The kernel cache directory to fill (modules already there are kept) [default: the
+    /// servers' default kernel cache: $XDG_CACHE_HOME/baton/kernels or ~/.cache/baton/kernels]
+    #[arg(long, env = "BATON_KERNEL_CACHE_DIR", value_name = "DIR")]
+    pub out: Option<PathBuf>,
 }
 
 /// Flags of `baton serve`. Each also reads `BATON_<NAME>` and the `[serve]` table of
@@ -51,7 +75,8 @@ pub struct ServeArgs {
     /// gRPC port; 0 picks a free one [default: 50051]
     #[arg(long, env = "BATON_GRPC_PORT")]
     pub grpc_port: Option<u16>,
-    /// Require `Authorization: Bearer KEY` on /v1/* (/health and /metrics stay open)
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and the gRPC API
+    /// (/health and /metrics stay open)
     #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
     pub api_key: Option<String>,
     /// Model name clients send in `model` [default: the --model path]
@@ -130,9 +155,13 @@ pub struct RouterArgs {
     /// Port where workers register and heartbeat [default: 50100]
     #[arg(long, env = "BATON_ROUTER_REGISTRY_PORT")]
     pub registry_port: Option<u16>,
-    /// Require `Authorization: Bearer KEY` on /v1/*
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize, /workers and the
+    /// public gRPC API (/health and /metrics stay open)
     #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
     pub api_key: Option<String>,
+    /// Internal-plane security (cluster secret, TLS).
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Model name clients send in `model` [default: the --model path]
     #[arg(long, env = "BATON_SERVED_MODEL_NAME", value_name = "NAME")]
     pub served_model_name: Option<String>,
@@ -205,12 +234,38 @@ pub struct WorkerArgs {
     /// ends) [default: tcp]
     #[arg(long, env = "BATON_WORKER_KV_TRANSPORT", value_name = "TRANSPORT")]
     pub kv_transport: Option<String>,
+    /// Internal-plane security (cluster secret, TLS).
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Fault injection for failure tests: the process exits after sending this many KV layers.
     #[arg(long, hide = true, value_name = "N")]
     pub chaos_exit_after_kv_layers: Option<usize>,
     /// Fault injection for failure tests: the process exits after streaming this many tokens.
     #[arg(long, hide = true, value_name = "N")]
     pub chaos_exit_after_tokens: Option<usize>,
+}
+
+/// Security flags of the internal plane, shared by `baton router` and `baton worker` (the
+/// `[router]`/`[worker]` tables take the same keys).
+#[derive(Debug, Clone, Default, Args)]
+pub struct SecurityArgs {
+    /// File holding the cluster secret (>= 16 bytes; a trailing newline is ignored), the same
+    /// on the router and every worker: every internal call and KV hand-off proves it
+    #[arg(long, env = "BATON_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Allow binding a non-loopback address without a cluster secret (anyone who can reach
+    /// the ports can then join and call the cluster) [default: false]
+    #[arg(long, env = "BATON_INSECURE_CLUSTER", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub insecure_cluster: Option<bool>,
+    /// TLS certificate chain (PEM) this process presents on the internal plane (with --tls-key, --tls-ca)
+    #[arg(long, env = "BATON_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM) of --tls-cert
+    #[arg(long, env = "BATON_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificate (PEM) that signed every cluster member's certificate (mutual TLS)
+    #[arg(long, env = "BATON_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
 }
 
 /// `baton client ...`.
@@ -244,4 +299,7 @@ pub struct GrpcClientArgs {
     /// Request id (for `Abort` from another client).
     #[arg(long, default_value = "")]
     pub request_id: String,
+    /// API key of the server (sent as `authorization: Bearer KEY`).
+    #[arg(long, env = "BATON_API_KEY", value_name = "KEY")]
+    pub api_key: Option<String>,
 }

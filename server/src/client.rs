@@ -34,7 +34,12 @@ pub fn request(args: &GrpcClientArgs) -> GenerateRequest {
 pub async fn run(args: GrpcClientArgs) -> anyhow::Result<()> {
     let mut client =
         BatonClient::connect(args.addr.clone()).await.with_context(|| format!("cannot connect to {}", args.addr))?;
-    let mut stream = client.generate(request(&args)).await.context("Generate failed")?.into_inner();
+    let mut call = tonic::Request::new(request(&args));
+    if let Some(key) = &args.api_key {
+        let value = format!("Bearer {key}").parse().context("the API key must be printable ASCII")?;
+        call.metadata_mut().insert("authorization", value);
+    }
+    let mut stream = client.generate(call).await.context("Generate failed")?.into_inner();
     let mut stdout = std::io::stdout();
     while let Some(message) = stream.message().await.context("stream failed")? {
         match message.response {

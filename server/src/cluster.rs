@@ -3,14 +3,18 @@
 //!
 //! The router loads only the model's tokenizer, chat template and config (no weights): it
 //! validates, templates and tokenizes, then [`ClusterClient`] routes each request to a
-//! prefill/decode pair. `GET /workers` lists the pools for operators.
+//! prefill/decode pair. `GET /workers` lists the pools for operators (behind `--api-key`).
+//!
+//! Security: `--api-key` guards the public HTTP and gRPC APIs; the registry and the calls to
+//! workers are signed with the cluster secret and optionally run over mutual TLS
+//! ([`crate::cluster_security`]); binding a non-loopback address without a secret is refused.
 
 use crate::cluster_config::RouterSettings;
 use anyhow::{Context, bail};
 use baton_core::api::EngineInfo;
 use baton_formats::LoadFormat;
 use baton_router::cluster::{ClusterClient, Registry, RegistryService, RegistrySettings, policy_by_name};
-use baton_router::{Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -21,6 +25,7 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
     }
+    let security = crate::cluster_security::load(&s.security, "router", &s.host, "the worker registry")?;
     let format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let path = s.model.clone();
     let model = tokio::task::spawn_blocking(move || baton_formats::load_model_info(&path, format))
@@ -58,7 +63,7 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
     }));
     let policy = policy_by_name(&s.policy, s.prefix_load_weight)?;
     tracing::info!(policy = policy.name(), disagg_threshold = s.cluster.disagg_threshold, on_transfer_failure = ?s.cluster.on_transfer_failure, "routing");
-    let client = ClusterClient::new(registry.clone(), policy, s.cluster.clone(), info);
+    let client = ClusterClient::new(registry.clone(), policy, s.cluster.clone(), info, security.clone());
 
     let root = s.model.display().to_string();
     let name = s.served_model_name.clone().unwrap_or_else(|| root.clone());
@@ -69,16 +74,22 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         ServedModel { name, root },
         metrics,
     );
+    let api_key = ApiKey::from_config(s.api_key.as_deref());
     let workers_registry = registry.clone();
+    // Worker addresses are for operators: behind the API key like the rest of the API.
+    let workers = baton_router::auth::protect(
+        axum::Router::new().route(
+            "/workers",
+            axum::routing::get(move || {
+                let r = workers_registry.clone();
+                async move { axum::Json(r.describe()) }
+            }),
+        ),
+        api_key.clone(),
+    );
     let app =
         http_router(frontend.clone(), HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes })
-            .route(
-                "/workers",
-                axum::routing::get(move || {
-                    let r = workers_registry.clone();
-                    async move { axum::Json(r.describe()) }
-                }),
-            );
+            .merge(workers);
     let bind = |port: u16, what: &'static str| {
         let host = s.host.clone();
         async move {
@@ -99,13 +110,15 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
     let grpc = tonic::transport::Server::builder()
-        .add_service(GrpcService::new(frontend).into_server())
+        .add_service(GrpcService::new(frontend).into_server(api_key))
         .serve_with_incoming_shutdown(
             crate::listeners::grpc(grpc_listener),
             crate::serve::shutdown_signal(stop_rx.clone()),
         );
-    let registry_server = tonic::transport::Server::builder()
-        .add_service(RegistryService::new(registry.clone()).into_server())
+    let registry_server = security
+        .server()
+        .context("invalid --tls-cert/--tls-key/--tls-ca")?
+        .add_service(RegistryService::new(registry.clone(), security.clone()).into_server())
         .serve_with_incoming_shutdown(
             crate::listeners::grpc(registry_listener),
             crate::serve::shutdown_signal(stop_rx),

@@ -4,9 +4,12 @@
 //! A worker is a `serve` without the OpenAI API: its `[worker]` table takes every `[serve]`
 //! key (model, device, engine knobs; `port` is its `/health`+`/metrics` port and `grpc_port`
 //! its Worker service's, both 0 = any free port by default) plus `role`, `router`,
-//! `kv_port`, `advertise_host` and `kv_deadline_ms`. Unknown keys are errors in both tables.
+//! `kv_port`, `advertise_host`, `kv_deadline_ms` and `kv_transport`. Both tables also take the
+//! internal plane's security keys (`cluster_secret_file`, `insecure_cluster`, `tls_cert`,
+//! `tls_key`, `tls_ca`: [`crate::cluster_security`]). Unknown keys are errors in both tables.
 
 use crate::cli::{RouterArgs, WorkerArgs};
+use crate::cluster_security::{SECURITY_KEYS, SecurityError, SecurityFile, SecuritySettings};
 use crate::config::{ConfigError, ConfigFile, DEFAULT_MODEL, ServeFile, resolve};
 use crate::worker::WorkerSettings;
 use baton_router::cluster::{ClusterSettings, Role, TransferFailurePolicy};
@@ -63,6 +66,28 @@ pub struct RouterFile {
     pub min_prefill_workers: Option<usize>,
     /// See `--min-decode-workers`.
     pub min_decode_workers: Option<usize>,
+    /// See `--cluster-secret-file`.
+    pub cluster_secret_file: Option<PathBuf>,
+    /// See `--insecure-cluster`.
+    pub insecure_cluster: Option<bool>,
+    /// See `--tls-cert`.
+    pub tls_cert: Option<PathBuf>,
+    /// See `--tls-key`.
+    pub tls_key: Option<PathBuf>,
+    /// See `--tls-ca`.
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl RouterFile {
+    fn security(&self) -> SecurityFile {
+        SecurityFile {
+            cluster_secret_file: self.cluster_secret_file.clone(),
+            insecure_cluster: self.insecure_cluster,
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            tls_ca: self.tls_ca.clone(),
+        }
+    }
 }
 
 /// Fully resolved router settings.
@@ -100,6 +125,8 @@ pub struct RouterSettings {
     pub eject_after: Duration,
     /// Routing and hand-off behaviour.
     pub cluster: ClusterSettings,
+    /// Cluster secret and TLS of the internal plane.
+    pub security: SecuritySettings,
 }
 
 /// A router or worker setting that does not parse.
@@ -108,6 +135,9 @@ pub enum ClusterConfigError {
     /// The config file.
     #[error(transparent)]
     File(#[from] ConfigError),
+    /// A security setting.
+    #[error(transparent)]
+    Security(#[from] SecurityError),
     /// A value out of its domain.
     #[error("invalid {key}: {message}")]
     Invalid {
@@ -180,6 +210,7 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
             min_prefill_workers: args.min_prefill_workers.or(file.min_prefill_workers).unwrap_or(d.min_prefill_workers),
             min_decode_workers: args.min_decode_workers.or(file.min_decode_workers).unwrap_or(d.min_decode_workers),
         },
+        security: crate::cluster_security::resolve(&args.security, &file.security())?,
     })
 }
 
@@ -203,6 +234,10 @@ struct WorkerOwn {
 
 const WORKER_KEYS: [&str; 6] = ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms", "kv_transport"];
 
+fn split_table(table: &toml::Table, keys: &[&str]) -> (toml::Table, toml::Table) {
+    table.clone().into_iter().partition(|(k, _)| keys.contains(&k.as_str()))
+}
+
 /// Resolves `baton worker` settings from flags/env and a `[worker]` table (`path` names the
 /// file in errors).
 pub fn worker_settings(
@@ -210,11 +245,12 @@ pub fn worker_settings(
     table: &toml::Table,
     path: &Path,
 ) -> Result<WorkerSettings, ClusterConfigError> {
-    let (own, rest): (toml::Table, toml::Table) =
-        table.clone().into_iter().partition(|(k, _)| WORKER_KEYS.contains(&k.as_str()));
+    let (own, rest) = split_table(table, &WORKER_KEYS);
+    let (security, rest) = split_table(&rest, &SECURITY_KEYS);
     let parse_err =
         |e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), message: format!("[worker]: {e}") };
     let own: WorkerOwn = own.try_into().map_err(parse_err)?;
+    let security: SecurityFile = security.try_into().map_err(parse_err)?;
     let mut serve_file: ServeFile = rest.try_into().map_err(parse_err)?;
     // Workers register their real addresses, so any free port is a fine default.
     serve_file.port = serve_file.port.or(Some(0));
@@ -244,6 +280,7 @@ pub fn worker_settings(
             "nccl" => crate::worker::KvTransportKind::Nccl,
             other => return Err(invalid("kv_transport", format!("{other:?}: expected tcp or nccl"))),
         },
+        security: crate::cluster_security::resolve(&args.security, &security)?,
         chaos: crate::worker::Chaos {
             exit_after_kv_layers: args.chaos_exit_after_kv_layers,
             exit_after_tokens: args.chaos_exit_after_tokens,
@@ -347,5 +384,24 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn both_tables_take_the_security_keys() {
+        let text = "[router]\ncluster_secret_file = \"/s\"\ntls_cert = \"c\"\ntls_key = \"k\"\ntls_ca = \"a\"\n\
+                    [worker]\nrole = \"decode\"\nrouter = \"x:1\"\ncluster_secret_file = \"/s\"\ninsecure_cluster = true\n";
+        let file = ConfigFile::parse(text, Path::new("s.toml")).expect("parses");
+        let r = router_settings(&router_args(&[]), &file.router).expect("router");
+        assert_eq!(r.security.cluster_secret_file, Some(PathBuf::from("/s")));
+        assert!(r.security.tls.is_some() && !r.security.insecure_cluster);
+        let r = router_settings(&router_args(&["--cluster-secret-file", "/flag"]), &file.router).expect("router");
+        assert_eq!(r.security.cluster_secret_file, Some(PathBuf::from("/flag")), "the flag wins");
+        let w = worker_settings(&worker_args(&[]), &file.worker, Path::new("s.toml")).expect("worker");
+        assert_eq!(w.security.cluster_secret_file, Some(PathBuf::from("/s")));
+        assert!(w.security.insecure_cluster && w.security.tls.is_none());
+        let partial: toml::Table =
+            toml::from_str("role = \"decode\"\nrouter = \"x:1\"\ntls_cert = \"c\"\n").expect("toml");
+        let err = worker_settings(&worker_args(&[]), &partial, Path::new("s.toml")).expect_err("partial TLS");
+        assert!(err.to_string().contains("--tls-key, --tls-ca"), "{err}");
     }
 }

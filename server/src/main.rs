@@ -5,16 +5,20 @@ mod cli;
 mod client;
 mod cluster;
 mod cluster_config;
+mod cluster_security;
 mod config;
+mod kernels;
 mod listeners;
 mod serve;
 mod worker;
 
 use clap::Parser;
-use cli::{Cli, ClientCommand, Command};
+use cli::{Cli, ClientCommand, Command, KernelsCommand};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
+    // Start-up phases are timed from here (`startup phase phase=total` in the log).
+    let started = std::time::Instant::now();
     let cli = Cli::parse();
     // NVLink SHARP (NVLS) multicast must stay off on the machines Baton's NCCL links run on;
     // an operator's explicit setting wins. Set here, before any thread or NCCL call exists.
@@ -31,7 +35,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let settings = config::settings(&args)?;
-            runtime.block_on(serve::run(settings))
+            runtime.block_on(serve::run(settings, started))
         }
         Command::Router(args) => {
             let settings = cluster_config::router(&args)?;
@@ -39,8 +43,9 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Worker(args) => {
             let settings = cluster_config::worker(&args)?;
-            runtime.block_on(worker::run(settings))
+            runtime.block_on(worker::run(settings, started))
         }
         Command::Client(ClientCommand::Grpc(args)) => runtime.block_on(client::run(args)),
+        Command::Kernels(KernelsCommand::Build(args)) => kernels::build(&args),
     }
 }

@@ -1,5 +1,6 @@
 //! `baton serve`: load the model, start the engine, and serve the OpenAI-compatible HTTP API
-//! and the public gRPC API from one process until SIGINT/SIGTERM.
+//! and the public gRPC API from one process until SIGINT/SIGTERM. `--api-key` guards both;
+//! there is no internal plane here, so no cluster secret.
 //!
 //! Startup logs name the device, the model, the KV capacity (blocks and tokens) and the bound
 //! addresses (the real ports, also when 0 asked for any free port).
@@ -9,7 +10,7 @@ use anyhow::{Context, bail};
 use baton_core::api::EngineClient;
 use baton_engine::{DeviceSpec, EngineConfig};
 use baton_formats::LoadFormat;
-use baton_router::{Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
+use baton_router::{ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -34,6 +35,22 @@ pub fn engine_config(s: &ServeSettings) -> EngineConfig {
         async_scheduling: s.async_scheduling,
         ..d
     }
+}
+
+/// Reads the model's files (config, tokenizer, chat template, weight headers) off the async
+/// runtime, logging the `config_tokenizer` start-up phase.
+pub(crate) async fn load_model(
+    path: &std::path::Path,
+    format: LoadFormat,
+) -> anyhow::Result<baton_formats::LoadedModel> {
+    let t0 = std::time::Instant::now();
+    let owned = path.to_path_buf();
+    let model = tokio::task::spawn_blocking(move || baton_formats::load_model(&owned, format))
+        .await
+        .context("model loading panicked")?
+        .with_context(|| format!("cannot load model {}", path.display()))?;
+    baton_engine::log_phase("config_tokenizer", t0);
+    Ok(model)
 }
 
 pub(crate) async fn shutdown_signal(mut stop: watch::Receiver<bool>) {
@@ -62,8 +79,9 @@ pub(crate) async fn wait_for_termination() {
     }
 }
 
-/// Runs the unified server until a termination signal.
-pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
+/// Runs the unified server until a termination signal; `started` is when the process
+/// started (the start-up log's total is measured from it).
+pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow::Result<()> {
     if settings.model_is_default && !settings.model.exists() {
         bail!(
             "the default model {DEFAULT_MODEL} was not found (relative to {}); run scripts/fetch-default-model.sh to fetch it, or pass --model",
@@ -73,11 +91,7 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
     let load_format: LoadFormat = settings.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = settings.device.parse().context("invalid --device")?;
     tracing::info!(model = %settings.model.display(), format = %settings.load_format, "loading model");
-    let path = settings.model.clone();
-    let model = tokio::task::spawn_blocking(move || baton_formats::load_model(&path, load_format))
-        .await
-        .context("model loading panicked")?
-        .with_context(|| format!("cannot load model {}", settings.model.display()))?;
+    let model = load_model(&settings.model, load_format).await?;
     let tokenizer = model
         .tokenizer
         .clone()
@@ -134,8 +148,11 @@ pub async fn run(settings: ServeSettings) -> anyhow::Result<()> {
     let http = axum::serve(crate::listeners::http(http_listener), app)
         .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
     let grpc = tonic::transport::Server::builder()
-        .add_service(GrpcService::new(frontend).into_server())
+        .add_service(GrpcService::new(frontend).into_server(ApiKey::from_config(settings.api_key.as_deref())))
         .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx));
+    // Logged before the servers run, so the line is in the log before the first /health 200
+    // (what tests and `bench_startup` read); spawning them is all that is left.
+    baton_engine::log_phase("total", started);
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
     wait_for_termination().await;

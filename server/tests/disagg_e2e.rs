@@ -9,325 +9,29 @@
 //!   it, and the next request completes on the other decode worker.
 //! - `prefix_aware` sends a repeated long prefix to the prefill worker that holds it; that
 //!   worker's `/metrics` shows the hits, the other's none.
+//! - With a cluster secret (and with mutual TLS on top), 1P1D gives the same greedy output.
+
+mod common;
 
 use baton_formats::testing::{TinySpec, write_hf_folder};
+use common::*;
 use serde_json::{Value, json};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const STARTUP: Duration = Duration::from_secs(120);
-const MODEL: &str = "tiny";
-const MAX_TOKENS: usize = 24;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
-}
-
-fn configs() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
-}
-
-/// A `baton` child process, killed when dropped.
-struct Proc {
-    child: Child,
-    log: PathBuf,
-    /// Its HTTP base URL.
-    http: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn spawn(dir: &Path, tag: &str, args: &[String]) -> Proc {
-        let port = free_port();
-        let log = dir.join(format!("{tag}-{port}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_baton"))
-            .args(args)
-            .args(["--port".to_owned(), port.to_string()])
-            .current_dir(dir)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn baton");
-        Proc { child, log, http: format!("http://127.0.0.1:{port}") }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    async fn wait_healthy(&mut self, http: &reqwest::Client) {
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            if let Some(status) = self.exited() {
-                panic!("{} exited with {status}:\n{}", self.log.display(), self.log_text());
-            }
-            if let Ok(r) = http.get(format!("{}/health", self.http)).send().await
-                && r.status().is_success()
-            {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{} never became healthy:\n{}", self.log.display(), self.log_text());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn metric(&self, http: &reqwest::Client, series: &str) -> f64 {
-        let text = http.get(format!("{}/metrics", self.http)).send().await.expect("metrics").text().await.expect("t");
-        text.lines()
-            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{series} missing in:\n{text}"))
-    }
-
-    /// Waits until the worker holds no KV blocks and runs nothing (the no-leak check).
-    async fn assert_idle(&self, http: &reqwest::Client) {
-        let l = format!("{{model_name=\"{MODEL}\"}}");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let used = self.metric(http, &format!("baton_kv_blocks_used{l}")).await;
-            let running = self.metric(http, &format!("vllm:num_requests_running{l}")).await;
-            let waiting = self.metric(http, &format!("vllm:num_requests_waiting{l}")).await;
-            if used == 0.0 && running == 0.0 && waiting == 0.0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: {used} blocks used, {running} running, {waiting} waiting",
-                self.http
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-fn model_args(model: &Path) -> Vec<String> {
-    [
-        "--model",
-        model.to_str().expect("utf8"),
-        "--served-model-name",
-        MODEL,
-        "--max-model-len",
-        "512",
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
-        "--block-size",
-        "16",
-        "--num-kv-blocks",
-        "64",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// A router and its workers.
-struct Cluster {
-    router: Proc,
-    prefill: Vec<Proc>,
-    decode: Vec<Proc>,
-    http: reqwest::Client,
-}
-
-impl Cluster {
-    /// Starts a router from `config` (ports overridden) plus workers; `extra_p`/`extra_d`
-    /// give per-worker extra flags (fault injection).
-    async fn start(
-        dir: &Path,
-        model: &Path,
-        config: &str,
-        router_flags: &[&str],
-        extra_p: &[Vec<&str>],
-        extra_d: &[Vec<&str>],
-    ) -> Cluster {
-        let http = reqwest::Client::new();
-        let registry = free_port();
-        let config = configs().join(config);
-        let mut router_args: Vec<String> = vec!["router".into(), "--config".into(), config.display().to_string()];
-        router_args.extend(
-            [
-                "--model",
-                model.to_str().expect("utf8"),
-                "--served-model-name",
-                MODEL,
-                "--max-model-len",
-                "512",
-                "--grpc-port",
-                "0",
-                "--heartbeat-interval-ms",
-                "200",
-                "--eject-after-ms",
-                "1500",
-                "--kv-deadline-ms",
-                "5000",
-                "--idle-timeout-ms",
-                "20000",
-                "--min-prefill-workers",
-                &extra_p.len().to_string(),
-                "--min-decode-workers",
-                &extra_d.len().to_string(),
-            ]
-            .iter()
-            .map(|s| s.to_string()),
-        );
-        router_args.extend(["--registry-port".into(), registry.to_string()]);
-        router_args.extend(router_flags.iter().map(|s| s.to_string()));
-        let router = Proc::spawn(dir, "router", &router_args);
-        let worker = |role: &str, i: usize, extra: &[&str]| {
-            let mut args: Vec<String> =
-                vec!["worker".into(), "--config".into(), config.display().to_string(), "--role".into(), role.into()];
-            args.extend(model_args(model));
-            args.extend(["--router".into(), format!("http://127.0.0.1:{registry}")]);
-            args.extend(extra.iter().map(|s| s.to_string()));
-            Proc::spawn(dir, &format!("{role}{i}"), &args)
-        };
-        let mut c = Cluster { router, prefill: Vec::new(), decode: Vec::new(), http };
-        // Decode workers first, in order, so registry ids (and tie-breaks) follow this order.
-        for (i, extra) in extra_d.iter().enumerate() {
-            let mut w = worker("decode", i, extra);
-            w.wait_healthy(&c.http).await;
-            c.wait_workers(0, i + 1).await;
-            c.decode.push(w);
-        }
-        for (i, extra) in extra_p.iter().enumerate() {
-            let mut w = worker("prefill", i, extra);
-            w.wait_healthy(&c.http).await;
-            c.wait_workers(i + 1, extra_d.len()).await;
-            c.prefill.push(w);
-        }
-        let http = c.http.clone();
-        c.router.wait_healthy(&http).await;
-        c
-    }
-
-    async fn workers(&self) -> Vec<Value> {
-        let r = self.http.get(format!("{}/workers", self.router.http)).send().await.expect("workers");
-        r.json::<Vec<Value>>().await.expect("json")
-    }
-
-    async fn wait_workers(&mut self, prefill: usize, decode: usize) {
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            if let Some(status) = self.router.exited() {
-                panic!("router exited with {status}:\n{}", self.router.log_text());
-            }
-            if let Ok(r) = self.http.get(format!("{}/workers", self.router.http)).send().await
-                && let Ok(ws) = r.json::<Vec<Value>>().await
-            {
-                let n = |role: &str| ws.iter().filter(|w| w["role"] == role).count();
-                if n("prefill") == prefill && n("decode") == decode {
-                    return;
-                }
-            }
-            assert!(Instant::now() < deadline, "workers did not register:\n{}", self.router.log_text());
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    fn all_workers(&self) -> impl Iterator<Item = &Proc> {
-        self.prefill.iter().chain(&self.decode)
-    }
-}
-
-fn prompts(vocab: u32) -> Vec<Vec<u32>> {
-    // Lengths around the block size (16), deterministic contents.
-    [3usize, 15, 16, 17, 40, 90]
-        .iter()
-        .enumerate()
-        .map(|(i, &n)| (0..n).map(|j| ((i * 7919 + j * 104_729 + 11) as u32) % vocab).collect())
-        .collect()
-}
-
-fn completion(prompt: &[u32], stream: bool) -> Value {
-    json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true,
-           "logprobs": 2, "stream": stream})
-}
-
-/// Text and per-token logprobs of a completion, non-streaming or streaming.
-async fn complete(http: &reqwest::Client, base: &str, prompt: &[u32], stream: bool) -> (String, Vec<f64>) {
-    let r = http.post(format!("{base}/v1/completions")).json(&completion(prompt, stream)).send().await.expect("send");
-    let status = r.status().as_u16();
-    let text = r.text().await.expect("body");
-    assert_eq!(status, 200, "{text}");
-    let lps = |c: &Value| -> Vec<f64> {
-        c["logprobs"]["token_logprobs"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_f64).collect())
-            .unwrap_or_default()
-    };
-    if !stream {
-        let v: Value = serde_json::from_str(&text).expect("json");
-        let c = &v["choices"][0];
-        assert_eq!(v["usage"]["completion_tokens"], MAX_TOKENS, "{v}");
-        return (c["text"].as_str().expect("text").to_owned(), lps(c));
-    }
-    let mut out = String::new();
-    let mut lp = Vec::new();
-    let events: Vec<&str> = text.split("\n\n").filter_map(|e| e.trim().strip_prefix("data: ")).collect();
-    assert_eq!(events.last(), Some(&"[DONE]"), "{text}");
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).expect("chunk");
-        assert!(v.get("error").is_none(), "stream error: {v}");
-        let c = &v["choices"][0];
-        out.push_str(c["text"].as_str().unwrap_or(""));
-        lp.extend(lps(c));
-    }
-    (out, lp)
-}
-
-/// Same text (so the same greedy tokens) and the same logprobs up to float rounding: a
-/// prefix-cache hit changes the order of the attention sums, not the tokens.
-fn assert_same(got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str) {
-    assert_eq!(got.0, want.0, "{what}: text differs");
-    assert_eq!(got.1.len(), want.1.len(), "{what}: logprob count");
-    for (i, (a, b)) in got.1.iter().zip(&want.1).enumerate() {
-        assert!((a - b).abs() < 1e-4, "{what}: logprob {i} is {a}, serve gave {b}");
-    }
-}
-
-async fn reference(dir: &Path, model: &Path, ps: &[Vec<u32>]) -> Vec<(String, Vec<f64>)> {
-    let mut args: Vec<String> = vec!["serve".into(), "--grpc-port".into(), "0".into()];
-    args.extend(model_args(model));
-    let mut serve = Proc::spawn(dir, "serve", &args);
-    let http = reqwest::Client::new();
-    serve.wait_healthy(&http).await;
-    let mut out = Vec::new();
-    for p in ps {
-        let r = complete(&http, &serve.http, p, false).await;
-        assert_same(&complete(&http, &serve.http, p, true).await, &r, "serve: streaming vs not");
-        out.push(r);
-    }
-    out
-}
-
-fn tiny(dir: &Path) -> (PathBuf, u32) {
-    let spec = TinySpec::llama();
-    let path = write_hf_folder(&dir.join("model"), &spec).expect("tiny model");
-    (path, spec.vocab_size as u32)
-}
-
 async fn disaggregated_matches_serve(config: &str, n: usize) {
+    disaggregated_matches_serve_with(config, n, |_| Vec::new()).await;
+}
+
+/// As [`disaggregated_matches_serve`], with `flags(dir)` given to the router and every worker.
+async fn disaggregated_matches_serve_with(config: &str, n: usize, flags: impl FnOnce(&std::path::Path) -> Vec<String>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let (model, vocab) = tiny(dir.path());
     let ps = prompts(vocab);
     let want = reference(dir.path(), &model, &ps).await;
-    let none: Vec<Vec<&str>> = vec![vec![]; n];
-    let c = Cluster::start(dir.path(), &model, config, &[], &none, &none).await;
+    let flags = flags(dir.path());
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let each: Vec<Vec<&str>> = vec![flags.clone(); n];
+    let c = Cluster::start(dir.path(), &model, config, &flags, &each, &each).await;
     for round in 0..2 {
         for (p, w) in ps.iter().zip(&want) {
             for stream in [false, true] {
@@ -338,6 +42,11 @@ async fn disaggregated_matches_serve(config: &str, n: usize) {
     }
     let workers = c.workers().await;
     assert_eq!(workers.len(), 2 * n, "{workers:?}");
+    let tls = flags.contains(&"--tls-cert");
+    for w in &workers {
+        let url = w["url"].as_str().expect("url");
+        assert_eq!(url.starts_with("https://"), tls, "worker URLs follow the TLS setting: {url}");
+    }
     for w in c.all_workers() {
         w.assert_idle(&c.http).await;
     }
@@ -358,29 +67,22 @@ async fn two_prefill_two_decode_matches_serve() {
     disaggregated_matches_serve("2p2d.toml", 2).await;
 }
 
-/// Waits until the router's pools hold `prefill` and `decode` workers (after an ejection).
-async fn wait_pools(c: &Cluster, prefill: usize, decode: usize, within: Duration) {
-    let deadline = Instant::now() + within;
-    loop {
-        let ws = c.workers().await;
-        let n = |role: &str| ws.iter().filter(|w| w["role"] == role).count();
-        if n("prefill") == prefill && n("decode") == decode {
-            return;
-        }
-        assert!(Instant::now() < deadline, "pools never became {prefill}P{decode}D: {ws:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prefill_one_decode_with_a_cluster_secret_matches_serve() {
+    disaggregated_matches_serve_with("1p1d.toml", 1, |dir| {
+        vec!["--cluster-secret-file".into(), secret_file(dir, "cluster.secret").display().to_string()]
+    })
+    .await;
 }
 
-async fn wait_exit(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(s) = p.exited() {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "{} did not exit:\n{}", p.http, p.log_text());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_prefill_one_decode_over_mutual_tls_with_a_secret_matches_serve() {
+    disaggregated_matches_serve_with("1p1d.toml", 1, |dir| {
+        let mut flags = tls_flags(dir);
+        flags.extend(["--cluster-secret-file".into(), secret_file(dir, "cluster.secret").display().to_string()]);
+        flags
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

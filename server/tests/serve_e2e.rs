@@ -439,3 +439,79 @@ fn help_lists_every_flag() {
     let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(["client", "grpc", "--help"]).output().expect("run");
     assert!(String::from_utf8_lossy(&out.stdout).contains("--prompt"));
 }
+
+/// Every start-up phase is logged once, in the format `bench_startup` reads back, and the
+/// total (process start to healthy) covers the phases before it.
+#[tokio::test]
+async fn startup_phases_are_logged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tiny_model(dir.path());
+    let s =
+        Serve::start(dir.path(), MODEL, &["--model", model.to_str().expect("utf8"), "--served-model-name", MODEL], &[])
+            .await;
+    let log = s.log_text();
+    let phase_ms = |phase: &str| -> f64 {
+        let tag = format!("phase=\"{phase}\" ms=");
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("startup phase") && l.contains(&tag)).collect();
+        assert_eq!(lines.len(), 1, "phase {phase} logged {} times:\n{log}", lines.len());
+        let rest = &lines[0][lines[0].find(&tag).expect("tag") + tag.len()..];
+        rest.split(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("ms of {phase}: {}", lines[0]))
+    };
+    let (files, weights, kv, engine, total) = (
+        phase_ms("config_tokenizer"),
+        phase_ms("weights"),
+        phase_ms("kv_cache"),
+        phase_ms("engine"),
+        phase_ms("total"),
+    );
+    assert!(engine >= weights && engine >= kv, "engine {engine} ms covers weights {weights} and kv {kv}");
+    assert!(total >= files + engine - 2.0, "total {total} ms covers files {files} + engine {engine}");
+    // The tiny model's tensors: embeddings, norm, head and 9 per layer (2 layers, no biases).
+    assert!(log.contains("tensors=21"), "{log}");
+}
+
+#[test]
+fn kernels_build_is_documented_and_refuses_unknown_architectures() {
+    let out = Command::new(env!("CARGO_BIN_EXE_baton")).args(["kernels", "build", "--help"]).output().expect("run");
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in ["--arch", "--out", "sm_90a", "BATON_KERNEL_CACHE_DIR"] {
+        assert!(help.contains(flag), "{flag} missing from kernels build --help:\n{help}");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = dir.path().join("kernels");
+    let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+        .args(["kernels", "build", "--arch", "hopper", "--out", cache.to_str().expect("utf8")])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("unknown architecture \"hopper\""), "{stderr}");
+    assert!(!cache.exists(), "nothing is written for a refused architecture");
+}
+
+/// `baton kernels build` fills a cache (NVRTC only, no device), and a second run finds every
+/// module there.
+#[test]
+fn gpu_kernels_build_fills_a_cache() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = dir.path().join("kernels");
+    let build = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_baton"))
+            .args(["kernels", "build", "--arch", "sm_90a"])
+            .env("BATON_KERNEL_CACHE_DIR", &cache)
+            .output()
+            .expect("run");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let first = build();
+    assert!(first.contains("0 already there"), "{first}");
+    let cubins = std::fs::read_dir(&cache)
+        .expect("cache")
+        .filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "cubin")))
+        .count();
+    assert!(cubins >= 10, "{cubins} modules in the cache:\n{first}");
+    let second = build();
+    assert!(second.contains(&format!("(0 compiled, {cubins} already there)")), "{second}");
+}

@@ -131,5 +131,17 @@ def test_bad_requests_raise_the_right_error_classes(client):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", top_p=5)
+    # Parameters the server does not honour are refused by name, never dropped.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    for kw, param in [
+        (dict(tools=[tool], tool_choice="required"), ("tools", "tool_choice")),
+        (dict(tools=[tool]), ("tools",)),
+        (dict(response_format={"type": "json_object"}), ("response_format",)),
+        (dict(extra_body={"guided_json": {"type": "object"}}), ("guided_json",)),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, **kw)
+        assert e.value.param in param, (kw, e.value.message)
+        assert e.value.param in e.value.message
     # Still serving.
     assert chat(client).choices[0].message.role == "assistant"

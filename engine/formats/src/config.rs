@@ -98,7 +98,9 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Optional RoPE scaling.
     pub rope_scaling: Option<RopeScaling>,
-    /// Longest context the model supports.
+    /// Longest context the model supports: the config's `max_position_embeddings`, capped at
+    /// an active `sliding_window` (Mistral's, or Qwen2's when `use_sliding_window` puts a layer
+    /// under it), since attention here is always over the whole context.
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
@@ -288,7 +290,16 @@ impl ModelConfig {
             rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: opt_usize("max_position_embeddings").unwrap_or(2048),
+            max_position_embeddings: {
+                let declared = opt_usize("max_position_embeddings").unwrap_or(2048);
+                // Attention over the whole context equals sliding-window attention only up to
+                // the window, and there is no windowed attention here: the context is capped
+                // at the window rather than giving wrong tokens past it.
+                match active_sliding_window(&v, architecture, req("num_hidden_layers")?) {
+                    Some(window) if window < declared => window.max(1),
+                    _ => declared,
+                }
+            },
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             attention_bias,
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
@@ -392,6 +403,28 @@ fn parse_rope_scaling(s: &Value, path: &Path) -> Result<Option<RopeScaling>, For
 /// An f32 as the JSON number with its shortest decimal form (`1e-5`, not `9.99999974e-6`).
 fn f32_json(x: f32) -> Value {
     x.to_string().parse::<f64>().map(Value::from).unwrap_or(Value::Null)
+}
+
+/// The sliding window a config puts on at least one layer, if any: Mistral's `sliding_window`
+/// applies to every layer; Qwen2's only with `use_sliding_window`, to the layers from
+/// `max_window_layers` on (or those `layer_types` marks `sliding_attention`).
+fn active_sliding_window(v: &Value, architecture: Architecture, num_layers: usize) -> Option<usize> {
+    let window = v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize)?;
+    let marked = v
+        .get("layer_types")
+        .and_then(Value::as_array)
+        .map(|types| types.iter().any(|t| t.as_str() == Some("sliding_attention")));
+    let active = match architecture {
+        Architecture::Mistral => marked.unwrap_or(true),
+        Architecture::Qwen2 => {
+            v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
+                && marked.unwrap_or_else(|| {
+                    v.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize) < num_layers
+                })
+        }
+        Architecture::Llama => marked.unwrap_or(false),
+    };
+    active.then_some(window)
 }
 
 /// Reads an int, a list of ints, or null as a list of token ids.

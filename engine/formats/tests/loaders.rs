@@ -329,6 +329,46 @@ fn transformers_v5_rope_parameters_are_understood() {
 }
 
 #[test]
+fn an_active_sliding_window_caps_the_context() {
+    // Attention here is over the whole context, which equals windowed attention only up to the
+    // window: a config whose window is active must not serve contexts past it.
+    let base = |extra: serde_json::Value| {
+        let mut v = serde_json::json!({
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "vocab_size": 300,
+            "max_position_embeddings": 32768
+        });
+        for (k, x) in extra.as_object().expect("object") {
+            v[k] = x.clone();
+        }
+        ModelConfig::from_hf_json(&v, Path::new("config.json")).expect("parse").max_position_embeddings
+    };
+    use serde_json::json;
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096})), 4096);
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": null})), 32768);
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 65536})), 32768);
+    // Qwen2: only with use_sliding_window, and only if a layer is at or past max_window_layers.
+    assert_eq!(base(json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": false})), 32768);
+    assert_eq!(
+        base(
+            json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true, "max_window_layers": 4})
+        ),
+        32768
+    );
+    assert_eq!(
+        base(
+            json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true, "max_window_layers": 2})
+        ),
+        4096
+    );
+    // transformers 5's layer_types says which layers are windowed.
+    let full = json!(["full_attention", "full_attention", "full_attention", "full_attention"]);
+    let one = json!(["full_attention", "full_attention", "full_attention", "sliding_attention"]);
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096, "layer_types": full})), 32768);
+    assert_eq!(base(json!({"model_type": "llama", "sliding_window": 4096, "layer_types": one})), 4096);
+}
+
+#[test]
 fn dummy_get_in_every_dtype_matches_its_f32_values() {
     let spec = TinySpec::qwen2();
     for dtype in [DType::F32, DType::F16, DType::BF16] {

@@ -13,17 +13,18 @@
 //! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
+use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart, WeightUploadReport};
 use baton_core::api::TokenLogprob;
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
-use baton_formats::CounterInit;
+use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvGeometry,
     LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
-    SiluMulCall, StepIds, StepMeta, bf16, gemv_supports,
+    SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
+use baton_kernels::cuda::{HostDType, HostTensor};
 
 /// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
 ///
@@ -44,8 +45,21 @@ fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
 /// The implementation of a product of `m` rows over `k` columns: the skinny GEMM (its default
 /// variant) where [`gemv_applies`], else cuBLAS.
 fn linear_kernel(gemv: bool, m: usize, k: usize) -> LinearKernel {
-    if gemv_applies(gemv, m, k) { LinearKernel::GEMV } else { LinearKernel::Cublas }
+    if gemv_applies(gemv, m, k) {
+        LinearKernel::GEMV
+    } else if gemv && m <= TUNED_MAX_M {
+        // Batched decode: cuBLASLt's algorithm measured fastest per shape (the skinny GEMM's
+        // switch turns this off too: `--cublas` compares against plain cuBLAS).
+        LinearKernel::Tuned
+    } else {
+        LinearKernel::Cublas
+    }
 }
+
+/// Most rows whose products go to [`LinearKernel::Tuned`]: decode batches (graphs pad them
+/// to at most 512); prefill chunks, which are larger, keep plain cuBLAS (compute-bound, where
+/// it does well, and too many distinct shapes to time each).
+const TUNED_MAX_M: usize = 512;
 
 impl From<CudaError> for BackendError {
     fn from(e: CudaError) -> Self {
@@ -118,6 +132,9 @@ pub struct CudaBackend {
     /// Events of the step being profiled, one per [`Backend::mark`] (see
     /// [`CudaBackend::profile_begin`]); `None` when not profiling.
     profile: Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+    /// The page-locked ring stored weights stream through while a model loads (created by
+    /// the first [`Backend::upload_mat_raw`], freed by [`Backend::finish_weights`]).
+    uploader: Option<WeightUploader>,
 }
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
@@ -174,19 +191,39 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 impl CudaBackend {
     /// Opens the device in `opts` and compiles (or loads from the cache) the kernels.
     pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
+        let opened = std::time::Instant::now();
         let dev = CudaDevice::open(opts)?;
         let meta = StepMeta::new(&dev)?;
         let ids = StepIds::new(&dev)?;
         let rows = dev.alloc(64)?;
         let logits = dev.alloc(1)?;
         let sample_bufs = SampleBuffers::new(&dev)?;
+        for m in dev.module_reports() {
+            tracing::info!(
+                module = %m.name,
+                from_cache = m.from_cache,
+                ms = format_args!("{:.0}", m.ms),
+                bytes = m.bytes,
+                "kernel module"
+            );
+        }
         let (ms, cached) = dev.module_load();
+        let hits = dev.module_reports().iter().filter(|m| m.from_cache).count();
         tracing::info!(
+            phase = "kernels",
+            ms = format_args!("{ms:.0}"),
+            modules = dev.module_reports().len(),
+            from_cache = hits,
+            all_cached = cached,
+            arch = dev.arch(),
+            "startup phase"
+        );
+        tracing::info!(
+            phase = "device",
+            ms = format_args!("{:.0}", opened.elapsed().as_secs_f64() * 1e3 - ms),
             device = dev.name(),
             arch = dev.arch(),
-            module_ms = ms,
-            from_cache = cached,
-            "CUDA backend ready"
+            "startup phase"
         );
         Ok(Self {
             dev,
@@ -206,6 +243,7 @@ impl CudaBackend {
             sample_logprobs: Vec::new(),
             graphs: graph::GraphState::new(),
             profile: None,
+            uploader: None,
         })
     }
 
@@ -230,6 +268,35 @@ impl CudaBackend {
             self.dev.fill_counter(&mut data, offset, rows * cols, (init.key, init.mean, init.amp))?;
             offset += rows * cols;
         }
+        Ok(data)
+    }
+
+    /// A new bf16 buffer of `len` elements filled from the stored tensors `parts`, stacked,
+    /// through the weight ring (the copies may still be in flight on return; they precede
+    /// every later op on the stream).
+    fn stream_weights(
+        &mut self,
+        op: &'static str,
+        parts: &[TensorView<'_>],
+        len: usize,
+    ) -> Result<CudaSlice<bf16>, BackendError> {
+        let host: Vec<HostTensor<'_>> = parts
+            .iter()
+            .map(|t| HostTensor {
+                bytes: &t.bytes,
+                dtype: match t.dtype {
+                    DType::BF16 => HostDType::Bf16,
+                    DType::F16 => HostDType::F16,
+                    DType::F32 => HostDType::F32,
+                },
+            })
+            .collect();
+        let have: usize = host.iter().map(HostTensor::len).sum();
+        if have != len || parts.iter().any(|t| t.bytes.len() != t.numel() * t.dtype.size()) {
+            return Err(kerr(op, format!("{have} stored values for {len} elements")));
+        }
+        let mut data = self.dev.alloc::<bf16>(len)?;
+        self.uploader.get_or_insert_with(WeightUploader::default).upload(&self.dev, &host, &mut data)?;
         Ok(data)
     }
 
@@ -358,6 +425,26 @@ impl Backend for CudaBackend {
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {
         Ok(CudaBuf { data: self.dev.upload(&to_bf16(&data))?, len: data.len() })
+    }
+
+    fn upload_mat_raw(&mut self, parts: &[TensorView<'_>], rows: usize, cols: usize) -> Result<CudaMat, BackendError> {
+        Ok(CudaMat { data: self.stream_weights("upload_mat_raw", parts, rows * cols)?, rows, cols })
+    }
+
+    fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<CudaBuf, BackendError> {
+        let len = parts.iter().map(TensorView::numel).sum();
+        Ok(CudaBuf { data: self.stream_weights("upload_vec_raw", parts, len)?, len })
+    }
+
+    fn finish_weights(&mut self) -> Result<Option<WeightUploadReport>, BackendError> {
+        let Some(mut up) = self.uploader.take() else { return Ok(None) };
+        let s = up.finish(&self.dev)?;
+        Ok(Some(WeightUploadReport {
+            bytes_read: s.bytes_read,
+            bytes_uploaded: s.bytes_uploaded,
+            read_s: s.fill_s,
+            wait_s: s.wait_s,
+        }))
     }
 
     fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaMat, BackendError> {
@@ -849,7 +936,10 @@ mod tests {
         assert!(!gemv_applies(true, 0, 4096));
         assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
         assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::GEMV);
-        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Cublas);
+        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Tuned, "batched decode: cuBLASLt");
+        assert_eq!(linear_kernel(true, TUNED_MAX_M, 4096), LinearKernel::Tuned);
+        assert_eq!(linear_kernel(true, TUNED_MAX_M + 1, 4096), LinearKernel::Cublas, "prefill chunks: cuBLAS");
         assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
+        assert_eq!(linear_kernel(false, 64, 4096), LinearKernel::Cublas);
     }
 }

@@ -136,6 +136,15 @@ impl CudaBackend {
         self.graphs.failed.clear();
     }
 
+    /// Launches kernels with programmatic dependent launch (`true`, the default on Hopper) or
+    /// plainly (`false`), for comparisons; see `CudaDevice::set_pdl`. Switching drops the
+    /// graphs (they hold the old launches).
+    pub fn set_pdl(&mut self, on: bool) {
+        self.device().set_pdl(on);
+        self.graphs.graphs.clear();
+        self.graphs.failed.clear();
+    }
+
     /// Replay counters so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats
@@ -173,7 +182,10 @@ impl CudaBackend {
         self.step_meta(padded)?;
         self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
         let auto = auto_splits(self.dev.sm_count(), rows, n_heads, geo.n_kv_heads, self.meta.max_ctx());
-        let key = GraphKey { rows, splits: auto.next_power_of_two().min(MAX_KEY_SPLITS) };
+        // Graphs are keyed by a power of two (few graphs as contexts grow), rounded down:
+        // rounding 3 up to 4 at 32 rows of 8k cost 7 % of the step (more CTAs than the device
+        // runs well at once), while fewer splits than `Auto` measured no slower.
+        let key = GraphKey { rows, splits: prev_power_of_two(auto).min(MAX_KEY_SPLITS) };
         self.graphs.staged = Some(Staged { key, real_rows, recording: false });
         if self.graphs.failed.contains(&key) {
             self.graphs.staged = None;
@@ -252,6 +264,11 @@ impl CudaBackend {
     }
 }
 
+/// The largest power of two not above `n` (1 for 0).
+fn prev_power_of_two(n: usize) -> usize {
+    if n <= 1 { 1 } else { 1 << (usize::BITS - 1 - n.leading_zeros()) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,6 +284,14 @@ mod tests {
             logit_rows: (0..n).collect(),
             pending: Vec::new(),
         }
+    }
+
+    #[test]
+    fn graph_splits_round_down_to_a_power_of_two() {
+        assert_eq!(
+            [0, 1, 2, 3, 4, 5, 31, 32, 33, 99, 128].map(prev_power_of_two),
+            [1, 1, 2, 2, 4, 4, 16, 32, 32, 64, 128]
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod cpu;
 pub mod cuda;
 
 use baton_core::sampling::{RowPlan, Sampled};
-use baton_formats::CounterInit;
+use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::KernelError;
 use rayon::prelude::*;
 
@@ -28,6 +28,29 @@ pub fn counter_values(parts: &[(usize, CounterInit)], cols: usize) -> Vec<f32> {
         });
     }
     out
+}
+
+/// The elements of `parts`, stacked in order, as f32 (how the default
+/// [`Backend::upload_mat_raw`] reads stored tensors).
+pub fn stacked_f32(parts: &[TensorView<'_>]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(parts.iter().map(TensorView::numel).sum());
+    for p in parts {
+        out.extend(p.to_f32());
+    }
+    out
+}
+
+/// What streaming stored weights to a device cost (see [`Backend::finish_weights`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WeightUploadReport {
+    /// Bytes read from the stored tensors.
+    pub bytes_read: u64,
+    /// Bytes written to the device.
+    pub bytes_uploaded: u64,
+    /// Seconds the host spent reading (and converting) them, wall time.
+    pub read_s: f64,
+    /// Seconds the host waited for copies to the device.
+    pub wait_s: f64,
 }
 
 /// A backend failure. Fatal for the step; the engine marks itself unhealthy on
@@ -124,6 +147,29 @@ pub trait Backend: Send + 'static {
     fn upload_mat(&mut self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Mat, BackendError>;
     /// Uploads a vector (norm weights, biases).
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<Self::Buf, BackendError>;
+    /// Uploads a `rows × cols` matrix whose rows are the stored tensors `parts` stacked in
+    /// order (one tensor, or a fused `[q; k; v]`), their elements totalling `rows × cols` (the
+    /// caller checked each tensor's shape). The default converts them to f32 on the host and
+    /// calls [`Backend::upload_mat`]; a device backend streams the stored bytes as they are
+    /// and may return before the copies finish ([`Backend::finish_weights`] waits for them).
+    fn upload_mat_raw(
+        &mut self,
+        parts: &[TensorView<'_>],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Mat, BackendError> {
+        self.upload_mat(stacked_f32(parts), rows, cols)
+    }
+    /// Uploads a vector stacked from stored tensors (see [`Backend::upload_mat_raw`]).
+    fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<Self::Buf, BackendError> {
+        self.upload_vec(stacked_f32(parts))
+    }
+    /// Ends loading weights: waits for uploads still in flight and frees their staging.
+    /// Returns what streaming them cost; `None` where uploads complete as they are made (the
+    /// default).
+    fn finish_weights(&mut self) -> Result<Option<WeightUploadReport>, BackendError> {
+        Ok(None)
+    }
     /// A `rows × cols` matrix of random weights: its rows are `parts` in order, each
     /// `(rows, init)` drawn by the counter generator (element `i` of a part is
     /// `init.value(i)`, row-major). The default draws them on the host and uploads them; a

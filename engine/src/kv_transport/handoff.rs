@@ -10,10 +10,11 @@
 
 use super::nccl::{NcclLink, NcclLinks, new_id};
 use super::tcp::{Incoming, PendingHandoff, TcpKvSender};
-use super::{Handshake, NcclHandshake, TransportError};
+use super::{Handshake, KvCredentials, NcclHandshake, TransportError};
 use crate::EngineHandle;
 use crate::relay::{ExportEvent, plan_blocks};
 use baton_core::api::RequestId;
+use baton_core::cluster_auth::ReservationToken;
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -30,9 +31,9 @@ pub struct HandoffReport {
 }
 
 /// Prefill side: waits for the export's plan, connects to the decode worker at `addr`
-/// (whose engine reserved `request_id`), streams every layer as the engine produces it and
-/// ends with the first token. `deadline` bounds every network wait. With `nccl_link` (the
-/// link's name; the export was submitted with that link) layer frames are empty notices.
+/// (which issued `reservation`), proves `creds`, streams every layer as the engine produces
+/// it and ends with the first token. `deadline` bounds every network wait. With `nccl_link`
+/// (the link's name; the export was submitted with that link) layer frames are empty notices.
 ///
 /// Errors when the export ends early (the prefill request failed or was aborted), when the
 /// receiver refuses (layout mismatch, unknown request), or on any transport failure;
@@ -40,10 +41,11 @@ pub struct HandoffReport {
 pub async fn send_export(
     mut events: UnboundedReceiver<ExportEvent>,
     addr: SocketAddr,
-    request_id: u64,
+    reservation: ReservationToken,
     layout: KvLayout,
     deadline: Duration,
     nccl_link: Option<String>,
+    creds: KvCredentials,
 ) -> Result<HandoffReport, TransportError> {
     let ended = || TransportError::Protocol("the prefill request ended before its KV was complete".into());
     let plan = match events.recv().await {
@@ -54,14 +56,15 @@ pub async fn send_export(
     let started = Instant::now();
     let hs = Handshake {
         layout,
-        request_id,
+        sender: creds.identity.clone(),
+        reservation: Some(reservation),
         num_tokens: plan.num_blocks() * layout.block_size,
         runs: plan.runs.clone(),
         bytes_per_layer_half: plan.bytes_per_layer / 2,
         nccl: nccl_link.map(|link| NcclHandshake::Use { link }),
     };
     let nccl = hs.nccl.is_some();
-    let mut sender = TcpKvSender::connect(addr, hs, deadline).await?;
+    let mut sender = TcpKvSender::connect(addr, hs, deadline, creds.secret.as_ref()).await?;
     let mut bytes = 0;
     loop {
         match events.recv().await {
@@ -86,6 +89,8 @@ pub enum Received {
     Import {
         /// The request.
         id: RequestId,
+        /// The reservation it filled.
+        reservation: ReservationToken,
         /// What moved.
         report: HandoffReport,
     },
@@ -96,20 +101,29 @@ pub enum Received {
     },
 }
 
-/// Decode side: reads the handshake of an accepted connection (refusing a layout mismatch,
-/// a request `expected` rejects, or an unknown NCCL link), stores every layer into the
-/// reserved blocks through `engine` (or enqueues the NCCL receives), then completes the
-/// request with the trailer's first token. A link setup joins the new communicator in the
+/// Decode side: reads the handshake of an accepted connection (refusing a sender without
+/// the listener's secret, a layout mismatch, a reservation `admit` does not resolve for
+/// this sender, or an unknown NCCL link), stores every layer into the reserved blocks
+/// through `engine` (or enqueues the NCCL receives), then completes the request with the
+/// trailer's first token. `admit` maps (reservation, sender identity) to the engine request
+/// waiting for that KV, or says why not. A link setup joins the new communicator in the
 /// background and files it in `links`.
 pub async fn receive_import(
     pending: PendingHandoff,
     engine: &EngineHandle,
     links: &Arc<NcclLinks>,
     deadline: Duration,
-    expected: impl FnOnce(RequestId) -> bool,
+    admit: impl FnOnce(&ReservationToken, &str) -> Result<RequestId, String>,
 ) -> Result<Received, ImportError> {
     let started = Instant::now();
     let layout = engine.kv_layout();
+    let mut admitted: Option<(RequestId, ReservationToken)> = None;
+    let resolve_reservation = |hs: &Handshake| -> Result<(), String> {
+        let token = hs.reservation.ok_or_else(|| "the handshake names no reservation".to_owned())?;
+        let id = admit(&token, &hs.sender)?;
+        admitted = Some((id, token));
+        Ok(())
+    };
     let admit = async |hs: &Handshake| -> Result<(), String> {
         match &hs.nccl {
             Some(NcclHandshake::Setup { link, id }) => {
@@ -127,15 +141,9 @@ pub async fn receive_import(
                 if links.wait_for(link, deadline).await.is_none() {
                     return Err(format!("no NCCL link {link:?} on this worker"));
                 }
-                if expected(RequestId(hs.request_id)) { Ok(()) } else { Err(not_waiting(hs.request_id)) }
+                resolve_reservation(hs)
             }
-            None => {
-                if expected(RequestId(hs.request_id)) {
-                    Ok(())
-                } else {
-                    Err(not_waiting(hs.request_id))
-                }
-            }
+            None => resolve_reservation(hs),
         }
     };
     let mut incoming = pending.handshake(&layout, deadline, admit).await.map_err(ImportError::before)?;
@@ -145,7 +153,9 @@ pub async fn receive_import(
         Some(NcclHandshake::Use { link }) => links.get(link),
         None => None,
     };
-    let id = RequestId(hs.request_id);
+    let Some((id, reservation)) = admitted else {
+        return Err(ImportError::before(TransportError::Protocol("a hand-off admitted without a reservation".into())));
+    };
     let (_, dst) = plan_blocks(&baton_core::kv_transfer::TransferPlan {
         runs: hs.runs.clone(),
         num_layers: hs.layout.num_layers,
@@ -168,37 +178,40 @@ pub async fn receive_import(
             Incoming::Done(trailer) => {
                 engine.import_done(id, trailer);
                 incoming.acknowledge().await.map_err(|e| ImportError::during(id, e))?;
-                return Ok(Received::Import { id, report: HandoffReport { bytes, elapsed: started.elapsed() } });
+                return Ok(Received::Import {
+                    id,
+                    reservation,
+                    report: HandoffReport { bytes, elapsed: started.elapsed() },
+                });
             }
         }
     }
 }
 
-fn not_waiting(id: u64) -> String {
-    format!("request {id} is not waiting for KV on this worker")
-}
-
 /// Prefill side, first contact with a decode worker: draws an NCCL unique id, offers the
-/// link `name` to the decode worker at `addr` and joins it as rank 0 on `stream` (a transfer
-/// stream of the prefill engine's device). Returns once both sides joined.
+/// link `name` to the decode worker at `addr` (proving `creds`) and joins it as rank 0 on
+/// `stream` (a transfer stream of the prefill engine's device). Returns once both sides
+/// joined.
 pub async fn setup_link(
     addr: SocketAddr,
     layout: KvLayout,
     deadline: Duration,
     name: String,
     stream: Arc<cudarc::driver::CudaStream>,
+    creds: KvCredentials,
 ) -> Result<NcclLink, TransportError> {
     let id = new_id().map_err(|e| TransportError::Protocol(e.to_string()))?;
     let hs = Handshake {
         layout,
-        request_id: 0,
+        sender: creds.identity.clone(),
+        reservation: None,
         num_tokens: 0,
         runs: Vec::new(),
         bytes_per_layer_half: 0,
         nccl: Some(NcclHandshake::Setup { link: name, id: id.clone() }),
     };
     // The receiver accepts before joining; both joins then meet.
-    let sender = TcpKvSender::connect(addr, hs, deadline).await?;
+    let sender = TcpKvSender::connect(addr, hs, deadline, creds.secret.as_ref()).await?;
     drop(sender);
     let join = tokio::task::spawn_blocking(move || NcclLink::join(stream, &id, 0));
     match tokio::time::timeout(deadline, join).await {

@@ -1,28 +1,47 @@
 //! Moving KV blocks between workers.
 //!
-//! A hand-off is one [`Handshake`] (the sender's layout, the request, the
-//! plan) followed by one frame per layer, in layer order, so the receiver can
+//! A hand-off is one [`Handshake`] (the sender's layout and identity, the
+//! reservation it fills, the plan) followed by one frame per layer, in layer order, so the receiver can
 //! start writing layer 0 into its cache while the sender still computes later
 //! layers. The receiver checks layout compatibility first and refuses a
 //! mismatch with a reason the sender reports verbatim. Every receive has a
 //! deadline: a stalled or dead peer becomes [`TransportError::Timeout`], never
 //! a hang. `tcp` is the always-available transport (host staging); the NCCL
 //! transport for GPU↔GPU implements the same sequence.
+//!
+//! Authentication: the TCP handshake is a challenge-response over the cluster secret
+//! ([`KvCredentials`], see `tcp`); the reservation is named by an unguessable
+//! [`ReservationToken`] bound to one prefill worker's identity, which the receiver checks.
 
 pub mod handoff;
 pub mod nccl;
 pub mod tcp;
 
+use baton_core::cluster_auth::{ClusterSecret, ReservationToken};
 use baton_core::kv_transfer::{BlockRun, KvLayout, LayoutMismatch};
 use serde::{Deserialize, Serialize};
+
+/// What a KV sender proves (knowledge of the cluster secret, when one is set) and claims
+/// (its identity: the worker instance its reservations are bound to).
+#[derive(Debug, Clone, Default)]
+pub struct KvCredentials {
+    /// The cluster secret; `None` sends an empty proof (accepted only by receivers
+    /// without a secret).
+    pub secret: Option<ClusterSecret>,
+    /// Who is sending.
+    pub identity: String,
+}
 
 /// Opens a hand-off: who is sending what.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Handshake {
     /// The sender's cache layout; must equal the receiver's.
     pub layout: KvLayout,
-    /// Request id on the receiving worker (assigned when it reserved the blocks).
-    pub request_id: u64,
+    /// Who sends (its instance); the reservation must be bound to it.
+    pub sender: String,
+    /// The reservation on the receiving worker (issued when it reserved the blocks); `None`
+    /// only for an NCCL link setup, which fills none.
+    pub reservation: Option<ReservationToken>,
     /// Tokens whose KV is moved.
     pub num_tokens: usize,
     /// Block runs per layer (from `baton_core::kv_transfer::plan_transfer`).
@@ -90,4 +109,7 @@ pub enum TransportError {
     /// The peer sent something that is not this protocol, or out of order.
     #[error("KV transport protocol error: {0}")]
     Protocol(String),
+    /// The sender did not prove knowledge of the cluster secret.
+    #[error("KV hand-off refused: the sender did not prove the cluster secret")]
+    Unauthenticated,
 }

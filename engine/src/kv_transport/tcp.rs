@@ -1,16 +1,27 @@
 //! The TCP KV transport: host-staged layer frames over one connection per hand-off.
 //!
-//! Wire format: the sender opens with the 4-byte magic `BKV2`, then frames of
-//! `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (JSON
-//! [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64`,
+//! Wire format: as soon as it accepts, the receiver sends the 4-byte magic `BKV3` and a
+//! 32-byte random challenge; the sender checks the magic, answers with the magic, then
+//! frames of `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (a 32-byte proof,
+//! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64`,
 //! then K and V bytes; `seq` orders NCCL receives, see `nccl`), `DONE` (JSON [`TransferTrailer`]: the first token).
 //! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
 //! `ACCEPT` after `DONE` once every layer is stored. Frame lengths are checked against the handshake before anything is
 //! allocated, so a corrupt or hostile peer cannot make us allocate unbounded
 //! memory. Every read has the hand-off's deadline.
-
+//!
+//! Authentication: the proof is `HMAC(cluster secret, challenge ‖ handshake JSON)`
+//! (`baton_core::cluster_auth`; zeros from a sender without a secret). A listener with a
+//! secret checks it before it parses anything else and answers a wrong one with `REFUSE`
+//! and a closed connection ([`TransportError::Unauthenticated`]): nothing reaches the
+//! engine. The challenge is fresh per connection, so a recorded handshake replayed on a new
+//! connection fails. The stream is not encrypted (no TLS on this channel): the proof
+//! authenticates the peer that opened the connection, and the layer frames that follow
+//! travel in clear over that TCP connection; run the KV network where on-path attackers
+//! cannot reach it (as NCCL's own traffic requires too).
 use super::{Handshake, LayerFrame, TransportError};
 use crate::relay::TransferTrailer;
+use baton_core::cluster_auth::{ClusterSecret, KV_NONCE_LEN, KvChallenge, TAG_LEN};
 use baton_core::kv_transfer::KvLayout;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -18,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Bumped with every wire change, so mismatched builds refuse each other at once.
-const MAGIC: &[u8; 4] = b"BKV2";
+const MAGIC: &[u8; 4] = b"BKV3";
 const HELLO: u8 = 1;
 const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
@@ -71,14 +82,36 @@ pub struct TcpKvSender {
     next_layer: usize,
 }
 
+/// Reads the receiver's magic and challenge.
+async fn read_challenge(stream: &mut TcpStream) -> Result<KvChallenge, TransportError> {
+    let mut buf = [0u8; 4 + KV_NONCE_LEN];
+    stream.read_exact(&mut buf).await?;
+    if &buf[..4] != MAGIC {
+        return Err(TransportError::Protocol(
+            "bad magic from the receiver: not a Baton KV listener of this version".into(),
+        ));
+    }
+    let mut nonce = [0u8; KV_NONCE_LEN];
+    nonce.copy_from_slice(&buf[4..]);
+    Ok(KvChallenge(nonce))
+}
+
 impl TcpKvSender {
-    /// Connects, offers the handshake and waits for the receiver to accept it.
-    pub async fn connect(addr: SocketAddr, hs: Handshake, deadline: Duration) -> Result<Self, TransportError> {
+    /// Connects, answers the receiver's challenge with the handshake and its proof (made
+    /// with `secret`, when given), and waits for the receiver to accept it.
+    pub async fn connect(
+        addr: SocketAddr,
+        hs: Handshake,
+        deadline: Duration,
+        secret: Option<&ClusterSecret>,
+    ) -> Result<Self, TransportError> {
         let mut stream = with_deadline(deadline, "connect", async { Ok(TcpStream::connect(addr).await?) }).await?;
         stream.set_nodelay(true)?;
+        let challenge = with_deadline(deadline, "the receiver's challenge", read_challenge(&mut stream)).await?;
         let hello = serde_json::to_vec(&hs).map_err(|e| TransportError::Protocol(e.to_string()))?;
+        let proof = secret.map_or([0; TAG_LEN], |s| s.kv_proof(&challenge, &hello));
         stream.write_all(MAGIC).await?;
-        write_frame(&mut stream, HELLO, &[&hello]).await?;
+        write_frame(&mut stream, HELLO, &[&proof, &hello]).await?;
         let (kind, body) =
             with_deadline(deadline, "the handshake answer", read_frame(&mut stream, MAX_CONTROL_FRAME)).await?;
         match kind {
@@ -140,12 +173,19 @@ impl TcpKvSender {
 /// Listens for incoming hand-offs.
 pub struct TcpKvListener {
     listener: TcpListener,
+    secret: Option<ClusterSecret>,
 }
 
 impl TcpKvListener {
-    /// Binds to `addr` (port 0 picks a free port).
+    /// Binds to `addr` (port 0 picks a free port). Without [`TcpKvListener::with_secret`]
+    /// any sender is admitted.
     pub async fn bind(addr: SocketAddr) -> Result<Self, TransportError> {
-        Ok(Self { listener: TcpListener::bind(addr).await? })
+        Ok(Self { listener: TcpListener::bind(addr).await?, secret: None })
+    }
+
+    /// Admits only senders that prove `secret` (none: any sender).
+    pub fn with_secret(self, secret: Option<ClusterSecret>) -> Self {
+        Self { secret, ..self }
     }
 
     /// The bound address.
@@ -158,20 +198,23 @@ impl TcpKvListener {
     pub async fn accept(&self) -> Result<PendingHandoff, TransportError> {
         let (stream, _) = self.listener.accept().await?;
         stream.set_nodelay(true)?;
-        Ok(PendingHandoff { stream })
+        Ok(PendingHandoff { stream, secret: self.secret.clone() })
     }
 }
 
 /// A connection whose handshake has not been read yet.
 pub struct PendingHandoff {
     stream: TcpStream,
+    secret: Option<ClusterSecret>,
 }
 
 impl PendingHandoff {
-    /// Reads the handshake and checks it against `layout`, then asks `admit` (e.g. "is this
-    /// request still waiting for its KV here?"). A mismatch is refused (the sender gets the
-    /// reason) and returned as [`TransportError::Incompatible`]; a refusal by `admit` as
-    /// [`TransportError::Refused`].
+    /// Challenges the sender, reads the handshake and checks its proof (with a secret) and
+    /// then `layout`, then asks `admit` (e.g. "is this reservation still waiting for its KV
+    /// here, from this sender?"). A wrong proof is refused as
+    /// [`TransportError::Unauthenticated`] before the handshake is parsed; a mismatch is
+    /// refused (the sender gets the reason) and returned as [`TransportError::Incompatible`];
+    /// a refusal by `admit` as [`TransportError::Refused`].
     pub async fn handshake(
         self,
         layout: &KvLayout,
@@ -179,19 +222,38 @@ impl PendingHandoff {
         admit: impl AsyncFnOnce(&Handshake) -> Result<(), String>,
     ) -> Result<IncomingTransfer, TransportError> {
         let mut stream = self.stream;
-        let hs: Handshake = with_deadline(deadline, "the handshake", async {
+        let challenge = KvChallenge::random();
+        let body = with_deadline(deadline, "the handshake", async {
+            stream.write_all(MAGIC).await?;
+            stream.write_all(&challenge.0).await?;
+            stream.flush().await?;
             let mut magic = [0u8; 4];
             stream.read_exact(&mut magic).await?;
             if &magic != MAGIC {
                 return Err(TransportError::Protocol("bad magic: not a Baton KV stream".into()));
             }
             let (kind, body) = read_frame(&mut stream, MAX_CONTROL_FRAME).await?;
-            if kind != HELLO {
+            if kind != HELLO || body.len() < TAG_LEN {
                 return Err(TransportError::Protocol(format!("expected HELLO, got frame kind {kind}")));
             }
-            serde_json::from_slice(&body).map_err(|e| TransportError::Protocol(format!("bad handshake: {e}")))
+            Ok(body)
         })
         .await?;
+        let (proof, hello) = body.split_at(TAG_LEN);
+        if let Some(secret) = &self.secret
+            && !secret.verify_kv_proof(&challenge, hello, proof)
+        {
+            // Best effort: the sender learns why; the connection closes either way.
+            let _ = with_deadline(
+                deadline,
+                "the refusal",
+                write_frame(&mut stream, REFUSE, &[b"cluster authentication failed"]),
+            )
+            .await;
+            return Err(TransportError::Unauthenticated);
+        }
+        let hs: Handshake =
+            serde_json::from_slice(hello).map_err(|e| TransportError::Protocol(format!("bad handshake: {e}")))?;
         if let Err(m) = layout.check_compatible(&hs.layout) {
             write_frame(&mut stream, REFUSE, &[m.to_string().as_bytes()]).await?;
             return Err(m.into());
@@ -296,17 +358,23 @@ impl IncomingTransfer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use baton_core::cluster_auth::ReservationToken;
     use baton_core::kv_transfer::{KvDtype, plan_transfer};
 
     fn layout() -> KvLayout {
         KvLayout { num_layers: 3, block_size: 4, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 }
     }
 
+    fn token() -> ReservationToken {
+        ReservationToken([42; 16])
+    }
+
     fn handshake(l: KvLayout) -> Handshake {
         let plan = plan_transfer(&l, &[4, 5, 9], &[0, 1, 2], 10, 0).expect("plan");
         Handshake {
             layout: l,
-            request_id: 42,
+            sender: "prefill-a".into(),
+            reservation: Some(token()),
             num_tokens: 10,
             runs: plan.runs,
             bytes_per_layer_half: plan.bytes_per_layer / 2,
@@ -350,7 +418,7 @@ mod tests {
             let sent: Vec<LayerFrame> = (0..3).map(|i| frame(i, half, 7)).collect();
             let to_send = sent.clone();
             let sender = tokio::spawn(async move {
-                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await?;
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5), None).await?;
                 for f in &to_send {
                     s.send_layer(f).await?;
                 }
@@ -359,7 +427,8 @@ mod tests {
             let pending = listener.accept().await.expect("accept");
             let mut incoming =
                 pending.handshake(&l, Duration::from_secs(5), async |_| Ok(())).await.expect("handshake");
-            assert_eq!(incoming.handshake().request_id, 42);
+            assert_eq!(incoming.handshake().reservation, Some(token()));
+            assert_eq!(incoming.handshake().sender, "prefill-a");
             let mut got = Vec::new();
             let done = loop {
                 match incoming.next().await.expect("frame") {
@@ -382,7 +451,9 @@ mod tests {
             let theirs = KvLayout { block_size: 8, ..layout() };
             let hs = Handshake { layout: theirs, ..handshake(layout()) };
             let sender =
-                tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
+                tokio::spawn(
+                    async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5), None).await.map(|_| ()) },
+                );
             let err = handshake_of(&listener, &layout(), Duration::from_secs(5)).await.err().expect("refused");
             assert!(matches!(err, TransportError::Incompatible(_)), "{err}");
             match sender.await.expect("join") {
@@ -401,7 +472,7 @@ mod tests {
             let hs = handshake(l);
             let half = hs.bytes_per_layer_half;
             let sender = tokio::spawn(async move {
-                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.expect("connect");
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5), None).await.expect("connect");
                 s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
                 // Then stall, holding the connection open until the test aborts this task.
                 std::future::pending::<()>().await;
@@ -426,7 +497,7 @@ mod tests {
             let hs = handshake(l);
             let half = hs.bytes_per_layer_half;
             let sender = tokio::spawn(async move {
-                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.expect("connect");
+                let mut s = TcpKvSender::connect(addr, hs, Duration::from_secs(5), None).await.expect("connect");
                 s.send_layer(&frame(0, half, 1)).await.expect("layer 0");
                 drop(s); // the prefill worker dies mid-transfer
             });
@@ -462,20 +533,117 @@ mod tests {
             let addr = listener.local_addr().expect("addr");
             let hs = handshake(l);
             let sender =
-                tokio::spawn(async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5)).await.map(|_| ()) });
+                tokio::spawn(
+                    async move { TcpKvSender::connect(addr, hs, Duration::from_secs(5), None).await.map(|_| ()) },
+                );
             let pending = listener.accept().await.expect("accept");
             let err = pending
                 .handshake(&l, Duration::from_secs(5), async |hs: &Handshake| {
-                    Err(format!("request {} is not waiting here", hs.request_id))
+                    Err(format!("reservation {:?} of {} is not waiting here", hs.reservation, hs.sender))
                 })
                 .await
                 .err()
                 .expect("refused");
             assert!(matches!(err, TransportError::Refused(_)), "{err}");
             match sender.await.expect("join") {
-                Err(TransportError::Refused(msg)) => assert!(msg.contains("request 42 is not waiting"), "{msg}"),
+                Err(TransportError::Refused(msg)) => assert!(msg.contains("of prefill-a is not waiting"), "{msg}"),
                 other => panic!("sender should be refused, got {:?}", other.map(|_| "ok")),
             }
+        });
+    }
+
+    fn secret(text: &[u8]) -> ClusterSecret {
+        ClusterSecret::from_bytes(text).expect("secret")
+    }
+
+    /// Connects to a listener with a secret: the sender's secret decides.
+    async fn offer(sender_secret: Option<ClusterSecret>) -> (Result<(), TransportError>, TransportError) {
+        let l = layout();
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr"))
+            .await
+            .expect("bind")
+            .with_secret(Some(secret(b"the cluster secret, 32 bytes...")));
+        let addr = listener.local_addr().expect("addr");
+        let hs = handshake(l);
+        let sender = tokio::spawn(async move {
+            TcpKvSender::connect(addr, hs, Duration::from_secs(5), sender_secret.as_ref()).await.map(|_| ())
+        });
+        let admitted = std::sync::atomic::AtomicBool::new(false);
+        let err = listener
+            .accept()
+            .await
+            .expect("accept")
+            .handshake(&l, Duration::from_secs(5), async |_| {
+                admitted.store(true, std::sync::atomic::Ordering::SeqCst);
+                Ok(())
+            })
+            .await
+            .err()
+            .unwrap_or(TransportError::Protocol("accepted".into()));
+        assert!(
+            !admitted.load(std::sync::atomic::Ordering::SeqCst) || !matches!(err, TransportError::Unauthenticated),
+            "an unauthenticated sender must never reach admission"
+        );
+        (sender.await.expect("join"), err)
+    }
+
+    #[test]
+    fn a_listener_with_a_secret_admits_only_senders_that_prove_it() {
+        rt().block_on(async {
+            let (sent, got) = offer(Some(secret(b"the cluster secret, 32 bytes..."))).await;
+            assert!(sent.is_ok() && matches!(got, TransportError::Protocol(ref m) if m == "accepted"), "{got}");
+            for wrong in [None, Some(secret(b"another secret of the same size"))] {
+                let (sent, got) = offer(wrong).await;
+                assert!(matches!(got, TransportError::Unauthenticated), "{got}");
+                match sent {
+                    Err(TransportError::Refused(m)) => assert!(m.contains("authentication"), "{m}"),
+                    other => panic!("the sender must be refused, got {:?}", other.map(|_| "ok")),
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn a_replayed_handshake_is_refused_on_a_new_connection() {
+        rt().block_on(async {
+            let s = secret(b"the cluster secret, 32 bytes...");
+            let l = layout();
+            let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr"))
+                .await
+                .expect("bind")
+                .with_secret(Some(s.clone()));
+            let addr = listener.local_addr().expect("addr");
+            let hello = serde_json::to_vec(&handshake(l)).expect("json");
+            // A legitimate sender's bytes on its connection, recorded...
+            let recorded = {
+                let mut c = TcpStream::connect(addr).await.expect("connect");
+                let pending = listener.accept().await.expect("accept");
+                let accept = tokio::spawn(async move {
+                    pending.handshake(&l, Duration::from_secs(5), async |_| Ok(())).await.map(|_| ())
+                });
+                let challenge = read_challenge(&mut c).await.expect("challenge");
+                let proof = s.kv_proof(&challenge, &hello);
+                c.write_all(MAGIC).await.expect("magic");
+                write_frame(&mut c, HELLO, &[&proof, &hello]).await.expect("hello");
+                accept.await.expect("join").expect("the original is accepted");
+                proof
+            };
+            // ...and replayed on a new connection, which has a fresh challenge.
+            let mut c = TcpStream::connect(addr).await.expect("connect");
+            let pending = listener.accept().await.expect("accept");
+            let accept = tokio::spawn(async move {
+                pending.handshake(&l, Duration::from_secs(5), async |_| Ok(())).await.map(|_| ())
+            });
+            let _fresh = read_challenge(&mut c).await.expect("challenge");
+            c.write_all(MAGIC).await.expect("magic");
+            write_frame(&mut c, HELLO, &[&recorded, &hello]).await.expect("hello");
+            let err = accept.await.expect("join").expect_err("a replay is refused");
+            assert!(matches!(err, TransportError::Unauthenticated), "{err}");
+            // The connection is closed after the refusal.
+            let (kind, _) = read_frame(&mut c, MAX_CONTROL_FRAME).await.expect("refusal");
+            assert_eq!(kind, REFUSE);
+            let mut rest = Vec::new();
+            assert_eq!(c.read_to_end(&mut rest).await.expect("eof"), 0, "closed");
         });
     }
 }

@@ -1,9 +1,11 @@
 //! The prefill → decode relay between two in-process engines over the TCP transport, for
 //! the relay tests on CPU and on CUDA.
 
-use baton_core::api::{EngineOutput, EngineRequest, OutputStream};
+use baton_core::api::{EngineOutput, EngineRequest, OutputStream, RequestId};
+use baton_core::cluster_auth::ReservationToken;
 use baton_core::params::SamplingParams;
 use baton_engine::EngineHandle;
+use baton_engine::kv_transport::KvCredentials;
 use baton_engine::kv_transport::handoff::{Received, receive_import, send_export};
 use baton_engine::kv_transport::nccl::{NcclLink, NcclLinks};
 use baton_engine::kv_transport::tcp::TcpKvListener;
@@ -11,6 +13,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const DEADLINE: Duration = Duration::from_secs(10);
+
+/// The identity the test's prefill side claims (and reservations are bound to).
+pub const PREFILL: &str = "prefill-0";
+
+/// The prefill side's credentials (no cluster secret: the listeners here have none).
+pub fn creds() -> KvCredentials {
+    KvCredentials { secret: None, identity: PREFILL.into() }
+}
+
+/// A decode side's admission: `reservations` (token → request), from [`PREFILL`] only.
+pub fn admit_from(
+    reservations: Vec<(ReservationToken, RequestId)>,
+) -> impl FnOnce(&ReservationToken, &str) -> Result<RequestId, String> {
+    move |token, sender| {
+        reservations
+            .iter()
+            .find(|(t, _)| t == token && sender == PREFILL)
+            .map(|(_, id)| *id)
+            .ok_or_else(|| format!("no reservation {token} from {sender}"))
+    }
+}
 
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
@@ -69,6 +92,7 @@ pub async fn relay_via(
     let (d_stream, table) =
         d.reserve_import(EngineRequest::new(prompt.to_vec(), params.clone())).await.expect("reserve");
     let d_id = d_stream.request_id();
+    let token = ReservationToken::random();
     let link = via.p_link.as_ref().map(|(_, l)| l.clone());
     let name = via.p_link.as_ref().map(|(n, _)| n.clone());
     let (p_stream, mut events) =
@@ -76,7 +100,7 @@ pub async fn relay_via(
     let layout = p.kv_layout();
     let sender = tokio::spawn(async move {
         match break_after {
-            None => send_export(events, addr, d_id.0, layout, DEADLINE, name).await.map(|_| ()),
+            None => send_export(events, addr, token, layout, DEADLINE, name, creds()).await.map(|_| ()),
             Some(n) => {
                 // Forward only the plan and n layers, then drop the connection mid-transfer.
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -86,15 +110,15 @@ pub async fn relay_via(
                     }
                 }
                 drop(tx);
-                send_export(rx, addr, d_id.0, layout, DEADLINE, name).await.map(|_| ())
+                send_export(rx, addr, token, layout, DEADLINE, name, creds()).await.map(|_| ())
             }
         }
     });
     let pending = listener.accept().await.expect("accept");
-    let received = receive_import(pending, d, &via.d_links, DEADLINE, |id| id == d_id).await;
+    let received = receive_import(pending, d, &via.d_links, DEADLINE, admit_from(vec![(token, d_id)])).await;
     match (&received, break_after) {
-        (Ok(Received::Import { id, report }), None) => {
-            assert_eq!(*id, d_id);
+        (Ok(Received::Import { id, reservation, report }), None) => {
+            assert_eq!((*id, *reservation), (d_id, token));
             assert!(report.bytes > 0);
         }
         (Err(e), Some(_)) => {
@@ -129,21 +153,22 @@ pub async fn relay_many(
         let (d_stream, table) =
             d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("reserve");
         let d_id = d_stream.request_id();
+        let token = ReservationToken::random();
         let link = via.p_link.as_ref().map(|(_, l)| l.clone());
         let name = via.p_link.as_ref().map(|(n, _)| n.clone());
         let (p_stream, events) =
             p.submit_export(EngineRequest::new(pr.clone(), params.clone()), table, link).expect("export");
-        senders.push(tokio::spawn(send_export(events, addr, d_id.0, layout, DEADLINE, name)));
-        d_streams.push((d_id, d_stream));
+        senders.push(tokio::spawn(send_export(events, addr, token, layout, DEADLINE, name, creds())));
+        d_streams.push((token, d_id, d_stream));
         p_streams.push(p_stream);
     }
-    let ids: Vec<_> = d_streams.iter().map(|(id, _)| *id).collect();
+    let ids: Vec<_> = d_streams.iter().map(|(token, id, _)| (*token, *id)).collect();
     let mut receivers = Vec::new();
     for _ in prompts {
         let pending = listener.accept().await.expect("accept");
         let (d, links, ids) = (d.clone(), via.d_links.clone(), ids.clone());
         receivers.push(tokio::spawn(async move {
-            receive_import(pending, &d, &links, DEADLINE, |id| ids.contains(&id)).await.map_err(|e| e.to_string())
+            receive_import(pending, &d, &links, DEADLINE, admit_from(ids)).await.map_err(|e| e.to_string())
         }));
     }
     for r in receivers {
@@ -159,7 +184,7 @@ pub async fn relay_many(
         assert_eq!(collect(s).await.len(), 1, "an export's stream ends after its first token");
     }
     let mut outs = Vec::new();
-    for (_, s) in d_streams {
+    for (_, _, s) in d_streams {
         outs.push(collect(s).await);
     }
     outs

@@ -186,7 +186,7 @@ impl AttentionCall<'_> {
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries.
-        unsafe { args.launch(&dev.stream, func, grid) }?;
+        unsafe { args.launch(dev, func, grid) }?;
         if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
             let args = Args::new(OP)
@@ -198,7 +198,7 @@ impl AttentionCall<'_> {
                 .int(splits)?
                 .i32(min_chunk);
             // SAFETY: as above: the partials and out of `rows × n_heads` heads.
-            unsafe { args.launch(&dev.stream, &dev.kernels.attention_combine[hd_idx], grid) }?;
+            unsafe { args.launch(dev, &dev.kernels.attention_combine[hd_idx], grid) }?;
         }
         Ok(())
     }
@@ -245,7 +245,7 @@ impl AttentionCall<'_> {
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the sequence list was built from the validated metadata (positions below the block
         // index's exact range, checked above), and the grid covers its work items.
-        unsafe { args.launch(&dev.stream, func, grid) }
+        unsafe { args.launch(dev, func, grid) }
     }
 }
 

@@ -13,7 +13,8 @@ use super::error::CudaError;
 use super::kernel_table::KernelTable;
 use super::launch::shape_check;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -49,13 +50,20 @@ pub struct CudaDevice {
     /// Streaming multiprocessors, for sizing grids.
     sm_count: usize,
     compile_ms: f64,
-    from_cache: bool,
+    /// How each kernel module was obtained (cache or NVRTC) and what it cost.
+    module_reports: Vec<compile::ModuleReport>,
     /// Whether a graph is being recorded on `stream` (see `graph.rs`).
     pub(crate) capturing: AtomicBool,
     /// Allocations made so far (see [`CudaDevice::alloc_generation`]).
     alloc_gen: AtomicU64,
+    /// Whether kernels launch with programmatic dependent launch (see [`CudaDevice::pdl`]).
+    pdl: AtomicBool,
+    /// Whether the device can launch that way (compute capability 9.0 and later).
+    pdl_capable: bool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
+    /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
+    pub(crate) lt: Option<super::lt::LtGemm>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -87,13 +95,17 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
-        // The `a` targets unlock wgmma/setmaxnreg; PTX for them only runs on that exact chip.
-        let arch = if major >= 9 { format!("compute_{major}{minor}a") } else { format!("compute_{major}{minor}") };
+        let arch = compile::device_arch(major, minor);
         let name = ctx.name()?;
         let t0 = std::time::Instant::now();
-        let (module, from_cache) = compile::load_module(&ctx, &arch, opts.cache_dir.as_deref())?;
+        let (modules, module_reports) = compile::load_modules(&ctx, &arch, opts.cache_dir.as_deref())?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let kernels = KernelTable::load(|n| module.load_function(n))?;
+        let by_module: HashMap<compile::Module, Arc<CudaModule>> =
+            compile::modules().into_iter().zip(modules).collect();
+        let kernels = KernelTable::load(|module, n| match by_module.get(&module) {
+            Some(m) => Ok(m.load_function(n)?),
+            None => Err(CudaError::Compile(format!("no module {} for kernel {n}", module.name()))),
+        })?;
         kernels.prepare()?;
         let blas = CudaBlas::new(stream.clone())?;
         // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.
@@ -114,6 +126,7 @@ impl CudaDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
+        let lt = super::lt::LtGemm::new(&stream)?;
         Ok(Self {
             ctx,
             stream,
@@ -123,10 +136,15 @@ impl CudaDevice {
             arch,
             sm_count,
             compile_ms,
-            from_cache,
+            module_reports,
             capturing: AtomicBool::new(false),
             alloc_gen: AtomicU64::new(0),
+            // Hopper and later: kernels overlap their launch and prologue with the previous
+            // kernel's tail (griddepcontrol needs sm_90).
+            pdl: AtomicBool::new(major >= 9),
+            pdl_capable: major >= 9,
             _blas_workspace: blas_workspace,
+            lt,
         })
     }
 
@@ -135,7 +153,7 @@ impl CudaDevice {
         &self.name
     }
 
-    /// The NVRTC target the kernels were built for (e.g. `compute_90a`).
+    /// The NVRTC target the kernels were built for (e.g. `sm_90a`).
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -151,9 +169,15 @@ impl CudaDevice {
         Ok(self.ctx.mem_get_info()?)
     }
 
-    /// Milliseconds spent compiling or loading the kernel module, and whether it came from the cache.
+    /// Milliseconds spent compiling or loading the kernel modules (wall time: modules compile
+    /// in parallel), and whether every one came from the cache.
     pub fn module_load(&self) -> (f64, bool) {
-        (self.compile_ms, self.from_cache)
+        (self.compile_ms, self.module_reports.iter().all(|r| r.from_cache))
+    }
+
+    /// How each kernel module was obtained (cache or NVRTC), and its milliseconds.
+    pub fn module_reports(&self) -> &[compile::ModuleReport] {
+        &self.module_reports
     }
 
     /// The stream every launcher enqueues on.
@@ -270,6 +294,21 @@ impl CudaDevice {
     /// Whether a recording is in progress.
     pub fn is_capturing(&self) -> bool {
         self.capturing.load(Ordering::SeqCst)
+    }
+
+    /// Whether kernels launch with programmatic dependent launch (on by default from compute
+    /// capability 9.0, Hopper): each kernel may start while the previous one finishes and
+    /// waits for it inside (`PDL_ENTER` in the prelude).
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off (for comparisons; a device below compute
+    /// capability 9.0 ignores `on`). Recorded graphs hold the old launches, so this counts as
+    /// an allocation for [`CudaDevice::alloc_generation`] and they are dropped.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on && self.pdl_capable, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
     /// How many device allocations this device has made; a graph recorded at one generation

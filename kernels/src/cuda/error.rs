@@ -25,6 +25,9 @@ pub enum CudaError {
     /// cuBLAS failed.
     #[error("cuBLAS: {0}")]
     Blas(#[from] cudarc::cublas::result::CublasError),
+    /// cuBLASLt failed, or has no algorithm for a shape.
+    #[error("cuBLASLt: {0}")]
+    BlasLt(String),
     /// The on-disk kernel cache could not be used.
     #[error("kernel cache {path}: {message}")]
     Cache {

@@ -6,7 +6,7 @@
 //! [`StepIds::stage`] against the vocabulary the embedding is launched with, gathered rows
 //! here before they are uploaded; one CTA per output row.
 
-use super::launch::{Args, Elem, THREADS, int, need, per_row, shape_check, shape_error};
+use super::launch::{Args, Elem, THREADS, int, need, per_row, row_threads, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice, StepIds};
 use cudarc::driver::CudaFunction;
 use half::bf16;
@@ -40,11 +40,12 @@ impl EmbedCall<'_> {
         shape_check(OP, self.ids.vocab() <= self.vocab, || {
             format!("ids checked against a vocabulary of {}, the table has {} rows", self.ids.vocab(), self.vocab)
         })?;
-        let grid = per_row(OP, n, THREADS)?;
+        // Four elements per thread (elementwise.cu): a row in one pass.
+        let grid = per_row(OP, n, row_threads(self.dim, 4))?;
         let args = Args::new(OP).buf(self.ids.ids()).buf(self.table).buf(self.out).int(self.dim)?;
         // SAFETY: every staged id is below `vocab` (StepIds), so each CTA reads one table row
         // inside `vocab × dim` and writes its own row of `out`, checked above.
-        unsafe { args.launch(&dev.stream, &dev.kernels.embed, grid) }
+        unsafe { args.launch(dev, &dev.kernels.embed, grid) }
     }
 }
 
@@ -103,5 +104,5 @@ fn gather<T: Elem>(
     let args = Args::new(op).buf(call.src).buf(&*call.scratch).buf(call.dst).int(w)?;
     // SAFETY: every uploaded row id is below `src_rows`, `src` holds `src_rows × width`
     // and `dst` one row per id, checked above.
-    unsafe { args.launch(&dev.stream, func, grid) }
+    unsafe { args.launch(dev, func, grid) }
 }

@@ -9,6 +9,7 @@
 //! `[GEMV_MAX_MS][GEMV_VARIANTS][bf16 out, f32 out]`.
 
 use super::CudaError;
+use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
 use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name};
 use super::prefill::{PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_kernel_name, prefill_smem_bytes};
@@ -50,37 +51,42 @@ pub(crate) struct KernelTable<F = CudaFunction> {
 }
 
 impl<F> KernelTable<F> {
-    /// Resolves every kernel's name with `f`.
-    pub fn load<E>(mut f: impl FnMut(&str) -> Result<F, E>) -> Result<Self, E> {
-        let embed = f("embed_f32")?;
-        let rms_norm = f("rms_norm_f32")?;
-        let add_rms_norm = f("add_rms_norm_f32")?;
-        let silu_mul = f("silu_mul_bf16")?;
-        let bias_add = f("bias_add_bf16")?;
-        let copy_cols = f("copy_cols_bf16")?;
-        let gather_rows_bf16 = f("gather_rows_bf16")?;
-        let gather_rows_f32 = f("gather_rows_f32")?;
-        let bf16_to_f32 = f("bf16_to_f32")?;
-        let f32_to_bf16 = f("f32_to_bf16")?;
-        let rope_write_kv = f("rope_write_kv_bf16")?;
-        let rope_qkv_write_kv = f("rope_qkv_write_kv_bf16")?;
+    /// Resolves every kernel's name with `f`, given the module that defines it.
+    pub fn load<E>(mut f: impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        let el = Module::whole(Family::Elementwise);
+        let embed = f(el, "embed_f32")?;
+        let rms_norm = f(el, "rms_norm_f32")?;
+        let add_rms_norm = f(el, "add_rms_norm_f32")?;
+        let silu_mul = f(el, "silu_mul_bf16")?;
+        let bias_add = f(el, "bias_add_bf16")?;
+        let copy_cols = f(el, "copy_cols_bf16")?;
+        let gather_rows_bf16 = f(el, "gather_rows_bf16")?;
+        let gather_rows_f32 = f(el, "gather_rows_f32")?;
+        let bf16_to_f32 = f(el, "bf16_to_f32")?;
+        let f32_to_bf16 = f(el, "f32_to_bf16")?;
+        let rope_write_kv = f(el, "rope_write_kv_bf16")?;
+        let rope_qkv_write_kv = f(el, "rope_qkv_write_kv_bf16")?;
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         for hd in ATTN_HEAD_DIMS {
-            attention.push(ATTN_VARIANTS.iter().map(|v| f(&v.kernel_name(hd))).collect::<Result<Vec<_>, _>>()?);
-            attention_combine.push(f(&combine_kernel_name(hd))?);
+            let m = Module::part(Family::Attention, hd);
+            attention.push(ATTN_VARIANTS.iter().map(|v| f(m, &v.kernel_name(hd))).collect::<Result<Vec<_>, _>>()?);
+            attention_combine.push(f(m, &combine_kernel_name(hd))?);
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
-            prefill.push(PREFILL_WARPS.iter().map(|&w| f(&prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
+            let m = Module::part(Family::Prefill, hd);
+            prefill.push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
         }
         let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
+            let m = Module::part(Family::Gemv, max_m);
             GEMV_VARIANTS
                 .iter()
-                .map(|v| Ok([f(&v.kernel_name(max_m, false))?, f(&v.kernel_name(max_m, true))?]))
+                .map(|v| Ok([f(m, &v.kernel_name(max_m, false))?, f(m, &v.kernel_name(max_m, true))?]))
                 .collect()
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
+        let sampling = Module::whole(Family::Sampling);
         Ok(Self {
             embed,
             rms_norm,
@@ -98,10 +104,10 @@ impl<F> KernelTable<F> {
             attention_combine,
             prefill,
             gemv,
-            sample_rows: f("sample_rows")?,
-            take_sampled_ids: f("take_sampled_ids")?,
-            fill_counter: f("fill_counter_bf16")?,
-            spin: f("spin_ns")?,
+            sample_rows: f(sampling, "sample_rows")?,
+            take_sampled_ids: f(sampling, "take_sampled_ids")?,
+            fill_counter: f(el, "fill_counter_bf16")?,
+            spin: f(el, "spin_ns")?,
         })
     }
 }
@@ -127,9 +133,14 @@ impl KernelTable<CudaFunction> {
 /// The name of every kernel the device loads, in load order: a compiled module must define
 /// each one (the `cuda_compile` example checks the PTX with it).
 pub fn kernel_names() -> Vec<String> {
+    kernel_modules().into_iter().map(|(_, n)| n).collect()
+}
+
+/// Every kernel the device loads with the module that defines it, in load order.
+pub fn kernel_modules() -> Vec<(Module, String)> {
     let mut names = Vec::new();
-    let listed = KernelTable::<()>::load(|name| {
-        names.push(name.to_string());
+    let listed = KernelTable::<()>::load(|module, name| {
+        names.push((module, name.to_string()));
         Ok::<(), std::convert::Infallible>(())
     });
     drop(listed);
@@ -146,23 +157,40 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 2 sampling kernels, per attention head_dim every variant and the
+        // 12 plain kernels, 2 sampling kernels, 2 utility kernels (random weights, the
+        // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 14 + templated);
+        assert_eq!(names.len(), 16 + templated);
         for n in ["embed_f32", "paged_attention_tc_hd128_w2_s4_g16", "prefill_attention_hd16_w8", "gemv_m16_w8_u2_f32"]
         {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }
-        // The plain kernels are defined verbatim in the sources (the templated ones come from
-        // instance macros, which `compile::tests` compares with the variant tables).
-        let src = super::super::compile::module_source();
-        for n in names.iter().filter(|n| {
-            !["paged_attention_", "attention_combine_", "prefill_attention_", "gemv_"].iter().any(|p| n.starts_with(p))
-        }) {
-            assert!(src.contains(&format!("void {n}(")), "{n} is not defined in kernels/cuda");
+        // The plain kernels are defined verbatim in their module's source; a templated kernel's
+        // module instantiates its parameter (`compile::tests` compares the instance lists with
+        // the variant tables).
+        for (module, n) in kernel_modules() {
+            let src = module.source();
+            match module.part {
+                None => assert!(src.contains(&format!("void {n}(")), "{n} is not defined in {}", module.name()),
+                Some(p) => {
+                    let tag = match module.family {
+                        Family::Gemv => format!("gemv_m{p}_"),
+                        _ => format!("_hd{p}"),
+                    };
+                    assert!(n.contains(&tag), "{n} assigned to {}", module.name());
+                    assert!(
+                        src.lines().any(|l| l.contains(&format!("({p}")) && !l.starts_with(' ') && !l.starts_with('#')),
+                        "{} instantiates nothing",
+                        module.name()
+                    );
+                }
+            }
         }
+        // Every module serves at least one kernel.
+        let used: HashSet<Module> = kernel_modules().into_iter().map(|(m, _)| m).collect();
+        assert_eq!(used.len(), super::super::compile::modules().len());
     }
 }

@@ -15,8 +15,8 @@
 //!   inside the slices it passed and that index data (token ids, rows, block ids, slots) was
 //!   validated on the host. Nothing in this module knows a kernel.
 
-use super::CudaError;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use super::{CudaDevice, CudaError};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, sys};
 use half::bf16;
 
 /// Threads per CTA of the one-CTA-per-row and grid-stride kernels.
@@ -66,6 +66,12 @@ pub(crate) fn grid_stride(total: usize) -> LaunchConfig {
 /// One CTA of `block` threads per row.
 pub(crate) fn per_row(op: &'static str, rows: usize, block: u32) -> Result<LaunchConfig, CudaError> {
     Ok(cfg((int(op, rows)? as u32, 1, 1), block))
+}
+
+/// Threads for one CTA per row of `dim` elements, `per_thread` each: a multiple of 32
+/// between 32 and 1,024 (rows wider than 1,024 · `per_thread` loop inside the kernel).
+pub(crate) fn row_threads(dim: usize, per_thread: usize) -> u32 {
+    (dim.div_ceil(per_thread.max(1)).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
 /// An element type a kernel takes slices of.
@@ -168,8 +174,11 @@ impl<'a> Args<'a> {
         self.list.len()
     }
 
-    /// Enqueues `func` with these arguments on `stream`; a driver failure is returned, not
-    /// panicked on.
+    /// Enqueues `func` with these arguments on the device's stream; a driver failure is
+    /// returned, not panicked on. On a device with programmatic dependent launch on
+    /// ([`CudaDevice::pdl`]) the launch carries the programmatic-serialization attribute: the
+    /// kernel may start while the one before it finishes, and waits for it with
+    /// `griddepcontrol.wait` (every kernel's `PDL_ENTER`, see the prelude).
     ///
     /// # Safety
     ///
@@ -177,26 +186,52 @@ impl<'a> Args<'a> {
     /// lies inside the slices given (at the launch shape `cfg`), that the list matches its
     /// parameters in order and type, and that any index data it follows (token ids, rows,
     /// block ids, slots) was validated on the host.
-    pub unsafe fn launch(self, stream: &CudaStream, func: &CudaFunction, cfg: LaunchConfig) -> Result<(), CudaError> {
-        let mut b = stream.launch_builder(func);
-        for a in &self.list {
-            match a {
-                Arg::Bf16s(s) => b.arg(*s),
-                Arg::F32s(s) => b.arg(*s),
-                Arg::F64s(s) => b.arg(*s),
-                Arg::I32s(s) => b.arg(*s),
-                Arg::I64s(s) => b.arg(*s),
-                Arg::U32s(s) => b.arg(*s),
-                Arg::I32(v) => b.arg(v),
-                Arg::U32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::U64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
-        // SAFETY: the caller's contract above; the scalars live in `self.list` until the
-        // launch has copied them.
-        unsafe { b.launch(cfg) }?;
+    pub unsafe fn launch(self, dev: &CudaDevice, func: &CudaFunction, cfg: LaunchConfig) -> Result<(), CudaError> {
+        let stream = dev.stream();
+        stream.context().bind_to_thread()?;
+        // Each parameter's value in an 8-byte slot (the driver reads the parameter's size from
+        // the slot's address: little-endian, so narrower values sit at its start).
+        let mut slots: Vec<u64> = self
+            .list
+            .iter()
+            .map(|a| match a {
+                Arg::Bf16s(s) => s.device_ptr(stream).0,
+                Arg::F32s(s) => s.device_ptr(stream).0,
+                Arg::F64s(s) => s.device_ptr(stream).0,
+                Arg::I32s(s) => s.device_ptr(stream).0,
+                Arg::I64s(s) => s.device_ptr(stream).0,
+                Arg::U32s(s) => s.device_ptr(stream).0,
+                Arg::I32(v) => u64::from(*v as u32),
+                Arg::U32(v) => u64::from(*v),
+                Arg::I64(v) => *v as u64,
+                Arg::U64(v) => *v,
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> =
+            slots.iter_mut().map(|v| (v as *mut u64).cast::<std::ffi::c_void>()).collect();
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(dev.pdl()),
+        };
+        // SAFETY: the caller's contract above; `params` points at `slots`, which outlive the
+        // call (the driver copies the parameters at launch), and `attr` outlives it too.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
+        }?;
         Ok(())
     }
 }

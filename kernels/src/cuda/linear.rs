@@ -26,6 +26,9 @@ pub enum LinearKernel {
         /// Index in [`GEMV_VARIANTS`].
         variant: Option<usize>,
     },
+    /// cuBLASLt with the algorithm measured fastest for the shape (`lt.rs`); plain cuBLAS
+    /// where cuBLASLt is missing or has no algorithm for it.
+    Tuned,
 }
 
 impl LinearKernel {
@@ -53,10 +56,13 @@ pub struct LinearCall<'a, O> {
 
 impl LinearCall<'_, bf16> {
     /// Checks the sizes and enqueues the product with a bf16 output.
-    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+    pub fn launch(mut self, dev: &CudaDevice) -> Result<(), CudaError> {
+        if self.kernel == LinearKernel::Tuned && tuned(&mut self, dev, "linear", false)? {
+            return Ok(());
+        }
         match self.kernel {
             LinearKernel::Gemv { variant } => gemv(self, dev, "gemv", variant, false),
-            LinearKernel::Cublas => {
+            LinearKernel::Cublas | LinearKernel::Tuned => {
                 const OP: &str = "linear";
                 if !self.checked(OP)? {
                     return Ok(());
@@ -87,12 +93,15 @@ impl LinearCall<'_, bf16> {
 impl LinearCall<'_, f32> {
     /// Checks the sizes and enqueues the product with an f32 output (bf16 operands, f32
     /// accumulation and output).
-    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+    pub fn launch(mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         use cudarc::cublas::{result::gemm_ex, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
+        if self.kernel == LinearKernel::Tuned && tuned(&mut self, dev, "linear_f32_out", true)? {
+            return Ok(());
+        }
         match self.kernel {
             LinearKernel::Gemv { variant } => gemv(self, dev, "gemv_f32_out", variant, true),
-            LinearKernel::Cublas => {
+            LinearKernel::Cublas | LinearKernel::Tuned => {
                 const OP: &str = "linear_f32_out";
                 if !self.checked(OP)? {
                     return Ok(());
@@ -145,6 +154,26 @@ impl<O> LinearCall<'_, O> {
     }
 }
 
+/// The product through cuBLASLt's measured choice; `false` (nothing enqueued) when there is
+/// no cuBLASLt or no algorithm for the shape, so the caller runs plain cuBLAS.
+fn tuned<O>(
+    call: &mut LinearCall<'_, O>,
+    dev: &CudaDevice,
+    op: &'static str,
+    f32_out: bool,
+) -> Result<bool, CudaError> {
+    let Some(lt) = &dev.lt else { return Ok(false) };
+    if !call.checked(op)? {
+        return Ok(true);
+    }
+    let shape = super::lt::LtShape { m: call.m, n: call.n, k: call.k, f32_out };
+    match lt.run(dev, shape, call.x, call.w, call.out) {
+        Ok(_) => Ok(true),
+        Err(CudaError::BlasLt(_)) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// The skinny GEMM: one CTA per 16 rows of `w`; `f32_out` (`O` is f32) picks the
 /// instantiation.
 fn gemv<O: Elem>(
@@ -170,5 +199,5 @@ fn gemv<O: Elem>(
     let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?;
     // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
     // 16-byte rows, which k % 8 == 0 guarantees, and writes only rows < n of out.
-    unsafe { args.launch(&dev.stream, &funcs[usize::from(f32_out)], grid) }
+    unsafe { args.launch(dev, &funcs[usize::from(f32_out)], grid) }
 }

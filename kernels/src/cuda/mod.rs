@@ -2,10 +2,13 @@
 //! for the device's architecture, and typed launchers over `cudarc` device slices.
 //!
 //! Nothing here needs a CUDA toolkit at build time: `cudarc` loads the driver, NVRTC and
-//! cuBLAS dynamically when a [`CudaDevice`] is opened. Compiled PTX is cached on disk in the
-//! directory the caller passes (never read from the environment here), keyed by a hash of the
-//! source, the target architecture, the NVRTC flags and the NVRTC version, so a source edit,
-//! another GPU or another flag never reuses a stale module.
+//! cuBLAS dynamically when a [`CudaDevice`] is opened. The sources form several modules
+//! ([`modules`]: one per `.cu` family, the templated ones cut by head_dim or rows), compiled in
+//! parallel to machine code (CUBIN) for the device's exact architecture and cached on disk in
+//! the directory the caller passes (never read from the environment here), keyed by a hash of
+//! the module's source, the target architecture, the NVRTC flags and the NVRTC version, so a
+//! source edit, another GPU or another flag never reuses a stale module. [`build_cache`]
+//! fills such a directory without a GPU (`baton kernels build`), to ship compiled kernels.
 //!
 //! Invariants: one [`CudaDevice`] owns one context and one stream; every launcher enqueues
 //! on that stream, validates its sizes against the slices before launching and returns a
@@ -24,8 +27,9 @@
 //!    names, the rule that picks one, the shapes it takes. Pure functions, unit-tested here.
 //!    `kernel_table.rs` resolves every name once (the only list of names), `compile.rs` builds
 //!    the module.
-//! 3. **device** (`device.rs`, `graph.rs`, `staging.rs`): [`CudaDevice`] (context, stream,
-//!    cuBLAS, the kernel table, memory), graph capture, page-locked staging.
+//! 3. **device** (`device.rs`, `graph.rs`, `staging.rs`, `weight_upload.rs`): [`CudaDevice`]
+//!    (context, stream, cuBLAS, the kernel table, memory), graph capture, page-locked staging,
+//!    and [`WeightUploader`] (stored weights through a page-locked ring at page-cache speed).
 //! 4. **per-step state** (`step_meta.rs`, `sampling.rs`, `step_ids.rs`): [`StepMeta`]
 //!    (positions, slots, block tables, the prefill work lists), the sampler's buffers and
 //!    launch, [`StepIds`] (the ids a step embeds, some taken from the sampler's picks). All
@@ -39,13 +43,14 @@
 //!
 //! # Adding a kernel
 //!
-//! 1. Write it in `kernels/cuda/` (a new file goes into `compile::module_source`); keep it
-//!    self-contained (no headers beyond the prelude). A templated kernel gets an instance
-//!    list, mirrored by a variant table in its description module with a unit test in
-//!    `compile.rs` comparing the two (see `ATTN_VARIANTS`, `GEMV_VARIANTS`).
-//! 2. Add its handle to `KernelTable` (field + one line in `load`); `CudaDevice::open` then
-//!    fails if the module lacks it, and `cargo run -p baton-kernels --example cuda_compile`
-//!    checks the PTX defines every name without a GPU.
+//! 1. Write it in `kernels/cuda/` (a new file goes into a [`Family`] in `compile.rs`, or
+//!    makes a new one); keep it self-contained (no headers beyond the prelude). A templated
+//!    kernel gets an instance list, mirrored by a variant table in its description module with
+//!    a unit test in `compile.rs` comparing the two (see `ATTN_VARIANTS`, `GEMV_VARIANTS`);
+//!    a family cut into parts names its top-level instance macros in `Family::instance_macros`.
+//! 2. Add its handle to `KernelTable` (field + one line in `load`, naming its module);
+//!    `CudaDevice::open` then fails if the module lacks it, and `cargo run -p baton-kernels
+//!    --example cuda_compile` checks every module defines its names without a GPU.
 //! 3. Write the launcher in its family module (or a new one): a call struct with `pub` fields
 //!    and `///` on each (shape and dtype), and a `launch` that checks every size with `need`/
 //!    `shape_check` *before* enqueueing, returns early on empty work, builds `Args` in the
@@ -69,6 +74,7 @@ mod graph;
 mod kernel_table;
 mod launch;
 mod linear;
+mod lt;
 mod norm;
 mod paged_attention;
 mod prefill;
@@ -78,9 +84,13 @@ mod staging;
 mod step_ids;
 mod step_meta;
 mod util;
+mod weight_upload;
 
 pub use attention::{AttentionCall, AttnKernel};
-pub use compile::compile_ptx;
+pub use compile::{
+    Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
+    missing_kernels, modules,
+};
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};
 pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, SiluMulCall};
@@ -89,8 +99,9 @@ pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;
 pub use half::bf16;
-pub use kernel_table::kernel_names;
+pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{LinearCall, LinearKernel};
+pub use lt::{LtChoice, LtShape};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, auto_splits, plan_splits};
 pub use prefill::{
@@ -100,5 +111,8 @@ pub use prefill::{
 pub use rope::{RopeInput, RopeKvCall};
 pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
 pub use step_ids::StepIds;
+pub use weight_upload::{
+    DEFAULT_SLOT_ELEMS, DEFAULT_SLOTS, HostDType, HostTensor, UploadStats, WeightUploader, fill_bf16, plan_chunks,
+};
 
 pub use step_meta::{AttentionMeta, HostSeq, KvGeometry, KvWriteMeta, StepMeta};

@@ -2,11 +2,15 @@
 //! [`RmsNormCall`] and [`AddRmsNormCall`].
 //!
 //! Invariants: the residual stream is f32 and is never rounded to bf16 (the fused add keeps
-//! the sum in f32); the normalized output is bf16; one CTA per row.
+//! the sum in f32); the normalized output is bf16; one CTA per row, sized so that the row
+//! fits in its threads' registers (`NORM_V` float4 chunks each, elementwise.cu).
 
-use super::launch::{Args, THREADS, int, need, per_row};
+use super::launch::{Args, int, need, per_row, row_threads};
 use super::{CudaDevice, CudaError, CudaSlice};
 use half::bf16;
+
+/// Elements of a row each thread holds (`4 · NORM_V` in elementwise.cu).
+const NORM_ELEMS_PER_THREAD: usize = 16;
 
 /// `out = x / rms(x) * weight` for `rows` rows of width `dim`: `x` is the f32 residual
 /// stream, `out` the bf16 activation.
@@ -36,11 +40,11 @@ impl RmsNormCall<'_> {
         if self.rows == 0 {
             return Ok(());
         }
-        let grid = per_row(OP, self.rows, THREADS)?;
+        let grid = per_row(OP, self.rows, row_threads(self.dim, NORM_ELEMS_PER_THREAD))?;
         let args = Args::new(OP).buf(self.x).buf(self.weight).buf(self.out).int(self.dim)?.f32(self.eps);
         // SAFETY: one CTA per row reads `x` and writes `out` within `rows × dim`, and reads
         // `dim` weights: all checked above.
-        unsafe { args.launch(&dev.stream, &dev.kernels.rms_norm, grid) }
+        unsafe { args.launch(dev, &dev.kernels.rms_norm, grid) }
     }
 }
 
@@ -75,11 +79,11 @@ impl AddRmsNormCall<'_> {
         if self.rows == 0 {
             return Ok(());
         }
-        let grid = per_row(OP, self.rows, THREADS)?;
+        let grid = per_row(OP, self.rows, row_threads(self.dim, NORM_ELEMS_PER_THREAD))?;
         let d = int(OP, self.dim)?;
         let args = Args::new(OP).buf(self.residual).buf(self.x).buf(self.weight).buf(self.out).i32(d).f32(self.eps);
         // SAFETY: one CTA per row touches `residual`, `x` and `out` within `rows × dim` and
         // `dim` weights: all checked above.
-        unsafe { args.launch(&dev.stream, &dev.kernels.add_rms_norm, grid) }
+        unsafe { args.launch(dev, &dev.kernels.add_rms_norm, grid) }
     }
 }

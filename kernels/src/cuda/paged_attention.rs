@@ -133,6 +133,15 @@ pub enum AttnSplit {
     Exact(usize),
 }
 
+/// CTAs per SM that `Auto` aims at. Six of the default (tensor-core) variants fit on an SM
+/// at head_dim 128 (`tc_min_ctas` in attention.cu), but filling them is slower: on an H100
+/// (`cuda_bench`, Llama-3.1-8B heads, d1fc2af) one row at 8k ran 35.6 µs at the 86 splits
+/// that fill six per SM and 27.6 µs at 32 splits (two per SM); 32 rows at 2k ran 115 µs at
+/// 3 splits and 110 µs at 1; 8 rows at 4k 65 µs at 12 and 62 µs at 4. Each CTA keeps its own
+/// pipeline of KV tiles in flight, so two per SM already cover the memory latency, and more
+/// splits only add partial results and shorter pipelines.
+pub(crate) const TARGET_CTAS_PER_SM: usize = 2;
+
 /// Most splits of one row's context.
 pub(crate) const MAX_SPLITS: usize = 128;
 /// Fewest tokens per split: below this the partial results cost more than they save. The
@@ -141,7 +150,7 @@ pub(crate) const MAX_SPLITS: usize = 128;
 pub(crate) const MIN_SPLIT_TOKENS: usize = 64;
 
 /// Splits and tokens per split for `ctas` CTAs per split over contexts of at most `max_ctx`
-/// tokens on `sms` SMs: enough splits for about 4 CTAs per SM, each split at least
+/// tokens on `sms` SMs: about `TARGET_CTAS_PER_SM` CTAs per SM (`Auto`), each at least
 /// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
 pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
@@ -151,7 +160,9 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     }
     let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
     let want = match split {
-        AttnSplit::Auto => (4 * sms.max(1)).div_ceil(ctas.max(1)),
+        // About two CTAs per SM, in one wave (see `TARGET_CTAS_PER_SM`); a batch that
+        // already has that many CTAs is not split.
+        AttnSplit::Auto => (TARGET_CTAS_PER_SM * sms.max(1) / ctas.max(1)).max(1),
         AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
     };
     let splits = want.clamp(1, by_len);

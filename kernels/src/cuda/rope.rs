@@ -6,7 +6,7 @@
 //! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per row,
 //! its threads a multiple of `head_dim / 2` (one rotation pair each).
 
-use super::launch::{Args, cfg, int, need, shape_check};
+use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
 use half::bf16;
 
@@ -78,8 +78,10 @@ impl RopeKvCall<'_> {
         if rows == 0 {
             return Ok(());
         }
-        let half = (hd / 2) as u32;
-        let grid = cfg((int(op, rows)? as u32, 1, 1), half * (128 / half).max(1));
+        // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
+        let heads = int(op, self.n_heads + 2 * nkv)? as u32;
+        shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
+        let grid = cfg((int(op, rows)? as u32, heads, 1), (hd / 2) as u32);
         let args = lead
             .buf(self.k_cache)
             .buf(self.v_cache)
@@ -89,9 +91,9 @@ impl RopeKvCall<'_> {
             .int(self.n_heads)?
             .int(nkv)?
             .int(hd)?;
-        // SAFETY: each CTA reads and writes its own row of the inputs (checked against `rows`
+        // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
         // and the head counts above), writes one slot validated by the metadata against this
         // cache's geometry (or none for slot -1), and reads `head_dim / 2` frequencies.
-        unsafe { args.launch(&dev.stream, func, grid) }
+        unsafe { args.launch(dev, func, grid) }
     }
 }

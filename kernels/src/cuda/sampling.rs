@@ -241,7 +241,7 @@ impl CudaDevice {
             .buf(&bufs.out);
         // SAFETY: every row's logit row, op ids and op range, top_k and top count were
         // checked above against `logits` and the uploaded buffers, which are large enough.
-        unsafe { args.launch(&self.stream, &self.kernels.sample_rows, grid) }?;
+        unsafe { args.launch(self, &self.kernels.sample_rows, grid) }?;
         bufs.out_down.download_async(self, &bufs.out, rows.len() * OUT_WORDS)?;
         bufs.launched = rows.len();
         Ok(())
@@ -274,7 +274,7 @@ impl CudaDevice {
         let args = Args::new("take_sampled_ids").buf(&bufs.out).buf(pending).i32(n as i32).buf(&*ids);
         // SAFETY: the caller checked every row against `ids` and every i against the last
         // launch's rows, whose answers `out` holds.
-        unsafe { args.launch(&self.stream, &self.kernels.take_sampled_ids, grid) }?;
+        unsafe { args.launch(self, &self.kernels.take_sampled_ids, grid) }?;
         Ok(())
     }
 }

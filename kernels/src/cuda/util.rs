@@ -28,7 +28,7 @@ impl CudaDevice {
         let (key, mean, amp) = init;
         let args = Args::new(OP).buf(out).long(offset)?.long(n)?.u64(key).f32(mean).f32(amp);
         // SAFETY: the kernel writes out[offset + i] for i < n, inside `out` (checked above).
-        unsafe { args.launch(&self.stream, &self.kernels.fill_counter, grid_stride(n)) }
+        unsafe { args.launch(self, &self.kernels.fill_counter, grid_stride(n)) }
     }
 
     /// Enqueues a one-thread kernel that waits `ns` nanoseconds: the profiler queues a whole
@@ -36,6 +36,6 @@ impl CudaDevice {
     pub fn spin(&self, ns: u64) -> Result<(), CudaError> {
         let args = Args::new("spin").long(usize::try_from(ns).unwrap_or(usize::MAX).min(i64::MAX as usize))?;
         // SAFETY: the kernel reads only its argument.
-        unsafe { args.launch(&self.stream, &self.kernels.spin, cfg((1, 1, 1), 32)) }
+        unsafe { args.launch(self, &self.kernels.spin, cfg((1, 1, 1), 32)) }
     }
 }

@@ -10,6 +10,7 @@
 //! recompute sample the same tokens, and the router can drop the duplicates a recompute or
 //! retry produces by output position.
 
+use super::auth::{ClusterSecurity, SignedChannel};
 use super::policy::{PrefillPolicy, RouteRequest, pick_decode};
 use super::registry::{Picked, Registry, Role};
 use super::relay::{Route, drive};
@@ -79,6 +80,7 @@ pub(crate) struct Inner {
     pub policy: Box<dyn PrefillPolicy>,
     pub settings: ClusterSettings,
     info: EngineInfo,
+    security: ClusterSecurity,
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
     tasks: Mutex<HashMap<RequestId, (tokio::task::AbortHandle, OutputTx)>>,
     next_id: AtomicU64,
@@ -86,14 +88,17 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// A (lazily connecting) channel to a worker's gRPC service, shared by its requests.
-    pub fn channel(&self, url: &str) -> Result<tonic::transport::Channel, String> {
+    /// A (lazily connecting) channel to a worker's gRPC service, shared by its requests;
+    /// every call on it is signed (with a cluster secret) and runs over TLS (when configured).
+    pub fn channel(&self, url: &str) -> Result<SignedChannel, String> {
         if let Ok(c) = self.channels.lock()
             && let Some(ch) = c.get(url)
         {
-            return Ok(ch.clone());
+            return Ok(self.security.client(ch.clone()));
         }
-        let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+        let endpoint = self
+            .security
+            .endpoint(url)
             .map_err(|e| format!("bad worker URL {url}: {e}"))?
             .connect_timeout(self.settings.connect_timeout)
             .tcp_nodelay(true);
@@ -101,7 +106,7 @@ impl Inner {
         if let Ok(mut c) = self.channels.lock() {
             c.insert(url.to_owned(), ch.clone());
         }
-        Ok(ch)
+        Ok(self.security.client(ch))
     }
 
     fn finish_task(&self, id: RequestId) {
@@ -136,12 +141,14 @@ pub struct ClusterClient {
 
 impl ClusterClient {
     /// A client routing over `registry` with `policy`; `info` describes the served model
-    /// (vocabulary, EOS, context length) as the router was configured.
+    /// (vocabulary, EOS, context length) as the router was configured; `security` signs (and
+    /// encrypts) its calls to the workers.
     pub fn new(
         registry: Arc<Registry>,
         policy: Box<dyn PrefillPolicy>,
         settings: ClusterSettings,
         info: EngineInfo,
+        security: ClusterSecurity,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -149,6 +156,7 @@ impl ClusterClient {
                 policy,
                 settings,
                 info,
+                security,
                 channels: Mutex::new(HashMap::new()),
                 tasks: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),

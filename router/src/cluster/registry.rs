@@ -4,13 +4,27 @@
 //! Workers register over the `Registry` gRPC service and then heartbeat. A worker not heard
 //! from for `eject_after` is ejected ([`Registry::eject_stale`], run periodically); a
 //! heartbeat from an id the registry does not know is answered `known = false`, and the
-//! worker registers again, so an ejected or restarted worker rejoins by itself. A new
-//! registration from the same worker URL replaces the old entry (a restart).
+//! worker registers again, so an ejected or restarted worker rejoins by itself.
+//!
+//! Identity (with a cluster secret, every call is also signed: [`super::auth`]):
+//! - Worker ids are random 64-bit numbers, and each registration also gets a random
+//!   128-bit session; a heartbeat must present the session of the id it names, so knowing
+//!   (or guessing) an id from `/workers` is not enough to speak for that worker.
+//! - A worker names its instance (random per process; with a secret it must be the identity
+//!   its call was signed with). A registration for a URL held by a live entry of another
+//!   instance does not evict it: [`Registry::register`] answers
+//!   [`RegisterError::UrlInUse`], and the service then asks the URL itself which instance
+//!   serves it (`Worker.Identify`). Only when the URL answers with the registering instance
+//!   (the old process is gone: a restart) is the old entry replaced
+//!   ([`Registry::register_replacing`]). The same instance registering again replaces its
+//!   own entry at once.
 //!
 //! Invariants: each entry's prefix index holds exactly the hashes the worker reported stored
 //! and not since evicted (since its registration); in-flight counters are owned by
-//! [`InflightGuard`]s, so they return to zero on every path, including a cancelled request.
+//! [`InflightGuard`]s, so they return to zero on every path, including a cancelled request;
+//! no two entries share a URL or an instance; candidates come in registration order.
 
+use super::auth::{ClusterPeer, ClusterSecurity};
 use super::policy::Candidate;
 use super::wire::layout_from_wire;
 use baton_core::block_hash::BlockHash;
@@ -77,13 +91,49 @@ pub enum RegisterError {
     /// The registration is malformed.
     #[error("invalid registration: {0}")]
     Invalid(String),
+    /// The signed identity of the call is not the instance the request names.
+    #[error("the call was signed as {signed:?} but registers instance {claimed:?}")]
+    IdentityMismatch {
+        /// The identity the call was signed with.
+        signed: String,
+        /// The request's `instance`.
+        claimed: String,
+    },
+    /// A live entry of another instance holds the URL.
+    #[error("{url} is registered by another live worker instance")]
+    UrlInUse {
+        /// The URL.
+        url: String,
+    },
+}
+
+/// A successful registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registered {
+    /// The worker's new (random) id.
+    pub worker_id: u64,
+    /// What its heartbeats must present.
+    pub session: [u8; 16],
+}
+
+/// What became of a heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeartbeatOutcome {
+    /// Applied.
+    Applied,
+    /// No such worker (ejected, or never registered): register again.
+    Unknown,
+    /// The id exists but the session is not its own: refused.
+    WrongSession,
 }
 
 /// Static facts of one registered worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerInfo {
-    /// Registry id (new on every registration).
+    /// Registry id (random, new on every registration).
     pub id: u64,
+    /// The worker process's instance id (what its signed calls and KV handshakes claim).
+    pub instance: String,
     /// Its role.
     pub role: Role,
     /// The Worker gRPC service URL.
@@ -100,6 +150,9 @@ pub struct WorkerInfo {
 
 struct Entry {
     info: WorkerInfo,
+    /// Registration order (ids are random; candidates are ordered by this).
+    seq: u64,
+    session: [u8; 16],
     load: pb::Load,
     healthy: bool,
     last_seen: Instant,
@@ -125,7 +178,7 @@ pub struct RegistrySettings {
 pub struct Registry {
     settings: RegistrySettings,
     workers: RwLock<HashMap<u64, Entry>>,
-    next_id: AtomicU64,
+    next_seq: AtomicU64,
 }
 
 /// A worker chosen for a request, with its router-side load accounting.
@@ -203,7 +256,7 @@ pub struct WorkerStatus {
 impl Registry {
     /// An empty registry.
     pub fn new(settings: RegistrySettings) -> Self {
-        Self { settings, workers: RwLock::new(HashMap::new()), next_id: AtomicU64::new(1) }
+        Self { settings, workers: RwLock::new(HashMap::new()), next_seq: AtomicU64::new(0) }
     }
 
     /// The settings workers are held to.
@@ -211,8 +264,31 @@ impl Registry {
         &self.settings
     }
 
-    /// Admits a worker (replacing any entry with the same URL) and returns its id.
-    pub fn register(&self, req: &pb::RegisterRequest) -> Result<u64, RegisterError> {
+    /// Admits a worker and returns its id and session. `peer` is the identity its call was
+    /// signed with (with a cluster secret). The worker's own earlier entry (same instance)
+    /// is replaced; a live entry of another instance at the same URL is not
+    /// ([`RegisterError::UrlInUse`]; see [`Registry::register_replacing`]).
+    pub fn register(&self, req: &pb::RegisterRequest, peer: Option<&str>) -> Result<Registered, RegisterError> {
+        self.admit(req, peer, false)
+    }
+
+    /// As [`Registry::register`], but also replaces another instance's entry at the same URL:
+    /// only for a registration whose URL was confirmed to be served by the registering
+    /// instance (the old process is gone).
+    pub fn register_replacing(
+        &self,
+        req: &pb::RegisterRequest,
+        peer: Option<&str>,
+    ) -> Result<Registered, RegisterError> {
+        self.admit(req, peer, true)
+    }
+
+    fn admit(
+        &self,
+        req: &pb::RegisterRequest,
+        peer: Option<&str>,
+        replace_url: bool,
+    ) -> Result<Registered, RegisterError> {
         let role = match pb::Role::try_from(req.role) {
             Ok(pb::Role::Prefill) => Role::Prefill,
             Ok(pb::Role::Decode) => Role::Decode,
@@ -234,14 +310,35 @@ impl Registry {
         if req.worker_url.is_empty() || (role.decodes() && req.kv_addr.is_empty()) {
             return Err(RegisterError::Invalid("a worker URL (and, to decode, a KV address) is required".into()));
         }
+        if !baton_core::cluster_auth::valid_identity(&req.instance) {
+            return Err(RegisterError::Invalid("the instance must be 1 to 64 of [A-Za-z0-9._-]".into()));
+        }
+        if let Some(signed) = peer
+            && signed != req.instance
+        {
+            return Err(RegisterError::IdentityMismatch { signed: signed.to_owned(), claimed: req.instance.clone() });
+        }
         let layout = req
             .layout
             .as_ref()
             .ok_or_else(|| RegisterError::Invalid("no KV layout".into()))
             .and_then(|l| layout_from_wire(l).map_err(|e| RegisterError::Invalid(e.to_string())))?;
-        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let mut w = self.workers.write().map_err(|_| RegisterError::Invalid("the registry is poisoned".into()))?;
+        let taken = w.values().any(|e| e.info.url == req.worker_url && e.info.instance != req.instance);
+        if taken && !replace_url {
+            return Err(RegisterError::UrlInUse { url: req.worker_url.clone() });
+        }
+        // Random ids: nothing to learn from one about the others. Zero is never used.
+        let id = loop {
+            let id: u64 = rand::random();
+            if id != 0 && !w.contains_key(&id) {
+                break id;
+            }
+        };
+        let session: [u8; 16] = rand::random();
         let info = WorkerInfo {
             id,
+            instance: req.instance.clone(),
             role,
             url: req.worker_url.clone(),
             kv_addr: req.kv_addr.clone(),
@@ -252,24 +349,28 @@ impl Registry {
         let entry = Entry {
             load: pb::Load { num_total_blocks: req.num_blocks, ..Default::default() },
             info,
+            seq: self.next_seq.fetch_add(1, Ordering::SeqCst),
+            session,
             healthy: true,
             last_seen: Instant::now(),
             cached: HashSet::new(),
             inflight: Arc::default(),
             queued_prefill_tokens: Arc::default(),
         };
-        if let Ok(mut w) = self.workers.write() {
-            w.retain(|_, e| e.info.url != req.worker_url);
-            w.insert(id, entry);
-        }
-        tracing::info!(worker = id, role = role.as_str(), url = %req.worker_url, device = %req.device, "worker registered");
-        Ok(id)
+        w.retain(|_, e| e.info.url != req.worker_url && e.info.instance != req.instance);
+        w.insert(id, entry);
+        drop(w);
+        tracing::info!(worker = id, role = role.as_str(), url = %req.worker_url, instance = %req.instance, device = %req.device, "worker registered");
+        Ok(Registered { worker_id: id, session })
     }
 
-    /// Applies a heartbeat; false when the worker is unknown (it should register again).
-    pub fn heartbeat(&self, req: &pb::HeartbeatRequest) -> bool {
-        let Ok(mut w) = self.workers.write() else { return false };
-        let Some(e) = w.get_mut(&req.worker_id) else { return false };
+    /// Applies a heartbeat that presents its registration's session.
+    pub fn heartbeat(&self, req: &pb::HeartbeatRequest) -> HeartbeatOutcome {
+        let Ok(mut w) = self.workers.write() else { return HeartbeatOutcome::Unknown };
+        let Some(e) = w.get_mut(&req.worker_id) else { return HeartbeatOutcome::Unknown };
+        if !bool::from(subtle::ConstantTimeEq::ct_eq(e.session.as_slice(), req.session.as_slice())) {
+            return HeartbeatOutcome::WrongSession;
+        }
         e.last_seen = Instant::now();
         e.healthy = req.healthy;
         if let Some(load) = req.load {
@@ -282,7 +383,7 @@ impl Registry {
                 e.cached.remove(&ev.block_hash);
             }
         }
-        true
+        HeartbeatOutcome::Applied
     }
 
     /// Removes workers silent for longer than `eject_after` (as of `now`); returns their ids.
@@ -312,7 +413,7 @@ impl Registry {
     /// cached-prefix overlap when `hashes` is given) alongside what a request needs to use them.
     pub fn candidates(&self, want: fn(Role) -> bool, hashes: Option<&[BlockHash]>) -> Vec<(Candidate, Picked)> {
         let Ok(w) = self.workers.read() else { return Vec::new() };
-        let mut out: Vec<(Candidate, Picked)> = w
+        let mut out: Vec<(u64, (Candidate, Picked))> = w
             .values()
             .filter(|e| e.healthy && want(e.info.role))
             .map(|e| {
@@ -333,38 +434,43 @@ impl Registry {
                     inflight: e.inflight.clone(),
                     queued_prefill_tokens: e.queued_prefill_tokens.clone(),
                 };
-                (c, p)
+                (e.seq, (c, p))
             })
             .collect();
-        // Stable order (by id) so round-robin and tie-breaks are deterministic.
-        out.sort_by_key(|(c, _)| c.id);
-        out
+        // Registration order (ids are random), so round-robin and tie-breaks are deterministic.
+        out.sort_by_key(|(seq, _)| *seq);
+        out.into_iter().map(|(_, cp)| cp).collect()
     }
 
     /// Every registered worker, for operators.
     pub fn describe(&self) -> Vec<WorkerStatus> {
         let now = Instant::now();
         let Ok(w) = self.workers.read() else { return Vec::new() };
-        let mut out: Vec<WorkerStatus> = w
+        let mut out: Vec<(u64, WorkerStatus)> = w
             .values()
-            .map(|e| WorkerStatus {
-                id: e.info.id,
-                role: e.info.role.as_str(),
-                url: e.info.url.clone(),
-                kv_addr: e.info.kv_addr.clone(),
-                device: e.info.device.clone(),
-                running: e.load.num_running,
-                waiting: e.load.num_waiting,
-                used_blocks: e.load.num_used_blocks,
-                total_blocks: e.load.num_total_blocks,
-                inflight: e.inflight.load(Ordering::SeqCst),
-                cached_blocks: e.cached.len(),
-                last_seen_ms: now.saturating_duration_since(e.last_seen).as_millis(),
-                healthy: e.healthy,
+            .map(|e| {
+                (
+                    e.seq,
+                    WorkerStatus {
+                        id: e.info.id,
+                        role: e.info.role.as_str(),
+                        url: e.info.url.clone(),
+                        kv_addr: e.info.kv_addr.clone(),
+                        device: e.info.device.clone(),
+                        running: e.load.num_running,
+                        waiting: e.load.num_waiting,
+                        used_blocks: e.load.num_used_blocks,
+                        total_blocks: e.load.num_total_blocks,
+                        inflight: e.inflight.load(Ordering::SeqCst),
+                        cached_blocks: e.cached.len(),
+                        last_seen_ms: now.saturating_duration_since(e.last_seen).as_millis(),
+                        healthy: e.healthy,
+                    },
+                )
             })
             .collect();
-        out.sort_by_key(|s| s.id);
-        out
+        out.sort_by_key(|(seq, _)| *seq);
+        out.into_iter().map(|(_, s)| s).collect()
     }
 
     /// Registered workers per role (prefill, decode, unified).
@@ -398,17 +504,33 @@ impl Registry {
 /// The `Registry` gRPC service over a [`Registry`].
 pub struct RegistryService {
     registry: Arc<Registry>,
+    security: ClusterSecurity,
+    /// Bound on asking a worker URL who serves it.
+    identify_timeout: Duration,
 }
 
 impl RegistryService {
-    /// Serves `registry`.
-    pub fn new(registry: Arc<Registry>) -> Self {
-        Self { registry }
+    /// Serves `registry`; `security` signs the calls it makes back to workers (and, through
+    /// [`RegistryService::into_server`], checks the calls it gets).
+    pub fn new(registry: Arc<Registry>, security: ClusterSecurity) -> Self {
+        Self { registry, security, identify_timeout: Duration::from_secs(3) }
     }
 
-    /// The tonic server wrapper.
-    pub fn into_server(self) -> pb::registry_server::RegistryServer<Self> {
-        pb::registry_server::RegistryServer::new(self)
+    /// The tonic server wrapper, refusing calls without the cluster secret (when one is set).
+    pub fn into_server(self) -> super::auth::RequireClusterAuth<pb::registry_server::RegistryServer<Self>> {
+        let security = self.security.clone();
+        security.guard(pb::registry_server::RegistryServer::new(self))
+    }
+
+    /// The instance serving `url` now, by its own answer.
+    async fn identify(&self, url: &str) -> Result<String, String> {
+        let endpoint = self.security.endpoint(url).map_err(|e| e.to_string())?;
+        let call = async {
+            let channel = endpoint.connect_timeout(self.identify_timeout).connect().await.map_err(|e| e.to_string())?;
+            let mut client = pb::worker_client::WorkerClient::new(self.security.client(channel));
+            client.identify(pb::IdentifyRequest {}).await.map(|r| r.into_inner().instance).map_err(|s| s.to_string())
+        };
+        tokio::time::timeout(self.identify_timeout, call).await.map_err(|_| "no answer".to_owned())?
     }
 }
 
@@ -418,15 +540,36 @@ impl pb::registry_server::Registry for RegistryService {
         &self,
         request: tonic::Request<pb::RegisterRequest>,
     ) -> Result<tonic::Response<pb::RegisterResponse>, tonic::Status> {
+        let peer = request.extensions().get::<ClusterPeer>().map(|p| p.0.clone());
         let req = request.into_inner();
-        match self.registry.register(&req) {
-            Ok(worker_id) => Ok(tonic::Response::new(pb::RegisterResponse {
-                worker_id,
+        let mut result = self.registry.register(&req, peer.as_deref());
+        if let Err(RegisterError::UrlInUse { url }) = &result {
+            // Replace the live entry only if the URL itself says the registering instance
+            // serves it now (the old process is gone).
+            match self.identify(url).await {
+                Ok(instance) if instance == req.instance => {
+                    tracing::info!(url = %url, instance = %instance, "a new instance serves a registered URL; replacing");
+                    result = self.registry.register_replacing(&req, peer.as_deref());
+                }
+                Ok(other) => {
+                    tracing::warn!(url = %url, serving = %other, claimed = %req.instance, "a registration for another live worker's URL")
+                }
+                Err(e) => tracing::warn!(url = %url, error = %e, "cannot confirm who serves a registered URL"),
+            }
+        }
+        match result {
+            Ok(r) => Ok(tonic::Response::new(pb::RegisterResponse {
+                worker_id: r.worker_id,
                 heartbeat_interval_ms: self.registry.settings.heartbeat_interval.as_millis() as u32,
+                session: r.session.to_vec(),
             })),
             Err(e) => {
                 tracing::warn!(url = %req.worker_url, error = %e, "worker registration refused");
-                Err(tonic::Status::failed_precondition(e.to_string()))
+                Err(match e {
+                    RegisterError::UrlInUse { .. } => tonic::Status::already_exists(e.to_string()),
+                    RegisterError::IdentityMismatch { .. } => tonic::Status::permission_denied(e.to_string()),
+                    _ => tonic::Status::failed_precondition(e.to_string()),
+                })
             }
         }
     }
@@ -435,8 +578,15 @@ impl pb::registry_server::Registry for RegistryService {
         &self,
         request: tonic::Request<pb::HeartbeatRequest>,
     ) -> Result<tonic::Response<pb::HeartbeatResponse>, tonic::Status> {
-        let known = self.registry.heartbeat(&request.into_inner());
-        Ok(tonic::Response::new(pb::HeartbeatResponse { known }))
+        let req = request.into_inner();
+        match self.registry.heartbeat(&req) {
+            HeartbeatOutcome::Applied => Ok(tonic::Response::new(pb::HeartbeatResponse { known: true })),
+            HeartbeatOutcome::Unknown => Ok(tonic::Response::new(pb::HeartbeatResponse { known: false })),
+            HeartbeatOutcome::WrongSession => {
+                tracing::warn!(worker = req.worker_id, "a heartbeat with a wrong session refused");
+                Err(tonic::Status::permission_denied("this heartbeat's session is not the one its worker id was given"))
+            }
+        }
     }
 }
 
@@ -456,6 +606,10 @@ mod tests {
     }
 
     fn reg(role: pb::Role, url: &str) -> pb::RegisterRequest {
+        reg_as(role, url, &format!("inst-{}", url.trim_start_matches("http://")))
+    }
+
+    fn reg_as(role: pb::Role, url: &str, instance: &str) -> pb::RegisterRequest {
         let layout = KvLayout { num_layers: 2, block_size: 16, num_kv_heads: 2, head_dim: 8, dtype: KvDtype::F32 };
         pb::RegisterRequest {
             role: role as i32,
@@ -467,64 +621,81 @@ mod tests {
             num_blocks: 64,
             layout: Some(layout_to_wire(&layout)),
             device: "cpu".into(),
-            instance: "i".into(),
+            instance: instance.into(),
             eos_token_ids: vec![],
+        }
+    }
+
+    impl Registry {
+        fn register_ok(&self, req: &pb::RegisterRequest) -> Result<Registered, RegisterError> {
+            self.register(req, None)
+        }
+    }
+
+    fn hb(r: &Registered) -> pb::HeartbeatRequest {
+        pb::HeartbeatRequest {
+            worker_id: r.worker_id,
+            load: None,
+            events: vec![],
+            healthy: true,
+            session: r.session.to_vec(),
         }
     }
 
     #[test]
     fn registration_checks_the_model_the_context_and_the_role() {
         let r = Registry::new(settings());
-        assert!(r.register(&reg(pb::Role::Prefill, "http://p")).is_ok());
+        assert!(r.register(&reg(pb::Role::Prefill, "http://p"), None).is_ok());
         let mut bad = reg(pb::Role::Decode, "http://d");
         bad.model_fingerprint = "m2".into();
-        assert!(matches!(r.register(&bad), Err(RegisterError::ModelMismatch { .. })));
+        assert!(matches!(r.register(&bad, None), Err(RegisterError::ModelMismatch { .. })));
         let mut bad = reg(pb::Role::Decode, "http://d");
         bad.max_model_len = 128;
-        let err = r.register(&bad).expect_err("too short");
+        let err = r.register(&bad, None).expect_err("too short");
         assert!(err.to_string().contains("--max-model-len 256"), "{err}");
         let mut bad = reg(pb::Role::Decode, "http://d");
         bad.role = 42;
-        assert!(matches!(r.register(&bad), Err(RegisterError::Invalid(_))));
+        assert!(matches!(r.register(&bad, None), Err(RegisterError::Invalid(_))));
         let mut bad = reg(pb::Role::Decode, "http://d");
         bad.kv_addr.clear();
-        assert!(matches!(r.register(&bad), Err(RegisterError::Invalid(_))));
+        assert!(matches!(r.register(&bad, None), Err(RegisterError::Invalid(_))));
         assert_eq!(r.counts(), (1, 0, 0));
     }
 
     #[test]
     fn silent_workers_are_ejected_and_rejoin_by_registering_again() {
         let r = Registry::new(settings());
-        let p = r.register(&reg(pb::Role::Prefill, "http://p")).expect("p");
-        let d = r.register(&reg(pb::Role::Decode, "http://d")).expect("d");
+        let p = r.register_ok(&reg(pb::Role::Prefill, "http://p")).expect("p");
+        let d = r.register_ok(&reg(pb::Role::Decode, "http://d")).expect("d");
         let later = Instant::now() + Duration::from_millis(200);
         assert!(r.eject_stale(later).is_empty(), "within the limit");
-        let hb = |id| pb::HeartbeatRequest { worker_id: id, load: None, events: vec![], healthy: true };
         std::thread::sleep(Duration::from_millis(50));
-        assert!(r.heartbeat(&hb(d)));
+        assert_eq!(r.heartbeat(&hb(&d)), HeartbeatOutcome::Applied);
         let ejected = r.eject_stale(Instant::now() + Duration::from_millis(280));
-        assert_eq!(ejected, vec![p], "only the silent one goes");
-        assert!(!r.heartbeat(&hb(p)), "an ejected worker is told it is unknown");
-        let p2 = r.register(&reg(pb::Role::Prefill, "http://p")).expect("rejoins");
-        assert_ne!(p2, p);
-        // A restart at the same URL replaces the old entry instead of duplicating it.
-        let d2 = r.register(&reg(pb::Role::Decode, "http://d")).expect("restart");
+        assert_eq!(ejected, vec![p.worker_id], "only the silent one goes");
+        assert_eq!(r.heartbeat(&hb(&p)), HeartbeatOutcome::Unknown, "an ejected worker is told it is unknown");
+        let p2 = r.register_ok(&reg(pb::Role::Prefill, "http://p")).expect("rejoins");
+        assert_ne!(p2.worker_id, p.worker_id);
+        // The same instance registering again replaces its entry instead of duplicating it.
+        let d2 = r.register_ok(&reg(pb::Role::Decode, "http://d")).expect("again");
         assert_eq!(r.counts(), (1, 1, 0));
-        assert!(!r.heartbeat(&hb(d)) && r.heartbeat(&hb(d2)));
+        assert_eq!(r.heartbeat(&hb(&d)), HeartbeatOutcome::Unknown);
+        assert_eq!(r.heartbeat(&hb(&d2)), HeartbeatOutcome::Applied);
     }
 
     #[test]
     fn cache_events_build_the_prefix_index_and_inflight_guards_count() {
         let r = Registry::new(settings());
-        let p = r.register(&reg(pb::Role::Prefill, "http://p")).expect("p");
+        let p = r.register_ok(&reg(pb::Role::Prefill, "http://p")).expect("p");
         let ev = |h, stored| pb::CacheEvent { block_hash: h, stored };
         let hb = pb::HeartbeatRequest {
-            worker_id: p,
+            worker_id: p.worker_id,
+            session: p.session.to_vec(),
             load: Some(pb::Load { num_running: 2, num_waiting: 1, num_used_blocks: 5, num_total_blocks: 64 }),
             events: vec![ev(1, true), ev(2, true), ev(3, true), ev(2, false), ev(2, true), ev(3, false)],
             healthy: true,
         };
-        assert!(r.heartbeat(&hb));
+        assert_eq!(r.heartbeat(&hb), HeartbeatOutcome::Applied);
         let hashes = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
         let cands = r.candidates(Role::prefills, Some(&hashes));
         assert_eq!(cands.len(), 1);
@@ -539,5 +710,49 @@ mod tests {
         let c = &r.candidates(Role::prefills, None)[0].0;
         assert_eq!((c.inflight, c.queued_prefill_tokens), (0, 0), "guards give their counts back");
         assert!(r.candidates(Role::decodes, None).is_empty());
+    }
+
+    #[test]
+    fn ids_are_random_and_heartbeats_must_present_their_own_session() {
+        let r = Registry::new(settings());
+        let a = r.register_ok(&reg(pb::Role::Prefill, "http://a")).expect("a");
+        let b = r.register_ok(&reg(pb::Role::Decode, "http://b")).expect("b");
+        assert_ne!(a.worker_id, b.worker_id);
+        assert!(a.worker_id > 2 || b.worker_id > 2, "ids are not a counter: {} {}", a.worker_id, b.worker_id);
+        assert_ne!(a.session, b.session);
+        // Naming another worker's id with one's own session, or no session, is refused.
+        let spoof = pb::HeartbeatRequest { worker_id: b.worker_id, ..hb(&a) };
+        assert_eq!(r.heartbeat(&spoof), HeartbeatOutcome::WrongSession);
+        let bare = pb::HeartbeatRequest { session: vec![], ..hb(&b) };
+        assert_eq!(r.heartbeat(&bare), HeartbeatOutcome::WrongSession);
+        assert_eq!(r.heartbeat(&hb(&b)), HeartbeatOutcome::Applied);
+        // Candidates come in registration order whatever the random ids.
+        let order: Vec<u64> = r.describe().iter().map(|s| s.id).collect();
+        assert_eq!(order, vec![a.worker_id, b.worker_id]);
+    }
+
+    #[test]
+    fn a_live_worker_is_not_evicted_by_another_instance_claiming_its_url() {
+        let r = Registry::new(settings());
+        let real = r.register_ok(&reg_as(pb::Role::Decode, "http://d", "real")).expect("real");
+        let err = r.register_ok(&reg_as(pb::Role::Decode, "http://d", "intruder")).expect_err("URL in use");
+        assert_eq!(err, RegisterError::UrlInUse { url: "http://d".into() });
+        assert_eq!(r.heartbeat(&hb(&real)), HeartbeatOutcome::Applied, "the real worker is still registered");
+        assert_eq!(r.describe()[0].id, real.worker_id);
+        // Once the URL is confirmed to serve the new instance (a restart), it replaces the entry.
+        let restarted = r.register_replacing(&reg_as(pb::Role::Decode, "http://d", "intruder"), None).expect("ok");
+        assert_eq!(r.counts(), (0, 1, 0));
+        assert_eq!(r.heartbeat(&hb(&real)), HeartbeatOutcome::Unknown);
+        assert_eq!(r.heartbeat(&hb(&restarted)), HeartbeatOutcome::Applied);
+    }
+
+    #[test]
+    fn a_signed_registration_must_name_its_signer_as_the_instance() {
+        let r = Registry::new(settings());
+        let err = r.register(&reg_as(pb::Role::Decode, "http://d", "w1"), Some("w2")).expect_err("mismatch");
+        assert!(matches!(err, RegisterError::IdentityMismatch { .. }), "{err}");
+        assert!(r.register(&reg_as(pb::Role::Decode, "http://d", "w1"), Some("w1")).is_ok());
+        let err = r.register(&reg_as(pb::Role::Prefill, "http://p", "bad:id"), None).expect_err("invalid");
+        assert!(matches!(err, RegisterError::Invalid(_)), "{err}");
     }
 }

@@ -1,9 +1,11 @@
 //! Driving one routed request to completion over the worker gRPC streams.
 //!
 //! - `Local`: one `Generate` stream on one worker.
-//! - `Relay`: the decode worker reserves blocks (`Decode` answers `reserved`), the prefill
-//!   worker computes the prompt and streams its KV there (`Prefill`), its first token goes
-//!   to the client at once, and the decode worker's tokens follow.
+//! - `Relay`: the decode worker reserves blocks (`Decode` answers `reserved` with a random
+//!   token, bound to the prefill worker's instance named in the request), the prefill
+//!   worker computes the prompt and streams its KV there (`Prefill`, presenting the token),
+//!   its first token goes to the client at once, and the decode worker's tokens follow. A
+//!   retry on another prefill worker first rebinds the reservation to it (`Rebind`).
 //!
 //! Outputs are delivered by output position: a token at a position already delivered (the
 //! decode worker repeating the first token it received, or a recompute/retry producing it
@@ -81,6 +83,7 @@ fn work_request(req: &EngineRequest, deadline_ms: u32) -> pb::WorkRequest {
         params: Some(sampling_to_wire(&req.params)),
         priority: req.priority,
         deadline_ms,
+        prefill_instance: String::new(),
     }
 }
 
@@ -201,7 +204,8 @@ impl PrefillLoad {
 /// The decode worker's reservation.
 struct Reservation {
     stream: Streaming<pb::WorkEvent>,
-    request_id: u64,
+    /// The decode worker's random token naming it (opaque here).
+    token: Vec<u8>,
     block_table: Vec<u32>,
     kv_addr: String,
 }
@@ -214,16 +218,23 @@ enum ReserveError {
     Fatal(EngineError),
 }
 
-async fn reserve(inner: &Inner, decode: &Picked, request: &EngineRequest) -> Result<Reservation, ReserveError> {
+/// Reserves blocks on `decode` for KV that only `prefill` may send.
+async fn reserve(
+    inner: &Inner,
+    decode: &Picked,
+    prefill: &Picked,
+    request: &EngineRequest,
+) -> Result<Reservation, ReserveError> {
     let deadline = inner.settings.kv_deadline;
     let channel = inner.channel(&decode.info.url).map_err(|e| ReserveError::Fatal(EngineError::Backend(e)))?;
     let mut client = WorkerClient::new(channel);
+    let work = pb::WorkRequest {
+        prefill_instance: prefill.info.instance.clone(),
+        ..work_request(request, deadline.as_millis() as u32)
+    };
     let call = async {
-        let mut stream = client
-            .decode(work_request(request, deadline.as_millis() as u32))
-            .await
-            .inspect_err(|s| eject_if_unreachable(inner, decode, s))?
-            .into_inner();
+        let mut stream =
+            client.decode(work).await.inspect_err(|s| eject_if_unreachable(inner, decode, s))?.into_inner();
         let first = stream.message().await?;
         Ok::<_, tonic::Status>((stream, first))
     };
@@ -243,7 +254,7 @@ async fn reserve(inner: &Inner, decode: &Picked, request: &EngineRequest) -> Res
     };
     match first.and_then(|e| e.event) {
         Some(pb::work_event::Event::Reserved(r)) => {
-            Ok(Reservation { stream, request_id: r.request_id, block_table: r.block_table, kv_addr: r.kv_addr })
+            Ok(Reservation { stream, token: r.reservation, block_table: r.block_table, kv_addr: r.kv_addr })
         }
         Some(pb::work_event::Event::Error(e)) => Err(ReserveError::Fatal(worker_error("decode", decode, e))),
         _ => Err(ReserveError::Fatal(worker_error(
@@ -265,7 +276,7 @@ async fn start_prefill(
     let req = pb::PrefillRequest {
         request: Some(work_request(request, deadline_ms)),
         kv_addr: res.kv_addr.clone(),
-        decode_request_id: res.request_id,
+        reservation: res.token.clone(),
         decode_block_table: res.block_table.clone(),
         deadline_ms,
     };
@@ -286,7 +297,7 @@ async fn run_relay(
     let mut decode = decode;
     let mut tried_decode = vec![decode.info.id];
     let mut res = loop {
-        match reserve(inner, &decode, request).await {
+        match reserve(inner, &decode, &first_prefill, request).await {
             Ok(r) => break r,
             Err(ReserveError::Fatal(e)) => return Err(e),
             Err(ReserveError::TryAnother(e)) => {
@@ -345,12 +356,19 @@ async fn run_relay(
                     prefill = p;
                     tracing::warn!(worker = prefill.info.id, "retrying the prefill on another worker");
                     p_load.start(&prefill, request.prompt_token_ids.len());
-                    p_stream = start_prefill(inner, &prefill, request, &res).await.ok();
+                    // The reservation admits only the prefill worker it is bound to.
+                    p_stream = match rebind(inner, &decode, &res, &prefill).await {
+                        Ok(()) => start_prefill(inner, &prefill, request, &res).await.ok(),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot hand the reservation to another prefill worker");
+                            None
+                        }
+                    };
                     continue;
                 }
                 None => {
                     tracing::warn!(decode = decode.info.id, "prefill failed; the decode worker recomputes the prompt");
-                    recompute(inner, &decode, res.request_id).await?;
+                    recompute(inner, &decode, &res.token).await?;
                     transfer_done = true;
                 }
             }
@@ -424,10 +442,24 @@ async fn next_if_open(
     }
 }
 
-async fn recompute(inner: &Inner, decode: &Picked, request_id: u64) -> Result<(), EngineError> {
+/// Binds the reservation to `prefill` (a retry on another prefill worker).
+async fn rebind(inner: &Inner, decode: &Picked, res: &Reservation, prefill: &Picked) -> Result<(), EngineError> {
     let channel = inner.channel(&decode.info.url).map_err(EngineError::Backend)?;
     let mut client = WorkerClient::new(channel);
-    let call = client.recompute(pb::RecomputeRequest { request_id });
+    let call = client
+        .rebind(pb::RebindRequest { reservation: res.token.clone(), prefill_instance: prefill.info.instance.clone() });
+    match tokio::time::timeout(inner.settings.kv_deadline, call).await {
+        Ok(Ok(r)) if r.get_ref().found => Ok(()),
+        Ok(Ok(_)) => Err(worker_error("decode", decode, "the reservation is no longer waiting for KV")),
+        Ok(Err(s)) => Err(worker_error("decode", decode, format!("cannot rebind: {}", s.message()))),
+        Err(_) => Err(worker_error("decode", decode, "no answer to rebind")),
+    }
+}
+
+async fn recompute(inner: &Inner, decode: &Picked, token: &[u8]) -> Result<(), EngineError> {
+    let channel = inner.channel(&decode.info.url).map_err(EngineError::Backend)?;
+    let mut client = WorkerClient::new(channel);
+    let call = client.recompute(pb::RecomputeRequest { reservation: token.to_vec() });
     match tokio::time::timeout(inner.settings.kv_deadline, call).await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(s)) => Err(worker_error("decode", decode, format!("cannot recompute: {}", s.message()))),

@@ -9,6 +9,7 @@
 
 use super::error::ApiError;
 use super::extract::JsonBody;
+use super::fields::{Endpoint, check_fields};
 use super::logprobs::chat_logprobs;
 use super::params::{EndpointParams, sampling_params, top_logprobs};
 use super::protocol::{
@@ -59,6 +60,7 @@ fn message_text(index: usize, message: ChatMessageIn) -> Result<ChatTurn, Fronte
 
 async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError> {
     let request: ChatCompletionRequest = body.parse()?;
+    check_fields(&body.parse::<serde_json::Value>()?, Endpoint::Chat)?;
     let fields: SamplingFields = body.parse()?;
     frontend.check_model(fields.model.as_deref())?;
     if request.messages.is_empty() {

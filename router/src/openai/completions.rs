@@ -7,6 +7,7 @@
 
 use super::error::ApiError;
 use super::extract::JsonBody;
+use super::fields::{Endpoint, check_fields};
 use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs};
 use super::params::{EndpointParams, count, sampling_params, top_logprobs};
 use super::protocol::{
@@ -64,6 +65,7 @@ struct ChoiceOut {
 
 async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError> {
     let request: CompletionRequest = body.parse()?;
+    check_fields(&body.parse::<serde_json::Value>()?, Endpoint::Completions)?;
     let fields: SamplingFields = body.parse()?;
     frontend.check_model(fields.model.as_deref())?;
     let logprobs = request.logprobs.map(|k| top_logprobs("logprobs", k)).transpose()?;

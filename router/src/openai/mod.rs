@@ -5,6 +5,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod extract;
+pub mod fields;
 pub mod logprobs;
 pub mod params;
 pub mod protocol;

@@ -3,8 +3,10 @@
 //!
 //! Requests are deliberately loose in their numeric types (`i64`/`f64` instead of `u32`/`f32`)
 //! so that a negative `max_tokens` or an absurd `n` reaches validation and gets an error that
-//! names the parameter, rather than a generic deserialization failure. Unknown fields are
-//! ignored, as OpenAI and vLLM do. Nothing here validates; see [`super::params`].
+//! names the parameter, rather than a generic deserialization failure. serde skips fields these
+//! structs lack, so every body is first checked by [`super::fields`], which refuses each field
+//! Baton does not honour (OpenAI and vLLM would ignore it). Nothing here validates; see
+//! [`super::params`].
 //!
 //! A generation body is parsed twice: into the endpoint's struct and into [`SamplingFields`].
 

@@ -5,10 +5,17 @@
 //! (vLLM names, plus `baton_kv_transfer_*`). It registers with the router and heartbeats
 //! ([`reporter`]); when the router forgets it (ejected, restarted) it registers again.
 //!
+//! Security: with a cluster secret every Worker call must be signed (else `UNAUTHENTICATED`,
+//! before any handler runs), the KV listener admits only senders that prove the secret,
+//! and the registry calls are signed as this worker's instance; with `--tls-*` the Worker
+//! service and the registry calls use mutual TLS ([`crate::cluster_security`]).
+//!
 //! Invariant: a KV hand-off is admitted only for a reservation this worker is still
 //! expecting (registered by `Decode`, forgotten on completion, recompute, deadline or
-//! cancellation), so a late or stray transfer can never write into blocks that now belong
-//! to another request.
+//! cancellation), named by its random 128-bit token, and only from the prefill worker
+//! instance the reservation is bound to; so a late, stray or forged transfer can never
+//! write into blocks that now belong to another request, nor seed the prefix cache with
+//! KV of someone else's choosing.
 
 mod reporter;
 mod service;
@@ -17,6 +24,8 @@ use crate::config::ServeSettings;
 use crate::serve::engine_config;
 use anyhow::{Context, bail};
 use baton_core::api::{EngineClient, RequestId};
+use baton_core::cluster_auth::ReservationToken;
+use baton_engine::kv_transport::KvCredentials;
 use baton_engine::kv_transport::handoff::{Received, receive_import};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineHandle};
@@ -47,6 +56,8 @@ pub struct WorkerSettings {
     pub kv_deadline: Duration,
     /// How this worker sends KV as a prefill worker (decode workers accept both).
     pub kv_transport: KvTransportKind,
+    /// Cluster secret and TLS of the internal plane.
+    pub security: crate::cluster_security::SecuritySettings,
     /// Fault injection (hidden flags), for the failure tests.
     pub chaos: Chaos,
 }
@@ -84,8 +95,8 @@ pub struct WorkerState {
     pub kv_addr: String,
     /// Request metrics of this worker (engine load, KV transfers).
     pub metrics: Metrics,
-    /// Reservations waiting for their KV, with their deadline.
-    expected: Mutex<HashMap<RequestId, Instant>>,
+    /// Reservations waiting for their KV, by token.
+    expected: Mutex<HashMap<ReservationToken, Expected>>,
     /// Fault injection.
     pub chaos: Chaos,
     /// Tokens streamed so far (for `Chaos::exit_after_tokens`).
@@ -99,19 +110,45 @@ pub struct WorkerState {
     pub instance: String,
     /// Serializes NCCL link setups (see `service::ensure_link`).
     pub link_setup: tokio::sync::Mutex<()>,
+    /// What this worker proves and claims when it sends KV.
+    pub kv_credentials: KvCredentials,
+}
+
+/// A reservation waiting for its KV.
+#[derive(Debug, Clone)]
+struct Expected {
+    /// The engine request holding the blocks.
+    id: RequestId,
+    /// Past this, its KV is no longer admitted.
+    deadline: Instant,
+    /// The only prefill worker instance that may send it.
+    prefill: String,
 }
 
 impl WorkerState {
-    /// Admits hand-offs for `id` until it is forgotten.
-    pub fn expect_reservation(&self, id: RequestId, deadline: Instant) {
+    /// Admits hand-offs for `token` (engine request `id`) from the prefill worker instance
+    /// `prefill` until it is forgotten or `deadline` passes.
+    pub fn expect_reservation(&self, token: ReservationToken, id: RequestId, deadline: Instant, prefill: String) {
         if let Ok(mut e) = self.expected.lock() {
-            e.insert(id, deadline);
+            e.insert(token, Expected { id, deadline, prefill });
         }
     }
 
-    /// Stops admitting hand-offs for `id`; true if it was still expected.
-    pub fn forget_reservation(&self, id: RequestId) -> bool {
-        self.expected.lock().map(|mut e| e.remove(&id).is_some()).unwrap_or(false)
+    /// Stops admitting hand-offs for `token`; the engine request if it was still expected.
+    pub fn forget_reservation(&self, token: &ReservationToken) -> Option<RequestId> {
+        self.expected.lock().ok().and_then(|mut e| e.remove(token)).map(|e| e.id)
+    }
+
+    /// Binds a waiting reservation to another prefill worker; false if it is not waiting.
+    pub fn rebind_reservation(&self, token: &ReservationToken, prefill: String) -> bool {
+        let Ok(mut e) = self.expected.lock() else { return false };
+        match e.get_mut(token) {
+            Some(x) => {
+                x.prefill = prefill;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Counts streamed tokens; exits the process when the chaos limit is reached.
@@ -123,8 +160,14 @@ impl WorkerState {
         }
     }
 
-    fn is_expected(&self, id: RequestId) -> bool {
-        self.expected.lock().map(|e| e.get(&id).is_some_and(|d| Instant::now() < *d)).unwrap_or(false)
+    /// The engine request a hand-off of `token` from `sender` fills, or why it is refused
+    /// (the same answer for an unknown token and another sender's, so it reveals nothing).
+    fn admit(&self, token: &ReservationToken, sender: &str) -> Result<RequestId, String> {
+        let e = self.expected.lock().map_err(|_| "the reservation table is poisoned".to_owned())?;
+        match e.get(token) {
+            Some(x) if Instant::now() < x.deadline && x.prefill == sender => Ok(x.id),
+            _ => Err(format!("reservation {token} is not waiting for KV from {sender} on this worker")),
+        }
     }
 }
 
@@ -141,10 +184,10 @@ async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadl
         };
         let state = state.clone();
         tokio::spawn(async move {
-            let expected = |id| state.is_expected(id);
-            match receive_import(pending, &state.engine, &state.links, deadline, expected).await {
-                Ok(Received::Import { id, report }) => {
-                    state.forget_reservation(id);
+            let admit = |token: &ReservationToken, sender: &str| state.admit(token, sender);
+            match receive_import(pending, &state.engine, &state.links, deadline, admit).await {
+                Ok(Received::Import { id, reservation, report }) => {
+                    state.forget_reservation(&reservation);
                     state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
                     tracing::debug!(request = %id, bytes = report.bytes, elapsed = ?report.elapsed, "KV received");
                 }
@@ -157,19 +200,20 @@ async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadl
     }
 }
 
-/// Runs a worker until SIGINT/SIGTERM.
-pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
+/// Runs a worker until SIGINT/SIGTERM; `started` is when the process started (the start-up
+/// log's total is measured from it).
+pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<()> {
     let s = &settings.serve;
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
     }
+    let instance = reporter::instance_id();
+    // Checked before the model loads: a refused configuration fails at once.
+    let security =
+        crate::cluster_security::load(&settings.security, &instance, &s.host, "the worker service and KV listener")?;
     let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
-    let path = s.model.clone();
-    let model = tokio::task::spawn_blocking(move || baton_formats::load_model(&path, load_format))
-        .await
-        .context("model loading panicked")?
-        .with_context(|| format!("cannot load model {}", s.model.display()))?;
+    let model = crate::serve::load_model(&s.model, load_format).await?;
     let fingerprint = baton_router::cluster::wire::model_fingerprint(&model.config);
     let mut config = engine_config(s);
     config.record_cache_events = settings.role.prefills();
@@ -194,7 +238,8 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
             settings.kv_port,
         ))
         .await
-        .context("cannot bind the KV listener")?;
+        .context("cannot bind the KV listener")?
+        .with_secret(security.secret().cloned());
         let port = l.local_addr()?.port();
         (Some(l), format!("{advertise}:{port}"))
     } else {
@@ -211,8 +256,9 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         tokens_streamed: Default::default(),
         links: Default::default(),
         kv_transport: settings.kv_transport,
-        instance: reporter::instance_id(),
+        instance: instance.clone(),
         link_setup: tokio::sync::Mutex::new(()),
+        kv_credentials: KvCredentials { secret: security.secret().cloned(), identity: instance.clone() },
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -229,10 +275,14 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
         .route("/health", axum::routing::get(health))
         .route("/metrics", axum::routing::get(metrics))
         .with_state(state.clone());
+    // Logged before the servers run, so the line is in the log before the first /health 200.
+    baton_engine::log_phase("total", started);
     let http = tokio::spawn(async move { axum::serve(crate::listeners::http(http_listener), app).await });
     let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(service::WorkerService::new(state.clone()).into_server())
+        security
+            .server()
+            .context("invalid --tls-cert/--tls-key/--tls-ca")?
+            .add_service(security.guard(service::WorkerService::new(state.clone()).into_server()))
             .serve_with_incoming(crate::listeners::grpc(grpc_listener)),
     );
     if let Some(l) = kv_listener {
@@ -241,9 +291,10 @@ pub async fn run(settings: WorkerSettings) -> anyhow::Result<()> {
     let registration = reporter::Registration {
         router: settings.router.clone(),
         role: settings.role,
-        worker_url: format!("http://{advertise}:{}", grpc_addr.port()),
+        worker_url: format!("{}://{advertise}:{}", security.scheme(), grpc_addr.port()),
         kv_addr,
         fingerprint,
+        security,
     };
     let report = tokio::spawn(reporter::run(registration, state.clone()));
     tokio::select! {

@@ -6,6 +6,9 @@
 //! fresh registration, so a worker rejoins by itself. Cache events of a beat that failed are
 //! kept for the next one; on re-registration they are dropped, since the router starts the
 //! new entry's prefix index empty.
+//!
+//! Every registry call is signed as this worker's instance (with a cluster secret) and runs
+//! over TLS when configured; every heartbeat presents the session its registration got.
 
 use super::WorkerState;
 use baton_core::api::EngineClient;
@@ -13,6 +16,7 @@ use baton_core::block_manager::CacheEvent;
 use baton_proto::worker as pb;
 use baton_proto::worker::registry_client::RegistryClient;
 use baton_router::cluster::Role;
+use baton_router::cluster::auth::{ClusterSecurity, SignedChannel};
 use baton_router::cluster::wire::layout_to_wire;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +33,16 @@ pub struct Registration {
     pub kv_addr: String,
     /// The model's identity.
     pub fingerprint: String,
+    /// Signs (and encrypts) the registry calls.
+    pub security: ClusterSecurity,
+}
+
+/// A registration the router accepted.
+struct Session {
+    client: RegistryClient<SignedChannel>,
+    worker_id: u64,
+    session: Vec<u8>,
+    interval: Duration,
 }
 
 const RETRY: Duration = Duration::from_millis(500);
@@ -41,11 +55,7 @@ fn role_to_wire(r: Role) -> pb::Role {
     }
 }
 
-async fn register(
-    reg: &Registration,
-    state: &WorkerState,
-    instance: &str,
-) -> Option<(RegistryClient<tonic::transport::Channel>, u64, Duration)> {
+async fn register(reg: &Registration, state: &WorkerState, instance: &str) -> Option<Session> {
     let info = state.engine.info();
     let req = pb::RegisterRequest {
         role: role_to_wire(reg.role) as i32,
@@ -60,21 +70,39 @@ async fn register(
         instance: instance.to_owned(),
         eos_token_ids: info.eos_token_ids.clone(),
     };
-    let mut client = match RegistryClient::connect(reg.router.clone()).await {
+    let endpoint = match reg.security.endpoint(&reg.router) {
+        Ok(e) => e,
+        Err(e) => {
+            // Permanent until someone changes the configuration.
+            tracing::error!(router = %reg.router, error = %e, "cannot use the router address");
+            tokio::time::sleep(RETRY * 10).await;
+            return None;
+        }
+    };
+    let channel = match endpoint.connect().await {
         Ok(c) => c,
         Err(e) => {
             tracing::debug!(router = %reg.router, error = %e, "router not reachable yet");
             return None;
         }
     };
+    let mut client = RegistryClient::new(reg.security.client(channel));
     match client.register(req).await {
         Ok(r) => {
             let r = r.into_inner();
             let interval = Duration::from_millis(u64::from(r.heartbeat_interval_ms.max(10)));
             tracing::info!(router = %reg.router, worker_id = r.worker_id, ?interval, "registered with the router");
-            Some((client, r.worker_id, interval))
+            Some(Session { client, worker_id: r.worker_id, session: r.session, interval })
         }
-        Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+        Err(s)
+            if matches!(
+                s.code(),
+                tonic::Code::FailedPrecondition
+                    | tonic::Code::Unauthenticated
+                    | tonic::Code::PermissionDenied
+                    | tonic::Code::AlreadyExists
+            ) =>
+        {
             // Permanent until someone changes the configuration: say so loudly, keep trying.
             tracing::error!(router = %reg.router, reason = %s.message(), "the router refused this worker");
             tokio::time::sleep(RETRY * 10).await;
@@ -91,7 +119,7 @@ async fn register(
 pub async fn run(reg: Registration, state: Arc<WorkerState>) {
     let instance = state.instance.clone();
     loop {
-        let Some((mut client, worker_id, interval)) = register(&reg, &state, &instance).await else {
+        let Some(Session { mut client, worker_id, session, interval }) = register(&reg, &state, &instance).await else {
             tokio::time::sleep(RETRY).await;
             continue;
         };
@@ -117,6 +145,7 @@ pub async fn run(reg: Registration, state: Arc<WorkerState>) {
                 }),
                 events: pending.clone(),
                 healthy: state.engine.is_healthy(),
+                session: session.clone(),
             };
             match tokio::time::timeout(interval * 2, client.heartbeat(beat)).await {
                 Ok(Ok(r)) if r.get_ref().known => {
@@ -139,10 +168,7 @@ pub async fn run(reg: Registration, state: Arc<WorkerState>) {
     }
 }
 
-/// Random per process start (a restarted worker is a new instance).
+/// Random per process start (a restarted worker is a new instance): 128 random bits in hex.
 pub(super) fn instance_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    format!("{:016x}", h.finish())
+    format!("{:032x}", rand::random::<u128>())
 }

@@ -2,18 +2,25 @@
 //!
 //! - `Generate`: a whole request here.
 //! - `Decode`: reserve blocks for a prompt whose KV comes from a prefill worker, answer
-//!   `reserved` (request id, block table, KV address), then stream every output token. The
-//!   reservation waits at most the request's deadline for its KV, then recomputes here.
+//!   `reserved` (a random 128-bit token, block table, KV address), then stream every output
+//!   token. Only the prefill worker instance named in the request may fill the reservation;
+//!   it waits at most the request's deadline for its KV, then recomputes here.
 //! - `Prefill`: compute the prompt, stream its KV to the decode worker while computing,
 //!   stream the first token, then the transfer's result.
 //! - `Recompute`: stop waiting for a reservation's KV and recompute here.
+//! - `Rebind`: let another prefill worker (a retry) fill a waiting reservation.
+//! - `Identify`: this worker's instance (the registry's check of a worker URL).
+//!
+//! The service is wrapped by the cluster-auth check ([`super::run`]), so with a secret none
+//! of these runs for an unsigned call.
 //!
 //! Cancelling any stream drops its engine stream, which aborts the request and frees its
 //! blocks (on the decode side also a reservation still waiting for KV).
 
 use super::KvTransportKind;
 use super::WorkerState;
-use baton_core::api::{EngineClient, EngineRequest, OutputStream, RequestId, SubmitError};
+use baton_core::api::{EngineClient, EngineRequest, OutputStream, SubmitError};
+use baton_core::cluster_auth::ReservationToken;
 use baton_engine::kv_transport::handoff::{resolve, send_export, setup_link};
 use baton_engine::kv_transport::nccl::NcclLink;
 use baton_proto::worker as pb;
@@ -114,7 +121,7 @@ async fn ensure_link(
         return Ok((name, link));
     }
     let stream = state.engine.transfer_stream().await.map_err(Status::failed_precondition)?;
-    let link = setup_link(addr, state.engine.kv_layout(), deadline, name.clone(), stream)
+    let link = setup_link(addr, state.engine.kv_layout(), deadline, name.clone(), stream, state.kv_credentials.clone())
         .await
         .map_err(|e| Status::unavailable(format!("cannot set up an NCCL link to {kv_addr}: {e}")))?;
     let link = Arc::new(link);
@@ -152,13 +159,17 @@ fn chaos_tap(
 /// Forgets a reservation when its stream goes away, so a late transfer is refused.
 struct PendingGuard {
     state: Arc<WorkerState>,
-    id: RequestId,
+    token: ReservationToken,
 }
 
 impl Drop for PendingGuard {
     fn drop(&mut self) {
-        self.state.forget_reservation(self.id);
+        self.state.forget_reservation(&self.token);
     }
+}
+
+fn reservation_token(bytes: &[u8]) -> Result<ReservationToken, Status> {
+    ReservationToken::from_slice(bytes).ok_or_else(|| Status::invalid_argument("a reservation token is 16 bytes"))
 }
 
 /// Aborts a spawned task when dropped (the prefill stream's transfer).
@@ -186,21 +197,28 @@ impl pb::worker_server::Worker for WorkerService {
         if !self.state.role.decodes() {
             return Err(Status::failed_precondition("this worker does not decode"));
         }
-        let (req, deadline) = engine_request(Some(request.into_inner()))?;
+        let work = request.into_inner();
+        if !baton_core::cluster_auth::valid_identity(&work.prefill_instance) {
+            return Err(Status::invalid_argument("Decode needs the prefill_instance allowed to send the KV"));
+        }
+        let prefill = work.prefill_instance.clone();
+        let (req, deadline) = engine_request(Some(work))?;
         let (stream, table) = self.state.engine.reserve_import(req).await.map_err(submit_status)?;
         let id = stream.request_id();
-        self.state.expect_reservation(id, Instant::now() + deadline);
-        let guard = PendingGuard { state: self.state.clone(), id };
+        let token = ReservationToken::random();
+        self.state.expect_reservation(token, id, Instant::now() + deadline, prefill);
+        let guard = PendingGuard { state: self.state.clone(), token };
         // The deadline: a reservation whose KV has not arrived by then recomputes here.
         let state = self.state.clone();
         tokio::spawn(async move {
             tokio::time::sleep(deadline).await;
-            if state.forget_reservation(id) {
+            if let Some(id) = state.forget_reservation(&token) {
                 tracing::warn!(request = %id, ?deadline, "no KV within the deadline; recomputing the prompt here");
                 state.engine.import_failed(id);
             }
         });
-        let reserved = pb::Reserved { request_id: id.0, block_table: table, kv_addr: self.state.kv_addr.clone() };
+        let reserved =
+            pb::Reserved { reservation: token.0.to_vec(), block_table: table, kv_addr: self.state.kv_addr.clone() };
         let tokens = token_events(stream, self.state.clone());
         let out = async_stream::stream! {
             let _guard = guard;
@@ -217,6 +235,7 @@ impl pb::worker_server::Worker for WorkerService {
             return Err(Status::failed_precondition("this worker does not prefill"));
         }
         let p = request.into_inner();
+        let token = reservation_token(&p.reservation)?;
         let (req, _) = engine_request(p.request)?;
         let addr = resolve(&p.kv_addr).await.map_err(|e| Status::invalid_argument(e.to_string()))?;
         let deadline = Duration::from_millis(u64::from(p.deadline_ms.max(1)));
@@ -231,13 +250,14 @@ impl pb::worker_server::Worker for WorkerService {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let state = self.state.clone();
         let kv_addr = p.kv_addr.clone();
+        let creds = self.state.kv_credentials.clone();
         let events = match self.state.chaos.exit_after_kv_layers {
             Some(n) => chaos_tap(events, n),
             None => events,
         };
         let transfer = AbortOnDrop(tokio::spawn(async move {
             let nccl = link_name.is_some();
-            let result = send_export(events, addr, p.decode_request_id, layout, deadline, link_name).await;
+            let result = send_export(events, addr, token, layout, deadline, link_name, creds).await;
             match &result {
                 Ok(report) => state.metrics.observe_kv_transfer(report.bytes, report.elapsed),
                 // A failed NCCL hand-off may leave the link unusable: make a new one next time.
@@ -266,11 +286,25 @@ impl pb::worker_server::Worker for WorkerService {
         &self,
         request: Request<pb::RecomputeRequest>,
     ) -> Result<Response<pb::RecomputeResponse>, Status> {
-        let id = RequestId(request.into_inner().request_id);
-        if self.state.forget_reservation(id) {
+        let token = reservation_token(&request.into_inner().reservation)?;
+        if let Some(id) = self.state.forget_reservation(&token) {
             tracing::warn!(request = %id, "the router reports the prefill failed; recomputing the prompt here");
             self.state.engine.import_failed(id);
         }
         Ok(Response::new(pb::RecomputeResponse {}))
+    }
+
+    async fn rebind(&self, request: Request<pb::RebindRequest>) -> Result<Response<pb::RebindResponse>, Status> {
+        let r = request.into_inner();
+        let token = reservation_token(&r.reservation)?;
+        if !baton_core::cluster_auth::valid_identity(&r.prefill_instance) {
+            return Err(Status::invalid_argument("Rebind needs a prefill_instance"));
+        }
+        let found = self.state.rebind_reservation(&token, r.prefill_instance);
+        Ok(Response::new(pb::RebindResponse { found }))
+    }
+
+    async fn identify(&self, _: Request<pb::IdentifyRequest>) -> Result<Response<pb::IdentifyResponse>, Status> {
+        Ok(Response::new(pb::IdentifyResponse { instance: self.state.instance.clone() }))
     }
 }

@@ -1,0 +1,272 @@
+//! cuBLASLt GEMMs with the algorithm chosen by measurement ([`LtGemm`]), for the batched decode
+//! shapes (17 to 512 rows) where plain cuBLAS leaves bandwidth unused: measured on an H100 at
+//! b = 64, its pick for the o projection (4096 × 4096) read the weights at 63 % of copy and
+//! the qkv one at 69 %, plausibly a tile choice with too few CTAs for a 64-row product.
+//!
+//! For each shape (rows, output width, reduction length, output type) the first call asks
+//! cuBLASLt's heuristic for up to [`CANDIDATES`] algorithms, times each on the call's own
+//! operands ([`TIMED_REPS`] runs after a warm-up, CUDA events) and keeps the fastest; the last
+//! run leaves the product in `out`, so the first call is the op too. Later calls of the shape
+//! launch the kept algorithm. A shape met first while a CUDA graph is being recorded (no
+//! timing is possible then) takes the heuristic's first choice and is timed at its next
+//! eager call.
+//!
+//! Invariants: every descriptor lives as long as its [`Plan`]; the GEMMs run on the device's
+//! stream with this module's own workspace (fixed at open, so nothing is allocated per call
+//! and the launches can be recorded); a shape no algorithm supports is an error the caller
+//! turns into plain cuBLAS.
+
+use super::{CudaError, CudaSlice};
+use cudarc::cublaslt::{result, sys};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Algorithms asked of the heuristic and timed per shape.
+pub const CANDIDATES: usize = 12;
+/// Timed runs per candidate (after one warm-up); the median decides.
+pub const TIMED_REPS: usize = 5;
+/// Bytes of the cuBLASLt workspace (split-K algorithms keep partial sums there).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A product's shape: `m` rows of x, `n` rows of w, reduction `k`, f32 (or bf16) output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LtShape {
+    /// Rows of x and of the output.
+    pub m: usize,
+    /// Rows of w: columns of the output.
+    pub n: usize,
+    /// Columns of x and of w.
+    pub k: usize,
+    /// Whether the output is f32 (else bf16).
+    pub f32_out: bool,
+}
+
+/// The descriptors and the chosen algorithm of one shape.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    candidates: Vec<sys::cublasLtMatmulHeuristicResult_t>,
+    /// Index in `candidates` of the one measured fastest; `None` until measured.
+    chosen: Option<usize>,
+}
+
+// SAFETY: the descriptors are plain heap objects of cuBLASLt, used only under the mutex.
+unsafe impl Send for Plan {}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created for this plan and is destroyed once; errors at
+        // teardown are ignored (nothing to do about them).
+        unsafe {
+            let _ = result::destroy_matrix_layout(self.a);
+            let _ = result::destroy_matrix_layout(self.b);
+            let _ = result::destroy_matrix_layout(self.d);
+            let _ = result::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// The cuBLASLt handle, its workspace and the plans per shape.
+pub(crate) struct LtGemm {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    plans: Mutex<HashMap<LtShape, Plan>>,
+}
+
+// SAFETY: the handle is used from one stream and every use holds the `plans` mutex.
+unsafe impl Send for LtGemm {}
+// SAFETY: as above.
+unsafe impl Sync for LtGemm {}
+
+impl Drop for LtGemm {
+    fn drop(&mut self) {
+        if let Ok(mut plans) = self.plans.lock() {
+            plans.clear();
+        }
+        // SAFETY: created in `new`, destroyed once, after every plan.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}
+
+/// What one [`LtGemm::run`] did, for benchmarks: the candidates timed (microseconds each)
+/// when this call chose the algorithm.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LtChoice {
+    /// Microseconds of each candidate, in the heuristic's order (empty: nothing timed).
+    pub timed_us: Vec<f64>,
+    /// The candidate kept.
+    pub chosen: usize,
+}
+
+fn lt_err(e: cudarc::cublaslt::result::CublasError) -> CudaError {
+    CudaError::BlasLt(format!("{e:?}"))
+}
+
+impl LtGemm {
+    /// A handle and a workspace on `stream`; `None` when cuBLASLt cannot be loaded.
+    pub fn new(stream: &std::sync::Arc<CudaStream>) -> Result<Option<Self>, CudaError> {
+        // SAFETY: only tries to dlopen the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Ok(None);
+        }
+        let handle = result::create_handle().map_err(lt_err)?;
+        // SAFETY: the workspace's contents never matter.
+        let workspace = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }?;
+        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()) }))
+    }
+
+    fn plan(&self, s: LtShape) -> Result<Plan, CudaError> {
+        use sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        let (m, n, k) = (s.m as u64, s.n as u64, s.k as u64);
+        let desc = result::create_matmul_desc(CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err)?;
+        // Column-major view, as for plain cuBLAS: outᵀ (n × m) = op(W) · xᵀ, where W is
+        // stored k × n (ld k) and transposed, xᵀ is k × m (ld k).
+        let transa = 1i32;
+        // SAFETY: `desc` is live; the attribute is a 32-bit operation code.
+        unsafe {
+            result::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&transa as *const i32).cast(),
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .map_err(lt_err)?;
+        let a = result::create_matrix_layout(CUDA_R_16BF, k, n, k as i64).map_err(lt_err)?;
+        let b = result::create_matrix_layout(CUDA_R_16BF, k, m, k as i64).map_err(lt_err)?;
+        let d = result::create_matrix_layout(if s.f32_out { CUDA_R_32F } else { CUDA_R_16BF }, n, m, n as i64)
+            .map_err(lt_err)?;
+        let mut plan = Plan { desc, a, b, d, candidates: Vec::new(), chosen: None };
+        let pref = result::create_matmul_pref().map_err(lt_err)?;
+        let ws = WORKSPACE_BYTES;
+        // SAFETY: a plain C struct of integers and bytes, for which all zeros is valid.
+        let zero: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut found = vec![zero; CANDIDATES];
+        let mut count = 0i32;
+        // SAFETY: every descriptor is live; `found` holds CANDIDATES results.
+        let status = unsafe {
+            result::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const usize).cast(),
+                std::mem::size_of::<usize>(),
+            )
+            .and_then(|()| {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    desc,
+                    a,
+                    b,
+                    d,
+                    d,
+                    pref,
+                    CANDIDATES as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()
+            })
+        };
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { result::destroy_matmul_pref(pref) };
+        status.map_err(lt_err)?;
+        plan.candidates = found
+            .into_iter()
+            .take(count.max(0) as usize)
+            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+            .collect();
+        if plan.candidates.is_empty() {
+            return Err(CudaError::BlasLt(format!("no algorithm for {s:?}")));
+        }
+        Ok(plan)
+    }
+
+    /// `out = x · wᵀ` with the shape's chosen algorithm (choosing it by measurement on the
+    /// first eager call). `x`, `w` and `out` hold `m × k`, `n × k` and `m × n` (the caller
+    /// checked). `O` is the output element (bf16 or f32, matching `shape.f32_out`).
+    pub fn run<O>(
+        &self,
+        dev: &super::CudaDevice,
+        shape: LtShape,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<O>,
+    ) -> Result<LtChoice, CudaError> {
+        let mut plans = self.plans.lock().map_err(|_| CudaError::BlasLt("the plans' lock is poisoned".into()))?;
+        let plan = match plans.entry(shape) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(shape)?),
+        };
+        let stream = dev.stream();
+        let mut choice = LtChoice::default();
+        if plan.chosen.is_none() && !dev.is_capturing() {
+            for i in 0..plan.candidates.len() {
+                self.launch(stream, plan, i, x, w, out)?;
+                let mut t = Vec::with_capacity(TIMED_REPS);
+                for _ in 0..TIMED_REPS {
+                    let (a, b) = (dev.event()?, dev.event()?);
+                    a.record(stream)?;
+                    self.launch(stream, plan, i, x, w, out)?;
+                    b.record(stream)?;
+                    b.synchronize()?;
+                    t.push(f64::from(a.elapsed_ms(&b)?) * 1e3);
+                }
+                t.sort_by(|p, q| p.total_cmp(q));
+                choice.timed_us.push(t[t.len() / 2]);
+            }
+            let best = choice.timed_us.iter().enumerate().min_by(|p, q| p.1.total_cmp(q.1)).map_or(0, |(i, _)| i);
+            plan.chosen = Some(best);
+        }
+        choice.chosen = plan.chosen.unwrap_or(0);
+        // The op itself (after timing too, so `out` holds the chosen algorithm's product).
+        self.launch(stream, plan, choice.chosen, x, w, out)?;
+        Ok(choice)
+    }
+
+    fn launch<O>(
+        &self,
+        stream: &CudaStream,
+        plan: &Plan,
+        algo: usize,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<O>,
+    ) -> Result<(), CudaError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (wp, _gw) = w.device_ptr(stream);
+        let (xp, _gx) = x.device_ptr(stream);
+        let (op, _go) = out.device_ptr_mut(stream);
+        let (ws, _gws) = self.workspace.device_ptr(stream);
+        let algo = &plan.candidates[algo].algo;
+        stream.context().bind_to_thread()?;
+        // SAFETY: the descriptors describe exactly these buffers (the caller checked their
+        // sizes for the shape the plan was made for); the pointers live while the guards do;
+        // C aliases D with beta 0, so C is never read.
+        unsafe {
+            result::matmul(
+                self.handle,
+                plan.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                wp as *const _,
+                plan.a,
+                xp as *const _,
+                plan.b,
+                op as *const _,
+                plan.d,
+                op as *mut _,
+                plan.d,
+                algo,
+                ws as *mut _,
+                WORKSPACE_BYTES,
+                stream.cu_stream() as _,
+            )
+        }
+        .map_err(lt_err)
+    }
+}
