@@ -370,12 +370,11 @@ impl Loop {
         self.counters.batch_sum += self.running.len() as u64;
         let pool = &self.config.tokens;
         let eos = &self.config.info.eos_token_ids;
-        let mut produced = 0u64;
-        self.running.retain_mut(|r| {
+        let mut outputs = Vec::with_capacity(self.running.len());
+        for r in &mut self.running {
             let token = pool[r.next % pool.len()];
             r.next += 1;
             r.generated += 1;
-            produced += 1;
             let may_stop = r.generated > r.min_tokens;
             let stop_token = ((!r.ignore_eos && eos.contains(&token)) || r.stop_token_ids.contains(&token))
                 .then_some(token)
@@ -387,24 +386,39 @@ impl Loop {
             } else {
                 None
             };
-            let output = EngineOutput {
+            outputs.push(EngineOutput {
                 new_token_ids: vec![token],
                 logprobs: Vec::new(),
                 finish_reason,
                 stop_token,
                 num_prompt_tokens: r.prompt_tokens,
                 num_cached_tokens: 0,
-            };
+            });
+        }
+        // The step's counters and the requests it leaves running are published before its
+        // outputs go out, so that a caller that has read a step's outputs sees it counted (a
+        // receiver found gone while sending is accounted for by the publish after).
+        self.counters.tokens += outputs.len() as u64;
+        self.publish_running(outputs.iter().filter(|o| o.finish_reason.is_none()).count());
+        let mut outputs = outputs.into_iter();
+        // `retain` visits the requests in order, the order the outputs were made in.
+        self.running.retain(|r| {
+            let Some(output) = outputs.next() else { return true };
+            let finished = output.finish_reason.is_some();
             let gone = r.tx.send(Ok(output)).is_err();
-            finish_reason.is_none() && !gone
+            !finished && !gone
         });
-        self.counters.tokens += produced;
         self.publish();
     }
 
     fn publish(&self) {
+        self.publish_running(self.running.len());
+    }
+
+    /// Publishes the counters and stats, with `num_running` requests running.
+    fn publish_running(&self, num_running: usize) {
         if let Ok(mut s) = self.shared.stats.lock() {
-            s.num_running = self.running.len();
+            s.num_running = num_running;
             s.num_waiting = self.waiting.len();
         }
         if let Ok(mut c) = self.shared.counters.lock() {
