@@ -18,6 +18,7 @@ mod liveness;
 pub mod model;
 pub mod relay;
 mod step_timing;
+pub mod synthetic;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
 pub use fault::{FaultInjection, FaultKind};

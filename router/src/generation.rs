@@ -7,6 +7,10 @@
 //! - When a stop string matches, the choice's engine stream is dropped right away, which
 //!   aborts that sequence in the engine (its KV blocks are freed) while the other choices go on.
 //! - Dropping the [`Generation`] aborts every unfinished sequence.
+//! - One [`ChoiceEvent::Delta`] per engine step while the reader keeps up. When it falls
+//!   behind (a slow client, a busy server), the outputs that queued up for a choice meanwhile
+//!   are merged into one delta, so catching up costs one chunk per choice rather than one
+//!   per step (the per-output metrics still see every step).
 //! - Each choice holds one sequence of the in-flight budget ([`crate::admission::Permit`])
 //!   until it ends, however it ends.
 
@@ -16,11 +20,13 @@ use crate::metrics::Metrics;
 use crate::pipeline::PreparedRequest;
 use crate::text::ChoiceText;
 use baton_core::api::{EngineError, EngineOutput, FinishReason, OutputStream, RequestId, TokenLogprob};
+use futures::Stream;
 use futures::stream::{self, BoxStream, StreamExt};
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Instant;
-use tokio_stream::StreamMap;
 
 /// New output of one choice.
 #[derive(Debug, Clone, PartialEq)]
@@ -78,8 +84,6 @@ pub enum ChoiceEvent {
     },
 }
 
-type ChildStream = BoxStream<'static, Option<Result<EngineOutput, EngineError>>>;
-
 struct ChoiceState {
     text: ChoiceText,
     completion_tokens: usize,
@@ -90,11 +94,13 @@ struct ChoiceState {
     permit: Option<Permit>,
 }
 
-/// The merged, detokenized output of one request's choices.
+/// The merged, detokenized output of one request's choices; a `Stream` of [`ChoiceEvent`]s.
 pub struct Generation {
     request_ids: Vec<RequestId>,
     prompt_tokens: usize,
-    streams: StreamMap<usize, ChildStream>,
+    /// The engine stream of each unfinished choice; `None` once it ended (dropping the stream
+    /// aborts the sequence if the engine is still running it).
+    streams: Vec<Option<OutputStream>>,
     choices: Vec<ChoiceState>,
     pending: VecDeque<ChoiceEvent>,
     stop_token_ids: Vec<u32>,
@@ -108,13 +114,15 @@ impl std::fmt::Debug for Generation {
     }
 }
 
-/// Yields every engine output, then `None` once the engine side is closed, so that a stream
-/// that ends without a final output is noticed instead of silently leaving the map.
-fn child_stream(out: OutputStream) -> ChildStream {
-    stream::unfold(out, |mut out| async move { out.next().await.map(|item| (item, out)) })
-        .map(Some)
-        .chain(stream::once(async { None }))
-        .boxed()
+impl ChoiceEvent {
+    /// The choice the event belongs to.
+    pub fn index(&self) -> usize {
+        match self {
+            ChoiceEvent::Delta(d) => d.index,
+            ChoiceEvent::Finished(e) => e.index,
+            ChoiceEvent::Failed { index, .. } => *index,
+        }
+    }
 }
 
 impl Generation {
@@ -128,24 +136,22 @@ impl Generation {
         metrics: Arc<Metrics>,
     ) -> Self {
         let request_ids = outputs.iter().map(OutputStream::request_id).collect();
-        let mut streams = StreamMap::with_capacity(outputs.len());
-        let mut choices = Vec::with_capacity(outputs.len());
         let mut permits = permits.into_iter();
-        for (index, (out, text)) in outputs.into_iter().zip(texts).enumerate() {
-            streams.insert(index, child_stream(out));
-            choices.push(ChoiceState {
+        let choices = texts
+            .into_iter()
+            .map(|text| ChoiceState {
                 text,
                 completion_tokens: 0,
                 cached_tokens: 0,
                 last_token_at: None,
                 done: false,
                 permit: permits.next(),
-            });
-        }
+            })
+            .collect();
         Self {
             request_ids,
             prompt_tokens: prepared.prompt_token_ids.len(),
-            streams,
+            streams: outputs.into_iter().map(Some).collect(),
             choices,
             pending: VecDeque::new(),
             stop_token_ids: prepared.params.stop_token_ids.clone(),
@@ -171,33 +177,15 @@ impl Generation {
 
     /// The next event; `None` once every choice has finished or failed.
     pub async fn next(&mut self) -> Option<ChoiceEvent> {
-        loop {
-            if let Some(event) = self.pending.pop_front() {
-                return Some(event);
-            }
-            if self.choices.iter().all(|c| c.done) {
-                return None;
-            }
-            match self.streams.next().await {
-                Some((index, Some(Ok(output)))) => self.on_output(index, output),
-                Some((index, Some(Err(e)))) => self.fail(index, e.into()),
-                Some((index, None)) => self.fail(index, EngineError::Shutdown.into()),
-                None => {
-                    // Unreachable while a choice is unfinished (its stream is still in the
-                    // map), but never hang if it happens.
-                    for index in 0..self.choices.len() {
-                        self.fail(index, EngineError::Shutdown.into());
-                    }
-                }
-            }
-        }
+        StreamExt::next(self).await
     }
 
     /// Waits for the generation's first event and answers the refusal it carries, if it is
     /// one: a remote engine at capacity or unreachable before anything was generated. The
     /// edges call this before committing to a response, so such a request gets a 429/503 (or
     /// `RESOURCE_EXHAUSTED`/`UNAVAILABLE`) instead of a 200 stream that ends in an error.
-    /// Any other first event is kept and comes out of [`Generation::next`] as usual.
+    /// Any other first event is kept (at the front of the queue, where later steps of its
+    /// choice still merge into it) and comes out of the stream as usual.
     pub async fn refused(&mut self) -> Result<(), FrontendError> {
         match self.next().await {
             Some(ChoiceEvent::Failed { error, .. }) if error.is_refusal() => Err(error),
@@ -209,9 +197,40 @@ impl Generation {
         }
     }
 
-    /// Turns the generation into a `Stream` of events.
+    /// Turns the generation into a boxed `Stream` of events.
     pub fn into_stream(self) -> BoxStream<'static, ChoiceEvent> {
-        stream::unfold(self, |mut g| async move { g.next().await.map(|e| (e, g)) }).boxed()
+        self.boxed()
+    }
+
+    /// Takes in every output already queued on the choices' engine streams (registering for
+    /// a wake-up on each stream that has none).
+    fn drain_ready(&mut self, cx: &mut Context<'_>) {
+        for index in 0..self.streams.len() {
+            while let Some(stream) = self.streams.get_mut(index).and_then(Option::as_mut) {
+                match stream.poll_next(cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(Some(Ok(output))) => self.on_output(index, output),
+                    Poll::Ready(Some(Err(e))) => self.fail(index, e.into()),
+                    // The engine side closed without a final output.
+                    Poll::Ready(None) => self.fail(index, EngineError::Shutdown.into()),
+                }
+            }
+        }
+    }
+
+    /// Queues a delta, merged into the choice's delta still waiting to be read, if any.
+    fn push_delta(&mut self, delta: ChoiceDelta) {
+        if delta.token_ids.is_empty() && delta.text.is_empty() {
+            return;
+        }
+        match self.pending.iter_mut().rev().find(|e| e.index() == delta.index) {
+            Some(ChoiceEvent::Delta(waiting)) => {
+                waiting.text.push_str(&delta.text);
+                waiting.token_ids.extend_from_slice(&delta.token_ids);
+                waiting.logprobs.extend(delta.logprobs);
+            }
+            _ => self.pending.push_back(ChoiceEvent::Delta(delta)),
+        }
     }
 
     fn fail(&mut self, index: usize, error: FrontendError) {
@@ -221,7 +240,9 @@ impl Generation {
         }
         choice.done = true;
         choice.permit = None;
-        self.streams.remove(&index);
+        if let Some(slot) = self.streams.get_mut(index) {
+            *slot = None;
+        }
         self.pending.push_back(ChoiceEvent::Failed { index, error });
     }
 
@@ -269,9 +290,7 @@ impl Generation {
 
         let reason = if stopped_by.is_some() { Some(FinishReason::Stop) } else { output.finish_reason };
         let Some(reason) = reason else {
-            if !delta.token_ids.is_empty() || !delta.text.is_empty() {
-                self.pending.push_back(ChoiceEvent::Delta(delta));
-            }
+            self.push_delta(delta);
             return;
         };
         if stopped_by.is_none() {
@@ -297,11 +316,11 @@ impl Generation {
         };
         // Dropping the engine stream aborts the sequence if the engine is still running it
         // (stop string); for a normal finish it is a no-op.
-        self.streams.remove(&index);
-        self.metrics.observe_finished(now.duration_since(self.arrival), reason);
-        if !delta.token_ids.is_empty() || !delta.text.is_empty() {
-            self.pending.push_back(ChoiceEvent::Delta(delta));
+        if let Some(slot) = self.streams.get_mut(index) {
+            *slot = None;
         }
+        self.metrics.observe_finished(now.duration_since(self.arrival), reason);
+        self.push_delta(delta);
         self.pending.push_back(ChoiceEvent::Finished(end));
     }
 }
@@ -320,4 +339,207 @@ pub async fn refused_first<T: Send + 'static>(
         return Err(error.clone());
     }
     Ok(stream::once(async move { first }).chain(events).boxed())
+}
+
+impl Stream for Generation {
+    type Item = ChoiceEvent;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<ChoiceEvent>> {
+        let this = self.get_mut();
+        // Everything already queued first, so that outputs that piled up while the reader
+        // was behind merge into one delta per choice.
+        this.drain_ready(cx);
+        if let Some(event) = this.pending.pop_front() {
+            return Poll::Ready(Some(event));
+        }
+        if this.choices.iter().all(|c| c.done) {
+            return Poll::Ready(None);
+        }
+        // Every unfinished choice's stream returned `Pending` and will wake this task.
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::{Admission, AdmissionLimits};
+    use crate::text::TextCodec;
+    use baton_core::api::AbortSink;
+    use baton_core::params::SamplingParams;
+    use baton_formats::testing::{TinySpec, write_hf_folder};
+    use tokio::sync::mpsc;
+
+    struct NoAbort;
+
+    impl AbortSink for NoAbort {
+        fn abort(&self, _id: RequestId) {}
+    }
+
+    fn step(token: u32, finish: Option<FinishReason>) -> Result<EngineOutput, EngineError> {
+        Ok(EngineOutput {
+            new_token_ids: vec![token],
+            logprobs: Vec::new(),
+            finish_reason: finish,
+            stop_token: None,
+            num_prompt_tokens: 3,
+            num_cached_tokens: 0,
+        })
+    }
+
+    fn delta_tokens(event: Option<ChoiceEvent>) -> (Vec<u32>, String) {
+        match event {
+            Some(ChoiceEvent::Delta(d)) => (d.token_ids, d.text),
+            other => panic!("expected a delta, got {other:?}"),
+        }
+    }
+
+    /// Outputs that queued up while the reader was away make one delta (tokens and text in
+    /// order, nothing lost); a reader that keeps up gets one delta per engine step.
+    #[tokio::test]
+    async fn queued_steps_merge_into_one_delta_and_a_prompt_reader_gets_one_per_step() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_hf_folder(&dir.path().join("tiny"), &TinySpec::llama()).expect("tiny model");
+        let model = baton_formats::load_model(&path, baton_formats::LoadFormat::Auto).expect("loads");
+        let tokenizer = model.tokenizer.expect("tokenizer");
+        let tokens = tokenizer.encode("merged steps keep every token in order", false).expect("encode");
+        assert!(tokens.len() >= 6, "{tokens:?}");
+        let codec = TextCodec::new(tokenizer.clone(), model.chat_template);
+        let prepared = PreparedRequest {
+            prompt_token_ids: tokens[..3].to_vec(),
+            prompt_text: None,
+            params: SamplingParams { max_tokens: Some(6), ..SamplingParams::default() },
+            arrival: Instant::now(),
+        };
+        let text = ChoiceText::new(&codec, &prepared.params, &prepared.prompt_token_ids).expect("choice text");
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stream = OutputStream::new(RequestId(1), rx, Arc::new(NoAbort));
+        let metrics = Arc::new(Metrics::new("test").expect("metrics"));
+        let mut g = Generation::new(vec![stream], vec![text], Vec::new(), &prepared, metrics);
+
+        let out = &tokens[..6];
+        for &t in &out[..3] {
+            tx.send(step(t, None)).expect("send");
+        }
+        let mut texts = String::new();
+        let (ids, text) = delta_tokens(g.next().await);
+        assert_eq!(ids, out[..3], "three queued steps, one delta");
+        texts.push_str(&text);
+        for &t in &out[3..5] {
+            tx.send(step(t, None)).expect("send");
+            let (ids, text) = delta_tokens(g.next().await);
+            assert_eq!(ids, [t], "read as it arrives: one delta per step");
+            texts.push_str(&text);
+        }
+        tx.send(step(out[5], Some(FinishReason::Length))).expect("send");
+        let (ids, text) = delta_tokens(g.next().await);
+        assert_eq!(ids, [out[5]]);
+        texts.push_str(&text);
+        match g.next().await {
+            Some(ChoiceEvent::Finished(end)) => {
+                assert_eq!((end.index, end.reason, end.completion_tokens), (0, FinishReason::Length, 6));
+            }
+            other => panic!("expected the finish, got {other:?}"),
+        }
+        assert!(g.next().await.is_none());
+        assert_eq!(texts, tokenizer.decode(out, true).expect("decode"));
+    }
+
+    type Sender = mpsc::UnboundedSender<Result<EngineOutput, EngineError>>;
+
+    /// A generation of `n` choices over channels the test feeds, each choice holding one
+    /// sequence of `gate`'s budget; also some token ids of the tiny model's vocabulary.
+    fn choices_with_permits(n: usize, gate: &Arc<Admission>) -> (Generation, Vec<Sender>, Vec<u32>) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_hf_folder(&dir.path().join("tiny"), &TinySpec::llama()).expect("tiny model");
+        let model = baton_formats::load_model(&path, baton_formats::LoadFormat::Auto).expect("loads");
+        let tokenizer = model.tokenizer.expect("tokenizer");
+        let tokens = tokenizer.encode("permits come back however a choice ends", false).expect("encode");
+        assert!(tokens.len() >= 6, "{tokens:?}");
+        let codec = TextCodec::new(tokenizer, model.chat_template);
+        let prepared = PreparedRequest {
+            prompt_token_ids: tokens[..3].to_vec(),
+            prompt_text: None,
+            params: SamplingParams { max_tokens: Some(6), ..SamplingParams::default() },
+            arrival: Instant::now(),
+        };
+        let mut permit = gate.try_acquire(n).expect("room in the gate");
+        let (mut streams, mut texts, mut permits, mut senders) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n {
+            let (tx, rx) = mpsc::unbounded_channel();
+            streams.push(OutputStream::new(RequestId(i as u64 + 1), rx, Arc::new(NoAbort)));
+            texts.push(ChoiceText::new(&codec, &prepared.params, &prepared.prompt_token_ids).expect("choice text"));
+            permits.push(permit.split(1));
+            senders.push(tx);
+        }
+        assert_eq!(permit.count(), 0, "every sequence went to a choice");
+        let metrics = Arc::new(Metrics::new("test").expect("metrics"));
+        (Generation::new(streams, texts, permits, &prepared, metrics), senders, tokens[3..].to_vec())
+    }
+
+    fn gate() -> Arc<Admission> {
+        Admission::new(AdmissionLimits { max_inflight: 8, max_sequences_per_request: 8 })
+    }
+
+    /// Each choice gives its sequence back as it ends, whether it finished or failed, and
+    /// dropping the generation gives back those of the choices still running.
+    #[tokio::test]
+    async fn each_choice_gives_its_permit_back_when_it_finishes_fails_or_is_dropped() {
+        let gate = gate();
+        let (mut g, senders, tokens) = choices_with_permits(3, &gate);
+        assert_eq!(gate.inflight(), 3);
+
+        senders[0].send(step(tokens[0], None)).expect("send");
+        assert_eq!(delta_tokens(g.next().await).0, [tokens[0]]);
+        assert_eq!(gate.inflight(), 3, "a running choice keeps its permit");
+
+        senders[0].send(step(tokens[1], Some(FinishReason::Length))).expect("send");
+        assert_eq!(delta_tokens(g.next().await).0, [tokens[1]]);
+        assert!(matches!(g.next().await, Some(ChoiceEvent::Finished(ChoiceEnd { index: 0, .. }))));
+        assert_eq!(gate.inflight(), 2, "the finished choice gave its permit back");
+
+        senders[1].send(Err(EngineError::Unschedulable("too long".into()))).expect("send");
+        assert!(matches!(g.next().await, Some(ChoiceEvent::Failed { index: 1, .. })));
+        assert_eq!(gate.inflight(), 1, "the failed choice gave its permit back");
+
+        drop(g);
+        assert_eq!(gate.inflight(), 0, "dropping the generation gave back the running choice's permit");
+    }
+
+    /// A refusal as the first event is answered by `refused` (and gives the permits back
+    /// once the generation goes); any other first event stays queued, at the front, where the
+    /// choice's next steps still merge into it.
+    #[tokio::test]
+    async fn refused_answers_a_first_event_refusal_and_keeps_any_other_first_event() {
+        let gate = gate();
+        let (mut g, senders, _) = choices_with_permits(2, &gate);
+        senders[0].send(Err(EngineError::Overloaded("every worker is full".into()))).expect("send");
+        let e = g.refused().await.expect_err("a refusal");
+        assert!(e.is_refusal(), "{e:?}");
+        assert_eq!(gate.inflight(), 1, "the refused choice gave its permit back");
+        drop(g);
+        assert_eq!(gate.inflight(), 0);
+
+        let (mut g, senders, tokens) = choices_with_permits(1, &gate);
+        senders[0].send(step(tokens[0], None)).expect("send");
+        g.refused().await.expect("a delta is no refusal");
+        senders[0].send(step(tokens[1], None)).expect("send");
+        assert_eq!(delta_tokens(g.next().await).0, tokens[..2], "the kept delta and the next step, merged");
+        senders[0].send(step(tokens[2], Some(FinishReason::Length))).expect("send");
+        assert_eq!(delta_tokens(g.next().await).0, [tokens[2]]);
+        assert!(matches!(g.next().await, Some(ChoiceEvent::Finished(ChoiceEnd { completion_tokens: 3, .. }))));
+        assert!(g.next().await.is_none());
+        assert_eq!(gate.inflight(), 0);
+
+        // A failure that is not a refusal is the stream's to report, as its first event.
+        let (mut g, senders, _) = choices_with_permits(1, &gate);
+        senders[0].send(Err(EngineError::Unschedulable("too long".into()))).expect("send");
+        g.refused().await.expect("not a refusal");
+        match g.next().await {
+            Some(ChoiceEvent::Failed { index: 0, error }) => assert!(!error.is_refusal(), "{error:?}"),
+            other => panic!("expected the failure, got {other:?}"),
+        }
+        assert!(g.next().await.is_none());
+        assert_eq!(gate.inflight(), 0);
+    }
 }

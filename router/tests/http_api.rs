@@ -379,10 +379,13 @@ async fn metrics_use_vllm_names_and_follow_requests() {
 }
 
 /// Every token step makes a chunk, also when its text is empty for now (held back while it
-/// may still begin a stop string): clients see each token arrive, as from vLLM.
+/// may still begin a stop string): clients see each token arrive, as from vLLM. Steps that
+/// queued up while the server was behind may share one chunk; none is lost.
 #[tokio::test]
 async fn streaming_sends_a_chunk_per_token_step_even_with_held_back_text() {
-    let s = TestServer::default_start().await;
+    // Steps far apart, so that the reader keeps up and chunks are steps.
+    let config = FakeConfig { token_delay: Duration::from_millis(20), ..FakeConfig::default() };
+    let s = TestServer::start(config, Default::default()).await;
     let (_, full) = s.post("/v1/completions", completion_body(json!({}))).await;
     let text = full["choices"][0]["text"].as_str().expect("text").to_owned();
     let (first, _) = text.split_at(text.char_indices().nth(1).map_or(text.len(), |(i, _)| i));
@@ -390,13 +393,19 @@ async fn streaming_sends_a_chunk_per_token_step_even_with_held_back_text() {
     // text is held back until the end.
     let stop = format!("{text}\u{1}never");
     assert!(stop.starts_with(first));
-    let body = completion_body(json!({"stream": true, "stop": [stop], "stream_options": {"include_usage": true}}));
+    let body = completion_body(
+        json!({"stream": true, "stop": [stop], "logprobs": 1, "stream_options": {"include_usage": true}}),
+    );
     let chunks = chunks(&s.stream("/v1/completions", body).await);
     let usage = &chunks.last().expect("usage chunk")["usage"];
-    let steps =
-        chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && c["choices"][0].is_object()).count();
-    assert_eq!(steps as u64, usage["completion_tokens"].as_u64().expect("count"), "{chunks:?}");
-    assert!(chunks.iter().any(|c| c["choices"][0]["text"] == ""), "some token's text was held back");
+    let completion_tokens = usage["completion_tokens"].as_u64().expect("count") as usize;
+    let tokens_of = |c: &Value| c["choices"][0]["logprobs"]["tokens"].as_array().map_or(0, Vec::len);
+    let steps: Vec<&Value> =
+        chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_null() && c["choices"][0].is_object()).collect();
+    assert!(!steps.is_empty() && steps.len() <= completion_tokens, "{chunks:?}");
+    assert!(steps.iter().all(|c| tokens_of(c) >= 1), "a chunk without a token step: {chunks:?}");
+    assert_eq!(chunks.iter().map(tokens_of).sum::<usize>(), completion_tokens, "{chunks:?}");
+    assert!(steps.iter().any(|c| c["choices"][0]["text"] == ""), "some token's text was held back");
     let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(streamed, text);
 }

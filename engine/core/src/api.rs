@@ -264,16 +264,29 @@ impl OutputStream {
 
     /// The next output; `None` after the final one (or if the engine went away).
     pub async fn next(&mut self) -> Option<Result<EngineOutput, EngineError>> {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    /// Polls for the next output (see [`OutputStream::next`]), for callers that implement
+    /// `Stream` themselves and drain every output already queued in one wake-up.
+    pub fn poll_next(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<EngineOutput, EngineError>>> {
         if self.finished {
-            return None;
+            return std::task::Poll::Ready(None);
         }
-        let item = self.rx.recv().await;
-        match &item {
+        let item = std::task::ready!(self.rx.poll_recv(cx));
+        self.note(&item);
+        std::task::Poll::Ready(item)
+    }
+
+    fn note(&mut self, item: &Option<Result<EngineOutput, EngineError>>) {
+        match item {
             Some(Ok(out)) if out.finish_reason.is_some() => self.finished = true,
             Some(Err(_)) | None => self.finished = true,
             _ => {}
         }
-        item
     }
 
     /// Blocking variant of [`OutputStream::next`] for synchronous callers (tests, benches).
@@ -282,11 +295,7 @@ impl OutputStream {
             return None;
         }
         let item = self.rx.blocking_recv();
-        match &item {
-            Some(Ok(out)) if out.finish_reason.is_some() => self.finished = true,
-            Some(Err(_)) | None => self.finished = true,
-            _ => {}
-        }
+        self.note(&item);
         item
     }
 }

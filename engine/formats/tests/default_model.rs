@@ -68,3 +68,36 @@ fn default_model_loads_with_tokenizer_and_template() {
             || !m.generation.eos_token_ids.is_empty()
     );
 }
+
+/// SmolLM2's decoder is plain byte-level, so streaming decodes by its byte table: over the
+/// real 49,152-token vocabulary, every id's bytes must be what `tokenizers` decodes (checked
+/// on random id sequences, whose streamed deltas must add up to the full decode).
+#[test]
+fn default_model_streams_by_bytes_exactly_as_it_decodes() {
+    use baton_formats::{IncrementalDetokenizer, load_model_info};
+    let info = load_model_info(&default_model_path(), LoadFormat::Auto).expect("header loads");
+    let tok = info.tokenizer.expect("tokenizer");
+    assert!(tok.decodes_by_bytes());
+    let vocab = tok.vocab_size() as u32;
+    // Every id once (in a scrambled order), then random runs.
+    let mut all: Vec<u32> = (0..vocab).map(|i| (i.wrapping_mul(7919)) % vocab).collect();
+    all.dedup();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let runs = all.chunks(97).map(<[u32]>::to_vec).chain((0..300).map(|_| {
+        let len = (next() % 40) as usize;
+        (0..len).map(|_| (next() % u64::from(vocab)) as u32).collect()
+    }));
+    for (i, ids) in runs.enumerate() {
+        let skip = i % 2 == 0;
+        let mut d = IncrementalDetokenizer::new(tok.clone(), &[1, 2, 3], skip);
+        let mut text: String = ids.iter().map(|&id| d.push(id).expect("push")).collect();
+        text.push_str(&d.flush().expect("flush"));
+        assert_eq!(text, tok.decode(&ids, skip).expect("decode"), "{ids:?}");
+    }
+}

@@ -1,6 +1,7 @@
 //! Tokenizer tests: GGUF-built tokenizers give the same ids as `tokenizer.json` for every
-//! supported pre-tokenizer on a mixed-script corpus; the incremental detokenizer never
-//! splits a UTF-8 character or drops a space; the stop matcher finds stops across deltas.
+//! supported pre-tokenizer on a mixed-script corpus; the incremental detokenizer (by bytes
+//! for byte-level decoders, by windows for the others) never splits a UTF-8 character or
+//! drops a space and adds up to the full decode; the stop matcher finds stops across deltas.
 
 use baton_formats::testing::{TinySpec, write_gguf, write_hf_folder};
 use baton_formats::tokenizer::PreTokenizerKind;
@@ -115,24 +116,51 @@ fn add_bos_follows_the_gguf_flag() {
     assert_eq!(tok.encode("hello", false).expect("encode"), ids[1..]);
 }
 
-/// Feeds ids one at a time and checks every delta is whole UTF-8 (guaranteed by `String`)
-/// without replacement characters, and that the concatenation is the full decode.
+/// Feeds ids one at a time and returns every delta plus the flushed rest.
 fn stream(tok: &Tokenizer, prompt: &[u32], ids: &[u32]) -> Vec<String> {
-    let mut d = IncrementalDetokenizer::new(tok.clone(), prompt, false);
+    stream_skip(tok, prompt, ids, false)
+}
+
+fn stream_skip(tok: &Tokenizer, prompt: &[u32], ids: &[u32], skip_special: bool) -> Vec<String> {
+    let mut d = IncrementalDetokenizer::new(tok.clone(), prompt, skip_special);
     let mut out: Vec<String> = ids.iter().map(|&id| d.push(id).expect("push")).collect();
     out.push(d.flush().expect("flush"));
+    assert_eq!(d.generated_len(), ids.len());
     out
+}
+
+/// The same vocabulary with its decoder wrapped in a one-element `Sequence`: it decodes the
+/// same text, but is not a plain byte-level decoder, so streaming goes by windows of ids.
+fn window_decoded(spec: &TinySpec) -> Tokenizer {
+    let mut json = spec.tokenizer_spec().expect("bpe").to_json();
+    let decoder = json["decoder"].take();
+    json["decoder"] = serde_json::json!({"type": "Sequence", "decoders": [decoder]});
+    let inner = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&json).expect("json")).expect("tokenizer");
+    Tokenizer::from_inner(inner, None, None, "window")
+}
+
+/// The byte-level tokenizer (streams by bytes) and the same vocabulary streaming by windows.
+fn both_modes(spec: &TinySpec) -> [Tokenizer; 2] {
+    let bytes = hf_and_gguf(spec).1;
+    let window = window_decoded(spec);
+    assert!(bytes.decodes_by_bytes() && !window.decodes_by_bytes());
+    [bytes, window]
 }
 
 #[test]
 fn incremental_detokenizer_holds_back_split_utf8_and_keeps_spaces() {
-    let tok = hf_and_gguf(&TinySpec::llama()).1;
+    for tok in both_modes(&TinySpec::llama()) {
+        holds_back_split_utf8_and_keeps_spaces(&tok);
+    }
+}
+
+fn holds_back_split_utf8_and_keeps_spaces(tok: &Tokenizer) {
     let text = " 你好 world 😀🚀 ok  two  spaces é";
     let ids = tok.encode(text, false).expect("encode");
     // Byte-level BPE splits the rarely-seen emoji into single-byte tokens.
     let emoji_ids = tok.encode("🚀", false).expect("encode");
     assert!(emoji_ids.len() > 1, "test needs a multi-token character");
-    let deltas = stream(&tok, &[], &ids);
+    let deltas = stream(tok, &[], &ids);
     assert_eq!(deltas.concat(), text);
     assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
     // Some pushes returned nothing: a character was pending.
@@ -140,25 +168,61 @@ fn incremental_detokenizer_holds_back_split_utf8_and_keeps_spaces() {
     // With a prompt as context, the output continues it without a stray or missing space.
     let prompt = tok.encode("Say:", false).expect("encode");
     let cont = tok.encode(" hello there", false).expect("encode");
-    assert_eq!(stream(&tok, &prompt, &cont).concat(), " hello there");
+    assert_eq!(stream(tok, &prompt, &cont).concat(), " hello there");
 }
 
 #[test]
 fn incremental_detokenizer_matches_full_decode_on_random_texts() {
-    let tok = hf_and_gguf(&TinySpec::qwen2()).1;
-    for t in random_texts(7, 40) {
-        let ids = tok.encode(&t, false).expect("encode");
-        assert_eq!(stream(&tok, &[], &ids).concat(), t, "{t:?}");
+    for tok in both_modes(&TinySpec::qwen2()) {
+        for t in random_texts(7, 40).into_iter().chain(TEXTS.iter().map(|t| t.to_string())) {
+            let ids = tok.encode(&t, false).expect("encode");
+            assert_eq!(stream(&tok, &[], &ids).concat(), t, "{t:?}");
+        }
     }
 }
 
 #[test]
-fn incremental_detokenizer_flushes_an_incomplete_character() {
+fn byte_streaming_equals_the_full_decode_of_any_ids() {
+    // Random ids, specials and lone byte tokens included: whatever the ids, the deltas add
+    // up to exactly what `decode` gives, with and without skipping special tokens.
     let tok = hf_and_gguf(&TinySpec::llama()).1;
-    let ids = tok.encode("🚀", false).expect("encode");
-    let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
-    assert_eq!(d.push(ids[0]).expect("push"), "");
-    assert_eq!(d.flush().expect("flush"), "\u{FFFD}");
+    assert!(tok.decodes_by_bytes());
+    let vocab = tok.vocab_size() as u32;
+    let mut rng = StdRng::seed_from_u64(11);
+    for round in 0..400 {
+        let len = rng.random_range(0..24);
+        let ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
+        let skip = round % 2 == 1;
+        let deltas = stream_skip(&tok, &[], &ids, skip);
+        assert_eq!(deltas.concat(), tok.decode(&ids, skip).expect("decode"), "{ids:?} skip={skip}");
+    }
+}
+
+#[test]
+fn byte_streaming_emits_text_as_soon_as_it_is_whole() {
+    let tok = hf_and_gguf(&TinySpec::llama()).1;
+    let rocket = tok.encode("🚀", false).expect("encode");
+    assert!(rocket.len() > 1, "test needs a multi-token character");
+    let mut d = IncrementalDetokenizer::new(tok.clone(), &[], true);
+    for &id in &rocket[..rocket.len() - 1] {
+        assert_eq!(d.push(id).expect("push"), "");
+    }
+    // A skipped special token in the middle of a character does not break it.
+    assert_eq!(d.push(2).expect("special"), "");
+    assert_eq!(d.push(rocket[rocket.len() - 1]).expect("push"), "🚀");
+    let a = tok.encode("a", false).expect("encode");
+    assert_eq!(d.push(a[0]).expect("push"), "a");
+    assert_eq!(d.flush().expect("flush"), "");
+}
+
+#[test]
+fn incremental_detokenizer_flushes_an_incomplete_character() {
+    for tok in both_modes(&TinySpec::llama()) {
+        let ids = tok.encode("🚀", false).expect("encode");
+        let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
+        assert_eq!(d.push(ids[0]).expect("push"), "");
+        assert_eq!(d.flush().expect("flush"), "\u{FFFD}");
+    }
 }
 
 fn run_stops(stops: &[&str], include: bool, deltas: &[&str]) -> (String, bool) {
@@ -248,7 +312,12 @@ fn invalid_tokenizer_json_is_a_clear_error() {
 
 #[test]
 fn incremental_detokenizer_rejects_bad_ids_and_keeps_going() {
-    let tok = hf_and_gguf(&TinySpec::llama()).1;
+    for tok in both_modes(&TinySpec::llama()) {
+        rejects_bad_ids_and_keeps_going(&tok);
+    }
+}
+
+fn rejects_bad_ids_and_keeps_going(tok: &Tokenizer) {
     let ids = tok.encode("hello world", false).expect("encode");
     let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
     let mut out = d.push(ids[0]).expect("push");

@@ -16,7 +16,7 @@ use super::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, ChatMessageIn, MessageContent, SamplingFields, Usage, UsageField,
 };
-use super::sse::{ResponseMeta, done_event, error_event, json_event, sse_response};
+use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
 use crate::error::FrontendError;
 use crate::generation::{ChoiceEnd, ChoiceEvent, Generation};
@@ -89,7 +89,7 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     let meta = ResponseMeta::new("chatcmpl", &frontend);
     if fields.stream.unwrap_or(false) {
         let include_usage = fields.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(stream(frontend, generation, meta, include_usage, logprobs.is_some()))
+        stream(frontend, generation, meta, include_usage, logprobs.is_some())
     } else {
         Ok(collect(frontend, generation, meta, logprobs.is_some()).await?.into_response())
     }
@@ -154,7 +154,7 @@ fn stream(
     meta: ResponseMeta,
     include_usage: bool,
     want_logprobs: bool,
-) -> Response {
+) -> Result<Response, ApiError> {
     let usage_field = if include_usage { UsageField::Null } else { UsageField::Absent };
     let chunk = move |choices: Vec<ChatChunkChoice>, usage: UsageField| ChatCompletionChunk {
         id: meta.id.clone(),
@@ -164,11 +164,13 @@ fn stream(
         choices,
         usage,
     };
+    // Every chunk but the usage one has one choice: render the rest once.
+    let frame = ChunkFrame::new(&chunk(Vec::new(), usage_field)).map_err(|e| FrontendError::Internal(e.to_string()))?;
     let events = async_stream::stream! {
         for index in 0..generation.num_choices() {
             let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()) };
             let choice = ChatChunkChoice { index, delta, logprobs: None, finish_reason: None, stop_reason: None };
-            yield json_event(&chunk(vec![choice], usage_field));
+            yield frame.frame(&choice);
         }
         let mut completion_tokens = 0;
         while let Some(event) = generation.next().await {
@@ -183,7 +185,7 @@ fn stream(
                     }
                     let delta = ChatDelta { role: None, content: Some(d.text) };
                     let choice = ChatChunkChoice { index: d.index, delta, logprobs, finish_reason: None, stop_reason: None };
-                    yield json_event(&chunk(vec![choice], usage_field));
+                    yield frame.frame(&choice);
                 }
                 ChoiceEvent::Finished(end) => {
                     completion_tokens += end.completion_tokens;
@@ -194,19 +196,19 @@ fn stream(
                         finish_reason: Some(end.reason.as_openai_str()),
                         stop_reason: stop_reason(&end),
                     };
-                    yield json_event(&chunk(vec![choice], usage_field));
+                    yield frame.frame(&choice);
                 }
                 ChoiceEvent::Failed { error, .. } => {
-                    yield error_event(&ApiError::from(error));
+                    yield error_frame(&ApiError::from(error));
                     break;
                 }
             }
         }
         if include_usage {
             let usage = Usage::new(generation.prompt_tokens(), completion_tokens);
-            yield json_event(&chunk(Vec::new(), UsageField::Counts(usage)));
+            yield json_frame(&chunk(Vec::new(), UsageField::Counts(usage)));
         }
-        yield done_event();
+        yield done_frame();
     };
-    sse_response(events)
+    Ok(sse_response(events))
 }

@@ -14,10 +14,10 @@ use super::protocol::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, SamplingFields, Usage,
     UsageField,
 };
-use super::sse::{ResponseMeta, done_event, error_event, json_event, sse_response};
+use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
 use crate::error::FrontendError;
-use crate::generation::{ChoiceEnd, ChoiceEvent, refused_first};
+use crate::generation::{ChoiceEnd, ChoiceEvent, Generation, refused_first};
 use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -136,15 +136,20 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         generations.push(frontend.start(p, &mut permit)?);
     }
     // One merged stream of (global choice index, event).
-    let merged: BoxStream<'static, (usize, ChoiceEvent)> = select_all(
-        generations
-            .into_iter()
-            .enumerate()
-            .map(|(p, g)| g.into_stream().map(move |e| (p * n + event_index(&e), e)).boxed()),
-    )
-    .boxed();
     // A refusal (every worker full) is a 429/503, not a 200 stream ending in an error.
-    let merged = refused_first(merged, |(_, e)| e).await?;
+    let merged: BoxStream<'static, (usize, ChoiceEvent)> = match <[Generation; 1]>::try_from(generations) {
+        Ok([mut one]) => {
+            one.refused().await?;
+            one.map(|e| (e.index(), e)).boxed()
+        }
+        Err(generations) => {
+            let merged = select_all(
+                generations.into_iter().enumerate().map(|(p, g)| g.map(move |e| (p * n + e.index(), e)).boxed()),
+            )
+            .boxed();
+            refused_first(merged, |(_, e)| e).await?
+        }
+    };
     let outs: Vec<ChoiceOut> = (0..echoes.len() * n)
         .map(|i| ChoiceOut {
             logprobs: logprobs.map(|_| CompletionLogprobsBuilder::starting_at(echoes[i / n].chars().count())),
@@ -154,7 +159,7 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     let echoes: Vec<String> = (0..echoes.len() * n).map(|i| echoes[i / n].clone()).collect();
     if fields.stream.unwrap_or(false) {
         let include_usage = fields.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(stream(frontend, merged, outs, echoes, meta, include_usage, prompt_tokens))
+        stream(frontend, merged, outs, echoes, meta, include_usage, prompt_tokens)
     } else {
         collect(frontend, merged, outs, echoes, meta, prompt_tokens).await
     }
@@ -164,14 +169,6 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
 async fn decode_prompt(frontend: &Frontend, ids: Vec<u32>, skip_special_tokens: bool) -> Result<String, ApiError> {
     let codec = frontend.codec_handle();
     Ok(frontend.offload().run(move || codec.decode(&ids, skip_special_tokens)).await??)
-}
-
-fn event_index(event: &ChoiceEvent) -> usize {
-    match event {
-        ChoiceEvent::Delta(d) => d.index,
-        ChoiceEvent::Finished(e) => e.index,
-        ChoiceEvent::Failed { index, .. } => *index,
-    }
 }
 
 async fn collect(
@@ -238,7 +235,7 @@ fn stream(
     meta: ResponseMeta,
     include_usage: bool,
     prompt_tokens: usize,
-) -> Response {
+) -> Result<Response, ApiError> {
     let usage_field = if include_usage { UsageField::Null } else { UsageField::Absent };
     let chunk = move |choices: Vec<CompletionChoice>, usage: UsageField| CompletionResponse {
         id: meta.id.clone(),
@@ -248,11 +245,13 @@ fn stream(
         choices,
         usage,
     };
+    // Every chunk but the usage one has one choice: render the rest once.
+    let frame = ChunkFrame::new(&chunk(Vec::new(), usage_field)).map_err(|e| FrontendError::Internal(e.to_string()))?;
     let events = async_stream::stream! {
         for (index, echo) in echoes.into_iter().enumerate() {
             if !echo.is_empty() {
                 let choice = CompletionChoice { index, text: echo, logprobs: None, finish_reason: None, stop_reason: None };
-                yield json_event(&chunk(vec![choice], usage_field));
+                yield frame.frame(&choice);
             }
         }
         let mut completion_tokens = 0;
@@ -270,7 +269,7 @@ fn stream(
                         continue;
                     }
                     let choice = CompletionChoice { index, text: d.text, logprobs, finish_reason: None, stop_reason: None };
-                    yield json_event(&chunk(vec![choice], usage_field));
+                    yield frame.frame(&choice);
                 }
                 ChoiceEvent::Finished(end) => {
                     completion_tokens += end.completion_tokens;
@@ -281,19 +280,19 @@ fn stream(
                         finish_reason: Some(end.reason.as_openai_str()),
                         stop_reason: stop_reason(&end),
                     };
-                    yield json_event(&chunk(vec![choice], usage_field));
+                    yield frame.frame(&choice);
                 }
                 ChoiceEvent::Failed { error, .. } => {
-                    yield error_event(&ApiError::from(error));
+                    yield error_frame(&ApiError::from(error));
                     break;
                 }
             }
         }
         if include_usage {
             let usage = Usage::new(prompt_tokens, completion_tokens);
-            yield json_event(&chunk(Vec::new(), UsageField::Counts(usage)));
+            yield json_frame(&chunk(Vec::new(), UsageField::Counts(usage)));
         }
-        yield done_event();
+        yield done_frame();
     };
-    sse_response(events)
+    Ok(sse_response(events))
 }

@@ -1,8 +1,10 @@
 //! Baton's tokenizer: a cheap-to-clone handle on a `tokenizers::Tokenizer` plus the bos/eos
 //! strings and the set of special ids the server needs. Built from `tokenizer.json` (+
 //! `tokenizer_config.json`) or from GGUF metadata (`gguf_vocab`). Streaming helpers live
-//! in `detok` (incremental detokenization) and `stop` (stop strings).
+//! in `detok` (incremental detokenization, by table for byte-level vocabularies: `byte_level`)
+//! and `stop` (stop strings).
 
+mod byte_level;
 pub mod detok;
 pub mod gguf_vocab;
 pub mod stop;
@@ -24,6 +26,11 @@ pub use stop::{StopMatcher, StopOutput};
 pub struct Tokenizer {
     inner: Arc<tokenizers::Tokenizer>,
     special_ids: Arc<HashSet<u32>>,
+    /// Ids, added tokens included; computed once (`tokenizers` recounts the added tokens
+    /// with a vocabulary lookup each per call, and decoding checks ids against it).
+    vocab_size: usize,
+    /// Per-token bytes when the decoder is plain byte-level (see `byte_level`).
+    byte_table: Option<Arc<byte_level::ByteTable>>,
     bos: Option<String>,
     eos: Option<String>,
     context: String,
@@ -58,7 +65,17 @@ impl Tokenizer {
     ) -> Self {
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
-        Self { inner: Arc::new(inner), special_ids: Arc::new(special_ids), bos, eos, context: context.into() }
+        let vocab_size = inner.get_vocab_size(true);
+        let byte_table = byte_level::ByteTable::build(&inner, vocab_size).map(Arc::new);
+        Self {
+            inner: Arc::new(inner),
+            special_ids: Arc::new(special_ids),
+            vocab_size,
+            byte_table,
+            bos,
+            eos,
+            context: context.into(),
+        }
     }
 
     /// Loads a `tokenizer.json` (bos/eos strings unset; see [`Tokenizer::from_hf_folder`]).
@@ -96,16 +113,25 @@ impl Tokenizer {
 
     /// Text of `ids`; an id outside the vocabulary is an error.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, FormatError> {
-        let n = self.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= n) {
-            return Err(tok_err(&self.context, format!("token id {bad} is outside the vocabulary (size {n})")));
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(self.out_of_vocabulary(bad));
         }
         self.inner.decode(ids, skip_special_tokens).map_err(|e| tok_err(&self.context, e))
     }
 
+    fn out_of_vocabulary(&self, id: u32) -> FormatError {
+        tok_err(&self.context, format!("token id {id} is outside the vocabulary (size {})", self.vocab_size))
+    }
+
     /// Number of ids, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
+    }
+
+    /// Whether streaming decoding goes by the byte table (a plain byte-level decoder) rather
+    /// than by re-decoding windows of ids.
+    pub fn decodes_by_bytes(&self) -> bool {
+        self.byte_table.is_some()
     }
 
     /// Display text of one token (as a logprobs entry shows it), or `None` if out of range.
