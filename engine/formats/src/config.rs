@@ -295,7 +295,7 @@ impl ModelConfig {
                 // Attention over the whole context equals sliding-window attention only up to
                 // the window, and there is no windowed attention here: the context is capped
                 // at the window rather than giving wrong tokens past it.
-                match active_sliding_window(&v, architecture, req("num_hidden_layers")?) {
+                match active_sliding_window(v, architecture, req("num_hidden_layers")?) {
                     Some(window) if window < declared => window.max(1),
                     _ => declared,
                 }
