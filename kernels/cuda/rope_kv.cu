@@ -14,7 +14,10 @@
 // head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads + n_kv_heads), or
 // copies value head y - n_heads - n_kv_heads into the cache; thread i owns the pair (i,
 // i + head_dim / 2). One pass per CTA and every head in parallel: at one row (decode at b = 1)
-// a CTA per row looping over 40 heads took ~10 us, latency-bound.
+// a CTA per row looping over 40 heads took ~10 us, latency-bound. Eight heads per CTA (512
+// threads) halved this kernel at 256 rows but, under programmatic dependent launch, made the
+// attention kernel after it 3.7 ms a step slower at b=32 ctx 8k (its few long CTAs were
+// placed unevenly beside the larger RoPE CTAs; BENCHMARKS.md): keep these CTAs small.
 //
 // q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
