@@ -94,6 +94,14 @@ impl Default for ClusterSettings {
 
 pub(crate) type OutputTx = UnboundedSender<Result<EngineOutput, EngineError>>;
 
+/// Cancelled streams per worker connection whose late frames are ignored (h2's default is
+/// 10; see [`Inner::channel`]).
+const REMEMBERED_RESET_STREAMS: usize = 8192;
+
+/// Local error resets (frames for forgotten cancelled streams) a worker connection tolerates
+/// over its life before h2 closes it (h2's default is 1,024).
+const MAX_LOCAL_ERROR_RESETS: usize = 1 << 20;
+
 /// TCP keepalive on worker connections: the kernel's own check under HTTP/2's pings.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
@@ -127,7 +135,16 @@ impl Inner {
             .tcp_keepalive(Some(TCP_KEEPALIVE))
             .http2_keep_alive_interval(self.settings.keepalive_interval)
             .keep_alive_timeout(self.settings.keepalive_timeout)
-            .keep_alive_while_idle(true);
+            .keep_alive_while_idle(true)
+            // Every client disconnect cancels its relay stream (RST_STREAM), and the worker's
+            // frames already in flight for it arrive afterwards. HTTP/2 ignores those only
+            // for the resets it still remembers (h2 keeps 10 by default); each frame for a
+            // forgotten one counts as a local error reset, and at 1,024 of them h2 closes the
+            // connection with GOAWAY, failing every stream on it. A soak with ~2,000 client
+            // disconnects a minute hit exactly that ("locally-reset streams reached limit").
+            // So remember many resets, and keep a cap only as a bound on a broken peer.
+            .http2_max_concurrent_reset_streams(REMEMBERED_RESET_STREAMS)
+            .http2_max_local_error_reset_streams(MAX_LOCAL_ERROR_RESETS);
         let ch = endpoint.connect_lazy();
         if let Ok(mut c) = self.channels.lock() {
             c.insert(url.to_owned(), ch.clone());
