@@ -203,6 +203,15 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
     }
+    if s.api_key.is_some() {
+        // The flag comes with the serve flags a worker shares; a worker has no public API, so
+        // the key protects nothing here. Said aloud rather than dropped: the internal plane is
+        // protected by the cluster secret (and TLS), not by an API key.
+        tracing::warn!(
+            "--api-key (BATON_API_KEY) has no effect on a worker: it serves no public API; \
+             the router takes the key, and --cluster-secret-file protects the worker"
+        );
+    }
     let instance = reporter::instance_id();
     // Checked before the model loads: a refused configuration fails at once.
     let security =
