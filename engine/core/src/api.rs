@@ -1,8 +1,9 @@
 //! The engine's public seam: what a frontend (HTTP/gRPC router, tests, the
 //! disaggregation orchestrator) submits and what comes back.
 //!
-//! Everything here is plain data except [`OutputStream`], a bounded channel
-//! receiver that aborts its request when dropped. Engine requests are always a
+//! Everything here is plain data except [`OutputStream`], a channel receiver
+//! (unbounded on purpose, bounded in practice by `max_model_len`; see its doc) that
+//! aborts its request when dropped. Engine requests are always a
 //! single sequence; `n > 1` is a fan-out done by the frontend
 //! ([`crate::params::SamplingParams::fan_out`]) with [`EngineRequest::share_prefix_with`]
 //! pointing at the first child so the prompt's KV blocks are computed once.
