@@ -197,11 +197,6 @@ impl Generation {
         }
     }
 
-    /// Turns the generation into a boxed `Stream` of events.
-    pub fn into_stream(self) -> BoxStream<'static, ChoiceEvent> {
-        self.boxed()
-    }
-
     /// Takes in every output already queued on the choices' engine streams (registering for
     /// a wake-up on each stream that has none).
     fn drain_ready(&mut self, cx: &mut Context<'_>) {

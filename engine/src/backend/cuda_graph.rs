@@ -266,7 +266,7 @@ impl CudaBackend {
 
 /// The largest power of two not above `n` (1 for 0).
 fn prev_power_of_two(n: usize) -> usize {
-    if n <= 1 { 1 } else { 1 << (usize::BITS - 1 - n.leading_zeros()) }
+    1 << n.max(1).ilog2()
 }
 
 #[cfg(test)]
