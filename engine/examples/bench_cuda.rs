@@ -57,6 +57,7 @@ fn engine_step(model: &mut LlamaModel<CudaBackend>, lay: &BatchLayout) -> Res<()
         output_token_ids: &[],
         eos_token_ids: &[],
         seed: 0,
+        allowed: None,
     };
     let ctxs = vec![ctx; lay.logit_rows.len()];
     model.sample(&ctxs)?;
@@ -309,6 +310,7 @@ fn profile_step(model: &mut LlamaModel<CudaBackend>, lay: &BatchLayout, reps: us
         output_token_ids: &[],
         eos_token_ids: &[],
         seed: 0,
+        allowed: None,
     };
     let ctxs: Vec<(usize, _)> = (0..lay.logit_rows.len()).map(|i| (i, ctx)).collect();
     let mut order: Vec<&'static str> = Vec::new();

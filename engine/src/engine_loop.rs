@@ -701,6 +701,7 @@ impl EngineLoop {
                         output_token_ids: req.output_token_ids(),
                         eos_token_ids: &self.eos_token_ids,
                         seed: live.seed,
+                        allowed: None,
                     },
                 ));
                 sampled.push(seq.id);

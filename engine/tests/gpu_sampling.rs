@@ -144,6 +144,7 @@ fn gpu_sampling_matches_cpu() {
                     output_token_ids: &c.output,
                     eos_token_ids: &eos,
                     seed: c.seed,
+                    allowed: None,
                 })
                 .collect();
             let flat: Vec<f32> = raws.iter().flatten().copied().collect();

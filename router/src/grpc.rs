@@ -118,6 +118,7 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> EngineParams {
             bias
         },
         skip_special_tokens: p.skip_special_tokens.unwrap_or(d.skip_special_tokens),
+        structured: None,
     }
 }
 

@@ -13,3 +13,4 @@ pub mod params;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod structured;

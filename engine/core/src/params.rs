@@ -8,6 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::structured::{GrammarSpec, MAX_CHOICES, MAX_GRAMMAR_BYTES};
+
 /// Largest `n` (parallel samples) a request may ask for.
 pub const MAX_N: usize = 128;
 /// Largest number of top logprobs a request may ask for (OpenAI's limit is 20).
@@ -67,6 +69,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Whether detokenized text skips special tokens.
     pub skip_special_tokens: bool,
+    /// What the output must match (structured outputs, forced tool calls); `None` is
+    /// free text. The engine compiles it and masks every step's logits with it.
+    pub structured: Option<GrammarSpec>,
 }
 
 impl Default for SamplingParams {
@@ -90,6 +95,7 @@ impl Default for SamplingParams {
             logprobs: None,
             logit_bias: Vec::new(),
             skip_special_tokens: true,
+            structured: None,
         }
     }
 }
@@ -212,6 +218,9 @@ impl SamplingParams {
             }
             check_range("logit_bias", b, -100.0, 100.0)?;
         }
+        if let Some(spec) = &self.structured {
+            check_grammar_spec(spec)?;
+        }
         Ok(())
     }
 
@@ -223,6 +232,27 @@ impl SamplingParams {
             .map(|i| SamplingParams { n: 1, seed: self.seed.map(|s| s.wrapping_add(i as u64)), ..self.clone() })
             .collect()
     }
+}
+
+/// The size checks a [`GrammarSpec`] passes before anything compiles it. Whether it
+/// compiles is the grammar engine's check; this bounds the work it is given.
+fn check_grammar_spec(spec: &GrammarSpec) -> Result<(), ParamError> {
+    const PARAM: &str = "structured_outputs";
+    if spec.source_bytes() > MAX_GRAMMAR_BYTES {
+        return Err(ParamError::new(
+            PARAM,
+            format!("the {} is {} bytes; at most {MAX_GRAMMAR_BYTES} are allowed", spec.kind(), spec.source_bytes()),
+        ));
+    }
+    if let GrammarSpec::Choice(choices) = spec {
+        if choices.is_empty() || choices.len() > MAX_CHOICES {
+            return Err(ParamError::new(
+                PARAM,
+                format!("a choice needs 1 to {MAX_CHOICES} alternatives, got {}", choices.len()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -253,6 +283,17 @@ mod tests {
                 "stop_token_ids",
             ),
             (SamplingParams { logit_bias: vec![(1, 0.5); MAX_LOGIT_BIAS + 1], ..Default::default() }, "logit_bias"),
+            (
+                SamplingParams { structured: Some(GrammarSpec::Choice(vec![])), ..Default::default() },
+                "structured_outputs",
+            ),
+            (
+                SamplingParams {
+                    structured: Some(GrammarSpec::Regex("a".repeat(MAX_GRAMMAR_BYTES + 1))),
+                    ..Default::default()
+                },
+                "structured_outputs",
+            ),
         ];
         for (p, name) in cases {
             let err = p.validate(100).expect_err(name);

@@ -31,7 +31,7 @@ impl TestRng {
 }
 
 fn ctx<'a>(params: &'a SamplingParams, output: &'a [u32], seed: u64) -> SamplingContext<'a> {
-    SamplingContext { params, prompt_token_ids: &[], output_token_ids: output, eos_token_ids: &[], seed }
+    SamplingContext { params, prompt_token_ids: &[], output_token_ids: output, eos_token_ids: &[], seed, allowed: None }
 }
 
 /// softmax(row / t) in f64.
@@ -241,6 +241,7 @@ fn batch_equals_per_row_sampling() {
             output_token_ids: h,
             eos_token_ids: &eos,
             seed: 1000 + i as u64,
+            allowed: None,
         })
         .collect();
     for _ in 0..10 {
@@ -283,6 +284,7 @@ fn large_batches_split_across_threads_sample_like_single_rows() {
             output_token_ids: h,
             eos_token_ids: &[],
             seed: 77 + i as u64,
+            allowed: None,
         })
         .collect();
     let logits = rng.logits(vocab * ctxs.len(), 3.0);

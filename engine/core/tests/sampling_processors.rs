@@ -30,7 +30,14 @@ impl TestRng {
 }
 
 fn ctx<'a>(params: &'a SamplingParams, prompt: &'a [u32], output: &'a [u32], eos: &'a [u32]) -> SamplingContext<'a> {
-    SamplingContext { params, prompt_token_ids: prompt, output_token_ids: output, eos_token_ids: eos, seed: 99 }
+    SamplingContext {
+        params,
+        prompt_token_ids: prompt,
+        output_token_ids: output,
+        eos_token_ids: eos,
+        seed: 99,
+        allowed: None,
+    }
 }
 
 /// First index of the maximum, by a plain scan.
@@ -312,4 +319,61 @@ fn a_fully_blocked_row_falls_back_to_the_raw_argmax() {
         let got = sample(&mut row.clone(), &ctx(&params, &[], &[], &eos_ids));
         assert_eq!(got.token_id as usize, eos);
     }
+}
+
+#[test]
+fn a_grammar_mask_confines_every_draw_and_keeps_raw_logprobs() {
+    use baton_core::structured::TokenMask;
+    let mut rng = TestRng::new(77);
+    for round in 0..60u64 {
+        let vocab = 50 + rng.below(400);
+        let allowed_ids: Vec<u32> = (0..1 + rng.below(6)).map(|_| rng.below(vocab) as u32).collect();
+        let mask = TokenMask::allowing(vocab, allowed_ids.iter().copied());
+        let raw = rng.logits(vocab, 4.0);
+        let greedy = round % 2 == 0;
+        let params = SamplingParams {
+            temperature: if greedy { 0.0 } else { 1.3 },
+            logprobs: Some(3),
+            seed: Some(round),
+            ..Default::default()
+        };
+        let mut c = ctx(&params, &[], &[], &[]);
+        c.seed = round;
+        c.allowed = Some(&mask);
+        let picked = sample(&mut raw.clone(), &c);
+        assert!(allowed_ids.contains(&picked.token_id), "round {round}: {} not in {allowed_ids:?}", picked.token_id);
+        if greedy {
+            let best = *allowed_ids
+                .iter()
+                .max_by(|a, b| raw[**a as usize].total_cmp(&raw[**b as usize]).then(b.cmp(a)))
+                .unwrap();
+            assert_eq!(picked.token_id, best, "round {round}");
+        }
+        // Logprobs stay those of the raw row (vLLM's raw_logprobs), mask or not.
+        let lp = picked.logprobs.expect("asked for logprobs");
+        let want = LogSoftmax::of(&raw).logprob(raw[picked.token_id as usize]);
+        assert!((lp.logprob - want).abs() < 1e-5, "round {round}");
+        // process_logits leaves -inf exactly outside the mask.
+        let mut processed = raw.clone();
+        process_logits(&mut processed, &c);
+        for (id, x) in processed.iter().enumerate() {
+            assert_eq!(*x == f32::NEG_INFINITY, !mask.allows(id as u32), "round {round} id {id}");
+        }
+    }
+}
+
+#[test]
+fn a_grammar_mask_beats_min_tokens_and_an_empty_mask_falls_back_to_the_raw_argmax() {
+    use baton_core::structured::TokenMask;
+    // min_tokens bans EOS (id 2) but the grammar allows only EOS: the grammar wins.
+    let params = SamplingParams { temperature: 0.0, min_tokens: 5, ..Default::default() };
+    let only_eos = TokenMask::allowing(8, [2]);
+    let mut c = ctx(&params, &[], &[], &[2]);
+    c.allowed = Some(&only_eos);
+    let row = vec![0.0, 9.0, -3.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+    assert_eq!(sample(&mut row.clone(), &c).token_id, 2);
+    // A mask that allows nothing in the row: the plain raw argmax (the engine fails the grammar).
+    let none = TokenMask::allowing(8, []);
+    c.allowed = Some(&none);
+    assert_eq!(sample(&mut row.clone(), &c).token_id, 1);
 }

@@ -661,7 +661,10 @@ impl Backend for CudaBackend {
     }
 
     fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
-        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
+        // A grammar-masked row is sampled on the CPU until the device sampler takes masks.
+        (1..=SAMPLE_MAX_VOCAB).contains(&vocab)
+            && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
+            && plan.allowed.is_none()
     }
 
     fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {

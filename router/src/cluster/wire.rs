@@ -56,6 +56,7 @@ pub fn sampling_from_wire(p: Option<pb::Sampling>) -> Result<SamplingParams, Wir
         logprobs: p.logprobs.map(|k| k as usize),
         logit_bias: p.logit_bias.into_iter().map(|b| (b.token_id, b.bias)).collect(),
         skip_special_tokens: true,
+        structured: None,
     })
 }
 

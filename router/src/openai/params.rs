@@ -96,6 +96,7 @@ pub fn sampling_params(fields: &SamplingFields, endpoint: EndpointParams) -> Res
         logprobs: endpoint.logprobs,
         logit_bias,
         skip_special_tokens: fields.skip_special_tokens.unwrap_or(true),
+        structured: None,
     })
 }
 

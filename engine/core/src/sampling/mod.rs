@@ -18,7 +18,10 @@
 //! 4. **repetition_penalty** `r` (HF/vLLM), once per distinct token of prompt ∪
 //!    output: `x / r` if `x > 0`, else `x * r`.
 //! 5. **frequency/presence** (OpenAI), per token generated `c > 0` times:
-//!    `x -= frequency * c + presence`. Steps 2–5 alone are [`process_logits`].
+//!    `x -= frequency * c + presence`.
+//! 5b. **Grammar mask** (when the context carries `allowed`, a [`TokenMask`] from the
+//!    sequence's structured-output grammar): every id the mask does not allow gets
+//!    `-inf`. Steps 2–5b alone are [`process_logits`].
 //! 6. **Greedy** (`params.is_greedy()`, or a temperature that is not a positive
 //!    finite number): the argmax of the processed row, ties to the lowest id. Done.
 //! 7. **Weights** ([`truncated_weights`]), with `m` the processed maximum:
@@ -33,7 +36,9 @@
 //!    ([`draw_inverse_cdf`]).
 //!
 //! If processing leaves every logit at `-inf`, the token is the raw argmax of
-//! step 0. Sums are f64; the exponential is a polynomial within a few ulp that
+//! step 0, taken among the allowed ids when there is a mask (so a grammar always
+//! wins over `min_tokens`; a mask that allows nothing falls back to the plain raw
+//! argmax, and the engine then fails that sequence's grammar). Sums are f64; the exponential is a polynomial within a few ulp that
 //! flushes weights below 1e-38 to 0. A draw depends only on the row, the sequence's
 //! own history and `(seed, position)`, never on the rest of the batch, so a preempted
 //! and recomputed sequence continues identically. Token ids outside the row (in bias
@@ -56,6 +61,7 @@ pub use truncation::{draw_inverse_cdf, truncated_weights};
 
 use crate::api::TokenLogprob;
 use crate::params::SamplingParams;
+use crate::structured::TokenMask;
 
 /// Everything the sampler needs to know about one sequence besides its logits.
 #[derive(Debug, Clone, Copy)]
@@ -70,6 +76,9 @@ pub struct SamplingContext<'a> {
     pub eos_token_ids: &'a [u32],
     /// Always set: the engine draws one when `params.seed` is `None`.
     pub seed: u64,
+    /// The tokens the sequence's grammar allows at this step (step 5b); `None` when the
+    /// sequence is unconstrained.
+    pub allowed: Option<&'a TokenMask>,
 }
 
 /// The token chosen for one row.
@@ -85,9 +94,15 @@ pub struct Sampled {
 /// pipeline). Overwrites `logits` with intermediate values. An empty row yields
 /// token 0.
 pub fn sample(logits: &mut [f32], ctx: &SamplingContext<'_>) -> Sampled {
-    let raw_argmax = sanitize_row(logits);
+    let mut raw_argmax = sanitize_row(logits);
+    if let Some(mask) = ctx.allowed {
+        raw_argmax = masked_argmax(logits, mask).unwrap_or(raw_argmax);
+    }
     let raw_logprobs = ctx.params.logprobs.map(|k| RawLogprobs::of(logits, k));
     penalties::apply_penalties(logits, ctx);
+    if let Some(mask) = ctx.allowed {
+        apply_mask(logits, mask);
+    }
     let token = choose(logits, ctx).unwrap_or(raw_argmax);
     Sampled { token_id: token as u32, logprobs: raw_logprobs.map(|raw| raw.for_token(token)) }
 }
@@ -142,11 +157,35 @@ fn sample_rows(rows: &mut [Option<&mut [f32]>], ctxs: &[SamplingContext<'_>]) ->
         .collect()
 }
 
-/// Steps 0 and 2–5 alone: the processed logits that greedy decoding takes the argmax
+/// Steps 0 and 2–5b alone: the processed logits that greedy decoding takes the argmax
 /// of and that [`truncated_weights`] starts from. For testing other implementations.
 pub fn process_logits(logits: &mut [f32], ctx: &SamplingContext<'_>) {
     sanitize_row(logits);
     penalties::apply_penalties(logits, ctx);
+    if let Some(mask) = ctx.allowed {
+        apply_mask(logits, mask);
+    }
+}
+
+/// Step 5b: every id `mask` does not allow gets `-inf` (ids past the mask's length too).
+pub fn apply_mask(row: &mut [f32], mask: &TokenMask) {
+    for (id, x) in row.iter_mut().enumerate() {
+        if !mask.allows(id as u32) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The argmax of a sanitised row among the ids `mask` allows (lowest id among ties);
+/// `None` when the mask allows no id of the row.
+fn masked_argmax(row: &[f32], mask: &TokenMask) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (id, &x) in row.iter().enumerate() {
+        if mask.allows(id as u32) && best.is_none_or(|(_, b)| x > b) {
+            best = Some((id, x));
+        }
+    }
+    best.map(|(id, _)| id)
 }
 
 /// Steps 6–8 on a processed row; `None` when every logit is `-inf`.

@@ -15,6 +15,7 @@
 //! knowledge of the defaults (`top_k == 0`, `top_p >= 1`, `min_p == 0` mean "off").
 
 use super::{SamplingContext, sanitize, uniform};
+use crate::structured::TokenMask;
 
 /// What one op does to the logit `x` of its token (each result is sanitised).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,6 +71,9 @@ pub struct RowPlan {
     pub logprobs: Option<usize>,
     /// The draw's `uniform(seed, position)`.
     pub u: f64,
+    /// Step 5b: the grammar's allowed tokens, applied after the ops (ids the mask does
+    /// not allow get `-inf`); `None` when unconstrained. Cheap to clone.
+    pub allowed: Option<TokenMask>,
 }
 
 /// Compiles the sampling of one row of `vocab` logits for `ctx`.
@@ -119,6 +123,7 @@ pub fn plan_row(ctx: &SamplingContext<'_>, vocab: usize) -> RowPlan {
         min_p: if params.min_p > 0.0 { params.min_p.min(1.0) } else { 0.0 },
         logprobs: params.logprobs.map(|k| k.min(vocab)),
         u: uniform(ctx.seed, ctx.output_token_ids.len() as u64),
+        allowed: ctx.allowed.cloned(),
     }
 }
 
@@ -215,6 +220,7 @@ mod tests {
                 output_token_ids: &output,
                 eos_token_ids: &eos,
                 seed: round,
+                allowed: None,
             };
             let raw = random_row(&mut rng, vocab);
             let mut want = raw.clone();
@@ -239,6 +245,7 @@ mod tests {
                     output_token_ids: &[1, 2],
                     eos_token_ids: &[],
                     seed: 9,
+                    allowed: None,
                 },
                 100,
             )
@@ -272,6 +279,7 @@ mod tests {
             output_token_ids: &[],
             eos_token_ids: &[9, 9],
             seed: 0,
+            allowed: None,
         };
         let plan = plan_row(&ctx, 10);
         assert_eq!(
@@ -289,12 +297,19 @@ mod tests {
             output_token_ids: &[4],
             eos_token_ids: &[0],
             seed: 0,
+            allowed: None,
         };
         assert!(plan_row(&ctx, 10).ops.is_empty());
         // A row that processing leaves all -inf: every op is a mask.
         let p = SamplingParams { min_tokens: 1, stop_token_ids: vec![0, 1, 2], ..SamplingParams::default() };
-        let ctx =
-            SamplingContext { params: &p, prompt_token_ids: &[], output_token_ids: &[], eos_token_ids: &[], seed: 0 };
+        let ctx = SamplingContext {
+            params: &p,
+            prompt_token_ids: &[],
+            output_token_ids: &[],
+            eos_token_ids: &[],
+            seed: 0,
+            allowed: None,
+        };
         let mut row = vec![1.0, 2.0, 3.0];
         apply_ops(&mut row, &plan_row(&ctx, 3).ops);
         assert!(row.iter().all(|&x| x == f32::NEG_INFINITY));
