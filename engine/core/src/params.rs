@@ -244,13 +244,13 @@ fn check_grammar_spec(spec: &GrammarSpec) -> Result<(), ParamError> {
             format!("the {} is {} bytes; at most {MAX_GRAMMAR_BYTES} are allowed", spec.kind(), spec.source_bytes()),
         ));
     }
-    if let GrammarSpec::Choice(choices) = spec {
-        if choices.is_empty() || choices.len() > MAX_CHOICES {
-            return Err(ParamError::new(
-                PARAM,
-                format!("a choice needs 1 to {MAX_CHOICES} alternatives, got {}", choices.len()),
-            ));
-        }
+    if let GrammarSpec::Choice(choices) = spec
+        && (choices.is_empty() || choices.len() > MAX_CHOICES)
+    {
+        return Err(ParamError::new(
+            PARAM,
+            format!("a choice needs 1 to {MAX_CHOICES} alternatives, got {}", choices.len()),
+        ));
     }
     Ok(())
 }

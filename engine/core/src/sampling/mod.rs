@@ -19,9 +19,10 @@
 //!    output: `x / r` if `x > 0`, else `x * r`.
 //! 5. **frequency/presence** (OpenAI), per token generated `c > 0` times:
 //!    `x -= frequency * c + presence`.
-//! 5b. **Grammar mask** (when the context carries `allowed`, a [`TokenMask`] from the
-//!    sequence's structured-output grammar): every id the mask does not allow gets
-//!    `-inf`. Steps 2–5b alone are [`process_logits`].
+//!
+//!    5b. **Grammar mask** (when the context carries `allowed`, a [`TokenMask`] from
+//!    the sequence's structured-output grammar): every id the mask does not allow
+//!    gets `-inf`. Steps 2–5b alone are [`process_logits`].
 //! 6. **Greedy** (`params.is_greedy()`, or a temperature that is not a positive
 //!    finite number): the argmax of the processed row, ties to the lowest id. Done.
 //! 7. **Weights** ([`truncated_weights`]), with `m` the processed maximum:
