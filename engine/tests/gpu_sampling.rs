@@ -3,12 +3,14 @@
 //! random rows (the seed is printed): Llama 3's vocabulary and odd sizes, rows with exact
 //! ties, NaN and ±inf, all `-inf`, flat rows; random parameters covering greedy, temperature
 //! with and without top_k / top_p / min_p, penalties over histories, logit_bias, min_tokens,
-//! 0–20 logprobs and many seeds. Tokens must be identical; logprobs within 1e-4.
+//! 0–20 logprobs and many seeds, and grammar masks (sparse, dense, empty, shorter than
+//! the row). Tokens must be identical; logprobs within 1e-4.
 //!
 //! Named `gpu_*`: excluded from CI by name, and it FAILS when no GPU is present.
 
 use baton_core::params::SamplingParams;
 use baton_core::sampling::{Sampled, SamplingContext, plan_row, sample};
+use baton_core::structured::TokenMask;
 use baton_engine::backend::cuda::{device_ops, device_row, sampled};
 use baton_kernels::cuda::{CudaDevice, CudaOptions, SampleBuffers};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -101,6 +103,21 @@ fn random_case(r: &mut StdRng, vocab: usize) -> Case {
     Case { params: p, prompt: random_ids(r, 300, vocab), output: random_ids(r, 40, vocab), seed: r.random() }
 }
 
+/// A grammar mask for a third of the rows: a few allowed ids, about half the ids, none at
+/// all, or a dense mask shorter than the row (a tokenizer smaller than the LM head).
+fn random_mask(r: &mut StdRng, vocab: usize) -> Option<TokenMask> {
+    match r.random_range(0..12) {
+        0 | 1 => Some(TokenMask::allowing(vocab, (0..r.random_range(1..6)).map(|_| r.random_range(0..vocab as u32)))),
+        2 => Some(TokenMask::from_words((0..vocab.div_ceil(32)).map(|_| r.random()).collect(), vocab)),
+        3 => Some(TokenMask::allowing(vocab, [])),
+        4 => {
+            let len = r.random_range(1..=vocab);
+            Some(TokenMask::from_words((0..len.div_ceil(32)).map(|_| r.random()).collect(), len))
+        }
+        _ => None,
+    }
+}
+
 fn close(a: f32, b: f32) -> bool {
     a == b || (a - b).abs() <= 1e-4 || (a - b).abs() <= 1e-6 * a.abs().max(b.abs())
 }
@@ -136,15 +153,17 @@ fn gpu_sampling_matches_cpu() {
         for round in 0..2 {
             let raws: Vec<Vec<f32>> = (0..n_rows).map(|i| random_row(&mut r, vocab, (i % 7) as u32)).collect();
             let cases: Vec<Case> = (0..n_rows).map(|_| random_case(&mut r, vocab)).collect();
+            let masks: Vec<Option<TokenMask>> = (0..n_rows).map(|_| random_mask(&mut r, vocab)).collect();
             let ctxs: Vec<SamplingContext<'_>> = cases
                 .iter()
-                .map(|c| SamplingContext {
+                .zip(&masks)
+                .map(|(c, mask)| SamplingContext {
                     params: &c.params,
                     prompt_token_ids: &c.prompt,
                     output_token_ids: &c.output,
                     eos_token_ids: &eos,
                     seed: c.seed,
-                    allowed: None,
+                    allowed: mask.as_ref(),
                 })
                 .collect();
             let flat: Vec<f32> = raws.iter().flatten().copied().collect();
@@ -162,8 +181,9 @@ fn gpu_sampling_matches_cpu() {
                 checked += 1;
                 if !matches(&gpu, &cpu) {
                     failures.push(format!(
-                        "vocab {vocab} round {round} row {i} (kind {}): params {:?}\n  gpu {gpu:?}\n  cpu {cpu:?}",
+                        "vocab {vocab} round {round} row {i} (kind {}, mask allows {:?}): params {:?}\n  gpu {gpu:?}\n  cpu {cpu:?}",
                         i % 7,
+                        masks[i].as_ref().map(TokenMask::count_allowed),
                         cases[i].params
                     ));
                 }

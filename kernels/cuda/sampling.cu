@@ -14,7 +14,10 @@
 //
 // Layouts (mirrored by kernels/src/cuda/sampling.rs):
 //   rows[SAMPLE_ROW_WORDS * r + ...] = logit row, op start, op end, flags, temperature bits,
-//       top_k, top_p bits, min_p bits; flags bit 0 greedy, bit 1 logprobs, bits 8.. top count.
+//       top_k, top_p bits, min_p bits, mask word offset, mask length in ids; flags bit 0
+//       greedy, bit 1 logprobs, bit 2 grammar mask, bits 8.. top count.
+//   masks[offset + id / 32] bit id % 32: the row's grammar allows id (step 5b); ids at or past
+//       the mask length are not allowed.
 //   ops[3 * i + ...] = token id, kind (0 bias, 1 mask, 2 repetition, 3 subtract), value bits;
 //       sorted by id, each id's ops in pipeline order; op_raw[i] receives the raw logit of the
 //       first op of each id.
@@ -22,7 +25,7 @@
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
-#define SAMPLE_ROW_WORDS 8
+#define SAMPLE_ROW_WORDS 10
 #define SAMPLE_OUT_WORDS 44
 #define SAMPLE_MAX_TOP 20
 #define CDF_BLOCK 64
@@ -365,7 +368,8 @@ __device__ int s_draw(SampleShared& s, int n, double u, const SampleWeights& w) 
 
 extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
     float* __restrict__ logits, int vocab, const unsigned* __restrict__ rows, const double* __restrict__ us,
-    const unsigned* __restrict__ ops, float* __restrict__ op_raw, unsigned* __restrict__ out) {
+    const unsigned* __restrict__ ops, float* __restrict__ op_raw, const unsigned* __restrict__ masks,
+    unsigned* __restrict__ out) {
     PDL_ENTER();
     __shared__ SampleShared s;
     const unsigned* rp = rows + (long long)blockIdx.x * SAMPLE_ROW_WORDS;
@@ -375,21 +379,30 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
     const float temperature = __uint_as_float(rp[4]);
     const int top_k = (int)rp[5];
     const float top_p = __uint_as_float(rp[6]), min_p = __uint_as_float(rp[7]);
-    const bool greedy = flags & 1u, want_lp = flags & 2u;
+    const bool greedy = flags & 1u, want_lp = flags & 2u, masked = flags & 4u;
     const int n_top = (int)(flags >> 8);
     const int n = vocab;
+    const unsigned* mask = masks + rp[8];
+    const int mask_len = (int)rp[9];
+    auto allowed = [&](int i) { return !masked || (i < mask_len && ((mask[i >> 5] >> (i & 31)) & 1u)); };
 
-    // Step 0: sanitise in place; raw maximum and argmax.
-    float best = NEG_INF;
-    int best_id = 0x7fffffff;
+    // Step 0: sanitise in place; raw maximum and argmax, and the argmax among the ids the
+    // grammar allows (the fallback token when processing leaves nothing).
+    float best = NEG_INF, best_ok = NEG_INF;
+    int best_id = 0x7fffffff, ok_id = 0x7fffffff;
     for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS) {
         float x = row[i], c = s_sanitize(x);
         if (__float_as_uint(c) != __float_as_uint(x)) row[i] = c;
         if (c > best || best_id == 0x7fffffff) { best = c; best_id = i; }
+        if (allowed(i) && (c > best_ok || ok_id == 0x7fffffff)) { best_ok = c; ok_id = i; }
     }
     s_block_argmax(s, best, best_id);
     const float raw_max = best;
-    const int raw_arg = raw_max == NEG_INF ? 0 : best_id;
+    int raw_arg = raw_max == NEG_INF ? 0 : best_id;
+    if (masked) {
+        s_block_argmax(s, best_ok, ok_id);
+        if (ok_id != 0x7fffffff) raw_arg = ok_id;
+    }
 
     // Step 1: the raw log-softmax normaliser and the top entries.
     float log_sum = 0.f;
@@ -454,6 +467,12 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
         row[id] = x;
     }
     __syncthreads();
+    // Step 5b: the grammar mask.
+    if (masked) {
+        for (int i = threadIdx.x; i < n; i += SAMPLE_THREADS)
+            if (!allowed(i)) row[i] = NEG_INF;
+        __syncthreads();
+    }
 
     // Step 6: the processed argmax (the token when greedy).
     best = NEG_INF;
@@ -488,7 +507,8 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
 
     // The sampled token's raw logprob: its raw value is in the row unless an op changed it.
     if (want_lp) {
-        if (threadIdx.x == 0) s.tok_raw = row[token];
+        // A token the mask removed is only ever the plain raw argmax (a mask allowing nothing).
+        if (threadIdx.x == 0) s.tok_raw = allowed(token) ? row[token] : raw_max;
         __syncthreads();
         for (int i = op_start + threadIdx.x; i < op_end; i += SAMPLE_THREADS) {
             if ((int)ops[3 * i] == token && (i == op_start || (int)ops[3 * (i - 1)] != token)) s.tok_raw = op_raw[i];

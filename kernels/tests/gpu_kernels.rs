@@ -97,6 +97,7 @@ fn gpu_pending_ids_come_from_the_sampler() {
             min_p: 0.0,
             logprobs: None,
             u: 0.0,
+            allowed: None,
         })
         .collect();
     let mut d_logits = up32(&dev, &logits);

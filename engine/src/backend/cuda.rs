@@ -20,9 +20,9 @@ use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
-    CudaSlice, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvGeometry,
-    LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
-    SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
+    KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB,
+    SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -168,7 +168,7 @@ pub struct CudaBackend {
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
 /// `ops`), in the kernel crate's terms. Public for the GPU tests.
-pub fn device_row<'a>(logit_row: usize, plan: &RowPlan, ops: &'a [DeviceOp]) -> DeviceRow<'a> {
+pub fn device_row<'a>(logit_row: usize, plan: &'a RowPlan, ops: &'a [DeviceOp]) -> DeviceRow<'a> {
     DeviceRow {
         logit_row,
         ops,
@@ -179,6 +179,7 @@ pub fn device_row<'a>(logit_row: usize, plan: &RowPlan, ops: &'a [DeviceOp]) -> 
         min_p: plan.min_p,
         logprobs: plan.logprobs,
         u: plan.u,
+        allowed: plan.allowed.as_ref().map(|m| DeviceMask { words: m.words(), len: m.len() }),
     }
 }
 
@@ -661,10 +662,7 @@ impl Backend for CudaBackend {
     }
 
     fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
-        // A grammar-masked row is sampled on the CPU until the device sampler takes masks.
-        (1..=SAMPLE_MAX_VOCAB).contains(&vocab)
-            && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
-            && plan.allowed.is_none()
+        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
     }
 
     fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {

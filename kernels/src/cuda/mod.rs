@@ -109,7 +109,9 @@ pub use prefill::{
     prefill_supported,
 };
 pub use rope::{RopeInput, RopeKvCall};
-pub use sampling::{DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers};
+pub use sampling::{
+    DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
+};
 pub use step_ids::StepIds;
 pub use weight_upload::{
     DEFAULT_SLOT_ELEMS, DEFAULT_SLOTS, HostDType, HostTensor, UploadStats, WeightUploader, fill_bf16, plan_chunks,

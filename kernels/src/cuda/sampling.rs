@@ -28,7 +28,7 @@ pub const SAMPLE_MAX_TOP: usize = 20;
 pub const SAMPLE_MAX_VOCAB: usize = 4096 * 64;
 
 const THREADS: u32 = 1024;
-const ROW_WORDS: usize = 8;
+const ROW_WORDS: usize = 10;
 const OUT_WORDS: usize = 4 + 2 * SAMPLE_MAX_TOP;
 
 /// What one op does to one logit (see `baton_core::sampling::TokenOpKind`).
@@ -76,6 +76,19 @@ pub struct DeviceRow<'a> {
     pub logprobs: Option<usize>,
     /// The draw's uniform number in `[0, 1)`.
     pub u: f64,
+    /// Step 5b: the ids a grammar allows (ids outside it get `-inf` after the ops); `None`
+    /// when the row is unconstrained.
+    pub allowed: Option<DeviceMask<'a>>,
+}
+
+/// A grammar's allowed ids for one row: bit `id % 32` of `words[id / 32]`, for ids below
+/// `len` (ids at or past `len` are not allowed).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceMask<'a> {
+    /// The packed bits, at least `len.div_ceil(32)` words.
+    pub words: &'a [u32],
+    /// How many ids the mask covers.
+    pub len: usize,
 }
 
 /// The kernel's answer for one row.
@@ -95,8 +108,10 @@ pub struct SampleBuffers {
     us: CudaSlice<f64>,
     ops: CudaSlice<u32>,
     op_raw: CudaSlice<f32>,
+    masks: CudaSlice<u32>,
     out: CudaSlice<u32>,
     rows_up: Staging<u32>,
+    masks_up: Staging<u32>,
     us_up: Staging<f64>,
     ops_up: Staging<u32>,
     out_down: Staging<u32>,
@@ -114,8 +129,10 @@ impl SampleBuffers {
             us: dev.alloc(64)?,
             ops: dev.alloc(3 * 1024)?,
             op_raw: dev.alloc(1024)?,
+            masks: dev.alloc(1)?,
             out: dev.alloc(OUT_WORDS * 64)?,
             rows_up: Staging::new(Direction::Up),
+            masks_up: Staging::new(Direction::Up),
             us_up: Staging::new(Direction::Up),
             ops_up: Staging::new(Direction::Up),
             out_down: Staging::new(Direction::Down),
@@ -146,7 +163,10 @@ fn check_row(row: &DeviceRow<'_>, n_logit_rows: usize, vocab: usize) -> Result<(
     })?;
     let t = row.temperature;
     shape_check(OP, row.greedy || (t > 0.0 && t.is_finite()), || format!("temperature {t} for a random draw"))?;
-    shape_check(OP, (0.0..1.0).contains(&row.u), || format!("uniform {} outside [0, 1)", row.u))
+    shape_check(OP, (0.0..1.0).contains(&row.u), || format!("uniform {} outside [0, 1)", row.u))?;
+    shape_check(OP, row.allowed.is_none_or(|m| m.words.len() >= m.len.div_ceil(32)), || {
+        "a grammar mask has fewer words than its length needs".into()
+    })
 }
 
 impl CudaDevice {
@@ -191,8 +211,19 @@ impl CudaDevice {
         let mut words = Vec::with_capacity(rows.len() * ROW_WORDS);
         let mut us = Vec::with_capacity(rows.len());
         let mut ops = Vec::new();
+        let mut masks: Vec<u32> = Vec::new();
         for row in rows {
             check_row(row, n_logit_rows, vocab)?;
+            // Only the words the kernel can read: ids below both the mask's length and the row.
+            let (mask_at, mask_len) = match row.allowed {
+                Some(m) => {
+                    let len = m.len.min(vocab);
+                    let at = masks.len();
+                    masks.extend_from_slice(&m.words[..len.div_ceil(32)]);
+                    (at, len)
+                }
+                None => (0, 0),
+            };
             let start = ops.len() / 3;
             for op in row.ops {
                 let kind = match op.kind {
@@ -205,7 +236,10 @@ impl CudaDevice {
             }
             let end = ops.len() / 3;
             let top = row.logprobs.unwrap_or(0);
-            let flags = u32::from(row.greedy) | (u32::from(row.logprobs.is_some()) << 1) | (word(OP, top)? << 8);
+            let flags = u32::from(row.greedy)
+                | (u32::from(row.logprobs.is_some()) << 1)
+                | (u32::from(row.allowed.is_some()) << 2)
+                | (word(OP, top)? << 8);
             words.extend([
                 word(OP, row.logit_row)?,
                 word(OP, start)?,
@@ -215,6 +249,8 @@ impl CudaDevice {
                 word(OP, row.top_k)?,
                 row.top_p.to_bits(),
                 row.min_p.to_bits(),
+                word(OP, mask_at)?,
+                word(OP, mask_len)?,
             ]);
             us.push(row.u);
         }
@@ -226,10 +262,14 @@ impl CudaDevice {
         self.grow_outside_graphs(&mut bufs.us, us.len())?;
         self.grow_outside_graphs(&mut bufs.ops, ops.len().max(1))?;
         self.grow_outside_graphs(&mut bufs.op_raw, n_ops.max(1))?;
+        self.grow_outside_graphs(&mut bufs.masks, masks.len().max(1))?;
         self.grow_outside_graphs(&mut bufs.out, rows.len() * OUT_WORDS)?;
         bufs.rows_up.upload(self, &words, &mut bufs.rows)?;
         bufs.us_up.upload(self, &us, &mut bufs.us)?;
         bufs.ops_up.upload(self, &ops, &mut bufs.ops)?;
+        if !masks.is_empty() {
+            bufs.masks_up.upload(self, &masks, &mut bufs.masks)?;
+        }
         let grid = cfg((rows.len() as u32, 1, 1), THREADS);
         let args = Args::new(OP)
             .buf(&*logits)
@@ -238,9 +278,11 @@ impl CudaDevice {
             .buf(&bufs.us)
             .buf(&bufs.ops)
             .buf(&bufs.op_raw)
+            .buf(&bufs.masks)
             .buf(&bufs.out);
-        // SAFETY: every row's logit row, op ids and op range, top_k and top count were
-        // checked above against `logits` and the uploaded buffers, which are large enough.
+        // SAFETY: every row's logit row, op ids and op range, top_k, top count and mask
+        // range (offset + len.div_ceil(32) words, len <= vocab) were checked or built above
+        // against `logits` and the uploaded buffers, which are large enough.
         unsafe { args.launch(self, &self.kernels.sample_rows, grid) }?;
         bufs.out_down.download_async(self, &bufs.out, rows.len() * OUT_WORDS)?;
         bufs.launched = rows.len();
@@ -301,6 +343,7 @@ mod tests {
             min_p: 0.0,
             logprobs: Some(5),
             u: 0.5,
+            allowed: None,
         }
     }
 
@@ -320,6 +363,10 @@ mod tests {
         assert!(check_row(&DeviceRow { temperature: 0.0, ..row(&ok) }, 1, 10).is_err());
         assert!(check_row(&DeviceRow { temperature: 0.0, greedy: true, ..row(&ok) }, 1, 10).is_ok());
         assert!(check_row(&DeviceRow { u: 1.0, ..row(&ok) }, 1, 10).is_err());
+        let short = DeviceMask { words: &[1], len: 33 };
+        assert!(check_row(&DeviceRow { allowed: Some(short), ..row(&ok) }, 1, 10).is_err());
+        let fits = DeviceMask { words: &[1, 0], len: 33 };
+        assert!(check_row(&DeviceRow { allowed: Some(fits), ..row(&ok) }, 1, 10).is_ok());
     }
 
     #[test]
