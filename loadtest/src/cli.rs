@@ -119,6 +119,10 @@ pub struct RunArgs {
     /// Fail a request that takes longer than this many seconds.
     #[arg(long)]
     pub request_timeout: Option<f64>,
+    /// A JSON object merged into every request body (as `vllm bench serve --extra-body`),
+    /// e.g. `'{"response_format": {"type": "json_object"}}'`.
+    #[arg(long)]
+    pub extra_body: Option<String>,
     /// Write config, per-request records and summary as JSON (a sweep writes
     /// one file per rate: NAME-rateR.json).
     #[arg(long)]
@@ -178,6 +182,14 @@ impl RunArgs {
             ignore_eos: !self.no_ignore_eos,
             temperature: self.temperature,
             request_timeout_s: self.request_timeout,
+            extra_body: match &self.extra_body {
+                None => serde_json::Map::new(),
+                Some(text) => match serde_json::from_str(text) {
+                    Ok(serde_json::Value::Object(fields)) => fields,
+                    Ok(_) => return Err(LoadtestError::Config("--extra-body must be a JSON object".into())),
+                    Err(e) => return Err(LoadtestError::Config(format!("--extra-body is not valid JSON: {e}"))),
+                },
+            },
             show_progress: !self.no_progress,
         };
         config.validate()?;
@@ -286,5 +298,13 @@ mod tests {
         assert!(matches!(err, Err(LoadtestError::Config(m)) if m.contains("--dataset-path")));
         let err = parse(&["--duration", "10"]).expect("parses").run.to_config();
         assert!(matches!(err, Err(LoadtestError::Config(m)) if m.contains("--max-concurrency")));
+        for (body, why) in [("[1]", "must be a JSON object"), ("{nope", "not valid JSON")] {
+            let err = parse(&["--extra-body", body]).expect("parses").run.to_config();
+            assert!(matches!(&err, Err(LoadtestError::Config(m)) if m.contains(why)), "{err:?}");
+        }
+        let err = parse(&["--backend", "grpc", "--extra-body", "{\"a\": 1}"]).expect("parses").run.to_config();
+        assert!(matches!(err, Err(LoadtestError::Config(m)) if m.contains("OpenAI backends only")));
+        let ok = parse(&["--extra-body", "{\"guided_choice\": [\"a\"]}"]).expect("parses").run.to_config();
+        assert_eq!(ok.expect("valid").extra_body["guided_choice"], serde_json::json!(["a"]));
     }
 }

@@ -219,6 +219,10 @@ pub struct RunConfig {
     pub temperature: f64,
     /// Per-request timeout in seconds (none when unset).
     pub request_timeout_s: Option<f64>,
+    /// Fields merged into every OpenAI request body, overriding the ones the load tester
+    /// sets (e.g. `response_format`); the gRPC backend takes none.
+    #[serde(default)]
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
     /// Draw a progress bar on stderr.
     pub show_progress: bool,
 }
@@ -244,6 +248,7 @@ impl RunConfig {
             ignore_eos: true,
             temperature: 0.0,
             request_timeout_s: None,
+            extra_body: serde_json::Map::new(),
             show_progress: false,
         }
     }
@@ -272,6 +277,9 @@ impl RunConfig {
             && !(t.is_finite() && t > 0.0)
         {
             return bad("--request-timeout must be a positive number of seconds");
+        }
+        if self.backend == BackendKind::Grpc && !self.extra_body.is_empty() {
+            return bad("--extra-body applies to the OpenAI backends only, not --backend grpc");
         }
         if !self.base_url.starts_with("http://") && !self.base_url.starts_with("https://") {
             return bad("--base-url must start with http:// or https://");

@@ -60,10 +60,20 @@ async fn requests_ask_for_usage_and_exact_lengths() {
     cfg.ignore_eos = false;
     cfg.model = Some("other".into());
     run(&cfg).await.expect("run completes");
+    {
+        let bodies = server.observed.bodies.lock().expect("lock");
+        let b = bodies.last().expect("a request");
+        assert_eq!(b["model"], "other");
+        assert!(b.get("ignore_eos").is_none() && b.get("min_tokens").is_none());
+    }
+    // --extra-body fields reach every request and override the tester's own.
+    cfg.extra_body =
+        serde_json::from_str(r#"{"response_format": {"type": "json_object"}, "temperature": 0.5}"#).expect("an object");
+    run(&cfg).await.expect("run completes");
     let bodies = server.observed.bodies.lock().expect("lock");
     let b = bodies.last().expect("a request");
-    assert_eq!(b["model"], "other");
-    assert!(b.get("ignore_eos").is_none() && b.get("min_tokens").is_none());
+    assert_eq!(b["response_format"]["type"], "json_object");
+    assert_eq!(b["temperature"], 0.5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

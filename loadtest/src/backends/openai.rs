@@ -34,6 +34,7 @@ pub struct OpenAiBackend {
     chat: bool,
     ignore_eos: bool,
     temperature: f64,
+    extra_body: serde_json::Map<String, Value>,
 }
 
 impl OpenAiBackend {
@@ -54,6 +55,7 @@ impl OpenAiBackend {
             chat,
             ignore_eos: config.ignore_eos,
             temperature: config.temperature,
+            extra_body: config.extra_body.clone(),
         })
     }
 
@@ -79,6 +81,9 @@ impl OpenAiBackend {
         if self.ignore_eos {
             body["ignore_eos"] = json!(true);
             body["min_tokens"] = json!(spec.output_tokens);
+        }
+        for (key, value) in &self.extra_body {
+            body[key.as_str()] = value.clone();
         }
         body
     }
