@@ -88,6 +88,20 @@ pub fn sampling_from_wire(p: Option<pb::Sampling>) -> Result<SamplingParams, Wir
     })
 }
 
+/// Metadata key of a worker's INVALID_ARGUMENT status for a grammar that does not compile:
+/// its value is the spec kind, the status message the compiler's reason.
+pub const GRAMMAR_KIND_METADATA: &str = "baton-invalid-grammar";
+
+/// The request's own fault carried by a worker's status, when it is one: a grammar that
+/// does not compile (the router checked everything else before sending).
+pub fn invalid_grammar_of(status: &tonic::Status) -> Option<baton_core::api::EngineError> {
+    if status.code() != tonic::Code::InvalidArgument {
+        return None;
+    }
+    let kind = status.metadata().get(GRAMMAR_KIND_METADATA)?.to_str().ok()?.to_owned();
+    Some(baton_core::api::EngineError::InvalidGrammar { kind, message: status.message().to_owned() })
+}
+
 /// One engine output → the `tokens` event, its first token at output position `index`.
 pub fn output_to_wire(o: &EngineOutput, index: usize) -> pb::Tokens {
     pb::Tokens {
@@ -256,6 +270,23 @@ mod tests {
         let mut bad = output_to_wire(&o, 0);
         bad.token_ids.push(12);
         assert!(output_from_wire(bad).is_err());
+    }
+
+    #[test]
+    fn only_grammar_statuses_are_invalid_grammars() {
+        let mut s = tonic::Status::invalid_argument("unclosed group");
+        assert_eq!(invalid_grammar_of(&s), None);
+        s.metadata_mut().insert(GRAMMAR_KIND_METADATA, "regex".parse().expect("ascii"));
+        assert_eq!(
+            invalid_grammar_of(&s),
+            Some(baton_core::api::EngineError::InvalidGrammar {
+                kind: "regex".into(),
+                message: "unclosed group".into()
+            })
+        );
+        let mut other = tonic::Status::internal("x");
+        other.metadata_mut().insert(GRAMMAR_KIND_METADATA, "regex".parse().expect("ascii"));
+        assert_eq!(invalid_grammar_of(&other), None);
     }
 
     #[test]
