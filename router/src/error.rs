@@ -9,6 +9,11 @@
 use baton_core::api::{EngineError, SubmitError};
 use baton_core::params::ParamError;
 
+/// The parameter a grammar that does not compile is blamed on (the engine knows the spec,
+/// not which request field it came from: `response_format`, `guided_*` and
+/// `structured_outputs` all become one).
+pub const STRUCTURED_PARAM: &str = "structured_outputs";
+
 /// Why a request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum FrontendError {
@@ -97,6 +102,7 @@ impl From<EngineError> for FrontendError {
         match e {
             EngineError::Overloaded(m) => Self::Busy(m),
             EngineError::Unavailable(m) => Self::Unavailable(m),
+            e @ EngineError::InvalidGrammar { .. } => Self::invalid(STRUCTURED_PARAM, e.to_string()),
             other => Self::Engine(other),
         }
     }
@@ -118,6 +124,7 @@ impl From<SubmitError> for FrontendError {
             }
             SubmitError::QueueFull { waiting } => Self::Overloaded { waiting },
             SubmitError::Unavailable(m) => Self::Unavailable(m),
+            e @ SubmitError::InvalidGrammar { .. } => Self::invalid(STRUCTURED_PARAM, e.to_string()),
         }
     }
 }
@@ -125,6 +132,19 @@ impl From<SubmitError> for FrontendError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grammars_that_do_not_compile_are_bad_requests_naming_structured_outputs() {
+        let engine: FrontendError =
+            EngineError::InvalidGrammar { kind: "regex".into(), message: "unclosed group".into() }.into();
+        let submit: FrontendError =
+            SubmitError::InvalidGrammar { kind: "regex".into(), message: "unclosed group".into() }.into();
+        for e in [engine, submit] {
+            assert!(e.is_client_error() && !e.is_refusal(), "{e:?}");
+            assert_eq!(e.param(), Some(STRUCTURED_PARAM));
+            assert_eq!(e.to_string(), "invalid structured_outputs regex: unclosed group");
+        }
+    }
 
     #[test]
     fn submit_errors_keep_their_details() {
