@@ -37,7 +37,7 @@
 //!   token must be in the vocabulary. Anything else fails that hand-off and the request
 //!   recomputes its prompt here; the engine's health is not affected.
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BatchLayout, PromptLogprobRow};
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
 use crate::kv_transport::nccl::{NcclLink, PendingRecv};
@@ -126,6 +126,8 @@ pub(crate) trait StepModel: Send {
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::take_prompt_logprobs`].
+    fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob>;
     /// See [`crate::model::LlamaModel::sample_launch`].
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::sample_collect`].
@@ -155,6 +157,10 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
+    }
+
+    fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob> {
+        crate::model::LlamaModel::take_prompt_logprobs(self)
     }
 
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
@@ -215,6 +221,10 @@ struct Live {
     seed: u64,
     /// Set for export requests: where the prompt's KV goes.
     export: Option<Export>,
+    /// For a request with `prompt_logprobs`: entry `i` the logprob of prompt token `i`,
+    /// filled chunk by chunk as its prompt is computed and sent whole with its first output
+    /// (then `None`). A recompute after preemption overwrites entries with equal values.
+    prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
 struct Export {
@@ -338,7 +348,7 @@ impl EngineLoop {
                 let (num_prompt_tokens, logprobs) = (request.prompt_token_ids.len(), request.params.logprobs);
                 let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
                 if let Ok(table) = &result {
-                    self.live.insert(id, Live { tx, seed, export: None });
+                    self.live.insert(id, Live { tx, seed, export: None, prompt_logprobs: None });
                     let res = Reservation { block_table: table.clone(), num_prompt_tokens, logprobs };
                     if let Ok(mut r) = self.shared.reservations.lock() {
                         r.insert(id, Arc::new(res));
@@ -376,9 +386,10 @@ impl EngineLoop {
     fn admit(&mut self, id: RequestId, request: EngineRequest, tx: OutputTx, export: Option<Export>) {
         self.shared.pending.fetch_sub(1, Ordering::SeqCst);
         let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
+        let prompt_logprobs = request.params.prompt_logprobs.map(|_| vec![None; request.prompt_token_ids.len()]);
         match self.scheduler.add_request(id, request, &self.eos_token_ids) {
             Ok(()) => {
-                self.live.insert(id, Live { tx, seed, export });
+                self.live.insert(id, Live { tx, seed, export, prompt_logprobs });
             }
             Err(e) => {
                 let _ = tx.send(Err(submit_to_engine_error(e)));
@@ -527,6 +538,7 @@ impl EngineLoop {
             stop_token: u.stop_token,
             num_prompt_tokens: u.num_prompt_tokens,
             num_cached_tokens: u.num_cached_tokens,
+            prompt_logprobs: Vec::new(),
         };
         let gone = live.tx.send(Ok(output)).is_err();
         if u.finish_reason.is_some() {
@@ -619,7 +631,8 @@ impl EngineLoop {
             return;
         }
         self.report_export_starts(&out);
-        let batch = layout_for(&out);
+        let mut batch = layout_for(&out);
+        let prompt_rows = self.plan_prompt_logprobs(&out, &mut batch);
         let (export_specs, export_txs, export_ids) = self.plan_exports(&out);
         let mut sink = |j: usize, frame: LayerFrame| {
             if let Some(tx) = export_txs.get(j) {
@@ -632,6 +645,9 @@ impl EngineLoop {
         if let Err(e) = result {
             self.fail_step(&out, &e);
             return;
+        }
+        if !prompt_rows.is_empty() {
+            self.store_prompt_logprobs(&prompt_rows);
         }
         // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
         // before the sends are done (the GPU waits, the host does not). An export whose sends
@@ -654,6 +670,44 @@ impl EngineLoop {
             && let Some(f) = self.in_flight.take()
         {
             self.finish(f);
+        }
+    }
+
+    /// Adds to `batch` the rows whose logits score a prompt token, for every request of the
+    /// step that still owes its prompt logprobs: chunk position `p` (below the prompt's last,
+    /// whose logits pick the first output token) scores prompt token `p + 1`. Returns, per
+    /// row in order, the request and the prompt index it fills.
+    fn plan_prompt_logprobs(&self, out: &SchedulerOutput, batch: &mut BatchLayout) -> Vec<(RequestId, usize)> {
+        let mut filled = Vec::new();
+        for (seq, layout) in out.seqs.iter().zip(&batch.seqs) {
+            if !self.live.get(&seq.id).is_some_and(|l| l.prompt_logprobs.is_some()) {
+                continue;
+            }
+            let Some(req) = self.scheduler.request(seq.id) else { continue };
+            let (Some(top_k), prompt) = (req.params().prompt_logprobs, req.prompt_token_ids()) else { continue };
+            let last = prompt.len().saturating_sub(1).min(seq.end_pos());
+            for p in seq.start_pos..last {
+                batch.prompt_logprobs.push(PromptLogprobRow {
+                    row: layout.row_start + (p - seq.start_pos),
+                    target: prompt[p + 1],
+                    top_k,
+                });
+                filled.push((seq.id, p + 1));
+            }
+        }
+        filled
+    }
+
+    /// Files the step's prompt logprobs (rows planned by `plan_prompt_logprobs`) with their
+    /// requests.
+    fn store_prompt_logprobs(&mut self, rows: &[(RequestId, usize)]) {
+        let answers = self.model.take_prompt_logprobs();
+        for (&(id, index), lp) in rows.iter().zip(answers) {
+            if let Some(slot) =
+                self.live.get_mut(&id).and_then(|l| l.prompt_logprobs.as_mut()).and_then(|v| v.get_mut(index))
+            {
+                *slot = Some(lp);
+            }
         }
     }
 
@@ -742,7 +796,8 @@ impl EngineLoop {
         // Publish before sending, so a client that sees a token also sees the load it implies.
         self.publish_stats();
         for u in updates {
-            let Some(live) = self.live.get(&u.id) else { continue };
+            let Some(live) = self.live.get_mut(&u.id) else { continue };
+            let prompt_logprobs = live.prompt_logprobs.take().unwrap_or_default();
             let token_logprobs: Option<TokenLogprob> = logprobs.remove(&u.id);
             if let Some(export) = &live.export {
                 let trailer = TransferTrailer { first_token: u.new_token, logprobs: token_logprobs.clone() };
@@ -755,6 +810,7 @@ impl EngineLoop {
                 stop_token: u.stop_token,
                 num_prompt_tokens: u.num_prompt_tokens,
                 num_cached_tokens: u.num_cached_tokens,
+                prompt_logprobs,
             };
             let gone = live.tx.send(Ok(output)).is_err();
             if u.finish_reason.is_some() || live.export.is_some() {
@@ -842,6 +898,7 @@ fn abort_output() -> EngineOutput {
         stop_token: None,
         num_prompt_tokens: 0,
         num_cached_tokens: 0,
+        prompt_logprobs: Vec::new(),
     }
 }
 

@@ -33,6 +33,7 @@ pub(crate) fn size_from_free_memory(
         seqs: vec![SeqLayout { row_start: 0, n_tokens: rows, start_pos: 0, block_table: (0..blocks as u32).collect() }],
         logit_rows: (rows - logit_rows..rows).collect(),
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     llama.forward(&batch)?;
     // Release the temporary pool before measuring.

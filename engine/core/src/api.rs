@@ -129,6 +129,11 @@ pub struct EngineOutput {
     pub num_prompt_tokens: usize,
     /// Prompt tokens served from the prefix cache (or received from another worker).
     pub num_cached_tokens: usize,
+    /// Set on the request's first output when `SamplingParams::prompt_logprobs` asked for
+    /// them, else empty: one entry per prompt token, entry `i` the logprob of prompt token
+    /// `i` given the tokens before it (raw logits, as vLLM), with its top alternatives;
+    /// entry 0 is `None` (nothing precedes the first token).
+    pub prompt_logprobs: Vec<Option<TokenLogprob>>,
 }
 
 /// Why a request could not be accepted.
