@@ -45,7 +45,8 @@ use crate::liveness::{EngineHealth, Liveness};
 use crate::relay::{ExportEvent, ExportSpec, Reservation, TransferTrailer, plan_blocks};
 use crate::step_timing::StepTiming;
 use baton_core::api::{
-    EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
+    EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, PromptLogprob, RequestId, SubmitError,
+    TokenLogprob,
 };
 use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::{KvLayout, plan_transfer};
@@ -127,7 +128,7 @@ pub(crate) trait StepModel: Send {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::take_prompt_logprobs`].
-    fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob>;
+    fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob>;
     /// See [`crate::model::LlamaModel::sample_launch`].
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::sample_collect`].
@@ -159,7 +160,7 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
     }
 
-    fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob> {
+    fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
         crate::model::LlamaModel::take_prompt_logprobs(self)
     }
 
@@ -224,7 +225,7 @@ struct Live {
     /// For a request with `prompt_logprobs`: entry `i` the logprob of prompt token `i`,
     /// filled chunk by chunk as its prompt is computed and sent whole with its first output
     /// (then `None`). A recompute after preemption overwrites entries with equal values.
-    prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 struct Export {

@@ -95,7 +95,7 @@ impl StepModel for FaultyModel {
         self.inner.forward(batch, exports, sink)
     }
 
-    fn take_prompt_logprobs(&mut self) -> Vec<baton_core::api::TokenLogprob> {
+    fn take_prompt_logprobs(&mut self) -> Vec<baton_core::api::PromptLogprob> {
         self.inner.take_prompt_logprobs()
     }
 

@@ -15,7 +15,7 @@
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
 use crate::kv_transport::LayerFrame;
-use baton_core::api::TokenLogprob;
+use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
 use baton_formats::{ModelConfig, RopeScaling, TensorView, WeightStore};
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
@@ -99,7 +99,7 @@ pub struct LlamaModel<B: Backend> {
     /// The sampling launched and not yet collected.
     launched: Option<LaunchedSample>,
     /// The answers for the last step's [`BatchLayout::prompt_logprobs`], in order.
-    prompt_logprobs: Vec<TokenLogprob>,
+    prompt_logprobs: Vec<PromptLogprob>,
 }
 
 /// Most rows of vocabulary logits the LM head produces at once for prompt logprobs: a long
@@ -374,7 +374,7 @@ impl<B: Backend> LlamaModel<B> {
 
     /// The prompt logprobs the last step computed, one per entry of its batch's
     /// [`BatchLayout::prompt_logprobs`], in order (empty after a step that asked for none).
-    pub fn take_prompt_logprobs(&mut self) -> Vec<TokenLogprob> {
+    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
         std::mem::take(&mut self.prompt_logprobs)
     }
 
@@ -639,7 +639,7 @@ fn prompt_logprobs<B: Backend>(
     h: usize,
     eps: f32,
     rows: &[PromptLogprobRow],
-) -> Result<Vec<TokenLogprob>, BackendError> {
+) -> Result<Vec<PromptLogprob>, BackendError> {
     let mut out = Vec::with_capacity(rows.len());
     for slice in rows.chunks(PROMPT_LOGPROB_SLICE) {
         let idx: Vec<usize> = slice.iter().map(|r| r.row).collect();

@@ -6,7 +6,7 @@
 
 mod common;
 
-use baton_core::api::{EngineClient, EngineOutput, EngineRequest, RequestId, TokenLogprob};
+use baton_core::api::{EngineClient, EngineOutput, EngineRequest, PromptLogprob, RequestId};
 use baton_core::params::SamplingParams;
 use baton_engine::EngineConfig;
 use baton_engine::backend::cpu::CpuBackend;
@@ -59,7 +59,7 @@ fn reference(model: &LoadedModel, ids: &[u32]) -> Vec<Option<Vec<f64>>> {
 }
 
 /// Checks `got` (an engine's prompt logprobs with top `k`) against the teacher-forced rows.
-fn assert_matches(label: &str, ids: &[u32], got: &[Option<TokenLogprob>], want: &[Option<Vec<f64>>], k: usize) {
+fn assert_matches(label: &str, ids: &[u32], got: &[Option<PromptLogprob>], want: &[Option<Vec<f64>>], k: usize) {
     assert_eq!(got.len(), ids.len(), "{label}: one entry per prompt token");
     assert!(got[0].is_none(), "{label}: the first prompt token has no logprob");
     for i in 1..ids.len() {
@@ -68,6 +68,10 @@ fn assert_matches(label: &str, ids: &[u32], got: &[Option<TokenLogprob>], want: 
         assert_eq!(lp.token_id, ids[i], "{label}: entry {i} scores the wrong token");
         let diff = (lp.logprob as f64 - row[ids[i] as usize]).abs();
         assert!(diff < 1e-4, "{label}: entry {i}: {} vs {} (diff {diff})", lp.logprob, row[ids[i] as usize]);
+        let above = row.iter().filter(|&&x| x > row[ids[i] as usize] + 1e-6).count();
+        let ties = row.iter().filter(|&&x| (x - row[ids[i] as usize]).abs() <= 1e-6).count();
+        let rank = lp.rank as usize;
+        assert!(rank > above && rank <= above + ties, "{label}: entry {i} rank {rank}, {above} tokens above");
         assert_eq!(lp.top.len(), k, "{label}: entry {i} top list length");
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
@@ -80,7 +84,7 @@ fn assert_matches(label: &str, ids: &[u32], got: &[Option<TokenLogprob>], want: 
 }
 
 /// The request's outputs; the prompt logprobs must come with the first one only.
-fn prompt_logprobs_of(outs: &[EngineOutput]) -> Vec<Option<TokenLogprob>> {
+fn prompt_logprobs_of(outs: &[EngineOutput]) -> Vec<Option<PromptLogprob>> {
     assert!(
         outs.iter().skip(1).all(|o| o.prompt_logprobs.is_empty()),
         "prompt logprobs only come with the first output"

@@ -9,8 +9,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use baton_core::api::TokenLogprob;
-use baton_core::sampling::{RowPlan, Sampled, token_logprob};
+use baton_core::api::PromptLogprob;
+use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::KernelError;
 use rayon::prelude::*;
@@ -274,11 +274,11 @@ pub trait Backend: Send + 'static {
     /// processed values, not logits: take each row one way only.
     fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError>;
     /// For each of the first `targets.len()` rows of the last [`Backend::lm_head`] output: the
-    /// raw logprob of `targets[i]` and the row's `k` most likely entries (see
-    /// `baton_core::sampling::token_logprob`). The default downloads the rows and computes
+    /// raw logprob and rank of `targets[i]` and the row's `k` most likely entries (see
+    /// `baton_core::sampling::prompt_logprob`). The default downloads the rows and computes
     /// on the host; a device backend computes where the logits are and downloads only the
     /// answers.
-    fn logit_row_logprobs(&mut self, targets: &[u32], k: usize) -> Result<Vec<TokenLogprob>, BackendError> {
+    fn logit_row_logprobs(&mut self, targets: &[u32], k: usize) -> Result<Vec<PromptLogprob>, BackendError> {
         if targets.is_empty() {
             return Ok(Vec::new());
         }
@@ -288,7 +288,7 @@ pub trait Backend: Send + 'static {
         if vocab == 0 {
             return Err(BackendError::Device("the LM head output is empty".into()));
         }
-        Ok(logits.chunks_exact_mut(vocab).zip(targets).map(|(row, &t)| token_logprob(row, t, k)).collect())
+        Ok(logits.chunks_exact_mut(vocab).zip(targets).map(|(row, &t)| prompt_logprob(row, t, k)).collect())
     }
     /// Whether [`Backend::launch_device_sample`] can sample this row of a `vocab`-wide output
     /// exactly as `baton_core::sampling::sample` would. The default backend samples nothing
