@@ -681,7 +681,7 @@ impl EngineLoop {
     fn plan_prompt_logprobs(&self, out: &SchedulerOutput, batch: &mut BatchLayout) -> Vec<(RequestId, usize)> {
         let mut filled = Vec::new();
         for (seq, layout) in out.seqs.iter().zip(&batch.seqs) {
-            if !self.live.get(&seq.id).is_some_and(|l| l.prompt_logprobs.is_some()) {
+            if self.live.get(&seq.id).is_none_or(|l| l.prompt_logprobs.is_none()) {
                 continue;
             }
             let Some(req) = self.scheduler.request(seq.id) else { continue };
