@@ -344,9 +344,10 @@ fn stream(
                     let (mut logprobs, mut prompt_logprobs) = (None, None);
                     if let (Some(entries), Some(out)) = (&d.prompt_logprobs, outs.get_mut(index)) {
                         (logprobs, prompt_logprobs) = out.prompt_views(frontend.codec(), entries);
-                        if let Some(echo) = held_echoes.get_mut(index) {
-                            d.text.insert_str(0, &std::mem::take(echo));
-                        }
+                    }
+                    // The choice's first delta carries its held echo.
+                    if let Some(echo) = held_echoes.get_mut(index).filter(|e| !e.is_empty()) {
+                        d.text.insert_str(0, &std::mem::take(echo));
                     }
                     let generated = outs
                         .get_mut(index)
