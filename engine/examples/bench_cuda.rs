@@ -166,6 +166,7 @@ fn run() -> Res<()> {
             .collect(),
         logit_rows: (0..b).collect(),
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     let prefill_table: Vec<u32> = (decode_blocks as u32..(decode_blocks + prefill_blocks) as u32).collect();
 
@@ -176,6 +177,7 @@ fn run() -> Res<()> {
         seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: 0, block_table: prefill_table }],
         logit_rows: vec![n - 1],
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     for prefill_kernel in [true, false] {
         model.backend_mut().set_prefill_kernel(prefill_kernel);

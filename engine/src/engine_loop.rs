@@ -37,7 +37,7 @@
 //!   token must be in the vocabulary. Anything else fails that hand-off and the request
 //!   recomputes its prompt here; the engine's health is not affected.
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, BatchLayout, PromptLogprobRow};
 use crate::batch::layout_for;
 use crate::kv_transport::LayerFrame;
 use crate::kv_transport::nccl::{NcclLink, PendingRecv};
@@ -46,7 +46,8 @@ use crate::relay::{ExportEvent, ExportSpec, Reservation, TransferTrailer, plan_b
 use crate::step_timing::StepTiming;
 use crate::structured;
 use baton_core::api::{
-    EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
+    EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, PromptLogprob, RequestId, SubmitError,
+    TokenLogprob,
 };
 use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::{KvLayout, plan_transfer};
@@ -133,6 +134,8 @@ pub(crate) trait StepModel: Send {
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError>;
+    /// See [`crate::model::LlamaModel::take_prompt_logprobs`].
+    fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob>;
     /// See [`crate::model::LlamaModel::sample_launch`].
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
     /// See [`crate::model::LlamaModel::sample_collect`].
@@ -162,6 +165,10 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
+    }
+
+    fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
+        crate::model::LlamaModel::take_prompt_logprobs(self)
     }
 
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
@@ -224,6 +231,10 @@ struct Live {
     export: Option<Export>,
     /// Set for constrained requests: the grammar state, fed every output token so far.
     grammar: Option<SequenceGrammar>,
+    /// For a request with `prompt_logprobs`: entry `i` the logprob of prompt token `i`,
+    /// filled chunk by chunk as its prompt is computed and sent whole with its first output
+    /// (then `None`). A recompute after preemption overwrites entries with equal values.
+    prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 struct Export {
@@ -350,7 +361,7 @@ impl EngineLoop {
                 if let Ok(table) = &result {
                     // The first token comes with the KV (`import_done` feeds it).
                     let grammar = grammar.map(|g| g.matcher());
-                    self.live.insert(id, Live { tx, seed, export: None, grammar });
+                    self.live.insert(id, Live { tx, seed, export: None, grammar, prompt_logprobs: None });
                     let res = Reservation { block_table: table.clone(), num_prompt_tokens, logprobs };
                     if let Ok(mut r) = self.shared.reservations.lock() {
                         r.insert(id, Arc::new(res));
@@ -396,12 +407,13 @@ impl EngineLoop {
     ) {
         self.shared.pending.fetch_sub(1, Ordering::SeqCst);
         let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
+        let prompt_logprobs = request.params.prompt_logprobs.map(|_| vec![None; request.prompt_token_ids.len()]);
         match self.scheduler.add_request(id, request, &self.eos_token_ids) {
             Ok(()) => {
                 let output = self.scheduler.request(id).map(|r| r.output_token_ids()).unwrap_or(&[]);
                 match grammar.map(|g| structured::start(&g, output)).transpose() {
                     Ok(grammar) => {
-                        self.live.insert(id, Live { tx, seed, export, grammar });
+                        self.live.insert(id, Live { tx, seed, export, grammar, prompt_logprobs });
                     }
                     Err(e) => {
                         self.scheduler.abort(id);
@@ -570,6 +582,7 @@ impl EngineLoop {
             stop_token: u.stop_token,
             num_prompt_tokens: u.num_prompt_tokens,
             num_cached_tokens: u.num_cached_tokens,
+            prompt_logprobs: Vec::new(),
         };
         let gone = live.tx.send(Ok(output)).is_err();
         if finish_reason.is_some() {
@@ -662,7 +675,8 @@ impl EngineLoop {
             return;
         }
         self.report_export_starts(&out);
-        let batch = layout_for(&out);
+        let mut batch = layout_for(&out);
+        let prompt_rows = self.plan_prompt_logprobs(&out, &mut batch);
         let (export_specs, export_txs, export_ids) = self.plan_exports(&out);
         let mut sink = |j: usize, frame: LayerFrame| {
             if let Some(tx) = export_txs.get(j) {
@@ -675,6 +689,9 @@ impl EngineLoop {
         if let Err(e) = result {
             self.fail_step(&out, &e);
             return;
+        }
+        if !prompt_rows.is_empty() {
+            self.store_prompt_logprobs(&prompt_rows);
         }
         // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
         // before the sends are done (the GPU waits, the host does not). An export whose sends
@@ -697,6 +714,44 @@ impl EngineLoop {
             && let Some(f) = self.in_flight.take()
         {
             self.finish(f);
+        }
+    }
+
+    /// Adds to `batch` the rows whose logits score a prompt token, for every request of the
+    /// step that still owes its prompt logprobs: chunk position `p` (below the prompt's last,
+    /// whose logits pick the first output token) scores prompt token `p + 1`. Returns, per
+    /// row in order, the request and the prompt index it fills.
+    fn plan_prompt_logprobs(&self, out: &SchedulerOutput, batch: &mut BatchLayout) -> Vec<(RequestId, usize)> {
+        let mut filled = Vec::new();
+        for (seq, layout) in out.seqs.iter().zip(&batch.seqs) {
+            if self.live.get(&seq.id).is_none_or(|l| l.prompt_logprobs.is_none()) {
+                continue;
+            }
+            let Some(req) = self.scheduler.request(seq.id) else { continue };
+            let (Some(top_k), prompt) = (req.params().prompt_logprobs, req.prompt_token_ids()) else { continue };
+            let last = prompt.len().saturating_sub(1).min(seq.end_pos());
+            for p in seq.start_pos..last {
+                batch.prompt_logprobs.push(PromptLogprobRow {
+                    row: layout.row_start + (p - seq.start_pos),
+                    target: prompt[p + 1],
+                    top_k,
+                });
+                filled.push((seq.id, p + 1));
+            }
+        }
+        filled
+    }
+
+    /// Files the step's prompt logprobs (rows planned by `plan_prompt_logprobs`) with their
+    /// requests.
+    fn store_prompt_logprobs(&mut self, rows: &[(RequestId, usize)]) {
+        let answers = self.model.take_prompt_logprobs();
+        for (&(id, index), lp) in rows.iter().zip(answers) {
+            if let Some(slot) =
+                self.live.get_mut(&id).and_then(|l| l.prompt_logprobs.as_mut()).and_then(|v| v.get_mut(index))
+            {
+                *slot = Some(lp);
+            }
         }
     }
 
@@ -807,6 +862,7 @@ impl EngineLoop {
                 // way; a planned-ahead row of it is skipped at its sampling).
                 self.scheduler.abort(u.id);
             }
+            let prompt_logprobs = live.prompt_logprobs.take().unwrap_or_default();
             let token_logprobs: Option<TokenLogprob> = logprobs.remove(&u.id);
             if let Some(export) = &live.export {
                 let trailer = TransferTrailer { first_token: u.new_token, logprobs: token_logprobs.clone() };
@@ -819,6 +875,7 @@ impl EngineLoop {
                 stop_token: u.stop_token,
                 num_prompt_tokens: u.num_prompt_tokens,
                 num_cached_tokens: u.num_cached_tokens,
+                prompt_logprobs,
             };
             let gone = live.tx.send(Ok(output)).is_err();
             if finish_reason.is_some() || live.export.is_some() {
@@ -941,6 +998,7 @@ fn abort_output() -> EngineOutput {
         stop_token: None,
         num_prompt_tokens: 0,
         num_cached_tokens: 0,
+        prompt_logprobs: Vec::new(),
     }
 }
 

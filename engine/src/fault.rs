@@ -95,6 +95,10 @@ impl StepModel for FaultyModel {
         self.inner.forward(batch, exports, sink)
     }
 
+    fn take_prompt_logprobs(&mut self) -> Vec<baton_core::api::PromptLogprob> {
+        self.inner.take_prompt_logprobs()
+    }
+
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
         self.inner.sample_launch(rows)
     }

@@ -2,8 +2,9 @@
 //!
 //! The workspaces grow to their largest size on the first step of that size, so free memory
 //! is read after a profiling step: one prefill of `max_num_batched_tokens` rows with
-//! `max_num_seqs` logit rows, over a temporary cache just large enough for it. The pool then
-//! gets `free − (1 − utilization) × total` bytes; the temporary cache is released first.
+//! `max(max_num_seqs, PROMPT_LOGPROB_SLICE)` logit rows (the LM head's largest output), over a
+//! temporary cache just large enough for it. The pool then gets `free − (1 − utilization) ×
+//! total` bytes; the temporary cache is released first.
 
 use crate::backend::{BatchLayout, SeqLayout, cuda::CudaBackend};
 use crate::model::LlamaModel;
@@ -26,13 +27,15 @@ pub(crate) fn size_from_free_memory(
     let blocks = rows.div_ceil(bs);
     // Profiling step: every workspace reaches the size of the largest step.
     llama.alloc_kv_cache(blocks, bs)?;
-    let logit_rows = config.max_num_seqs.clamp(1, rows);
+    // The LM head's largest output: a step's sampling rows, or a slice of prompt-logprob rows.
+    let logit_rows = config.max_num_seqs.max(crate::model::PROMPT_LOGPROB_SLICE).clamp(1, rows);
     let batch = BatchLayout {
         tokens: (0..rows).map(|i| (i % llama.config().vocab_size) as u32).collect(),
         positions: (0..rows).collect(),
         seqs: vec![SeqLayout { row_start: 0, n_tokens: rows, start_pos: 0, block_table: (0..blocks as u32).collect() }],
         logit_rows: (rows - logit_rows..rows).collect(),
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     llama.forward(&batch)?;
     // Release the temporary pool before measuring.

@@ -13,8 +13,9 @@
 //! pending rows ([`BatchLayout::pending`]) embed the picks where they were made, the host's
 //! as known tokens, the device's on the device.
 
-use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart};
+use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
 use crate::kv_transport::LayerFrame;
+use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
 use baton_formats::{ModelConfig, RopeScaling, TensorView, WeightStore};
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
@@ -97,7 +98,14 @@ pub struct LlamaModel<B: Backend> {
     picks: Vec<Pick>,
     /// The sampling launched and not yet collected.
     launched: Option<LaunchedSample>,
+    /// The answers for the last step's [`BatchLayout::prompt_logprobs`], in order.
+    prompt_logprobs: Vec<PromptLogprob>,
 }
+
+/// Most rows of vocabulary logits the LM head produces at once for prompt logprobs: a long
+/// prompt's positions go through it in slices, so the logits buffer stays at most this many
+/// rows (256 × 128k × 4 B = 128 MiB for a Llama-3 vocabulary).
+pub const PROMPT_LOGPROB_SLICE: usize = 256;
 
 fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
     match s {
@@ -275,6 +283,7 @@ impl<B: Backend> LlamaModel<B> {
             logit_count: 0,
             picks: Vec::new(),
             launched: None,
+            prompt_logprobs: Vec::new(),
         })
     }
 
@@ -361,6 +370,12 @@ impl<B: Backend> LlamaModel<B> {
         self.forward_exporting(batch, &[], &mut |_, _| {})?;
         let rows: Vec<usize> = (0..self.logit_count).collect();
         self.backend.logit_rows(&rows)
+    }
+
+    /// The prompt logprobs the last step computed, one per entry of its batch's
+    /// [`BatchLayout::prompt_logprobs`], in order (empty after a step that asked for none).
+    pub fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
+        std::mem::take(&mut self.prompt_logprobs)
     }
 
     /// Samples the logits of the last step, row `i` with `ctxs[i]` (one context per logit
@@ -481,9 +496,11 @@ impl<B: Backend> LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
+        self.prompt_logprobs.clear();
         let resolved = self.resolve_pending(batch)?;
         let batch = resolved.as_ref().unwrap_or(batch);
         if exports.is_empty()
+            && batch.prompt_logprobs.is_empty()
             && let Some(rows) = self.backend.replay_rows(batch)
         {
             let padded = padded_decode(batch, rows);
@@ -582,13 +599,19 @@ impl<B: Backend> LlamaModel<B> {
             b.mark("down");
             b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
         }
+        let h = cfg.hidden_size;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if !batch.prompt_logprobs.is_empty() {
+            // Before the sampling rows: the LM head output below must be theirs.
+            b.mark("prompt_logprobs");
+            self.prompt_logprobs = prompt_logprobs(b, ws, &self.final_norm, head, h, eps, &batch.prompt_logprobs)?;
+        }
         let rows = &batch.logit_rows;
         if rows.is_empty() {
             return Ok(());
         }
         // Only the sampling rows need the final norm and the (large) LM head. When that is
         // every row in order (decode), the last layer's buffers are used as they are.
-        let h = cfg.hidden_size;
         b.mark("final_norm");
         if rows.iter().copied().eq(0..t) {
             b.add_rms_norm(&mut ws.residual, &ws.proj, &self.final_norm, eps, &mut ws.hidden)?;
@@ -597,12 +620,45 @@ impl<B: Backend> LlamaModel<B> {
             b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
             b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         b.mark("lm_head");
         b.lm_head(&ws.hidden, rows.len(), head)?;
         self.logit_count = rows.len();
         Ok(())
     }
+}
+
+/// The prompt logprobs of `rows` after the last layer (residual stream `ws.residual`, last
+/// layer's output `ws.proj`, neither modified): final norm and LM head over at most
+/// [`PROMPT_LOGPROB_SLICE`] rows at a time, then each row's target logprob and top
+/// alternatives from the backend, truncated to the row's own `top_k`.
+fn prompt_logprobs<B: Backend>(
+    b: &mut B,
+    ws: &mut Workspace<B>,
+    final_norm: &B::Buf,
+    head: &B::Mat,
+    h: usize,
+    eps: f32,
+    rows: &[PromptLogprobRow],
+) -> Result<Vec<PromptLogprob>, BackendError> {
+    let mut out = Vec::with_capacity(rows.len());
+    for slice in rows.chunks(PROMPT_LOGPROB_SLICE) {
+        let idx: Vec<usize> = slice.iter().map(|r| r.row).collect();
+        let targets: Vec<u32> = slice.iter().map(|r| r.target).collect();
+        let k = slice.iter().map(|r| r.top_k).max().unwrap_or(0);
+        b.gather_res_rows(&ws.residual, h, &idx, &mut ws.last_res)?;
+        b.gather_rows(&ws.proj, h, &idx, &mut ws.last)?;
+        b.add_rms_norm(&mut ws.last_res, &ws.last, final_norm, eps, &mut ws.hidden)?;
+        b.lm_head(&ws.hidden, slice.len(), head)?;
+        let answers = b.logit_row_logprobs(&targets, k)?;
+        if answers.len() != slice.len() {
+            return Err(kernel_error("prompt_logprobs", format!("{} answers for {} rows", answers.len(), slice.len())));
+        }
+        out.extend(answers.into_iter().zip(slice).map(|(mut a, r)| {
+            a.top.truncate(r.top_k);
+            a
+        }));
+    }
+    Ok(out)
 }
 
 /// Logs the weights phase of start-up: wall time, and for streamed uploads the bytes, the

@@ -14,7 +14,7 @@
 //! served model's tokenizer, so detokenization costs what it costs), each request starting
 //! at its own offset. Finishing follows the real engine's rules for what the pool can
 //! produce: `max_tokens` (→ `length`), EOS unless `ignore_eos` and `stop_token_ids`
-//! (→ `stop`, after `min_tokens`). No logprobs (a request asking for them is refused).
+//! (→ `stop`, after `min_tokens`). No logprobs (a request asking for them, or for prompt logprobs, is refused).
 //!
 //! Invariants: every accepted request ends with exactly one final output (or an error on
 //! shutdown); a request whose receiver is gone is dropped at its next send; the engine
@@ -179,6 +179,9 @@ impl EngineClient for SyntheticEngine {
         }
         if request.params.logprobs.is_some() {
             return Err(ParamError::new("logprobs", "the synthetic engine does not produce logprobs").into());
+        }
+        if request.params.prompt_logprobs.is_some() {
+            return Err(ParamError::new("prompt_logprobs", "the synthetic engine does not produce logprobs").into());
         }
         request.check(&self.inner.info)?;
         let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::Relaxed));
@@ -349,6 +352,7 @@ impl Loop {
                 stop_token: None,
                 num_prompt_tokens: r.prompt_tokens,
                 num_cached_tokens: 0,
+                prompt_logprobs: Vec::new(),
             };
             for r in self.running.iter().chain(self.waiting.iter()).filter(|r| aborted.contains(&r.id)) {
                 let _ = r.tx.send(Ok(abort_output(r)));
@@ -393,6 +397,7 @@ impl Loop {
                 stop_token,
                 num_prompt_tokens: r.prompt_tokens,
                 num_cached_tokens: 0,
+                prompt_logprobs: Vec::new(),
             });
         }
         // The step's counters and the requests it leaves running are published before its

@@ -23,6 +23,7 @@ fn one_prompt_batch(tokens: Vec<u32>) -> BatchLayout {
         }],
         logit_rows: vec![n - 1],
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
         tokens,
     }
 }

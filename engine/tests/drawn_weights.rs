@@ -42,6 +42,7 @@ fn prefill(tokens: &[u32]) -> BatchLayout {
         }],
         logit_rows: vec![tokens.len() - 1],
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     }
 }
 

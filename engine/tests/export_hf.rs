@@ -31,6 +31,7 @@ fn last_logits(model: &LoadedModel, backend: CpuBackend, ids: &[u32]) -> Vec<f32
         }],
         logit_rows: vec![ids.len() - 1],
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     m.forward(&batch).expect("forward")
 }

@@ -30,6 +30,7 @@ fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
         seqs: vec![SeqLayout { row_start: 0, n_tokens: ids.len(), start_pos: 0, block_table: table }],
         logit_rows: vec![ids.len() - 1],
         pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
     };
     m.forward(&batch).expect("forward")
 }

@@ -48,7 +48,13 @@ impl Baton for Scripted {
         items.push((None, message(Response::Chunk(Chunk::default()))));
         for k in 0..n {
             let due = arrived + Duration::from_millis(TTFT_MS + u64::from(k) * ITL_MS);
-            let chunk = Chunk { index: 0, token_ids: vec![k + 100], text: format!(" t{k}"), logprobs: vec![] };
+            let chunk = Chunk {
+                index: 0,
+                token_ids: vec![k + 100],
+                text: format!(" t{k}"),
+                logprobs: vec![],
+                prompt_logprobs: vec![],
+            };
             items.push((Some(due), message(Response::Chunk(chunk))));
         }
         let last = if fail {

@@ -19,7 +19,7 @@ use crate::error::FrontendError;
 use crate::metrics::Metrics;
 use crate::pipeline::PreparedRequest;
 use crate::text::ChoiceText;
-use baton_core::api::{EngineError, EngineOutput, FinishReason, OutputStream, RequestId, TokenLogprob};
+use baton_core::api::{EngineError, EngineOutput, FinishReason, OutputStream, PromptLogprob, RequestId, TokenLogprob};
 use futures::Stream;
 use futures::stream::{self, BoxStream, StreamExt};
 use std::collections::VecDeque;
@@ -40,6 +40,9 @@ pub struct ChoiceDelta {
     pub token_ids: Vec<u32>,
     /// Parallel to `token_ids` when logprobs were requested.
     pub logprobs: Vec<TokenLogprob>,
+    /// The prompt's logprobs (one per prompt token, the first `None`), on the choice's first
+    /// delta when `prompt_logprobs` was requested; `None` on every other delta.
+    pub prompt_logprobs: Option<Vec<Option<PromptLogprob>>>,
 }
 
 /// What ended a choice beyond the bare reason (vLLM's `stop_reason`).
@@ -217,7 +220,7 @@ impl Generation {
 
     /// Queues a delta, merged into the choice's delta still waiting to be read, if any.
     fn push_delta(&mut self, delta: ChoiceDelta) {
-        if delta.token_ids.is_empty() && delta.text.is_empty() {
+        if delta.token_ids.is_empty() && delta.text.is_empty() && delta.prompt_logprobs.is_none() {
             return;
         }
         match self.pending.iter_mut().rev().find(|e| e.index() == delta.index) {
@@ -225,6 +228,9 @@ impl Generation {
                 waiting.text.push_str(&delta.text);
                 waiting.token_ids.extend_from_slice(&delta.token_ids);
                 waiting.logprobs.extend(delta.logprobs);
+                if waiting.prompt_logprobs.is_none() {
+                    waiting.prompt_logprobs = delta.prompt_logprobs;
+                }
             }
             _ => self.pending.push_back(ChoiceEvent::Delta(delta)),
         }
@@ -259,7 +265,9 @@ impl Generation {
             self.metrics.add_generation_tokens(output.new_token_ids.len());
         }
 
-        let mut delta = ChoiceDelta { index, text: String::new(), token_ids: Vec::new(), logprobs: Vec::new() };
+        let prompt_logprobs = (!output.prompt_logprobs.is_empty()).then_some(output.prompt_logprobs);
+        let mut delta =
+            ChoiceDelta { index, text: String::new(), token_ids: Vec::new(), logprobs: Vec::new(), prompt_logprobs };
         let mut stopped_by: Option<String> = None;
         let last = output.new_token_ids.len().saturating_sub(1);
         for (i, &token) in output.new_token_ids.iter().enumerate() {
@@ -381,6 +389,7 @@ mod tests {
             stop_token: None,
             num_prompt_tokens: 3,
             num_cached_tokens: 0,
+            prompt_logprobs: Vec::new(),
         })
     }
 

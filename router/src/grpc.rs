@@ -133,6 +133,7 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> Result<EngineParams
         min_tokens: p.min_tokens.map_or(0, |m| m as usize),
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs.map(|k| k as usize),
+        prompt_logprobs: p.prompt_logprobs.map(|k| k as usize),
         // Sorted so that the engine sees the same order for the same request.
         logit_bias: {
             let mut bias: Vec<(u32, f32)> = p.logit_bias.into_iter().collect();
@@ -171,6 +172,33 @@ fn logprobs_to_proto(frontend: &Frontend, logprobs: &[EngineLogprob]) -> Vec<pb:
                 .iter()
                 .map(|&(token_id, logprob)| pb::TopLogprob { token_id, token: codec.token_text(token_id), logprob })
                 .collect(),
+        })
+        .collect()
+}
+
+fn prompt_logprobs_to_proto(
+    frontend: &Frontend,
+    entries: Option<&[Option<baton_core::api::PromptLogprob>]>,
+) -> Vec<pb::PromptTokenLogprob> {
+    let codec = frontend.codec();
+    let top = |top: &[(u32, f32)]| {
+        top.iter()
+            .map(|&(token_id, logprob)| pb::TopLogprob { token_id, token: codec.token_text(token_id), logprob })
+            .collect()
+    };
+    entries
+        .unwrap_or_default()
+        .iter()
+        .map(|entry| match entry {
+            None => pb::PromptTokenLogprob::default(),
+            Some(lp) => pb::PromptTokenLogprob {
+                present: true,
+                token_id: lp.token_id,
+                token: codec.token_text(lp.token_id),
+                logprob: lp.logprob,
+                rank: lp.rank,
+                top: top(&lp.top),
+            },
         })
         .collect()
 }
@@ -228,6 +256,7 @@ impl Baton for GrpcService {
                         pb::generate_response::Response::Chunk(pb::Chunk {
                             index: to_u32(d.index),
                             logprobs: logprobs_to_proto(&frontend, &d.logprobs),
+                            prompt_logprobs: prompt_logprobs_to_proto(&frontend, d.prompt_logprobs.as_deref()),
                             token_ids: d.token_ids,
                             text: d.text,
                         }),

@@ -106,7 +106,10 @@ async fn fields_the_server_does_not_honour_are_400s_naming_them() {
         }
     }
     expect_error(&s, "/v1/completions", json!({"prompt": "a", "guided_regex": "a+"}), 400, Some("guided_regex")).await;
-    expect_error(&s, "/v1/completions", json!({"prompt": "a", "prompt_logprobs": 1}), 400, Some("prompt_logprobs"))
+    // Prompt logprobs are served, but not as a chat stream (as vLLM), and within the top-k cap.
+    let body = json!({"messages": msgs, "prompt_logprobs": 1, "stream": true});
+    expect_error(&s, chat, body, 400, Some("prompt_logprobs")).await;
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "prompt_logprobs": 21}), 400, Some("prompt_logprobs"))
         .await;
     // Values that ask for what the server does anyway, and nulls, are served.
     let body = json!({"messages": msgs, "max_tokens": 2, "tools": null, "tool_choice": "none",
@@ -136,7 +139,8 @@ async fn out_of_range_sampling_values_name_their_param() {
         (json!({"logit_bias": {"5": 1000}}), "logit_bias"),
         (json!({"stop": ["ok", ""]}), "stop"),
         (json!({"stop_token_ids": [99999999]}), "stop_token_ids"),
-        (json!({"echo": true, "logprobs": 1}), "echo"),
+        (json!({"prompt_logprobs": -1}), "prompt_logprobs"),
+        (json!({"echo": true, "logprobs": 21}), "logprobs"),
     ];
     for (extra, param) in cases {
         let mut body = json!({"prompt": "hi", "max_tokens": 4});

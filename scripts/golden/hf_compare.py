@@ -29,6 +29,18 @@ Subcommands (torch + transformers; on the GPU machine, or on a CPU with --device
       (gap < T, default 0.05), the smallest top-2 gap over the matched steps, and the largest
       |logit difference| (full vocabulary at step 0; Baton's top-k ids at every matched step).
       --device picks where transformers runs; --refs which references (default both).
+
+  prompt-logprobs MODEL_DIR PROMPTS.json OUT.json --url URL [--tol T] [--device cuda|cpu]
+          [--refs f32,bf16] [--round-weights auto|bf16|none]
+      Baton's prompt logprobs against transformers' teacher forcing. For every prompt of
+      PROMPTS.json (what `prompts` wrote), asks the Baton server at URL (`baton serve --model
+      MODEL_DIR ...`, already running) for `/v1/completions` with the ids as the prompt, `echo`,
+      `logprobs: 1`, `max_tokens: 1` (lm-evaluation-harness's loglikelihood request), and
+      compares `token_logprobs[i]` (i >= 1) with log_softmax(transformers' logits at i - 1)[id_i].
+      --server-device says where the server computes (cuda: bf16 weights, cpu: the file's).
+      Reported per prompt and reference: the largest |difference|, the difference of the sums
+      (a loglikelihood), and pass (largest difference < T, default 0.02 nats; --round-weights
+      auto rounds the f32 reference's weights to bf16 unless --server-device cpu).
 """
 import argparse
 import json
@@ -231,6 +243,58 @@ def compare(args):
     return 0 if all(r["pass"] for r in result["references"].values()) else 1
 
 
+def http_json(url, body):
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+@torch.no_grad()
+def prompt_logprobs(args):
+    import urllib.request
+
+    import transformers
+
+    base = args.url.rstrip("/")
+    served = json.load(urllib.request.urlopen(base + "/v1/models", timeout=60))["data"][0]["id"]
+    prompts = json.load(open(args.prompts))
+    baton = []
+    for ids in prompts:
+        body = {"model": served, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+        lp = http_json(base + "/v1/completions", body)["choices"][0]["logprobs"]["token_logprobs"]
+        if len(lp) != len(ids) + 1 or lp[0] is not None:
+            raise SystemExit(f"malformed echo logprobs for a prompt of {len(ids)} tokens: {lp[:3]}...")
+        baton.append(lp[1 : len(ids)])
+    # Which weights Baton computes with: bf16 on CUDA, the file's on the CPU.
+    round_bf16 = {"auto": "cpu" not in args.server_device, "bf16": True, "none": False}[args.round_weights]
+    result = {"model": args.model, "transformers": transformers.__version__, "torch": torch.__version__, "references": {}}
+    for kind in args.refs.split(","):
+        m = load_ref(args.model, kind, args.device, round_bf16 and kind == "f32")
+        rows = []
+        for ids, got in zip(prompts, baton):
+            if len(ids) < 2:
+                continue
+            x = torch.tensor([ids], device=args.device)
+            logp = torch.log_softmax(m(x).logits[0].float(), dim=-1)
+            want = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+            diffs = [abs(a - b) for a, b in zip(got, want)]
+            rows.append(
+                {
+                    "len": len(ids),
+                    "max_abs_diff": max(diffs),
+                    "sum_diff": sum(got) - sum(want),
+                    "pass": max(diffs) < args.tol,
+                }
+            )
+        result["references"][kind] = {"prompts": rows, "pass": all(r["pass"] for r in rows)}
+        worst = max((r["max_abs_diff"] for r in rows), default=0.0)
+        print(f"{kind}: {len(rows)} prompts, worst |diff| {worst:.3e}, pass {result['references'][kind]['pass']}")
+    json.dump(result, open(args.out, "w"), indent=1)
+    return 0 if all(r["pass"] for r in result["references"].values()) else 1
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -252,11 +316,23 @@ def main():
     a.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a.add_argument("--refs", default="f32,bf16")
     a.add_argument("--round-weights", default="auto", choices=["auto", "bf16", "none"])
+    a = sub.add_parser("prompt-logprobs")
+    a.add_argument("model")
+    a.add_argument("prompts")
+    a.add_argument("out")
+    a.add_argument("--url", required=True)
+    a.add_argument("--server-device", default="cuda", help="the device the server runs on (cuda or cpu)")
+    a.add_argument("--tol", type=float, default=0.02)
+    a.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    a.add_argument("--refs", default="f32,bf16")
+    a.add_argument("--round-weights", default="auto", choices=["auto", "bf16", "none"])
     args = ap.parse_args()
     if args.cmd == "make-1b":
         make_1b(args)
     elif args.cmd == "prompts":
         prompts(args)
+    elif args.cmd == "prompt-logprobs":
+        sys.exit(prompt_logprobs(args))
     else:
         sys.exit(compare(args))
 

@@ -588,3 +588,89 @@ async fn engine_faults_show_on_health_and_a_fatal_one_exits() {
     assert_eq!(code, Some(70), "{}", s.log_text());
     assert!(s.log_text().contains("FATAL: the engine lost its device"), "{}", s.log_text());
 }
+
+/// Prompt logprobs through the real server: `echo` + `logprobs` with a token prompt and
+/// `max_tokens: 1` (lm-evaluation-harness's loglikelihood request) scores a continuation that
+/// greedy decoding produced with the logprobs decoding reported (teacher forcing = decoding),
+/// the continuation reads as greedy the way lm-eval decides it, and a second identical request
+/// (its prompt now in the prefix cache) scores the same.
+#[tokio::test]
+async fn echo_logprobs_score_the_prompt_like_decoding() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = tiny_model(dir.path());
+    let s = Serve::start(
+        dir.path(),
+        MODEL,
+        &["--model", model.to_str().expect("utf8"), "--served-model-name", MODEL, "--max-model-len", "512"],
+        &[],
+    )
+    .await;
+    let context: Vec<u32> = (0..23).map(|i| (i * 37 + 11) % 300).collect();
+    // Decode greedily over gRPC (which returns token ids), asking for the context's prompt
+    // logprobs as well.
+    let mut grpc = BatonClient::connect(s.grpc.clone()).await.expect("connect grpc");
+    let request = GenerateRequest {
+        request_id: "decode".into(),
+        input: Some(Input::TokenIds(baton_proto::v1::TokenIds { ids: context.clone() })),
+        sampling: Some(SamplingParams {
+            temperature: Some(0.0),
+            max_tokens: Some(6),
+            ignore_eos: true,
+            logprobs: Some(1),
+            prompt_logprobs: Some(1),
+            ..Default::default()
+        }),
+        add_special_tokens: None,
+    };
+    let mut stream = grpc.generate(request).await.expect("generate").into_inner();
+    let (mut continuation, mut generated, mut prompt_entries) = (Vec::new(), Vec::new(), Vec::new());
+    while let Some(m) = stream.message().await.expect("message") {
+        match m.response.expect("response") {
+            Msg::Chunk(c) => {
+                if continuation.is_empty() {
+                    prompt_entries = c.prompt_logprobs.clone();
+                } else {
+                    assert!(c.prompt_logprobs.is_empty(), "prompt logprobs come with the first chunk only");
+                }
+                continuation.extend(c.token_ids.iter().map(|&t| t as u64));
+                generated.extend(c.logprobs.iter().map(|l| l.logprob as f64));
+            }
+            Msg::Complete(_) => {}
+            Msg::Error(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!((continuation.len(), generated.len()), (6, 6));
+    assert_eq!(prompt_entries.len(), context.len());
+    assert!(!prompt_entries[0].present && prompt_entries[1..].iter().all(|e| e.present && e.top.len() == 1));
+    let prompt: Vec<u64> = context.iter().map(|&t| t as u64).chain(continuation.iter().copied()).collect();
+    let body =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": true, "logprobs": 1});
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let (status, scored) = s.post("/v1/completions", body.clone()).await;
+        assert_eq!(status, 200, "{scored}");
+        runs.push(scored["choices"][0]["logprobs"].clone());
+    }
+    let lp = &runs[0];
+    let token_logprobs = lp["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(token_logprobs.len(), prompt.len() + 1);
+    assert!(token_logprobs[0].is_null() && lp["top_logprobs"][0].is_null(), "{lp}");
+    let ctxlen = context.len();
+    for (i, e) in prompt_entries.iter().enumerate().skip(1) {
+        let http = token_logprobs[i].as_f64().expect("number");
+        assert!((http - e.logprob as f64).abs() < 1e-5, "context token {i}: HTTP {http} vs gRPC {}", e.logprob);
+    }
+    let scored = &token_logprobs[ctxlen..token_logprobs.len() - 1];
+    for (i, (a, b)) in scored.iter().zip(&generated).enumerate() {
+        let (a, b) = (a.as_f64().expect("number"), *b);
+        assert!((a - b).abs() < 1e-3, "continuation token {i}: teacher forcing {a} vs decoding {b}");
+    }
+    let tops = &lp["top_logprobs"].as_array().expect("top")[ctxlen..token_logprobs.len() - 1];
+    let greedy = scored.iter().zip(tops).all(|(t, top)| {
+        let best = top.as_object().expect("top").values().filter_map(Value::as_f64).fold(f64::NEG_INFINITY, f64::max);
+        t.as_f64() == Some(best)
+    });
+    assert!(greedy, "a greedy continuation must read as greedy: {lp}");
+    assert_eq!(runs[0]["token_logprobs"], runs[1]["token_logprobs"], "a prefix-cache hit changed the scores");
+    assert!(s.wait_idle(ABORT_DEADLINE).await, "blocks still held");
+}

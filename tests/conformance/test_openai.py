@@ -106,6 +106,29 @@ def test_completions_batch_echo_and_logprobs(client):
     assert "".join(lp.tokens) == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client):
+    # lm-evaluation-harness's loglikelihood request: the prompt's tokens come first in the
+    # legacy logprobs (the first with None), then the generated one.
+    r = client.completions.create(model=MODEL, prompt="Echo me please", echo=True, logprobs=1, max_tokens=1, temperature=0)
+    choice = r.choices[0]
+    assert choice.text.startswith("Echo me please")
+    lp = choice.logprobs
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    # vLLM's prompt_logprobs, through extra_body.
+    r = client.completions.create(model=MODEL, prompt="Echo me please", max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2})
+    entries = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == n and entries[0] is None
+    for i, entry in enumerate(entries[1:], start=1):
+        # The prompt token itself is in the map, with the logprob the legacy view gives it.
+        assert any(abs(v["logprob"] - lp.token_logprobs[i]) < 1e-5 for v in entry.values()), (i, entry)
+        assert all({"logprob", "rank", "decoded_token"} <= set(v) for v in entry.values())
+
+
 def test_stop_string_truncates(client):
     full = client.completions.create(model=MODEL, prompt="Once", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     text = full.choices[0].text

@@ -114,6 +114,20 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// Log-probability of one prompt token given the tokens before it (see
+/// [`crate::params::SamplingParams::prompt_logprobs`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PromptLogprob {
+    /// The prompt token.
+    pub token_id: u32,
+    /// Its log-probability under the raw logits of the position before it.
+    pub logprob: f32,
+    /// Its rank in the vocabulary at that position: 1 + the number of tokens more likely.
+    pub rank: u32,
+    /// The top alternatives, most likely first (`prompt_logprobs` of them).
+    pub top: Vec<(u32, f32)>,
+}
+
 /// What a request produced since the previous output.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineOutput {
@@ -129,6 +143,11 @@ pub struct EngineOutput {
     pub num_prompt_tokens: usize,
     /// Prompt tokens served from the prefix cache (or received from another worker).
     pub num_cached_tokens: usize,
+    /// Set on the request's first output when `SamplingParams::prompt_logprobs` asked for
+    /// them, else empty: one entry per prompt token, entry `i` the logprob of prompt token
+    /// `i` given the tokens before it (raw logits, as vLLM), with its top alternatives;
+    /// entry 0 is `None` (nothing precedes the first token).
+    pub prompt_logprobs: Vec<Option<PromptLogprob>>,
 }
 
 /// Why a request could not be accepted.

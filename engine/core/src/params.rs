@@ -65,6 +65,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// `Some(k)`: return the sampled token's logprob and the top `k` alternatives.
     pub logprobs: Option<usize>,
+    /// `Some(k)`: also return every prompt token's logprob (given the tokens before it) and
+    /// its top `k` alternatives, with the first output (vLLM's `prompt_logprobs`; the
+    /// completions `echo` + `logprobs`). The prompt then skips the prefix cache.
+    pub prompt_logprobs: Option<usize>,
     /// Additive biases on logits, applied before everything else.
     pub logit_bias: Vec<(u32, f32)>,
     /// Whether detokenized text skips special tokens.
@@ -93,6 +97,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
             skip_special_tokens: true,
             structured: None,
@@ -172,6 +177,14 @@ impl SamplingParams {
             return Err(ParamError::new(
                 "top_logprobs",
                 format!("top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}"),
+            ));
+        }
+        if let Some(k) = self.prompt_logprobs
+            && k > MAX_TOP_LOGPROBS
+        {
+            return Err(ParamError::new(
+                "prompt_logprobs",
+                format!("prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k}"),
             ));
         }
         if self.stop.len() > MAX_STOP_STRINGS {
@@ -272,6 +285,7 @@ mod tests {
             (SamplingParams { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
             (SamplingParams { min_tokens: 5, max_tokens: Some(2), ..Default::default() }, "min_tokens"),
             (SamplingParams { logprobs: Some(21), ..Default::default() }, "top_logprobs"),
+            (SamplingParams { prompt_logprobs: Some(21), ..Default::default() }, "prompt_logprobs"),
             (SamplingParams { stop_token_ids: vec![100], ..Default::default() }, "stop_token_ids"),
             (SamplingParams { logit_bias: vec![(3, 200.0)], ..Default::default() }, "logit_bias"),
             (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),

@@ -198,6 +198,12 @@ impl Request {
         self.num_computed_tokens >= self.num_prompt_tokens
     }
 
+    /// True while the request asked for prompt logprobs and has not delivered them yet
+    /// (they come with the first output token), so every prompt position needs its logits.
+    pub fn needs_prompt_logits(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && self.num_output_tokens() == 0
+    }
+
     /// Appends a generated token and hashes the block it completes, if any.
     pub(crate) fn append_output(&mut self, token: u32) {
         self.token_ids.push(token);

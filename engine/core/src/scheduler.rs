@@ -285,7 +285,10 @@ impl Scheduler {
                 idx += 1;
                 continue;
             }
-            let lookup = req.num_computed_tokens() == 0 && self.blocks.prefix_caching_enabled();
+            // Cached blocks have no logits: a request that still owes its prompt logprobs
+            // computes every prompt position.
+            let lookup =
+                req.num_computed_tokens() == 0 && self.blocks.prefix_caching_enabled() && !req.needs_prompt_logits();
             let cached =
                 if lookup { self.blocks.find_cached_prefix(req.block_hashes(), req.num_tokens()) } else { Vec::new() };
             let computed = req.num_computed_tokens().max(cached.len() * bs);

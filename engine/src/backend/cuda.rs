@@ -14,7 +14,7 @@
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
 use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart, WeightUploadReport};
-use baton_core::api::TokenLogprob;
+use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, RopeTable};
@@ -154,6 +154,9 @@ pub struct CudaBackend {
     logit_shape: (usize, usize),
     /// Device buffers of the sampler.
     sample_bufs: SampleBuffers,
+    /// Prompt logprobs: the rows' target tokens and the kernel's answers.
+    prompt_targets: CudaSlice<u32>,
+    prompt_out: CudaSlice<u32>,
     /// The plans' `logprobs` of the rows of the launched, not yet collected sampling.
     sample_logprobs: Vec<Option<usize>>,
     /// Decode steps recorded as CUDA graphs, and the staged step (cuda_graph.rs).
@@ -228,6 +231,7 @@ impl CudaBackend {
         let rows = dev.alloc(64)?;
         let logits = dev.alloc(1)?;
         let sample_bufs = SampleBuffers::new(&dev)?;
+        let (prompt_targets, prompt_out) = (dev.alloc(1)?, dev.alloc(1)?);
         for m in dev.module_reports() {
             tracing::info!(
                 module = %m.name,
@@ -270,6 +274,8 @@ impl CudaBackend {
             prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
+            prompt_targets,
+            prompt_out,
             sample_logprobs: Vec::new(),
             graphs: graph::GraphState::new(),
             profile: None,
@@ -659,6 +665,26 @@ impl Backend for CudaBackend {
         }
         stream.synchronize().map_err(CudaError::from)?;
         Ok(out)
+    }
+
+    fn logit_row_logprobs(&mut self, targets: &[u32], k: usize) -> Result<Vec<PromptLogprob>, BackendError> {
+        let (have, vocab) = self.logit_shape;
+        if targets.len() > have {
+            return Err(kerr("logit_row_logprobs", format!("{} targets for {have} logit rows", targets.len())));
+        }
+        let rows = self.dev.prompt_logprobs(
+            &self.logits,
+            vocab,
+            targets,
+            k,
+            &mut self.prompt_targets,
+            &mut self.prompt_out,
+        )?;
+        Ok(rows
+            .into_iter()
+            .zip(targets)
+            .map(|(r, &token_id)| PromptLogprob { token_id, logprob: r.logprob, rank: r.rank, top: r.top })
+            .collect())
     }
 
     fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {

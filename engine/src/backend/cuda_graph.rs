@@ -283,6 +283,7 @@ mod tests {
                 .collect(),
             logit_rows: (0..n).collect(),
             pending: Vec::new(),
+            prompt_logprobs: Vec::new(),
         }
     }
 

@@ -9,7 +9,8 @@
 pub mod cpu;
 pub mod cuda;
 
-use baton_core::sampling::{RowPlan, Sampled};
+use baton_core::api::PromptLogprob;
+use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::KernelError;
 use rayon::prelude::*;
@@ -107,6 +108,21 @@ pub struct BatchLayout {
     /// `i`-th row, still unknown to the host when this step was planned (`tokens[row]` holds
     /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::model::LlamaModel::forward_exporting`].
     pub pending: Vec<(usize, usize)>,
+    /// Rows whose logits give a prompt token's logprob (requests with `prompt_logprobs`);
+    /// computed by [`crate::model::LlamaModel::forward_exporting`] and taken with
+    /// [`crate::model::LlamaModel::take_prompt_logprobs`]. Empty on every other step.
+    pub prompt_logprobs: Vec<PromptLogprobRow>,
+}
+
+/// One row of a step whose logits score the prompt token that follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptLogprobRow {
+    /// Activation row (a prompt position `p`).
+    pub row: usize,
+    /// The prompt token at `p + 1`, whose logprob the row's logits give.
+    pub target: u32,
+    /// How many top alternatives to return (at most `baton_core::params::MAX_TOP_LOGPROBS`).
+    pub top_k: usize,
 }
 
 /// What a backend does with a step offered for replay (see [`Backend::begin_replay`]).
@@ -257,6 +273,23 @@ pub trait Backend: Send + 'static {
     /// (`rows.len() × vocab`, row-major). A row that sampling on the device rewrote holds
     /// processed values, not logits: take each row one way only.
     fn logit_rows(&mut self, rows: &[usize]) -> Result<Vec<f32>, BackendError>;
+    /// For each of the first `targets.len()` rows of the last [`Backend::lm_head`] output: the
+    /// raw logprob and rank of `targets[i]` and the row's `k` most likely entries (see
+    /// `baton_core::sampling::prompt_logprob`). The default downloads the rows and computes
+    /// on the host; a device backend computes where the logits are and downloads only the
+    /// answers.
+    fn logit_row_logprobs(&mut self, targets: &[u32], k: usize) -> Result<Vec<PromptLogprob>, BackendError> {
+        if targets.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<usize> = (0..targets.len()).collect();
+        let mut logits = self.logit_rows(&rows)?;
+        let vocab = logits.len() / targets.len();
+        if vocab == 0 {
+            return Err(BackendError::Device("the LM head output is empty".into()));
+        }
+        Ok(logits.chunks_exact_mut(vocab).zip(targets).map(|(row, &t)| prompt_logprob(row, t, k)).collect())
+    }
     /// Whether [`Backend::launch_device_sample`] can sample this row of a `vocab`-wide output
     /// exactly as `baton_core::sampling::sample` would. The default backend samples nothing
     /// on a device; the caller then downloads the row and samples it on the CPU.

@@ -6,6 +6,7 @@ mod activation;
 mod attention;
 mod embed;
 mod linear;
+mod logprobs;
 mod norm;
 mod rope;
 
@@ -13,6 +14,7 @@ pub use activation::silu_mul;
 pub use attention::{KvLayerMut, KvLayerRef, SeqSpan, paged_attention, write_kv};
 pub use embed::embed;
 pub use linear::linear;
+pub use logprobs::prompt_logprob;
 pub use norm::{add_rms_norm, rms_norm};
 pub use rope::{RopeScalingKind, RopeTable};
 

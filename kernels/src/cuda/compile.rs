@@ -35,7 +35,7 @@ const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
 pub enum Family {
     /// Row-wise and element-wise kernels, RoPE + KV write, and the utility kernels.
     Elementwise,
-    /// Sampling on the device.
+    /// Sampling on the device, and prompt logprobs.
     Sampling,
     /// The skinny GEMM, cut by rows of x (the `GEMV_VARIANTS(MAXM)` instances).
     Gemv,
@@ -54,7 +54,7 @@ impl Family {
                 include_str!("../../cuda/rope_kv.cu"),
                 include_str!("../../cuda/util.cu"),
             ],
-            Self::Sampling => &[include_str!("../../cuda/sampling.cu")],
+            Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
             Self::Gemv => &[include_str!("../../cuda/gemv.cu")],
             Self::Attention => &[include_str!("../../cuda/attention.cu")],
             Self::Prefill => &[include_str!("../../cuda/prefill.cu")],

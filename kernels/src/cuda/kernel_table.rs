@@ -44,6 +44,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub sample_rows: F,
     /// Sampled tokens into the next step's ids (sampling.cu).
     pub take_sampled_ids: F,
+    /// Prompt logprobs, one CTA per row (prompt_logprobs.cu, in the sampling module).
+    pub prompt_logprobs: F,
     /// Counter-generated random weights (util.cu).
     pub fill_counter: F,
     /// A timed wait (util.cu).
@@ -106,6 +108,7 @@ impl<F> KernelTable<F> {
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
+            prompt_logprobs: f(sampling, "prompt_logprobs")?,
             fill_counter: f(el, "fill_counter_bf16")?,
             spin: f(el, "spin_ns")?,
         })
@@ -157,15 +160,20 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 2 sampling kernels, 2 utility kernels (random weights, the
+        // 12 plain kernels, 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 16 + templated);
-        for n in ["embed_f32", "paged_attention_tc_hd128_w2_s4_g16", "prefill_attention_hd16_w8", "gemv_m16_w8_u2_f32"]
-        {
+        assert_eq!(names.len(), 17 + templated);
+        for n in [
+            "embed_f32",
+            "prompt_logprobs",
+            "paged_attention_tc_hd128_w2_s4_g16",
+            "prefill_attention_hd16_w8",
+            "gemv_m16_w8_u2_f32",
+        ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }
         // The plain kernels are defined verbatim in their module's source; a templated kernel's

@@ -78,6 +78,7 @@ mod lt;
 mod norm;
 mod paged_attention;
 mod prefill;
+mod prompt_logprobs;
 mod rope;
 mod sampling;
 mod staging;
@@ -108,6 +109,7 @@ pub use prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_WARPS, prefill_smem_bytes,
     prefill_supported,
 };
+pub use prompt_logprobs::{PROMPT_LOGPROB_MAX_TOP, PROMPT_LOGPROB_OUT_WORDS, PromptLogprobsCall, RowLogprob};
 pub use rope::{RopeInput, RopeKvCall};
 pub use sampling::{
     DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,

@@ -171,6 +171,7 @@ impl AbortSink for Inner {
                 stop_token: None,
                 num_prompt_tokens: 0,
                 num_cached_tokens: 0,
+                prompt_logprobs: Vec::new(),
             }));
         }
     }
@@ -219,7 +220,8 @@ impl ClusterClient {
     }
 
     /// Picks where `request` runs: a decode worker always; a prefill worker too unless the
-    /// prompt is short, there is no prefill pool, or the pick is the decode worker itself.
+    /// prompt is short, it wants prompt logprobs, there is no prefill pool, or the pick is the
+    /// decode worker itself.
     fn route(&self, request: &EngineRequest) -> Result<Route, SubmitError> {
         let reg = &self.inner.registry;
         let decoders = reg.candidates(Role::decodes, None);
@@ -236,7 +238,9 @@ impl ClusterClient {
             .and_then(|i| decoders.get(i))
             .map(|(_, p)| p.clone())
             .ok_or_else(|| SubmitError::Unavailable("no decode or unified worker is registered".into()))?;
-        if prompt_tokens < self.inner.settings.disagg_threshold {
+        // Prompt logprobs come from the prompt's logits, which only the worker computing the
+        // prompt sees: such a request runs whole on one worker.
+        if prompt_tokens < self.inner.settings.disagg_threshold || request.params.prompt_logprobs.is_some() {
             return Ok(Route::Local(decode));
         }
         let hashes =

@@ -3,7 +3,7 @@
 //! the worker does the opposite. Decoding is total: a malformed message becomes a
 //! [`WireError`], never a panic.
 
-use baton_core::api::{EngineOutput, FinishReason, TokenLogprob};
+use baton_core::api::{EngineOutput, FinishReason, PromptLogprob, TokenLogprob};
 use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_core::params::SamplingParams;
 use baton_core::structured::GrammarSpec;
@@ -32,6 +32,7 @@ pub fn sampling_to_wire(p: &SamplingParams) -> pb::Sampling {
         logprobs: p.logprobs.map(|k| k as u32),
         logit_bias: p.logit_bias.iter().map(|&(token_id, bias)| pb::LogitBias { token_id, bias }).collect(),
         structured: p.structured.as_ref().map(grammar_to_wire),
+        prompt_logprobs: p.prompt_logprobs.map(|k| k as u32),
     }
 }
 
@@ -82,6 +83,7 @@ pub fn sampling_from_wire(p: Option<pb::Sampling>) -> Result<SamplingParams, Wir
         min_tokens: p.min_tokens as usize,
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs.map(|k| k as usize),
+        prompt_logprobs: p.prompt_logprobs.map(|k| k as usize),
         logit_bias: p.logit_bias.into_iter().map(|b| (b.token_id, b.bias)).collect(),
         skip_special_tokens: true,
         structured: p.structured.map(grammar_from_wire).transpose()?,
@@ -110,17 +112,40 @@ pub fn output_to_wire(o: &EngineOutput, index: usize) -> pb::Tokens {
         logprobs: o
             .logprobs
             .iter()
-            .map(|l| pb::TokenLogprob {
-                token_id: l.token_id,
-                logprob: l.logprob,
-                top: l.top.iter().map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect(),
-            })
+            .map(|l| pb::TokenLogprob { token_id: l.token_id, logprob: l.logprob, top: top_to_wire(&l.top) })
             .collect(),
         finish_reason: o.finish_reason.map(|f| f.as_openai_str().to_owned()).unwrap_or_default(),
         stop_token: o.stop_token,
         num_prompt_tokens: o.num_prompt_tokens as u32,
         num_cached_tokens: o.num_cached_tokens as u32,
+        prompt_logprobs: o.prompt_logprobs.iter().map(prompt_logprob_to_wire).collect(),
     }
+}
+
+fn top_to_wire(top: &[(u32, f32)]) -> Vec<pb::TopLogprob> {
+    top.iter().map(|&(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect()
+}
+
+fn prompt_logprob_to_wire(p: &Option<PromptLogprob>) -> pb::PromptLogprob {
+    match p {
+        None => pb::PromptLogprob::default(),
+        Some(p) => pb::PromptLogprob {
+            present: true,
+            token_id: p.token_id,
+            logprob: p.logprob,
+            rank: p.rank,
+            top: top_to_wire(&p.top),
+        },
+    }
+}
+
+fn prompt_logprob_from_wire(p: pb::PromptLogprob) -> Option<PromptLogprob> {
+    p.present.then(|| PromptLogprob {
+        token_id: p.token_id,
+        logprob: p.logprob,
+        rank: p.rank,
+        top: p.top.into_iter().map(|x| (x.token_id, x.logprob)).collect(),
+    })
 }
 
 /// The `tokens` event → (output position of its first token, engine output).
@@ -134,6 +159,13 @@ pub fn output_from_wire(t: pb::Tokens) -> Result<(usize, EngineOutput), WireErro
     };
     if !t.logprobs.is_empty() && t.logprobs.len() != t.token_ids.len() {
         return Err(WireError(format!("{} logprobs for {} tokens", t.logprobs.len(), t.token_ids.len())));
+    }
+    if !t.prompt_logprobs.is_empty() && t.prompt_logprobs.len() != t.num_prompt_tokens as usize {
+        return Err(WireError(format!(
+            "{} prompt logprobs for {} prompt tokens",
+            t.prompt_logprobs.len(),
+            t.num_prompt_tokens
+        )));
     }
     let out = EngineOutput {
         new_token_ids: t.token_ids,
@@ -150,6 +182,7 @@ pub fn output_from_wire(t: pb::Tokens) -> Result<(usize, EngineOutput), WireErro
         stop_token: t.stop_token,
         num_prompt_tokens: t.num_prompt_tokens as usize,
         num_cached_tokens: t.num_cached_tokens as usize,
+        prompt_logprobs: t.prompt_logprobs.into_iter().map(prompt_logprob_from_wire).collect(),
     };
     Ok((t.index as usize, out))
 }
@@ -228,6 +261,7 @@ mod tests {
             min_tokens: 2,
             ignore_eos: true,
             logprobs: Some(4),
+            prompt_logprobs: Some(0),
             logit_bias: vec![(5, -100.0), (6, 2.5)],
             ..SamplingParams::default()
         };
@@ -260,10 +294,20 @@ mod tests {
             logprobs: vec![TokenLogprob { token_id: 11, logprob: -0.25, top: vec![(11, -0.25), (3, -2.0)] }],
             finish_reason: Some(FinishReason::Length),
             stop_token: None,
-            num_prompt_tokens: 9,
-            num_cached_tokens: 4,
+            num_prompt_tokens: 3,
+            num_cached_tokens: 0,
+            prompt_logprobs: vec![
+                None,
+                Some(PromptLogprob { token_id: 4, logprob: -1.5, rank: 2, top: vec![(9, -0.5)] }),
+                Some(PromptLogprob { token_id: 8, logprob: -0.1, rank: 1, top: vec![] }),
+            ],
         };
         assert_eq!(output_from_wire(output_to_wire(&o, 5)).expect("decodes"), (5, o.clone()));
+        let plain = EngineOutput { prompt_logprobs: Vec::new(), ..o.clone() };
+        assert_eq!(output_from_wire(output_to_wire(&plain, 1)).expect("decodes"), (1, plain));
+        let mut bad = output_to_wire(&o, 0);
+        bad.prompt_logprobs.pop();
+        assert!(output_from_wire(bad).is_err(), "prompt logprobs must cover the prompt");
         let mut bad = output_to_wire(&o, 0);
         bad.finish_reason = "exploded".into();
         assert!(output_from_wire(bad).is_err());

@@ -10,11 +10,11 @@
 use super::error::ApiError;
 use super::extract::JsonBody;
 use super::fields::{Endpoint, check_fields};
-use super::logprobs::chat_logprobs;
+use super::logprobs::{chat_logprobs, vllm_prompt_logprobs};
 use super::params::{EndpointParams, sampling_params, top_logprobs};
 use super::protocol::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatDelta, ChatLogprobs, ChatMessageIn, MessageContent, SamplingFields, Usage, UsageField,
+    ChatDelta, ChatLogprobs, ChatMessageIn, MessageContent, PromptLogprobs, SamplingFields, Usage, UsageField,
 };
 use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
@@ -81,13 +81,20 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         (None, None) => None,
     };
     let params = sampling_params(&fields, EndpointParams { max_tokens, default_max_tokens: None, logprobs })?;
+    let stream_requested = fields.stream.unwrap_or(false);
+    if stream_requested && params.prompt_logprobs.is_some() {
+        // As vLLM: the prompt's logprobs are a field of the whole response, not of a chunk.
+        return Err(
+            FrontendError::invalid("prompt_logprobs", "prompt_logprobs are not available with stream: true").into()
+        );
+    }
     let prompt =
         PromptInput::Chat { messages: turns, add_generation_prompt: request.add_generation_prompt.unwrap_or(true) };
     let mut generation = frontend.generate(GenerateRequest::new(prompt, params)).await?;
     // A refusal (every worker full) is a 429/503, not a 200 stream ending in an error.
     generation.refused().await?;
     let meta = ResponseMeta::new("chatcmpl", &frontend);
-    if fields.stream.unwrap_or(false) {
+    if stream_requested {
         let include_usage = fields.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         stream(frontend, generation, meta, include_usage, logprobs.is_some())
     } else {
@@ -105,9 +112,14 @@ async fn collect(
     let mut texts = vec![String::new(); n];
     let mut logprobs: Vec<Option<ChatLogprobs>> = vec![want_logprobs.then(|| ChatLogprobs { content: Vec::new() }); n];
     let mut ends: Vec<Option<ChoiceEnd>> = vec![None; n];
+    // Every choice scores the same prompt; the first one to arrive is the response's.
+    let mut prompt_logprobs: Option<PromptLogprobs> = None;
     while let Some(event) = generation.next().await {
         match event {
             ChoiceEvent::Delta(d) => {
+                if let (None, Some(entries)) = (&prompt_logprobs, &d.prompt_logprobs) {
+                    prompt_logprobs = Some(vllm_prompt_logprobs(frontend.codec(), entries));
+                }
                 if let Some(text) = texts.get_mut(d.index) {
                     text.push_str(&d.text);
                 }
@@ -145,6 +157,7 @@ async fn collect(
         model: meta.model,
         choices,
         usage: Usage::new(generation.prompt_tokens(), completion_tokens),
+        prompt_logprobs,
     }))
 }
 

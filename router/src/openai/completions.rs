@@ -1,6 +1,12 @@
 //! `POST /v1/completions`: prompts as a string, a list of strings, token ids or a list of
 //! token-id lists; `echo`; legacy-format logprobs; streaming `text_completion` chunks.
 //!
+//! `echo` with `logprobs` lists the prompt's tokens first in the legacy `logprobs` (the first
+//! with `null` logprob and alternatives), then the generated ones, with text offsets running
+//! over the prompt's tokens; vLLM's `prompt_logprobs` adds the per-choice map list. Both come
+//! from the engine's prompt logprobs, with the choice's first output; when streaming, such an
+//! echo goes out with that first delta rather than in a chunk of its own.
+//!
 //! Every prompt is validated and tokenized before any is submitted, so one bad prompt in a
 //! batch fails the whole request without starting work. Choice `index` is
 //! `prompt_index * n + sample_index`, as OpenAI numbers them.
@@ -8,20 +14,23 @@
 use super::error::ApiError;
 use super::extract::JsonBody;
 use super::fields::{Endpoint, check_fields};
-use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs};
+use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs, vllm_prompt_logprobs};
 use super::params::{EndpointParams, count, sampling_params, top_logprobs};
 use super::protocol::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, SamplingFields, Usage,
-    UsageField,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, PromptLogprobs,
+    SamplingFields, Usage, UsageField,
 };
 use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
 use crate::error::FrontendError;
 use crate::generation::{ChoiceEnd, ChoiceEvent, Generation, refused_first};
 use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
+use crate::text::TextCodec;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use baton_core::api::PromptLogprob;
 use futures::stream::{BoxStream, StreamExt, select_all};
+use std::sync::Arc;
 
 /// vLLM's and OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: usize = 16;
@@ -83,6 +92,38 @@ fn prompts(field: PromptField, add_special_tokens: bool) -> Result<Vec<PromptInp
 /// Per-choice output state shared by the streaming and collecting paths.
 struct ChoiceOut {
     logprobs: Option<CompletionLogprobsBuilder>,
+    /// With `echo` and `logprobs`: the prompt's token ids, whose logprobs lead the choice's.
+    echo_prompt: Option<Arc<[u32]>>,
+    /// The `logprobs` count (alternatives per token in the legacy view).
+    echo_k: usize,
+    /// vLLM's `prompt_logprobs` count, when asked for.
+    vllm_k: Option<usize>,
+}
+
+impl ChoiceOut {
+    /// The views of a choice's prompt logprobs (sent once, with its first delta): the legacy
+    /// logprobs of the echoed prompt, and vLLM's `prompt_logprobs`, each with its own count.
+    fn prompt_views(
+        &mut self,
+        codec: &TextCodec,
+        entries: &[Option<PromptLogprob>],
+    ) -> (Option<CompletionLogprobs>, Option<PromptLogprobs>) {
+        let legacy = match (&self.echo_prompt, self.logprobs.as_mut()) {
+            (Some(ids), Some(builder)) => Some(builder.push_prompt(codec, ids, &truncated(entries, self.echo_k))),
+            _ => None,
+        };
+        let vllm = self.vllm_k.map(|k| vllm_prompt_logprobs(codec, &truncated(entries, k)));
+        (legacy, vllm)
+    }
+}
+
+/// `entries` with at most `k` alternatives each (the engine computed the larger count of the
+/// two views).
+fn truncated(entries: &[Option<PromptLogprob>], k: usize) -> Vec<Option<PromptLogprob>> {
+    entries
+        .iter()
+        .map(|e| e.as_ref().map(|lp| PromptLogprob { top: lp.top.iter().take(k).copied().collect(), ..lp.clone() }))
+        .collect()
 }
 
 async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError> {
@@ -92,19 +133,19 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     frontend.check_model(fields.model.as_deref())?;
     let logprobs = request.logprobs.map(|k| top_logprobs("logprobs", k)).transpose()?;
     let echo = request.echo.unwrap_or(false);
-    if echo && logprobs.is_some() {
-        return Err(
-            FrontendError::invalid("echo", "echo together with logprobs (prompt logprobs) is not supported").into()
-        );
-    }
     if request.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(FrontendError::invalid("suffix", "suffix is not supported").into());
     }
     let max_tokens = fields.max_tokens.map(|v| ("max_tokens", v));
-    let params = sampling_params(
+    let mut params = sampling_params(
         &fields,
         EndpointParams { max_tokens, default_max_tokens: Some(DEFAULT_MAX_TOKENS), logprobs },
     )?;
+    // `echo` with `logprobs` scores the prompt too (the legacy view); vLLM's `prompt_logprobs`
+    // is the other view. The engine computes the larger count once, each view keeps its own.
+    let vllm_k = params.prompt_logprobs;
+    let echo_k = logprobs.filter(|_| echo);
+    params.prompt_logprobs = vllm_k.max(echo_k);
     if let Some(best_of) = request.best_of
         && count("best_of", best_of)? != params.n
     {
@@ -123,9 +164,11 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         prepared.push(frontend.prepare(GenerateRequest::new(prompt, params.clone())).await?);
     }
     let mut echoes = Vec::with_capacity(prepared.len());
+    let mut prompt_ids: Vec<Arc<[u32]>> = Vec::with_capacity(prepared.len());
     let mut prompt_tokens = 0;
     let mut generations = Vec::with_capacity(prepared.len());
     for p in prepared {
+        prompt_ids.push(p.prompt_token_ids.as_slice().into());
         let echo_text = match (echo, &p.prompt_text) {
             (false, _) => String::new(),
             (true, Some(text)) => text.clone(),
@@ -151,8 +194,17 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         }
     };
     let outs: Vec<ChoiceOut> = (0..echoes.len() * n)
-        .map(|i| ChoiceOut {
-            logprobs: logprobs.map(|_| CompletionLogprobsBuilder::starting_at(echoes[i / n].chars().count())),
+        .map(|i| {
+            let echo_prompt = echo_k.map(|_| prompt_ids[i / n].clone());
+            // Offsets run over the prompt's tokens first when they are listed, else over the
+            // echoed text.
+            let start = if echo_prompt.is_some() { 0 } else { echoes[i / n].chars().count() };
+            ChoiceOut {
+                logprobs: logprobs.map(|_| CompletionLogprobsBuilder::starting_at(start)),
+                echo_prompt,
+                echo_k: logprobs.unwrap_or(0),
+                vllm_k,
+            }
         })
         .collect();
     let meta = ResponseMeta::new("cmpl", &frontend);
@@ -182,11 +234,21 @@ async fn collect(
     let mut logprobs: Vec<Option<CompletionLogprobs>> =
         outs.iter().map(|o| o.logprobs.as_ref().map(|_| CompletionLogprobs::default())).collect();
     let mut ends: Vec<Option<ChoiceEnd>> = vec![None; texts.len()];
+    let mut prompt_logprobs: Vec<Option<PromptLogprobs>> = vec![None; texts.len()];
     while let Some((index, event)) = merged.next().await {
         match event {
             ChoiceEvent::Delta(d) => {
                 if let Some(text) = texts.get_mut(index) {
                     text.push_str(&d.text);
+                }
+                if let (Some(entries), Some(out)) = (&d.prompt_logprobs, outs.get_mut(index)) {
+                    let (legacy, vllm) = out.prompt_views(frontend.codec(), entries);
+                    if let (Some(legacy), Some(Some(acc))) = (legacy, logprobs.get_mut(index)) {
+                        extend_completion_logprobs(acc, legacy);
+                    }
+                    if let Some(slot) = prompt_logprobs.get_mut(index) {
+                        *slot = vllm;
+                    }
                 }
                 if let (Some(Some(builder)), Some(Some(acc))) =
                     (outs.get_mut(index).map(|o| o.logprobs.as_mut()), logprobs.get_mut(index))
@@ -207,13 +269,15 @@ async fn collect(
         .into_iter()
         .zip(logprobs)
         .zip(ends)
+        .zip(prompt_logprobs)
         .enumerate()
-        .map(|(index, ((text, logprobs), end))| CompletionChoice {
+        .map(|(index, (((text, logprobs), end), prompt_logprobs))| CompletionChoice {
             index,
             text,
             logprobs,
             finish_reason: end.as_ref().map(|e| e.reason.as_openai_str()),
             stop_reason: end.as_ref().and_then(stop_reason),
+            prompt_logprobs,
         })
         .collect();
     let response = CompletionResponse {
@@ -247,28 +311,69 @@ fn stream(
     };
     // Every chunk but the usage one has one choice: render the rest once.
     let frame = ChunkFrame::new(&chunk(Vec::new(), usage_field)).map_err(|e| FrontendError::Internal(e.to_string()))?;
-    let events = async_stream::stream! {
-        for (index, echo) in echoes.into_iter().enumerate() {
+    // An echo whose prompt logprobs are listed waits for them: it goes out with the choice's
+    // first delta. Any other echo goes out at once, in a chunk of its own.
+    let mut held_echoes: Vec<String> = Vec::with_capacity(echoes.len());
+    let mut early_echoes = Vec::new();
+    for (index, echo) in echoes.into_iter().enumerate() {
+        if outs.get(index).is_some_and(|o| o.echo_prompt.is_some()) {
+            held_echoes.push(echo);
+        } else {
+            held_echoes.push(String::new());
             if !echo.is_empty() {
-                let choice = CompletionChoice { index, text: echo, logprobs: None, finish_reason: None, stop_reason: None };
-                yield frame.frame(&choice);
+                early_echoes.push((index, echo));
             }
+        }
+    }
+    let events = async_stream::stream! {
+        for (index, echo) in early_echoes {
+            let choice = CompletionChoice {
+                index,
+                text: echo,
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+                prompt_logprobs: None,
+            };
+            yield frame.frame(&choice);
         }
         let mut completion_tokens = 0;
         while let Some((index, event)) = merged.next().await {
             match event {
-                ChoiceEvent::Delta(d) => {
-                    let logprobs = outs
+                ChoiceEvent::Delta(mut d) => {
+                    let (mut logprobs, mut prompt_logprobs) = (None, None);
+                    if let (Some(entries), Some(out)) = (&d.prompt_logprobs, outs.get_mut(index)) {
+                        (logprobs, prompt_logprobs) = out.prompt_views(frontend.codec(), entries);
+                    }
+                    // The choice's first delta carries its held echo.
+                    if let Some(echo) = held_echoes.get_mut(index).filter(|e| !e.is_empty()) {
+                        d.text.insert_str(0, &std::mem::take(echo));
+                    }
+                    let generated = outs
                         .get_mut(index)
                         .and_then(|o| o.logprobs.as_mut())
                         .map(|b| b.push(frontend.codec(), &d.logprobs));
+                    let logprobs = match (logprobs, generated) {
+                        (Some(mut prompt), Some(generated)) => {
+                            extend_completion_logprobs(&mut prompt, generated);
+                            Some(prompt)
+                        }
+                        (prompt, generated) => prompt.or(generated),
+                    };
                     // A step's tokens make a chunk even when their text is empty (held back
                     // by a possible stop string, or special tokens skipped), as vLLM sends
                     // them: clients then see every token step arrive (TTFT, ITL).
                     if d.token_ids.is_empty() && d.text.is_empty() && logprobs.as_ref().is_none_or(|l| l.tokens.is_empty()) {
                         continue;
                     }
-                    let choice = CompletionChoice { index, text: d.text, logprobs, finish_reason: None, stop_reason: None };
+                    let choice = CompletionChoice {
+                        index,
+                        text: d.text,
+                        logprobs,
+                        finish_reason: None,
+                        stop_reason: None,
+                        prompt_logprobs,
+                    };
                     yield frame.frame(&choice);
                 }
                 ChoiceEvent::Finished(end) => {
@@ -279,6 +384,7 @@ fn stream(
                         logprobs: None,
                         finish_reason: Some(end.reason.as_openai_str()),
                         stop_reason: stop_reason(&end),
+                        prompt_logprobs: None,
                     };
                     yield frame.frame(&choice);
                 }

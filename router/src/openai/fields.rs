@@ -46,6 +46,7 @@ const SAMPLING_FIELDS: &[&str] = &[
     "stream_options",
     "model",
     "user",
+    "prompt_logprobs",
 ];
 
 /// Fields only `/v1/chat/completions` honours ([`super::protocol::ChatCompletionRequest`]).
@@ -91,7 +92,6 @@ fn reason(field: &str) -> &'static str {
         | "guided_grammar"
         | "guided_decoding_backend"
         | "structured_outputs" => "structured output (constrained decoding) is not supported by this server yet",
-        "prompt_logprobs" => "prompt logprobs are not supported by this server yet",
         "chat_template" | "chat_template_kwargs" => "custom chat templates and template arguments are not supported",
         "reasoning_effort" => "this server has no reasoning-effort control",
         "tool_calls" | "tool_call_id" => "tool-call turns are not supported by this server yet",
@@ -198,7 +198,6 @@ mod tests {
                 "stream_options.continuous_usage_stats",
                 "usage",
             ),
-            (chat(json!({"logprobs": true, "prompt_logprobs": 1})), "prompt_logprobs", "prompt logprobs"),
         ];
         for (body, param, words) in cases {
             let e = refused(body, Endpoint::Chat);

@@ -94,6 +94,7 @@ pub fn sampling_params(fields: &SamplingFields, endpoint: EndpointParams) -> Res
         min_tokens: fields.min_tokens.map(|v| count("min_tokens", v)).transpose()?.unwrap_or(0),
         ignore_eos: fields.ignore_eos.unwrap_or(false),
         logprobs: endpoint.logprobs,
+        prompt_logprobs: fields.prompt_logprobs.map(|k| top_logprobs("prompt_logprobs", k)).transpose()?,
         logit_bias,
         skip_special_tokens: fields.skip_special_tokens.unwrap_or(true),
         structured: None,

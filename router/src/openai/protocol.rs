@@ -86,6 +86,8 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// The model to use; must be the served model when given.
     pub model: Option<String>,
+    /// Return each prompt token's logprob and this many alternatives (vLLM).
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// A chat message's content: a string or a list of typed parts.
@@ -274,6 +276,9 @@ pub struct ChatCompletionResponse {
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: Usage,
+    /// vLLM's `prompt_logprobs` (of the one prompt), when requested.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// The `delta` of a streaming chat chunk.
@@ -362,7 +367,25 @@ pub struct CompletionChoice {
     pub finish_reason: Option<&'static str>,
     /// The stop string or token id that ended the choice (vLLM).
     pub stop_reason: Option<StopReason>,
+    /// vLLM's `prompt_logprobs`, when requested (in the first chunk of a stream).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
+
+/// One candidate of a vLLM prompt-logprobs entry.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VllmLogprob {
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Its rank in the vocabulary at that position (1 = most likely).
+    pub rank: u32,
+    /// The token decoded on its own.
+    pub decoded_token: String,
+}
+
+/// vLLM's `prompt_logprobs`: one entry per prompt token, the first `null`, each a map from
+/// token id (as a string) to its logprob, holding the prompt token and its top alternatives.
+pub type PromptLogprobs = Vec<Option<BTreeMap<String, VllmLogprob>>>;
 
 /// `object: text_completion` (both the response and the streaming chunks).
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -209,6 +209,7 @@ mod tests {
                     logprobs: None,
                     finish_reason: (i % 2 == 1).then_some("stop"),
                     stop_reason: (i == 3).then(|| StopReason::Text("x\"y".into())),
+                    prompt_logprobs: None,
                 };
                 let expected = whole(&completion(vec![choice.clone()], usage));
                 assert_eq!(frame.frame(&choice), expected);

@@ -5,7 +5,7 @@
 
 use baton_core::api::{
     AbortSink, EngineClient, EngineError, EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason,
-    OutputStream, RequestId, SubmitError, TokenLogprob,
+    OutputStream, PromptLogprob, RequestId, SubmitError, TokenLogprob,
 };
 use baton_formats::testing::{EOS_ID, TinySpec, write_hf_folder};
 use baton_formats::{ChatTemplate, LoadFormat, Tokenizer};
@@ -225,6 +225,10 @@ impl EngineClient for FakeEngine {
                         *b = (prompt_len + i + 1).div_ceil(BLOCK_SIZE);
                     }
                 }
+                let prompt_logprobs = match p.prompt_logprobs {
+                    Some(k) if i == 0 => fake_prompt_logprobs(&request.prompt_token_ids, k, vocab),
+                    _ => Vec::new(),
+                };
                 let out = EngineOutput {
                     new_token_ids: vec![token],
                     logprobs,
@@ -232,6 +236,7 @@ impl EngineClient for FakeEngine {
                     stop_token,
                     num_prompt_tokens: prompt_len,
                     num_cached_tokens: cached,
+                    prompt_logprobs,
                 };
                 if tx.send(Ok(out)).is_err() || finish.is_some() {
                     break;
@@ -245,6 +250,7 @@ impl EngineClient for FakeEngine {
                     stop_token: None,
                     num_prompt_tokens: prompt_len,
                     num_cached_tokens: cached,
+                    prompt_logprobs: Vec::new(),
                 }));
             }
             inner.release(id);
@@ -411,4 +417,21 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cond().await
+}
+
+/// The fake engine's prompt logprobs: entry `i > 0` scores `prompt[i]` at `-0.5 i - 0.1`, rank
+/// `i`, with `k` alternatives `(prompt[i] + j) % vocab` at `-0.5 i - 0.1 - j` (the first is the
+/// token itself, as for a rank-1 token).
+pub fn fake_prompt_logprobs(prompt: &[u32], k: usize, vocab: usize) -> Vec<Option<PromptLogprob>> {
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            (i > 0).then(|| {
+                let lp = -0.5 * i as f32 - 0.1;
+                let top = (0..k as u32).map(|j| ((t + j) % vocab as u32, lp - j as f32)).collect();
+                PromptLogprob { token_id: t, logprob: lp, rank: i as u32, top }
+            })
+        })
+        .collect()
 }

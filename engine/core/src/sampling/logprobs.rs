@@ -9,6 +9,8 @@
 //! ordered by logprob descending, ties by lower token id; a row whose entries are
 //! all `-inf` has logprob `-inf` everywhere.
 
+use crate::api::PromptLogprob;
+
 /// What is needed to turn any raw logit of one row into its log-probability.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LogSoftmax {
@@ -36,6 +38,25 @@ impl LogSoftmax {
         }
         // Shifting first keeps a clamped `f32::MAX` maximum from overflowing.
         (raw - self.max) - self.log_sum
+    }
+}
+
+/// The log-probability and vocabulary rank of `token` under a raw row of logits, with the
+/// row's `k` most likely entries (prompt logprobs: no bias, penalty or temperature, as vLLM
+/// computes them). The row is sanitised in place first; a token outside the row gets `-inf`
+/// and the rank after every entry.
+pub fn prompt_logprob(row: &mut [f32], token: u32, k: usize) -> PromptLogprob {
+    for x in row.iter_mut() {
+        *x = super::sanitize(*x);
+    }
+    let softmax = LogSoftmax::of(row);
+    let raw = row.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY);
+    let above = row.iter().filter(|&&x| x > raw).count();
+    PromptLogprob {
+        token_id: token,
+        logprob: softmax.logprob(raw),
+        rank: u32::try_from(above + 1).unwrap_or(u32::MAX),
+        top: top_entries(row, k).into_iter().map(|(id, x)| (id, softmax.logprob(x))).collect(),
     }
 }
 
@@ -73,6 +94,20 @@ mod tests {
         assert_eq!(top_entries(&row, 0), vec![]);
         assert_eq!(top_entries(&row, 10).len(), 6);
         assert_eq!(top_entries(&row, 10)[5], (3, -2.0));
+    }
+
+    #[test]
+    fn prompt_logprob_is_the_log_softmax_of_the_raw_row() {
+        let mut row = vec![1.0, 2.0, f32::NAN, 0.5];
+        let lp = prompt_logprob(&mut row, 3, 2);
+        assert_eq!(lp.rank, 3, "1.0 and 2.0 are more likely than 0.5");
+        let sum: f64 = [1.0f64, 2.0, 0.5].iter().map(|x| x.exp()).sum();
+        let want = |x: f64| (x - sum.ln()) as f32;
+        assert!((lp.logprob - want(0.5)).abs() < 1e-6, "{lp:?}");
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 0]);
+        assert!((lp.top[0].1 - want(2.0)).abs() < 1e-6);
+        assert_eq!(prompt_logprob(&mut row, 9, 0).logprob, f32::NEG_INFINITY);
+        assert_eq!(prompt_logprob(&mut row, 0, 0).rank, 2);
     }
 
     #[test]

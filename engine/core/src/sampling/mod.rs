@@ -55,7 +55,7 @@ mod rng;
 mod row_ops;
 mod truncation;
 
-pub use logprobs::{LogSoftmax, top_entries};
+pub use logprobs::{LogSoftmax, prompt_logprob, top_entries};
 pub use plan::{RowPlan, TokenOp, TokenOpKind, apply_ops, plan_row};
 pub use rng::{random_bits, uniform};
 pub use truncation::{draw_inverse_cdf, truncated_weights};

@@ -21,6 +21,7 @@
 use super::{RequestUpdate, Scheduler};
 use crate::api::{EngineRequest, RequestId, SubmitError};
 use crate::block_manager::BlockId;
+use crate::params::ParamError;
 use crate::request::{Request, RequestStatus};
 
 impl Scheduler {
@@ -77,6 +78,15 @@ impl Scheduler {
         num_prefilled_tokens: usize,
         first_token: Option<u32>,
     ) -> Result<Vec<BlockId>, SubmitError> {
+        if req.params.prompt_logprobs.is_some() {
+            // Prompt logprobs come from the prompt's logits, which only the worker that
+            // computes the prompt has; such a request runs on one worker.
+            return Err(ParamError::new(
+                "prompt_logprobs",
+                "a request with prompt logprobs cannot take its prompt's KV from another worker",
+            )
+            .into());
+        }
         let max_tokens = self.admission_check(id, &req)?;
         let seq = self.next_arrival_seq;
         let mut request = Request::new(id, req, eos_token_ids, seq, max_tokens, self.config.block_size);

@@ -190,6 +190,27 @@ fn prefix_hits_skip_cached_blocks_but_never_the_whole_prompt() {
 }
 
 #[test]
+fn prompt_logprobs_skip_the_prefix_cache_until_delivered() {
+    let mut s = sched(cfg(32, 64));
+    let prompt = tokens(21, 16);
+    s.add_request(RequestId(1), req(prompt.clone(), 1), &[]).expect("accepted");
+    step(&mut s, 5);
+    // Cached, but every position needs its logits: computed from position 0.
+    let with = |max_tokens| EngineRequest {
+        params: SamplingParams { prompt_logprobs: Some(2), ..req(prompt.clone(), max_tokens).params },
+        ..req(prompt.clone(), max_tokens)
+    };
+    s.add_request(RequestId(2), with(3), &[]).expect("accepted");
+    let (out, ups) = step(&mut s, 5);
+    assert_eq!(seq_of(&out, 2).map(|q| q.start_pos), Some(0));
+    assert_eq!(ups[0].num_cached_tokens, 0);
+    assert!(s.request(RequestId(2)).is_some_and(|r| !r.needs_prompt_logits()), "delivered with the first token");
+    // Refused for a hand-off: the prompt's logits would be on another worker.
+    let err = s.reserve_for_transfer(RequestId(3), with(2), &[]).expect_err("refused");
+    assert!(err.to_string().contains("prompt logprobs"), "{err}");
+}
+
+#[test]
 fn generated_tokens_fill_cacheable_blocks() {
     let mut s = sched(cfg(32, 64));
     let prompt = tokens(21, 6);
