@@ -22,7 +22,7 @@ fn start(model: &baton_formats::LoadedModel, device: DeviceSpec, chunk: usize) -
     let cfg = EngineConfig {
         num_threads: Some(2),
         num_kv_blocks: Some(256),
-        max_model_len: Some(1024),
+        max_model_len: Some(512),
         max_num_batched_tokens: chunk,
         max_num_seqs: 16,
         cpu_emulates_bf16: device == DeviceSpec::Cpu,
