@@ -186,7 +186,7 @@ impl ChatTemplate {
 fn tojson(value: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<String, Error> {
     let indent = indent.or(kwargs.get::<Option<usize>>("indent")?);
     // Accepted for compatibility; Python's defaults for them match what is written here
-    // except sort_keys, which minijinja maps already satisfy (they iterate sorted).
+    // except sort_keys: keys are always written sorted (`write_py_json`).
     for ignored in ["sort_keys", "ensure_ascii", "separators"] {
         let _: Option<Value> = kwargs.get(ignored)?;
     }
@@ -222,7 +222,11 @@ fn write_py_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out
         }
         J::Object(o) if !o.is_empty() => {
             out.push('{');
-            for (i, (k, x)) in o.iter().enumerate() {
+            // Sorted explicitly: serde_json's map order depends on whether some crate in the
+            // build turns on its `preserve_order` feature (llguidance does).
+            let mut entries: Vec<_> = o.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (i, (k, x)) in entries.into_iter().enumerate() {
                 if i > 0 {
                     out.push_str(sep);
                 }
