@@ -134,6 +134,32 @@ impl Tokenizer {
         self.byte_table.is_some()
     }
 
+    /// The raw bytes token `id` stands for in generated text (what a grammar engine matches
+    /// tokens against), or `None` when `id` is outside the vocabulary.
+    ///
+    /// Byte-level vocabularies answer from the byte table (exact, including tokens that are
+    /// only part of a UTF-8 character). Others: `<0xNN>` byte-fallback tokens are their byte,
+    /// SentencePiece's `▁` is a space, anything else its decoded text.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        if id as usize >= self.vocab_size {
+            return None;
+        }
+        if let Some(table) = &self.byte_table {
+            return table.bytes(id).map(<[u8]>::to_vec);
+        }
+        let token = self.inner.id_to_token(id)?;
+        if let Some(hex) = token.strip_prefix("<0x").and_then(|t| t.strip_suffix('>'))
+            && hex.len() == 2
+            && let Ok(byte) = u8::from_str_radix(hex, 16)
+        {
+            return Some(vec![byte]);
+        }
+        if token.contains('\u{2581}') {
+            return Some(token.replace('\u{2581}', " ").into_bytes());
+        }
+        Some(self.inner.decode(&[id], false).map(String::into_bytes).unwrap_or_else(|_| token.into_bytes()))
+    }
+
     /// Display text of one token (as a logprobs entry shows it), or `None` if out of range.
     pub fn token_to_string(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)?;
