@@ -7,8 +7,9 @@
 //! [`FrontendError::InvalidRequest`]; failures on server data (a broken template) are internal.
 
 use crate::error::FrontendError;
+use baton_grammar::{GrammarCompiler, GrammarError};
 use baton_core::params::SamplingParams;
-use baton_formats::{ChatMessage, ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
+use baton_formats::{ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
 
 /// One chat message, protocol-neutral.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +18,17 @@ pub struct ChatTurn {
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant's calls, in HF's shape (`[{id, type, function: {name, arguments: {...}}}]`).
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatTurn {
+    /// A plain text message.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
+    }
 }
 
 /// The served model's tokenizer and chat template.
@@ -49,6 +61,12 @@ impl TextCodec {
             .map_err(|e| FrontendError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
     }
 
+    /// A grammar compiler for this tokenizer (builds a trie over the vocabulary: once per
+    /// model, on the text pool).
+    pub fn grammar_compiler(&self, eos_token_ids: &[u32], model_vocab: usize) -> Result<GrammarCompiler, GrammarError> {
+        GrammarCompiler::new(&self.tokenizer, eos_token_ids, model_vocab)
+    }
+
     /// Decodes `ids` to text.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, FrontendError> {
         self.tokenizer
@@ -69,18 +87,35 @@ impl TextCodec {
         self.tokenizer.token_to_string(id).unwrap_or_default()
     }
 
-    /// Renders a conversation through the chat template.
-    pub fn render_chat(&self, turns: &[ChatTurn], add_generation_prompt: bool) -> Result<String, FrontendError> {
+    /// Renders a conversation through the chat template; `vars` are extra template variables
+    /// (`tools`, `chat_template_kwargs`).
+    pub fn render_chat(
+        &self,
+        turns: &[ChatTurn],
+        add_generation_prompt: bool,
+        vars: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, FrontendError> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             FrontendError::invalid(
                 "messages",
                 "this model has no chat template; use /v1/completions with a text prompt instead",
             )
         })?;
-        let messages: Vec<ChatMessage> =
-            turns.iter().map(|t| ChatMessage { role: t.role.clone(), content: t.content.clone() }).collect();
+        let messages: Vec<serde_json::Value> = turns
+            .iter()
+            .map(|t| {
+                let mut m = serde_json::json!({"role": t.role, "content": t.content});
+                if let Some(calls) = &t.tool_calls {
+                    m["tool_calls"] = calls.clone();
+                }
+                if let Some(id) = &t.tool_call_id {
+                    m["tool_call_id"] = serde_json::Value::String(id.clone());
+                }
+                m
+            })
+            .collect();
         template
-            .render(&messages, add_generation_prompt)
+            .render_json(&serde_json::Value::Array(messages), add_generation_prompt, &serde_json::Value::Object(vars.clone()))
             .map_err(|e| FrontendError::invalid("messages", format!("cannot apply the chat template: {e}")))
     }
 }

@@ -11,11 +11,12 @@ use super::fields::{Endpoint, check_fields};
 use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs};
 use super::params::{EndpointParams, count, sampling_params, top_logprobs};
 use super::protocol::{
-    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, SamplingFields, Usage,
-    UsageField,
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, SamplingFields,
+    StructuredFields, Usage, UsageField,
 };
 use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
+use super::structured;
 use crate::error::FrontendError;
 use crate::generation::{ChoiceEnd, ChoiceEvent, Generation, refused_first};
 use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
@@ -101,10 +102,12 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
         return Err(FrontendError::invalid("suffix", "suffix is not supported").into());
     }
     let max_tokens = fields.max_tokens.map(|v| ("max_tokens", v));
-    let params = sampling_params(
+    let mut params = sampling_params(
         &fields,
         EndpointParams { max_tokens, default_max_tokens: Some(DEFAULT_MAX_TOKENS), logprobs },
     )?;
+    let constraint = structured::grammar(&body.parse::<StructuredFields>()?)?;
+    params.structured = constraint.as_ref().map(|c| c.spec.clone());
     if let Some(best_of) = request.best_of
         && count("best_of", best_of)? != params.n
     {
@@ -118,6 +121,8 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     // Admitted as a whole before any prompt is tokenized: prompts × n within the per-request
     // cap, and room for all of them in flight.
     let mut permit = frontend.admit(inputs.len(), n)?;
+    // One compile check for all prompts (they share the grammar).
+    frontend.check_grammars(constraint.into_iter().collect()).await?;
     let mut prepared = Vec::with_capacity(inputs.len());
     for prompt in inputs {
         prepared.push(frontend.prepare(GenerateRequest::new(prompt, params.clone())).await?);

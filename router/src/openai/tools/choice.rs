@@ -10,6 +10,7 @@
 
 use super::{OutputParser, ReasoningParser, ToolCallParser, ToolFormat};
 use crate::error::FrontendError;
+use crate::pipeline::GrammarCheck;
 use baton_core::structured::GrammarSpec;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -70,15 +71,6 @@ pub enum ToolChoiceIn {
 pub struct NamedFunction {
     /// Must be one of `tools`.
     pub name: String,
-}
-
-/// A grammar to compile before the request is accepted, and the field to blame if it fails.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrammarCheck {
-    /// The request field the grammar came from (`response_format`, `tools[1].function.parameters`).
-    pub param: String,
-    /// The grammar.
-    pub spec: GrammarSpec,
 }
 
 /// A request's tools, resolved.
@@ -203,8 +195,9 @@ pub fn resolve(
                 _ => {
                     return Err(FrontendError::invalid(
                         "tool_choice",
-                        "\"auto\" tool choice requires the server to be started with --enable-auto-tool-choice and \
-                         --tool-call-parser; send tool_choice \"required\" or a named function instead",
+                        "tool_choice \"auto\" (the default with tools) requires the server to be started with \
+                         --enable-auto-tool-choice and --tool-call-parser; send tool_choice \"required\" or a named \
+                         function instead",
                     ));
                 }
             };

@@ -132,3 +132,11 @@ impl OutputParser {
 
 #[cfg(test)]
 mod tests;
+
+/// From its flag name (config files); an unknown name lists the choices.
+impl<'de> serde::Deserialize<'de> for ToolCallParser {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}

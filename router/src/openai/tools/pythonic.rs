@@ -12,7 +12,7 @@
 //! content, and so is a list whose first element is not a well-formed call.
 
 use super::output::{ParsedCall, ParsedOutput, content_segment, without_partial};
-use serde_json::{Map, Number, Value};
+use serde_json::{Number, Value};
 
 const START: &str = "<|python_start|>";
 const END: &str = "<|python_end|>";
@@ -207,7 +207,9 @@ fn call(text: &str, i: usize) -> Lit<ParsedCall> {
     };
     match items(text, e + 1, b')', kwarg) {
         Done(args, e) => {
-            let arguments = Value::Object(args.into_iter().collect::<Map<_, _>>()).to_string();
+            // In the model's order, whatever order serde_json's maps keep.
+            let members: Vec<String> = args.iter().map(|(k, v)| format!("{}:{v}", Value::from(k.as_str()))).collect();
+            let arguments = format!("{{{}}}", members.join(","));
             Done(ParsedCall { name: name.to_owned(), arguments }, e)
         }
         Incomplete => Incomplete,

@@ -70,3 +70,11 @@ impl std::fmt::Display for ReasoningParser {
         f.write_str(self.name())
     }
 }
+
+/// From its flag name (config files); an unknown name lists the choices.
+impl<'de> serde::Deserialize<'de> for ReasoningParser {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}

@@ -122,7 +122,7 @@ fn pythonic_recorded_outputs() {
             "",
             vec![
                 call("get_weather", r#"{"city":"San Francisco","metric":"celsius"}"#),
-                call("get_time", r#"{"d":{"k":[1,2]},"exact":true,"f":1.5,"n":-3,"xs":[1,null],"zone":"PST"}"#),
+                call("get_time", r#"{"zone":"PST","exact":true,"n":-3,"f":1.5,"xs":[1,null],"d":{"k":[1,2]}}"#),
             ],
         ),
     );
