@@ -44,6 +44,7 @@ use crate::kv_transport::nccl::{NcclLink, PendingRecv};
 use crate::liveness::{EngineHealth, Liveness};
 use crate::relay::{ExportEvent, ExportSpec, Reservation, TransferTrailer, plan_blocks};
 use crate::step_timing::StepTiming;
+use crate::structured;
 use baton_core::api::{
     EngineError, EngineOutput, EngineRequest, EngineStats, FinishReason, RequestId, SubmitError, TokenLogprob,
 };
@@ -51,6 +52,8 @@ use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::{KvLayout, plan_transfer};
 use baton_core::sampling::{Sampled, SamplingContext};
 use baton_core::scheduler::{Scheduler, SchedulerOutput};
+use baton_core::structured::TokenMask;
+use baton_grammar::{CompiledGrammar, SequenceGrammar};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::Receiver;
@@ -66,16 +69,19 @@ pub(crate) type ExportTx = UnboundedSender<ExportEvent>;
 
 /// A message from the handle to the engine thread.
 pub(crate) enum Command {
+    /// A new request; `grammar` is its compiled grammar when it is constrained.
     Submit {
         id: RequestId,
         request: Box<EngineRequest>,
         tx: OutputTx,
+        grammar: Option<CompiledGrammar>,
     },
     /// A request whose prompt KV goes to another worker's `dst_block_table`.
     SubmitExport {
         id: RequestId,
         request: Box<EngineRequest>,
         tx: OutputTx,
+        grammar: Option<CompiledGrammar>,
         dst_block_table: Vec<u32>,
         export: ExportTx,
         link: Option<Arc<NcclLink>>,
@@ -85,6 +91,7 @@ pub(crate) enum Command {
         id: RequestId,
         request: Box<EngineRequest>,
         tx: OutputTx,
+        grammar: Option<CompiledGrammar>,
         reply: tokio::sync::oneshot::Sender<Result<Vec<u32>, SubmitError>>,
     },
     /// One received layer for the reserved `blocks` of `id`.
@@ -215,6 +222,8 @@ struct Live {
     seed: u64,
     /// Set for export requests: where the prompt's KV goes.
     export: Option<Export>,
+    /// Set for constrained requests: the grammar state, fed every output token so far.
+    grammar: Option<SequenceGrammar>,
 }
 
 struct Export {
@@ -322,9 +331,10 @@ impl EngineLoop {
     /// the command was received.
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, request, tx } => self.admit(id, *request, tx, None),
-            Command::SubmitExport { id, request, tx, dst_block_table, export, link } => {
-                self.admit(id, *request, tx, Some(Export { dst_block_table, tx: export, link, started: false }));
+            Command::Submit { id, request, tx, grammar } => self.admit(id, *request, tx, None, grammar),
+            Command::SubmitExport { id, request, tx, grammar, dst_block_table, export, link } => {
+                let export = Export { dst_block_table, tx: export, link, started: false };
+                self.admit(id, *request, tx, Some(export), grammar);
             }
             Command::ImportLayerNccl { id, layer, seq, runs, link } => {
                 self.import_layer_nccl(id, layer, seq, runs, &link)
@@ -332,13 +342,15 @@ impl EngineLoop {
             Command::TransferStream { reply } => {
                 let _ = reply.send(self.model.new_transfer_stream().map_err(|e| e.to_string()));
             }
-            Command::Reserve { id, request, tx, reply } => {
+            Command::Reserve { id, request, tx, grammar, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
                 let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
                 let (num_prompt_tokens, logprobs) = (request.prompt_token_ids.len(), request.params.logprobs);
                 let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
                 if let Ok(table) = &result {
-                    self.live.insert(id, Live { tx, seed, export: None });
+                    // The first token comes with the KV (`import_done` feeds it).
+                    let grammar = grammar.map(|g| g.matcher());
+                    self.live.insert(id, Live { tx, seed, export: None, grammar });
                     let res = Reservation { block_table: table.clone(), num_prompt_tokens, logprobs };
                     if let Ok(mut r) = self.shared.reservations.lock() {
                         r.insert(id, Arc::new(res));
@@ -372,13 +384,30 @@ impl EngineLoop {
         }
     }
 
-    /// Queues a new request (plain or export).
-    fn admit(&mut self, id: RequestId, request: EngineRequest, tx: OutputTx, export: Option<Export>) {
+    /// Queues a new request (plain or export). A constrained one's matcher starts from the
+    /// compiled grammar and is fed the output the request already has.
+    fn admit(
+        &mut self,
+        id: RequestId,
+        request: EngineRequest,
+        tx: OutputTx,
+        export: Option<Export>,
+        grammar: Option<CompiledGrammar>,
+    ) {
         self.shared.pending.fetch_sub(1, Ordering::SeqCst);
         let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
         match self.scheduler.add_request(id, request, &self.eos_token_ids) {
             Ok(()) => {
-                self.live.insert(id, Live { tx, seed, export });
+                let output = self.scheduler.request(id).map(|r| r.output_token_ids()).unwrap_or(&[]);
+                match grammar.map(|g| structured::start(&g, output)).transpose() {
+                    Ok(grammar) => {
+                        self.live.insert(id, Live { tx, seed, export, grammar });
+                    }
+                    Err(e) => {
+                        self.scheduler.abort(id);
+                        let _ = tx.send(Err(e));
+                    }
+                }
             }
             Err(e) => {
                 let _ = tx.send(Err(submit_to_engine_error(e)));
@@ -519,17 +548,31 @@ impl EngineLoop {
             return;
         };
         self.publish_stats();
-        let Some(live) = self.live.get(&id) else { return };
+        let Some(live) = self.live.get_mut(&id) else { return };
+        let finish_reason = match structured::advance(live.grammar.as_mut(), u.new_token, u.finish_reason) {
+            Ok(reason) => reason,
+            Err(e) => {
+                self.scheduler.abort(id);
+                if let Some(l) = self.live.remove(&id) {
+                    let _ = l.tx.send(Err(e));
+                }
+                return;
+            }
+        };
+        if finish_reason.is_some() && u.finish_reason.is_none() {
+            // The grammar is complete: stop as on EOS (the scheduler frees it the same way).
+            self.scheduler.abort(id);
+        }
         let output = EngineOutput {
             new_token_ids: vec![u.new_token],
             logprobs: trailer.logprobs.into_iter().collect(),
-            finish_reason: u.finish_reason,
+            finish_reason,
             stop_token: u.stop_token,
             num_prompt_tokens: u.num_prompt_tokens,
             num_cached_tokens: u.num_cached_tokens,
         };
         let gone = live.tx.send(Ok(output)).is_err();
-        if u.finish_reason.is_some() {
+        if finish_reason.is_some() {
             self.live.remove(&id);
         } else if gone {
             self.scheduler.abort(id);
@@ -684,8 +727,14 @@ impl EngineLoop {
     /// Launches the sampling of `out`'s sampling rows whose requests are still live (a
     /// planned-ahead row of a request that stopped meanwhile is skipped) and leaves the step
     /// in flight.
+    ///
+    /// Constrained rows get their grammar's mask here, computed from every token applied so
+    /// far: `launch_sample` always runs after `finish` applied the step before (also for a
+    /// planned-ahead step, whose forward is already running on the device while the masks
+    /// are computed: that is the CPU/GPU overlap). A row whose mask fails fails its request.
     fn launch_sample(&mut self, out: SchedulerOutput, continuable: bool) {
         let mut sampled = Vec::new();
+        let masks = self.grammar_masks(&out);
         let result = {
             let mut rows = Vec::new();
             let sampling_seqs = out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty());
@@ -701,7 +750,7 @@ impl EngineLoop {
                         output_token_ids: req.output_token_ids(),
                         eos_token_ids: &self.eos_token_ids,
                         seed: live.seed,
-                        allowed: None,
+                        allowed: masks.get(&seq.id),
                     },
                 ));
                 sampled.push(seq.id);
@@ -742,7 +791,22 @@ impl EngineLoop {
         // Publish before sending, so a client that sees a token also sees the load it implies.
         self.publish_stats();
         for u in updates {
-            let Some(live) = self.live.get(&u.id) else { continue };
+            let Some(live) = self.live.get_mut(&u.id) else { continue };
+            let finish_reason = match structured::advance(live.grammar.as_mut(), u.new_token, u.finish_reason) {
+                Ok(reason) => reason,
+                Err(e) => {
+                    self.scheduler.abort(u.id);
+                    if let Some(l) = self.live.remove(&u.id) {
+                        let _ = l.tx.send(Err(e));
+                    }
+                    continue;
+                }
+            };
+            if finish_reason.is_some() && u.finish_reason.is_none() {
+                // The grammar is complete: stop as on EOS (the scheduler frees it the same
+                // way; a planned-ahead row of it is skipped at its sampling).
+                self.scheduler.abort(u.id);
+            }
             let token_logprobs: Option<TokenLogprob> = logprobs.remove(&u.id);
             if let Some(export) = &live.export {
                 let trailer = TransferTrailer { first_token: u.new_token, logprobs: token_logprobs.clone() };
@@ -751,13 +815,13 @@ impl EngineLoop {
             let output = EngineOutput {
                 new_token_ids: vec![u.new_token],
                 logprobs: token_logprobs.into_iter().collect(),
-                finish_reason: u.finish_reason,
+                finish_reason,
                 stop_token: u.stop_token,
                 num_prompt_tokens: u.num_prompt_tokens,
                 num_cached_tokens: u.num_cached_tokens,
             };
             let gone = live.tx.send(Ok(output)).is_err();
-            if u.finish_reason.is_some() || live.export.is_some() {
+            if finish_reason.is_some() || live.export.is_some() {
                 // An export request's stream ends after its first token (the decode worker
                 // carries on); closing the channel tells the reader.
                 self.live.remove(&u.id);
@@ -768,6 +832,41 @@ impl EngineLoop {
             }
         }
         true
+    }
+
+    /// The masks of `out`'s constrained sampling rows (in parallel on the engine's pool when
+    /// there are several); a request whose matcher fails is failed and gets no row.
+    fn grammar_masks(&mut self, out: &SchedulerOutput) -> HashMap<RequestId, TokenMask> {
+        let rows: std::collections::HashSet<RequestId> =
+            out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty()).map(|s| s.id).collect();
+        let grammars: Vec<(RequestId, &mut SequenceGrammar)> = self
+            .live
+            .iter_mut()
+            .filter(|(id, _)| rows.contains(id))
+            .filter_map(|(id, l)| l.grammar.as_mut().map(|g| (*id, g)))
+            .collect();
+        if grammars.is_empty() {
+            return HashMap::new();
+        }
+        let t0 = Instant::now();
+        let results = structured::masks(&self.pool, grammars);
+        self.timing.grammar_masks += results.len() as u64;
+        self.timing.grammar_time += t0.elapsed();
+        let mut masks = HashMap::with_capacity(results.len());
+        for (id, result) in results {
+            match result {
+                Ok(mask) => {
+                    masks.insert(id, mask);
+                }
+                Err(e) => {
+                    self.scheduler.abort(id);
+                    if let Some(l) = self.live.remove(&id) {
+                        let _ = l.tx.send(Err(e));
+                    }
+                }
+            }
+        }
+        masks
     }
 
     /// A backend failure during a step: every request of the step fails. A fatal error also

@@ -4,17 +4,26 @@
 //! counted against `max_waiting`, and sent over the command channel; the
 //! engine thread never blocks on a handle. Dropping a request's
 //! [`OutputStream`] aborts it through [`AbortSink`].
+//!
+//! A constrained request (`params.structured`) first goes to the grammar pool
+//! (`grammar_pool`): `submit` returns its stream at once, the grammar compiles on a pool
+//! thread, and only then is the request sent to the engine thread with its compiled
+//! grammar. A grammar that does not compile ends the stream with
+//! [`EngineError::InvalidGrammar`] as its first and only item (a 400 at the edges); the
+//! request counts against `max_waiting` while it compiles.
 
-use crate::engine_loop::{Command, Shared};
+use crate::engine_loop::{Command, OutputTx, Shared};
+use crate::grammar_pool::GrammarPool;
 use crate::kv_transport::LayerFrame;
 use crate::liveness::EngineHealth;
 use crate::relay::{ExportEvent, Reservation, TransferTrailer};
 use baton_core::api::{
-    AbortSink, EngineClient, EngineInfo, EngineRequest, EngineStats, OutputStream, RequestId, SubmitError,
+    AbortSink, EngineClient, EngineError, EngineInfo, EngineRequest, EngineStats, OutputStream, RequestId, SubmitError,
 };
 use baton_core::block_manager::CacheEvent;
 use baton_core::kv_transfer::KvLayout;
 use baton_core::params::ParamError;
+use baton_grammar::CompiledGrammar;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -27,6 +36,7 @@ struct Inner {
     max_waiting: usize,
     next_id: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    grammars: GrammarPool,
 }
 
 impl Inner {
@@ -58,6 +68,7 @@ impl EngineHandle {
         kv_layout: KvLayout,
         max_waiting: usize,
         thread: std::thread::JoinHandle<()>,
+        grammars: GrammarPool,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -68,6 +79,7 @@ impl EngineHandle {
                 max_waiting,
                 next_id: AtomicU64::new(1),
                 thread: Mutex::new(Some(thread)),
+                grammars,
             }),
         }
     }
@@ -113,14 +125,20 @@ impl EngineHandle {
     ) -> Result<(OutputStream, tokio::sync::mpsc::UnboundedReceiver<ExportEvent>), SubmitError> {
         self.check(&request)?;
         let (export_tx, export_rx) = tokio::sync::mpsc::unbounded_channel();
-        let stream = self.enqueue(|id, tx| Command::SubmitExport {
+        let spec = request.params.structured.clone();
+        let make = move |id, tx, grammar| Command::SubmitExport {
             id,
             request: Box::new(request),
             tx,
+            grammar,
             dst_block_table,
             export: export_tx,
             link,
-        })?;
+        };
+        let stream = match spec {
+            None => self.enqueue(|id, tx| make(id, tx, None))?,
+            Some(spec) => self.enqueue_after_compile(spec, move |id, tx, g| make(id, tx, Some(g)))?,
+        };
         Ok((stream, export_rx))
     }
 
@@ -131,8 +149,15 @@ impl EngineHandle {
     /// The stream yields every output token from the first one on.
     pub async fn reserve_import(&self, request: EngineRequest) -> Result<(OutputStream, Vec<u32>), SubmitError> {
         self.check(&request)?;
+        // The decode side compiles before reserving: a bad grammar is refused before any
+        // block is held (the prefill side refuses it too).
+        let grammar = match &request.params.structured {
+            Some(spec) => Some(self.inner.grammars.compiled(spec.clone()).await?),
+            None => None,
+        };
         let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-        let stream = self.enqueue(|id, tx| Command::Reserve { id, request: Box::new(request), tx, reply: reply_tx })?;
+        let stream =
+            self.enqueue(|id, tx| Command::Reserve { id, request: Box::new(request), tx, grammar, reply: reply_tx })?;
         match reply_rx.await {
             Ok(Ok(table)) => Ok((stream, table)),
             Ok(Err(e)) => Err(e),
@@ -216,6 +241,43 @@ impl EngineHandle {
         Ok(OutputStream::new(id, rx, sink))
     }
 
+    /// Like [`EngineHandle::enqueue`] for a constrained request: returns its stream now and
+    /// sends the command once `spec` compiled on the grammar pool; a compile error ends the
+    /// stream instead. A request whose stream is dropped meanwhile is never sent.
+    fn enqueue_after_compile(
+        &self,
+        spec: baton_core::structured::GrammarSpec,
+        make: impl FnOnce(RequestId, OutputTx, CompiledGrammar) -> Command + Send + 'static,
+    ) -> Result<OutputStream, SubmitError> {
+        let id = RequestId(self.inner.next_id.fetch_add(1, Ordering::SeqCst));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.inner.shared.pending.fetch_add(1, Ordering::SeqCst);
+        let inner = self.inner.clone();
+        let queued = self.inner.grammars.compile(spec, move |result| {
+            let sent = match result {
+                Ok(grammar) if !tx.is_closed() => inner.send(make(id, tx, grammar)),
+                Ok(_) => false,
+                Err(e) => {
+                    let _ = tx.send(Err(match e {
+                        SubmitError::InvalidGrammar { kind, message } => EngineError::InvalidGrammar { kind, message },
+                        other => EngineError::Unschedulable(other.to_string()),
+                    }));
+                    false
+                }
+            };
+            // Sent commands are un-counted by the engine thread when it takes them.
+            if !sent {
+                inner.shared.pending.fetch_sub(1, Ordering::SeqCst);
+            }
+        });
+        if let Err(e) = queued {
+            self.inner.shared.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(e);
+        }
+        let sink: Arc<dyn AbortSink> = self.inner.clone();
+        Ok(OutputStream::new(id, rx, sink))
+    }
+
     /// Stops the engine thread (in-flight requests get `EngineError::Shutdown`) and waits for it.
     pub fn shutdown(&self) {
         self.inner.send(Command::Shutdown);
@@ -229,7 +291,15 @@ impl EngineHandle {
 impl EngineClient for EngineHandle {
     fn submit(&self, request: EngineRequest) -> Result<OutputStream, SubmitError> {
         self.check(&request)?;
-        self.enqueue(|id, tx| Command::Submit { id, request: Box::new(request), tx })
+        match request.params.structured.clone() {
+            None => self.enqueue(|id, tx| Command::Submit { id, request: Box::new(request), tx, grammar: None }),
+            Some(spec) => self.enqueue_after_compile(spec, move |id, tx, grammar| Command::Submit {
+                id,
+                request: Box::new(request),
+                tx,
+                grammar: Some(grammar),
+            }),
+        }
     }
 
     fn abort(&self, id: RequestId) {

@@ -12,12 +12,14 @@ pub mod config;
 mod engine_loop;
 pub mod fault;
 mod gpu_memory;
+mod grammar_pool;
 mod handle;
 pub mod kv_transport;
 mod liveness;
 pub mod model;
 pub mod relay;
 mod step_timing;
+mod structured;
 pub mod synthetic;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
@@ -206,6 +208,9 @@ pub fn start_engine(
     };
     let mut engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout, cfg.vocab_size);
     engine.async_scheduling = config.async_scheduling;
+    let grammars =
+        grammar_pool::GrammarPool::start(model.tokenizer.clone(), info.eos_token_ids.clone(), cfg.vocab_size)
+            .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     let boundary = shared.clone();
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
@@ -214,7 +219,7 @@ pub fn start_engine(
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
     // CUDA graphs are recorded by the first decode step of each batch size, not here.
     log_phase("engine", started);
-    Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread))
+    Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread, grammars))
 }
 
 /// Logs one phase of start-up, `started` until now, in the format every phase uses

@@ -18,6 +18,10 @@ pub struct StepTiming {
     pub host: Duration,
     /// Time the engine thread waited for the sampled tokens of a step.
     pub wait: Duration,
+    /// Grammar masks computed (one per constrained row per step; part of `host`).
+    pub grammar_masks: u64,
+    /// Time spent computing them (wall time of each step's batch of masks).
+    pub grammar_time: Duration,
 }
 
 impl StepTiming {
@@ -38,6 +42,8 @@ impl StepTiming {
             planned_ahead: self.planned_ahead.saturating_sub(earlier.planned_ahead),
             host: self.host.saturating_sub(earlier.host),
             wait: self.wait.saturating_sub(earlier.wait),
+            grammar_masks: self.grammar_masks.saturating_sub(earlier.grammar_masks),
+            grammar_time: self.grammar_time.saturating_sub(earlier.grammar_time),
         }
     }
 }
@@ -52,11 +58,21 @@ mod tests {
 
     #[test]
     fn means_and_differences() {
-        let a =
-            StepTiming { steps: 4, planned_ahead: 1, host: Duration::from_millis(2), wait: Duration::from_millis(8) };
+        let a = StepTiming {
+            steps: 4,
+            planned_ahead: 1,
+            host: Duration::from_millis(2),
+            wait: Duration::from_millis(8),
+            ..Default::default()
+        };
         assert_eq!((a.host_ms_per_step(), a.wait_ms_per_step()), (0.5, 2.0));
-        let b =
-            StepTiming { steps: 10, planned_ahead: 5, host: Duration::from_millis(5), wait: Duration::from_millis(20) };
+        let b = StepTiming {
+            steps: 10,
+            planned_ahead: 5,
+            host: Duration::from_millis(5),
+            wait: Duration::from_millis(20),
+            ..Default::default()
+        };
         let d = b.since(&a);
         assert_eq!(
             (d.steps, d.planned_ahead, d.host, d.wait),

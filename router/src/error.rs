@@ -9,6 +9,11 @@
 use baton_core::api::{EngineError, SubmitError};
 use baton_core::params::ParamError;
 
+/// The parameter a grammar that does not compile is blamed on (the engine knows the spec,
+/// not which request field it came from: `response_format`, `guided_*` and
+/// `structured_outputs` all become one).
+pub const STRUCTURED_PARAM: &str = "structured_outputs";
+
 /// Why a request failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum FrontendError {
@@ -97,6 +102,9 @@ impl From<EngineError> for FrontendError {
         match e {
             EngineError::Overloaded(m) => Self::Busy(m),
             EngineError::Unavailable(m) => Self::Unavailable(m),
+            EngineError::InvalidGrammar { kind, message } => {
+                Self::invalid(STRUCTURED_PARAM, format!("invalid {kind}: {message}"))
+            }
             other => Self::Engine(other),
         }
     }
@@ -118,6 +126,9 @@ impl From<SubmitError> for FrontendError {
             }
             SubmitError::QueueFull { waiting } => Self::Overloaded { waiting },
             SubmitError::Unavailable(m) => Self::Unavailable(m),
+            SubmitError::InvalidGrammar { kind, message } => {
+                Self::invalid(STRUCTURED_PARAM, format!("invalid {kind}: {message}"))
+            }
         }
     }
 }

@@ -181,14 +181,16 @@ impl Generation {
     }
 
     /// Waits for the generation's first event and answers the refusal it carries, if it is
-    /// one: a remote engine at capacity or unreachable before anything was generated. The
+    /// one: a remote engine at capacity or unreachable before anything was generated, or a
+    /// request the engine found invalid before starting it (a grammar that does not
+    /// compile: a 400 / `INVALID_ARGUMENT`). The
     /// edges call this before committing to a response, so such a request gets a 429/503 (or
     /// `RESOURCE_EXHAUSTED`/`UNAVAILABLE`) instead of a 200 stream that ends in an error.
     /// Any other first event is kept (at the front of the queue, where later steps of its
     /// choice still merge into it) and comes out of the stream as usual.
     pub async fn refused(&mut self) -> Result<(), FrontendError> {
         match self.next().await {
-            Some(ChoiceEvent::Failed { error, .. }) if error.is_refusal() => Err(error),
+            Some(ChoiceEvent::Failed { error, .. }) if error.is_refusal() || error.is_client_error() => Err(error),
             Some(event) => {
                 self.pending.push_front(event);
                 Ok(())
@@ -329,7 +331,7 @@ pub async fn refused_first<T: Send + 'static>(
 ) -> Result<BoxStream<'static, T>, FrontendError> {
     let Some(first) = events.next().await else { return Ok(events) };
     if let ChoiceEvent::Failed { error, .. } = event(&first)
-        && error.is_refusal()
+        && (error.is_refusal() || error.is_client_error())
     {
         return Err(error.clone());
     }

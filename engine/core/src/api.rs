@@ -162,6 +162,14 @@ pub enum SubmitError {
     /// The engine has stopped (shutdown or a fatal backend error).
     #[error("the engine is not running: {0}")]
     Unavailable(String),
+    /// The request's structured-output grammar (`params.structured`) cannot be compiled.
+    #[error("invalid structured_outputs {kind}: {message}")]
+    InvalidGrammar {
+        /// The spec kind ([`crate::structured::GrammarSpec::kind`]).
+        kind: String,
+        /// Why, in the grammar compiler's words.
+        message: String,
+    },
 }
 
 /// A failure of a request after it was accepted.
@@ -185,6 +193,17 @@ pub enum EngineError {
     /// item).
     #[error("no engine available: {0}")]
     Unavailable(String),
+    /// The request's structured-output grammar cannot be compiled (the stream's first and
+    /// only item): the request's fault, never started. Grammars compile off the engine
+    /// thread after `submit` returned, so this comes on the stream rather than as
+    /// [`SubmitError::InvalidGrammar`]; the edges answer it as a 400 all the same.
+    #[error("invalid structured_outputs {kind}: {message}")]
+    InvalidGrammar {
+        /// The spec kind ([`crate::structured::GrammarSpec::kind`]).
+        kind: String,
+        /// Why, in the grammar compiler's words.
+        message: String,
+    },
 }
 
 impl EngineError {
@@ -192,6 +211,12 @@ impl EngineError {
     /// client may retry it as is.
     pub fn is_refusal(&self) -> bool {
         matches!(self, EngineError::Overloaded(_) | EngineError::Unavailable(_))
+    }
+
+    /// True when the request itself is at fault (it never started; retrying it unchanged
+    /// fails the same way).
+    pub fn is_invalid_request(&self) -> bool {
+        matches!(self, EngineError::InvalidGrammar { .. })
     }
 }
 

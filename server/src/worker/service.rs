@@ -71,9 +71,10 @@ fn event(e: Event) -> pb::WorkEvent {
 /// Submission errors as gRPC statuses (the router maps them back for its clients).
 fn submit_status(e: SubmitError) -> Status {
     match e {
-        SubmitError::InvalidParams(_) | SubmitError::InvalidPrompt(_) | SubmitError::ContextTooLong { .. } => {
-            Status::invalid_argument(e.to_string())
-        }
+        SubmitError::InvalidParams(_)
+        | SubmitError::InvalidPrompt(_)
+        | SubmitError::ContextTooLong { .. }
+        | SubmitError::InvalidGrammar { .. } => Status::invalid_argument(e.to_string()),
         SubmitError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         SubmitError::Unavailable(_) => Status::unavailable(e.to_string()),
     }
