@@ -9,6 +9,7 @@
 use crate::auth::{ApiKey, protect};
 use crate::error::FrontendError;
 use crate::openai::chat::chat_completions;
+use crate::openai::chat::chat_turns;
 use crate::openai::completions::completions;
 use crate::openai::error::ApiError;
 use crate::openai::extract::JsonBody;
@@ -16,9 +17,8 @@ use crate::openai::protocol::{
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 };
 use crate::openai::sse::unix_now;
-use crate::pipeline::{Frontend, PromptInput};
-use crate::openai::chat::chat_turns;
 use crate::openai::tools::choice::ToolConfig;
+use crate::pipeline::{Frontend, PromptInput};
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};

@@ -7,9 +7,9 @@
 //! [`FrontendError::InvalidRequest`]; failures on server data (a broken template) are internal.
 
 use crate::error::FrontendError;
-use baton_grammar::{GrammarCompiler, GrammarError};
 use baton_core::params::SamplingParams;
 use baton_formats::{ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
+use baton_grammar::{GrammarCompiler, GrammarError};
 
 /// One chat message, protocol-neutral.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,7 +115,11 @@ impl TextCodec {
             })
             .collect();
         template
-            .render_json(&serde_json::Value::Array(messages), add_generation_prompt, &serde_json::Value::Object(vars.clone()))
+            .render_json(
+                &serde_json::Value::Array(messages),
+                add_generation_prompt,
+                &serde_json::Value::Object(vars.clone()),
+            )
             .map_err(|e| FrontendError::invalid("messages", format!("cannot apply the chat template: {e}")))
     }
 }

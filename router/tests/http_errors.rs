@@ -94,7 +94,11 @@ async fn fields_the_server_does_not_honour_are_400s_naming_them() {
             "not in `tools`",
         ),
         (json!({"messages": msgs, "functions": [{"name": "f"}]}), "functions", "use `tools`"),
-        (json!({"messages": msgs, "guided_regex": "a", "guided_decoding_backend": "x"}), "guided_decoding_backend", "llguidance"),
+        (
+            json!({"messages": msgs, "guided_regex": "a", "guided_decoding_backend": "x"}),
+            "guided_decoding_backend",
+            "llguidance",
+        ),
         (json!({"messages": msgs, "max_tokens": 3, "mystery_knob": 7}), "mystery_knob", "mystery_knob"),
         (json!({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}), "messages[0].name", "name"),
     ] {

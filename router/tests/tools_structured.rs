@@ -29,8 +29,11 @@ fn weather_tools() -> Value {
 /// A server whose model writes `text` and then stops.
 async fn scripted(text: &str, tools: ToolConfig) -> TestServer {
     let script = codec_parts().0.encode(text, false).expect("encode");
-    TestServer::start(FakeConfig { script: Some(script), ..FakeConfig::default() }, HttpConfig { tools, ..HttpConfig::default() })
-        .await
+    TestServer::start(
+        FakeConfig { script: Some(script), ..FakeConfig::default() },
+        HttpConfig { tools, ..HttpConfig::default() },
+    )
+    .await
 }
 
 #[tokio::test]
@@ -44,8 +47,16 @@ async fn constraint_fields_reach_the_engine_as_grammars() {
             GrammarSpec::JsonSchema(schema.to_string()),
         ),
         (CHAT, json!({"messages": msgs(), "response_format": {"type": "json_object"}}), GrammarSpec::JsonObject),
-        (CHAT, json!({"messages": msgs(), "structured_outputs": {"regex": "[ab]+"}}), GrammarSpec::Regex("[ab]+".into())),
-        ("/v1/completions", json!({"prompt": "x", "guided_choice": ["yes", "no"]}), GrammarSpec::Choice(vec!["yes".into(), "no".into()])),
+        (
+            CHAT,
+            json!({"messages": msgs(), "structured_outputs": {"regex": "[ab]+"}}),
+            GrammarSpec::Regex("[ab]+".into()),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "guided_choice": ["yes", "no"]}),
+            GrammarSpec::Choice(vec!["yes".into(), "no".into()]),
+        ),
         ("/v1/completions", json!({"prompt": "x", "guided_json": schema}), GrammarSpec::JsonSchema(schema.to_string())),
     ];
     for (path, mut body, spec) in cases {
@@ -80,11 +91,23 @@ async fn bad_grammars_and_tool_fields_are_400s_naming_the_field() {
     let mut broken_tools = weather_tools();
     broken_tools[1]["function"]["parameters"] = bad_schema.clone();
     let cases = [
-        (CHAT, json!({"messages": msgs(), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}), "response_format"),
+        (
+            CHAT,
+            json!({"messages": msgs(), "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}),
+            "response_format",
+        ),
         (CHAT, json!({"messages": msgs(), "guided_regex": "(unclosed"}), "guided_regex"),
-        (CHAT, json!({"messages": msgs(), "structured_outputs": {"grammar": "start: ???"}}), "structured_outputs.grammar"),
+        (
+            CHAT,
+            json!({"messages": msgs(), "structured_outputs": {"grammar": "start: ???"}}),
+            "structured_outputs.grammar",
+        ),
         ("/v1/completions", json!({"prompt": "x", "guided_json": bad_schema}), "guided_json"),
-        (CHAT, json!({"messages": msgs(), "tools": broken_tools, "tool_choice": "required"}), "tools[1].function.parameters"),
+        (
+            CHAT,
+            json!({"messages": msgs(), "tools": broken_tools, "tool_choice": "required"}),
+            "tools[1].function.parameters",
+        ),
         (
             CHAT,
             json!({"messages": msgs(), "tools": broken_tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
@@ -120,7 +143,12 @@ async fn bad_grammars_and_tool_fields_are_400s_naming_the_field() {
             let (status, response) = s.post(path, body.clone()).await;
             assert_eq!(status, 400, "{body} -> {response}");
             assert_eq!(response["error"]["param"], param, "{body} -> {response}");
-            assert!(response["error"]["message"].as_str().expect("message").contains(param.split('.').next().expect("head")));
+            assert!(
+                response["error"]["message"]
+                    .as_str()
+                    .expect("message")
+                    .contains(param.split('.').next().expect("head"))
+            );
         }
     }
     assert!(s.engine.submitted().is_empty(), "nothing reached the engine");
@@ -128,7 +156,11 @@ async fn bad_grammars_and_tool_fields_are_400s_naming_the_field() {
 
 #[tokio::test]
 async fn tool_calls_come_back_whole_and_as_deltas() {
-    let hermes = ToolConfig { enable_auto_tool_choice: true, tool_call_parser: Some(ToolCallParser::Hermes), reasoning_parser: None };
+    let hermes = ToolConfig {
+        enable_auto_tool_choice: true,
+        tool_call_parser: Some(ToolCallParser::Hermes),
+        reasoning_parser: None,
+    };
     let text = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
                 <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
     let s = scripted(text, hermes).await;
@@ -159,9 +191,11 @@ async fn tool_calls_come_back_whole_and_as_deltas() {
     streamed["stream"] = json!(true);
     let events = s.stream(CHAT, streamed).await;
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("chunk")).collect();
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("chunk")).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let (mut content, mut names, mut arguments, mut ids) = (String::new(), Vec::new(), Vec::<String>::new(), Vec::new());
+    let (mut content, mut names, mut arguments, mut ids) =
+        (String::new(), Vec::new(), Vec::<String>::new(), Vec::new());
     for chunk in &chunks {
         let delta = &chunk["choices"][0]["delta"];
         content.push_str(delta["content"].as_str().unwrap_or_default());
@@ -197,7 +231,10 @@ async fn reasoning_is_split_from_the_answer() {
     let (status, response) = s.post(CHAT, body.clone()).await;
     assert_eq!(status, 200, "{response}");
     let message = &response["choices"][0]["message"];
-    assert_eq!((message["reasoning_content"].as_str(), message["content"].as_str()), (Some("Two and two.\n"), Some("Four.")));
+    assert_eq!(
+        (message["reasoning_content"].as_str(), message["content"].as_str()),
+        (Some("Two and two.\n"), Some("Four."))
+    );
     assert_eq!(response["choices"][0]["finish_reason"], "stop");
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);

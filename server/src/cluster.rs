@@ -97,9 +97,11 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         ),
         api_key.clone(),
     );
-    let app =
-        http_router(frontend.clone(), HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes, tools: s.tools })
-            .merge(workers);
+    let app = http_router(
+        frontend.clone(),
+        HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes, tools: s.tools },
+    )
+    .merge(workers);
     let bind = |port: u16, what: &'static str| {
         let host = s.host.clone();
         async move {

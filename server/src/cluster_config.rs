@@ -8,13 +8,13 @@
 //! internal plane's security keys (`cluster_secret_file`, `insecure_cluster`, `tls_cert`,
 //! `tls_key`, `tls_ca`: [`crate::cluster_security`]). Unknown keys are errors in both tables.
 
-use baton_router::openai::tools::choice::ToolConfig;
-use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use crate::cli::{RouterArgs, WorkerArgs};
 use crate::cluster_security::{SECURITY_KEYS, SecurityError, SecurityFile, SecuritySettings};
 use crate::config::{ConfigError, ConfigFile, DEFAULT_MODEL, ServeFile, resolve};
 use crate::worker::WorkerSettings;
 use baton_router::cluster::{ClusterSettings, Role, TransferFailurePolicy};
+use baton_router::openai::tools::choice::ToolConfig;
+use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -6,9 +6,9 @@
 //! (`max_model_len = 2048`). Unknown keys are an error, so a typo never silently falls back
 //! to a default.
 
+use crate::cli::ServeArgs;
 use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
-use crate::cli::ServeArgs;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -246,10 +246,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
 pub fn check_tool_config(tools: &ToolConfig) -> Result<(), String> {
     if tools.enable_auto_tool_choice && tools.tool_call_parser.is_none() {
         let names: Vec<&str> = ToolCallParser::ALL.iter().map(|(n, _)| *n).collect();
-        return Err(format!(
-            "--enable-auto-tool-choice needs --tool-call-parser (one of: {})",
-            names.join(", ")
-        ));
+        return Err(format!("--enable-auto-tool-choice needs --tool-call-parser (one of: {})", names.join(", ")));
     }
     Ok(())
 }

@@ -133,7 +133,11 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
     .with_admission(AdmissionLimits { max_inflight: settings.max_inflight, ..AdmissionLimits::default() });
     let app = http_router(
         frontend.clone(),
-        HttpConfig { api_key: settings.api_key.clone(), max_body_bytes: settings.max_body_bytes, tools: settings.tools },
+        HttpConfig {
+            api_key: settings.api_key.clone(),
+            max_body_bytes: settings.max_body_bytes,
+            tools: settings.tools,
+        },
     );
     let http_listener = TcpListener::bind((settings.host.as_str(), settings.port))
         .await

@@ -235,7 +235,12 @@ async fn collect(
         .enumerate()
         .map(|(index, ((text, logprobs), end))| {
             let message = if parser.is_plain() {
-                AssistantMessage { role: "assistant", content: Some(text), reasoning_content: None, tool_calls: Vec::new() }
+                AssistantMessage {
+                    role: "assistant",
+                    content: Some(text),
+                    reasoning_content: None,
+                    tool_calls: Vec::new(),
+                }
             } else {
                 message(parser.parse(&text, true), &parser)
             };
@@ -313,7 +318,9 @@ fn stream(
     // Every chunk but the usage one has one choice: render the rest once.
     let frame = ChunkFrame::new(&chunk(Vec::new(), usage_field)).map_err(|e| FrontendError::Internal(e.to_string()))?;
     let mut parsers: Vec<Option<ChoiceStream>> = (0..generation.num_choices())
-        .map(|_| (!parser.is_plain()).then(|| ChoiceStream { parser: StreamingParser::new(parser.clone()), ids: Vec::new() }))
+        .map(|_| {
+            (!parser.is_plain()).then(|| ChoiceStream { parser: StreamingParser::new(parser.clone()), ids: Vec::new() })
+        })
         .collect();
     let events = async_stream::stream! {
         for index in 0..generation.num_choices() {

@@ -99,7 +99,9 @@ fn reason(field: &str) -> &'static str {
         }
         "tools" | "tool_choice" | "parallel_tool_calls" => "tool calling is a chat feature: use /v1/chat/completions",
         "guided_decoding_backend" => "the grammar engine is fixed (llguidance); send the request without it",
-        "guided_whitespace_pattern" => "whitespace in structured output follows the grammar; a custom pattern is not supported",
+        "guided_whitespace_pattern" => {
+            "whitespace in structured output follows the grammar; a custom pattern is not supported"
+        }
         "prompt_logprobs" => "prompt logprobs are not supported by this server yet",
         "chat_template" => "custom chat templates are not supported; `chat_template_kwargs` is",
         "reasoning_effort" => "this server has no reasoning-effort control",
@@ -186,7 +188,11 @@ mod tests {
         let cases = [
             (chat(json!({"functions": [{"name": "f"}]})), "functions", "use `tools`"),
             (chat(json!({"function_call": "auto"})), "function_call", "use `tools`"),
-            (chat(json!({"guided_regex": "a", "guided_decoding_backend": "xgrammar"})), "guided_decoding_backend", "llguidance"),
+            (
+                chat(json!({"guided_regex": "a", "guided_decoding_backend": "xgrammar"})),
+                "guided_decoding_backend",
+                "llguidance",
+            ),
             (chat(json!({"guided_whitespace_pattern": " "})), "guided_whitespace_pattern", "whitespace"),
             (chat(json!({"chat_template": "{{ x }}"})), "chat_template", "chat_template_kwargs"),
             (chat(json!({"reasoning_effort": "low"})), "reasoning_effort", "reasoning"),
@@ -216,7 +222,10 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages"));
         let e = refused(json!({"messages": [], "echo": true}), Endpoint::Chat);
         assert_eq!(e.param.as_deref(), Some("echo"));
-        let e = refused(json!({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}), Endpoint::Completions);
+        let e = refused(
+            json!({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            Endpoint::Completions,
+        );
         assert_eq!(e.param.as_deref(), Some("tools"));
         let e = refused(json!({"prompt": "a", "tool_choice": "auto"}), Endpoint::Completions);
         assert_eq!(e.param.as_deref(), Some("tool_choice"));

@@ -232,7 +232,10 @@ mod tests {
                     index: 0,
                     id: Some("call_1".into()),
                     kind: Some("function"),
-                    function: super::super::protocol::FunctionDeltaOut { name: Some("f".into()), arguments: "{".into() },
+                    function: super::super::protocol::FunctionDeltaOut {
+                        name: Some("f".into()),
+                        arguments: "{".into(),
+                    },
                 }]),
                 ..Default::default()
             },

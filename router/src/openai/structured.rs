@@ -32,7 +32,8 @@ fn string(param: &str, value: &Value) -> Result<String, FrontendError> {
 }
 
 fn choices(param: &str, value: &Value) -> Result<GrammarSpec, FrontendError> {
-    let list = value.as_array().and_then(|a| a.iter().map(|c| c.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>());
+    let list =
+        value.as_array().and_then(|a| a.iter().map(|c| c.as_str().map(str::to_owned)).collect::<Option<Vec<_>>>());
     match list {
         Some(list) if !list.is_empty() => Ok(GrammarSpec::Choice(list)),
         _ => Err(FrontendError::invalid(param, format!("{param} must be a non-empty list of strings"))),
@@ -53,7 +54,9 @@ fn response_format(value: &Value) -> Result<Option<GrammarSpec>, FrontendError> 
                 ));
             };
             match inner.get("schema") {
-                Some(schema) if !schema.is_null() => json_schema("response_format.json_schema.schema", schema).map(Some),
+                Some(schema) if !schema.is_null() => {
+                    json_schema("response_format.json_schema.schema", schema).map(Some)
+                }
                 _ => Err(FrontendError::invalid(
                     "response_format.json_schema.schema",
                     "response_format.json_schema needs a `schema`",
@@ -84,7 +87,9 @@ fn structured_outputs(value: &Value) -> Result<Option<(GrammarSpec, String)>, Fr
         if !STRUCTURED_OUTPUT_KEYS.contains(&key.as_str()) {
             return Err(FrontendError::invalid(
                 param.clone(),
-                format!("Unsupported parameter `{param}`: only json, regex, choice, grammar and json_object are honoured"),
+                format!(
+                    "Unsupported parameter `{param}`: only json, regex, choice, grammar and json_object are honoured"
+                ),
             ));
         }
         let spec = match key.as_str() {
@@ -193,7 +198,10 @@ mod tests {
         let cases = [
             (json!({"response_format": {"type": "yaml"}}), "response_format"),
             (json!({"response_format": {"type": "json_schema"}}), "response_format.json_schema"),
-            (json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}), "response_format.json_schema.schema"),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}),
+                "response_format.json_schema.schema",
+            ),
             (json!({"guided_json": "not json"}), "guided_json"),
             (json!({"guided_json": 3}), "guided_json"),
             (json!({"guided_choice": []}), "guided_choice"),
@@ -205,7 +213,9 @@ mod tests {
         // Two constraints inside structured_outputs: the message names both (map order aside).
         let e = parse(json!({"structured_outputs": {"regex": "a", "choice": ["b"]}})).expect_err("two");
         assert!(e.param().is_some_and(|p| p == "structured_outputs.regex" || p == "structured_outputs.choice"), "{e}");
-        assert!(e.to_string().contains("structured_outputs.regex") && e.to_string().contains("structured_outputs.choice"));
+        assert!(
+            e.to_string().contains("structured_outputs.regex") && e.to_string().contains("structured_outputs.choice")
+        );
         for (body, param) in cases {
             if param == "-" {
                 // Nulls and `json_object: false` are no constraint.

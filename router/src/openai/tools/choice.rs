@@ -278,13 +278,18 @@ mod tests {
 
     #[test]
     fn modes_resolve_to_formats_and_grammars() {
-        let auto = ToolConfig { enable_auto_tool_choice: true, tool_call_parser: Some(ToolCallParser::Hermes), ..Default::default() };
+        let auto = ToolConfig {
+            enable_auto_tool_choice: true,
+            tool_call_parser: Some(ToolCallParser::Hermes),
+            ..Default::default()
+        };
         let s = resolve(tools(weather()), None, None, &auto).expect("auto");
         assert_eq!(s.format, Some(ToolFormat::Auto(ToolCallParser::Hermes)));
         assert!(s.grammar.is_none() && s.checks.is_empty());
         assert_eq!(s.template_tools.as_ref().expect("tools")[1]["function"]["parameters"], json!({"type": "object"}));
 
-        let s = resolve(tools(weather()), choice(json!("required")), Some(false), &ToolConfig::default()).expect("required");
+        let s = resolve(tools(weather()), choice(json!("required")), Some(false), &ToolConfig::default())
+            .expect("required");
         assert_eq!(s.format, Some(ToolFormat::Required));
         assert_eq!(s.max_calls, Some(1));
         let params: Vec<&str> = s.checks.iter().map(|c| c.param.as_str()).collect();
@@ -321,7 +326,9 @@ mod tests {
             (tools(json!([{"type": "retrieval", "function": {"name": "a"}}])), None, "tools[0].type", "function"),
             (tools(json!([{"type": "function", "function": {"name": "a b"}}])), None, "tools[0].function.name", "a b"),
             (
-                tools(json!([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}])),
+                tools(
+                    json!([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}]),
+                ),
                 None,
                 "tools[1].function.name",
                 "twice",

@@ -12,8 +12,8 @@
 //! call. A block whose object never gets a name (not JSON, no `name`) stays in the content,
 //! markers included, so nothing the model wrote is lost.
 
-use super::output::{ParsedCall, ParsedOutput, content_segment, object_call, without_partial};
 use super::json_scan::skip_ws;
+use super::output::{ParsedCall, ParsedOutput, content_segment, object_call, without_partial};
 
 const START: &str = "<tool_call>";
 const END: &str = "</tool_call>";

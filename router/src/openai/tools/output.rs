@@ -80,10 +80,7 @@ pub struct ObjectCall {
 pub fn object_call(text: &str, start: usize, args_keys: &[&str]) -> ObjectCall {
     let s = text.as_bytes();
     let scan = scan_object(s, start);
-    let name = scan
-        .get("name")
-        .and_then(|m| m.end.map(|e| (m.start, e)))
-        .and_then(|(a, b)| decode_string(&s[a..b]));
+    let name = scan.get("name").and_then(|m| m.end.map(|e| (m.start, e))).and_then(|(a, b)| decode_string(&s[a..b]));
     let arguments = match args_keys.iter().find_map(|k| scan.get(k)) {
         Some(m) => text[m.start..m.end.unwrap_or(text.len())].to_owned(),
         None if scan.end.is_some() => "{}".to_owned(),

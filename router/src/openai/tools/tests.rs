@@ -75,7 +75,11 @@ fn hermes_recorded_outputs() {
     check(&p, "a < b, and 2<3 \n", &out("", "a < b, and 2<3 \n", vec![]));
     // A block that is not a call stays content; a truncated call keeps what was written.
     check(&p, "x <tool_call>oops</tool_call> y", &out("", "x <tool_call>oops</tool_call> y", vec![]));
-    check(&p, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2", &out("", "", vec![call("f", "{\"a\": [1, 2")]));
+    check(
+        &p,
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2",
+        &out("", "", vec![call("f", "{\"a\": [1, 2")]),
+    );
     check(&p, "<tool_call>{\"name\": \"f\"}</tool_call>", &out("", "", vec![call("f", "{}")]));
 }
 
@@ -105,7 +109,11 @@ fn mistral_recorded_outputs() {
         ),
     );
     let text = "Let me look.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[ARGS]{}";
-    check(&p, text, &out("", "Let me look.", vec![call("get_weather", r#"{"city": "Paris"}"#), call("get_time", "{}")]));
+    check(
+        &p,
+        text,
+        &out("", "Let me look.", vec![call("get_weather", r#"{"city": "Paris"}"#), call("get_time", "{}")]),
+    );
     check(&p, "[TOOL_CALLS]add{\"a\": 1, \"b\": 2}", &out("", "", vec![call("add", r#"{"a": 1, "b": 2}"#)]));
     check(&p, "No tools [here].", &out("", "No tools [here].", vec![]));
 }
