@@ -348,7 +348,7 @@ mod tests {
         assert!(e.to_string().contains("llama3_json"), "{e}");
         let e = Cli::try_parse_from(["baton", "serve", "--reasoning-parser", "r2"]).expect_err("unknown");
         assert!(e.to_string().contains("deepseek_r1"), "{e}");
-        let e = check_tool_config(&resolve(&serve_args(&["--enable-auto-tool-choice"]), &ServeFile::default()))
+        let e = check_tool_config(&resolve(&serve_args(&["--enable-auto-tool-choice"]), &ServeFile::default()).tools)
             .expect_err("no parser");
         assert!(e.contains("--tool-call-parser") && e.contains("hermes"), "{e}");
     }
