@@ -31,7 +31,9 @@ fn header_word<'a>(header: &'a str, key: &str) -> Option<&'a str> {
 /// Splits `text` (see [`super::output`] for the streaming contract) into reasoning, content
 /// and calls.
 pub fn parse(text: &str, done: bool, out: &mut ParsedOutput) {
-    if !text.starts_with("<|") && !(text.len() < 2 && "<|".starts_with(text) && !done) {
+    // Not harmony at all (unless it may still become `<|`): plain content.
+    let may_open = text.starts_with("<|") || (!done && "<|".starts_with(text));
+    if !may_open {
         out.content.push_str(text);
         return;
     }
