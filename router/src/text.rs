@@ -194,3 +194,45 @@ impl ChoiceText {
         Ok(rest)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_formats::LoadFormat;
+    use baton_formats::testing::{TinySpec, write_hf_folder};
+
+    /// A template that prints what HF tool-calling templates read: `tools`, an assistant's
+    /// `tool_calls` (arguments as an object), a tool message's `tool_call_id`, and a kwarg.
+    const TOOLS_TEMPLATE: &str = "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}\
+        {% for m in messages %}{{ m.role }}:{{ m.content }}\
+        {% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}{% endif %}\
+        {% if m.tool_call_id %}<for {{ m.tool_call_id }}>{% endif %}\n{% endfor %}\
+        {% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}";
+
+    #[test]
+    fn the_template_sees_tools_tool_turns_and_kwargs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_hf_folder(&dir.path().join("tiny"), &TinySpec::llama()).expect("tiny model");
+        let model = baton_formats::load_model(&path, LoadFormat::Auto).expect("loads");
+        let template = ChatTemplate::new(TOOLS_TEMPLATE, "<s>", "</s>").expect("template");
+        let codec = TextCodec::new(model.tokenizer.expect("tokenizer"), Some(template));
+        let mut call = ChatTurn::text("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]));
+        let mut result = ChatTurn::text("tool", "sunny");
+        result.tool_call_id = Some("c1".into());
+        let turns = [ChatTurn::text("user", "weather?"), call, result];
+        let mut vars = serde_json::Map::new();
+        vars.insert("tools".into(), serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]));
+        vars.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        let text = codec.render_chat(&turns, false, &vars).expect("renders");
+        assert_eq!(
+            text,
+            // (trim_blocks, as transformers configures Jinja, eats the newline after a tag)
+            "TOOLS:get_weather;user:weather?assistant:<call get_weather {\"city\": \"Paris\"}>tool:sunny<for c1>NOTHINK"
+        );
+        // Without extras the template renders as before.
+        let plain = codec.render_chat(&turns[..1], false, &serde_json::Map::new()).expect("renders");
+        assert_eq!(plain, "user:weather?");
+    }
+}

@@ -4,14 +4,14 @@
 //! `tools` or `response_format` that is dropped turns into a 200 with free text, which reads as
 //! "the model declined". So Baton checks each body against the fields it honours, per endpoint,
 //! before anything else, and answers any other field with a 400 that names it (`param` is the
-//! field's path, e.g. `tools` or `messages[2].tool_calls`).
+//! field's path, e.g. `functions` or `messages[2].name`).
 //!
 //! Invariants:
 //! - a field set to `null` is the same as an absent field (clients serialise unset options as
 //!   `null`), so it is never refused;
 //! - a field whose value asks for the behaviour Baton has anyway is accepted (`response_format:
-//!   {"type": "text"}`, `tool_choice: "none"`, an empty `tools` list, `parallel_tool_calls`
-//!   with no tools, `logprobs: false`), because honouring it takes nothing;
+//!   {"type": "text"}` or `tool_choice: "none"` on `/v1/completions`, an empty `tools` or
+//!   `functions` list, `logprobs: false`), because honouring it takes nothing;
 //! - every other field outside the lists below is refused, known to OpenAI or not.
 //!
 //! The lists name what the endpoint's handler reads ([`super::protocol`]); a field added there

@@ -8,7 +8,8 @@
 //! Baton does not honour (OpenAI and vLLM would ignore it). Nothing here validates; see
 //! [`super::params`].
 //!
-//! A generation body is parsed twice: into the endpoint's struct and into [`SamplingFields`].
+//! A generation body is parsed three times: into the endpoint's struct, into
+//! [`SamplingFields`] and into [`StructuredFields`].
 
 use super::tools::choice::{ToolChoiceIn, ToolIn};
 use serde::{Deserialize, Serialize};
