@@ -271,3 +271,26 @@ fn a_relayed_constrained_request_matches_one_engine() {
         e.shutdown();
     }
 }
+
+#[test]
+fn the_default_model_answers_in_the_schema() {
+    use baton_formats::testing::default_model_path;
+    use baton_formats::{ChatMessage, LoadFormat, load_model};
+    let path = default_model_path();
+    assert!(path.exists(), "{} is missing: run scripts/fetch-default-model.sh", path.display());
+    let model = load_model(&path, LoadFormat::Auto).expect("load the default model");
+    let tok = tokenizer(&model);
+    let template = model.chat_template.as_ref().expect("chat template");
+    let e =
+        engine(&model, EngineConfig { max_model_len: Some(512), async_scheduling: true, ..EngineConfig::default() });
+    let ask = "Describe a person called Ana, 34, who has a cat, as JSON with name, age and pet.";
+    let text = template.render(&[ChatMessage { role: "user".into(), content: ask.into() }], true).expect("render");
+    let ids = tok.encode(&text, false).expect("encode");
+    let params = SamplingParams { max_tokens: Some(60), ..constrained(person_schema(), None) };
+    let (_, answer, finish) = generate(&e, tok, &ids, params);
+    assert_eq!(finish, FinishReason::Stop, "{answer:?}");
+    assert_person(&answer);
+    let t = e.step_timing();
+    assert!(t.grammar_masks > 5 && t.grammar_time > Duration::ZERO, "{t:?}");
+    e.shutdown();
+}

@@ -102,9 +102,7 @@ impl From<EngineError> for FrontendError {
         match e {
             EngineError::Overloaded(m) => Self::Busy(m),
             EngineError::Unavailable(m) => Self::Unavailable(m),
-            EngineError::InvalidGrammar { kind, message } => {
-                Self::invalid(STRUCTURED_PARAM, format!("invalid {kind}: {message}"))
-            }
+            e @ EngineError::InvalidGrammar { .. } => Self::invalid(STRUCTURED_PARAM, e.to_string()),
             other => Self::Engine(other),
         }
     }
@@ -126,9 +124,7 @@ impl From<SubmitError> for FrontendError {
             }
             SubmitError::QueueFull { waiting } => Self::Overloaded { waiting },
             SubmitError::Unavailable(m) => Self::Unavailable(m),
-            SubmitError::InvalidGrammar { kind, message } => {
-                Self::invalid(STRUCTURED_PARAM, format!("invalid {kind}: {message}"))
-            }
+            e @ SubmitError::InvalidGrammar { .. } => Self::invalid(STRUCTURED_PARAM, e.to_string()),
         }
     }
 }
@@ -136,6 +132,19 @@ impl From<SubmitError> for FrontendError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grammars_that_do_not_compile_are_bad_requests_naming_structured_outputs() {
+        let engine: FrontendError =
+            EngineError::InvalidGrammar { kind: "regex".into(), message: "unclosed group".into() }.into();
+        let submit: FrontendError =
+            SubmitError::InvalidGrammar { kind: "regex".into(), message: "unclosed group".into() }.into();
+        for e in [engine, submit] {
+            assert!(e.is_client_error() && !e.is_refusal(), "{e:?}");
+            assert_eq!(e.param(), Some(STRUCTURED_PARAM));
+            assert_eq!(e.to_string(), "invalid structured_outputs regex: unclosed group");
+        }
+    }
 
     #[test]
     fn submit_errors_keep_their_details() {

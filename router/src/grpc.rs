@@ -24,6 +24,7 @@ use crate::pipeline::{Frontend, GenerateRequest as FrontendRequest, PromptInput}
 use crate::text::ChatTurn;
 use baton_core::api::{RequestId, TokenLogprob as EngineLogprob};
 use baton_core::params::SamplingParams as EngineParams;
+use baton_core::structured::GrammarSpec;
 use baton_proto::v1 as pb;
 use baton_proto::v1::baton_server::{Baton, BatonServer};
 use futures::Stream;
@@ -89,12 +90,33 @@ fn to_u32(v: usize) -> u32 {
     u32::try_from(v).unwrap_or(u32::MAX)
 }
 
+/// The `structured_outputs` oneof → the engine's grammar spec; `json_object: false` is
+/// refused (it would silently mean "unconstrained").
+fn structured_from_proto(
+    s: Option<pb::sampling_params::StructuredOutputs>,
+) -> Result<Option<GrammarSpec>, FrontendError> {
+    use pb::sampling_params::StructuredOutputs as S;
+    Ok(match s {
+        None => None,
+        Some(S::JsonObject(true)) => Some(GrammarSpec::JsonObject),
+        Some(S::JsonObject(false)) => {
+            return Err(FrontendError::invalid("json_object", "json_object must be true when set"));
+        }
+        Some(S::JsonSchema(s)) => Some(GrammarSpec::JsonSchema(s)),
+        Some(S::Regex(s)) => Some(GrammarSpec::Regex(s)),
+        Some(S::Choice(c)) => Some(GrammarSpec::Choice(c.choices)),
+        Some(S::Grammar(s)) => Some(GrammarSpec::Lark(s)),
+    })
+}
+
 /// Engine parameters from the protobuf message (unset fields take the engine defaults;
-/// no `max_tokens` means up to the context length).
-pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> EngineParams {
+/// no `max_tokens` means up to the context length). A malformed `structured_outputs` is
+/// a bad request.
+pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> Result<EngineParams, FrontendError> {
     let p = p.unwrap_or_default();
+    let structured = structured_from_proto(p.structured_outputs)?;
     let d = EngineParams::default();
-    EngineParams {
+    Ok(EngineParams {
         n: p.n.map_or(d.n, |n| n as usize),
         temperature: p.temperature.unwrap_or(d.temperature),
         top_p: p.top_p.unwrap_or(d.top_p),
@@ -118,8 +140,8 @@ pub fn sampling_from_proto(p: Option<pb::SamplingParams>) -> EngineParams {
             bias
         },
         skip_special_tokens: p.skip_special_tokens.unwrap_or(d.skip_special_tokens),
-        structured: None,
-    }
+        structured,
+    })
 }
 
 fn prompt_from_proto(request: &mut pb::GenerateRequest) -> Result<PromptInput, FrontendError> {
@@ -185,7 +207,7 @@ impl Baton for GrpcService {
             return Err(Status::already_exists(format!("request id {request_id:?} is already running")));
         }
         let prompt = prompt_from_proto(&mut request).map_err(|e| status_of(&e))?;
-        let params = sampling_from_proto(request.sampling.take());
+        let params = sampling_from_proto(request.sampling.take()).map_err(|e| status_of(&e))?;
         let mut generation =
             self.frontend.generate(FrontendRequest::new(prompt, params)).await.map_err(|e| status_of(&e))?;
         generation.refused().await.map_err(|e| status_of(&e))?;
@@ -294,7 +316,7 @@ mod tests {
 
     #[test]
     fn proto_params_default_like_the_engine_and_map_every_field() {
-        assert_eq!(sampling_from_proto(None), EngineParams::default());
+        assert_eq!(sampling_from_proto(None).expect("valid"), EngineParams::default());
         let p = pb::SamplingParams {
             temperature: Some(0.0),
             top_k: Some(3),
@@ -306,11 +328,35 @@ mod tests {
             skip_special_tokens: Some(false),
             ..Default::default()
         };
-        let e = sampling_from_proto(Some(p));
+        let e = sampling_from_proto(Some(p)).expect("valid");
         assert_eq!((e.temperature, e.top_k, e.max_tokens, e.n, e.logprobs), (0.0, 3, Some(7), 2, Some(4)));
         assert_eq!(e.logit_bias, vec![(2, -1.0), (9, 1.0)]);
         assert_eq!(e.stop, vec!["x".to_owned()]);
         assert!(!e.skip_special_tokens);
+    }
+
+    #[test]
+    fn structured_outputs_map_to_grammar_specs() {
+        use pb::sampling_params::StructuredOutputs as S;
+        let with =
+            |s: S| sampling_from_proto(Some(pb::SamplingParams { structured_outputs: Some(s), ..Default::default() }));
+        let cases = [
+            (S::JsonObject(true), GrammarSpec::JsonObject),
+            (S::JsonSchema("{}".into()), GrammarSpec::JsonSchema("{}".into())),
+            (S::Regex("a+".into()), GrammarSpec::Regex("a+".into())),
+            (
+                S::Choice(pb::Choices { choices: vec!["y".into(), "n".into()] }),
+                GrammarSpec::Choice(vec!["y".into(), "n".into()]),
+            ),
+            (S::Grammar("start: \"x\"".into()), GrammarSpec::Lark("start: \"x\"".into())),
+        ];
+        for (proto, spec) in cases {
+            assert_eq!(with(proto).expect("valid").structured, Some(spec));
+        }
+        let err = with(S::JsonObject(false)).expect_err("json_object false");
+        assert_eq!(status_of(&err).code(), tonic::Code::InvalidArgument);
+        assert_eq!(err.param(), Some("json_object"));
+        assert_eq!(sampling_from_proto(None).expect("valid").structured, None);
     }
 
     #[test]

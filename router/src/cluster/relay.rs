@@ -41,7 +41,7 @@
 
 use super::client::{Inner, OutputTx, TransferFailurePolicy};
 use super::registry::{InflightGuard, Picked, Role};
-use super::wire::{output_from_wire, sampling_to_wire};
+use super::wire::{invalid_grammar_of, output_from_wire, sampling_to_wire};
 use baton_core::api::{EngineError, EngineOutput, EngineRequest};
 use baton_proto::worker as pb;
 use baton_proto::worker::worker_client::WorkerClient;
@@ -98,6 +98,17 @@ impl Delivery<'_> {
         let _ = self.tx.send(Ok(out));
         finished
     }
+}
+
+/// A worker call's failure as the request's: a grammar the worker could not compile is the
+/// client's fault ([`invalid_grammar_of`]); anything else is [`worker_error`].
+fn call_error(who: &str, p: &Picked, e: CallError) -> EngineError {
+    if let CallError::Status(s) = &e
+        && let Some(invalid) = invalid_grammar_of(s)
+    {
+        return invalid;
+    }
+    worker_error(who, p, e)
 }
 
 fn worker_error(who: &str, p: &Picked, what: impl std::fmt::Display) -> EngineError {
@@ -273,7 +284,7 @@ async fn run_local(
                 Some(next) => worker = next,
                 None => return Err(refusals.exhausted()),
             },
-            Err(e) => return Err(worker_error("decode", &worker, e)),
+            Err(e) => return Err(call_error("decode", &worker, e)),
         }
     };
     let idle = inner.settings.idle_timeout;
@@ -282,7 +293,7 @@ async fn run_local(
             Err(_) => return Err(worker_error("decode", &worker, format!("no event for {idle:?}"))),
             Ok(Err(s)) => {
                 eject_if_unreachable(inner, &worker, &s);
-                return Err(worker_error("decode", &worker, s.message()));
+                return Err(call_error("decode", &worker, CallError::Status(s)));
             }
             Ok(Ok(m)) => m.map(|m| m.event),
         };
@@ -492,7 +503,7 @@ async fn run_relay(
                 Some(next) => decode = next,
                 None => return Err(refusals.exhausted()),
             },
-            Err(e) => return Err(worker_error("decode", &decode, e)),
+            Err(e) => return Err(call_error("decode", &decode, e)),
         }
     };
     let _decode_load = decode.track();

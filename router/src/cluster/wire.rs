@@ -6,6 +6,7 @@
 use baton_core::api::{EngineOutput, FinishReason, TokenLogprob};
 use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_core::params::SamplingParams;
+use baton_core::structured::GrammarSpec;
 use baton_proto::worker as pb;
 
 /// A worker message that does not decode into engine data.
@@ -30,7 +31,34 @@ pub fn sampling_to_wire(p: &SamplingParams) -> pb::Sampling {
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs.map(|k| k as u32),
         logit_bias: p.logit_bias.iter().map(|&(token_id, bias)| pb::LogitBias { token_id, bias }).collect(),
+        structured: p.structured.as_ref().map(grammar_to_wire),
     }
+}
+
+/// A grammar spec → wire.
+pub fn grammar_to_wire(g: &GrammarSpec) -> pb::Grammar {
+    use pb::grammar::Kind;
+    let kind = match g {
+        GrammarSpec::JsonObject => Kind::JsonObject(pb::JsonObject {}),
+        GrammarSpec::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        GrammarSpec::Regex(s) => Kind::Regex(s.clone()),
+        GrammarSpec::Choice(c) => Kind::Choice(pb::Choices { choices: c.clone() }),
+        GrammarSpec::Lark(s) => Kind::Lark(s.clone()),
+    };
+    pb::Grammar { kind: Some(kind) }
+}
+
+/// Wire → grammar spec; a grammar with no kind is malformed (the sizes are the engine's to
+/// check, with every other parameter).
+pub fn grammar_from_wire(g: pb::Grammar) -> Result<GrammarSpec, WireError> {
+    use pb::grammar::Kind;
+    Ok(match g.kind.ok_or_else(|| WireError("a grammar with no kind".into()))? {
+        Kind::JsonObject(pb::JsonObject {}) => GrammarSpec::JsonObject,
+        Kind::JsonSchema(s) => GrammarSpec::JsonSchema(s),
+        Kind::Regex(s) => GrammarSpec::Regex(s),
+        Kind::Choice(c) => GrammarSpec::Choice(c.choices),
+        Kind::Lark(s) => GrammarSpec::Lark(s),
+    })
 }
 
 /// Wire → engine parameters (the worker's side). Stop strings stay with the router, which
@@ -56,8 +84,22 @@ pub fn sampling_from_wire(p: Option<pb::Sampling>) -> Result<SamplingParams, Wir
         logprobs: p.logprobs.map(|k| k as usize),
         logit_bias: p.logit_bias.into_iter().map(|b| (b.token_id, b.bias)).collect(),
         skip_special_tokens: true,
-        structured: None,
+        structured: p.structured.map(grammar_from_wire).transpose()?,
     })
+}
+
+/// Metadata key of a worker's INVALID_ARGUMENT status for a grammar that does not compile:
+/// its value is the spec kind, the status message the compiler's reason.
+pub const GRAMMAR_KIND_METADATA: &str = "baton-invalid-grammar";
+
+/// The request's own fault carried by a worker's status, when it is one: a grammar that
+/// does not compile (the router checked everything else before sending).
+pub fn invalid_grammar_of(status: &tonic::Status) -> Option<baton_core::api::EngineError> {
+    if status.code() != tonic::Code::InvalidArgument {
+        return None;
+    }
+    let kind = status.metadata().get(GRAMMAR_KIND_METADATA)?.to_str().ok()?.to_owned();
+    Some(baton_core::api::EngineError::InvalidGrammar { kind, message: status.message().to_owned() })
 }
 
 /// One engine output → the `tokens` event, its first token at output position `index`.
@@ -195,6 +237,23 @@ mod tests {
     }
 
     #[test]
+    fn grammars_round_trip_and_a_grammar_without_a_kind_is_an_error() {
+        for g in [
+            GrammarSpec::JsonObject,
+            GrammarSpec::JsonSchema(r#"{"type":"integer"}"#.into()),
+            GrammarSpec::Regex("a+".into()),
+            GrammarSpec::Choice(vec!["x".into(), String::new()]),
+            GrammarSpec::Lark("start: \"y\"".into()),
+        ] {
+            let p = SamplingParams { structured: Some(g), ..SamplingParams::default() };
+            assert_eq!(sampling_from_wire(Some(sampling_to_wire(&p))).expect("decodes"), p);
+        }
+        let mut bad = sampling_to_wire(&SamplingParams::default());
+        bad.structured = Some(pb::Grammar { kind: None });
+        assert!(sampling_from_wire(Some(bad)).is_err());
+    }
+
+    #[test]
     fn outputs_round_trip_and_bad_ones_are_errors() {
         let o = EngineOutput {
             new_token_ids: vec![11],
@@ -211,6 +270,23 @@ mod tests {
         let mut bad = output_to_wire(&o, 0);
         bad.token_ids.push(12);
         assert!(output_from_wire(bad).is_err());
+    }
+
+    #[test]
+    fn only_grammar_statuses_are_invalid_grammars() {
+        let mut s = tonic::Status::invalid_argument("unclosed group");
+        assert_eq!(invalid_grammar_of(&s), None);
+        s.metadata_mut().insert(GRAMMAR_KIND_METADATA, "regex".parse().expect("ascii"));
+        assert_eq!(
+            invalid_grammar_of(&s),
+            Some(baton_core::api::EngineError::InvalidGrammar {
+                kind: "regex".into(),
+                message: "unclosed group".into()
+            })
+        );
+        let mut other = tonic::Status::internal("x");
+        other.metadata_mut().insert(GRAMMAR_KIND_METADATA, "regex".parse().expect("ascii"));
+        assert_eq!(invalid_grammar_of(&other), None);
     }
 
     #[test]

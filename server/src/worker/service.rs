@@ -36,6 +36,7 @@ use baton_engine::kv_transport::nccl::NcclLink;
 use baton_engine::relay::ExportEvent;
 use baton_proto::worker as pb;
 use baton_router::admission::Permit;
+use baton_router::cluster::wire::GRAMMAR_KIND_METADATA;
 use baton_router::cluster::wire::{output_to_wire, sampling_from_wire};
 use futures::Stream;
 use pb::work_event::Event;
@@ -71,13 +72,24 @@ fn event(e: Event) -> pb::WorkEvent {
 /// Submission errors as gRPC statuses (the router maps them back for its clients).
 fn submit_status(e: SubmitError) -> Status {
     match e {
-        SubmitError::InvalidParams(_)
-        | SubmitError::InvalidPrompt(_)
-        | SubmitError::ContextTooLong { .. }
-        | SubmitError::InvalidGrammar { .. } => Status::invalid_argument(e.to_string()),
+        SubmitError::InvalidGrammar { kind, message } => grammar_status(&kind, &message),
+        SubmitError::InvalidParams(_) | SubmitError::InvalidPrompt(_) | SubmitError::ContextTooLong { .. } => {
+            Status::invalid_argument(e.to_string())
+        }
         SubmitError::QueueFull { .. } => Status::resource_exhausted(e.to_string()),
         SubmitError::Unavailable(_) => Status::unavailable(e.to_string()),
     }
+}
+
+/// A grammar that does not compile, as the router recognises it
+/// (`baton_router::cluster::wire::invalid_grammar_of`): INVALID_ARGUMENT with the kind in
+/// metadata, so the router answers its client 400 rather than a worker failure.
+fn grammar_status(kind: &str, message: &str) -> Status {
+    let mut status = Status::invalid_argument(message.to_owned());
+    if let Ok(v) = kind.parse() {
+        status.metadata_mut().insert(GRAMMAR_KIND_METADATA, v);
+    }
+    status
 }
 
 /// A work request's engine request and timing: its deadline and how often to report
@@ -155,6 +167,11 @@ fn token_events(
                     if finished {
                         break;
                     }
+                }
+                Next::Output(Some(Err(EngineError::InvalidGrammar { kind, message }))) => {
+                    // Compiled after the submission was accepted: still the request's fault.
+                    yield Err(grammar_status(&kind, &message));
+                    break;
                 }
                 Next::Output(Some(Err(e))) => {
                     yield Ok(event(Event::Error(e.to_string())));
