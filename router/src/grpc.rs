@@ -151,8 +151,9 @@ fn prompt_from_proto(request: &mut pb::GenerateRequest) -> Result<PromptInput, F
             Ok(PromptInput::Text { text, add_special_tokens: request.add_special_tokens.unwrap_or(true) })
         }
         Some(pb::generate_request::Input::Chat(chat)) => Ok(PromptInput::Chat {
-            messages: chat.messages.into_iter().map(|m| ChatTurn { role: m.role, content: m.content }).collect(),
+            messages: chat.messages.into_iter().map(|m| ChatTurn::text(m.role, m.content)).collect(),
             add_generation_prompt: chat.add_generation_prompt,
+            template_vars: Default::default(),
         }),
         Some(pb::generate_request::Input::TokenIds(ids)) => Ok(PromptInput::Tokens(ids.ids)),
         None => Err(FrontendError::invalid("input", "one of `text`, `chat` or `token_ids` is required")),

@@ -9,6 +9,7 @@
 use crate::auth::{ApiKey, protect};
 use crate::error::FrontendError;
 use crate::openai::chat::chat_completions;
+use crate::openai::chat::chat_turns;
 use crate::openai::completions::completions;
 use crate::openai::error::ApiError;
 use crate::openai::extract::JsonBody;
@@ -16,8 +17,8 @@ use crate::openai::protocol::{
     DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 };
 use crate::openai::sse::unix_now;
+use crate::openai::tools::choice::ToolConfig;
 use crate::pipeline::{Frontend, PromptInput};
-use crate::text::ChatTurn;
 use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
@@ -34,11 +35,13 @@ pub struct HttpConfig {
     pub api_key: Option<String>,
     /// Largest accepted request body; larger ones get a 413.
     pub max_body_bytes: usize,
+    /// Tool calling and reasoning options of `/v1/chat/completions`.
+    pub tools: ToolConfig,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        Self { api_key: None, max_body_bytes: DEFAULT_MAX_BODY_BYTES }
+        Self { api_key: None, max_body_bytes: DEFAULT_MAX_BODY_BYTES, tools: ToolConfig::default() }
     }
 }
 
@@ -46,6 +49,7 @@ impl Default for HttpConfig {
 #[derive(Clone)]
 pub struct AppState {
     frontend: Frontend,
+    tools: ToolConfig,
     started: u64,
 }
 
@@ -55,9 +59,15 @@ impl FromRef<AppState> for Frontend {
     }
 }
 
+impl FromRef<AppState> for ToolConfig {
+    fn from_ref(state: &AppState) -> ToolConfig {
+        state.tools
+    }
+}
+
 /// The full HTTP application for one served model.
 pub fn http_router(frontend: Frontend, config: HttpConfig) -> Router {
-    let state = AppState { frontend, started: unix_now() };
+    let state = AppState { frontend, tools: config.tools, started: unix_now() };
     let guarded = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -119,17 +129,12 @@ async fn tokenize(State(frontend): State<Frontend>, body: JsonBody) -> Result<Js
             PromptInput::Text { text, add_special_tokens: request.add_special_tokens.unwrap_or(true) }
         }
         (None, Some(messages)) => {
-            let turns = messages
-                .into_iter()
-                .map(|m| match m.content {
-                    None => Ok(ChatTurn { role: m.role, content: String::new() }),
-                    Some(crate::openai::protocol::MessageContent::Text(content)) => {
-                        Ok(ChatTurn { role: m.role, content })
-                    }
-                    Some(_) => Err(FrontendError::invalid("messages", "only string message content is supported here")),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            PromptInput::Chat { messages: turns, add_generation_prompt: request.add_generation_prompt.unwrap_or(true) }
+            let turns = chat_turns(messages)?;
+            PromptInput::Chat {
+                messages: turns,
+                add_generation_prompt: request.add_generation_prompt.unwrap_or(true),
+                template_vars: Default::default(),
+            }
         }
         _ => return Err(FrontendError::invalid_request("exactly one of `prompt` and `messages` is required").into()),
     };

@@ -33,5 +33,5 @@ pub use grpc::GrpcService;
 pub use http::{HttpConfig, http_router};
 pub use metrics::Metrics;
 pub use offload::Offload;
-pub use pipeline::{Frontend, GenerateRequest, PreparedRequest, PromptInput, ServedModel};
+pub use pipeline::{Frontend, GenerateRequest, GrammarCheck, PreparedRequest, PromptInput, ServedModel};
 pub use text::{ChatTurn, TextCodec};

@@ -22,7 +22,9 @@ use crate::offload::Offload;
 use crate::text::{ChatTurn, ChoiceText, TextCodec};
 use baton_core::api::{EngineClient, EngineInfo, EngineRequest};
 use baton_core::params::SamplingParams;
-use std::sync::Arc;
+use baton_core::structured::GrammarSpec;
+use baton_grammar::GrammarCompiler;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// What to generate from.
@@ -43,7 +45,19 @@ pub enum PromptInput {
         messages: Vec<ChatTurn>,
         /// End with the assistant header so the model answers.
         add_generation_prompt: bool,
+        /// Extra template variables (`tools`, `chat_template_kwargs` such as `enable_thinking`).
+        template_vars: serde_json::Map<String, serde_json::Value>,
     },
+}
+
+/// A grammar to compile before a request is accepted, and the request field to blame if it
+/// does not compile (`response_format`, `tools[1].function.parameters`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrammarCheck {
+    /// The field the grammar came from, as the client spelled it.
+    pub param: String,
+    /// The grammar.
+    pub spec: GrammarSpec,
 }
 
 /// A protocol-neutral generation request.
@@ -55,12 +69,21 @@ pub struct GenerateRequest {
     pub params: SamplingParams,
     /// When the request arrived, for latency metrics.
     pub arrival: Instant,
+    /// Grammars to compile before submitting (`params.structured` among them, when set), so
+    /// a bad one is a 400 naming its field; empty for unconstrained requests.
+    pub grammar_checks: Vec<GrammarCheck>,
 }
 
 impl GenerateRequest {
     /// A request arriving now.
     pub fn new(prompt: PromptInput, params: SamplingParams) -> Self {
-        Self { prompt, params, arrival: Instant::now() }
+        Self { prompt, params, arrival: Instant::now(), grammar_checks: Vec::new() }
+    }
+
+    /// The same request, compiling `checks` before it is accepted.
+    pub fn with_grammar_checks(mut self, checks: Vec<GrammarCheck>) -> Self {
+        self.grammar_checks = checks;
+        self
     }
 }
 
@@ -96,6 +119,9 @@ pub struct Frontend {
     metrics: Arc<Metrics>,
     admission: Arc<Admission>,
     offload: Offload,
+    /// Built on first use (a trie over the vocabulary), on the text pool; the error when the
+    /// tokenizer cannot back a grammar.
+    grammar: Arc<OnceLock<Result<GrammarCompiler, String>>>,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -115,7 +141,16 @@ impl Frontend {
     ) -> Self {
         let info = engine.info();
         let admission = Admission::new(AdmissionLimits::default());
-        Self { engine, codec, model, info, metrics, admission, offload: Offload::for_this_machine() }
+        Self {
+            engine,
+            codec,
+            model,
+            info,
+            metrics,
+            admission,
+            offload: Offload::for_this_machine(),
+            grammar: Arc::new(OnceLock::new()),
+        }
     }
 
     /// The same frontend with other admission limits (a fresh in-flight count).
@@ -205,10 +240,44 @@ impl Frontend {
         }
     }
 
+    /// Compiles each grammar of `checks` on the text pool (cached by the compiler), failing
+    /// with a 400 that names the field of the first one that does not compile.
+    pub async fn check_grammars(&self, checks: Vec<GrammarCheck>) -> Result<(), FrontendError> {
+        if checks.is_empty() {
+            return Ok(());
+        }
+        let codec = self.codec.clone();
+        let cell = self.grammar.clone();
+        let (eos, vocab) = (self.info.eos_token_ids.clone(), self.info.vocab_size);
+        self.offload
+            .run(move || {
+                let compiler = cell.get_or_init(|| codec.grammar_compiler(&eos, vocab).map_err(|e| e.to_string()));
+                let compiler = match compiler {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let param = checks.first().map(|c| c.param.clone()).unwrap_or_default();
+                        return Err(FrontendError::invalid(
+                            param,
+                            format!("structured outputs are not available for this model: {e}"),
+                        ));
+                    }
+                };
+                for check in checks {
+                    if let Err(e) = compiler.compile(&check.spec) {
+                        let param = check.param;
+                        return Err(FrontendError::invalid(param.clone(), format!("{param}: {e}")));
+                    }
+                }
+                Ok(())
+            })
+            .await?
+    }
+
     /// Validates, tokenizes and fits a request to the context without submitting it.
     pub async fn prepare(&self, request: GenerateRequest) -> Result<PreparedRequest, FrontendError> {
         let vocab = self.info.vocab_size;
         request.params.validate(vocab)?;
+        self.check_grammars(request.grammar_checks).await?;
         let (prompt_token_ids, prompt_text) = self.tokenize(request.prompt).await?;
         if prompt_token_ids.is_empty() {
             return Err(FrontendError::invalid("prompt", "the prompt is empty (0 tokens)"));
@@ -283,11 +352,11 @@ fn tokenize_now(codec: &TextCodec, prompt: PromptInput) -> Result<(Vec<u32>, Opt
             Ok((ids, Some(text)))
         }
         PromptInput::Tokens(ids) => Ok((ids, None)),
-        PromptInput::Chat { messages, add_generation_prompt } => {
+        PromptInput::Chat { messages, add_generation_prompt, template_vars } => {
             if messages.is_empty() {
                 return Err(FrontendError::invalid("messages", "messages must contain at least one message"));
             }
-            let text = codec.render_chat(&messages, add_generation_prompt)?;
+            let text = codec.render_chat(&messages, add_generation_prompt, &template_vars)?;
             // The template already wrote BOS and the other special tokens it wants.
             Ok((codec.encode(&text, false)?, Some(text)))
         }

@@ -8,7 +8,8 @@
 
 use crate::error::FrontendError;
 use baton_core::params::SamplingParams;
-use baton_formats::{ChatMessage, ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
+use baton_formats::{ChatTemplate, IncrementalDetokenizer, StopMatcher, Tokenizer};
+use baton_grammar::{GrammarCompiler, GrammarError};
 
 /// One chat message, protocol-neutral.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +18,17 @@ pub struct ChatTurn {
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant's calls, in HF's shape (`[{id, type, function: {name, arguments: {...}}}]`).
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatTurn {
+    /// A plain text message.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
+    }
 }
 
 /// The served model's tokenizer and chat template.
@@ -49,6 +61,12 @@ impl TextCodec {
             .map_err(|e| FrontendError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
     }
 
+    /// A grammar compiler for this tokenizer (builds a trie over the vocabulary: once per
+    /// model, on the text pool).
+    pub fn grammar_compiler(&self, eos_token_ids: &[u32], model_vocab: usize) -> Result<GrammarCompiler, GrammarError> {
+        GrammarCompiler::new(&self.tokenizer, eos_token_ids, model_vocab)
+    }
+
     /// Decodes `ids` to text.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, FrontendError> {
         self.tokenizer
@@ -69,18 +87,39 @@ impl TextCodec {
         self.tokenizer.token_to_string(id).unwrap_or_default()
     }
 
-    /// Renders a conversation through the chat template.
-    pub fn render_chat(&self, turns: &[ChatTurn], add_generation_prompt: bool) -> Result<String, FrontendError> {
+    /// Renders a conversation through the chat template; `vars` are extra template variables
+    /// (`tools`, `chat_template_kwargs`).
+    pub fn render_chat(
+        &self,
+        turns: &[ChatTurn],
+        add_generation_prompt: bool,
+        vars: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, FrontendError> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             FrontendError::invalid(
                 "messages",
                 "this model has no chat template; use /v1/completions with a text prompt instead",
             )
         })?;
-        let messages: Vec<ChatMessage> =
-            turns.iter().map(|t| ChatMessage { role: t.role.clone(), content: t.content.clone() }).collect();
+        let messages: Vec<serde_json::Value> = turns
+            .iter()
+            .map(|t| {
+                let mut m = serde_json::json!({"role": t.role, "content": t.content});
+                if let Some(calls) = &t.tool_calls {
+                    m["tool_calls"] = calls.clone();
+                }
+                if let Some(id) = &t.tool_call_id {
+                    m["tool_call_id"] = serde_json::Value::String(id.clone());
+                }
+                m
+            })
+            .collect();
         template
-            .render(&messages, add_generation_prompt)
+            .render_json(
+                &serde_json::Value::Array(messages),
+                add_generation_prompt,
+                &serde_json::Value::Object(vars.clone()),
+            )
             .map_err(|e| FrontendError::invalid("messages", format!("cannot apply the chat template: {e}")))
     }
 }
@@ -153,5 +192,47 @@ impl ChoiceText {
             }
         }
         Ok(rest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use baton_formats::LoadFormat;
+    use baton_formats::testing::{TinySpec, write_hf_folder};
+
+    /// A template that prints what HF tool-calling templates read: `tools`, an assistant's
+    /// `tool_calls` (arguments as an object), a tool message's `tool_call_id`, and a kwarg.
+    const TOOLS_TEMPLATE: &str = "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}\
+        {% for m in messages %}{{ m.role }}:{{ m.content }}\
+        {% if m.tool_calls %}{% for c in m.tool_calls %}<call {{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}{% endif %}\
+        {% if m.tool_call_id %}<for {{ m.tool_call_id }}>{% endif %}\n{% endfor %}\
+        {% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}";
+
+    #[test]
+    fn the_template_sees_tools_tool_turns_and_kwargs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = write_hf_folder(&dir.path().join("tiny"), &TinySpec::llama()).expect("tiny model");
+        let model = baton_formats::load_model(&path, LoadFormat::Auto).expect("loads");
+        let template = ChatTemplate::new(TOOLS_TEMPLATE, "<s>", "</s>").expect("template");
+        let codec = TextCodec::new(model.tokenizer.expect("tokenizer"), Some(template));
+        let mut call = ChatTurn::text("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]));
+        let mut result = ChatTurn::text("tool", "sunny");
+        result.tool_call_id = Some("c1".into());
+        let turns = [ChatTurn::text("user", "weather?"), call, result];
+        let mut vars = serde_json::Map::new();
+        vars.insert("tools".into(), serde_json::json!([{"type": "function", "function": {"name": "get_weather"}}]));
+        vars.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+        let text = codec.render_chat(&turns, false, &vars).expect("renders");
+        assert_eq!(
+            text,
+            // (trim_blocks, as transformers configures Jinja, eats the newline after a tag)
+            "TOOLS:get_weather;user:weather?assistant:<call get_weather {\"city\": \"Paris\"}>tool:sunny<for c1>NOTHINK"
+        );
+        // Without extras the template renders as before.
+        let plain = codec.render_chat(&turns[..1], false, &serde_json::Map::new()).expect("renders");
+        assert_eq!(plain, "user:weather?");
     }
 }

@@ -85,15 +85,20 @@ async fn fields_the_server_does_not_honour_are_400s_naming_them() {
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let tool = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
     for (body, param, words) in [
-        (json!({"messages": msgs, "tools": tool}), "tools", "tool calling"),
-        (json!({"messages": msgs, "tool_choice": "required"}), "tool_choice", "tool calling"),
+        // Tools with `auto` (the default) need a tool-call parser, which this server lacks.
+        (json!({"messages": msgs, "tools": tool}), "tool_choice", "--enable-auto-tool-choice"),
+        (json!({"messages": msgs, "tool_choice": "required"}), "tool_choice", "non-empty `tools`"),
         (
-            json!({"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            json!({"messages": msgs, "tools": tool, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
             "tool_choice",
-            "tool",
+            "not in `tools`",
         ),
-        (json!({"messages": msgs, "response_format": {"type": "json_object"}}), "response_format", "structured output"),
-        (json!({"messages": msgs, "guided_choice": ["a", "b"]}), "guided_choice", "structured output"),
+        (json!({"messages": msgs, "functions": [{"name": "f"}]}), "functions", "use `tools`"),
+        (
+            json!({"messages": msgs, "guided_regex": "a", "guided_decoding_backend": "x"}),
+            "guided_decoding_backend",
+            "llguidance",
+        ),
         (json!({"messages": msgs, "max_tokens": 3, "mystery_knob": 7}), "mystery_knob", "mystery_knob"),
         (json!({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}), "messages[0].name", "name"),
     ] {
@@ -105,7 +110,7 @@ async fn fields_the_server_does_not_honour_are_400s_naming_them() {
             assert!(message.contains(param) && message.contains(words), "{message}");
         }
     }
-    expect_error(&s, "/v1/completions", json!({"prompt": "a", "guided_regex": "a+"}), 400, Some("guided_regex")).await;
+    expect_error(&s, "/v1/completions", json!({"prompt": "a", "tool_choice": "auto"}), 400, Some("tool_choice")).await;
     // Prompt logprobs are served, but not as a chat stream (as vLLM), and within the top-k cap.
     let body = json!({"messages": msgs, "prompt_logprobs": 1, "stream": true});
     expect_error(&s, chat, body, 400, Some("prompt_logprobs")).await;

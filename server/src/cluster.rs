@@ -30,6 +30,7 @@ use tokio::sync::watch;
 
 /// Runs the router until a termination signal.
 pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
+    crate::config::check_tool_config(&s.tools).map_err(anyhow::Error::msg)?;
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
     }
@@ -96,9 +97,11 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         ),
         api_key.clone(),
     );
-    let app =
-        http_router(frontend.clone(), HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes })
-            .merge(workers);
+    let app = http_router(
+        frontend.clone(),
+        HttpConfig { api_key: s.api_key.clone(), max_body_bytes: s.max_body_bytes, tools: s.tools },
+    )
+    .merge(workers);
     let bind = |port: u16, what: &'static str| {
         let host = s.host.clone();
         async move {

@@ -13,6 +13,8 @@ use crate::cluster_security::{SECURITY_KEYS, SecurityError, SecurityFile, Securi
 use crate::config::{ConfigError, ConfigFile, DEFAULT_MODEL, ServeFile, resolve};
 use crate::worker::WorkerSettings;
 use baton_router::cluster::{ClusterSettings, Role, TransferFailurePolicy};
+use baton_router::openai::tools::choice::ToolConfig;
+use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,6 +26,12 @@ pub const DEFAULT_REGISTRY_PORT: u16 = 50100;
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterFile {
+    /// See `--enable-auto-tool-choice`.
+    pub enable_auto_tool_choice: Option<bool>,
+    /// See `--tool-call-parser`.
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// See `--reasoning-parser`.
+    pub reasoning_parser: Option<ReasoningParser>,
     /// See `--model`.
     pub model: Option<PathBuf>,
     /// See `--load-format`.
@@ -135,6 +143,8 @@ pub struct RouterSettings {
     pub security: SecuritySettings,
     /// Engine sequences in flight beyond which requests get 429.
     pub max_inflight: usize,
+    /// Tool calling and reasoning options of the chat endpoint.
+    pub tools: ToolConfig,
 }
 
 /// A router or worker setting that does not parse.
@@ -210,6 +220,11 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
         heartbeat_interval,
         eject_after,
         max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
+        tools: ToolConfig {
+            enable_auto_tool_choice: args.enable_auto_tool_choice.or(file.enable_auto_tool_choice).unwrap_or(false),
+            tool_call_parser: args.tool_call_parser.or(file.tool_call_parser),
+            reasoning_parser: args.reasoning_parser.or(file.reasoning_parser),
+        },
         cluster: ClusterSettings {
             disagg_threshold: args.disagg_threshold.or(file.disagg_threshold).unwrap_or(d.disagg_threshold),
             on_transfer_failure,

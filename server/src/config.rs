@@ -7,6 +7,8 @@
 //! to a default.
 
 use crate::cli::ServeArgs;
+use baton_router::openai::tools::choice::ToolConfig;
+use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -92,6 +94,12 @@ pub struct ServeFile {
     pub engine_stall_timeout_ms: Option<u64>,
     /// See `--max-inflight`.
     pub max_inflight: Option<usize>,
+    /// See `--enable-auto-tool-choice`.
+    pub enable_auto_tool_choice: Option<bool>,
+    /// See `--tool-call-parser`.
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// See `--reasoning-parser`.
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 /// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
@@ -180,6 +188,8 @@ pub struct ServeSettings {
     pub engine_fault: Option<baton_engine::FaultInjection>,
     /// Engine sequences in flight beyond which requests get 429 (worker: open streams).
     pub max_inflight: usize,
+    /// Tool calling and reasoning options of the chat endpoint (unused by workers).
+    pub tools: ToolConfig,
 }
 
 /// Merges flags/env (`args`) over the file over the defaults.
@@ -223,7 +233,22 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .map_or(baton_engine::EngineConfig::default().stall_timeout, std::time::Duration::from_millis),
         engine_fault: args.chaos_engine_fault,
         max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
+        tools: ToolConfig {
+            enable_auto_tool_choice: args.enable_auto_tool_choice.or(file.enable_auto_tool_choice).unwrap_or(false),
+            tool_call_parser: args.tool_call_parser.or(file.tool_call_parser),
+            reasoning_parser: args.reasoning_parser.or(file.reasoning_parser),
+        },
     }
+}
+
+/// Refuses `--enable-auto-tool-choice` without a `--tool-call-parser` (as vLLM does): the
+/// server could not read the calls it lets the model make.
+pub fn check_tool_config(tools: &ToolConfig) -> Result<(), String> {
+    if tools.enable_auto_tool_choice && tools.tool_call_parser.is_none() {
+        let names: Vec<&str> = ToolCallParser::ALL.iter().map(|(n, _)| *n).collect();
+        return Err(format!("--enable-auto-tool-choice needs --tool-call-parser (one of: {})", names.join(", ")));
+    }
+    Ok(())
 }
 
 /// The default kernel cache: `$XDG_CACHE_HOME/baton/kernels`, else `$HOME/.cache/baton/kernels`;
@@ -300,6 +325,32 @@ mod tests {
         assert!(!resolve(&serve_args(&[]), &sync).async_scheduling);
         assert!(resolve(&serve_args(&["--async-scheduling"]), &sync).async_scheduling, "the flag beats the file");
         assert!(!resolve(&serve_args(&["--async-scheduling=false"]), &ServeFile::default()).async_scheduling);
+    }
+
+    #[test]
+    fn tool_and_reasoning_parsers_resolve_and_unknown_names_are_refused() {
+        let file = ConfigFile::parse(
+            "[serve]\nenable_auto_tool_choice = true\ntool_call_parser = \"hermes\"\nreasoning_parser = \"qwen3\"\n",
+            Path::new("t.toml"),
+        )
+        .expect("valid")
+        .serve;
+        let s = resolve(&serve_args(&[]), &file);
+        assert_eq!(s.tools.tool_call_parser, Some(ToolCallParser::Hermes));
+        assert_eq!(s.tools.reasoning_parser, Some(ReasoningParser::Qwen3));
+        assert!(s.tools.enable_auto_tool_choice);
+        let s = resolve(&serve_args(&["--tool-call-parser", "pythonic", "--enable-auto-tool-choice=false"]), &file);
+        assert_eq!(s.tools.tool_call_parser, Some(ToolCallParser::Pythonic), "the flag beats the file");
+        assert!(!s.tools.enable_auto_tool_choice);
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).tools, ToolConfig::default());
+        // Unknown names fail at start-up, listing the choices.
+        let e = ConfigFile::parse("[serve]\ntool_call_parser = \"nope\"\n", Path::new("t.toml")).expect_err("unknown");
+        assert!(e.to_string().contains("llama3_json"), "{e}");
+        let e = Cli::try_parse_from(["baton", "serve", "--reasoning-parser", "r2"]).expect_err("unknown");
+        assert!(e.to_string().contains("deepseek_r1"), "{e}");
+        let e = check_tool_config(&resolve(&serve_args(&["--enable-auto-tool-choice"]), &ServeFile::default()).tools)
+            .expect_err("no parser");
+        assert!(e.contains("--tool-call-parser") && e.contains("hermes"), "{e}");
     }
 
     #[test]

@@ -86,6 +86,7 @@ pub(crate) async fn wait_for_termination() {
 /// Runs the unified server until a termination signal; `started` is when the process
 /// started (the start-up log's total is measured from it).
 pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow::Result<()> {
+    crate::config::check_tool_config(&settings.tools).map_err(anyhow::Error::msg)?;
     if settings.model_is_default && !settings.model.exists() {
         bail!(
             "the default model {DEFAULT_MODEL} was not found (relative to {}); run scripts/fetch-default-model.sh to fetch it, or pass --model",
@@ -132,7 +133,11 @@ pub async fn run(settings: ServeSettings, started: std::time::Instant) -> anyhow
     .with_admission(AdmissionLimits { max_inflight: settings.max_inflight, ..AdmissionLimits::default() });
     let app = http_router(
         frontend.clone(),
-        HttpConfig { api_key: settings.api_key.clone(), max_body_bytes: settings.max_body_bytes },
+        HttpConfig {
+            api_key: settings.api_key.clone(),
+            max_body_bytes: settings.max_body_bytes,
+            tools: settings.tools,
+        },
     );
     let http_listener = TcpListener::bind((settings.host.as_str(), settings.port))
         .await

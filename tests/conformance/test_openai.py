@@ -154,17 +154,30 @@ def test_bad_requests_raise_the_right_error_classes(client):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", top_p=5)
-    # Parameters the server does not honour are refused by name, never dropped.
+    # Parameters the server does not honour are refused by name, never dropped; malformed
+    # constraints and tool choices are refused naming the field the client used.
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    bad_schema = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
     for kw, param in [
-        (dict(tools=[tool], tool_choice="required"), ("tools", "tool_choice")),
-        (dict(tools=[tool]), ("tools",)),
-        (dict(response_format={"type": "json_object"}), ("response_format",)),
-        (dict(extra_body={"guided_json": {"type": "object"}}), ("guided_json",)),
+        # This server has no --enable-auto-tool-choice: tools with `auto` (the default) are refused.
+        (dict(tools=[tool]), "tool_choice"),
+        (dict(tools=[tool], tool_choice="auto"), "tool_choice"),
+        (dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_wether"}}), "tool_choice"),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}),
+            "response_format",
+        ),
+        (dict(extra_body={"guided_json": bad_schema}), "guided_json"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": bad_schema}}], tool_choice="required"),
+            "tools[0].function.parameters",
+        ),
+        (dict(extra_body={"guided_decoding_backend": "xgrammar"}), "guided_decoding_backend"),
     ]:
-        with pytest.raises(openai.BadRequestError) as e:
-            chat(client, **kw)
-        assert e.value.param in param, (kw, e.value.message)
-        assert e.value.param in e.value.message
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                chat(client, stream=stream, **kw)
+            assert e.value.param == param, (kw, e.value.message)
+            assert param.split(".")[0] in e.value.message
     # Still serving.
     assert chat(client).choices[0].message.role == "assistant"

@@ -113,6 +113,19 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Value,
     ) -> Result<String, FormatError> {
+        let messages = serde_json::to_value(messages).map_err(|e| FormatError::Template { message: e.to_string() })?;
+        self.render_json(&messages, add_generation_prompt, extra)
+    }
+
+    /// Like [`ChatTemplate::render_with`], with the messages as JSON (a list of objects), so
+    /// that they may carry what HF templates read beyond role and content: an assistant's
+    /// `tool_calls` (arguments as objects), a tool message's `tool_call_id`.
+    pub fn render_json(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+        extra: &serde_json::Value,
+    ) -> Result<String, FormatError> {
         let tmpl = self.env.get_template(NAME).map_err(|e| template_error(&e))?;
         let extra = match extra {
             serde_json::Value::Object(_) => Value::from(minijinja::value::Serde(extra)),

@@ -18,10 +18,11 @@ use super::logprobs::{CompletionLogprobsBuilder, extend_completion_logprobs, vll
 use super::params::{EndpointParams, count, sampling_params, top_logprobs};
 use super::protocol::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptField, PromptLogprobs,
-    SamplingFields, Usage, UsageField,
+    SamplingFields, StructuredFields, Usage, UsageField,
 };
 use super::sse::{ChunkFrame, ResponseMeta, done_frame, error_frame, json_frame, sse_response};
 use super::stop_reason;
+use super::structured;
 use crate::error::FrontendError;
 use crate::generation::{ChoiceEnd, ChoiceEvent, Generation, refused_first};
 use crate::pipeline::{Frontend, GenerateRequest, PromptInput};
@@ -146,6 +147,8 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     let vllm_k = params.prompt_logprobs;
     let echo_k = logprobs.filter(|_| echo);
     params.prompt_logprobs = vllm_k.max(echo_k);
+    let constraint = structured::grammar(&body.parse::<StructuredFields>()?)?;
+    params.structured = constraint.as_ref().map(|c| c.spec.clone());
     if let Some(best_of) = request.best_of
         && count("best_of", best_of)? != params.n
     {
@@ -159,6 +162,8 @@ async fn handle(frontend: Frontend, body: JsonBody) -> Result<Response, ApiError
     // Admitted as a whole before any prompt is tokenized: prompts × n within the per-request
     // cap, and room for all of them in flight.
     let mut permit = frontend.admit(inputs.len(), n)?;
+    // One compile check for all prompts (they share the grammar).
+    frontend.check_grammars(constraint.into_iter().collect()).await?;
     let mut prepared = Vec::with_capacity(inputs.len());
     for prompt in inputs {
         prepared.push(frontend.prepare(GenerateRequest::new(prompt, params.clone())).await?);

@@ -4,14 +4,14 @@
 //! `tools` or `response_format` that is dropped turns into a 200 with free text, which reads as
 //! "the model declined". So Baton checks each body against the fields it honours, per endpoint,
 //! before anything else, and answers any other field with a 400 that names it (`param` is the
-//! field's path, e.g. `tools` or `messages[2].tool_calls`).
+//! field's path, e.g. `functions` or `messages[2].name`).
 //!
 //! Invariants:
 //! - a field set to `null` is the same as an absent field (clients serialise unset options as
 //!   `null`), so it is never refused;
 //! - a field whose value asks for the behaviour Baton has anyway is accepted (`response_format:
-//!   {"type": "text"}`, `tool_choice: "none"`, an empty `tools` list, `parallel_tool_calls`
-//!   with no tools, `logprobs: false`), because honouring it takes nothing;
+//!   {"type": "text"}` or `tool_choice: "none"` on `/v1/completions`, an empty `tools` or
+//!   `functions` list, `logprobs: false`), because honouring it takes nothing;
 //! - every other field outside the lists below is refused, known to OpenAI or not.
 //!
 //! The lists name what the endpoint's handler reads ([`super::protocol`]); a field added there
@@ -49,16 +49,29 @@ const SAMPLING_FIELDS: &[&str] = &[
     "prompt_logprobs",
 ];
 
+/// Output constraints both endpoints honour ([`super::protocol::StructuredFields`]).
+const STRUCTURED_FIELDS: &[&str] =
+    &["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"];
+
 /// Fields only `/v1/chat/completions` honours ([`super::protocol::ChatCompletionRequest`]).
-const CHAT_FIELDS: &[&str] =
-    &["messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"];
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "add_generation_prompt",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+];
 
 /// Fields only `/v1/completions` honours ([`super::protocol::CompletionRequest`]); `best_of`
 /// and `suffix` are read so that values other than the defaults get their own message.
 const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo", "add_special_tokens", "best_of", "suffix"];
 
 /// Fields of one chat message Baton honours.
-const MESSAGE_FIELDS: &[&str] = &["role", "content"];
+const MESSAGE_FIELDS: &[&str] = &["role", "content", "tool_calls", "tool_call_id"];
 
 /// Fields of one content part (the handler refuses parts that are not `text`).
 const CONTENT_PART_FIELDS: &[&str] = &["type", "text"];
@@ -82,19 +95,16 @@ fn unsupported(param: String, why: &str) -> ApiError {
 /// Why a field Baton does not honour is refused, for the fields clients are likely to send.
 fn reason(field: &str) -> &'static str {
     match field {
-        "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls" => {
-            "tool calling is not supported by this server yet; send the request without tools"
+        "functions" | "function_call" => {
+            "the deprecated function-calling fields are not supported; use `tools` and `tool_choice`"
         }
-        "response_format"
-        | "guided_json"
-        | "guided_regex"
-        | "guided_choice"
-        | "guided_grammar"
-        | "guided_decoding_backend"
-        | "structured_outputs" => "structured output (constrained decoding) is not supported by this server yet",
-        "chat_template" | "chat_template_kwargs" => "custom chat templates and template arguments are not supported",
+        "tools" | "tool_choice" | "parallel_tool_calls" => "tool calling is a chat feature: use /v1/chat/completions",
+        "guided_decoding_backend" => "the grammar engine is fixed (llguidance); send the request without it",
+        "guided_whitespace_pattern" => {
+            "whitespace in structured output follows the grammar; a custom pattern is not supported"
+        }
+        "chat_template" => "custom chat templates are not supported; `chat_template_kwargs` is",
         "reasoning_effort" => "this server has no reasoning-effort control",
-        "tool_calls" | "tool_call_id" => "tool-call turns are not supported by this server yet",
         "name" => "participant names are not passed to the chat template",
         "continuous_usage_stats" => "usage is sent only in the final chunk",
         _ => "this server does not honour it",
@@ -118,10 +128,6 @@ fn check_object(obj: &Map<String, Value>, allowed: &[&str], prefix: &str) -> Res
         if allowed.contains(&key.as_str()) || is_default(key, value) {
             continue;
         }
-        // `parallel_tool_calls` only shapes how tools are called: with none, it asks nothing.
-        if key == "parallel_tool_calls" && obj.get("tools").is_none_or(|t| is_default("tools", t)) {
-            continue;
-        }
         return Err(unsupported(format!("{prefix}{key}"), reason(key)));
     }
     Ok(())
@@ -135,7 +141,7 @@ pub fn check_fields(body: &Value, endpoint: Endpoint) -> Result<(), ApiError> {
         Endpoint::Chat => CHAT_FIELDS,
         Endpoint::Completions => COMPLETION_FIELDS,
     };
-    let allowed: Vec<&str> = SAMPLING_FIELDS.iter().chain(own).copied().collect();
+    let allowed: Vec<&str> = SAMPLING_FIELDS.iter().chain(STRUCTURED_FIELDS).chain(own).copied().collect();
     check_object(obj, &allowed, "")?;
     if let Some(Value::Object(options)) = obj.get("stream_options") {
         check_object(options, STREAM_OPTION_FIELDS, "stream_options.")?;
@@ -180,17 +186,15 @@ mod tests {
             body
         };
         let cases = [
-            (chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools", "tool calling"),
-            (chat(json!({"tool_choice": "required"})), "tool_choice", "tool calling"),
-            (chat(json!({"response_format": {"type": "json_object"}})), "response_format", "structured output"),
+            (chat(json!({"functions": [{"name": "f"}]})), "functions", "use `tools`"),
+            (chat(json!({"function_call": "auto"})), "function_call", "use `tools`"),
             (
-                chat(json!({"response_format": {"type": "json_schema", "json_schema": {}}})),
-                "response_format",
-                "structured",
+                chat(json!({"guided_regex": "a", "guided_decoding_backend": "xgrammar"})),
+                "guided_decoding_backend",
+                "llguidance",
             ),
-            (chat(json!({"guided_json": {"type": "object"}})), "guided_json", "structured output"),
-            (chat(json!({"structured_outputs": {"regex": "a+"}})), "structured_outputs", "structured output"),
-            (chat(json!({"chat_template_kwargs": {"enable_thinking": false}})), "chat_template_kwargs", "template"),
+            (chat(json!({"guided_whitespace_pattern": " "})), "guided_whitespace_pattern", "whitespace"),
+            (chat(json!({"chat_template": "{{ x }}"})), "chat_template", "chat_template_kwargs"),
             (chat(json!({"reasoning_effort": "low"})), "reasoning_effort", "reasoning"),
             (chat(json!({"frobnicate": 1})), "frobnicate", "does not honour"),
             (
@@ -205,12 +209,6 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{}", e.message);
             assert!(e.message.contains(param) && e.message.contains(words), "{}", e.message);
         }
-        let e = refused(
-            json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null,
-                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}),
-            Endpoint::Chat,
-        );
-        assert_eq!(e.param.as_deref(), Some("messages[1].tool_calls"));
         let e = refused(json!({"messages": [{"role": "user", "content": "a", "name": "bob"}]}), Endpoint::Chat);
         assert_eq!(e.param.as_deref(), Some("messages[0].name"));
         let e = refused(
@@ -223,8 +221,13 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages"));
         let e = refused(json!({"messages": [], "echo": true}), Endpoint::Chat);
         assert_eq!(e.param.as_deref(), Some("echo"));
-        let e = refused(json!({"prompt": "a", "guided_regex": "a+"}), Endpoint::Completions);
-        assert_eq!(e.param.as_deref(), Some("guided_regex"));
+        let e = refused(
+            json!({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            Endpoint::Completions,
+        );
+        assert_eq!(e.param.as_deref(), Some("tools"));
+        let e = refused(json!({"prompt": "a", "tool_choice": "auto"}), Endpoint::Completions);
+        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 
     #[test]
@@ -238,12 +241,19 @@ mod tests {
             "logit_bias": {"5": 1.0}, "include_stop_str_in_output": false, "skip_special_tokens": true,
             "stream": true, "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2,
             "add_generation_prompt": true, "user": "u",
-            "tools": null, "tool_choice": "none", "response_format": {"type": "text"},
-            "parallel_tool_calls": true, "functions": [], "prompt_logprobs": null
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+            "response_format": {"type": "json_object"}, "guided_json": null, "structured_outputs": {"regex": "a"},
+            "parallel_tool_calls": false, "functions": [], "prompt_logprobs": null,
+            "chat_template_kwargs": {"enable_thinking": false}
         });
         check_fields(&body, Endpoint::Chat).expect("chat body");
+        let body = json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": null,
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "1"}]});
+        check_fields(&body, Endpoint::Chat).expect("chat body");
         let body = json!({"model": "m", "prompt": ["a", "b"], "echo": false, "logprobs": 2,
-            "add_special_tokens": true, "best_of": 1, "suffix": null, "max_tokens": 3, "user": null});
+            "add_special_tokens": true, "best_of": 1, "suffix": null, "max_tokens": 3, "user": null,
+            "guided_choice": ["x"], "response_format": {"type": "json_object"}});
         check_fields(&body, Endpoint::Completions).expect("completions body");
         // Not an object: left to the typed parse.
         check_fields(&json!([1, 2]), Endpoint::Chat).expect("array");
@@ -300,6 +310,9 @@ mod tests {
         }
         for name in fields_of::<super::super::protocol::ContentPart>() {
             assert!(CONTENT_PART_FIELDS.contains(name), "ContentPart::{name} is not listed");
+        }
+        for name in fields_of::<super::super::protocol::StructuredFields>() {
+            assert!(STRUCTURED_FIELDS.contains(name), "StructuredFields::{name} is not listed");
         }
         for name in fields_of::<super::super::protocol::StreamOptions>() {
             assert!(STREAM_OPTION_FIELDS.contains(name), "StreamOptions::{name} is not listed");

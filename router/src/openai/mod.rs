@@ -10,6 +10,8 @@ pub mod logprobs;
 pub mod params;
 pub mod protocol;
 pub mod sse;
+pub mod structured;
+pub mod tools;
 
 use crate::generation::{ChoiceEnd, StopCause};
 use protocol::StopReason;

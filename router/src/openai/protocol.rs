@@ -8,9 +8,12 @@
 //! Baton does not honour (OpenAI and vLLM would ignore it). Nothing here validates; see
 //! [`super::params`].
 //!
-//! A generation body is parsed twice: into the endpoint's struct and into [`SamplingFields`].
+//! A generation body is parsed three times: into the endpoint's struct, into
+//! [`SamplingFields`] and into [`StructuredFields`].
 
+use super::tools::choice::{ToolChoiceIn, ToolIn};
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// `stop`: one string or a list of them.
@@ -90,6 +93,23 @@ pub struct SamplingFields {
     pub prompt_logprobs: Option<i64>,
 }
 
+/// Output constraints shared by both generation endpoints (see [`super::structured`]).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredFields {
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<Value>,
+    /// vLLM: a JSON Schema (object or JSON text).
+    pub guided_json: Option<Value>,
+    /// vLLM: a regular expression.
+    pub guided_regex: Option<String>,
+    /// vLLM: a list of strings.
+    pub guided_choice: Option<Value>,
+    /// vLLM: a context-free grammar (llguidance's Lark dialect).
+    pub guided_grammar: Option<String>,
+    /// vLLM's current form: `{json | regex | choice | grammar | json_object}`.
+    pub structured_outputs: Option<Value>,
+}
+
 /// A chat message's content: a string or a list of typed parts.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -117,6 +137,31 @@ pub struct ChatMessageIn {
     pub role: String,
     /// The message text; `null` is allowed for assistant messages.
     pub content: Option<MessageContent>,
+    /// The calls an assistant message made.
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call in an assistant message of the conversation.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallIn {
+    /// The call's id (echoed by the `tool` message that answers it).
+    pub id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// What was called.
+    pub function: FunctionCallIn,
+}
+
+/// The function of a [`ToolCallIn`].
+#[derive(Debug, Clone, Deserialize)]
+pub struct FunctionCallIn {
+    /// The function's name.
+    pub name: String,
+    /// The arguments: JSON text (as OpenAI sends them) or a JSON object.
+    pub arguments: Value,
 }
 
 /// `POST /v1/chat/completions` body.
@@ -132,6 +177,14 @@ pub struct ChatCompletionRequest {
     pub max_completion_tokens: Option<i64>,
     /// End the prompt with the assistant turn header (vLLM; default true).
     pub add_generation_prompt: Option<bool>,
+    /// Functions the model may call.
+    pub tools: Option<Vec<ToolIn>>,
+    /// `none`, `auto`, `required` or a named function.
+    pub tool_choice: Option<ToolChoiceIn>,
+    /// `false`: at most one call per answer.
+    pub parallel_tool_calls: Option<bool>,
+    /// Extra variables for the chat template (vLLM), e.g. `enable_thinking`.
+    pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
 /// `prompt` of a completions request.
@@ -232,8 +285,61 @@ pub struct CompletionLogprobs {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text; `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    /// The thinking before the answer (with `--reasoning-parser`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// The calls the model made.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+/// A tool call of a response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallOut {
+    /// `call_...`.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The function and its arguments.
+    pub function: FunctionCallOut,
+}
+
+/// The function of a [`ToolCallOut`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCallOut {
+    /// The function's name.
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+/// One tool call's news in a streaming delta: `id`, `type` and `name` on its first delta,
+/// then argument fragments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDeltaOut {
+    /// Position of the call in the choice's calls.
+    pub index: usize,
+    /// `call_...`, first delta only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`, first delta only.
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// Name (first delta) and argument text.
+    pub function: FunctionDeltaOut,
+}
+
+/// The function part of a [`ToolCallDeltaOut`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionDeltaOut {
+    /// The name, first delta only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// New argument text.
+    pub arguments: String,
 }
 
 /// One choice of a non-streaming chat response.
@@ -290,6 +396,12 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// New reasoning text (with `--reasoning-parser`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// New tool calls and argument fragments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDeltaOut>>,
 }
 
 /// One choice of a streaming chat chunk.

@@ -225,8 +225,21 @@ mod tests {
         };
         let frame = ChunkFrame::new(&chat(Vec::new())).expect("template");
         for delta in [
-            ChatDelta { role: Some("assistant"), content: Some(String::new()) },
-            ChatDelta { role: None, content: Some("hi \"there\"\n".into()) },
+            ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() },
+            ChatDelta { role: None, content: Some("hi \"there\"\n".into()), ..Default::default() },
+            ChatDelta {
+                reasoning_content: Some("hmm".into()),
+                tool_calls: Some(vec![super::super::protocol::ToolCallDeltaOut {
+                    index: 0,
+                    id: Some("call_1".into()),
+                    kind: Some("function"),
+                    function: super::super::protocol::FunctionDeltaOut {
+                        name: Some("f".into()),
+                        arguments: "{".into(),
+                    },
+                }]),
+                ..Default::default()
+            },
             ChatDelta::default(),
         ] {
             let choice = ChatChunkChoice { index: 1, delta, logprobs: None, finish_reason: None, stop_reason: None };

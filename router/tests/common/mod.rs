@@ -42,6 +42,8 @@ pub struct FakeConfig {
     /// Accept every request but answer its stream with this error first, as a remote engine
     /// that refuses after submission (the cluster client) does.
     pub refuse_with: Option<EngineError>,
+    /// Generate exactly these tokens, then EOS (instead of the pseudo-random ones).
+    pub script: Option<Vec<u32>>,
 }
 
 impl Default for FakeConfig {
@@ -53,6 +55,7 @@ impl Default for FakeConfig {
             num_blocks: 1024,
             fail_at: None,
             refuse_with: None,
+            script: None,
         }
     }
 }
@@ -198,7 +201,10 @@ impl EngineClient for FakeEngine {
                     let _ = tx.send(Err(EngineError::Backend("fake failure".into())));
                     break;
                 }
-                let mut token = Self::token(vocab, &request.prompt_token_ids, seed, i);
+                let mut token = match &inner.config.script {
+                    Some(script) => script.get(i).copied().unwrap_or(EOS_ID),
+                    None => Self::token(vocab, &request.prompt_token_ids, seed, i),
+                };
                 let mut finish = None;
                 let mut stop_token = None;
                 if inner.config.eos_at == Some(i) && !p.ignore_eos && i >= p.min_tokens {
