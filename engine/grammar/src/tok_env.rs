@@ -6,7 +6,10 @@
 //! (`tokenizer.vocab_size()..model_vocab`, padding rows of the model's embedding) are
 //! special tokens with unique names, so no grammar text can ever match them (a Lark
 //! `<[id]>` could name one; [`crate::SequenceGrammar::mask`] clears them anyway). Special
-//! tokens carry toktrie's `0xFF` marker before their name, as toktrie expects.
+//! tokens carry toktrie's `0xFF` marker before their name, as toktrie expects. A tokenizer
+//! larger than the model (Llama 3.2 Vision's tokenizer beside a 128,256-row text model has
+//! `<|image|>` at 128,256) loses its ids past `model_vocab`: the model can never produce
+//! them, and canonical tokenizations that use them fall back to the trie's greedy one.
 
 use baton_formats::Tokenizer;
 use toktrie::{TokRxInfo, TokTrie, TokenId, TokenizerEnv};
@@ -24,11 +27,6 @@ impl BatonTokEnv {
     /// empty) end a sequence.
     pub(crate) fn new(tokenizer: &Tokenizer, eos_token_ids: &[u32], model_vocab: usize) -> Result<Self, GrammarError> {
         let tok_vocab = tokenizer.vocab_size();
-        if model_vocab < tok_vocab {
-            return Err(GrammarError::Tokenizer(format!(
-                "the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({tok_vocab})"
-            )));
-        }
         let vocab_u32 = u32::try_from(model_vocab)
             .map_err(|_| GrammarError::Tokenizer(format!("vocabulary of {model_vocab} ids is too large")))?;
         let Some(&first_eos) = eos_token_ids.first() else {
@@ -75,8 +73,11 @@ impl TokenizerEnv for BatonTokEnv {
     /// greedy one for invalid bytes; a tokenizer error falls back to greedy too (this trait
     /// cannot fail, and a non-canonical tokenization only costs a forced-token shortcut).
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.trie.tokenize_with_greedy_fallback(s, |text| {
-            self.tokenizer.encode(text, false).unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes()))
+        let vocab = self.trie.vocab_size();
+        self.trie.tokenize_with_greedy_fallback(s, |text| match self.tokenizer.encode(text, false) {
+            // Ids past the model's rows (a tokenizer larger than the model) are not tokens here.
+            Ok(ids) if ids.iter().all(|&id| (id as usize) < vocab) => ids,
+            _ => self.trie.greedy_tokenize(text.as_bytes()),
         })
     }
 }

@@ -181,8 +181,22 @@ fn ids_past_the_tokenizer_vocabulary_are_never_allowed() {
         assert!(mask.count_allowed() > 0);
         assert!(m.consume(pad as u32).is_err(), "{spec:?}: a padding id is rejected");
     }
-    assert!(matches!(GrammarCompiler::new(&tok, &eos, vocab - 1), Err(GrammarError::Tokenizer(_))));
     assert!(matches!(GrammarCompiler::new(&tok, &[], vocab), Err(GrammarError::Tokenizer(_))));
+}
+
+/// A tokenizer larger than the model (Llama 3.2 Vision's beside a text model): the ids past
+/// the model's rows drop out of the vocabulary, and grammars work on the rest.
+#[test]
+fn a_tokenizer_larger_than_the_model_loses_only_the_ids_past_the_model() {
+    let (tok, eos, vocab) = default_tokenizer();
+    let model_vocab = vocab - 100;
+    let c = GrammarCompiler::new(&tok, &eos, model_vocab).expect("compiler");
+    let text = r#"{"name":"Ada","age":36}"#;
+    assert!(tok.encode(text, false).expect("encode").iter().all(|&id| (id as usize) < model_vocab));
+    let mut m = walk(&c, &tok, &schema(), text).expect("a valid document walks");
+    let mask = m.mask().expect("mask");
+    assert_eq!(mask.len(), model_vocab);
+    assert!(mask.allows(eos[0]), "complete document: EOS allowed");
 }
 
 #[test]
