@@ -894,6 +894,10 @@ impl EngineLoop {
     /// The masks of `out`'s constrained sampling rows (in parallel on the engine's pool when
     /// there are several); a request whose matcher fails is failed and gets no row.
     fn grammar_masks(&mut self, out: &SchedulerOutput) -> HashMap<RequestId, TokenMask> {
+        // Every step comes here: with no constrained request live, allocate nothing.
+        if !self.live.values().any(|l| l.grammar.is_some()) {
+            return HashMap::new();
+        }
         let rows: std::collections::HashSet<RequestId> =
             out.seqs.iter().filter(|s| s.sample && !s.token_ids.is_empty()).map(|s| s.id).collect();
         let grammars: Vec<(RequestId, &mut SequenceGrammar)> = self

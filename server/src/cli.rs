@@ -2,6 +2,7 @@
 //! that [`crate::config::resolve`] can tell "not given" from "given" and apply the
 //! flag > env > file > default precedence; defaults are stated in the help text.
 
+use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -140,6 +141,16 @@ pub struct ServeArgs {
     /// on a worker, its open streams [default: 4096]
     #[arg(long, env = "BATON_MAX_INFLIGHT", value_name = "N")]
     pub max_inflight: Option<usize>,
+    /// Tool calling and reasoning output.
+    #[command(flatten)]
+    pub tools: ToolArgs,
+}
+
+/// The tool-calling and reasoning flags, shared by `serve` and `router` (the front end
+/// parses tool calls; workers never see them). Each key is also read from the command's
+/// config table under the same name.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ToolArgs {
     /// Let the model decide to call tools (`tool_choice: "auto"`, the default when a request
     /// has tools); needs --tool-call-parser [default: false]
     #[arg(long, env = "BATON_ENABLE_AUTO_TOOL_CHOICE", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
@@ -150,6 +161,17 @@ pub struct ServeArgs {
     /// Split `<think>` reasoning into `reasoning_content`: qwen3 or deepseek_r1 [default: none]
     #[arg(long, env = "BATON_REASONING_PARSER", value_name = "NAME")]
     pub reasoning_parser: Option<ReasoningParser>,
+}
+
+impl ToolArgs {
+    /// Flag beats `file` (the same keys from the config table) beats the default.
+    pub fn resolve(&self, file: ToolArgs) -> ToolConfig {
+        ToolConfig {
+            enable_auto_tool_choice: self.enable_auto_tool_choice.or(file.enable_auto_tool_choice).unwrap_or(false),
+            tool_call_parser: self.tool_call_parser.or(file.tool_call_parser),
+            reasoning_parser: self.reasoning_parser.or(file.reasoning_parser),
+        }
+    }
 }
 
 /// Flags of `baton router`. Each also reads `BATON_ROUTER_<NAME>` and the `[router]` table of
@@ -240,16 +262,9 @@ pub struct RouterArgs {
     /// computes it instead [default: 60000]
     #[arg(long, env = "BATON_ROUTER_PREFILL_QUEUE_TIMEOUT_MS", value_name = "MS")]
     pub prefill_queue_timeout_ms: Option<u64>,
-    /// Let the model decide to call tools (`tool_choice: "auto"`, the default when a request
-    /// has tools); needs --tool-call-parser [default: false]
-    #[arg(long, env = "BATON_ENABLE_AUTO_TOOL_CHOICE", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
-    pub enable_auto_tool_choice: Option<bool>,
-    /// How the model writes tool calls: hermes, llama3_json, mistral, pythonic or openai [default: none]
-    #[arg(long, env = "BATON_TOOL_CALL_PARSER", value_name = "NAME")]
-    pub tool_call_parser: Option<ToolCallParser>,
-    /// Split `<think>` reasoning into `reasoning_content`: qwen3 or deepseek_r1 [default: none]
-    #[arg(long, env = "BATON_REASONING_PARSER", value_name = "NAME")]
-    pub reasoning_parser: Option<ReasoningParser>,
+    /// Tool calling and reasoning output.
+    #[command(flatten)]
+    pub tools: ToolArgs,
 }
 
 /// Flags of `baton worker`: every `serve` flag (model, device, engine; `--port` serves

@@ -8,7 +8,7 @@
 //! internal plane's security keys (`cluster_secret_file`, `insecure_cluster`, `tls_cert`,
 //! `tls_key`, `tls_ca`: [`crate::cluster_security`]). Unknown keys are errors in both tables.
 
-use crate::cli::{RouterArgs, WorkerArgs};
+use crate::cli::{RouterArgs, ToolArgs, WorkerArgs};
 use crate::cluster_security::{SECURITY_KEYS, SecurityError, SecurityFile, SecuritySettings};
 use crate::config::{ConfigError, ConfigFile, DEFAULT_MODEL, ServeFile, resolve};
 use crate::worker::WorkerSettings;
@@ -220,11 +220,11 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
         heartbeat_interval,
         eject_after,
         max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
-        tools: ToolConfig {
-            enable_auto_tool_choice: args.enable_auto_tool_choice.or(file.enable_auto_tool_choice).unwrap_or(false),
-            tool_call_parser: args.tool_call_parser.or(file.tool_call_parser),
-            reasoning_parser: args.reasoning_parser.or(file.reasoning_parser),
-        },
+        tools: args.tools.resolve(ToolArgs {
+            enable_auto_tool_choice: file.enable_auto_tool_choice,
+            tool_call_parser: file.tool_call_parser,
+            reasoning_parser: file.reasoning_parser,
+        }),
         cluster: ClusterSettings {
             disagg_threshold: args.disagg_threshold.or(file.disagg_threshold).unwrap_or(d.disagg_threshold),
             on_transfer_failure,

@@ -6,7 +6,7 @@
 //! (`max_model_len = 2048`). Unknown keys are an error, so a typo never silently falls back
 //! to a default.
 
-use crate::cli::ServeArgs;
+use crate::cli::{ServeArgs, ToolArgs};
 use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
@@ -233,11 +233,11 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
             .map_or(baton_engine::EngineConfig::default().stall_timeout, std::time::Duration::from_millis),
         engine_fault: args.chaos_engine_fault,
         max_inflight: args.max_inflight.or(file.max_inflight).unwrap_or(baton_router::admission::DEFAULT_MAX_INFLIGHT),
-        tools: ToolConfig {
-            enable_auto_tool_choice: args.enable_auto_tool_choice.or(file.enable_auto_tool_choice).unwrap_or(false),
-            tool_call_parser: args.tool_call_parser.or(file.tool_call_parser),
-            reasoning_parser: args.reasoning_parser.or(file.reasoning_parser),
-        },
+        tools: args.tools.resolve(ToolArgs {
+            enable_auto_tool_choice: file.enable_auto_tool_choice,
+            tool_call_parser: file.tool_call_parser,
+            reasoning_parser: file.reasoning_parser,
+        }),
     }
 }
 
