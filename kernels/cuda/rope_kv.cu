@@ -20,6 +20,21 @@
 // placed unevenly beside the larger RoPE CTAs; BENCHMARKS.md): keep these CTAs small.
 //
 // q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
+//
+// QK_NORM (Qwen3, Gemma 3): before the rotation, each query and key head is RMS-normalized
+// over its head_dim values and scaled by (norm_offset + w[j]) (q_norm for query heads, k_norm
+// for key heads; offset 0, or 1 for Gemma's `1 + w` weights), in f32 with the rotation, so
+// the normalized head is rounded to bf16 once. The head's sum of squares is a block reduction,
+// so these CTAs have head_dim / 2 threads rounded up to a multiple of 32; the extra threads
+// hold zeros and write nothing. Without QK_NORM the code is the plain kernel's.
+struct QkNormArgs {
+    const bf16_t* q_w;
+    const bf16_t* k_w;
+    float eps;
+    float offset;
+};
+
+template <bool QK_NORM>
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
                                                    const bf16_t* k_in, long long k_stride, bf16_t* k_out,
                                                    const bf16_t* __restrict__ v_in, long long v_stride,
@@ -27,15 +42,17 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    const int* __restrict__ positions,
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                   int head_dim) {
+                                                   int head_dim, QkNormArgs norm) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
     const int head = blockIdx.y;
     const long long kv_w = (long long)n_kv_heads * head_dim;
     const long long slot = slots[row];
+    // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
+    const bool active = !QK_NORM || i < half;
     if (head >= n_heads + n_kv_heads) {
-        if (slot < 0) return;
+        if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
         bf16_t* vc = v_cache + slot * kv_w + h * head_dim;
@@ -43,13 +60,24 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         vc[i + half] = vr[i + half];
         return;
     }
-    double sd, cd;
-    sincos((double)positions[row] * inv_freq[i], &sd, &cd);
-    const float s = (float)sd, c = (float)cd;
+    float s = 0.f, c = 0.f;
+    if (active) {
+        double sd, cd;
+        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
+        s = (float)sd;
+        c = (float)cd;
+    }
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
         bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
-        const float a = bf2f(qr[i]), b = bf2f(qr[i + half]);
+        float a = active ? bf2f(qr[i]) : 0.f, b = active ? bf2f(qr[i + half]) : 0.f;
+        if (QK_NORM) {
+            // Every thread reaches the reduction (the branch is uniform over the CTA).
+            const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
+            if (!active) return;
+            a *= inv * (norm.offset + bf2f(norm.q_w[i]));
+            b *= inv * (norm.offset + bf2f(norm.q_w[i + half]));
+        }
         const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
         // The thread reads its pair before writing it, so in place (q_in == q_out) is safe.
         qo[i] = ra;
@@ -58,7 +86,13 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     }
     const int h = head - n_heads;
     const bf16_t* kr = k_in + row * k_stride + h * head_dim;
-    const float a = bf2f(kr[i]), b = bf2f(kr[i + half]);
+    float a = active ? bf2f(kr[i]) : 0.f, b = active ? bf2f(kr[i + half]) : 0.f;
+    if (QK_NORM) {
+        const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
+        if (!active) return;
+        a *= inv * (norm.offset + bf2f(norm.k_w[i]));
+        b *= inv * (norm.offset + bf2f(norm.k_w[i + half]));
+    }
     const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
     if (k_out) {
         bf16_t* ko = k_out + row * kv_w + h * head_dim;
@@ -82,8 +116,8 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               int head_dim) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    rope_write_kv_body(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions, slots,
-                       inv_freq, n_heads, n_kv_heads, head_dim);
+    rope_write_kv_body<false>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+                              slots, inv_freq, n_heads, n_kv_heads, head_dim, QkNormArgs{nullptr, nullptr, 0.f, 0.f});
 }
 
 // Rows [q | k | v] of the QKV projection: rotated q to q_out, rotated k and v to the cache only.
@@ -96,6 +130,37 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
-    rope_write_kv_body(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
-                       positions, slots, inv_freq, n_heads, n_kv_heads, head_dim);
+    rope_write_kv_body<false>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
+                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
+                              QkNormArgs{nullptr, nullptr, 0.f, 0.f});
+}
+
+// The two entries above with the per-head q/k RMSNorm before the rotation (QK_NORM): q_w and
+// k_w are head_dim weights each, scaled by (offset + w). Blocks of round_up(head_dim / 2, 32).
+extern "C" __global__ void rope_qknorm_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                                     const bf16_t* __restrict__ v, bf16_t* __restrict__ k_cache,
+                                                     bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
+                                                     const long long* __restrict__ slots,
+                                                     const double* __restrict__ inv_freq, int n_heads,
+                                                     int n_kv_heads, int head_dim, const bf16_t* __restrict__ q_w,
+                                                     const bf16_t* __restrict__ k_w, float eps, float offset) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<true>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+                             slots, inv_freq, n_heads, n_kv_heads, head_dim, QkNormArgs{q_w, k_w, eps, offset});
+}
+
+extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
+                                                         bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                                         const int* __restrict__ positions,
+                                                         const long long* __restrict__ slots,
+                                                         const double* __restrict__ inv_freq, int n_heads,
+                                                         int n_kv_heads, int head_dim, const bf16_t* __restrict__ q_w,
+                                                         const bf16_t* __restrict__ k_w, float eps, float offset) {
+    PDL_ENTER();
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<true>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
+                             positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
+                             QkNormArgs{q_w, k_w, eps, offset});
 }
