@@ -1,7 +1,7 @@
 //! The kernels added for the new architectures (Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3,
 //! gpt-oss) against their CPU references (`baton_kernels::cpu`): q/k RMSNorm fused with RoPE
 //! and the KV write, GELU-tanh·mul, logit soft-capping, MoE routing, permutation, grouped
-//! GEMV and un-permute. Fresh random inputs every run (the seed is printed), outputs poisoned
+//! GEMV and un-permute, attention with a sliding window, soft-cap and sinks at head_dims up to 256. Fresh random inputs every run (the seed is printed), outputs poisoned
 //! (NaN) before each launch, ‖out − ref‖ / ‖ref‖ < 1e-2 for bf16 outputs, ids exact.
 //!
 //! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do not
@@ -10,11 +10,12 @@
 mod common;
 
 use baton_kernels::cpu::{
-    self, ExpertWeights, KvLayerMut, MoeRouting, MoeRows, MoeScoring, NormWeight, RopeScalingKind, RopeTable, SeqSpan,
+    self, AttnExtras, ExpertWeights, KvLayerMut, KvLayerRef, MoeRouting, MoeRows, MoeScoring, NormWeight,
+    RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,
-    MoeUnpermuteCall, QkNorm, RopeInput, RopeKvCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
+    AttentionExtCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall,
+    MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeInput, RopeKvCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -389,5 +390,117 @@ fn gpu_moe_grouped_gemv_and_unpermute_match_cpu() {
     for rows in [1usize, 7, 300] {
         moe_mlp_case(&dev, &mut r, rows, 8, 2, 64, 32);
         moe_mlp_case(&dev, &mut r, rows, 64, 6, 256, 136);
+    }
+}
+
+/// One mixed batch (a prefill chunk over a prefix longer than the window, decode rows at
+/// short and long contexts, a prefill from 0, padding rows) through [`AttentionExtCall`]
+/// against `cpu::paged_attention_ext`, for each combination of options.
+fn attention_ext_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usize, bs: usize) {
+    let specs = [(45usize, 30usize), (3, 1), (4000, 1), (0, 20), (200, 1)];
+    let pad = 3;
+    let (num_blocks, tables, rows) = shuffled_tables(r, &specs, bs, 4);
+    let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+    let kc = rand_vec(r, geo.layer_len(), 1.0);
+    let vc = rand_vec(r, geo.layer_len(), 1.0);
+    let w = nh * hd;
+    let q = rand_vec(r, (rows + pad) * w, 1.0);
+    let sinks: Vec<f32> = (0..nh).map(|_| r.random_range(-2.0f32..4.0)).collect();
+    let mut meta = StepMeta::new(dev).expect("meta");
+    let mut host = Vec::new();
+    let mut row = 0;
+    for (&(start, n), t) in specs.iter().zip(&tables) {
+        host.push(HostSeq { row_start: row, n_tokens: n, start_pos: start, block_table: t });
+        row += n;
+    }
+    meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("meta set");
+    let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
+    let sinks_d = dev.upload(&sinks).expect("sinks");
+    let scale = 1.0 / (hd as f32).sqrt() * 1.7;
+    for (window, softcap, with_sinks) in [
+        (None, None, false),
+        (Some(16usize), None, false),
+        (Some(16), Some(2.0f32), false),
+        (None, Some(1.0), false),
+        (Some(128), None, true),
+        (None, None, true),
+    ] {
+        let extras = AttnExtras { window, softcap, sinks: with_sinks.then_some(&sinks[..]) };
+        // Padding rows stay zero in the reference.
+        let mut want = vec![0.0; q.len()];
+        let mut row = 0;
+        for (&(start, n), t) in specs.iter().zip(&tables) {
+            cpu::paged_attention_ext(
+                &q[row * w..(row + n) * w],
+                nh,
+                scale,
+                SeqSpan { start_pos: start, n_tokens: n, block_table: t },
+                KvLayerRef { k: &kc, v: &vc, block_size: bs, n_kv_heads: nkv, head_dim: hd },
+                extras,
+                &mut want[row * w..(row + n) * w],
+            )
+            .expect("cpu attention");
+            row += n;
+        }
+        let mut out = poisoned(dev, q.len());
+        AttentionExtCall {
+            q: &qd,
+            k_cache: &kd,
+            v_cache: &vd,
+            meta: &meta,
+            n_heads: nh,
+            geo,
+            scale,
+            window,
+            softcap,
+            sinks: with_sinks.then_some(&sinks_d),
+            out: &mut out,
+        }
+        .launch(dev)
+        .expect("attention_ext");
+        check(
+            &format!(
+                "attention_ext hd={hd} heads={nh}/{nkv} bs={bs} window={window:?} softcap={softcap:?} sinks={with_sinks}"
+            ),
+            &down(dev, &out, q.len()),
+            &want,
+        );
+    }
+    // Refusals: a zero window, sinks shorter than the heads.
+    let short = dev.upload(&sinks[..nh - 1]).expect("short sinks");
+    let mut out = poisoned(dev, q.len());
+    for (window, sinks) in [(Some(0), None), (None, Some(&short))] {
+        let call = AttentionExtCall {
+            q: &qd,
+            k_cache: &kd,
+            v_cache: &vd,
+            meta: &meta,
+            n_heads: nh,
+            geo,
+            scale,
+            window,
+            softcap: None,
+            sinks,
+            out: &mut out,
+        };
+        assert!(call.launch(dev).is_err(), "bad window {window:?} or short sinks accepted");
+    }
+}
+
+/// Gemma 2/3 (head_dim 256, and 32 with a GQA group of 4), gpt-oss (64, group 8), Phi-3 (96:
+/// three dims a lane), the tiny fixtures' 24, Llama's 128; block sizes 16 and 5.
+#[test]
+fn gpu_attention_window_softcap_sinks_match_cpu() {
+    let dev = device();
+    let mut r = rng("attention_ext");
+    for &(hd, nh, nkv, bs) in &[
+        (256usize, 8usize, 4usize, 16usize),
+        (32, 8, 2, 16),
+        (64, 16, 2, 16),
+        (96, 6, 3, 5),
+        (24, 4, 2, 16),
+        (128, 4, 1, 5),
+    ] {
+        attention_ext_case(&dev, &mut r, hd, nh, nkv, bs);
     }
 }

@@ -12,7 +12,7 @@ mod norm;
 mod rope;
 
 pub use activation::{gelu_tanh, gelu_tanh_mul, silu_mul, softcap};
-pub use attention::{KvLayerMut, KvLayerRef, SeqSpan, paged_attention, write_kv};
+pub use attention::{AttnExtras, KvLayerMut, KvLayerRef, SeqSpan, paged_attention, paged_attention_ext, write_kv};
 pub use embed::embed;
 pub use linear::linear;
 pub use logprobs::prompt_logprob;

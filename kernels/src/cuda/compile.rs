@@ -53,6 +53,7 @@ impl Family {
                 include_str!("../../cuda/elementwise.cu"),
                 include_str!("../../cuda/rope_kv.cu"),
                 include_str!("../../cuda/moe.cu"),
+                include_str!("../../cuda/attention_ext.cu"),
                 include_str!("../../cuda/util.cu"),
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],

@@ -39,7 +39,8 @@
 //!    `norm.rs` ([`RmsNormCall`], [`AddRmsNormCall`]), `elementwise.rs` ([`SiluMulCall`],
 //!    [`GeluTanhMulCall`], [`SoftcapCall`], [`BiasAddCall`], [`CopyColsCall`], [`CastCall`]),
 //!    `gather.rs` ([`EmbedCall`], [`GatherRowsCall`]), `rope.rs` ([`RopeKvCall`], with
-//!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed), `linear.rs`
+//!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed),
+//!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
 //!    ([`LinearCall`]: cuBLAS or the skinny GEMM), `moe.rs` ([`MoeRouteCall`],
 //!    [`MoePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`]).
 //!
@@ -66,6 +67,7 @@
 //!    description module decides without a device.
 
 mod attention;
+mod attention_ext;
 mod compile;
 mod device;
 mod elementwise;
@@ -91,6 +93,7 @@ mod util;
 mod weight_upload;
 
 pub use attention::{AttentionCall, AttnKernel};
+pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
     missing_kernels, modules,
