@@ -143,11 +143,11 @@ extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n, int n
 // else p (x is already in permuted order). w is n_experts x n x d (HF [out, in] rows), d % 8 == 0.
 // An expert with no entries returns at once, so only the experts in use are read; a column's
 // weights are read once per MOE_GEMV_ROWS rows of its expert (once per step at decode sizes),
-// 16 bytes per lane. f32 accumulation, bf16 out.
+// 16 bytes per lane. f32 accumulation, plus bias[e, c] when bias is given (gpt-oss), bf16 out.
 extern "C" __global__ void moe_grouped_gemv_bf16(const bf16_t* __restrict__ x, int per_token, int k,
-                                                 const bf16_t* __restrict__ w, const int* __restrict__ offsets,
-                                                 const int* __restrict__ order, bf16_t* __restrict__ out, int n,
-                                                 int d) {
+                                                 const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+                                                 const int* __restrict__ offsets, const int* __restrict__ order,
+                                                 bf16_t* __restrict__ out, int n, int d) {
     PDL_ENTER();
     const int e = blockIdx.y;
     const int begin = offsets[e], end = offsets[e + 1];
@@ -155,6 +155,7 @@ extern "C" __global__ void moe_grouped_gemv_bf16(const bf16_t* __restrict__ x, i
     const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (begin >= end || col >= n) return;
     const bf16_t* wr = w + ((long long)e * n + col) * d;
+    const float b = bias ? bf2f(bias[(long long)e * n + col]) : 0.f;
     for (int r0 = begin; r0 < end; r0 += MOE_GEMV_ROWS) {
         const int nr = min(MOE_GEMV_ROWS, end - r0);
         const bf16_t* xr[MOE_GEMV_ROWS];
@@ -183,7 +184,7 @@ extern "C" __global__ void moe_grouped_gemv_bf16(const bf16_t* __restrict__ x, i
         }
 #pragma unroll
         for (int j = 0; j < MOE_GEMV_ROWS; j++) {
-            const float s = warp_sum(acc[j]);
+            const float s = warp_sum(acc[j]) + b;
             if (j < nr && lane == j) out[(long long)(r0 + j) * n + col] = f2bf(s);
         }
     }
@@ -201,5 +202,21 @@ extern "C" __global__ void moe_unpermute_bf16(const bf16_t* __restrict__ y, cons
         for (int j = 0; j < k; j++)
             acc += weights[row * k + j] * bf2f(y[(long long)position[row * k + j] * d + i]);
         out[row * d + i] = f2bf(acc);
+    }
+}
+
+// gpt-oss's expert activation over rows of 2d interleaved [gate, up] pairs (gate_up[r, 2i] is
+// gate i, gate_up[r, 2i + 1] up i): gate clamped above at limit, up to [-limit, limit],
+// out[r, i] = (up + 1) * gate * sigmoid(alpha * gate).
+extern "C" __global__ void clamped_swiglu_bf16(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
+                                               long long total, float alpha, float limit) {
+    PDL_ENTER();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / d, c = i - r * d;
+        const unsigned pair = *reinterpret_cast<const unsigned*>(gate_up + r * 2 * d + 2 * c);
+        const float g = fminf(__uint_as_float(pair << 16), limit);
+        const float u = fminf(fmaxf(__uint_as_float(pair & 0xffff0000u), -limit), limit);
+        out[i] = f2bf((u + 1.f) * g / (1.f + expf(-alpha * g)));
     }
 }

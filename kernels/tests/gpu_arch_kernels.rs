@@ -14,8 +14,9 @@ use baton_kernels::cpu::{
     RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    AttentionExtCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall,
-    MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeInput, RopeKvCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
+    AttentionExtCall, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
+    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeInput, RopeKvCall, SiluMulCall,
+    SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -162,6 +163,27 @@ fn gpu_rope_qk_norm_write_kv_matches_cpu() {
     }
 }
 
+/// gpt-oss's clamped SwiGLU over interleaved [gate, up] columns, values past the limit.
+#[test]
+fn gpu_clamped_swiglu_matches_cpu() {
+    let dev = device();
+    let mut r = rng("clamped_swiglu");
+    for &(rows, d) in &[(1usize, 2880usize), (300, 32), (3, 7)] {
+        let gu = rand_vec(&mut r, rows * 2 * d, 12.0);
+        let mut want = vec![0.0; rows * d];
+        cpu::clamped_swiglu(&gu, &mut want, d, 1.702, 7.0).expect("cpu");
+        let mut out = poisoned(&dev, rows * d);
+        ClampedSwigluCall { gate_up: &up(&dev, &gu), rows, d, alpha: 1.702, limit: 7.0, out: &mut out }
+            .launch(&dev)
+            .expect("clamped_swiglu");
+        check(&format!("clamped_swiglu {rows}x{d}"), &down(&dev, &out, rows * d), &want);
+    }
+    let mut out = poisoned(&dev, 4);
+    let bad =
+        ClampedSwigluCall { gate_up: &up(&dev, &[1.0; 8]), rows: 1, d: 4, alpha: 1.702, limit: 0.0, out: &mut out };
+    assert!(bad.launch(&dev).is_err(), "limit 0 accepted");
+}
+
 #[test]
 fn gpu_gelu_tanh_mul_and_softcap_match_cpu() {
     let dev = device();
@@ -271,19 +293,21 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
     let w1 = rand_vec(r, ne * 2 * inter * hidden, 1.0 / (hidden as f32).sqrt());
     let w2 = rand_vec(r, ne * hidden * inter, 1.0 / (inter as f32).sqrt());
     let shared = rand_vec(r, rows * hidden, 0.5);
+    // A bias on the down projection (gpt-oss has one on both), the gate_up one left out.
+    let b2 = rand_vec(r, ne * hidden, 0.5);
     let (mut ids, mut weights) = (vec![0u32; rows * k], vec![0f32; rows * k]);
     cpu::moe_route(&logits, ne, routing, &mut ids, &mut weights).expect("route");
     let perm = cpu::moe_permute(&ids, ne).expect("permute");
     let n = rows * k;
     let mut h1 = vec![0f32; n * 2 * inter];
-    let w1v = ExpertWeights { w: &w1, n: 2 * inter, d: hidden };
+    let w1v = ExpertWeights { w: &w1, n: 2 * inter, d: hidden, bias: None };
     cpu::moe_grouped_linear(&x, MoeRows::PerToken, w1v, &perm, k, &mut h1).expect("gate_up");
     let mut act = vec![0f32; n * inter];
     cpu::silu_mul(&h1, &mut act, inter).expect("silu");
     // The device rounds the activation to bf16 before the second GEMV: so does the reference.
     let act: Vec<f32> = act.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
     let mut h2 = vec![0f32; n * hidden];
-    let w2v = ExpertWeights { w: &w2, n: hidden, d: inter };
+    let w2v = ExpertWeights { w: &w2, n: hidden, d: inter, bias: Some(&b2) };
     cpu::moe_grouped_linear(&act, MoeRows::Permuted, w2v, &perm, k, &mut h2).expect("down");
     let h2r: Vec<f32> = h2.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
     let (mut want, mut want_shared) = (vec![0f32; rows * hidden], vec![0f32; rows * hidden]);
@@ -317,6 +341,7 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
         rows: MoeRows::PerToken,
         k,
         w: &w1d,
+        bias: None,
         n_experts: ne,
         n: 2 * inter,
         d: hidden,
@@ -331,11 +356,13 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
     let mut actd = poisoned(dev, n * inter);
     SiluMulCall { gate_up: &h1d, rows: n, d: inter, out: &mut actd }.launch(dev).expect("silu");
     let mut h2d = poisoned(dev, n * hidden);
+    let b2d = up(dev, &b2);
     MoeGroupedGemvCall {
         x: &actd,
         rows: MoeRows::Permuted,
         k,
         w: &w2d,
+        bias: Some(&b2d),
         n_experts: ne,
         n: hidden,
         d: inter,
@@ -370,6 +397,7 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
         rows: MoeRows::PerToken,
         k,
         w: &w1d,
+        bias: None,
         n_experts: ne,
         n: 2 * inter,
         d: hidden - 1,

@@ -40,6 +40,22 @@ pub fn gelu_tanh_mul(gate_up: &[f32], out: &mut [f32], d: usize) -> Result<(), K
     Ok(())
 }
 
+/// gpt-oss's expert activation: rows of `gate_up` are `d` interleaved `[gate, up]` pairs
+/// (`gate_up[r, 2i]` is gate `i`); `g = min(gate, limit)`, `u = clamp(up, -limit, limit)`,
+/// `out[r, i] = (u + 1) · g · σ(alpha · g)`. `out` is `rows × d`.
+pub fn clamped_swiglu(gate_up: &[f32], out: &mut [f32], d: usize, alpha: f32, limit: f32) -> Result<(), KernelError> {
+    check("clamped_swiglu", d > 0 && gate_up.len() == out.len() * 2 && out.len().is_multiple_of(d), || {
+        format!("gate_up has {} values, out {} values, d = {d}", gate_up.len(), out.len())
+    })?;
+    let (a, lim) = (alpha as f64, limit as f64);
+    out.par_iter_mut().zip(gate_up.par_chunks(2)).for_each(|(o, gu)| {
+        let g = (gu[0] as f64).min(lim);
+        let u = (gu[1] as f64).clamp(-lim, lim);
+        *o = ((u + 1.0) * g / (1.0 + (-a * g).exp())) as f32;
+    });
+    Ok(())
+}
+
 /// `x = cap · tanh(x / cap)` in place: logit soft-capping (Gemma 2's attention scores and
 /// final logits), computed in f64.
 pub fn softcap(x: &mut [f32], cap: f32) -> Result<(), KernelError> {
@@ -91,5 +107,18 @@ mod tests {
         assert!((x[3] as f64 - 2.0 * 1.5f64.tanh()).abs() < 1e-6);
         assert!((x[4] + 2.0).abs() < 1e-6, "saturates at -cap");
         assert!(softcap(&mut x, 0.0).is_err());
+    }
+
+    #[test]
+    fn clamped_swiglu_clamps_and_interleaves() {
+        // Pairs (gate, up): (1, 2), (10, -9), (-3, 0.5).
+        let gu = [1.0f32, 2.0, 10.0, -9.0, -3.0, 0.5];
+        let mut out = [f32::NAN; 3];
+        clamped_swiglu(&gu, &mut out, 3, 1.702, 7.0).unwrap();
+        let f = |g: f64, u: f64| (u + 1.0) * g / (1.0 + (-(1.702f32 as f64) * g).exp());
+        for (o, w) in out.iter().zip([f(1.0, 2.0), f(7.0, -7.0), f(-3.0, 0.5)]) {
+            assert!((*o as f64 - w).abs() < 1e-6 * w.abs().max(1.0), "{o} vs {w}");
+        }
+        assert!(clamped_swiglu(&gu, &mut [0.0; 2], 3, 1.702, 7.0).is_err());
     }
 }

@@ -11,7 +11,7 @@ mod moe;
 mod norm;
 mod rope;
 
-pub use activation::{gelu_tanh, gelu_tanh_mul, silu_mul, softcap};
+pub use activation::{clamped_swiglu, gelu_tanh, gelu_tanh_mul, silu_mul, softcap};
 pub use attention::{AttnExtras, KvLayerMut, KvLayerRef, SeqSpan, paged_attention, paged_attention_ext, write_kv};
 pub use embed::embed;
 pub use linear::linear;

@@ -143,6 +143,8 @@ pub struct ExpertWeights<'a> {
     pub n: usize,
     /// Input width.
     pub d: usize,
+    /// Each expert's bias, `n_experts × n` (gpt-oss); `None` for none.
+    pub bias: Option<&'a [f32]>,
 }
 
 /// The grouped expert linear layer: `out[p] = x[src(p)] · w[e]ᵀ` for every permuted entry `p`
@@ -157,9 +159,12 @@ pub fn moe_grouped_linear(
 ) -> Result<(), KernelError> {
     let n_experts = perm.offsets.len().saturating_sub(1);
     let entries = perm.order.len();
-    let ExpertWeights { w, n, d } = w;
+    let ExpertWeights { w, n, d, bias } = w;
     check("moe_grouped_linear", d > 0 && n > 0 && k > 0 && w.len() == n_experts * n * d, || {
         format!("w has {} values for {n_experts} experts × {n} × {d} (k = {k})", w.len())
+    })?;
+    check("moe_grouped_linear", bias.is_none_or(|b| b.len() == n_experts * n), || {
+        format!("bias is not {n_experts} experts × {n}")
     })?;
     let x_rows = if rows == MoeRows::Permuted { entries } else { entries / k };
     check("moe_grouped_linear", x.len() == x_rows * d && out.len() == entries * n, || {
@@ -172,7 +177,8 @@ pub fn moe_grouped_linear(
         let xr = &x[src * d..(src + 1) * d];
         let we = &w[expert_of[p] * n * d..(expert_of[p] + 1) * n * d];
         for (c, oc) in o.iter_mut().enumerate() {
-            *oc = xr.iter().zip(&we[c * d..(c + 1) * d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32;
+            let b = bias.map_or(0.0, |b| b[expert_of[p] * n + c] as f64);
+            *oc = (b + xr.iter().zip(&we[c * d..(c + 1) * d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()) as f32;
         }
     });
     Ok(())
@@ -281,7 +287,7 @@ mod tests {
         let shared: Vec<f32> = (0..rows * n).map(|i| i as f32).collect();
         let p = moe_permute(&ids, ne).unwrap();
         let mut y = vec![f32::NAN; rows * k * n];
-        moe_grouped_linear(&x, MoeRows::PerToken, ExpertWeights { w: &w, n, d }, &p, k, &mut y).unwrap();
+        moe_grouped_linear(&x, MoeRows::PerToken, ExpertWeights { w: &w, n, d, bias: None }, &p, k, &mut y).unwrap();
         let mut out = vec![f32::NAN; rows * n];
         moe_unpermute(&y, n, &p, &weights, k, Some(&shared), &mut out).unwrap();
         for r in 0..rows {
@@ -299,8 +305,20 @@ mod tests {
         let mut y2 = vec![f32::NAN; rows * k * n];
         let xp: Vec<f32> =
             p.order.iter().flat_map(|&a| x[(a as usize / k) * d..(a as usize / k + 1) * d].to_vec()).collect();
-        moe_grouped_linear(&xp, MoeRows::Permuted, ExpertWeights { w: &w, n, d }, &p, k, &mut y2).unwrap();
+        moe_grouped_linear(&xp, MoeRows::Permuted, ExpertWeights { w: &w, n, d, bias: None }, &p, k, &mut y2).unwrap();
         assert_eq!(y2, y);
+        // With a bias: every entry of expert e gains bias[e].
+        let bias: Vec<f32> = (0..ne * n).map(|i| i as f32 * 0.5).collect();
+        let mut yb = vec![f32::NAN; rows * k * n];
+        let wb = ExpertWeights { w: &w, n, d, bias: Some(&bias) };
+        moe_grouped_linear(&x, MoeRows::PerToken, wb, &p, k, &mut yb).unwrap();
+        for e in 0..ne {
+            for q in p.offsets[e] as usize..p.offsets[e + 1] as usize {
+                for c in 0..n {
+                    assert!((yb[q * n + c] - y[q * n + c] - bias[e * n + c]).abs() < 1e-5);
+                }
+            }
+        }
         assert!(moe_unpermute(&y, n, &p, &weights[..5], k, None, &mut out).is_err());
     }
 }

@@ -40,6 +40,7 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub moe_permute: F,
     pub moe_grouped_gemv: F,
     pub moe_unpermute: F,
+    pub clamped_swiglu: F,
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
@@ -87,6 +88,7 @@ impl<F> KernelTable<F> {
         let moe_permute = f(el, "moe_permute")?;
         let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
         let moe_unpermute = f(el, "moe_unpermute_bf16")?;
+        let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -132,6 +134,7 @@ impl<F> KernelTable<F> {
             moe_permute,
             moe_grouped_gemv,
             moe_unpermute,
+            clamped_swiglu,
             attention_ext,
             attention,
             attention_combine,
@@ -192,14 +195,14 @@ mod tests {
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
         // 12 plain kernels, 8 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
-        // soft-cap, MoE routing, permutation, grouped GEMV, un-permute), the extended attention per
+        // soft-cap, MoE routing, permutation, grouped GEMV, un-permute, gpt-oss's clamped SwiGLU), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 25 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
+        assert_eq!(names.len(), 26 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",

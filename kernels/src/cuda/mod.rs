@@ -42,7 +42,7 @@
 //!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed),
 //!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
 //!    ([`LinearCall`]: cuBLAS or the skinny GEMM), `moe.rs` ([`MoeRouteCall`],
-//!    [`MoePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`]).
+//!    [`MoePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`], [`ClampedSwigluCall`]).
 //!
 //! # Adding a kernel
 //!
@@ -109,7 +109,9 @@ pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
-pub use moe::{MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall};
+pub use moe::{
+    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall,
+};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, auto_splits, plan_splits};
 pub use prefill::{

@@ -7,7 +7,9 @@
 //! 3. [`MoeGroupedGemvCall`] with [`MoeRows::PerToken`]: the hidden states × every used
 //!    expert's `gate_up` (`n_experts × 2I × hidden`: gate rows then up rows, so the output
 //!    rows are `[gate | up]`), one output row per assignment in permuted order;
-//! 4. [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]) over those `rows · k` rows;
+//! 4. [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]; gpt-oss: [`ClampedSwigluCall`]
+//!    over its interleaved `[gate, up]` columns, with expert biases in the GEMVs) over those
+//!    `rows · k` rows;
 //! 5. [`MoeGroupedGemvCall`] with [`MoeRows::Permuted`]: × every used expert's `down`
 //!    (`n_experts × hidden × I`);
 //! 6. [`MoeUnpermuteCall`]: each token's k outputs summed with its weights, plus the shared
@@ -23,7 +25,7 @@
 //! synchronizes with the host, so the layer can be captured in a CUDA graph (the grouped GEMV
 //! launches a CTA column for every expert and returns at once from the unused ones).
 
-use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, row_threads, shape_check};
+use super::launch::{Args, MAX_GRID_YZ, cfg, grid_stride, int, need, row_threads, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::{MoeRouting, MoeRows, MoeScoring};
 use half::bf16;
@@ -144,6 +146,9 @@ pub struct MoeGroupedGemvCall<'a> {
     pub k: usize,
     /// All experts' weights, `n_experts × n × d` bf16 (each expert's `[out, in]` matrix).
     pub w: &'a CudaSlice<bf16>,
+    /// All experts' biases, `n_experts × n` bf16 (gpt-oss), added to every output row; `None`
+    /// for none.
+    pub bias: Option<&'a CudaSlice<bf16>>,
     /// Experts.
     pub n_experts: usize,
     /// Output width.
@@ -174,24 +179,24 @@ impl MoeGroupedGemvCall<'_> {
         };
         need(OP, "x", self.x, x_rows * d)?;
         need(OP, "w", self.w, ne * n * d)?;
+        if let Some(b) = self.bias {
+            need(OP, "bias", b, ne * n)?;
+        }
         need(OP, "offsets", self.offsets, ne + 1)?;
         need(OP, "order", self.order, a)?;
         need(OP, "out", self.out, a * n)?;
         if a == 0 || n == 0 {
             return Ok(());
         }
-        let args = Args::new(OP)
-            .buf(self.x)
-            .i32(i32::from(self.rows == MoeRows::PerToken))
-            .int(k)?
-            .buf(self.w)
-            .buf(self.offsets)
-            .buf(self.order)
-            .buf(self.out)
-            .int(n)?
-            .int(d)?;
+        let args = Args::new(OP).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(k)?.buf(self.w);
+        // A null pointer tells the kernel there is no bias.
+        let args = match self.bias {
+            Some(b) => args.buf(b),
+            None => args.u64(0),
+        };
+        let args = args.buf(self.offsets).buf(self.order).buf(self.out).int(n)?.int(d)?;
         let grid = cfg((int(OP, n.div_ceil(GEMV_COLS_PER_CTA))? as u32, ne as u32, 1), (32 * GEMV_COLS_PER_CTA) as u32);
-        // SAFETY: CTA (c, e) reads expert e's columns (< n, inside `w`) and the entries of its
+        // SAFETY: CTA (c, e) reads expert e's columns (< n, inside `w`, and `bias` if given) and the entries of its
         // segment offsets[e]..offsets[e + 1], which the permutation wrote within 0..assignments
         // along with their `order` (assignment indices < assignments, so token rows < a / k);
         // it writes those entries' rows of `out`. Sizes checked above.
@@ -249,6 +254,46 @@ impl MoeUnpermuteCall<'_> {
         // permutation), those rows of `expert_out` (rows · k × d), its `shared` row if given,
         // and writes its `out` row; sizes checked above.
         unsafe { args.launch(dev, &dev.kernels.moe_unpermute, grid) }
+    }
+}
+
+/// gpt-oss's expert activation ([`crate::cpu::clamped_swiglu`]): rows of `2d` interleaved
+/// `[gate, up]` pairs → `out[r, i] = (clamp(up, ±limit) + 1) · g · σ(alpha · g)` with
+/// `g = min(gate, limit)`; `out` is `rows × d`. (gpt-oss stores `gate_up_proj` as
+/// `[experts, hidden, 2I]`, input-major: transposed to `[experts, 2I, hidden]` for
+/// [`MoeGroupedGemvCall`] the columns keep their interleaved order.)
+pub struct ClampedSwigluCall<'a> {
+    /// `rows × 2d` bf16, `[gate, up]` interleaved.
+    pub gate_up: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Width of the output rows (half the input's).
+    pub d: usize,
+    /// `swiglu_alpha` (1.702).
+    pub alpha: f32,
+    /// `swiglu_limit` (7).
+    pub limit: f32,
+    /// `rows × d` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl ClampedSwigluCall<'_> {
+    /// Checks the sizes and enqueues `clamped_swiglu_bf16`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "clamped_swiglu";
+        need(OP, "gate_up", self.gate_up, self.rows * 2 * self.d)?;
+        need(OP, "out", self.out, self.rows * self.d)?;
+        shape_check(OP, self.alpha.is_finite() && self.limit.is_finite() && self.limit > 0.0, || {
+            format!("alpha {} / limit {}", self.alpha, self.limit)
+        })?;
+        let total = self.rows * self.d;
+        if total == 0 {
+            return Ok(());
+        }
+        let args =
+            Args::new(OP).buf(self.gate_up).buf(self.out).int(self.d)?.long(total)?.f32(self.alpha).f32(self.limit);
+        // SAFETY: the loop writes `total` outputs and reads their gate/up pairs, checked above.
+        unsafe { args.launch(dev, &dev.kernels.clamped_swiglu, grid_stride(total)) }
     }
 }
 
