@@ -15,8 +15,8 @@ use baton_kernels::cpu::{
 };
 use baton_kernels::cuda::{
     AttentionExtCall, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
-    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeInput, RopeKvCall, SiluMulCall,
-    SoftcapCall, StepMeta, bf16,
+    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeExtras, RopeInput, RopeKvCall,
+    SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -35,29 +35,32 @@ fn down_f32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
     dev.download(s, n).expect("download")
 }
 
-/// q/k norm + RoPE + KV write at `hd`, both weight styles, both input forms, with padding
-/// rows: q and the K cache against `head_rms_norm` then `RopeTable::apply` then `write_kv`;
-/// V copied exactly; padding rows write nothing.
-fn qk_norm_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: NormWeight) {
+/// RoPE + KV write with the extras at `hd` (q/k norm in `style` when given, the first `rot`
+/// dims rotating), both input forms, with padding rows: q and the K cache against
+/// `head_rms_norm` then `RopeTable::apply_partial` then `write_kv`; V copied exactly; padding
+/// rows write nothing.
+fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<NormWeight>, rot: usize) {
     let (nh, nkv, bs, pad) = (6usize, 2usize, 16usize, 2usize);
     let specs = [(37usize, 20usize), (5000, 1), (0, 3)];
     let (num_blocks, tables, rows) = shuffled_tables(r, &specs, bs, 3);
     let positions: Vec<usize> = specs.iter().flat_map(|&(s, n)| s..s + n).collect();
-    let table = RopeTable::new(hd, 1_000_000.0, RopeScalingKind::None).expect("table");
+    let table = RopeTable::new(rot, 1_000_000.0, RopeScalingKind::None).expect("table");
     let (qw_len, kw_len) = (nh * hd, nkv * hd);
     // Inputs of several magnitudes (the norm removes it) and weights around 0 or 1.
     let q = rand_vec(r, (rows + pad) * qw_len, 6.0);
     let k = rand_vec(r, (rows + pad) * kw_len, 0.3);
     let v = rand_vec(r, (rows + pad) * kw_len, 1.0);
-    let base = if style == NormWeight::OnePlus { 0.0 } else { 1.0 };
+    let base = if style == Some(NormWeight::OnePlus) { 0.0 } else { 1.0 };
     let q_w: Vec<f32> = rand_vec(r, hd, 0.5).iter().map(|x| x + base).collect();
     let k_w: Vec<f32> = rand_vec(r, hd, 0.5).iter().map(|x| x + base).collect();
     let eps = 1e-6;
     let (mut qn, mut kn) = (q[..rows * qw_len].to_vec(), k[..rows * kw_len].to_vec());
-    cpu::head_rms_norm(&mut qn, &q_w, eps, style).expect("norm q");
-    cpu::head_rms_norm(&mut kn, &k_w, eps, style).expect("norm k");
-    table.apply(&mut qn, nh, &positions).expect("rope q");
-    table.apply(&mut kn, nkv, &positions).expect("rope k");
+    if let Some(style) = style {
+        cpu::head_rms_norm(&mut qn, &q_w, eps, style).expect("norm q");
+        cpu::head_rms_norm(&mut kn, &k_w, eps, style).expect("norm k");
+    }
+    table.apply_partial(&mut qn, nh, hd, &positions).expect("rope q");
+    table.apply_partial(&mut kn, nkv, hd, &positions).expect("rope k");
     let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
     let (mut kc, mut vc) = (vec![f32::NAN; geo.layer_len()], vec![f32::NAN; geo.layer_len()]);
     let mut row = 0;
@@ -74,8 +77,11 @@ fn qk_norm_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: NormWeight) 
     meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("meta set");
     let inv = dev.upload(table.inv_freq()).expect("inv_freq");
     let (qwd, kwd) = (up(dev, &q_w), up(dev, &k_w));
-    let norm = || QkNorm { q_weight: &qwd, k_weight: &kwd, eps, weight: style };
-    let what = format!("qk_norm rope hd={hd} {style:?}");
+    let extras = || RopeExtras {
+        qk_norm: style.map(|weight| QkNorm { q_weight: &qwd, k_weight: &kwd, eps, weight }),
+        rotary_dim: (rot < hd).then_some(rot),
+    };
+    let what = format!("rope hd={hd} rotary_dim={rot} qk_norm={style:?}");
     let compare_cache = |tag: &str, kcd: &CudaSlice<_>, vcd: &CudaSlice<_>| {
         let (gk, gv) = (down(dev, kcd, kc.len()), down(dev, vcd, vc.len()));
         let untouched = |c: &[f32], g: &[f32]| c.iter().zip(g).filter(|(a, _)| a.is_nan()).all(|(_, b)| b.is_nan());
@@ -102,7 +108,7 @@ fn qk_norm_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: NormWeight) 
         n_heads: nh,
         geo,
     }
-    .launch_with_qk_norm(dev, norm())
+    .launch_with(dev, extras())
     .expect("split");
     check(&format!("{what} split q"), &down(dev, &qd, rows * qw_len), &qn);
     check(&format!("{what} split k"), &down(dev, &kd, rows * kw_len), &kn);
@@ -130,12 +136,13 @@ fn qk_norm_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: NormWeight) 
         n_heads: nh,
         geo,
     }
-    .launch_with_qk_norm(dev, norm())
+    .launch_with(dev, extras())
     .expect("fused");
     check(&format!("{what} fused q"), &down(dev, &q_out, rows * qw_len), &qn);
     compare_cache("fused", &kcd, &vcd);
 
-    // A norm weight shorter than head_dim is refused before anything is enqueued.
+    // A norm weight shorter than head_dim, and an odd rotary_dim, are refused before anything
+    // is enqueued.
     let short = up(dev, &q_w[..hd - 1]);
     let bad = RopeKvCall {
         input: RopeInput::Fused { qkv: &up(dev, &qkv), q_out: &mut q_out },
@@ -146,20 +153,42 @@ fn qk_norm_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: NormWeight) 
         n_heads: nh,
         geo,
     }
-    .launch_with_qk_norm(dev, QkNorm { q_weight: &short, k_weight: &kwd, eps, weight: style });
+    .launch_with(
+        dev,
+        RopeExtras {
+            qk_norm: Some(QkNorm { q_weight: &short, k_weight: &kwd, eps, weight: NormWeight::Plain }),
+            rotary_dim: None,
+        },
+    );
     assert!(bad.is_err(), "short q_norm weight accepted");
+    let odd = RopeKvCall {
+        input: RopeInput::Fused { qkv: &up(dev, &qkv), q_out: &mut q_out },
+        k_cache: &mut kcd,
+        v_cache: &mut vcd,
+        meta: &meta,
+        inv_freq: &inv,
+        n_heads: nh,
+        geo,
+    }
+    .launch_with(dev, RopeExtras { qk_norm: None, rotary_dim: Some(rot - 1) });
+    assert!(odd.is_err(), "odd rotary_dim accepted");
 }
 
 /// Qwen3 (head_dim 128, `w`) and Gemma 3 (head_dim 256, `1 + w`) and the small head_dims of
-/// the tiny fixtures (16, 32: fewer than 32 threads per head before rounding up).
+/// the tiny fixtures (16, 32: fewer than 32 threads per head before rounding up); partial
+/// rotation (Phi-4-mini: 96 of 128 dims; 12 of 16 in its tiny fixture), alone and with the norm.
 #[test]
 fn gpu_rope_qk_norm_write_kv_matches_cpu() {
     let dev = device();
     let mut r = rng("rope_qk_norm");
     for hd in [16usize, 32, 64, 128, 256] {
         for style in [NormWeight::Plain, NormWeight::OnePlus] {
-            qk_norm_case(&dev, &mut r, hd, style);
+            rope_extras_case(&dev, &mut r, hd, Some(style), hd);
         }
+    }
+    for (hd, rot) in [(128usize, 96usize), (16, 12), (64, 2)] {
+        rope_extras_case(&dev, &mut r, hd, None, rot);
+        rope_extras_case(&dev, &mut r, hd, Some(NormWeight::Plain), rot);
     }
 }
 

@@ -187,21 +187,38 @@ impl RopeTable {
         &self.inv_freq
     }
 
-    /// Head dimension the table was built for.
+    /// Head dimension the table was built for (the rotary dims, for a partial rotation).
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
 
     /// Rotates `x` (`positions.len() × n_heads × head_dim`) in place; row `t` is at `positions[t]`.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) -> Result<(), KernelError> {
-        let hd = self.head_dim;
-        check("rope", x.len() == positions.len() * n_heads * hd, || {
-            format!("x has {} values, want {} tokens × {n_heads} heads × {hd}", x.len(), positions.len())
+        self.apply_partial(x, n_heads, self.head_dim, positions)
+    }
+
+    /// Partial rotary embeddings (Phi-4-mini's `partial_rotary_factor`): heads of `head_dim`
+    /// values of which the first [`RopeTable::head_dim`] (the table's, the rotary dims) rotate
+    /// as in [`RopeTable::apply`] and the rest pass through.
+    pub fn apply_partial(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> Result<(), KernelError> {
+        let rot = self.head_dim;
+        check("rope", head_dim >= rot && x.len() == positions.len() * n_heads * head_dim, || {
+            format!(
+                "x has {} values, want {} tokens × {n_heads} heads × {head_dim} (rotary dims {rot})",
+                x.len(),
+                positions.len()
+            )
         })?;
-        let half = hd / 2;
-        x.par_chunks_mut(n_heads * hd).zip(positions.par_iter()).for_each(|(row, &pos)| {
+        let half = rot / 2;
+        x.par_chunks_mut(n_heads * head_dim).zip(positions.par_iter()).for_each(|(row, &pos)| {
             let (sin, cos): (Vec<f64>, Vec<f64>) = self.inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).unzip();
-            for head in row.chunks_mut(hd) {
+            for head in row.chunks_mut(head_dim) {
                 for i in 0..half {
                     let a = head[i] as f64;
                     let b = head[i + half] as f64;
@@ -238,6 +255,23 @@ mod tests {
         let n1: f32 = q.iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-5);
         assert!(q != q0);
+    }
+
+    #[test]
+    fn partial_rotation_rotates_the_first_dims_only() {
+        // head_dim 8, rotary dims 4 (partial_rotary_factor 0.5).
+        let t = RopeTable::new(4, 10000.0, RopeScalingKind::None).unwrap();
+        let x0: Vec<f32> = (0..16).map(|i| (i as f32 * 0.7).sin()).collect();
+        let mut x = x0.clone();
+        t.apply_partial(&mut x, 2, 8, &[9]).unwrap();
+        for head in 0..2 {
+            let (h0, h) = (&x0[head * 8..head * 8 + 8], &x[head * 8..head * 8 + 8]);
+            let mut want = h0[..4].to_vec();
+            t.apply(&mut want, 1, &[9]).unwrap();
+            assert_eq!(&h[..4], &want[..], "head {head}: the rotary dims rotate as a 4-dim head");
+            assert_eq!(&h[4..], &h0[4..], "head {head}: the rest passes through");
+        }
+        assert!(t.apply_partial(&mut x, 2, 3, &[9]).is_err());
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! RoPE and the KV-cache write (rope_kv.cu): [`RopeKvCall`] rotates q and k at each row's
 //! position and writes k and v into the row's cache slot, from three split buffers or from
-//! the rows of a fused QKV projection ([`RopeInput`]). [`RopeKvCall::launch_with_qk_norm`]
-//! fuses the per-head q/k RMSNorm of Qwen3 and Gemma 3 ([`QkNorm`]) in front of the rotation.
+//! the rows of a fused QKV projection ([`RopeInput`]). [`RopeKvCall::launch_with`] adds
+//! ([`RopeExtras`]) the per-head q/k RMSNorm of Qwen3 and Gemma 3 ([`QkNorm`]), fused in
+//! front of the rotation, and partial rotary embeddings (Phi-4-mini: only the first
+//! `rotary_dim` dims of a head rotate).
 //!
 //! Invariants: positions and slots come from the step's [`KvWriteMeta`], validated when it
 //! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per (row,
@@ -49,12 +51,25 @@ pub enum RopeInput<'a> {
     },
 }
 
+/// What some architectures add to the rotation ([`RopeKvCall::launch_with`]); the default adds
+/// nothing.
+#[derive(Default)]
+pub struct RopeExtras<'a> {
+    /// RMS-normalize every query and key head before the rotation (Qwen3, Gemma 3).
+    pub qk_norm: Option<QkNorm<'a>>,
+    /// Rotate only the first `rotary_dim` dims of each head, in pairs `(i, i + rotary_dim / 2)`
+    /// (transformers' `partial_rotary_factor · head_dim`; even, at most head_dim); the table's
+    /// `inv_freq` then has `rotary_dim / 2` entries ([`crate::cpu::RopeTable::new`] at
+    /// `rotary_dim`). Reference: [`crate::cpu::RopeTable::apply_partial`]. `None`: all of it.
+    pub rotary_dim: Option<usize>,
+}
+
 /// RoPE on q and k at each row's position, then the rotated k and v into layer's cache slots.
 ///
-/// [`launch`](Self::launch) runs it as is; [`launch_with_qk_norm`](Self::launch_with_qk_norm)
-/// first RMS-normalizes every query and key head (Qwen3, Gemma 3), in the same kernel, so the
-/// normalized heads never round-trip through memory. (The norm is an argument of the launch
-/// rather than a field so that existing call sites stay as they are.)
+/// [`launch`](Self::launch) runs it as is; [`launch_with`](Self::launch_with) adds
+/// [`RopeExtras`]: the q/k norm, in the same kernel so that the normalized heads never
+/// round-trip through memory, and partial rotation. (The extras are an argument of the
+/// launch rather than fields so that existing call sites stay as they are.)
 pub struct RopeKvCall<'a> {
     /// The rows' q, k and v.
     pub input: RopeInput<'a>,
@@ -75,19 +90,18 @@ pub struct RopeKvCall<'a> {
 impl RopeKvCall<'_> {
     /// Checks the sizes and enqueues `rope_write_kv_bf16` or `rope_qkv_write_kv_bf16`.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        self.enqueue(dev, None)
+        self.launch_with(dev, RopeExtras::default())
     }
 
-    /// As [`launch`](Self::launch), with each query head RMS-normalized by `norm.q_weight` and
-    /// each key head by `norm.k_weight` before the rotation (`rope_qknorm_write_kv_bf16` or
-    /// `rope_qkv_qknorm_write_kv_bf16`). The cached k is the normalized, rotated one; v is
-    /// not normalized.
-    pub fn launch_with_qk_norm(self, dev: &CudaDevice, norm: QkNorm<'_>) -> Result<(), CudaError> {
-        self.enqueue(dev, Some(norm))
-    }
-
-    fn enqueue(self, dev: &CudaDevice, norm: Option<QkNorm<'_>>) -> Result<(), CudaError> {
+    /// As [`launch`](Self::launch), with the extras: with `qk_norm`, each query head is
+    /// RMS-normalized by `q_weight` and each key head by `k_weight` before the rotation
+    /// (`rope_qknorm_write_kv_bf16` or `rope_qkv_qknorm_write_kv_bf16`; the cached k is the
+    /// normalized, rotated one, v is not normalized); with `rotary_dim`, the dims past it
+    /// pass through unrotated (normalized when `qk_norm` is given).
+    pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
         let (rows, hd, nkv) = (self.meta.rows, self.geo.head_dim, self.geo.n_kv_heads);
+        let norm = extras.qk_norm;
+        let rot = extras.rotary_dim.unwrap_or(hd);
         let normed = norm.is_some();
         let (op, func, lead) = match self.input {
             RopeInput::Split { q, k, v } => {
@@ -116,7 +130,10 @@ impl RopeKvCall<'_> {
         self.meta.check_geometry(op, &self.geo)?;
         need(op, "k_cache", self.k_cache, self.geo.layer_len())?;
         need(op, "v_cache", self.v_cache, self.geo.layer_len())?;
-        need(op, "inv_freq", self.inv_freq, hd / 2)?;
+        shape_check(op, rot >= 2 && rot.is_multiple_of(2) && rot <= hd, || {
+            format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
+        })?;
+        need(op, "inv_freq", self.inv_freq, rot / 2)?;
         if rows == 0 {
             return Ok(());
         }
@@ -139,13 +156,14 @@ impl RopeKvCall<'_> {
             .buf(self.inv_freq)
             .int(self.n_heads)?
             .int(nkv)?
-            .int(hd)?;
+            .int(hd)?
+            .int(rot / 2)?;
         if let Some(n) = norm {
             args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
         }
         // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
         // and the head counts above), writes one slot validated by the metadata against this
-        // cache's geometry (or none for slot -1), and reads `head_dim / 2` frequencies (and, with
+        // cache's geometry (or none for slot -1), and reads `rotary_dim / 2` frequencies (and, with
         // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
         // touch nothing).
         unsafe { args.launch(dev, func, grid) }
