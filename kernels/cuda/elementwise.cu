@@ -1,5 +1,5 @@
 // Row-wise and element-wise kernels: embedding gather into the f32 residual stream, RMSNorm
-// of it (alone and fused with the residual add), SiLU*mul, bias add, column split and row gather, bf16<->f32 conversion.
+// of it (alone and fused with the residual add), SiLU*mul and GELU-tanh*mul, logit soft-capping, bias add, column split and row gather, bf16<->f32 conversion.
 // bf16 storage, f32 arithmetic. One block per row where a row reduction is needed.
 
 // The residual stream is f32 (the bf16 branch outputs are added to it without rounding the
@@ -127,12 +127,24 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(residual[base + i] * inv * bf2f(w[i]));
 }
 
-// Rows of gate_up are [gate | up] of width 2d; out rows are silu(gate) * up of width d. With
+// Rows of gate_up are [gate | up] of width 2d; out rows are act(gate) * up of width d. With
 // d % 8 == 0 each thread takes 8 outputs (16-byte loads and store; the launcher sizes the grid
-// for total / 8), else one.
-extern "C" __global__ void silu_mul_bf16(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
-                                         long long total) {
-    PDL_ENTER();
+// for total / 8), else one. ACT is a functor: SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
+struct SiluAct {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
+};
+
+// PyTorch's gelu(x, approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+struct GeluTanhAct {
+    __device__ __forceinline__ float operator()(float g) const {
+        return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    }
+};
+
+template <typename ACT>
+__device__ __forceinline__ void gated_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
+                                          long long total) {
+    const ACT act;
     if ((d & 7) == 0) {
         const int d8 = d >> 3;
         for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (total >> 3);
@@ -146,7 +158,7 @@ extern "C" __global__ void silu_mul_bf16(const bf16_t* __restrict__ gate_up, bf1
             for (int j = 0; j < 4; j++) {
                 const float g0 = __uint_as_float(gw[j] << 16), g1 = __uint_as_float(gw[j] & 0xffff0000u);
                 const float u0 = __uint_as_float(uw[j] << 16), u1 = __uint_as_float(uw[j] & 0xffff0000u);
-                o[j] = (unsigned)f2bf(g0 / (1.f + __expf(-g0)) * u0) | ((unsigned)f2bf(g1 / (1.f + __expf(-g1)) * u1) << 16);
+                o[j] = (unsigned)f2bf(act(g0) * u0) | ((unsigned)f2bf(act(g1) * u1) << 16);
             }
             *reinterpret_cast<uint4*>(out + (i << 3)) = make_uint4(o[0], o[1], o[2], o[3]);
         }
@@ -157,8 +169,28 @@ extern "C" __global__ void silu_mul_bf16(const bf16_t* __restrict__ gate_up, bf1
         long long r = i / d, c = i % d;
         float g = bf2f(gate_up[r * 2 * d + c]);
         float u = bf2f(gate_up[r * 2 * d + d + c]);
-        out[i] = f2bf(g / (1.f + __expf(-g)) * u);
+        out[i] = f2bf(act(g) * u);
     }
+}
+
+extern "C" __global__ void silu_mul_bf16(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
+                                         long long total) {
+    PDL_ENTER();
+    gated_mul<SiluAct>(gate_up, out, d, total);
+}
+
+extern "C" __global__ void gelu_tanh_mul_bf16(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
+                                              long long total) {
+    PDL_ENTER();
+    gated_mul<GeluTanhAct>(gate_up, out, d, total);
+}
+
+// x = cap * tanh(x / cap) in place over n f32 values (Gemma 2's final logit soft-capping).
+extern "C" __global__ void softcap_f32(float* __restrict__ x, long long n, float cap) {
+    PDL_ENTER();
+    const float inv = 1.f / cap;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = cap * tanhf(x[i] * inv);
 }
 
 // x[r, j] += b[j] for rows of width n.

@@ -20,6 +20,26 @@
 // placed unevenly beside the larger RoPE CTAs; BENCHMARKS.md): keep these CTAs small.
 //
 // q_in/q_out and k_in/k_out may alias (the in-place entry), hence no __restrict__ on them.
+//
+// QK_NORM (Qwen3, Gemma 3): before the rotation, each query and key head is RMS-normalized
+// over its head_dim values and scaled by (norm_offset + w[j]) (q_norm for query heads, k_norm
+// for key heads; offset 0, or 1 for Gemma's `1 + w` weights), in f32 with the rotation, so
+// the normalized head is rounded to bf16 once. The head's sum of squares is a block reduction,
+// so these CTAs have head_dim / 2 threads rounded up to a multiple of 32; the extra threads
+// hold zeros and write nothing. Without QK_NORM the code is the plain kernel's.
+struct QkNormArgs {
+    const bf16_t* q_w;
+    const bf16_t* k_w;
+    float eps;
+    float offset;
+};
+
+// Partial rotary (Phi-4-mini, rot_half < head_dim / 2): only the first 2 * rot_half dims of a
+// head rotate, in pairs (i, i + rot_half); the rest pass through. Thread i < rot_half owns a
+// rotation pair, thread i >= rot_half the two pass-through elements 2i and 2i + 1, so the
+// threads of a head still own disjoint elements (in place stays safe). rot_half = head_dim / 2
+// is the full rotation.
+template <bool QK_NORM>
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
                                                    const bf16_t* k_in, long long k_stride, bf16_t* k_out,
                                                    const bf16_t* __restrict__ v_in, long long v_stride,
@@ -27,15 +47,17 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    const int* __restrict__ positions,
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                   int head_dim) {
+                                                   int head_dim, int rot_half, QkNormArgs norm) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
     const int head = blockIdx.y;
     const long long kv_w = (long long)n_kv_heads * head_dim;
     const long long slot = slots[row];
+    // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
+    const bool active = !QK_NORM || i < half;
     if (head >= n_heads + n_kv_heads) {
-        if (slot < 0) return;
+        if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
         bf16_t* vc = v_cache + slot * kv_w + h * head_dim;
@@ -43,32 +65,52 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         vc[i + half] = vr[i + half];
         return;
     }
-    double sd, cd;
-    sincos((double)positions[row] * inv_freq[i], &sd, &cd);
-    const float s = (float)sd, c = (float)cd;
+    const bool rotating = i < rot_half;
+    const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
+    float s = 0.f, c = 1.f;
+    if (active && rotating) {
+        double sd, cd;
+        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
+        s = (float)sd;
+        c = (float)cd;
+    }
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
         bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
-        const float a = bf2f(qr[i]), b = bf2f(qr[i + half]);
+        float a = active ? bf2f(qr[e0]) : 0.f, b = active ? bf2f(qr[e1]) : 0.f;
+        if (QK_NORM) {
+            // Every thread reaches the reduction (the branch is uniform over the CTA).
+            const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
+            if (!active) return;
+            a *= inv * (norm.offset + bf2f(norm.q_w[e0]));
+            b *= inv * (norm.offset + bf2f(norm.q_w[e1]));
+        }
+        // (c, s) = (1, 0) on pass-through elements: a and b unchanged.
         const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
-        // The thread reads its pair before writing it, so in place (q_in == q_out) is safe.
-        qo[i] = ra;
-        qo[i + half] = rb;
+        // The thread reads its elements before writing them, so in place (q_in == q_out) is safe.
+        qo[e0] = ra;
+        qo[e1] = rb;
         return;
     }
     const int h = head - n_heads;
     const bf16_t* kr = k_in + row * k_stride + h * head_dim;
-    const float a = bf2f(kr[i]), b = bf2f(kr[i + half]);
+    float a = active ? bf2f(kr[e0]) : 0.f, b = active ? bf2f(kr[e1]) : 0.f;
+    if (QK_NORM) {
+        const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
+        if (!active) return;
+        a *= inv * (norm.offset + bf2f(norm.k_w[e0]));
+        b *= inv * (norm.offset + bf2f(norm.k_w[e1]));
+    }
     const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
     if (k_out) {
         bf16_t* ko = k_out + row * kv_w + h * head_dim;
-        ko[i] = ra;
-        ko[i + half] = rb;
+        ko[e0] = ra;
+        ko[e1] = rb;
     }
     if (slot >= 0) {
         bf16_t* kc = k_cache + slot * kv_w + h * head_dim;
-        kc[i] = ra;
-        kc[i + half] = rb;
+        kc[e0] = ra;
+        kc[e1] = rb;
     }
 }
 
@@ -79,11 +121,12 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
                                               const long long* __restrict__ slots,
                                               const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                              int head_dim) {
+                                              int head_dim, int rot_half) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    rope_write_kv_body(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions, slots,
-                       inv_freq, n_heads, n_kv_heads, head_dim);
+    rope_write_kv_body<false>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+                              slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                              QkNormArgs{nullptr, nullptr, 0.f, 0.f});
 }
 
 // Rows [q | k | v] of the QKV projection: rotated q to q_out, rotated k and v to the cache only.
@@ -92,10 +135,42 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
                                                   const int* __restrict__ positions,
                                                   const long long* __restrict__ slots,
                                                   const double* __restrict__ inv_freq, int n_heads,
-                                                  int n_kv_heads, int head_dim) {
+                                                  int n_kv_heads, int head_dim, int rot_half) {
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
-    rope_write_kv_body(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
-                       positions, slots, inv_freq, n_heads, n_kv_heads, head_dim);
+    rope_write_kv_body<false>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
+                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                              QkNormArgs{nullptr, nullptr, 0.f, 0.f});
+}
+
+// The two entries above with the per-head q/k RMSNorm before the rotation (QK_NORM): q_w and
+// k_w are head_dim weights each, scaled by (offset + w). Blocks of round_up(head_dim / 2, 32).
+extern "C" __global__ void rope_qknorm_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                                     const bf16_t* __restrict__ v, bf16_t* __restrict__ k_cache,
+                                                     bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
+                                                     const long long* __restrict__ slots,
+                                                     const double* __restrict__ inv_freq, int n_heads,
+                                                     int n_kv_heads, int head_dim, int rot_half, const bf16_t* __restrict__ q_w,
+                                                     const bf16_t* __restrict__ k_w, float eps, float offset) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<true>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+                             slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                             QkNormArgs{q_w, k_w, eps, offset});
+}
+
+extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
+                                                         bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                                         const int* __restrict__ positions,
+                                                         const long long* __restrict__ slots,
+                                                         const double* __restrict__ inv_freq, int n_heads,
+                                                         int n_kv_heads, int head_dim, int rot_half, const bf16_t* __restrict__ q_w,
+                                                         const bf16_t* __restrict__ k_w, float eps, float offset) {
+    PDL_ENTER();
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<true>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
+                             positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                             QkNormArgs{q_w, k_w, eps, offset});
 }

@@ -50,12 +50,12 @@ TEXTS = [
 
 
 @torch.no_grad()
-def run_model(model_dir):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def run_model(model_dir, prompts=PROMPTS, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     vocab = model.config.vocab_size
     out = []
-    for ids in PROMPTS:
+    for ids in prompts:
         assert all(0 <= i < vocab for i in ids), f"prompt id out of range for {model_dir}"
         x = torch.tensor([ids], dtype=torch.long)
         logits = model(input_ids=x, use_cache=False).logits[0, -1].float()
@@ -65,7 +65,7 @@ def run_model(model_dir):
         greedy = []
         min_gap = float("inf")
         for _ in range(NEW_TOKENS):
-            step = model(input_ids=torch.tensor([seq], dtype=torch.long), use_cache=False).logits[0, -1]
+            step = model(input_ids=torch.tensor([seq], dtype=torch.long), use_cache=False).logits[0, -1].float()
             t2 = torch.topk(step, 2).values.tolist()
             min_gap = min(min_gap, t2[0] - t2[1])
             nxt = int(torch.argmax(step).item())
@@ -94,7 +94,12 @@ def main():
     ap.add_argument("--smollm-gguf", help="optional: default model GGUF to dump tokenizer ids for")
     args = ap.parse_args()
     torch.manual_seed(0)
-    names = sorted(n for n in os.listdir(args.dir) if os.path.isfile(os.path.join(args.dir, n, "config.json")))
+    # Folders written by make_hf_tiny.py (transformers checkpoints) get their goldens from that script.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_hf_tiny import FIXTURES as HF_TINY
+
+    names = sorted(n for n in os.listdir(args.dir)
+                   if n not in HF_TINY and os.path.isfile(os.path.join(args.dir, n, "config.json")))
     if not names:
         sys.exit(f"no model folders (with config.json) under {args.dir}")
     for name in names:

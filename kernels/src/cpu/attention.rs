@@ -99,6 +99,22 @@ pub fn write_kv(
     Ok(())
 }
 
+/// What some architectures add to plain causal attention (Gemma 2/3, Mistral, gpt-oss,
+/// Phi-3). The default adds nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttnExtras<'a> {
+    /// Sliding window: the query at position `p` sees keys `j` with `p - window < j <= p`
+    /// (transformers' convention: the window counts the query itself). `None`: the whole
+    /// causal context.
+    pub window: Option<usize>,
+    /// Logit soft-capping (Gemma 2 `attn_logit_softcapping`): each scaled score `s` becomes
+    /// `cap · tanh(s / cap)` before the softmax.
+    pub softcap: Option<f32>,
+    /// Attention sinks (gpt-oss), one logit per query head: an extra softmax column with no
+    /// value, so it only adds `exp(sink)` to the denominator. Compared with the scaled scores.
+    pub sinks: Option<&'a [f32]>,
+}
+
 /// Causal attention of the chunk's queries (`n_tokens × n_heads × head_dim`) over the
 /// cache (which must already hold the chunk's own K/V). Writes `out` in the same layout.
 pub fn paged_attention(
@@ -107,6 +123,20 @@ pub fn paged_attention(
     scale: f32,
     span: SeqSpan<'_>,
     cache: KvLayerRef<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    paged_attention_ext(q, n_heads, scale, span, cache, AttnExtras::default(), out)
+}
+
+/// [`paged_attention`] with a sliding window, logit soft-capping and attention sinks
+/// ([`AttnExtras`]). Keys outside the window are never read.
+pub fn paged_attention_ext(
+    q: &[f32],
+    n_heads: usize,
+    scale: f32,
+    span: SeqSpan<'_>,
+    cache: KvLayerRef<'_>,
+    extras: AttnExtras<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let hd = cache.head_dim;
@@ -121,9 +151,18 @@ pub fn paged_attention(
     check("paged_attention", span.block_table.len() * cache.block_size >= total, || {
         format!("block table covers {} tokens, need {total}", span.block_table.len() * cache.block_size)
     })?;
+    check("paged_attention", extras.window != Some(0), || "a sliding window of 0 tokens".into())?;
+    check("paged_attention", extras.softcap.is_none_or(|c| c.is_finite() && c > 0.0), || {
+        format!("soft-cap {:?} is not > 0", extras.softcap)
+    })?;
+    check("paged_attention", extras.sinks.is_none_or(|s| s.len() == n_heads), || {
+        format!("{} sinks for {n_heads} heads", extras.sinks.map_or(0, <[f32]>::len))
+    })?;
     let stride = kvh * hd;
-    // Resolve every position's slot once; all heads and queries share it.
-    let offsets: Vec<usize> = (0..total)
+    // Resolve the slots of every position some query can see once; all heads and queries
+    // share them. Positions before the first query's window are never looked up.
+    let first = extras.window.map_or(0, |w| (span.start_pos + 1).saturating_sub(w));
+    let offsets: Vec<usize> = (first..total)
         .map(|p| slot_offset(span.block_table, p, cache.block_size, stride, cache.k.len()))
         .collect::<Result<_, _>>()?;
     let group = n_heads / kvh;
@@ -132,12 +171,17 @@ pub fn paged_attention(
         let h = row % n_heads;
         let kv_off = (h / group) * hd;
         let qv = &q[row * hd..(row + 1) * hd];
+        let pos = span.start_pos + t;
+        let lo = extras.window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let mut m = f32::NEG_INFINITY;
         let mut l = 0.0f32;
         let mut acc = vec![0.0f32; hd];
-        for &off in &offsets[..span.start_pos + t + 1] {
+        for &off in &offsets[lo - first..pos + 1 - first] {
             let kr = &cache.k[off + kv_off..off + kv_off + hd];
-            let s = qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+            let mut s = qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+            if let Some(cap) = extras.softcap {
+                s = cap * (s / cap).tanh();
+            }
             let vr = &cache.v[off + kv_off..off + kv_off + hd];
             if s > m {
                 let c = (m - s).exp();
@@ -154,8 +198,14 @@ pub fn paged_attention(
                 }
             }
         }
+        // The sink's column: exp(sink - m) more in the denominator (f64: a sink far above
+        // every score must not overflow into inf/inf).
+        let denom = match extras.sinks {
+            Some(sinks) => l as f64 + ((sinks[h] - m) as f64).exp(),
+            None => l as f64,
+        };
         for (dst, a) in o.iter_mut().zip(&acc) {
-            *dst = a / l;
+            *dst = (*a as f64 / denom) as f32;
         }
     });
     Ok(())
@@ -260,6 +310,91 @@ mod tests {
             let norm: f64 = want.iter().map(|b| b * b).sum::<f64>().sqrt();
             assert!(err / norm < 1e-5, "case start={start} n_q={n_q}: rel err {}", err / norm);
         }
+    }
+
+    /// Window, soft-cap and sinks against a dense f64 evaluation of their definitions, over a
+    /// prefix plus a chunk longer than the window; the default extras equal `paged_attention`.
+    #[test]
+    fn extras_match_their_definitions() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (start, n_q, nh, kvh, hd, bs) = (21usize, 9usize, 4usize, 2usize, 8usize, 4usize);
+        let total = start + n_q;
+        let num_blocks = total.div_ceil(bs) + 2;
+        let mut table: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..table.len()).rev() {
+            table.swap(i, rng.random_range(0..=i));
+        }
+        let stride = kvh * hd;
+        let k: Vec<f32> = (0..total * stride).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let v: Vec<f32> = (0..total * stride).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let q: Vec<f32> = (0..n_q * nh * hd).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let sinks: Vec<f32> = (0..nh).map(|_| rng.random_range(-1.0..3.0)).collect();
+        let mut kc = vec![f32::NAN; num_blocks * bs * stride];
+        let mut vc = vec![f32::NAN; num_blocks * bs * stride];
+        let mut layer = KvLayerMut { k: &mut kc, v: &mut vc, block_size: bs, n_kv_heads: kvh, head_dim: hd };
+        let all = SeqSpan { start_pos: 0, n_tokens: total, block_table: &table };
+        write_kv(&k, &v, all, &mut layer).unwrap();
+        let span = SeqSpan { start_pos: start, n_tokens: n_q, block_table: &table };
+        let cache = KvLayerRef { k: &kc, v: &vc, block_size: bs, n_kv_heads: kvh, head_dim: hd };
+        let scale = 0.3f32;
+        let run = |extras: AttnExtras<'_>| {
+            let mut out = vec![f32::NAN; q.len()];
+            paged_attention_ext(&q, nh, scale, span, cache, extras, &mut out).unwrap();
+            out
+        };
+        let dense = |window: Option<usize>, cap: Option<f64>, sink: bool| -> Vec<f64> {
+            let mut out = vec![0.0; q.len()];
+            for t in 0..n_q {
+                let pos = start + t;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for h in 0..nh {
+                    let kh = h / (nh / kvh);
+                    let score = |p: usize| {
+                        let s = (0..hd)
+                            .map(|d| q[(t * nh + h) * hd + d] as f64 * k[(p * kvh + kh) * hd + d] as f64)
+                            .sum::<f64>()
+                            * scale as f64;
+                        cap.map_or(s, |c| c * (s / c).tanh())
+                    };
+                    let e: Vec<f64> = (lo..=pos).map(|p| score(p).exp()).collect();
+                    let z = e.iter().sum::<f64>() + if sink { (sinks[h] as f64).exp() } else { 0.0 };
+                    for d in 0..hd {
+                        out[(t * nh + h) * hd + d] =
+                            (lo..=pos).map(|p| e[p - lo] / z * v[(p * kvh + kh) * hd + d] as f64).sum();
+                    }
+                }
+            }
+            out
+        };
+        let rel = |a: &[f32], b: &[f64]| {
+            let err: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum::<f64>().sqrt();
+            err / b.iter().map(|y| y * y).sum::<f64>().sqrt()
+        };
+        let plain = run(AttnExtras::default());
+        let mut want = vec![f32::NAN; q.len()];
+        paged_attention(&q, nh, scale, span, cache, &mut want).unwrap();
+        assert_eq!(plain, want);
+        for (window, cap, sink) in
+            [(Some(5), None, false), (None, Some(1.5f32), false), (None, None, true), (Some(7), Some(0.8), true)]
+        {
+            let got = run(AttnExtras { window, softcap: cap, sinks: sink.then_some(&sinks[..]) });
+            let e = rel(&got, &dense(window, cap.map(f64::from), sink));
+            assert!(e < 1e-5, "window {window:?} cap {cap:?} sink {sink}: rel err {e}");
+            assert!(rel(&got, &dense(None, None, false)) > 1e-3, "{window:?} {cap:?} {sink} changed nothing");
+        }
+        // A window of one token returns each query's own V.
+        let own = run(AttnExtras { window: Some(1), ..Default::default() });
+        for t in 0..n_q {
+            for h in 0..nh {
+                let kh = h / (nh / kvh);
+                let want = &v[((start + t) * kvh + kh) * hd..((start + t) * kvh + kh + 1) * hd];
+                assert_eq!(&own[(t * nh + h) * hd..(t * nh + h + 1) * hd], want);
+            }
+        }
+        let bad = AttnExtras { window: Some(0), ..Default::default() };
+        assert!(paged_attention_ext(&q, nh, scale, span, cache, bad, &mut vec![0.0; q.len()]).is_err());
+        let bad = AttnExtras { sinks: Some(&sinks[..2]), ..Default::default() };
+        assert!(paged_attention_ext(&q, nh, scale, span, cache, bad, &mut vec![0.0; q.len()]).is_err());
     }
 
     #[test]

@@ -7,15 +7,20 @@ mod attention;
 mod embed;
 mod linear;
 mod logprobs;
+mod moe;
 mod norm;
 mod rope;
 
-pub use activation::silu_mul;
-pub use attention::{KvLayerMut, KvLayerRef, SeqSpan, paged_attention, write_kv};
+pub use activation::{clamped_swiglu, gelu_tanh, gelu_tanh_mul, silu_mul, softcap};
+pub use attention::{AttnExtras, KvLayerMut, KvLayerRef, SeqSpan, paged_attention, paged_attention_ext, write_kv};
 pub use embed::embed;
 pub use linear::linear;
 pub use logprobs::prompt_logprob;
-pub use norm::{add_rms_norm, rms_norm};
+pub use moe::{
+    ExpertWeights, MoePermutation, MoeRouting, MoeRows, MoeScoring, moe_grouped_linear, moe_permute, moe_route,
+    moe_unpermute,
+};
+pub use norm::{NormWeight, add_rms_norm, head_rms_norm, rms_norm};
 pub use rope::{RopeScalingKind, RopeTable};
 
 /// A kernel was called with inconsistent shapes.

@@ -1,7 +1,14 @@
 //! Rotary position embeddings in the Hugging Face "rotate half" layout: within a
 //! head, element `i` pairs with element `i + head_dim/2`. The frequency table is
-//! computed once per model with the configured scaling (none, linear, Llama 3).
-//! Angles are computed in f64 so that long positions stay accurate.
+//! computed once per model with the configured scaling (none, linear, Llama 3, YaRN), or
+//! from per-frequency factors (LongRoPE's `short_factor` / `long_factor`, see
+//! [`RopeTable::with_factors`]). Angles are computed in f64 so that long positions stay
+//! accurate.
+//!
+//! YaRN and LongRoPE also scale cos and sin by an *attention factor* (transformers'
+//! `attention_scaling`), which multiplies every q·k by its square. [`RopeTable::apply`] and
+//! the GPU kernels rotate only (so the cached K are the same on every backend); the model
+//! multiplies its softmax scale by `attention_factor()²` instead, which is the same function.
 
 use super::{KernelError, check};
 use rayon::prelude::*;
@@ -27,6 +34,25 @@ pub enum RopeScalingKind {
         /// Context length the model was pre-trained with.
         original_max_position_embeddings: usize,
     },
+    /// YaRN (gpt-oss, Qwen with `rope_type: "yarn"`): frequencies blended between the plain
+    /// ones (high frequencies) and `1 / factor` of them (low frequencies) by a linear ramp over
+    /// the correction range of `beta_fast` / `beta_slow` rotations; attention factor
+    /// `0.1 · ln(factor) + 1` unless given.
+    Yarn {
+        /// Context extension factor.
+        factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+        /// Rotations at the high-frequency end of the ramp (transformers' default 32).
+        beta_fast: f32,
+        /// Rotations at the low-frequency end of the ramp (default 1).
+        beta_slow: f32,
+        /// Round the ramp's ends outwards to whole dimensions (transformers' default true;
+        /// gpt-oss sets false).
+        truncate: bool,
+        /// The config's `attention_factor`, when it gives one.
+        attention_factor: Option<f32>,
+    },
 }
 
 /// Inverse frequencies of one model's rotary embedding.
@@ -34,6 +60,7 @@ pub enum RopeScalingKind {
 pub struct RopeTable {
     inv_freq: Vec<f64>,
     head_dim: usize,
+    attention_factor: f32,
 }
 
 impl RopeTable {
@@ -45,6 +72,7 @@ impl RopeTable {
         let half = head_dim / 2;
         let mut inv_freq: Vec<f64> =
             (0..half).map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / head_dim as f64)).collect();
+        let mut attention_factor = 1.0;
         match scaling {
             RopeScalingKind::None => {}
             RopeScalingKind::Linear { factor } => {
@@ -74,8 +102,84 @@ impl RopeTable {
                     }
                 }
             }
+            RopeScalingKind::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor: given,
+            } => {
+                check("rope", factor > 0.0 && beta_fast > 0.0 && beta_slow > 0.0, || {
+                    format!("yarn needs factor, beta_fast and beta_slow > 0 (got {factor}, {beta_fast}, {beta_slow})")
+                })?;
+                check("rope", original_max_position_embeddings > 0, || {
+                    "yarn needs original_max_position_embeddings".into()
+                })?;
+                let (dim, base) = (head_dim as f64, theta as f64);
+                let orig = original_max_position_embeddings as f64;
+                // The dimension whose wavelength makes `rotations` turns over the original context.
+                let correction_dim =
+                    |rotations: f64| dim * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+                let (mut low, mut high) = (correction_dim(beta_fast as f64), correction_dim(beta_slow as f64));
+                if truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001; // transformers' guard against a zero-width ramp
+                }
+                for (i, f) in inv_freq.iter_mut().enumerate() {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    // ramp 0: extrapolate (keep the frequency); 1: interpolate (divide by factor).
+                    *f = *f / factor as f64 * ramp + *f * (1.0 - ramp);
+                }
+                attention_factor = given.unwrap_or(if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 });
+            }
         }
-        Ok(Self { inv_freq, head_dim })
+        Ok(Self { inv_freq, head_dim, attention_factor })
+    }
+
+    /// A table whose frequency `i` is divided by `factors[i]` (`head_dim / 2` of them):
+    /// LongRoPE (Phi-3/3.5/4-mini) with its `short_factor` or `long_factor` list, and the
+    /// attention factor the model uses with it ([`RopeTable::longrope_attention_factor`]).
+    /// Which list applies is the model's choice (transformers switches to `long_factor` for a
+    /// forward pass longer than `original_max_position_embeddings`).
+    pub fn with_factors(
+        head_dim: usize,
+        theta: f32,
+        factors: &[f32],
+        attention_factor: f32,
+    ) -> Result<Self, KernelError> {
+        let mut t = Self::new(head_dim, theta, RopeScalingKind::None)?;
+        check("rope", factors.len() == head_dim / 2 && factors.iter().all(|f| f.is_finite() && *f > 0.0), || {
+            format!("{} rope factors for head_dim {head_dim} (want {}, all > 0)", factors.len(), head_dim / 2)
+        })?;
+        check("rope", attention_factor.is_finite() && attention_factor > 0.0, || {
+            format!("attention factor {attention_factor}")
+        })?;
+        t.inv_freq.iter_mut().zip(factors).for_each(|(f, &s)| *f /= s as f64);
+        t.attention_factor = attention_factor;
+        Ok(t)
+    }
+
+    /// LongRoPE's default attention factor: `sqrt(1 + ln(factor) / ln(original))` with
+    /// `factor = max_position_embeddings / original_max_position_embeddings`, 1 when the
+    /// context is not extended.
+    pub fn longrope_attention_factor(max_position_embeddings: usize, original_max_position_embeddings: usize) -> f32 {
+        let factor = max_position_embeddings as f64 / original_max_position_embeddings.max(1) as f64;
+        if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / (original_max_position_embeddings as f64).ln()).sqrt() as f32
+        }
+    }
+
+    /// The factor YaRN and LongRoPE put on cos and sin (1 otherwise): multiply the softmax
+    /// scale by its square (module doc).
+    pub fn attention_factor(&self) -> f32 {
+        self.attention_factor
     }
 
     /// The `head_dim / 2` inverse frequencies, scaling applied (what the GPU kernels upload).
@@ -83,21 +187,38 @@ impl RopeTable {
         &self.inv_freq
     }
 
-    /// Head dimension the table was built for.
+    /// Head dimension the table was built for (the rotary dims, for a partial rotation).
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
 
     /// Rotates `x` (`positions.len() × n_heads × head_dim`) in place; row `t` is at `positions[t]`.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, positions: &[usize]) -> Result<(), KernelError> {
-        let hd = self.head_dim;
-        check("rope", x.len() == positions.len() * n_heads * hd, || {
-            format!("x has {} values, want {} tokens × {n_heads} heads × {hd}", x.len(), positions.len())
+        self.apply_partial(x, n_heads, self.head_dim, positions)
+    }
+
+    /// Partial rotary embeddings (Phi-4-mini's `partial_rotary_factor`): heads of `head_dim`
+    /// values of which the first [`RopeTable::head_dim`] (the table's, the rotary dims) rotate
+    /// as in [`RopeTable::apply`] and the rest pass through.
+    pub fn apply_partial(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+    ) -> Result<(), KernelError> {
+        let rot = self.head_dim;
+        check("rope", head_dim >= rot && x.len() == positions.len() * n_heads * head_dim, || {
+            format!(
+                "x has {} values, want {} tokens × {n_heads} heads × {head_dim} (rotary dims {rot})",
+                x.len(),
+                positions.len()
+            )
         })?;
-        let half = hd / 2;
-        x.par_chunks_mut(n_heads * hd).zip(positions.par_iter()).for_each(|(row, &pos)| {
+        let half = rot / 2;
+        x.par_chunks_mut(n_heads * head_dim).zip(positions.par_iter()).for_each(|(row, &pos)| {
             let (sin, cos): (Vec<f64>, Vec<f64>) = self.inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).unzip();
-            for head in row.chunks_mut(hd) {
+            for head in row.chunks_mut(head_dim) {
                 for i in 0..half {
                     let a = head[i] as f64;
                     let b = head[i + half] as f64;
@@ -137,6 +258,23 @@ mod tests {
     }
 
     #[test]
+    fn partial_rotation_rotates_the_first_dims_only() {
+        // head_dim 8, rotary dims 4 (partial_rotary_factor 0.5).
+        let t = RopeTable::new(4, 10000.0, RopeScalingKind::None).unwrap();
+        let x0: Vec<f32> = (0..16).map(|i| (i as f32 * 0.7).sin()).collect();
+        let mut x = x0.clone();
+        t.apply_partial(&mut x, 2, 8, &[9]).unwrap();
+        for head in 0..2 {
+            let (h0, h) = (&x0[head * 8..head * 8 + 8], &x[head * 8..head * 8 + 8]);
+            let mut want = h0[..4].to_vec();
+            t.apply(&mut want, 1, &[9]).unwrap();
+            assert_eq!(&h[..4], &want[..], "head {head}: the rotary dims rotate as a 4-dim head");
+            assert_eq!(&h[4..], &h0[4..], "head {head}: the rest passes through");
+        }
+        assert!(t.apply_partial(&mut x, 2, 3, &[9]).is_err());
+    }
+
+    #[test]
     fn llama3_scaling_keeps_high_and_divides_low_frequencies() {
         let plain = RopeTable::new(128, 500000.0, RopeScalingKind::None).unwrap();
         let s = RopeTable::new(
@@ -156,5 +294,83 @@ mod tests {
         let p2 = RopeTable::new(128, 10000.0, RopeScalingKind::None).unwrap();
         assert!((p2.inv_freq[10] / 4.0 - lin.inv_freq[10]).abs() < 1e-15);
         assert!(RopeTable::new(7, 10000.0, RopeScalingKind::None).is_err());
+        assert_eq!(plain.attention_factor(), 1.0);
+    }
+
+    /// Against transformers 5.23's `_compute_yarn_parameters` (float32) for gpt-oss's rope
+    /// (head_dim 64, theta 150,000, factor 32, original 4,096, beta 32/1), with and without
+    /// truncation.
+    #[test]
+    fn yarn_matches_transformers() {
+        let yarn = |truncate| RopeScalingKind::Yarn {
+            factor: 32.0,
+            original_max_position_embeddings: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate,
+            attention_factor: None,
+        };
+        let idx = [0usize, 5, 10, 15, 20, 25, 31];
+        let want_false = [
+            1.0,
+            0.155_322_983_860_969_54,
+            0.019_334_999_844_431_877,
+            0.001_052_602_194_249_63,
+            1.818_833_698_052_913e-5,
+            2.825_066_758_305_183_6e-6,
+            3.023_511_396_804_679e-7,
+        ];
+        let want_true = [
+            1.0,
+            0.155_322_983_860_969_54,
+            0.019_450_966_268_777_847,
+            0.001_206_130_953_505_635_3,
+            1.818_833_698_052_913e-5,
+            2.825_066_758_305_183_6e-6,
+            3.023_511_396_804_679e-7,
+        ];
+        for (truncate, want) in [(false, want_false), (true, want_true)] {
+            let t = RopeTable::new(64, 150_000.0, yarn(truncate)).unwrap();
+            for (&i, w) in idx.iter().zip(want) {
+                let rel = (t.inv_freq[i] - w).abs() / w;
+                assert!(rel < 1e-5, "truncate {truncate} freq {i}: {} vs {w}", t.inv_freq[i]);
+            }
+            assert!((t.attention_factor() as f64 - 1.346_573_590_279_972_7).abs() < 1e-6);
+        }
+        let given = RopeScalingKind::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32_768,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: Some(0.5),
+        };
+        assert_eq!(RopeTable::new(128, 1e6, given).unwrap().attention_factor(), 0.5);
+    }
+
+    /// Against transformers' `_compute_longrope_parameters` (Phi-3 config: head_dim 16, theta
+    /// 10,000, max 144 / original 36, long factors 2..9).
+    #[test]
+    fn longrope_factors_match_transformers() {
+        let long: Vec<f32> = (0..8).map(|i| 2.0 + i as f32).collect();
+        let att = RopeTable::longrope_attention_factor(144, 36);
+        assert!((att as f64 - 1.177_647_148_866_986_2).abs() < 1e-6);
+        let t = RopeTable::with_factors(16, 10_000.0, &long, att).unwrap();
+        let want = [
+            0.5,
+            0.105_409_249_663_352_97,
+            0.025_000_000_372_529_03,
+            0.006_324_555_724_859_238,
+            0.001_666_666_707_023_978_2,
+            0.000_451_753_963_716_328_14,
+            0.000_125_000_005_937_181_4,
+            3.513_641_786_412_336e-5,
+        ];
+        for (i, w) in want.iter().enumerate() {
+            assert!((t.inv_freq[i] - w).abs() / w < 1e-6, "freq {i}: {} vs {w}", t.inv_freq[i]);
+        }
+        assert_eq!(t.attention_factor(), att);
+        assert!(RopeTable::with_factors(16, 10_000.0, &long[..7], att).is_err());
+        assert_eq!(RopeTable::longrope_attention_factor(4096, 4096), 1.0);
     }
 }

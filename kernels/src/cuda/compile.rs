@@ -33,7 +33,7 @@ const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
 /// A family of kernel sources: one `.cu` file or a few small ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
-    /// Row-wise and element-wise kernels, RoPE + KV write, and the utility kernels.
+    /// Row-wise and element-wise kernels, RoPE + KV write, the MoE kernels, and the utility kernels.
     Elementwise,
     /// Sampling on the device, and prompt logprobs.
     Sampling,
@@ -52,6 +52,8 @@ impl Family {
             Self::Elementwise => &[
                 include_str!("../../cuda/elementwise.cu"),
                 include_str!("../../cuda/rope_kv.cu"),
+                include_str!("../../cuda/moe.cu"),
+                include_str!("../../cuda/attention_ext.cu"),
                 include_str!("../../cuda/util.cu"),
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],

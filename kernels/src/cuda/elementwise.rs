@@ -1,5 +1,5 @@
-//! The element-wise kernels of elementwise.cu: [`SiluMulCall`], [`BiasAddCall`],
-//! [`CopyColsCall`] and [`CastCall`] (bf16 ↔ f32).
+//! The element-wise kernels of elementwise.cu: [`SiluMulCall`], [`GeluTanhMulCall`],
+//! [`SoftcapCall`], [`BiasAddCall`], [`CopyColsCall`] and [`CastCall`] (bf16 ↔ f32).
 //!
 //! Invariants: every one is a grid-stride loop over the elements it writes (`grid_stride`),
 //! so any size launches at most 65,535 CTAs; an empty op enqueues nothing.
@@ -24,18 +24,78 @@ pub struct SiluMulCall<'a> {
 impl SiluMulCall<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        const OP: &str = "silu_mul";
-        need(OP, "gate_up", self.gate_up, self.rows * 2 * self.d)?;
-        need(OP, "out", self.out, self.rows * self.d)?;
-        let total = self.rows * self.d;
-        if total == 0 {
+        gated_mul("silu_mul", dev, &dev.kernels.silu_mul, self.gate_up, self.rows, self.d, self.out)
+    }
+}
+
+/// `out = gelu_tanh(gate) * up` for `rows` rows `[gate | up]` of width `2d`: the GeGLU MLP of
+/// Gemma 1/2/3 (`hidden_activation = "gelu_pytorch_tanh"`); reference
+/// [`crate::cpu::gelu_tanh_mul`]. The same shapes and launch as [`SiluMulCall`].
+pub struct GeluTanhMulCall<'a> {
+    /// `rows × 2d` bf16.
+    pub gate_up: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Width of the output rows (half the input's).
+    pub d: usize,
+    /// `rows × d` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl GeluTanhMulCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        gated_mul("gelu_tanh_mul", dev, &dev.kernels.gelu_tanh_mul, self.gate_up, self.rows, self.d, self.out)
+    }
+}
+
+/// The launch both gated activations share (`gate_up`, `out`, `d`, `total`).
+fn gated_mul(
+    op: &'static str,
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    gate_up: &CudaSlice<bf16>,
+    rows: usize,
+    d: usize,
+    out: &CudaSlice<bf16>,
+) -> Result<(), CudaError> {
+    need(op, "gate_up", gate_up, rows * 2 * d)?;
+    need(op, "out", out, rows * d)?;
+    let total = rows * d;
+    if total == 0 {
+        return Ok(());
+    }
+    let args = Args::new(op).buf(gate_up).buf(out).int(d)?.long(total)?;
+    // With d % 8 == 0 each thread takes 8 outputs (see elementwise.cu).
+    let threads = if d.is_multiple_of(8) { total / 8 } else { total };
+    // SAFETY: the loop writes `total` outputs and reads their gate and up, checked above.
+    unsafe { args.launch(dev, func, grid_stride(threads)) }
+}
+
+/// `x = cap · tanh(x / cap)` over the first `n` f32 values in place: Gemma 2's final logit
+/// soft-capping (`final_logit_softcapping`), on the logits before sampling; reference
+/// [`crate::cpu::softcap`].
+pub struct SoftcapCall<'a> {
+    /// At least `n` f32 (the logits, `rows × vocab`).
+    pub x: &'a mut CudaSlice<f32>,
+    /// Values capped.
+    pub n: usize,
+    /// The cap, > 0.
+    pub cap: f32,
+}
+
+impl SoftcapCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "softcap";
+        need(OP, "x", self.x, self.n)?;
+        shape_check(OP, self.cap.is_finite() && self.cap > 0.0, || format!("cap {} is not > 0", self.cap))?;
+        if self.n == 0 {
             return Ok(());
         }
-        let args = Args::new(OP).buf(self.gate_up).buf(self.out).int(self.d)?.long(total)?;
-        // With d % 8 == 0 each thread takes 8 outputs (see elementwise.cu).
-        let threads = if self.d.is_multiple_of(8) { total / 8 } else { total };
-        // SAFETY: the loop writes `total` outputs and reads their gate and up, checked above.
-        unsafe { args.launch(dev, &dev.kernels.silu_mul, grid_stride(threads)) }
+        let args = Args::new(OP).buf(self.x).long(self.n)?.f32(self.cap);
+        // SAFETY: the loop updates the first `n` values of `x`, checked above.
+        unsafe { args.launch(dev, &dev.kernels.softcap, grid_stride(self.n)) }
     }
 }
 

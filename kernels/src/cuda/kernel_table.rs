@@ -9,6 +9,7 @@
 //! `[GEMV_MAX_MS][GEMV_VARIANTS][bf16 out, f32 out]`.
 
 use super::CudaError;
+use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
 use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name};
@@ -31,6 +32,17 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub f32_to_bf16: F,
     pub rope_write_kv: F,
     pub rope_qkv_write_kv: F,
+    pub rope_qknorm_write_kv: F,
+    pub rope_qkv_qknorm_write_kv: F,
+    pub gelu_tanh_mul: F,
+    pub softcap: F,
+    pub moe_route: F,
+    pub moe_permute: F,
+    pub moe_grouped_gemv: F,
+    pub moe_unpermute: F,
+    pub clamped_swiglu: F,
+    /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
+    pub attention_ext: Vec<F>,
     /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
     pub attention: Vec<Vec<F>>,
     /// The merge of split-attention partials, per head_dim as above.
@@ -68,6 +80,18 @@ impl<F> KernelTable<F> {
         let f32_to_bf16 = f(el, "f32_to_bf16")?;
         let rope_write_kv = f(el, "rope_write_kv_bf16")?;
         let rope_qkv_write_kv = f(el, "rope_qkv_write_kv_bf16")?;
+        let rope_qknorm_write_kv = f(el, "rope_qknorm_write_kv_bf16")?;
+        let rope_qkv_qknorm_write_kv = f(el, "rope_qkv_qknorm_write_kv_bf16")?;
+        let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
+        let softcap = f(el, "softcap_f32")?;
+        let moe_route = f(el, "moe_route_f32")?;
+        let moe_permute = f(el, "moe_permute")?;
+        let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
+        let moe_unpermute = f(el, "moe_unpermute_bf16")?;
+        let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
+        let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
+            .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
+            .collect::<Result<_, _>>()?;
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         for hd in ATTN_HEAD_DIMS {
@@ -102,6 +126,16 @@ impl<F> KernelTable<F> {
             f32_to_bf16,
             rope_write_kv,
             rope_qkv_write_kv,
+            rope_qknorm_write_kv,
+            rope_qkv_qknorm_write_kv,
+            gelu_tanh_mul,
+            softcap,
+            moe_route,
+            moe_permute,
+            moe_grouped_gemv,
+            moe_unpermute,
+            clamped_swiglu,
+            attention_ext,
             attention,
             attention_combine,
             prefill,
@@ -160,13 +194,15 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
+        // 12 plain kernels, 8 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
+        // soft-cap, MoE routing, permutation, grouped GEMV, un-permute, gpt-oss's clamped SwiGLU), the extended attention per
+        // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 17 + templated);
+        assert_eq!(names.len(), 26 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",

@@ -37,9 +37,12 @@
 //! 5. **kernel families**, one call struct per kernel (or per set of kernels sharing their
 //!    operands), every operand a named field and one `launch(self, &CudaDevice)`:
 //!    `norm.rs` ([`RmsNormCall`], [`AddRmsNormCall`]), `elementwise.rs` ([`SiluMulCall`],
-//!    [`BiasAddCall`], [`CopyColsCall`], [`CastCall`]), `gather.rs` ([`EmbedCall`],
-//!    [`GatherRowsCall`]), `rope.rs` ([`RopeKvCall`]), `attention.rs` ([`AttentionCall`]:
-//!    decode, prefill or mixed), `linear.rs` ([`LinearCall`]: cuBLAS or the skinny GEMM).
+//!    [`GeluTanhMulCall`], [`SoftcapCall`], [`BiasAddCall`], [`CopyColsCall`], [`CastCall`]),
+//!    `gather.rs` ([`EmbedCall`], [`GatherRowsCall`]), `rope.rs` ([`RopeKvCall`], with
+//!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed),
+//!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
+//!    ([`LinearCall`]: cuBLAS or the skinny GEMM), `moe.rs` ([`MoeRouteCall`],
+//!    [`MoePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`], [`ClampedSwigluCall`]).
 //!
 //! # Adding a kernel
 //!
@@ -64,6 +67,7 @@
 //!    description module decides without a device.
 
 mod attention;
+mod attention_ext;
 mod compile;
 mod device;
 mod elementwise;
@@ -75,6 +79,7 @@ mod kernel_table;
 mod launch;
 mod linear;
 mod lt;
+mod moe;
 mod norm;
 mod paged_attention;
 mod prefill;
@@ -88,13 +93,14 @@ mod util;
 mod weight_upload;
 
 pub use attention::{AttentionCall, AttnKernel};
+pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
     missing_kernels, modules,
 };
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};
-pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, SiluMulCall};
+pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, GeluTanhMulCall, SiluMulCall, SoftcapCall};
 pub use error::CudaError;
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
@@ -103,6 +109,9 @@ pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
+pub use moe::{
+    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall,
+};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, auto_splits, plan_splits};
 pub use prefill::{
@@ -110,7 +119,7 @@ pub use prefill::{
     prefill_supported,
 };
 pub use prompt_logprobs::{PROMPT_LOGPROB_MAX_TOP, PROMPT_LOGPROB_OUT_WORDS, PromptLogprobsCall, RowLogprob};
-pub use rope::{RopeInput, RopeKvCall};
+pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvCall};
 pub use sampling::{
     DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
 };

@@ -1,14 +1,32 @@
 //! RoPE and the KV-cache write (rope_kv.cu): [`RopeKvCall`] rotates q and k at each row's
 //! position and writes k and v into the row's cache slot, from three split buffers or from
-//! the rows of a fused QKV projection ([`RopeInput`]).
+//! the rows of a fused QKV projection ([`RopeInput`]). [`RopeKvCall::launch_with`] adds
+//! ([`RopeExtras`]) the per-head q/k RMSNorm of Qwen3 and Gemma 3 ([`QkNorm`]), fused in
+//! front of the rotation, and partial rotary embeddings (Phi-4-mini: only the first
+//! `rotary_dim` dims of a head rotate).
 //!
 //! Invariants: positions and slots come from the step's [`KvWriteMeta`], validated when it
-//! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per row,
-//! its threads a multiple of `head_dim / 2` (one rotation pair each).
+//! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per (row,
+//! head), one thread per rotation pair (`head_dim / 2`, rounded up to a multiple of 32 with the
+//! q/k norm, whose sum of squares is a block reduction).
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
+use crate::cpu::NormWeight;
 use half::bf16;
+
+/// The per-head RMSNorm of q and k that Qwen3 and Gemma 3 apply before RoPE (reference:
+/// [`crate::cpu::head_rms_norm`] on each head, then [`crate::cpu::RopeTable::apply`]).
+pub struct QkNorm<'a> {
+    /// `head_dim` weights of the query heads' norm (`self_attn.q_norm.weight`).
+    pub q_weight: &'a CudaSlice<bf16>,
+    /// `head_dim` weights of the key heads' norm (`self_attn.k_norm.weight`).
+    pub k_weight: &'a CudaSlice<bf16>,
+    /// The norm's epsilon (`rms_norm_eps`).
+    pub eps: f32,
+    /// `w` (Qwen3) or `1 + w` (Gemma 3).
+    pub weight: NormWeight,
+}
 
 /// Where the rows' q, k and v come from.
 pub enum RopeInput<'a> {
@@ -33,7 +51,25 @@ pub enum RopeInput<'a> {
     },
 }
 
+/// What some architectures add to the rotation ([`RopeKvCall::launch_with`]); the default adds
+/// nothing.
+#[derive(Default)]
+pub struct RopeExtras<'a> {
+    /// RMS-normalize every query and key head before the rotation (Qwen3, Gemma 3).
+    pub qk_norm: Option<QkNorm<'a>>,
+    /// Rotate only the first `rotary_dim` dims of each head, in pairs `(i, i + rotary_dim / 2)`
+    /// (transformers' `partial_rotary_factor · head_dim`; even, at most head_dim); the table's
+    /// `inv_freq` then has `rotary_dim / 2` entries ([`crate::cpu::RopeTable::new`] at
+    /// `rotary_dim`). Reference: [`crate::cpu::RopeTable::apply_partial`]. `None`: all of it.
+    pub rotary_dim: Option<usize>,
+}
+
 /// RoPE on q and k at each row's position, then the rotated k and v into layer's cache slots.
+///
+/// [`launch`](Self::launch) runs it as is; [`launch_with`](Self::launch_with) adds
+/// [`RopeExtras`]: the q/k norm, in the same kernel so that the normalized heads never
+/// round-trip through memory, and partial rotation. (The extras are an argument of the
+/// launch rather than fields so that existing call sites stay as they are.)
 pub struct RopeKvCall<'a> {
     /// The rows' q, k and v.
     pub input: RopeInput<'a>,
@@ -54,35 +90,65 @@ pub struct RopeKvCall<'a> {
 impl RopeKvCall<'_> {
     /// Checks the sizes and enqueues `rope_write_kv_bf16` or `rope_qkv_write_kv_bf16`.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        self.launch_with(dev, RopeExtras::default())
+    }
+
+    /// As [`launch`](Self::launch), with the extras: with `qk_norm`, each query head is
+    /// RMS-normalized by `q_weight` and each key head by `k_weight` before the rotation
+    /// (`rope_qknorm_write_kv_bf16` or `rope_qkv_qknorm_write_kv_bf16`; the cached k is the
+    /// normalized, rotated one, v is not normalized); with `rotary_dim`, the dims past it
+    /// pass through unrotated (normalized when `qk_norm` is given).
+    pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
         let (rows, hd, nkv) = (self.meta.rows, self.geo.head_dim, self.geo.n_kv_heads);
+        let norm = extras.qk_norm;
+        let rot = extras.rotary_dim.unwrap_or(hd);
+        let normed = norm.is_some();
         let (op, func, lead) = match self.input {
             RopeInput::Split { q, k, v } => {
-                const OP: &str = "rope_write_kv";
-                need(OP, "q", q, rows * self.n_heads * hd)?;
-                need(OP, "k", k, rows * nkv * hd)?;
-                need(OP, "v", v, rows * nkv * hd)?;
-                (OP, &dev.kernels.rope_write_kv, Args::new(OP).buf(q).buf(k).buf(v))
+                let (op, func) = if normed {
+                    ("rope_qknorm_write_kv", &dev.kernels.rope_qknorm_write_kv)
+                } else {
+                    ("rope_write_kv", &dev.kernels.rope_write_kv)
+                };
+                need(op, "q", q, rows * self.n_heads * hd)?;
+                need(op, "k", k, rows * nkv * hd)?;
+                need(op, "v", v, rows * nkv * hd)?;
+                (op, func, Args::new(op).buf(q).buf(k).buf(v))
             }
             RopeInput::Fused { qkv, q_out } => {
-                const OP: &str = "rope_qkv_write_kv";
-                need(OP, "qkv", qkv, rows * (self.n_heads + 2 * nkv) * hd)?;
-                need(OP, "q_out", q_out, rows * self.n_heads * hd)?;
-                (OP, &dev.kernels.rope_qkv_write_kv, Args::new(OP).buf(qkv).buf(q_out))
+                let (op, func) = if normed {
+                    ("rope_qkv_qknorm_write_kv", &dev.kernels.rope_qkv_qknorm_write_kv)
+                } else {
+                    ("rope_qkv_write_kv", &dev.kernels.rope_qkv_write_kv)
+                };
+                need(op, "qkv", qkv, rows * (self.n_heads + 2 * nkv) * hd)?;
+                need(op, "q_out", q_out, rows * self.n_heads * hd)?;
+                (op, func, Args::new(op).buf(qkv).buf(q_out))
             }
         };
         shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
         self.meta.check_geometry(op, &self.geo)?;
         need(op, "k_cache", self.k_cache, self.geo.layer_len())?;
         need(op, "v_cache", self.v_cache, self.geo.layer_len())?;
-        need(op, "inv_freq", self.inv_freq, hd / 2)?;
+        shape_check(op, rot >= 2 && rot.is_multiple_of(2) && rot <= hd, || {
+            format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
+        })?;
+        need(op, "inv_freq", self.inv_freq, rot / 2)?;
         if rows == 0 {
             return Ok(());
         }
         // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
         let heads = int(op, self.n_heads + 2 * nkv)? as u32;
         shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
-        let grid = cfg((int(op, rows)? as u32, heads, 1), (hd / 2) as u32);
-        let args = lead
+        if let Some(n) = &norm {
+            need(op, "q_norm weight", n.q_weight, hd)?;
+            need(op, "k_norm weight", n.k_weight, hd)?;
+            shape_check(op, n.eps.is_finite() && n.eps >= 0.0, || format!("norm eps {} is not >= 0", n.eps))?;
+        }
+        // With the norm, whole warps: the head's sum of squares is a block reduction.
+        let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
+        let grid = cfg((int(op, rows)? as u32, heads, 1), threads as u32);
+        let mut args = lead
             .buf(self.k_cache)
             .buf(self.v_cache)
             .buf(&self.meta.positions)
@@ -90,10 +156,16 @@ impl RopeKvCall<'_> {
             .buf(self.inv_freq)
             .int(self.n_heads)?
             .int(nkv)?
-            .int(hd)?;
+            .int(hd)?
+            .int(rot / 2)?;
+        if let Some(n) = norm {
+            args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
+        }
         // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
         // and the head counts above), writes one slot validated by the metadata against this
-        // cache's geometry (or none for slot -1), and reads `head_dim / 2` frequencies.
+        // cache's geometry (or none for slot -1), and reads `rotary_dim / 2` frequencies (and, with
+        // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
+        // touch nothing).
         unsafe { args.launch(dev, func, grid) }
     }
 }

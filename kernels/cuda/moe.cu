@@ -1,0 +1,222 @@
+// Mixture-of-experts kernels around the expert GEMMs (references in kernels/src/cpu/moe.rs):
+// routing (each token's top-k experts and weights), the permutation that groups the
+// token-expert assignments by expert, one grouped GEMV over the experts in use, and the
+// un-permute that sums each token's expert outputs with its weights plus a shared expert.
+//
+// An assignment is (token row, choice j), index a = row * k + j. ids/weights are rows x k.
+// The permutation is stable (by expert, then by assignment index), like the CPU's, so its
+// order is a pure function of the ids.
+
+#define MOE_MAX_EXPERTS 256
+#define MOE_PER_LANE (MOE_MAX_EXPERTS / 32)
+#define MOE_MAX_K 32
+
+// One warp per token row (blockDim.x / 32 rows per CTA). Lane l holds experts l, l + 32, ...
+// (coalesced loads). Top-k on the logits (softmax and sigmoid are monotone): k rounds of a
+// warp argmax, ties to the lower expert index; the score of the chosen expert is its softmax
+// over all experts or its sigmoid, renormalized over the k when asked, times scale. Lane j
+// keeps choice j and writes it at the end (k <= 32).
+extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int rows, int n_experts, int k,
+                                         int sigmoid, int renormalize, float scale, int* __restrict__ ids,
+                                         float* __restrict__ weights) {
+    PDL_ENTER();
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const float* lr = logits + (long long)row * n_experts;
+    float v[MOE_PER_LANE];
+    float m = NEG_INF;
+#pragma unroll
+    for (int t = 0; t < MOE_PER_LANE; t++) {
+        const int e = lane + 32 * t;
+        v[t] = e < n_experts ? lr[e] : NEG_INF;
+        m = fmaxf(m, v[t]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float z = 0.f;
+    if (!sigmoid) {
+#pragma unroll
+        for (int t = 0; t < MOE_PER_LANE; t++)
+            if (lane + 32 * t < n_experts) z += expf(v[t] - m);
+        z = warp_sum(z);
+    }
+    unsigned taken = 0;
+    float mine = 0.f, sum = 0.f;
+    int mine_id = 0;
+    for (int j = 0; j < k; j++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int t = 0; t < MOE_PER_LANE; t++) {
+            const int e = lane + 32 * t;
+            if (e < n_experts && !((taken >> t) & 1u) && (v[t] > bv || (v[t] == bv && e < bi))) {
+                bv = v[t];
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        // k <= n_experts, so bi is a real expert; its lane marks it taken.
+        if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+        const float score = sigmoid ? 1.f / (1.f + expf(-bv)) : expf(bv - m) / z;
+        sum += score;
+        if (lane == j) {
+            mine = score;
+            mine_id = bi;
+        }
+    }
+    if (lane < k) {
+        ids[(long long)row * k + lane] = mine_id;
+        weights[(long long)row * k + lane] = (renormalize ? mine / sum : mine) * scale;
+    }
+}
+
+#define MOE_CHUNK 4096
+
+// One CTA (any multiple of 32 threads, 1,024 best). Counts per expert (shared atomics; the
+// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1),
+// then a stable placement: ids are staged in chunks in shared memory and warp w places the
+// assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
+// order[p] = a and position[a] = p. An id outside [0, n_experts) is never placed (the
+// segments then cover fewer than n entries; moe_route never writes one).
+extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n, int n_experts, int* __restrict__ offsets,
+                                       int* __restrict__ order, int* __restrict__ position) {
+    PDL_ENTER();
+    __shared__ int cursor[MOE_MAX_EXPERTS + 1];
+    __shared__ int chunk[MOE_CHUNK];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+    for (int e = tid; e <= n_experts; e += blockDim.x) cursor[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        if ((unsigned)e < (unsigned)n_experts) atomicAdd(&cursor[e], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        int acc = 0;
+        for (int e = 0; e < n_experts; e++) {
+            const int c = cursor[e];
+            cursor[e] = acc;
+            offsets[e] = acc;
+            acc += c;
+        }
+        offsets[n_experts] = acc;
+    }
+    __syncthreads();
+    for (int base = 0; base < n; base += MOE_CHUNK) {
+        const int len = min(MOE_CHUNK, n - base);
+        for (int i = tid; i < len; i += blockDim.x) chunk[i] = ids[base + i];
+        __syncthreads();
+        // Expert e's cursor is read and written by one warp only.
+        for (int e = warp; e < n_experts; e += warps) {
+            int cur = cursor[e];
+            for (int i0 = 0; i0 < len; i0 += 32) {
+                const int i = i0 + lane;
+                const bool hit = i < len && chunk[i] == e;
+                const unsigned b = __ballot_sync(0xffffffffu, hit);
+                if (hit) {
+                    const int p = cur + __popc(b & ((1u << lane) - 1u));
+                    order[p] = base + i;
+                    position[base + i] = p;
+                }
+                cur += __popc(b);
+            }
+            if (lane == 0) cursor[e] = cur;
+        }
+        __syncthreads();
+    }
+}
+
+#define MOE_GEMV_ROWS 8
+
+// out[p, c] = x[src(p)] . w[e, c] for every permuted entry p of expert e (blockIdx.y) and
+// column c (one warp per column, blockDim.x / 32 columns per CTA), src(p) = order[p] / k when
+// per_token (x has one row per token: the first projection reads the hidden states directly),
+// else p (x is already in permuted order). w is n_experts x n x d (HF [out, in] rows), d % 8 == 0.
+// An expert with no entries returns at once, so only the experts in use are read; a column's
+// weights are read once per MOE_GEMV_ROWS rows of its expert (once per step at decode sizes),
+// 16 bytes per lane. f32 accumulation, plus bias[e, c] when bias is given (gpt-oss), bf16 out.
+extern "C" __global__ void moe_grouped_gemv_bf16(const bf16_t* __restrict__ x, int per_token, int k,
+                                                 const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+                                                 const int* __restrict__ offsets, const int* __restrict__ order,
+                                                 bf16_t* __restrict__ out, int n, int d) {
+    PDL_ENTER();
+    const int e = blockIdx.y;
+    const int begin = offsets[e], end = offsets[e + 1];
+    const int lane = threadIdx.x & 31;
+    const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (begin >= end || col >= n) return;
+    const bf16_t* wr = w + ((long long)e * n + col) * d;
+    const float b = bias ? bf2f(bias[(long long)e * n + col]) : 0.f;
+    for (int r0 = begin; r0 < end; r0 += MOE_GEMV_ROWS) {
+        const int nr = min(MOE_GEMV_ROWS, end - r0);
+        const bf16_t* xr[MOE_GEMV_ROWS];
+        float acc[MOE_GEMV_ROWS];
+#pragma unroll
+        for (int j = 0; j < MOE_GEMV_ROWS; j++) {
+            const int p = r0 + (j < nr ? j : 0);
+            xr[j] = x + (long long)(per_token ? order[p] / k : p) * d;
+            acc[j] = 0.f;
+        }
+        for (int i = lane * 8; i < d; i += 256) {
+            const uint4 wv = *reinterpret_cast<const uint4*>(wr + i);
+            const unsigned ww[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+            for (int j = 0; j < MOE_GEMV_ROWS; j++) {
+                if (j < nr) {
+                    const uint4 xv = *reinterpret_cast<const uint4*>(xr[j] + i);
+                    const unsigned xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        acc[j] += __uint_as_float(xw[q] << 16) * __uint_as_float(ww[q] << 16) +
+                                  __uint_as_float(xw[q] & 0xffff0000u) * __uint_as_float(ww[q] & 0xffff0000u);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < MOE_GEMV_ROWS; j++) {
+            const float s = warp_sum(acc[j]) + b;
+            if (j < nr && lane == j) out[(long long)(r0 + j) * n + col] = f2bf(s);
+        }
+    }
+}
+
+// out[r, i] = shared[r, i] (when given) + sum_j weights[r k + j] * y[position[r k + j], i]: one
+// CTA per token row, f32 sum in a fixed order (deterministic, no atomics), bf16 out.
+extern "C" __global__ void moe_unpermute_bf16(const bf16_t* __restrict__ y, const int* __restrict__ position,
+                                              const float* __restrict__ weights, int k,
+                                              const bf16_t* __restrict__ shared, bf16_t* __restrict__ out, int d) {
+    PDL_ENTER();
+    const long long row = blockIdx.x;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = shared ? bf2f(shared[row * d + i]) : 0.f;
+        for (int j = 0; j < k; j++)
+            acc += weights[row * k + j] * bf2f(y[(long long)position[row * k + j] * d + i]);
+        out[row * d + i] = f2bf(acc);
+    }
+}
+
+// gpt-oss's expert activation over rows of 2d interleaved [gate, up] pairs (gate_up[r, 2i] is
+// gate i, gate_up[r, 2i + 1] up i): gate clamped above at limit, up to [-limit, limit],
+// out[r, i] = (up + 1) * gate * sigmoid(alpha * gate).
+extern "C" __global__ void clamped_swiglu_bf16(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
+                                               long long total, float alpha, float limit) {
+    PDL_ENTER();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / d, c = i - r * d;
+        const unsigned pair = *reinterpret_cast<const unsigned*>(gate_up + r * 2 * d + 2 * c);
+        const float g = fminf(__uint_as_float(pair << 16), limit);
+        const float u = fminf(fmaxf(__uint_as_float(pair & 0xffff0000u), -limit), limit);
+        out[i] = f2bf((u + 1.f) * g / (1.f + expf(-alpha * g)));
+    }
+}

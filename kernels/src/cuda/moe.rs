@@ -1,0 +1,310 @@
+//! The mixture-of-experts kernels (moe.cu), in the order a MoE layer runs them:
+//!
+//! 1. [`MoeRouteCall`]: router logits (f32, `rows × n_experts`, e.g. a [`super::LinearCall`]
+//!    with f32 output) → each token's top-k expert ids and weights;
+//! 2. [`MoePermuteCall`]: the ids → the assignments grouped by expert (`offsets`, `order`,
+//!    `position`, as [`crate::cpu::MoePermutation`]);
+//! 3. [`MoeGroupedGemvCall`] with [`MoeRows::PerToken`]: the hidden states × every used
+//!    expert's `gate_up` (`n_experts × 2I × hidden`: gate rows then up rows, so the output
+//!    rows are `[gate | up]`), one output row per assignment in permuted order;
+//! 4. [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]; gpt-oss: [`ClampedSwigluCall`]
+//!    over its interleaved `[gate, up]` columns, with expert biases in the GEMVs) over those
+//!    `rows · k` rows;
+//! 5. [`MoeGroupedGemvCall`] with [`MoeRows::Permuted`]: × every used expert's `down`
+//!    (`n_experts × hidden × I`);
+//! 6. [`MoeUnpermuteCall`]: each token's k outputs summed with its weights, plus the shared
+//!    expert's output when the model has one, into the branch output that
+//!    [`super::AddRmsNormCall`] adds to the residual stream.
+//!
+//! References: [`crate::cpu::moe_route`], [`crate::cpu::moe_permute`],
+//! [`crate::cpu::moe_grouped_linear`], [`crate::cpu::moe_unpermute`].
+//!
+//! Invariants: ids, weights, offsets, order and position are device data written by steps 1
+//! and 2 (the kernels that read them trust them; nothing else should write them); every
+//! launcher checks the slice sizes and the limits below before enqueueing; nothing here
+//! synchronizes with the host, so the layer can be captured in a CUDA graph (the grouped GEMV
+//! launches a CTA column for every expert and returns at once from the unused ones).
+
+use super::launch::{Args, MAX_GRID_YZ, cfg, grid_stride, int, need, row_threads, shape_check};
+use super::{CudaDevice, CudaError, CudaSlice};
+use crate::cpu::{MoeRouting, MoeRows, MoeScoring};
+use half::bf16;
+
+/// Most experts a router may have (the routing kernel keeps a row in registers, and the
+/// permutation keeps one cursor per expert in shared memory).
+pub const MOE_MAX_EXPERTS: usize = 256;
+
+/// Most experts per token (one lane of the routing warp per choice).
+pub const MOE_MAX_K: usize = 32;
+
+// The routing warp holds MOE_MAX_EXPERTS / 32 logits a lane and one choice a lane.
+const _: () = assert!(MOE_MAX_EXPERTS.is_multiple_of(32) && MOE_MAX_K <= 32);
+
+/// Token rows routed per CTA (one warp each).
+const ROUTE_ROWS_PER_CTA: usize = 4;
+
+/// Output columns per CTA of the grouped GEMV (one warp each).
+const GEMV_COLS_PER_CTA: usize = 8;
+
+/// Each token's top-k experts: `ids[r·k + j]` and `weights[r·k + j]`, best first.
+pub struct MoeRouteCall<'a> {
+    /// Router logits, `rows × n_experts` f32.
+    pub logits: &'a CudaSlice<f32>,
+    /// Token rows.
+    pub rows: usize,
+    /// Experts, at most [`MOE_MAX_EXPERTS`].
+    pub n_experts: usize,
+    /// Scoring, k (at most [`MOE_MAX_K`] and `n_experts`), renormalization and scale.
+    pub routing: MoeRouting,
+    /// `rows × k` expert ids (written).
+    pub ids: &'a mut CudaSlice<i32>,
+    /// `rows × k` weights (written).
+    pub weights: &'a mut CudaSlice<f32>,
+}
+
+impl MoeRouteCall<'_> {
+    /// Checks the sizes and enqueues `moe_route_f32`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_route";
+        let (rows, ne, r) = (self.rows, self.n_experts, self.routing);
+        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
+            format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
+        })?;
+        shape_check(OP, r.k >= 1 && r.k <= ne.min(MOE_MAX_K), || format!("k = {} with {ne} experts", r.k))?;
+        shape_check(OP, r.scale.is_finite(), || format!("scale {}", r.scale))?;
+        need(OP, "logits", self.logits, rows * ne)?;
+        need(OP, "ids", self.ids, rows * r.k)?;
+        need(OP, "weights", self.weights, rows * r.k)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let sigmoid = matches!(r.scoring, MoeScoring::Sigmoid);
+        let args = Args::new(OP)
+            .buf(self.logits)
+            .int(rows)?
+            .int(ne)?
+            .int(r.k)?
+            .i32(i32::from(sigmoid))
+            .i32(i32::from(r.renormalize))
+            .f32(r.scale)
+            .buf(self.ids)
+            .buf(self.weights);
+        let grid = cfg((int(OP, rows.div_ceil(ROUTE_ROWS_PER_CTA))? as u32, 1, 1), (32 * ROUTE_ROWS_PER_CTA) as u32);
+        // SAFETY: warp r reads row r's `n_experts` logits and writes its `k` ids and weights, for
+        // r < rows (the kernel skips the rest), all checked above.
+        unsafe { args.launch(dev, &dev.kernels.moe_route, grid) }
+    }
+}
+
+/// Groups `assignments` expert ids by expert (stably): `offsets` (`n_experts + 1`), `order`
+/// and `position` (`assignments` each), as [`crate::cpu::moe_permute`].
+pub struct MoePermuteCall<'a> {
+    /// Expert ids, `assignments` of them (a [`MoeRouteCall`]'s `ids`: `rows · k`).
+    pub ids: &'a CudaSlice<i32>,
+    /// Assignments (`rows · k`).
+    pub assignments: usize,
+    /// Experts, at most [`MOE_MAX_EXPERTS`].
+    pub n_experts: usize,
+    /// `n_experts + 1` prefix offsets (written).
+    pub offsets: &'a mut CudaSlice<i32>,
+    /// Assignment index of each permuted entry (written).
+    pub order: &'a mut CudaSlice<i32>,
+    /// Permuted entry of each assignment (written).
+    pub position: &'a mut CudaSlice<i32>,
+}
+
+impl MoePermuteCall<'_> {
+    /// Checks the sizes and enqueues `moe_permute` (one CTA: the permutation is a small
+    /// global problem, `rows · k` ids, and one CTA needs no grid-wide synchronization).
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_permute";
+        let (n, ne) = (self.assignments, self.n_experts);
+        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
+            format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
+        })?;
+        need(OP, "ids", self.ids, n)?;
+        need(OP, "offsets", self.offsets, ne + 1)?;
+        need(OP, "order", self.order, n)?;
+        need(OP, "position", self.position, n)?;
+        let args = Args::new(OP).buf(self.ids).int(n)?.int(ne)?.buf(self.offsets).buf(self.order).buf(self.position);
+        // Launched even for no assignments: the offsets are still written (all zero).
+        // SAFETY: the CTA reads `n` ids, writes `n_experts + 1` offsets and places each in-range
+        // id once into `order`/`position` (`n` each), all checked above.
+        unsafe { args.launch(dev, &dev.kernels.moe_permute, cfg((1, 1, 1), 1024)) }
+    }
+}
+
+/// One grouped GEMV over the experts in use: `out[p] = x[src(p)] · w[e]ᵀ` for every permuted
+/// entry `p` of expert `e` (`src` as [`MoeRows`] says), `out` is `assignments × n` bf16.
+/// Unused experts' weights are never read, a used expert's once per 8 of its rows.
+pub struct MoeGroupedGemvCall<'a> {
+    /// `rows × d` ([`MoeRows::PerToken`]) or `assignments × d` ([`MoeRows::Permuted`]) bf16.
+    pub x: &'a CudaSlice<bf16>,
+    /// Which rows of `x` the entries read.
+    pub rows: MoeRows,
+    /// Experts per token (the `k` of the routing; `assignments = rows · k`).
+    pub k: usize,
+    /// All experts' weights, `n_experts × n × d` bf16 (each expert's `[out, in]` matrix).
+    pub w: &'a CudaSlice<bf16>,
+    /// All experts' biases, `n_experts × n` bf16 (gpt-oss), added to every output row; `None`
+    /// for none.
+    pub bias: Option<&'a CudaSlice<bf16>>,
+    /// Experts.
+    pub n_experts: usize,
+    /// Output width.
+    pub n: usize,
+    /// Input width, a multiple of 8 (16-byte loads).
+    pub d: usize,
+    /// The [`MoePermuteCall`]'s offsets.
+    pub offsets: &'a CudaSlice<i32>,
+    /// The [`MoePermuteCall`]'s order.
+    pub order: &'a CudaSlice<i32>,
+    /// Assignments (`rows · k`).
+    pub assignments: usize,
+    /// `assignments × n` bf16 (written for every placed assignment).
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl MoeGroupedGemvCall<'_> {
+    /// Checks the sizes and enqueues `moe_grouped_gemv_bf16`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_grouped_gemv";
+        let (ne, n, d, k, a) = (self.n_experts, self.n, self.d, self.k, self.assignments);
+        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
+        shape_check(OP, d > 0 && d.is_multiple_of(8), || format!("d = {d} is not a positive multiple of 8"))?;
+        shape_check(OP, k >= 1 && a.is_multiple_of(k), || format!("{a} assignments with k = {k}"))?;
+        let x_rows = match self.rows {
+            MoeRows::PerToken => a / k,
+            MoeRows::Permuted => a,
+        };
+        need(OP, "x", self.x, x_rows * d)?;
+        need(OP, "w", self.w, ne * n * d)?;
+        if let Some(b) = self.bias {
+            need(OP, "bias", b, ne * n)?;
+        }
+        need(OP, "offsets", self.offsets, ne + 1)?;
+        need(OP, "order", self.order, a)?;
+        need(OP, "out", self.out, a * n)?;
+        if a == 0 || n == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(k)?.buf(self.w);
+        // A null pointer tells the kernel there is no bias.
+        let args = match self.bias {
+            Some(b) => args.buf(b),
+            None => args.u64(0),
+        };
+        let args = args.buf(self.offsets).buf(self.order).buf(self.out).int(n)?.int(d)?;
+        let grid = cfg((int(OP, n.div_ceil(GEMV_COLS_PER_CTA))? as u32, ne as u32, 1), (32 * GEMV_COLS_PER_CTA) as u32);
+        // SAFETY: CTA (c, e) reads expert e's columns (< n, inside `w`, and `bias` if given) and the entries of its
+        // segment offsets[e]..offsets[e + 1], which the permutation wrote within 0..assignments
+        // along with their `order` (assignment indices < assignments, so token rows < a / k);
+        // it writes those entries' rows of `out`. Sizes checked above.
+        unsafe { args.launch(dev, &dev.kernels.moe_grouped_gemv, grid) }
+    }
+}
+
+/// `out[r] = shared[r] + Σ_j weights[r·k + j] · expert_out[position[r·k + j]]`: each token's
+/// expert outputs summed with its routing weights (and the shared expert's output, if any),
+/// `rows × d` bf16.
+pub struct MoeUnpermuteCall<'a> {
+    /// `rows · k × d` bf16 in permuted order (the second [`MoeGroupedGemvCall`]'s output).
+    pub expert_out: &'a CudaSlice<bf16>,
+    /// The [`MoePermuteCall`]'s position.
+    pub position: &'a CudaSlice<i32>,
+    /// The [`MoeRouteCall`]'s weights, `rows × k`.
+    pub weights: &'a CudaSlice<f32>,
+    /// Token rows.
+    pub rows: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// Width.
+    pub d: usize,
+    /// The shared expert's output (`rows × d` bf16), added in the same pass; `None` without one.
+    pub shared: Option<&'a CudaSlice<bf16>>,
+    /// `rows × d` bf16 (written).
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl MoeUnpermuteCall<'_> {
+    /// Checks the sizes and enqueues `moe_unpermute_bf16`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_unpermute";
+        let (rows, k, d) = (self.rows, self.k, self.d);
+        shape_check(OP, k >= 1 && d >= 1, || format!("k = {k}, d = {d}"))?;
+        need(OP, "expert_out", self.expert_out, rows * k * d)?;
+        need(OP, "position", self.position, rows * k)?;
+        need(OP, "weights", self.weights, rows * k)?;
+        need(OP, "out", self.out, rows * d)?;
+        if let Some(s) = self.shared {
+            need(OP, "shared", s, rows * d)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.expert_out).buf(self.position).buf(self.weights).int(k)?;
+        // A null pointer tells the kernel there is no shared expert.
+        let args = match self.shared {
+            Some(s) => args.buf(s),
+            None => args.u64(0),
+        };
+        let args = args.buf(self.out).int(d)?;
+        let grid = cfg((int(OP, rows)? as u32, 1, 1), row_threads(d, 1).min(256));
+        // SAFETY: CTA r reads its k weights and positions (< rows · k, written by the
+        // permutation), those rows of `expert_out` (rows · k × d), its `shared` row if given,
+        // and writes its `out` row; sizes checked above.
+        unsafe { args.launch(dev, &dev.kernels.moe_unpermute, grid) }
+    }
+}
+
+/// gpt-oss's expert activation ([`crate::cpu::clamped_swiglu`]): rows of `2d` interleaved
+/// `[gate, up]` pairs → `out[r, i] = (clamp(up, ±limit) + 1) · g · σ(alpha · g)` with
+/// `g = min(gate, limit)`; `out` is `rows × d`. (gpt-oss stores `gate_up_proj` as
+/// `[experts, hidden, 2I]`, input-major: transposed to `[experts, 2I, hidden]` for
+/// [`MoeGroupedGemvCall`] the columns keep their interleaved order.)
+pub struct ClampedSwigluCall<'a> {
+    /// `rows × 2d` bf16, `[gate, up]` interleaved.
+    pub gate_up: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Width of the output rows (half the input's).
+    pub d: usize,
+    /// `swiglu_alpha` (1.702).
+    pub alpha: f32,
+    /// `swiglu_limit` (7).
+    pub limit: f32,
+    /// `rows × d` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl ClampedSwigluCall<'_> {
+    /// Checks the sizes and enqueues `clamped_swiglu_bf16`.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "clamped_swiglu";
+        need(OP, "gate_up", self.gate_up, self.rows * 2 * self.d)?;
+        need(OP, "out", self.out, self.rows * self.d)?;
+        shape_check(OP, self.alpha.is_finite() && self.limit.is_finite() && self.limit > 0.0, || {
+            format!("alpha {} / limit {}", self.alpha, self.limit)
+        })?;
+        let total = self.rows * self.d;
+        if total == 0 {
+            return Ok(());
+        }
+        let args =
+            Args::new(OP).buf(self.gate_up).buf(self.out).int(self.d)?.long(total)?.f32(self.alpha).f32(self.limit);
+        // SAFETY: the loop writes `total` outputs and reads their gate/up pairs, checked above.
+        unsafe { args.launch(dev, &dev.kernels.clamped_swiglu, grid_stride(total)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_match_the_kernel_source() {
+        let src = include_str!("../../cuda/moe.cu");
+        assert!(src.contains(&format!("#define MOE_MAX_EXPERTS {MOE_MAX_EXPERTS}")));
+        assert!(src.contains(&format!("#define MOE_MAX_K {MOE_MAX_K}")));
+    }
+}
