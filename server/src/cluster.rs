@@ -18,11 +18,10 @@ use crate::cluster_config::RouterSettings;
 use anyhow::{Context, bail};
 use baton_core::api::EngineInfo;
 use baton_formats::LoadFormat;
-use baton_router::cluster::auth::ClusterSecurity;
+use baton_metrics::Metrics;
+use baton_proto::ClusterSecurity;
 use baton_router::cluster::{ClusterClient, Registry, RegistryService, RegistrySettings, policy_by_name};
-use baton_router::{
-    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
-};
+use baton_router::{AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -65,7 +64,7 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         device: "cluster".into(),
     };
     let registry = Arc::new(Registry::new(RegistrySettings {
-        model_fingerprint: baton_router::cluster::wire::model_fingerprint(cfg),
+        model_fingerprint: cfg.fingerprint(),
         max_model_len,
         heartbeat_interval: s.heartbeat_interval,
         eject_after: s.eject_after,

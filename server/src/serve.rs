@@ -10,9 +10,8 @@ use anyhow::{Context, bail};
 use baton_core::api::EngineClient;
 use baton_engine::{DeviceSpec, EngineConfig};
 use baton_formats::LoadFormat;
-use baton_router::{
-    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
-};
+use baton_metrics::Metrics;
+use baton_router::{AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;

@@ -19,6 +19,7 @@
 
 mod reporter;
 mod service;
+mod slots;
 
 use crate::config::ServeSettings;
 use crate::serve::engine_config;
@@ -31,8 +32,8 @@ use baton_engine::kv_transport::intake::{ImportIntake, IntakeLimits};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineHandle};
 use baton_formats::LoadFormat;
-use baton_router::Metrics;
-use baton_router::cluster::Role;
+use baton_metrics::Metrics;
+use baton_proto::Role;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -114,7 +115,7 @@ pub struct WorkerState {
     /// What this worker proves and claims when it sends KV.
     pub kv_credentials: KvCredentials,
     /// Worker-service streams open, capped by `--max-inflight`.
-    pub streams: Arc<baton_router::Admission>,
+    pub streams: slots::StreamSlots,
 }
 
 /// A reservation waiting for its KV.
@@ -219,7 +220,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
     let model = crate::serve::load_model(&s.model, load_format).await?;
-    let fingerprint = baton_router::cluster::wire::model_fingerprint(&model.config);
+    let fingerprint = model.config.fingerprint();
     let mut config = engine_config(s);
     config.record_cache_events = settings.role.prefills();
     let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))
@@ -264,10 +265,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
         instance: instance.clone(),
         link_setup: tokio::sync::Mutex::new(()),
         kv_credentials: KvCredentials { secret: security.secret().cloned(), identity: instance.clone() },
-        streams: baton_router::Admission::new(baton_router::AdmissionLimits {
-            max_inflight: s.max_inflight,
-            max_sequences_per_request: 1,
-        }),
+        streams: slots::StreamSlots::new(s.max_inflight),
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -322,6 +320,6 @@ async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerStat
 
 async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
     let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
-    state.metrics.set_process_load(state.streams.inflight(), tasks);
+    state.metrics.set_process_load(state.streams.open(), tasks);
     state.metrics.render(&state.engine.stats())
 }
