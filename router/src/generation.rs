@@ -16,10 +16,10 @@
 
 use crate::admission::Permit;
 use crate::error::FrontendError;
-use crate::metrics::Metrics;
 use crate::pipeline::PreparedRequest;
 use crate::text::ChoiceText;
 use baton_core::api::{EngineError, EngineOutput, FinishReason, OutputStream, PromptLogprob, RequestId, TokenLogprob};
+use baton_metrics::Metrics;
 use futures::Stream;
 use futures::stream::{self, BoxStream, StreamExt};
 use std::collections::VecDeque;

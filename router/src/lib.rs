@@ -7,7 +7,7 @@
 //!   a bounded blocking pool, off the async runtime.
 //! - [`openai`] + [`http`]: the OpenAI-compatible HTTP API (axum).
 //! - [`grpc`]: the public gRPC API (tonic, `baton.v1`).
-//! - [`metrics`]: Prometheus metrics with vLLM's names.
+//! - Prometheus metrics with vLLM's names are `baton-metrics`' (shared with the workers).
 //! - [`auth`]: the public API key, for HTTP and gRPC.
 //!
 //! Errors are [`error::FrontendError`] inside and become HTTP/gRPC statuses only at the edges.
@@ -19,7 +19,6 @@ pub mod error;
 pub mod generation;
 pub mod grpc;
 pub mod http;
-pub mod metrics;
 pub mod offload;
 pub mod openai;
 pub mod pipeline;
@@ -31,7 +30,6 @@ pub use error::FrontendError;
 pub use generation::{ChoiceDelta, ChoiceEnd, ChoiceEvent, Generation, StopCause};
 pub use grpc::GrpcService;
 pub use http::{HttpConfig, http_router};
-pub use metrics::Metrics;
 pub use offload::Offload;
 pub use pipeline::{Frontend, GenerateRequest, GrammarCheck, PreparedRequest, PromptInput, ServedModel};
 pub use text::{ChatTurn, TextCodec};

@@ -17,13 +17,13 @@
 use crate::admission::{Admission, AdmissionLimits, Permit};
 use crate::error::FrontendError;
 use crate::generation::Generation;
-use crate::metrics::Metrics;
 use crate::offload::Offload;
 use crate::text::{ChatTurn, ChoiceText, TextCodec};
 use baton_core::api::{EngineClient, EngineInfo, EngineRequest};
 use baton_core::params::SamplingParams;
 use baton_core::structured::GrammarSpec;
 use baton_grammar::GrammarCompiler;
+use baton_metrics::Metrics;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 

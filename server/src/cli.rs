@@ -1,6 +1,6 @@
 //! The `baton` command line: subcommands and flags. Every `serve` flag is optional here so
-//! that [`crate::config::resolve`] can tell "not given" from "given" and apply the
-//! flag > env > file > default precedence; defaults are stated in the help text.
+//! that the settings layer (`settings::serve::resolve`) can tell "not given" from "given" and
+//! apply the flag > env > file > default precedence; defaults are stated in the help text.
 
 use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};

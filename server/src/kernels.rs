@@ -3,7 +3,7 @@
 //! that are given the directory start without compiling (see `baton_kernels::cuda::build_cache`).
 
 use crate::cli::KernelsBuildArgs;
-use crate::config::default_kernel_cache_dir;
+use crate::settings::serve::default_kernel_cache_dir;
 use anyhow::Context;
 
 /// Compiles what the cache lacks and prints one line per module and a summary.

@@ -3,14 +3,14 @@
 
 mod cli;
 mod client;
-mod cluster;
-mod cluster_config;
-mod cluster_security;
-mod config;
 mod engine_watch;
 mod kernels;
 mod listeners;
+mod model;
+mod router;
 mod serve;
+mod settings;
+mod shutdown;
 mod worker;
 
 use clap::Parser;
@@ -35,15 +35,15 @@ fn main() -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Command::Serve(args) => {
-            let settings = config::settings(&args)?;
+            let settings = settings::serve(&args)?;
             runtime.block_on(serve::run(settings, started))
         }
         Command::Router(args) => {
-            let settings = cluster_config::router(&args)?;
-            runtime.block_on(cluster::run(settings))
+            let settings = settings::router(&args)?;
+            runtime.block_on(router::run(settings))
         }
         Command::Worker(args) => {
-            let settings = cluster_config::worker(&args)?;
+            let settings = settings::worker(&args)?;
             runtime.block_on(worker::run(settings, started))
         }
         Command::Client(ClientCommand::Grpc(args)) => runtime.block_on(client::run(args)),

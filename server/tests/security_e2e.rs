@@ -19,10 +19,10 @@ use baton_core::cluster_auth::{ClusterSecret, ReservationToken};
 use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_engine::kv_transport::tcp::TcpKvSender;
 use baton_engine::kv_transport::{Handshake, TransportError};
+use baton_proto::ClusterSecurity;
 use baton_proto::worker as pb;
 use baton_proto::worker::registry_client::RegistryClient;
 use baton_proto::worker::worker_client::WorkerClient;
-use baton_router::cluster::ClusterSecurity;
 use common::*;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -162,7 +162,7 @@ fn work(prompt: &[u32], max_tokens: u32, deadline_ms: u32, prefill: &str) -> pb:
     };
     pb::WorkRequest {
         prompt_token_ids: prompt.to_vec(),
-        params: Some(baton_router::cluster::wire::sampling_to_wire(&params)),
+        params: Some(baton_proto::wire::sampling_to_wire(&params)),
         priority: 0,
         deadline_ms,
         prefill_instance: prefill.into(),
@@ -198,7 +198,7 @@ async fn a_secured_cluster_refuses_unsigned_calls_forged_identities_and_unproven
         role: pb::Role::Decode as i32,
         worker_url: url.into(),
         kv_addr: "127.0.0.1:1".into(),
-        model_fingerprint: baton_router::cluster::wire::model_fingerprint(&info.config),
+        model_fingerprint: info.config.fingerprint(),
         vocab_size: vocab,
         max_model_len: 512,
         num_blocks: 64,

@@ -1,6 +1,6 @@
 //! Authentication of Baton's internal plane: the shared cluster secret and what is proved
 //! with it. Pure functions over bytes and clocks given as arguments; the gRPC glue lives in
-//! `baton_router::cluster::auth` and the KV handshake in `baton_engine::kv_transport::tcp`.
+//! `baton_proto::cluster_auth` and the KV handshake in `baton_engine::kv_transport::tcp`.
 //!
 //! # The protocol
 //!

@@ -123,6 +123,25 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
+    /// The model's identity in a cluster: the shape that decides whether two workers can
+    /// exchange KV and produce the same tokens, independent of the file format it came from.
+    /// A worker registers with it and the router refuses a worker whose fingerprint differs.
+    pub fn fingerprint(&self) -> String {
+        format!(
+            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}",
+            self.architecture,
+            self.vocab_size,
+            self.hidden_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.rope_theta,
+            self.attention_bias
+        )
+    }
+
     /// Checks internal consistency; the error names "config" as the source.
     pub fn validate(&self) -> Result<(), FormatError> {
         self.validate_at(Path::new("config"))

@@ -10,15 +10,16 @@
 //! recompute sample the same tokens, and the router can drop the duplicates a recompute or
 //! retry produces by output position.
 
-use super::auth::{ClusterSecurity, SignedChannel};
 use super::policy::{PrefillPolicy, RouteRequest, pick_decode};
-use super::registry::{Picked, Registry, Role};
+use super::registry::{Picked, Registry};
 use super::relay::{Route, drive};
 use baton_core::api::{
     AbortSink, EngineClient, EngineError, EngineInfo, EngineOutput, EngineRequest, EngineStats, FinishReason,
     OutputStream, RequestId, SubmitError,
 };
 use baton_core::block_hash::hash_full_blocks;
+use baton_proto::Role;
+use baton_proto::cluster_auth::{ClusterSecurity, SignedChannel};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -6,7 +6,7 @@
 //! heartbeat from an id the registry does not know is answered `known = false`, and the
 //! worker registers again, so an ejected or restarted worker rejoins by itself.
 //!
-//! Identity (with a cluster secret, every call is also signed: [`super::auth`]):
+//! Identity (with a cluster secret, every call is also signed: [`baton_proto::cluster_auth`]):
 //! - Worker ids are random 64-bit numbers, and each registration also gets a random
 //!   128-bit session; a heartbeat must present the session of the id it names, so knowing
 //!   (or guessing) an id from `/workers` is not enough to speak for that worker.
@@ -24,48 +24,17 @@
 //! [`InflightGuard`]s, so they return to zero on every path, including a cancelled request;
 //! no two entries share a URL or an instance; candidates come in registration order.
 
-use super::auth::{ClusterPeer, ClusterSecurity};
 use super::policy::Candidate;
-use super::wire::layout_from_wire;
 use baton_core::block_hash::BlockHash;
 use baton_core::kv_transfer::KvLayout;
+use baton_proto::Role;
+use baton_proto::cluster_auth::{ClusterPeer, ClusterSecurity, RequireClusterAuth};
+use baton_proto::wire::layout_from_wire;
 use baton_proto::worker as pb;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
-
-/// What a worker does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Computes prompts and hands their KV off.
-    Prefill,
-    /// Receives KV and generates.
-    Decode,
-    /// Does both (also the target of a recompute or a short prompt).
-    Unified,
-}
-
-impl Role {
-    /// Whether it can compute a prompt for a hand-off.
-    pub fn prefills(self) -> bool {
-        matches!(self, Role::Prefill | Role::Unified)
-    }
-
-    /// Whether it can generate (and so receive KV or run a whole request).
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::Decode | Role::Unified)
-    }
-
-    /// The config/CLI name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Unified => "unified",
-        }
-    }
-}
 
 /// A registration the router refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -289,12 +258,8 @@ impl Registry {
         peer: Option<&str>,
         replace_url: bool,
     ) -> Result<Registered, RegisterError> {
-        let role = match pb::Role::try_from(req.role) {
-            Ok(pb::Role::Prefill) => Role::Prefill,
-            Ok(pb::Role::Decode) => Role::Decode,
-            Ok(pb::Role::Unified) => Role::Unified,
-            _ => return Err(RegisterError::Invalid(format!("unknown role {}", req.role))),
-        };
+        let role =
+            Role::from_wire(req.role).map_err(|_| RegisterError::Invalid(format!("unknown role {}", req.role)))?;
         if req.model_fingerprint != self.settings.model_fingerprint {
             return Err(RegisterError::ModelMismatch {
                 router: self.settings.model_fingerprint.clone(),
@@ -517,7 +482,7 @@ impl RegistryService {
     }
 
     /// The tonic server wrapper, refusing calls without the cluster secret (when one is set).
-    pub fn into_server(self) -> super::auth::RequireClusterAuth<pb::registry_server::RegistryServer<Self>> {
+    pub fn into_server(self) -> RequireClusterAuth<pb::registry_server::RegistryServer<Self>> {
         let security = self.security.clone();
         security.guard(pb::registry_server::RegistryServer::new(self))
     }
@@ -593,8 +558,8 @@ impl pb::registry_server::Registry for RegistryService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::wire::layout_to_wire;
     use baton_core::kv_transfer::KvDtype;
+    use baton_proto::wire::layout_to_wire;
 
     fn settings() -> RegistrySettings {
         RegistrySettings {

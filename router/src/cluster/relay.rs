@@ -40,9 +40,10 @@
 //! [`ClusterSettings::idle_timeout`]: super::ClusterSettings::idle_timeout
 
 use super::client::{Inner, OutputTx, TransferFailurePolicy};
-use super::registry::{InflightGuard, Picked, Role};
-use super::wire::{invalid_grammar_of, output_from_wire, sampling_to_wire};
+use super::registry::{InflightGuard, Picked};
 use baton_core::api::{EngineError, EngineOutput, EngineRequest};
+use baton_proto::Role;
+use baton_proto::wire::{invalid_grammar_of, output_from_wire, sampling_to_wire};
 use baton_proto::worker as pb;
 use baton_proto::worker::worker_client::WorkerClient;
 use pb::work_event::Event;

@@ -9,7 +9,8 @@ use baton_core::api::{
 };
 use baton_formats::testing::{EOS_ID, TinySpec, write_hf_folder};
 use baton_formats::{ChatTemplate, LoadFormat, Tokenizer};
-use baton_router::{Frontend, HttpConfig, Metrics, ServedModel, TextCodec};
+use baton_metrics::Metrics;
+use baton_router::{Frontend, HttpConfig, ServedModel, TextCodec};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -8,7 +8,7 @@
 //! Security: with a cluster secret every Worker call must be signed (else `UNAUTHENTICATED`,
 //! before any handler runs), the KV listener admits only senders that prove the secret,
 //! and the registry calls are signed as this worker's instance; with `--tls-*` the Worker
-//! service and the registry calls use mutual TLS ([`crate::cluster_security`]).
+//! service and the registry calls use mutual TLS ([`crate::settings::security`]).
 //!
 //! Invariant: a KV hand-off is admitted only for a reservation this worker is still
 //! expecting (registered by `Decode`, forgotten on completion, recompute, deadline or
@@ -19,9 +19,9 @@
 
 mod reporter;
 mod service;
+mod slots;
 
-use crate::config::ServeSettings;
-use crate::serve::engine_config;
+use crate::settings::worker::{Chaos, KvTransportKind, WorkerSettings};
 use anyhow::{Context, bail};
 use baton_core::api::{EngineClient, RequestId};
 use baton_core::cluster_auth::ReservationToken;
@@ -31,57 +31,13 @@ use baton_engine::kv_transport::intake::{ImportIntake, IntakeLimits};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineHandle};
 use baton_formats::LoadFormat;
-use baton_router::Metrics;
-use baton_router::cluster::Role;
+use baton_metrics::Metrics;
+use baton_proto::Role;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-
-/// Everything `baton worker` needs beyond the engine settings it shares with `serve`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkerSettings {
-    /// Model, device, engine knobs, bind host; `port` is the HTTP port (/health, /metrics)
-    /// and `grpc_port` the Worker service's.
-    pub serve: ServeSettings,
-    /// Which pool it joins.
-    pub role: Role,
-    /// The router's registry endpoint, e.g. `http://127.0.0.1:50100`.
-    pub router: String,
-    /// TCP port of the KV listener (0: any free port).
-    pub kv_port: u16,
-    /// Host the router and peers use to reach this worker (default: the bind host).
-    pub advertise_host: Option<String>,
-    /// Longest a received hand-off may stall between frames.
-    pub kv_deadline: Duration,
-    /// How this worker sends KV as a prefill worker (decode workers accept both).
-    pub kv_transport: KvTransportKind,
-    /// Cluster secret and TLS of the internal plane.
-    pub security: crate::cluster_security::SecuritySettings,
-    /// Fault injection (hidden flags), for the failure tests.
-    pub chaos: Chaos,
-}
-
-/// How a prefill worker moves KV to decode workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvTransportKind {
-    /// Host-staged over TCP (any device, any host).
-    #[default]
-    Tcp,
-    /// GPU to GPU over NCCL, TCP only for control (CUDA on both sides).
-    Nccl,
-}
-
-/// Fault injection: make this worker process die at a precise point, as a crashed or
-/// killed worker would. Off unless a hidden flag sets it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Chaos {
-    /// Exit after sending this many KV layers (prefill side).
-    pub exit_after_kv_layers: Option<usize>,
-    /// Exit after streaming this many tokens.
-    pub exit_after_tokens: Option<usize>,
-}
 
 /// The exit status of a chaos exit, so a test can tell it from a crash.
 pub const CHAOS_EXIT_CODE: i32 = 101;
@@ -114,7 +70,7 @@ pub struct WorkerState {
     /// What this worker proves and claims when it sends KV.
     pub kv_credentials: KvCredentials,
     /// Worker-service streams open, capped by `--max-inflight`.
-    pub streams: Arc<baton_router::Admission>,
+    pub streams: slots::StreamSlots,
 }
 
 /// A reservation waiting for its KV.
@@ -215,12 +171,12 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let instance = reporter::instance_id();
     // Checked before the model loads: a refused configuration fails at once.
     let security =
-        crate::cluster_security::load(&settings.security, &instance, &s.host, "the worker service and KV listener")?;
+        crate::settings::security::load(&settings.security, &instance, &s.host, "the worker service and KV listener")?;
     let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
-    let model = crate::serve::load_model(&s.model, load_format).await?;
-    let fingerprint = baton_router::cluster::wire::model_fingerprint(&model.config);
-    let mut config = engine_config(s);
+    let model = crate::model::load_model(&s.model, load_format).await?;
+    let fingerprint = model.config.fingerprint();
+    let mut config = s.engine_config();
     config.record_cache_events = settings.role.prefills();
     let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))
         .await
@@ -264,10 +220,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
         instance: instance.clone(),
         link_setup: tokio::sync::Mutex::new(()),
         kv_credentials: KvCredentials { secret: security.secret().cloned(), identity: instance.clone() },
-        streams: baton_router::Admission::new(baton_router::AdmissionLimits {
-            max_inflight: s.max_inflight,
-            max_sequences_per_request: 1,
-        }),
+        streams: slots::StreamSlots::new(s.max_inflight),
     });
     tracing::info!(
         role = settings.role.as_str(),
@@ -307,7 +260,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let report = reporter::spawn(registration, state.clone())?;
     tokio::spawn(crate::engine_watch::watch(engine.clone()));
     tokio::select! {
-        _ = crate::serve::wait_for_termination() => tracing::info!("shutting down"),
+        _ = crate::shutdown::wait_for_termination() => tracing::info!("shutting down"),
         r = http => tracing::error!(result = ?r, "the HTTP server stopped"),
         r = grpc => tracing::error!(result = ?r, "the gRPC server stopped"),
         r = report => tracing::error!(result = ?r, "the reporter stopped"),
@@ -322,6 +275,6 @@ async fn health(axum::extract::State(state): axum::extract::State<Arc<WorkerStat
 
 async fn metrics(axum::extract::State(state): axum::extract::State<Arc<WorkerState>>) -> String {
     let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
-    state.metrics.set_process_load(state.streams.inflight(), tasks);
+    state.metrics.set_process_load(state.streams.open(), tasks);
     state.metrics.render(&state.engine.stats())
 }

@@ -18,11 +18,11 @@
 use super::WorkerState;
 use baton_core::api::EngineClient;
 use baton_core::block_manager::CacheEvent;
+use baton_proto::Role;
+use baton_proto::cluster_auth::{ClusterSecurity, SignedChannel};
+use baton_proto::wire::layout_to_wire;
 use baton_proto::worker as pb;
 use baton_proto::worker::registry_client::RegistryClient;
-use baton_router::cluster::Role;
-use baton_router::cluster::auth::{ClusterSecurity, SignedChannel};
-use baton_router::cluster::wire::layout_to_wire;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -68,18 +68,10 @@ pub fn spawn(reg: Registration, state: Arc<WorkerState>) -> std::io::Result<toki
     Ok(stopped_rx)
 }
 
-fn role_to_wire(r: Role) -> pb::Role {
-    match r {
-        Role::Prefill => pb::Role::Prefill,
-        Role::Decode => pb::Role::Decode,
-        Role::Unified => pb::Role::Unified,
-    }
-}
-
 async fn register(reg: &Registration, state: &WorkerState, instance: &str) -> Option<Session> {
     let info = state.engine.info();
     let req = pb::RegisterRequest {
-        role: role_to_wire(reg.role) as i32,
+        role: reg.role.to_wire() as i32,
         worker_url: reg.worker_url.clone(),
         kv_addr: reg.kv_addr.clone(),
         model_fingerprint: reg.fingerprint.clone(),

@@ -29,15 +29,15 @@
 
 use super::KvTransportKind;
 use super::WorkerState;
+use super::slots::StreamSlot;
 use baton_core::api::{EngineClient, EngineError, EngineOutput, EngineRequest, OutputStream, SubmitError};
 use baton_core::cluster_auth::ReservationToken;
 use baton_engine::kv_transport::handoff::{resolve, send_export, setup_link};
 use baton_engine::kv_transport::nccl::NcclLink;
 use baton_engine::relay::ExportEvent;
+use baton_proto::wire::GRAMMAR_KIND_METADATA;
+use baton_proto::wire::{output_to_wire, sampling_from_wire};
 use baton_proto::worker as pb;
-use baton_router::admission::Permit;
-use baton_router::cluster::wire::GRAMMAR_KIND_METADATA;
-use baton_router::cluster::wire::{output_to_wire, sampling_from_wire};
 use futures::Stream;
 use pb::work_event::Event;
 use std::pin::Pin;
@@ -82,7 +82,7 @@ fn submit_status(e: SubmitError) -> Status {
 }
 
 /// A grammar that does not compile, as the router recognises it
-/// (`baton_router::cluster::wire::invalid_grammar_of`): INVALID_ARGUMENT with the kind in
+/// (`baton_proto::wire::invalid_grammar_of`): INVALID_ARGUMENT with the kind in
 /// metadata, so the router answers its client 400 rather than a worker failure.
 fn grammar_status(kind: &str, message: &str) -> Status {
     let mut status = Status::invalid_argument(message.to_owned());
@@ -112,8 +112,8 @@ fn engine_request(r: Option<pb::WorkRequest>) -> Result<Work, Status> {
 }
 
 /// Takes one of the worker's stream slots (`--max-inflight`).
-fn stream_slot(state: &WorkerState) -> Result<Permit, Status> {
-    state.streams.try_acquire(1).map_err(|e| Status::resource_exhausted(e.to_string()))
+fn stream_slot(state: &WorkerState) -> Result<StreamSlot, Status> {
+    state.streams.try_take().map_err(|e| Status::resource_exhausted(e.to_string()))
 }
 
 /// What a worker stream waits for next.
@@ -133,7 +133,7 @@ fn token_events(
     state: Arc<WorkerState>,
     progress: Option<Duration>,
     mut notices: UnboundedReceiver<Event>,
-    slot: Permit,
+    slot: StreamSlot,
 ) -> impl Stream<Item = Result<pb::WorkEvent, Status>> + Send {
     async_stream::stream! {
         let _slot = slot;

@@ -1,16 +1,16 @@
-//! `baton serve` settings from three layers: command-line flags and `BATON_*` environment
-//! variables (both handled by clap in [`crate::cli`]), a TOML file (`--config`), and
-//! defaults. Precedence: flag > env > file > default.
+//! `baton serve` settings: the `[serve]` table ([`ServeFile`]), its resolution with the flags
+//! ([`resolve`] into [`ServeSettings`]), the defaults, and the engine configuration the
+//! settings give ([`ServeSettings::engine_config`], used by `serve` and by workers).
 //!
-//! The file holds a `[serve]` table whose keys are the flag names with `_` for `-`
-//! (`max_model_len = 2048`). Unknown keys are an error, so a typo never silently falls back
-//! to a default.
+//! The `[serve]` table's keys are the flag names with `_` for `-` (`max_model_len = 2048`).
+//! Unknown keys are an error, so a typo never silently falls back to a default.
 
 use crate::cli::{ServeArgs, ToolArgs};
+use baton_engine::EngineConfig;
 use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The default model, relative to the working directory.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -20,27 +20,6 @@ pub const DEFAULT_PORT: u16 = 8000;
 pub const DEFAULT_GRPC_PORT: u16 = 50051;
 /// Default bind address.
 pub const DEFAULT_HOST: &str = "127.0.0.1";
-
-/// A config-file problem.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML or has unknown/mistyped keys.
-    #[error("invalid config file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// The TOML error, with line and column.
-        message: String,
-    },
-}
 
 /// The `[serve]` table of a config file; every key optional.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -102,37 +81,6 @@ pub struct ServeFile {
     pub reasoning_parser: Option<ReasoningParser>,
 }
 
-/// A whole config file: `[serve]` for `baton serve`, `[router]` for `baton router`, and
-/// `[worker]` for `baton worker` (the `[serve]` keys for model and engine plus the worker's
-/// own; see [`crate::cluster_config`]).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConfigFile {
-    /// Settings of `baton serve`.
-    #[serde(default)]
-    pub serve: ServeFile,
-    /// Settings of `baton router`.
-    #[serde(default)]
-    pub router: crate::cluster_config::RouterFile,
-    /// Settings of `baton worker`, checked when a worker reads them.
-    #[serde(default)]
-    pub worker: toml::Table,
-}
-
-impl ConfigFile {
-    /// Parses TOML text; `path` only names the source in errors.
-    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })
-    }
-
-    /// Reads and parses a file.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
-        Self::parse(&text, path)
-    }
-}
-
 /// Fully resolved `serve` settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServeSettings {
@@ -192,6 +140,31 @@ pub struct ServeSettings {
     pub tools: ToolConfig,
 }
 
+impl ServeSettings {
+    /// The engine configuration these settings give (engine defaults for what is unset).
+    pub fn engine_config(&self) -> EngineConfig {
+        let d = EngineConfig::default();
+        EngineConfig {
+            block_size: self.block_size.unwrap_or(d.block_size),
+            num_kv_blocks: self.num_kv_blocks.or(d.num_kv_blocks),
+            gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
+            kernel_cache_dir: self.kernel_cache_dir.clone(),
+            max_num_seqs: self.max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_num_batched_tokens: self.max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+            max_model_len: self.max_model_len.or(d.max_model_len),
+            enable_prefix_caching: !self.disable_prefix_caching,
+            enable_chunked_prefill: !self.disable_chunked_prefill,
+            max_waiting: self.max_waiting.unwrap_or(d.max_waiting),
+            num_threads: self.threads.or(d.num_threads),
+            enforce_eager: self.enforce_eager,
+            async_scheduling: self.async_scheduling,
+            stall_timeout: self.engine_stall_timeout,
+            fault: self.engine_fault,
+            ..d
+        }
+    }
+}
+
 /// Merges flags/env (`args`) over the file over the defaults.
 pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
     let model = args.model.clone().or_else(|| file.model.clone());
@@ -241,16 +214,6 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
     }
 }
 
-/// Refuses `--enable-auto-tool-choice` without a `--tool-call-parser` (as vLLM does): the
-/// server could not read the calls it lets the model make.
-pub fn check_tool_config(tools: &ToolConfig) -> Result<(), String> {
-    if tools.enable_auto_tool_choice && tools.tool_call_parser.is_none() {
-        let names: Vec<&str> = ToolCallParser::ALL.iter().map(|(n, _)| *n).collect();
-        return Err(format!("--enable-auto-tool-choice needs --tool-call-parser (one of: {})", names.join(", ")));
-    }
-    Ok(())
-}
-
 /// The default kernel cache: `$XDG_CACHE_HOME/baton/kernels`, else `$HOME/.cache/baton/kernels`;
 /// `None` when neither is set. Read here, in the binary's config layer, and handed to the
 /// engine as `EngineConfig::kernel_cache_dir`.
@@ -262,20 +225,15 @@ pub fn default_kernel_cache_dir() -> Option<PathBuf> {
     Some(base.join("baton").join("kernels"))
 }
 
-/// Loads `--config` (if any) and resolves the settings.
-pub fn settings(args: &ServeArgs) -> Result<ServeSettings, ConfigError> {
-    let file = match &args.config {
-        Some(path) => ConfigFile::load(path)?.serve,
-        None => ServeFile::default(),
-    };
-    Ok(resolve(args, &file))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cli::Cli;
+    use crate::settings::check_tool_config;
+    use crate::settings::error::ConfigError;
+    use crate::settings::file::ConfigFile;
     use clap::Parser;
+    use std::path::Path;
 
     fn serve_args(argv: &[&str]) -> ServeArgs {
         let mut full = vec!["baton", "serve"];
@@ -386,5 +344,25 @@ mod tests {
         assert_eq!(s.port, DEFAULT_PORT);
         assert_eq!(s.model, PathBuf::from(DEFAULT_MODEL));
         assert_eq!(s.max_num_seqs, Some(64));
+    }
+
+    #[test]
+    fn engine_config_takes_settings_and_defaults() {
+        let args = crate::cli::ServeArgs::default();
+        let mut s = resolve(&args, &Default::default());
+        // The kernel cache defaults to a directory from the environment (or none without one).
+        let d = EngineConfig { kernel_cache_dir: default_kernel_cache_dir(), ..EngineConfig::default() };
+        assert_eq!(s.engine_config(), d);
+        s.kernel_cache_dir = Some("/tmp/k".into());
+        assert_eq!(s.engine_config().kernel_cache_dir, Some("/tmp/k".into()));
+        s.block_size = Some(8);
+        s.num_kv_blocks = Some(40);
+        s.max_model_len = Some(128);
+        s.disable_prefix_caching = true;
+        s.threads = Some(2);
+        let c = s.engine_config();
+        assert_eq!((c.block_size, c.num_kv_blocks, c.max_model_len), (8, Some(40), Some(128)));
+        assert!(!c.enable_prefix_caching && c.enable_chunked_prefill);
+        assert_eq!(c.num_threads, Some(2));
     }
 }

@@ -7,22 +7,23 @@
 //!
 //! Security: `--api-key` guards the public HTTP and gRPC APIs; the registry and the calls to
 //! workers are signed with the cluster secret and optionally run over mutual TLS
-//! ([`crate::cluster_security`]); binding a non-loopback address without a secret is refused.
+//! ([`crate::settings::security`]); binding a non-loopback address without a secret is refused.
 //!
 //! The registry (workers' registrations and heartbeats) and its ejector run on a thread and
 //! runtime of their own ([`spawn_registry`]): however busy the request side is, heartbeats are
 //! answered and staleness is judged on time, so a healthy worker is never ejected because the
 //! router was slow.
 
-use crate::cluster_config::RouterSettings;
+use crate::settings::check_tool_config;
+use crate::settings::router::RouterSettings;
+use crate::shutdown::{shutdown_signal, wait_for_termination};
 use anyhow::{Context, bail};
 use baton_core::api::EngineInfo;
 use baton_formats::LoadFormat;
-use baton_router::cluster::auth::ClusterSecurity;
+use baton_metrics::Metrics;
+use baton_proto::ClusterSecurity;
 use baton_router::cluster::{ClusterClient, Registry, RegistryService, RegistrySettings, policy_by_name};
-use baton_router::{
-    AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, Metrics, ServedModel, TextCodec, http_router,
-};
+use baton_router::{AdmissionLimits, ApiKey, Frontend, GrpcService, HttpConfig, ServedModel, TextCodec, http_router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
@@ -30,11 +31,11 @@ use tokio::sync::watch;
 
 /// Runs the router until a termination signal.
 pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
-    crate::config::check_tool_config(&s.tools).map_err(anyhow::Error::msg)?;
+    check_tool_config(&s.tools).map_err(anyhow::Error::msg)?;
     if s.model_is_default && !s.model.exists() {
         bail!("the default model was not found; run scripts/fetch-default-model.sh or pass --model");
     }
-    let security = crate::cluster_security::load(&s.security, "router", &s.host, "the worker registry")?;
+    let security = crate::settings::security::load(&s.security, "router", &s.host, "the worker registry")?;
     let format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let path = s.model.clone();
     let model = tokio::task::spawn_blocking(move || baton_formats::load_model_info(&path, format))
@@ -65,7 +66,7 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         device: "cluster".into(),
     };
     let registry = Arc::new(Registry::new(RegistrySettings {
-        model_fingerprint: baton_router::cluster::wire::model_fingerprint(cfg),
+        model_fingerprint: cfg.fingerprint(),
         max_model_len,
         heartbeat_interval: s.heartbeat_interval,
         eject_after: s.eject_after,
@@ -120,19 +121,16 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let http = axum::serve(crate::listeners::http(http_listener), app)
-        .with_graceful_shutdown(crate::serve::shutdown_signal(stop_rx.clone()));
+        .with_graceful_shutdown(shutdown_signal(stop_rx.clone()));
     let grpc = crate::listeners::grpc_server()
         .add_service(GrpcService::new(frontend).into_server(api_key))
-        .serve_with_incoming_shutdown(
-            crate::listeners::grpc(grpc_listener),
-            crate::serve::shutdown_signal(stop_rx.clone()),
-        );
+        .serve_with_incoming_shutdown(crate::listeners::grpc(grpc_listener), shutdown_signal(stop_rx.clone()));
     let registry_server = security.server().context("invalid --tls-cert/--tls-key/--tls-ca")?;
     let registry_done =
         spawn_registry(registry.clone(), security, registry_server, registry_listener.into_std()?, stop_rx)?;
     let http_task = tokio::spawn(async move { http.await });
     let grpc_task = tokio::spawn(grpc);
-    crate::serve::wait_for_termination().await;
+    wait_for_termination().await;
     tracing::info!("shutting down");
     let _ = stop_tx.send(true);
     // Open client streams end when their worker streams do; do not wait on them forever.
@@ -174,7 +172,7 @@ fn spawn_registry(
                 let ejector = tokio::spawn(registry.clone().run_ejector());
                 let served = crate::listeners::with_keepalive(server)
                     .add_service(RegistryService::new(registry, security).into_server())
-                    .serve_with_incoming_shutdown(crate::listeners::grpc(listener), crate::serve::shutdown_signal(stop))
+                    .serve_with_incoming_shutdown(crate::listeners::grpc(listener), shutdown_signal(stop))
                     .await;
                 if let Err(e) = served {
                     tracing::error!(error = %e, "the worker registry stopped");

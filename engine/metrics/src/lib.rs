@@ -1,14 +1,18 @@
-//! Prometheus metrics with vLLM's names, labels and histogram buckets, so existing vLLM
-//! dashboards work against Baton unchanged.
+//! baton-metrics: Prometheus metrics with vLLM's names, labels and histogram buckets, so
+//! existing vLLM dashboards work against Baton unchanged. Shared by the frontend (`serve`,
+//! `router`) and the workers, which render the same names for their own engine; a crate of
+//! its own so a worker does not depend on the frontend for it.
 //!
 //! [`Metrics`] owns its own [`PrometheusRecorder`] instead of installing a global one: every
 //! server (and every test) builds an independent registry, and building twice never fails.
 //! Handles are registered once at construction with the `model_name` label, so recording on a
 //! request path is a lock-free atomic update.
 //!
-//! Two sources feed it:
+//! Three sources feed it:
 //! - request-level histograms and token counters are recorded by the frontend pipeline while
 //!   requests run ([`Metrics::observe_ttft`] and friends);
+//! - a worker records its KV hand-offs and the prompt tokens it computed
+//!   ([`Metrics::observe_kv_transfer`], [`Metrics::add_prompt_tokens_computed`]);
 //! - engine gauges and cumulative counters are copied from [`EngineStats`] at scrape time
 //!   ([`Metrics::render`]); the engine itself records nothing.
 

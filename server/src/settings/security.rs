@@ -2,7 +2,7 @@
 //! `--cluster-secret-file`, `--insecure-cluster` and `--tls-cert/--tls-key/--tls-ca` (flag >
 //! `BATON_*` env > config table), and loading them at start into a
 //! [`ClusterSecurity`] (the protocol is in `baton_core::cluster_auth`, the gRPC glue in
-//! `baton_router::cluster::auth`).
+//! `baton_proto::cluster_auth`).
 //!
 //! Start-up rules (each refusal names the fix):
 //! - the secret file must be readable and hold at least 16 bytes (a trailing newline is not
@@ -12,7 +12,7 @@
 //! - the three TLS files go together.
 
 use baton_core::cluster_auth::{ClusterSecret, SecretError};
-use baton_router::cluster::{ClusterSecurity, ClusterTls};
+use baton_proto::{ClusterSecurity, ClusterTls};
 use serde::Deserialize;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

@@ -1,13 +1,15 @@
-//! Conversions between the engine's plain data and the worker-internal protobuf messages
-//! (`baton.worker.v1`). Used on both ends: the router encodes requests and decodes events,
-//! the worker does the opposite. Decoding is total: a malformed message becomes a
-//! [`WireError`], never a panic.
+//! Conversions between the engine's plain data (`baton-core`) and the worker-internal
+//! protobuf messages (`baton.worker.v1`): sampling parameters, grammars, engine outputs, KV
+//! layouts, and the status a worker answers for a grammar that does not compile. Used on both
+//! ends: the router encodes requests and decodes events, the worker does the opposite.
+//!
+//! Invariant: decoding is total: a malformed message becomes a [`WireError`], never a panic.
 
+use crate::worker as pb;
 use baton_core::api::{EngineOutput, FinishReason, PromptLogprob, TokenLogprob};
 use baton_core::kv_transfer::{KvDtype, KvLayout};
 use baton_core::params::SamplingParams;
 use baton_core::structured::GrammarSpec;
-use baton_proto::worker as pb;
 
 /// A worker message that does not decode into engine data.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -221,24 +223,6 @@ pub fn layout_from_wire(l: &pb::KvLayout) -> Result<KvLayout, WireError> {
         head_dim: l.head_dim as usize,
         dtype,
     })
-}
-
-/// A model's identity for the registry: the shape that decides whether two workers can
-/// exchange KV and produce the same tokens, independent of the file format it came from.
-pub fn model_fingerprint(c: &baton_formats::ModelConfig) -> String {
-    format!(
-        "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}",
-        c.architecture,
-        c.vocab_size,
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        c.intermediate_size,
-        c.rope_theta,
-        c.attention_bias
-    )
 }
 
 #[cfg(test)]

@@ -1,22 +1,18 @@
-//! Settings of `baton router` and `baton worker`, with the same layering as `serve`:
-//! flag > `BATON_*` env > the config file's `[router]` / `[worker]` table > default.
-//!
-//! A worker is a `serve` without the OpenAI API: its `[worker]` table takes every `[serve]`
-//! key (model, device, engine knobs; `port` is its `/health`+`/metrics` port and `grpc_port`
-//! its Worker service's, both 0 = any free port by default) plus `role`, `router`,
-//! `kv_port`, `advertise_host`, `kv_deadline_ms` and `kv_transport`. Both tables also take the
-//! internal plane's security keys (`cluster_secret_file`, `insecure_cluster`, `tls_cert`,
-//! `tls_key`, `tls_ca`: [`crate::cluster_security`]). Unknown keys are errors in both tables.
+//! `baton router` settings: the `[router]` table ([`RouterFile`]) and its resolution with the
+//! flags ([`router_settings`] into [`RouterSettings`]), with the same layering as `serve`:
+//! flag > `BATON_*` env > the config file's `[router]` table > default. The table also takes
+//! the internal plane's security keys (`cluster_secret_file`, `insecure_cluster`, `tls_cert`,
+//! `tls_key`, `tls_ca`: [`super::security`]). Unknown keys are errors.
 
-use crate::cli::{RouterArgs, ToolArgs, WorkerArgs};
-use crate::cluster_security::{SECURITY_KEYS, SecurityError, SecurityFile, SecuritySettings};
-use crate::config::{ConfigError, ConfigFile, DEFAULT_MODEL, ServeFile, resolve};
-use crate::worker::WorkerSettings;
-use baton_router::cluster::{ClusterSettings, Role, TransferFailurePolicy};
+use super::error::{SettingsError, invalid};
+use super::security::{SecurityFile, SecuritySettings};
+use super::serve::{DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT};
+use crate::cli::{RouterArgs, ToolArgs};
+use baton_router::cluster::{ClusterSettings, TransferFailurePolicy};
 use baton_router::openai::tools::choice::ToolConfig;
 use baton_router::openai::tools::{ReasoningParser, ToolCallParser};
 use serde::Deserialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Default port of the worker-facing registry.
@@ -93,7 +89,8 @@ pub struct RouterFile {
 }
 
 impl RouterFile {
-    fn security(&self) -> SecurityFile {
+    /// The security keys of the table.
+    pub fn security(&self) -> SecurityFile {
         SecurityFile {
             cluster_secret_file: self.cluster_secret_file.clone(),
             insecure_cluster: self.insecure_cluster,
@@ -147,38 +144,8 @@ pub struct RouterSettings {
     pub tools: ToolConfig,
 }
 
-/// A router or worker setting that does not parse.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterConfigError {
-    /// The config file.
-    #[error(transparent)]
-    File(#[from] ConfigError),
-    /// A security setting.
-    #[error(transparent)]
-    Security(#[from] SecurityError),
-    /// A value out of its domain.
-    #[error("invalid {key}: {message}")]
-    Invalid {
-        /// The flag/key.
-        key: &'static str,
-        /// Why.
-        message: String,
-    },
-}
-
-fn invalid(key: &'static str, message: impl Into<String>) -> ClusterConfigError {
-    ClusterConfigError::Invalid { key, message: message.into() }
-}
-
-fn load(path: Option<&Path>) -> Result<ConfigFile, ConfigError> {
-    match path {
-        Some(p) => ConfigFile::load(p),
-        None => Ok(ConfigFile::default()),
-    }
-}
-
 /// Resolves `baton router` settings from flags/env and the `[router]` table.
-pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSettings, ClusterConfigError> {
+pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSettings, SettingsError> {
     let model = args.model.clone().or_else(|| file.model.clone());
     let d = ClusterSettings::default();
     let ms = |a: Option<u64>, f: Option<u64>, default: Duration| a.or(f).map_or(default, Duration::from_millis);
@@ -204,9 +171,9 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
         model_is_default: model.is_none(),
         model: model.unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL)),
         load_format: args.load_format.clone().or_else(|| file.load_format.clone()).unwrap_or_else(|| "auto".into()),
-        host: args.host.clone().or_else(|| file.host.clone()).unwrap_or_else(|| crate::config::DEFAULT_HOST.into()),
-        port: args.port.or(file.port).unwrap_or(crate::config::DEFAULT_PORT),
-        grpc_port: args.grpc_port.or(file.grpc_port).unwrap_or(crate::config::DEFAULT_GRPC_PORT),
+        host: args.host.clone().or_else(|| file.host.clone()).unwrap_or_else(|| DEFAULT_HOST.into()),
+        port: args.port.or(file.port).unwrap_or(DEFAULT_PORT),
+        grpc_port: args.grpc_port.or(file.grpc_port).unwrap_or(DEFAULT_GRPC_PORT),
         registry_port: args.registry_port.or(file.registry_port).unwrap_or(DEFAULT_REGISTRY_PORT),
         api_key: args.api_key.clone().or_else(|| file.api_key.clone()).filter(|k| !k.is_empty()),
         served_model_name: args.served_model_name.clone().or_else(|| file.served_model_name.clone()),
@@ -240,96 +207,17 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
             ),
             ..d
         },
-        security: crate::cluster_security::resolve(&args.security, &file.security())?,
+        security: super::security::resolve(&args.security, &file.security())?,
     })
-}
-
-/// Loads `--config` and resolves the router's settings.
-pub fn router(args: &RouterArgs) -> Result<RouterSettings, ClusterConfigError> {
-    let file = load(args.config.as_deref())?;
-    router_settings(args, &file.router)
-}
-
-/// The worker-only keys of a `[worker]` table.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct WorkerOwn {
-    role: Option<String>,
-    router: Option<String>,
-    kv_port: Option<u16>,
-    advertise_host: Option<String>,
-    kv_deadline_ms: Option<u64>,
-    kv_transport: Option<String>,
-}
-
-const WORKER_KEYS: [&str; 6] = ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms", "kv_transport"];
-
-fn split_table(table: &toml::Table, keys: &[&str]) -> (toml::Table, toml::Table) {
-    table.clone().into_iter().partition(|(k, _)| keys.contains(&k.as_str()))
-}
-
-/// Resolves `baton worker` settings from flags/env and a `[worker]` table (`path` names the
-/// file in errors).
-pub fn worker_settings(
-    args: &WorkerArgs,
-    table: &toml::Table,
-    path: &Path,
-) -> Result<WorkerSettings, ClusterConfigError> {
-    let (own, rest) = split_table(table, &WORKER_KEYS);
-    let (security, rest) = split_table(&rest, &SECURITY_KEYS);
-    let parse_err =
-        |e: toml::de::Error| ConfigError::Parse { path: path.to_owned(), message: format!("[worker]: {e}") };
-    let own: WorkerOwn = own.try_into().map_err(parse_err)?;
-    let security: SecurityFile = security.try_into().map_err(parse_err)?;
-    let mut serve_file: ServeFile = rest.try_into().map_err(parse_err)?;
-    // Workers register their real addresses, so any free port is a fine default.
-    serve_file.port = serve_file.port.or(Some(0));
-    serve_file.grpc_port = serve_file.grpc_port.or(Some(0));
-    let role = match args.role.clone().or(own.role).as_deref() {
-        Some("prefill") => Role::Prefill,
-        Some("decode") => Role::Decode,
-        Some("unified") => Role::Unified,
-        Some(other) => return Err(invalid("role", format!("{other:?}: expected prefill, decode or unified"))),
-        None => return Err(invalid("role", "required: --role prefill|decode|unified")),
-    };
-    let router = args
-        .router
-        .clone()
-        .or(own.router)
-        .ok_or_else(|| invalid("router", "required: --router http://HOST:PORT (the router's registry port)"))?;
-    let router = if router.contains("://") { router } else { format!("http://{router}") };
-    Ok(WorkerSettings {
-        serve: resolve(&args.serve, &serve_file),
-        role,
-        router,
-        kv_port: args.kv_port.or(own.kv_port).unwrap_or(0),
-        advertise_host: args.advertise_host.clone().or(own.advertise_host),
-        kv_deadline: Duration::from_millis(args.kv_deadline_ms.or(own.kv_deadline_ms).unwrap_or(10_000)),
-        kv_transport: match args.kv_transport.clone().or(own.kv_transport).as_deref().unwrap_or("tcp") {
-            "tcp" => crate::worker::KvTransportKind::Tcp,
-            "nccl" => crate::worker::KvTransportKind::Nccl,
-            other => return Err(invalid("kv_transport", format!("{other:?}: expected tcp or nccl"))),
-        },
-        security: crate::cluster_security::resolve(&args.security, &security)?,
-        chaos: crate::worker::Chaos {
-            exit_after_kv_layers: args.chaos_exit_after_kv_layers,
-            exit_after_tokens: args.chaos_exit_after_tokens,
-        },
-    })
-}
-
-/// Loads `--config` and resolves the worker's settings.
-pub fn worker(args: &WorkerArgs) -> Result<WorkerSettings, ClusterConfigError> {
-    let path = args.serve.config.clone().unwrap_or_default();
-    let file = load(args.serve.config.as_deref())?;
-    worker_settings(args, &file.worker, &path)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cli::{Cli, Command};
+    use crate::settings::file::ConfigFile;
     use clap::Parser;
+    use std::path::Path;
 
     fn router_args(argv: &[&str]) -> RouterArgs {
         let mut full = vec!["baton", "router"];
@@ -338,19 +226,6 @@ mod tests {
             Command::Router(a) => *a,
             other => panic!("not router: {other:?}"),
         }
-    }
-
-    fn worker_args(argv: &[&str]) -> WorkerArgs {
-        let mut full = vec!["baton", "worker"];
-        full.extend_from_slice(argv);
-        match Cli::try_parse_from(full).expect("parses").command {
-            Command::Worker(a) => *a,
-            other => panic!("not worker: {other:?}"),
-        }
-    }
-
-    fn configs() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
     }
 
     #[test]
@@ -377,68 +252,5 @@ mod tests {
         assert_eq!(s.cluster.on_transfer_failure, TransferFailurePolicy::Retry { max_retries: 3 });
         let err = ConfigFile::parse("[router]\npolcy = \"x\"\n", Path::new("r.toml")).expect_err("typo");
         assert!(err.to_string().contains("polcy"), "{err}");
-    }
-
-    #[test]
-    fn worker_tables_take_serve_keys_plus_their_own_and_reject_typos() {
-        let table: toml::Table = toml::from_str(
-            "role = \"decode\"\nrouter = \"127.0.0.1:50100\"\nmax_num_seqs = 8\ndevice = \"cpu\"\nkv_port = 6000\n",
-        )
-        .expect("toml");
-        let s = worker_settings(&worker_args(&[]), &table, Path::new("w.toml")).expect("valid");
-        assert_eq!(s.role, Role::Decode);
-        assert_eq!(s.router, "http://127.0.0.1:50100");
-        assert_eq!((s.serve.max_num_seqs, s.serve.device.as_str(), s.kv_port), (Some(8), "cpu", 6000));
-        assert_eq!((s.serve.port, s.serve.grpc_port), (0, 0), "free ports by default");
-        let s = worker_settings(&worker_args(&["--role", "prefill", "--port", "9100"]), &table, Path::new("w.toml"))
-            .expect("valid");
-        assert_eq!((s.role, s.serve.port), (Role::Prefill, 9100));
-        let typo: toml::Table = toml::from_str("rol = \"decode\"\n").expect("toml");
-        let err = worker_settings(&worker_args(&["--router", "x:1"]), &typo, Path::new("w.toml")).expect_err("typo");
-        assert!(err.to_string().contains("rol"), "{err}");
-        let err = worker_settings(&worker_args(&["--router", "x:1"]), &toml::Table::new(), Path::new("w.toml"))
-            .expect_err("no role");
-        assert!(err.to_string().contains("--role"), "{err}");
-    }
-
-    #[test]
-    fn example_cluster_configs_parse_and_resolve() {
-        for (name, policy, prefill, decode) in
-            [("1p1d.toml", "least_loaded", 1, 1), ("2p2d.toml", "prefix_aware", 2, 2)]
-        {
-            let path = configs().join(name);
-            let file = ConfigFile::load(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let r = router_settings(&router_args(&[]), &file.router).expect("router settings");
-            assert_eq!(r.policy, policy, "{name}");
-            assert_eq!((r.cluster.min_prefill_workers, r.cluster.min_decode_workers), (prefill, decode), "{name}");
-            for role in ["prefill", "decode"] {
-                let w = worker_settings(&worker_args(&["--role", role]), &file.worker, &path).expect("worker settings");
-                assert_eq!(w.role.as_str(), role);
-                assert_eq!(
-                    w.router,
-                    format!("http://127.0.0.1:{}", r.registry_port),
-                    "{name}: workers find the router"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn both_tables_take_the_security_keys() {
-        let text = "[router]\ncluster_secret_file = \"/s\"\ntls_cert = \"c\"\ntls_key = \"k\"\ntls_ca = \"a\"\n\
-                    [worker]\nrole = \"decode\"\nrouter = \"x:1\"\ncluster_secret_file = \"/s\"\ninsecure_cluster = true\n";
-        let file = ConfigFile::parse(text, Path::new("s.toml")).expect("parses");
-        let r = router_settings(&router_args(&[]), &file.router).expect("router");
-        assert_eq!(r.security.cluster_secret_file, Some(PathBuf::from("/s")));
-        assert!(r.security.tls.is_some() && !r.security.insecure_cluster);
-        let r = router_settings(&router_args(&["--cluster-secret-file", "/flag"]), &file.router).expect("router");
-        assert_eq!(r.security.cluster_secret_file, Some(PathBuf::from("/flag")), "the flag wins");
-        let w = worker_settings(&worker_args(&[]), &file.worker, Path::new("s.toml")).expect("worker");
-        assert_eq!(w.security.cluster_secret_file, Some(PathBuf::from("/s")));
-        assert!(w.security.insecure_cluster && w.security.tls.is_none());
-        let partial: toml::Table =
-            toml::from_str("role = \"decode\"\nrouter = \"x:1\"\ntls_cert = \"c\"\n").expect("toml");
-        let err = worker_settings(&worker_args(&[]), &partial, Path::new("s.toml")).expect_err("partial TLS");
-        assert!(err.to_string().contains("--tls-key, --tls-ca"), "{err}");
     }
 }

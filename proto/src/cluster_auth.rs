@@ -1,5 +1,6 @@
 //! The internal plane's gRPC security, for both ends: the router (registry server, worker
-//! client) and the workers (worker server, registry client) share this one module.
+//! client) and the workers (worker server, registry client) share this one module. It is the
+//! tonic glue of the protocol in [`baton_core::cluster_auth`].
 //!
 //! [`ClusterSecurity`] holds what a process proves and checks:
 //! - with a cluster secret, every outgoing call is signed by [`CallSigner`] (a tonic
