@@ -10,7 +10,7 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_engine::{EngineConfig, EngineHandle};
 use baton_formats::testing::{TinySpec, load_golden, write_gguf, write_hf_folder};
 use baton_formats::{GgufType, LoadFormat, LoadedModel, load_model};
@@ -18,7 +18,7 @@ use common::*;
 
 /// Logits of the last prompt position, computed by one prefill through the paged cache.
 fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
-    let mut m = LlamaModel::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
+    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
     let block_size = 16;
     let blocks = ids.len().div_ceil(block_size);
     m.alloc_kv_cache(blocks + 2, block_size).expect("kv cache");

@@ -23,14 +23,27 @@ pub enum Architecture {
 }
 
 impl Architecture {
+    /// Every architecture, in the order messages list them.
+    pub const ALL: [Architecture; 3] = [Self::Llama, Self::Mistral, Self::Qwen2];
+
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "llama" | "LlamaForCausalLM" => Some(Self::Llama),
-            "mistral" | "MistralForCausalLM" => Some(Self::Mistral),
-            "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
-            _ => None,
+        Self::ALL.into_iter().find(|a| a.model_type() == name || a.hf_class() == name || a.gguf_name() == Some(name))
+    }
+
+    /// llama.cpp's `general.architecture` for this family, where it defines one (Mistral
+    /// GGUF files say `llama`).
+    pub fn gguf_name(self) -> Option<&'static str> {
+        match self {
+            Self::Llama => Some("llama"),
+            Self::Mistral => None,
+            Self::Qwen2 => Some("qwen2"),
         }
+    }
+
+    /// The supported architectures for messages: `llama (LlamaForCausalLM), ...`.
+    pub fn supported_list() -> String {
+        Self::ALL.iter().map(|a| format!("{} ({})", a.model_type(), a.hf_class())).collect::<Vec<_>>().join(", ")
     }
 
     /// The HF `model_type` string.

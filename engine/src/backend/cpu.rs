@@ -10,7 +10,7 @@
 //! token for token on peaked models (rounding the weights alone changes greedy tokens), but
 //! it must match this one.
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use super::{Backend, BackendError, BatchLayout, KvCacheShape, KvIo};
 use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, RopeTable, SeqSpan};
 
 /// A `rows × cols` row-major f32 weight matrix.
@@ -360,6 +360,12 @@ impl Backend for CpuBackend {
         baton_core::kv_transfer::KvDtype::F32
     }
 
+    fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
+        Some(self)
+    }
+}
+
+impl KvIo for CpuBackend {
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
         let (kc, vc) =
