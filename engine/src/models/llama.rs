@@ -5,12 +5,19 @@
 //! `[gate; up]` into another. One [`Architecture::forward_layers`] runs a whole mixed
 //! batch (prefill chunks and decode rows alike).
 //!
-//! Invariants: every layer is full attention with a dense SiLU-gated MLP and one rotary
-//! table (other [`LayerSpec`]s are refused at load); activation buffers are reused across
-//! steps and only grow.
+//! Qwen3 dense is the same layout with a per-head RMSNorm of q and k before RoPE
+//! ([`LayerSpec::qk_norm`], an optional backend op) and its own head_dim; `attention_bias`
+//! puts biases on q/k/v (and on o_proj where the family does, see
+//! `ModelConfig::o_proj_bias`).
+//!
+//! Invariants: every layer attends fully over the served context (a sliding window is
+//! accepted only where it is at least the context, which the config parser ensures by
+//! capping the context), has a dense SiLU-gated MLP and one shared rotary table (other
+//! [`LayerSpec`]s are refused at load); activation buffers are reused across steps and
+//! only grow.
 
-use super::{AfterKv, Architecture, AttentionKind, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
-use crate::backend::{Backend, BackendError, BatchLayout};
+use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
+use crate::backend::{Backend, BackendError, BatchLayout, OptionalOp};
 use baton_formats::ModelConfig;
 
 struct Layer<B: Backend> {
@@ -18,7 +25,10 @@ struct Layer<B: Backend> {
     post_attn_norm: B::Buf,
     qkv: B::Mat,
     qkv_bias: Option<B::Buf>,
+    /// Per-head RMSNorm weights of q and k (`head_dim` each), applied before RoPE.
+    qk_norm: Option<(B::Buf, B::Buf)>,
     o: B::Mat,
+    o_bias: Option<B::Buf>,
     gate_up: B::Mat,
     down: B::Mat,
 }
@@ -66,20 +76,20 @@ impl<B: Backend> Llama<B> {
             what,
         };
         for (i, s) in specs.iter().enumerate() {
-            if s.attention != AttentionKind::Full {
+            if !s.attends_fully_up_to(cfg.max_position_embeddings) {
                 return Err(unsupported(format!("layer {i}: attention {:?}", s.attention)));
             }
             if !matches!(s.mlp, MlpKind::Dense { .. }) {
                 return Err(unsupported(format!("layer {i}: MLP {:?}", s.mlp)));
             }
-            if s.qk_norm {
-                return Err(unsupported(format!("layer {i}: q/k norm")));
+            if s.qk_norm && !b.supports(OptionalOp::HeadRmsNorm) {
+                return Err(unsupported(format!("layer {i} needs {}", OptionalOp::HeadRmsNorm.name())));
             }
             // The backend holds one rotary table and the cache one head geometry.
             if (s.rope, s.head_dim, s.num_heads, s.num_kv_heads)
                 != (rope, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
             {
-                return Err(unsupported(format!("layer {i}: heads or RoPE differing from the config's")));
+                return Err(unsupported(format!("layer {i}: heads or RoPE differing from the other layers'")));
             }
         }
         let h = cfg.hidden_size;
@@ -95,7 +105,7 @@ impl<B: Backend> Llama<B> {
         let embed = w.mat(b, &[("model.embed_tokens.weight".into(), cfg.vocab_size)], h)?;
         let final_norm = w.vec(b, &[("model.norm.weight".into(), h)])?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        for (i, spec) in specs.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let attn = |n: &str, rows: usize| (format!("{p}.self_attn.{n}"), rows);
             let qkv_bias = if cfg.attention_bias {
@@ -103,6 +113,12 @@ impl<B: Backend> Llama<B> {
             } else {
                 None
             };
+            let qk_norm = if spec.qk_norm {
+                Some((w.vec(b, &[attn("q_norm.weight", hd)])?, w.vec(b, &[attn("k_norm.weight", hd)])?))
+            } else {
+                None
+            };
+            let o_bias = if cfg.o_proj_bias() { Some(w.vec(b, &[attn("o_proj.bias", h)])?) } else { None };
             layers.push(Layer {
                 input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
                 post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
@@ -112,7 +128,9 @@ impl<B: Backend> Llama<B> {
                     h,
                 )?,
                 qkv_bias,
+                qk_norm,
                 o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
+                o_bias,
                 gate_up: w.mat(
                     b,
                     &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
@@ -180,13 +198,22 @@ impl<B: Backend> Architecture<B> for Llama<B> {
             }
             b.mark("qkv");
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
-            b.mark("rope_kv");
-            b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                b.mark("qk_norm");
+                b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
+                b.head_rms_norm(&mut ws.q, q_norm, hd, eps)?;
+                b.head_rms_norm(&mut ws.k, k_norm, hd, eps)?;
+                b.mark("rope_kv");
+                b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+            } else {
+                b.mark("rope_kv");
+                b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
+            }
             after_kv(b, i)?;
             b.mark("attention");
             b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
             b.mark("o_proj");
-            b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
+            b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
             b.mark("norm");
             b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
             b.mark("gate_up");

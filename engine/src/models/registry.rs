@@ -16,7 +16,8 @@ use baton_formats::{Architecture as Family, ModelConfig};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Implementation {
-    /// [`Llama`]: the Llama layout with optional q/k/v biases.
+    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases and optional
+    /// per-head q/k norm (Qwen3).
     Llama,
 }
 
@@ -48,6 +49,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Llama, implementation: Implementation::Llama },
     Registration { family: Family::Mistral, implementation: Implementation::Llama },
     Registration { family: Family::Qwen2, implementation: Implementation::Llama },
+    Registration { family: Family::Qwen3, implementation: Implementation::Llama },
 ];
 
 /// The registration of `family`, if any.
@@ -72,6 +74,10 @@ pub fn build_architecture<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::models::{AttentionKind, LayerSpec};
+    use baton_formats::LayerType;
+    use baton_formats::testing::TinySpec;
 
     #[test]
     fn every_parsed_family_has_exactly_one_registration() {
@@ -90,10 +96,55 @@ mod tests {
             ("mistral", Family::Mistral),
             ("Qwen2ForCausalLM", Family::Qwen2),
             ("qwen2", Family::Qwen2),
+            ("Qwen3ForCausalLM", Family::Qwen3),
+            ("qwen3", Family::Qwen3),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
         }
         assert_eq!(Family::from_name("GPT2LMHeadModel"), None);
+    }
+
+    fn build_on(spec: &TinySpec, mut b: CpuBackend) -> Result<Box<dyn Architecture<CpuBackend>>, ModelLoadError> {
+        let cfg = spec.config();
+        let store = spec.weights();
+        build_architecture(&cfg, &mut WeightLoader::new(&store), &mut b)
+    }
+
+    #[test]
+    fn a_backend_without_an_op_a_model_needs_refuses_it_at_load() {
+        // Qwen3 needs the per-head q/k norm; a backend without it refuses the model by name.
+        let err = build_on(&TinySpec::qwen3(), CpuBackend::without_optional_ops()).err().expect("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, ModelLoadError::Unsupported { architecture: "qwen3", .. }), "{msg}");
+        assert!(msg.contains("per-head RMSNorm") && msg.contains("cpu"), "{msg}");
+        // Llama needs none, and Qwen3 loads where the op exists.
+        build_on(&TinySpec::llama(), CpuBackend::without_optional_ops()).expect("llama needs no optional op");
+        let qwen3 = build_on(&TinySpec::qwen3(), CpuBackend::new()).expect("qwen3 on the CPU");
+        assert!(qwen3.layers().iter().all(|l| l.qk_norm && l.head_dim == 32));
+    }
+
+    #[test]
+    fn layer_specs_follow_the_config() {
+        let mut cfg = TinySpec::qwen3().config();
+        cfg.layer_types = vec![LayerType::Full, LayerType::Sliding];
+        cfg.sliding_window = Some(512);
+        let specs = LayerSpec::from_config(&cfg);
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[0].attention, AttentionKind::Full);
+        assert_eq!(specs[1].attention, AttentionKind::SlidingWindow { window: 512 });
+        assert!(specs[1].attends_fully_up_to(512) && !specs[1].attends_fully_up_to(513));
+        // A window shorter than the served context would change the math: refused, named.
+        cfg.sliding_window = Some(64);
+        let store = TinySpec::qwen3().weights();
+        let err =
+            build_architecture(&cfg, &mut WeightLoader::new(&store), &mut CpuBackend::new()).err().expect("refused");
+        assert!(err.to_string().contains("SlidingWindow { window: 64 }"), "{err}");
+        // So is RoPE that differs between layer types (one rotary table).
+        cfg.sliding_window = Some(512);
+        cfg.sliding_rope = Some(baton_formats::RopeParameters { theta: 10.0, scaling: None });
+        let err =
+            build_architecture(&cfg, &mut WeightLoader::new(&store), &mut CpuBackend::new()).err().expect("refused");
+        assert!(err.to_string().contains("RoPE"), "{err}");
     }
 }

@@ -8,7 +8,7 @@
 //! returns was derived from options the config parser accepted (options that change the math
 //! and are not implemented are refused there, naming them).
 
-use baton_formats::{ModelConfig, RopeScaling};
+use baton_formats::{LayerType, ModelConfig, RopeScaling};
 use baton_kernels::cpu::{KernelError, RopeScalingKind, RopeTable};
 
 /// How a layer attends.
@@ -93,19 +93,35 @@ pub struct LayerSpec {
 }
 
 impl LayerSpec {
-    /// One spec per layer of `cfg`.
+    /// One spec per layer of `cfg`, from its `layer_types` (the window of sliding layers and
+    /// their RoPE where it differs).
     pub fn from_config(cfg: &ModelConfig) -> Vec<LayerSpec> {
-        let spec = LayerSpec {
-            // A sliding window the config puts on a layer has capped the context at the window
-            // (see `ModelConfig::max_position_embeddings`), where full attention is the same.
-            attention: AttentionKind::Full,
-            mlp: MlpKind::Dense { intermediate_size: cfg.intermediate_size },
-            num_heads: cfg.num_attention_heads,
-            num_kv_heads: cfg.num_key_value_heads,
-            head_dim: cfg.head_dim,
-            rope: RopeSpec { theta: cfg.rope_theta, scaling: cfg.rope_scaling },
-            qk_norm: false,
-        };
-        vec![spec; cfg.num_hidden_layers]
+        cfg.layer_types
+            .iter()
+            .map(|&kind| {
+                let rope = cfg.rope_for(kind);
+                LayerSpec {
+                    attention: match (kind, cfg.sliding_window) {
+                        (LayerType::Sliding, Some(window)) => AttentionKind::SlidingWindow { window },
+                        _ => AttentionKind::Full,
+                    },
+                    mlp: MlpKind::Dense { intermediate_size: cfg.intermediate_size },
+                    num_heads: cfg.num_attention_heads,
+                    num_kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                    rope: RopeSpec { theta: rope.theta, scaling: rope.scaling },
+                    qk_norm: cfg.qk_norm(),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether this layer's attention equals full attention for every context up to
+    /// `max_len` tokens (a window at least that long never cuts anything off).
+    pub fn attends_fully_up_to(&self, max_len: usize) -> bool {
+        match self.attention {
+            AttentionKind::Full => true,
+            AttentionKind::SlidingWindow { window } => window >= max_len,
+        }
     }
 }
