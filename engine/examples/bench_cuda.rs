@@ -1,7 +1,7 @@
 //! Whole-model benchmark of the CUDA backend (a benchmark program, not a test): a model
 //! config with random weights (`--load-format dummy` through baton_formats, bf16 on the GPU),
-//! driven step by step as the engine drives it: [`LlamaModel::forward_exporting`], then greedy
-//! sampling of every logit row with [`LlamaModel::sample`] (on the GPU; only token ids reach
+//! driven step by step as the engine drives it: [`ModelRunner::forward_exporting`], then greedy
+//! sampling of every logit row with [`ModelRunner::sample`] (on the GPU; only token ids reach
 //! the host, which synchronizes; before GPU sampling each step copied all f32 logits to the
 //! host instead, see BENCHMARKS.md).
 //!
@@ -28,7 +28,7 @@
 
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -48,7 +48,7 @@ fn flag(args: &[String], name: &str) -> Option<String> {
 
 /// One engine-like step: the forward pass, then greedy sampling of every logit row (on the
 /// device for the CUDA backend).
-fn engine_step(model: &mut LlamaModel<CudaBackend>, lay: &BatchLayout) -> Res<()> {
+fn engine_step(model: &mut ModelRunner<CudaBackend>, lay: &BatchLayout) -> Res<()> {
     model.forward_exporting(lay, &[], &mut |_, _| {})?;
     let params = baton_core::params::SamplingParams::greedy();
     let ctx = baton_core::sampling::SamplingContext {
@@ -88,7 +88,7 @@ fn run() -> Res<()> {
     let gemv = !args.iter().any(|a| a == "--cublas");
     backend.set_gemv(gemv);
     let device = backend.device().name().to_string();
-    let mut model = LlamaModel::load(&cfg, loaded.weights.as_ref(), backend)?;
+    let mut model = ModelRunner::load(&cfg, loaded.weights.as_ref(), backend)?;
     let load_s = t0.elapsed().as_secs_f64();
     println!("{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}");
 
@@ -302,7 +302,7 @@ fn run() -> Res<()> {
 /// One eager decode step profiled `reps` times (the host queues it behind a spin, so its
 /// kernels run back to back): each op's microseconds per step, summed over the layers,
 /// median over the repetitions, in the order the ops first run.
-fn profile_step(model: &mut LlamaModel<CudaBackend>, lay: &BatchLayout, reps: usize) -> Res<Vec<(&'static str, f64)>> {
+fn profile_step(model: &mut ModelRunner<CudaBackend>, lay: &BatchLayout, reps: usize) -> Res<Vec<(&'static str, f64)>> {
     model.backend_mut().set_graphs(false);
     engine_step(model, lay)?;
     let params = baton_core::params::SamplingParams::greedy();

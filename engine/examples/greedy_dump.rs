@@ -1,7 +1,7 @@
 //! Greedy decoding of a Hugging Face model folder on the CUDA (or CPU) backend, dumped as
 //! JSON for comparison with transformers (`scripts/golden/hf_compare.py`).
 //!
-//! All prompts run as one batch through [`LlamaModel::forward`] (their prefills in one mixed
+//! All prompts run as one batch through [`ModelRunner::forward`] (their prefills in one mixed
 //! step, then one decode row each per step), so the dump also exercises batching. For each
 //! prompt it writes the greedy tokens and, at every step, the top logits (id, logit) and the
 //! log-sum-exp of the step's logits; the full f32 logits of the first step (the prompt's
@@ -15,7 +15,7 @@
 //!       PROMPTS.json is a JSON list of lists of token ids.
 
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::testing::{TinySpec, write_hf_folder};
 use baton_formats::{LoadFormat, load_model};
 use std::fmt::Write as _;
@@ -77,12 +77,12 @@ fn run(model_dir: &Path, prompts: &[Vec<u32>], steps: usize, top: usize, device:
             let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: Some(cache) };
             let backend = baton_engine::backend::cuda::CudaBackend::new(&opts)?;
             let name = backend.device().name().to_string();
-            let model = LlamaModel::load(&loaded.config, loaded.weights.as_ref(), backend)?;
+            let model = ModelRunner::load(&loaded.config, loaded.weights.as_ref(), backend)?;
             let (a, b) = decode(model, prompts, steps, top)?;
             (a, b, name)
         }
         "cpu" => {
-            let model = LlamaModel::load(
+            let model = ModelRunner::load(
                 &loaded.config,
                 loaded.weights.as_ref(),
                 baton_engine::backend::cpu::CpuBackend::new(),
@@ -125,7 +125,7 @@ fn run(model_dir: &Path, prompts: &[Vec<u32>], steps: usize, top: usize, device:
 type PerPrompt = Vec<(Vec<u32>, Vec<(f64, Vec<(u32, f32)>)>)>;
 
 fn decode<B: Backend>(
-    mut model: LlamaModel<B>,
+    mut model: ModelRunner<B>,
     prompts: &[Vec<u32>],
     steps: usize,
     top: usize,

@@ -127,64 +127,64 @@ pub(crate) enum Command {
 
 /// Runs a forward step; implemented by the model over any backend.
 pub(crate) trait StepModel: Send {
-    /// See [`crate::model::LlamaModel::forward_exporting`].
+    /// See [`crate::runner::ModelRunner::forward_exporting`].
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::take_prompt_logprobs`].
+    /// See [`crate::runner::ModelRunner::take_prompt_logprobs`].
     fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob>;
-    /// See [`crate::model::LlamaModel::sample_launch`].
+    /// See [`crate::runner::ModelRunner::sample_launch`].
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::sample_collect`].
+    /// See [`crate::runner::ModelRunner::sample_collect`].
     fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError>;
-    /// See [`crate::backend::Backend::write_kv_blocks`].
+    /// See [`crate::runner::ModelRunner::write_kv_blocks`].
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::nccl_recv_layer`].
+    /// See [`crate::runner::ModelRunner::nccl_recv_layer`].
     fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::nccl_discard_layer`].
+    /// See [`crate::runner::ModelRunner::nccl_discard_layer`].
     fn nccl_discard_layer(
         &mut self,
         layer: usize,
         runs: &[(usize, usize)],
         link: &NcclLink,
     ) -> Result<(), BackendError>;
-    /// See [`crate::model::LlamaModel::new_transfer_stream`].
+    /// See [`crate::runner::ModelRunner::new_transfer_stream`].
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError>;
-    /// See [`crate::model::LlamaModel::nccl_fence`].
+    /// See [`crate::runner::ModelRunner::nccl_fence`].
     fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError>;
 }
 
-impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
+impl<B: crate::backend::Backend> StepModel for crate::runner::ModelRunner<B> {
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
         exports: &[ExportSpec],
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
-        crate::model::LlamaModel::forward_exporting(self, batch, exports, sink)
+        crate::runner::ModelRunner::forward_exporting(self, batch, exports, sink)
     }
 
     fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
-        crate::model::LlamaModel::take_prompt_logprobs(self)
+        crate::runner::ModelRunner::take_prompt_logprobs(self)
     }
 
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
-        crate::model::LlamaModel::sample_launch(self, rows)
+        crate::runner::ModelRunner::sample_launch(self, rows)
     }
 
     fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError> {
-        crate::model::LlamaModel::sample_collect(self)
+        crate::runner::ModelRunner::sample_collect(self)
     }
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
-        crate::model::LlamaModel::write_kv_blocks(self, layer, blocks, k, v)
+        crate::runner::ModelRunner::write_kv_blocks(self, layer, blocks, k, v)
     }
 
     fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError> {
-        crate::model::LlamaModel::nccl_recv_layer(self, layer, runs, link)
+        crate::runner::ModelRunner::nccl_recv_layer(self, layer, runs, link)
     }
 
     fn nccl_discard_layer(
@@ -193,15 +193,15 @@ impl<B: crate::backend::Backend> StepModel for crate::model::LlamaModel<B> {
         runs: &[(usize, usize)],
         link: &NcclLink,
     ) -> Result<(), BackendError> {
-        crate::model::LlamaModel::nccl_discard_layer(self, layer, runs, link)
+        crate::runner::ModelRunner::nccl_discard_layer(self, layer, runs, link)
     }
 
     fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
-        crate::model::LlamaModel::new_transfer_stream(self)
+        crate::runner::ModelRunner::new_transfer_stream(self)
     }
 
     fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError> {
-        crate::model::LlamaModel::nccl_fence(self, link)
+        crate::runner::ModelRunner::nccl_fence(self, link)
     }
 }
 

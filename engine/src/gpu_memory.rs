@@ -7,12 +7,12 @@
 //! total` bytes; the temporary cache is released first.
 
 use crate::backend::{BatchLayout, SeqLayout, cuda::CudaBackend};
-use crate::model::LlamaModel;
+use crate::runner::ModelRunner;
 use crate::{EngineConfig, EngineStartError};
 
 /// Returns `config` with `num_kv_blocks` set from free device memory, unless it was set.
 pub(crate) fn size_from_free_memory(
-    llama: &mut LlamaModel<CudaBackend>,
+    llama: &mut ModelRunner<CudaBackend>,
     config: &EngineConfig,
 ) -> Result<EngineConfig, EngineStartError> {
     if config.num_kv_blocks.is_some() {
@@ -28,7 +28,7 @@ pub(crate) fn size_from_free_memory(
     // Profiling step: every workspace reaches the size of the largest step.
     llama.alloc_kv_cache(blocks, bs)?;
     // The LM head's largest output: a step's sampling rows, or a slice of prompt-logprob rows.
-    let logit_rows = config.max_num_seqs.max(crate::model::PROMPT_LOGPROB_SLICE).clamp(1, rows);
+    let logit_rows = config.max_num_seqs.max(crate::runner::PROMPT_LOGPROB_SLICE).clamp(1, rows);
     let batch = BatchLayout {
         tokens: (0..rows).map(|i| (i % llama.config().vocab_size) as u32).collect(),
         positions: (0..rows).collect(),

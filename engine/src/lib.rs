@@ -1,5 +1,6 @@
-//! The Baton engine: a Llama-family model over a backend trait, the CPU
-//! backend, and the engine thread with its async handle.
+//! The Baton engine: the model runner and the architectures (one per file, behind a
+//! registry) over a backend trait, the CPU and CUDA backends, and the engine thread with
+//! its async handle.
 //!
 //! [`start_engine`] loads a model's weights into a backend, sizes the paged KV
 //! cache, and spawns the engine thread, which owns the backend and the
@@ -16,8 +17,9 @@ mod grammar_pool;
 mod handle;
 pub mod kv_transport;
 mod liveness;
-pub mod model;
+pub mod models;
 pub mod relay;
+pub mod runner;
 mod step_timing;
 mod structured;
 pub mod synthetic;
@@ -52,7 +54,7 @@ pub enum EngineStartError {
     Config(String),
     /// Loading the weights failed.
     #[error(transparent)]
-    Model(#[from] model::ModelLoadError),
+    Model(#[from] models::ModelLoadError),
     /// The backend failed while setting up.
     #[error(transparent)]
     Backend(#[from] backend::BackendError),
@@ -138,7 +140,7 @@ pub fn start_engine(
                 let opts = baton_kernels::cuda::CudaOptions { ordinal, cache_dir: config.kernel_cache_dir.clone() };
                 let mut backend = backend::cuda::CudaBackend::new(&opts)?;
                 backend.set_graphs(!config.enforce_eager);
-                let mut llama = model::LlamaModel::load(cfg, model.weights.as_ref(), backend)?;
+                let mut llama = runner::ModelRunner::load(cfg, model.weights.as_ref(), backend)?;
                 let kv_started = std::time::Instant::now();
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
                 // bf16 KV cache: 2 bytes per element.
@@ -152,7 +154,7 @@ pub fn start_engine(
                 } else {
                     backend::cpu::CpuBackend::new()
                 };
-                let llama = pool.install(|| model::LlamaModel::load(cfg, model.weights.as_ref(), backend))?;
+                let llama = pool.install(|| runner::ModelRunner::load(cfg, model.weights.as_ref(), backend))?;
                 let kv_started = std::time::Instant::now();
                 let sized = size_kv(llama, &config, max_model_len, 4)?;
                 log_phase("kv_cache", kv_started);
@@ -257,7 +259,7 @@ fn run_engine_thread(mut engine: EngineLoop, shared: &Shared) {
 
 /// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.
 fn size_kv<B: backend::Backend>(
-    mut llama: model::LlamaModel<B>,
+    mut llama: runner::ModelRunner<B>,
     config: &EngineConfig,
     max_model_len: usize,
     elem_bytes: usize,

@@ -4,10 +4,10 @@
 
 mod common;
 
-use baton_engine::backend::Backend;
+use baton_engine::backend::KvIo;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::testing::TinySpec;
 use common::{prompt, tiny};
 
@@ -40,7 +40,7 @@ fn emulated_bf16_storage_is_bf16_and_close_to_exact() {
     let mut logits = Vec::new();
     let mut kv_bits_ok = Vec::new();
     for backend in [CpuBackend::new(), CpuBackend::emulating_bf16()] {
-        let mut model = LlamaModel::load(cfg, m.model.weights.as_ref(), backend).expect("load");
+        let mut model = ModelRunner::load(cfg, m.model.weights.as_ref(), backend).expect("load");
         model.alloc_kv_cache(8, 16).expect("kv");
         logits.push(model.forward(&batch).expect("forward"));
         let (k, v) = model.backend_mut().read_kv_blocks(1, &[0, 1, 2]).expect("read kv");

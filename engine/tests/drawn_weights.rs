@@ -6,7 +6,7 @@
 
 use baton_engine::backend::BatchLayout;
 use baton_engine::backend::cpu::CpuBackend;
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::testing::TinySpec;
 use baton_formats::{CounterInit, DType, DummyKind, DummyStore, FormatError, TensorView, WeightStore};
 
@@ -48,7 +48,7 @@ fn prefill(tokens: &[u32]) -> BatchLayout {
 
 fn logits<B: baton_engine::backend::Backend>(spec: &TinySpec, store: &dyn WeightStore, backend: B) -> Vec<f32> {
     let cfg = spec.config();
-    let mut m = LlamaModel::load(&cfg, store, backend).expect("load");
+    let mut m = ModelRunner::load(&cfg, store, backend).expect("load");
     m.alloc_kv_cache(4, 16).expect("kv");
     let tokens: Vec<u32> = (0..20).map(|i| (i * 37 % cfg.vocab_size) as u32).collect();
     m.forward(&prefill(&tokens)).expect("forward")

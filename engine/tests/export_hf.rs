@@ -9,14 +9,14 @@ mod common;
 use baton_engine::EngineConfig;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::testing::{TinySpec, write_gguf};
 use baton_formats::{ExportDType, ExportOptions, GgufType, LoadFormat, LoadedModel, export_hf, load_model};
 use common::*;
 
 /// Logits of the last position of `ids` after one prefill.
 fn last_logits(model: &LoadedModel, backend: CpuBackend, ids: &[u32]) -> Vec<f32> {
-    let mut m = LlamaModel::load(&model.config, model.weights.as_ref(), backend).expect("load model");
+    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), backend).expect("load model");
     let block_size = 16;
     let blocks = ids.len().div_ceil(block_size);
     m.alloc_kv_cache(blocks, block_size).expect("kv cache");

@@ -3,6 +3,8 @@
 //! committed tiny fixtures (Llama with GQA, Qwen2 with q/k/v bias and tied
 //! embeddings, Llama with tied embeddings and llama3 rope scaling). The
 //! fixtures were produced by scripts/golden/make_golden.py with transformers.
+//! Qwen3 (q/k norm, head_dim 32 with hidden 64, untied and tied) comes from checkpoints that
+//! transformers itself wrote (scripts/golden/make_hf_tiny.py: transformers 5 config keys).
 //! Also: the same tiny model as an HF folder and as GGUF gives the same logits.
 
 mod common;
@@ -10,7 +12,7 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_engine::{EngineConfig, EngineHandle};
 use baton_formats::testing::{TinySpec, load_golden, write_gguf, write_hf_folder};
 use baton_formats::{GgufType, LoadFormat, LoadedModel, load_model};
@@ -18,7 +20,7 @@ use common::*;
 
 /// Logits of the last prompt position, computed by one prefill through the paged cache.
 fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
-    let mut m = LlamaModel::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
+    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
     let block_size = 16;
     let blocks = ids.len().div_ceil(block_size);
     m.alloc_kv_cache(blocks + 2, block_size).expect("kv cache");
@@ -75,8 +77,18 @@ fn golden_tied_llama3_rope_matches_transformers() {
 }
 
 #[test]
+fn golden_qwen3_matches_transformers() {
+    check_fixture("qwen3");
+}
+
+#[test]
+fn golden_qwen3_tied_matches_transformers() {
+    check_fixture("qwen3_tied");
+}
+
+#[test]
 fn hf_folder_and_gguf_give_the_same_logits() {
-    for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied()] {
+    for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied(), TinySpec::qwen3()] {
         let dir = tempfile::tempdir().expect("tmp");
         let hf = load_model(&write_hf_folder(&dir.path().join("hf"), &spec).expect("hf"), LoadFormat::Auto)
             .expect("load hf");

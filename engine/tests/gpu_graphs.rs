@@ -18,7 +18,7 @@ use baton_core::api::EngineClient;
 use baton_core::params::SamplingParams;
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_engine::{DeviceSpec, EngineConfig, start_engine};
 use baton_formats::testing::TinySpec;
 use common::{prompt, tiny};
@@ -26,11 +26,11 @@ use common::{prompt, tiny};
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 48;
 
-fn cuda_model(m: &baton_formats::LoadedModel, graphs: bool) -> LlamaModel<CudaBackend> {
+fn cuda_model(m: &baton_formats::LoadedModel, graphs: bool) -> ModelRunner<CudaBackend> {
     let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
     let mut backend = CudaBackend::new(&opts).expect("open cuda:0");
     backend.set_graphs(graphs);
-    let mut model = LlamaModel::load(&m.config, m.weights.as_ref(), backend).expect("load");
+    let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
     model.alloc_kv_cache(64 * BLOCKS_PER_SEQ, BLOCK).expect("kv cache");
     model
 }
@@ -66,7 +66,7 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 /// Runs the step on both models, checks they agree, and appends each sequence's greedy token.
-fn step_both(models: &mut [LlamaModel<CudaBackend>; 2], seqs: &mut [Seq], live: &[usize], worst: &mut f32) {
+fn step_both(models: &mut [ModelRunner<CudaBackend>; 2], seqs: &mut [Seq], live: &[usize], worst: &mut f32) {
     let lay = {
         let refs: Vec<&Seq> = live.iter().map(|&i| &seqs[i]).collect();
         layout(&refs)

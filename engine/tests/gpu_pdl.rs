@@ -9,21 +9,21 @@ mod common;
 
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::LlamaModel;
+use baton_engine::runner::ModelRunner;
 use baton_formats::testing::TinySpec;
 use common::{prompt, tiny};
 
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 24;
 
-fn model(m: &baton_formats::LoadedModel, pdl: bool, graphs: bool) -> LlamaModel<CudaBackend> {
+fn model(m: &baton_formats::LoadedModel, pdl: bool, graphs: bool) -> ModelRunner<CudaBackend> {
     let opts = baton_kernels::cuda::CudaOptions::default();
     let mut backend = CudaBackend::new(&opts).expect("open cuda:0");
     assert!(backend.device().pdl(), "PDL is on by default on this (Hopper) device");
     backend.set_pdl(pdl);
     assert_eq!(backend.device().pdl(), pdl);
     backend.set_graphs(graphs);
-    let mut model = LlamaModel::load(&m.config, m.weights.as_ref(), backend).expect("load");
+    let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
     model.alloc_kv_cache(16 * BLOCKS_PER_SEQ, BLOCK).expect("kv cache");
     model
 }
@@ -34,7 +34,7 @@ fn table(slot: usize) -> Vec<u32> {
 
 /// Prefills `prompts` in one mixed step, then decodes `steps` greedy tokens for all of them;
 /// returns every step's logits.
-fn run(model: &mut LlamaModel<CudaBackend>, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
+fn run(model: &mut ModelRunner<CudaBackend>, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
     let vocab = model.config().vocab_size;
     let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
     let mut cached = vec![0usize; seqs.len()];

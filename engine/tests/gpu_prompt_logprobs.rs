@@ -10,7 +10,7 @@ mod common;
 
 use baton_core::api::{EngineClient, EngineRequest, PromptLogprob};
 use baton_core::params::SamplingParams;
-use baton_engine::model::PROMPT_LOGPROB_SLICE;
+use baton_engine::runner::PROMPT_LOGPROB_SLICE;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
 use baton_formats::testing::TinySpec;
 use common::{drain, prompt, tiny};

@@ -11,7 +11,7 @@ use baton_core::params::SamplingParams;
 use baton_engine::EngineConfig;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
-use baton_engine::model::{LlamaModel, PROMPT_LOGPROB_SLICE};
+use baton_engine::runner::{ModelRunner, PROMPT_LOGPROB_SLICE};
 use baton_formats::LoadedModel;
 use baton_formats::testing::TinySpec;
 use common::*;
@@ -19,14 +19,14 @@ use common::*;
 const BLOCK: usize = 16;
 
 /// A CPU model with a KV pool large enough for one `max_len`-token sequence.
-fn cpu_model(model: &LoadedModel, max_len: usize) -> LlamaModel<CpuBackend> {
-    let mut m = LlamaModel::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
+fn cpu_model(model: &LoadedModel, max_len: usize) -> ModelRunner<CpuBackend> {
+    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
     m.alloc_kv_cache(max_len.div_ceil(BLOCK) + 1, BLOCK).expect("kv cache");
     m
 }
 
 /// Logits of every position of `ids`, from one forward over the whole prompt.
-fn all_logits(m: &mut LlamaModel<CpuBackend>, ids: &[u32]) -> Vec<Vec<f32>> {
+fn all_logits(m: &mut ModelRunner<CpuBackend>, ids: &[u32]) -> Vec<Vec<f32>> {
     let batch = BatchLayout {
         tokens: ids.to_vec(),
         positions: (0..ids.len()).collect(),

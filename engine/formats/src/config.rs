@@ -9,9 +9,11 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use crate::error::FormatError;
+pub use crate::hf_options::declared_dtype;
+use crate::hf_options::{layer_types, parse_rope, refuse_unimplemented_options};
 
-/// The transformer families Baton implements. All three share Llama's tensor layout;
-/// Qwen2 adds q/k/v biases.
+/// The transformer families Baton implements. All share Llama's tensor layout; Qwen2 adds
+/// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2 and SmolLM2.
@@ -20,17 +22,33 @@ pub enum Architecture {
     Mistral,
     /// Qwen2 / Qwen2.5 (q/k/v biases).
     Qwen2,
+    /// Qwen3 dense (q/k norm, head_dim independent of the hidden size).
+    Qwen3,
 }
 
 impl Architecture {
+    /// Every architecture, in the order messages list them.
+    pub const ALL: [Architecture; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "llama" | "LlamaForCausalLM" => Some(Self::Llama),
-            "mistral" | "MistralForCausalLM" => Some(Self::Mistral),
-            "qwen2" | "Qwen2ForCausalLM" => Some(Self::Qwen2),
-            _ => None,
+        Self::ALL.into_iter().find(|a| a.model_type() == name || a.hf_class() == name || a.gguf_name() == Some(name))
+    }
+
+    /// llama.cpp's `general.architecture` for this family, where it defines one (Mistral
+    /// GGUF files say `llama`).
+    pub fn gguf_name(self) -> Option<&'static str> {
+        match self {
+            Self::Llama => Some("llama"),
+            Self::Mistral => None,
+            Self::Qwen2 => Some("qwen2"),
+            Self::Qwen3 => Some("qwen3"),
         }
+    }
+
+    /// The supported architectures for messages: `llama (LlamaForCausalLM), ...`.
+    pub fn supported_list() -> String {
+        Self::ALL.iter().map(|a| format!("{} ({})", a.model_type(), a.hf_class())).collect::<Vec<_>>().join(", ")
     }
 
     /// The HF `model_type` string.
@@ -39,6 +57,7 @@ impl Architecture {
             Self::Llama => "llama",
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 
@@ -48,6 +67,7 @@ impl Architecture {
             Self::Llama => "LlamaForCausalLM",
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 }
@@ -71,6 +91,67 @@ pub enum RopeScaling {
         /// Context length the model was pre-trained with.
         original_max_position_embeddings: usize,
     },
+}
+
+/// Rotary parameters of one kind of layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParameters {
+    /// RoPE base.
+    pub theta: f32,
+    /// Frequency scaling, if any.
+    pub scaling: Option<RopeScaling>,
+}
+
+/// What kind of attention a layer runs (HF `layer_types`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerType {
+    /// `full_attention`: causal attention over the whole context.
+    Full,
+    /// `sliding_attention`: causal attention over the last `sliding_window` positions.
+    Sliding,
+}
+
+impl LayerType {
+    /// The HF name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Full => "full_attention",
+            Self::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// The default compute dtype a checkpoint declares (transformers 4's `torch_dtype`,
+/// transformers 5's `dtype`; see [`declared_dtype`]). Informational: Baton computes in f32
+/// on the CPU and bf16 on GPUs whatever it says, and reads each tensor in its stored dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigDType {
+    /// `float32`.
+    F32,
+    /// `float16`.
+    F16,
+    /// `bfloat16`.
+    BF16,
+}
+
+impl ConfigDType {
+    /// The transformers name (`float32`, `float16`, `bfloat16`).
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::BF16 => "bfloat16",
+        }
+    }
+
+    pub(crate) fn parse(name: &str) -> Option<Self> {
+        match name {
+            "float32" | "torch.float32" => Some(Self::F32),
+            "float16" | "torch.float16" => Some(Self::F16),
+            "bfloat16" | "torch.bfloat16" => Some(Self::BF16),
+            _ => None,
+        }
+    }
 }
 
 /// Architecture hyperparameters of a decoder-only transformer.
@@ -104,8 +185,17 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
-    /// q/k/v projections have biases (Qwen2).
+    /// q/k/v projections have biases (Qwen2, or `attention_bias`), and so has o_proj where
+    /// the family puts one there too (see [`ModelConfig::o_proj_bias`]).
     pub attention_bias: bool,
+    /// The kind of each layer, one per layer (all [`LayerType::Full`] unless the config's
+    /// `layer_types`, or its family's sliding-window options, say otherwise).
+    pub layer_types: Vec<LayerType>,
+    /// The window of [`LayerType::Sliding`] layers.
+    pub sliding_window: Option<usize>,
+    /// RoPE of sliding layers where it differs from the full layers' (`rope_theta`,
+    /// `rope_scaling`): transformers 5's `rope_parameters` nested per layer type.
+    pub sliding_rope: Option<RopeParameters>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (any of them stops generation).
@@ -140,6 +230,30 @@ impl ModelConfig {
             self.rope_theta,
             self.attention_bias
         )
+    }
+
+    /// q and k are RMS-normalised per head before RoPE (Qwen3's `q_norm`/`k_norm`).
+    pub fn qk_norm(&self) -> bool {
+        self.architecture == Architecture::Qwen3
+    }
+
+    /// o_proj has a bias: `attention_bias` in Llama and Qwen3 covers o_proj too; Qwen2's
+    /// biases are on q/k/v only, and Mistral has none.
+    pub fn o_proj_bias(&self) -> bool {
+        self.attention_bias && matches!(self.architecture, Architecture::Llama | Architecture::Qwen3)
+    }
+
+    /// The rotary parameters of full-attention layers.
+    pub fn rope(&self) -> RopeParameters {
+        RopeParameters { theta: self.rope_theta, scaling: self.rope_scaling }
+    }
+
+    /// The rotary parameters of layers of `kind`.
+    pub fn rope_for(&self, kind: LayerType) -> RopeParameters {
+        match kind {
+            LayerType::Sliding => self.sliding_rope.unwrap_or_else(|| self.rope()),
+            LayerType::Full => self.rope(),
+        }
     }
 
     /// Checks internal consistency; the error names "config" as the source.
@@ -209,6 +323,16 @@ impl ModelConfig {
             }
             _ => {}
         }
+        if self.layer_types.len() != self.num_hidden_layers {
+            return bad(format!(
+                "layer_types has {} entries for {} layers",
+                self.layer_types.len(),
+                self.num_hidden_layers
+            ));
+        }
+        if self.layer_types.contains(&LayerType::Sliding) && self.sliding_window.is_none_or(|w| w == 0) {
+            return bad("sliding_attention layers need a positive sliding_window".into());
+        }
         let vocab = self.vocab_size;
         for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
             if *id as usize >= vocab {
@@ -233,7 +357,14 @@ impl ModelConfig {
                 out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
                 out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
             }
+            if self.qk_norm() {
+                out.push((format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]));
+                out.push((format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]));
+            }
             out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            if self.o_proj_bias() {
+                out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+            }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
             out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
             out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
@@ -252,7 +383,10 @@ impl ModelConfig {
         Self::from_hf_json(&v, path)
     }
 
-    /// Parses a HF `config.json` value; `path` is only used in error messages.
+    /// Parses a HF `config.json` value; `path` is only used in error messages. Reads both
+    /// generations: transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and
+    /// transformers 5 (`rope_parameters`, flat or nested per layer type, and `dtype`). An
+    /// option that changes the math and is not implemented is refused, naming it.
     pub fn from_hf_json(v: &Value, path: &Path) -> Result<Self, FormatError> {
         let arch_name = v
             .get("model_type")
@@ -270,57 +404,49 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::config(path, format!("missing or non-integer {key:?}")))
         };
         let opt_usize = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
+        refuse_unimplemented_options(v, path)?;
+        // Read (and an unknown one refused) but not kept: Baton computes in f32 on the CPU and
+        // bf16 on GPUs, and reads each tensor in its stored dtype.
+        declared_dtype(v, path)?;
         let hidden_size = req("hidden_size")?;
         let num_attention_heads = req("num_attention_heads")?;
         if num_attention_heads == 0 {
             return Err(FormatError::config(path, "num_attention_heads must be positive"));
         }
+        let num_hidden_layers = req("num_hidden_layers")?;
         let num_key_value_heads = opt_usize("num_key_value_heads").unwrap_or(num_attention_heads);
         let head_dim = opt_usize("head_dim").unwrap_or(hidden_size / num_attention_heads);
-        if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
-            return Err(FormatError::unsupported(path, "mlp_bias = true"));
-        }
         let attention_bias = match architecture {
             Architecture::Qwen2 => true,
             _ => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
         };
-        // transformers v5 moved rope settings into `rope_parameters`; older files use
-        // top-level `rope_theta` plus `rope_scaling`.
-        let rope_params = v.get("rope_parameters").filter(|p| p.is_object());
-        let rope_theta = v
-            .get("rope_theta")
-            .and_then(Value::as_f64)
-            .or_else(|| rope_params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
-            .unwrap_or(10000.0) as f32;
-        let scaling = v.get("rope_scaling").filter(|s| s.is_object()).or(rope_params);
-        let rope_scaling = match scaling {
-            Some(s) => parse_rope_scaling(s, path)?,
-            None => None,
-        };
+        let (layer_types, sliding_window) = layer_types(v, architecture, num_hidden_layers, path)?;
+        let (rope, sliding_rope) = parse_rope(v, path)?;
+        let declared_len = opt_usize("max_position_embeddings").unwrap_or(2048);
         let cfg = Self {
             architecture,
             hidden_size,
             intermediate_size: req("intermediate_size")?,
-            num_hidden_layers: req("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             vocab_size: req("vocab_size")?,
             rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
-            rope_theta,
-            rope_scaling,
-            max_position_embeddings: {
-                let declared = opt_usize("max_position_embeddings").unwrap_or(2048);
-                // Attention over the whole context equals sliding-window attention only up to
-                // the window, and there is no windowed attention here: the context is capped
-                // at the window rather than giving wrong tokens past it.
-                match active_sliding_window(v, architecture, req("num_hidden_layers")?) {
-                    Some(window) if window < declared => window.max(1),
-                    _ => declared,
-                }
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
+            // Attention over the whole context equals sliding-window attention only up to
+            // the window, and the Llama-family layers here attend over the whole context: the
+            // context is capped at the window rather than giving wrong tokens past it.
+            max_position_embeddings: match sliding_window {
+                Some(window) if layer_types.contains(&LayerType::Sliding) && window < declared_len => window.max(1),
+                _ => declared_len,
             },
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             attention_bias,
+            layer_types,
+            sliding_window,
+            sliding_rope,
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
         };
@@ -383,6 +509,12 @@ impl ModelConfig {
                 Architecture::Mistral => {
                     obj.insert("sliding_window".into(), Value::Null);
                 }
+                Architecture::Qwen3 => {
+                    obj.insert("attention_bias".into(), json!(self.attention_bias));
+                    obj.insert("use_sliding_window".into(), json!(false));
+                    obj.insert("sliding_window".into(), Value::Null);
+                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                }
                 Architecture::Qwen2 => {
                     obj.insert("use_sliding_window".into(), json!(false));
                     obj.insert("sliding_window".into(), Value::Null);
@@ -394,56 +526,9 @@ impl ModelConfig {
     }
 }
 
-fn parse_rope_scaling(s: &Value, path: &Path) -> Result<Option<RopeScaling>, FormatError> {
-    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
-    let num = |key: &str| -> Result<f32, FormatError> {
-        s.get(key)
-            .and_then(Value::as_f64)
-            .map(|x| x as f32)
-            .ok_or_else(|| FormatError::config(path, format!("rope_scaling.{key} is missing")))
-    };
-    match kind {
-        "default" => Ok(None),
-        "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor")? })),
-        "llama3" => Ok(Some(RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: s
-                .get("original_max_position_embeddings")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| FormatError::config(path, "rope_scaling.original_max_position_embeddings is missing"))?
-                as usize,
-        })),
-        other => Err(FormatError::unsupported(path, format!("rope_scaling type {other:?}"))),
-    }
-}
-
 /// An f32 as the JSON number with its shortest decimal form (`1e-5`, not `9.99999974e-6`).
 fn f32_json(x: f32) -> Value {
     x.to_string().parse::<f64>().map(Value::from).unwrap_or(Value::Null)
-}
-
-/// The sliding window a config puts on at least one layer, if any: Mistral's `sliding_window`
-/// applies to every layer; Qwen2's only with `use_sliding_window`, to the layers from
-/// `max_window_layers` on (or those `layer_types` marks `sliding_attention`).
-fn active_sliding_window(v: &Value, architecture: Architecture, num_layers: usize) -> Option<usize> {
-    let window = v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize)?;
-    let marked = v
-        .get("layer_types")
-        .and_then(Value::as_array)
-        .map(|types| types.iter().any(|t| t.as_str() == Some("sliding_attention")));
-    let active = match architecture {
-        Architecture::Mistral => marked.unwrap_or(true),
-        Architecture::Qwen2 => {
-            v.get("use_sliding_window").and_then(Value::as_bool) == Some(true)
-                && marked.unwrap_or_else(|| {
-                    v.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize) < num_layers
-                })
-        }
-        Architecture::Llama => marked.unwrap_or(false),
-    };
-    active.then_some(window)
 }
 
 /// Reads an int, a list of ints, or null as a list of token ids.

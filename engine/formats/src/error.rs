@@ -33,7 +33,7 @@ pub enum FormatError {
         message: String,
     },
     /// The architecture is not one Baton implements.
-    #[error("{path}: unsupported architecture {name:?} (supported: llama, mistral, qwen2)")]
+    #[error("{path}: unsupported architecture {name:?} (supported: {})", crate::Architecture::supported_list())]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,

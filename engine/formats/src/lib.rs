@@ -12,6 +12,7 @@ pub mod dummy;
 pub mod error;
 pub mod export;
 pub mod gguf;
+mod hf_options;
 pub mod safetensors_store;
 pub mod tensor;
 pub mod testing;
@@ -21,7 +22,9 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use config::{Architecture, GenerationConfig, ModelConfig, RopeScaling};
+pub use config::{
+    Architecture, ConfigDType, GenerationConfig, LayerType, ModelConfig, RopeParameters, RopeScaling, declared_dtype,
+};
 pub use dummy::{DummyKind, DummyStore};
 pub use error::FormatError;
 pub use export::{ExportDType, ExportOptions, ExportSummary, export_hf};

@@ -10,7 +10,7 @@
 //! token for token on peaked models (rounding the weights alone changes greedy tokens), but
 //! it must match this one.
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape};
+use super::{Backend, BackendError, BatchLayout, KvCacheShape, KvIo, OptionalOp};
 use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, RopeTable, SeqSpan};
 
 /// A `rows × cols` row-major f32 weight matrix.
@@ -32,6 +32,8 @@ pub struct CpuBackend {
     /// The last LM-head output, `rows × vocab`.
     logits: Vec<f32>,
     vocab: usize,
+    /// Claim no optional op (tests of the load-time refusal a GPU backend gives).
+    without_optional_ops: bool,
 }
 
 impl CpuBackend {
@@ -43,6 +45,12 @@ impl CpuBackend {
     /// A backend that emulates the CUDA backend's bf16 storage (see the module doc).
     pub fn emulating_bf16() -> Self {
         Self { bf16: true, ..Self::default() }
+    }
+
+    /// A backend that implements no [`OptionalOp`], as a device backend may not: models that
+    /// need one must refuse it at load.
+    pub fn without_optional_ops() -> Self {
+        Self { without_optional_ops: true, ..Self::default() }
     }
 
     /// Rounds `xs` to bf16 in place when emulating bf16 storage.
@@ -360,6 +368,36 @@ impl Backend for CpuBackend {
         baton_core::kv_transfer::KvDtype::F32
     }
 
+    fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
+        Some(self)
+    }
+
+    fn supports(&self, op: OptionalOp) -> bool {
+        match op {
+            OptionalOp::HeadRmsNorm => !self.without_optional_ops,
+        }
+    }
+
+    fn head_rms_norm(
+        &mut self,
+        x: &mut Vec<f32>,
+        weight: &Vec<f32>,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<(), BackendError> {
+        if weight.len() != head_dim {
+            return Err(kerr("head_rms_norm", format!("weight has {} values for head_dim {head_dim}", weight.len())));
+        }
+        // Rows of `heads × head_dim` are `heads` rows of `head_dim`: the row-wise RMSNorm
+        // kernel over `head_dim`-wide rows is the per-head norm.
+        let src = x.clone();
+        k::rms_norm(&src, weight, eps, x)?;
+        self.store(x);
+        Ok(())
+    }
+}
+
+impl KvIo for CpuBackend {
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
         let (kc, vc) =
@@ -415,5 +453,37 @@ impl CpuBackend {
             }));
         }
         Ok(shape.block_size * shape.num_kv_heads * shape.head_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_rms_norm_normalises_each_head_on_its_own() {
+        // Two rows of three heads of 4, heads of very different scales.
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * (1 + i / 4) as f32).collect();
+        let w = vec![0.5f32, -1.0, 2.0, 0.25];
+        let mut b = CpuBackend::new();
+        assert!(b.supports(OptionalOp::HeadRmsNorm));
+        let mut got = x.clone();
+        b.head_rms_norm(&mut got, &w, 4, 1e-6).expect("head norm");
+        for (h, src) in x.chunks(4).enumerate() {
+            let rms = (src.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / 4.0 + 1e-6).sqrt();
+            for i in 0..4 {
+                let want = f64::from(src[i]) / rms * f64::from(w[i]);
+                assert!((f64::from(got[h * 4 + i]) - want).abs() < 1e-5, "head {h} elem {i}");
+            }
+        }
+        // The weight must be one head wide, and the buffer whole heads.
+        assert!(b.head_rms_norm(&mut x.clone(), &w, 8, 1e-6).is_err());
+        assert!(b.head_rms_norm(&mut vec![0.0; 6], &w, 4, 1e-6).is_err());
+        // The bf16 emulation rounds the output like every other op.
+        let mut e = CpuBackend::emulating_bf16();
+        let mut rounded = x.clone();
+        e.head_rms_norm(&mut rounded, &w, 4, 1e-6).expect("bf16 head norm");
+        assert!(rounded.iter().all(|v| half::bf16::from_f32(*v).to_f32() == *v));
+        assert!(rounded.iter().zip(&got).all(|(a, b)| (a - b).abs() <= 1e-2 * b.abs().max(1e-3)));
     }
 }

@@ -13,7 +13,7 @@
 //! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape, ReplayStart, WeightUploadReport};
+use super::{Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, WeightUploadReport};
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
@@ -687,26 +687,6 @@ impl Backend for CudaBackend {
             .collect())
     }
 
-    fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
-        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
-    }
-
-    fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
-        let (have, vocab) = self.logit_shape;
-        let ops: Vec<Vec<DeviceOp>> = rows.iter().map(|(_, plan)| device_ops(&plan.ops)).collect();
-        let dev_rows: Vec<DeviceRow<'_>> =
-            rows.iter().zip(&ops).map(|(&(logit_row, plan), ops)| device_row(logit_row, plan, ops)).collect();
-        self.sample_logprobs.clear();
-        self.dev.sample_rows_launch(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
-        self.sample_logprobs.extend(rows.iter().map(|(_, plan)| plan.logprobs));
-        Ok(())
-    }
-
-    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
-        let picks = self.dev.sample_rows_collect(&mut self.sample_bufs)?;
-        Ok(picks.into_iter().zip(self.sample_logprobs.drain(..)).map(|(p, lp)| with_logprobs(p, lp)).collect())
-    }
-
     fn rope_and_write_kv(
         &mut self,
         layer: usize,
@@ -885,30 +865,42 @@ impl Backend for CudaBackend {
         Some(self)
     }
 
-    fn replay_rows(&self, batch: &BatchLayout) -> Option<usize> {
-        self.graph_rows(batch)
+    fn graph_replay(&mut self) -> Option<&mut dyn GraphReplay> {
+        Some(self)
     }
 
-    fn begin_replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<ReplayStart, BackendError> {
-        let started = self.stage_replay(padded, real_rows);
-        if !matches!(started, Ok(ReplayStart::Record | ReplayStart::Replayed)) {
-            self.graphs.staged = None;
-        }
-        started
+    fn device_sampler(&mut self) -> Option<&mut dyn DeviceSampler> {
+        Some(self)
     }
 
-    fn begin_recording(&mut self) -> Result<(), BackendError> {
-        self.start_recording()
+    fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
+        Some(self)
+    }
+}
+
+impl DeviceSampler for CudaBackend {
+    fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
+        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
     }
 
-    fn end_recording(&mut self, ok: bool) -> Result<(), BackendError> {
-        self.stop_recording(ok)
+    fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
+        let (have, vocab) = self.logit_shape;
+        let ops: Vec<Vec<DeviceOp>> = rows.iter().map(|(_, plan)| device_ops(&plan.ops)).collect();
+        let dev_rows: Vec<DeviceRow<'_>> =
+            rows.iter().zip(&ops).map(|(&(logit_row, plan), ops)| device_row(logit_row, plan, ops)).collect();
+        self.sample_logprobs.clear();
+        self.dev.sample_rows_launch(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
+        self.sample_logprobs.extend(rows.iter().map(|(_, plan)| plan.logprobs));
+        Ok(())
     }
 
-    fn finish_replay(&mut self) {
-        self.unstage();
+    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
+        let picks = self.dev.sample_rows_collect(&mut self.sample_bufs)?;
+        Ok(picks.into_iter().zip(self.sample_logprobs.drain(..)).map(|(p, lp)| with_logprobs(p, lp)).collect())
     }
+}
 
+impl KvIo for CudaBackend {
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
         let (kc, vc) =

@@ -1,5 +1,5 @@
 //! Decode steps replayed from CUDA graphs: the CUDA backend's side of
-//! [`Backend::replay_rows`](crate::backend::Backend::replay_rows) and the calls after it.
+//! [`GraphReplay::replay_rows`](crate::backend::GraphReplay::replay_rows) and the calls after it.
 //!
 //! A pure decode step (one token per sequence, every row sampled) is padded to a bucket of
 //! rows (1, 2, 4, then multiples of 8 up to [`GRAPH_MAX_ROWS`]); its launches, from the
@@ -19,7 +19,7 @@
 //! - Padding rows write no KV (slot -1) and attend to nothing; their logits are never read.
 
 use super::CudaBackend;
-use crate::backend::{BackendError, BatchLayout, ReplayStart};
+use crate::backend::{BackendError, BatchLayout, GraphReplay, ReplayStart};
 use baton_kernels::cuda::{AttnSplit, StepGraph, auto_splits};
 use std::collections::{HashMap, HashSet};
 
@@ -155,7 +155,7 @@ impl CudaBackend {
         self.graphs.len()
     }
 
-    /// See [`Backend::replay_rows`](crate::backend::Backend::replay_rows).
+    /// See [`GraphReplay::replay_rows`](crate::backend::GraphReplay::replay_rows).
     pub(super) fn graph_rows(&self, batch: &BatchLayout) -> Option<usize> {
         if !self.graphs.enabled || self.graphs.vocab.is_none() || self.graphs.n_heads.is_none() {
             return None;
@@ -166,7 +166,7 @@ impl CudaBackend {
         graph_bucket(batch.tokens.len())
     }
 
-    /// See [`Backend::begin_replay`](crate::backend::Backend::begin_replay).
+    /// See [`GraphReplay::begin_replay`](crate::backend::GraphReplay::begin_replay).
     pub(super) fn stage_replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<ReplayStart, BackendError> {
         let (Some(vocab), Some(n_heads)) = (self.graphs.vocab, self.graphs.n_heads) else {
             return Ok(ReplayStart::Eager);
@@ -201,7 +201,7 @@ impl CudaBackend {
         Ok(ReplayStart::Record)
     }
 
-    /// See [`Backend::begin_recording`](crate::backend::Backend::begin_recording).
+    /// See [`GraphReplay::begin_recording`](crate::backend::GraphReplay::begin_recording).
     pub(super) fn start_recording(&mut self) -> Result<(), BackendError> {
         let staged = self.graphs.staged.as_mut().ok_or_else(|| BackendError::Device("no step is staged".into()))?;
         staged.recording = true;
@@ -210,7 +210,7 @@ impl CudaBackend {
         Ok(self.dev.begin_capture()?)
     }
 
-    /// See [`Backend::end_recording`](crate::backend::Backend::end_recording).
+    /// See [`GraphReplay::end_recording`](crate::backend::GraphReplay::end_recording).
     pub(super) fn stop_recording(&mut self, ok: bool) -> Result<(), BackendError> {
         let Some(staged) = self.graphs.staged else {
             self.dev.abort_capture();
@@ -248,7 +248,7 @@ impl CudaBackend {
         }
     }
 
-    /// See [`Backend::finish_replay`](crate::backend::Backend::finish_replay).
+    /// See [`GraphReplay::finish_replay`](crate::backend::GraphReplay::finish_replay).
     pub(super) fn unstage(&mut self) {
         if self.graphs.staged.take().is_some_and(|s| s.recording) {
             self.dev.abort_capture();
@@ -267,6 +267,33 @@ impl CudaBackend {
 /// The largest power of two not above `n` (1 for 0).
 fn prev_power_of_two(n: usize) -> usize {
     1 << n.max(1).ilog2()
+}
+
+/// The recordings behind the runner's replay path (the inherent methods above do the work).
+impl GraphReplay for CudaBackend {
+    fn replay_rows(&self, batch: &BatchLayout) -> Option<usize> {
+        self.graph_rows(batch)
+    }
+
+    fn begin_replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<ReplayStart, BackendError> {
+        let started = self.stage_replay(padded, real_rows);
+        if !matches!(started, Ok(ReplayStart::Record | ReplayStart::Replayed)) {
+            self.graphs.staged = None;
+        }
+        started
+    }
+
+    fn begin_recording(&mut self) -> Result<(), BackendError> {
+        self.start_recording()
+    }
+
+    fn end_recording(&mut self, ok: bool) -> Result<(), BackendError> {
+        self.stop_recording(ok)
+    }
+
+    fn finish_replay(&mut self) {
+        self.unstage();
+    }
 }
 
 #[cfg(test)]

@@ -1,10 +1,19 @@
-//! The backend seam: the small set of ops the model is written over.
+//! The backend seam: the small set of ops the models are written over.
 //!
-//! The Llama-family forward pass ([`crate::model`]) is written once against
-//! this trait; `cpu` implements it with the reference kernels of
-//! `baton-kernels`, and `cuda` implements the same ops on the GPU (bf16 storage).
-//! A backend owns its buffers and the paged KV cache; the model owns only
-//! handles. Activations are row-major `tokens × features`.
+//! [`Backend`] holds the core ops every backend has; each architecture
+//! ([`crate::models`]) writes its forward once against them, and the runner
+//! ([`crate::runner`]) drives the step. What only some backends can do is a capability
+//! trait reached through an accessor that returns `None` where it is missing
+//! ([`Backend::graph_replay`], [`Backend::device_sampler`], [`Backend::kv_io`]): the runner
+//! then takes the portable path (op by op, host sampling), so a missing capability never
+//! fails a step. Ops a model may need beyond the core set ([`OptionalOp`]) are checked
+//! with [`Backend::supports`] when the model loads, so a backend without one refuses the
+//! model at load rather than failing (or serving wrong tokens) at run time.
+//!
+//! `cpu` implements everything with the reference kernels of `baton-kernels`; `cuda`
+//! implements the same ops on the GPU (bf16 storage). A backend owns its buffers and the
+//! paged KV cache; the models own only handles. Activations are row-major
+//! `tokens × features`.
 
 pub mod cpu;
 pub mod cuda;
@@ -106,11 +115,11 @@ pub struct BatchLayout {
     pub logit_rows: Vec<usize>,
     /// `(row, i)`: the token of `row` is the one the previous step's sampling picked for its
     /// `i`-th row, still unknown to the host when this step was planned (`tokens[row]` holds
-    /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::model::LlamaModel::forward_exporting`].
+    /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::runner::ModelRunner::forward_exporting`].
     pub pending: Vec<(usize, usize)>,
     /// Rows whose logits give a prompt token's logprob (requests with `prompt_logprobs`);
-    /// computed by [`crate::model::LlamaModel::forward_exporting`] and taken with
-    /// [`crate::model::LlamaModel::take_prompt_logprobs`]. Empty on every other step.
+    /// computed by [`crate::runner::ModelRunner::forward_exporting`] and taken with
+    /// [`crate::runner::ModelRunner::take_prompt_logprobs`]. Empty on every other step.
     pub prompt_logprobs: Vec<PromptLogprobRow>,
 }
 
@@ -125,7 +134,7 @@ pub struct PromptLogprobRow {
     pub top_k: usize,
 }
 
-/// What a backend does with a step offered for replay (see [`Backend::begin_replay`]).
+/// What a backend does with a step offered for replay (see [`GraphReplay::begin_replay`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplayStart {
     /// The backend declines: run the unpadded step's ops as usual.
@@ -133,7 +142,7 @@ pub enum ReplayStart {
     /// The step ran from a recording: its work up to the LM head is enqueued; run no ops.
     Replayed,
     /// No recording yet: run the padded step's ops (they execute), then run them again between
-    /// [`Backend::begin_recording`] and [`Backend::end_recording`] to record them.
+    /// [`GraphReplay::begin_recording`] and [`GraphReplay::end_recording`] to record them.
     Record,
 }
 
@@ -221,7 +230,7 @@ pub trait Backend: Send + 'static {
     fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError>;
 
     /// `out[i] = table[tokens[i]]`, into the residual stream; each `(row, i)` of `pending`
-    /// embeds instead the pick for row `i` of the last [`Backend::launch_device_sample`]
+    /// embeds instead the pick for row `i` of the last [`DeviceSampler::launch_device_sample`]
     /// (where it still is: on the device). Backends that sample nothing on a device refuse
     /// a non-empty `pending`.
     fn embed(
@@ -267,7 +276,7 @@ pub trait Backend: Send + 'static {
     ) -> Result<(), BackendError>;
     /// The LM head: `x · wᵀ` for `m` rows in f32 (`m × w.rows`, row-major), so logits carry
     /// no bf16 rounding. The backend keeps them (on the device, where it has one) for
-    /// [`Backend::logit_rows`] and [`Backend::launch_device_sample`] until the next call.
+    /// [`Backend::logit_rows`] and [`DeviceSampler::launch_device_sample`] until the next call.
     fn lm_head(&mut self, x: &Self::Buf, m: usize, w: &Self::Mat) -> Result<(), BackendError>;
     /// Rows of the last [`Backend::lm_head`] output copied to the host, in the order given
     /// (`rows.len() × vocab`, row-major). A row that sampling on the device rewrote holds
@@ -289,23 +298,6 @@ pub trait Backend: Send + 'static {
             return Err(BackendError::Device("the LM head output is empty".into()));
         }
         Ok(logits.chunks_exact_mut(vocab).zip(targets).map(|(row, &t)| prompt_logprob(row, t, k)).collect())
-    }
-    /// Whether [`Backend::launch_device_sample`] can sample this row of a `vocab`-wide output
-    /// exactly as `baton_core::sampling::sample` would. The default backend samples nothing
-    /// on a device; the caller then downloads the row and samples it on the CPU.
-    fn can_sample_on_device(&self, _vocab: usize, _plan: &RowPlan) -> bool {
-        false
-    }
-    /// Starts sampling rows of the last [`Backend::lm_head`] output where they are, each
-    /// given as `(row, plan)` with a plan that [`Backend::can_sample_on_device`] accepted,
-    /// and returns without waiting for the answers.
-    fn launch_device_sample(&mut self, _rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
-        Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
-    }
-    /// The answers of the last [`Backend::launch_device_sample`], one per row in order
-    /// (waits for them); each launch is collected once.
-    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
-        Err(BackendError::Device(format!("{} cannot sample on a device", self.device_name())))
     }
     /// Applies RoPE to `q` and `k` at the batch's positions, then writes `k`, `v` into layer `layer` of the cache.
     fn rope_and_write_kv(
@@ -369,8 +361,111 @@ pub trait Backend: Send + 'static {
     /// Sets the rotary table used by `rope_and_write_kv`.
     fn set_rope(&mut self, table: baton_kernels::cpu::RopeTable) -> Result<(), BackendError>;
 
-    /// Element type of the KV cache (what [`Backend::read_kv_blocks`] bytes hold).
+    /// Element type of the KV cache (what [`KvIo::read_kv_blocks`] bytes hold).
     fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype;
+    /// Marks the start of the op `label` for a step profile (see
+    /// `CudaBackend::profile_begin`); a no-op unless the backend is profiling.
+    fn mark(&mut self, _label: &'static str) {}
+
+    /// Whether the backend implements the optional op `op` (checked when a model that needs
+    /// it loads; see [`OptionalOp`]). The default implements none.
+    fn supports(&self, _op: OptionalOp) -> bool {
+        false
+    }
+    /// `x[r, h·d..(h+1)·d] = rms_norm(x[r, h·d..(h+1)·d]) * weight` for every row `r` and
+    /// head `h` of `x`, rows of `heads × head_dim` values: RMSNorm over each head's
+    /// `head_dim` values with one `head_dim`-long weight shared by all heads (Qwen3's
+    /// q/k norm). Optional ([`OptionalOp::HeadRmsNorm`]).
+    fn head_rms_norm(
+        &mut self,
+        _x: &mut Self::Buf,
+        _weight: &Self::Buf,
+        _head_dim: usize,
+        _eps: f32,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} has no per-head RMSNorm", self.device_name())))
+    }
+
+    /// Replaying recorded steps (CUDA graphs), on backends that record them; `None` elsewhere
+    /// (every step runs op by op).
+    fn graph_replay(&mut self) -> Option<&mut dyn GraphReplay> {
+        None
+    }
+    /// Sampling where the logits are, on backends that can; `None` elsewhere (rows are
+    /// downloaded and sampled on the host).
+    fn device_sampler(&mut self) -> Option<&mut dyn DeviceSampler> {
+        None
+    }
+    /// Copying KV blocks to and from host bytes (the TCP hand-off between workers), on
+    /// backends that can; `None` elsewhere.
+    fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
+        None
+    }
+    /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
+    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
+        None
+    }
+}
+
+/// An op beyond the core set of [`Backend`] that some models need. A model checks
+/// [`Backend::supports`] for each one it uses when it loads, and refuses the backend there
+/// (naming the op) if it is missing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OptionalOp {
+    /// [`Backend::head_rms_norm`] (Qwen3's q/k norm).
+    HeadRmsNorm,
+}
+
+impl OptionalOp {
+    /// The op's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::HeadRmsNorm => "per-head RMSNorm (q/k norm)",
+        }
+    }
+}
+
+/// Replaying recorded decode steps (CUDA graphs). The runner offers a pure decode step with
+/// [`GraphReplay::replay_rows`], pads it, and either replays a recording or records one.
+pub trait GraphReplay {
+    /// Rows a step of `batch` would be padded to for replay from a recording, or `None`
+    /// when it must run op by op: steps that are not pure decode (one token per sequence,
+    /// every row sampled in order), batches past the largest recorded size, recordings
+    /// switched off.
+    fn replay_rows(&self, batch: &BatchLayout) -> Option<usize>;
+    /// Stages `padded` (a [`GraphReplay::replay_rows`]-sized batch whose first `real_rows`
+    /// rows are real and the rest padding: no sequence, token 0, logits never read): uploads
+    /// its per-step data, then replays the matching recording or asks for one. Until
+    /// [`GraphReplay::finish_replay`], ops called with `padded` read the staged data.
+    fn begin_replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<ReplayStart, BackendError>;
+    /// Starts recording the staged step's ops instead of running them.
+    fn begin_recording(&mut self) -> Result<(), BackendError>;
+    /// Ends a recording: keeps it for later replays when `ok` (every op succeeded), else
+    /// discards it and runs this batch shape op by op from then on.
+    fn end_recording(&mut self, ok: bool) -> Result<(), BackendError>;
+    /// Ends the staged step (ops run op by op again).
+    fn finish_replay(&mut self);
+}
+
+/// Sampling rows of the last [`Backend::lm_head`] output where they are (on the device).
+pub trait DeviceSampler {
+    /// Whether [`DeviceSampler::launch_device_sample`] can sample this row of a
+    /// `vocab`-wide output exactly as `baton_core::sampling::sample` would; the runner
+    /// downloads the rows it cannot and samples them on the host.
+    fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool;
+    /// Starts sampling rows of the last [`Backend::lm_head`] output, each given as
+    /// `(row, plan)` with a plan that [`DeviceSampler::can_sample_on_device`] accepted, and
+    /// returns without waiting for the answers.
+    fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError>;
+    /// The answers of the last [`DeviceSampler::launch_device_sample`], one per row in order
+    /// (waits for them); each launch is collected once.
+    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError>;
+}
+
+/// Copying KV blocks of the paged cache to and from host bytes (see
+/// [`Backend::kv_dtype`] for their element type).
+pub trait KvIo {
     /// Copies layer `layer`'s K and V of `blocks`, in the given order, to host bytes (native
     /// byte order, each block `block_size × kv_heads × head_dim` elements). Used to hand a
     /// prompt's KV to another worker.
@@ -378,38 +473,4 @@ pub trait Backend: Send + 'static {
     /// Writes bytes produced by `read_kv_blocks` on a cache of the same layout into `blocks`
     /// of layer `layer`, in order.
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
-    /// Rows a step of `batch` would be padded to for replay from a recording (a CUDA graph),
-    /// or `None` when it must run op by op: backends without recordings (the default), steps
-    /// that are not pure decode (one token per sequence, every row sampled in order), batches
-    /// past the largest recorded size, recordings switched off.
-    fn replay_rows(&self, _batch: &BatchLayout) -> Option<usize> {
-        None
-    }
-    /// Stages `padded` (a [`Backend::replay_rows`]-sized batch whose first `real_rows` rows
-    /// are real and the rest padding: no sequence, token 0, logits never read): uploads its
-    /// per-step data, then replays the matching recording or asks for one. Until
-    /// [`Backend::finish_replay`], ops called with `padded` read the staged data.
-    fn begin_replay(&mut self, _padded: &BatchLayout, _real_rows: usize) -> Result<ReplayStart, BackendError> {
-        Ok(ReplayStart::Eager)
-    }
-    /// Starts recording the staged step's ops instead of running them.
-    fn begin_recording(&mut self) -> Result<(), BackendError> {
-        Err(BackendError::Device(format!("{} cannot record steps", self.device_name())))
-    }
-    /// Ends a recording: keeps it for later replays when `ok` (every op succeeded), else
-    /// discards it and runs this batch shape op by op from then on.
-    fn end_recording(&mut self, _ok: bool) -> Result<(), BackendError> {
-        Ok(())
-    }
-    /// Ends the staged step (ops run op by op again).
-    fn finish_replay(&mut self) {}
-
-    /// Marks the start of the op `label` for a step profile (see
-    /// `CudaBackend::profile_begin`); a no-op unless the backend is profiling.
-    fn mark(&mut self, _label: &'static str) {}
-
-    /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
-    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
-        None
-    }
 }

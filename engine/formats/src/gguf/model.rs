@@ -1,6 +1,6 @@
 //! Maps a llama.cpp GGUF model onto Baton's HF view: hyperparameters → [`ModelConfig`],
 //! tensor names → HF names, quantized tensors → f32, and llama.cpp's RoPE row permutation
-//! of Q/K (applied to `llama`-architecture files only; `qwen2` files keep HF order) undone.
+//! of Q/K (applied to `llama`-architecture files only; `qwen2`/`qwen3` files keep HF order) undone.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
-use crate::config::{Architecture, ModelConfig, RopeScaling, llama3_rope_divisors};
+use crate::config::{Architecture, LayerType, ModelConfig, RopeScaling, llama3_rope_divisors};
 use crate::error::FormatError;
 use crate::tensor::{DType, TensorView, WeightStore, f32_to_bytes};
 
@@ -35,6 +35,8 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_norm" => "post_attention_layernorm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
@@ -64,6 +66,8 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
         "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
         "post_attention_layernorm" => "ffn_norm",
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
@@ -171,6 +175,9 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         max_position_embeddings,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),
+        layer_types: vec![LayerType::Full; req("block_count")?],
+        sliding_window: None,
+        sliding_rope: None,
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
     };
@@ -224,7 +231,8 @@ fn plain_dtype(ty: GgufType) -> Option<DType> {
 impl GgufStore {
     /// Converts the tensors of `file` (already parsed) for `config`.
     pub fn new(file: GgufFile, config: &ModelConfig) -> Result<Self, FormatError> {
-        let permute = config.architecture != Architecture::Qwen2;
+        // llama.cpp's converter permutes Q/K rows for the `llama` architecture only.
+        let permute = matches!(config.architecture, Architecture::Llama | Architecture::Mistral);
         let jobs: Vec<(String, GgufTensorInfo)> =
             file.tensors.iter().filter_map(|t| gguf_to_hf_name(&t.name).map(|hf| (hf, t.clone()))).collect();
         let converted: Result<Vec<_>, FormatError> = jobs

@@ -114,6 +114,18 @@ impl TinySpec {
         }
     }
 
+    /// Qwen3: per-head q/k norm, head_dim 32 (not hidden / heads), untied.
+    pub fn qwen3() -> Self {
+        Self {
+            architecture: Architecture::Qwen3,
+            head_dim: Some(32),
+            rope_theta: 1_000_000.0,
+            seed: 4,
+            pre_tokenizer: PreTokenizerKind::Qwen2,
+            ..Self::llama()
+        }
+    }
+
     /// Llama with tied embeddings and Llama 3.1 RoPE scaling.
     pub fn tied() -> Self {
         Self {
@@ -161,6 +173,9 @@ impl TinySpec {
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
+            layer_types: vec![crate::config::LayerType::Full; self.num_layers],
+            sliding_window: None,
+            sliding_rope: None,
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
         }
@@ -243,6 +258,7 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     config.validate()?;
     let arch = match config.architecture {
         Architecture::Qwen2 => "qwen2",
+        Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
     };
     let mut w = GgufWriter::new();

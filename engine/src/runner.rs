@@ -1,71 +1,28 @@
-//! The Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2 with q/k/v
-//! biases, SmolLM2), written once over the [`Backend`] ops.
+//! The model runner, written once for every architecture: it owns the backend and an
+//! [`Architecture`], and runs a step around the architecture's forward: pending rows
+//! (tokens the previous sampling picked and the host does not know yet), replay of recorded
+//! decode steps with their padding, prompt logprobs, the LM head of the sampling rows,
+//! sampling (launch and collect, on the device where the backend can), and the KV hand-off
+//! (exports after each layer, imports, the NCCL pass-throughs).
 //!
-//! Weights are loaded by name from a `baton_formats::WeightStore` (always in
-//! Hugging Face naming and layout) and fused where it saves GEMM launches:
-//! `[q; k; v]` into one matrix and `[gate; up]` into another. One call to
-//! [`LlamaModel::forward`] runs a whole mixed batch (prefill chunks and decode
-//! rows alike); [`LlamaModel::sample`] then picks the next tokens from the logits
-//! it left in the backend (on the GPU for the CUDA backend).
+//! One call to [`ModelRunner::forward_exporting`] runs a whole mixed batch (prefill chunks
+//! and decode rows alike); [`ModelRunner::sample`] then picks the next tokens from the
+//! logits it left in the backend (on the GPU for the CUDA backend). Sampling can also be
+//! split in two ([`ModelRunner::sample_launch`], then [`ModelRunner::sample_collect`]) with
+//! the next step's forward in between: that step's pending rows ([`BatchLayout::pending`])
+//! embed the picks where they were made, the host's as known tokens, the device's on the
+//! device.
 //!
-//! Sampling can also be split in two ([`LlamaModel::sample_launch`], then
-//! [`LlamaModel::sample_collect`]) with the next step's forward in between: that step's
-//! pending rows ([`BatchLayout::pending`]) embed the picks where they were made, the host's
-//! as known tokens, the device's on the device.
+//! Invariants: capabilities the backend lacks ([`crate::backend::GraphReplay`],
+//! [`crate::backend::DeviceSampler`]) are never required: steps then run op by op and
+//! sample on the host. A sampling launch is collected at most once.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
 use crate::kv_transport::LayerFrame;
+use crate::models::{Architecture, ModelLoadError, WeightLoader, build_architecture};
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
-use baton_formats::{ModelConfig, RopeScaling, TensorView, WeightStore};
-use baton_kernels::cpu::{RopeScalingKind, RopeTable};
-
-/// Why a model could not be built from its weights.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelLoadError {
-    /// A tensor is missing or unreadable.
-    #[error(transparent)]
-    Format(#[from] baton_formats::FormatError),
-    /// A tensor has the wrong number of elements for the config.
-    #[error("tensor {name} has {got} elements, expected {want} for this config")]
-    Shape {
-        /// Tensor name.
-        name: String,
-        /// Elements found.
-        got: usize,
-        /// Elements expected.
-        want: usize,
-    },
-    /// The backend refused an upload.
-    #[error(transparent)]
-    Backend(#[from] BackendError),
-}
-
-struct Layer<B: Backend> {
-    input_norm: B::Buf,
-    post_attn_norm: B::Buf,
-    qkv: B::Mat,
-    qkv_bias: Option<B::Buf>,
-    o: B::Mat,
-    gate_up: B::Mat,
-    down: B::Mat,
-}
-
-/// Activation buffers reused across steps (resized per batch).
-struct Workspace<B: Backend> {
-    residual: B::Res,
-    hidden: B::Buf,
-    qkv: B::Buf,
-    q: B::Buf,
-    k: B::Buf,
-    v: B::Buf,
-    attn: B::Buf,
-    proj: B::Buf,
-    gate_up: B::Buf,
-    act: B::Buf,
-    last: B::Buf,
-    last_res: B::Res,
-}
+use baton_formats::{ModelConfig, WeightStore};
 
 /// Where the pick of one row of the last sampling is.
 #[derive(Debug, Clone, Copy)]
@@ -82,15 +39,9 @@ struct LaunchedSample {
     host: Vec<Option<Sampled>>,
 }
 
-/// A loaded model bound to a backend.
-pub struct LlamaModel<B: Backend> {
-    cfg: ModelConfig,
-    embed: B::Mat,
-    /// `None` when the LM head is tied to the embedding.
-    lm_head: Option<B::Mat>,
-    final_norm: B::Buf,
-    layers: Vec<Layer<B>>,
-    ws: Workspace<B>,
+/// A loaded model bound to a backend, ready to run steps.
+pub struct ModelRunner<B: Backend> {
+    arch: Box<dyn Architecture<B>>,
     backend: B,
     /// Logit rows the last step left in the backend.
     logit_count: usize,
@@ -106,21 +57,6 @@ pub struct LlamaModel<B: Backend> {
 /// prompt's positions go through it in slices, so the logits buffer stays at most this many
 /// rows (256 × 128k × 4 B = 128 MiB for a Llama-3 vocabulary).
 pub const PROMPT_LOGPROB_SLICE: usize = 256;
-
-fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
-    match s {
-        None => RopeScalingKind::None,
-        Some(RopeScaling::Linear { factor }) => RopeScalingKind::Linear { factor: *factor },
-        Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }) => {
-            RopeScalingKind::Llama3 {
-                factor: *factor,
-                low_freq_factor: *low_freq_factor,
-                high_freq_factor: *high_freq_factor,
-                original_max_position_embeddings: *original_max_position_embeddings,
-            }
-        }
-    }
-}
 
 /// Runs `f` on the backend's NCCL side; an error on a backend without one (the CPU).
 fn with_nccl<B: Backend, T>(
@@ -142,154 +78,23 @@ fn padded_decode(batch: &BatchLayout, rows: usize) -> BatchLayout {
     p
 }
 
-/// The model's tensors, read from a store or drawn by the backend: each call takes named
-/// tensors of `rows × cols` (vectors: `cols` 1) and stacks them by rows into one matrix or
-/// vector (the fused `[q; k; v]` and `[gate; up]`).
-struct Tensors<'a> {
-    store: &'a dyn WeightStore,
-    /// Tensors read from the store so far.
-    read: usize,
-}
-
-impl<'a> Tensors<'a> {
-    fn mat<B: Backend>(&mut self, b: &mut B, names: &[(String, usize)], cols: usize) -> Result<B::Mat, ModelLoadError> {
-        if let Some(parts) = self.drawn(names, cols)? {
-            return Ok(b.random_mat(&parts, cols)?);
-        }
-        let rows = names.iter().map(|n| n.1).sum();
-        Ok(b.upload_mat_raw(&self.views(names, cols)?, rows, cols)?)
-    }
-
-    fn vec<B: Backend>(&mut self, b: &mut B, names: &[(String, usize)]) -> Result<B::Buf, ModelLoadError> {
-        if let Some(parts) = self.drawn(names, 1)? {
-            return Ok(b.random_vec(&parts)?);
-        }
-        Ok(b.upload_vec_raw(&self.views(names, 1)?)?)
-    }
-
-    /// The stored tensors `names`, each checked to hold `rows × cols` elements.
-    fn views(&mut self, names: &[(String, usize)], cols: usize) -> Result<Vec<TensorView<'a>>, ModelLoadError> {
-        let store = self.store;
-        let views = names
-            .iter()
-            .map(|(name, rows)| {
-                let t = store.get(name)?;
-                let want = rows * cols;
-                // The element count from the shape, and from the bytes (what a device upload reads).
-                for got in [t.numel(), t.bytes.len() / t.dtype.size()] {
-                    if got != want {
-                        return Err(ModelLoadError::Shape { name: name.clone(), got, want });
-                    }
-                }
-                Ok(t)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        self.read += views.len();
-        Ok(views)
-    }
-
-    /// The counter draws of `names` when the store draws every one of them (random weights),
-    /// checked against the expected shapes; `None` for stored weights.
-    fn drawn(
-        &self,
-        names: &[(String, usize)],
-        cols: usize,
-    ) -> Result<Option<Vec<(usize, baton_formats::CounterInit)>>, ModelLoadError> {
-        let mut parts = Vec::with_capacity(names.len());
-        for (name, rows) in names {
-            let Some(init) = self.store.counter_init(name) else { return Ok(None) };
-            let got: usize = self.store.shape(name)?.iter().product();
-            if got != rows * cols {
-                return Err(ModelLoadError::Shape { name: name.clone(), got, want: rows * cols });
-            }
-            parts.push((*rows, init));
-        }
-        Ok(Some(parts))
-    }
-}
-
-impl<B: Backend> LlamaModel<B> {
-    /// Loads every tensor of `cfg` from `store` into `backend` (random weights are drawn by
-    /// the backend itself, see [`WeightStore::counter_init`]).
+impl<B: Backend> ModelRunner<B> {
+    /// Builds `cfg`'s architecture (see [`crate::models::registry`]) and loads every tensor
+    /// from `store` into `backend` (random weights are drawn by the backend itself, see
+    /// [`WeightStore::counter_init`]).
     pub fn load(cfg: &ModelConfig, store: &dyn WeightStore, mut backend: B) -> Result<Self, ModelLoadError> {
-        let h = cfg.hidden_size;
-        let hd = cfg.head_dim;
-        let qd = cfg.num_attention_heads * hd;
-        let kvd = cfg.num_key_value_heads * hd;
-        let inter = cfg.intermediate_size;
         let started = std::time::Instant::now();
-        let mut w = Tensors { store, read: 0 };
-        let b = &mut backend;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(w.mat(b, &[("lm_head.weight".into(), cfg.vocab_size)], h)?)
-        };
-        let embed = w.mat(b, &[("model.embed_tokens.weight".into(), cfg.vocab_size)], h)?;
-        let final_norm = w.vec(b, &[("model.norm.weight".into(), h)])?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let attn = |n: &str, rows: usize| (format!("{p}.self_attn.{n}"), rows);
-            let qkv_bias = if cfg.attention_bias {
-                Some(w.vec(b, &[attn("q_proj.bias", qd), attn("k_proj.bias", kvd), attn("v_proj.bias", kvd)])?)
-            } else {
-                None
-            };
-            layers.push(Layer {
-                input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
-                post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
-                qkv: w.mat(
-                    b,
-                    &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
-                    h,
-                )?,
-                qkv_bias,
-                o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
-                gate_up: w.mat(
-                    b,
-                    &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
-                    h,
-                )?,
-                down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
-            });
-        }
+        let mut w = WeightLoader::new(store);
+        let mut arch = build_architecture(cfg, &mut w, &mut backend)?;
         let upload = backend.finish_weights()?;
-        log_weights(started.elapsed(), w.read, upload);
-        backend
-            .set_rope(RopeTable::new(hd, cfg.rope_theta, rope_kind(&cfg.rope_scaling)).map_err(BackendError::from)?)?;
-        let ws = Workspace {
-            residual: backend.alloc_res(0)?,
-            hidden: backend.alloc(0)?,
-            qkv: backend.alloc(0)?,
-            q: backend.alloc(0)?,
-            k: backend.alloc(0)?,
-            v: backend.alloc(0)?,
-            attn: backend.alloc(0)?,
-            proj: backend.alloc(0)?,
-            gate_up: backend.alloc(0)?,
-            act: backend.alloc(0)?,
-            last: backend.alloc(0)?,
-            last_res: backend.alloc_res(0)?,
-        };
-        Ok(Self {
-            cfg: cfg.clone(),
-            embed,
-            lm_head,
-            final_norm,
-            layers,
-            ws,
-            backend,
-            logit_count: 0,
-            picks: Vec::new(),
-            launched: None,
-            prompt_logprobs: Vec::new(),
-        })
+        log_weights(started.elapsed(), w.tensors_read(), upload);
+        arch.prepare(&mut backend)?;
+        Ok(Self { arch, backend, logit_count: 0, picks: Vec::new(), launched: None, prompt_logprobs: Vec::new() })
     }
 
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
-        &self.cfg
+        self.arch.config()
     }
 
     /// The backend (for device queries such as free memory).
@@ -313,9 +118,10 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.alloc_kv_cache(shape)
     }
 
-    /// Writes received K/V bytes into `blocks` of layer `layer` (see [`Backend::write_kv_blocks`]).
+    /// Writes received K/V bytes into `blocks` of layer `layer` (see
+    /// [`crate::backend::KvIo::write_kv_blocks`]).
     pub fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
-        self.backend.write_kv_blocks(layer, blocks, k, v)
+        kv_io(&mut self.backend)?.write_kv_blocks(layer, blocks, k, v)
     }
 
     /// Enqueues receiving layer `layer`'s K/V into block runs over an NCCL link.
@@ -356,12 +162,13 @@ impl<B: Backend> LlamaModel<B> {
 
     /// The KV cache geometry for a pool of `num_blocks` blocks.
     pub fn kv_shape(&self, num_blocks: usize, block_size: usize) -> KvCacheShape {
+        let cfg = self.arch.config();
         KvCacheShape {
-            num_layers: self.cfg.num_hidden_layers,
+            num_layers: cfg.num_hidden_layers,
             num_blocks,
             block_size,
-            num_kv_heads: self.cfg.num_key_value_heads,
-            head_dim: self.cfg.head_dim,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
         }
     }
 
@@ -394,9 +201,9 @@ impl<B: Backend> LlamaModel<B> {
         self.sample_collect()
     }
 
-    /// Starts [`LlamaModel::sample`] for some logit rows of the last step, each given as
+    /// Starts [`ModelRunner::sample`] for some logit rows of the last step, each given as
     /// `(logit row, context)` in increasing row order: the device's share is enqueued, the
-    /// host's is sampled now. [`LlamaModel::sample_collect`] returns one answer per entry.
+    /// host's is sampled now. [`ModelRunner::sample_collect`] returns one answer per entry.
     /// Until the next launch, a step's pending row `(row, i)` embeds the pick for entry `i`.
     pub fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError> {
         self.launched = None;
@@ -404,12 +211,13 @@ impl<B: Backend> LlamaModel<B> {
         if !rows.windows(2).all(|w| w[0].0 < w[1].0) || rows.last().is_some_and(|r| r.0 >= self.logit_count) {
             return Err(kernel_error("sample", format!("logit rows not increasing below {}", self.logit_count)));
         }
-        let vocab = self.cfg.vocab_size;
+        let vocab = self.arch.config().vocab_size;
         let plans: Vec<Option<RowPlan>> = rows
             .iter()
             .map(|(_, ctx)| {
                 let plan = plan_row(ctx, vocab);
-                self.backend.can_sample_on_device(vocab, &plan).then_some(plan)
+                let on_device = self.backend.device_sampler().is_some_and(|s| s.can_sample_on_device(vocab, &plan));
+                on_device.then_some(plan)
             })
             .collect();
         let on_host: Vec<usize> = (0..rows.len()).filter(|&i| plans[i].is_none()).collect();
@@ -425,7 +233,7 @@ impl<B: Backend> LlamaModel<B> {
         let on_device: Vec<(usize, &RowPlan)> =
             plans.iter().zip(rows).filter_map(|(p, (row, _))| p.as_ref().map(|p| (*row, p))).collect();
         if !on_device.is_empty() {
-            self.backend.launch_device_sample(&on_device)?;
+            device_sampler(&mut self.backend)?.launch_device_sample(&on_device)?;
         }
         let mut next_device = 0;
         self.picks = host
@@ -442,13 +250,13 @@ impl<B: Backend> LlamaModel<B> {
         Ok(())
     }
 
-    /// The answers of the last [`LlamaModel::sample_launch`], one per entry in order (waits
+    /// The answers of the last [`ModelRunner::sample_launch`], one per entry in order (waits
     /// for the device's share). Each launch is collected once.
     pub fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError> {
         let LaunchedSample { host } =
             self.launched.take().ok_or_else(|| kernel_error("sample", "no sampling was launched".into()))?;
         let mut device = if host.iter().any(Option::is_none) {
-            self.backend.collect_device_sample()?.into_iter()
+            device_sampler(&mut self.backend)?.collect_device_sample()?.into_iter()
         } else {
             Vec::new().into_iter()
         };
@@ -482,12 +290,13 @@ impl<B: Backend> LlamaModel<B> {
         Ok(Some(b))
     }
 
-    /// [`LlamaModel::forward`] that leaves the logits in the backend (for
-    /// [`LlamaModel::sample`]) and also hands out KV as soon as each layer has written it:
+    /// [`ModelRunner::forward`] that leaves the logits in the backend (for
+    /// [`ModelRunner::sample`]) and also hands out KV as soon as each layer has written it:
     /// for every layer and every export `exports[j]`, either `sink(j, frame)` gets the
-    /// layer's K and V bytes of its blocks (see [`Backend::read_kv_blocks`]), or, for an NCCL
-    /// export, the sends are enqueued and `sink(j, frame)` gets an empty frame carrying the
-    /// send group's number on the link; in layer order, while later layers are still to run. This is how a prefill worker streams a prompt's KV to a
+    /// layer's K and V bytes of its blocks (see [`crate::backend::KvIo::read_kv_blocks`]),
+    /// or, for an NCCL export, the sends are enqueued and `sink(j, frame)` gets an empty
+    /// frame carrying the send group's number on the link; in layer order, while later
+    /// layers are still to run. This is how a prefill worker streams a prompt's KV to a
     /// decode worker during the step that computes it.
     pub fn forward_exporting(
         &mut self,
@@ -501,12 +310,14 @@ impl<B: Backend> LlamaModel<B> {
         let batch = resolved.as_ref().unwrap_or(batch);
         if exports.is_empty()
             && batch.prompt_logprobs.is_empty()
-            && let Some(rows) = self.backend.replay_rows(batch)
+            && let Some(rows) = self.backend.graph_replay().and_then(|g| g.replay_rows(batch))
         {
             let padded = padded_decode(batch, rows);
             let real = batch.tokens.len();
             let done = self.replay(&padded, real);
-            self.backend.finish_replay();
+            if let Some(g) = self.backend.graph_replay() {
+                g.finish_replay();
+            }
             if done? {
                 self.logit_count = batch.logit_rows.len();
                 return Ok(());
@@ -518,16 +329,17 @@ impl<B: Backend> LlamaModel<B> {
     /// Runs a padded decode step from a recording, recording it first if needed; `false` when
     /// the backend declined (the caller runs the step op by op).
     fn replay(&mut self, padded: &BatchLayout, real_rows: usize) -> Result<bool, BackendError> {
-        match self.backend.begin_replay(padded, real_rows)? {
+        let Some(g) = self.backend.graph_replay() else { return Ok(false) };
+        match g.begin_replay(padded, real_rows)? {
             ReplayStart::Eager => Ok(false),
             ReplayStart::Replayed => Ok(true),
             ReplayStart::Record => {
                 // This pass computes the step (and grows every buffer to this shape, so the
                 // recording pass allocates nothing); the recording pass only records.
                 self.run_ops(padded, &[], &mut |_, _| {})?;
-                self.backend.begin_recording()?;
+                graph_replay(&mut self.backend)?.begin_recording()?;
                 let recorded = self.run_ops(padded, &[], &mut |_, _| {});
-                self.backend.end_recording(recorded.is_ok())?;
+                graph_replay(&mut self.backend)?.end_recording(recorded.is_ok())?;
                 if let Err(e) = recorded {
                     tracing::warn!(rows = padded.tokens.len(), error = %e, "a decode step could not be recorded; this shape runs op by op");
                 }
@@ -536,7 +348,7 @@ impl<B: Backend> LlamaModel<B> {
         }
     }
 
-    /// The step's ops, one by one (see [`LlamaModel::forward_exporting`]).
+    /// The step's ops, one by one (see [`ModelRunner::forward_exporting`]).
     fn run_ops(
         &mut self,
         batch: &BatchLayout,
@@ -544,100 +356,60 @@ impl<B: Backend> LlamaModel<B> {
         sink: &mut dyn FnMut(usize, LayerFrame),
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
-        let cfg = &self.cfg;
-        let b = &mut self.backend;
-        let ws = &mut self.ws;
-        let t = batch.tokens.len();
-        let hd = cfg.head_dim;
-        let nh = cfg.num_attention_heads;
-        let qd = nh * hd;
-        let kvd = cfg.num_key_value_heads * hd;
-        let eps = cfg.rms_norm_eps;
-        let scale = 1.0 / (hd as f32).sqrt();
-        if t == 0 {
+        if batch.tokens.is_empty() {
             return Ok(());
         }
-        // `mark` labels each op for a step profile (a no-op unless the backend profiles).
-        b.mark("embed");
-        b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            b.mark("norm");
-            if i == 0 {
-                b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
-            } else {
-                b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
-            }
-            b.mark("qkv");
-            b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
-            b.mark("rope_kv");
-            b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
-            if !exports.is_empty() {
-                b.mark("kv_export");
-            }
-            for (j, e) in exports.iter().enumerate() {
-                match &e.link {
-                    None => {
-                        let (k, v) = b.read_kv_blocks(i, &e.blocks)?;
-                        sink(j, LayerFrame { layer: i, k, v, seq: 0 });
-                    }
-                    Some(link) => {
-                        let seq = with_nccl(b, |n| n.send_layer(i, &e.runs, link))?;
-                        sink(j, LayerFrame { layer: i, k: Vec::new(), v: Vec::new(), seq });
-                    }
-                }
-            }
-            b.mark("attention");
-            b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
-            b.mark("o_proj");
-            b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
-            b.mark("norm");
-            b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
-            b.mark("gate_up");
-            b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
-            b.mark("silu_mul");
-            b.silu_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
-            b.mark("down");
-            b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
-        }
-        let h = cfg.hidden_size;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let b = &mut self.backend;
+        let arch = &mut self.arch;
+        arch.forward_layers(b, batch, &mut |b: &mut B, i: usize| export_layer(b, i, exports, sink))?;
         if !batch.prompt_logprobs.is_empty() {
             // Before the sampling rows: the LM head output below must be theirs.
             b.mark("prompt_logprobs");
-            self.prompt_logprobs = prompt_logprobs(b, ws, &self.final_norm, head, h, eps, &batch.prompt_logprobs)?;
+            self.prompt_logprobs = prompt_logprobs(b, arch.as_mut(), &batch.prompt_logprobs)?;
         }
         let rows = &batch.logit_rows;
         if rows.is_empty() {
             return Ok(());
         }
-        // Only the sampling rows need the final norm and the (large) LM head. When that is
-        // every row in order (decode), the last layer's buffers are used as they are.
-        b.mark("final_norm");
-        if rows.iter().copied().eq(0..t) {
-            b.add_rms_norm(&mut ws.residual, &ws.proj, &self.final_norm, eps, &mut ws.hidden)?;
-        } else {
-            b.gather_res_rows(&ws.residual, h, rows, &mut ws.last_res)?;
-            b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
-            b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
-        }
-        b.mark("lm_head");
-        b.lm_head(&ws.hidden, rows.len(), head)?;
+        arch.logits(b, rows, true)?;
         self.logit_count = rows.len();
         Ok(())
     }
 }
 
-/// The prompt logprobs of `rows` after the last layer (residual stream `ws.residual`, last
-/// layer's output `ws.proj`, neither modified): final norm and LM head over at most
-/// [`PROMPT_LOGPROB_SLICE`] rows at a time, then each row's target logprob and top
-/// alternatives from the backend, truncated to the row's own `top_k`.
+/// Hands layer `layer`'s K/V of every export to `sink` (see
+/// [`ModelRunner::forward_exporting`]).
+fn export_layer<B: Backend>(
+    b: &mut B,
+    layer: usize,
+    exports: &[crate::relay::ExportSpec],
+    sink: &mut dyn FnMut(usize, LayerFrame),
+) -> Result<(), BackendError> {
+    if !exports.is_empty() {
+        b.mark("kv_export");
+    }
+    for (j, e) in exports.iter().enumerate() {
+        match &e.link {
+            None => {
+                let (k, v) = kv_io(b)?.read_kv_blocks(layer, &e.blocks)?;
+                sink(j, LayerFrame { layer, k, v, seq: 0 });
+            }
+            Some(link) => {
+                let seq = with_nccl(b, |n| n.send_layer(layer, &e.runs, link))?;
+                sink(j, LayerFrame { layer, k: Vec::new(), v: Vec::new(), seq });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The prompt logprobs of `rows` after the last layer (the architecture's activations are
+/// kept): final norm and LM head over at most [`PROMPT_LOGPROB_SLICE`] rows at a time, then
+/// each row's target logprob and top alternatives from the backend, truncated to the row's
+/// own `top_k`.
 fn prompt_logprobs<B: Backend>(
     b: &mut B,
-    ws: &mut Workspace<B>,
-    final_norm: &B::Buf,
-    head: &B::Mat,
-    h: usize,
-    eps: f32,
+    arch: &mut dyn Architecture<B>,
     rows: &[PromptLogprobRow],
 ) -> Result<Vec<PromptLogprob>, BackendError> {
     let mut out = Vec::with_capacity(rows.len());
@@ -645,10 +417,7 @@ fn prompt_logprobs<B: Backend>(
         let idx: Vec<usize> = slice.iter().map(|r| r.row).collect();
         let targets: Vec<u32> = slice.iter().map(|r| r.target).collect();
         let k = slice.iter().map(|r| r.top_k).max().unwrap_or(0);
-        b.gather_res_rows(&ws.residual, h, &idx, &mut ws.last_res)?;
-        b.gather_rows(&ws.proj, h, &idx, &mut ws.last)?;
-        b.add_rms_norm(&mut ws.last_res, &ws.last, final_norm, eps, &mut ws.hidden)?;
-        b.lm_head(&ws.hidden, slice.len(), head)?;
+        arch.logits(b, &idx, false)?;
         let answers = b.logit_row_logprobs(&targets, k)?;
         if answers.len() != slice.len() {
             return Err(kernel_error("prompt_logprobs", format!("{} answers for {} rows", answers.len(), slice.len())));
@@ -659,6 +428,25 @@ fn prompt_logprobs<B: Backend>(
         }));
     }
     Ok(out)
+}
+
+/// The backend's KV I/O, or an error naming the missing capability.
+fn kv_io<B: Backend>(b: &mut B) -> Result<&mut dyn crate::backend::KvIo, BackendError> {
+    let name = b.device_name();
+    b.kv_io().ok_or_else(|| BackendError::Device(format!("{name} cannot copy KV blocks to or from the host")))
+}
+
+/// The backend's device sampler; only asked for where it was offered rows, so its absence
+/// is a bug in the caller.
+fn device_sampler<B: Backend>(b: &mut B) -> Result<&mut dyn crate::backend::DeviceSampler, BackendError> {
+    let name = b.device_name();
+    b.device_sampler().ok_or_else(|| BackendError::Device(format!("{name} cannot sample on a device")))
+}
+
+/// The backend's graph replay; only asked for after it staged a step.
+fn graph_replay<B: Backend>(b: &mut B) -> Result<&mut dyn crate::backend::GraphReplay, BackendError> {
+    let name = b.device_name();
+    b.graph_replay().ok_or_else(|| BackendError::Device(format!("{name} cannot record steps")))
 }
 
 /// Logs the weights phase of start-up: wall time, and for streamed uploads the bytes, the

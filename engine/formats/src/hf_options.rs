@@ -1,0 +1,211 @@
+//! The options of a HF `config.json` beyond the plain sizes, in both generations of
+//! transformers: RoPE (`rope_theta` + `rope_scaling` in transformers 4; `rope_parameters`,
+//! flat or nested per layer type, in transformers 5), the compute dtype (`torch_dtype` /
+//! `dtype`), the layer types (`layer_types`, or the family's sliding-window options), and the
+//! options Baton refuses because they change the math and are not implemented.
+//!
+//! Invariant: every option read here either maps onto a [`ModelConfig`](crate::ModelConfig)
+//! field the models implement, or is refused with [`FormatError::Unsupported`] naming the
+//! option and its value. Options that do not change the math (dropout, `use_cache`,
+//! `pretraining_tp`, `initializer_range`...) are ignored.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::config::{Architecture, ConfigDType, LayerType, RopeParameters, RopeScaling};
+use crate::error::FormatError;
+
+/// Activations the gated MLP implements (`silu` and its alias `swish`).
+const IMPLEMENTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
+
+/// Refuses options that change the math and that no implemented family supports.
+pub(crate) fn refuse_unimplemented_options(v: &Value, path: &Path) -> Result<(), FormatError> {
+    for key in ["hidden_act", "hidden_activation"] {
+        if let Some(act) = v.get(key).filter(|a| !a.is_null()) {
+            match act.as_str() {
+                Some(a) if IMPLEMENTED_ACTIVATIONS.contains(&a) => {}
+                _ => {
+                    return Err(FormatError::unsupported(
+                        path,
+                        format!("{key} {act} (implemented: {})", IMPLEMENTED_ACTIVATIONS.join(", ")),
+                    ));
+                }
+            }
+        }
+    }
+    if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(FormatError::unsupported(path, "mlp_bias = true"));
+    }
+    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
+        return Err(FormatError::unsupported(path, format!("quantization_config (quant_method {method:?})")));
+    }
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if let Some(cap) = v.get(key).filter(|c| !c.is_null()) {
+            return Err(FormatError::unsupported(path, format!("{key} {cap}")));
+        }
+    }
+    check_partial_rotary(v, path, "partial_rotary_factor")
+}
+
+/// Refuses a `partial_rotary_factor` other than 1 in `obj` (RoPE over part of each head).
+fn check_partial_rotary(obj: &Value, path: &Path, name: &str) -> Result<(), FormatError> {
+    match obj.get("partial_rotary_factor").filter(|f| !f.is_null()) {
+        Some(f) if f.as_f64() == Some(1.0) => Ok(()),
+        Some(f) => Err(FormatError::unsupported(path, format!("{name} {f} (RoPE over part of each head)"))),
+        None => Ok(()),
+    }
+}
+
+/// The compute dtype a `config.json` declares: transformers 5's `dtype`, else transformers
+/// 4's `torch_dtype` (`None` when absent, null or `auto`); an unknown one is refused, naming it.
+pub fn declared_dtype(v: &Value, path: &Path) -> Result<Option<ConfigDType>, FormatError> {
+    for key in ["dtype", "torch_dtype"] {
+        match v.get(key) {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(name)) if name == "auto" => return Ok(None),
+            Some(d) => {
+                return d
+                    .as_str()
+                    .and_then(ConfigDType::parse)
+                    .map(Some)
+                    .ok_or_else(|| FormatError::unsupported(path, format!("{key} {d}")));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The kind of each of `num_layers` layers and the sliding window (set only when some layer
+/// slides). transformers 5 lists them in `layer_types`; before that, each family had its own
+/// options: Mistral's `sliding_window` covers every layer; Qwen2/Qwen3's only with
+/// `use_sliding_window`, from layer `max_window_layers` on. A window of null means no layer
+/// slides, whatever the types say (transformers' masks then attend to everything).
+pub(crate) fn layer_types(
+    v: &Value,
+    architecture: Architecture,
+    num_layers: usize,
+    path: &Path,
+) -> Result<(Vec<LayerType>, Option<usize>), FormatError> {
+    let listed = match v.get("layer_types").filter(|t| !t.is_null()) {
+        None => None,
+        Some(Value::Array(types)) => {
+            if types.len() != num_layers {
+                return Err(FormatError::config(
+                    path,
+                    format!("layer_types has {} entries for {num_layers} layers", types.len()),
+                ));
+            }
+            let parsed = types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(LayerType::Full),
+                    Some("sliding_attention") => Ok(LayerType::Sliding),
+                    _ => Err(FormatError::unsupported(path, format!("layer_types entry {t}"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(parsed)
+        }
+        Some(other) => return Err(FormatError::config(path, format!("layer_types must be a list, got {other}"))),
+    };
+    let all_full = vec![LayerType::Full; num_layers];
+    let Some(window) = v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize) else {
+        return Ok((all_full, None));
+    };
+    let types = match architecture {
+        Architecture::Mistral => listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers]),
+        Architecture::Qwen2 | Architecture::Qwen3 => {
+            if v.get("use_sliding_window").and_then(Value::as_bool) != Some(true) {
+                all_full
+            } else {
+                listed.unwrap_or_else(|| {
+                    let from = v.get("max_window_layers").and_then(Value::as_u64).map_or(0, |m| m as usize);
+                    (0..num_layers).map(|i| if i >= from { LayerType::Sliding } else { LayerType::Full }).collect()
+                })
+            }
+        }
+        Architecture::Llama => listed.unwrap_or(all_full),
+    };
+    let window = types.contains(&LayerType::Sliding).then_some(window);
+    Ok((types, window))
+}
+
+/// The RoPE of full-attention layers, and of sliding ones where it differs. transformers 5's
+/// `rope_parameters` wins over the transformers 4 keys when both are present; nested per
+/// layer type it is `{"full_attention": {...}, "sliding_attention": {...}}`.
+pub(crate) fn parse_rope(v: &Value, path: &Path) -> Result<(RopeParameters, Option<RopeParameters>), FormatError> {
+    let legacy_theta = v.get("rope_theta").and_then(Value::as_f64).map(|t| t as f32);
+    let Some(params) = v.get("rope_parameters").and_then(Value::as_object) else {
+        let theta = legacy_theta.unwrap_or(10000.0);
+        let rope = match v.get("rope_scaling").filter(|s| s.is_object()) {
+            Some(s) => parse_one(s, theta, path, "rope_scaling")?,
+            None => RopeParameters { theta, scaling: None },
+        };
+        return Ok((rope, None));
+    };
+    let nested = [LayerType::Full, LayerType::Sliding].iter().any(|t| params.contains_key(t.hf_name()));
+    if !nested {
+        let theta = legacy_theta.unwrap_or(10000.0);
+        return Ok((parse_one(&Value::Object(params.clone()), theta, path, "rope_parameters")?, None));
+    }
+    if let Some(other) =
+        params.keys().find(|k| ![LayerType::Full, LayerType::Sliding].iter().any(|t| t.hf_name() == *k))
+    {
+        return Err(FormatError::unsupported(path, format!("rope_parameters for layer type {other:?}")));
+    }
+    let per_type = |t: LayerType| -> Result<Option<RopeParameters>, FormatError> {
+        nested_entry(params, t)
+            .map(|p| parse_one(p, legacy_theta.unwrap_or(10000.0), path, &format!("rope_parameters.{}", t.hf_name())))
+            .transpose()
+    };
+    let full = per_type(LayerType::Full)?;
+    let sliding = per_type(LayerType::Sliding)?;
+    match (full, sliding) {
+        (Some(full), sliding) => Ok((full, sliding.filter(|s| *s != full))),
+        // Every layer slides (no full-attention entry): the sliding parameters are the model's.
+        (None, Some(sliding)) => Ok((sliding, None)),
+        (None, None) => Err(FormatError::config(path, "rope_parameters per layer type must be objects")),
+    }
+}
+
+fn nested_entry(params: &Map<String, Value>, t: LayerType) -> Option<&Value> {
+    params.get(t.hf_name()).filter(|p| p.is_object())
+}
+
+/// One RoPE object (`rope_scaling`, flat `rope_parameters` or one of its per-type entries):
+/// its `rope_type` (or legacy `type`), its `rope_theta` (else `theta`), and the scaling's
+/// parameters. `name` names the object in errors.
+fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParameters, FormatError> {
+    check_partial_rotary(s, path, &format!("{name}.partial_rotary_factor"))?;
+    let theta = s.get("rope_theta").and_then(Value::as_f64).map_or(theta, |t| t as f32);
+    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let num = |key: &str| -> Result<f32, FormatError> {
+        s.get(key)
+            .and_then(Value::as_f64)
+            .map(|x| x as f32)
+            .ok_or_else(|| FormatError::config(path, format!("{name}.{key} is missing")))
+    };
+    let scaling = match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: s
+                .get("original_max_position_embeddings")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| {
+                    FormatError::config(path, format!("{name}.original_max_position_embeddings is missing"))
+                })? as usize,
+        }),
+        other => {
+            return Err(FormatError::unsupported(
+                path,
+                format!("{name} rope_type {other:?} (implemented: default, linear, llama3)"),
+            ));
+        }
+    };
+    Ok(RopeParameters { theta, scaling })
+}

@@ -1,0 +1,218 @@
+//! `config.json` of both transformers generations: transformers 4 (`rope_theta`,
+//! `rope_scaling`, `torch_dtype`) and transformers 5 (`rope_parameters`, flat or nested per
+//! layer type, `dtype`, `layer_types`) parse to the same model, and options that change the
+//! math and are not implemented are refused, naming the option.
+
+use std::path::Path;
+
+use baton_formats::{
+    Architecture, ConfigDType, FormatError, LayerType, ModelConfig, RopeParameters, RopeScaling,
+    testing::golden_fixtures_dir,
+};
+use serde_json::{Value, json};
+
+/// A small Llama config with `extra` merged in (a `null` value removes the key).
+fn config(extra: Value) -> Value {
+    let mut v = json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+        "max_position_embeddings": 32768, "hidden_act": "silu"
+    });
+    for (k, x) in extra.as_object().expect("object") {
+        match x {
+            Value::Null => {
+                v.as_object_mut().expect("object").remove(k);
+            }
+            _ => v[k] = x.clone(),
+        }
+    }
+    v
+}
+
+fn parse(v: &Value) -> Result<ModelConfig, FormatError> {
+    ModelConfig::from_hf_json(v, Path::new("config.json"))
+}
+
+/// The message of the refusal of `v`, which must be an unsupported-option error.
+fn refused(v: &Value) -> String {
+    match parse(v) {
+        Err(e @ FormatError::Unsupported { .. }) => e.to_string(),
+        other => panic!("expected an unsupported-option error, got {other:?}"),
+    }
+}
+
+const LLAMA3: RopeScaling = RopeScaling::Llama3 {
+    factor: 8.0,
+    low_freq_factor: 1.0,
+    high_freq_factor: 4.0,
+    original_max_position_embeddings: 8192,
+};
+
+#[test]
+fn both_generations_parse_to_the_same_model() {
+    let v4 = config(json!({
+        "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    }));
+    let v5 = config(json!({
+        "dtype": "bfloat16",
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    }));
+    let (a, b) = (parse(&v4).expect("v4"), parse(&v5).expect("v5"));
+    assert_eq!(a, b);
+    assert_eq!(a.rope(), RopeParameters { theta: 500000.0, scaling: Some(LLAMA3) });
+    assert_eq!(baton_formats::declared_dtype(&v5, Path::new("c")).expect("dtype"), Some(ConfigDType::BF16));
+    assert_eq!(a.layer_types, vec![LayerType::Full; 4]);
+    // The legacy `type` key of rope_scaling, and linear scaling.
+    let legacy = parse(&config(json!({"rope_scaling": {"type": "linear", "factor": 2.0}}))).expect("legacy type");
+    assert_eq!(legacy.rope_scaling, Some(RopeScaling::Linear { factor: 2.0 }));
+    assert_eq!(legacy.rope_theta, 10000.0);
+    // transformers 5 wins where a file carries both (it is what transformers 5 reads).
+    let both =
+        parse(&config(json!({"rope_theta": 1.0e4, "rope_parameters": {"rope_type": "default", "rope_theta": 1.0e6}})))
+            .expect("both");
+    assert_eq!(both.rope_theta, 1.0e6);
+}
+
+#[test]
+fn nested_rope_parameters_are_read_per_layer_type() {
+    let types = json!(["sliding_attention", "full_attention", "sliding_attention", "full_attention"]);
+    let nested = |sliding: Value| {
+        config(json!({
+            "sliding_window": 64, "layer_types": types,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1.0e6},
+                                "sliding_attention": sliding}
+        }))
+    };
+    let c = parse(&nested(json!({"rope_type": "default", "rope_theta": 1.0e4}))).expect("nested");
+    assert_eq!(c.rope_theta, 1.0e6);
+    assert_eq!(c.sliding_rope, Some(RopeParameters { theta: 1.0e4, scaling: None }));
+    assert_eq!(c.rope_for(LayerType::Sliding).theta, 1.0e4);
+    assert_eq!(c.rope_for(LayerType::Full).theta, 1.0e6);
+    assert_eq!(c.layer_types, vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding, LayerType::Full]);
+    assert_eq!(c.sliding_window, Some(64));
+    // Windowed layers cap the context (they run as full attention here).
+    assert_eq!(c.max_position_embeddings, 64);
+    // The same parameters for both kinds: nothing separate to keep.
+    let same = parse(&nested(json!({"rope_type": "default", "rope_theta": 1.0e6}))).expect("same");
+    assert_eq!(same.sliding_rope, None);
+    // A nested scaling is read too, and an unknown one refused naming where it is.
+    let scaled = parse(&nested(json!({"rope_type": "linear", "factor": 4.0, "rope_theta": 1.0e4}))).expect("scaled");
+    assert_eq!(scaled.sliding_rope.and_then(|r| r.scaling), Some(RopeScaling::Linear { factor: 4.0 }));
+    let msg = refused(&nested(json!({"rope_type": "longrope", "rope_theta": 1.0e4})));
+    assert!(msg.contains("rope_parameters.sliding_attention") && msg.contains("longrope"), "{msg}");
+    // A layer type Baton does not know, as a rope_parameters key.
+    let msg = refused(&config(json!({"rope_parameters": {"full_attention": {"rope_theta": 1.0e4},
+                                                          "chunked_attention": {"rope_theta": 1.0e4}}})));
+    assert!(msg.contains("chunked_attention"), "{msg}");
+}
+
+#[test]
+fn unknown_rope_types_are_refused_in_every_form() {
+    for (v, name) in [
+        (config(json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}})), "dynamic"),
+        (config(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})), "yarn"),
+        (config(json!({"rope_parameters": {"rope_type": "su", "rope_theta": 1.0e4}})), "su"),
+    ] {
+        let msg = refused(&v);
+        assert!(msg.contains(name) && msg.contains("rope_type"), "{msg}");
+    }
+    // A known type with a parameter missing is a config error naming the parameter.
+    let err = parse(&config(json!({"rope_parameters": {"rope_type": "linear"}}))).expect_err("no factor");
+    assert!(err.to_string().contains("rope_parameters.factor"), "{err}");
+}
+
+#[test]
+fn options_that_change_the_math_are_refused_by_name() {
+    for (extra, needle) in [
+        (json!({"hidden_act": "gelu_pytorch_tanh"}), "hidden_act \"gelu_pytorch_tanh\""),
+        (json!({"hidden_activation": "gelu"}), "hidden_activation \"gelu\""),
+        (json!({"mlp_bias": true}), "mlp_bias"),
+        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\")"),
+        (json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
+        (json!({"attn_logit_softcapping": 50.0}), "attn_logit_softcapping"),
+        (json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
+        (
+            json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1.0e4, "partial_rotary_factor": 0.25}}),
+            "rope_parameters.partial_rotary_factor 0.25",
+        ),
+        (
+            json!({"layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]}),
+            "layer_types entry \"linear_attention\"",
+        ),
+        (json!({"dtype": "float8_e4m3fn"}), "dtype \"float8_e4m3fn\""),
+    ] {
+        let msg = refused(&config(extra.clone()));
+        assert!(msg.contains(needle), "{extra}: {msg}");
+    }
+    // What does not change the math, or is the implemented value, parses.
+    for extra in [
+        json!({"hidden_act": "swish"}),
+        json!({"hidden_act": null}),
+        json!({"partial_rotary_factor": 1.0}),
+        json!({"quantization_config": null, "final_logit_softcapping": null}),
+        json!({"pretraining_tp": 2, "attention_dropout": 0.1}),
+    ] {
+        parse(&config(extra.clone())).unwrap_or_else(|e| panic!("{extra}: {e}"));
+    }
+    // A layer_types list of the wrong length is a config error.
+    let err = parse(&config(json!({"layer_types": ["full_attention"]}))).expect_err("short layer_types");
+    assert!(err.to_string().contains("layer_types has 1 entries for 4 layers"), "{err}");
+}
+
+#[test]
+fn dtype_comes_from_either_key() {
+    let d = |extra: Value| {
+        let v = config(extra);
+        parse(&v).expect("parse");
+        baton_formats::declared_dtype(&v, Path::new("config.json")).expect("dtype")
+    };
+    assert_eq!(d(json!({"torch_dtype": "float16"})), Some(ConfigDType::F16));
+    assert_eq!(d(json!({"dtype": "float32"})), Some(ConfigDType::F32));
+    assert_eq!(d(json!({"dtype": "bfloat16", "torch_dtype": "float32"})), Some(ConfigDType::BF16));
+    assert_eq!(d(json!({"torch_dtype": "auto"})), None);
+    assert_eq!(d(json!({})), None);
+}
+
+#[test]
+fn qwen3_configs_parse_with_q_k_norm_and_their_own_head_dim() {
+    // Written by transformers 5's save_pretrained (rope_parameters, dtype, layer_types).
+    let dir = golden_fixtures_dir().join("qwen3");
+    let c = ModelConfig::from_hf_file(&dir.join("config.json")).expect("qwen3 fixture");
+    assert_eq!(c.architecture, Architecture::Qwen3);
+    assert_eq!((c.head_dim, c.hidden_size, c.num_attention_heads), (32, 64, 4));
+    assert_eq!(c.rope_theta, 1.0e6);
+    assert!(c.qk_norm() && !c.attention_bias && !c.o_proj_bias() && !c.tie_word_embeddings);
+    let names: Vec<String> = c.expected_tensors().into_iter().map(|t| t.0).collect();
+    assert!(names.contains(&"model.layers.1.self_attn.q_norm.weight".to_string()), "{names:?}");
+    assert!(names.contains(&"model.layers.1.self_attn.k_norm.weight".to_string()), "{names:?}");
+    let tied = ModelConfig::from_hf_file(&golden_fixtures_dir().join("qwen3_tied/config.json")).expect("tied");
+    assert!(tied.tie_word_embeddings);
+    // `attention_bias` covers o_proj in Qwen3 and Llama, not in Qwen2 (q/k/v only).
+    let bias = |model_type: &str| {
+        let c = parse(&config(json!({"model_type": model_type, "attention_bias": true}))).expect("parse");
+        c.expected_tensors().into_iter().any(|t| t.0 == "model.layers.0.self_attn.o_proj.bias")
+    };
+    assert!(bias("qwen3") && bias("llama") && !bias("qwen2") && !bias("mistral"));
+    // Qwen3's sliding window follows Qwen2's rule (only with use_sliding_window).
+    let windowed = |on: bool| {
+        parse(&config(json!({"model_type": "qwen3", "sliding_window": 128, "use_sliding_window": on,
+                              "max_window_layers": 2})))
+        .expect("parse")
+    };
+    assert_eq!(windowed(false).max_position_embeddings, 32768);
+    let on = windowed(true);
+    assert_eq!(on.max_position_embeddings, 128);
+    assert_eq!(on.layer_types, vec![LayerType::Full, LayerType::Full, LayerType::Sliding, LayerType::Sliding]);
+}
+
+#[test]
+fn unknown_architectures_list_every_supported_one() {
+    let msg = parse(&config(json!({"model_type": "gpt2"}))).expect_err("gpt2").to_string();
+    for a in Architecture::ALL {
+        assert!(msg.contains(a.model_type()) && msg.contains(a.hf_class()), "{msg}");
+    }
+    assert!(msg.contains("\"gpt2\""), "{msg}");
+}

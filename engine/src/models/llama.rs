@@ -1,0 +1,248 @@
+//! The Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2 with q/k/v biases,
+//! SmolLM2): weights and forward only, over the [`Backend`] ops.
+//!
+//! Weights are fused where it saves GEMM launches: `[q; k; v]` into one matrix and
+//! `[gate; up]` into another. One [`Architecture::forward_layers`] runs a whole mixed
+//! batch (prefill chunks and decode rows alike).
+//!
+//! Qwen3 dense is the same layout with a per-head RMSNorm of q and k before RoPE
+//! ([`LayerSpec::qk_norm`], an optional backend op) and its own head_dim; `attention_bias`
+//! puts biases on q/k/v (and on o_proj where the family does, see
+//! `ModelConfig::o_proj_bias`).
+//!
+//! Invariants: every layer attends fully over the served context (a sliding window is
+//! accepted only where it is at least the context, which the config parser ensures by
+//! capping the context), has a dense SiLU-gated MLP and one shared rotary table (other
+//! [`LayerSpec`]s are refused at load); activation buffers are reused across steps and
+//! only grow.
+
+use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
+use crate::backend::{Backend, BackendError, BatchLayout, OptionalOp};
+use baton_formats::ModelConfig;
+
+struct Layer<B: Backend> {
+    input_norm: B::Buf,
+    post_attn_norm: B::Buf,
+    qkv: B::Mat,
+    qkv_bias: Option<B::Buf>,
+    /// Per-head RMSNorm weights of q and k (`head_dim` each), applied before RoPE.
+    qk_norm: Option<(B::Buf, B::Buf)>,
+    o: B::Mat,
+    o_bias: Option<B::Buf>,
+    gate_up: B::Mat,
+    down: B::Mat,
+}
+
+/// Activation buffers reused across steps (resized per batch).
+struct Workspace<B: Backend> {
+    residual: B::Res,
+    hidden: B::Buf,
+    qkv: B::Buf,
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    attn: B::Buf,
+    proj: B::Buf,
+    gate_up: B::Buf,
+    act: B::Buf,
+    last: B::Buf,
+    last_res: B::Res,
+}
+
+/// The Llama family's weights and activations on a backend.
+pub struct Llama<B: Backend> {
+    cfg: ModelConfig,
+    specs: Vec<LayerSpec>,
+    /// Every layer's rotary parameters.
+    rope: RopeSpec,
+    embed: B::Mat,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<B::Mat>,
+    final_norm: B::Buf,
+    layers: Vec<Layer<B>>,
+    ws: Workspace<B>,
+    /// Rows of the last forward.
+    rows: usize,
+}
+
+impl<B: Backend> Llama<B> {
+    /// Reads every tensor of `cfg` through `w` into `b`.
+    pub fn load(cfg: &ModelConfig, w: &mut WeightLoader<'_>, b: &mut B) -> Result<Self, ModelLoadError> {
+        let specs = LayerSpec::from_config(cfg);
+        let rope = RopeSpec { theta: cfg.rope_theta, scaling: cfg.rope_scaling };
+        let unsupported = |what: String| ModelLoadError::Unsupported {
+            architecture: cfg.architecture.model_type(),
+            device: b.device_name(),
+            what,
+        };
+        for (i, s) in specs.iter().enumerate() {
+            if !s.attends_fully_up_to(cfg.max_position_embeddings) {
+                return Err(unsupported(format!("layer {i}: attention {:?}", s.attention)));
+            }
+            if !matches!(s.mlp, MlpKind::Dense { .. }) {
+                return Err(unsupported(format!("layer {i}: MLP {:?}", s.mlp)));
+            }
+            if s.qk_norm && !b.supports(OptionalOp::HeadRmsNorm) {
+                return Err(unsupported(format!("layer {i} needs {}", OptionalOp::HeadRmsNorm.name())));
+            }
+            // The backend holds one rotary table and the cache one head geometry.
+            if (s.rope, s.head_dim, s.num_heads, s.num_kv_heads)
+                != (rope, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+            {
+                return Err(unsupported(format!("layer {i}: heads or RoPE differing from the other layers'")));
+            }
+        }
+        let h = cfg.hidden_size;
+        let hd = cfg.head_dim;
+        let qd = cfg.num_attention_heads * hd;
+        let kvd = cfg.num_key_value_heads * hd;
+        let inter = cfg.intermediate_size;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(w.mat(b, &[("lm_head.weight".into(), cfg.vocab_size)], h)?)
+        };
+        let embed = w.mat(b, &[("model.embed_tokens.weight".into(), cfg.vocab_size)], h)?;
+        let final_norm = w.vec(b, &[("model.norm.weight".into(), h)])?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, spec) in specs.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let attn = |n: &str, rows: usize| (format!("{p}.self_attn.{n}"), rows);
+            let qkv_bias = if cfg.attention_bias {
+                Some(w.vec(b, &[attn("q_proj.bias", qd), attn("k_proj.bias", kvd), attn("v_proj.bias", kvd)])?)
+            } else {
+                None
+            };
+            let qk_norm = if spec.qk_norm {
+                Some((w.vec(b, &[attn("q_norm.weight", hd)])?, w.vec(b, &[attn("k_norm.weight", hd)])?))
+            } else {
+                None
+            };
+            let o_bias = if cfg.o_proj_bias() { Some(w.vec(b, &[attn("o_proj.bias", h)])?) } else { None };
+            layers.push(Layer {
+                input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
+                post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
+                qkv: w.mat(
+                    b,
+                    &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
+                    h,
+                )?,
+                qkv_bias,
+                qk_norm,
+                o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
+                o_bias,
+                gate_up: w.mat(
+                    b,
+                    &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
+                    h,
+                )?,
+                down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
+            });
+        }
+        let ws = Workspace {
+            residual: b.alloc_res(0)?,
+            hidden: b.alloc(0)?,
+            qkv: b.alloc(0)?,
+            q: b.alloc(0)?,
+            k: b.alloc(0)?,
+            v: b.alloc(0)?,
+            attn: b.alloc(0)?,
+            proj: b.alloc(0)?,
+            gate_up: b.alloc(0)?,
+            act: b.alloc(0)?,
+            last: b.alloc(0)?,
+            last_res: b.alloc_res(0)?,
+        };
+        Ok(Self { cfg: cfg.clone(), specs, rope, embed, lm_head, final_norm, layers, ws, rows: 0 })
+    }
+}
+
+impl<B: Backend> Architecture<B> for Llama<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn layers(&self) -> &[LayerSpec] {
+        &self.specs
+    }
+
+    fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
+        b.set_rope(self.rope.table(self.cfg.head_dim)?)
+    }
+
+    fn forward_layers(
+        &mut self,
+        b: &mut B,
+        batch: &BatchLayout,
+        after_kv: &mut AfterKv<'_, B>,
+    ) -> Result<(), BackendError> {
+        let cfg = &self.cfg;
+        let ws = &mut self.ws;
+        let t = batch.tokens.len();
+        let hd = cfg.head_dim;
+        let nh = cfg.num_attention_heads;
+        let qd = nh * hd;
+        let kvd = cfg.num_key_value_heads * hd;
+        let eps = cfg.rms_norm_eps;
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.rows = t;
+        // `mark` labels each op for a step profile (a no-op unless the backend profiles).
+        b.mark("embed");
+        b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            b.mark("norm");
+            if i == 0 {
+                b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
+            } else {
+                b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
+            }
+            b.mark("qkv");
+            b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
+            if let Some((q_norm, k_norm)) = &layer.qk_norm {
+                b.mark("qk_norm");
+                b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
+                b.head_rms_norm(&mut ws.q, q_norm, hd, eps)?;
+                b.head_rms_norm(&mut ws.k, k_norm, hd, eps)?;
+                b.mark("rope_kv");
+                b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+            } else {
+                b.mark("rope_kv");
+                b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
+            }
+            after_kv(b, i)?;
+            b.mark("attention");
+            b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
+            b.mark("o_proj");
+            b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
+            b.mark("norm");
+            b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
+            b.mark("gate_up");
+            b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
+            b.mark("silu_mul");
+            b.silu_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
+            b.mark("down");
+            b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
+        }
+        Ok(())
+    }
+
+    fn logits(&mut self, b: &mut B, rows: &[usize], last_use: bool) -> Result<(), BackendError> {
+        let ws = &mut self.ws;
+        let h = self.cfg.hidden_size;
+        let eps = self.cfg.rms_norm_eps;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        // Only the wanted rows need the final norm and the (large) LM head. When that is
+        // every row in order (decode) and nothing reads the activations afterwards, the last
+        // layer's buffers are used as they are.
+        b.mark("final_norm");
+        if last_use && rows.iter().copied().eq(0..self.rows) {
+            b.add_rms_norm(&mut ws.residual, &ws.proj, &self.final_norm, eps, &mut ws.hidden)?;
+        } else {
+            b.gather_res_rows(&ws.residual, h, rows, &mut ws.last_res)?;
+            b.gather_rows(&ws.proj, h, rows, &mut ws.last)?;
+            b.add_rms_norm(&mut ws.last_res, &ws.last, &self.final_norm, eps, &mut ws.hidden)?;
+        }
+        b.mark("lm_head");
+        b.lm_head(&ws.hidden, rows.len(), head)
+    }
+}

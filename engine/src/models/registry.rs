@@ -1,0 +1,150 @@
+//! The registry: which implementation serves each model family. A checkpoint names its
+//! family by HF `architectures[0]` / `model_type` or GGUF `general.architecture`;
+//! `baton_formats::Architecture::from_name` resolves those names while the config is parsed
+//! (an unknown name is refused there, listing [`baton_formats::Architecture::ALL`]), and
+//! [`build_architecture`] builds the family's [`Architecture`] over a backend.
+//!
+//! Invariant: every family the parser accepts has exactly one entry in [`REGISTRY`]
+//! (checked by a test), so a config that parsed always has a builder.
+
+use super::llama::Llama;
+use super::{Architecture, ModelLoadError, WeightLoader};
+use crate::backend::Backend;
+use baton_formats::{Architecture as Family, ModelConfig};
+
+/// The implementations under `models/`, one per file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Implementation {
+    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases and optional
+    /// per-head q/k norm (Qwen3).
+    Llama,
+}
+
+impl Implementation {
+    /// Builds this implementation from `cfg`'s weights.
+    fn build<B: Backend>(
+        self,
+        cfg: &ModelConfig,
+        w: &mut WeightLoader<'_>,
+        b: &mut B,
+    ) -> Result<Box<dyn Architecture<B>>, ModelLoadError> {
+        match self {
+            Self::Llama => Ok(Box::new(Llama::load(cfg, w, b)?)),
+        }
+    }
+}
+
+/// One registered family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration {
+    /// The family (its HF and GGUF names are `Family::model_type`, `hf_class`, `gguf_name`).
+    pub family: Family,
+    /// The implementation that serves it.
+    pub implementation: Implementation,
+}
+
+/// Every family Baton serves.
+pub const REGISTRY: &[Registration] = &[
+    Registration { family: Family::Llama, implementation: Implementation::Llama },
+    Registration { family: Family::Mistral, implementation: Implementation::Llama },
+    Registration { family: Family::Qwen2, implementation: Implementation::Llama },
+    Registration { family: Family::Qwen3, implementation: Implementation::Llama },
+];
+
+/// The registration of `family`, if any.
+pub fn registration(family: Family) -> Option<&'static Registration> {
+    REGISTRY.iter().find(|r| r.family == family)
+}
+
+/// Builds `cfg`'s architecture, reading its tensors through `w` into `b`.
+pub fn build_architecture<B: Backend>(
+    cfg: &ModelConfig,
+    w: &mut WeightLoader<'_>,
+    b: &mut B,
+) -> Result<Box<dyn Architecture<B>>, ModelLoadError> {
+    let reg = registration(cfg.architecture).ok_or_else(|| ModelLoadError::Unsupported {
+        architecture: cfg.architecture.model_type(),
+        device: b.device_name(),
+        what: format!("no implementation is registered (supported: {})", Family::supported_list()),
+    })?;
+    reg.implementation.build(cfg, w, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::models::{AttentionKind, LayerSpec};
+    use baton_formats::LayerType;
+    use baton_formats::testing::TinySpec;
+
+    #[test]
+    fn every_parsed_family_has_exactly_one_registration() {
+        for family in Family::ALL {
+            assert_eq!(REGISTRY.iter().filter(|r| r.family == family).count(), 1, "{family:?}");
+        }
+        assert_eq!(REGISTRY.len(), Family::ALL.len());
+    }
+
+    #[test]
+    fn hf_and_gguf_names_resolve_to_registered_families() {
+        for (name, family) in [
+            ("LlamaForCausalLM", Family::Llama),
+            ("llama", Family::Llama),
+            ("MistralForCausalLM", Family::Mistral),
+            ("mistral", Family::Mistral),
+            ("Qwen2ForCausalLM", Family::Qwen2),
+            ("qwen2", Family::Qwen2),
+            ("Qwen3ForCausalLM", Family::Qwen3),
+            ("qwen3", Family::Qwen3),
+        ] {
+            let got = Family::from_name(name).and_then(registration).map(|r| r.family);
+            assert_eq!(got, Some(family), "{name}");
+        }
+        assert_eq!(Family::from_name("GPT2LMHeadModel"), None);
+    }
+
+    fn build_on(spec: &TinySpec, mut b: CpuBackend) -> Result<Box<dyn Architecture<CpuBackend>>, ModelLoadError> {
+        let cfg = spec.config();
+        let store = spec.weights();
+        build_architecture(&cfg, &mut WeightLoader::new(&store), &mut b)
+    }
+
+    #[test]
+    fn a_backend_without_an_op_a_model_needs_refuses_it_at_load() {
+        // Qwen3 needs the per-head q/k norm; a backend without it refuses the model by name.
+        let err = build_on(&TinySpec::qwen3(), CpuBackend::without_optional_ops()).err().expect("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, ModelLoadError::Unsupported { architecture: "qwen3", .. }), "{msg}");
+        assert!(msg.contains("per-head RMSNorm") && msg.contains("cpu"), "{msg}");
+        // Llama needs none, and Qwen3 loads where the op exists.
+        build_on(&TinySpec::llama(), CpuBackend::without_optional_ops()).expect("llama needs no optional op");
+        let qwen3 = build_on(&TinySpec::qwen3(), CpuBackend::new()).expect("qwen3 on the CPU");
+        assert!(qwen3.layers().iter().all(|l| l.qk_norm && l.head_dim == 32));
+    }
+
+    #[test]
+    fn layer_specs_follow_the_config() {
+        let mut cfg = TinySpec::qwen3().config();
+        cfg.layer_types = vec![LayerType::Full, LayerType::Sliding];
+        cfg.sliding_window = Some(512);
+        let specs = LayerSpec::from_config(&cfg);
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[0].attention, AttentionKind::Full);
+        assert_eq!(specs[1].attention, AttentionKind::SlidingWindow { window: 512 });
+        assert!(specs[1].attends_fully_up_to(512) && !specs[1].attends_fully_up_to(513));
+        // A window shorter than the served context would change the math: refused, named.
+        cfg.sliding_window = Some(64);
+        let store = TinySpec::qwen3().weights();
+        let err =
+            build_architecture(&cfg, &mut WeightLoader::new(&store), &mut CpuBackend::new()).err().expect("refused");
+        assert!(err.to_string().contains("SlidingWindow { window: 64 }"), "{err}");
+        // So is RoPE that differs between layer types (one rotary table).
+        cfg.sliding_window = Some(512);
+        cfg.sliding_rope = Some(baton_formats::RopeParameters { theta: 10.0, scaling: None });
+        let err =
+            build_architecture(&cfg, &mut WeightLoader::new(&store), &mut CpuBackend::new()).err().expect("refused");
+        assert!(err.to_string().contains("RoPE"), "{err}");
+    }
+}

@@ -1,0 +1,95 @@
+//! Reading an architecture's tensors into a backend: [`WeightLoader`] takes named tensors
+//! from a `baton_formats::WeightStore` (always in Hugging Face naming and layout), checks
+//! each one's element count against the config, and stacks several by rows into one
+//! backend matrix or vector (the fused `[q; k; v]` and `[gate; up]`). Random weights
+//! (`--load-format dummy`) are drawn by the backend itself instead of read.
+//!
+//! Invariant: every tensor handed to the backend has exactly the elements the caller said,
+//! both by its shape and by its bytes (what a device upload reads).
+
+use super::ModelLoadError;
+use crate::backend::Backend;
+use baton_formats::{CounterInit, TensorView, WeightStore};
+
+/// The model's tensors, read from a store or drawn by the backend: each call takes named
+/// tensors of `rows × cols` (vectors: `cols` 1) and stacks them by rows into one matrix or
+/// vector.
+pub struct WeightLoader<'a> {
+    store: &'a dyn WeightStore,
+    /// Tensors read from the store so far.
+    read: usize,
+}
+
+impl<'a> WeightLoader<'a> {
+    /// A loader over `store`.
+    pub fn new(store: &'a dyn WeightStore) -> Self {
+        Self { store, read: 0 }
+    }
+
+    /// Tensors read from the store so far (0 when every one was drawn).
+    pub fn tensors_read(&self) -> usize {
+        self.read
+    }
+
+    /// The tensors `names`, each `(name, rows)` of `cols` columns, stacked into one matrix.
+    pub fn mat<B: Backend>(
+        &mut self,
+        b: &mut B,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<B::Mat, ModelLoadError> {
+        if let Some(parts) = self.drawn(names, cols)? {
+            return Ok(b.random_mat(&parts, cols)?);
+        }
+        let rows = names.iter().map(|n| n.1).sum();
+        Ok(b.upload_mat_raw(&self.views(names, cols)?, rows, cols)?)
+    }
+
+    /// The vectors `names`, each `(name, len)`, stacked into one.
+    pub fn vec<B: Backend>(&mut self, b: &mut B, names: &[(String, usize)]) -> Result<B::Buf, ModelLoadError> {
+        if let Some(parts) = self.drawn(names, 1)? {
+            return Ok(b.random_vec(&parts)?);
+        }
+        Ok(b.upload_vec_raw(&self.views(names, 1)?)?)
+    }
+
+    /// The stored tensors `names`, each checked to hold `rows × cols` elements.
+    fn views(&mut self, names: &[(String, usize)], cols: usize) -> Result<Vec<TensorView<'a>>, ModelLoadError> {
+        let store = self.store;
+        let views = names
+            .iter()
+            .map(|(name, rows)| {
+                let t = store.get(name)?;
+                let want = rows * cols;
+                // The element count from the shape, and from the bytes (what a device upload reads).
+                for got in [t.numel(), t.bytes.len() / t.dtype.size()] {
+                    if got != want {
+                        return Err(ModelLoadError::Shape { name: name.clone(), got, want });
+                    }
+                }
+                Ok(t)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.read += views.len();
+        Ok(views)
+    }
+
+    /// The counter draws of `names` when the store draws every one of them (random weights),
+    /// checked against the expected shapes; `None` for stored weights.
+    fn drawn(
+        &self,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<Option<Vec<(usize, CounterInit)>>, ModelLoadError> {
+        let mut parts = Vec::with_capacity(names.len());
+        for (name, rows) in names {
+            let Some(init) = self.store.counter_init(name) else { return Ok(None) };
+            let got: usize = self.store.shape(name)?.iter().product();
+            if got != rows * cols {
+                return Err(ModelLoadError::Shape { name: name.clone(), got, want: rows * cols });
+            }
+            parts.push((*rows, init));
+        }
+        Ok(Some(parts))
+    }
+}
