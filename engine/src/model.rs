@@ -14,7 +14,6 @@
 //! as known tokens, the device's on the device.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
-use crate::kv_transport::LayerFrame;
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
 use baton_formats::{ModelConfig, RopeScaling, TensorView, WeightStore};
@@ -122,14 +121,10 @@ fn rope_kind(s: &Option<RopeScaling>) -> RopeScalingKind {
     }
 }
 
-/// Runs `f` on the backend's NCCL side; an error on a backend without one (the CPU).
-fn with_nccl<B: Backend, T>(
-    backend: &mut B,
-    f: impl FnOnce(&mut dyn crate::kv_transport::nccl::NcclOps) -> Result<T, crate::kv_transport::nccl::NcclError>,
-) -> Result<T, BackendError> {
-    let ops = backend.nccl_ops().ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?;
-    f(ops).map_err(|e| BackendError::Device(e.to_string()))
-}
+/// What runs after each layer's KV is written during a forward (the KV connector's worker
+/// side): the layer index and the cache.
+pub type AfterLayer<'a> =
+    dyn FnMut(usize, &mut dyn crate::kv_connector::KvAccess) -> Result<(), BackendError> + Send + 'a;
 
 /// `batch` (pure decode: one row per sequence, every row sampled) padded with `rows - len`
 /// rows of token 0 that belong to no sequence, every row a logit row.
@@ -318,37 +313,6 @@ impl<B: Backend> LlamaModel<B> {
         self.backend.write_kv_blocks(layer, blocks, k, v)
     }
 
-    /// Enqueues receiving layer `layer`'s K/V into block runs over an NCCL link.
-    pub fn nccl_recv_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &crate::kv_transport::nccl::NcclLink,
-    ) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.recv_layer(layer, runs, link))
-    }
-
-    /// Enqueues receiving layer `layer`'s K/V for block runs into scratch memory (the request
-    /// is gone, but the link's sends must still be matched).
-    pub fn nccl_discard_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &crate::kv_transport::nccl::NcclLink,
-    ) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.discard_layer(layer, runs, link))
-    }
-
-    /// Makes compute wait for everything enqueued on `link` (see `NcclOps::fence`).
-    pub fn nccl_fence(&mut self, link: &crate::kv_transport::nccl::NcclLink) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.fence(link))
-    }
-
-    /// A new transfer stream on the backend's device (for an NCCL link).
-    pub fn new_transfer_stream(&mut self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError> {
-        with_nccl(&mut self.backend, |n| n.new_transfer_stream())
-    }
-
     /// Element type of the backend's KV cache.
     pub fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
         self.backend.kv_dtype()
@@ -367,7 +331,7 @@ impl<B: Backend> LlamaModel<B> {
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
     pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
-        self.forward_exporting(batch, &[], &mut |_, _| {})?;
+        self.forward_with(batch, None)?;
         let rows: Vec<usize> = (0..self.logit_count).collect();
         self.backend.logit_rows(&rows)
     }
@@ -483,23 +447,20 @@ impl<B: Backend> LlamaModel<B> {
     }
 
     /// [`LlamaModel::forward`] that leaves the logits in the backend (for
-    /// [`LlamaModel::sample`]) and also hands out KV as soon as each layer has written it:
-    /// for every layer and every export `exports[j]`, either `sink(j, frame)` gets the
-    /// layer's K and V bytes of its blocks (see [`Backend::read_kv_blocks`]), or, for an NCCL
-    /// export, the sends are enqueued and `sink(j, frame)` gets an empty frame carrying the
-    /// send group's number on the link; in layer order, while later layers are still to run. This is how a prefill worker streams a prompt's KV to a
-    /// decode worker during the step that computes it.
-    pub fn forward_exporting(
+    /// [`LlamaModel::sample`]) and, with `after_layer`, calls it as soon as each layer has
+    /// written its KV, in layer order, while later layers are still to run: this is how a
+    /// prefill worker's KV connector streams a prompt's KV during the step that computes it.
+    /// A step with `after_layer` always runs op by op (never from a recording).
+    pub fn forward_with(
         &mut self,
         batch: &BatchLayout,
-        exports: &[crate::relay::ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        after_layer: Option<&mut AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
         self.prompt_logprobs.clear();
         let resolved = self.resolve_pending(batch)?;
         let batch = resolved.as_ref().unwrap_or(batch);
-        if exports.is_empty()
+        if after_layer.is_none()
             && batch.prompt_logprobs.is_empty()
             && let Some(rows) = self.backend.replay_rows(batch)
         {
@@ -512,7 +473,7 @@ impl<B: Backend> LlamaModel<B> {
                 return Ok(());
             }
         }
-        self.run_ops(batch, exports, sink)
+        self.run_ops(batch, after_layer)
     }
 
     /// Runs a padded decode step from a recording, recording it first if needed; `false` when
@@ -524,9 +485,9 @@ impl<B: Backend> LlamaModel<B> {
             ReplayStart::Record => {
                 // This pass computes the step (and grows every buffer to this shape, so the
                 // recording pass allocates nothing); the recording pass only records.
-                self.run_ops(padded, &[], &mut |_, _| {})?;
+                self.run_ops(padded, None)?;
                 self.backend.begin_recording()?;
-                let recorded = self.run_ops(padded, &[], &mut |_, _| {});
+                let recorded = self.run_ops(padded, None);
                 self.backend.end_recording(recorded.is_ok())?;
                 if let Err(e) = recorded {
                     tracing::warn!(rows = padded.tokens.len(), error = %e, "a decode step could not be recorded; this shape runs op by op");
@@ -536,12 +497,11 @@ impl<B: Backend> LlamaModel<B> {
         }
     }
 
-    /// The step's ops, one by one (see [`LlamaModel::forward_exporting`]).
+    /// The step's ops, one by one (see [`LlamaModel::forward_with`]).
     fn run_ops(
         &mut self,
         batch: &BatchLayout,
-        exports: &[crate::relay::ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        mut after_layer: Option<&mut AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
         let cfg = &self.cfg;
@@ -571,20 +531,9 @@ impl<B: Backend> LlamaModel<B> {
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             b.mark("rope_kv");
             b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
-            if !exports.is_empty() {
+            if let Some(after) = after_layer.as_deref_mut() {
                 b.mark("kv_export");
-            }
-            for (j, e) in exports.iter().enumerate() {
-                match &e.link {
-                    None => {
-                        let (k, v) = b.read_kv_blocks(i, &e.blocks)?;
-                        sink(j, LayerFrame { layer: i, k, v, seq: 0 });
-                    }
-                    Some(link) => {
-                        let seq = with_nccl(b, |n| n.send_layer(i, &e.runs, link))?;
-                        sink(j, LayerFrame { layer: i, k: Vec::new(), v: Vec::new(), seq });
-                    }
-                }
+                after(i, &mut *b)?;
             }
             b.mark("attention");
             b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
