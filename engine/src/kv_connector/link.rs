@@ -459,4 +459,47 @@ mod tests {
         g.close();
         assert_eq!(g.state(), GateState::Accepted, "an accepted gate stays accepted");
     }
+
+    fn link(name: &str, peer: &str) -> (Arc<Link>, super::super::fake::FakeControl) {
+        let (tx, _rx, ctl) = super::super::fake::pair();
+        (Arc::new(Link::new(name, peer, Box::new(tx))), ctl)
+    }
+
+    #[test]
+    fn the_watchdog_aborts_a_link_past_its_deadline_and_prunes_it() {
+        let links = Links::default();
+        let (a, _) = link("a", "p1");
+        let (b, _) = link("b", "p2");
+        links.insert("a".into(), a.clone());
+        links.insert("b".into(), b.clone());
+        let now = Instant::now();
+        a.arm_deadline(now + Duration::from_secs(1));
+        b.arm_deadline(now + Duration::from_secs(60));
+        assert_eq!(links.enforce_deadlines(now), 0, "nothing is late yet");
+        assert_eq!(links.enforce_deadlines(now + Duration::from_secs(2)), 1);
+        assert!(a.is_failed() && !b.is_failed());
+        assert!(a.with_comm(|_| Ok(())).is_err(), "the communicator is gone");
+        assert_eq!(links.count(), 1);
+        assert!(links.get("a").is_none());
+        b.disarm_deadline();
+        assert_eq!(links.enforce_deadlines(now + Duration::from_secs(120)), 0, "a disarmed link is never late");
+    }
+
+    #[test]
+    fn a_departed_peer_loses_its_links_and_a_replaced_link_fails() {
+        let links = Links::default();
+        let (a, _) = link("a", "p1");
+        let (a2, _) = link("a2", "p1");
+        let (b, _) = link("b", "p2");
+        links.insert("a".into(), a.clone());
+        links.insert("a2".into(), a2.clone());
+        links.insert("b".into(), b.clone());
+        assert_eq!(links.evict_peer("p1"), 2);
+        assert!(a.is_failed() && a2.is_failed() && !b.is_failed());
+        assert_eq!(links.count(), 1);
+        let (b2, _) = link("b", "p2");
+        links.insert("b".into(), b2.clone());
+        assert!(b.is_failed(), "the link it replaced is aborted");
+        assert_eq!(links.get("b").map(|l| l.id()), Some(b2.id()));
+    }
 }
