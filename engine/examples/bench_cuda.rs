@@ -1,6 +1,6 @@
 //! Whole-model benchmark of the CUDA backend (a benchmark program, not a test): a model
 //! config with random weights (`--load-format dummy` through baton_formats, bf16 on the GPU),
-//! driven step by step as the engine drives it: [`ModelRunner::forward_exporting`], then greedy
+//! driven step by step as the engine drives it: [`ModelRunner::forward_with`], then greedy
 //! sampling of every logit row with [`ModelRunner::sample`] (on the GPU; only token ids reach
 //! the host, which synchronizes; before GPU sampling each step copied all f32 logits to the
 //! host instead, see BENCHMARKS.md).
@@ -49,7 +49,7 @@ fn flag(args: &[String], name: &str) -> Option<String> {
 /// One engine-like step: the forward pass, then greedy sampling of every logit row (on the
 /// device for the CUDA backend).
 fn engine_step(model: &mut ModelRunner<CudaBackend>, lay: &BatchLayout) -> Res<()> {
-    model.forward_exporting(lay, &[], &mut |_, _| {})?;
+    model.forward_with(lay, None)?;
     let params = baton_core::params::SamplingParams::greedy();
     let ctx = baton_core::sampling::SamplingContext {
         params: &params,
@@ -319,7 +319,7 @@ fn profile_step(model: &mut ModelRunner<CudaBackend>, lay: &BatchLayout, reps: u
     let mut samples: std::collections::HashMap<&'static str, Vec<f64>> = Default::default();
     for _ in 0..reps {
         model.backend_mut().profile_begin(30_000_000)?;
-        model.forward_exporting(lay, &[], &mut |_, _| {})?;
+        model.forward_with(lay, None)?;
         model.backend_mut().mark("sample");
         model.sample_launch(&ctxs)?;
         model.backend_mut().mark("end");

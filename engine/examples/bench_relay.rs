@@ -27,9 +27,10 @@
 use baton_core::api::{EngineClient, EngineRequest, OutputStream};
 use baton_core::cluster_auth::ReservationToken;
 use baton_core::params::SamplingParams;
+use baton_engine::kv_connector::{ExportVia, HandoffGate, Link, LinkComm, Links};
 use baton_engine::kv_transport::KvCredentials;
-use baton_engine::kv_transport::handoff::{Received, receive_import, send_export, setup_link};
-use baton_engine::kv_transport::nccl::{NcclLink, NcclLinks, new_id};
+use baton_engine::kv_transport::handoff::{LinkSend, Received, receive_import, send_export, setup_link};
+use baton_engine::kv_transport::nccl::{CudaComm, new_id};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
 use baton_formats::{LoadFormat, load_model};
@@ -66,21 +67,23 @@ fn raw_nccl(bytes: usize, reps: usize) -> Res<f64> {
             let ctx = cudarc::driver::CudaContext::new(rank).map_err(|e| e.to_string())?;
             let stream = ctx.new_stream().map_err(|e| e.to_string())?;
             let mut buf = stream.alloc_zeros::<u8>(bytes).map_err(|e| e.to_string())?;
-            let link = NcclLink::join(stream.clone(), &id, rank).map_err(|e| e.to_string())?;
+            let mut raw = [0 as core::ffi::c_char; 128];
+            for (r, b) in raw.iter_mut().zip(&id) {
+                *r = *b as core::ffi::c_char;
+            }
+            let comm =
+                cudarc::nccl::safe::Comm::from_rank(stream.clone(), rank, 2, cudarc::nccl::safe::Id::uninit(raw))
+                    .map_err(|e| format!("{e:?}"))?;
+            let peer = 1 - rank as i32;
             let mut times = Vec::new();
             for i in 0..reps + 2 {
                 barrier.wait();
                 let t = Instant::now();
-                link.with(|comm, peer| {
-                    if rank == 0 {
-                        comm.send(&buf, peer).map_err(|e| baton_engine::kv_transport::nccl::NcclError(format!("{e:?}")))
-                    } else {
-                        comm.recv(&mut buf, peer)
-                            .map(|_| ())
-                            .map_err(|e| baton_engine::kv_transport::nccl::NcclError(format!("{e:?}")))
-                    }
-                })
-                .map_err(|e| e.to_string())?;
+                if rank == 0 {
+                    comm.send(&buf, peer).map_err(|e| format!("{e:?}"))?;
+                } else {
+                    comm.recv(&mut buf, peer).map_err(|e| format!("{e:?}"))?;
+                }
                 stream.synchronize().map_err(|e| e.to_string())?;
                 if i >= 2 {
                     times.push(t.elapsed().as_secs_f64());
@@ -100,13 +103,12 @@ fn raw_nccl(bytes: usize, reps: usize) -> Res<f64> {
 }
 
 /// The NCCL transport alone: a prompt of `tokens` tokens moves GPU 0 → GPU 1 as the hand-off
-/// moves it (`NcclOps::send_layer` / `recv_layer` per layer between paged caches), every layer
+/// moves it (`LinkComm::send` / `recv` per layer between paged caches), every layer
 /// back to back; median seconds over `reps` after 2 warm-ups, per block layout
 /// (`contiguous`: one run; else one run per block).
 fn nccl_transport(cfg: &baton_formats::ModelConfig, tokens: usize, contiguous: bool, reps: usize) -> Res<f64> {
     use baton_engine::backend::cuda::CudaBackend;
-    use baton_engine::backend::{Backend, KvCacheShape};
-    use baton_engine::kv_transport::nccl::NcclOps;
+    use baton_engine::backend::{Backend, KvCacheShape, KvDeviceAccess};
     let blocks = tokens.div_ceil(16);
     let runs: Vec<(usize, usize)> = if contiguous { vec![(0, blocks)] } else { (0..blocks).map(|b| (b, 1)).collect() };
     let shape = KvCacheShape {
@@ -126,22 +128,19 @@ fn nccl_transport(cfg: &baton_formats::ModelConfig, tokens: usize, contiguous: b
             let mut backend = CudaBackend::new(&opts).map_err(|e| e.to_string())?;
             backend.alloc_kv_cache(shape).map_err(|e| e.to_string())?;
             let stream = backend.new_transfer_stream().map_err(|e| e.to_string())?;
-            let link = NcclLink::join(stream, &id, rank).map_err(|e| e.to_string())?;
+            let mut comm = CudaComm::join(stream.clone(), &id, rank).map_err(|e| e.to_string())?;
             let mut times = Vec::new();
             for i in 0..reps + 2 {
                 barrier.wait();
                 let t = Instant::now();
                 for layer in 0..shape.num_layers {
                     if rank == 0 {
-                        backend.send_layer(layer, &runs, &link).map_err(|e| e.to_string())?;
+                        comm.send(&mut backend, layer, &runs).map_err(|e| e.to_string())?;
                     } else {
-                        backend.recv_layer(layer, &runs, &link).map_err(|e| e.to_string())?;
+                        comm.recv(&mut backend, layer, &runs, true).map_err(|e| e.to_string())?;
                     }
                 }
-                link.with(|comm, _| {
-                    comm.stream().synchronize().map_err(|e| baton_engine::kv_transport::nccl::NcclError(e.to_string()))
-                })
-                .map_err(|e| e.to_string())?;
+                stream.synchronize().map_err(|e| e.to_string())?;
                 if i >= 2 {
                     times.push(t.elapsed().as_secs_f64());
                 }
@@ -179,8 +178,8 @@ async fn relay_once(
     p: &EngineHandle,
     d: &EngineHandle,
     listener: &TcpKvListener,
-    d_links: &Arc<NcclLinks>,
-    link: Option<&(String, Arc<NcclLink>)>,
+    d_links: &Arc<Links>,
+    link: Option<&(String, Arc<Link>)>,
     prompt: Vec<u32>,
     params: &SamplingParams,
 ) -> Res<Relayed> {
@@ -189,9 +188,12 @@ async fn relay_once(
     let (mut d_stream, table) = d.reserve_import(EngineRequest::new(prompt.clone(), params.clone())).await?;
     let d_id = d_stream.request_id();
     let token = ReservationToken::random();
-    let (mut p_stream, events) =
-        p.submit_export(EngineRequest::new(prompt, params.clone()), table, link.map(|(_, l)| l.clone()))?;
-    let name = link.map(|(n, _)| n.clone());
+    let name = link.map(|(n, l)| LinkSend { name: n.clone(), link: l.clone(), gate: HandoffGate::new() });
+    let via = match &name {
+        Some(s) => ExportVia::Link { link: s.link.clone(), gate: s.gate.clone() },
+        None => ExportVia::Host,
+    };
+    let (mut p_stream, events) = p.submit_export(EngineRequest::new(prompt, params.clone()), table, via)?;
     let creds = KvCredentials { secret: None, identity: "bench-prefill".into() };
     let sender = tokio::spawn(send_export(events, addr, token, p.kv_layout(), Duration::from_secs(60), name, creds));
     let pending = listener.accept().await?;
@@ -299,7 +301,7 @@ fn run() -> Res<()> {
     let mut rows = Vec::new();
     rt.block_on(async {
         let listener = TcpKvListener::bind("127.0.0.1:0".parse()?).await?;
-        let d_links = Arc::new(NcclLinks::default());
+        let d_links = Arc::new(Links::default());
         let stream = p.transfer_stream().await?;
         let offer = tokio::spawn(setup_link(
             listener.local_addr()?,

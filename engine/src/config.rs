@@ -100,6 +100,9 @@ pub struct EngineConfig {
     pub stall_timeout: std::time::Duration,
     /// Fault injection for the liveness tests; `None` when serving.
     pub fault: Option<crate::fault::FaultInjection>,
+    /// How long a KV link operation, a trailer held for its layers, or a gap in a link's
+    /// layer notices may wait before the link is failed (its hand-offs then recompute).
+    pub kv_transfer_timeout: std::time::Duration,
 }
 
 impl Default for EngineConfig {
@@ -125,6 +128,7 @@ impl Default for EngineConfig {
             // milliseconds; a minute without progress is a hang.
             stall_timeout: std::time::Duration::from_secs(60),
             fault: None,
+            kv_transfer_timeout: crate::kv_connector::DEFAULT_TRANSFER_TIMEOUT,
         }
     }
 }

@@ -32,17 +32,18 @@
 //! - The loop beats [`Liveness`] every iteration and marks itself idle before blocking for
 //!   a command, so a step that runs past the stall timeout reads as
 //!   [`EngineHealth::Stalled`] until it returns.
-//! - Bytes from a peer never reach the backend unchecked: a received layer must be a layer
-//!   of the layout, sized for its blocks, aimed at the request's own reservation; a trailer's
-//!   token must be in the vocabulary. Anything else fails that hand-off and the request
-//!   recomputes its prompt here; the engine's health is not affected.
+//! - KV hand-offs go through one [`KvConnector`] (the transport's events arrive as one
+//!   command, [`Command::Kv`]); the loop only applies its [`KvOutcome`]s. Bytes from a peer
+//!   never reach the backend unchecked: the connector checks a received layer against the
+//!   layout and the request's own reservation, and the loop checks a trailer's token against
+//!   the vocabulary. Anything else fails that hand-off and the request recomputes its prompt
+//!   here; the engine's health is not affected.
 
 use crate::backend::{BackendError, BatchLayout, PromptLogprobRow};
 use crate::batch::layout_for;
-use crate::kv_transport::LayerFrame;
-use crate::kv_transport::nccl::{NcclLink, PendingRecv};
+use crate::kv_connector::{ExportVia, KvAccess, KvConnector, KvEvent, KvOutcome, StepExport};
 use crate::liveness::{EngineHealth, Liveness};
-use crate::relay::{ExportEvent, ExportSpec, Reservation, TransferTrailer, plan_blocks};
+use crate::relay::{ExportEvent, Reservation, TransferTrailer, plan_blocks};
 use crate::step_timing::StepTiming;
 use crate::structured;
 use baton_core::api::{
@@ -77,15 +78,24 @@ pub(crate) enum Command {
         tx: OutputTx,
         grammar: Option<CompiledGrammar>,
     },
-    /// A request whose prompt KV goes to another worker's `dst_block_table`.
-    SubmitExport {
+    /// Everything about KV hand-offs (see [`KvCommand`]).
+    Kv(KvCommand),
+    Abort(RequestId),
+    Shutdown,
+}
+
+/// A KV hand-off command: the scheduler's part (an export, a reservation) or an event the
+/// connector handles.
+pub(crate) enum KvCommand {
+    /// A request whose prompt KV goes to another worker's `dst_block_table`, `via` a transport.
+    Export {
         id: RequestId,
         request: Box<EngineRequest>,
         tx: OutputTx,
         grammar: Option<CompiledGrammar>,
         dst_block_table: Vec<u32>,
         export: ExportTx,
-        link: Option<Arc<NcclLink>>,
+        via: ExportVia,
     },
     /// Reserve blocks for a prompt whose KV and first token come from another worker.
     Reserve {
@@ -95,44 +105,20 @@ pub(crate) enum Command {
         grammar: Option<CompiledGrammar>,
         reply: tokio::sync::oneshot::Sender<Result<Vec<u32>, SubmitError>>,
     },
-    /// One received layer for the reserved `blocks` of `id`.
-    ImportLayer {
-        id: RequestId,
-        blocks: Vec<u32>,
-        frame: LayerFrame,
-    },
-    /// Layer `layer` of `id` was sent over `link`: enqueue receiving it into `blocks`.
-    ImportLayerNccl {
-        id: RequestId,
-        layer: usize,
-        /// The send group's number on the link.
-        seq: u64,
-        runs: Vec<(usize, usize)>,
-        link: Arc<NcclLink>,
-    },
-    /// A new transfer stream on the engine's device, for a new NCCL link.
-    TransferStream {
-        reply: tokio::sync::oneshot::Sender<Result<Arc<cudarc::driver::CudaStream>, String>>,
-    },
-    /// Every layer of `id` arrived; the trailer carries the first token.
-    ImportDone {
-        id: RequestId,
-        trailer: TransferTrailer,
-    },
     /// The transfer for `id` failed: recompute the prompt here.
-    ImportFailed(RequestId),
-    Abort(RequestId),
-    Shutdown,
+    Failed(RequestId),
+    /// For the connector.
+    Event(KvEvent),
 }
 
 /// Runs a forward step; implemented by the model over any backend.
 pub(crate) trait StepModel: Send {
-    /// See [`crate::runner::ModelRunner::forward_exporting`].
+    /// See [`crate::runner::ModelRunner::forward_with`]; `after_layer` (when given) runs as
+    /// soon as each layer's KV is written.
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
-        exports: &[ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        after_layer: Option<&mut crate::runner::AfterLayer<'_>>,
     ) -> Result<(), BackendError>;
     /// See [`crate::runner::ModelRunner::take_prompt_logprobs`].
     fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob>;
@@ -140,31 +126,17 @@ pub(crate) trait StepModel: Send {
     fn sample_launch(&mut self, rows: &[(usize, SamplingContext<'_>)]) -> Result<(), BackendError>;
     /// See [`crate::runner::ModelRunner::sample_collect`].
     fn sample_collect(&mut self) -> Result<Vec<Sampled>, BackendError>;
-    /// See [`crate::runner::ModelRunner::write_kv_blocks`].
-    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
-    /// See [`crate::runner::ModelRunner::nccl_recv_layer`].
-    fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError>;
-    /// See [`crate::runner::ModelRunner::nccl_discard_layer`].
-    fn nccl_discard_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &NcclLink,
-    ) -> Result<(), BackendError>;
-    /// See [`crate::runner::ModelRunner::new_transfer_stream`].
-    fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError>;
-    /// See [`crate::runner::ModelRunner::nccl_fence`].
-    fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError>;
+    /// The KV cache, for the connector.
+    fn kv_access(&mut self) -> &mut dyn KvAccess;
 }
 
 impl<B: crate::backend::Backend> StepModel for crate::runner::ModelRunner<B> {
     fn forward(
         &mut self,
         batch: &crate::backend::BatchLayout,
-        exports: &[ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        after_layer: Option<&mut crate::runner::AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
-        crate::runner::ModelRunner::forward_exporting(self, batch, exports, sink)
+        crate::runner::ModelRunner::forward_with(self, batch, after_layer)
     }
 
     fn take_prompt_logprobs(&mut self) -> Vec<PromptLogprob> {
@@ -179,29 +151,8 @@ impl<B: crate::backend::Backend> StepModel for crate::runner::ModelRunner<B> {
         crate::runner::ModelRunner::sample_collect(self)
     }
 
-    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
-        crate::runner::ModelRunner::write_kv_blocks(self, layer, blocks, k, v)
-    }
-
-    fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError> {
-        crate::runner::ModelRunner::nccl_recv_layer(self, layer, runs, link)
-    }
-
-    fn nccl_discard_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &NcclLink,
-    ) -> Result<(), BackendError> {
-        crate::runner::ModelRunner::nccl_discard_layer(self, layer, runs, link)
-    }
-
-    fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
-        crate::runner::ModelRunner::new_transfer_stream(self)
-    }
-
-    fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError> {
-        crate::runner::ModelRunner::nccl_fence(self, link)
+    fn kv_access(&mut self) -> &mut dyn KvAccess {
+        self.backend_mut()
     }
 }
 
@@ -219,6 +170,9 @@ pub(crate) struct Shared {
     /// Where the engine thread's time went.
     pub timing: Mutex<StepTiming>,
 }
+
+/// How long the idle engine sleeps between looks at hand-offs in flight.
+const KV_POLL: Duration = Duration::from_millis(2);
 
 /// Most cache events kept for a reporter that stopped draining them; older ones are dropped
 /// (the router's prefix index is a hint, never a correctness input).
@@ -240,7 +194,7 @@ struct Live {
 struct Export {
     dst_block_table: Vec<u32>,
     tx: ExportTx,
-    link: Option<Arc<NcclLink>>,
+    via: ExportVia,
     /// `ExportEvent::Started` was sent.
     started: bool,
 }
@@ -266,8 +220,8 @@ pub(crate) struct EngineLoop {
     /// Token ids must be below this (a peer's first token is checked against it).
     pub vocab_size: usize,
     live: HashMap<RequestId, Live>,
-    /// NCCL links that are receiving KV for a reservation (fenced before it first runs).
-    nccl_imports: HashMap<RequestId, Arc<NcclLink>>,
+    /// Where KV hand-offs go.
+    connector: Box<dyn KvConnector>,
     /// Set by a `Shutdown` command; the loop exits at the next check.
     stopping: bool,
     /// See [`crate::EngineConfig::async_scheduling`].
@@ -287,6 +241,7 @@ impl EngineLoop {
         pool: rayon::ThreadPool,
         kv_layout: KvLayout,
         vocab_size: usize,
+        connector: Box<dyn KvConnector>,
     ) -> Self {
         Self {
             scheduler,
@@ -298,7 +253,7 @@ impl EngineLoop {
             kv_layout,
             vocab_size,
             live: HashMap::new(),
-            nccl_imports: HashMap::new(),
+            connector,
             stopping: false,
             async_scheduling: false,
             in_flight: None,
@@ -312,19 +267,31 @@ impl EngineLoop {
         while !self.stopping {
             self.shared.liveness.beat();
             if !self.scheduler.has_unfinished() && self.in_flight.is_none() {
-                // Idle: block until there is something to do (waiting is not a stall).
+                // Idle: block until there is something to do (waiting is not a stall), but
+                // only briefly while hand-offs are in flight: the connector polls them.
                 self.shared.liveness.idle();
-                let next = self.rx.recv();
+                let next = if self.connector.busy() {
+                    match self.rx.recv_timeout(KV_POLL) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                        other => Some(other.map_err(|_| ())),
+                    }
+                } else {
+                    Some(self.rx.recv().map_err(|_| ()))
+                };
                 self.shared.liveness.beat();
                 match next {
-                    Ok(c) => self.handle(c),
-                    Err(_) => break,
+                    Some(Ok(c)) => self.handle(c),
+                    Some(Err(())) => break,
+                    None => {}
                 }
             }
             while !self.stopping
                 && let Ok(c) = self.rx.try_recv()
             {
                 self.handle(c);
+            }
+            if !self.stopping {
+                self.poll_kv();
             }
             if !self.stopping && (self.scheduler.has_unfinished() || self.in_flight.is_some()) {
                 let t0 = Instant::now();
@@ -343,29 +310,39 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, request, tx, grammar } => self.admit(id, *request, tx, None, grammar),
-            Command::SubmitExport { id, request, tx, grammar, dst_block_table, export, link } => {
-                let export = Export { dst_block_table, tx: export, link, started: false };
+            Command::Kv(kv) => self.handle_kv(kv),
+            Command::Abort(id) => {
+                self.forget_reservation(id);
+                self.scheduler.abort(id);
+                if let Some(l) = self.live.remove(&id) {
+                    let _ = l.tx.send(Ok(abort_output()));
+                }
+            }
+            Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    /// Applies one KV command: the scheduler's part here, the rest through the connector.
+    fn handle_kv(&mut self, cmd: KvCommand) {
+        match cmd {
+            KvCommand::Export { id, request, tx, grammar, dst_block_table, export, via } => {
+                let export = Export { dst_block_table, tx: export, via, started: false };
                 self.admit(id, *request, tx, Some(export), grammar);
             }
-            Command::ImportLayerNccl { id, layer, seq, runs, link } => {
-                self.import_layer_nccl(id, layer, seq, runs, &link)
-            }
-            Command::TransferStream { reply } => {
-                let _ = reply.send(self.model.new_transfer_stream().map_err(|e| e.to_string()));
-            }
-            Command::Reserve { id, request, tx, grammar, reply } => {
+            KvCommand::Reserve { id, request, tx, grammar, reply } => {
                 self.shared.pending.fetch_sub(1, Ordering::SeqCst);
                 let seed = request.params.seed.unwrap_or_else(baton_core::api::fresh_seed);
                 let (num_prompt_tokens, logprobs) = (request.prompt_token_ids.len(), request.params.logprobs);
                 let result = self.scheduler.reserve_for_transfer(id, *request, &self.eos_token_ids);
                 if let Ok(table) = &result {
-                    // The first token comes with the KV (`import_done` feeds it).
+                    // The first token comes with the KV (the connector's `Complete` feeds it).
                     let grammar = grammar.map(|g| g.matcher());
                     self.live.insert(id, Live { tx, seed, export: None, grammar, prompt_logprobs: None });
-                    let res = Reservation { block_table: table.clone(), num_prompt_tokens, logprobs };
+                    let res = Arc::new(Reservation { block_table: table.clone(), num_prompt_tokens, logprobs });
                     if let Ok(mut r) = self.shared.reservations.lock() {
-                        r.insert(id, Arc::new(res));
+                        r.insert(id, res.clone());
                     }
+                    self.connector.reserve(id, res);
                 }
                 if reply.send(result).is_err() {
                     // The caller gave up before the answer: release the reservation.
@@ -374,24 +351,53 @@ impl EngineLoop {
                     self.live.remove(&id);
                 }
             }
-            Command::ImportLayer { id, blocks, frame } => self.import_layer(id, &blocks, &frame),
-            Command::ImportDone { id, trailer } => self.import_done(id, trailer),
-            Command::ImportFailed(id) => {
-                self.nccl_imports.remove(&id);
-                self.forget_reservation(id);
-                if self.scheduler.fail_kv_transfer(id) {
-                    tracing::warn!(request = %id, "KV transfer failed; recomputing the prompt here");
+            KvCommand::Failed(id) => {
+                // No more hand-offs are admitted for it; it recomputes once the connector says
+                // nothing more can land in its blocks.
+                self.unpublish_reservation(id);
+                let mut out = Vec::new();
+                self.connector.cancel(id, &mut out);
+                self.apply_kv(out);
+            }
+            KvCommand::Event(event) => {
+                let mut out = Vec::new();
+                self.connector.on_event(event, self.model.kv_access(), &mut out);
+                self.apply_kv(out);
+            }
+        }
+    }
+
+    /// Lets the connector look at hand-offs in flight (completions, deadlines).
+    fn poll_kv(&mut self) {
+        let mut out = Vec::new();
+        self.connector.poll(self.model.kv_access(), Instant::now(), &mut out);
+        self.apply_kv(out);
+    }
+
+    /// Applies what the connector decided.
+    fn apply_kv(&mut self, outcomes: Vec<KvOutcome>) {
+        for o in outcomes {
+            match o {
+                KvOutcome::Complete { id, trailer, reply } => {
+                    let result = self.complete_import(id, trailer);
+                    if let Some(reply) = reply {
+                        let _ = reply.send(result);
+                    }
+                }
+                KvOutcome::Recompute { id, reason } => self.fail_import(id, &reason),
+                KvOutcome::ExportFailed { id, reason } => {
+                    tracing::warn!(request = %id, reason, "a KV export failed; failing its request");
+                    self.scheduler.abort(id);
+                    if let Some(l) = self.live.remove(&id) {
+                        let _ = l.tx.send(Err(EngineError::Backend(format!("the KV hand-off failed: {reason}"))));
+                    }
+                }
+                KvOutcome::Fatal(e) => {
+                    if !self.stopping {
+                        self.go_fatal(&e);
+                    }
                 }
             }
-            Command::Abort(id) => {
-                self.nccl_imports.remove(&id);
-                self.forget_reservation(id);
-                self.scheduler.abort(id);
-                if let Some(l) = self.live.remove(&id) {
-                    let _ = l.tx.send(Ok(abort_output()));
-                }
-            }
-            Command::Shutdown => self.stopping = true,
         }
     }
 
@@ -427,140 +433,46 @@ impl EngineLoop {
         }
     }
 
-    /// `id` no longer waits for KV: the transport stops admitting hand-offs for it.
-    fn forget_reservation(&self, id: RequestId) {
+    /// `id` no longer waits for KV: the transport stops admitting hand-offs for it and the
+    /// connector drops (or receives into scratch) what still comes for it.
+    fn forget_reservation(&mut self, id: RequestId) {
+        self.unpublish_reservation(id);
+        self.connector.forget(id);
+    }
+
+    /// The transport stops admitting hand-offs for `id`.
+    fn unpublish_reservation(&self, id: RequestId) {
         if let Ok(mut r) = self.shared.reservations.lock() {
             r.remove(&id);
         }
     }
 
-    /// A hand-off for `id` failed here (bad data, a refused write): it recomputes its prompt.
+    /// A hand-off for `id` failed (bad data, a refused write, a failed link, given up): it
+    /// recomputes its prompt here.
     fn fail_import(&mut self, id: RequestId, reason: &str) {
-        self.nccl_imports.remove(&id);
         self.forget_reservation(id);
         if self.scheduler.fail_kv_transfer(id) {
-            tracing::warn!(request = %id, reason, "bad KV hand-off; recomputing the prompt here");
+            tracing::warn!(request = %id, reason, "KV hand-off failed; recomputing the prompt here");
         }
     }
 
-    /// A backend error while storing a peer's KV for `id`: fatal ones stop the engine,
-    /// others fail only this hand-off.
-    fn import_backend_failed(&mut self, id: RequestId, e: &BackendError) {
-        if e.is_fatal() {
-            self.go_fatal(e);
-        } else {
-            self.fail_import(id, &e.to_string());
-        }
-    }
-
-    /// Checks that `id` still waits for KV and that `blocks` are its own; the reason otherwise.
-    fn import_target_ok(&self, id: RequestId, blocks: &[u32]) -> Result<bool, String> {
-        let waiting =
-            self.scheduler.request(id).is_some_and(|r| r.status() == baton_core::request::RequestStatus::WaitingForKv);
-        if !waiting {
-            return Ok(false);
-        }
-        let table = self.scheduler.block_manager().block_table(id).unwrap_or(&[]);
-        // Called per layer with every block of a prompt: a set keeps it linear.
-        let own: std::collections::HashSet<u32> = table.iter().copied().collect();
-        if blocks.iter().all(|b| own.contains(b)) {
-            Ok(true)
-        } else {
-            Err(format!("the transfer targets blocks {blocks:?} outside the reservation {table:?}"))
-        }
-    }
-
-    /// Files the notice that send group `seq` (layer `layer` of `id`) was enqueued on `link`,
-    /// then enqueues every receive now due on that link, in send order: into the request's
-    /// reserved blocks, or into scratch when the request no longer waits for KV (the send
-    /// must still be matched, or the link would pair every later send with the wrong receive).
-    fn import_layer_nccl(
-        &mut self,
-        id: RequestId,
-        layer: usize,
-        seq: u64,
-        runs: Vec<(usize, usize)>,
-        link: &Arc<NcclLink>,
-    ) {
-        let due = match link.order_recv(seq, PendingRecv { request: id, layer, runs }) {
-            Ok(due) => due,
-            Err(e) => return self.fail_import(id, &format!("bad NCCL layer notice: {e}")),
+    /// The whole prompt KV of `id` arrived (the connector says so) with its first token: it
+    /// joins the batch (or ends). A trailer that does not fit the request (a token outside the
+    /// vocabulary, logprobs it did not ask for) fails the hand-off instead; the reason then.
+    fn complete_import(&mut self, id: RequestId, trailer: TransferTrailer) -> Result<(), String> {
+        let Some(want_logprobs) = self.scheduler.request(id).map(|r| r.params().logprobs) else {
+            return Err(format!("request {id} is gone"));
         };
-        for r in due {
-            let blocks: Option<Vec<u32>> = r
-                .runs
-                .iter()
-                .map(|&(s, n)| Some(u32::try_from(s).ok()?..u32::try_from(s.checked_add(n)?).ok()?))
-                .collect::<Option<Vec<_>>>()
-                .map(|ranges| ranges.into_iter().flatten().collect());
-            let target = match blocks {
-                Some(_) if r.layer >= self.kv_layout.num_layers => {
-                    Err(format!("layer {} is not in the layout", r.layer))
-                }
-                Some(blocks) => self.import_target_ok(r.request, &blocks),
-                None => Err("runs beyond the largest block id".to_owned()),
-            };
-            let result = match target {
-                Ok(true) => {
-                    self.nccl_imports.insert(r.request, link.clone());
-                    self.model.nccl_recv_layer(r.layer, &r.runs, link)
-                }
-                Ok(false) => self.model.nccl_discard_layer(r.layer, &r.runs, link),
-                Err(e) => {
-                    self.fail_import(r.request, &format!("cannot receive a KV layer over NCCL: {e}"));
-                    continue;
-                }
-            };
-            if let Err(e) = result {
-                self.import_backend_failed(r.request, &e);
-            }
-        }
-    }
-
-    /// Writes one received layer into `id`'s reserved blocks. Frames for requests that are no
-    /// longer waiting for KV (aborted, failed over to recompute) are dropped: their blocks may
-    /// already belong to someone else. A layer outside the layout, a size that is not the
-    /// blocks' or blocks outside the request's own table fail the hand-off before the backend
-    /// sees them.
-    fn import_layer(&mut self, id: RequestId, blocks: &[u32], frame: &LayerFrame) {
-        let want = blocks.len().checked_mul(self.kv_layout.bytes_per_block());
-        let checked = if frame.layer >= self.kv_layout.num_layers {
-            Err(format!("layer {} is not in the layout ({} layers)", frame.layer, self.kv_layout.num_layers))
-        } else if want != Some(frame.k.len()) || want != Some(frame.v.len()) {
-            Err(format!("{}+{} bytes for {} blocks", frame.k.len(), frame.v.len(), blocks.len()))
-        } else {
-            self.import_target_ok(id, blocks)
-        };
-        match checked {
-            Ok(false) => {}
-            Ok(true) => {
-                if let Err(e) = self.model.write_kv_blocks(frame.layer, blocks, &frame.k, &frame.v) {
-                    self.import_backend_failed(id, &e);
-                }
-            }
-            Err(e) => self.fail_import(id, &format!("cannot store a received KV layer: {e}")),
-        }
-    }
-
-    /// The whole prompt KV of `id` arrived with its first token: it joins the batch (or ends).
-    /// A trailer that does not fit the request (a token outside the vocabulary, logprobs it
-    /// did not ask for) fails the hand-off instead.
-    fn import_done(&mut self, id: RequestId, trailer: TransferTrailer) {
-        if let Some(link) = self.nccl_imports.remove(&id)
-            && let Err(e) = self.model.nccl_fence(&link)
-        {
-            return self.import_backend_failed(id, &e);
-        }
-        let Some(want_logprobs) = self.scheduler.request(id).map(|r| r.params().logprobs) else { return };
         if let Err(reason) = trailer.check(self.vocab_size, want_logprobs) {
-            return self.fail_import(id, &reason);
+            self.fail_import(id, &reason);
+            return Err(reason);
         }
         self.forget_reservation(id);
         let Some(u) = self.scheduler.complete_kv_transfer_with_token(id, trailer.first_token) else {
-            return;
+            return Err(format!("request {id} no longer waits for its KV"));
         };
         self.publish_stats();
-        let Some(live) = self.live.get_mut(&id) else { return };
+        let Some(live) = self.live.get_mut(&id) else { return Ok(()) };
         let finish_reason = match structured::advance(live.grammar.as_mut(), u.new_token, u.finish_reason) {
             Ok(reason) => reason,
             Err(e) => {
@@ -568,7 +480,7 @@ impl EngineLoop {
                 if let Some(l) = self.live.remove(&id) {
                     let _ = l.tx.send(Err(e));
                 }
-                return;
+                return Ok(());
             }
         };
         if finish_reason.is_some() && u.finish_reason.is_none() {
@@ -591,19 +503,17 @@ impl EngineLoop {
             self.scheduler.abort(id);
             self.live.remove(&id);
         }
+        Ok(())
     }
 
-    /// Plans the hand-off of every export request whose prompt completes in this step and
-    /// returns, in step order, what the model does with each export's blocks after every
-    /// layer and the channel its layers go to (parallel vectors: the model indexes exports).
-    fn plan_exports(
-        &mut self,
-        out: &baton_core::scheduler::SchedulerOutput,
-    ) -> (Vec<ExportSpec>, Vec<ExportTx>, Vec<RequestId>) {
-        let (mut specs, mut txs, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+    /// Plans the hand-off of every export request whose prompt completes in this step (the
+    /// plan goes to its channel) and returns, in step order, what the connector needs to send
+    /// each one's blocks after every layer.
+    fn plan_exports(&mut self, out: &baton_core::scheduler::SchedulerOutput) -> Vec<StepExport> {
+        let mut exports = Vec::new();
         let mut failed = Vec::new();
         for seq in out.seqs.iter().filter(|s| s.sample) {
-            let Some(Export { dst_block_table, tx, link, .. }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
+            let Some(Export { dst_block_table, tx, via, .. }) = self.live.get(&seq.id).and_then(|l| l.export.as_ref())
             else {
                 continue;
             };
@@ -616,9 +526,7 @@ impl EngineLoop {
                     let (src, _) = plan_blocks(&plan);
                     let runs = plan.runs.iter().map(|r| (r.src_start as usize, r.len)).collect();
                     if tx.send(ExportEvent::Plan(plan)).is_ok() {
-                        specs.push(ExportSpec { blocks: src, runs, link: link.clone() });
-                        txs.push(tx.clone());
-                        ids.push(seq.id);
+                        exports.push(StepExport { id: seq.id, blocks: src, runs, tx: tx.clone(), via: via.clone() });
                     }
                 }
                 Err(e) => failed.push((seq.id, e.to_string())),
@@ -630,7 +538,7 @@ impl EngineLoop {
                 let _ = l.tx.send(Err(EngineError::Unschedulable(format!("cannot plan the KV hand-off: {reason}"))));
             }
         }
-        (specs, txs, ids)
+        exports
     }
 
     /// Tells each export request scheduled for the first time that its prompt is being
@@ -677,39 +585,30 @@ impl EngineLoop {
         self.report_export_starts(&out);
         let mut batch = layout_for(&out);
         let prompt_rows = self.plan_prompt_logprobs(&out, &mut batch);
-        let (export_specs, export_txs, export_ids) = self.plan_exports(&out);
-        let mut sink = |j: usize, frame: LayerFrame| {
-            if let Some(tx) = export_txs.get(j) {
-                let _ = tx.send(ExportEvent::Layer(frame));
-            }
-        };
-        let model = &mut self.model;
+        let exports = self.plan_exports(&out);
+        let exporting = !exports.is_empty();
+        self.connector.begin_step(exports);
+        let (model, connector) = (&mut self.model, &mut self.connector);
         self.timing.steps += 1;
-        let result = self.pool.install(|| model.forward(&batch, &export_specs, &mut sink));
+        let result = self.pool.install(|| {
+            let mut after_layer = |layer: usize, kv: &mut dyn KvAccess| connector.after_layer(layer, kv);
+            model.forward(&batch, exporting.then_some(&mut after_layer))
+        });
+        // The connector's step ends whatever the forward did (a failed step sent nothing).
+        let mut kv_out = Vec::new();
+        self.connector.fence(self.model.kv_access(), &mut kv_out);
         if let Err(e) = result {
             self.fail_step(&out, &e);
+            return;
+        }
+        self.apply_kv(kv_out);
+        if self.stopping {
             return;
         }
         if !prompt_rows.is_empty() {
             self.store_prompt_logprobs(&prompt_rows);
         }
-        // Blocks sent over NCCL are freed after this step: later steps must not overwrite them
-        // before the sends are done (the GPU waits, the host does not). An export whose sends
-        // cannot be fenced fails (its receiver recomputes), so no one trusts what it sent.
-        for (spec, id) in export_specs.iter().zip(&export_ids) {
-            let Some(link) = spec.link.as_ref() else { continue };
-            if let Err(e) = self.model.nccl_fence(link) {
-                if e.is_fatal() {
-                    return self.go_fatal(&e);
-                }
-                tracing::warn!(request = %id, error = %e, "cannot fence an NCCL export; failing the export");
-                self.scheduler.abort(*id);
-                if let Some(l) = self.live.remove(id) {
-                    let _ = l.tx.send(Err(EngineError::Backend(e.to_string())));
-                }
-            }
-        }
-        self.launch_sample(out, self.async_scheduling && export_specs.is_empty());
+        self.launch_sample(out, self.async_scheduling && !exporting);
         if !self.async_scheduling
             && let Some(f) = self.in_flight.take()
         {
@@ -770,7 +669,7 @@ impl EngineLoop {
         batch.pending = pending?;
         let model = &mut self.model;
         self.timing.steps += 1;
-        match self.pool.install(|| model.forward(&batch, &[], &mut |_, _| {})) {
+        match self.pool.install(|| model.forward(&batch, None)) {
             Ok(()) => Some(next),
             Err(e) => {
                 self.fail_step(&next, &e);
@@ -988,6 +887,7 @@ impl EngineLoop {
         }
         for (id, l) in self.live.drain() {
             self.scheduler.abort(id);
+            self.connector.forget(id);
             let _ = l.tx.send(Err(err.clone()));
         }
         self.publish_stats();

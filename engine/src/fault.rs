@@ -7,11 +7,7 @@
 
 use crate::backend::{BackendError, BatchLayout};
 use crate::engine_loop::StepModel;
-use crate::kv_transport::LayerFrame;
-use crate::kv_transport::nccl::NcclLink;
-use crate::relay::ExportSpec;
 use baton_core::sampling::{Sampled, SamplingContext};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// What the faulty step does.
@@ -79,8 +75,7 @@ impl StepModel for FaultyModel {
     fn forward(
         &mut self,
         batch: &BatchLayout,
-        exports: &[ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        after_layer: Option<&mut crate::runner::AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
         self.forwards += 1;
         if self.forwards == self.fault.at_forward {
@@ -92,7 +87,7 @@ impl StepModel for FaultyModel {
                 FaultKind::Fatal => return Err(BackendError::DeviceLost("injected fault: the device is lost".into())),
             }
         }
-        self.inner.forward(batch, exports, sink)
+        self.inner.forward(batch, after_layer)
     }
 
     fn take_prompt_logprobs(&mut self) -> Vec<baton_core::api::PromptLogprob> {
@@ -107,29 +102,8 @@ impl StepModel for FaultyModel {
         self.inner.sample_collect()
     }
 
-    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
-        self.inner.write_kv_blocks(layer, blocks, k, v)
-    }
-
-    fn nccl_recv_layer(&mut self, layer: usize, runs: &[(usize, usize)], link: &NcclLink) -> Result<(), BackendError> {
-        self.inner.nccl_recv_layer(layer, runs, link)
-    }
-
-    fn nccl_discard_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &NcclLink,
-    ) -> Result<(), BackendError> {
-        self.inner.nccl_discard_layer(layer, runs, link)
-    }
-
-    fn new_transfer_stream(&mut self) -> Result<Arc<cudarc::driver::CudaStream>, BackendError> {
-        self.inner.new_transfer_stream()
-    }
-
-    fn nccl_fence(&mut self, link: &NcclLink) -> Result<(), BackendError> {
-        self.inner.nccl_fence(link)
+    fn kv_access(&mut self) -> &mut dyn crate::kv_connector::KvAccess {
+        self.inner.kv_access()
     }
 }
 

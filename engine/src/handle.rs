@@ -12,8 +12,9 @@
 //! [`EngineError::InvalidGrammar`] as its first and only item (a 400 at the edges); the
 //! request counts against `max_waiting` while it compiles.
 
-use crate::engine_loop::{Command, OutputTx, Shared};
+use crate::engine_loop::{Command, KvCommand, OutputTx, Shared};
 use crate::grammar_pool::GrammarPool;
+use crate::kv_connector::{ExportVia, KvEvent, Link};
 use crate::kv_transport::LayerFrame;
 use crate::liveness::EngineHealth;
 use crate::relay::{ExportEvent, Reservation, TransferTrailer};
@@ -116,24 +117,27 @@ impl EngineHandle {
     /// `dst_block_table` (the returned channel yields the plan, the layers and the first
     /// token; see [`ExportEvent`]). The output stream yields the first token and then ends;
     /// the request then no longer holds blocks here.
-    /// With `link`, the data goes over that NCCL link (CUDA only) instead of to the host.
+    /// `via` says how the data leaves: staged to the host (the layer events carry it), or over
+    /// a link once its gate opens (the layer events are then notices).
     pub fn submit_export(
         &self,
         request: EngineRequest,
         dst_block_table: Vec<u32>,
-        link: Option<Arc<crate::kv_transport::nccl::NcclLink>>,
+        via: ExportVia,
     ) -> Result<(OutputStream, tokio::sync::mpsc::UnboundedReceiver<ExportEvent>), SubmitError> {
         self.check(&request)?;
         let (export_tx, export_rx) = tokio::sync::mpsc::unbounded_channel();
         let spec = request.params.structured.clone();
-        let make = move |id, tx, grammar| Command::SubmitExport {
-            id,
-            request: Box::new(request),
-            tx,
-            grammar,
-            dst_block_table,
-            export: export_tx,
-            link,
+        let make = move |id, tx, grammar| {
+            Command::Kv(KvCommand::Export {
+                id,
+                request: Box::new(request),
+                tx,
+                grammar,
+                dst_block_table,
+                export: export_tx,
+                via,
+            })
         };
         let stream = match spec {
             None => self.enqueue(|id, tx| make(id, tx, None))?,
@@ -156,8 +160,9 @@ impl EngineHandle {
             None => None,
         };
         let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-        let stream =
-            self.enqueue(|id, tx| Command::Reserve { id, request: Box::new(request), tx, grammar, reply: reply_tx })?;
+        let stream = self.enqueue(|id, tx| {
+            Command::Kv(KvCommand::Reserve { id, request: Box::new(request), tx, grammar, reply: reply_tx })
+        })?;
         match reply_rx.await {
             Ok(Ok(table)) => Ok((stream, table)),
             Ok(Err(e)) => Err(e),
@@ -167,40 +172,48 @@ impl EngineHandle {
 
     /// Stores one received layer of request `id` into its reserved `blocks` (in plan order).
     pub fn import_layer(&self, id: RequestId, blocks: Vec<u32>, frame: LayerFrame) {
-        self.inner.send(Command::ImportLayer { id, blocks, frame });
+        self.kv(KvEvent::Layer { id, blocks, frame });
     }
 
-    /// Layer `layer` of request `id` was sent over `link` as send group `seq`: enqueue
-    /// receiving it into the receiver-side runs `(first block, count)` of the plan, in the
-    /// link's send order.
-    pub fn import_layer_nccl(
-        &self,
-        id: RequestId,
-        layer: usize,
-        seq: u64,
-        runs: Vec<(usize, usize)>,
-        link: Arc<crate::kv_transport::nccl::NcclLink>,
-    ) {
-        self.inner.send(Command::ImportLayerNccl { id, layer, seq, runs, link });
+    /// Layer `layer` of request `id` was sent over `link` as send group `seq`: receive it into
+    /// the receiver-side runs `(first block, count)` of the plan, in the link's send order.
+    pub fn import_link_layer(&self, id: RequestId, layer: usize, seq: u64, runs: Vec<(usize, usize)>, link: Arc<Link>) {
+        self.kv(KvEvent::LinkLayer { id, layer, seq, runs, link });
     }
 
     /// A new stream on the engine's device for an NCCL link (an error on the CPU backend).
     pub async fn transfer_stream(&self) -> Result<Arc<cudarc::driver::CudaStream>, String> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        if !self.inner.send(Command::TransferStream { reply }) {
+        if !self.kv(KvEvent::TransferStream { reply }) {
             return Err("the engine thread has stopped".into());
         }
         rx.await.map_err(|_| "the engine thread stopped".to_string())?
     }
 
-    /// Every layer of `id` arrived: it joins the running batch with the trailer's first token.
+    /// Every layer of `id` was sent: it joins the running batch with the trailer's first token
+    /// once all of its own layers are in.
     pub fn import_done(&self, id: RequestId, trailer: TransferTrailer) {
-        self.inner.send(Command::ImportDone { id, trailer });
+        self.kv(KvEvent::Done { id, trailer, reply: None });
     }
 
-    /// The transfer for `id` failed or timed out: recompute its prompt here.
+    /// [`EngineHandle::import_done`], answering once the request took its first token (or why
+    /// it did not: a bad trailer, layers that never arrived, a failed link).
+    pub async fn import_done_confirmed(&self, id: RequestId, trailer: TransferTrailer) -> Result<(), String> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        if !self.kv(KvEvent::Done { id, trailer, reply: Some(reply) }) {
+            return Err("the engine thread has stopped".into());
+        }
+        rx.await.map_err(|_| "the engine thread stopped".to_string())?
+    }
+
+    /// The transfer for `id` failed or timed out: recompute its prompt here (once nothing more
+    /// can land in its blocks).
     pub fn import_failed(&self, id: RequestId) {
-        self.inner.send(Command::ImportFailed(id));
+        self.inner.send(Command::Kv(KvCommand::Failed(id)));
+    }
+
+    fn kv(&self, event: KvEvent) -> bool {
+        self.inner.send(Command::Kv(KvCommand::Event(event)))
     }
 
     /// Request checks that need no engine state.

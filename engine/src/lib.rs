@@ -15,6 +15,7 @@ pub mod fault;
 mod gpu_memory;
 mod grammar_pool;
 mod handle;
+pub mod kv_connector;
 pub mod kv_transport;
 mod liveness;
 pub mod models;
@@ -208,7 +209,9 @@ pub fn start_engine(
         Some(fault) => Box::new(fault::FaultyModel::new(model_box, fault)),
         None => model_box,
     };
-    let mut engine = EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout, cfg.vocab_size);
+    let connector = Box::new(kv_connector::RelayConnector::new(kv_layout, config.kv_transfer_timeout));
+    let mut engine =
+        EngineLoop::new(scheduler, model_box, rx, shared.clone(), eos, pool, kv_layout, cfg.vocab_size, connector);
     engine.async_scheduling = config.async_scheduling;
     let grammars =
         grammar_pool::GrammarPool::start(model.tokenizer.clone(), info.eos_token_ids.clone(), cfg.vocab_size)

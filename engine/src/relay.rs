@@ -93,18 +93,6 @@ pub struct Reservation {
     pub logprobs: Option<usize>,
 }
 
-/// What the model does with one export's blocks after each layer: copy them to the host
-/// (for the TCP transport), or enqueue NCCL sends over `link`.
-#[derive(Debug, Clone)]
-pub struct ExportSpec {
-    /// The sender's blocks, in plan order.
-    pub blocks: Vec<u32>,
-    /// The plan's runs on the sender's side, `(first block, count)`, for NCCL.
-    pub runs: Vec<(usize, usize)>,
-    /// The NCCL link when the data goes GPU to GPU.
-    pub link: Option<std::sync::Arc<crate::kv_transport::nccl::NcclLink>>,
-}
-
 /// Expands a plan's runs into the sender's and the receiver's block lists (same order).
 pub fn plan_blocks(plan: &TransferPlan) -> (Vec<u32>, Vec<u32>) {
     let mut src = Vec::with_capacity(plan.num_blocks());

@@ -3,9 +3,9 @@
 //! (tokens the previous sampling picked and the host does not know yet), replay of recorded
 //! decode steps with their padding, prompt logprobs, the LM head of the sampling rows,
 //! sampling (launch and collect, on the device where the backend can), and the KV hand-off
-//! (exports after each layer, imports, the NCCL pass-throughs).
+//! (the KV connector's hook after each layer, host copies of KV blocks).
 //!
-//! One call to [`ModelRunner::forward_exporting`] runs a whole mixed batch (prefill chunks
+//! One call to [`ModelRunner::forward_with`] runs a whole mixed batch (prefill chunks
 //! and decode rows alike); [`ModelRunner::sample`] then picks the next tokens from the
 //! logits it left in the backend (on the GPU for the CUDA backend). Sampling can also be
 //! split in two ([`ModelRunner::sample_launch`], then [`ModelRunner::sample_collect`]) with
@@ -18,7 +18,6 @@
 //! sample on the host. A sampling launch is collected at most once.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
-use crate::kv_transport::LayerFrame;
 use crate::models::{Architecture, ModelLoadError, WeightLoader, build_architecture};
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
@@ -58,14 +57,10 @@ pub struct ModelRunner<B: Backend> {
 /// rows (256 × 128k × 4 B = 128 MiB for a Llama-3 vocabulary).
 pub const PROMPT_LOGPROB_SLICE: usize = 256;
 
-/// Runs `f` on the backend's NCCL side; an error on a backend without one (the CPU).
-fn with_nccl<B: Backend, T>(
-    backend: &mut B,
-    f: impl FnOnce(&mut dyn crate::kv_transport::nccl::NcclOps) -> Result<T, crate::kv_transport::nccl::NcclError>,
-) -> Result<T, BackendError> {
-    let ops = backend.nccl_ops().ok_or_else(|| BackendError::Device("NCCL hand-offs need the CUDA backend".into()))?;
-    f(ops).map_err(|e| BackendError::Device(e.to_string()))
-}
+/// What runs after each layer's KV is written during a forward (the KV connector's worker
+/// side): the layer index and the cache.
+pub type AfterLayer<'a> =
+    dyn FnMut(usize, &mut dyn crate::kv_connector::KvAccess) -> Result<(), BackendError> + Send + 'a;
 
 /// `batch` (pure decode: one row per sequence, every row sampled) padded with `rows - len`
 /// rows of token 0 that belong to no sequence, every row a logit row.
@@ -124,37 +119,6 @@ impl<B: Backend> ModelRunner<B> {
         kv_io(&mut self.backend)?.write_kv_blocks(layer, blocks, k, v)
     }
 
-    /// Enqueues receiving layer `layer`'s K/V into block runs over an NCCL link.
-    pub fn nccl_recv_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &crate::kv_transport::nccl::NcclLink,
-    ) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.recv_layer(layer, runs, link))
-    }
-
-    /// Enqueues receiving layer `layer`'s K/V for block runs into scratch memory (the request
-    /// is gone, but the link's sends must still be matched).
-    pub fn nccl_discard_layer(
-        &mut self,
-        layer: usize,
-        runs: &[(usize, usize)],
-        link: &crate::kv_transport::nccl::NcclLink,
-    ) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.discard_layer(layer, runs, link))
-    }
-
-    /// Makes compute wait for everything enqueued on `link` (see `NcclOps::fence`).
-    pub fn nccl_fence(&mut self, link: &crate::kv_transport::nccl::NcclLink) -> Result<(), BackendError> {
-        with_nccl(&mut self.backend, |n| n.fence(link))
-    }
-
-    /// A new transfer stream on the backend's device (for an NCCL link).
-    pub fn new_transfer_stream(&mut self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError> {
-        with_nccl(&mut self.backend, |n| n.new_transfer_stream())
-    }
-
     /// Element type of the backend's KV cache.
     pub fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
         self.backend.kv_dtype()
@@ -174,7 +138,7 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.
     pub fn forward(&mut self, batch: &BatchLayout) -> Result<Vec<f32>, BackendError> {
-        self.forward_exporting(batch, &[], &mut |_, _| {})?;
+        self.forward_with(batch, None)?;
         let rows: Vec<usize> = (0..self.logit_count).collect();
         self.backend.logit_rows(&rows)
     }
@@ -291,24 +255,20 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// [`ModelRunner::forward`] that leaves the logits in the backend (for
-    /// [`ModelRunner::sample`]) and also hands out KV as soon as each layer has written it:
-    /// for every layer and every export `exports[j]`, either `sink(j, frame)` gets the
-    /// layer's K and V bytes of its blocks (see [`crate::backend::KvIo::read_kv_blocks`]),
-    /// or, for an NCCL export, the sends are enqueued and `sink(j, frame)` gets an empty
-    /// frame carrying the send group's number on the link; in layer order, while later
-    /// layers are still to run. This is how a prefill worker streams a prompt's KV to a
-    /// decode worker during the step that computes it.
-    pub fn forward_exporting(
+    /// [`ModelRunner::sample`]) and, with `after_layer`, calls it as soon as each layer has
+    /// written its KV, in layer order, while later layers are still to run: this is how a
+    /// prefill worker's KV connector streams a prompt's KV during the step that computes it.
+    /// A step with `after_layer` always runs op by op (never from a recording).
+    pub fn forward_with(
         &mut self,
         batch: &BatchLayout,
-        exports: &[crate::relay::ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        after_layer: Option<&mut AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
         self.prompt_logprobs.clear();
         let resolved = self.resolve_pending(batch)?;
         let batch = resolved.as_ref().unwrap_or(batch);
-        if exports.is_empty()
+        if after_layer.is_none()
             && batch.prompt_logprobs.is_empty()
             && let Some(rows) = self.backend.graph_replay().and_then(|g| g.replay_rows(batch))
         {
@@ -323,7 +283,7 @@ impl<B: Backend> ModelRunner<B> {
                 return Ok(());
             }
         }
-        self.run_ops(batch, exports, sink)
+        self.run_ops(batch, after_layer)
     }
 
     /// Runs a padded decode step from a recording, recording it first if needed; `false` when
@@ -336,9 +296,9 @@ impl<B: Backend> ModelRunner<B> {
             ReplayStart::Record => {
                 // This pass computes the step (and grows every buffer to this shape, so the
                 // recording pass allocates nothing); the recording pass only records.
-                self.run_ops(padded, &[], &mut |_, _| {})?;
+                self.run_ops(padded, None)?;
                 graph_replay(&mut self.backend)?.begin_recording()?;
-                let recorded = self.run_ops(padded, &[], &mut |_, _| {});
+                let recorded = self.run_ops(padded, None);
                 graph_replay(&mut self.backend)?.end_recording(recorded.is_ok())?;
                 if let Err(e) = recorded {
                     tracing::warn!(rows = padded.tokens.len(), error = %e, "a decode step could not be recorded; this shape runs op by op");
@@ -348,12 +308,11 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
-    /// The step's ops, one by one (see [`ModelRunner::forward_exporting`]).
+    /// The step's ops, one by one (see [`ModelRunner::forward_with`]).
     fn run_ops(
         &mut self,
         batch: &BatchLayout,
-        exports: &[crate::relay::ExportSpec],
-        sink: &mut dyn FnMut(usize, LayerFrame),
+        mut after_layer: Option<&mut AfterLayer<'_>>,
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
         if batch.tokens.is_empty() {
@@ -361,7 +320,13 @@ impl<B: Backend> ModelRunner<B> {
         }
         let b = &mut self.backend;
         let arch = &mut self.arch;
-        arch.forward_layers(b, batch, &mut |b: &mut B, i: usize| export_layer(b, i, exports, sink))?;
+        arch.forward_layers(b, batch, &mut |b: &mut B, i: usize| match after_layer.as_deref_mut() {
+            Some(after) => {
+                b.mark("kv_export");
+                after(i, b)
+            }
+            None => Ok(()),
+        })?;
         if !batch.prompt_logprobs.is_empty() {
             // Before the sampling rows: the LM head output below must be theirs.
             b.mark("prompt_logprobs");
@@ -375,32 +340,6 @@ impl<B: Backend> ModelRunner<B> {
         self.logit_count = rows.len();
         Ok(())
     }
-}
-
-/// Hands layer `layer`'s K/V of every export to `sink` (see
-/// [`ModelRunner::forward_exporting`]).
-fn export_layer<B: Backend>(
-    b: &mut B,
-    layer: usize,
-    exports: &[crate::relay::ExportSpec],
-    sink: &mut dyn FnMut(usize, LayerFrame),
-) -> Result<(), BackendError> {
-    if !exports.is_empty() {
-        b.mark("kv_export");
-    }
-    for (j, e) in exports.iter().enumerate() {
-        match &e.link {
-            None => {
-                let (k, v) = kv_io(b)?.read_kv_blocks(layer, &e.blocks)?;
-                sink(j, LayerFrame { layer, k, v, seq: 0 });
-            }
-            Some(link) => {
-                let seq = with_nccl(b, |n| n.send_layer(layer, &e.runs, link))?;
-                sink(j, LayerFrame { layer, k: Vec::new(), v: Vec::new(), seq });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The prompt logprobs of `rows` after the last layer (the architecture's activations are

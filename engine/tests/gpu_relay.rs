@@ -76,7 +76,9 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
         let params = SamplingParams { max_tokens: Some(4), ..SamplingParams::greedy() };
         let pr = prompt(5, 20, vocab);
         let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("r");
-        let (_p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table, None).expect("export");
+        let (_p_stream, events) = p
+            .submit_export(EngineRequest::new(pr, params), table, baton_engine::kv_connector::ExportVia::Host)
+            .expect("export");
         let layout = p.kv_layout();
         let d_id = d_stream.request_id();
         let token = baton_core::cluster_auth::ReservationToken::random();
@@ -118,8 +120,8 @@ fn gpu_a_cuda_to_cpu_hand_off_is_refused_for_its_dtype() {
 
 #[test]
 fn gpu2_nccl_relay_matches_one_cuda_engine() {
+    use baton_engine::kv_connector::Links;
     use baton_engine::kv_transport::handoff::setup_link;
-    use baton_engine::kv_transport::nccl::NcclLinks;
     use std::sync::Arc;
     let m = tiny(&TinySpec::llama());
     let vocab = m.model.config.vocab_size;
@@ -131,7 +133,7 @@ fn gpu2_nccl_relay_matches_one_cuda_engine() {
     rt().block_on(async {
         let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        let d_links = Arc::new(NcclLinks::default());
+        let d_links = Arc::new(Links::default());
         // Link setup: P offers, D accepts (and joins in the background), P joins.
         let stream = p.transfer_stream().await.expect("transfer stream on cuda:0");
         let offer = tokio::spawn(setup_link(

@@ -406,7 +406,9 @@ fn a_thousand_idle_connections_cost_bounded_work_and_then_nothing() {
         let alone = tokens(&collect(unified.submit(EngineRequest::new(pr.clone(), params.clone())).expect("s")).await);
         let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("r");
         let d_id = d_stream.request_id();
-        let (p_stream, events) = p.submit_export(EngineRequest::new(pr, params), table, None).expect("export");
+        let (p_stream, events) = p
+            .submit_export(EngineRequest::new(pr, params), table, baton_engine::kv_connector::ExportVia::Host)
+            .expect("export");
         let token = expected.expect(d_id);
         let report = send_export(events, addr, token, p.kv_layout(), Duration::from_secs(30), None, creds()).await;
         assert!(report.is_ok(), "{report:?}");

@@ -102,8 +102,13 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
         // Dropping a reservation's stream aborts it and frees its blocks, transfer or not.
         drop(a);
         let (b_stream, table) = b;
-        let (p_stream, events) =
-            p.submit_export(EngineRequest::new(prompt(2, 60, vocab), greedy(4)), table, None).expect("x");
+        let (p_stream, events) = p
+            .submit_export(
+                EngineRequest::new(prompt(2, 60, vocab), greedy(4)),
+                table,
+                baton_engine::kv_connector::ExportVia::Host,
+            )
+            .expect("x");
         drop(events);
         drop(p_stream);
         drop(b_stream);
@@ -120,9 +125,9 @@ fn a_reservation_that_cannot_fit_is_refused_and_an_abort_mid_transfer_frees_both
 /// hand-off) and still gives the tokens one engine gives, and every block ends free.
 #[test]
 fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed() {
+    use baton_engine::kv_connector::Links;
     use baton_engine::kv_transport::TransportError;
     use baton_engine::kv_transport::handoff::receive_import;
-    use baton_engine::kv_transport::nccl::NcclLinks;
     use baton_engine::kv_transport::tcp::TcpKvSender;
     use baton_engine::kv_transport::{Handshake, LayerFrame};
     use baton_engine::relay::TransferTrailer;
@@ -163,7 +168,7 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
             s.finish(&TransferTrailer { first_token, logprobs: None }).await
         });
         let pending = listener.accept().await.expect("accept");
-        let links = std::sync::Arc::new(NcclLinks::default());
+        let links = std::sync::Arc::new(Links::default());
         let admit = common::relay::admit_from(vec![(token, a_id)]);
         let got = receive_import(pending, &d, &links, std::time::Duration::from_secs(10), admit).await;
         let err = got.map(|_| ()).expect_err("refused");
@@ -200,7 +205,9 @@ fn an_export_reports_its_start_once_before_the_plan() {
     rt.block_on(async {
         let pr = prompt(9, 60, vocab);
         let (d_stream, table) = d.reserve_import(EngineRequest::new(pr.clone(), greedy(4))).await.expect("reserve");
-        let (p_stream, mut events) = p.submit_export(EngineRequest::new(pr, greedy(4)), table, None).expect("export");
+        let (p_stream, mut events) = p
+            .submit_export(EngineRequest::new(pr, greedy(4)), table, baton_engine::kv_connector::ExportVia::Host)
+            .expect("export");
         let mut kinds = Vec::new();
         while let Some(e) = events.recv().await {
             kinds.push(match e {

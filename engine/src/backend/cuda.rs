@@ -861,7 +861,7 @@ impl Backend for CudaBackend {
         baton_core::kv_transfer::KvDtype::BF16
     }
 
-    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
+    fn kv_device(&mut self) -> Option<&mut dyn super::KvDeviceAccess> {
         Some(self)
     }
 
@@ -909,7 +909,7 @@ impl KvIo for CudaBackend {
         let mut v = vec![bf16::ZERO; blocks.len() * block_len];
         let stream = self.dev.stream();
         let mut at = 0;
-        for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
+        for (start, len) in crate::kv_connector::block_runs(blocks) {
             let src = start * block_len..(start + len) * block_len;
             let dst = at..at + len * block_len;
             stream.memcpy_dtoh(&kc.slice(src.clone()), &mut k[dst.clone()]).map_err(driver_error)?;
@@ -938,7 +938,7 @@ impl KvIo for CudaBackend {
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let mut at = 0;
-        for (start, len) in crate::kv_transport::nccl::block_runs(blocks) {
+        for (start, len) in crate::kv_connector::block_runs(blocks) {
             let dst = start * block_len..(start + len) * block_len;
             let src = at..at + len * block_len;
             stream.memcpy_htod(&kh[src.clone()], &mut kc.slice_mut(dst.clone())).map_err(driver_error)?;
@@ -961,8 +961,8 @@ impl CudaBackend {
     }
 }
 
-#[path = "cuda_nccl.rs"]
-mod nccl;
+#[path = "cuda_kv_device.rs"]
+mod kv_device;
 
 #[path = "cuda_graph.rs"]
 mod graph;

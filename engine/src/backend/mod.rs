@@ -115,10 +115,10 @@ pub struct BatchLayout {
     pub logit_rows: Vec<usize>,
     /// `(row, i)`: the token of `row` is the one the previous step's sampling picked for its
     /// `i`-th row, still unknown to the host when this step was planned (`tokens[row]` holds
-    /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::runner::ModelRunner::forward_exporting`].
+    /// `baton_core::scheduler::PENDING_TOKEN`). See [`crate::runner::ModelRunner::forward_with`].
     pub pending: Vec<(usize, usize)>,
     /// Rows whose logits give a prompt token's logprob (requests with `prompt_logprobs`);
-    /// computed by [`crate::runner::ModelRunner::forward_exporting`] and taken with
+    /// computed by [`crate::runner::ModelRunner::forward_with`] and taken with
     /// [`crate::runner::ModelRunner::take_prompt_logprobs`]. Empty on every other step.
     pub prompt_logprobs: Vec<PromptLogprobRow>,
 }
@@ -401,8 +401,9 @@ pub trait Backend: Send + 'static {
     fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
         None
     }
-    /// GPU-to-GPU KV transfer over NCCL, on backends that can (CUDA); `None` elsewhere.
-    fn nccl_ops(&mut self) -> Option<&mut dyn crate::kv_transport::nccl::NcclOps> {
+    /// The device side of the KV cache, on backends that have one (CUDA), for connectors
+    /// that move KV device to device; `None` elsewhere.
+    fn kv_device(&mut self) -> Option<&mut dyn KvDeviceAccess> {
         None
     }
 }
@@ -473,4 +474,28 @@ pub trait KvIo {
     /// Writes bytes produced by `read_kv_blocks` on a cache of the same layout into `blocks`
     /// of layer `layer`, in order.
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
+}
+
+/// The device side of a backend's paged KV cache: the one capability a device-to-device KV
+/// connector (a link) needs, and nothing of the model.
+pub trait KvDeviceAccess {
+    /// The stream the backend computes on.
+    fn compute_stream(&self) -> std::sync::Arc<cudarc::driver::CudaStream>;
+    /// A new stream on the backend's device, for one link's transfers (so they never queue
+    /// behind, or block, compute).
+    fn new_transfer_stream(&self) -> Result<std::sync::Arc<cudarc::driver::CudaStream>, BackendError>;
+    /// Layer `layer`'s K and V caches, after checking every block of `runs` `(first, count)`
+    /// is in the pool.
+    fn layer_cache(&mut self, layer: usize, runs: &[(usize, usize)]) -> Result<LayerCache<'_>, BackendError>;
+}
+
+/// One layer's K and V caches on the device; block `b` is elements
+/// `b * block_len .. (b + 1) * block_len` of each.
+pub struct LayerCache<'a> {
+    /// Keys.
+    pub k: &'a mut cudarc::driver::CudaSlice<baton_kernels::cuda::bf16>,
+    /// Values.
+    pub v: &'a mut cudarc::driver::CudaSlice<baton_kernels::cuda::bf16>,
+    /// Elements per block.
+    pub block_len: usize,
 }

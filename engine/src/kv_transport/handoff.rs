@@ -1,8 +1,16 @@
 //! Driving one hand-off from the engines' relay events: the prefill side turns an export's
 //! [`ExportEvent`]s into a [`TcpKvSender`] session, the decode side turns an accepted
-//! connection into import commands for its engine. With an NCCL link the TCP session only
-//! carries control frames and the data moves GPU to GPU (see [`super::nccl`]); links are
-//! made by [`setup_link`] on first contact.
+//! connection into events for its engine's KV connector. Over a link (NCCL between GPUs)
+//! the TCP session only carries control frames and the data moves device to device; links
+//! are made by [`setup_link`] on first contact.
+//!
+//! A link hand-off keeps its link in step or breaks it: the prefill side opens the
+//! export's [`HandoffGate`] only when the receiver accepted the handshake (the engine sends
+//! nothing before), and closes it on any failure before; once accepted, a hand-off that ends
+//! without its final acknowledgement, on either side and for whatever reason (an error, a
+//! dropped transfer task, a dead peer), fails the link, because notices the receiver needs
+//! may be lost. The receiver acknowledges the trailer only once the request's own layers
+//! have all landed.
 //!
 //! The decode side trusts nothing it reads: the handshake is checked against the engine's
 //! [`crate::relay::Reservation`] for the request before anything is allocated
@@ -15,10 +23,11 @@
 //! following the router's policy) recomputes or waits for a retry.
 
 use super::admission::check_handshake;
-use super::nccl::{NcclLink, NcclLinks, new_id};
+use super::nccl::{CudaComm, new_id};
 use super::tcp::{Incoming, PendingHandoff, TcpKvSender};
 use super::{Handshake, KvCredentials, NcclHandshake, TransportError};
 use crate::EngineHandle;
+use crate::kv_connector::{HandoffGate, Link, Links};
 use crate::relay::{ExportEvent, Reservation};
 use baton_core::api::{EngineClient, RequestId};
 use baton_core::cluster_auth::ReservationToken;
@@ -37,10 +46,40 @@ pub struct HandoffReport {
     pub elapsed: Duration,
 }
 
+/// The link side of a link hand-off, as the prefill side sends it.
+#[derive(Debug, Clone)]
+pub struct LinkSend {
+    /// The link's name (the receiver's key for it).
+    pub name: String,
+    /// The link (the export was submitted over it).
+    pub link: Arc<Link>,
+    /// The export's gate (the one it was submitted with).
+    pub gate: HandoffGate,
+}
+
+/// Closes a link hand-off's gate if it never opened, and fails the link if the hand-off
+/// ends after its handshake without the final acknowledgement (also when the transfer task
+/// is dropped: the notices the receiver waits for are lost with it).
+struct LinkGuard {
+    send: Option<LinkSend>,
+    finished: bool,
+}
+
+impl Drop for LinkGuard {
+    fn drop(&mut self) {
+        let Some(s) = &self.send else { return };
+        s.gate.close();
+        if !self.finished && s.gate.state() == crate::kv_connector::GateState::Accepted {
+            s.link.fail("a hand-off on the link ended after its handshake without its acknowledgement");
+        }
+    }
+}
+
 /// Prefill side: waits for the export's plan, connects to the decode worker at `addr`
 /// (which issued `reservation`), proves `creds`, streams every layer as the engine produces
-/// it and ends with the first token. `deadline` bounds every network wait. With `nccl_link`
-/// (the link's name; the export was submitted with that link) layer frames are empty notices.
+/// it and ends with the first token. `deadline` bounds every network wait. With `link` (the
+/// export was submitted over it) layer frames are empty notices, and the gate opens when the
+/// receiver accepts (see the module docs).
 ///
 /// Errors when the export ends early (the prefill request failed or was aborted), when the
 /// receiver refuses (layout mismatch, unknown request), or on any transport failure;
@@ -51,9 +90,10 @@ pub async fn send_export(
     reservation: ReservationToken,
     layout: KvLayout,
     deadline: Duration,
-    nccl_link: Option<String>,
+    link: Option<LinkSend>,
     creds: KvCredentials,
 ) -> Result<HandoffReport, TransportError> {
+    let mut guard = LinkGuard { send: link, finished: false };
     let ended = || TransportError::Protocol("the prefill request ended before its KV was complete".into());
     let plan = loop {
         match events.recv().await {
@@ -72,10 +112,17 @@ pub async fn send_export(
         num_tokens: plan.num_tokens,
         runs: plan.runs.clone(),
         bytes_per_layer_half: plan.bytes_per_layer / 2,
-        nccl: nccl_link.map(|link| NcclHandshake::Use { link }),
+        nccl: guard.send.as_ref().map(|l| NcclHandshake::Use { link: l.name.clone() }),
     };
     let nccl = hs.nccl.is_some();
     let mut sender = TcpKvSender::connect(addr, hs, deadline, creds.secret.as_ref()).await?;
+    if let Some(l) = &guard.send
+        && !l.gate.accept()
+    {
+        return Err(TransportError::Protocol(
+            "the prefill engine gave up on the hand-off before it was accepted".into(),
+        ));
+    }
     let mut bytes = 0;
     loop {
         match events.recv().await {
@@ -85,6 +132,7 @@ pub async fn send_export(
             }
             Some(ExportEvent::Done(trailer)) => {
                 sender.finish(&trailer).await?;
+                guard.finished = true;
                 return Ok(HandoffReport { bytes, elapsed: started.elapsed() });
             }
             Some(ExportEvent::Plan(_)) => return Err(TransportError::Protocol("a second plan for one export".into())),
@@ -125,11 +173,13 @@ pub enum Received {
 /// `links`.
 ///
 /// A failure after the handshake named the request leaves it waiting for its KV: the caller
-/// decides between a retry and a recompute ([`EngineHandle::import_failed`]).
+/// decides between a retry and a recompute ([`EngineHandle::import_failed`]). Over a link,
+/// such a failure also fails the link (see the module docs), and the trailer is acknowledged
+/// only once the request's own layers have all landed.
 pub async fn receive_import(
     pending: PendingHandoff,
     engine: &EngineHandle,
-    links: &Arc<NcclLinks>,
+    links: &Arc<Links>,
     deadline: Duration,
     admit: impl FnOnce(&ReservationToken, &str) -> Result<RequestId, String>,
 ) -> Result<Received, ImportError> {
@@ -152,11 +202,11 @@ pub async fn receive_import(
         match &hs.nccl {
             Some(NcclHandshake::Setup { link, id }) => {
                 let stream = engine.transfer_stream().await?;
-                let (link, id, links) = (link.clone(), id.clone(), links.clone());
+                let (name, id, links, peer) = (link.clone(), id.clone(), links.clone(), hs.sender.clone());
                 // Joining blocks until the prefill side joins, which it does once we accept.
-                tokio::task::spawn_blocking(move || match NcclLink::join(stream, &id, 1) {
-                    Ok(l) => links.insert(link, Arc::new(l)),
-                    Err(e) => tracing::error!(link, error = %e, "cannot join the NCCL link"),
+                tokio::task::spawn_blocking(move || match CudaComm::join(stream, &id, 1) {
+                    Ok(comm) => links.insert(name.clone(), Arc::new(Link::new(name, peer, Box::new(comm)))),
+                    Err(e) => tracing::error!(link = name, error = %e, "cannot join the NCCL link"),
                 });
                 Ok(())
             }
@@ -187,31 +237,44 @@ pub async fn receive_import(
     let dst_runs: Vec<(usize, usize)> = hs.runs.iter().map(|r| (r.dst_start as usize, r.len)).collect();
     let vocab_size = engine.info().vocab_size;
     let mut bytes = 0;
-    loop {
-        match incoming.next().await.map_err(|e| ImportError::during(id, e))? {
-            Incoming::Layer(frame) => match &link {
-                Some(link) => {
-                    bytes += hs.bytes_per_layer_half * 2;
-                    engine.import_layer_nccl(id, frame.layer, frame.seq, dst_runs.clone(), link.clone());
+    let result = async {
+        loop {
+            match incoming.next().await? {
+                Incoming::Layer(frame) => match &link {
+                    Some(link) => {
+                        bytes += hs.bytes_per_layer_half * 2;
+                        engine.import_link_layer(id, frame.layer, frame.seq, dst_runs.clone(), link.clone());
+                    }
+                    None => {
+                        bytes += frame.k.len() + frame.v.len();
+                        engine.import_layer(id, dst.clone(), frame);
+                    }
+                },
+                Incoming::Done(trailer) => {
+                    if let Err(reason) = trailer.check(vocab_size, res.logprobs) {
+                        let _ = incoming.refuse(&reason).await;
+                        return Err(TransportError::Protocol(reason));
+                    }
+                    // Over a link, the layers may still be landing: the request takes its first
+                    // token (and the sender hears so) only once they all have.
+                    if let Err(reason) = engine.import_done_confirmed(id, trailer).await {
+                        let _ = incoming.refuse(&reason).await;
+                        return Err(TransportError::Refused(reason));
+                    }
+                    incoming.acknowledge().await?;
+                    return Ok(HandoffReport { bytes, elapsed: started.elapsed() });
                 }
-                None => {
-                    bytes += frame.k.len() + frame.v.len();
-                    engine.import_layer(id, dst.clone(), frame);
-                }
-            },
-            Incoming::Done(trailer) => {
-                if let Err(reason) = trailer.check(vocab_size, res.logprobs) {
-                    let _ = incoming.refuse(&reason).await;
-                    return Err(ImportError::during(id, TransportError::Protocol(reason)));
-                }
-                engine.import_done(id, trailer);
-                incoming.acknowledge().await.map_err(|e| ImportError::during(id, e))?;
-                return Ok(Received::Import {
-                    id,
-                    reservation,
-                    report: HandoffReport { bytes, elapsed: started.elapsed() },
-                });
             }
+        }
+    }
+    .await;
+    match result {
+        Ok(report) => Ok(Received::Import { id, reservation, report }),
+        Err(e) => {
+            if let Some(link) = &link {
+                link.fail(&format!("a hand-off on the link failed after its handshake: {e}"));
+            }
+            Err(ImportError::during(id, e))
         }
     }
 }
@@ -219,7 +282,7 @@ pub async fn receive_import(
 /// Prefill side, first contact with a decode worker: draws an NCCL unique id, offers the
 /// link `name` to the decode worker at `addr` (proving `creds`) and joins it as rank 0 on
 /// `stream` (a transfer stream of the prefill engine's device). Returns once both sides
-/// joined.
+/// joined; the link's peer is `addr`.
 pub async fn setup_link(
     addr: SocketAddr,
     layout: KvLayout,
@@ -227,7 +290,7 @@ pub async fn setup_link(
     name: String,
     stream: Arc<cudarc::driver::CudaStream>,
     creds: KvCredentials,
-) -> Result<NcclLink, TransportError> {
+) -> Result<Link, TransportError> {
     let id = new_id().map_err(|e| TransportError::Protocol(e.to_string()))?;
     let hs = Handshake {
         layout,
@@ -236,14 +299,15 @@ pub async fn setup_link(
         num_tokens: 0,
         runs: Vec::new(),
         bytes_per_layer_half: 0,
-        nccl: Some(NcclHandshake::Setup { link: name, id: id.clone() }),
+        nccl: Some(NcclHandshake::Setup { link: name.clone(), id: id.clone() }),
     };
+    let name_for_link = name;
     // The receiver accepts before joining; both joins then meet.
     let sender = TcpKvSender::connect(addr, hs, deadline, creds.secret.as_ref()).await?;
     drop(sender);
-    let join = tokio::task::spawn_blocking(move || NcclLink::join(stream, &id, 0));
+    let join = tokio::task::spawn_blocking(move || CudaComm::join(stream, &id, 0));
     match tokio::time::timeout(deadline, join).await {
-        Ok(Ok(Ok(link))) => Ok(link),
+        Ok(Ok(Ok(comm))) => Ok(Link::new(name_for_link, addr.to_string(), Box::new(comm))),
         Ok(Ok(Err(e))) => Err(TransportError::Protocol(e.to_string())),
         Ok(Err(e)) => Err(TransportError::Protocol(format!("the NCCL join panicked: {e}"))),
         Err(_) => Err(TransportError::Timeout(deadline, "the NCCL link setup")),

@@ -11,9 +11,9 @@
 //! that reservation's size after.
 
 use super::handoff::{ImportError, Received, receive_import};
-use super::nccl::NcclLinks;
 use super::tcp::TcpKvListener;
 use crate::EngineHandle;
+use crate::kv_connector::Links;
 use baton_core::api::RequestId;
 use baton_core::cluster_auth::ReservationToken;
 use std::sync::Arc;
@@ -41,7 +41,7 @@ impl Default for IntakeLimits {
 /// Serves a KV listener for one engine; see the module docs.
 pub struct ImportIntake {
     engine: EngineHandle,
-    links: Arc<NcclLinks>,
+    links: Arc<Links>,
     deadline: Duration,
     limits: IntakeLimits,
     active: AtomicUsize,
@@ -68,7 +68,7 @@ impl Drop for Active<'_> {
 impl ImportIntake {
     /// An intake storing into `engine` (NCCL links filed in `links`), each hand-off's reads
     /// bounded by `deadline`.
-    pub fn new(engine: EngineHandle, links: Arc<NcclLinks>, deadline: Duration, limits: IntakeLimits) -> Arc<Self> {
+    pub fn new(engine: EngineHandle, links: Arc<Links>, deadline: Duration, limits: IntakeLimits) -> Arc<Self> {
         Arc::new(Self { engine, links, deadline, limits, active: AtomicUsize::new(0), peak: AtomicUsize::new(0) })
     }
 

@@ -7,7 +7,9 @@
 //! mismatch with a reason the sender reports verbatim. Every receive has a
 //! deadline: a stalled or dead peer becomes [`TransportError::Timeout`], never
 //! a hang. `tcp` is the always-available transport (host staging); the NCCL
-//! transport for GPU↔GPU implements the same sequence.
+//! transport for GPU↔GPU implements the same sequence, with the data on a link. This is the
+//! network's side of a hand-off; the engine's side (what is read from and written into the
+//! cache, when a request completes or recomputes, link faults) is [`crate::kv_connector`].
 //!
 //! Authentication: the TCP handshake is a challenge-response over the cluster secret
 //! ([`KvCredentials`], see `tcp`); the reservation is named by an unguessable

@@ -5,9 +5,9 @@ use baton_core::api::{EngineOutput, EngineRequest, OutputStream, RequestId};
 use baton_core::cluster_auth::ReservationToken;
 use baton_core::params::SamplingParams;
 use baton_engine::EngineHandle;
+use baton_engine::kv_connector::{ExportVia, HandoffGate, Link, Links};
 use baton_engine::kv_transport::KvCredentials;
-use baton_engine::kv_transport::handoff::{Received, receive_import, send_export};
-use baton_engine::kv_transport::nccl::{NcclLink, NcclLinks};
+use baton_engine::kv_transport::handoff::{LinkSend, Received, receive_import, send_export};
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,10 +59,24 @@ pub fn tokens(outs: &[EngineOutput]) -> Vec<u32> {
 /// How a relay moves the data.
 #[derive(Clone, Default)]
 pub struct Via {
-    /// The decode side's NCCL links (empty for TCP).
-    pub d_links: Arc<NcclLinks>,
-    /// The prefill side's link and its name, for NCCL.
-    pub p_link: Option<(String, Arc<NcclLink>)>,
+    /// The decode side's links (empty for TCP).
+    pub d_links: Arc<Links>,
+    /// The prefill side's link and its name, for a link hand-off.
+    pub p_link: Option<(String, Arc<Link>)>,
+}
+
+impl Via {
+    /// A fresh export's connector route and the transfer task's link part.
+    pub fn export(&self) -> (ExportVia, Option<LinkSend>) {
+        match &self.p_link {
+            None => (ExportVia::Host, None),
+            Some((name, link)) => {
+                let gate = HandoffGate::new();
+                let via = ExportVia::Link { link: link.clone(), gate: gate.clone() };
+                (via, Some(LinkSend { name: name.clone(), link: link.clone(), gate }))
+            }
+        }
+    }
 }
 
 /// One relayed request: D reserves, P computes and streams, D decodes. `break_after` cuts the
@@ -93,10 +107,9 @@ pub async fn relay_via(
         d.reserve_import(EngineRequest::new(prompt.to_vec(), params.clone())).await.expect("reserve");
     let d_id = d_stream.request_id();
     let token = ReservationToken::random();
-    let link = via.p_link.as_ref().map(|(_, l)| l.clone());
-    let name = via.p_link.as_ref().map(|(n, _)| n.clone());
+    let (export_via, name) = via.export();
     let (p_stream, mut events) =
-        p.submit_export(EngineRequest::new(prompt.to_vec(), params), table, link).expect("export");
+        p.submit_export(EngineRequest::new(prompt.to_vec(), params), table, export_via).expect("export");
     let layout = p.kv_layout();
     let sender = tokio::spawn(async move {
         match break_after {
@@ -155,10 +168,9 @@ pub async fn relay_many(
             d.reserve_import(EngineRequest::new(pr.clone(), params.clone())).await.expect("reserve");
         let d_id = d_stream.request_id();
         let token = ReservationToken::random();
-        let link = via.p_link.as_ref().map(|(_, l)| l.clone());
-        let name = via.p_link.as_ref().map(|(n, _)| n.clone());
+        let (export_via, name) = via.export();
         let (p_stream, events) =
-            p.submit_export(EngineRequest::new(pr.clone(), params.clone()), table, link).expect("export");
+            p.submit_export(EngineRequest::new(pr.clone(), params.clone()), table, export_via).expect("export");
         senders.push(tokio::spawn(send_export(events, addr, token, layout, DEADLINE, name, creds())));
         d_streams.push((token, d_id, d_stream));
         p_streams.push(p_stream);

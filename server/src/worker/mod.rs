@@ -60,7 +60,7 @@ pub struct WorkerState {
     tokens_streamed: std::sync::atomic::AtomicUsize,
     /// NCCL links: to decode workers by their KV address (prefill side), from prefill
     /// workers by link name (decode side).
-    pub links: Arc<baton_engine::kv_transport::nccl::NcclLinks>,
+    pub links: Arc<baton_engine::kv_connector::Links>,
     /// How this worker sends KV.
     pub kv_transport: KvTransportKind,
     /// Random per process, names this worker's NCCL links.
@@ -132,6 +132,19 @@ impl WorkerState {
 
 /// Accepts hand-offs forever, a bounded number at once (see [`ImportIntake`]); each is
 /// received on its own task.
+/// Fails every KV link whose operations are past their deadline, off the engine thread (which
+/// may be the one stuck behind a dead peer's transfer); see `baton_engine::kv_connector::link`.
+async fn link_watchdog(links: Arc<baton_engine::kv_connector::Links>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        let failed = links.enforce_deadlines(Instant::now());
+        if failed > 0 {
+            tracing::warn!(failed, "KV links past their deadline were aborted");
+        }
+    }
+}
+
 async fn run_kv_listener(listener: TcpKvListener, state: Arc<WorkerState>, deadline: Duration) {
     let intake = ImportIntake::new(state.engine.clone(), state.links.clone(), deadline, IntakeLimits::default());
     let admit = {
@@ -248,6 +261,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     if let Some(l) = kv_listener {
         tokio::spawn(run_kv_listener(l, state.clone(), settings.kv_deadline));
     }
+    tokio::spawn(link_watchdog(state.links.clone()));
     let registration = reporter::Registration {
         router: settings.router.clone(),
         role: settings.role,

@@ -32,8 +32,8 @@ use super::WorkerState;
 use super::slots::StreamSlot;
 use baton_core::api::{EngineClient, EngineError, EngineOutput, EngineRequest, OutputStream, SubmitError};
 use baton_core::cluster_auth::ReservationToken;
-use baton_engine::kv_transport::handoff::{resolve, send_export, setup_link};
-use baton_engine::kv_transport::nccl::NcclLink;
+use baton_engine::kv_connector::{ExportVia, HandoffGate, Link};
+use baton_engine::kv_transport::handoff::{LinkSend, resolve, send_export, setup_link};
 use baton_engine::relay::ExportEvent;
 use baton_proto::wire::GRAMMAR_KIND_METADATA;
 use baton_proto::wire::{output_to_wire, sampling_from_wire};
@@ -221,7 +221,7 @@ async fn ensure_link(
     kv_addr: &str,
     addr: std::net::SocketAddr,
     deadline: Duration,
-) -> Result<(String, Arc<NcclLink>), Status> {
+) -> Result<(String, Arc<Link>), Status> {
     let name = format!("{}->{kv_addr}", state.instance);
     if let Some(link) = state.links.get(kv_addr) {
         return Ok((name, link));
@@ -383,12 +383,16 @@ impl pb::worker_server::Worker for WorkerService {
             KvTransportKind::Tcp => None,
             KvTransportKind::Nccl => Some(ensure_link(&self.state, &p.kv_addr, addr, deadline).await?),
         };
-        let link_name = link.as_ref().map(|(name, _)| name.clone());
+        // Over a link, the engine sends nothing until the receiver accepted the handshake.
+        let link = link.map(|(name, link)| LinkSend { name, link, gate: HandoffGate::new() });
+        let via = match &link {
+            Some(l) => ExportVia::Link { link: l.link.clone(), gate: l.gate.clone() },
+            None => ExportVia::Host,
+        };
         let (stream, events) =
-            self.state.engine.submit_export(req, p.decode_block_table, link.map(|(_, l)| l)).map_err(submit_status)?;
+            self.state.engine.submit_export(req, p.decode_block_table, via).map_err(submit_status)?;
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let state = self.state.clone();
-        let kv_addr = p.kv_addr.clone();
         let creds = self.state.kv_credentials.clone();
         let (started_tx, notices) = unbounded_channel();
         let events = start_tap(events, started_tx);
@@ -397,13 +401,11 @@ impl pb::worker_server::Worker for WorkerService {
             None => events,
         };
         let transfer = AbortOnDrop(tokio::spawn(async move {
-            let nccl = link_name.is_some();
-            let result = send_export(events, addr, token, layout, deadline, link_name, creds).await;
-            match &result {
-                Ok(report) => state.metrics.observe_kv_transfer(report.bytes, report.elapsed),
-                // A failed NCCL hand-off may leave the link unusable: make a new one next time.
-                Err(_) if nccl => state.links.remove(&kv_addr),
-                Err(_) => {}
+            let result = send_export(events, addr, token, layout, deadline, link, creds).await;
+            // A link a hand-off failed is pruned from `links` (`send_export` fails it when it
+            // may be out of step); the next hand-off to that peer makes a new one.
+            if let Ok(report) = &result {
+                state.metrics.observe_kv_transfer(report.bytes, report.elapsed);
             }
             let _ = done_tx.send(result);
         }));
