@@ -220,6 +220,11 @@ pub(crate) struct EngineLoop {
     /// Token ids must be below this (a peer's first token is checked against it).
     pub vocab_size: usize,
     live: HashMap<RequestId, Live>,
+    /// Aborted requests that were waiting for KV: their blocks stay held until the connector
+    /// says nothing more can land in them (a receive on a link may still be writing), then
+    /// they are freed. Without this a new request could get those blocks while a transfer
+    /// still writes into them.
+    draining: std::collections::HashSet<RequestId>,
     /// Where KV hand-offs go.
     connector: Box<dyn KvConnector>,
     /// Set by a `Shutdown` command; the loop exits at the next check.
@@ -253,6 +258,7 @@ impl EngineLoop {
             kv_layout,
             vocab_size,
             live: HashMap::new(),
+            draining: Default::default(),
             connector,
             stopping: false,
             async_scheduling: false,
@@ -312,10 +318,24 @@ impl EngineLoop {
             Command::Submit { id, request, tx, grammar } => self.admit(id, *request, tx, None, grammar),
             Command::Kv(kv) => self.handle_kv(kv),
             Command::Abort(id) => {
-                self.forget_reservation(id);
-                self.scheduler.abort(id);
                 if let Some(l) = self.live.remove(&id) {
                     let _ = l.tx.send(Ok(abort_output()));
+                }
+                let awaiting_kv = self
+                    .scheduler
+                    .request(id)
+                    .is_some_and(|r| r.status() == baton_core::request::RequestStatus::WaitingForKv);
+                if awaiting_kv {
+                    // Its blocks are freed when the connector's `Recompute` says nothing more
+                    // can land in them (see `draining`).
+                    self.unpublish_reservation(id);
+                    self.draining.insert(id);
+                    let mut out = Vec::new();
+                    self.connector.cancel(id, &mut out);
+                    self.apply_kv(out);
+                } else {
+                    self.forget_reservation(id);
+                    self.scheduler.abort(id);
                 }
             }
             Command::Shutdown => self.stopping = true,
@@ -383,6 +403,11 @@ impl EngineLoop {
                     if let Some(reply) = reply {
                         let _ = reply.send(result);
                     }
+                }
+                KvOutcome::Recompute { id, .. } if self.draining.remove(&id) => {
+                    // An aborted request's hand-off has settled: now its blocks can go.
+                    self.forget_reservation(id);
+                    self.scheduler.abort(id);
                 }
                 KvOutcome::Recompute { id, reason } => self.fail_import(id, &reason),
                 KvOutcome::ExportFailed { id, reason } => {

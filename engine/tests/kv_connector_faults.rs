@@ -343,3 +343,50 @@ fn a_dead_peer_fails_and_evicts_the_link_and_the_request_recomputes() {
     });
     e.end();
 }
+
+/// A decode request aborted (client gone) while receives into its blocks are in flight on a
+/// link keeps those blocks until nothing more can land in them; only then are they freed, so
+/// a new request can never get blocks a transfer is still writing.
+#[test]
+fn an_aborted_request_keeps_its_blocks_until_its_receives_landed() {
+    let e = engines();
+    let params = greedy(4);
+    rt().block_on(async {
+        let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
+        let d_links = Arc::new(Links::default());
+        let (link, ctl) = fake_link(&d_links, "p0");
+        let via = Via { d_links: d_links.clone(), p_link: Some(("p0".into(), link.clone())) };
+        let pr = prompt(7, 60, e.vocab);
+        // Nothing sent on the link reaches the receiver until released.
+        ctl.hold(true);
+        let h = start_handoff(&e, &listener, &pr, &params, &via, pass_through).await;
+        let until = Instant::now() + Duration::from_millis(500);
+        while ctl.in_flight() == 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(ctl.in_flight() > 0, "the prefill side sent layer groups");
+        // Let the decode side take the notices and enqueue its receives.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let held = e.d.stats().num_used_blocks;
+        assert!(held > 0, "the reservation holds blocks");
+        e.d.abort(h.d_id);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(
+            e.d.stats().num_used_blocks,
+            held,
+            "an aborted request's blocks stay held while receives into them may still land"
+        );
+        ctl.hold(false);
+        let out = collect_until_end(h.d_stream).await;
+        assert_eq!(
+            out.last().and_then(|o| o.finish_reason),
+            Some(baton_core::api::FinishReason::Abort),
+            "the client's stream ends as aborted"
+        );
+        let _ = h.receiver.await;
+        let _ = h.sender.await;
+        let _ = collect_until_end(h.p_stream).await;
+    });
+    // `end` waits for every block of every engine to be free and both to be healthy.
+    e.end();
+}

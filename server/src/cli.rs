@@ -290,6 +290,11 @@ pub struct WorkerArgs {
     /// Longest a received KV hand-off may stall between frames [default: 10000]
     #[arg(long, env = "BATON_WORKER_KV_DEADLINE_MS", value_name = "MS")]
     pub kv_deadline_ms: Option<u64>,
+    /// Longest an NCCL link operation, a trailer held for its layers, or a gap in a link's
+    /// layer notices may wait before the link is aborted and its hand-offs recompute
+    /// [default: 30000]
+    #[arg(long, env = "BATON_WORKER_KV_TRANSFER_TIMEOUT_MS", value_name = "MS")]
+    pub kv_transfer_timeout_ms: Option<u64>,
     /// How a prefill worker sends KV: tcp (host-staged) or nccl (GPU to GPU; CUDA on both
     /// ends) [default: tcp]
     #[arg(long, env = "BATON_WORKER_KV_TRANSPORT", value_name = "TRANSPORT")]

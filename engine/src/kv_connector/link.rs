@@ -271,6 +271,25 @@ impl Links {
         failed
     }
 
+    /// Fails and forgets every link whose peer is not in `live` (the instances and KV
+    /// addresses of the workers registered now, from the router's heartbeat answer); how many
+    /// there were. This is how a worker evicts the links of peers that departed while their
+    /// link sat idle, which no deadline would notice.
+    pub fn retain_peers(&self, live: &std::collections::HashSet<String>) -> usize {
+        let gone: Vec<Arc<Link>> = match self.links.lock() {
+            Ok(mut links) => {
+                let keys: Vec<String> =
+                    links.iter().filter(|(_, l)| !live.contains(l.peer())).map(|(k, _)| k.clone()).collect();
+                keys.iter().filter_map(|k| links.remove(k)).collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        for l in &gone {
+            l.fail("its peer is no longer registered with the router");
+        }
+        gone.len()
+    }
+
     /// Usable links (failed ones are pruned first).
     pub fn count(&self) -> usize {
         match self.links.lock() {
@@ -501,5 +520,22 @@ mod tests {
         links.insert("b".into(), b2.clone());
         assert!(b.is_failed(), "the link it replaced is aborted");
         assert_eq!(links.get("b").map(|l| l.id()), Some(b2.id()));
+    }
+
+    #[test]
+    fn links_to_peers_the_router_no_longer_lists_are_evicted() {
+        let links = Links::default();
+        let (a, _) = link("a", "p1");
+        let (b, _) = link("b", "p2");
+        let (c, _) = link("c", "10.0.0.9:7000");
+        for (k, l) in [("a", &a), ("b", &b), ("c", &c)] {
+            links.insert(k.into(), l.clone());
+        }
+        let live: std::collections::HashSet<String> = ["p2".to_string(), "10.0.0.9:7000".to_string()].into();
+        assert_eq!(links.retain_peers(&live), 1);
+        assert!(a.is_failed() && !b.is_failed() && !c.is_failed());
+        assert_eq!(links.count(), 2);
+        assert!(links.get("a").is_none());
+        assert_eq!(links.retain_peers(&live), 0, "nothing more to evict");
     }
 }

@@ -351,6 +351,20 @@ impl Registry {
         HeartbeatOutcome::Applied
     }
 
+    /// The instance and the KV address of every registered worker (what a worker's KV links
+    /// name their peers by), for heartbeat answers.
+    pub fn live_peers(&self) -> Vec<String> {
+        let Ok(w) = self.workers.read() else { return Vec::new() };
+        let mut peers: Vec<String> = w
+            .values()
+            .flat_map(|e| [e.info.instance.clone(), e.info.kv_addr.clone()])
+            .filter(|p| !p.is_empty())
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        peers
+    }
+
     /// Removes workers silent for longer than `eject_after` (as of `now`); returns their ids.
     pub fn eject_stale(&self, now: Instant) -> Vec<u64> {
         let limit = self.settings.eject_after;
@@ -545,8 +559,12 @@ impl pb::registry_server::Registry for RegistryService {
     ) -> Result<tonic::Response<pb::HeartbeatResponse>, tonic::Status> {
         let req = request.into_inner();
         match self.registry.heartbeat(&req) {
-            HeartbeatOutcome::Applied => Ok(tonic::Response::new(pb::HeartbeatResponse { known: true })),
-            HeartbeatOutcome::Unknown => Ok(tonic::Response::new(pb::HeartbeatResponse { known: false })),
+            HeartbeatOutcome::Applied => {
+                Ok(tonic::Response::new(pb::HeartbeatResponse { known: true, live_peers: self.registry.live_peers() }))
+            }
+            HeartbeatOutcome::Unknown => {
+                Ok(tonic::Response::new(pb::HeartbeatResponse { known: false, live_peers: Vec::new() }))
+            }
             HeartbeatOutcome::WrongSession => {
                 tracing::warn!(worker = req.worker_id, "a heartbeat with a wrong session refused");
                 Err(tonic::Status::permission_denied("this heartbeat's session is not the one its worker id was given"))
@@ -625,6 +643,18 @@ mod tests {
         bad.kv_addr.clear();
         assert!(matches!(r.register(&bad, None), Err(RegisterError::Invalid(_))));
         assert_eq!(r.counts(), (1, 0, 0));
+    }
+
+    #[test]
+    fn heartbeat_answers_list_the_live_peers_and_drop_ejected_ones() {
+        let r = Registry::new(settings());
+        let p = r.register_ok(&reg(pb::Role::Prefill, "http://p")).expect("p");
+        let mut d = reg(pb::Role::Decode, "http://d");
+        d.kv_addr = "10.0.0.2:7000".into();
+        r.register_ok(&d).expect("d");
+        assert_eq!(r.live_peers(), vec!["10.0.0.2:7000", "127.0.0.1:1", "inst-d", "inst-p"]);
+        assert!(r.eject(p.worker_id, "test"));
+        assert_eq!(r.live_peers(), vec!["10.0.0.2:7000", "inst-d"], "an ejected worker's identities are gone");
     }
 
     #[test]

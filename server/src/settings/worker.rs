@@ -4,7 +4,7 @@
 //! A worker is a `serve` without the OpenAI API: its `[worker]` table takes every `[serve]`
 //! key (model, device, engine knobs; `port` is its `/health`+`/metrics` port and `grpc_port`
 //! its Worker service's, both 0 = any free port by default) plus `role`, `router`,
-//! `kv_port`, `advertise_host`, `kv_deadline_ms` and `kv_transport`, and the internal plane's
+//! `kv_port`, `advertise_host`, `kv_deadline_ms`, `kv_transfer_timeout_ms` and `kv_transport`, and the internal plane's
 //! security keys ([`super::security`]). Unknown keys are errors.
 
 use super::error::{ConfigError, SettingsError, invalid};
@@ -32,6 +32,8 @@ pub struct WorkerSettings {
     pub advertise_host: Option<String>,
     /// Longest a received hand-off may stall between frames.
     pub kv_deadline: Duration,
+    /// How long a KV link may stall before it is aborted (its hand-offs recompute).
+    pub kv_transfer_timeout: Duration,
     /// How this worker sends KV as a prefill worker (decode workers accept both).
     pub kv_transport: KvTransportKind,
     /// Cluster secret and TLS of the internal plane.
@@ -69,10 +71,12 @@ struct WorkerOwn {
     kv_port: Option<u16>,
     advertise_host: Option<String>,
     kv_deadline_ms: Option<u64>,
+    kv_transfer_timeout_ms: Option<u64>,
     kv_transport: Option<String>,
 }
 
-const WORKER_KEYS: [&str; 6] = ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms", "kv_transport"];
+const WORKER_KEYS: [&str; 7] =
+    ["role", "router", "kv_port", "advertise_host", "kv_deadline_ms", "kv_transfer_timeout_ms", "kv_transport"];
 
 fn split_table(table: &toml::Table, keys: &[&str]) -> (toml::Table, toml::Table) {
     table.clone().into_iter().partition(|(k, _)| keys.contains(&k.as_str()))
@@ -111,6 +115,11 @@ pub fn worker_settings(args: &WorkerArgs, table: &toml::Table, path: &Path) -> R
         kv_port: args.kv_port.or(own.kv_port).unwrap_or(0),
         advertise_host: args.advertise_host.clone().or(own.advertise_host),
         kv_deadline: Duration::from_millis(args.kv_deadline_ms.or(own.kv_deadline_ms).unwrap_or(10_000)),
+        kv_transfer_timeout: match args.kv_transfer_timeout_ms.or(own.kv_transfer_timeout_ms) {
+            Some(0) => return Err(invalid("kv_transfer_timeout_ms", "must be at least 1 ms")),
+            Some(ms) => Duration::from_millis(ms),
+            None => baton_engine::kv_connector::DEFAULT_TRANSFER_TIMEOUT,
+        },
         kv_transport: match args.kv_transport.clone().or(own.kv_transport).as_deref().unwrap_or("tcp") {
             "tcp" => KvTransportKind::Tcp,
             "nccl" => KvTransportKind::Nccl,
@@ -159,5 +168,26 @@ mod tests {
         let err = worker_settings(&worker_args(&["--router", "x:1"]), &toml::Table::new(), Path::new("w.toml"))
             .expect_err("no role");
         assert!(err.to_string().contains("--role"), "{err}");
+    }
+
+    #[test]
+    fn the_kv_transfer_timeout_layers_like_every_key_and_refuses_zero() {
+        let table: toml::Table =
+            toml::from_str("role = \"decode\"\nrouter = \"x:1\"\nkv_transfer_timeout_ms = 5000\n").expect("toml");
+        let s = worker_settings(&worker_args(&[]), &table, Path::new("w.toml")).expect("valid");
+        assert_eq!(s.kv_transfer_timeout, Duration::from_millis(5000));
+        let s = worker_settings(&worker_args(&["--kv-transfer-timeout-ms", "750"]), &table, Path::new("w.toml"))
+            .expect("valid");
+        assert_eq!(s.kv_transfer_timeout, Duration::from_millis(750), "the flag wins over the file");
+        let s = worker_settings(
+            &worker_args(&["--role", "decode", "--router", "x:1"]),
+            &toml::Table::new(),
+            Path::new("w.toml"),
+        )
+        .expect("valid");
+        assert_eq!(s.kv_transfer_timeout, baton_engine::kv_connector::DEFAULT_TRANSFER_TIMEOUT);
+        let err = worker_settings(&worker_args(&["--kv-transfer-timeout-ms", "0"]), &table, Path::new("w.toml"))
+            .expect_err("zero");
+        assert!(err.to_string().contains("kv_transfer_timeout_ms"), "{err}");
     }
 }

@@ -191,6 +191,7 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let fingerprint = model.config.fingerprint();
     let mut config = s.engine_config();
     config.record_cache_events = settings.role.prefills();
+    config.kv_transfer_timeout = settings.kv_transfer_timeout;
     let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))
         .await
         .context("engine start panicked")?

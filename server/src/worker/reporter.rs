@@ -172,6 +172,7 @@ pub async fn run(reg: Registration, state: Arc<WorkerState>) {
                 Ok(Ok(r)) if r.get_ref().known => {
                     pending.clear();
                     failures = 0;
+                    evict_departed(&state, &r.get_ref().live_peers);
                 }
                 Ok(Ok(_)) => {
                     tracing::warn!("the router no longer knows this worker; registering again");
@@ -186,6 +187,19 @@ pub async fn run(reg: Registration, state: Arc<WorkerState>) {
                 }
             }
         }
+    }
+}
+
+/// Drops the KV links to peers the router no longer lists. An empty list (a router that
+/// predates `live_peers`) evicts nothing: a known worker is always listed itself.
+fn evict_departed(state: &WorkerState, live_peers: &[String]) {
+    if live_peers.is_empty() {
+        return;
+    }
+    let live: std::collections::HashSet<String> = live_peers.iter().cloned().collect();
+    let evicted = state.links.retain_peers(&live);
+    if evicted > 0 {
+        tracing::warn!(evicted, "KV links to workers that left the cluster were aborted");
     }
 }
 
