@@ -10,10 +10,13 @@
 //! - `prefix_aware` sends a repeated long prefix to the prefill worker that holds it; that
 //!   worker's `/metrics` shows the hits, the other's none.
 //! - With a cluster secret (and with mutual TLS on top), 1P1D gives the same greedy output.
+//! - A Qwen3 checkpoint written by transformers: serve gives transformers' greedy tokens, and
+//!   1P1D gives what serve gives.
 
 mod common;
 
-use baton_formats::testing::{TinySpec, write_hf_folder};
+use baton_formats::Tokenizer;
+use baton_formats::testing::{TinySpec, load_golden, write_hf_folder};
 use common::*;
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -60,6 +63,35 @@ async fn disaggregated_matches_serve_with(config: &str, n: usize, flags: impl Fn
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_prefill_one_decode_matches_serve() {
     disaggregated_matches_serve("1p1d.toml", 1).await;
+}
+
+/// A checkpoint transformers wrote (Qwen3: q/k norm, transformers 5 config keys): `baton serve`
+/// continues each golden prompt with transformers' greedy tokens, and router + 1P1D over TCP
+/// gives what serve gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    let (model, golden) = load_golden("qwen3").expect("qwen3 fixture");
+    let tok = Tokenizer::from_file(&model.join("tokenizer.json")).expect("tokenizer");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ps: Vec<Vec<u32>> = golden.prompts.iter().map(|p| p.ids.clone()).collect();
+    let want = reference(dir.path(), &model, &ps).await;
+    for (p, (text, _)) in golden.prompts.iter().zip(&want) {
+        // Serve runs MAX_TOKENS (more than the 16 golden ones): its text starts with theirs.
+        let head = tok.decode(&p.greedy, true).expect("decode");
+        let head = head.trim_end_matches('\u{FFFD}');
+        assert!(!head.is_empty(), "prompt {:?}: transformers' tokens decode to nothing", p.ids);
+        assert!(text.starts_with(head), "prompt {:?}: serve gave {text:?}, transformers {head:?}", p.ids);
+    }
+    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &[], &[vec![]], &[vec![]]).await;
+    for (p, w) in ps.iter().zip(&want) {
+        for stream in [false, true] {
+            let got = complete(&c.http, &c.router.http, p, stream).await;
+            assert_same(&got, w, &format!("qwen3 1p1d, prompt of {} tokens, stream {stream}", p.len()));
+        }
+    }
+    for w in c.all_workers() {
+        w.assert_idle(&c.http).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
