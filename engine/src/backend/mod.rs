@@ -375,7 +375,8 @@ pub trait Backend: Send + 'static {
     /// `x[r, h·d..(h+1)·d] = rms_norm(x[r, h·d..(h+1)·d]) * weight` for every row `r` and
     /// head `h` of `x`, rows of `heads × head_dim` values: RMSNorm over each head's
     /// `head_dim` values with one `head_dim`-long weight shared by all heads (Qwen3's
-    /// q/k norm). Optional ([`OptionalOp::HeadRmsNorm`]).
+    /// q/k norm). The default [`Backend::split_qk_norm_rope_and_write_kv`] uses it; a backend
+    /// that fuses the norm into its RoPE kernel (CUDA) need not have it.
     fn head_rms_norm(
         &mut self,
         _x: &mut Self::Buf,
@@ -384,6 +385,29 @@ pub trait Backend: Send + 'static {
         _eps: f32,
     ) -> Result<(), BackendError> {
         Err(BackendError::Device(format!("{} has no per-head RMSNorm", self.device_name())))
+    }
+
+    /// [`Backend::split_rope_and_write_kv`] with q and k RMS-normalised per head before the
+    /// rotation (Qwen3's `q_norm`/`k_norm`: `norms` = (q weight, k weight, eps), each weight
+    /// `head_dim` long). Optional ([`OptionalOp::HeadRmsNorm`]); the default is
+    /// [`Backend::split3`], [`Backend::head_rms_norm`] of q and of k, then
+    /// [`Backend::rope_and_write_kv`].
+    fn split_qk_norm_rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &Self::Buf,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        norms: (&Self::Buf, &Self::Buf, f32),
+        out: (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
+    ) -> Result<(), BackendError> {
+        let (q, k, v) = out;
+        let head_dim = if n_heads == 0 { 0 } else { widths.0 / n_heads };
+        self.split3(qkv, widths, q, k, v)?;
+        self.head_rms_norm(q, norms.0, head_dim, norms.2)?;
+        self.head_rms_norm(k, norms.1, head_dim, norms.2)?;
+        self.rope_and_write_kv(layer, q, k, v, n_heads, batch)
     }
 
     /// Replaying recorded steps (CUDA graphs), on backends that record them; `None` elsewhere
@@ -414,7 +438,8 @@ pub trait Backend: Send + 'static {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum OptionalOp {
-    /// [`Backend::head_rms_norm`] (Qwen3's q/k norm).
+    /// q/k RMSNorm per head before RoPE: [`Backend::split_qk_norm_rope_and_write_kv`]
+    /// (Qwen3's q/k norm).
     HeadRmsNorm,
 }
 

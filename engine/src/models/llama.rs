@@ -199,12 +199,9 @@ impl<B: Backend> Architecture<B> for Llama<B> {
             b.mark("qkv");
             b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             if let Some((q_norm, k_norm)) = &layer.qk_norm {
-                b.mark("qk_norm");
-                b.split3(&ws.qkv, (qd, kvd, kvd), &mut ws.q, &mut ws.k, &mut ws.v)?;
-                b.head_rms_norm(&mut ws.q, q_norm, hd, eps)?;
-                b.head_rms_norm(&mut ws.k, k_norm, hd, eps)?;
                 b.mark("rope_kv");
-                b.rope_and_write_kv(i, &mut ws.q, &mut ws.k, &ws.v, nh, batch)?;
+                let out = (&mut ws.q, &mut ws.k, &mut ws.v);
+                b.split_qk_norm_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, (q_norm, k_norm, eps), out)?;
             } else {
                 b.mark("rope_kv");
                 b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
