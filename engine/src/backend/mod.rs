@@ -403,7 +403,7 @@ pub trait Backend: Send + 'static {
         out: (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
     ) -> Result<(), BackendError> {
         let (q, k, v) = out;
-        let head_dim = if n_heads == 0 { 0 } else { widths.0 / n_heads };
+        let head_dim = widths.0.checked_div(n_heads).unwrap_or(0);
         self.split3(qkv, widths, q, k, v)?;
         self.head_rms_norm(q, norms.0, head_dim, norms.2)?;
         self.head_rms_norm(k, norms.1, head_dim, norms.2)?;
