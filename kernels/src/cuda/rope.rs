@@ -134,17 +134,17 @@ impl RopeKvCall<'_> {
             format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
         })?;
         need(op, "inv_freq", self.inv_freq, rot / 2)?;
+        if let Some(n) = &norm {
+            need(op, "q_norm weight", n.q_weight, hd)?;
+            need(op, "k_norm weight", n.k_weight, hd)?;
+            shape_check(op, n.eps.is_finite() && n.eps >= 0.0, || format!("norm eps {} is not >= 0", n.eps))?;
+        }
         if rows == 0 {
             return Ok(());
         }
         // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
         let heads = int(op, self.n_heads + 2 * nkv)? as u32;
         shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
-        if let Some(n) = &norm {
-            need(op, "q_norm weight", n.q_weight, hd)?;
-            need(op, "k_norm weight", n.k_weight, hd)?;
-            shape_check(op, n.eps.is_finite() && n.eps >= 0.0, || format!("norm eps {} is not >= 0", n.eps))?;
-        }
         // With the norm, whole warps: the head's sum of squares is a block reduction.
         let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
         let grid = cfg((int(op, rows)? as u32, heads, 1), threads as u32);
