@@ -328,11 +328,8 @@ impl EngineLoop {
                 if awaiting_kv {
                     // Its blocks are freed when the connector's `Recompute` says nothing more
                     // can land in them (see `draining`).
-                    self.unpublish_reservation(id);
                     self.draining.insert(id);
-                    let mut out = Vec::new();
-                    self.connector.cancel(id, &mut out);
-                    self.apply_kv(out);
+                    self.give_up_import(id);
                 } else {
                     self.forget_reservation(id);
                     self.scheduler.abort(id);
@@ -371,14 +368,8 @@ impl EngineLoop {
                     self.live.remove(&id);
                 }
             }
-            KvCommand::Failed(id) => {
-                // No more hand-offs are admitted for it; it recomputes once the connector says
-                // nothing more can land in its blocks.
-                self.unpublish_reservation(id);
-                let mut out = Vec::new();
-                self.connector.cancel(id, &mut out);
-                self.apply_kv(out);
-            }
+            // It recomputes once the connector says nothing more can land in its blocks.
+            KvCommand::Failed(id) => self.give_up_import(id),
             KvCommand::Event(event) => {
                 let mut out = Vec::new();
                 self.connector.on_event(event, self.model.kv_access(), &mut out);
@@ -463,6 +454,15 @@ impl EngineLoop {
     fn forget_reservation(&mut self, id: RequestId) {
         self.unpublish_reservation(id);
         self.connector.forget(id);
+    }
+
+    /// `id` stops waiting for its KV: no more hand-offs are admitted for it, and the connector
+    /// answers `Recompute` once nothing more can land in its blocks.
+    fn give_up_import(&mut self, id: RequestId) {
+        self.unpublish_reservation(id);
+        let mut out = Vec::new();
+        self.connector.cancel(id, &mut out);
+        self.apply_kv(out);
     }
 
     /// The transport stops admitting hand-offs for `id`.

@@ -248,16 +248,23 @@ impl Links {
 
     /// Fails and forgets every link to `peer` (a worker that departed); how many there were.
     pub fn evict_peer(&self, peer: &str) -> usize {
-        let gone: Vec<Arc<Link>> = match self.links.lock() {
-            Ok(mut links) => {
-                let keys: Vec<String> =
-                    links.iter().filter(|(_, l)| l.peer() == peer).map(|(k, _)| k.clone()).collect();
-                keys.iter().filter_map(|k| links.remove(k)).collect()
-            }
-            Err(_) => Vec::new(),
-        };
+        self.evict_where(|l| l.peer() == peer, "its peer departed")
+    }
+
+    /// Fails and forgets every link `doomed` picks, with `reason`; how many there were.
+    fn evict_where(&self, doomed: impl Fn(&Link) -> bool, reason: &str) -> usize {
+        let mut gone = Vec::new();
+        if let Ok(mut links) = self.links.lock() {
+            links.retain(|_, l| {
+                let keep = !doomed(l);
+                if !keep {
+                    gone.push(l.clone());
+                }
+                keep
+            });
+        }
         for l in &gone {
-            l.fail("its peer departed");
+            l.fail(reason);
         }
         gone.len()
     }
@@ -276,18 +283,7 @@ impl Links {
     /// there were. This is how a worker evicts the links of peers that departed while their
     /// link sat idle, which no deadline would notice.
     pub fn retain_peers(&self, live: &std::collections::HashSet<String>) -> usize {
-        let gone: Vec<Arc<Link>> = match self.links.lock() {
-            Ok(mut links) => {
-                let keys: Vec<String> =
-                    links.iter().filter(|(_, l)| !live.contains(l.peer())).map(|(k, _)| k.clone()).collect();
-                keys.iter().filter_map(|k| links.remove(k)).collect()
-            }
-            Err(_) => Vec::new(),
-        };
-        for l in &gone {
-            l.fail("its peer is no longer registered with the router");
-        }
-        gone.len()
+        self.evict_where(|l| !live.contains(l.peer()), "its peer is no longer registered with the router")
     }
 
     /// Usable links (failed ones are pruned first).
