@@ -233,8 +233,9 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
         let rope = self.rope.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
-        rope.apply(q, n_heads, &batch.positions)?;
-        rope.apply(kb, shape.num_kv_heads, &batch.positions)?;
+        // The table covers the rotated dims (all of head_dim unless the rotation is partial).
+        rope.apply_partial(q, n_heads, shape.head_dim, &batch.positions)?;
+        rope.apply_partial(kb, shape.num_kv_heads, shape.head_dim, &batch.positions)?;
         self.store(q);
         self.store(kb);
         let stride = shape.num_kv_heads * shape.head_dim;
@@ -417,11 +418,11 @@ impl Backend for CpuBackend {
 
 /// Per-head RMSNorm in f32 (no bf16 rounding): rows of `heads × head_dim` are `heads` rows of
 /// `head_dim`, so the row-wise RMSNorm kernel over `head_dim`-wide rows is the per-head norm.
-fn head_norm_unrounded(x: &mut Vec<f32>, weight: &[f32], head_dim: usize, eps: f32) -> Result<(), BackendError> {
+fn head_norm_unrounded(x: &mut [f32], weight: &[f32], head_dim: usize, eps: f32) -> Result<(), BackendError> {
     if weight.len() != head_dim {
         return Err(kerr("head_rms_norm", format!("weight has {} values for head_dim {head_dim}", weight.len())));
     }
-    let src = x.clone();
+    let src = x.to_vec();
     k::rms_norm(&src, weight, eps, x)?;
     Ok(())
 }

@@ -170,6 +170,8 @@ impl TinySpec {
             rms_norm_eps: 1e-5,
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
+            longrope: None,
+            partial_rotary_factor: 1.0,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
@@ -260,6 +262,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
+        Architecture::Phi3 => {
+            return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
+        }
     };
     let mut w = GgufWriter::new();
     w.add_meta("general.architecture", GgufValue::String(arch.into()));
