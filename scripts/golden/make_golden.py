@@ -50,8 +50,10 @@ TEXTS = [
 
 
 @torch.no_grad()
-def run_model(model_dir, prompts=PROMPTS, dtype=torch.float32):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+def run_model(model_dir, prompts=PROMPTS, dtype=torch.float32, model=None):
+    """`model`: one already loaded (e.g. with a quantization config); else loaded from `model_dir`."""
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     vocab = model.config.vocab_size
     out = []

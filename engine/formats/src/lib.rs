@@ -13,6 +13,7 @@ pub mod error;
 pub mod export;
 pub mod gguf;
 mod hf_options;
+pub mod mxfp4;
 pub mod safetensors_store;
 pub mod tensor;
 pub mod testing;

@@ -2,6 +2,10 @@
 //! Headers are parsed once at open (the `safetensors` crate validates offsets and that the
 //! file is exactly as long as its header says, which catches truncation); `get` then
 //! borrows straight from the map.
+//!
+//! MXFP4 pairs (`W_blocks` + `W_scales`, both `u8`, with no `W` beside them) are served as
+//! the bf16 tensor `W` they dequantize to ([`crate::mxfp4`]), computed when `W` is read; the
+//! pair's own names are not listed.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -30,6 +34,8 @@ pub struct SafetensorsStore {
     maps: Vec<Mmap>,
     files: Vec<PathBuf>,
     entries: HashMap<String, Entry>,
+    /// MXFP4 tensors: the name served → its dequantized shape.
+    mxfp4: HashMap<String, Vec<usize>>,
 }
 
 impl SafetensorsStore {
@@ -111,7 +117,16 @@ impl SafetensorsStore {
             }
             maps.push(map);
         }
-        Ok(Self { maps, files: files.to_vec(), entries })
+        let mxfp4 = mxfp4_pairs(&entries).map_err(|message| FormatError::Safetensors {
+            path: files.first().cloned().unwrap_or_default(),
+            message,
+        })?;
+        Ok(Self { maps, files: files.to_vec(), entries, mxfp4 })
+    }
+
+    /// The bytes of an entry.
+    fn bytes(&self, e: &Entry) -> &[u8] {
+        &self.maps[e.shard][e.start..e.end]
     }
 
     /// Fails if a tensor `config` needs has a dtype other than F32/F16/BF16.
@@ -135,8 +150,42 @@ impl SafetensorsStore {
     }
 }
 
+/// The MXFP4 tensors among `entries`: each `W_blocks` of type u8 with a `W_scales` of type u8
+/// and no `W`, mapped to `W`'s dequantized shape.
+fn mxfp4_pairs(entries: &HashMap<String, Entry>) -> Result<HashMap<String, Vec<usize>>, String> {
+    let mut pairs = HashMap::new();
+    for (name, blocks) in entries {
+        let Some(base) = name.strip_suffix("_blocks") else { continue };
+        let Some(scales) = entries.get(&format!("{base}_scales")) else { continue };
+        if blocks.dtype != Err(Dtype::U8) || scales.dtype != Err(Dtype::U8) || entries.contains_key(base) {
+            continue;
+        }
+        let shape = crate::mxfp4::dequantized_shape(&blocks.shape, &scales.shape)
+            .map_err(|m| format!("tensor {base:?}: {m}"))?;
+        pairs.insert(base.to_owned(), shape);
+    }
+    Ok(pairs)
+}
+
 impl WeightStore for SafetensorsStore {
     fn get(&self, name: &str) -> Result<TensorView<'_>, FormatError> {
+        if let Some(shape) = self.mxfp4.get(name) {
+            let (blocks, scales) = (self.entry(&format!("{name}_blocks"))?, self.entry(&format!("{name}_scales"))?);
+            let bytes = crate::mxfp4::dequantize_bf16(
+                &self.files[blocks.shard],
+                name,
+                self.bytes(blocks),
+                &blocks.shape,
+                self.bytes(scales),
+                &scales.shape,
+            )?;
+            return Ok(TensorView {
+                name: name.to_string(),
+                shape: shape.clone(),
+                dtype: DType::BF16,
+                bytes: std::borrow::Cow::Owned(bytes),
+            });
+        }
         let e = self.entry(name)?;
         let dtype = e
             .dtype
@@ -145,17 +194,27 @@ impl WeightStore for SafetensorsStore {
             name: name.to_string(),
             shape: e.shape.clone(),
             dtype,
-            bytes: std::borrow::Cow::Borrowed(&self.maps[e.shard][e.start..e.end]),
+            bytes: std::borrow::Cow::Borrowed(self.bytes(e)),
         })
     }
 
     fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.entries.keys().cloned().collect();
+        let pair_part = |n: &str| {
+            [n.strip_suffix("_blocks"), n.strip_suffix("_scales")]
+                .into_iter()
+                .flatten()
+                .any(|b| self.mxfp4.contains_key(b))
+        };
+        let mut v: Vec<String> =
+            self.entries.keys().filter(|n| !pair_part(n)).chain(self.mxfp4.keys()).cloned().collect();
         v.sort();
         v
     }
 
     fn shape(&self, name: &str) -> Result<Vec<usize>, FormatError> {
-        Ok(self.entry(name)?.shape.clone())
+        match self.mxfp4.get(name) {
+            Some(shape) => Ok(shape.clone()),
+            None => Ok(self.entry(name)?.shape.clone()),
+        }
     }
 }
