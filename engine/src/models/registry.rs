@@ -16,8 +16,9 @@ use baton_formats::{Architecture as Family, ModelConfig};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Implementation {
-    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases and optional
-    /// per-head q/k norm (Qwen3).
+    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases, optional
+    /// per-head q/k norm (Qwen3) and routed experts in place of dense MLPs (Qwen3-MoE,
+    /// Mixtral; the block is `models/moe.rs`).
     Llama,
 }
 
@@ -50,6 +51,8 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Mistral, implementation: Implementation::Llama },
     Registration { family: Family::Qwen2, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
+    Registration { family: Family::Qwen3Moe, implementation: Implementation::Llama },
+    Registration { family: Family::Mixtral, implementation: Implementation::Llama },
 ];
 
 /// The registration of `family`, if any.
@@ -98,6 +101,10 @@ mod tests {
             ("qwen2", Family::Qwen2),
             ("Qwen3ForCausalLM", Family::Qwen3),
             ("qwen3", Family::Qwen3),
+            ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
+            ("qwen3_moe", Family::Qwen3Moe),
+            ("MixtralForCausalLM", Family::Mixtral),
+            ("mixtral", Family::Mixtral),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
