@@ -10,8 +10,8 @@
 //! - `prefix_aware` sends a repeated long prefix to the prefill worker that holds it; that
 //!   worker's `/metrics` shows the hits, the other's none.
 //! - With a cluster secret (and with mutual TLS on top), 1P1D gives the same greedy output.
-//! - A Qwen3 checkpoint written by transformers: serve gives transformers' greedy tokens, and
-//!   1P1D gives what serve gives.
+//! - A Qwen3 and a Qwen3-MoE checkpoint written by transformers: serve gives transformers'
+//!   greedy tokens, and 1P1D gives what serve gives.
 
 mod common;
 
@@ -70,7 +70,20 @@ async fn one_prefill_one_decode_matches_serve() {
 /// gives what serve gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
-    let (model, golden) = load_golden("qwen3").expect("qwen3 fixture");
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("qwen3").await;
+}
+
+/// The same for a Qwen3-MoE checkpoint (routed experts in some layers, dense MLPs in others):
+/// the decode worker's MoE layers continue from KV the prefill worker computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_moe_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("qwen3_moe").await;
+}
+
+/// Golden fixture `name` through `baton serve` (transformers' greedy tokens) and router + 1P1D
+/// over TCP (what serve gives).
+async fn golden_checkpoint_through_serve_and_one_prefill_one_decode(name: &str) {
+    let (model, golden) = load_golden(name).expect("golden fixture");
     let tok = Tokenizer::from_file(&model.join("tokenizer.json")).expect("tokenizer");
     let dir = tempfile::tempdir().expect("tempdir");
     let ps: Vec<Vec<u32>> = golden.prompts.iter().map(|p| p.ids.clone()).collect();
@@ -79,14 +92,14 @@ async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_pref
         // Serve runs MAX_TOKENS (more than the 16 golden ones): its text starts with theirs.
         let head = tok.decode(&p.greedy, true).expect("decode");
         let head = head.trim_end_matches('\u{FFFD}');
-        assert!(!head.is_empty(), "prompt {:?}: transformers' tokens decode to nothing", p.ids);
-        assert!(text.starts_with(head), "prompt {:?}: serve gave {text:?}, transformers {head:?}", p.ids);
+        assert!(!head.is_empty(), "{name} prompt {:?}: transformers' tokens decode to nothing", p.ids);
+        assert!(text.starts_with(head), "{name} prompt {:?}: serve gave {text:?}, transformers {head:?}", p.ids);
     }
     let c = Cluster::start(dir.path(), &model, "1p1d.toml", &[], &[vec![]], &[vec![]]).await;
     for (p, w) in ps.iter().zip(&want) {
         for stream in [false, true] {
             let got = complete(&c.http, &c.router.http, p, stream).await;
-            assert_same(&got, w, &format!("qwen3 1p1d, prompt of {} tokens, stream {stream}", p.len()));
+            assert_same(&got, w, &format!("{name} 1p1d, prompt of {} tokens, stream {stream}", p.len()));
         }
     }
     for w in c.all_workers() {
