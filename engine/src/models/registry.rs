@@ -78,7 +78,7 @@ pub fn build_architecture<B: Backend>(
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::models::{AttentionKind, LayerSpec};
+    use crate::models::{AttentionKind, LayerSpec, MlpKind};
     use baton_formats::LayerType;
     use baton_formats::testing::TinySpec;
 
@@ -129,6 +129,26 @@ mod tests {
         build_on(&TinySpec::llama(), CpuBackend::without_optional_ops()).expect("llama needs no optional op");
         let qwen3 = build_on(&TinySpec::qwen3(), CpuBackend::new()).expect("qwen3 on the CPU");
         assert!(qwen3.layers().iter().all(|l| l.qk_norm && l.head_dim == 32));
+    }
+
+    #[test]
+    fn a_backend_without_the_moe_op_refuses_moe_models_at_load() {
+        for (spec, name) in [(TinySpec::mixtral(), "mixtral"), (TinySpec::qwen3_moe(), "qwen3_moe")] {
+            let mut b = CpuBackend::new();
+            // Qwen3-MoE also needs the q/k norm: only the MoE op is missing here.
+            let err = build_on(&spec, CpuBackend::without_optional_ops()).err().expect("refused");
+            let msg = err.to_string();
+            assert!(matches!(err, ModelLoadError::Unsupported { architecture, .. } if architecture == name), "{msg}");
+            if spec.architecture == baton_formats::Architecture::Mixtral {
+                assert!(msg.contains("mixture-of-experts MLP") && msg.contains("layer 0"), "{msg}");
+            }
+            let model = build_architecture(&spec.config(), &mut WeightLoader::new(&spec.weights()), &mut b)
+                .expect("loads where the op exists");
+            // Qwen3-MoE's middle layer is in mlp_only_layers: dense; every other layer routes.
+            let moe: Vec<bool> = model.layers().iter().map(|l| matches!(l.mlp, MlpKind::Moe { .. })).collect();
+            let want = if name == "mixtral" { vec![true, true] } else { vec![true, false, true] };
+            assert_eq!(moe, want, "{name}");
+        }
     }
 
     #[test]
