@@ -233,8 +233,9 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
         let rope = self.rope.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
-        rope.apply(q, n_heads, &batch.positions)?;
-        rope.apply(kb, shape.num_kv_heads, &batch.positions)?;
+        // The table covers the rotated dims (all of head_dim unless the rotation is partial).
+        rope.apply_partial(q, n_heads, shape.head_dim, &batch.positions)?;
+        rope.apply_partial(kb, shape.num_kv_heads, shape.head_dim, &batch.positions)?;
         self.store(q);
         self.store(kb);
         let stride = shape.num_kv_heads * shape.head_dim;

@@ -53,6 +53,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3Moe, implementation: Implementation::Llama },
     Registration { family: Family::Mixtral, implementation: Implementation::Llama },
+    Registration { family: Family::Phi3, implementation: Implementation::Llama },
 ];
 
 /// The registration of `family`, if any.

@@ -214,6 +214,8 @@ impl TinySpec {
             rms_norm_eps: 1e-5,
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
+            longrope: None,
+            partial_rotary_factor: 1.0,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
@@ -307,6 +309,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Llama | Architecture::Mistral => "llama",
         Architecture::Qwen3Moe | Architecture::Mixtral => {
             return Err(FormatError::unsupported(Path::new("gguf"), "mixture-of-experts GGUF (not written or read)"));
+        }
+        Architecture::Phi3 => {
+            return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
         }
     };
     let mut w = GgufWriter::new();
