@@ -5,6 +5,7 @@
 //! fixtures were produced by scripts/golden/make_golden.py with transformers.
 //! Qwen3 (q/k norm, head_dim 32 with hidden 64, untied and tied) comes from checkpoints that
 //! transformers itself wrote (scripts/golden/make_hf_tiny.py: transformers 5 config keys).
+//! Qwen3-MoE (sparse and dense layers mixed) and Mixtral (experts in every layer) likewise.
 //! Also: the same tiny model as an HF folder and as GGUF gives the same logits.
 
 mod common;
@@ -131,6 +132,19 @@ fn golden_qwen3_matches_transformers() {
 #[test]
 fn golden_qwen3_tied_matches_transformers() {
     check_fixture("qwen3_tied");
+}
+
+#[test]
+fn golden_qwen3_moe_matches_transformers() {
+    // Experts in layer 1 only (decoder_sparse_step 2, layer 3 in mlp_only_layers), top-2 of 8
+    // renormalised, q/k norm.
+    check_fixture("qwen3_moe");
+}
+
+#[test]
+fn golden_mixtral_matches_transformers() {
+    // Top-2 of 8 experts in every layer, head_dim 24 with hidden 64.
+    check_fixture("mixtral");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
 //! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling, Qwen3 with its per-head
-//! q/k norm fused into the RoPE + KV write kernel), written and loaded
+//! q/k norm fused into the RoPE + KV write kernel, Qwen3-MoE and Mixtral through the MoE
+//! kernels), written and loaded
 //! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU;
 //! so do the Phi-3 and Phi-4-mini checkpoints transformers wrote (LongRoPE, partial rotary).
 //!
@@ -65,7 +66,8 @@ fn run_all(engine: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Run> {
         .collect()
 }
 
-/// `tie`: [`NEAR_TIE`], or [`SOFT_ATTENTION_TIE`] for models with q/k norm (see there).
+/// `tie`: [`NEAR_TIE`], or [`SOFT_ATTENTION_TIE`] for models with q/k norm, [`MOE_ROUTING_TIE`]
+/// for routed experts (see there).
 fn compare(name: &str, cpu: &[Run], gpu: &[Run], tie: f32) -> usize {
     let mut identical = 0;
     let mut worst = 0.0f32;
@@ -110,17 +112,21 @@ fn gpu_tiny_models_greedy_match_cpu() {
         ("qwen2", TinySpec::qwen2()),
         ("tied", TinySpec::tied()),
         ("qwen3", TinySpec::qwen3()),
+        ("qwen3_moe", TinySpec::qwen3_moe()),
+        ("mixtral", TinySpec::mixtral()),
     ] {
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         // Lengths off the block size (16), one longer than a block table's first blocks.
         let prompts: Vec<Vec<u32>> =
             [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
-        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu), &prompts);
+        // MoE models against the bf16 emulation (see MOE_ROUTING_TIE), the others against f32.
+        let moe = spec.moe.is_some();
+        let cpu = run_all(&start_with(&m.model, DeviceSpec::Cpu, moe), &prompts);
         let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
         assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
         let gpu = run_all(&gpu_engine, &prompts);
-        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { NEAR_TIE };
+        let tie = tie_for(&spec, NEAR_TIE);
         identical += compare(name, &cpu, &gpu, tie);
         total += prompts.len();
         // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
@@ -170,6 +176,30 @@ const ATTENTION_TIE: f32 = 0.01;
 /// one shared token's logprob moved 0.0303 from the f32 reference.
 const SOFT_ATTENTION_TIE: f32 = 0.05;
 
+/// The tie a mixture-of-experts model's comparisons allow (nats). Routing is discontinuous:
+/// a token whose router scores its k-th and (k+1)-th experts within rounding of each other
+/// may take the other expert on the GPU, which moves that token's logits by the difference
+/// of two experts' outputs, not by rounding noise. Measured on the CPU (session 11, 16 seeds
+/// of each tiny MoE spec, f32 against the bf16 emulation, which rounds where CUDA does):
+/// isolated tokens moved by up to 0.23 nats and divergences met reference gaps up to 0.24
+/// (dense models: 0.024 and 0.014). The CUDA run is compared with the bf16 emulation, which
+/// makes the same routing decisions except where accumulation order or the attention
+/// kernels' softmax rounding crosses a router tie, so such flips are rarer still; a broken
+/// MoE kernel moves the logits by whole nats from the first token.
+const MOE_ROUTING_TIE: f32 = 0.3;
+
+/// The tie for `spec`: `dense` for Llama-shaped attention, [`SOFT_ATTENTION_TIE`] with q/k
+/// norm, [`MOE_ROUTING_TIE`] with routed experts.
+fn tie_for(spec: &TinySpec, dense: f32) -> f32 {
+    if spec.moe.is_some() {
+        MOE_ROUTING_TIE
+    } else if spec.architecture == Architecture::Qwen3 {
+        SOFT_ATTENTION_TIE
+    } else {
+        dense
+    }
+}
+
 #[test]
 fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
     for (name, spec) in [
@@ -177,9 +207,11 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
         ("qwen2", TinySpec::qwen2()),
         ("tied", TinySpec::tied()),
         ("qwen3", TinySpec::qwen3()),
+        ("qwen3_moe", TinySpec::qwen3_moe()),
+        ("mixtral", TinySpec::mixtral()),
     ] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
-        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { ATTENTION_TIE };
+        let tie = tie_for(&spec, ATTENTION_TIE);
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> =

@@ -64,7 +64,12 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
                 bi = oi;
             }
         }
-        // k <= n_experts, so bi is a real expert; its lane marks it taken.
+        // k <= n_experts, so some expert is left; only NaN logits (never greater than
+        // anything) leave bi unset. Such a row takes expert j with a NaN weight, so its output
+        // is NaN as its input was, and every id stays in range: the permutation places it and
+        // the un-permute never reads a position the permutation did not write.
+        if (bi >= n_experts) bi = j;
+        // Its lane marks it taken.
         if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
         const float score = sigmoid ? 1.f / (1.f + expf(-bv)) : expf(bv - m) / z;
         sum += score;

@@ -308,6 +308,27 @@ fn gpu_moe_routing_and_permutation_match_cpu() {
             assert_eq!(down_i32(&dev, &position, n), as_i32(&perm.position), "{what}: position");
         }
     }
+    // A row of NaN logits (an overflowed activation) gets in-range ids and NaN weights, as
+    // the CPU reference gives, so the permutation places every assignment.
+    let nan = dev.upload(&[f32::NAN; 16]).expect("upload");
+    let (mut nan_ids, mut nan_w) = (dev.upload(&[-1i32; 4]).expect("ids"), dev.upload(&[0.0f32; 4]).expect("w"));
+    MoeRouteCall {
+        logits: &nan,
+        rows: 2,
+        n_experts: 8,
+        routing: soft(2, true),
+        ids: &mut nan_ids,
+        weights: &mut nan_w,
+    }
+    .launch(&dev)
+    .expect("route NaN rows");
+    let got = down_i32(&dev, &nan_ids, 4);
+    assert!(got.iter().all(|e| (0..8).contains(e)), "NaN rows routed to {got:?}");
+    assert!(down_f32(&dev, &nan_w, 4).iter().all(|w| w.is_nan()), "NaN rows need NaN weights");
+    let (mut cpu_ids, mut cpu_w) = ([0u32; 4], [0f32; 4]);
+    cpu::moe_route(&[f32::NAN; 16], 8, soft(2, true), &mut cpu_ids, &mut cpu_w).expect("cpu route NaN rows");
+    assert!(cpu_ids.iter().all(|&e| e < 8) && cpu_w.iter().all(|w| w.is_nan()), "{cpu_ids:?} {cpu_w:?}");
+
     // Refusals: k above the experts, too many experts, short outputs.
     let ld = dev.upload(&[0.0f32; 16]).expect("upload");
     let (mut ids, mut w) = (dev.alloc::<i32>(16).expect("ids"), dev.alloc::<f32>(16).expect("w"));

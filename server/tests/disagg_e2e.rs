@@ -10,8 +10,8 @@
 //! - `prefix_aware` sends a repeated long prefix to the prefill worker that holds it; that
 //!   worker's `/metrics` shows the hits, the other's none.
 //! - With a cluster secret (and with mutual TLS on top), 1P1D gives the same greedy output.
-//! - Qwen3 and Phi-4-mini checkpoints written by transformers: serve gives transformers' greedy
-//!   tokens, and 1P1D gives what serve gives.
+//! - Qwen3, Qwen3-MoE and Phi-4-mini checkpoints written by transformers: serve gives
+//!   transformers' greedy tokens, and 1P1D gives what serve gives.
 
 mod common;
 
@@ -101,6 +101,13 @@ async fn golden_checkpoint_through_serve_and_one_prefill_one_decode(name: &str, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
     golden_checkpoint_through_serve_and_one_prefill_one_decode("qwen3", |_| true).await;
+}
+
+/// Qwen3-MoE: routed experts in some layers, dense MLPs in others; the decode worker's MoE
+/// layers continue from KV the prefill worker computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_moe_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("qwen3_moe", |_| true).await;
 }
 
 /// Phi-4-mini: fused qkv/gate_up in the checkpoint, partial rotary, LongRoPE, tied. Served at

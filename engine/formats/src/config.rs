@@ -12,8 +12,9 @@ use crate::error::FormatError;
 pub use crate::hf_options::declared_dtype;
 use crate::hf_options::{layer_types, parse_longrope, parse_rope, partial_rotary_factor, refuse_unimplemented_options};
 
-/// The transformer families Baton implements. All share Llama's tensor layout; Qwen2 adds
-/// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE.
+/// The transformer families Baton implements. All share Llama's attention layout; Qwen2 adds
+/// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE; Qwen3-MoE and Mixtral
+/// replace (some of) the dense MLPs with routed experts ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2 and SmolLM2.
@@ -24,6 +25,11 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 dense (q/k norm, head_dim independent of the hidden size).
     Qwen3,
+    /// Qwen3-MoE: Qwen3's attention, routed experts in the layers `decoder_sparse_step` and
+    /// `mlp_only_layers` select, dense MLPs in the others.
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention, routed experts (top-2 of 8) in every layer.
+    Mixtral,
     /// Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): fused `qkv_proj` and `gate_up_proj`
     /// in the checkpoint, partial rotary embeddings and LongRoPE.
     Phi3,
@@ -31,19 +37,22 @@ pub enum Architecture {
 
 impl Architecture {
     /// Every architecture, in the order messages list them.
-    pub const ALL: [Architecture; 5] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3, Self::Phi3];
+    pub const ALL: [Architecture; 7] =
+        [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3, Self::Qwen3Moe, Self::Mixtral, Self::Phi3];
 
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|a| a.model_type() == name || a.hf_class() == name || a.gguf_name() == Some(name))
     }
 
-    /// llama.cpp's `general.architecture` for this family, where it defines one (Mistral
-    /// GGUF files say `llama`).
+    /// llama.cpp's `general.architecture` for this family, where Baton reads GGUF files of it
+    /// (Mistral GGUF files say `llama`). None for the MoE families: their GGUF files (llama.cpp's
+    /// `qwen3moe`, and `llama` with `expert_count` for Mixtral) are refused when the metadata
+    /// is read (`gguf_config`), naming the expert count.
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
-            Self::Mistral => None,
+            Self::Mistral | Self::Qwen3Moe | Self::Mixtral => None,
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
             // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
@@ -64,6 +73,8 @@ impl Architecture {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Mixtral => "mixtral",
             Self::Phi3 => "phi3",
         }
     }
@@ -75,6 +86,8 @@ impl Architecture {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Self::Mixtral => "MixtralForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
         }
     }
@@ -195,6 +208,47 @@ impl ConfigDType {
     }
 }
 
+/// The routed experts of a mixture-of-experts model (Qwen3-MoE, Mixtral).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`, transformers 5: `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Inner width of each expert (Qwen3-MoE: `moe_intermediate_size`; Mixtral:
+    /// `intermediate_size`, its only MLP width).
+    pub intermediate_size: usize,
+    /// The chosen experts' softmax weights are renormalised to sum to 1 (`norm_topk_prob`;
+    /// always for Mixtral).
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer (layer `i` with `(i + 1) % step == 0`) is MoE
+    /// (Qwen3-MoE; 1 for Mixtral).
+    pub decoder_sparse_step: usize,
+    /// Layers that stay dense whatever the step says (`mlp_only_layers`).
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer` routes its tokens to experts (transformers' rule for Qwen3-MoE).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && self.num_experts > 0
+            && self.decoder_sparse_step > 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
+    }
+}
+
+/// One of an expert's three projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertProj {
+    /// The gate projection (`[intermediate, hidden]`; Mixtral's `w1`).
+    Gate,
+    /// The up projection (`[intermediate, hidden]`; Mixtral's `w3`).
+    Up,
+    /// The down projection (`[hidden, intermediate]`; Mixtral's `w2`).
+    Down,
+}
+
 /// Architecture hyperparameters of a decoder-only transformer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -246,6 +300,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (any of them stops generation).
     pub eos_token_ids: Vec<u32>,
+    /// The routed experts, for the MoE families; `None` for dense models.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -279,8 +335,20 @@ impl ModelConfig {
     /// exchange KV and produce the same tokens, independent of the file format it came from.
     /// A worker registers with it and the router refuses a worker whose fingerprint differs.
     pub fn fingerprint(&self) -> String {
+        let moe = match &self.moe {
+            Some(m) => format!(
+                "-experts{}x{}-top{}-norm{}-step{}-dense{:?}",
+                m.num_experts,
+                m.intermediate_size,
+                m.experts_per_token,
+                m.norm_topk_prob,
+                m.decoder_sparse_step,
+                m.mlp_only_layers
+            ),
+            None => String::new(),
+        };
         format!(
-            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}-rot{}{}",
+            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}-rot{}{}{moe}",
             self.architecture,
             self.vocab_size,
             self.hidden_size,
@@ -309,13 +377,19 @@ impl ModelConfig {
 
     /// q and k are RMS-normalised per head before RoPE (Qwen3's `q_norm`/`k_norm`).
     pub fn qk_norm(&self) -> bool {
-        self.architecture == Architecture::Qwen3
+        matches!(self.architecture, Architecture::Qwen3 | Architecture::Qwen3Moe)
+    }
+
+    /// Whether layer `layer` has routed experts instead of a dense MLP.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_moe_layer(layer))
     }
 
     /// o_proj has a bias: `attention_bias` in Llama and Qwen3 covers o_proj too; Qwen2's
     /// biases are on q/k/v only, and Mistral has none.
     pub fn o_proj_bias(&self) -> bool {
-        self.attention_bias && matches!(self.architecture, Architecture::Llama | Architecture::Qwen3)
+        self.attention_bias
+            && matches!(self.architecture, Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe)
     }
 
     /// The rotary parameters of full-attention layers.
@@ -431,6 +505,9 @@ impl ModelConfig {
         if self.layer_types.contains(&LayerType::Sliding) && self.sliding_window.is_none_or(|w| w == 0) {
             return bad("sliding_attention layers need a positive sliding_window".into());
         }
+        if let Some(m) = &self.moe {
+            self.validate_moe(m, path)?;
+        }
         let vocab = self.vocab_size;
         for id in self.bos_token_id.iter().chain(&self.eos_token_ids) {
             if *id as usize >= vocab {
@@ -438,6 +515,67 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+
+    /// The expert fields' consistency (see [`ModelConfig::validate_at`]).
+    fn validate_moe(&self, m: &MoeConfig, path: &Path) -> Result<(), FormatError> {
+        let bad = |msg: String| Err(FormatError::config(path, msg));
+        // Far above any released model (DeepSeek-V3 has 256); keeps a corrupt config from
+        // asking for absurd allocations.
+        const MAX_EXPERTS: usize = 1 << 12;
+        if !(1..=MAX_EXPERTS).contains(&m.num_experts) {
+            return bad(format!("num_experts ({}) must be between 1 and {MAX_EXPERTS}", m.num_experts));
+        }
+        if !(1..=m.num_experts).contains(&m.experts_per_token) {
+            return bad(format!(
+                "num_experts_per_tok ({}) must be between 1 and num_experts ({})",
+                m.experts_per_token, m.num_experts
+            ));
+        }
+        if m.intermediate_size == 0 || m.intermediate_size > 1 << 22 {
+            return bad(format!(
+                "the experts' intermediate size ({}) must be positive and plausible",
+                m.intermediate_size
+            ));
+        }
+        if m.decoder_sparse_step == 0 {
+            return bad("decoder_sparse_step must be positive".into());
+        }
+        if let Some(l) = m.mlp_only_layers.iter().find(|&&l| l >= self.num_hidden_layers) {
+            return bad(format!("mlp_only_layers entry {l} is not a layer ({} layers)", self.num_hidden_layers));
+        }
+        Ok(())
+    }
+
+    /// The HF name of layer `layer`'s router (`[num_experts, hidden]`).
+    pub fn router_tensor(&self, layer: usize) -> String {
+        match self.architecture {
+            Architecture::Mixtral => format!("model.layers.{layer}.block_sparse_moe.gate.weight"),
+            _ => format!("model.layers.{layer}.mlp.gate.weight"),
+        }
+    }
+
+    /// The HF name of projection `proj` of expert `expert` in layer `layer` (Mixtral calls
+    /// gate, up and down `w1`, `w3` and `w2`).
+    pub fn expert_tensor(&self, layer: usize, expert: usize, proj: ExpertProj) -> String {
+        match self.architecture {
+            Architecture::Mixtral => {
+                let w = match proj {
+                    ExpertProj::Gate => "w1",
+                    ExpertProj::Up => "w3",
+                    ExpertProj::Down => "w2",
+                };
+                format!("model.layers.{layer}.block_sparse_moe.experts.{expert}.{w}.weight")
+            }
+            _ => {
+                let w = match proj {
+                    ExpertProj::Gate => "gate_proj",
+                    ExpertProj::Up => "up_proj",
+                    ExpertProj::Down => "down_proj",
+                };
+                format!("model.layers.{layer}.mlp.experts.{expert}.{w}.weight")
+            }
+        }
     }
 
     /// Every tensor a loader must provide, with its HF name and HF shape (`[out, in]` for linears).
@@ -468,6 +606,16 @@ impl ModelConfig {
                 out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
             }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if let Some(m) = self.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
+                let inter = m.intermediate_size;
+                out.push((self.router_tensor(i), vec![m.num_experts, h]));
+                for e in 0..m.num_experts {
+                    out.push((self.expert_tensor(i, e, ExpertProj::Gate), vec![inter, h]));
+                    out.push((self.expert_tensor(i, e, ExpertProj::Up), vec![inter, h]));
+                    out.push((self.expert_tensor(i, e, ExpertProj::Down), vec![h, inter]));
+                }
+                continue;
+            }
             if self.fused_checkpoint() {
                 out.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ffn, h]));
             } else {
@@ -529,6 +677,7 @@ impl ModelConfig {
         let (layer_types, sliding_window) = layer_types(v, architecture, num_hidden_layers, path)?;
         let (rope, sliding_rope) = parse_rope(v, path)?;
         let declared_len = opt_usize("max_position_embeddings").unwrap_or(2048);
+        let moe = parse_moe(v, architecture, path)?;
         let longrope = parse_longrope(v, declared_len, path)?;
         let cfg = Self {
             architecture,
@@ -558,6 +707,7 @@ impl ModelConfig {
             sliding_rope,
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
+            moe,
         };
         cfg.validate_at(path)?;
         Ok(cfg)
@@ -610,6 +760,9 @@ impl ModelConfig {
             "use_cache": true,
         });
         if let Some(obj) = v.as_object_mut() {
+            if let Some(m) = &self.moe {
+                obj.insert("num_experts_per_tok".into(), json!(m.experts_per_token));
+            }
             match self.architecture {
                 Architecture::Llama => {
                     obj.insert("attention_bias".into(), json!(self.attention_bias));
@@ -623,6 +776,25 @@ impl ModelConfig {
                     obj.insert("use_sliding_window".into(), json!(false));
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                }
+                Architecture::Qwen3Moe => {
+                    obj.insert("attention_bias".into(), json!(self.attention_bias));
+                    obj.insert("use_sliding_window".into(), json!(false));
+                    obj.insert("sliding_window".into(), Value::Null);
+                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                    if let Some(m) = &self.moe {
+                        obj.insert("num_experts".into(), json!(m.num_experts));
+                        obj.insert("moe_intermediate_size".into(), json!(m.intermediate_size));
+                        obj.insert("norm_topk_prob".into(), json!(m.norm_topk_prob));
+                        obj.insert("decoder_sparse_step".into(), json!(m.decoder_sparse_step));
+                        obj.insert("mlp_only_layers".into(), json!(m.mlp_only_layers));
+                    }
+                }
+                Architecture::Mixtral => {
+                    obj.insert("sliding_window".into(), Value::Null);
+                    if let Some(m) = &self.moe {
+                        obj.insert("num_local_experts".into(), json!(m.num_experts));
+                    }
                 }
                 Architecture::Qwen2 => {
                     obj.insert("use_sliding_window".into(), json!(false));
@@ -650,6 +822,60 @@ impl ModelConfig {
             }
         }
         v
+    }
+}
+
+/// The experts of the MoE families (`None` for the dense ones). Qwen3-MoE names the expert
+/// count `num_experts` (transformers 4) or `num_local_experts` (transformers 5), Mixtral
+/// `num_local_experts`. The router options that change the math and are not implemented are
+/// refused in `hf_options`; the training-only ones (`router_aux_loss_coef`,
+/// `output_router_logits`, `router_jitter_noise`, which only perturbs the router in training)
+/// are ignored.
+fn parse_moe(v: &Value, architecture: Architecture, path: &Path) -> Result<Option<MoeConfig>, FormatError> {
+    let num = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
+    let req = |key: &str| num(key).ok_or_else(|| FormatError::config(path, format!("missing or non-integer {key:?}")));
+    let experts = || {
+        num("num_experts")
+            .or_else(|| num("num_local_experts"))
+            .ok_or_else(|| FormatError::config(path, "missing or non-integer \"num_experts\" / \"num_local_experts\""))
+    };
+    match architecture {
+        Architecture::Qwen3Moe => Ok(Some(MoeConfig {
+            num_experts: experts()?,
+            experts_per_token: req("num_experts_per_tok")?,
+            intermediate_size: req("moe_intermediate_size")?,
+            // transformers' Qwen3MoeConfig defaults.
+            norm_topk_prob: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+            decoder_sparse_step: num("decoder_sparse_step").unwrap_or(1),
+            mlp_only_layers: match v.get("mlp_only_layers").filter(|l| !l.is_null()) {
+                None => Vec::new(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|l| {
+                        l.as_u64().map(|x| x as usize).ok_or_else(|| {
+                            FormatError::config(path, format!("mlp_only_layers entry {l} is not a layer index"))
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(other) => {
+                    return Err(FormatError::config(path, format!("mlp_only_layers must be a list, got {other}")));
+                }
+            },
+        })),
+        Architecture::Mixtral => Ok(Some(MoeConfig {
+            num_experts: experts()?,
+            experts_per_token: req("num_experts_per_tok")?,
+            intermediate_size: req("intermediate_size")?,
+            // Mixtral always renormalises over the chosen experts (softmax over the top-k logits).
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        })),
+        Architecture::Llama
+        | Architecture::Mistral
+        | Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Phi3 => Ok(None),
     }
 }
 

@@ -46,6 +46,35 @@ pub(crate) fn refuse_unimplemented_options(v: &Value, path: &Path) -> Result<(),
             return Err(FormatError::unsupported(path, format!("{key} {cap}")));
         }
     }
+    refuse_unimplemented_moe_options(v, path)?;
+    Ok(())
+}
+
+/// Refuses the MoE options Baton's routing does not implement: shared experts (Qwen2-MoE,
+/// DeepSeek), a scale on the routed weights, grouped expert selection and non-softmax scoring
+/// (DeepSeek-V3), dense leading layers by count (`first_k_dense_replace`). Each is refused
+/// only when it would change the math (present, not null, and not its no-op value).
+fn refuse_unimplemented_moe_options(v: &Value, path: &Path) -> Result<(), FormatError> {
+    let present = |key: &str| v.get(key).filter(|x| !x.is_null());
+    for key in ["shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "first_k_dense_replace"] {
+        if let Some(x) = present(key).filter(|x| x.as_u64() != Some(0)) {
+            return Err(FormatError::unsupported(path, format!("{key} {x} (MoE option not implemented)")));
+        }
+    }
+    if let Some(x) = present("routed_scaling_factor").filter(|x| x.as_f64() != Some(1.0)) {
+        return Err(FormatError::unsupported(path, format!("routed_scaling_factor {x} (MoE option not implemented)")));
+    }
+    for key in ["n_group", "topk_group"] {
+        if let Some(x) = present(key).filter(|x| x.as_u64() != Some(1)) {
+            return Err(FormatError::unsupported(
+                path,
+                format!("{key} {x} (grouped expert selection not implemented)"),
+            ));
+        }
+    }
+    if let Some(x) = present("scoring_func").filter(|x| x.as_str() != Some("softmax")) {
+        return Err(FormatError::unsupported(path, format!("scoring_func {x} (implemented: softmax)")));
+    }
     Ok(())
 }
 
@@ -171,8 +200,10 @@ pub(crate) fn layer_types(
     };
     let types = match architecture {
         // Phi-3's `sliding_window` (Phi-3-mini-4k: 2047) masks every layer, as Mistral's does.
-        Architecture::Mistral | Architecture::Phi3 => listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers]),
-        Architecture::Qwen2 | Architecture::Qwen3 => {
+        Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
+            listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers])
+        }
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             if v.get("use_sliding_window").and_then(Value::as_bool) != Some(true) {
                 all_full
             } else {

@@ -234,6 +234,101 @@ fn unknown_architectures_list_every_supported_one() {
     assert!(msg.contains("\"gpt2\""), "{msg}");
 }
 
+#[test]
+fn moe_configs_parse_their_experts_and_sparse_layers() {
+    // Both written by transformers 5 (which names Qwen3-MoE's expert count num_local_experts).
+    let dir = golden_fixtures_dir();
+    let q = ModelConfig::from_hf_file(&dir.join("qwen3_moe/config.json")).expect("qwen3_moe fixture");
+    assert_eq!(q.architecture, Architecture::Qwen3Moe);
+    assert!(q.qk_norm());
+    let m = q.moe.clone().expect("experts");
+    assert_eq!((m.num_experts, m.experts_per_token, m.intermediate_size), (8, 2, 32));
+    assert!(m.norm_topk_prob);
+    assert_eq!((m.decoder_sparse_step, m.mlp_only_layers.clone()), (2, vec![3]));
+    // Sparse every second layer, except layer 3 (mlp_only_layers): only layer 1.
+    assert_eq!((0..4).map(|i| q.is_moe_layer(i)).collect::<Vec<_>>(), [false, true, false, false]);
+    let names: Vec<String> = q.expected_tensors().into_iter().map(|t| t.0).collect();
+    for n in ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.7.down_proj.weight"] {
+        assert!(names.iter().any(|x| x == n), "{n} missing");
+    }
+    assert!(names.iter().any(|x| x == "model.layers.3.mlp.gate_proj.weight"), "layer 3 is dense");
+    assert!(!names.iter().any(|x| x == "model.layers.1.mlp.gate_proj.weight"), "layer 1 is sparse");
+    // transformers 4's key for the expert count, and the defaults of the optional keys.
+    let v4 = parse(&config(json!({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 1,
+                                  "moe_intermediate_size": 16})))
+    .expect("transformers 4 keys");
+    let m4 = v4.moe.clone().expect("experts");
+    assert_eq!((m4.num_experts, m4.decoder_sparse_step, m4.norm_topk_prob), (4, 1, false));
+    assert!((0..4).all(|i| v4.is_moe_layer(i)));
+    assert_ne!(v4.fingerprint(), ModelConfig { moe: None, ..v4.clone() }.fingerprint());
+
+    let x = ModelConfig::from_hf_file(&dir.join("mixtral/config.json")).expect("mixtral fixture");
+    assert_eq!(x.architecture, Architecture::Mixtral);
+    assert_eq!(x.head_dim, 24);
+    let mx = x.moe.clone().expect("experts");
+    assert_eq!((mx.num_experts, mx.experts_per_token, mx.intermediate_size, mx.norm_topk_prob), (8, 2, 32, true));
+    assert!(x.is_moe_layer(0) && x.is_moe_layer(1));
+    let names: Vec<String> = x.expected_tensors().into_iter().map(|t| t.0).collect();
+    for n in ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight"] {
+        assert!(names.iter().any(|x| x == n), "{n} missing");
+    }
+    // Mixtral's sliding window is Mistral's (every layer, the context capped at the window).
+    let windowed = parse(&config(json!({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                                         "sliding_window": 256})))
+    .expect("windowed mixtral");
+    assert_eq!(windowed.max_position_embeddings, 256);
+}
+
+#[test]
+fn moe_configs_with_inconsistent_or_unimplemented_expert_options_are_refused() {
+    let qwen3_moe = |extra: Value| {
+        let mut v = config(json!({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 16}));
+        for (k, x) in extra.as_object().expect("object") {
+            v[k] = x.clone();
+        }
+        v
+    };
+    assert!(parse(&qwen3_moe(json!({}))).is_ok());
+    // Options that change the math and are not implemented: refused, named.
+    for (extra, name) in [
+        (json!({"shared_expert_intermediate_size": 64}), "shared_expert_intermediate_size"),
+        (json!({"n_shared_experts": 1}), "n_shared_experts"),
+        (json!({"routed_scaling_factor": 2.5}), "routed_scaling_factor"),
+        (json!({"n_group": 4}), "n_group"),
+        (json!({"topk_group": 2}), "topk_group"),
+        (json!({"scoring_func": "sigmoid"}), "scoring_func"),
+        (json!({"first_k_dense_replace": 1}), "first_k_dense_replace"),
+    ] {
+        let msg = refused(&qwen3_moe(extra));
+        assert!(msg.contains(name), "{msg}");
+    }
+    // Their no-op values, and the training-only options, are accepted.
+    for extra in [
+        json!({"shared_expert_intermediate_size": 0, "routed_scaling_factor": 1.0, "n_group": 1,
+               "scoring_func": "softmax"}),
+        json!({"router_aux_loss_coef": 0.01, "output_router_logits": true, "router_jitter_noise": 0.1}),
+    ] {
+        parse(&qwen3_moe(extra.clone())).unwrap_or_else(|e| panic!("{extra}: {e}"));
+    }
+    // Inconsistent expert fields: a config error naming the field.
+    for (extra, name) in [
+        (json!({"num_experts_per_tok": 9}), "num_experts_per_tok"),
+        (json!({"num_experts_per_tok": 0}), "num_experts_per_tok"),
+        (json!({"num_experts": 0}), "num_experts"),
+        (json!({"moe_intermediate_size": 0}), "intermediate size"),
+        (json!({"decoder_sparse_step": 0}), "decoder_sparse_step"),
+        (json!({"mlp_only_layers": [4]}), "mlp_only_layers"),
+        (json!({"mlp_only_layers": ["one"]}), "mlp_only_layers"),
+    ] {
+        let msg = parse(&qwen3_moe(extra.clone())).expect_err("refused").to_string();
+        assert!(msg.contains(name), "{extra}: {msg}");
+    }
+    let mut no_k = qwen3_moe(json!({}));
+    no_k.as_object_mut().expect("object").remove("num_experts_per_tok");
+    assert!(parse(&no_k).expect_err("refused").to_string().contains("num_experts_per_tok"));
+}
+
 /// Phi-3 / Phi-4-mini as transformers wrote them: fused checkpoint tensors, partial rotary,
 /// LongRoPE with both lists and the attention factor transformers derives; the served context
 /// picks the list, and the fingerprint tells the two apart (P and D must rotate alike).

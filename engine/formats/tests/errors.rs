@@ -82,6 +82,23 @@ fn unsupported_architecture_is_named() {
 }
 
 #[test]
+fn mixture_of_experts_gguf_is_refused_naming_the_expert_count() {
+    // Mixtral GGUF files say `llama` with an expert count; Qwen3-MoE ones `qwen3moe`.
+    let tmp = tempfile::tempdir().expect("tmp");
+    for arch in ["llama", "qwen3moe"] {
+        let path = tmp.path().join(format!("{arch}.gguf"));
+        let mut w = gguf_writer(&TinySpec::llama(), GgufType::F32).expect("writer");
+        w.add_meta("general.architecture", GgufValue::String(arch.into()));
+        w.add_meta(&format!("{arch}.expert_count"), GgufValue::U32(8));
+        w.write(&path).expect("write");
+        let err = load_err(&path, LoadFormat::Auto);
+        let msg = err.to_string();
+        assert!(matches!(err, FormatError::Unsupported { .. }), "{msg}");
+        assert!(msg.contains(&format!("{arch}.expert_count 8")) && msg.contains("safetensors"), "{msg}");
+    }
+}
+
+#[test]
 fn unsupported_safetensors_dtype_is_named() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = hf_dir(tmp.path());

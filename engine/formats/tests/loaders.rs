@@ -24,7 +24,13 @@ fn assert_complete(m: &LoadedModel) {
 #[test]
 fn hf_folder_loads_every_preset_with_exact_weights() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+    for (name, spec) in [
+        ("llama", TinySpec::llama()),
+        ("qwen2", TinySpec::qwen2()),
+        ("tied", TinySpec::tied()),
+        ("qwen3_moe", TinySpec::qwen3_moe()),
+        ("mixtral", TinySpec::mixtral()),
+    ] {
         let dir = write_hf_folder(&tmp.path().join(name), &spec).expect("write");
         let m = load(&dir, LoadFormat::Auto);
         assert_eq!(m.config, spec.config(), "{name}");

@@ -10,8 +10,8 @@
 //! token for token on peaked models (rounding the weights alone changes greedy tokens), but
 //! it must match this one.
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape, KvIo, OptionalOp};
-use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, RopeTable, SeqSpan};
+use super::{Backend, BackendError, BatchLayout, KvCacheShape, KvIo, MoeWeights, OptionalOp};
+use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, MoeRouting, RopeTable, SeqSpan};
 
 /// A `rows × cols` row-major f32 weight matrix.
 #[derive(Debug, Clone)]
@@ -375,8 +375,57 @@ impl Backend for CpuBackend {
 
     fn supports(&self, op: OptionalOp) -> bool {
         match op {
-            OptionalOp::HeadRmsNorm => !self.without_optional_ops,
+            OptionalOp::HeadRmsNorm | OptionalOp::Moe => !self.without_optional_ops,
         }
+    }
+
+    fn moe(
+        &mut self,
+        x: &Vec<f32>,
+        m: usize,
+        w: MoeWeights<'_, CpuMat>,
+        routing: MoeRouting,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let (ne, inter) = (w.num_experts, w.intermediate_size);
+        let h = w.router.cols;
+        let shapes_ok = w.router.rows == ne
+            && (w.gate_up.rows, w.gate_up.cols) == (ne * 2 * inter, h)
+            && (w.down.rows, w.down.cols) == (ne * h, inter);
+        if !shapes_ok || inter == 0 {
+            return Err(kerr(
+                "moe",
+                format!(
+                    "router {}×{}, gate_up {}×{}, down {}×{} for {ne} experts of width {inter}",
+                    w.router.rows, w.router.cols, w.gate_up.rows, w.gate_up.cols, w.down.rows, w.down.cols
+                ),
+            ));
+        }
+        let x = x.get(..m * h).ok_or_else(|| kerr("moe", format!("input has {} values, need {m}×{h}", x.len())))?;
+        // Router logits stay f32 (the CUDA backend computes them with an f32-output GEMM).
+        let mut logits = vec![0.0; m * ne];
+        k::linear(x, &w.router.data, None, m, h, ne, &mut logits)?;
+        let kk = routing.k;
+        let (mut ids, mut weights) = (vec![0u32; m * kk], vec![0.0f32; m * kk]);
+        k::moe_route(&logits, ne, routing, &mut ids, &mut weights)?;
+        let perm = k::moe_permute(&ids, ne)?;
+        // Each op's output rounded where the CUDA kernels store bf16 (grouped GEMVs, SiLU·mul,
+        // the un-permuted sum); the routing weights stay f32 there too.
+        let mut gate_up = vec![0.0; m * kk * 2 * inter];
+        let gu = k::ExpertWeights { w: &w.gate_up.data, n: 2 * inter, d: h, bias: None };
+        k::moe_grouped_linear(x, k::MoeRows::PerToken, gu, &perm, kk, &mut gate_up)?;
+        self.store(&mut gate_up);
+        let mut act = vec![0.0; m * kk * inter];
+        k::silu_mul(&gate_up, &mut act, inter)?;
+        self.store(&mut act);
+        let mut expert_out = vec![0.0; m * kk * h];
+        let dw = k::ExpertWeights { w: &w.down.data, n: h, d: inter, bias: None };
+        k::moe_grouped_linear(&act, k::MoeRows::Permuted, dw, &perm, kk, &mut expert_out)?;
+        self.store(&mut expert_out);
+        out.resize(m * h, 0.0);
+        k::moe_unpermute(&expert_out, h, &perm, &weights, kk, None, out)?;
+        self.store(out);
+        Ok(())
     }
 
     fn head_rms_norm(

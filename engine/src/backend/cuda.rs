@@ -14,12 +14,13 @@
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
 use super::{
-    Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, OptionalOp, WeightUploadReport,
+    Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp,
+    WeightUploadReport,
 };
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
-use baton_kernels::cpu::{KernelError, NormWeight, RopeTable};
+use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
@@ -173,6 +174,8 @@ pub struct CudaBackend {
     /// The page-locked ring stored weights stream through while a model loads (created by
     /// the first [`Backend::upload_mat_raw`], freed by [`Backend::finish_weights`]).
     uploader: Option<WeightUploader>,
+    /// Scratch of the mixture-of-experts op (cuda_moe.rs).
+    moe: moe::MoeScratch,
 }
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
@@ -238,6 +241,7 @@ impl CudaBackend {
         let logits = dev.alloc(1)?;
         let sample_bufs = SampleBuffers::new(&dev)?;
         let (prompt_targets, prompt_out) = (dev.alloc(1)?, dev.alloc(1)?);
+        let moe = moe::MoeScratch::new(&dev)?;
         for m in dev.module_reports() {
             tracing::info!(
                 module = %m.name,
@@ -288,6 +292,7 @@ impl CudaBackend {
             graphs: graph::GraphState::new(),
             profile: None,
             uploader: None,
+            moe,
         })
     }
 
@@ -774,6 +779,8 @@ impl Backend for CudaBackend {
         match op {
             // Fused into the RoPE + KV write kernel (`split_qk_norm_rope_and_write_kv`).
             OptionalOp::HeadRmsNorm => true,
+            // cuda_moe.rs: routing, permutation and the grouped expert GEMVs on the device.
+            OptionalOp::Moe => true,
         }
     }
 
@@ -935,6 +942,17 @@ impl Backend for CudaBackend {
         baton_core::kv_transfer::KvDtype::BF16
     }
 
+    fn moe(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        w: MoeWeights<'_, CudaMat>,
+        routing: MoeRouting,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.moe_layer(x, m, w, routing, out)
+    }
+
     fn kv_device(&mut self) -> Option<&mut dyn super::KvDeviceAccess> {
         Some(self)
     }
@@ -1040,6 +1058,9 @@ mod kv_device;
 
 #[path = "cuda_graph.rs"]
 mod graph;
+
+#[path = "cuda_moe.rs"]
+mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ pub mod cuda;
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
-use baton_kernels::cpu::KernelError;
+use baton_kernels::cpu::{KernelError, MoeRouting};
 use rayon::prelude::*;
 
 /// The host's draw of [`Backend::random_mat`]: `parts` (rows each) of `cols` columns.
@@ -410,6 +410,22 @@ pub trait Backend: Send + 'static {
         self.rope_and_write_kv(layer, q, k, v, n_heads, batch)
     }
 
+    /// A mixture-of-experts MLP over `m` rows of `x` (the post-attention normed hidden
+    /// states, `m × hidden`), into `out` (`m × hidden`, the branch [`Backend::add_rms_norm`]
+    /// adds to the residual): the router's logits (kept in f32), each row's top-k experts and
+    /// weights as `routing` says, every chosen expert's SiLU-gated MLP, and their weighted
+    /// sum. Optional ([`OptionalOp::Moe`]); the default refuses.
+    fn moe(
+        &mut self,
+        _x: &Self::Buf,
+        _m: usize,
+        _w: MoeWeights<'_, Self::Mat>,
+        _routing: MoeRouting,
+        _out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} has no mixture-of-experts op", self.device_name())))
+    }
+
     /// Replaying recorded steps (CUDA graphs), on backends that record them; `None` elsewhere
     /// (every step runs op by op).
     fn graph_replay(&mut self) -> Option<&mut dyn GraphReplay> {
@@ -441,6 +457,8 @@ pub enum OptionalOp {
     /// q/k RMSNorm per head before RoPE: [`Backend::split_qk_norm_rope_and_write_kv`]
     /// (Qwen3's q/k norm).
     HeadRmsNorm,
+    /// A routed mixture-of-experts MLP: [`Backend::moe`] (Qwen3-MoE, Mixtral).
+    Moe,
 }
 
 impl OptionalOp {
@@ -448,9 +466,36 @@ impl OptionalOp {
     pub fn name(self) -> &'static str {
         match self {
             Self::HeadRmsNorm => "per-head RMSNorm (q/k norm)",
+            Self::Moe => "mixture-of-experts MLP",
         }
     }
 }
+
+/// One MoE layer's weights on a backend (see [`Backend::moe`]). Expert `e`'s matrices are
+/// rows `e · rows_per_expert ..` of the stacked matrices, each in the HF `[out, in]` layout,
+/// which is the layout the grouped expert kernels read.
+#[derive(Debug)]
+pub struct MoeWeights<'a, M> {
+    /// The router (`gate`), `num_experts × hidden`.
+    pub router: &'a M,
+    /// Every expert's `[gate; up]`, stacked: `num_experts · 2 · intermediate_size` rows of
+    /// `hidden` (expert `e`: its gate rows, then its up rows).
+    pub gate_up: &'a M,
+    /// Every expert's down projection, stacked: `num_experts · hidden` rows of `intermediate_size`.
+    pub down: &'a M,
+    /// Experts.
+    pub num_experts: usize,
+    /// Inner width of each expert.
+    pub intermediate_size: usize,
+}
+
+impl<M> Clone for MoeWeights<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<M> Copy for MoeWeights<'_, M> {}
 
 /// Replaying recorded decode steps (CUDA graphs). The runner offers a pure decode step with
 /// [`GraphReplay::replay_rows`], pads it, and either replays a recording or records one.

@@ -5,6 +5,9 @@
 //! `[gate; up]` into another. One [`Architecture::forward_layers`] runs a whole mixed
 //! batch (prefill chunks and decode rows alike).
 //!
+//! Qwen3-MoE and Mixtral are the same layers with routed experts instead of the dense MLP
+//! where their [`LayerSpec`] says [`MlpKind::Moe`] (the block is `super::moe`, shared by
+//! every family whose attention is this one's).
 //! Phi-3 / Phi-4-mini are the same layout too: their checkpoints already store `qkv_proj`
 //! and `gate_up_proj` fused, they may rotate only part of each head
 //! (`ModelConfig::rotary_dim`) and use LongRoPE (`ModelConfig::longrope`).
@@ -16,10 +19,11 @@
 //!
 //! Invariants: every layer attends fully over the served context (a sliding window is
 //! accepted only where it is at least the context, which the config parser ensures by
-//! capping the context), has a dense SiLU-gated MLP and one shared rotary table (other
+//! capping the context), has a SiLU-gated MLP, dense or routed experts, and one shared rotary table (other
 //! [`LayerSpec`]s are refused at load); activation buffers are reused across steps and
 //! only grow.
 
+use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{Backend, BackendError, BatchLayout, OptionalOp};
 use baton_formats::ModelConfig;
@@ -34,8 +38,15 @@ struct Layer<B: Backend> {
     qk_norm: Option<(B::Buf, B::Buf)>,
     o: B::Mat,
     o_bias: Option<B::Buf>,
-    gate_up: B::Mat,
-    down: B::Mat,
+    mlp: Mlp<B>,
+}
+
+/// A layer's MLP.
+enum Mlp<B: Backend> {
+    /// `down(silu(gate) * up)` with `[gate; up]` fused, `intermediate_size` wide.
+    Dense { gate_up: B::Mat, down: B::Mat, intermediate_size: usize },
+    /// Routed experts.
+    Moe(MoeMlp<B>),
 }
 
 /// Activation buffers reused across steps (resized per batch).
@@ -84,9 +95,6 @@ impl<B: Backend> Llama<B> {
             if !s.attends_fully_up_to(cfg.max_position_embeddings) {
                 return Err(unsupported(format!("layer {i}: attention {:?}", s.attention)));
             }
-            if !matches!(s.mlp, MlpKind::Dense { .. }) {
-                return Err(unsupported(format!("layer {i}: MLP {:?}", s.mlp)));
-            }
             if s.qk_norm && !b.supports(OptionalOp::HeadRmsNorm) {
                 return Err(unsupported(format!("layer {i} needs {}", OptionalOp::HeadRmsNorm.name())));
             }
@@ -101,7 +109,6 @@ impl<B: Backend> Llama<B> {
         let hd = cfg.head_dim;
         let qd = cfg.num_attention_heads * hd;
         let kvd = cfg.num_key_value_heads * hd;
-        let inter = cfg.intermediate_size;
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
@@ -136,16 +143,25 @@ impl<B: Backend> Llama<B> {
                 qk_norm,
                 o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
                 o_bias,
-                gate_up: if cfg.fused_checkpoint() {
-                    w.mat(b, &[(format!("{p}.mlp.gate_up_proj.weight"), 2 * inter)], h)?
-                } else {
-                    w.mat(
-                        b,
-                        &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
-                        h,
-                    )?
+                mlp: match spec.mlp {
+                    MlpKind::Dense { intermediate_size: inter } => Mlp::Dense {
+                        gate_up: if cfg.fused_checkpoint() {
+                            w.mat(b, &[(format!("{p}.mlp.gate_up_proj.weight"), 2 * inter)], h)?
+                        } else {
+                            w.mat(
+                                b,
+                                &[
+                                    (format!("{p}.mlp.gate_proj.weight"), inter),
+                                    (format!("{p}.mlp.up_proj.weight"), inter),
+                                ],
+                                h,
+                            )?
+                        },
+                        down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
+                        intermediate_size: inter,
+                    },
+                    kind => Mlp::Moe(MoeMlp::load(cfg, i, kind, w, b)?),
                 },
-                down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
             });
         }
         let ws = Workspace {
@@ -229,12 +245,20 @@ impl<B: Backend> Architecture<B> for Llama<B> {
             b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
             b.mark("norm");
             b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
-            b.mark("gate_up");
-            b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
-            b.mark("silu_mul");
-            b.silu_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
-            b.mark("down");
-            b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
+            match &layer.mlp {
+                Mlp::Dense { gate_up, down, intermediate_size } => {
+                    b.mark("gate_up");
+                    b.linear(&ws.hidden, t, gate_up, None, &mut ws.gate_up)?;
+                    b.mark("silu_mul");
+                    b.silu_mul(&ws.gate_up, *intermediate_size, &mut ws.act)?;
+                    b.mark("down");
+                    b.linear(&ws.act, t, down, None, &mut ws.proj)?;
+                }
+                Mlp::Moe(moe) => {
+                    b.mark("moe");
+                    moe.forward(b, &ws.hidden, t, &mut ws.proj)?;
+                }
+            }
         }
         Ok(())
     }

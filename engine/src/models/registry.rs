@@ -16,8 +16,9 @@ use baton_formats::{Architecture as Family, ModelConfig};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Implementation {
-    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases and optional
-    /// per-head q/k norm (Qwen3).
+    /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases, optional
+    /// per-head q/k norm (Qwen3) and routed experts in place of dense MLPs (Qwen3-MoE,
+    /// Mixtral; the block is `models/moe.rs`).
     Llama,
 }
 
@@ -50,6 +51,8 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Mistral, implementation: Implementation::Llama },
     Registration { family: Family::Qwen2, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
+    Registration { family: Family::Qwen3Moe, implementation: Implementation::Llama },
+    Registration { family: Family::Mixtral, implementation: Implementation::Llama },
     Registration { family: Family::Phi3, implementation: Implementation::Llama },
 ];
 
@@ -76,7 +79,7 @@ pub fn build_architecture<B: Backend>(
 mod tests {
     use super::*;
     use crate::backend::cpu::CpuBackend;
-    use crate::models::{AttentionKind, LayerSpec};
+    use crate::models::{AttentionKind, LayerSpec, MlpKind};
     use baton_formats::LayerType;
     use baton_formats::testing::TinySpec;
 
@@ -99,6 +102,10 @@ mod tests {
             ("qwen2", Family::Qwen2),
             ("Qwen3ForCausalLM", Family::Qwen3),
             ("qwen3", Family::Qwen3),
+            ("Qwen3MoeForCausalLM", Family::Qwen3Moe),
+            ("qwen3_moe", Family::Qwen3Moe),
+            ("MixtralForCausalLM", Family::Mixtral),
+            ("mixtral", Family::Mixtral),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
@@ -123,6 +130,26 @@ mod tests {
         build_on(&TinySpec::llama(), CpuBackend::without_optional_ops()).expect("llama needs no optional op");
         let qwen3 = build_on(&TinySpec::qwen3(), CpuBackend::new()).expect("qwen3 on the CPU");
         assert!(qwen3.layers().iter().all(|l| l.qk_norm && l.head_dim == 32));
+    }
+
+    #[test]
+    fn a_backend_without_the_moe_op_refuses_moe_models_at_load() {
+        for (spec, name) in [(TinySpec::mixtral(), "mixtral"), (TinySpec::qwen3_moe(), "qwen3_moe")] {
+            let mut b = CpuBackend::new();
+            // Qwen3-MoE also needs the q/k norm: only the MoE op is missing here.
+            let err = build_on(&spec, CpuBackend::without_optional_ops()).err().expect("refused");
+            let msg = err.to_string();
+            assert!(matches!(err, ModelLoadError::Unsupported { architecture, .. } if architecture == name), "{msg}");
+            if spec.architecture == baton_formats::Architecture::Mixtral {
+                assert!(msg.contains("mixture-of-experts MLP") && msg.contains("layer 0"), "{msg}");
+            }
+            let model = build_architecture(&spec.config(), &mut WeightLoader::new(&spec.weights()), &mut b)
+                .expect("loads where the op exists");
+            // Qwen3-MoE's middle layer is in mlp_only_layers: dense; every other layer routes.
+            let moe: Vec<bool> = model.layers().iter().map(|l| matches!(l.mlp, MlpKind::Moe { .. })).collect();
+            let want = if name == "mixtral" { vec![true, true] } else { vec![true, false, true] };
+            assert_eq!(moe, want, "{name}");
+        }
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub enum MlpKind {
         experts_per_token: usize,
         /// Inner width of each expert.
         intermediate_size: usize,
+        /// The chosen experts' weights are renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+        /// `norm_topk_prob`).
+        renormalize: bool,
     },
 }
 
@@ -94,18 +97,29 @@ pub struct LayerSpec {
 
 impl LayerSpec {
     /// One spec per layer of `cfg`, from its `layer_types` (the window of sliding layers and
-    /// their RoPE where it differs).
+    /// their RoPE where it differs) and its experts (which layers are MoE:
+    /// `MoeConfig::is_moe_layer`).
     pub fn from_config(cfg: &ModelConfig) -> Vec<LayerSpec> {
         cfg.layer_types
             .iter()
-            .map(|&kind| {
+            .enumerate()
+            .map(|(i, &kind)| {
                 let rope = cfg.rope_for(kind);
+                let mlp = match cfg.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
+                    Some(m) => MlpKind::Moe {
+                        num_experts: m.num_experts,
+                        experts_per_token: m.experts_per_token,
+                        intermediate_size: m.intermediate_size,
+                        renormalize: m.norm_topk_prob,
+                    },
+                    None => MlpKind::Dense { intermediate_size: cfg.intermediate_size },
+                };
                 LayerSpec {
                     attention: match (kind, cfg.sliding_window) {
                         (LayerType::Sliding, Some(window)) => AttentionKind::SlidingWindow { window },
                         _ => AttentionKind::Full,
                     },
-                    mlp: MlpKind::Dense { intermediate_size: cfg.intermediate_size },
+                    mlp,
                     num_heads: cfg.num_attention_heads,
                     num_kv_heads: cfg.num_key_value_heads,
                     head_dim: cfg.head_dim,

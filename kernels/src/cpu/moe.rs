@@ -248,6 +248,17 @@ mod tests {
     }
 
     #[test]
+    fn a_row_of_nan_logits_gets_in_range_ids_and_nan_weights() {
+        // An overflowed activation must not send an assignment to no expert (the CUDA
+        // permutation could not place it); its output is NaN, as its input was.
+        for scoring in [MoeScoring::Softmax, MoeScoring::Sigmoid] {
+            let r = MoeRouting { k: 2, scoring, renormalize: true, scale: 1.0 };
+            let (ids, w) = route(&[f32::NAN; 8], 4, r);
+            assert!(ids.iter().all(|&e| e < 4) && w.iter().all(|x| x.is_nan()), "{scoring:?}: {ids:?} {w:?}");
+        }
+    }
+
+    #[test]
     fn sigmoid_routing_scores_each_expert_alone() {
         let logits = [0.0f32, -1.0, 4.0, 1.0];
         let r = MoeRouting { k: 3, scoring: MoeScoring::Sigmoid, renormalize: false, scale: 1.0 };

@@ -47,6 +47,8 @@ const ROUTE_ROWS_PER_CTA: usize = 4;
 const GEMV_COLS_PER_CTA: usize = 8;
 
 /// Each token's top-k experts: `ids[r·k + j]` and `weights[r·k + j]`, best first.
+/// A row of NaN logits still gets in-range ids (with NaN weights), as the CPU reference
+/// gives, so the permutation and un-permute never meet an id they cannot place.
 pub struct MoeRouteCall<'a> {
     /// Router logits, `rows × n_experts` f32.
     pub logits: &'a CudaSlice<f32>,

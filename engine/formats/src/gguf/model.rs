@@ -113,6 +113,18 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         .get("general.architecture")
         .and_then(GgufValue::as_str)
         .ok_or_else(|| FormatError::gguf(path, "missing general.architecture"))?;
+    // Mixture-of-experts GGUF files (llama.cpp's `qwen3moe`, or `llama` with experts for
+    // Mixtral) store the experts stacked under names this loader does not map: refused here,
+    // by name, rather than as a missing tensor later.
+    if let Some(n) = g.get(&format!("{arch_name}.expert_count")).and_then(GgufValue::as_u64).filter(|&n| n > 0) {
+        return Err(FormatError::unsupported(
+            path,
+            format!(
+                "mixture-of-experts GGUF ({arch_name}.expert_count {n}); load the Hugging Face safetensors \
+                 checkpoint instead"
+            ),
+        ));
+    }
     // Only the families whose GGUF tensor layout is mapped (those with a `gguf_name`, and
     // Mistral, which llama.cpp writes as `llama`) load from GGUF.
     let architecture = Architecture::from_name(arch_name)
@@ -185,6 +197,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         sliding_rope: None,
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
+        moe: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)

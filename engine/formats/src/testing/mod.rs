@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use crate::config::{Architecture, GenerationConfig, ModelConfig, RopeScaling, llama3_rope_divisors};
+use crate::config::{Architecture, GenerationConfig, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors};
 use crate::dummy::DummyStore;
 use crate::error::FormatError;
 use crate::gguf::{GgufType, GgufValue, GgufWriter, hf_to_gguf_name, permute_qk_rows};
@@ -77,6 +77,8 @@ pub struct TinySpec {
     pub init_std: f32,
     /// Pre-tokenizer of the test tokenizer.
     pub pre_tokenizer: PreTokenizerKind,
+    /// Routed experts (Qwen3-MoE, Mixtral); `None` for a dense model.
+    pub moe: Option<MoeConfig>,
 }
 
 impl TinySpec {
@@ -99,6 +101,7 @@ impl TinySpec {
             seed: 1,
             init_std: 0.08,
             pre_tokenizer: PreTokenizerKind::Smollm,
+            moe: None,
         }
     }
 
@@ -122,6 +125,47 @@ impl TinySpec {
             rope_theta: 1_000_000.0,
             seed: 4,
             pre_tokenizer: PreTokenizerKind::Qwen2,
+            ..Self::llama()
+        }
+    }
+
+    /// Qwen3-MoE: Qwen3's attention, 3 layers of which the middle one stays dense
+    /// (`mlp_only_layers`), the others 8 experts of width 32, top-2 *without* renormalising
+    /// the chosen experts' weights (`norm_topk_prob` false, transformers' default: Mixtral
+    /// covers the renormalised routing).
+    pub fn qwen3_moe() -> Self {
+        Self {
+            architecture: Architecture::Qwen3Moe,
+            num_layers: 3,
+            seed: 5,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                experts_per_token: 2,
+                intermediate_size: 32,
+                norm_topk_prob: false,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![1],
+            }),
+            ..Self::qwen3()
+        }
+    }
+
+    /// Mixtral: Llama's attention (GQA), every layer 8 experts of width 64 (the config's
+    /// `intermediate_size`), top-2 renormalised.
+    pub fn mixtral() -> Self {
+        Self {
+            architecture: Architecture::Mixtral,
+            intermediate_size: 64,
+            rope_theta: 1_000_000.0,
+            seed: 6,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                experts_per_token: 2,
+                intermediate_size: 64,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: Vec::new(),
+            }),
             ..Self::llama()
         }
     }
@@ -180,6 +224,7 @@ impl TinySpec {
             sliding_rope: None,
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
+            moe: self.moe.clone(),
         }
     }
 
@@ -262,6 +307,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
+        Architecture::Qwen3Moe | Architecture::Mixtral => {
+            return Err(FormatError::unsupported(Path::new("gguf"), "mixture-of-experts GGUF (not written or read)"));
+        }
         Architecture::Phi3 => {
             return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
         }

@@ -1,0 +1,175 @@
+//! The CUDA backend's mixture-of-experts op ([`Backend::moe`](crate::backend::Backend::moe)):
+//! the router GEMM with an f32 output, then the moe kernels of `baton_kernels::cuda` in the
+//! order their module documents (routing, permutation, one grouped GEMV over the experts in
+//! use for `[gate | up]`, SiLU·mul, one grouped GEMV for down, the weighted un-permute).
+//!
+//! Invariants: the scratch buffers only grow (through the device allocator, so a growth
+//! moves the allocation generation and drops recorded graphs); every launch has a shape fixed
+//! by the row count alone (the grouped GEMV launches a CTA column for every expert, the
+//! permutation one CTA), and nothing synchronizes with the host, so a decode step with MoE
+//! layers records and replays as a CUDA graph like any other. Padding rows of a replayed step
+//! are routed like real ones; their outputs are never read.
+
+use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
+use crate::backend::{BackendError, MoeWeights};
+use baton_kernels::cpu::{MoeRouting, MoeRows};
+use baton_kernels::cuda::{
+    CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,
+    MoeUnpermuteCall, SiluMulCall, bf16,
+};
+use cudarc::driver::DeviceRepr;
+
+/// Device scratch of the MoE op, grown to the largest step and reused by every layer.
+pub(super) struct MoeScratch {
+    /// Router logits, `rows × experts` f32.
+    logits: CudaSlice<f32>,
+    /// `rows × k` expert ids and weights.
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    /// The permutation: `experts + 1` offsets, `rows × k` order and position.
+    offsets: CudaSlice<i32>,
+    order: CudaSlice<i32>,
+    position: CudaSlice<i32>,
+    /// `rows · k × 2I` (`[gate | up]`), `rows · k × I` (activated), `rows · k × hidden`.
+    gate_up: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    expert_out: CudaSlice<bf16>,
+}
+
+/// Replaces `buf` with a larger allocation when it holds fewer than `len` elements.
+fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), BackendError> {
+    if buf.len() < len {
+        *buf = dev.alloc(len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+impl MoeScratch {
+    /// Empty scratch (one element each; the first MoE step grows it).
+    pub(super) fn new(dev: &CudaDevice) -> Result<Self, BackendError> {
+        Ok(Self {
+            logits: dev.alloc(1)?,
+            ids: dev.alloc(1)?,
+            weights: dev.alloc(1)?,
+            offsets: dev.alloc(1)?,
+            order: dev.alloc(1)?,
+            position: dev.alloc(1)?,
+            gate_up: dev.alloc(1)?,
+            act: dev.alloc(1)?,
+            expert_out: dev.alloc(1)?,
+        })
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::moe`](crate::backend::Backend::moe) on the device.
+    pub(super) fn moe_layer(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        w: MoeWeights<'_, CudaMat>,
+        routing: MoeRouting,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let (ne, inter, k) = (w.num_experts, w.intermediate_size, routing.k);
+        let h = w.router.cols;
+        let shapes_ok = w.router.rows == ne
+            && (w.gate_up.rows, w.gate_up.cols) == (ne * 2 * inter, h)
+            && (w.down.rows, w.down.cols) == (ne * h, inter);
+        if !shapes_ok || inter == 0 {
+            return Err(kerr(
+                "moe",
+                format!(
+                    "router {}×{}, gate_up {}×{}, down {}×{} for {ne} experts of width {inter}",
+                    w.router.rows, w.router.cols, w.gate_up.rows, w.gate_up.cols, w.down.rows, w.down.cols
+                ),
+            ));
+        }
+        // The kernels' limits, named here rather than as a launch's shape error.
+        if ne > MOE_MAX_EXPERTS || k > MOE_MAX_K || !h.is_multiple_of(8) || !inter.is_multiple_of(8) {
+            return Err(kerr(
+                "moe",
+                format!(
+                    "{ne} experts (at most {MOE_MAX_EXPERTS}), top-{k} (at most {MOE_MAX_K}), hidden {h} and \
+                     expert width {inter} (multiples of 8) are outside what the CUDA MoE kernels take"
+                ),
+            ));
+        }
+        if x.len < m * h {
+            return Err(kerr("moe", format!("input has {} values, need {m}×{h}", x.len)));
+        }
+        let a = m * k;
+        let dev = &self.dev;
+        let s = &mut self.moe;
+        grow(dev, &mut s.logits, m * ne)?;
+        grow(dev, &mut s.ids, a)?;
+        grow(dev, &mut s.weights, a)?;
+        grow(dev, &mut s.offsets, ne + 1)?;
+        grow(dev, &mut s.order, a)?;
+        grow(dev, &mut s.position, a)?;
+        grow(dev, &mut s.gate_up, a * 2 * inter)?;
+        grow(dev, &mut s.act, a * inter)?;
+        grow(dev, &mut s.expert_out, a * h)?;
+        self.ensure(out, m * h)?;
+        let dev = &self.dev;
+        let s = &mut self.moe;
+        // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
+        // rounding of the logits).
+        let kernel = linear_kernel(self.gemv, m, h);
+        LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
+        MoeRouteCall { logits: &s.logits, rows: m, n_experts: ne, routing, ids: &mut s.ids, weights: &mut s.weights }
+            .launch(dev)?;
+        MoePermuteCall {
+            ids: &s.ids,
+            assignments: a,
+            n_experts: ne,
+            offsets: &mut s.offsets,
+            order: &mut s.order,
+            position: &mut s.position,
+        }
+        .launch(dev)?;
+        MoeGroupedGemvCall {
+            x: &x.data,
+            rows: MoeRows::PerToken,
+            k,
+            w: &w.gate_up.data,
+            bias: None,
+            n_experts: ne,
+            n: 2 * inter,
+            d: h,
+            offsets: &s.offsets,
+            order: &s.order,
+            assignments: a,
+            out: &mut s.gate_up,
+        }
+        .launch(dev)?;
+        SiluMulCall { gate_up: &s.gate_up, rows: a, d: inter, out: &mut s.act }.launch(dev)?;
+        MoeGroupedGemvCall {
+            x: &s.act,
+            rows: MoeRows::Permuted,
+            k,
+            w: &w.down.data,
+            bias: None,
+            n_experts: ne,
+            n: h,
+            d: inter,
+            offsets: &s.offsets,
+            order: &s.order,
+            assignments: a,
+            out: &mut s.expert_out,
+        }
+        .launch(dev)?;
+        MoeUnpermuteCall {
+            expert_out: &s.expert_out,
+            position: &s.position,
+            weights: &s.weights,
+            rows: m,
+            k,
+            d: h,
+            shared: None,
+            out: &mut out.data,
+        }
+        .launch(dev)?;
+        Ok(())
+    }
+}
