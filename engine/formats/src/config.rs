@@ -10,10 +10,12 @@ use serde_json::{Value, json};
 
 use crate::error::FormatError;
 pub use crate::hf_options::declared_dtype;
-use crate::hf_options::{layer_types, parse_rope, refuse_unimplemented_options};
+use crate::hf_options::{gemma_options, layer_types, parse_rope, refuse_unimplemented_options};
 
-/// The transformer families Baton implements. All share Llama's tensor layout; Qwen2 adds
-/// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE.
+/// The transformer families Baton implements. All share Llama's attention and MLP tensors;
+/// Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE; Gemma 2 and 3
+/// add norms after attention and MLP, GELU-tanh, soft-capping and sliding-window layers
+/// (see [`GemmaOptions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2 and SmolLM2.
@@ -24,11 +26,17 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 dense (q/k norm, head_dim independent of the hidden size).
     Qwen3,
+    /// Gemma 2 (`Gemma2ForCausalLM`): alternating sliding and global layers, soft-capping.
+    Gemma2,
+    /// Gemma 3, the text model only (`Gemma3ForCausalLM`, `model_type` `gemma3_text`): 5:1
+    /// local/global layers, q/k norm, a RoPE base of its own for local layers.
+    Gemma3Text,
 }
 
 impl Architecture {
     /// Every architecture, in the order messages list them.
-    pub const ALL: [Architecture; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+    pub const ALL: [Architecture; 6] =
+        [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3, Self::Gemma2, Self::Gemma3Text];
 
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
@@ -36,11 +44,12 @@ impl Architecture {
     }
 
     /// llama.cpp's `general.architecture` for this family, where it defines one (Mistral
-    /// GGUF files say `llama`).
+    /// GGUF files say `llama`). Gemma GGUF files are not read (their tensor names and norm
+    /// conventions are not mapped), so the Gemma families have none here.
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
-            Self::Mistral => None,
+            Self::Mistral | Self::Gemma2 | Self::Gemma3Text => None,
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
         }
@@ -58,7 +67,14 @@ impl Architecture {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3Text => "gemma3_text",
         }
+    }
+
+    /// Whether this is Gemma 2 or Gemma 3 (their layer layout, norms and options).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3Text)
     }
 
     /// The HF `architectures[0]` class name.
@@ -68,6 +84,8 @@ impl Architecture {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3Text => "Gemma3ForCausalLM",
         }
     }
 }
@@ -118,6 +136,28 @@ impl LayerType {
             Self::Full => "full_attention",
             Self::Sliding => "sliding_attention",
         }
+    }
+}
+
+/// What Gemma 2 and Gemma 3 add to the shared layout (`None` in [`ModelConfig::gemma`] for
+/// every other family). Implied by the family and not listed here: embeddings scaled by
+/// `√hidden_size`, RMSNorms scaling by `1 + w`, norms after attention and after the MLP
+/// (`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`),
+/// the GELU-tanh gated MLP, and (Gemma 3) the q/k norm.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmaOptions {
+    /// Attention scores are scaled by `query_pre_attn_scalar^-0.5` (not `head_dim^-0.5`).
+    pub query_pre_attn_scalar: f32,
+    /// Each scaled attention score `s` becomes `cap · tanh(s / cap)` (`attn_logit_softcapping`).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Each final logit `x` becomes `cap · tanh(x / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f32>,
+}
+
+impl GemmaOptions {
+    /// The softmax scale of attention scores.
+    pub fn attention_scale(&self) -> f32 {
+        (1.0 / f64::from(self.query_pre_attn_scalar).sqrt()) as f32
     }
 }
 
@@ -181,7 +221,8 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// Longest context the model supports: the config's `max_position_embeddings`, capped at
     /// an active `sliding_window` (Mistral's, or Qwen2's when `use_sliding_window` puts a layer
-    /// under it), since attention here is always over the whole context.
+    /// under it) for families whose layers attend over the whole context (not Gemma's, which
+    /// implement the window).
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
@@ -200,6 +241,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (any of them stops generation).
     pub eos_token_ids: Vec<u32>,
+    /// Gemma 2 / Gemma 3 options; `None` for every other family.
+    pub gemma: Option<GemmaOptions>,
 }
 
 impl ModelConfig {
@@ -232,9 +275,9 @@ impl ModelConfig {
         )
     }
 
-    /// q and k are RMS-normalised per head before RoPE (Qwen3's `q_norm`/`k_norm`).
+    /// q and k are RMS-normalised per head before RoPE (Qwen3's and Gemma 3's `q_norm`/`k_norm`).
     pub fn qk_norm(&self) -> bool {
-        self.architecture == Architecture::Qwen3
+        matches!(self.architecture, Architecture::Qwen3 | Architecture::Gemma3Text)
     }
 
     /// o_proj has a bias: `attention_bias` in Llama and Qwen3 covers o_proj too; Qwen2's
@@ -366,6 +409,10 @@ impl ModelConfig {
                 out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
             }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if self.architecture.is_gemma() {
+                out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+                out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+            }
             out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
             out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
             out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
@@ -393,6 +440,17 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .or_else(|| v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str))
             .ok_or_else(|| FormatError::config(path, "neither model_type nor architectures is set"))?;
+        if let Some(multimodal) = ["gemma3", "Gemma3ForConditionalGeneration"].into_iter().find(|n| {
+            *n == arch_name || v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some(n)
+        }) {
+            return Err(FormatError::unsupported(
+                path,
+                format!(
+                    "{multimodal}: the multimodal Gemma 3 (vision tower + text model) is not served; only the text \
+                     model is (model_type \"gemma3_text\", Gemma3ForCausalLM)"
+                ),
+            ));
+        }
         let architecture = Architecture::from_name(arch_name).ok_or_else(|| FormatError::UnsupportedArchitecture {
             path: path.to_path_buf(),
             name: arch_name.to_string(),
@@ -404,7 +462,7 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::config(path, format!("missing or non-integer {key:?}")))
         };
         let opt_usize = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
-        refuse_unimplemented_options(v, path)?;
+        refuse_unimplemented_options(v, architecture, path)?;
         // Read (and an unknown one refused) but not kept: Baton computes in f32 on the CPU and
         // bf16 on GPUs, and reads each tensor in its stored dtype.
         declared_dtype(v, path)?;
@@ -421,7 +479,7 @@ impl ModelConfig {
             _ => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
         };
         let (layer_types, sliding_window) = layer_types(v, architecture, num_hidden_layers, path)?;
-        let (rope, sliding_rope) = parse_rope(v, path)?;
+        let (rope, sliding_rope) = parse_rope(v, architecture, path)?;
         let declared_len = opt_usize("max_position_embeddings").unwrap_or(2048);
         let cfg = Self {
             architecture,
@@ -439,7 +497,13 @@ impl ModelConfig {
             // the window, and the Llama-family layers here attend over the whole context: the
             // context is capped at the window rather than giving wrong tokens past it.
             max_position_embeddings: match sliding_window {
-                Some(window) if layer_types.contains(&LayerType::Sliding) && window < declared_len => window.max(1),
+                Some(window)
+                    if !architecture.is_gemma()
+                        && layer_types.contains(&LayerType::Sliding)
+                        && window < declared_len =>
+                {
+                    window.max(1)
+                }
                 _ => declared_len,
             },
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
@@ -449,6 +513,7 @@ impl ModelConfig {
             sliding_rope,
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
+            gemma: gemma_options(v, architecture, path)?,
         };
         cfg.validate_at(path)?;
         Ok(cfg)
@@ -520,9 +585,30 @@ impl ModelConfig {
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
                 }
+                Architecture::Gemma2 | Architecture::Gemma3Text => self.insert_gemma_keys(obj),
             }
         }
         v
+    }
+
+    /// The Gemma keys of [`ModelConfig::to_hf_json`] (transformers 4 names, which 5 reads too).
+    fn insert_gemma_keys(&self, obj: &mut serde_json::Map<String, Value>) {
+        obj.remove("hidden_act");
+        obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        obj.insert("attention_bias".into(), json!(self.attention_bias));
+        let types: Vec<&str> = self.layer_types.iter().map(|t| t.hf_name()).collect();
+        obj.insert("layer_types".into(), json!(types));
+        obj.insert("sliding_window".into(), json!(self.sliding_window));
+        if self.architecture == Architecture::Gemma3Text {
+            let local = self.rope_for(LayerType::Sliding).theta;
+            obj.insert("rope_local_base_freq".into(), f32_json(local));
+        }
+        if let Some(g) = self.gemma {
+            let cap = |c: Option<f32>| c.map_or(Value::Null, f32_json);
+            obj.insert("query_pre_attn_scalar".into(), f32_json(g.query_pre_attn_scalar));
+            obj.insert("attn_logit_softcapping".into(), cap(g.attn_logit_softcapping));
+            obj.insert("final_logit_softcapping".into(), cap(g.final_logit_softcapping));
+        }
     }
 }
 

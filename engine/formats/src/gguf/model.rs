@@ -180,6 +180,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         sliding_rope: None,
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
+        gemma: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)

@@ -178,6 +178,7 @@ impl TinySpec {
             sliding_rope: None,
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
+            gemma: None,
         }
     }
 
@@ -260,6 +261,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
+        Architecture::Gemma2 | Architecture::Gemma3Text => {
+            return Err(FormatError::unsupported("gguf", "GGUF files of the Gemma families are not written"));
+        }
     };
     let mut w = GgufWriter::new();
     w.add_meta("general.architecture", GgufValue::String(arch.into()));
