@@ -7,6 +7,7 @@
 //! Invariant: every family the parser accepts has exactly one entry in [`REGISTRY`]
 //! (checked by a test), so a config that parsed always has a builder.
 
+use super::gemma::Gemma;
 use super::llama::Llama;
 use super::{Architecture, ModelLoadError, WeightLoader};
 use crate::backend::Backend;
@@ -19,6 +20,8 @@ pub enum Implementation {
     /// [`Llama`]: the Llama layout with optional q/k/v (and o_proj) biases and optional
     /// per-head q/k norm (Qwen3).
     Llama,
+    /// [`Gemma`]: Gemma 2 and Gemma 3 (text).
+    Gemma,
 }
 
 impl Implementation {
@@ -31,6 +34,7 @@ impl Implementation {
     ) -> Result<Box<dyn Architecture<B>>, ModelLoadError> {
         match self {
             Self::Llama => Ok(Box::new(Llama::load(cfg, w, b)?)),
+            Self::Gemma => Ok(Box::new(Gemma::load(cfg, w, b)?)),
         }
     }
 }
@@ -50,6 +54,8 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Mistral, implementation: Implementation::Llama },
     Registration { family: Family::Qwen2, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
+    Registration { family: Family::Gemma2, implementation: Implementation::Gemma },
+    Registration { family: Family::Gemma3Text, implementation: Implementation::Gemma },
 ];
 
 /// The registration of `family`, if any.
@@ -98,6 +104,10 @@ mod tests {
             ("qwen2", Family::Qwen2),
             ("Qwen3ForCausalLM", Family::Qwen3),
             ("qwen3", Family::Qwen3),
+            ("Gemma2ForCausalLM", Family::Gemma2),
+            ("gemma2", Family::Gemma2),
+            ("Gemma3ForCausalLM", Family::Gemma3Text),
+            ("gemma3_text", Family::Gemma3Text),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
