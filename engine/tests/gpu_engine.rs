@@ -1,5 +1,6 @@
 //! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
-//! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling), written and loaded
+//! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling, Qwen3 with its per-head
+//! q/k norm fused into the RoPE + KV write kernel), written and loaded
 //! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU.
 //!
 //! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
@@ -15,6 +16,7 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, resolve_device, start_engine};
+use baton_formats::Architecture;
 use baton_formats::testing::TinySpec;
 use common::{drain, prompt, tiny};
 
@@ -61,7 +63,8 @@ fn run_all(engine: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Run> {
         .collect()
 }
 
-fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
+/// `tie`: [`NEAR_TIE`], or [`SOFT_ATTENTION_TIE`] for models with q/k norm (see there).
+fn compare(name: &str, cpu: &[Run], gpu: &[Run], tie: f32) -> usize {
     let mut identical = 0;
     let mut worst = 0.0f32;
     for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
@@ -72,7 +75,7 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
         for (t, (lc, lg)) in c.1.iter().zip(&g.1).take(same).enumerate() {
             let d = (lc.0 - lg.0).abs();
             worst = worst.max(d);
-            assert!(d < NEAR_TIE, "{name} prompt {i} token {t}: logprob cpu {} gpu {}", lc.0, lg.0);
+            assert!(d < tie, "{name} prompt {i} token {t}: logprob cpu {} gpu {}", lc.0, lg.0);
         }
         match c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
             None => identical += 1,
@@ -85,7 +88,7 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
                     c.0[t]
                 );
                 let alt = alt.unwrap_or_else(|| panic!("{name} prompt {i}: gpu token {gpu_tok} not in cpu top-5"));
-                assert!(own - alt < NEAR_TIE, "{name} prompt {i} token {t}: not a near tie ({own} vs {alt})");
+                assert!(own - alt < tie, "{name} prompt {i} token {t}: not a near tie ({own} vs {alt})");
             }
         }
     }
@@ -100,7 +103,12 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
 fn gpu_tiny_models_greedy_match_cpu() {
     let mut identical = 0;
     let mut total = 0;
-    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+    for (name, spec) in [
+        ("llama", TinySpec::llama()),
+        ("qwen2", TinySpec::qwen2()),
+        ("tied", TinySpec::tied()),
+        ("qwen3", TinySpec::qwen3()),
+    ] {
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         // Lengths off the block size (16), one longer than a block table's first blocks.
@@ -110,11 +118,12 @@ fn gpu_tiny_models_greedy_match_cpu() {
         let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
         assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
         let gpu = run_all(&gpu_engine, &prompts);
-        identical += compare(name, &cpu, &gpu);
+        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { NEAR_TIE };
+        identical += compare(name, &cpu, &gpu, tie);
         total += prompts.len();
         // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
         let again = run_all(&gpu_engine, &prompts);
-        compare(&format!("{name} (prefix cached)"), &cpu, &again);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
     }
     // The tiny random models are nearly flat (top logprob ≈ -4.4 over 384 tokens), so near
     // ties are common (about half the prompts meet one within 24 tokens); every divergence
@@ -148,10 +157,27 @@ fn gpu_auto_device_picks_cuda() {
 /// tokens of the qwen2 model (gaps 0.0049 and 0.0005).
 const ATTENTION_TIE: f32 = 0.01;
 
+/// The same rounding in models whose attention is soft. Qwen3's q/k norm scales every head
+/// to RMS ≈ 1, so the tiny models' attention scores are O(1) and the softmax spreads over
+/// many keys (the Llama-shaped tiny models' scores are O(10): nearly one-hot), and rounding
+/// each of many softmax weights moves the logits more. Measured on the H100 (session 10):
+/// with a one-token prompt (attention over one key, so no softmax rounding) the CUDA Qwen3
+/// logits equal the bf16 emulation's exactly (`gpu_transformers_bf16`), and on transformers'
+/// own bf16 fixtures CUDA is as close to transformers as the f32 reference is; the
+/// well-conditioned model's divergences were at reference gaps 0.012, 0.020 and 0.039, and
+/// one shared token's logprob moved 0.0303 from the f32 reference.
+const SOFT_ATTENTION_TIE: f32 = 0.05;
+
 #[test]
 fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
-    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+    for (name, spec) in [
+        ("llama", TinySpec::llama()),
+        ("qwen2", TinySpec::qwen2()),
+        ("tied", TinySpec::tied()),
+        ("qwen3", TinySpec::qwen3()),
+    ] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
+        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { ATTENTION_TIE };
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> =
@@ -170,7 +196,7 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
                 let (own, top) = &c.1[t];
                 let gpu_tok = g.0[t];
                 if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
-                    && own - alt < ATTENTION_TIE
+                    && own - alt < tie
                 {
                     println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
                     continue;

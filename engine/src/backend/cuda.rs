@@ -13,16 +13,18 @@
 //! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
-use super::{Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, WeightUploadReport};
+use super::{
+    Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, OptionalOp, WeightUploadReport,
+};
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
-use baton_kernels::cpu::{KernelError, RopeTable};
+use baton_kernels::cpu::{KernelError, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB,
-    SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    KvGeometry, LinearCall, LinearKernel, QkNorm, RmsNormCall, RopeExtras, RopeInput, RopeKvCall, SAMPLE_MAX_TOP,
+    SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -756,6 +758,58 @@ impl Backend for CudaBackend {
             geo,
         };
         Ok(call.launch(&self.dev)?)
+    }
+
+    fn supports(&self, op: OptionalOp) -> bool {
+        match op {
+            // Fused into the RoPE + KV write kernel (`split_qk_norm_rope_and_write_kv`).
+            OptionalOp::HeadRmsNorm => true,
+        }
+    }
+
+    fn split_qk_norm_rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        (qd, kvd, kvd2): (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        (q_norm, k_norm, eps): (&CudaBuf, &CudaBuf, f32),
+        (q, _k, _v): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+    ) -> Result<(), BackendError> {
+        let op = "split_qk_norm_rope_and_write_kv";
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let kvw = geo.n_kv_heads * geo.head_dim;
+        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
+            return Err(kerr(
+                op,
+                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
+            ));
+        }
+        if q_norm.len != geo.head_dim || k_norm.len != geo.head_dim {
+            return Err(kerr(
+                op,
+                format!("q/k norm weights of {} and {} values, head_dim {}", q_norm.len, k_norm.len, geo.head_dim),
+            ));
+        }
+        self.ensure(q, rows * qd)?;
+        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        let call = RopeKvCall {
+            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
+            k_cache: kc,
+            v_cache: vc,
+            meta: &self.meta,
+            inv_freq: inv,
+            n_heads,
+            geo,
+        };
+        // The norm is fused into the rotation: normalised heads never round-trip through memory.
+        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: NormWeight::Plain };
+        Ok(call.launch_with(&self.dev, RopeExtras { qk_norm: Some(qk_norm), rotary_dim: None })?)
     }
 
     fn attention(
