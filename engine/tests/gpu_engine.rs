@@ -1,7 +1,10 @@
 //! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
 //! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling, Qwen3 with its per-head
 //! q/k norm fused into the RoPE + KV write kernel), written and loaded
-//! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU.
+//! through the real writer and loader, and the Gemma 2 and Gemma 3 (text) checkpoints that
+//! transformers wrote (sliding windows shorter than the longer prompts, soft-capping, `1 + w`
+//! norms, GELU-tanh, a RoPE per layer kind), give the same greedy tokens on `cuda:0` as on the
+//! CPU.
 //!
 //! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
 //! argmax can legitimately flip where the CPU's top two tokens are within rounding of each
@@ -18,7 +21,7 @@ use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, resolve_device, start_engine};
 use baton_formats::Architecture;
 use baton_formats::testing::TinySpec;
-use common::{drain, prompt, tiny};
+use common::{drain, golden_model, peaked_gemma_fixture, prompt, tiny};
 
 /// Largest CPU logprob gap between the CPU's and the GPU's token that counts as a near tie,
 /// and largest logprob difference allowed on tokens both chose (nats).
@@ -99,6 +102,32 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run], tie: f32) -> usize {
     identical
 }
 
+/// Models whose attention is soft (see [`SOFT_ATTENTION_TIE`]): q/k norm (Qwen3, Gemma 3)
+/// or scores soft-capped (Gemma 2).
+fn soft_attention(a: Architecture) -> bool {
+    matches!(a, Architecture::Qwen3 | Architecture::Gemma2 | Architecture::Gemma3Text)
+}
+
+/// CPU and CUDA greedy runs of `model` (see [`compare`]), then the CUDA run again over its
+/// prefix cache; returns the prompts identical end to end in the first comparison.
+fn cpu_and_cuda_agree(name: &str, model: &baton_formats::LoadedModel) -> (usize, usize) {
+    let vocab = model.config.vocab_size;
+    // Lengths off the block size (16), one longer than a block table's first blocks (and
+    // than the Gemma fixtures' sliding window, 16).
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
+    let cpu = run_all(&start(model, DeviceSpec::Cpu), &prompts);
+    let gpu_engine = start(model, DeviceSpec::Cuda(0));
+    assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
+    let gpu = run_all(&gpu_engine, &prompts);
+    let tie = if soft_attention(model.config.architecture) { SOFT_ATTENTION_TIE } else { NEAR_TIE };
+    let identical = compare(name, &cpu, &gpu, tie);
+    // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
+    let again = run_all(&gpu_engine, &prompts);
+    compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
+    (identical, prompts.len())
+}
+
 #[test]
 fn gpu_tiny_models_greedy_match_cpu() {
     let mut identical = 0;
@@ -109,21 +138,14 @@ fn gpu_tiny_models_greedy_match_cpu() {
         ("tied", TinySpec::tied()),
         ("qwen3", TinySpec::qwen3()),
     ] {
-        let m = tiny(&spec);
-        let vocab = m.model.config.vocab_size;
-        // Lengths off the block size (16), one longer than a block table's first blocks.
-        let prompts: Vec<Vec<u32>> =
-            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
-        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu), &prompts);
-        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
-        assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
-        let gpu = run_all(&gpu_engine, &prompts);
-        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { NEAR_TIE };
-        identical += compare(name, &cpu, &gpu, tie);
-        total += prompts.len();
-        // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
-        let again = run_all(&gpu_engine, &prompts);
-        compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
+        let (same, n) = cpu_and_cuda_agree(name, &tiny(&spec).model);
+        identical += same;
+        total += n;
+    }
+    for name in ["gemma2", "gemma3_text"] {
+        let (same, n) = cpu_and_cuda_agree(name, &golden_model(name));
+        identical += same;
+        total += n;
     }
     // The tiny random models are nearly flat (top logprob ≈ -4.4 over 384 tokens), so near
     // ties are common (about half the prompts meet one within 24 tokens); every divergence
@@ -177,42 +199,50 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
         ("qwen3", TinySpec::qwen3()),
     ] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
-        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { ATTENTION_TIE };
-        let m = tiny(&spec);
-        let vocab = m.model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> =
-            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
-        let cpu = run_all(&start_with(&m.model, DeviceSpec::Cpu, true), &prompts);
-        // The model must actually be peaked, or this test would prove nothing more than the one above.
-        let mean_top: f32 =
-            cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
-        assert!(mean_top > -1.5, "{name}: the well-conditioned model is not peaked (mean top logprob {mean_top})");
-        let gpu = run_all(&start(&m.model, DeviceSpec::Cuda(0)), &prompts);
-        let mut failures = Vec::new();
-        for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
-            if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
-                // A divergence where the reference's own top two are within ATTENTION_TIE is
-                // allowed (and printed): see ATTENTION_TIE.
-                let (own, top) = &c.1[t];
-                let gpu_tok = g.0[t];
-                if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
-                    && own - alt < tie
-                {
-                    println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
-                    continue;
-                }
-                // Both ran the same prefix up to t: show both top-5 lists at the divergence.
-                let msg = format!(
-                    "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
-                    c.0[t], c.1[t].1, g.0[t], g.1[t].1
-                );
-                println!("{msg}");
-                failures.push(msg);
-            }
-        }
-        assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
-        println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
+        matches_bf16_reference(name, &tiny(&spec).model);
     }
+    // The Gemma fixtures, peaked by scaling their final norm (see `peaked_gemma_fixture`).
+    for name in ["gemma2", "gemma3_text"] {
+        matches_bf16_reference(name, &peaked_gemma_fixture(name, 8.0));
+    }
+}
+
+/// The body of [`gpu_well_conditioned_models_match_bf16_reference_exactly`] for one model.
+fn matches_bf16_reference(name: &str, model: &baton_formats::LoadedModel) {
+    let tie = if soft_attention(model.config.architecture) { SOFT_ATTENTION_TIE } else { ATTENTION_TIE };
+    let vocab = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
+    let cpu = run_all(&start_with(model, DeviceSpec::Cpu, true), &prompts);
+    // The model must actually be peaked, or this test would prove nothing more than the one above.
+    let mean_top: f32 =
+        cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
+    assert!(mean_top > -1.5, "{name}: the well-conditioned model is not peaked (mean top logprob {mean_top})");
+    let gpu = run_all(&start(model, DeviceSpec::Cuda(0)), &prompts);
+    let mut failures = Vec::new();
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
+            // A divergence where the reference's own top two are within ATTENTION_TIE is
+            // allowed (and printed): see ATTENTION_TIE.
+            let (own, top) = &c.1[t];
+            let gpu_tok = g.0[t];
+            if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
+                && own - alt < tie
+            {
+                println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
+                continue;
+            }
+            // Both ran the same prefix up to t: show both top-5 lists at the divergence.
+            let msg = format!(
+                "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
+                c.0[t], c.1[t].1, g.0[t], g.1[t].1
+            );
+            println!("{msg}");
+            failures.push(msg);
+        }
+    }
+    assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
+    println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
 }
 
 /// With no block count given, the CUDA engine sizes the KV pool from free device memory:

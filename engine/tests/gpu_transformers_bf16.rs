@@ -92,3 +92,12 @@ fn gpu_qwen3_matches_transformers_bf16() {
     check("qwen3");
     check("qwen3_tied");
 }
+
+/// Gemma 2 (soft-capped scores and logits, alternating windows) and Gemma 3 (text) (`1 + w`
+/// q/k norm, a RoPE per layer kind): the prompts of 20 to 64 tokens run past their sliding
+/// window (16).
+#[test]
+fn gpu_gemma_matches_transformers_bf16() {
+    check("gemma2");
+    check("gemma3_text");
+}

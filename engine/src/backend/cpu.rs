@@ -450,10 +450,10 @@ impl Backend for CpuBackend {
             }
         }
         self.split3(qkv, widths, q, kb, v)?;
+        // Unrounded until after the rotation, as in `split_qk_norm_rope_and_write_kv` (the
+        // CUDA kernel fuses the norm into the rotation and rounds once).
         k::head_rms_norm(q, q_w, eps, style)?;
         k::head_rms_norm(kb, k_w, eps, style)?;
-        self.store(q);
-        self.store(kb);
         self.rope_and_write_kv(layer, q, kb, v, n_heads, batch)
     }
 
@@ -563,11 +563,11 @@ impl Backend for CpuBackend {
 
 /// Per-head RMSNorm in f32 (no bf16 rounding): rows of `heads × head_dim` are `heads` rows of
 /// `head_dim`, so the row-wise RMSNorm kernel over `head_dim`-wide rows is the per-head norm.
-fn head_norm_unrounded(x: &mut Vec<f32>, weight: &[f32], head_dim: usize, eps: f32) -> Result<(), BackendError> {
+fn head_norm_unrounded(x: &mut [f32], weight: &[f32], head_dim: usize, eps: f32) -> Result<(), BackendError> {
     if weight.len() != head_dim {
         return Err(kerr("head_rms_norm", format!("weight has {} values for head_dim {head_dim}", weight.len())));
     }
-    let src = x.clone();
+    let src = x.to_vec();
     k::rms_norm(&src, weight, eps, x)?;
     Ok(())
 }
