@@ -1,10 +1,10 @@
 //! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
 //! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling, Qwen3 with its per-head
 //! q/k norm fused into the RoPE + KV write kernel), written and loaded
-//! through the real writer and loader, and the Gemma 2 and Gemma 3 (text) checkpoints that
-//! transformers wrote (sliding windows shorter than the longer prompts, soft-capping, `1 + w`
-//! norms, GELU-tanh, a RoPE per layer kind), give the same greedy tokens on `cuda:0` as on the
-//! CPU.
+//! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU;
+//! so do the Phi-3 and Phi-4-mini checkpoints transformers wrote (LongRoPE, partial rotary), and
+//! the Gemma 2 and Gemma 3 (text) ones (sliding windows shorter than the longer prompts,
+//! soft-capping, `1 + w` norms, GELU-tanh, a RoPE per layer kind).
 //!
 //! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
 //! argmax can legitimately flip where the CPU's top two tokens are within rounding of each
@@ -37,7 +37,8 @@ fn start_with(model: &baton_formats::LoadedModel, device: DeviceSpec, bf16_refer
     let cfg = EngineConfig {
         num_threads: Some(2),
         num_kv_blocks: Some(256),
-        max_model_len: Some(512),
+        // 512, or less where the model's own context is shorter (the Phi fixtures' 144).
+        max_model_len: Some(model.config.max_position_embeddings.min(512)),
         cpu_emulates_bf16: bf16_reference,
         ..EngineConfig::default()
     };
@@ -243,6 +244,33 @@ fn matches_bf16_reference(name: &str, model: &baton_formats::LoadedModel) {
     }
     assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
     println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
+}
+
+/// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied): the
+/// checkpoints transformers wrote, served at their whole context (so with LongRoPE's long
+/// factors and the attention factor), give on CUDA the greedy tokens of the bf16-emulating CPU
+/// reference up to near ties. These fixtures are plainly initialised (flat logits, and soft
+/// attention as in Qwen3's case), so the tie is [`SOFT_ATTENTION_TIE`]: on the H100 (session 11)
+/// a one-token prompt's CUDA logits equal the bf16 emulation's exactly and longer prompts'
+/// differ by at most 0.015 (`gpu_transformers_bf16`, where CUDA is as close to transformers
+/// bf16 as the f32 reference is), and the first run met a tie of 0.0104 here.
+#[test]
+fn gpu_phi_checkpoints_match_bf16_reference() {
+    for name in ["phi3", "phi4_mini"] {
+        let (dir, _) = baton_formats::testing::load_golden(name).expect("golden fixture");
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load fixture");
+        assert!(model.config.longrope.is_some(), "{name}: a LongRoPE checkpoint");
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> =
+            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 51, l, vocab)).collect();
+        let cpu = run_all(&start_with(&model, DeviceSpec::Cpu, true), &prompts);
+        let gpu_engine = start(&model, DeviceSpec::Cuda(0));
+        let gpu = run_all(&gpu_engine, &prompts);
+        let identical = compare(name, &cpu, &gpu, SOFT_ATTENTION_TIE);
+        let again = run_all(&gpu_engine, &prompts);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again, SOFT_ATTENTION_TIE);
+        assert!(identical * 3 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());
+    }
 }
 
 /// With no block count given, the CUDA engine sizes the KV pool from free device memory:

@@ -16,7 +16,7 @@ use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::testing::load_golden;
-use baton_formats::{LoadFormat, LoadedModel, load_model};
+use baton_formats::{LoadFormat, LoadedModel, ModelConfig, load_model};
 
 /// Absolute logit slack on top of twice the f32 reference's own distance (bf16 rounding of
 /// activations moves these tiny models' logits by a few 1e-2).
@@ -24,8 +24,8 @@ const NOISE: f32 = 0.05;
 
 /// Last-position logits of one prefill of `ids` through a paged cache with a non-identity
 /// block table.
-fn last_logits<B: Backend>(model: &LoadedModel, backend: B, ids: &[u32]) -> Vec<f32> {
-    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), backend).expect("load model");
+fn last_logits<B: Backend>(model: &LoadedModel, config: &ModelConfig, backend: B, ids: &[u32]) -> Vec<f32> {
+    let mut m = ModelRunner::load(config, model.weights.as_ref(), backend).expect("load model");
     let block_size = 16;
     let blocks = ids.len().div_ceil(block_size);
     m.alloc_kv_cache(blocks + 2, block_size).expect("kv cache");
@@ -59,9 +59,17 @@ fn check(name: &str) {
     let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
     for (i, p) in bf16.prompts.iter().enumerate() {
         let reference = &p.last_logits;
-        let cpu = last_logits(&model, CpuBackend::new(), &p.ids);
-        let emu = last_logits(&model, CpuBackend::emulating_bf16(), &p.ids);
-        let cuda = last_logits(&model, CudaBackend::new(&opts).expect("open cuda:0"), &p.ids);
+        // LongRoPE: transformers picks the short factors for a prompt within the original
+        // context, the long ones past it; a server picks by its served context.
+        let config = match &model.config.longrope {
+            Some(l) if p.ids.len() <= l.original_max_position_embeddings => {
+                model.config.with_served_context(l.original_max_position_embeddings)
+            }
+            _ => model.config.with_served_context(model.config.max_position_embeddings),
+        };
+        let cpu = last_logits(&model, &config, CpuBackend::new(), &p.ids);
+        let emu = last_logits(&model, &config, CpuBackend::emulating_bf16(), &p.ids);
+        let cuda = last_logits(&model, &config, CudaBackend::new(&opts).expect("open cuda:0"), &p.ids);
         assert!(cuda.iter().all(|v| v.is_finite()), "{name} prompt {i}: non-finite CUDA logits");
         let (e_cpu, e_emu, e_cuda) =
             (max_abs_diff(&cpu, reference), max_abs_diff(&emu, reference), max_abs_diff(&cuda, reference));
@@ -100,4 +108,11 @@ fn gpu_qwen3_matches_transformers_bf16() {
 fn gpu_gemma_matches_transformers_bf16() {
     check("gemma2");
     check("gemma3_text");
+}
+
+/// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied).
+#[test]
+fn gpu_phi3_and_phi4_mini_match_transformers_bf16() {
+    check("phi3");
+    check("phi4_mini");
 }

@@ -244,8 +244,9 @@ impl Backend for CpuBackend {
         let per_layer = self.layer_ropes.1.get(layer).and_then(|&t| self.layer_ropes.0.get(t));
         let rope =
             per_layer.or(self.rope.as_ref()).ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
-        rope.apply(q, n_heads, &batch.positions)?;
-        rope.apply(kb, shape.num_kv_heads, &batch.positions)?;
+        // The table covers the rotated dims (all of head_dim unless the rotation is partial).
+        rope.apply_partial(q, n_heads, shape.head_dim, &batch.positions)?;
+        rope.apply_partial(kb, shape.num_kv_heads, shape.head_dim, &batch.positions)?;
         self.store(q);
         self.store(kb);
         let stride = shape.num_kv_heads * shape.head_dim;

@@ -144,6 +144,10 @@ pub struct CudaBackend {
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
     geo: Option<KvGeometry>,
     inv_freq: Option<CudaSlice<f64>>,
+    /// Rotated dims per head when fewer than head_dim (partial rotary), from the table.
+    rotary_dim: Option<usize>,
+    /// YaRN's / LongRoPE's factor on cos and sin, when not 1.
+    rope_attention_factor: Option<f32>,
     meta: StepMeta,
     /// The batch layout `meta` was built for.
     meta_for: Option<BatchLayout>,
@@ -274,6 +278,8 @@ impl CudaBackend {
             kv: Vec::new(),
             geo: None,
             inv_freq: None,
+            rotary_dim: None,
+            rope_attention_factor: None,
             meta,
             meta_for: None,
             ids,
@@ -728,7 +734,9 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        Ok(call.launch(&self.dev)?)
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        Ok(call.launch_with(&self.dev, extras)?)
     }
 
     fn split_rope_and_write_kv(
@@ -765,7 +773,9 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        Ok(call.launch(&self.dev)?)
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        Ok(call.launch_with(&self.dev, extras)?)
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
@@ -901,7 +911,14 @@ impl Backend for CudaBackend {
         };
         // The norm is fused into the rotation: normalised heads never round-trip through memory.
         let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
-        Ok(call.launch_with(&self.dev, RopeExtras { qk_norm: Some(qk_norm), rotary_dim: None })?)
+        Ok(call.launch_with(
+            &self.dev,
+            RopeExtras {
+                qk_norm: Some(qk_norm),
+                rotary_dim: self.rotary_dim,
+                attention_factor: self.rope_attention_factor,
+            },
+        )?)
     }
 
     fn attention(
@@ -1000,6 +1017,9 @@ impl Backend for CudaBackend {
 
     fn set_rope(&mut self, table: RopeTable) -> Result<(), BackendError> {
         self.inv_freq = Some(self.dev.upload(table.inv_freq())?);
+        // The table is built for the rotated dims; the cache's head_dim may be larger.
+        self.rotary_dim = Some(table.head_dim());
+        self.rope_attention_factor = Some(table.attention_factor()).filter(|f| *f != 1.0);
         Ok(())
     }
 

@@ -185,7 +185,30 @@ impl CudaBackend {
         if let Some(bad) = layer_table.iter().find(|&&t| t >= tables.len()) {
             return Err(kerr("set_layer_ropes", format!("table {bad} of {}", tables.len())));
         }
+        // The kernel takes the rotated dims and the attention factor per launch, from
+        // `set_rope`'s table: the layer kinds' tables must agree on both (Gemma's do: full
+        // rotation, no factor).
+        if let Some(first) = tables.first()
+            && let Some(other) = tables
+                .iter()
+                .find(|t| t.head_dim() != first.head_dim() || t.attention_factor() != first.attention_factor())
+        {
+            return Err(kerr(
+                "set_layer_ropes",
+                format!(
+                    "rotary tables of {} and {} dims, attention factors {} and {}",
+                    first.head_dim(),
+                    other.head_dim(),
+                    first.attention_factor(),
+                    other.attention_factor()
+                ),
+            ));
+        }
         let uploaded = tables.iter().map(|t| self.dev.upload(t.inv_freq())).collect::<Result<Vec<_>, _>>()?;
+        if let Some(first) = tables.first() {
+            self.rotary_dim = Some(first.head_dim());
+            self.rope_attention_factor = Some(first.attention_factor()).filter(|f| *f != 1.0);
+        }
         self.arch.layer_inv_freq = uploaded;
         self.arch.layer_table = layer_table;
         Ok(())

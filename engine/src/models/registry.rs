@@ -56,6 +56,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
     Registration { family: Family::Gemma2, implementation: Implementation::Gemma },
     Registration { family: Family::Gemma3Text, implementation: Implementation::Gemma },
+    Registration { family: Family::Phi3, implementation: Implementation::Llama },
 ];
 
 /// The registration of `family`, if any.

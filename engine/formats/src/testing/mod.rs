@@ -170,6 +170,8 @@ impl TinySpec {
             rms_norm_eps: 1e-5,
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
+            longrope: None,
+            partial_rotary_factor: 1.0,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
@@ -263,6 +265,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Llama | Architecture::Mistral => "llama",
         Architecture::Gemma2 | Architecture::Gemma3Text => {
             return Err(FormatError::unsupported("gguf", "GGUF files of the Gemma families are not written"));
+        }
+        Architecture::Phi3 => {
+            return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
         }
     };
     let mut w = GgufWriter::new();
