@@ -170,3 +170,17 @@ fn hf_folder_and_gguf_give_the_same_logits() {
         assert!(rel < 0.05, "{:?}: Q8_0 logits relative error {rel}", spec.architecture);
     }
 }
+
+#[test]
+fn golden_gemma2_matches_transformers() {
+    // Alternating windowed and global layers (window 16, prompts up to 64 tokens), attention
+    // and final soft-capping, pre/post norms, GELU-tanh, query_pre_attn_scalar.
+    check_fixture("gemma2");
+}
+
+#[test]
+fn golden_gemma3_text_matches_transformers() {
+    // 5:1 local/global layers, q/k norm, local RoPE base 10k beside a linearly scaled global
+    // one, one KV head.
+    check_fixture("gemma3_text");
+}

@@ -3,7 +3,9 @@
 //! q/k norm fused into the RoPE + KV write kernel, Qwen3-MoE and Mixtral through the MoE
 //! kernels), written and loaded
 //! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU;
-//! so do the Phi-3 and Phi-4-mini checkpoints transformers wrote (LongRoPE, partial rotary).
+//! so do the Phi-3 and Phi-4-mini checkpoints transformers wrote (LongRoPE, partial rotary), and
+//! the Gemma 2 and Gemma 3 (text) ones (sliding windows shorter than the longer prompts,
+//! soft-capping, `1 + w` norms, GELU-tanh, a RoPE per layer kind).
 //!
 //! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
 //! argmax can legitimately flip where the CPU's top two tokens are within rounding of each
@@ -20,7 +22,7 @@ use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, resolve_device, start_engine};
 use baton_formats::Architecture;
 use baton_formats::testing::TinySpec;
-use common::{drain, prompt, tiny};
+use common::{drain, golden_model, peaked_gemma_fixture, prompt, tiny};
 
 /// Largest CPU logprob gap between the CPU's and the GPU's token that counts as a near tie,
 /// and largest logprob difference allowed on tokens both chose (nats).
@@ -103,6 +105,33 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run], tie: f32) -> usize {
     identical
 }
 
+/// Models whose attention is soft (see [`SOFT_ATTENTION_TIE`]): q/k norm (Qwen3, Gemma 3)
+/// or scores soft-capped (Gemma 2).
+fn soft_attention(a: Architecture) -> bool {
+    matches!(a, Architecture::Qwen3 | Architecture::Gemma2 | Architecture::Gemma3Text)
+}
+
+/// CPU and CUDA greedy runs of `model` (see [`compare`]), then the CUDA run again over its
+/// prefix cache; returns the prompts identical end to end in the first comparison.
+fn cpu_and_cuda_agree(name: &str, model: &baton_formats::LoadedModel) -> (usize, usize) {
+    let vocab = model.config.vocab_size;
+    // Lengths off the block size (16), one longer than a block table's first blocks (and
+    // than the Gemma fixtures' sliding window, 16).
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
+    // MoE models against the bf16 emulation (see MOE_ROUTING_TIE), the others against f32.
+    let cpu = run_all(&start_with(model, DeviceSpec::Cpu, model.config.moe.is_some()), &prompts);
+    let gpu_engine = start(model, DeviceSpec::Cuda(0));
+    assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
+    let gpu = run_all(&gpu_engine, &prompts);
+    let tie = tie_for(&model.config, NEAR_TIE);
+    let identical = compare(name, &cpu, &gpu, tie);
+    // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
+    let again = run_all(&gpu_engine, &prompts);
+    compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
+    (identical, prompts.len())
+}
+
 #[test]
 fn gpu_tiny_models_greedy_match_cpu() {
     let mut identical = 0;
@@ -115,23 +144,14 @@ fn gpu_tiny_models_greedy_match_cpu() {
         ("qwen3_moe", TinySpec::qwen3_moe()),
         ("mixtral", TinySpec::mixtral()),
     ] {
-        let m = tiny(&spec);
-        let vocab = m.model.config.vocab_size;
-        // Lengths off the block size (16), one longer than a block table's first blocks.
-        let prompts: Vec<Vec<u32>> =
-            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 11, l, vocab)).collect();
-        // MoE models against the bf16 emulation (see MOE_ROUTING_TIE), the others against f32.
-        let moe = spec.moe.is_some();
-        let cpu = run_all(&start_with(&m.model, DeviceSpec::Cpu, moe), &prompts);
-        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
-        assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
-        let gpu = run_all(&gpu_engine, &prompts);
-        let tie = tie_for(&spec, NEAR_TIE);
-        identical += compare(name, &cpu, &gpu, tie);
-        total += prompts.len();
-        // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
-        let again = run_all(&gpu_engine, &prompts);
-        compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
+        let (same, n) = cpu_and_cuda_agree(name, &tiny(&spec).model);
+        identical += same;
+        total += n;
+    }
+    for name in ["gemma2", "gemma3_text"] {
+        let (same, n) = cpu_and_cuda_agree(name, &golden_model(name));
+        identical += same;
+        total += n;
     }
     // The tiny random models are nearly flat (top logprob ≈ -4.4 over 384 tokens), so near
     // ties are common (about half the prompts meet one within 24 tokens); every divergence
@@ -188,12 +208,12 @@ const SOFT_ATTENTION_TIE: f32 = 0.05;
 /// MoE kernel moves the logits by whole nats from the first token.
 const MOE_ROUTING_TIE: f32 = 0.3;
 
-/// The tie for `spec`: `dense` for Llama-shaped attention, [`SOFT_ATTENTION_TIE`] with q/k
-/// norm, [`MOE_ROUTING_TIE`] with routed experts.
-fn tie_for(spec: &TinySpec, dense: f32) -> f32 {
-    if spec.moe.is_some() {
+/// The tie for `config`: `dense` for Llama-shaped attention, [`SOFT_ATTENTION_TIE`] for soft
+/// attention ([`soft_attention`]), [`MOE_ROUTING_TIE`] with routed experts.
+fn tie_for(config: &baton_formats::ModelConfig, dense: f32) -> f32 {
+    if config.moe.is_some() {
         MOE_ROUTING_TIE
-    } else if spec.architecture == Architecture::Qwen3 {
+    } else if soft_attention(config.architecture) {
         SOFT_ATTENTION_TIE
     } else {
         dense
@@ -211,42 +231,50 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
         ("mixtral", TinySpec::mixtral()),
     ] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
-        let tie = tie_for(&spec, ATTENTION_TIE);
-        let m = tiny(&spec);
-        let vocab = m.model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> =
-            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
-        let cpu = run_all(&start_with(&m.model, DeviceSpec::Cpu, true), &prompts);
-        // The model must actually be peaked, or this test would prove nothing more than the one above.
-        let mean_top: f32 =
-            cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
-        assert!(mean_top > -1.5, "{name}: the well-conditioned model is not peaked (mean top logprob {mean_top})");
-        let gpu = run_all(&start(&m.model, DeviceSpec::Cuda(0)), &prompts);
-        let mut failures = Vec::new();
-        for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
-            if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
-                // A divergence where the reference's own top two are within ATTENTION_TIE is
-                // allowed (and printed): see ATTENTION_TIE.
-                let (own, top) = &c.1[t];
-                let gpu_tok = g.0[t];
-                if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
-                    && own - alt < tie
-                {
-                    println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
-                    continue;
-                }
-                // Both ran the same prefix up to t: show both top-5 lists at the divergence.
-                let msg = format!(
-                    "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
-                    c.0[t], c.1[t].1, g.0[t], g.1[t].1
-                );
-                println!("{msg}");
-                failures.push(msg);
-            }
-        }
-        assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
-        println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
+        matches_bf16_reference(name, &tiny(&spec).model);
     }
+    // The Gemma fixtures, peaked by scaling their final norm (see `peaked_gemma_fixture`).
+    for name in ["gemma2", "gemma3_text"] {
+        matches_bf16_reference(name, &peaked_gemma_fixture(name, 8.0));
+    }
+}
+
+/// The body of [`gpu_well_conditioned_models_match_bf16_reference_exactly`] for one model.
+fn matches_bf16_reference(name: &str, model: &baton_formats::LoadedModel) {
+    let tie = tie_for(&model.config, ATTENTION_TIE);
+    let vocab = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 31, l, vocab)).collect();
+    let cpu = run_all(&start_with(model, DeviceSpec::Cpu, true), &prompts);
+    // The model must actually be peaked, or this test would prove nothing more than the one above.
+    let mean_top: f32 =
+        cpu.iter().flat_map(|r| r.1.iter().map(|l| l.0)).sum::<f32>() / (prompts.len() * MAX_TOKENS) as f32;
+    assert!(mean_top > -1.5, "{name}: the well-conditioned model is not peaked (mean top logprob {mean_top})");
+    let gpu = run_all(&start(model, DeviceSpec::Cuda(0)), &prompts);
+    let mut failures = Vec::new();
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        if let Some(t) = c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
+            // A divergence where the reference's own top two are within ATTENTION_TIE is
+            // allowed (and printed): see ATTENTION_TIE.
+            let (own, top) = &c.1[t];
+            let gpu_tok = g.0[t];
+            if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
+                && own - alt < tie
+            {
+                println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
+                continue;
+            }
+            // Both ran the same prefix up to t: show both top-5 lists at the divergence.
+            let msg = format!(
+                "{name} prompt {i}: diverges at token {t}: cpu chose {} top {:?}; gpu chose {} top {:?}",
+                c.0[t], c.1[t].1, g.0[t], g.1[t].1
+            );
+            println!("{msg}");
+            failures.push(msg);
+        }
+    }
+    assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
+    println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
 }
 
 /// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied): the

@@ -93,22 +93,47 @@ fn step_both(models: &mut [ModelRunner<CudaBackend>; 2], seqs: &mut [Seq], live:
 
 #[test]
 fn gpu_graph_replays_match_eager_steps() {
-    replays_match_eager(TinySpec::llama());
+    let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::llama() });
+    let stats = graph_schedule(&m.model, 600);
+    assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
+    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
+    assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
+    assert!(stats.invalidated >= 1, "growing a workspace must drop the graphs: {stats:?}");
 }
 
-/// The same schedule through the MoE op: its scratch grows with the step like the other
-/// workspaces, and padding rows are routed like real ones (their outputs never read), so a
-/// recorded MoE decode step replays what the eager step computes.
+/// The same schedule through the MoE op (Mixtral: routed experts in every layer): its scratch
+/// grows with the step like the other workspaces, and padding rows are routed like real ones
+/// (their outputs never read), so a recorded MoE decode step replays what the eager step
+/// computes.
 #[test]
 fn gpu_moe_graph_replays_match_eager_steps() {
-    replays_match_eager(TinySpec::mixtral());
+    let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
+    let stats = graph_schedule(&m.model, 600);
+    assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
+    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
+    assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
 }
 
-/// Runs the schedule described at the top on a peaked variant of `spec`.
-fn replays_match_eager(spec: TinySpec) {
-    let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..spec });
-    let vocab = m.model.config.vocab_size;
-    let mut models = [cuda_model(&m.model, true), cuda_model(&m.model, false)];
+/// The schedule above on the Gemma fixtures (peaked, see `peaked_gemma_fixture`): windowed
+/// attention, soft-caps, `1 + w` norms, the embedding scale and a RoPE per layer kind replay
+/// from graphs as they run op by op, with contexts well past the window (16).
+#[test]
+fn gpu_gemma_graph_replays_match_eager_steps() {
+    for name in ["gemma2", "gemma3_text"] {
+        // A growing prefill within the fixtures' 512 positions.
+        let stats = graph_schedule(&common::peaked_gemma_fixture(name, 8.0), 300);
+        println!("{name}: {stats:?}");
+        assert!(stats.recorded >= 6, "{name}: too few graphs recorded: {stats:?}");
+        assert!(stats.replayed >= 50, "{name}: too few steps replayed: {stats:?}");
+        assert_eq!(stats.failed, 0, "{name}: a recording failed: {stats:?}");
+    }
+}
+
+/// Runs the schedule of the module doc on `m` with graphs and op by op (the growing prefill
+/// `long` tokens), checking every step; returns the graph model's replay counters.
+fn graph_schedule(m: &baton_formats::LoadedModel, long: usize) -> baton_engine::backend::cuda::GraphStats {
+    let vocab = m.config.vocab_size;
+    let mut models = [cuda_model(m, true), cuda_model(m, false)];
     let lengths = [1usize, 7, 16, 17, 33, 5, 12, 40, 3, 9, 21, 2, 30, 14, 6, 19, 11, 8, 25, 4];
     let mut seqs: Vec<Seq> = lengths
         .iter()
@@ -131,17 +156,14 @@ fn replays_match_eager(spec: TinySpec) {
             // A larger prefill grows workspaces: recorded graphs point at replaced buffers and
             // must be dropped, not replayed.
             let slot = seqs.len();
-            seqs.push(Seq { slot, tokens: prompt(999, 600, vocab), cached: 0 });
+            seqs.push(Seq { slot, tokens: prompt(999, long, vocab), cached: 0 });
             step_both(&mut models, &mut seqs, &[slot], &mut worst);
         }
     }
     let stats = models[0].backend().graph_stats();
     println!("graph stats {stats:?}; worst relative logit difference {worst:.2e}");
-    assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
-    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
-    assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
-    assert!(stats.invalidated >= 1, "growing a workspace must drop the graphs: {stats:?}");
     assert_eq!(models[1].backend().graph_stats().replayed, 0, "set_graphs(false) must never replay");
+    stats
 }
 
 /// Through the engine: `enforce_eager` on and off give the same greedy tokens on a peaked

@@ -112,6 +112,15 @@ fn gpu_moe_matches_transformers_bf16() {
     check("qwen3_moe");
 }
 
+/// Gemma 2 (soft-capped scores and logits, alternating windows) and Gemma 3 (text) (`1 + w`
+/// q/k norm, a RoPE per layer kind): the prompts of 20 to 64 tokens run past their sliding
+/// window (16).
+#[test]
+fn gpu_gemma_matches_transformers_bf16() {
+    check("gemma2");
+    check("gemma3_text");
+}
+
 /// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied).
 #[test]
 fn gpu_phi3_and_phi4_mini_match_transformers_bf16() {

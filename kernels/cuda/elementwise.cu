@@ -1,5 +1,5 @@
 // Row-wise and element-wise kernels: embedding gather into the f32 residual stream, RMSNorm
-// of it (alone and fused with the residual add), SiLU*mul and GELU-tanh*mul, logit soft-capping, bias add, column split and row gather, bf16<->f32 conversion.
+// of it (alone and fused with the residual add), SiLU*mul and GELU-tanh*mul, logit soft-capping, the bf16-rounded scale of the embedding, bias add, column split and row gather, bf16<->f32 conversion.
 // bf16 storage, f32 arithmetic. One block per row where a row reduction is needed.
 
 // The residual stream is f32 (the bf16 branch outputs are added to it without rounding the
@@ -43,24 +43,26 @@ __device__ __forceinline__ uint2 f4_to_bf4(float a, float b, float c, float d) {
 
 __device__ __forceinline__ bool norm_fits(int dim) { return (dim & 3) == 0 && dim <= 4 * NORM_V * (int)blockDim.x; }
 
-// out = r / rms(r) * w for the row r held as NORM_V float4 chunks per thread.
+// out = r / rms(r) * (w + w_off) for the row r held as NORM_V float4 chunks per thread (w_off
+// is 0, or 1 for Gemma's norms, which scale by 1 + w computed in f32).
 __device__ __forceinline__ void norm_store(const float4* r, const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
-                                           int dim, float eps, float ss) {
+                                           int dim, float eps, float ss, float w_off) {
     const float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
 #pragma unroll
     for (int j = 0; j < NORM_V; j++) {
         const int i = 4 * (j * blockDim.x + threadIdx.x);
         if (i < dim) {
-            const float4 wv = bf4_to_f4(*reinterpret_cast<const uint2*>(w + i));
+            float4 wv = bf4_to_f4(*reinterpret_cast<const uint2*>(w + i));
+            wv = make_float4(wv.x + w_off, wv.y + w_off, wv.z + w_off, wv.w + w_off);
             *reinterpret_cast<uint2*>(out + i) =
                 f4_to_bf4(r[j].x * inv * wv.x, r[j].y * inv * wv.y, r[j].z * inv * wv.z, r[j].w * inv * wv.w);
         }
     }
 }
 
-// out = x / rms(x) * w with an f32 input row (the residual stream), one block per row.
+// out = x / rms(x) * (w + w_off) with an f32 input row (the residual stream), one block per row.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_t* __restrict__ w,
-                                        bf16_t* __restrict__ out, int dim, float eps) {
+                                        bf16_t* __restrict__ out, int dim, float eps, float w_off) {
     PDL_ENTER();
     const long long base = (long long)blockIdx.x * dim;
     if (norm_fits(dim)) {
@@ -73,21 +75,21 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_
         }
 #pragma unroll
         for (int j = 0; j < NORM_V; j++) ss += r[j].x * r[j].x + r[j].y * r[j].y + r[j].z * r[j].z + r[j].w * r[j].w;
-        norm_store(r, w, out + base, dim, eps, ss);
+        norm_store(r, w, out + base, dim, eps, ss, w_off);
         return;
     }
     float ss = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; ss += v * v; }
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(x[base + i] * inv * bf2f(w[i]));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(x[base + i] * inv * (bf2f(w[i]) + w_off));
 }
 
-// residual += x in f32 (x is a bf16 branch output); out = rms_norm(residual) * w in bf16.
+// residual += x in f32 (x is a bf16 branch output); out = rms_norm(residual) * (w + w_off) in bf16.
 // Each thread re-reads only the residual elements it wrote itself, so no barrier is needed
 // between the add and the normalization beyond the one inside block_sum.
 extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const bf16_t* __restrict__ x,
                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int dim,
-                                            float eps) {
+                                            float eps, float w_off) {
     PDL_ENTER();
     const long long base = (long long)blockIdx.x * dim;
     if (norm_fits(dim)) {
@@ -114,7 +116,7 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
                 r[j] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
-        norm_store(r, w, out + base, dim, eps, ss);
+        norm_store(r, w, out + base, dim, eps, ss, w_off);
         return;
     }
     float ss = 0.f;
@@ -124,7 +126,8 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
         ss += r * r;
     }
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(residual[base + i] * inv * bf2f(w[i]));
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        out[base + i] = f2bf(residual[base + i] * inv * (bf2f(w[i]) + w_off));
 }
 
 // Rows of gate_up are [gate | up] of width 2d; out rows are act(gate) * up of width d. With
@@ -191,6 +194,15 @@ extern "C" __global__ void softcap_f32(float* __restrict__ x, long long n, float
     const float inv = 1.f / cap;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = cap * tanhf(x[i] * inv);
+}
+
+// x = bf16(x * s) in place over n f32 values: Gemma's embedding normalizer, which transformers
+// multiplies in the model dtype (s is already rounded to bf16 by the launcher), so the scaled
+// embedding is rounded once, as there.
+extern "C" __global__ void scale_round_bf16_f32(float* __restrict__ x, long long n, float s) {
+    PDL_ENTER();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = bf2f(f2bf(x[i] * s));
 }
 
 // x[r, j] += b[j] for rows of width n.

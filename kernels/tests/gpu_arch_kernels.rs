@@ -1,6 +1,7 @@
 //! The kernels added for the new architectures (Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3,
 //! gpt-oss) against their CPU references (`baton_kernels::cpu`): q/k RMSNorm fused with RoPE
-//! and the KV write, GELU-tanh·mul, logit soft-capping, MoE routing, permutation, grouped
+//! and the KV write, Gemma's `1 + w` norms and bf16-rounded embedding scale, GELU-tanh·mul,
+//! logit soft-capping, MoE routing, permutation, grouped
 //! GEMV and un-permute, attention with a sliding window, soft-cap and sinks at head_dims up to 256. Fresh random inputs every run (the seed is printed), outputs poisoned
 //! (NaN) before each launch, ‖out − ref‖ / ‖ref‖ < 1e-2 for bf16 outputs, ids exact.
 //!
@@ -14,9 +15,9 @@ use baton_kernels::cpu::{
     RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    AttentionExtCall, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
-    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RopeExtras, RopeInput, RopeKvCall,
-    SiluMulCall, SoftcapCall, StepMeta, bf16,
+    AddRmsNormCall, AttentionExtCall, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
+    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall, RopeExtras, RopeInput,
+    RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -250,6 +251,62 @@ fn gpu_gelu_tanh_mul_and_softcap_match_cpu() {
     let mut xd = dev.upload(&[1.0f32; 4]).expect("upload");
     assert!(SoftcapCall { x: &mut xd, n: 4, cap: 0.0 }.launch(&dev).is_err(), "cap 0 accepted");
     assert!(SoftcapCall { x: &mut xd, n: 5, cap: 1.0 }.launch(&dev).is_err(), "n past the slice accepted");
+}
+
+/// Gemma's norms (`1 + w`, in f32) through both residual-stream norm kernels, at widths that
+/// take the register path (2304, 64) and the loop (1001 is not a multiple of 4; 20480 is past
+/// the registers), against the CPU norms with the weights offset; and the embedding scale
+/// rounded to bf16, exactly.
+#[test]
+fn gpu_gemma_norms_and_embedding_scale_match_cpu() {
+    let dev = device();
+    let mut r = rng("gemma_norms");
+    for &(rows, dim) in &[(3usize, 2304usize), (17, 64), (2, 1001), (1, 20480)] {
+        for style in [NormWeight::Plain, NormWeight::OnePlus] {
+            let x = rand_vec(&mut r, rows * dim, 4.0);
+            let add = rand_vec(&mut r, rows * dim, 2.0);
+            // Gemma's weights are offsets around 0; plain ones are around 1.
+            let w = rand_vec(&mut r, dim, 0.5).iter().map(|v| v + 1.0 - style.offset()).collect::<Vec<_>>();
+            let w_eff: Vec<f32> = w.iter().map(|v| v + style.offset()).collect();
+            let mut want = vec![0.0; rows * dim];
+            cpu::rms_norm(&x, &w_eff, 1e-6, &mut want).expect("cpu");
+            let mut out = poisoned(&dev, rows * dim);
+            let xd = dev.upload(&x).expect("upload");
+            let call = RmsNormCall { x: &xd, weight: &up(&dev, &w), rows, dim, eps: 1e-6, out: &mut out };
+            call.launch_with(&dev, style).expect("rms_norm");
+            check(&format!("rms_norm {style:?} {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
+
+            let (mut res, mut want) = (x.clone(), vec![0.0; rows * dim]);
+            cpu::add_rms_norm(&mut res, &add, &w_eff, 1e-6, &mut want).expect("cpu");
+            let mut resd = dev.upload(&x).expect("upload");
+            let mut out = poisoned(&dev, rows * dim);
+            let call = AddRmsNormCall {
+                residual: &mut resd,
+                x: &up(&dev, &add),
+                weight: &up(&dev, &w),
+                rows,
+                dim,
+                eps: 1e-6,
+                out: &mut out,
+            };
+            call.launch_with(&dev, style).expect("add_rms_norm");
+            check(&format!("add_rms_norm {style:?} {rows}x{dim}"), &down(&dev, &out, rows * dim), &want);
+            check32(&format!("add_rms_norm residual {rows}x{dim}"), &down_f32(&dev, &resd, rows * dim), &res, 1e-6);
+        }
+    }
+
+    // √hidden of Gemma 2 2B (2304): 48.0 is exact in bf16; √3840 is not.
+    for &(n, s) in &[(5usize * 2304, 2304f32.sqrt()), (1001, 3840f32.sqrt())] {
+        let x = rand_vec(&mut r, n, 0.05);
+        let sb = bf16::from_f32(s).to_f32();
+        let want: Vec<f32> = x.iter().map(|v| bf16::from_f32(v * sb).to_f32()).collect();
+        let mut xd = dev.upload(&x).expect("upload");
+        ScaleRoundCall { x: &mut xd, n, scale: s }.launch(&dev).expect("scale_round");
+        assert_eq!(down_f32(&dev, &xd, n), want, "scale_round n={n} s={s}: not bf16(x · bf16(s)) exactly");
+    }
+    let mut xd = dev.upload(&[1.0f32; 4]).expect("upload");
+    assert!(ScaleRoundCall { x: &mut xd, n: 5, scale: 2.0 }.launch(&dev).is_err(), "n past the slice accepted");
+    assert!(ScaleRoundCall { x: &mut xd, n: 4, scale: f32::NAN }.launch(&dev).is_err(), "NaN scale accepted");
 }
 
 /// Routing and permutation for Mixtral (8 experts, top-2, renormalized), Qwen3-MoE (128,

@@ -10,11 +10,15 @@ use serde_json::{Value, json};
 
 use crate::error::FormatError;
 pub use crate::hf_options::declared_dtype;
-use crate::hf_options::{layer_types, parse_longrope, parse_rope, partial_rotary_factor, refuse_unimplemented_options};
+use crate::hf_options::{
+    gemma_options, layer_types, parse_longrope, parse_rope, partial_rotary_factor, refuse_unimplemented_options,
+};
 
 /// The transformer families Baton implements. All share Llama's attention layout; Qwen2 adds
 /// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE; Qwen3-MoE and Mixtral
-/// replace (some of) the dense MLPs with routed experts ([`MoeConfig`]).
+/// replace (some of) the dense MLPs with routed experts ([`MoeConfig`]); Gemma 2 and 3 add
+/// norms after attention and MLP, GELU-tanh, soft-capping and sliding-window layers (see
+/// [`GemmaOptions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2 and SmolLM2.
@@ -30,6 +34,11 @@ pub enum Architecture {
     Qwen3Moe,
     /// Mixtral: Mistral's attention, routed experts (top-2 of 8) in every layer.
     Mixtral,
+    /// Gemma 2 (`Gemma2ForCausalLM`): alternating sliding and global layers, soft-capping.
+    Gemma2,
+    /// Gemma 3, the text model only (`Gemma3ForCausalLM`, `model_type` `gemma3_text`): 5:1
+    /// local/global layers, q/k norm, a RoPE base of its own for local layers.
+    Gemma3Text,
     /// Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): fused `qkv_proj` and `gate_up_proj`
     /// in the checkpoint, partial rotary embeddings and LongRoPE.
     Phi3,
@@ -37,8 +46,17 @@ pub enum Architecture {
 
 impl Architecture {
     /// Every architecture, in the order messages list them.
-    pub const ALL: [Architecture; 7] =
-        [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3, Self::Qwen3Moe, Self::Mixtral, Self::Phi3];
+    pub const ALL: [Architecture; 9] = [
+        Self::Llama,
+        Self::Mistral,
+        Self::Qwen2,
+        Self::Qwen3,
+        Self::Qwen3Moe,
+        Self::Mixtral,
+        Self::Gemma2,
+        Self::Gemma3Text,
+        Self::Phi3,
+    ];
 
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
@@ -48,11 +66,12 @@ impl Architecture {
     /// llama.cpp's `general.architecture` for this family, where Baton reads GGUF files of it
     /// (Mistral GGUF files say `llama`). None for the MoE families: their GGUF files (llama.cpp's
     /// `qwen3moe`, and `llama` with `expert_count` for Mixtral) are refused when the metadata
-    /// is read (`gguf_config`), naming the expert count.
+    /// is read (`gguf_config`), naming the expert count. Gemma GGUF files are not read (their
+    /// tensor names and norm conventions are not mapped), so the Gemma families have none.
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
-            Self::Mistral | Self::Qwen3Moe | Self::Mixtral => None,
+            Self::Mistral | Self::Qwen3Moe | Self::Mixtral | Self::Gemma2 | Self::Gemma3Text => None,
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
             // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
@@ -75,8 +94,15 @@ impl Architecture {
             Self::Qwen3 => "qwen3",
             Self::Qwen3Moe => "qwen3_moe",
             Self::Mixtral => "mixtral",
+            Self::Gemma2 => "gemma2",
+            Self::Gemma3Text => "gemma3_text",
             Self::Phi3 => "phi3",
         }
+    }
+
+    /// Whether this is Gemma 2 or Gemma 3 (their layer layout, norms and options).
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3Text)
     }
 
     /// The HF `architectures[0]` class name.
@@ -88,6 +114,8 @@ impl Architecture {
             Self::Qwen3 => "Qwen3ForCausalLM",
             Self::Qwen3Moe => "Qwen3MoeForCausalLM",
             Self::Mixtral => "MixtralForCausalLM",
+            Self::Gemma2 => "Gemma2ForCausalLM",
+            Self::Gemma3Text => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
         }
     }
@@ -172,6 +200,28 @@ impl LayerType {
             Self::Full => "full_attention",
             Self::Sliding => "sliding_attention",
         }
+    }
+}
+
+/// What Gemma 2 and Gemma 3 add to the shared layout (`None` in [`ModelConfig::gemma`] for
+/// every other family). Implied by the family and not listed here: embeddings scaled by
+/// `√hidden_size`, RMSNorms scaling by `1 + w`, norms after attention and after the MLP
+/// (`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`),
+/// the GELU-tanh gated MLP, and (Gemma 3) the q/k norm.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemmaOptions {
+    /// Attention scores are scaled by `query_pre_attn_scalar^-0.5` (not `head_dim^-0.5`).
+    pub query_pre_attn_scalar: f32,
+    /// Each scaled attention score `s` becomes `cap · tanh(s / cap)` (`attn_logit_softcapping`).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Each final logit `x` becomes `cap · tanh(x / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f32>,
+}
+
+impl GemmaOptions {
+    /// The softmax scale of attention scores.
+    pub fn attention_scale(&self) -> f32 {
+        (1.0 / f64::from(self.query_pre_attn_scalar).sqrt()) as f32
     }
 }
 
@@ -281,7 +331,8 @@ pub struct ModelConfig {
     pub partial_rotary_factor: f32,
     /// Longest context the model supports: the config's `max_position_embeddings`, capped at
     /// an active `sliding_window` (Mistral's, or Qwen2's when `use_sliding_window` puts a layer
-    /// under it), since attention here is always over the whole context.
+    /// under it) for families whose layers attend over the whole context (not Gemma's, which
+    /// implement the window).
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
@@ -302,6 +353,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// The routed experts, for the MoE families; `None` for dense models.
     pub moe: Option<MoeConfig>,
+    /// Gemma 2 / Gemma 3 options; `None` for every other family.
+    pub gemma: Option<GemmaOptions>,
 }
 
 impl ModelConfig {
@@ -375,9 +428,9 @@ impl ModelConfig {
         self.architecture == Architecture::Phi3
     }
 
-    /// q and k are RMS-normalised per head before RoPE (Qwen3's `q_norm`/`k_norm`).
+    /// q and k are RMS-normalised per head before RoPE (Qwen3's and Gemma 3's `q_norm`/`k_norm`).
     pub fn qk_norm(&self) -> bool {
-        matches!(self.architecture, Architecture::Qwen3 | Architecture::Qwen3Moe)
+        matches!(self.architecture, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3Text)
     }
 
     /// Whether layer `layer` has routed experts instead of a dense MLP.
@@ -606,6 +659,10 @@ impl ModelConfig {
                 out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
             }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if self.architecture.is_gemma() {
+                out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+                out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+            }
             if let Some(m) = self.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
                 let inter = m.intermediate_size;
                 out.push((self.router_tensor(i), vec![m.num_experts, h]));
@@ -647,6 +704,17 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .or_else(|| v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str))
             .ok_or_else(|| FormatError::config(path, "neither model_type nor architectures is set"))?;
+        if let Some(multimodal) = ["gemma3", "Gemma3ForConditionalGeneration"].into_iter().find(|n| {
+            *n == arch_name || v.get("architectures").and_then(|a| a.get(0)).and_then(Value::as_str) == Some(n)
+        }) {
+            return Err(FormatError::unsupported(
+                path,
+                format!(
+                    "{multimodal}: the multimodal Gemma 3 (vision tower + text model) is not served; only the text \
+                     model is (model_type \"gemma3_text\", Gemma3ForCausalLM)"
+                ),
+            ));
+        }
         let architecture = Architecture::from_name(arch_name).ok_or_else(|| FormatError::UnsupportedArchitecture {
             path: path.to_path_buf(),
             name: arch_name.to_string(),
@@ -658,7 +726,7 @@ impl ModelConfig {
                 .ok_or_else(|| FormatError::config(path, format!("missing or non-integer {key:?}")))
         };
         let opt_usize = |key: &str| v.get(key).and_then(Value::as_u64).map(|x| x as usize);
-        refuse_unimplemented_options(v, path)?;
+        refuse_unimplemented_options(v, architecture, path)?;
         // Read (and an unknown one refused) but not kept: Baton computes in f32 on the CPU and
         // bf16 on GPUs, and reads each tensor in its stored dtype.
         declared_dtype(v, path)?;
@@ -675,7 +743,7 @@ impl ModelConfig {
             _ => v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
         };
         let (layer_types, sliding_window) = layer_types(v, architecture, num_hidden_layers, path)?;
-        let (rope, sliding_rope) = parse_rope(v, path)?;
+        let (rope, sliding_rope) = parse_rope(v, architecture, path)?;
         let declared_len = opt_usize("max_position_embeddings").unwrap_or(2048);
         let moe = parse_moe(v, architecture, path)?;
         let longrope = parse_longrope(v, declared_len, path)?;
@@ -697,7 +765,13 @@ impl ModelConfig {
             // the window, and the Llama-family layers here attend over the whole context: the
             // context is capped at the window rather than giving wrong tokens past it.
             max_position_embeddings: match sliding_window {
-                Some(window) if layer_types.contains(&LayerType::Sliding) && window < declared_len => window.max(1),
+                Some(window)
+                    if !architecture.is_gemma()
+                        && layer_types.contains(&LayerType::Sliding)
+                        && window < declared_len =>
+                {
+                    window.max(1)
+                }
                 _ => declared_len,
             },
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
@@ -708,6 +782,7 @@ impl ModelConfig {
             bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
             moe,
+            gemma: gemma_options(v, architecture, path)?,
         };
         cfg.validate_at(path)?;
         Ok(cfg)
@@ -801,6 +876,7 @@ impl ModelConfig {
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
                 }
+                Architecture::Gemma2 | Architecture::Gemma3Text => self.insert_gemma_keys(obj),
                 Architecture::Phi3 => {
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("partial_rotary_factor".into(), f32_json(self.partial_rotary_factor));
@@ -822,6 +898,26 @@ impl ModelConfig {
             }
         }
         v
+    }
+
+    /// The Gemma keys of [`ModelConfig::to_hf_json`] (transformers 4 names, which 5 reads too).
+    fn insert_gemma_keys(&self, obj: &mut serde_json::Map<String, Value>) {
+        obj.remove("hidden_act");
+        obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+        obj.insert("attention_bias".into(), json!(self.attention_bias));
+        let types: Vec<&str> = self.layer_types.iter().map(|t| t.hf_name()).collect();
+        obj.insert("layer_types".into(), json!(types));
+        obj.insert("sliding_window".into(), json!(self.sliding_window));
+        if self.architecture == Architecture::Gemma3Text {
+            let local = self.rope_for(LayerType::Sliding).theta;
+            obj.insert("rope_local_base_freq".into(), f32_json(local));
+        }
+        if let Some(g) = self.gemma {
+            let cap = |c: Option<f32>| c.map_or(Value::Null, f32_json);
+            obj.insert("query_pre_attn_scalar".into(), f32_json(g.query_pre_attn_scalar));
+            obj.insert("attn_logit_softcapping".into(), cap(g.attn_logit_softcapping));
+            obj.insert("final_logit_softcapping".into(), cap(g.final_logit_softcapping));
+        }
     }
 }
 
@@ -875,6 +971,8 @@ fn parse_moe(v: &Value, architecture: Architecture, path: &Path) -> Result<Optio
         | Architecture::Mistral
         | Architecture::Qwen2
         | Architecture::Qwen3
+        | Architecture::Gemma2
+        | Architecture::Gemma3Text
         | Architecture::Phi3 => Ok(None),
     }
 }

@@ -13,26 +13,38 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::config::{Architecture, ConfigDType, LayerType, RopeParameters, RopeScaling};
+use crate::config::{Architecture, ConfigDType, GemmaOptions, LayerType, RopeParameters, RopeScaling};
 use crate::error::FormatError;
 
 /// Activations the gated MLP implements (`silu` and its alias `swish`).
 const IMPLEMENTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 
-/// Refuses options that change the math and that no implemented family supports.
-pub(crate) fn refuse_unimplemented_options(v: &Value, path: &Path) -> Result<(), FormatError> {
+/// The activation of Gemma's gated MLP (GELU with the tanh approximation), the only one
+/// implemented for the Gemma families.
+const GEMMA_ACTIVATIONS: [&str; 1] = ["gelu_pytorch_tanh"];
+
+/// Refuses options that change the math and that `architecture` does not implement.
+pub(crate) fn refuse_unimplemented_options(
+    v: &Value,
+    architecture: Architecture,
+    path: &Path,
+) -> Result<(), FormatError> {
+    let implemented: &[&str] = if architecture.is_gemma() { &GEMMA_ACTIVATIONS } else { &IMPLEMENTED_ACTIVATIONS };
     for key in ["hidden_act", "hidden_activation"] {
         if let Some(act) = v.get(key).filter(|a| !a.is_null()) {
             match act.as_str() {
-                Some(a) if IMPLEMENTED_ACTIVATIONS.contains(&a) => {}
+                Some(a) if implemented.contains(&a) => {}
                 _ => {
                     return Err(FormatError::unsupported(
                         path,
-                        format!("{key} {act} (implemented: {})", IMPLEMENTED_ACTIVATIONS.join(", ")),
+                        format!("{key} {act} (implemented: {})", implemented.join(", ")),
                     ));
                 }
             }
         }
+    }
+    if v.get("use_bidirectional_attention").and_then(Value::as_bool) == Some(true) {
+        return Err(FormatError::unsupported(path, "use_bidirectional_attention = true (only causal attention)"));
     }
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(FormatError::unsupported(path, "mlp_bias = true"));
@@ -41,8 +53,9 @@ pub(crate) fn refuse_unimplemented_options(v: &Value, path: &Path) -> Result<(),
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
         return Err(FormatError::unsupported(path, format!("quantization_config (quant_method {method:?})")));
     }
+    // Soft-capping is implemented for the Gemma families only (read by `gemma_options`).
     for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-        if let Some(cap) = v.get(key).filter(|c| !c.is_null()) {
+        if let Some(cap) = v.get(key).filter(|c| !c.is_null() && !architecture.is_gemma()) {
             return Err(FormatError::unsupported(path, format!("{key} {cap}")));
         }
     }
@@ -195,6 +208,9 @@ pub(crate) fn layer_types(
         Some(other) => return Err(FormatError::config(path, format!("layer_types must be a list, got {other}"))),
     };
     let all_full = vec![LayerType::Full; num_layers];
+    if architecture.is_gemma() {
+        return gemma_layer_types(v, architecture, listed, num_layers);
+    }
     let Some(window) = v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize) else {
         return Ok((all_full, None));
     };
@@ -213,16 +229,97 @@ pub(crate) fn layer_types(
                 })
             }
         }
-        Architecture::Llama => listed.unwrap_or(all_full),
+        Architecture::Llama | Architecture::Gemma2 | Architecture::Gemma3Text => listed.unwrap_or(all_full),
     };
     let window = types.contains(&LayerType::Sliding).then_some(window);
     Ok((types, window))
 }
 
+/// Gemma's layer kinds when the config lists none (transformers 4): Gemma 2 alternates,
+/// sliding first; Gemma 3 has every `sliding_window_pattern`-th layer global (default 6).
+/// Gemma's window defaults to transformers' 4096 when the config omits it; a null window
+/// means every layer attends fully.
+fn gemma_layer_types(
+    v: &Value,
+    architecture: Architecture,
+    listed: Option<Vec<LayerType>>,
+    num_layers: usize,
+) -> Result<(Vec<LayerType>, Option<usize>), FormatError> {
+    let window = match v.get("sliding_window") {
+        None => Some(4096),
+        Some(w) => w.as_u64().map(|w| w as usize),
+    };
+    let Some(window) = window else { return Ok((vec![LayerType::Full; num_layers], None)) };
+    let types = listed.unwrap_or_else(|| {
+        let pattern = match architecture {
+            Architecture::Gemma2 => 2,
+            _ => ["sliding_window_pattern", "_sliding_window_pattern"]
+                .iter()
+                .find_map(|k| v.get(*k).and_then(Value::as_u64))
+                .map_or(6, |p| p.max(1) as usize),
+        };
+        (0..num_layers).map(|i| if (i + 1) % pattern != 0 { LayerType::Sliding } else { LayerType::Full }).collect()
+    });
+    let window = types.contains(&LayerType::Sliding).then_some(window);
+    Ok((types, window))
+}
+
+/// The Gemma options of a Gemma 2 / Gemma 3 config (`None` for other families), with
+/// transformers' defaults where a key is absent (Gemma 2 soft-caps at 50 and 30 unless the
+/// config says null; `query_pre_attn_scalar` defaults to 256).
+pub(crate) fn gemma_options(
+    v: &Value,
+    architecture: Architecture,
+    path: &Path,
+) -> Result<Option<GemmaOptions>, FormatError> {
+    if !architecture.is_gemma() {
+        return Ok(None);
+    }
+    let positive = |key: &str, default: Option<f64>| -> Result<Option<f32>, FormatError> {
+        let x = match v.get(key) {
+            None => default,
+            Some(Value::Null) => None,
+            Some(x) => Some(x.as_f64().ok_or_else(|| FormatError::config(path, format!("{key} must be a number")))?),
+        };
+        match x {
+            Some(x) if !(x.is_finite() && x > 0.0) => {
+                Err(FormatError::config(path, format!("{key} ({x}) must be positive")))
+            }
+            x => Ok(x.map(|x| x as f32)),
+        }
+    };
+    let gemma2 = architecture == Architecture::Gemma2;
+    Ok(Some(GemmaOptions {
+        query_pre_attn_scalar: positive("query_pre_attn_scalar", Some(256.0))?.unwrap_or(256.0),
+        attn_logit_softcapping: positive("attn_logit_softcapping", gemma2.then_some(50.0))?,
+        final_logit_softcapping: positive("final_logit_softcapping", gemma2.then_some(30.0))?,
+    }))
+}
+
 /// The RoPE of full-attention layers, and of sliding ones where it differs. transformers 5's
 /// `rope_parameters` wins over the transformers 4 keys when both are present; nested per
-/// layer type it is `{"full_attention": {...}, "sliding_attention": {...}}`.
-pub(crate) fn parse_rope(v: &Value, path: &Path) -> Result<(RopeParameters, Option<RopeParameters>), FormatError> {
+/// layer type it is `{"full_attention": {...}, "sliding_attention": {...}}`. Gemma 3 in
+/// transformers 4 gives its local layers a base of their own (`rope_local_base_freq`,
+/// default 10000, no scaling).
+pub(crate) fn parse_rope(
+    v: &Value,
+    architecture: Architecture,
+    path: &Path,
+) -> Result<(RopeParameters, Option<RopeParameters>), FormatError> {
+    let (full, sliding) = parse_rope_keys(v, path)?;
+    let nested = v
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .is_some_and(|p| [LayerType::Full, LayerType::Sliding].iter().any(|t| p.contains_key(t.hf_name())));
+    if architecture == Architecture::Gemma3Text && !nested {
+        let theta = v.get("rope_local_base_freq").and_then(Value::as_f64).map_or(10000.0, |t| t as f32);
+        let local = RopeParameters { theta, scaling: None };
+        return Ok((full, (local != full).then_some(local)));
+    }
+    Ok((full, sliding))
+}
+
+fn parse_rope_keys(v: &Value, path: &Path) -> Result<(RopeParameters, Option<RopeParameters>), FormatError> {
     let legacy_theta = v.get("rope_theta").and_then(Value::as_f64).map(|t| t as f32);
     let Some(params) = v.get("rope_parameters").and_then(Value::as_object) else {
         let theta = legacy_theta.unwrap_or(10000.0);

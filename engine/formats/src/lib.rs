@@ -24,7 +24,7 @@ use std::str::FromStr;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{
-    Architecture, ConfigDType, ExpertProj, GenerationConfig, LayerType, LongRope, ModelConfig, MoeConfig,
+    Architecture, ConfigDType, ExpertProj, GemmaOptions, GenerationConfig, LayerType, LongRope, ModelConfig, MoeConfig,
     RopeParameters, RopeScaling, declared_dtype,
 };
 pub use dummy::{DummyKind, DummyStore};

@@ -10,8 +10,10 @@
 //! token for token on peaked models (rounding the weights alone changes greedy tokens), but
 //! it must match this one.
 
-use super::{Backend, BackendError, BatchLayout, KvCacheShape, KvIo, MoeWeights, OptionalOp};
-use baton_kernels::cpu::{self as k, KernelError, KvLayerMut, KvLayerRef, MoeRouting, RopeTable, SeqSpan};
+use super::{AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, MoeWeights, OptionalOp};
+use baton_kernels::cpu::{
+    self as k, AttnExtras, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight, RopeTable, SeqSpan,
+};
 
 /// A `rows × cols` row-major f32 weight matrix.
 #[derive(Debug, Clone)]
@@ -27,6 +29,9 @@ pub struct CpuBackend {
     kv: Vec<(Vec<f32>, Vec<f32>)>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
+    /// Rotary tables per layer kind and each layer's index into them (see
+    /// [`Backend::set_layer_ropes`]); empty unless a model set them.
+    layer_ropes: (Vec<RopeTable>, Vec<usize>),
     /// Round to bf16 where the CUDA backend stores bf16 (see the module doc).
     bf16: bool,
     /// The last LM-head output, `rows × vocab`.
@@ -69,6 +74,12 @@ impl CpuBackend {
     fn layer(&self, layer: usize) -> Result<&(Vec<f32>, Vec<f32>), BackendError> {
         self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))
     }
+}
+
+/// `weight` as the factor it scales by under `style` (`1 + w` for Gemma's norms), computed in
+/// f32 as transformers does (`1.0 + weight.float()`).
+fn styled(weight: &[f32], style: NormWeight) -> Vec<f32> {
+    weight.iter().map(|w| w + style.offset()).collect()
 }
 
 fn kerr(op: &'static str, message: String) -> BackendError {
@@ -232,7 +243,9 @@ impl Backend for CpuBackend {
         batch: &BatchLayout,
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
-        let rope = self.rope.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let per_layer = self.layer_ropes.1.get(layer).and_then(|&t| self.layer_ropes.0.get(t));
+        let rope =
+            per_layer.or(self.rope.as_ref()).ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
         // The table covers the rotated dims (all of head_dim unless the rotation is partial).
         rope.apply_partial(q, n_heads, shape.head_dim, &batch.positions)?;
         rope.apply_partial(kb, shape.num_kv_heads, shape.head_dim, &batch.positions)?;
@@ -375,8 +388,92 @@ impl Backend for CpuBackend {
 
     fn supports(&self, op: OptionalOp) -> bool {
         match op {
-            OptionalOp::HeadRmsNorm | OptionalOp::Moe => !self.without_optional_ops,
+            OptionalOp::HeadRmsNorm
+            | OptionalOp::Moe
+            | OptionalOp::GemmaNorms
+            | OptionalOp::EmbedScale
+            | OptionalOp::GeluTanhMul
+            | OptionalOp::LogitSoftcap
+            | OptionalOp::AttentionExtras
+            | OptionalOp::LayerRope => !self.without_optional_ops,
         }
+    }
+
+    fn rms_norm_styled(
+        &mut self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        style: NormWeight,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        self.buf_rms_norm(x, weight, eps, style, out)
+    }
+
+    fn add_rms_norm_styled(
+        &mut self,
+        residual: &mut Vec<f32>,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        style: NormWeight,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let w = styled(weight, style);
+        self.add_rms_norm(residual, x, &w, eps, out)
+    }
+
+    fn buf_rms_norm(
+        &mut self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        style: NormWeight,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let w = styled(weight, style);
+        self.rms_norm(x, &w, eps, out)
+    }
+
+    fn split_qk_norm_rope_and_write_kv_styled(
+        &mut self,
+        layer: usize,
+        qkv: &Vec<f32>,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        norms: (&Vec<f32>, &Vec<f32>, f32, NormWeight),
+        out: (&mut Vec<f32>, &mut Vec<f32>, &mut Vec<f32>),
+    ) -> Result<(), BackendError> {
+        let (q_w, k_w, eps, style) = norms;
+        let (q, kb, v) = out;
+        let head_dim = widths.0.checked_div(n_heads).unwrap_or(0);
+        for w in [q_w, k_w] {
+            if w.len() != head_dim {
+                return Err(kerr("head_rms_norm", format!("weight has {} values for head_dim {head_dim}", w.len())));
+            }
+        }
+        self.split3(qkv, widths, q, kb, v)?;
+        // Unrounded until after the rotation, as in `split_qk_norm_rope_and_write_kv` (the
+        // CUDA kernel fuses the norm into the rotation and rounds once).
+        k::head_rms_norm(q, q_w, eps, style)?;
+        k::head_rms_norm(kb, k_w, eps, style)?;
+        self.rope_and_write_kv(layer, q, kb, v, n_heads, batch)
+    }
+
+    fn scale_embedding(&mut self, x: &mut Vec<f32>, s: f32) -> Result<(), BackendError> {
+        let mut s = [s];
+        self.store(&mut s);
+        x.iter_mut().for_each(|v| *v *= s[0]);
+        self.store(x);
+        Ok(())
+    }
+
+    fn gelu_tanh_mul(&mut self, gate_up: &Vec<f32>, d: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.resize(gate_up.len() / 2, 0.0);
+        k::gelu_tanh_mul(gate_up, out, d)?;
+        self.store(out);
+        Ok(())
     }
 
     fn moe(
@@ -425,6 +522,58 @@ impl Backend for CpuBackend {
         out.resize(m * h, 0.0);
         k::moe_unpermute(&expert_out, h, &perm, &weights, kk, None, out)?;
         self.store(out);
+        Ok(())
+    }
+
+    fn softcap_logits(&mut self, cap: f32) -> Result<(), BackendError> {
+        Ok(k::softcap(&mut self.logits, cap)?)
+    }
+
+    fn attention_ext(
+        &mut self,
+        layer: usize,
+        q: &Vec<f32>,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        extras: AttentionExtras,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let shape = self.shape()?;
+        let (kc, vc) = self.layer(layer)?;
+        let width = n_heads * shape.head_dim;
+        out.resize(batch.tokens.len() * width, 0.0);
+        let cache = KvLayerRef {
+            k: kc,
+            v: vc,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        let extras = AttnExtras { window: extras.window, softcap: extras.softcap, sinks: None };
+        for s in &batch.seqs {
+            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
+            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
+            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
+            k::paged_attention_ext(
+                qr,
+                n_heads,
+                scale,
+                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
+                cache,
+                extras,
+                or,
+            )?;
+        }
+        self.store(out);
+        Ok(())
+    }
+
+    fn set_layer_ropes(&mut self, tables: Vec<RopeTable>, layer_table: Vec<usize>) -> Result<(), BackendError> {
+        if let Some(bad) = layer_table.iter().find(|&&t| t >= tables.len()) {
+            return Err(kerr("set_layer_ropes", format!("table {bad} of {}", tables.len())));
+        }
+        self.layer_ropes = (tables, layer_table);
         Ok(())
     }
 

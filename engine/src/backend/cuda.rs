@@ -12,10 +12,14 @@
 //! page-locked staging without waiting, once per batch layout, and are reused by every layer;
 //! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
+//!
+//! The optional ops of some architectures (Gemma's norms, embedding scale, GELU-tanh,
+//! soft-caps, windowed attention, per-layer-kind RoPE) live in cuda_arch_ops.rs; the trait
+//! methods here pass them on.
 
 use super::{
-    Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp,
-    WeightUploadReport,
+    AttentionExtras, Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, MoeWeights,
+    OptionalOp, WeightUploadReport,
 };
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
@@ -176,6 +180,8 @@ pub struct CudaBackend {
     uploader: Option<WeightUploader>,
     /// Scratch of the mixture-of-experts op (cuda_moe.rs).
     moe: moe::MoeScratch,
+    /// What the optional ops of some architectures keep (cuda_arch_ops.rs).
+    arch: arch_ops::ArchState,
 }
 
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
@@ -293,6 +299,7 @@ impl CudaBackend {
             profile: None,
             uploader: None,
             moe,
+            arch: arch_ops::ArchState::default(),
         })
     }
 
@@ -711,7 +718,7 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
         self.step_meta(batch)?;
-        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let rows = batch.tokens.len();
         let kvw = geo.n_kv_heads * geo.head_dim;
         if q.len != rows * n_heads * geo.head_dim || k.len != rows * kvw || v.len != rows * kvw {
@@ -758,7 +765,7 @@ impl Backend for CudaBackend {
             ));
         }
         self.ensure(q, rows * qd)?;
-        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let call = RopeKvCall {
@@ -781,7 +788,77 @@ impl Backend for CudaBackend {
             OptionalOp::HeadRmsNorm => true,
             // cuda_moe.rs: routing, permutation and the grouped expert GEMVs on the device.
             OptionalOp::Moe => true,
+            // cuda_arch_ops.rs.
+            OptionalOp::GemmaNorms
+            | OptionalOp::EmbedScale
+            | OptionalOp::GeluTanhMul
+            | OptionalOp::LogitSoftcap
+            | OptionalOp::AttentionExtras
+            | OptionalOp::LayerRope => true,
         }
+    }
+
+    fn rms_norm_styled(
+        &mut self,
+        x: &CudaRes,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.norm_styled(x, weight, eps, style, out)
+    }
+
+    fn add_rms_norm_styled(
+        &mut self,
+        residual: &mut CudaRes,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.add_norm_styled(residual, x, weight, eps, style, out)
+    }
+
+    fn buf_rms_norm(
+        &mut self,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.buf_norm(x, weight, eps, style, out)
+    }
+
+    fn scale_embedding(&mut self, x: &mut CudaRes, s: f32) -> Result<(), BackendError> {
+        self.scale_residual(x, s)
+    }
+
+    fn gelu_tanh_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
+        self.gelu_mul(gate_up, d, out)
+    }
+
+    fn softcap_logits(&mut self, cap: f32) -> Result<(), BackendError> {
+        self.softcap_last_logits(cap)
+    }
+
+    fn attention_ext(
+        &mut self,
+        layer: usize,
+        q: &CudaBuf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        extras: AttentionExtras,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.attention_with(layer, q, n_heads, scale, batch, extras, out)
+    }
+
+    fn set_layer_ropes(&mut self, tables: Vec<RopeTable>, layer_table: Vec<usize>) -> Result<(), BackendError> {
+        self.layer_ropes(tables, layer_table)
     }
 
     fn split_qk_norm_rope_and_write_kv(
@@ -792,6 +869,20 @@ impl Backend for CudaBackend {
         n_heads: usize,
         batch: &BatchLayout,
         (q_norm, k_norm, eps): (&CudaBuf, &CudaBuf, f32),
+        out: (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+    ) -> Result<(), BackendError> {
+        let norms = (q_norm, k_norm, eps, NormWeight::Plain);
+        self.split_qk_norm_rope_and_write_kv_styled(layer, qkv, (qd, kvd, kvd2), n_heads, batch, norms, out)
+    }
+
+    fn split_qk_norm_rope_and_write_kv_styled(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        (qd, kvd, kvd2): (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        (q_norm, k_norm, eps, style): (&CudaBuf, &CudaBuf, f32, NormWeight),
         (q, _k, _v): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
     ) -> Result<(), BackendError> {
         let op = "split_qk_norm_rope_and_write_kv";
@@ -812,7 +903,7 @@ impl Backend for CudaBackend {
             ));
         }
         self.ensure(q, rows * qd)?;
-        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let call = RopeKvCall {
@@ -825,7 +916,7 @@ impl Backend for CudaBackend {
             geo,
         };
         // The norm is fused into the rotation: normalised heads never round-trip through memory.
-        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: NormWeight::Plain };
+        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
         Ok(call.launch_with(
             &self.dev,
             RopeExtras {
@@ -1059,6 +1150,8 @@ mod kv_device;
 #[path = "cuda_graph.rs"]
 mod graph;
 
+#[path = "cuda_arch_ops.rs"]
+mod arch_ops;
 #[path = "cuda_moe.rs"]
 mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};

@@ -21,7 +21,7 @@ pub mod cuda;
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
-use baton_kernels::cpu::{KernelError, MoeRouting};
+use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use rayon::prelude::*;
 
 /// The host's draw of [`Backend::random_mat`]: `parts` (rows each) of `cols` columns.
@@ -425,6 +425,121 @@ pub trait Backend: Send + 'static {
     ) -> Result<(), BackendError> {
         Err(BackendError::Device(format!("{} has no mixture-of-experts op", self.device_name())))
     }
+    /// `out = rms_norm(x) * w` (or `* (1 + w)`, by `style`) of the residual stream `x`
+    /// (optional: [`OptionalOp::GemmaNorms`]; the default refuses anything but `Plain`).
+    fn rms_norm_styled(
+        &mut self,
+        x: &Self::Res,
+        weight: &Self::Buf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        match style {
+            NormWeight::Plain => self.rms_norm(x, weight, eps, out),
+            NormWeight::OnePlus => Err(self.missing(OptionalOp::GemmaNorms)),
+        }
+    }
+    /// [`Backend::add_rms_norm`] with the weight applied by `style` (optional:
+    /// [`OptionalOp::GemmaNorms`]; the default refuses anything but `Plain`).
+    fn add_rms_norm_styled(
+        &mut self,
+        residual: &mut Self::Res,
+        x: &Self::Buf,
+        weight: &Self::Buf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        match style {
+            NormWeight::Plain => self.add_rms_norm(residual, x, weight, eps, out),
+            NormWeight::OnePlus => Err(self.missing(OptionalOp::GemmaNorms)),
+        }
+    }
+    /// `out = rms_norm(x) * w` (or `* (1 + w)`) of an activation buffer `x` of rows as wide as
+    /// `weight`: Gemma's norms after attention and after the MLP, before the residual add
+    /// (optional: [`OptionalOp::GemmaNorms`]).
+    fn buf_rms_norm(
+        &mut self,
+        _x: &Self::Buf,
+        _weight: &Self::Buf,
+        _eps: f32,
+        _style: NormWeight,
+        _out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::GemmaNorms))
+    }
+    /// [`Backend::split_qk_norm_rope_and_write_kv`] with the q/k norm weights applied by
+    /// `style` (Gemma 3's `(1 + w)`). Optional ([`OptionalOp::GemmaNorms`] for `OnePlus`); the
+    /// default passes `Plain` on and refuses `OnePlus`.
+    fn split_qk_norm_rope_and_write_kv_styled(
+        &mut self,
+        layer: usize,
+        qkv: &Self::Buf,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        norms: (&Self::Buf, &Self::Buf, f32, NormWeight),
+        out: (&mut Self::Buf, &mut Self::Buf, &mut Self::Buf),
+    ) -> Result<(), BackendError> {
+        match norms.3 {
+            NormWeight::Plain => self.split_qk_norm_rope_and_write_kv(
+                layer,
+                qkv,
+                widths,
+                n_heads,
+                batch,
+                (norms.0, norms.1, norms.2),
+                out,
+            ),
+            NormWeight::OnePlus => Err(self.missing(OptionalOp::GemmaNorms)),
+        }
+    }
+    /// `x *= s` over the embedded rows of the residual stream, in the activation dtype (`s`
+    /// and the products rounded where the backend stores activations narrower, as
+    /// transformers multiplies Gemma's `√hidden` normalizer in the model dtype). Optional
+    /// ([`OptionalOp::EmbedScale`]).
+    fn scale_embedding(&mut self, _x: &mut Self::Res, _s: f32) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::EmbedScale))
+    }
+    /// `out = gelu_tanh(gate) * up` with rows `[gate | up]` of width `2d` (Gemma's GeGLU).
+    /// Optional ([`OptionalOp::GeluTanhMul`]).
+    fn gelu_tanh_mul(&mut self, _gate_up: &Self::Buf, _d: usize, _out: &mut Self::Buf) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::GeluTanhMul))
+    }
+    /// `x = cap · tanh(x / cap)` over every row of the last [`Backend::lm_head`] output
+    /// (Gemma 2's final logit soft-capping), where the logits are. Optional
+    /// ([`OptionalOp::LogitSoftcap`]).
+    fn softcap_logits(&mut self, _cap: f32) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::LogitSoftcap))
+    }
+    /// [`Backend::attention`] with a sliding window and/or score soft-capping (`extras`);
+    /// keys outside a query's window are never read. Optional
+    /// ([`OptionalOp::AttentionExtras`]).
+    fn attention_ext(
+        &mut self,
+        _layer: usize,
+        _q: &Self::Buf,
+        _n_heads: usize,
+        _scale: f32,
+        _batch: &BatchLayout,
+        _extras: AttentionExtras,
+        _out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::AttentionExtras))
+    }
+    /// Sets one rotary table per layer kind: layer `i` is rotated with
+    /// `tables[layer_table[i]]` by `rope_and_write_kv` and its variants from then on (Gemma
+    /// 3's local and global RoPE), instead of the one [`Backend::set_rope`] table. Optional
+    /// ([`OptionalOp::LayerRope`]).
+    fn set_layer_ropes(&mut self, _tables: Vec<RopeTable>, _layer_table: Vec<usize>) -> Result<(), BackendError> {
+        Err(self.missing(OptionalOp::LayerRope))
+    }
+    /// The error of an optional op this backend lacks (only reached when a model skipped its
+    /// load-time [`Backend::supports`] check).
+    fn missing(&self, op: OptionalOp) -> BackendError {
+        BackendError::Device(format!("{} has no {}", self.device_name(), op.name()))
+    }
 
     /// Replaying recorded steps (CUDA graphs), on backends that record them; `None` elsewhere
     /// (every step runs op by op).
@@ -459,6 +574,21 @@ pub enum OptionalOp {
     HeadRmsNorm,
     /// A routed mixture-of-experts MLP: [`Backend::moe`] (Qwen3-MoE, Mixtral).
     Moe,
+    /// Gemma's norms: weights applied as `1 + w` ([`Backend::rms_norm_styled`],
+    /// [`Backend::add_rms_norm_styled`], the q/k norm of
+    /// [`Backend::split_qk_norm_rope_and_write_kv_styled`]) and norms of activation buffers
+    /// ([`Backend::buf_rms_norm`]).
+    GemmaNorms,
+    /// [`Backend::scale_embedding`] (Gemma's `√hidden` embedding normalizer).
+    EmbedScale,
+    /// [`Backend::gelu_tanh_mul`] (GeGLU MLPs).
+    GeluTanhMul,
+    /// [`Backend::softcap_logits`] (final logit soft-capping).
+    LogitSoftcap,
+    /// [`Backend::attention_ext`] (sliding windows shorter than the context, score soft-capping).
+    AttentionExtras,
+    /// [`Backend::set_layer_ropes`] (a rotary table per layer kind).
+    LayerRope,
 }
 
 impl OptionalOp {
@@ -467,6 +597,12 @@ impl OptionalOp {
         match self {
             Self::HeadRmsNorm => "per-head RMSNorm (q/k norm)",
             Self::Moe => "mixture-of-experts MLP",
+            Self::GemmaNorms => "RMSNorm with (1 + w) weights and of activation buffers (Gemma norms)",
+            Self::EmbedScale => "embedding scale",
+            Self::GeluTanhMul => "GELU-tanh gated MLP",
+            Self::LogitSoftcap => "final logit soft-capping",
+            Self::AttentionExtras => "attention with a sliding window or score soft-capping",
+            Self::LayerRope => "rotary tables per layer kind",
         }
     }
 }
@@ -496,6 +632,16 @@ impl<M> Clone for MoeWeights<'_, M> {
 }
 
 impl<M> Copy for MoeWeights<'_, M> {}
+
+/// What [`Backend::attention_ext`] adds to plain causal attention.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionExtras {
+    /// The query at position `p` sees keys `j` with `p - window < j <= p` (the window counts
+    /// the query itself, as transformers does); `None`: the whole causal context.
+    pub window: Option<usize>,
+    /// Each scaled score `s` becomes `cap · tanh(s / cap)` before the softmax.
+    pub softcap: Option<f32>,
+}
 
 /// Replaying recorded decode steps (CUDA graphs). The runner offers a pure decode step with
 /// [`GraphReplay::replay_rows`], pads it, and either replays a recording or records one.

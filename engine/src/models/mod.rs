@@ -13,6 +13,7 @@
 //!   hands the KV to another worker there while later layers run).
 //! - [`Architecture::logits`] leaves its output in the backend (see `Backend::lm_head`).
 
+pub mod gemma;
 pub mod llama;
 pub mod moe;
 pub mod registry;

@@ -7,6 +7,7 @@
 //! Invariant: every family the parser accepts has exactly one entry in [`REGISTRY`]
 //! (checked by a test), so a config that parsed always has a builder.
 
+use super::gemma::Gemma;
 use super::llama::Llama;
 use super::{Architecture, ModelLoadError, WeightLoader};
 use crate::backend::Backend;
@@ -20,6 +21,8 @@ pub enum Implementation {
     /// per-head q/k norm (Qwen3) and routed experts in place of dense MLPs (Qwen3-MoE,
     /// Mixtral; the block is `models/moe.rs`).
     Llama,
+    /// [`Gemma`]: Gemma 2 and Gemma 3 (text).
+    Gemma,
 }
 
 impl Implementation {
@@ -32,6 +35,7 @@ impl Implementation {
     ) -> Result<Box<dyn Architecture<B>>, ModelLoadError> {
         match self {
             Self::Llama => Ok(Box::new(Llama::load(cfg, w, b)?)),
+            Self::Gemma => Ok(Box::new(Gemma::load(cfg, w, b)?)),
         }
     }
 }
@@ -53,6 +57,8 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3Moe, implementation: Implementation::Llama },
     Registration { family: Family::Mixtral, implementation: Implementation::Llama },
+    Registration { family: Family::Gemma2, implementation: Implementation::Gemma },
+    Registration { family: Family::Gemma3Text, implementation: Implementation::Gemma },
     Registration { family: Family::Phi3, implementation: Implementation::Llama },
 ];
 
@@ -106,6 +112,10 @@ mod tests {
             ("qwen3_moe", Family::Qwen3Moe),
             ("MixtralForCausalLM", Family::Mixtral),
             ("mixtral", Family::Mixtral),
+            ("Gemma2ForCausalLM", Family::Gemma2),
+            ("gemma2", Family::Gemma2),
+            ("Gemma3ForCausalLM", Family::Gemma3Text),
+            ("gemma3_text", Family::Gemma3Text),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");

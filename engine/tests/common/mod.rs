@@ -72,3 +72,54 @@ pub fn assert_all_blocks_free(engine: &EngineHandle) {
     }
     panic!("blocks still in use: {:?}", engine.stats());
 }
+
+/// The golden fixture `name` (a tiny checkpoint transformers wrote) as it was written.
+pub fn golden_model(name: &str) -> LoadedModel {
+    let (dir, _) = baton_formats::testing::load_golden(name).expect("golden fixture");
+    load_model(&dir, LoadFormat::Auto).expect("load golden fixture")
+}
+
+/// The Gemma golden fixture `name` made peaked, as a trained model is (the fixtures' logits
+/// are nearly flat, top logprob ≈ −4): the final norm's scale `1 + w` multiplied by `factor`,
+/// so the logits before the final soft-cap are `factor` times larger, and that soft-cap, where
+/// the config has one, at the released Gemma 2's 30 (the fixture's 3 would flatten them again)
+/// so that it still bends the larger logits.
+pub fn peaked_gemma_fixture(name: &str, factor: f32) -> LoadedModel {
+    let mut m = golden_model(name);
+    if let Some(g) = m.config.gemma.as_mut()
+        && g.final_logit_softcapping.is_some()
+    {
+        g.final_logit_softcapping = Some(30.0);
+    }
+    let norm = m.weights.get("model.norm.weight").expect("final norm").to_f32();
+    let scaled: Vec<f32> = norm.iter().map(|w| factor * (1.0 + w) - 1.0).collect();
+    m.weights = Box::new(Replaced { inner: m.weights, name: "model.norm.weight".into(), values: scaled });
+    m
+}
+
+/// A weight store with one tensor's values replaced (f32, same shape).
+struct Replaced {
+    inner: Box<dyn baton_formats::WeightStore>,
+    name: String,
+    values: Vec<f32>,
+}
+
+impl baton_formats::WeightStore for Replaced {
+    fn get(&self, name: &str) -> Result<baton_formats::TensorView<'_>, baton_formats::FormatError> {
+        let view = self.inner.get(name)?;
+        if name != self.name {
+            return Ok(view);
+        }
+        let bytes = self.values.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        Ok(baton_formats::TensorView {
+            name: view.name,
+            shape: view.shape,
+            dtype: baton_formats::DType::F32,
+            bytes: bytes.into(),
+        })
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+}

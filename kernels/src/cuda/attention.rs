@@ -23,6 +23,12 @@ use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 
+/// Whether the tuned attention kernels ([`AttentionCall`]) are built for `head_dim`; other
+/// head dims take [`super::AttentionExtCall`].
+pub fn attention_supports(head_dim: usize) -> bool {
+    ATTN_HEAD_DIMS.contains(&head_dim)
+}
+
 /// Which kernel computes which rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {

@@ -1,5 +1,6 @@
 //! The element-wise kernels of elementwise.cu: [`SiluMulCall`], [`GeluTanhMulCall`],
-//! [`SoftcapCall`], [`BiasAddCall`], [`CopyColsCall`] and [`CastCall`] (bf16 ↔ f32).
+//! [`SoftcapCall`], [`ScaleRoundCall`], [`BiasAddCall`], [`CopyColsCall`] and [`CastCall`]
+//! (bf16 ↔ f32).
 //!
 //! Invariants: every one is a grid-stride loop over the elements it writes (`grid_stride`),
 //! so any size launches at most 65,535 CTAs; an empty op enqueues nothing.
@@ -96,6 +97,34 @@ impl SoftcapCall<'_> {
         let args = Args::new(OP).buf(self.x).long(self.n)?.f32(self.cap);
         // SAFETY: the loop updates the first `n` values of `x`, checked above.
         unsafe { args.launch(dev, &dev.kernels.softcap, grid_stride(self.n)) }
+    }
+}
+
+/// `x = bf16(x · bf16(scale))` over the first `n` f32 values in place: Gemma's `√hidden`
+/// embedding normalizer on the f32 residual stream, rounded as transformers' product in the
+/// model dtype (bf16) is.
+pub struct ScaleRoundCall<'a> {
+    /// At least `n` f32 (the embedded rows).
+    pub x: &'a mut CudaSlice<f32>,
+    /// Values scaled.
+    pub n: usize,
+    /// The factor (rounded to bf16 before use); finite.
+    pub scale: f32,
+}
+
+impl ScaleRoundCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "scale_round";
+        need(OP, "x", self.x, self.n)?;
+        shape_check(OP, self.scale.is_finite(), || format!("scale {} is not finite", self.scale))?;
+        if self.n == 0 {
+            return Ok(());
+        }
+        let s = bf16::from_f32(self.scale).to_f32();
+        let args = Args::new(OP).buf(self.x).long(self.n)?.f32(s);
+        // SAFETY: the loop updates the first `n` values of `x`, checked above.
+        unsafe { args.launch(dev, &dev.kernels.scale_round, grid_stride(self.n)) }
     }
 }
 

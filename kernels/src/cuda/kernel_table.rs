@@ -36,6 +36,7 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub rope_qkv_qknorm_write_kv: F,
     pub gelu_tanh_mul: F,
     pub softcap: F,
+    pub scale_round: F,
     pub moe_route: F,
     pub moe_permute: F,
     pub moe_grouped_gemv: F,
@@ -84,6 +85,7 @@ impl<F> KernelTable<F> {
         let rope_qkv_qknorm_write_kv = f(el, "rope_qkv_qknorm_write_kv_bf16")?;
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
+        let scale_round = f(el, "scale_round_bf16_f32")?;
         let moe_route = f(el, "moe_route_f32")?;
         let moe_permute = f(el, "moe_permute")?;
         let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
@@ -130,6 +132,7 @@ impl<F> KernelTable<F> {
             rope_qkv_qknorm_write_kv,
             gelu_tanh_mul,
             softcap,
+            scale_round,
             moe_route,
             moe_permute,
             moe_grouped_gemv,
@@ -194,15 +197,16 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 8 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
-        // soft-cap, MoE routing, permutation, grouped GEMV, un-permute, gpt-oss's clamped SwiGLU), the extended attention per
+        // 12 plain kernels, 10 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
+        // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV,
+        // un-permute, gpt-oss's clamped SwiGLU), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 26 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
+        assert_eq!(names.len(), 27 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",

@@ -92,7 +92,7 @@ mod step_meta;
 mod util;
 mod weight_upload;
 
-pub use attention::{AttentionCall, AttnKernel};
+pub use attention::{AttentionCall, AttnKernel, attention_supports};
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
@@ -100,7 +100,7 @@ pub use compile::{
 };
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};
-pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, GeluTanhMulCall, SiluMulCall, SoftcapCall};
+pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall};
 pub use error::CudaError;
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};

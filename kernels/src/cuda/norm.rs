@@ -1,5 +1,6 @@
 //! RMSNorm of the residual stream (`rms_norm_f32`, `add_rms_norm_f32` in elementwise.cu):
-//! [`RmsNormCall`] and [`AddRmsNormCall`].
+//! [`RmsNormCall`] and [`AddRmsNormCall`], scaling by `w` or, with `launch_with`, by Gemma's
+//! `1 + w` ([`NormWeight`]).
 //!
 //! Invariants: the residual stream is f32 and is never rounded to bf16 (the fused add keeps
 //! the sum in f32); the normalized output is bf16; one CTA per row, sized so that the row
@@ -7,6 +8,7 @@
 
 use super::launch::{Args, int, need, per_row, row_threads};
 use super::{CudaDevice, CudaError, CudaSlice};
+use crate::cpu::NormWeight;
 use half::bf16;
 
 /// Elements of a row each thread holds (`4 · NORM_V` in elementwise.cu).
@@ -32,6 +34,12 @@ pub struct RmsNormCall<'a> {
 impl RmsNormCall<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        self.launch_with(dev, NormWeight::Plain)
+    }
+
+    /// As [`launch`](Self::launch), scaling by the weights as `style` says (`1 + w`, computed
+    /// in f32, for Gemma; reference [`crate::cpu::rms_norm`] with the weights offset).
+    pub fn launch_with(self, dev: &CudaDevice, style: NormWeight) -> Result<(), CudaError> {
         const OP: &str = "rms_norm";
         let n = self.rows * self.dim;
         need(OP, "x", self.x, n)?;
@@ -41,7 +49,8 @@ impl RmsNormCall<'_> {
             return Ok(());
         }
         let grid = per_row(OP, self.rows, row_threads(self.dim, NORM_ELEMS_PER_THREAD))?;
-        let args = Args::new(OP).buf(self.x).buf(self.weight).buf(self.out).int(self.dim)?.f32(self.eps);
+        let args =
+            Args::new(OP).buf(self.x).buf(self.weight).buf(self.out).int(self.dim)?.f32(self.eps).f32(style.offset());
         // SAFETY: one CTA per row reads `x` and writes `out` within `rows × dim`, and reads
         // `dim` weights: all checked above.
         unsafe { args.launch(dev, &dev.kernels.rms_norm, grid) }
@@ -70,6 +79,11 @@ pub struct AddRmsNormCall<'a> {
 impl AddRmsNormCall<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        self.launch_with(dev, NormWeight::Plain)
+    }
+
+    /// As [`launch`](Self::launch), scaling by the weights as `style` says (`1 + w` for Gemma).
+    pub fn launch_with(self, dev: &CudaDevice, style: NormWeight) -> Result<(), CudaError> {
         const OP: &str = "add_rms_norm";
         let n = self.rows * self.dim;
         need(OP, "residual", self.residual, n)?;
@@ -81,7 +95,14 @@ impl AddRmsNormCall<'_> {
         }
         let grid = per_row(OP, self.rows, row_threads(self.dim, NORM_ELEMS_PER_THREAD))?;
         let d = int(OP, self.dim)?;
-        let args = Args::new(OP).buf(self.residual).buf(self.x).buf(self.weight).buf(self.out).i32(d).f32(self.eps);
+        let args = Args::new(OP)
+            .buf(self.residual)
+            .buf(self.x)
+            .buf(self.weight)
+            .buf(self.out)
+            .i32(d)
+            .f32(self.eps)
+            .f32(style.offset());
         // SAFETY: one CTA per row touches `residual`, `x` and `out` within `rows × dim` and
         // `dim` weights: all checked above.
         unsafe { args.launch(dev, &dev.kernels.add_rms_norm, grid) }

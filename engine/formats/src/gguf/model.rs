@@ -198,6 +198,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
         moe: None,
+        gemma: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)

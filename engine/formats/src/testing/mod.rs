@@ -225,6 +225,7 @@ impl TinySpec {
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
             moe: self.moe.clone(),
+            gemma: None,
         }
     }
 
@@ -309,6 +310,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Llama | Architecture::Mistral => "llama",
         Architecture::Qwen3Moe | Architecture::Mixtral => {
             return Err(FormatError::unsupported(Path::new("gguf"), "mixture-of-experts GGUF (not written or read)"));
+        }
+        Architecture::Gemma2 | Architecture::Gemma3Text => {
+            return Err(FormatError::unsupported("gguf", "GGUF files of the Gemma families are not written"));
         }
         Architecture::Phi3 => {
             return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));

@@ -1,0 +1,216 @@
+//! The CUDA backend's optional ops for Gemma 2 and Gemma 3 (text) (see
+//! [`OptionalOp`](crate::backend::OptionalOp)): norms scaling by `1 + w` and norms of bf16
+//! activation buffers, the bf16-rounded embedding scale, GELU-tanh·mul, final logit
+//! soft-capping, attention with a sliding window or score soft-capping, and a rotary table per
+//! layer kind. The trait methods in cuda.rs call these.
+//!
+//! Invariants (those of cuda.rs, and for CUDA graphs): every op only enqueues kernels on the
+//! device's stream, with no upload and no synchronization; scratch buffers only grow, and
+//! grow in the op-by-op pass that precedes a recording, so a recorded step allocates nothing;
+//! the per-layer rotary tables are uploaded once, at [`CudaBackend::layer_ropes`] (model
+//! preparation), never during a step.
+
+use super::{CudaBackend, CudaBuf, CudaRes, kerr};
+use crate::backend::{AttentionExtras, BackendError, BatchLayout};
+use baton_kernels::cpu::{NormWeight, RopeTable};
+use baton_kernels::cuda::{
+    AddRmsNormCall, AttentionExtCall, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall, ScaleRoundCall, SoftcapCall,
+    attention_supports,
+};
+
+/// What the optional ops keep on the backend.
+#[derive(Default)]
+pub(super) struct ArchState {
+    /// f32 copy of a bf16 activation buffer, the input of [`CudaBackend::buf_norm`] (the norm
+    /// kernels read f32 rows); grown to the largest step.
+    norm_in: Option<CudaRes>,
+    /// One `inv_freq` table per layer kind, and each layer's index into them; empty unless a
+    /// model set them (every layer then uses the one table of `set_rope`).
+    layer_inv_freq: Vec<CudaSlice<f64>>,
+    layer_table: Vec<usize>,
+}
+
+/// The rotary table layer `layer` rotates with: its layer kind's, or the one `set_rope` table.
+/// A free function over the two fields so that callers can borrow the KV cache mutably beside
+/// it.
+pub(super) fn inv_freq_for<'a>(
+    arch: &'a ArchState,
+    shared: Option<&'a CudaSlice<f64>>,
+    layer: usize,
+) -> Result<&'a CudaSlice<f64>, BackendError> {
+    let own = arch.layer_table.get(layer).and_then(|&t| arch.layer_inv_freq.get(t));
+    own.or(shared).ok_or_else(|| BackendError::Device("rotary table not set".into()))
+}
+
+impl CudaBackend {
+    /// `out = rms_norm(x) · w` of the residual stream, the weights applied as `style` says.
+    pub(super) fn norm_styled(
+        &mut self,
+        x: &CudaRes,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let d = weight.len;
+        if d == 0 || !x.len.is_multiple_of(d) {
+            return Err(kerr("rms_norm", format!("x {} values, weight {d}", x.len)));
+        }
+        self.ensure(out, x.len)?;
+        let call = RmsNormCall { x: &x.data, weight: &weight.data, rows: x.len / d, dim: d, eps, out: &mut out.data };
+        Ok(call.launch_with(&self.dev, style)?)
+    }
+
+    /// `residual += x; out = rms_norm(residual) · w`, the weights applied as `style` says.
+    pub(super) fn add_norm_styled(
+        &mut self,
+        residual: &mut CudaRes,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let d = weight.len;
+        if d == 0 || !x.len.is_multiple_of(d) || residual.len != x.len {
+            return Err(kerr("add_rms_norm", format!("residual {}, x {}, weight {d}", residual.len, x.len)));
+        }
+        self.ensure(out, x.len)?;
+        let call = AddRmsNormCall {
+            residual: &mut residual.data,
+            x: &x.data,
+            weight: &weight.data,
+            rows: x.len / d,
+            dim: d,
+            eps,
+            out: &mut out.data,
+        };
+        Ok(call.launch_with(&self.dev, style)?)
+    }
+
+    /// `out = rms_norm(x) · w` of a bf16 activation buffer: widened to f32 exactly (a copy in
+    /// the backend's scratch), then the residual-stream norm, so the result is what the
+    /// f32 reference computes from the same bf16 values.
+    pub(super) fn buf_norm(
+        &mut self,
+        x: &CudaBuf,
+        weight: &CudaBuf,
+        eps: f32,
+        style: NormWeight,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let mut wide = match self.arch.norm_in.take() {
+            Some(w) => w,
+            None => CudaRes { data: self.dev.alloc(1)?, len: 0 },
+        };
+        let run = (|| {
+            self.ensure_res(&mut wide, x.len)?;
+            CastCall { src: &x.data, dst: &mut wide.data, n: x.len }.launch(&self.dev)?;
+            self.norm_styled(&wide, weight, eps, style, out)
+        })();
+        self.arch.norm_in = Some(wide);
+        run
+    }
+
+    /// `x = bf16(x · bf16(s))` over the live values of the residual stream.
+    pub(super) fn scale_residual(&mut self, x: &mut CudaRes, s: f32) -> Result<(), BackendError> {
+        Ok(ScaleRoundCall { x: &mut x.data, n: x.len, scale: s }.launch(&self.dev)?)
+    }
+
+    /// `out = gelu_tanh(gate) · up` of rows `[gate | up]` of width `2d`.
+    pub(super) fn gelu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
+        if d == 0 || !gate_up.len.is_multiple_of(2 * d) {
+            return Err(kerr("gelu_tanh_mul", format!("{} values is not rows of width {}", gate_up.len, 2 * d)));
+        }
+        let rows = gate_up.len / (2 * d);
+        self.ensure(out, rows * d)?;
+        Ok(GeluTanhMulCall { gate_up: &gate_up.data, rows, d, out: &mut out.data }.launch(&self.dev)?)
+    }
+
+    /// `cap · tanh(x / cap)` over every value of the last LM-head output (a recorded step's
+    /// rows are its bucket's, so the count is fixed per graph).
+    pub(super) fn softcap_last_logits(&mut self, cap: f32) -> Result<(), BackendError> {
+        let (rows, vocab) = self.logit_shape;
+        Ok(SoftcapCall { x: &mut self.logits, n: rows * vocab, cap }.launch(&self.dev)?)
+    }
+
+    /// Attention with `extras`: layers with neither a window nor a soft-cap, at a head_dim the
+    /// tuned kernels have, take [`Backend::attention`](crate::backend::Backend::attention);
+    /// the others the window/soft-cap kernel, which never reads a key before a row's window.
+    pub(super) fn attention_with(
+        &mut self,
+        layer: usize,
+        q: &CudaBuf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        extras: AttentionExtras,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        if extras == AttentionExtras::default() && attention_supports(geo.head_dim) {
+            return crate::backend::Backend::attention(self, layer, q, n_heads, scale, batch, out);
+        }
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let width = n_heads * geo.head_dim;
+        if q.len != rows * width {
+            return Err(kerr("attention_ext", format!("q has {} values for {rows} rows of {width}", q.len)));
+        }
+        self.ensure(out, rows * width)?;
+        // A replay keys its graph by the heads (for the tuned kernel's splits, which this
+        // kernel does not use: any split count replays it alike).
+        self.graphs.n_heads = Some(n_heads);
+        let (kc, vc) =
+            self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        let call = AttentionExtCall {
+            q: &q.data,
+            k_cache: kc,
+            v_cache: vc,
+            meta: &self.meta,
+            n_heads,
+            geo,
+            scale,
+            window: extras.window,
+            softcap: extras.softcap,
+            sinks: None,
+            out: &mut out.data,
+        };
+        Ok(call.launch(&self.dev)?)
+    }
+
+    /// Uploads one `inv_freq` table per layer kind; layer `i` rotates with
+    /// `tables[layer_table[i]]` from then on.
+    pub(super) fn layer_ropes(&mut self, tables: Vec<RopeTable>, layer_table: Vec<usize>) -> Result<(), BackendError> {
+        if let Some(bad) = layer_table.iter().find(|&&t| t >= tables.len()) {
+            return Err(kerr("set_layer_ropes", format!("table {bad} of {}", tables.len())));
+        }
+        // The kernel takes the rotated dims and the attention factor per launch, from
+        // `set_rope`'s table: the layer kinds' tables must agree on both (Gemma's do: full
+        // rotation, no factor).
+        if let Some(first) = tables.first()
+            && let Some(other) = tables
+                .iter()
+                .find(|t| t.head_dim() != first.head_dim() || t.attention_factor() != first.attention_factor())
+        {
+            return Err(kerr(
+                "set_layer_ropes",
+                format!(
+                    "rotary tables of {} and {} dims, attention factors {} and {}",
+                    first.head_dim(),
+                    other.head_dim(),
+                    first.attention_factor(),
+                    other.attention_factor()
+                ),
+            ));
+        }
+        let uploaded = tables.iter().map(|t| self.dev.upload(t.inv_freq())).collect::<Result<Vec<_>, _>>()?;
+        if let Some(first) = tables.first() {
+            self.rotary_dim = Some(first.head_dim());
+            self.rope_attention_factor = Some(first.attention_factor()).filter(|f| *f != 1.0);
+        }
+        self.arch.layer_inv_freq = uploaded;
+        self.arch.layer_table = layer_table;
+        Ok(())
+    }
+}
