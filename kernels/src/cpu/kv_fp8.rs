@@ -133,8 +133,15 @@ mod tests {
         let (bs, kvh, hd) = (2, 1, 2);
         let mut kc = vec![0xAAu8; 3 * bs * kvh * hd];
         let mut vc = vec![0xAAu8; 3 * bs * kvh * hd];
-        let mut cache =
-            Fp8KvLayerMut { k: &mut kc, v: &mut vc, k_scale: 0.5, v_scale: 4.0, block_size: bs, n_kv_heads: kvh, head_dim: hd };
+        let mut cache = Fp8KvLayerMut {
+            k: &mut kc,
+            v: &mut vc,
+            k_scale: 0.5,
+            v_scale: 4.0,
+            block_size: bs,
+            n_kv_heads: kvh,
+            head_dim: hd,
+        };
         // Positions 1..4 of a sequence whose blocks are [2, 0]: slots (2,1), (0,0), (0,1), i.e.
         // bytes 10..12, 0..2 and 2..4 (a block is 2 tokens × 2 values).
         let k_new = [1.0f32, -2.0, 3.0, 1000.0, 0.01, 0.0];
