@@ -115,8 +115,11 @@ pub fn start_engine(
 ) -> Result<EngineHandle, EngineStartError> {
     let started = std::time::Instant::now();
     let device = resolve_device(device)?;
-    let cfg = &model.config;
-    let max_model_len = config.max_model_len.unwrap_or(cfg.max_position_embeddings);
+    let max_model_len = config.max_model_len.unwrap_or(model.config.max_position_embeddings);
+    // What the engine runs: the model as served up to `max_model_len` (LongRoPE's factor list
+    // depends on it).
+    let served = model.config.with_served_context(max_model_len);
+    let cfg = &served;
     if max_model_len == 0 {
         return Err(EngineStartError::Config("max_model_len must be positive".into()));
     }

@@ -20,7 +20,12 @@ use common::*;
 
 /// Logits of the last prompt position, computed by one prefill through the paged cache.
 fn last_logits(model: &LoadedModel, ids: &[u32]) -> Vec<f32> {
-    let mut m = ModelRunner::load(&model.config, model.weights.as_ref(), CpuBackend::new()).expect("load model");
+    last_logits_as(model, &model.config, ids)
+}
+
+/// [`last_logits`] with `cfg` (the model's config, possibly as served at a shorter context).
+fn last_logits_as(model: &LoadedModel, cfg: &baton_formats::ModelConfig, ids: &[u32]) -> Vec<f32> {
+    let mut m = ModelRunner::load(cfg, model.weights.as_ref(), CpuBackend::new()).expect("load model");
     let block_size = 16;
     let blocks = ids.len().div_ceil(block_size);
     m.alloc_kv_cache(blocks + 2, block_size).expect("kv cache");
@@ -59,6 +64,48 @@ fn check_fixture(name: &str) {
     }
     assert_all_blocks_free(&engine);
     engine.shutdown();
+}
+
+/// A LongRoPE fixture (Phi-3 family). transformers picks the factor list per forward pass by
+/// its length; the fixture's prompts and their greedy runs each stay on one side of
+/// `original_max_position_embeddings` (36), so each is checked on an engine whose served
+/// context selects the same list: the original length for the short ones, the model's whole
+/// context for the long ones (`ModelConfig::with_served_context`).
+fn check_longrope_fixture(name: &str) {
+    let (dir, golden) = load_golden(name).expect("golden fixture");
+    let model = load_model(&dir, LoadFormat::Auto).expect("load fixture model");
+    let original = model.config.longrope.as_ref().expect("a longrope config").original_max_position_embeddings;
+    let (mut short, mut long) = (0, 0);
+    for p in &golden.prompts {
+        let total = p.ids.len() + p.greedy.len();
+        let served = if total <= original {
+            short += 1;
+            original
+        } else {
+            assert!(p.ids.len() > original, "{name}: a prompt whose greedy run crosses the original length");
+            long += 1;
+            model.config.max_position_embeddings
+        };
+        let got = last_logits_as(&model, &model.config.with_served_context(served), &p.ids);
+        let max_err = got.iter().zip(&p.last_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(max_err < 1e-3, "{name} prompt of {} (served {served}): max abs logit error {max_err}", p.ids.len());
+        let engine = engine(&model, EngineConfig { max_model_len: Some(served), ..EngineConfig::default() });
+        let toks = greedy_tokens(&engine, &p.ids, p.greedy.len());
+        assert_eq!(toks, p.greedy, "{name} prompt of {}: greedy tokens differ from transformers", p.ids.len());
+        assert_all_blocks_free(&engine);
+        engine.shutdown();
+    }
+    assert!(short > 0 && long > 0, "{name}: both factor lists must be exercised ({short} short, {long} long)");
+}
+
+#[test]
+fn golden_phi3_longrope_matches_transformers() {
+    check_longrope_fixture("phi3");
+}
+
+#[test]
+fn golden_phi4_mini_partial_rotary_longrope_tied_matches_transformers() {
+    check_longrope_fixture("phi4_mini");
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! Whole-model checks of the CUDA backend through `start_engine`: the tiny test models
-//! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling), written and loaded
-//! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU.
+//! (Llama GQA untied, Qwen2 with biases, tied with Llama 3.1 RoPE scaling, Qwen3 with its per-head
+//! q/k norm fused into the RoPE + KV write kernel), written and loaded
+//! through the real writer and loader, give the same greedy tokens on `cuda:0` as on the CPU;
+//! so do the Phi-3 and Phi-4-mini checkpoints transformers wrote (LongRoPE, partial rotary).
 //!
 //! The CUDA backend stores weights and activations in bf16, the CPU in f32, so a greedy
 //! argmax can legitimately flip where the CPU's top two tokens are within rounding of each
@@ -15,6 +17,7 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::params::SamplingParams;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, resolve_device, start_engine};
+use baton_formats::Architecture;
 use baton_formats::testing::TinySpec;
 use common::{drain, prompt, tiny};
 
@@ -32,7 +35,8 @@ fn start_with(model: &baton_formats::LoadedModel, device: DeviceSpec, bf16_refer
     let cfg = EngineConfig {
         num_threads: Some(2),
         num_kv_blocks: Some(256),
-        max_model_len: Some(512),
+        // 512, or less where the model's own context is shorter (the Phi fixtures' 144).
+        max_model_len: Some(model.config.max_position_embeddings.min(512)),
         cpu_emulates_bf16: bf16_reference,
         ..EngineConfig::default()
     };
@@ -61,7 +65,8 @@ fn run_all(engine: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Run> {
         .collect()
 }
 
-fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
+/// `tie`: [`NEAR_TIE`], or [`SOFT_ATTENTION_TIE`] for models with q/k norm (see there).
+fn compare(name: &str, cpu: &[Run], gpu: &[Run], tie: f32) -> usize {
     let mut identical = 0;
     let mut worst = 0.0f32;
     for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
@@ -72,7 +77,7 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
         for (t, (lc, lg)) in c.1.iter().zip(&g.1).take(same).enumerate() {
             let d = (lc.0 - lg.0).abs();
             worst = worst.max(d);
-            assert!(d < NEAR_TIE, "{name} prompt {i} token {t}: logprob cpu {} gpu {}", lc.0, lg.0);
+            assert!(d < tie, "{name} prompt {i} token {t}: logprob cpu {} gpu {}", lc.0, lg.0);
         }
         match c.0.iter().zip(&g.0).position(|(a, b)| a != b) {
             None => identical += 1,
@@ -85,7 +90,7 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
                     c.0[t]
                 );
                 let alt = alt.unwrap_or_else(|| panic!("{name} prompt {i}: gpu token {gpu_tok} not in cpu top-5"));
-                assert!(own - alt < NEAR_TIE, "{name} prompt {i} token {t}: not a near tie ({own} vs {alt})");
+                assert!(own - alt < tie, "{name} prompt {i} token {t}: not a near tie ({own} vs {alt})");
             }
         }
     }
@@ -100,7 +105,12 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
 fn gpu_tiny_models_greedy_match_cpu() {
     let mut identical = 0;
     let mut total = 0;
-    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+    for (name, spec) in [
+        ("llama", TinySpec::llama()),
+        ("qwen2", TinySpec::qwen2()),
+        ("tied", TinySpec::tied()),
+        ("qwen3", TinySpec::qwen3()),
+    ] {
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         // Lengths off the block size (16), one longer than a block table's first blocks.
@@ -110,11 +120,12 @@ fn gpu_tiny_models_greedy_match_cpu() {
         let gpu_engine = start(&m.model, DeviceSpec::Cuda(0));
         assert!(gpu_engine.info().device.starts_with("cuda"), "engine runs on {}", gpu_engine.info().device);
         let gpu = run_all(&gpu_engine, &prompts);
-        identical += compare(name, &cpu, &gpu);
+        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { NEAR_TIE };
+        identical += compare(name, &cpu, &gpu, tie);
         total += prompts.len();
         // A second round reuses the prefix cache on the GPU (cached prefix + new chunk).
         let again = run_all(&gpu_engine, &prompts);
-        compare(&format!("{name} (prefix cached)"), &cpu, &again);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again, tie);
     }
     // The tiny random models are nearly flat (top logprob ≈ -4.4 over 384 tokens), so near
     // ties are common (about half the prompts meet one within 24 tokens); every divergence
@@ -148,10 +159,27 @@ fn gpu_auto_device_picks_cuda() {
 /// tokens of the qwen2 model (gaps 0.0049 and 0.0005).
 const ATTENTION_TIE: f32 = 0.01;
 
+/// The same rounding in models whose attention is soft. Qwen3's q/k norm scales every head
+/// to RMS ≈ 1, so the tiny models' attention scores are O(1) and the softmax spreads over
+/// many keys (the Llama-shaped tiny models' scores are O(10): nearly one-hot), and rounding
+/// each of many softmax weights moves the logits more. Measured on the H100 (session 10):
+/// with a one-token prompt (attention over one key, so no softmax rounding) the CUDA Qwen3
+/// logits equal the bf16 emulation's exactly (`gpu_transformers_bf16`), and on transformers'
+/// own bf16 fixtures CUDA is as close to transformers as the f32 reference is; the
+/// well-conditioned model's divergences were at reference gaps 0.012, 0.020 and 0.039, and
+/// one shared token's logprob moved 0.0303 from the f32 reference.
+const SOFT_ATTENTION_TIE: f32 = 0.05;
+
 #[test]
 fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
-    for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("tied", TinySpec::tied())] {
+    for (name, spec) in [
+        ("llama", TinySpec::llama()),
+        ("qwen2", TinySpec::qwen2()),
+        ("tied", TinySpec::tied()),
+        ("qwen3", TinySpec::qwen3()),
+    ] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
+        let tie = if spec.architecture == Architecture::Qwen3 { SOFT_ATTENTION_TIE } else { ATTENTION_TIE };
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> =
@@ -170,7 +198,7 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
                 let (own, top) = &c.1[t];
                 let gpu_tok = g.0[t];
                 if let Some((_, alt)) = top.iter().find(|(id, _)| *id == gpu_tok)
-                    && own - alt < ATTENTION_TIE
+                    && own - alt < tie
                 {
                     println!("{name} prompt {i}: near tie at token {t} ({own} vs {alt}), allowed");
                     continue;
@@ -186,6 +214,33 @@ fn gpu_well_conditioned_models_match_bf16_reference_exactly() {
         }
         assert!(failures.is_empty(), "greedy tokens differ between CPU and CUDA:\n{}", failures.join("\n"));
         println!("{name}: {} prompts identical; mean top logprob {mean_top:.3}", prompts.len());
+    }
+}
+
+/// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied): the
+/// checkpoints transformers wrote, served at their whole context (so with LongRoPE's long
+/// factors and the attention factor), give on CUDA the greedy tokens of the bf16-emulating CPU
+/// reference up to near ties. These fixtures are plainly initialised (flat logits, and soft
+/// attention as in Qwen3's case), so the tie is [`SOFT_ATTENTION_TIE`]: on the H100 (session 11)
+/// a one-token prompt's CUDA logits equal the bf16 emulation's exactly and longer prompts'
+/// differ by at most 0.015 (`gpu_transformers_bf16`, where CUDA is as close to transformers
+/// bf16 as the f32 reference is), and the first run met a tie of 0.0104 here.
+#[test]
+fn gpu_phi_checkpoints_match_bf16_reference() {
+    for name in ["phi3", "phi4_mini"] {
+        let (dir, _) = baton_formats::testing::load_golden(name).expect("golden fixture");
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load fixture");
+        assert!(model.config.longrope.is_some(), "{name}: a LongRoPE checkpoint");
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> =
+            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 51, l, vocab)).collect();
+        let cpu = run_all(&start_with(&model, DeviceSpec::Cpu, true), &prompts);
+        let gpu_engine = start(&model, DeviceSpec::Cuda(0));
+        let gpu = run_all(&gpu_engine, &prompts);
+        let identical = compare(name, &cpu, &gpu, SOFT_ATTENTION_TIE);
+        let again = run_all(&gpu_engine, &prompts);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again, SOFT_ATTENTION_TIE);
+        assert!(identical * 3 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());
     }
 }
 

@@ -53,7 +53,7 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    const int* __restrict__ positions,
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                   int head_dim, int rot_half, QkNormArgs norm,
+                                                   int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
                                                    float k_scale, float v_scale) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
@@ -78,8 +78,10 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     if (active && rotating) {
         double sd, cd;
         sincos((double)positions[row] * inv_freq[i], &sd, &cd);
-        s = (float)sd;
-        c = (float)cd;
+        // cs_scale: YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise); it
+        // scales only the rotated dims, as transformers' does.
+        s = (float)sd * cs_scale;
+        c = (float)cd * cs_scale;
     }
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
@@ -128,11 +130,11 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
                                               const long long* __restrict__ slots,
                                               const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                              int head_dim, int rot_half) {
+                                              int head_dim, int rot_half, float cs_scale) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<false, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
-                              slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                              slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
                               QkNormArgs{nullptr, nullptr, 0.f, 0.f}, 1.f, 1.f);
 }
 
@@ -142,12 +144,12 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
                                                   const int* __restrict__ positions,
                                                   const long long* __restrict__ slots,
                                                   const double* __restrict__ inv_freq, int n_heads,
-                                                  int n_kv_heads, int head_dim, int rot_half) {
+                                                  int n_kv_heads, int head_dim, int rot_half, float cs_scale) {
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<false, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
-                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
                               QkNormArgs{nullptr, nullptr, 0.f, 0.f}, 1.f, 1.f);
 }
 
@@ -158,12 +160,12 @@ extern "C" __global__ void rope_qknorm_write_kv_bf16(bf16_t* __restrict__ q, bf1
                                                      bf16_t* __restrict__ v_cache, const int* __restrict__ positions,
                                                      const long long* __restrict__ slots,
                                                      const double* __restrict__ inv_freq, int n_heads,
-                                                     int n_kv_heads, int head_dim, int rot_half, const bf16_t* __restrict__ q_w,
+                                                     int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
                                                      const bf16_t* __restrict__ k_w, float eps, float offset) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<true, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
-                             slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                             slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
                              QkNormArgs{q_w, k_w, eps, offset}, 1.f, 1.f);
 }
 
@@ -172,13 +174,13 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restric
                                                          const int* __restrict__ positions,
                                                          const long long* __restrict__ slots,
                                                          const double* __restrict__ inv_freq, int n_heads,
-                                                         int n_kv_heads, int head_dim, int rot_half, const bf16_t* __restrict__ q_w,
+                                                         int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
                                                          const bf16_t* __restrict__ k_w, float eps, float offset) {
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<true, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
-                             positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half,
+                             positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
                              QkNormArgs{q_w, k_w, eps, offset}, 1.f, 1.f);
 }
 
@@ -188,13 +190,13 @@ extern "C" __global__ void rope_write_kv_fp8(bf16_t* __restrict__ q, bf16_t* __r
                                              const bf16_t* __restrict__ v, unsigned char* __restrict__ k_cache,
                                              unsigned char* __restrict__ v_cache, const int* __restrict__ positions,
                                              const long long* __restrict__ slots, const double* __restrict__ inv_freq,
-                                             int n_heads, int n_kv_heads, int head_dim, int rot_half, float k_scale,
-                                             float v_scale) {
+                                             int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
+                                             float k_scale, float v_scale) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<false, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
                                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
-                                             rot_half, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale, v_scale);
+                                             rot_half, cs_scale, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale, v_scale);
 }
 
 extern "C" __global__ void rope_qkv_write_kv_fp8(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
@@ -202,13 +204,13 @@ extern "C" __global__ void rope_qkv_write_kv_fp8(const bf16_t* __restrict__ qkv,
                                                  unsigned char* __restrict__ v_cache, const int* __restrict__ positions,
                                                  const long long* __restrict__ slots,
                                                  const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                 int head_dim, int rot_half, float k_scale, float v_scale) {
+                                                 int head_dim, int rot_half, float cs_scale, float k_scale, float v_scale) {
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<false, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
                                              k_cache, v_cache, positions, slots, inv_freq, n_heads, n_kv_heads,
-                                             head_dim, rot_half, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale,
+                                             head_dim, rot_half, cs_scale, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale,
                                              v_scale);
 }
 
@@ -218,20 +220,20 @@ extern "C" __global__ void rope_qknorm_write_kv_fp8(bf16_t* __restrict__ q, bf16
                                                     const int* __restrict__ positions,
                                                     const long long* __restrict__ slots,
                                                     const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                    int head_dim, int rot_half, const bf16_t* __restrict__ q_w,
-                                                    const bf16_t* __restrict__ k_w, float eps, float offset,
-                                                    float k_scale, float v_scale) {
+                                                    int head_dim, int rot_half, float cs_scale,
+                                                    const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
+                                                    float eps, float offset, float k_scale, float v_scale) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<true, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
                                             v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
-                                            rot_half, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
+                                            rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
 }
 
 extern "C" __global__ void rope_qkv_qknorm_write_kv_fp8(
     const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out, unsigned char* __restrict__ k_cache,
     unsigned char* __restrict__ v_cache, const int* __restrict__ positions, const long long* __restrict__ slots,
-    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, int rot_half,
+    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
     const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w, float eps, float offset, float k_scale,
     float v_scale) {
     PDL_ENTER();
@@ -239,5 +241,5 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_fp8(
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<true, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
                                             k_cache, v_cache, positions, slots, inv_freq, n_heads, n_kv_heads,
-                                            head_dim, rot_half, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
+                                            head_dim, rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
 }

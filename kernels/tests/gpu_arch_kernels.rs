@@ -44,7 +44,14 @@ fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<N
     let specs = [(37usize, 20usize), (5000, 1), (0, 3)];
     let (num_blocks, tables, rows) = shuffled_tables(r, &specs, bs, 3);
     let positions: Vec<usize> = specs.iter().flat_map(|&(s, n)| s..s + n).collect();
-    let table = RopeTable::new(rot, 1_000_000.0, RopeScalingKind::None).expect("table");
+    // Partial rotation with LongRoPE's per-frequency divisors and its attention factor on cos
+    // and sin (Phi-4-mini); the full rotation plain.
+    let table = if rot < hd {
+        let factors: Vec<f32> = (0..rot / 2).map(|i| 1.0 + (i % 5) as f32 * 0.7).collect();
+        RopeTable::with_factors(rot, 10_000.0, &factors, 1.19).expect("longrope table")
+    } else {
+        RopeTable::new(rot, 1_000_000.0, RopeScalingKind::None).expect("table")
+    };
     let (qw_len, kw_len) = (nh * hd, nkv * hd);
     // Inputs of several magnitudes (the norm removes it) and weights around 0 or 1.
     let q = rand_vec(r, (rows + pad) * qw_len, 6.0);
@@ -80,6 +87,7 @@ fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<N
     let extras = || RopeExtras {
         qk_norm: style.map(|weight| QkNorm { q_weight: &qwd, k_weight: &kwd, eps, weight }),
         rotary_dim: (rot < hd).then_some(rot),
+        attention_factor: (rot < hd).then_some(table.attention_factor()),
     };
     let what = format!("rope hd={hd} rotary_dim={rot} qk_norm={style:?}");
     let compare_cache = |tag: &str, kcd: &CudaSlice<_>, vcd: &CudaSlice<_>| {
@@ -157,7 +165,7 @@ fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<N
         dev,
         RopeExtras {
             qk_norm: Some(QkNorm { q_weight: &short, k_weight: &kwd, eps, weight: NormWeight::Plain }),
-            rotary_dim: None,
+            ..RopeExtras::default()
         },
     );
     assert!(bad.is_err(), "short q_norm weight accepted");
@@ -170,7 +178,7 @@ fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<N
         n_heads: nh,
         geo,
     }
-    .launch_with(dev, RopeExtras { qk_norm: None, rotary_dim: Some(rot - 1) });
+    .launch_with(dev, RopeExtras { rotary_dim: Some(rot - 1), ..RopeExtras::default() });
     assert!(odd.is_err(), "odd rotary_dim accepted");
 }
 

@@ -87,7 +87,7 @@ fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormW
     let wd = up(dev, &w);
     let extras = || RopeExtras {
         qk_norm: norm.map(|weight| QkNorm { q_weight: &wd, k_weight: &wd, eps, weight }),
-        rotary_dim: None,
+        ..RopeExtras::default()
     };
     let what = format!("rope fp8 hd={hd} qk_norm={norm:?} scales=({ks}, {vs})");
     let compare_cache = |tag: &str, kcd: &CudaSlice<u8>, vcd: &CudaSlice<u8>| {

@@ -66,7 +66,8 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         device: "cluster".into(),
     };
     let registry = Arc::new(Registry::new(RegistrySettings {
-        model_fingerprint: cfg.fingerprint(),
+        // As served: a worker whose context picks other LongRoPE factors is refused.
+        model_fingerprint: cfg.with_served_context(max_model_len).fingerprint(),
         max_model_len,
         heartbeat_interval: s.heartbeat_interval,
         eject_after: s.eject_after,

@@ -10,8 +10,8 @@
 //! - `prefix_aware` sends a repeated long prefix to the prefill worker that holds it; that
 //!   worker's `/metrics` shows the hits, the other's none.
 //! - With a cluster secret (and with mutual TLS on top), 1P1D gives the same greedy output.
-//! - A Qwen3 checkpoint written by transformers: serve gives transformers' greedy tokens, and
-//!   1P1D gives what serve gives.
+//! - Qwen3 and Phi-4-mini checkpoints written by transformers: serve gives transformers' greedy
+//!   tokens, and 1P1D gives what serve gives.
 
 mod common;
 
@@ -65,33 +65,72 @@ async fn one_prefill_one_decode_matches_serve() {
     disaggregated_matches_serve("1p1d.toml", 1).await;
 }
 
-/// A checkpoint transformers wrote (Qwen3: q/k norm, transformers 5 config keys): `baton serve`
-/// continues each golden prompt with transformers' greedy tokens, and router + 1P1D over TCP
-/// gives what serve gives.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
-    let (model, golden) = load_golden("qwen3").expect("qwen3 fixture");
+/// A checkpoint transformers wrote: `baton serve` continues each of its golden prompts that
+/// `keep` accepts with transformers' greedy tokens, and router + 1P1D over TCP gives what
+/// serve gives.
+async fn golden_checkpoint_through_serve_and_one_prefill_one_decode(name: &str, keep: impl Fn(usize) -> bool) {
+    let (model, golden) = load_golden(name).expect("fixture");
     let tok = Tokenizer::from_file(&model.join("tokenizer.json")).expect("tokenizer");
     let dir = tempfile::tempdir().expect("tempdir");
-    let ps: Vec<Vec<u32>> = golden.prompts.iter().map(|p| p.ids.clone()).collect();
+    let prompts: Vec<_> = golden.prompts.iter().filter(|p| keep(p.ids.len())).collect();
+    assert!(!prompts.is_empty(), "{name}: no prompt kept");
+    let ps: Vec<Vec<u32>> = prompts.iter().map(|p| p.ids.clone()).collect();
     let want = reference(dir.path(), &model, &ps).await;
-    for (p, (text, _)) in golden.prompts.iter().zip(&want) {
+    for (p, (text, _)) in prompts.iter().zip(&want) {
         // Serve runs MAX_TOKENS (more than the 16 golden ones): its text starts with theirs.
         let head = tok.decode(&p.greedy, true).expect("decode");
-        let head = head.trim_end_matches('\u{FFFD}');
-        assert!(!head.is_empty(), "prompt {:?}: transformers' tokens decode to nothing", p.ids);
-        assert!(text.starts_with(head), "prompt {:?}: serve gave {text:?}, transformers {head:?}", p.ids);
+        // Only the last character can be a byte sequence the 17th token would complete; earlier
+        // replacement characters are invalid bytes the serve text must show too.
+        let head = head.strip_suffix('\u{FFFD}').unwrap_or(&head);
+        assert!(!head.is_empty(), "{name} prompt {:?}: transformers' tokens decode to nothing", p.ids);
+        assert!(text.starts_with(head), "{name} prompt {:?}: serve gave {text:?}, transformers {head:?}", p.ids);
     }
     let c = Cluster::start(dir.path(), &model, "1p1d.toml", &[], &[vec![]], &[vec![]]).await;
     for (p, w) in ps.iter().zip(&want) {
         for stream in [false, true] {
             let got = complete(&c.http, &c.router.http, p, stream).await;
-            assert_same(&got, w, &format!("qwen3 1p1d, prompt of {} tokens, stream {stream}", p.len()));
+            assert_same(&got, w, &format!("{name} 1p1d, prompt of {} tokens, stream {stream}", p.len()));
         }
     }
     for w in c.all_workers() {
         w.assert_idle(&c.http).await;
     }
+}
+
+/// Qwen3: q/k norm, transformers 5 config keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qwen3_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("qwen3", |_| true).await;
+}
+
+/// Phi-4-mini: fused qkv/gate_up in the checkpoint, partial rotary, LongRoPE, tied. Served at
+/// its whole context, LongRoPE uses `long_factor`, which transformers used for the prompts
+/// longer than `original_max_position_embeddings` (36): those are the ones checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phi4_mini_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("phi4_mini", |len| len > 36).await;
+}
+
+/// LongRoPE picks its factor list from the served context: a Phi-4-mini worker serving less
+/// than the original context (short factors) cannot join a cluster serving more (long
+/// factors); the router refuses it, naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_context_picks_other_longrope_factors_is_refused() {
+    let (model, _) = load_golden("phi4_mini").expect("fixture");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let c = Cluster::start(dir.path(), &model, "1p1d.toml", &[], &[vec![]], &[vec![]]).await;
+    let mut args: Vec<String> = vec!["worker".into(), "--role".into(), "decode".into()];
+    args.extend(model_args(&model).into_iter().map(|a| if a == "144" { "32".to_owned() } else { a }));
+    assert!(args.contains(&"32".to_owned()), "the fixture's context is 144: {args:?}");
+    args.extend(["--router".into(), c.registry.clone()]);
+    let worker = Proc::spawn(dir.path(), "short-context-worker", &args);
+    let deadline = Instant::now() + STARTUP;
+    while !worker.log_text().contains("the router refused this worker") {
+        assert!(Instant::now() < deadline, "no refusal:\n{}", worker.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = worker.log_text();
+    assert!(log.contains("longrope-short") && log.contains("longrope-long"), "the refusal names both:\n{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

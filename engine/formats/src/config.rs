@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::error::FormatError;
 pub use crate::hf_options::declared_dtype;
-use crate::hf_options::{layer_types, parse_rope, refuse_unimplemented_options};
+use crate::hf_options::{layer_types, parse_longrope, parse_rope, partial_rotary_factor, refuse_unimplemented_options};
 
 /// The transformer families Baton implements. All share Llama's tensor layout; Qwen2 adds
 /// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE.
@@ -24,11 +24,14 @@ pub enum Architecture {
     Qwen2,
     /// Qwen3 dense (q/k norm, head_dim independent of the hidden size).
     Qwen3,
+    /// Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): fused `qkv_proj` and `gate_up_proj`
+    /// in the checkpoint, partial rotary embeddings and LongRoPE.
+    Phi3,
 }
 
 impl Architecture {
     /// Every architecture, in the order messages list them.
-    pub const ALL: [Architecture; 4] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3];
+    pub const ALL: [Architecture; 5] = [Self::Llama, Self::Mistral, Self::Qwen2, Self::Qwen3, Self::Phi3];
 
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
     pub fn from_name(name: &str) -> Option<Self> {
@@ -43,6 +46,9 @@ impl Architecture {
             Self::Mistral => None,
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
+            // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
+            // tensors) is not mapped: refused when a GGUF names it.
+            Self::Phi3 => None,
         }
     }
 
@@ -58,6 +64,7 @@ impl Architecture {
             Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Phi3 => "phi3",
         }
     }
 
@@ -68,6 +75,7 @@ impl Architecture {
             Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Phi3 => "Phi3ForCausalLM",
         }
     }
 }
@@ -100,6 +108,39 @@ pub struct RopeParameters {
     pub theta: f32,
     /// Frequency scaling, if any.
     pub scaling: Option<RopeScaling>,
+}
+
+/// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini: `rope_type` `longrope`, legacy `su`): every
+/// rotary frequency `i` divided by `short_factor[i]` or `long_factor[i]`, and cos/sin scaled
+/// by `attention_factor`.
+///
+/// Which list applies is fixed for a whole engine, not per forward pass: transformers picks
+/// per pass (`long_factor` once a pass reaches past `original_max_position_embeddings`),
+/// which rotates one sequence's cached keys with both lists once it grows past that length
+/// and makes a chunked prefill differ from a whole one. Baton uses `long_factor` iff the
+/// served context (`--max-model-len`, [`ModelConfig::with_served_context`]) exceeds
+/// `original_max_position_embeddings`: identical to transformers for every sequence that
+/// stays on one side of it (all of them when the served context does not cross it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LongRope {
+    /// Divisors of the frequencies for contexts up to the original length (`rotary_dim / 2`).
+    pub short_factor: Vec<f32>,
+    /// Divisors for longer contexts (`rotary_dim / 2`).
+    pub long_factor: Vec<f32>,
+    /// Context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+    /// Scale of cos and sin: the config's `attention_factor`, else `sqrt(1 + ln(s) / ln(o))`
+    /// with `s = max_position_embeddings / o` (1 when `s <= 1`).
+    pub attention_factor: f32,
+    /// Whether `long_factor` applies (see the type's doc).
+    pub use_long: bool,
+}
+
+impl LongRope {
+    /// The factor list in use.
+    pub fn factors(&self) -> &[f32] {
+        if self.use_long { &self.long_factor } else { &self.short_factor }
+    }
 }
 
 /// What kind of attention a layer runs (HF `layer_types`).
@@ -179,6 +220,11 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Optional RoPE scaling.
     pub rope_scaling: Option<RopeScaling>,
+    /// LongRoPE, instead of `rope_scaling` (Phi-3 family).
+    pub longrope: Option<LongRope>,
+    /// Fraction of each head that rotates (`partial_rotary_factor`; 1 = all of it): the
+    /// first [`ModelConfig::rotary_dim`] dims, the rest pass through.
+    pub partial_rotary_factor: f32,
     /// Longest context the model supports: the config's `max_position_embeddings`, capped at
     /// an active `sliding_window` (Mistral's, or Qwen2's when `use_sliding_window` puts a layer
     /// under it), since attention here is always over the whole context.
@@ -208,6 +254,22 @@ impl ModelConfig {
         self.num_attention_heads * self.head_dim
     }
 
+    /// Dims of each head that RoPE rotates: `head_dim × partial_rotary_factor`, rounded down
+    /// as transformers does.
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * f64::from(self.partial_rotary_factor)) as usize
+    }
+
+    /// This config as an engine serving contexts up to `len` tokens runs it: LongRoPE's
+    /// factor list is chosen by the served context (see [`LongRope`]).
+    pub fn with_served_context(&self, len: usize) -> Self {
+        let mut cfg = self.clone();
+        if let Some(l) = cfg.longrope.as_mut() {
+            l.use_long = len > l.original_max_position_embeddings;
+        }
+        cfg
+    }
+
     /// Width of the k and v projection outputs.
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim
@@ -218,7 +280,7 @@ impl ModelConfig {
     /// A worker registers with it and the router refuses a worker whose fingerprint differs.
     pub fn fingerprint(&self) -> String {
         format!(
-            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}",
+            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}-rot{}{}",
             self.architecture,
             self.vocab_size,
             self.hidden_size,
@@ -228,8 +290,21 @@ impl ModelConfig {
             self.head_dim,
             self.intermediate_size,
             self.rope_theta,
-            self.attention_bias
+            self.attention_bias,
+            self.rotary_dim(),
+            // Prefill and decode workers must rotate with the same LongRoPE list.
+            match &self.longrope {
+                Some(l) if l.use_long => "-longrope-long",
+                Some(_) => "-longrope-short",
+                None => "",
+            }
         )
+    }
+
+    /// The checkpoint stores `[q; k; v]` as one `qkv_proj` and `[gate; up]` as one
+    /// `gate_up_proj` (Phi-3), the layout Baton computes with anyway.
+    pub fn fused_checkpoint(&self) -> bool {
+        self.architecture == Architecture::Phi3
     }
 
     /// q and k are RMS-normalised per head before RoPE (Qwen3's `q_norm`/`k_norm`).
@@ -297,6 +372,29 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim ({}) must be even for RoPE", self.head_dim));
         }
+        let rot = self.rotary_dim();
+        if !(self.partial_rotary_factor > 0.0 && self.partial_rotary_factor <= 1.0) || rot < 2 || !rot.is_multiple_of(2)
+        {
+            return bad(format!(
+                "partial_rotary_factor {} gives {rot} rotary dims of head_dim {} (need an even number ≥ 2)",
+                self.partial_rotary_factor, self.head_dim
+            ));
+        }
+        if let Some(l) = &self.longrope {
+            for (name, f) in [("short_factor", &l.short_factor), ("long_factor", &l.long_factor)] {
+                if f.len() != rot / 2 || !f.iter().all(|x| x.is_finite() && *x > 0.0) {
+                    return bad(format!(
+                        "longrope {name} has {} entries (need {} = rotary dims / 2, all positive)",
+                        f.len(),
+                        rot / 2
+                    ));
+                }
+            }
+            if l.original_max_position_embeddings == 0 || !(l.attention_factor.is_finite() && l.attention_factor > 0.0)
+            {
+                return bad("longrope needs original_max_position_embeddings and a positive attention_factor".into());
+            }
+        }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return bad(format!("rms_norm_eps ({}) must be positive", self.rms_norm_eps));
         }
@@ -349,9 +447,13 @@ impl ModelConfig {
         for i in 0..self.num_hidden_layers {
             let p = format!("model.layers.{i}");
             out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
-            out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
-            out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            if self.fused_checkpoint() {
+                out.push((format!("{p}.self_attn.qkv_proj.weight"), vec![q + 2 * kv, h]));
+            } else {
+                out.push((format!("{p}.self_attn.q_proj.weight"), vec![q, h]));
+                out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv, h]));
+                out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv, h]));
+            }
             if self.attention_bias {
                 out.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
                 out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
@@ -366,8 +468,12 @@ impl ModelConfig {
                 out.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
             }
             out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
-            out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+            if self.fused_checkpoint() {
+                out.push((format!("{p}.mlp.gate_up_proj.weight"), vec![2 * ffn, h]));
+            } else {
+                out.push((format!("{p}.mlp.gate_proj.weight"), vec![ffn, h]));
+                out.push((format!("{p}.mlp.up_proj.weight"), vec![ffn, h]));
+            }
             out.push((format!("{p}.mlp.down_proj.weight"), vec![h, ffn]));
         }
         out.push(("model.norm.weight".to_string(), vec![h]));
@@ -423,6 +529,7 @@ impl ModelConfig {
         let (layer_types, sliding_window) = layer_types(v, architecture, num_hidden_layers, path)?;
         let (rope, sliding_rope) = parse_rope(v, path)?;
         let declared_len = opt_usize("max_position_embeddings").unwrap_or(2048);
+        let longrope = parse_longrope(v, declared_len, path)?;
         let cfg = Self {
             architecture,
             hidden_size,
@@ -435,6 +542,8 @@ impl ModelConfig {
             rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6) as f32,
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
+            longrope,
+            partial_rotary_factor: partial_rotary_factor(v),
             // Attention over the whole context equals sliding-window attention only up to
             // the window, and the Llama-family layers here attend over the whole context: the
             // context is capped at the window rather than giving wrong tokens past it.
@@ -519,6 +628,24 @@ impl ModelConfig {
                     obj.insert("use_sliding_window".into(), json!(false));
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                }
+                Architecture::Phi3 => {
+                    obj.insert("sliding_window".into(), Value::Null);
+                    obj.insert("partial_rotary_factor".into(), f32_json(self.partial_rotary_factor));
+                    if let Some(l) = &self.longrope {
+                        let list = |f: &[f32]| f.iter().map(|x| f32_json(*x)).collect::<Vec<_>>();
+                        obj.insert(
+                            "rope_scaling".into(),
+                            json!({"rope_type": "longrope", "type": "longrope",
+                                   "short_factor": list(&l.short_factor), "long_factor": list(&l.long_factor),
+                                   "original_max_position_embeddings": l.original_max_position_embeddings,
+                                   "attention_factor": f32_json(l.attention_factor)}),
+                        );
+                        obj.insert(
+                            "original_max_position_embeddings".into(),
+                            json!(l.original_max_position_embeddings),
+                        );
+                    }
                 }
             }
         }

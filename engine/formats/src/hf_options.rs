@@ -46,16 +46,72 @@ pub(crate) fn refuse_unimplemented_options(v: &Value, path: &Path) -> Result<(),
             return Err(FormatError::unsupported(path, format!("{key} {cap}")));
         }
     }
-    check_partial_rotary(v, path, "partial_rotary_factor")
+    Ok(())
 }
 
-/// Refuses a `partial_rotary_factor` other than 1 in `obj` (RoPE over part of each head).
-fn check_partial_rotary(obj: &Value, path: &Path, name: &str) -> Result<(), FormatError> {
-    match obj.get("partial_rotary_factor").filter(|f| !f.is_null()) {
-        Some(f) if f.as_f64() == Some(1.0) => Ok(()),
-        Some(f) => Err(FormatError::unsupported(path, format!("{name} {f} (RoPE over part of each head)"))),
-        None => Ok(()),
+/// The config's `partial_rotary_factor` (top level, or inside transformers 5's flat
+/// `rope_parameters`), 1 when absent; [`ModelConfig::validate`](crate::ModelConfig::validate)
+/// checks its range.
+pub(crate) fn partial_rotary_factor(v: &Value) -> f32 {
+    let in_rope = v.get("rope_parameters").and_then(|r| r.get("partial_rotary_factor"));
+    in_rope.or_else(|| v.get("partial_rotary_factor")).and_then(Value::as_f64).map_or(1.0, |f| f as f32)
+}
+
+/// The flat RoPE object of a config: transformers 5's `rope_parameters`, else transformers
+/// 4's `rope_scaling`.
+fn flat_rope_object(v: &Value) -> Option<&Value> {
+    v.get("rope_parameters").filter(|r| r.is_object()).or_else(|| v.get("rope_scaling").filter(|s| s.is_object()))
+}
+
+/// LongRoPE (`rope_type` `longrope`, legacy `su`), if the config's RoPE is that: both factor
+/// lists, the original context (in the RoPE object or at the top level), and the attention
+/// factor (given, else from `max_position_embeddings`). Per-list `short_mscale` /
+/// `long_mscale` (Phi-3.5-MoE) are refused, naming them.
+pub(crate) fn parse_longrope(
+    v: &Value,
+    max_position_embeddings: usize,
+    path: &Path,
+) -> Result<Option<crate::config::LongRope>, FormatError> {
+    let Some(s) = flat_rope_object(v) else { return Ok(None) };
+    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str);
+    if !matches!(kind, Some("longrope" | "su")) {
+        return Ok(None);
     }
+    for key in ["short_mscale", "long_mscale"] {
+        if let Some(m) = s.get(key).filter(|m| !m.is_null()) {
+            return Err(FormatError::unsupported(path, format!("longrope {key} {m}")));
+        }
+    }
+    let list = |key: &str| -> Result<Vec<f32>, FormatError> {
+        s.get(key)
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(|x| x.as_f64().map(|f| f as f32)).collect::<Option<Vec<_>>>())
+            .ok_or_else(|| FormatError::config(path, format!("longrope {key} must be a list of numbers")))
+    };
+    let original = s
+        .get("original_max_position_embeddings")
+        .or_else(|| v.get("original_max_position_embeddings"))
+        .and_then(Value::as_u64)
+        .ok_or_else(|| FormatError::config(path, "longrope needs original_max_position_embeddings"))?
+        as usize;
+    let attention_factor = match s.get("attention_factor").and_then(Value::as_f64) {
+        Some(f) => f as f32,
+        None => baton_longrope_attention_factor(max_position_embeddings, original),
+    };
+    Ok(Some(crate::config::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+        use_long: max_position_embeddings > original,
+    }))
+}
+
+/// transformers' default LongRoPE attention factor: `sqrt(1 + ln(s) / ln(o))` with
+/// `s = max_position_embeddings / o`, 1 when the context is not extended.
+fn baton_longrope_attention_factor(max_position_embeddings: usize, original: usize) -> f32 {
+    let s = max_position_embeddings as f64 / original.max(1) as f64;
+    if s <= 1.0 { 1.0 } else { (1.0 + s.ln() / (original.max(2) as f64).ln()).sqrt() as f32 }
 }
 
 /// The compute dtype a `config.json` declares: transformers 5's `dtype`, else transformers
@@ -114,7 +170,8 @@ pub(crate) fn layer_types(
         return Ok((all_full, None));
     };
     let types = match architecture {
-        Architecture::Mistral => listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers]),
+        // Phi-3's `sliding_window` (Phi-3-mini-4k: 2047) masks every layer, as Mistral's does.
+        Architecture::Mistral | Architecture::Phi3 => listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers]),
         Architecture::Qwen2 | Architecture::Qwen3 => {
             if v.get("use_sliding_window").and_then(Value::as_bool) != Some(true) {
                 all_full
@@ -177,7 +234,13 @@ fn nested_entry(params: &Map<String, Value>, t: LayerType) -> Option<&Value> {
 /// its `rope_type` (or legacy `type`), its `rope_theta` (else `theta`), and the scaling's
 /// parameters. `name` names the object in errors.
 fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParameters, FormatError> {
-    check_partial_rotary(s, path, &format!("{name}.partial_rotary_factor"))?;
+    // The flat object's partial rotation is read by `partial_rotary_factor`; a different one
+    // per layer type is not implemented.
+    if name.contains('.')
+        && let Some(f) = s.get("partial_rotary_factor").filter(|f| !f.is_null() && f.as_f64() != Some(1.0))
+    {
+        return Err(FormatError::unsupported(path, format!("{name}.partial_rotary_factor {f} (per layer type)")));
+    }
     let theta = s.get("rope_theta").and_then(Value::as_f64).map_or(theta, |t| t as f32);
     let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
     let num = |key: &str| -> Result<f32, FormatError> {
@@ -188,6 +251,11 @@ fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParam
     };
     let scaling = match kind {
         "default" => None,
+        // The frequencies are LongRope's (`parse_longrope`), outside `RopeScaling`.
+        "longrope" | "su" if !name.contains('.') => None,
+        "longrope" | "su" => {
+            return Err(FormatError::unsupported(path, format!("{name} rope_type {kind:?} per layer type")));
+        }
         "linear" => Some(RopeScaling::Linear { factor: num("factor")? }),
         "llama3" => Some(RopeScaling::Llama3 {
             factor: num("factor")?,
@@ -203,7 +271,7 @@ fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParam
         other => {
             return Err(FormatError::unsupported(
                 path,
-                format!("{name} rope_type {other:?} (implemented: default, linear, llama3)"),
+                format!("{name} rope_type {other:?} (implemented: default, linear, llama3, longrope)"),
             ));
         }
     };

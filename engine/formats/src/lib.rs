@@ -23,7 +23,8 @@ use std::str::FromStr;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{
-    Architecture, ConfigDType, GenerationConfig, LayerType, ModelConfig, RopeParameters, RopeScaling, declared_dtype,
+    Architecture, ConfigDType, GenerationConfig, LayerType, LongRope, ModelConfig, RopeParameters, RopeScaling,
+    declared_dtype,
 };
 pub use dummy::{DummyKind, DummyStore};
 pub use error::FormatError;

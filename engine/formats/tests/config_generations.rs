@@ -114,7 +114,7 @@ fn unknown_rope_types_are_refused_in_every_form() {
     for (v, name) in [
         (config(json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}})), "dynamic"),
         (config(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})), "yarn"),
-        (config(json!({"rope_parameters": {"rope_type": "su", "rope_theta": 1.0e4}})), "su"),
+        (config(json!({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0e4}})), "dynamic"),
     ] {
         let msg = refused(&v);
         assert!(msg.contains(name) && msg.contains("rope_type"), "{msg}");
@@ -122,6 +122,11 @@ fn unknown_rope_types_are_refused_in_every_form() {
     // A known type with a parameter missing is a config error naming the parameter.
     let err = parse(&config(json!({"rope_parameters": {"rope_type": "linear"}}))).expect_err("no factor");
     assert!(err.to_string().contains("rope_parameters.factor"), "{err}");
+    // LongRoPE (legacy name `su`) without its original context is a config error naming it.
+    let err =
+        parse(&config(json!({"rope_parameters": {"rope_type": "su", "short_factor": [1.0], "long_factor": [1.0]}})))
+            .expect_err("no original_max_position_embeddings");
+    assert!(err.to_string().contains("original_max_position_embeddings"), "{err}");
 }
 
 #[test]
@@ -133,10 +138,21 @@ fn options_that_change_the_math_are_refused_by_name() {
         (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\")"),
         (json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
         (json!({"attn_logit_softcapping": 50.0}), "attn_logit_softcapping"),
-        (json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
         (
-            json!({"rope_parameters": {"rope_type": "default", "rope_theta": 1.0e4, "partial_rotary_factor": 0.25}}),
-            "rope_parameters.partial_rotary_factor 0.25",
+            json!({"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1.0e4, "partial_rotary_factor": 0.25},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1.0e4}}}),
+            "rope_parameters.full_attention.partial_rotary_factor 0.25 (per layer type)",
+        ),
+        (
+            json!({"rope_parameters": {
+                "full_attention": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}}),
+            "rope_parameters.full_attention rope_type \"longrope\" per layer type",
+        ),
+        (
+            json!({"original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope",
+                "short_factor": [1.0], "long_factor": [1.0], "short_mscale": 1.2}}),
+            "longrope short_mscale 1.2",
         ),
         (
             json!({"layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]}),
@@ -152,6 +168,7 @@ fn options_that_change_the_math_are_refused_by_name() {
         json!({"hidden_act": "swish"}),
         json!({"hidden_act": null}),
         json!({"partial_rotary_factor": 1.0}),
+        json!({"partial_rotary_factor": 0.5}),
         json!({"quantization_config": null, "final_logit_softcapping": null}),
         json!({"pretraining_tp": 2, "attention_dropout": 0.1}),
     ] {
@@ -215,4 +232,35 @@ fn unknown_architectures_list_every_supported_one() {
         assert!(msg.contains(a.model_type()) && msg.contains(a.hf_class()), "{msg}");
     }
     assert!(msg.contains("\"gpt2\""), "{msg}");
+}
+
+/// Phi-3 / Phi-4-mini as transformers wrote them: fused checkpoint tensors, partial rotary,
+/// LongRoPE with both lists and the attention factor transformers derives; the served context
+/// picks the list, and the fingerprint tells the two apart (P and D must rotate alike).
+#[test]
+fn phi3_configs_parse_with_longrope_and_partial_rotary() {
+    for (name, rot) in [("phi3", 16usize), ("phi4_mini", 12)] {
+        let c = ModelConfig::from_hf_file(&golden_fixtures_dir().join(name).join("config.json")).expect(name);
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert_eq!((c.head_dim, c.rotary_dim()), (16, rot), "{name}");
+        assert!(c.expected_tensors().iter().any(|(n, _)| n.ends_with("self_attn.qkv_proj.weight")));
+        assert!(c.expected_tensors().iter().any(|(n, _)| n.ends_with("mlp.gate_up_proj.weight")));
+        let l = c.longrope.clone().expect("longrope");
+        assert_eq!(l.original_max_position_embeddings, 36);
+        assert_eq!((l.short_factor.len(), l.long_factor.len()), (rot / 2, rot / 2));
+        // sqrt(1 + ln(144 / 36) / ln(36))
+        assert!((l.attention_factor - (1.0f32 + 4.0f32.ln() / 36.0f32.ln()).sqrt()).abs() < 1e-6);
+        assert!(l.use_long, "the model's own context (144) is past the original (36)");
+        let short = c.with_served_context(36);
+        assert!(!short.longrope.as_ref().expect("longrope").use_long);
+        assert_eq!(short.longrope.as_ref().expect("longrope").factors(), &l.short_factor[..]);
+        assert_ne!(short.fingerprint(), c.fingerprint());
+    }
+    // A factor list of the wrong length, and a rotation of no dims, are config errors.
+    let bad = config(json!({"original_max_position_embeddings": 4096, "rope_scaling": {"type": "longrope",
+        "short_factor": [1.0, 2.0], "long_factor": [1.0, 2.0]}}));
+    let err = parse(&bad).expect_err("factor lists of 2 for 8 frequencies");
+    assert!(err.to_string().contains("short_factor has 2 entries (need 8"), "{err}");
+    let err = parse(&config(json!({"partial_rotary_factor": 0.05}))).expect_err("no rotary dims");
+    assert!(err.to_string().contains("partial_rotary_factor 0.05 gives 0 rotary dims"), "{err}");
 }

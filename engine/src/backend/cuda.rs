@@ -13,16 +13,18 @@
 //! a sampling's picks stay on the device for a following step's pending rows. Any CUDA
 //! failure is returned as [`BackendError::Device`]; shape errors as [`BackendError::Kernel`].
 
-use super::{Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, WeightUploadReport};
+use super::{
+    Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, OptionalOp, WeightUploadReport,
+};
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
-use baton_kernels::cpu::{KernelError, RopeTable};
+use baton_kernels::cpu::{KernelError, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB,
-    SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    KvGeometry, LinearCall, LinearKernel, QkNorm, RmsNormCall, RopeExtras, RopeInput, RopeKvCall, SAMPLE_MAX_TOP,
+    SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -137,6 +139,10 @@ pub struct CudaBackend {
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
     geo: Option<KvGeometry>,
     inv_freq: Option<CudaSlice<f64>>,
+    /// Rotated dims per head when fewer than head_dim (partial rotary), from the table.
+    rotary_dim: Option<usize>,
+    /// YaRN's / LongRoPE's factor on cos and sin, when not 1.
+    rope_attention_factor: Option<f32>,
     meta: StepMeta,
     /// The batch layout `meta` was built for.
     meta_for: Option<BatchLayout>,
@@ -265,6 +271,8 @@ impl CudaBackend {
             kv: Vec::new(),
             geo: None,
             inv_freq: None,
+            rotary_dim: None,
+            rope_attention_factor: None,
             meta,
             meta_for: None,
             ids,
@@ -718,7 +726,9 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        Ok(call.launch(&self.dev)?)
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        Ok(call.launch_with(&self.dev, extras)?)
     }
 
     fn split_rope_and_write_kv(
@@ -755,7 +765,68 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        Ok(call.launch(&self.dev)?)
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        Ok(call.launch_with(&self.dev, extras)?)
+    }
+
+    fn supports(&self, op: OptionalOp) -> bool {
+        match op {
+            // Fused into the RoPE + KV write kernel (`split_qk_norm_rope_and_write_kv`).
+            OptionalOp::HeadRmsNorm => true,
+        }
+    }
+
+    fn split_qk_norm_rope_and_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        (qd, kvd, kvd2): (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        (q_norm, k_norm, eps): (&CudaBuf, &CudaBuf, f32),
+        (q, _k, _v): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+    ) -> Result<(), BackendError> {
+        let op = "split_qk_norm_rope_and_write_kv";
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let kvw = geo.n_kv_heads * geo.head_dim;
+        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
+            return Err(kerr(
+                op,
+                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
+            ));
+        }
+        if q_norm.len != geo.head_dim || k_norm.len != geo.head_dim {
+            return Err(kerr(
+                op,
+                format!("q/k norm weights of {} and {} values, head_dim {}", q_norm.len, k_norm.len, geo.head_dim),
+            ));
+        }
+        self.ensure(q, rows * qd)?;
+        let inv = self.inv_freq.as_ref().ok_or_else(|| BackendError::Device("rotary table not set".into()))?;
+        let (kc, vc) =
+            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+        let call = RopeKvCall {
+            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
+            k_cache: kc,
+            v_cache: vc,
+            meta: &self.meta,
+            inv_freq: inv,
+            n_heads,
+            geo,
+        };
+        // The norm is fused into the rotation: normalised heads never round-trip through memory.
+        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: NormWeight::Plain };
+        Ok(call.launch_with(
+            &self.dev,
+            RopeExtras {
+                qk_norm: Some(qk_norm),
+                rotary_dim: self.rotary_dim,
+                attention_factor: self.rope_attention_factor,
+            },
+        )?)
     }
 
     fn attention(
@@ -854,6 +925,9 @@ impl Backend for CudaBackend {
 
     fn set_rope(&mut self, table: RopeTable) -> Result<(), BackendError> {
         self.inv_freq = Some(self.dev.upload(table.inv_freq())?);
+        // The table is built for the rotated dims; the cache's head_dim may be larger.
+        self.rotary_dim = Some(table.head_dim());
+        self.rope_attention_factor = Some(table.attention_factor()).filter(|f| *f != 1.0);
         Ok(())
     }
 

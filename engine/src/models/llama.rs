@@ -5,6 +5,10 @@
 //! `[gate; up]` into another. One [`Architecture::forward_layers`] runs a whole mixed
 //! batch (prefill chunks and decode rows alike).
 //!
+//! Phi-3 / Phi-4-mini are the same layout too: their checkpoints already store `qkv_proj`
+//! and `gate_up_proj` fused, they may rotate only part of each head
+//! (`ModelConfig::rotary_dim`) and use LongRoPE (`ModelConfig::longrope`).
+//!
 //! Qwen3 dense is the same layout with a per-head RMSNorm of q and k before RoPE
 //! ([`LayerSpec::qk_norm`], an optional backend op) and its own head_dim; `attention_bias`
 //! puts biases on q/k/v (and on o_proj where the family does, see
@@ -19,6 +23,7 @@
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{Backend, BackendError, BatchLayout, OptionalOp};
 use baton_formats::ModelConfig;
+use baton_kernels::cpu::RopeTable;
 
 struct Layer<B: Backend> {
     input_norm: B::Buf,
@@ -122,20 +127,24 @@ impl<B: Backend> Llama<B> {
             layers.push(Layer {
                 input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
                 post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
-                qkv: w.mat(
-                    b,
-                    &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
-                    h,
-                )?,
+                qkv: if cfg.fused_checkpoint() {
+                    w.mat(b, &[attn("qkv_proj.weight", qd + 2 * kvd)], h)?
+                } else {
+                    w.mat(b, &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)], h)?
+                },
                 qkv_bias,
                 qk_norm,
                 o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
                 o_bias,
-                gate_up: w.mat(
-                    b,
-                    &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
-                    h,
-                )?,
+                gate_up: if cfg.fused_checkpoint() {
+                    w.mat(b, &[(format!("{p}.mlp.gate_up_proj.weight"), 2 * inter)], h)?
+                } else {
+                    w.mat(
+                        b,
+                        &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
+                        h,
+                    )?
+                },
                 down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
             });
         }
@@ -167,7 +176,14 @@ impl<B: Backend> Architecture<B> for Llama<B> {
     }
 
     fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
-        b.set_rope(self.rope.table(self.cfg.head_dim)?)
+        // Over the rotated dims only (partial rotary); LongRoPE's factor list is the one the
+        // served context selects (`ModelConfig::with_served_context`).
+        let rot = self.cfg.rotary_dim();
+        let table = match &self.cfg.longrope {
+            Some(l) => RopeTable::with_factors(rot, self.rope.theta, l.factors(), l.attention_factor)?,
+            None => self.rope.table(rot)?,
+        };
+        b.set_rope(table)
     }
 
     fn forward_layers(

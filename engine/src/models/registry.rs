@@ -50,6 +50,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Mistral, implementation: Implementation::Llama },
     Registration { family: Family::Qwen2, implementation: Implementation::Llama },
     Registration { family: Family::Qwen3, implementation: Implementation::Llama },
+    Registration { family: Family::Phi3, implementation: Implementation::Llama },
 ];
 
 /// The registration of `family`, if any.

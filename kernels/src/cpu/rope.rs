@@ -6,9 +6,10 @@
 //! accurate.
 //!
 //! YaRN and LongRoPE also scale cos and sin by an *attention factor* (transformers'
-//! `attention_scaling`), which multiplies every q·k by its square. [`RopeTable::apply`] and
-//! the GPU kernels rotate only (so the cached K are the same on every backend); the model
-//! multiplies its softmax scale by `attention_factor()²` instead, which is the same function.
+//! `attention_scaling`). [`RopeTable::apply`] / [`RopeTable::apply_partial`] and the GPU
+//! kernel (`RopeExtras::attention_factor`) apply it there, as transformers does: with a
+//! partial rotation only the rotated dims scale, so folding it into the softmax scale instead
+//! would be wrong.
 
 use super::{KernelError, check};
 use rayon::prelude::*;
@@ -176,8 +177,9 @@ impl RopeTable {
         }
     }
 
-    /// The factor YaRN and LongRoPE put on cos and sin (1 otherwise): multiply the softmax
-    /// scale by its square (module doc).
+    /// The factor YaRN and LongRoPE put on cos and sin (1 otherwise). [`RopeTable::apply`]
+    /// and [`RopeTable::apply_partial`] multiply by it, as transformers does, so only the
+    /// rotated dims of q and k scale (with a partial rotation the others do not).
     pub fn attention_factor(&self) -> f32 {
         self.attention_factor
     }
@@ -216,8 +218,11 @@ impl RopeTable {
             )
         })?;
         let half = rot / 2;
+        // YaRN's / LongRoPE's attention factor scales cos and sin: the rotated dims only.
+        let af = f64::from(self.attention_factor);
         x.par_chunks_mut(n_heads * head_dim).zip(positions.par_iter()).for_each(|(row, &pos)| {
-            let (sin, cos): (Vec<f64>, Vec<f64>) = self.inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).unzip();
+            let (sin, cos): (Vec<f64>, Vec<f64>) =
+                self.inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).map(|(s, c)| (s * af, c * af)).unzip();
             for head in row.chunks_mut(head_dim) {
                 for i in 0..half {
                     let a = head[i] as f64;

@@ -62,6 +62,10 @@ pub struct RopeExtras<'a> {
     /// `inv_freq` then has `rotary_dim / 2` entries ([`crate::cpu::RopeTable::new`] at
     /// `rotary_dim`). Reference: [`crate::cpu::RopeTable::apply_partial`]. `None`: all of it.
     pub rotary_dim: Option<usize>,
+    /// Multiply cos and sin by this (YaRN's and LongRoPE's attention factor,
+    /// [`crate::cpu::RopeTable::attention_factor`]): the rotated dims of q and k scale by it,
+    /// pass-through dims do not, as in transformers. `None`: 1.
+    pub attention_factor: Option<f32>,
 }
 
 /// RoPE on q and k at each row's position, then the rotated k and v into layer's cache slots.
@@ -218,6 +222,8 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
         format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
     })?;
     need(op, "inv_freq", inv_freq, rot / 2)?;
+    let cs_scale = extras.attention_factor.unwrap_or(1.0);
+    shape_check(op, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
     if let Some(n) = &norm {
         need(op, "q_norm weight", n.q_weight, hd)?;
         need(op, "k_norm weight", n.k_weight, hd)?;
@@ -241,7 +247,8 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
         .int(n_heads)?
         .int(nkv)?
         .int(hd)?
-        .int(rot / 2)?;
+        .int(rot / 2)?
+        .f32(cs_scale);
     if let Some(n) = norm {
         args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
     }

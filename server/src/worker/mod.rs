@@ -188,8 +188,12 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let load_format: LoadFormat = s.load_format.parse().context("invalid --load-format")?;
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
     let model = crate::model::load_model(&s.model, load_format).await?;
-    let fingerprint = model.config.fingerprint();
     let mut config = s.engine_config();
+    // The fingerprint of the model as served: LongRoPE's factor list depends on the context.
+    let fingerprint = model
+        .config
+        .with_served_context(config.max_model_len.unwrap_or(model.config.max_position_embeddings))
+        .fingerprint();
     config.record_cache_events = settings.role.prefills();
     config.kv_transfer_timeout = settings.kv_transfer_timeout;
     let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))

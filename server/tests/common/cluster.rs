@@ -198,15 +198,26 @@ impl Proc {
     }
 }
 
+/// The context every process of a test serves: 512 tokens, or the model's own context where
+/// its `config.json` says it is shorter (a tiny fixture such as Phi-4-mini's 144).
+pub fn max_model_len(model: &Path) -> String {
+    let own = std::fs::read(model.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|c| c.get("max_position_embeddings").and_then(|v| v.as_u64()));
+    own.map_or(512, |n| n.min(512)).to_string()
+}
+
 /// The flags of a tiny CPU model every process of a test shares.
 pub fn model_args(model: &Path) -> Vec<String> {
+    let context = max_model_len(model);
     [
         "--model",
         model.to_str().expect("utf8"),
         "--served-model-name",
         MODEL,
         "--max-model-len",
-        "512",
+        &context,
         "--device",
         "cpu",
         "--threads",
@@ -258,10 +269,11 @@ impl Cluster {
         let config = configs().join(config);
         let mut router_args: Vec<String> = vec!["router".into(), "--config".into(), config.display().to_string()];
         let (np, nd) = (extra_p.len().to_string(), extra_d.len().to_string());
+        let context = max_model_len(model);
         for (flag, value) in [
             ("--model", model.to_str().expect("utf8")),
             ("--served-model-name", MODEL),
-            ("--max-model-len", "512"),
+            ("--max-model-len", &context),
             ("--grpc-port", "0"),
             ("--heartbeat-interval-ms", "200"),
             ("--eject-after-ms", "1500"),

@@ -113,7 +113,10 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         .get("general.architecture")
         .and_then(GgufValue::as_str)
         .ok_or_else(|| FormatError::gguf(path, "missing general.architecture"))?;
+    // Only the families whose GGUF tensor layout is mapped (those with a `gguf_name`, and
+    // Mistral, which llama.cpp writes as `llama`) load from GGUF.
     let architecture = Architecture::from_name(arch_name)
+        .filter(|a| a.gguf_name().is_some() || *a == Architecture::Mistral)
         .ok_or_else(|| FormatError::UnsupportedArchitecture { path: path.clone(), name: arch_name.to_string() })?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let num = |k: &str| g.get(&key(k)).and_then(GgufValue::as_u64).map(|v| v as usize);
@@ -172,6 +175,8 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
             as f32,
         rope_theta,
         rope_scaling,
+        longrope: None,
+        partial_rotary_factor: 1.0,
         max_position_embeddings,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),

@@ -170,6 +170,8 @@ impl TinySpec {
             rms_norm_eps: 1e-5,
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
+            longrope: None,
+            partial_rotary_factor: 1.0,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
@@ -260,6 +262,9 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
+        Architecture::Phi3 => {
+            return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
+        }
     };
     let mut w = GgufWriter::new();
     w.add_meta("general.architecture", GgufValue::String(arch.into()));
@@ -338,6 +343,9 @@ pub struct GoldenPrompt {
     /// Smallest top-2 logit margin along the greedy run.
     #[serde(default)]
     pub greedy_min_gap: f32,
+    /// Top-2 logit margin at the last prompt position (fixtures from `make_hf_tiny.py`).
+    #[serde(default)]
+    pub top2_gap: f32,
 }
 
 /// A golden fixture's reference outputs.
@@ -355,9 +363,17 @@ pub struct Golden {
 /// [`TinySpec::golden_set`]); load the folder with `load_model(.., LoadFormat::Auto)`.
 pub fn load_golden(name: &str) -> Result<(PathBuf, Golden), FormatError> {
     let dir = golden_fixtures_dir().join(name);
-    let path = dir.join("golden.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| FormatError::io(&path, e))?;
-    let golden =
-        serde_json::from_str(&text).map_err(|e| FormatError::Json { path: path.clone(), message: e.to_string() })?;
+    let golden = read_golden(&dir.join("golden.json"))?;
     Ok((dir, golden))
+}
+
+/// Golden fixture `name`'s outputs from transformers' bf16 forward (`golden_bf16.json`, written
+/// by `scripts/golden/make_hf_tiny.py` beside the f32 `golden.json`).
+pub fn load_golden_bf16(name: &str) -> Result<Golden, FormatError> {
+    read_golden(&golden_fixtures_dir().join(name).join("golden_bf16.json"))
+}
+
+fn read_golden(path: &std::path::Path) -> Result<Golden, FormatError> {
+    let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| FormatError::Json { path: path.to_path_buf(), message: e.to_string() })
 }
