@@ -29,13 +29,16 @@ pub struct CpuMat {
     cols: usize,
 }
 
+/// One layer's FP8 cache: K codes, V codes.
+type Fp8Codes = (Vec<u8>, Vec<u8>);
+
 /// The CPU backend. Holds the KV cache and the rotary table.
 #[derive(Debug, Default)]
 pub struct CpuBackend {
     /// The f32 cache, per layer (K, V); empty with an FP8 cache.
     kv: Vec<(Vec<f32>, Vec<f32>)>,
     /// The FP8 cache's codes, per layer (K, V); empty with an f32 cache.
-    kv_fp8: Vec<(Vec<u8>, Vec<u8>)>,
+    kv_fp8: Vec<Fp8Codes>,
     /// The FP8 scales per layer when the cache is FP8, `None` for f32.
     fp8_scales: Option<Vec<KvScale>>,
     shape: Option<KvCacheShape>,
@@ -84,7 +87,7 @@ impl CpuBackend {
     }
 
     /// Layer `layer`'s FP8 codes and scales.
-    fn fp8_layer(&self, layer: usize) -> Result<(&(Vec<u8>, Vec<u8>), KvScale), BackendError> {
+    fn fp8_layer(&self, layer: usize) -> Result<(&Fp8Codes, KvScale), BackendError> {
         let scale = self.fp8_scales.as_ref().and_then(|s| s.get(layer).copied());
         match (self.kv_fp8.get(layer), scale) {
             (Some(codes), Some(scale)) => Ok((codes, scale)),
