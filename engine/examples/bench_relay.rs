@@ -117,6 +117,7 @@ fn nccl_transport(cfg: &baton_formats::ModelConfig, tokens: usize, contiguous: b
         block_size: 16,
         num_kv_heads: cfg.num_key_value_heads,
         head_dim: cfg.head_dim,
+        dtype: baton_core::kv_transfer::KvDtype::BF16,
     };
     let id = new_id()?;
     let barrier = Arc::new(std::sync::Barrier::new(2));

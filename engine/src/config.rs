@@ -55,6 +55,8 @@ impl std::fmt::Display for DeviceSpec {
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
+    /// The KV cache's element type (`--kv-cache-dtype`); FP8 doubles the blocks a budget holds.
+    pub kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype,
     /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
     pub num_kv_blocks: Option<usize>,
     /// Memory budget for the KV cache when `num_kv_blocks` is `None` (CPU backend).
@@ -109,6 +111,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             block_size: 16,
+            kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype::Auto,
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,
             gpu_memory_utilization: 0.9,

@@ -42,9 +42,10 @@ pub(crate) fn size_from_free_memory(
     llama.alloc_kv_cache(0, bs)?;
     let (free, total) = llama.backend().device().mem_info().map_err(crate::backend::BackendError::from)?;
     let reserve = ((1.0 - util as f64) * total as f64) as usize;
-    let per_block = llama.kv_shape(1, bs).bytes_per_token(2) * bs;
+    let shape = llama.kv_shape(1, bs);
+    let per_block = shape.bytes_per_token() * bs;
     let budget = free.saturating_sub(reserve);
-    let num_blocks = budget / per_block.max(1);
+    let num_blocks = shape.blocks_in(budget);
     tracing::info!(
         free_gib = free as f64 / (1u64 << 30) as f64,
         total_gib = total as f64 / (1u64 << 30) as f64,

@@ -15,6 +15,7 @@ pub mod fault;
 mod gpu_memory;
 mod grammar_pool;
 mod handle;
+pub mod kv_cache_dtype;
 pub mod kv_connector;
 pub mod kv_transport;
 mod liveness;
@@ -145,10 +146,10 @@ pub fn start_engine(
                 let mut backend = backend::cuda::CudaBackend::new(&opts)?;
                 backend.set_graphs(!config.enforce_eager);
                 let mut llama = runner::ModelRunner::load(cfg, model.weights.as_ref(), backend)?;
+                llama.set_kv_cache_dtype(config.kv_cache_dtype, model.weights.as_ref())?;
                 let kv_started = std::time::Instant::now();
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
-                // bf16 KV cache: 2 bytes per element.
-                let sized = size_kv(llama, &config, max_model_len, 2)?;
+                let sized = size_kv(llama, &config, max_model_len)?;
                 log_phase("kv_cache", kv_started);
                 sized
             }
@@ -158,9 +159,10 @@ pub fn start_engine(
                 } else {
                     backend::cpu::CpuBackend::new()
                 };
-                let llama = pool.install(|| runner::ModelRunner::load(cfg, model.weights.as_ref(), backend))?;
+                let mut llama = pool.install(|| runner::ModelRunner::load(cfg, model.weights.as_ref(), backend))?;
+                llama.set_kv_cache_dtype(config.kv_cache_dtype, model.weights.as_ref())?;
                 let kv_started = std::time::Instant::now();
-                let sized = size_kv(llama, &config, max_model_len, 4)?;
+                let sized = size_kv(llama, &config, max_model_len)?;
                 log_phase("kv_cache", kv_started);
                 sized
             }
@@ -263,15 +265,14 @@ fn run_engine_thread(mut engine: EngineLoop, shared: &Shared) {
     }
 }
 
-/// Sizes the KV pool for `llama` (elements of `elem_bytes`), allocates it, and boxes the model.
+/// Sizes the KV pool for `llama` (at its cache's element type), allocates it, and boxes the model.
 fn size_kv<B: backend::Backend>(
     mut llama: runner::ModelRunner<B>,
     config: &EngineConfig,
     max_model_len: usize,
-    elem_bytes: usize,
 ) -> Result<(Box<dyn engine_loop::StepModel>, usize, String, KvDtype), EngineStartError> {
-    let per_block = llama.kv_shape(1, config.block_size).bytes_per_token(elem_bytes) * config.block_size;
-    let num_blocks = config.num_kv_blocks.unwrap_or(config.kv_cache_memory_bytes / per_block.max(1));
+    let shape = llama.kv_shape(1, config.block_size);
+    let num_blocks = config.num_kv_blocks.unwrap_or(shape.blocks_in(config.kv_cache_memory_bytes));
     let needed = max_model_len.div_ceil(config.block_size);
     if num_blocks < needed {
         return Err(EngineStartError::Config(format!(

@@ -133,7 +133,35 @@ impl<B: Backend> ModelRunner<B> {
             block_size,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
+            dtype: self.backend.kv_dtype(),
         }
+    }
+
+    /// Chooses the KV cache's element type (before [`ModelRunner::alloc_kv_cache`]): `dtype`
+    /// resolved against the backend's own, with the checkpoint's FP8 scales from `store`
+    /// when it is FP8 (see [`crate::kv_cache_dtype`]). Refused where the backend cannot
+    /// store it or a scale is bad.
+    pub fn set_kv_cache_dtype(
+        &mut self,
+        dtype: crate::kv_cache_dtype::KvCacheDtype,
+        store: &dyn WeightStore,
+    ) -> Result<(), ModelLoadError> {
+        let resolved = dtype.resolve(self.backend.kv_dtype());
+        let config = self.arch.config();
+        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && config.architecture.is_gemma() {
+            // Windowed and soft-capped attention reads a bf16 cache only (attention_ext).
+            return Err(ModelLoadError::Unsupported {
+                architecture: config.architecture.model_type(),
+                device: self.backend.device_name(),
+                what: "--kv-cache-dtype fp8 with sliding-window or soft-capped attention (Gemma)".into(),
+            });
+        }
+        let scales = if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 {
+            crate::kv_cache_dtype::load_kv_scales(store, self.arch.config().num_hidden_layers)?
+        } else {
+            Vec::new()
+        };
+        Ok(self.backend.set_kv_cache_dtype(resolved, scales)?)
     }
 
     /// Runs one step and returns `batch.logit_rows.len() × vocab` logits, row-major.

@@ -14,15 +14,23 @@
 // the dot product is a warp sum. Online softmax per warp in f32 (natural exp), warps merged
 // through shared memory; a sink adds exp(sink - max) to the denominator there. ctx <= 0 (a
 // padding row) writes zeros.
+//
+// The _fp8 entries read an FP8 (E4M3) cache, one byte an element, dequantized on load
+// (code * the layer's k_scale or v_scale, as the CPU reference paged_attention_fp8); the bf16
+// entries pass scales of 1 that kv_get ignores.
 #define EXT_WARPS 4
 
-template <int DPL>
-__device__ __forceinline__ void attention_ext_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                                                   const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
+__device__ __forceinline__ float kv_get(const bf16_t* c, long long i, float) { return bf2f(c[i]); }
+__device__ __forceinline__ float kv_get(const unsigned char* c, long long i, float scale) { return e4m32f(c[i]) * scale; }
+
+template <int DPL, typename C>
+__device__ __forceinline__ void attention_ext_body(const bf16_t* __restrict__ q, const C* __restrict__ k_cache,
+                                                   const C* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                    const int* __restrict__ row_ctx, const int* __restrict__ row_bt,
                                                    const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
                                                    int head_dim, int block_size, float scale, int window,
-                                                   float softcap, const float* __restrict__ sinks) {
+                                                   float softcap, const float* __restrict__ sinks, float k_scale,
+                                                   float v_scale) {
     __shared__ float sm_m[EXT_WARPS], sm_l[EXT_WARPS];
     __shared__ float sm_acc[EXT_WARPS][DPL * 32];
     const int h = blockIdx.x, row = blockIdx.y;
@@ -53,8 +61,8 @@ __device__ __forceinline__ void attention_ext_body(const bf16_t* __restrict__ q,
 #pragma unroll
         for (int i = 0; i < DPL; i++) {
             const int d = lane + 32 * i;
-            kd[i] = d < head_dim ? bf2f(k_cache[base + d]) : 0.f;
-            vd[i] = d < head_dim ? bf2f(v_cache[base + d]) : 0.f;
+            kd[i] = d < head_dim ? kv_get(k_cache, base + d, k_scale) : 0.f;
+            vd[i] = d < head_dim ? kv_get(v_cache, base + d, v_scale) : 0.f;
         }
         float s = 0.f;
 #pragma unroll
@@ -103,8 +111,8 @@ __device__ __forceinline__ void attention_ext_body(const bf16_t* __restrict__ q,
         float scale, int window, float softcap, const float *__restrict__ sinks
 #define ATT_EXT_BODY(DPL)                                                                                         \
     PDL_ENTER();                                                                                                  \
-    attention_ext_body<DPL>(q, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads, n_kv_heads,         \
-                            head_dim, block_size, scale, window, softcap, sinks);
+    attention_ext_body<DPL, bf16_t>(q, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads, n_kv_heads, \
+                                    head_dim, block_size, scale, window, softcap, sinks, 1.f, 1.f);
 
 // One kernel per head dims a lane holds (head_dim 1..256), index DPL - 1 in the kernel table.
 extern "C" __global__ void paged_attention_ext_d1(ATT_EXT_PARAMS) { ATT_EXT_BODY(1) }
@@ -115,3 +123,25 @@ extern "C" __global__ void paged_attention_ext_d5(ATT_EXT_PARAMS) { ATT_EXT_BODY
 extern "C" __global__ void paged_attention_ext_d6(ATT_EXT_PARAMS) { ATT_EXT_BODY(6) }
 extern "C" __global__ void paged_attention_ext_d7(ATT_EXT_PARAMS) { ATT_EXT_BODY(7) }
 extern "C" __global__ void paged_attention_ext_d8(ATT_EXT_PARAMS) { ATT_EXT_BODY(8) }
+
+// The same over an FP8 cache (index DPL - 1 in the kernel table's attention_ext_fp8).
+#define ATT_EXT_FP8_PARAMS                                                                                        \
+    const bf16_t *__restrict__ q, const unsigned char *__restrict__ k_cache,                                      \
+        const unsigned char *__restrict__ v_cache, bf16_t *__restrict__ out, const int *__restrict__ row_ctx,     \
+        const int *__restrict__ row_bt, const int *__restrict__ block_tables, int n_heads, int n_kv_heads,        \
+        int head_dim, int block_size, float scale, int window, float softcap, const float *__restrict__ sinks,    \
+        float k_scale, float v_scale
+#define ATT_EXT_FP8_BODY(DPL)                                                                                     \
+    PDL_ENTER();                                                                                                  \
+    attention_ext_body<DPL, unsigned char>(q, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,      \
+                                           n_kv_heads, head_dim, block_size, scale, window, softcap, sinks,       \
+                                           k_scale, v_scale);
+
+extern "C" __global__ void paged_attention_ext_fp8_d1(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(1) }
+extern "C" __global__ void paged_attention_ext_fp8_d2(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(2) }
+extern "C" __global__ void paged_attention_ext_fp8_d3(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(3) }
+extern "C" __global__ void paged_attention_ext_fp8_d4(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(4) }
+extern "C" __global__ void paged_attention_ext_fp8_d5(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(5) }
+extern "C" __global__ void paged_attention_ext_fp8_d6(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(6) }
+extern "C" __global__ void paged_attention_ext_fp8_d7(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(7) }
+extern "C" __global__ void paged_attention_ext_fp8_d8(ATT_EXT_FP8_PARAMS) { ATT_EXT_FP8_BODY(8) }

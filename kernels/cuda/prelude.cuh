@@ -60,3 +60,34 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // NVRTC has no math.h; -inf spelled through its bit pattern.
 #define NEG_INF __int_as_float(0xff800000)
+
+// FP8 E4M3 (the FP8 KV cache), bit for bit as the CPU reference (kernels/src/cpu/fp8.rs) and
+// the hardware's cvt.rn.satfinite.e4m3x2.f32: round to nearest even, finite values past 448
+// saturate to +-448, NaN becomes 0x7F. Integer arithmetic only, so every architecture NVRTC
+// targets compiles it (the hardware instruction needs sm_89).
+__device__ __forceinline__ unsigned char f2e4m3(float x) {
+    const unsigned bits = __float_as_uint(x);
+    const unsigned char sign = (unsigned char)((bits >> 24) & 0x80u);
+    const unsigned a = bits & 0x7fffffffu;
+    if (a > 0x7f800000u) return 0x7f;
+    if (a >= 0x43e80000u) return sign | 0x7e;  // >= 464.0f (halfway to the absent 480): 448
+    const int exp = (int)(a >> 23) - 127;
+    if (exp >= -6) {
+        const unsigned man = a & 0x7fffffu;
+        unsigned code = ((unsigned)(exp + 7) << 3) | (man >> 20);
+        const unsigned rest = man & 0xfffffu;
+        if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) code += 1;  // a carry bumps the exponent
+        return sign | (unsigned char)code;
+    }
+    // Subnormal: |x| / 2^-9 rounded to an integer, ties to even (the scaling is exact).
+    return sign | (unsigned char)rintf(__uint_as_float(a) * 512.0f);
+}
+
+// The value of an E4M3 code (0x7F / 0xFF: NaN).
+__device__ __forceinline__ float e4m32f(unsigned char c) {
+    const unsigned e = (c >> 3) & 0xfu, m = c & 7u;
+    const unsigned sign = ((unsigned)c & 0x80u) << 24;
+    if (e == 0xfu && m == 7u) return __uint_as_float(0x7fc00000u);
+    const float mag = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return __uint_as_float(__float_as_uint(mag) | sign);
+}

@@ -39,15 +39,22 @@ struct QkNormArgs {
 // rotation pair, thread i >= rot_half the two pass-through elements 2i and 2i + 1, so the
 // threads of a head still own disjoint elements (in place stays safe). rot_half = head_dim / 2
 // is the full rotation.
-template <bool QK_NORM>
+// The cache write: a bf16 cache stores the value as it is; an FP8 cache (one byte an
+// element) the E4M3 code of value / scale, the layer's K or V scale (the CPU reference's
+// write_kv_fp8 on the same bf16-rounded values).
+__device__ __forceinline__ void kv_put(bf16_t* c, bf16_t x, float) { *c = x; }
+__device__ __forceinline__ void kv_put(unsigned char* c, bf16_t x, float scale) { *c = f2e4m3(bf2f(x) / scale); }
+
+template <bool QK_NORM, typename C>
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
                                                    const bf16_t* k_in, long long k_stride, bf16_t* k_out,
                                                    const bf16_t* __restrict__ v_in, long long v_stride,
-                                                   bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                                   C* __restrict__ k_cache, C* __restrict__ v_cache,
                                                    const int* __restrict__ positions,
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                   int head_dim, int rot_half, float cs_scale, QkNormArgs norm) {
+                                                   int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
+                                                   float k_scale, float v_scale) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
@@ -60,9 +67,9 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
-        bf16_t* vc = v_cache + slot * kv_w + h * head_dim;
-        vc[i] = vr[i];
-        vc[i + half] = vr[i + half];
+        C* vc = v_cache + slot * kv_w + h * head_dim;
+        kv_put(vc + i, vr[i], v_scale);
+        kv_put(vc + i + half, vr[i + half], v_scale);
         return;
     }
     const bool rotating = i < rot_half;
@@ -110,9 +117,9 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         ko[e1] = rb;
     }
     if (slot >= 0) {
-        bf16_t* kc = k_cache + slot * kv_w + h * head_dim;
-        kc[e0] = ra;
-        kc[e1] = rb;
+        C* kc = k_cache + slot * kv_w + h * head_dim;
+        kv_put(kc + e0, ra, k_scale);
+        kv_put(kc + e1, rb, k_scale);
     }
 }
 
@@ -126,9 +133,9 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               int head_dim, int rot_half, float cs_scale) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    rope_write_kv_body<false>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+    rope_write_kv_body<false, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
                               slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
-                              QkNormArgs{nullptr, nullptr, 0.f, 0.f});
+                              QkNormArgs{nullptr, nullptr, 0.f, 0.f}, 1.f, 1.f);
 }
 
 // Rows [q | k | v] of the QKV projection: rotated q to q_out, rotated k and v to the cache only.
@@ -141,9 +148,9 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
-    rope_write_kv_body<false>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
+    rope_write_kv_body<false, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
                               v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
-                              QkNormArgs{nullptr, nullptr, 0.f, 0.f});
+                              QkNormArgs{nullptr, nullptr, 0.f, 0.f}, 1.f, 1.f);
 }
 
 // The two entries above with the per-head q/k RMSNorm before the rotation (QK_NORM): q_w and
@@ -157,9 +164,9 @@ extern "C" __global__ void rope_qknorm_write_kv_bf16(bf16_t* __restrict__ q, bf1
                                                      const bf16_t* __restrict__ k_w, float eps, float offset) {
     PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    rope_write_kv_body<true>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
+    rope_write_kv_body<true, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
                              slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
-                             QkNormArgs{q_w, k_w, eps, offset});
+                             QkNormArgs{q_w, k_w, eps, offset}, 1.f, 1.f);
 }
 
 extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
@@ -172,7 +179,67 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restric
     PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
-    rope_write_kv_body<true>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
+    rope_write_kv_body<true, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
                              positions, slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
-                             QkNormArgs{q_w, k_w, eps, offset});
+                             QkNormArgs{q_w, k_w, eps, offset}, 1.f, 1.f);
+}
+
+// The four entries above writing an FP8 (E4M3) cache: the same rotation (and norm), then k
+// and v quantized with the layer's k_scale and v_scale (see kv_put). The caches are bytes.
+extern "C" __global__ void rope_write_kv_fp8(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                             const bf16_t* __restrict__ v, unsigned char* __restrict__ k_cache,
+                                             unsigned char* __restrict__ v_cache, const int* __restrict__ positions,
+                                             const long long* __restrict__ slots, const double* __restrict__ inv_freq,
+                                             int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
+                                             float k_scale, float v_scale) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<false, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
+                                             v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
+                                             rot_half, cs_scale, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale, v_scale);
+}
+
+extern "C" __global__ void rope_qkv_write_kv_fp8(const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out,
+                                                 unsigned char* __restrict__ k_cache,
+                                                 unsigned char* __restrict__ v_cache, const int* __restrict__ positions,
+                                                 const long long* __restrict__ slots,
+                                                 const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                                 int head_dim, int rot_half, float cs_scale, float k_scale, float v_scale) {
+    PDL_ENTER();
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<false, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
+                                             k_cache, v_cache, positions, slots, inv_freq, n_heads, n_kv_heads,
+                                             head_dim, rot_half, cs_scale, QkNormArgs{nullptr, nullptr, 0.f, 0.f}, k_scale,
+                                             v_scale);
+}
+
+extern "C" __global__ void rope_qknorm_write_kv_fp8(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                                    const bf16_t* __restrict__ v, unsigned char* __restrict__ k_cache,
+                                                    unsigned char* __restrict__ v_cache,
+                                                    const int* __restrict__ positions,
+                                                    const long long* __restrict__ slots,
+                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                                    int head_dim, int rot_half, float cs_scale,
+                                                    const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
+                                                    float eps, float offset, float k_scale, float v_scale) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<true, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
+                                            v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
+                                            rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
+}
+
+extern "C" __global__ void rope_qkv_qknorm_write_kv_fp8(
+    const bf16_t* __restrict__ qkv, bf16_t* __restrict__ q_out, unsigned char* __restrict__ k_cache,
+    unsigned char* __restrict__ v_cache, const int* __restrict__ positions, const long long* __restrict__ slots,
+    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
+    const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w, float eps, float offset, float k_scale,
+    float v_scale) {
+    PDL_ENTER();
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<true, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
+                                            k_cache, v_cache, positions, slots, inv_freq, n_heads, n_kv_heads,
+                                            head_dim, rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
 }

@@ -200,6 +200,7 @@ pub fn layout_to_wire(l: &KvLayout) -> pb::KvLayout {
             KvDtype::F32 => "f32",
             KvDtype::BF16 => "bf16",
             KvDtype::F16 => "f16",
+            KvDtype::Fp8E4M3 => "fp8_e4m3",
         }
         .to_owned(),
     }
@@ -211,6 +212,7 @@ pub fn layout_from_wire(l: &pb::KvLayout) -> Result<KvLayout, WireError> {
         "f32" => KvDtype::F32,
         "bf16" => KvDtype::BF16,
         "f16" => KvDtype::F16,
+        "fp8_e4m3" => KvDtype::Fp8E4M3,
         other => return Err(WireError(format!("unknown KV dtype {other:?}"))),
     };
     if l.block_size == 0 || l.num_layers == 0 {
@@ -321,6 +323,9 @@ mod tests {
     fn layouts_round_trip() {
         let l = KvLayout { num_layers: 2, block_size: 16, num_kv_heads: 4, head_dim: 64, dtype: KvDtype::BF16 };
         assert_eq!(layout_from_wire(&layout_to_wire(&l)).expect("decodes"), l);
+        let fp8 = KvLayout { dtype: KvDtype::Fp8E4M3, ..l };
+        assert_eq!(layout_to_wire(&fp8).dtype, "fp8_e4m3");
+        assert_eq!(layout_from_wire(&layout_to_wire(&fp8)).expect("decodes"), fp8);
         let mut bad = layout_to_wire(&l);
         bad.dtype = "int4".into();
         assert!(layout_from_wire(&bad).is_err());

@@ -99,6 +99,10 @@ pub struct ServeArgs {
     /// Tokens per KV-cache block [default: engine default]
     #[arg(long, env = "BATON_BLOCK_SIZE", value_name = "TOKENS")]
     pub block_size: Option<usize>,
+    /// KV-cache element type: auto (the model's: f32 on CPU, bf16 on CUDA), bf16, or fp8
+    /// (= fp8_e4m3, with per-layer k_scale/v_scale from the checkpoint, else 1.0) [default: auto]
+    #[arg(long, env = "BATON_KV_CACHE_DTYPE", value_name = "DTYPE")]
+    pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
     /// KV-cache blocks to allocate [default: sized from available memory]
     #[arg(long, env = "BATON_NUM_KV_BLOCKS", value_name = "N")]
     pub num_kv_blocks: Option<usize>,

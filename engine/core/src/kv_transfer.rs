@@ -24,6 +24,9 @@ pub enum KvDtype {
     BF16,
     /// IEEE half.
     F16,
+    /// FP8 E4M3 codes, each a value divided by its layer's K or V scale (`--kv-cache-dtype
+    /// fp8`). Both sides load the scales from the same checkpoint (or default them to 1.0).
+    Fp8E4M3,
 }
 
 impl KvDtype {
@@ -32,6 +35,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => 4,
             KvDtype::BF16 | KvDtype::F16 => 2,
+            KvDtype::Fp8E4M3 => 1,
         }
     }
 }
@@ -325,5 +329,11 @@ mod tests {
                 && msg.contains("dtype BF16 vs F32"),
             "{msg}"
         );
+        // An FP8 cache and a bf16 one cannot exchange blocks, even of the same geometry, and
+        // an FP8 block is half the bytes.
+        let fp8 = KvLayout { dtype: KvDtype::Fp8E4M3, ..a };
+        let msg = a.check_compatible(&fp8).expect_err("dtype differs").to_string();
+        assert!(msg.contains("dtype BF16 vs Fp8E4M3"), "{msg}");
+        assert_eq!(fp8.bytes_per_block() * 2, a.bytes_per_block());
     }
 }

@@ -9,10 +9,17 @@
 //! in f32, as the CUDA backend does. A bf16 backend cannot match the exact f32 reference
 //! token for token on peaked models (rounding the weights alone changes greedy tokens), but
 //! it must match this one.
+//!
+//! With an FP8 cache ([`Backend::set_kv_cache_dtype`] with `Fp8E4M3`) the cache holds E4M3
+//! codes (one byte each) and per-layer K/V scales: writing quantizes, attention
+//! dequantizes ([`baton_kernels::cpu::write_kv_fp8`], [`baton_kernels::cpu::paged_attention_fp8`]),
+//! and the KV I/O moves the codes. It is the reference for the CUDA FP8 cache.
 
-use super::{AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, MoeWeights, OptionalOp};
+use super::{AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, KvScale, MoeWeights, OptionalOp};
+use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cpu::{
-    self as k, AttnExtras, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight, RopeTable, SeqSpan,
+    self as k, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight,
+    RopeTable, SeqSpan,
 };
 
 /// A `rows × cols` row-major f32 weight matrix.
@@ -23,10 +30,18 @@ pub struct CpuMat {
     cols: usize,
 }
 
+/// One layer's FP8 cache: K codes, V codes.
+type Fp8Codes = (Vec<u8>, Vec<u8>);
+
 /// The CPU backend. Holds the KV cache and the rotary table.
 #[derive(Debug, Default)]
 pub struct CpuBackend {
+    /// The f32 cache, per layer (K, V); empty with an FP8 cache.
     kv: Vec<(Vec<f32>, Vec<f32>)>,
+    /// The FP8 cache's codes, per layer (K, V); empty with an f32 cache.
+    kv_fp8: Vec<Fp8Codes>,
+    /// The FP8 scales per layer when the cache is FP8, `None` for f32.
+    fp8_scales: Option<Vec<KvScale>>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
     /// Rotary tables per layer kind and each layer's index into them (see
@@ -73,6 +88,15 @@ impl CpuBackend {
 
     fn layer(&self, layer: usize) -> Result<&(Vec<f32>, Vec<f32>), BackendError> {
         self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))
+    }
+
+    /// Layer `layer`'s FP8 codes and scales.
+    fn fp8_layer(&self, layer: usize) -> Result<(&Fp8Codes, KvScale), BackendError> {
+        let scale = self.fp8_scales.as_ref().and_then(|s| s.get(layer).copied());
+        match (self.kv_fp8.get(layer), scale) {
+            (Some(codes), Some(scale)) => Ok((codes, scale)),
+            _ => Err(BackendError::Device(format!("layer {layer} has no FP8 KV cache"))),
+        }
     }
 }
 
@@ -124,8 +148,31 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv_cache(&mut self, shape: KvCacheShape) -> Result<(), BackendError> {
+        if shape.dtype != self.kv_dtype() {
+            return Err(BackendError::Device(format!(
+                "a {:?} KV cache was asked of a backend set to {:?}",
+                shape.dtype,
+                self.kv_dtype()
+            )));
+        }
         let per_layer = shape.num_blocks * shape.block_size * shape.num_kv_heads * shape.head_dim;
-        self.kv = (0..shape.num_layers).map(|_| (vec![0.0; per_layer], vec![0.0; per_layer])).collect();
+        self.kv.clear();
+        self.kv_fp8.clear();
+        match &self.fp8_scales {
+            Some(scales) => {
+                if scales.len() != shape.num_layers {
+                    return Err(BackendError::Device(format!(
+                        "{} FP8 KV scales for {} layers",
+                        scales.len(),
+                        shape.num_layers
+                    )));
+                }
+                self.kv_fp8 = (0..shape.num_layers).map(|_| (vec![0; per_layer], vec![0; per_layer])).collect();
+            }
+            None => {
+                self.kv = (0..shape.num_layers).map(|_| (vec![0.0; per_layer], vec![0.0; per_layer])).collect();
+            }
+        }
         self.shape = Some(shape);
         Ok(())
     }
@@ -251,6 +298,9 @@ impl Backend for CpuBackend {
         rope.apply_partial(kb, shape.num_kv_heads, shape.head_dim, &batch.positions)?;
         self.store(q);
         self.store(kb);
+        if self.fp8_scales.is_some() {
+            return self.write_kv_fp8(layer, kb, v, batch);
+        }
         let stride = shape.num_kv_heads * shape.head_dim;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -292,6 +342,9 @@ impl Backend for CpuBackend {
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
+        if self.fp8_scales.is_some() {
+            return self.attention_fp8(layer, q, n_heads, scale, batch, out);
+        }
         let (kc, vc) = self.layer(layer)?;
         let width = n_heads * shape.head_dim;
         out.resize(batch.tokens.len() * width, 0.0);
@@ -378,8 +431,36 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
-        baton_core::kv_transfer::KvDtype::F32
+    fn kv_dtype(&self) -> KvDtype {
+        if self.fp8_scales.is_some() { KvDtype::Fp8E4M3 } else { KvDtype::F32 }
+    }
+
+    fn set_kv_cache_dtype(&mut self, dtype: KvDtype, scales: Vec<KvScale>) -> Result<(), BackendError> {
+        match dtype {
+            KvDtype::F32 => self.fp8_scales = None,
+            KvDtype::Fp8E4M3 => {
+                if let Some((i, s)) = scales
+                    .iter()
+                    .enumerate()
+                    .find(|(_, s)| !(s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0))
+                {
+                    return Err(BackendError::Device(format!(
+                        "layer {i}'s FP8 KV scales {s:?} are not finite and positive"
+                    )));
+                }
+                self.fp8_scales = Some(scales);
+            }
+            other => {
+                return Err(BackendError::Device(format!(
+                    "the CPU backend stores its KV cache as f32 or fp8_e4m3, not {other:?}"
+                )));
+            }
+        }
+        // A cache of the old type is gone: the next `alloc_kv_cache` makes one of the new.
+        self.kv.clear();
+        self.kv_fp8.clear();
+        self.shape = None;
+        Ok(())
     }
 
     fn kv_io(&mut self) -> Option<&mut dyn KvIo> {
@@ -628,6 +709,18 @@ fn head_norm_unrounded(x: &mut [f32], weight: &[f32], head_dim: usize, eps: f32)
 impl KvIo for CpuBackend {
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
+        if self.fp8_scales.is_some() {
+            // The codes as they are: one byte per element.
+            let ((kc, vc), _) = self.fp8_layer(layer)?;
+            let mut k = Vec::with_capacity(blocks.len() * block_len);
+            let mut v = Vec::with_capacity(blocks.len() * block_len);
+            for &b in blocks {
+                let r = b as usize * block_len..(b as usize + 1) * block_len;
+                k.extend_from_slice(&kc[r.clone()]);
+                v.extend_from_slice(&vc[r]);
+            }
+            return Ok((k, v));
+        }
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let mut k = Vec::with_capacity(blocks.len() * block_len * 4);
@@ -642,7 +735,7 @@ impl KvIo for CpuBackend {
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
-        let want = blocks.len() * block_len * 4;
+        let want = blocks.len() * block_len * self.kv_dtype().size();
         if k.len() != want || v.len() != want {
             return Err(BackendError::Kernel(KernelError {
                 op: "write_kv_blocks",
@@ -653,6 +746,19 @@ impl KvIo for CpuBackend {
                     v.len()
                 ),
             }));
+        }
+        if self.fp8_scales.is_some() {
+            let (kc, vc) = self
+                .kv_fp8
+                .get_mut(layer)
+                .ok_or_else(|| BackendError::Device(format!("layer {layer} has no FP8 KV cache")))?;
+            for (i, &b) in blocks.iter().enumerate() {
+                let dst = b as usize * block_len..(b as usize + 1) * block_len;
+                let src = i * block_len..(i + 1) * block_len;
+                kc[dst.clone()].copy_from_slice(&k[src.clone()]);
+                vc[dst].copy_from_slice(&v[src]);
+            }
+            return Ok(());
         }
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -671,6 +777,84 @@ impl KvIo for CpuBackend {
 }
 
 impl CpuBackend {
+    /// [`Backend::rope_and_write_kv`]'s write into an FP8 cache (`k`, `v` already rotated
+    /// and rounded as stored activations).
+    fn write_kv_fp8(&mut self, layer: usize, kb: &[f32], v: &[f32], batch: &BatchLayout) -> Result<(), BackendError> {
+        let shape = self.shape()?;
+        let scale = self.fp8_layer(layer)?.1;
+        let stride = shape.num_kv_heads * shape.head_dim;
+        let (kc, vc) = self
+            .kv_fp8
+            .get_mut(layer)
+            .ok_or_else(|| BackendError::Device(format!("layer {layer} has no FP8 KV cache")))?;
+        let mut cache = Fp8KvLayerMut {
+            k: kc,
+            v: vc,
+            k_scale: scale.k,
+            v_scale: scale.v,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        for s in &batch.seqs {
+            let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
+            let (Some(kr), Some(vr)) = (kb.get(rows.clone()), v.get(rows)) else {
+                return Err(kerr(
+                    "write_kv_fp8",
+                    format!("rows {}..{} outside the batch", s.row_start, s.row_start + s.n_tokens),
+                ));
+            };
+            k::write_kv_fp8(
+                kr,
+                vr,
+                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
+                &mut cache,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// [`Backend::attention`] over an FP8 cache (dequantized as it is read).
+    fn attention_fp8(
+        &self,
+        layer: usize,
+        q: &[f32],
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let shape = self.shape()?;
+        let ((kc, vc), kv_scale) = self.fp8_layer(layer)?;
+        let width = n_heads * shape.head_dim;
+        out.resize(batch.tokens.len() * width, 0.0);
+        let cache = Fp8KvLayerRef {
+            k: kc,
+            v: vc,
+            k_scale: kv_scale.k,
+            v_scale: kv_scale.v,
+            block_size: shape.block_size,
+            n_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+        };
+        for s in &batch.seqs {
+            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
+            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
+            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
+            k::paged_attention_fp8(
+                qr,
+                n_heads,
+                scale,
+                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
+                cache,
+                AttnExtras::default(),
+                or,
+            )?;
+        }
+        self.store(out);
+        Ok(())
+    }
+
     /// Elements per block of one layer's K (or V), after checking every block id is in the pool.
     fn kv_block_len(&self, blocks: &[u32]) -> Result<usize, BackendError> {
         let shape = self.shape()?;

@@ -142,6 +142,8 @@ pub struct CudaBackend {
     dev: CudaDevice,
     ordinal: usize,
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    /// The FP8 cache and its scales when `--kv-cache-dtype fp8` (then `kv` is empty).
+    fp8: Option<kv_fp8::Fp8Cache>,
     geo: Option<KvGeometry>,
     inv_freq: Option<CudaSlice<f64>>,
     /// Rotated dims per head when fewer than head_dim (partial rotary), from the table.
@@ -279,6 +281,7 @@ impl CudaBackend {
             dev,
             ordinal: opts.ordinal,
             kv: Vec::new(),
+            fp8: None,
             geo: None,
             inv_freq: None,
             rotary_dim: None,
@@ -382,6 +385,9 @@ impl CudaBackend {
     /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
     /// decode over a context without computing it; never zeros, which can time faster).
     pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
+        if self.fp8.is_some() {
+            return Err(BackendError::Device("fill_kv_random fills a bf16 KV cache, not an FP8 one".into()));
+        }
         let tile_len = 1usize << 22;
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let tile: Vec<bf16> = (0..tile_len)
@@ -553,7 +559,15 @@ impl Backend for CudaBackend {
         self.geo = None;
         self.meta_for = None;
         let n = geo.layer_len();
-        for _ in 0..shape.num_layers {
+        if shape.dtype != self.kv_dtype() {
+            return Err(BackendError::Device(format!(
+                "a {:?} KV cache was asked of a backend set to {:?}",
+                shape.dtype,
+                self.kv_dtype()
+            )));
+        }
+        let fp8 = self.alloc_fp8_layers(&shape, n)?;
+        for _ in 0..if fp8 { 0 } else { shape.num_layers } {
             self.kv.push((self.dev.alloc(n)?, self.dev.alloc(n)?));
         }
         self.geo = Some(geo);
@@ -718,7 +732,6 @@ impl Backend for CudaBackend {
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
         self.step_meta(batch)?;
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let rows = batch.tokens.len();
         let kvw = geo.n_kv_heads * geo.head_dim;
         if q.len != rows * n_heads * geo.head_dim || k.len != rows * kvw || v.len != rows * kvw {
@@ -727,6 +740,13 @@ impl Backend for CudaBackend {
                 format!("q {} k {} v {} values for {rows} rows", q.len, k.len, v.len),
             ));
         }
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        if self.fp8.is_some() {
+            let input = RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data };
+            return self.rope_fp8(layer, input, n_heads, geo, extras);
+        }
+        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let call = RopeKvCall {
@@ -738,8 +758,6 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
         Ok(call.launch_with(&self.dev, extras)?)
     }
 
@@ -765,6 +783,12 @@ impl Backend for CudaBackend {
             ));
         }
         self.ensure(q, rows * qd)?;
+        let extras =
+            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
+        if self.fp8.is_some() {
+            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
+            return self.rope_fp8(layer, input, n_heads, geo, extras);
+        }
         let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -777,8 +801,6 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
         Ok(call.launch_with(&self.dev, extras)?)
     }
 
@@ -903,6 +925,17 @@ impl Backend for CudaBackend {
             ));
         }
         self.ensure(q, rows * qd)?;
+        // The norm is fused into the rotation: normalised heads never round-trip through memory.
+        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
+        let extras = RopeExtras {
+            qk_norm: Some(qk_norm),
+            rotary_dim: self.rotary_dim,
+            attention_factor: self.rope_attention_factor,
+        };
+        if self.fp8.is_some() {
+            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
+            return self.rope_fp8(layer, input, n_heads, geo, extras);
+        }
         let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -915,16 +948,7 @@ impl Backend for CudaBackend {
             n_heads,
             geo,
         };
-        // The norm is fused into the rotation: normalised heads never round-trip through memory.
-        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
-        Ok(call.launch_with(
-            &self.dev,
-            RopeExtras {
-                qk_norm: Some(qk_norm),
-                rotary_dim: self.rotary_dim,
-                attention_factor: self.rope_attention_factor,
-            },
-        )?)
+        Ok(call.launch_with(&self.dev, extras)?)
     }
 
     fn attention(
@@ -945,6 +969,9 @@ impl Backend for CudaBackend {
         }
         self.ensure(out, rows * width)?;
         self.graphs.n_heads = Some(n_heads);
+        if self.fp8.is_some() {
+            return self.attention_fp8(layer, &q.data, n_heads, scale, geo, &mut out.data);
+        }
         let split = self.attention_policy();
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
@@ -1030,7 +1057,19 @@ impl Backend for CudaBackend {
     }
 
     fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype {
-        baton_core::kv_transfer::KvDtype::BF16
+        if self.fp8.is_some() {
+            baton_core::kv_transfer::KvDtype::Fp8E4M3
+        } else {
+            baton_core::kv_transfer::KvDtype::BF16
+        }
+    }
+
+    fn set_kv_cache_dtype(
+        &mut self,
+        dtype: baton_core::kv_transfer::KvDtype,
+        scales: Vec<super::KvScale>,
+    ) -> Result<(), BackendError> {
+        self.choose_kv_dtype(dtype, scales)
     }
 
     fn moe(
@@ -1086,6 +1125,9 @@ impl DeviceSampler for CudaBackend {
 impl KvIo for CudaBackend {
     fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
+        if self.fp8.is_some() {
+            return self.read_fp8_blocks(layer, blocks, block_len);
+        }
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let mut k = vec![bf16::ZERO; blocks.len() * block_len];
@@ -1106,12 +1148,15 @@ impl KvIo for CudaBackend {
 
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
         let block_len = self.kv_block_len(blocks)?;
-        let want = blocks.len() * block_len * 2;
+        let want = blocks.len() * block_len * self.kv_dtype().size();
         if k.len() != want || v.len() != want {
             return Err(kerr(
                 "write_kv_blocks",
                 format!("{} blocks need {want} bytes each of K and V, got {} and {}", blocks.len(), k.len(), v.len()),
             ));
+        }
+        if self.fp8.is_some() {
+            return self.write_fp8_blocks(layer, blocks, block_len, k, v);
         }
         let elems = |b: &[u8]| {
             b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]))).collect::<Vec<bf16>>()
@@ -1146,6 +1191,9 @@ impl CudaBackend {
 
 #[path = "cuda_kv_device.rs"]
 mod kv_device;
+
+#[path = "cuda_kv_fp8.rs"]
+mod kv_fp8;
 
 #[path = "cuda_graph.rs"]
 mod graph;

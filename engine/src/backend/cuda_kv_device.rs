@@ -21,6 +21,10 @@ impl KvDeviceAccess for CudaBackend {
     }
 
     fn layer_cache(&mut self, layer: usize, runs: &[(usize, usize)]) -> Result<LayerCache<'_>, BackendError> {
+        if self.fp8.is_some() {
+            // The NCCL link sends bf16 layer slices; FP8 caches go over TCP (host staging).
+            return Err(BackendError::Device("the device-to-device KV link does not move an FP8 cache yet".into()));
+        }
         if layer >= self.kv.len() {
             return Err(BackendError::Device(format!("layer {layer} has no KV cache")));
         }

@@ -22,6 +22,8 @@ use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
+
+pub use crate::kv_cache_dtype::KvScale;
 use rayon::prelude::*;
 
 /// The host's draw of [`Backend::random_mat`]: `parts` (rows each) of `cols` columns.
@@ -159,12 +161,21 @@ pub struct KvCacheShape {
     pub num_kv_heads: usize,
     /// Head dimension.
     pub head_dim: usize,
+    /// Element type stored (FP8 caches also carry per-layer scales, see
+    /// [`Backend::set_kv_cache_dtype`]).
+    pub dtype: baton_core::kv_transfer::KvDtype,
 }
 
 impl KvCacheShape {
-    /// Bytes of K plus V per token across all layers, at `bytes_per_elem`.
-    pub fn bytes_per_token(&self, bytes_per_elem: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+    /// Bytes of K plus V per token across all layers.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size()
+    }
+
+    /// Blocks of `block_size` tokens that fit in `budget_bytes` (at least 0; a shape with no
+    /// bytes per token counts as one byte, so this never divides by zero).
+    pub fn blocks_in(&self, budget_bytes: usize) -> usize {
+        budget_bytes / (self.bytes_per_token() * self.block_size).max(1)
     }
 }
 
@@ -363,6 +374,27 @@ pub trait Backend: Send + 'static {
 
     /// Element type of the KV cache (what [`KvIo::read_kv_blocks`] bytes hold).
     fn kv_dtype(&self) -> baton_core::kv_transfer::KvDtype;
+    /// Chooses the KV cache's element type before [`Backend::alloc_kv_cache`], with one
+    /// [`KvScale`] per layer when it is [`KvDtype::Fp8E4M3`] (empty otherwise). The default
+    /// accepts only the backend's own [`Backend::kv_dtype`]; a backend refuses a type it
+    /// cannot store, naming it, so the engine never starts with one.
+    ///
+    /// [`KvDtype::Fp8E4M3`]: baton_core::kv_transfer::KvDtype::Fp8E4M3
+    fn set_kv_cache_dtype(
+        &mut self,
+        dtype: baton_core::kv_transfer::KvDtype,
+        _scales: Vec<KvScale>,
+    ) -> Result<(), BackendError> {
+        if dtype == self.kv_dtype() {
+            Ok(())
+        } else {
+            Err(BackendError::Device(format!(
+                "{} cannot store its KV cache as {dtype:?} (it stores {:?})",
+                self.device_name(),
+                self.kv_dtype()
+            )))
+        }
+    }
     /// Marks the start of the op `label` for a step profile (see
     /// `CudaBackend::profile_begin`); a no-op unless the backend is profiling.
     fn mark(&mut self, _label: &'static str) {}

@@ -46,6 +46,9 @@ pub enum ModelLoadError {
     /// The backend refused an upload.
     #[error(transparent)]
     Backend(#[from] BackendError),
+    /// A KV cache scale in the checkpoint cannot be used (FP8 KV cache).
+    #[error(transparent)]
+    KvScale(#[from] crate::kv_cache_dtype::KvScaleError),
     /// The model needs something this build or this backend does not implement.
     #[error("{architecture} on {device}: unsupported: {what}")]
     Unsupported {

@@ -54,7 +54,7 @@ pub struct KvLayerMut<'a> {
     pub head_dim: usize,
 }
 
-fn slot_offset(
+pub(crate) fn slot_offset(
     block_table: &[u32],
     pos: usize,
     block_size: usize,

@@ -5,6 +5,8 @@
 mod activation;
 mod attention;
 mod embed;
+pub mod fp8;
+mod kv_fp8;
 mod linear;
 mod logprobs;
 mod moe;
@@ -14,6 +16,7 @@ mod rope;
 pub use activation::{clamped_swiglu, gelu_tanh, gelu_tanh_mul, silu_mul, softcap};
 pub use attention::{AttnExtras, KvLayerMut, KvLayerRef, SeqSpan, paged_attention, paged_attention_ext, write_kv};
 pub use embed::embed;
+pub use kv_fp8::{Fp8KvLayerMut, Fp8KvLayerRef, paged_attention_fp8, write_kv_fp8};
 pub use linear::linear;
 pub use logprobs::prompt_logprob;
 pub use moe::{

@@ -34,6 +34,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub rope_qkv_write_kv: F,
     pub rope_qknorm_write_kv: F,
     pub rope_qkv_qknorm_write_kv: F,
+    /// The four RoPE + KV-write entries above writing an FP8 (E4M3) cache, in that order:
+    /// split, fused, split with q/k norm, fused with q/k norm (rope_kv.cu `*_fp8`).
+    pub rope_write_kv_fp8: [F; 4],
     pub gelu_tanh_mul: F,
     pub softcap: F,
     pub scale_round: F,
@@ -44,6 +47,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub clamped_swiglu: F,
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
+    /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
+    pub attention_ext_fp8: Vec<F>,
     /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
     pub attention: Vec<Vec<F>>,
     /// The merge of split-attention partials, per head_dim as above.
@@ -83,6 +88,12 @@ impl<F> KernelTable<F> {
         let rope_qkv_write_kv = f(el, "rope_qkv_write_kv_bf16")?;
         let rope_qknorm_write_kv = f(el, "rope_qknorm_write_kv_bf16")?;
         let rope_qkv_qknorm_write_kv = f(el, "rope_qkv_qknorm_write_kv_bf16")?;
+        let rope_write_kv_fp8 = [
+            f(el, "rope_write_kv_fp8")?,
+            f(el, "rope_qkv_write_kv_fp8")?,
+            f(el, "rope_qknorm_write_kv_fp8")?,
+            f(el, "rope_qkv_qknorm_write_kv_fp8")?,
+        ];
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
         let scale_round = f(el, "scale_round_bf16_f32")?;
@@ -93,6 +104,9 @@ impl<F> KernelTable<F> {
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
+            .collect::<Result<_, _>>()?;
+        let attention_ext_fp8 = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
+            .map(|d| f(el, &format!("paged_attention_ext_fp8_d{d}")))
             .collect::<Result<_, _>>()?;
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
@@ -130,6 +144,7 @@ impl<F> KernelTable<F> {
             rope_qkv_write_kv,
             rope_qknorm_write_kv,
             rope_qkv_qknorm_write_kv,
+            rope_write_kv_fp8,
             gelu_tanh_mul,
             softcap,
             scale_round,
@@ -139,6 +154,7 @@ impl<F> KernelTable<F> {
             moe_unpermute,
             clamped_swiglu,
             attention_ext,
+            attention_ext_fp8,
             attention,
             attention_combine,
             prefill,
@@ -202,17 +218,22 @@ mod tests {
         // un-permute, gpt-oss's clamped SwiGLU), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
-        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs.
+        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs;
+        // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
+        // a lane (8).
+        let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32;
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
             + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 27 + ATTN_EXT_MAX_HEAD_DIM / 32 + templated);
+        assert_eq!(names.len(), 27 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
             "gemv_m16_w8_u2_f32",
+            "rope_qkv_qknorm_write_kv_fp8",
+            "paged_attention_ext_fp8_d4",
         ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }

@@ -90,7 +90,7 @@ macro_rules! elem {
     )*};
 }
 
-elem!(bf16 => Bf16s, f32 => F32s, f64 => F64s, i32 => I32s, i64 => I64s, u32 => U32s);
+elem!(bf16 => Bf16s, f32 => F32s, f64 => F64s, i32 => I32s, i64 => I64s, u32 => U32s, u8 => U8s);
 
 /// One kernel argument: a device slice by reference (its device pointer is passed), or a
 /// scalar by value.
@@ -101,6 +101,7 @@ pub(crate) enum Arg<'a> {
     I32s(&'a CudaSlice<i32>),
     I64s(&'a CudaSlice<i64>),
     U32s(&'a CudaSlice<u32>),
+    U8s(&'a CudaSlice<u8>),
     I32(i32),
     U32(u32),
     I64(i64),
@@ -201,6 +202,7 @@ impl<'a> Args<'a> {
                 Arg::I32s(s) => s.device_ptr(stream).0,
                 Arg::I64s(s) => s.device_ptr(stream).0,
                 Arg::U32s(s) => s.device_ptr(stream).0,
+                Arg::U8s(s) => s.device_ptr(stream).0,
                 Arg::I32(v) => u64::from(*v as u32),
                 Arg::U32(v) => u64::from(*v),
                 Arg::I64(v) => *v as u64,

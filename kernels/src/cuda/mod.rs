@@ -93,7 +93,7 @@ mod util;
 mod weight_upload;
 
 pub use attention::{AttentionCall, AttnKernel, attention_supports};
-pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall};
+pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
     missing_kernels, modules,
@@ -119,7 +119,7 @@ pub use prefill::{
     prefill_supported,
 };
 pub use prompt_logprobs::{PROMPT_LOGPROB_MAX_TOP, PROMPT_LOGPROB_OUT_WORDS, PromptLogprobsCall, RowLogprob};
-pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvCall};
+pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call};
 pub use sampling::{
     DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
 };

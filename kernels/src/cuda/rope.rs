@@ -10,7 +10,7 @@
 //! head), one thread per rotation pair (`head_dim / 2`, rounded up to a multiple of 32 with the
 //! q/k norm, whose sum of squares is a block reduction).
 
-use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
+use super::launch::{Args, Elem, MAX_GRID_YZ, cfg, int, need, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
 use crate::cpu::NormWeight;
 use half::bf16;
@@ -103,76 +103,162 @@ impl RopeKvCall<'_> {
     /// normalized, rotated one, v is not normalized); with `rotary_dim`, the dims past it
     /// pass through unrotated (normalized when `qk_norm` is given).
     pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
-        let (rows, hd, nkv) = (self.meta.rows, self.geo.head_dim, self.geo.n_kv_heads);
-        let norm = extras.qk_norm;
-        let rot = extras.rotary_dim.unwrap_or(hd);
-        let normed = norm.is_some();
-        let (op, func, lead) = match self.input {
-            RopeInput::Split { q, k, v } => {
-                let (op, func) = if normed {
-                    ("rope_qknorm_write_kv", &dev.kernels.rope_qknorm_write_kv)
-                } else {
-                    ("rope_write_kv", &dev.kernels.rope_write_kv)
-                };
-                need(op, "q", q, rows * self.n_heads * hd)?;
-                need(op, "k", k, rows * nkv * hd)?;
-                need(op, "v", v, rows * nkv * hd)?;
-                (op, func, Args::new(op).buf(q).buf(k).buf(v))
-            }
-            RopeInput::Fused { qkv, q_out } => {
-                let (op, func) = if normed {
-                    ("rope_qkv_qknorm_write_kv", &dev.kernels.rope_qkv_qknorm_write_kv)
-                } else {
-                    ("rope_qkv_write_kv", &dev.kernels.rope_qkv_write_kv)
-                };
-                need(op, "qkv", qkv, rows * (self.n_heads + 2 * nkv) * hd)?;
-                need(op, "q_out", q_out, rows * self.n_heads * hd)?;
-                (op, func, Args::new(op).buf(qkv).buf(q_out))
-            }
+        let cache = CacheArgs { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: None };
+        let call = RopeParts {
+            input: self.input,
+            cache,
+            meta: self.meta,
+            inv_freq: self.inv_freq,
+            n_heads: self.n_heads,
+            geo: self.geo,
         };
-        shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
-        self.meta.check_geometry(op, &self.geo)?;
-        need(op, "k_cache", self.k_cache, self.geo.layer_len())?;
-        need(op, "v_cache", self.v_cache, self.geo.layer_len())?;
-        shape_check(op, rot >= 2 && rot.is_multiple_of(2) && rot <= hd, || {
-            format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
-        })?;
-        need(op, "inv_freq", self.inv_freq, rot / 2)?;
-        let cs_scale = extras.attention_factor.unwrap_or(1.0);
-        shape_check(op, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
-        if let Some(n) = &norm {
-            need(op, "q_norm weight", n.q_weight, hd)?;
-            need(op, "k_norm weight", n.k_weight, hd)?;
-            shape_check(op, n.eps.is_finite() && n.eps >= 0.0, || format!("norm eps {} is not >= 0", n.eps))?;
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
-        let heads = int(op, self.n_heads + 2 * nkv)? as u32;
-        shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
-        // With the norm, whole warps: the head's sum of squares is a block reduction.
-        let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
-        let grid = cfg((int(op, rows)? as u32, heads, 1), threads as u32);
-        let mut args = lead
-            .buf(self.k_cache)
-            .buf(self.v_cache)
-            .buf(&self.meta.positions)
-            .buf(&self.meta.slots)
-            .buf(self.inv_freq)
-            .int(self.n_heads)?
-            .int(nkv)?
-            .int(hd)?
-            .int(rot / 2)?
-            .f32(cs_scale);
-        if let Some(n) = norm {
-            args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
-        }
-        // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
-        // and the head counts above), writes one slot validated by the metadata against this
-        // cache's geometry (or none for slot -1), and reads `rotary_dim / 2` frequencies (and, with
-        // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
-        // touch nothing).
-        unsafe { args.launch(dev, func, grid) }
+        launch_rope(dev, call, extras)
     }
+}
+
+/// [`RopeKvCall`] into an FP8 (E4M3) cache: the same rotation (and extras), then each k
+/// written as `e4m3(k / k_scale)` and each v as `e4m3(v / v_scale)`, one byte an element
+/// (reference: [`crate::cpu::write_kv_fp8`] on the bf16-rounded rotated k and v). Kernels
+/// `rope*_write_kv_fp8` (rope_kv.cu).
+pub struct RopeKvFp8Call<'a> {
+    /// The rows' q, k and v.
+    pub input: RopeInput<'a>,
+    /// The layer's K cache (`geo.layer_len()` bytes).
+    pub k_cache: &'a mut CudaSlice<u8>,
+    /// The layer's V cache.
+    pub v_cache: &'a mut CudaSlice<u8>,
+    /// What a key is divided by before rounding (finite, positive).
+    pub k_scale: f32,
+    /// What a value is divided by before rounding (finite, positive).
+    pub v_scale: f32,
+    /// The step's positions and slots.
+    pub meta: &'a KvWriteMeta,
+    /// `rotary_dim / 2` inverse frequencies (scaling applied).
+    pub inv_freq: &'a CudaSlice<f64>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// The cache's geometry.
+    pub geo: KvGeometry,
+}
+
+impl RopeKvFp8Call<'_> {
+    /// Checks the sizes and scales and enqueues the `_fp8` kernel for the input form and
+    /// extras (see [`RopeKvCall::launch_with`]).
+    pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
+        let cache = CacheArgs { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: Some([self.k_scale, self.v_scale]) };
+        let call = RopeParts {
+            input: self.input,
+            cache,
+            meta: self.meta,
+            inv_freq: self.inv_freq,
+            n_heads: self.n_heads,
+            geo: self.geo,
+        };
+        launch_rope(dev, call, extras)
+    }
+}
+
+/// A layer's K and V caches as kernel arguments, with the FP8 scales when they are E4M3 codes.
+struct CacheArgs<'a, T> {
+    k: &'a CudaSlice<T>,
+    v: &'a CudaSlice<T>,
+    fp8_scales: Option<[f32; 2]>,
+}
+
+/// The fields of [`RopeKvCall`] or [`RopeKvFp8Call`], with the caches of either type.
+struct RopeParts<'a, T> {
+    input: RopeInput<'a>,
+    cache: CacheArgs<'a, T>,
+    meta: &'a KvWriteMeta,
+    inv_freq: &'a CudaSlice<f64>,
+    n_heads: usize,
+    geo: KvGeometry,
+}
+
+/// The launch behind [`RopeKvCall`] and [`RopeKvFp8Call`]: bf16 or FP8 caches of
+/// `geo.layer_len()` elements each.
+fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeExtras<'_>) -> Result<(), CudaError> {
+    let RopeParts { input, cache, meta, inv_freq, n_heads, geo } = call;
+    let (rows, hd, nkv) = (meta.rows, geo.head_dim, geo.n_kv_heads);
+    let norm = extras.qk_norm;
+    let rot = extras.rotary_dim.unwrap_or(hd);
+    let normed = norm.is_some();
+    let fp8 = cache.fp8_scales.is_some();
+    let (op, func, lead) = match input {
+        RopeInput::Split { q, k, v } => {
+            let (op, func) = match (normed, fp8) {
+                (true, false) => ("rope_qknorm_write_kv", &dev.kernels.rope_qknorm_write_kv),
+                (false, false) => ("rope_write_kv", &dev.kernels.rope_write_kv),
+                (true, true) => ("rope_qknorm_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[2]),
+                (false, true) => ("rope_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[0]),
+            };
+            need(op, "q", q, rows * n_heads * hd)?;
+            need(op, "k", k, rows * nkv * hd)?;
+            need(op, "v", v, rows * nkv * hd)?;
+            (op, func, Args::new(op).buf(q).buf(k).buf(v))
+        }
+        RopeInput::Fused { qkv, q_out } => {
+            let (op, func) = match (normed, fp8) {
+                (true, false) => ("rope_qkv_qknorm_write_kv", &dev.kernels.rope_qkv_qknorm_write_kv),
+                (false, false) => ("rope_qkv_write_kv", &dev.kernels.rope_qkv_write_kv),
+                (true, true) => ("rope_qkv_qknorm_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[3]),
+                (false, true) => ("rope_qkv_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[1]),
+            };
+            need(op, "qkv", qkv, rows * (n_heads + 2 * nkv) * hd)?;
+            need(op, "q_out", q_out, rows * n_heads * hd)?;
+            (op, func, Args::new(op).buf(qkv).buf(q_out))
+        }
+    };
+    shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
+    meta.check_geometry(op, &geo)?;
+    need(op, "k_cache", cache.k, geo.layer_len())?;
+    need(op, "v_cache", cache.v, geo.layer_len())?;
+    if let Some([k, v]) = cache.fp8_scales {
+        shape_check(op, [k, v].iter().all(|s| s.is_finite() && *s > 0.0), || {
+            format!("FP8 KV scales k {k}, v {v}: each must be finite and positive")
+        })?;
+    }
+    shape_check(op, rot >= 2 && rot.is_multiple_of(2) && rot <= hd, || {
+        format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
+    })?;
+    need(op, "inv_freq", inv_freq, rot / 2)?;
+    let cs_scale = extras.attention_factor.unwrap_or(1.0);
+    shape_check(op, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
+    if let Some(n) = &norm {
+        need(op, "q_norm weight", n.q_weight, hd)?;
+        need(op, "k_norm weight", n.k_weight, hd)?;
+        shape_check(op, n.eps.is_finite() && n.eps >= 0.0, || format!("norm eps {} is not >= 0", n.eps))?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    // One CTA per (row, head): query heads, key heads, then value heads (see rope_kv.cu).
+    let heads = int(op, n_heads + 2 * nkv)? as u32;
+    shape_check(op, heads as usize <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
+    // With the norm, whole warps: the head's sum of squares is a block reduction.
+    let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
+    let grid = cfg((int(op, rows)? as u32, heads, 1), threads as u32);
+    let mut args = lead
+        .buf(cache.k)
+        .buf(cache.v)
+        .buf(&meta.positions)
+        .buf(&meta.slots)
+        .buf(inv_freq)
+        .int(n_heads)?
+        .int(nkv)?
+        .int(hd)?
+        .int(rot / 2)?
+        .f32(cs_scale);
+    if let Some(n) = norm {
+        args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
+    }
+    if let Some([k, v]) = cache.fp8_scales {
+        args = args.f32(k).f32(v);
+    }
+    // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
+    // and the head counts above), writes one slot validated by the metadata against this
+    // cache's geometry (or none for slot -1), and reads `rotary_dim / 2` frequencies (and, with
+    // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
+    // touch nothing).
+    unsafe { args.launch(dev, func, grid) }
 }

@@ -51,6 +51,8 @@ pub struct ServeFile {
     pub block_size: Option<usize>,
     /// See `--num-kv-blocks`.
     pub num_kv_blocks: Option<usize>,
+    /// See `--kv-cache-dtype`.
+    pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
     /// See `--gpu-memory-utilization`.
     pub gpu_memory_utilization: Option<f32>,
     /// See `--kernel-cache-dir`.
@@ -112,6 +114,8 @@ pub struct ServeSettings {
     pub block_size: Option<usize>,
     /// KV blocks (`None`: sized from memory).
     pub num_kv_blocks: Option<usize>,
+    /// The KV cache's element type.
+    pub kv_cache_dtype: baton_engine::kv_cache_dtype::KvCacheDtype,
     /// Fraction of GPU memory the engine may use (`None`: the engine's default).
     pub gpu_memory_utilization: Option<f32>,
     /// Disk cache of compiled kernels (`None`: none could be determined).
@@ -147,6 +151,7 @@ impl ServeSettings {
         EngineConfig {
             block_size: self.block_size.unwrap_or(d.block_size),
             num_kv_blocks: self.num_kv_blocks.or(d.num_kv_blocks),
+            kv_cache_dtype: self.kv_cache_dtype,
             gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
             kernel_cache_dir: self.kernel_cache_dir.clone(),
             max_num_seqs: self.max_num_seqs.unwrap_or(d.max_num_seqs),
@@ -183,6 +188,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         max_num_batched_tokens: args.max_num_batched_tokens.or(file.max_num_batched_tokens),
         block_size: args.block_size.or(file.block_size),
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
+        kv_cache_dtype: args.kv_cache_dtype.or(file.kv_cache_dtype).unwrap_or_default(),
         gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
         // The default comes from the environment, read here at the binary's edge.
         kernel_cache_dir: args
@@ -364,5 +370,30 @@ mod tests {
         assert_eq!((c.block_size, c.num_kv_blocks, c.max_model_len), (8, Some(40), Some(128)));
         assert!(!c.enable_prefix_caching && c.enable_chunked_prefill);
         assert_eq!(c.num_threads, Some(2));
+    }
+
+    #[test]
+    fn kv_cache_dtype_from_flag_and_file_and_e5m2_refused_by_name() {
+        use baton_engine::kv_cache_dtype::KvCacheDtype;
+        let none = resolve(&serve_args(&[]), &ServeFile::default());
+        assert_eq!(none.engine_config().kv_cache_dtype, KvCacheDtype::Auto);
+        let flag = resolve(&serve_args(&["--kv-cache-dtype", "fp8"]), &ServeFile::default());
+        assert_eq!(flag.engine_config().kv_cache_dtype, KvCacheDtype::Fp8E4M3);
+        let file = ConfigFile::parse("[serve]\nkv_cache_dtype = \"fp8_e4m3\"\n", Path::new("t.toml")).expect("valid");
+        assert_eq!(resolve(&serve_args(&[]), &file.serve).kv_cache_dtype, KvCacheDtype::Fp8E4M3);
+        assert_eq!(
+            resolve(&serve_args(&["--kv-cache-dtype", "bf16"]), &file.serve).kv_cache_dtype,
+            KvCacheDtype::Bf16,
+            "the flag beats the file"
+        );
+        let mut argv = vec!["baton", "serve", "--kv-cache-dtype", "fp8_e5m2"];
+        let err = Cli::try_parse_from(&argv).expect_err("e5m2 refused").to_string();
+        assert!(err.contains("fp8_e5m2") && err.contains("not implemented"), "{err}");
+        argv[3] = "int4";
+        assert!(Cli::try_parse_from(&argv).is_err());
+        let bad = ConfigFile::parse("[serve]\nkv_cache_dtype = \"fp8_e5m2\"\n", Path::new("t.toml"))
+            .expect_err("e5m2 refused in the file")
+            .to_string();
+        assert!(bad.contains("fp8_e5m2"), "{bad}");
     }
 }

@@ -1,0 +1,185 @@
+//! The CUDA backend's FP8 (E4M3) KV cache (`--kv-cache-dtype fp8`): one byte an element,
+//! with one K and one V scale per layer. RoPE + KV write quantizes ([`RopeKvFp8Call`]),
+//! attention dequantizes as it reads ([`AttentionExtFp8Call`], the simple kernel that serves
+//! every row of a mixed batch; the tuned decode and prefill kernels read bf16 only), and the
+//! KV I/O of the TCP hand-off moves the codes as they are. The CPU backend's FP8 cache is the
+//! reference (same codes, same scales).
+//!
+//! Invariants: [`Fp8Cache::layers`] is empty or holds one (K, V) pair of `geo.layer_len()`
+//! bytes per layer; `scales` holds one finite, positive [`KvScale`] per layer. While the
+//! cache is FP8 the bf16 `kv` is empty, so no bf16 kernel can read it. The device-to-device
+//! (NCCL) connector does not move FP8 caches yet: [`CudaBackend::layer_cache`] refuses them.
+
+use super::CudaBackend;
+use crate::backend::{BackendError, KvCacheShape, KvScale};
+use baton_core::kv_transfer::KvDtype;
+use baton_kernels::cuda::{AttentionExtFp8Call, CudaSlice, KvGeometry, RopeExtras, RopeInput, RopeKvFp8Call, bf16};
+
+/// The FP8 cache: its per-layer scales and, once allocated, its codes.
+pub(super) struct Fp8Cache {
+    /// One per layer.
+    pub(super) scales: Vec<KvScale>,
+    /// (K codes, V codes) per layer.
+    pub(super) layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
+}
+
+fn no_layer(layer: usize) -> BackendError {
+    BackendError::Device(format!("layer {layer} has no FP8 KV cache"))
+}
+
+impl CudaBackend {
+    /// [`crate::backend::Backend::set_kv_cache_dtype`]: bf16 (the default) or FP8 with
+    /// `scales`; drops the cache of the old type.
+    pub(super) fn choose_kv_dtype(&mut self, dtype: KvDtype, scales: Vec<KvScale>) -> Result<(), BackendError> {
+        match dtype {
+            KvDtype::BF16 => self.fp8 = None,
+            KvDtype::Fp8E4M3 => {
+                if let Some((i, s)) = scales
+                    .iter()
+                    .enumerate()
+                    .find(|(_, s)| !(s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0))
+                {
+                    return Err(BackendError::Device(format!(
+                        "layer {i}'s FP8 KV scales {s:?} are not finite and positive"
+                    )));
+                }
+                self.fp8 = Some(Fp8Cache { scales, layers: Vec::new() });
+            }
+            other => {
+                return Err(BackendError::Device(format!(
+                    "the CUDA backend stores its KV cache as bf16 or fp8_e4m3, not {other:?}"
+                )));
+            }
+        }
+        self.kv.clear();
+        self.geo = None;
+        self.meta_for = None;
+        Ok(())
+    }
+
+    /// Allocates the FP8 layers of `shape` (`n` bytes each of K and V) when the cache is FP8;
+    /// returns whether it did.
+    pub(super) fn alloc_fp8_layers(&mut self, shape: &KvCacheShape, n: usize) -> Result<bool, BackendError> {
+        let Some(fp8) = self.fp8.as_mut() else { return Ok(false) };
+        if fp8.scales.len() != shape.num_layers {
+            return Err(BackendError::Device(format!(
+                "{} FP8 KV scales for {} layers",
+                fp8.scales.len(),
+                shape.num_layers
+            )));
+        }
+        fp8.layers.clear();
+        for _ in 0..shape.num_layers {
+            fp8.layers.push((self.dev.alloc(n)?, self.dev.alloc(n)?));
+        }
+        Ok(true)
+    }
+
+    /// RoPE on `input` and the quantizing write of its k and v into `layer`'s FP8 cache.
+    pub(super) fn rope_fp8(
+        &mut self,
+        layer: usize,
+        input: RopeInput<'_>,
+        n_heads: usize,
+        geo: KvGeometry,
+        extras: RopeExtras<'_>,
+    ) -> Result<(), BackendError> {
+        let inv = super::arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
+        let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
+        let scale = *fp8.scales.get(layer).ok_or_else(|| no_layer(layer))?;
+        let (kc, vc) = fp8.layers.get_mut(layer).ok_or_else(|| no_layer(layer))?;
+        let call = RopeKvFp8Call {
+            input,
+            k_cache: kc,
+            v_cache: vc,
+            k_scale: scale.k,
+            v_scale: scale.v,
+            meta: &self.meta,
+            inv_freq: inv,
+            n_heads,
+            geo,
+        };
+        Ok(call.launch_with(&self.dev, extras)?)
+    }
+
+    /// Causal attention of `q` over `layer`'s FP8 cache (step metadata already set).
+    pub(super) fn attention_fp8(
+        &self,
+        layer: usize,
+        q: &CudaSlice<bf16>,
+        n_heads: usize,
+        scale: f32,
+        geo: KvGeometry,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), BackendError> {
+        let fp8 = self.fp8.as_ref().ok_or_else(|| no_layer(layer))?;
+        let kv_scale = *fp8.scales.get(layer).ok_or_else(|| no_layer(layer))?;
+        let (kc, vc) = fp8.layers.get(layer).ok_or_else(|| no_layer(layer))?;
+        let call = AttentionExtFp8Call {
+            q,
+            k_cache: kc,
+            v_cache: vc,
+            k_scale: kv_scale.k,
+            v_scale: kv_scale.v,
+            meta: &self.meta,
+            n_heads,
+            geo,
+            scale,
+            window: None,
+            softcap: None,
+            sinks: None,
+            out,
+        };
+        Ok(call.launch(&self.dev)?)
+    }
+
+    /// [`crate::backend::KvIo::read_kv_blocks`] of an FP8 cache: the codes of `blocks`
+    /// (`block_len` bytes each of K and V).
+    pub(super) fn read_fp8_blocks(
+        &self,
+        layer: usize,
+        blocks: &[u32],
+        block_len: usize,
+    ) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
+        let fp8 = self.fp8.as_ref().ok_or_else(|| no_layer(layer))?;
+        let (kc, vc) = fp8.layers.get(layer).ok_or_else(|| no_layer(layer))?;
+        let mut k = vec![0u8; blocks.len() * block_len];
+        let mut v = vec![0u8; blocks.len() * block_len];
+        let stream = self.dev.stream();
+        let mut at = 0;
+        for (start, len) in crate::kv_connector::block_runs(blocks) {
+            let src = start * block_len..(start + len) * block_len;
+            let dst = at..at + len * block_len;
+            stream.memcpy_dtoh(&kc.slice(src.clone()), &mut k[dst.clone()]).map_err(super::driver_error)?;
+            stream.memcpy_dtoh(&vc.slice(src), &mut v[dst]).map_err(super::driver_error)?;
+            at += len * block_len;
+        }
+        stream.synchronize().map_err(super::driver_error)?;
+        Ok((k, v))
+    }
+
+    /// [`crate::backend::KvIo::write_kv_blocks`] into an FP8 cache (sizes already checked:
+    /// `blocks.len() × block_len` bytes each).
+    pub(super) fn write_fp8_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        block_len: usize,
+        k: &[u8],
+        v: &[u8],
+    ) -> Result<(), BackendError> {
+        let stream = self.dev.stream().clone();
+        let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
+        let (kc, vc) = fp8.layers.get_mut(layer).ok_or_else(|| no_layer(layer))?;
+        let mut at = 0;
+        for (start, len) in crate::kv_connector::block_runs(blocks) {
+            let dst = start * block_len..(start + len) * block_len;
+            let src = at..at + len * block_len;
+            stream.memcpy_htod(&k[src.clone()], &mut kc.slice_mut(dst.clone())).map_err(super::driver_error)?;
+            stream.memcpy_htod(&v[src], &mut vc.slice_mut(dst)).map_err(super::driver_error)?;
+            at += len * block_len;
+        }
+        // The caller's slices must outlive the copies.
+        stream.synchronize().map_err(super::driver_error)
+    }
+}
