@@ -51,7 +51,8 @@ fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormW
     let q = rand_vec(r, (rows + pad) * qw_len, 2.0);
     let k = rand_vec(r, (rows + pad) * kw_len, 600.0 * ks);
     let v = rand_vec(r, (rows + pad) * kw_len, 600.0 * vs);
-    let w: Vec<f32> = rand_vec(r, hd, 0.5).iter().map(|x| x + 1.0).collect();
+    // bf16-exact, as the kernel reads them (rand_vec is; 1 + x need not be).
+    let w: Vec<f32> = rand_vec(r, hd, 0.5).iter().map(|x| bf(x + 1.0)).collect();
     let eps = 1e-6;
     let (mut qn, mut kn) = (q[..rows * qw_len].to_vec(), k[..rows * kw_len].to_vec());
     if let Some(style) = norm {
