@@ -1122,72 +1122,8 @@ impl DeviceSampler for CudaBackend {
     }
 }
 
-impl KvIo for CudaBackend {
-    fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
-        let block_len = self.kv_block_len(blocks)?;
-        if self.fp8.is_some() {
-            return self.read_fp8_blocks(layer, blocks, block_len);
-        }
-        let (kc, vc) =
-            self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let mut k = vec![bf16::ZERO; blocks.len() * block_len];
-        let mut v = vec![bf16::ZERO; blocks.len() * block_len];
-        let stream = self.dev.stream();
-        let mut at = 0;
-        for (start, len) in crate::kv_connector::block_runs(blocks) {
-            let src = start * block_len..(start + len) * block_len;
-            let dst = at..at + len * block_len;
-            stream.memcpy_dtoh(&kc.slice(src.clone()), &mut k[dst.clone()]).map_err(driver_error)?;
-            stream.memcpy_dtoh(&vc.slice(src), &mut v[dst]).map_err(driver_error)?;
-            at += len * block_len;
-        }
-        stream.synchronize().map_err(driver_error)?;
-        let bytes = |x: Vec<bf16>| x.into_iter().flat_map(|e| e.to_bits().to_ne_bytes()).collect::<Vec<u8>>();
-        Ok((bytes(k), bytes(v)))
-    }
-
-    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
-        let block_len = self.kv_block_len(blocks)?;
-        let want = blocks.len() * block_len * self.kv_dtype().size();
-        if k.len() != want || v.len() != want {
-            return Err(kerr(
-                "write_kv_blocks",
-                format!("{} blocks need {want} bytes each of K and V, got {} and {}", blocks.len(), k.len(), v.len()),
-            ));
-        }
-        if self.fp8.is_some() {
-            return self.write_fp8_blocks(layer, blocks, block_len, k, v);
-        }
-        let elems = |b: &[u8]| {
-            b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]))).collect::<Vec<bf16>>()
-        };
-        let (kh, vh) = (elems(k), elems(v));
-        let stream = self.dev.stream().clone();
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let mut at = 0;
-        for (start, len) in crate::kv_connector::block_runs(blocks) {
-            let dst = start * block_len..(start + len) * block_len;
-            let src = at..at + len * block_len;
-            stream.memcpy_htod(&kh[src.clone()], &mut kc.slice_mut(dst.clone())).map_err(driver_error)?;
-            stream.memcpy_htod(&vh[src], &mut vc.slice_mut(dst)).map_err(driver_error)?;
-            at += len * block_len;
-        }
-        // The host staging vectors are freed on return: wait for the copies to read them.
-        stream.synchronize().map_err(driver_error)
-    }
-}
-
-impl CudaBackend {
-    /// Elements per block of one layer's K (or V), after checking every block id is in the pool.
-    fn kv_block_len(&self, blocks: &[u32]) -> Result<usize, BackendError> {
-        let geo = self.geo()?;
-        if let Some(bad) = blocks.iter().find(|&&b| b as usize >= geo.num_blocks) {
-            return Err(kerr("kv_blocks", format!("block {bad} is outside the pool of {}", geo.num_blocks)));
-        }
-        Ok(geo.block_size * geo.n_kv_heads * geo.head_dim)
-    }
-}
+#[path = "cuda_kv_io.rs"]
+mod kv_io;
 
 #[path = "cuda_kv_device.rs"]
 mod kv_device;
