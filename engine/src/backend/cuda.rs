@@ -15,7 +15,8 @@
 //!
 //! The optional ops of some architectures (Gemma's norms, embedding scale, GELU-tanh,
 //! soft-caps, windowed attention, per-layer-kind RoPE) live in cuda_arch_ops.rs; the trait
-//! methods here pass them on.
+//! methods here pass them on, as they do the RoPE + KV write entry points (cuda_rope.rs). KV
+//! block I/O is in cuda_kv_io.rs.
 
 use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, MoeWeights,
@@ -28,8 +29,8 @@ use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, QkNorm, RmsNormCall, RopeExtras, RopeInput, RopeKvCall, SAMPLE_MAX_TOP,
-    SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    KvGeometry, LinearCall, LinearKernel, RmsNormCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
+    StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -730,78 +731,21 @@ impl Backend for CudaBackend {
         n_heads: usize,
         batch: &BatchLayout,
     ) -> Result<(), BackendError> {
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let kvw = geo.n_kv_heads * geo.head_dim;
-        if q.len != rows * n_heads * geo.head_dim || k.len != rows * kvw || v.len != rows * kvw {
-            return Err(kerr(
-                "rope_and_write_kv",
-                format!("q {} k {} v {} values for {rows} rows", q.len, k.len, v.len),
-            ));
-        }
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
-        if self.fp8.is_some() {
-            let input = RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data };
-            return self.rope_fp8(layer, input, n_heads, geo, extras);
-        }
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
-        Ok(call.launch_with(&self.dev, extras)?)
+        self.rope_split_write_kv(layer, q, k, v, n_heads, batch)
     }
 
     fn split_rope_and_write_kv(
         &mut self,
         layer: usize,
         qkv: &CudaBuf,
-        (qd, kvd, kvd2): (usize, usize, usize),
+        widths: (usize, usize, usize),
         n_heads: usize,
         batch: &BatchLayout,
         q: &mut CudaBuf,
-        _k: &mut CudaBuf,
-        _v: &mut CudaBuf,
+        k: &mut CudaBuf,
+        v: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let kvw = geo.n_kv_heads * geo.head_dim;
-        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
-            return Err(kerr(
-                "split_rope_and_write_kv",
-                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
-            ));
-        }
-        self.ensure(q, rows * qd)?;
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
-        if self.fp8.is_some() {
-            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
-            return self.rope_fp8(layer, input, n_heads, geo, extras);
-        }
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
-        Ok(call.launch_with(&self.dev, extras)?)
+        self.rope_fused_write_kv(layer, qkv, widths, n_heads, batch, q, k, v)
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
@@ -901,54 +845,13 @@ impl Backend for CudaBackend {
         &mut self,
         layer: usize,
         qkv: &CudaBuf,
-        (qd, kvd, kvd2): (usize, usize, usize),
+        widths: (usize, usize, usize),
         n_heads: usize,
         batch: &BatchLayout,
-        (q_norm, k_norm, eps, style): (&CudaBuf, &CudaBuf, f32, NormWeight),
-        (q, _k, _v): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+        norms: (&CudaBuf, &CudaBuf, f32, NormWeight),
+        out: (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
     ) -> Result<(), BackendError> {
-        let op = "split_qk_norm_rope_and_write_kv";
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let kvw = geo.n_kv_heads * geo.head_dim;
-        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
-            return Err(kerr(
-                op,
-                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
-            ));
-        }
-        if q_norm.len != geo.head_dim || k_norm.len != geo.head_dim {
-            return Err(kerr(
-                op,
-                format!("q/k norm weights of {} and {} values, head_dim {}", q_norm.len, k_norm.len, geo.head_dim),
-            ));
-        }
-        self.ensure(q, rows * qd)?;
-        // The norm is fused into the rotation: normalised heads never round-trip through memory.
-        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
-        let extras = RopeExtras {
-            qk_norm: Some(qk_norm),
-            rotary_dim: self.rotary_dim,
-            attention_factor: self.rope_attention_factor,
-        };
-        if self.fp8.is_some() {
-            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
-            return self.rope_fp8(layer, input, n_heads, geo, extras);
-        }
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
-        Ok(call.launch_with(&self.dev, extras)?)
+        self.rope_fused_qk_norm_write_kv(layer, qkv, widths, n_heads, batch, norms, out)
     }
 
     fn attention(
@@ -1124,6 +1027,9 @@ impl DeviceSampler for CudaBackend {
 
 #[path = "cuda_kv_io.rs"]
 mod kv_io;
+
+#[path = "cuda_rope.rs"]
+mod rope;
 
 #[path = "cuda_kv_device.rs"]
 mod kv_device;
