@@ -347,7 +347,6 @@ impl Backend for CpuBackend {
         }
         let (kc, vc) = self.layer(layer)?;
         let width = n_heads * shape.head_dim;
-        out.resize(batch.tokens.len() * width, 0.0);
         let cache = KvLayerRef {
             k: kc,
             v: vc,
@@ -355,19 +354,9 @@ impl Backend for CpuBackend {
             n_kv_heads: shape.num_kv_heads,
             head_dim: shape.head_dim,
         };
-        for s in &batch.seqs {
-            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
-            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
-            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
-            k::paged_attention(
-                qr,
-                n_heads,
-                scale,
-                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
-                cache,
-                or,
-            )?;
-        }
+        attend_per_sequence(q, out, width, batch, |qr, span, or| {
+            k::paged_attention(qr, n_heads, scale, span, cache, or)
+        })?;
         self.store(out);
         Ok(())
     }
@@ -623,7 +612,6 @@ impl Backend for CpuBackend {
         let shape = self.shape()?;
         let (kc, vc) = self.layer(layer)?;
         let width = n_heads * shape.head_dim;
-        out.resize(batch.tokens.len() * width, 0.0);
         let cache = KvLayerRef {
             k: kc,
             v: vc,
@@ -632,20 +620,9 @@ impl Backend for CpuBackend {
             head_dim: shape.head_dim,
         };
         let extras = AttnExtras { window: extras.window, softcap: extras.softcap, sinks: None };
-        for s in &batch.seqs {
-            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
-            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
-            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
-            k::paged_attention_ext(
-                qr,
-                n_heads,
-                scale,
-                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
-                cache,
-                extras,
-                or,
-            )?;
-        }
+        attend_per_sequence(q, out, width, batch, |qr, span, or| {
+            k::paged_attention_ext(qr, n_heads, scale, span, cache, extras, or)
+        })?;
         self.store(out);
         Ok(())
     }
@@ -697,6 +674,25 @@ impl Backend for CpuBackend {
 
 /// Per-head RMSNorm in f32 (no bf16 rounding): rows of `heads × head_dim` are `heads` rows of
 /// `head_dim`, so the row-wise RMSNorm kernel over `head_dim`-wide rows is the per-head norm.
+/// Runs `attend` over each sequence's rows of `q` and `out` (`width` values per row), after
+/// sizing `out` to the batch: the one loop of the CPU attention variants.
+fn attend_per_sequence(
+    q: &[f32],
+    out: &mut Vec<f32>,
+    width: usize,
+    batch: &BatchLayout,
+    mut attend: impl FnMut(&[f32], SeqSpan<'_>, &mut [f32]) -> Result<(), KernelError>,
+) -> Result<(), BackendError> {
+    out.resize(batch.tokens.len() * width, 0.0);
+    for s in &batch.seqs {
+        let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
+        let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
+        let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
+        attend(qr, SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table }, or)?;
+    }
+    Ok(())
+}
+
 fn head_norm_unrounded(x: &mut [f32], weight: &[f32], head_dim: usize, eps: f32) -> Result<(), BackendError> {
     if weight.len() != head_dim {
         return Err(kerr("head_rms_norm", format!("weight has {} values for head_dim {head_dim}", weight.len())));
@@ -827,7 +823,6 @@ impl CpuBackend {
         let shape = self.shape()?;
         let ((kc, vc), kv_scale) = self.fp8_layer(layer)?;
         let width = n_heads * shape.head_dim;
-        out.resize(batch.tokens.len() * width, 0.0);
         let cache = Fp8KvLayerRef {
             k: kc,
             v: vc,
@@ -837,20 +832,9 @@ impl CpuBackend {
             n_kv_heads: shape.num_kv_heads,
             head_dim: shape.head_dim,
         };
-        for s in &batch.seqs {
-            let rows = s.row_start * width..(s.row_start + s.n_tokens) * width;
-            let qr = q.get(rows.clone()).ok_or_else(|| kerr("attention", "query rows outside the batch".into()))?;
-            let or = out.get_mut(rows).ok_or_else(|| kerr("attention", "output rows outside the batch".into()))?;
-            k::paged_attention_fp8(
-                qr,
-                n_heads,
-                scale,
-                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
-                cache,
-                AttnExtras::default(),
-                or,
-            )?;
-        }
+        attend_per_sequence(q, out, width, batch, |qr, span, or| {
+            k::paged_attention_fp8(qr, n_heads, scale, span, cache, AttnExtras::default(), or)
+        })?;
         self.store(out);
         Ok(())
     }

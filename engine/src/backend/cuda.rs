@@ -27,10 +27,10 @@ use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
-    CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, RmsNormCall, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
-    StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceMask,
+    DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvGeometry, LinearCall,
+    LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader,
+    bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -618,13 +618,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&mut self, x: &CudaRes, weight: &CudaBuf, eps: f32, out: &mut CudaBuf) -> Result<(), BackendError> {
-        let d = weight.len;
-        if d == 0 || !x.len.is_multiple_of(d) {
-            return Err(kerr("rms_norm", format!("x {} values, weight {d}", x.len)));
-        }
-        self.ensure(out, x.len)?;
-        let call = RmsNormCall { x: &x.data, weight: &weight.data, rows: x.len / d, dim: d, eps, out: &mut out.data };
-        Ok(call.launch(&self.dev)?)
+        self.norm_styled(x, weight, eps, NormWeight::Plain, out)
     }
 
     fn add_rms_norm(
@@ -635,21 +629,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        let d = weight.len;
-        if d == 0 || !x.len.is_multiple_of(d) || residual.len != x.len {
-            return Err(kerr("add_rms_norm", format!("residual {}, x {}, weight {d}", residual.len, x.len)));
-        }
-        self.ensure(out, x.len)?;
-        let call = AddRmsNormCall {
-            residual: &mut residual.data,
-            x: &x.data,
-            weight: &weight.data,
-            rows: x.len / d,
-            dim: d,
-            eps,
-            out: &mut out.data,
-        };
-        Ok(call.launch(&self.dev)?)
+        self.add_norm_styled(residual, x, weight, eps, NormWeight::Plain, out)
     }
 
     fn gather_res_rows(
@@ -742,10 +722,10 @@ impl Backend for CudaBackend {
         n_heads: usize,
         batch: &BatchLayout,
         q: &mut CudaBuf,
-        k: &mut CudaBuf,
-        v: &mut CudaBuf,
+        _k: &mut CudaBuf,
+        _v: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        self.rope_fused_write_kv(layer, qkv, widths, n_heads, batch, q, k, v)
+        self.rope_fused_write_kv(layer, qkv, widths, n_heads, batch, q)
     }
 
     fn supports(&self, op: OptionalOp) -> bool {
@@ -851,7 +831,7 @@ impl Backend for CudaBackend {
         norms: (&CudaBuf, &CudaBuf, f32, NormWeight),
         out: (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
     ) -> Result<(), BackendError> {
-        self.rope_fused_qk_norm_write_kv(layer, qkv, widths, n_heads, batch, norms, out)
+        self.rope_fused_qk_norm_write_kv(layer, qkv, widths, n_heads, batch, norms, out.0)
     }
 
     fn attention(

@@ -10,7 +10,7 @@
 use super::{CudaBackend, CudaBuf, arch_ops, kerr};
 use crate::backend::{BackendError, BatchLayout};
 use baton_kernels::cpu::NormWeight;
-use baton_kernels::cuda::{QkNorm, RopeExtras, RopeInput, RopeKvCall};
+use baton_kernels::cuda::{KvGeometry, QkNorm, RopeExtras, RopeInput, RopeKvCall};
 
 impl CudaBackend {
     pub(super) fn rope_split_write_kv(
@@ -32,28 +32,46 @@ impl CudaBackend {
                 format!("q {} k {} v {} values for {rows} rows", q.len, k.len, v.len),
             ));
         }
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
-        if self.fp8.is_some() {
-            let input = RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data };
-            return self.rope_fp8(layer, input, n_heads, geo, extras);
-        }
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
-        Ok(call.launch_with(&self.dev, extras)?)
+        let input = RopeInput::Split { q: &mut q.data, k: &mut k.data, v: &v.data };
+        self.rope_write(layer, input, n_heads, geo, None)
     }
 
     pub(super) fn rope_fused_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        q: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.rope_fused(layer, qkv, widths, n_heads, batch, q, None)
+    }
+
+    pub(super) fn rope_fused_qk_norm_write_kv(
+        &mut self,
+        layer: usize,
+        qkv: &CudaBuf,
+        widths: (usize, usize, usize),
+        n_heads: usize,
+        batch: &BatchLayout,
+        (q_norm, k_norm, eps, style): (&CudaBuf, &CudaBuf, f32, NormWeight),
+        q: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let head_dim = self.geo()?.head_dim;
+        if q_norm.len != head_dim || k_norm.len != head_dim {
+            return Err(kerr(
+                "split_qk_norm_rope_and_write_kv",
+                format!("q/k norm weights of {} and {} values, head_dim {head_dim}", q_norm.len, k_norm.len),
+            ));
+        }
+        // The norm is fused into the rotation: normalised heads never round-trip through memory.
+        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
+        self.rope_fused(layer, qkv, widths, n_heads, batch, q, Some(qk_norm))
+    }
+
+    /// The fused-QKV entry points: checks the widths, then rotates q into `q` and writes k, v.
+    fn rope_fused(
         &mut self,
         layer: usize,
         qkv: &CudaBuf,
@@ -61,8 +79,7 @@ impl CudaBackend {
         n_heads: usize,
         batch: &BatchLayout,
         q: &mut CudaBuf,
-        _k: &mut CudaBuf,
-        _v: &mut CudaBuf,
+        qk_norm: Option<QkNorm<'_>>,
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
         self.step_meta(batch)?;
@@ -75,78 +92,28 @@ impl CudaBackend {
             ));
         }
         self.ensure(q, rows * qd)?;
-        let extras =
-            RopeExtras { rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor, qk_norm: None };
-        if self.fp8.is_some() {
-            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
-            return self.rope_fp8(layer, input, n_heads, geo, extras);
-        }
-        let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
-        let (kc, vc) =
-            self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
-        Ok(call.launch_with(&self.dev, extras)?)
+        let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
+        self.rope_write(layer, input, n_heads, geo, qk_norm)
     }
 
-    pub(super) fn rope_fused_qk_norm_write_kv(
+    /// One launch of the RoPE + KV write into layer `layer`'s cache with the layer's rotary
+    /// table, partial rotation and attention factor: the FP8 kernel when the cache is e4m3.
+    fn rope_write(
         &mut self,
         layer: usize,
-        qkv: &CudaBuf,
-        (qd, kvd, kvd2): (usize, usize, usize),
+        input: RopeInput<'_>,
         n_heads: usize,
-        batch: &BatchLayout,
-        (q_norm, k_norm, eps, style): (&CudaBuf, &CudaBuf, f32, NormWeight),
-        (q, _k, _v): (&mut CudaBuf, &mut CudaBuf, &mut CudaBuf),
+        geo: KvGeometry,
+        qk_norm: Option<QkNorm<'_>>,
     ) -> Result<(), BackendError> {
-        let op = "split_qk_norm_rope_and_write_kv";
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let kvw = geo.n_kv_heads * geo.head_dim;
-        if qd != n_heads * geo.head_dim || kvd != kvw || kvd2 != kvw || qkv.len != rows * (qd + 2 * kvw) {
-            return Err(kerr(
-                op,
-                format!("qkv {} values, widths ({qd}, {kvd}, {kvd2}) for {rows} rows of {n_heads} heads", qkv.len),
-            ));
-        }
-        if q_norm.len != geo.head_dim || k_norm.len != geo.head_dim {
-            return Err(kerr(
-                op,
-                format!("q/k norm weights of {} and {} values, head_dim {}", q_norm.len, k_norm.len, geo.head_dim),
-            ));
-        }
-        self.ensure(q, rows * qd)?;
-        // The norm is fused into the rotation: normalised heads never round-trip through memory.
-        let qk_norm = QkNorm { q_weight: &q_norm.data, k_weight: &k_norm.data, eps, weight: style };
-        let extras = RopeExtras {
-            qk_norm: Some(qk_norm),
-            rotary_dim: self.rotary_dim,
-            attention_factor: self.rope_attention_factor,
-        };
+        let extras = RopeExtras { qk_norm, rotary_dim: self.rotary_dim, attention_factor: self.rope_attention_factor };
         if self.fp8.is_some() {
-            let input = RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data };
             return self.rope_fp8(layer, input, n_heads, geo, extras);
         }
         let inv = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let (kc, vc) =
             self.kv.get_mut(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-        let call = RopeKvCall {
-            input: RopeInput::Fused { qkv: &qkv.data, q_out: &mut q.data },
-            k_cache: kc,
-            v_cache: vc,
-            meta: &self.meta,
-            inv_freq: inv,
-            n_heads,
-            geo,
-        };
+        let call = RopeKvCall { input, k_cache: kc, v_cache: vc, meta: &self.meta, inv_freq: inv, n_heads, geo };
         Ok(call.launch_with(&self.dev, extras)?)
     }
 }
