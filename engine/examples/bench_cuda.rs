@@ -21,7 +21,9 @@
 //!   over the copy bandwidth); `--no-profile` skips it.
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
-//! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]`;
+//! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
+//! [--kv-cache-dtype auto|fp8]`; with `fp8` the cache holds random E4M3 codes (scales 1) and
+//! the floors count one byte per cached K or V value;
 //! `--cublas` sends every GEMM to cuBLAS (by default small batches use the skinny-GEMM
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
@@ -89,8 +91,14 @@ fn run() -> Res<()> {
     backend.set_gemv(gemv);
     let device = backend.device().name().to_string();
     let mut model = ModelRunner::load(&cfg, loaded.weights.as_ref(), backend)?;
+    let kv_dtype: baton_engine::kv_cache_dtype::KvCacheDtype =
+        flag(&args, "--kv-cache-dtype").as_deref().unwrap_or("auto").parse()?;
+    model.set_kv_cache_dtype(kv_dtype, loaded.weights.as_ref())?;
+    let kv_elem_bytes = if kv_dtype == baton_engine::kv_cache_dtype::KvCacheDtype::Fp8E4M3 { 1 } else { 2 };
     let load_s = t0.elapsed().as_secs_f64();
-    println!("{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}");
+    println!(
+        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}"
+    );
 
     // Ceiling: device copy bandwidth, 1 GiB, read + written.
     let copy_gbs = {
@@ -119,7 +127,7 @@ fn run() -> Res<()> {
     let kvd = cfg.num_key_value_heads * cfg.head_dim;
     let per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size;
     let weight_bytes = 2.0 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h) as f64;
-    let kv_per_token = (2 * cfg.num_hidden_layers * kvd * 2) as f64;
+    let kv_per_token = (2 * cfg.num_hidden_layers * kvd * kv_elem_bytes) as f64;
     writeln!(table, "copy 1 GiB d2d: {copy_gbs:.0} GB/s; weights read per step {:.2} GB", weight_bytes / 1e9)?;
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
 
@@ -263,7 +271,7 @@ fn run() -> Res<()> {
             for &gemm in gemms {
                 model.backend_mut().set_gemv(gemm == "default" && gemv);
                 let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
-                let shape = OpShape { b, ctx, cfg: &cfg };
+                let shape = OpShape { b, ctx, cfg: &cfg, kv_elem_bytes: kv_elem_bytes as f64 };
                 writeln!(
                     table,
                     "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}: op | us/step | floor us | % of floor"
@@ -290,7 +298,7 @@ fn run() -> Res<()> {
     }
 
     let doc = format!(
-        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
+        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"kv_cache_dtype\":\"{kv_dtype:?}\",\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
         args.join(" "),
         json.join(",\n")
     );
@@ -347,6 +355,8 @@ struct OpShape<'a> {
     b: usize,
     ctx: usize,
     cfg: &'a baton_formats::ModelConfig,
+    /// Bytes of one cached K or V value (2 for bf16, 1 for FP8).
+    kv_elem_bytes: f64,
 }
 
 impl OpShape<'_> {
@@ -365,7 +375,7 @@ impl OpShape<'_> {
             "norm" => 2.0 * l * b * h * 12.0,
             "qkv" => l * linear(qd + 2.0 * kvd, h),
             "rope_kv" => l * b * 2.0 * 2.0 * (qd + 2.0 * kvd),
-            "attention" => l * (4.0 * b * self.ctx as f64 * kvd + 4.0 * b * qd),
+            "attention" => l * (2.0 * self.kv_elem_bytes * b * self.ctx as f64 * kvd + 4.0 * b * qd),
             "o_proj" => l * linear(h, qd),
             "gate_up" => l * linear(2.0 * inter, h),
             "silu_mul" => l * b * 6.0 * inter,

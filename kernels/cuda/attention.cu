@@ -455,10 +455,17 @@ __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned 
     }
 }
 
-// Shared memory of one CTA (the ring; the end-of-kernel merge reuses it).
-constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg) {
-    return ns * 2 * (8 * nw) * (hd + 8) * 2 > nw * mg * (hd + 2) * 4 ? ns * 2 * (8 * nw) * (hd + 8) * 2
-                                                                       : nw * mg * (hd + 2) * 4;
+// Bytes of one ring row (a token's K or V): HD bf16 padded by 16 bytes (see Layout), or for
+// an FP8 cache (eb = 1) HD codes padded by 16 bytes.
+constexpr int tc_ring_row(int hd, int eb) { return eb == 1 ? hd + 16 : (hd + 8) * 2; }
+
+// Shared memory of one CTA: the ring, plus with an FP8 cache each warp's bf16 copy of its 8
+// tokens' K and V (rows of HD + 8); the end-of-kernel merge reuses it all.
+constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg, int eb) {
+    return ns * 2 * (8 * nw) * tc_ring_row(hd, eb) + (eb == 1 ? nw * 2 * 8 * (hd + 8) * 2 : 0) >
+                   nw * mg * (hd + 2) * 4
+               ? ns * 2 * (8 * nw) * tc_ring_row(hd, eb) + (eb == 1 ? nw * 2 * 8 * (hd + 8) * 2 : 0)
+               : nw * mg * (hd + 2) * 4;
 }
 
 // CTAs per SM that shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 6:
@@ -466,32 +473,40 @@ constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg) {
 // value; 6 CTAs of 2 warps leave 170 registers a thread). Without it ptxas picked 72
 // registers and spilled for some head_dim 64 shapes; a cap of 8 CTAs (128 registers) spilled
 // at head_dim 128, whose shapes take 154-168.
-constexpr int tc_min_ctas(int hd, int nw, int ns, int mg) {
-    return 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) < 6 ? 233472 / (tc_smem_bytes(hd, nw, ns, mg) + 1024) : 6;
+constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb) {
+    return 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024) < 6 ? 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024)
+                                                                    : 6;
 }
 
-template <int HD, int NW, int NS, int MG>
+// C: the cache's element, bf16_t or (FP8 cache) unsigned char E4M3 codes. With FP8 the ring
+// holds the codes (half the bytes in flight per token), each warp converts its 8 tokens of the
+// stage into a private bf16 tile (exact: e4m3x16_to_bf16x16) and the tensor-core part reads
+// that tile; the K scale is already folded into qscale by the launcher and the V scale
+// multiplies the output (or the split's partial) here.
+template <int HD, int NW, int NS, int MG, typename C>
 __device__ __forceinline__ void paged_attention_tc_body(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk) {
+    float qscale, int min_chunk, float v_scale) {
+    constexpr bool FP8 = sizeof(C) == 1;
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 128, "head_dim: a multiple of 16, at most 128");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
     static_assert(NS >= 2, "at least double buffering");
     constexpr int THREADS = NW * 32;
     constexpr int TT = 8 * NW;             // tokens per stage (8 per warp)
-    constexpr int RS = HD + 8;             // padded row stride, elements
-    constexpr int CPR = HD / 8;            // 16-byte chunks per row
-    constexpr int TILE = TT * RS;          // elements of one K (or V) stage
+    constexpr int RS = HD + 8;             // padded bf16 row stride, elements
+    constexpr int RB = tc_ring_row(HD, (int)sizeof(C));  // ring row stride, bytes
+    constexpr int CPR = HD * (int)sizeof(C) / 16;        // 16-byte chunks per ring row
+    constexpr int TILE_B = TT * RB;        // bytes of one K (or V) stage
+    constexpr int RING_B = NS * 2 * TILE_B;
+    constexpr int WT_B = 8 * RS * 2;       // bytes of one warp's converted K (or V) tile (FP8)
     constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
-    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG);
-    static_assert(SMEM >= NS * 2 * TILE * 2 && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
+    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, (int)sizeof(C));
+    static_assert(SMEM >= RING_B + (FP8 ? NW * 2 * WT_B : 0) && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
     static_assert(SMEM <= 48 * 1024, "static shared memory limit (the launcher passes no dynamic size)");
-    static_assert(THREADS == 4 * TT && CPR % 2 == 0, "copy mapping: four threads per token");
+    static_assert(THREADS == 4 * TT && CPR >= 1 && RB % 16 == 0, "copy mapping: four threads per token");
     __shared__ __align__(16) unsigned char smem[SMEM];
-    bf16_t* const sk = reinterpret_cast<bf16_t*>(smem);
-    bf16_t* const sv = sk + NS * TILE;
 
     const int group = n_heads / n_kv_heads;
     const int gchunks = (group + MG - 1) / MG;
@@ -521,16 +536,17 @@ __device__ __forceinline__ void paged_attention_tc_body(
 
     // Copy assignment: a stage has TT = 8 * NW tokens and THREADS = 32 * NW threads, so four
     // threads share each token: thread q = tid % 4 of token tid / 4 copies 16-byte chunks
-    // q, q + 4, q + 8, ... of its K row then its V row (2 * CPR chunks, CPR / 2 per thread;
-    // with head_dim 16 threads 0-1 copy K, 2-3 V). One warp instruction thus reads 64
-    // contiguous bytes of each of 8 rows (whole 32-byte sectors), and each thread tracks the
-    // block of one token only.
-    constexpr int CPT = CPR / 2;  // copies per thread per stage
+    // q, q + 4, q + 8, ... of the token's K row followed by its V row (2 * CPR chunks; with
+    // 2 * CPR < 4, as head_dim 16 bf16, some threads copy nothing). One warp instruction thus
+    // reads 64 contiguous bytes of each of 8 rows (whole 32-byte sectors), and each thread
+    // tracks the block of one token only.
+    constexpr int CPT = (2 * CPR + 3) / 4;  // copies per thread per stage
+    constexpr int EPC = 16 / (int)sizeof(C);  // elements per 16-byte chunk
     const int ctok = tid >> 2, cq = tid & 3;
-    const bf16_t* const kbase = k_cache + (long long)kvh * HD;
-    const bf16_t* const vbase = v_cache + (long long)kvh * HD;
-    const unsigned sk_a = smem_addr(sk), sv_a = smem_addr(sv);
-    const unsigned drow = (unsigned)(ctok * RS * 2);
+    const C* const kbase = k_cache + (long long)kvh * HD;
+    const C* const vbase = v_cache + (long long)kvh * HD;
+    const unsigned sk_a = smem_addr(smem), sv_a = sk_a + NS * TILE_B;
+    const unsigned drow = (unsigned)(ctok * RB);
     int lb, off, blk;
     {
         const int p = c0 + ctok;
@@ -546,18 +562,15 @@ __device__ __forceinline__ void paged_attention_tc_body(
         const int p = issue_p0 + ctok;
         const int n = p < c1 ? 16 : 0;
         const long long e = n ? ((long long)blk * block_size + off) * kv_w : 0;
-        const unsigned d = (unsigned)(s * TILE * 2) + drow;
+        const unsigned d = (unsigned)(s * TILE_B) + drow;
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
-            if constexpr (CPR >= 4) {
-                // Chunk cq + 4j of the K row (first CPR / 4 copies) or of the V row.
-                const int c = cq + (4 * j) % CPR;
-                const bool is_v = 4 * j >= CPR;
-                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
-            } else {
-                const int c = cq & 1;
-                const bool is_v = cq >= 2;
-                cp_async16((is_v ? sv_a : sk_a) + d + c * 16, (is_v ? vbase : kbase) + e + c * 8, n);
+            // Chunk c of the K row then V row (c < CPR: K).
+            const int c = cq + 4 * j;
+            if ((2 * CPR) % 4 == 0 || c < 2 * CPR) {
+                const bool is_v = c >= CPR;
+                const int col = is_v ? c - CPR : c;
+                cp_async16((is_v ? sv_a : sk_a) + d + col * 16, (is_v ? vbase : kbase) + e + col * EPC, n);
             }
         }
         off += TT;
@@ -614,9 +627,13 @@ __device__ __forceinline__ void paged_attention_tc_body(
         if (s < n_tiles) issue(s);
         cp_async_commit();
     }
-    // ldmatrix row addresses: lane l supplies row l % 8 of matrix l / 8.
-    const unsigned lrow = (unsigned)(((warp * 8 + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
-    const unsigned lrow2 = (unsigned)(((warp * 8 + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
+    // ldmatrix row addresses: lane l supplies row l % 8 of matrix l / 8; the warp's rows are
+    // its 8 tokens of the ring stage, or (FP8) of its own converted tile.
+    const int wrow = FP8 ? 0 : warp * 8;
+    const unsigned lrow = (unsigned)(((wrow + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
+    const unsigned lrow2 = (unsigned)(((wrow + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
+    // FP8: this warp's converted K tile, then its V tile.
+    const unsigned ck_a = sk_a + RING_B + (unsigned)(warp * 2 * WT_B), cv_a = ck_a + WT_B;
     for (int it = 0; it < n_tiles; it++) {
         cp_async_wait<NS - 2>();
         // Stage `it` is visible to every warp, and every warp is done with the slot that the
@@ -626,7 +643,29 @@ __device__ __forceinline__ void paged_attention_tc_body(
         cp_async_commit();
 
         const int s = it % NS;
-        const unsigned ks = sk_a + (unsigned)(s * TILE * 2), vs = sv_a + (unsigned)(s * TILE * 2);
+        unsigned ks = sk_a + (unsigned)(s * TILE_B), vs = sv_a + (unsigned)(s * TILE_B);
+        if constexpr (FP8) {
+            // The warp's 8 tokens, K and V: 2 * 8 * CPR chunks of 16 codes, each converted to 16
+            // bf16 in the warp's tile. The previous iteration's ldmatrix reads of the tile are
+            // done before any lane overwrites it.
+            __syncwarp();
+            const unsigned char* const ring = smem + s * TILE_B + warp * 8 * RB;
+            unsigned char* const conv = smem + RING_B + warp * 2 * WT_B;
+#pragma unroll
+            for (int c = lane; c < 2 * 8 * CPR; c += 32) {
+                const int is_v = c >= 8 * CPR;
+                const int cc = c - is_v * 8 * CPR, r = cc / CPR, col = cc - r * CPR;
+                const uint4 u = *reinterpret_cast<const uint4*>(ring + is_v * NS * TILE_B + r * RB + col * 16);
+                uint4 b[2];
+                e4m3x16_to_bf16x16(u, b);
+                uint4* dst = reinterpret_cast<uint4*>(conv + is_v * WT_B + r * RS * 2 + col * 32);
+                dst[0] = b[0];
+                dst[1] = b[1];
+            }
+            __syncwarp();
+            ks = ck_a;
+            vs = cv_a;
+        }
         // S = Q K^T over this warp's 8 tokens.
         float sc[2 * RH];
 #pragma unroll
@@ -722,10 +761,10 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
         const long long rh = (long long)row * n_heads + h0 + r;
         if (n_splits == 1) {
-            out[rh * HD + d] = f2bf(o / L);
+            out[rh * HD + d] = f2bf(o * v_scale / L);
         } else {
             const long long ps = rh * n_splits + split;
-            part_o[ps * HD + d] = o;
+            part_o[ps * HD + d] = o * v_scale;
             if (d == 0) {
                 part_ml[ps * 2] = mx;
                 part_ml[ps * 2 + 1] = L;
@@ -735,21 +774,38 @@ __device__ __forceinline__ void paged_attention_tc_body(
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 2)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) { PDL_ENTER();                                \
-        paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
-                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk); \
+        paged_attention_tc_body<HD, NW, NS, MG, bf16_t>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
+                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, 1.f); \
+    }
+
+// Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
+#define ATT_TC_FP8_INSTANCE(HD, NW, NS, MG)                                                                        \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
+        const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                  \
+        const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
+        float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
+        const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
+        int min_chunk, float v_scale) { PDL_ENTER();                                                              \
+        paged_attention_tc_body<HD, NW, NS, MG, unsigned char>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,  \
+                                                row_bt, block_tables, n_heads, n_kv_heads, block_size, qscale,    \
+                                                min_chunk, v_scale);                                              \
     }
 
 // The tensor-core variants (warps, stages, heads per CTA), in the order they follow the
-// register variants in ATTN_VARIANTS.
+// register variants in ATTN_VARIANTS; then the FP8-cache variants in the order of
+// ATTN_FP8_VARIANTS (an FP8 stage is half the bytes, so they run deeper rings).
 #define ATT_TC_VARIANTS(HD)          \
     ATT_TC_INSTANCE(HD, 2, 4, 8)     \
     ATT_TC_INSTANCE(HD, 2, 5, 8)     \
-    ATT_TC_INSTANCE(HD, 2, 4, 16)
+    ATT_TC_INSTANCE(HD, 2, 4, 16)    \
+    ATT_TC_FP8_INSTANCE(HD, 2, 4, 8) \
+    ATT_TC_FP8_INSTANCE(HD, 2, 8, 8) \
+    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16)
 
 ATT_TC_VARIANTS(16)
 ATT_TC_VARIANTS(32)

@@ -1,5 +1,5 @@
 // Paged causal flash attention for the prefill chunks of a mixed batch (FA2 structure on the
-// tensor cores: mma.sync m16n8k16 bf16 -> f32), GQA, bf16 K/V cache.
+// tensor cores: mma.sync m16n8k16 bf16 -> f32), GQA, bf16 or FP8 (E4M3) K/V cache.
 //
 // Grid: (n_kv_heads, work items). A work item is one query tile of one prefill chunk; the CTA
 // serves every query head of its KV head's group at once: packed row p of the BM-row tile is
@@ -29,6 +29,11 @@
 // apply the causal mask. Every real row sees key 0 in tile 0, so the running max is finite
 // after the first tile and no row ever divides by zero. Row sums stay per-thread partials
 // until the end (one quad reduction). Output: O / l, bf16, in q's layout.
+//
+// FP8 cache (prefill_attention_fp8_*): the two-stage ring holds the codes (rows of HD + 16
+// bytes); after a stage lands, the CTA converts it into one bf16 K/V tile (exact: every E4M3
+// value is a bf16 value) and the loop above runs on that tile unchanged. The K scale is folded
+// into qscale by the launcher, the V scale into the final 1 / l.
 //
 // Block ids are divided with a host-computed magic number (bs_magic = ceil(2^32 / block_size),
 // block_size 1 bypassed), exact for position * block_size < 2^32 (the launcher checks): the
@@ -90,14 +95,18 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
-template <int HD, int NW>
+template <int HD, int NW, typename C>
 __device__ __forceinline__ void prefill_attention_body(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables,
-    int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {
-    constexpr int RS = HD + 8;                    // shared row stride, elements
-    constexpr int TILE = PF_BN * RS;              // elements of one K (or V) tile
-    constexpr int CPR = HD / 8;                   // 16-byte chunks per token row
+    int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, float v_scale) {
+    constexpr bool FP8 = sizeof(C) == 1;
+    constexpr int RS = HD + 8;                    // bf16 tile row stride, elements
+    constexpr int TILE = PF_BN * RS;              // elements of one bf16 K (or V) tile
+    constexpr int RB = FP8 ? HD + 16 : RS * 2;    // ring row stride, bytes
+    constexpr int STAGE_B = 2 * PF_BN * RB;       // bytes of one ring stage (K then V)
+    constexpr int CPR = HD * (int)sizeof(C) / 16;  // 16-byte chunks per token row
+    constexpr int EPC = 16 / (int)sizeof(C);      // elements per chunk
     constexpr int BM = 16 * NW;                   // packed query rows per CTA
     constexpr int TPP = NW * 32 / CPR;            // token rows per load pass
     constexpr int PASSES = (PF_BN + TPP - 1) / TPP;  // load passes per tile (HD 16, NW 8: TPP > BN)
@@ -107,7 +116,8 @@ __device__ __forceinline__ void prefill_attention_body(
     static_assert(PF_BN % TPP == 0 || TPP % PF_BN == 0, "tile rows must split evenly over the passes");
     static_assert(NT % 2 == 0 && OT % 2 == 0, "ldmatrix.x4 covers two column tiles");
     extern __shared__ __align__(16) unsigned char pf_smem[];
-    bf16_t* const sm = reinterpret_cast<bf16_t*>(pf_smem);  // [stage][K, V][PF_BN][RS]
+    // [stage][K, V][PF_BN][RB bytes]; with FP8 then the converted bf16 tile [K, V][PF_BN][RS].
+    bf16_t* const conv = reinterpret_cast<bf16_t*>(pf_smem + 2 * STAGE_B);
 
     const int group = n_heads / n_kv_heads;
     const int tq = BM / group;  // tokens per tile (the launcher guarantees group <= BM)
@@ -163,10 +173,10 @@ __device__ __forceinline__ void prefill_attention_body(
 
     const long long kv_w = (long long)n_kv_heads * HD;
     const int lc = threadIdx.x % CPR, lr = threadIdx.x / CPR;
-    const long long head_off = (long long)kvh * HD + lc * 8;
+    const long long head_off = (long long)kvh * HD + lc * EPC;
     // Gathers KV tile j into stage st: this thread copies chunk lc of rows lr + k * TPP.
     auto load_tile = [&](int j, int st) {
-        bf16_t* ks = sm + st * 2 * TILE;
+        const unsigned ks = pf_smem_addr(pf_smem + st * STAGE_B);
 #pragma unroll
         for (int ps = 0; ps < PASSES; ps++) {
             const int r = lr + ps * TPP;
@@ -178,9 +188,9 @@ __device__ __forceinline__ void prefill_attention_body(
                 const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
                 off += ((long long)bt[lb] * block_size + (p - lb * block_size)) * kv_w;
             }
-            const unsigned d = pf_smem_addr(ks + r * RS + lc * 8);
+            const unsigned d = ks + r * RB + lc * 16;
             pf_cp16(d, k_cache + off, ok);
-            pf_cp16(d + TILE * 2, v_cache + off, ok);
+            pf_cp16(d + PF_BN * RB, v_cache + off, ok);
         }
     };
 
@@ -204,7 +214,21 @@ __device__ __forceinline__ void prefill_attention_body(
         pf_commit();
         pf_wait<1>();
         __syncthreads();
-        const bf16_t* ks = sm + st * 2 * TILE;
+        const bf16_t* ks = reinterpret_cast<const bf16_t*>(pf_smem + st * STAGE_B);
+        if constexpr (FP8) {
+            // Stage st's codes -> the bf16 tile (16 codes a chunk), then every warp reads it.
+            const unsigned char* const ring = pf_smem + st * STAGE_B;
+            for (int c = threadIdx.x; c < 2 * PF_BN * CPR; c += NW * 32) {
+                const int r = c / CPR, col = c - r * CPR;  // r: K rows, then V rows
+                uint4 b[2];
+                e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(ring + r * RB + col * 16), b);
+                uint4* dst = reinterpret_cast<uint4*>(conv + r * RS + col * 16);
+                dst[0] = b[0];
+                dst[1] = b[1];
+            }
+            __syncthreads();
+            ks = conv;
+        }
         const bf16_t* vs = ks + TILE;
         const int kv0 = j * PF_BN;
 
@@ -304,7 +328,7 @@ __device__ __forceinline__ void prefill_attention_body(
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
-    const float inv[2] = {1.f / l[0], 1.f / l[1]};
+    const float inv[2] = {v_scale / l[0], v_scale / l[1]};
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         if (!rvalid[i]) continue;
@@ -315,14 +339,23 @@ __device__ __forceinline__ void prefill_attention_body(
     }
 }
 
-// Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16 (see prefill.rs).
+// Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16; the FP8 entry 2 stages x
+// (K + V) x PF_BN x (HD + 16) bytes plus one bf16 K + V tile (see prefill.rs).
 #define PF_INSTANCE(HD, NW)                                                                                    \
     extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_hd##HD##_w##NW(                    \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) { PDL_ENTER();                        \
-        prefill_attention_body<HD, NW>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,           \
-                                       n_kv_heads, block_size, bs_magic, qscale);                              \
+        prefill_attention_body<HD, NW, bf16_t>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,   \
+                                       n_kv_heads, block_size, bs_magic, qscale, 1.f);                         \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_fp8_hd##HD##_w##NW(                \
+        const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                               \
+        const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, const int* __restrict__ seqs,     \
+        int n_seqs, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,         \
+        unsigned bs_magic, float qscale, float v_scale) { PDL_ENTER();                                         \
+        prefill_attention_body<HD, NW, unsigned char>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables,    \
+                                       n_heads, n_kv_heads, block_size, bs_magic, qscale, v_scale);            \
     }
 
 // The variants, in the order of PREFILL_HEAD_DIMS x PREFILL_WARPS in kernels/src/cuda/prefill.rs.

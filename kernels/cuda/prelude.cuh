@@ -91,3 +91,47 @@ __device__ __forceinline__ float e4m32f(unsigned char c) {
     const float mag = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return __uint_as_float(__float_as_uint(mag) | sign);
 }
+
+// Four E4M3 codes (the bytes of u, lowest first) as four bf16 values, exactly: every E4M3
+// value is a bf16 value, so no rounding happens and the cache's scales can be applied
+// outside (the tuned attention kernels fold the K scale into the softmax scale and the V scale
+// into the output). lo holds codes 0 and 1, hi codes 2 and 3, the lower code in the low half.
+// On sm_89+ the hardware converts pairs to f16x2; elsewhere e4m32f per code.
+__device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned u, unsigned& lo, unsigned& hi) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n"
+        " .reg .b16 c0, c1, a0, a1, a2, a3;\n"
+        " .reg .b32 h0, h1;\n"
+        " .reg .f32 f0, f1, f2, f3;\n"
+        " mov.b32 {c0, c1}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 h0, c0;\n"
+        " cvt.rn.f16x2.e4m3x2 h1, c1;\n"
+        " mov.b32 {a0, a1}, h0;\n"
+        " mov.b32 {a2, a3}, h1;\n"
+        " cvt.f32.f16 f0, a0;\n"
+        " cvt.f32.f16 f1, a1;\n"
+        " cvt.f32.f16 f2, a2;\n"
+        " cvt.f32.f16 f3, a3;\n"
+        " cvt.rn.bf16x2.f32 %0, f1, f0;\n"
+        " cvt.rn.bf16x2.f32 %1, f3, f2;\n"
+        "}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(u));
+#else
+    // The f32 value is a bf16 value: its upper half is the bf16.
+    const unsigned b0 = __float_as_uint(e4m32f((unsigned char)(u & 0xffu))) >> 16;
+    const unsigned b1 = __float_as_uint(e4m32f((unsigned char)((u >> 8) & 0xffu))) & 0xffff0000u;
+    const unsigned b2 = __float_as_uint(e4m32f((unsigned char)((u >> 16) & 0xffu))) >> 16;
+    const unsigned b3 = __float_as_uint(e4m32f((unsigned char)(u >> 24))) & 0xffff0000u;
+    lo = b0 | b1;
+    hi = b2 | b3;
+#endif
+}
+
+// 16 E4M3 codes as 16 bf16 values (e4m3x4_to_bf16x4 on each word): out[0..1] hold codes 0..7.
+__device__ __forceinline__ void e4m3x16_to_bf16x16(const uint4 u, uint4* out) {
+    e4m3x4_to_bf16x4(u.x, out[0].x, out[0].y);
+    e4m3x4_to_bf16x4(u.y, out[0].z, out[0].w);
+    e4m3x4_to_bf16x4(u.z, out[1].x, out[1].y);
+    e4m3x4_to_bf16x4(u.w, out[1].z, out[1].w);
+}

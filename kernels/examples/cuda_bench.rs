@@ -23,8 +23,8 @@
 
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice,
-    GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvGeometry, LinearCall, LinearKernel, PREFILL_DEFAULT_VARIANT,
-    PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
+    PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -168,8 +168,18 @@ fn run() -> Result<(), CudaError> {
         // against the register kernel's unsplit output (bf16 outputs: expect ~1e-3).
         let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, variant, split| {
             let kernel = AttnKernel::Decode { variant: Some(variant) };
-            AttentionCall { q: &q, k_cache: &kc, v_cache: &vc, meta, n_heads: nh, geo, scale, out, kernel, split }
-                .launch(&dev)
+            AttentionCall {
+                q: &q,
+                cache: KvCacheRef::Bf16 { k: &kc, v: &vc },
+                meta,
+                n_heads: nh,
+                geo,
+                scale,
+                out,
+                kernel,
+                split,
+            }
+            .launch(&dev)
         };
         attention(&mut metas[0], &mut o, 0, AttnSplit::Fixed(1))?;
         let reference = download_f32(&dev, &o, batch * nh * hd)?;
@@ -376,8 +386,18 @@ fn prefill_section(
         let bytes = (2 * s * nh * hd + 2 * s * nkv * hd) * 2;
         let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, kernel| {
             let split = AttnSplit::Auto;
-            AttentionCall { q: &q, k_cache: &kc, v_cache: &vc, meta, n_heads: nh, geo, scale, out, kernel, split }
-                .launch(dev)
+            AttentionCall {
+                q: &q,
+                cache: KvCacheRef::Bf16 { k: &kc, v: &vc },
+                meta,
+                n_heads: nh,
+                geo,
+                scale,
+                out,
+                kernel,
+                split,
+            }
+            .launch(dev)
         };
         let ms_new = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_new, AttnKernel::Mixed))?;
         let ms_old = time_ms(dev, 2, 10, |_| attention(&mut meta, &mut o_old, AttnKernel::DECODE))?;

@@ -12,8 +12,8 @@ use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTabl
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AddRmsNormCall, AttentionCall, AttnKernel, AttnSplit, BiasAddCall, CopyColsCall, CudaDevice,
     CudaOptions, CudaSlice, DeviceRow, EmbedCall, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers, SiluMulCall, StepIds,
-    StepMeta, bf16, gemv_supports,
+    KvCacheRef, KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers, SiluMulCall,
+    StepIds, StepMeta, bf16, gemv_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -544,8 +544,18 @@ fn attention_case(
     meta.set_padded(dev, &host, rows, padded, bs, num_blocks).expect("meta set");
     let (qd, kd, vd) = (up(dev, &q), up(dev, &kc), up(dev, &vc));
     let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, kernel, split| {
-        AttentionCall { q: &qd, k_cache: &kd, v_cache: &vd, meta, n_heads: nh, geo, scale, out, kernel, split }
-            .launch(dev)
+        AttentionCall {
+            q: &qd,
+            cache: KvCacheRef::Bf16 { k: &kd, v: &vd },
+            meta,
+            n_heads: nh,
+            geo,
+            scale,
+            out,
+            kernel,
+            split,
+        }
+        .launch(dev)
     };
     // Every variant (register and tensor-core kernels), unsplit, split as the device would
     // choose, split finely (many splits past short rows' contexts), and an exact split count

@@ -1,6 +1,7 @@
 //! The FP8 (E4M3) KV-cache kernels against their CPU references: RoPE + the quantizing KV
 //! write (`RopeKvFp8Call`, reference `cpu::write_kv_fp8` on the rotated, bf16-rounded k and
-//! v) and attention over an FP8 cache (`AttentionExtFp8Call`, reference
+//! v) and attention over an FP8 cache (`AttentionExtFp8Call`, and the tuned decode and
+//! prefill kernels through `AttentionCall` with `KvCacheRef::Fp8`; reference
 //! `cpu::paged_attention_fp8`). Fresh random inputs every run (the seed is printed); caches
 //! poisoned with the E4M3 NaN code (0x7F) and outputs with bf16 NaN before each launch.
 //!
@@ -19,8 +20,9 @@ use baton_kernels::cpu::{
     self, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, NormWeight, RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    AttentionExtFp8Call, CudaDevice, CudaSlice, HostSeq, KvGeometry, QkNorm, RopeExtras, RopeInput, RopeKvFp8Call,
-    StepMeta, bf16,
+    ATTN_FP8_VARIANTS, AttentionCall, AttentionExtFp8Call, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq,
+    KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput, RopeKvFp8Call, StepMeta, attention_supports,
+    bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::rngs::StdRng;
@@ -267,6 +269,9 @@ fn attention_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nk
             &down(dev, &out, q.len()),
             &want,
         );
+        if window.is_none() && attention_supports(hd) {
+            tuned_fp8_cases(dev, &qd, (&kd, &vd, ks, vs), &mut meta, (nh, geo, scale), &want);
+        }
     }
     let mut out = poisoned(dev, q.len());
     for bad in [0.0, f32::INFINITY] {
@@ -289,13 +294,86 @@ fn attention_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nk
     }
 }
 
+/// The tuned kernels over the same FP8 cache against the same reference (plain attention):
+/// every FP8 decode variant on every row, unsplit and with splits (`Auto`, and `Exact(7)` as a
+/// graph replays it); the router (`Mixed`: decode rows on the decode kernel, prefill chunks on
+/// the prefill kernel); the 8-warp prefill kernel over a decode launch's output. Each launch
+/// writes into a poisoned output. A zero or infinite scale is refused before any launch.
+fn tuned_fp8_cases(
+    dev: &CudaDevice,
+    q: &CudaSlice<bf16>,
+    (k, v, k_scale, v_scale): (&CudaSlice<u8>, &CudaSlice<u8>, f32, f32),
+    meta: &mut StepMeta,
+    (n_heads, geo, scale): (usize, KvGeometry, f32),
+    want: &[f32],
+) {
+    let cache = KvCacheRef::Fp8 { k, v, k_scale, v_scale };
+    let hd = geo.head_dim;
+    let mut runs: Vec<(String, AttnKernel, AttnSplit)> = Vec::new();
+    for variant in 0..ATTN_FP8_VARIANTS.len() {
+        for split in [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Exact(7)] {
+            runs.push((format!("decode {variant} {split:?}"), AttnKernel::Decode { variant: Some(variant) }, split));
+        }
+    }
+    runs.push(("mixed".into(), AttnKernel::Mixed, AttnSplit::Auto));
+    for (label, kernel, split) in runs {
+        let mut out = poisoned(dev, want.len());
+        AttentionCall { q, cache, meta: &mut *meta, n_heads, geo, scale, out: &mut out, kernel, split }
+            .launch(dev)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        check(
+            &format!("tuned fp8 {label} hd={hd} heads={n_heads}/{}", geo.n_kv_heads),
+            &down(dev, &out, want.len()),
+            want,
+        );
+    }
+    // Every prefill CTA size: a decode launch covers every row, the prefill kernel then
+    // overwrites the prefill chunks' rows with its own results.
+    for variant in 0..PREFILL_WARPS.len() {
+        let mut out = poisoned(dev, want.len());
+        for kernel in [AttnKernel::Decode { variant: None }, AttnKernel::Prefill { variant }] {
+            AttentionCall {
+                q,
+                cache,
+                meta: &mut *meta,
+                n_heads,
+                geo,
+                scale,
+                out: &mut out,
+                kernel,
+                split: AttnSplit::Auto,
+            }
+            .launch(dev)
+            .unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
+        }
+        check(&format!("tuned fp8 prefill {variant} hd={hd}"), &down(dev, &out, want.len()), want);
+    }
+    for bad in [0.0, f32::INFINITY] {
+        let cache = KvCacheRef::Fp8 { k, v, k_scale: bad, v_scale };
+        let mut out = poisoned(dev, want.len());
+        let call = AttentionCall {
+            q,
+            cache,
+            meta: &mut *meta,
+            n_heads,
+            geo,
+            scale,
+            out: &mut out,
+            kernel: AttnKernel::Mixed,
+            split: AttnSplit::Auto,
+        };
+        assert!(call.launch(dev).is_err(), "k_scale {bad} accepted by the tuned kernels");
+    }
+}
+
 /// Llama-3.1-8B's attention shape (128, group 4), SmolLM2's (64, group 3), a small head_dim
-/// and Phi's 96 with block size 5.
+/// and Phi's 96 with block size 5; a group of 12 (the 16-head CTA variant) at 128.
 #[test]
 fn gpu_attention_fp8_matches_cpu() {
     let dev = device();
     let mut r = rng("attention_fp8");
-    for &(hd, nh, nkv, bs) in &[(128usize, 8usize, 2usize, 16usize), (64, 9, 3, 16), (16, 4, 2, 16), (96, 6, 3, 5)] {
+    let shapes = [(128usize, 8usize, 2usize, 16usize), (64, 9, 3, 16), (16, 4, 2, 16), (96, 6, 3, 5), (128, 24, 2, 16)];
+    for &(hd, nh, nkv, bs) in &shapes {
         attention_fp8_case(&dev, &mut r, hd, nh, nkv, bs);
     }
 }

@@ -12,8 +12,8 @@ mod common;
 
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvGeometry, PREFILL_DEFAULT_VARIANT,
-    PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
+    AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry,
+    PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::rngs::StdRng;
@@ -65,8 +65,7 @@ fn prefill_case(
     let mut out = poisoned(dev, q.len());
     AttentionCall {
         q: &qd,
-        k_cache: &kd,
-        v_cache: &vd,
+        cache: KvCacheRef::Bf16 { k: &kd, v: &vd },
         meta: &mut meta,
         n_heads: nh,
         geo,
@@ -89,8 +88,7 @@ fn prefill_case(
         let mut out = poisoned(dev, q.len());
         AttentionCall {
             q: &qd,
-            k_cache: &kd,
-            v_cache: &vd,
+            cache: KvCacheRef::Bf16 { k: &kd, v: &vd },
             meta: &mut meta,
             n_heads: nh,
             geo,
@@ -164,8 +162,7 @@ fn gpu_prefill_attention_refuses_bad_shapes() {
     let mut prefill = |q: &CudaSlice<bf16>, n_heads: usize, geo: KvGeometry| {
         AttentionCall {
             q,
-            k_cache: &kv,
-            v_cache: &kv,
+            cache: KvCacheRef::Bf16 { k: &kv, v: &kv },
             meta: &mut meta,
             n_heads,
             geo,

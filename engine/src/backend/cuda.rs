@@ -28,9 +28,9 @@ use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceMask,
-    DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvGeometry, LinearCall,
-    LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader,
-    bf16, gemv_supports,
+    DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvCacheRef, KvGeometry,
+    LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta,
+    WeightUploader, attention_supports, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -383,31 +383,35 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Fills every layer's K and V cache with random bf16 values in [-1, 1] (benchmarks time
-    /// decode over a context without computing it; never zeros, which can time faster).
+    /// Fills every layer's K and V cache with random values (benchmarks time decode over a
+    /// context without computing it; never zeros, which can time faster): bf16 in [-1, 1], or
+    /// for an FP8 cache E4M3 codes of magnitude below 1 (no NaN code).
     pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
-        if self.fp8.is_some() {
-            return Err(BackendError::Device("fill_kv_random fills a bf16 KV cache, not an FP8 one".into()));
-        }
         let tile_len = 1usize << 22;
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let tile: Vec<bf16> = (0..tile_len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                bf16::from_f32((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-            })
-            .collect();
-        let tile = self.dev.upload(&tile)?;
-        for (k, v) in self.kv.iter_mut() {
-            for buf in [k, v] {
-                let mut off = 0;
-                while off < buf.len() {
-                    let len = tile_len.min(buf.len() - off);
-                    let mut dst = buf.slice_mut(off..off + len);
-                    self.dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst).map_err(CudaError::from)?;
-                    off += len;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let stream = self.dev.stream().clone();
+        if let Some(fp8) = self.fp8.as_mut() {
+            // Sign, and an exponent field below 7 (|value| < 1 at scale 1).
+            let codes: Vec<u8> = (0..tile_len).map(|_| (next() >> 40) as u8 & 0xb7).collect();
+            let tile = self.dev.upload(&codes)?;
+            for (k, v) in fp8.layers.iter_mut() {
+                for buf in [k, v] {
+                    tile_copy(&stream, &tile, buf)?;
+                }
+            }
+        } else {
+            let values: Vec<bf16> =
+                (0..tile_len).map(|_| bf16::from_f32((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)).collect();
+            let tile = self.dev.upload(&values)?;
+            for (k, v) in self.kv.iter_mut() {
+                for buf in [k, v] {
+                    tile_copy(&stream, &tile, buf)?;
                 }
             }
         }
@@ -852,19 +856,25 @@ impl Backend for CudaBackend {
         }
         self.ensure(out, rows * width)?;
         self.graphs.n_heads = Some(n_heads);
-        if self.fp8.is_some() {
-            return self.attention_fp8(layer, &q.data, n_heads, scale, geo, &mut out.data);
-        }
+        let cache = match self.fp8.as_ref() {
+            // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
+            Some(_) if !attention_supports(geo.head_dim) => {
+                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, &mut out.data);
+            }
+            Some(fp8) => fp8.cache_ref(layer)?,
+            None => {
+                let (k, v) =
+                    self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+                KvCacheRef::Bf16 { k, v }
+            }
+        };
         let split = self.attention_policy();
-        let (kc, vc) =
-            self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         // A staged replay is pure decode (and needs its exact split count).
         let kernel =
             if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
         let call = AttentionCall {
             q: &q.data,
-            k_cache: kc,
-            v_cache: vc,
+            cache,
             meta: &mut self.meta,
             n_heads,
             geo,
@@ -1025,6 +1035,22 @@ mod arch_ops;
 #[path = "cuda_moe.rs"]
 mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
+
+/// Copies `tile` over `buf` repeatedly until `buf` is full (the last copy may be partial).
+fn tile_copy<T: cudarc::driver::DeviceRepr>(
+    stream: &std::sync::Arc<baton_kernels::cuda::CudaStream>,
+    tile: &CudaSlice<T>,
+    buf: &mut CudaSlice<T>,
+) -> Result<(), BackendError> {
+    let mut off = 0;
+    while off < buf.len() {
+        let len = tile.len().min(buf.len() - off);
+        let mut dst = buf.slice_mut(off..off + len);
+        stream.memcpy_dtod(&tile.slice(..len), &mut dst).map_err(CudaError::from)?;
+        off += len;
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

@@ -1,8 +1,9 @@
 //! The CUDA backend's FP8 (E4M3) KV cache (`--kv-cache-dtype fp8`): one byte an element,
 //! with one K and one V scale per layer. RoPE + KV write quantizes ([`RopeKvFp8Call`]),
-//! attention dequantizes as it reads ([`AttentionExtFp8Call`], the simple kernel that serves
-//! every row of a mixed batch; the tuned decode and prefill kernels read bf16 only), and the
-//! KV I/O of the TCP hand-off moves the codes as they are. The CPU backend's FP8 cache is the
+//! attention dequantizes as it reads: the tuned decode and prefill kernels through
+//! [`KvCacheRef::Fp8`] ([`Fp8Cache::cache_ref`]) for the head dims they are built for, the
+//! simple [`AttentionExtFp8Call`] for the others; the KV I/O of the TCP hand-off moves the
+//! codes as they are. The CPU backend's FP8 cache is the
 //! reference (same codes, same scales).
 //!
 //! Invariants: [`Fp8Cache::layers`] is empty or holds one (K, V) pair of `geo.layer_len()`
@@ -13,7 +14,9 @@
 use super::CudaBackend;
 use crate::backend::{BackendError, KvCacheShape, KvScale};
 use baton_core::kv_transfer::KvDtype;
-use baton_kernels::cuda::{AttentionExtFp8Call, CudaSlice, KvGeometry, RopeExtras, RopeInput, RopeKvFp8Call, bf16};
+use baton_kernels::cuda::{
+    AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvFp8Call, bf16,
+};
 
 /// The FP8 cache: its per-layer scales and, once allocated, its codes.
 pub(super) struct Fp8Cache {
@@ -21,6 +24,15 @@ pub(super) struct Fp8Cache {
     pub(super) scales: Vec<KvScale>,
     /// (K codes, V codes) per layer.
     pub(super) layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
+}
+
+impl Fp8Cache {
+    /// `layer`'s codes and scales as the tuned attention kernels read them.
+    pub(super) fn cache_ref(&self, layer: usize) -> Result<KvCacheRef<'_>, BackendError> {
+        let scale = self.scales.get(layer).ok_or_else(|| no_layer(layer))?;
+        let (k, v) = self.layers.get(layer).ok_or_else(|| no_layer(layer))?;
+        Ok(KvCacheRef::Fp8 { k, v, k_scale: scale.k, v_scale: scale.v })
+    }
 }
 
 fn no_layer(layer: usize) -> BackendError {

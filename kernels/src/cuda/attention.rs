@@ -11,13 +11,19 @@
 //!   first);
 //! - in a mixed batch the decode kernel runs first (over rows up to the last decode row; the
 //!   prefill rows among them have context 0 and get zeros) and the prefill kernel after it,
-//!   on the same stream, overwriting the prefill rows (see `prefill.rs`).
+//!   on the same stream, overwriting the prefill rows (see `prefill.rs`);
+//! - an FP8 cache ([`KvCacheRef::Fp8`]) takes the same routes through the FP8 entries of both
+//!   kernels (`paged_attention_tc_fp8_*`, `prefill_attention_fp8_*`): the launcher folds the K
+//!   scale into the softmax scale and passes the V scale, both checked finite and positive.
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
-use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, attn_default, plan_splits};
+use super::paged_attention::{
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, attn_default, attn_fp8_default,
+    plan_splits,
+};
 use super::prefill::{
-    PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_smem_bytes,
-    prefill_supported,
+    PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_fp8_smem_bytes,
+    prefill_smem_bytes, prefill_supported,
 };
 use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
 use cudarc::driver::LaunchConfig;
@@ -29,11 +35,65 @@ pub fn attention_supports(head_dim: usize) -> bool {
     ATTN_HEAD_DIMS.contains(&head_dim)
 }
 
+/// The layer's K/V cache as the tuned attention kernels read it.
+#[derive(Debug, Clone, Copy)]
+pub enum KvCacheRef<'a> {
+    /// bf16 K and V, `geo.layer_len()` values each.
+    Bf16 {
+        /// The layer's K cache.
+        k: &'a CudaSlice<bf16>,
+        /// The layer's V cache.
+        v: &'a CudaSlice<bf16>,
+    },
+    /// E4M3 codes, `geo.layer_len()` bytes each, with the layer's scales (value = code ×
+    /// scale; each must be finite and positive).
+    Fp8 {
+        /// The layer's K codes.
+        k: &'a CudaSlice<u8>,
+        /// The layer's V codes.
+        v: &'a CudaSlice<u8>,
+        /// The K scale.
+        k_scale: f32,
+        /// The V scale.
+        v_scale: f32,
+    },
+}
+
+impl KvCacheRef<'_> {
+    /// The softmax scale in the log2 domain the kernels take (with an FP8 cache the K scale
+    /// folded in), and the V scale the output is multiplied by (1 for bf16).
+    fn kernel_scales(&self, scale: f32) -> (f32, f32) {
+        let qscale = scale * std::f32::consts::LOG2_E;
+        match *self {
+            Self::Bf16 { .. } => (qscale, 1.0),
+            Self::Fp8 { k_scale, v_scale, .. } => (qscale * k_scale, v_scale),
+        }
+    }
+
+    fn is_fp8(&self) -> bool {
+        matches!(self, Self::Fp8 { .. })
+    }
+}
+
+impl<'a> KvCacheRef<'a> {
+    /// `args` with the cache's K and V buffers appended.
+    fn push<'b>(self, args: Args<'b>) -> Args<'b>
+    where
+        'a: 'b,
+    {
+        match self {
+            Self::Bf16 { k, v } => args.buf(k).buf(v),
+            Self::Fp8 { k, v, .. } => args.buf(k).buf(v),
+        }
+    }
+}
+
 /// Which kernel computes which rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {
-    /// The decode kernel on every row: `ATTN_VARIANTS[variant]`, or when `None` the default
-    /// for the GQA group ([`attn_default`]).
+    /// The decode kernel on every row: `ATTN_VARIANTS[variant]` (with an FP8 cache
+    /// `ATTN_FP8_VARIANTS[variant]`), or when `None` the default for the GQA group
+    /// ([`attn_default`], [`attn_fp8_default`]).
     Decode {
         /// Index in [`ATTN_VARIANTS`].
         variant: Option<usize>,
@@ -62,10 +122,8 @@ impl AttnKernel {
 pub struct AttentionCall<'a> {
     /// `rows × n_heads × head_dim` bf16.
     pub q: &'a CudaSlice<bf16>,
-    /// The layer's K cache (`geo.layer_len()` bf16).
-    pub k_cache: &'a CudaSlice<bf16>,
-    /// The layer's V cache.
-    pub v_cache: &'a CudaSlice<bf16>,
+    /// The layer's cache.
+    pub cache: KvCacheRef<'a>,
     /// The step's context lengths and block tables; holds the split partials and the prefill
     /// lists.
     pub meta: &'a mut AttentionMeta,
@@ -99,7 +157,7 @@ impl AttentionCall<'_> {
     pub fn launch(mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         match self.kernel {
             AttnKernel::Decode { variant } => {
-                let v = variant.unwrap_or_else(|| attn_default(self.n_heads / self.geo.n_kv_heads.max(1)));
+                let v = variant.unwrap_or_else(|| self.default_decode_variant());
                 self.decode(dev, v, DecodeRows::All)
             }
             AttnKernel::Prefill { variant } => self.prefill(dev, variant),
@@ -107,8 +165,15 @@ impl AttentionCall<'_> {
         }
     }
 
+    /// The default decode variant for the GQA group and the cache type.
+    fn default_decode_variant(&self) -> usize {
+        let group = self.n_heads / self.geo.n_kv_heads.max(1);
+        if self.cache.is_fp8() { attn_fp8_default(group) } else { attn_default(group) }
+    }
+
     /// The checks every attention launch makes: GQA heads, the metadata's cache geometry, and
-    /// `q`/`out` (`rows × n_heads × head_dim`) and the caches long enough.
+    /// `q`/`out` (`rows × n_heads × head_dim`) and the caches long enough; an FP8 cache's
+    /// scales finite and positive.
     fn check_io(&self, op: &'static str) -> Result<(), CudaError> {
         let (n_heads, geo) = (self.n_heads, self.geo);
         shape_check(op, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
@@ -118,26 +183,38 @@ impl AttentionCall<'_> {
         let len = self.meta.rows * n_heads * geo.head_dim;
         need(op, "q", self.q, len)?;
         need(op, "out", self.out, len)?;
-        need(op, "k_cache", self.k_cache, geo.layer_len())?;
-        need(op, "v_cache", self.v_cache, geo.layer_len())
+        match self.cache {
+            KvCacheRef::Bf16 { k, v } => {
+                need(op, "k_cache", k, geo.layer_len())?;
+                need(op, "v_cache", v, geo.layer_len())
+            }
+            KvCacheRef::Fp8 { k, v, k_scale, v_scale } => {
+                need(op, "k_cache", k, geo.layer_len())?;
+                need(op, "v_cache", v, geo.layer_len())?;
+                shape_check(op, [k_scale, v_scale].iter().all(|s| s.is_finite() && *s > 0.0), || {
+                    format!("FP8 KV scales k {k_scale}, v {v_scale}: each must be finite and positive")
+                })
+            }
+        }
     }
 
     fn mixed(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         let (n_heads, geo) = (self.n_heads, self.geo);
+        let variant = self.default_decode_variant();
         if !self.meta.prefill.has_prefill() || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim) {
-            return self.decode(dev, attn_default(n_heads / geo.n_kv_heads.max(1)), DecodeRows::All);
+            return self.decode(dev, variant, DecodeRows::All);
         }
         // Validate the prefill launch before enqueueing anything.
         check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
         if self.meta.prefill.lists.decode_rows_end > 0 {
-            self.decode(dev, attn_default(n_heads / geo.n_kv_heads), DecodeRows::DecodeOnly)?;
+            self.decode(dev, variant, DecodeRows::DecodeOnly)?;
         }
         // After the decode kernel: it wrote zeros into the prefill rows (module doc).
         self.prefill(dev, PREFILL_DEFAULT_VARIANT)
     }
 
-    /// The decode kernel with `ATTN_VARIANTS[variant]`, then the combine of its partials when
-    /// the plan splits the contexts.
+    /// The decode kernel with `ATTN_VARIANTS[variant]` (FP8: `ATTN_FP8_VARIANTS[variant]`), then
+    /// the combine of its partials when the plan splits the contexts.
     fn decode(&mut self, dev: &CudaDevice, variant: usize, which: DecodeRows) -> Result<(), CudaError> {
         const OP: &str = "paged_attention";
         let (n_heads, geo) = (self.n_heads, self.geo);
@@ -146,9 +223,16 @@ impl AttentionCall<'_> {
             .iter()
             .position(|&d| d == hd)
             .ok_or_else(|| shape_error(OP, format!("head_dim {hd} has no kernel")))?;
-        let (v, func) = match (ATTN_VARIANTS.get(variant), dev.kernels.attention[hd_idx].get(variant)) {
+        let (variants, funcs) = match self.cache {
+            KvCacheRef::Bf16 { .. } => (&ATTN_VARIANTS[..], &dev.kernels.attention[hd_idx]),
+            KvCacheRef::Fp8 { .. } => (&ATTN_FP8_VARIANTS[..], &dev.kernels.attention_fp8[hd_idx]),
+        };
+        let (v, func) = match (variants.get(variant), funcs.get(variant)) {
             (Some(v), Some(f)) => (*v, f),
-            _ => return Err(shape_error(OP, format!("no attention variant {variant}"))),
+            _ => {
+                let cache = if self.cache.is_fp8() { "an FP8" } else { "a bf16" };
+                return Err(shape_error(OP, format!("no attention variant {variant} for {cache} cache")));
+            }
         };
         self.check_io(OP)?;
         let meta = &mut *self.meta;
@@ -174,10 +258,10 @@ impl AttentionCall<'_> {
             DecodeRows::DecodeOnly => &meta.prefill.decode_ctx,
         };
         let grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32);
-        let args = Args::new(OP)
-            .buf(self.q)
-            .buf(self.k_cache)
-            .buf(self.v_cache)
+        let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
+        let args = self
+            .cache
+            .push(Args::new(OP).buf(self.q))
             .buf(&*self.out)
             .buf(&meta.part_o)
             .buf(&meta.part_ml)
@@ -187,8 +271,10 @@ impl AttentionCall<'_> {
             .int(n_heads)?
             .int(geo.n_kv_heads)?
             .int(geo.block_size)?
-            .f32(self.scale * std::f32::consts::LOG2_E)
+            .f32(qscale)
             .i32(min_chunk);
+        // The FP8 entries take the V scale last.
+        let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries.
@@ -224,21 +310,23 @@ impl AttentionCall<'_> {
         if items == 0 {
             return Ok(());
         }
-        let func = dev
-            .kernels
-            .prefill
+        let (table, smem) = match self.cache {
+            KvCacheRef::Bf16 { .. } => (&dev.kernels.prefill, prefill_smem_bytes(geo.head_dim)),
+            KvCacheRef::Fp8 { .. } => (&dev.kernels.prefill_fp8, prefill_fp8_smem_bytes(geo.head_dim)),
+        };
+        let func = table
             .get(hd_idx)
             .and_then(|v| v.get(variant))
             .ok_or_else(|| shape_error(OP, format!("no prefill kernel loaded for head_dim {}", geo.head_dim)))?;
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
-            shared_mem_bytes: prefill_smem_bytes(geo.head_dim) as u32,
+            shared_mem_bytes: smem as u32,
         };
-        let args = Args::new(OP)
-            .buf(self.q)
-            .buf(self.k_cache)
-            .buf(self.v_cache)
+        let (qscale, v_scale) = self.cache.kernel_scales(scale);
+        let args = self
+            .cache
+            .push(Args::new(OP).buf(self.q))
             .buf(&*self.out)
             .buf(&self.meta.prefill.seqs)
             .int(lists.seqs.len())?
@@ -247,7 +335,8 @@ impl AttentionCall<'_> {
             .int(geo.n_kv_heads)?
             .int(geo.block_size)?
             .u32(block_magic(geo.block_size))
-            .f32(scale * std::f32::consts::LOG2_E);
+            .f32(qscale);
+        let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the sequence list was built from the validated metadata (positions below the block
         // index's exact range, checked above), and the grid covers its work items.

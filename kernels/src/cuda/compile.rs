@@ -675,6 +675,19 @@ mod tests {
         assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
         let cuda: Vec<String> = src
             .lines()
+            .filter_map(|l| l.trim().strip_prefix("ATT_TC_FP8_INSTANCE(HD, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+            .collect();
+        let rust: Vec<String> = super::super::paged_attention::ATTN_FP8_VARIANTS
+            .iter()
+            .map(|v| {
+                assert_eq!(v.kind, AttnKind::TensorCore, "the FP8 variants are tensor-core kernels");
+                format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
+            })
+            .collect();
+        assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
+        let cuda: Vec<String> = src
+            .lines()
             .filter_map(|l| l.trim().strip_prefix("GEMV_INSTANCE(MAXM, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
             .collect();

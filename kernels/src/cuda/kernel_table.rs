@@ -12,8 +12,11 @@ use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
-use super::paged_attention::{ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name};
-use super::prefill::{PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_kernel_name, prefill_smem_bytes};
+use super::paged_attention::{ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name};
+use super::prefill::{
+    PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
+    prefill_smem_bytes,
+};
 use cudarc::driver::CudaFunction;
 use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
 
@@ -51,10 +54,15 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub attention_ext_fp8: Vec<F>,
     /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
     pub attention: Vec<Vec<F>>,
-    /// The merge of split-attention partials, per head_dim as above.
+    /// Paged (decode) attention over an FP8 cache: `[head_dim of ATTN_HEAD_DIMS][variant of
+    /// ATTN_FP8_VARIANTS]`.
+    pub attention_fp8: Vec<Vec<F>>,
+    /// The merge of split-attention partials, per head_dim as above (either cache type).
     pub attention_combine: Vec<F>,
     /// Prefill flash attention: `[head_dim of PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`.
     pub prefill: Vec<Vec<F>>,
+    /// Prefill flash attention over an FP8 cache, indexed as [`Self::prefill`].
+    pub prefill_fp8: Vec<Vec<F>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[bf16 out, f32 out]`.
     pub gemv: [Vec<[F; 2]>; 2],
@@ -109,16 +117,22 @@ impl<F> KernelTable<F> {
             .map(|d| f(el, &format!("paged_attention_ext_fp8_d{d}")))
             .collect::<Result<_, _>>()?;
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
+        let mut attention_fp8 = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         for hd in ATTN_HEAD_DIMS {
             let m = Module::part(Family::Attention, hd);
             attention.push(ATTN_VARIANTS.iter().map(|v| f(m, &v.kernel_name(hd))).collect::<Result<Vec<_>, _>>()?);
+            attention_fp8
+                .push(ATTN_FP8_VARIANTS.iter().map(|v| f(m, &fp8_kernel_name(v, hd))).collect::<Result<Vec<_>, _>>()?);
             attention_combine.push(f(m, &combine_kernel_name(hd))?);
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        let mut prefill_fp8 = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
             let m = Module::part(Family::Prefill, hd);
             prefill.push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
+            prefill_fp8
+                .push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_fp8_kernel_name(hd, w))).collect::<Result<_, _>>()?);
         }
         let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
             let m = Module::part(Family::Gemv, max_m);
@@ -156,8 +170,10 @@ impl<F> KernelTable<F> {
             attention_ext,
             attention_ext_fp8,
             attention,
+            attention_fp8,
             attention_combine,
             prefill,
+            prefill_fp8,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -173,12 +189,10 @@ impl KernelTable<CudaFunction> {
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
     /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128).
     pub fn prepare(&self) -> Result<(), CudaError> {
-        for (hd, funcs) in PREFILL_HEAD_DIMS.iter().zip(&self.prefill) {
-            for func in funcs {
-                func.set_attribute(
-                    FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    prefill_smem_bytes(*hd) as i32,
-                )?;
+        for (hd, (funcs, fp8)) in PREFILL_HEAD_DIMS.iter().zip(self.prefill.iter().zip(&self.prefill_fp8)) {
+            let sized = funcs.iter().map(|f| (f, prefill_smem_bytes(*hd)));
+            for (func, bytes) in sized.chain(fp8.iter().map(|f| (f, prefill_fp8_smem_bytes(*hd)))) {
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
@@ -222,8 +236,9 @@ mod tests {
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
         // a lane (8).
         let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32;
-        let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + 1)
-            + PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
+        // The FP8-cache decode variants and prefill kernels per head_dim.
+        let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
+            + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
         assert_eq!(names.len(), 27 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
@@ -234,6 +249,8 @@ mod tests {
             "gemv_m16_w8_u2_f32",
             "rope_qkv_qknorm_write_kv_fp8",
             "paged_attention_ext_fp8_d4",
+            "paged_attention_tc_fp8_hd128_w2_s8_g16",
+            "prefill_attention_fp8_hd64_w4",
         ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }

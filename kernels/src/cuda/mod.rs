@@ -92,7 +92,7 @@ mod step_meta;
 mod util;
 mod weight_upload;
 
-pub use attention::{AttentionCall, AttnKernel, attention_supports};
+pub use attention::{AttentionCall, AttnKernel, KvCacheRef, attention_supports};
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
@@ -113,7 +113,10 @@ pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall,
 };
 pub use norm::{AddRmsNormCall, RmsNormCall};
-pub use paged_attention::{ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, auto_splits, plan_splits};
+pub use paged_attention::{
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, attn_fp8_default, auto_splits,
+    plan_splits,
+};
 pub use prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_WARPS, prefill_smem_bytes,
     prefill_supported,

@@ -93,6 +93,24 @@ const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
     AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
 }
 
+/// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in attention.cu,
+/// kernel names `paged_attention_tc_fp8_*`). A stage of FP8 codes is half the bytes of a bf16
+/// one, so the deeper rings keep as many bytes in flight as the bf16 default: at head_dim 128,
+/// 8 stages of 16 tokens are 36.9 KB of codes plus each warp's 4.3 KB bf16 tile (45.6 KB:
+/// 5 CTAs per SM); 4 stages, 27.1 KB (6 per SM).
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 4, 8), tc(2, 8, 8), tc(2, 8, 16)];
+
+/// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
+/// (index in [`ATTN_FP8_VARIANTS`]): the 8-stage ring, with 16 heads per CTA beyond a group of 8.
+pub fn attn_fp8_default(group: usize) -> usize {
+    if group > 8 { 2 } else { 1 }
+}
+
+/// The FP8-cache kernel's name of `variant` (a tensor-core variant) for `head_dim`.
+pub(crate) fn fp8_kernel_name(variant: &AttnVariant, head_dim: usize) -> String {
+    format!("paged_attention_tc_fp8_hd{head_dim}_w{}_s{}_g{}", variant.warps, variant.unroll, variant.max_group)
+}
+
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
 /// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu).
 pub const ATTN_VARIANTS: [AttnVariant; 9] = [

@@ -50,6 +50,18 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
     2 * 2 * BN * (head_dim + 8) * 2
 }
 
+/// Dynamic shared memory of the FP8-cache prefill kernel for `head_dim`: 2 stages of K and V
+/// code rows of `head_dim + 16` bytes, plus one bf16 K and V tile (rows padded by 8 elements)
+/// the codes are converted into.
+pub fn prefill_fp8_smem_bytes(head_dim: usize) -> usize {
+    2 * 2 * BN * (head_dim + 16) + 2 * BN * (head_dim + 8) * 2
+}
+
+/// The FP8-cache kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu).
+pub(crate) fn prefill_fp8_kernel_name(head_dim: usize, warps: usize) -> String {
+    format!("prefill_attention_fp8_hd{head_dim}_w{warps}")
+}
+
 /// Whether the prefill kernel handles this attention shape.
 pub fn prefill_supported(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> bool {
     n_kv_heads > 0
