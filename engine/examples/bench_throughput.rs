@@ -48,6 +48,8 @@ where
 /// One workload's figures.
 struct Figures {
     async_scheduling: bool,
+    /// Tokens the engine's KV cache holds (its blocks × block size), as sized from free memory.
+    kv_tokens: usize,
     finished: usize,
     output_tokens: usize,
     elapsed: f64,
@@ -93,13 +95,17 @@ fn run() -> Res<()> {
     let mut runs = Vec::new();
     for async_scheduling in modes {
         let cfg = EngineConfig { async_scheduling, ..base_cfg.clone() };
+        let block_size = cfg.block_size;
         let engine = start_engine(&loaded, device, cfg)?;
-        let f = workload(&engine, loaded.config.vocab_size, prompts, isl, osl, time_limit, async_scheduling)?;
+        let kv_tokens = engine.stats().num_total_blocks * block_size;
+        let mut f = workload(&engine, loaded.config.vocab_size, prompts, isl, osl, time_limit, async_scheduling)?;
+        f.kv_tokens = kv_tokens;
         engine.shutdown();
         let t = &f.timing;
         println!(
-            "async scheduling {}: finished {}/{prompts} in {:.1} s: {:.0} output tok/s{}; {} steps ({} planned ahead), host {:.3} ms and wait {:.3} ms per step",
+            "async scheduling {}: KV cache {} tokens; finished {}/{prompts} in {:.1} s: {:.0} output tok/s{}; {} steps ({} planned ahead), host {:.3} ms and wait {:.3} ms per step",
             if async_scheduling { "on" } else { "off" },
+            f.kv_tokens,
             f.finished,
             f.elapsed,
             f.output_tokens as f64 / f.elapsed,
@@ -117,7 +123,7 @@ fn run() -> Res<()> {
             let t = &f.timing;
             format!(
                 concat!(
-                    "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},\"kv_cache_dtype\":\"{:?}\",",
+                    "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},\"kv_cache_dtype\":\"{:?}\",\"kv_tokens\":{},",
                     "\"prompts\":{},\"finished\":{},\"isl\":{},\"osl\":{},\"max_num_seqs\":{},\"max_num_batched_tokens\":{},",
                     "\"async_scheduling\":{},\"elapsed_s\":{:.3},\"output_tok_s\":{:.1},\"total_tok_s\":{:.1},\"req_s\":{:.3},",
                     "\"timed_out\":{},\"steps\":{},\"planned_ahead\":{},\"host_ms_per_step\":{:.4},\"wait_ms_per_step\":{:.4}}}"
@@ -126,6 +132,7 @@ fn run() -> Res<()> {
                 device,
                 commit,
                 base_cfg.kv_cache_dtype,
+                f.kv_tokens,
                 prompts,
                 f.finished,
                 isl,
@@ -202,6 +209,7 @@ fn workload(
     })?;
     Ok(Figures {
         async_scheduling,
+        kv_tokens: 0,
         finished,
         output_tokens,
         elapsed,

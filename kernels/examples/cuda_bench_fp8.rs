@@ -161,13 +161,29 @@ fn run() -> Result<(), CudaError> {
         let (mut o_ref, mut o) = (dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?);
         let bf16_cache = KvCacheRef::Bf16 { k: &k.bf16, v: &v.bf16 };
         let fp8_cache = KvCacheRef::Fp8 { k: &k.codes, v: &v.codes, k_scale: 1.0, v_scale: 1.0 };
-        let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant| {
+        let attention_split = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant, split| {
             let kernel = AttnKernel::Decode { variant };
-            AttentionCall { q: &q, cache, meta, n_heads: nh, geo, scale, out, kernel, split: AttnSplit::Auto }
-                .launch(&dev)
+            AttentionCall { q: &q, cache, meta, n_heads: nh, geo, scale, out, kernel, split }.launch(&dev)
+        };
+        let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant| {
+            attention_split(meta, out, cache, variant, AttnSplit::Auto)
         };
         let bf16_ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o_ref, bf16_cache, None))?;
         attention(&mut metas[0], &mut o_ref, bf16_cache, None)?;
+        // Where the split count matters: the default FP8 variant at fixed splits (what `Auto`
+        // would choose is in the rows below).
+        let mut sweep = Vec::new();
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+            let split = AttnSplit::Fixed(n);
+            let v = Some(attn_fp8_default(nh / nkv));
+            let ms = time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, fp8_cache, v, split))?;
+            sweep.push(format!("{n}:{:.1}", ms * 1e3));
+            json.push(format!(
+                "{{\"name\":\"decode_attention_fp8_split\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
+                ms * 1e3
+            ));
+        }
+        writeln!(table, " fp8 default at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
         let qo_bytes = 2 * len * 2;
         let kv_values = 2 * batch * ctx * nkv * hd;
         let mut rows = vec![("bf16".to_string(), "default".to_string(), bf16_ms, kv_values * 2 + qo_bytes, 0.0)];

@@ -20,11 +20,12 @@ use baton_kernels::cpu::{
     self, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, NormWeight, RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, AttentionCall, AttentionExtFp8Call, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq,
-    KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput, RopeKvFp8Call, StepMeta, attention_supports,
-    bf16,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttnKernel, AttnKind, AttnSplit, CudaDevice,
+    CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput, RopeKvFp8Call, StepMeta,
+    attention_supports, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
+use rand::Rng;
 use rand::rngs::StdRng;
 
 fn codes(dev: &CudaDevice, s: &CudaSlice<u8>, n: usize) -> Vec<u8> {
@@ -375,5 +376,90 @@ fn gpu_attention_fp8_matches_cpu() {
     let shapes = [(128usize, 8usize, 2usize, 16usize), (64, 9, 3, 16), (16, 4, 2, 16), (96, 6, 3, 5), (128, 24, 2, 16)];
     for &(hd, nh, nkv, bs) in &shapes {
         attention_fp8_case(&dev, &mut r, hd, nh, nkv, bs);
+    }
+}
+
+/// The bf16 variant whose arithmetic an FP8 variant repeats: the tensor-core kernel with the
+/// same warps and heads per CTA (the ring depth does not change which warp takes which token).
+fn bf16_twin(fp8_variant: usize) -> usize {
+    let f = ATTN_FP8_VARIANTS[fp8_variant];
+    ATTN_VARIANTS
+        .iter()
+        .position(|v| v.kind == AttnKind::TensorCore && v.warps == f.warps && v.max_group == f.max_group)
+        .expect("a bf16 twin")
+}
+
+/// An FP8 cache with scales 1 and a bf16 cache of its exact values: every tuned FP8 entry
+/// (each decode variant at each split mode, each prefill CTA size, the router) must write
+/// bit for bit what its bf16 twin writes, since E4M3 → bf16 is exact and nothing else differs.
+/// Every head_dim the tuned kernels have, a group of 4 and of 12, with padding rows.
+#[test]
+fn gpu_fp8_tuned_attention_equals_bf16_on_exact_images() {
+    let dev = device();
+    let mut r = rng("fp8_twins");
+    for &(hd, nh, nkv) in &[(16usize, 8usize, 2usize), (32, 8, 2), (64, 9, 3), (128, 8, 2), (128, 24, 2)] {
+        let bs = 16;
+        let specs = [(45usize, 30usize), (3, 1), (3000, 1), (0, 20), (200, 1)];
+        let pad = 3;
+        let (num_blocks, tables, rows) = shuffled_tables(&mut r, &specs, bs, 4);
+        let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        // Codes of magnitude below 16 (exponent field up to 10), never NaN.
+        let code = |r: &mut StdRng| loop {
+            let c: u8 = r.random();
+            if (c >> 3) & 0xf <= 10 {
+                break c;
+            }
+        };
+        let kc: Vec<u8> = (0..geo.layer_len()).map(|_| code(&mut r)).collect();
+        let vc: Vec<u8> = (0..geo.layer_len()).map(|_| code(&mut r)).collect();
+        let image = |c: &[u8]| c.iter().map(|&x| e4m3_to_f32(x)).collect::<Vec<f32>>();
+        let (kd, vd) = (dev.upload(&kc).expect("k codes"), dev.upload(&vc).expect("v codes"));
+        let (kb, vb) = (up(&dev, &image(&kc)), up(&dev, &image(&vc)));
+        let fp8 = KvCacheRef::Fp8 { k: &kd, v: &vd, k_scale: 1.0, v_scale: 1.0 };
+        let bf = KvCacheRef::Bf16 { k: &kb, v: &vb };
+        let w = nh * hd;
+        let q = up(&dev, &rand_vec(&mut r, (rows + pad) * w, 1.0));
+        let mut meta = StepMeta::new(&dev).expect("meta");
+        let mut host = Vec::new();
+        let mut row = 0;
+        for (&(start, n), t) in specs.iter().zip(&tables) {
+            host.push(HostSeq { row_start: row, n_tokens: n, start_pos: start, block_table: t });
+            row += n;
+        }
+        meta.set_padded(&dev, &host, rows, rows + pad, bs, num_blocks).expect("meta set");
+        let scale = 1.0 / (hd as f32).sqrt();
+        let len = (rows + pad) * w;
+        let mut run = |cache: KvCacheRef<'_>, kernels: &[AttnKernel], split: AttnSplit| -> Vec<u16> {
+            let mut out = poisoned(&dev, len);
+            for &kernel in kernels {
+                AttentionCall { q: &q, cache, meta: &mut meta, n_heads: nh, geo, scale, out: &mut out, kernel, split }
+                    .launch(&dev)
+                    .unwrap_or_else(|e| panic!("{kernel:?} {split:?}: {e}"));
+            }
+            dev.download(&out, len).expect("download").iter().map(|v| v.to_bits()).collect()
+        };
+        let mut cases: Vec<(String, Vec<AttnKernel>, Vec<AttnKernel>, AttnSplit)> = Vec::new();
+        for fv in 0..ATTN_FP8_VARIANTS.len() {
+            let (f, b) =
+                (AttnKernel::Decode { variant: Some(fv) }, AttnKernel::Decode { variant: Some(bf16_twin(fv)) });
+            for split in [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Exact(7)] {
+                cases.push((format!("decode {fv}"), vec![f], vec![b], split));
+            }
+        }
+        for pv in 0..PREFILL_WARPS.len() {
+            // Decode first (every row), then the prefill kernel over the chunks, in both caches.
+            let (fd, bd) =
+                (AttnKernel::Decode { variant: Some(0) }, AttnKernel::Decode { variant: Some(bf16_twin(0)) });
+            let p = AttnKernel::Prefill { variant: pv };
+            cases.push((format!("prefill {pv}"), vec![fd, p], vec![bd, p], AttnSplit::Auto));
+        }
+        cases.push(("mixed".into(), vec![AttnKernel::Mixed], vec![AttnKernel::Mixed], AttnSplit::Auto));
+        for (label, fk, bk, split) in cases {
+            let (a, b) = (run(fp8, &fk, split), run(bf, &bk, split));
+            let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+            let nan = a.iter().filter(|&&x| bf16::from_bits(x).is_nan()).count();
+            println!("hd={hd} heads={nh}/{nkv} {label} {split:?}: {differ} of {len} outputs differ, {nan} NaN");
+            assert!(differ == 0 && nan == 0, "hd={hd} heads={nh}/{nkv} {label} {split:?}: {differ} differ, {nan} NaN");
+        }
     }
 }

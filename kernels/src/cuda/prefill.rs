@@ -84,7 +84,8 @@ pub(crate) struct PrefillLists {
     pub seqs: Vec<[i32; 4]>,
     /// Per row: its context length for a decode row, 0 for a prefill row.
     pub decode_ctx: Vec<i32>,
-    /// One past the last decode row (the decode kernel's grid covers rows `0..decode_rows_end`).
+    /// One past the last row that is not a prefill row: decode rows and padding rows (the
+    /// decode kernel's grid covers rows `0..decode_rows_end`).
     pub decode_rows_end: usize,
     /// Longest context of a decode row.
     pub decode_max_ctx: usize,
@@ -102,6 +103,7 @@ impl PrefillLists {
     ) -> Result<Self, CudaError> {
         const OP: &str = "prefill_meta";
         let mut out = PrefillLists { decode_ctx: row_ctx.to_vec(), ..Default::default() };
+        let mut prefill_row = vec![false; row_ctx.len()];
         for (row_start, n_tokens, start_pos) in chunks {
             if n_tokens < PREFILL_MIN_TOKENS {
                 continue;
@@ -111,11 +113,14 @@ impl PrefillLists {
             })?;
             out.seqs.push([int(OP, row_start)?, int(OP, n_tokens)?, int(OP, start_pos)?, row_bt[row_start]]);
             out.decode_ctx[row_start..row_start + n_tokens].fill(0);
+            prefill_row[row_start..row_start + n_tokens].fill(true);
             out.max_end = out.max_end.max(start_pos + n_tokens);
         }
         // Heaviest first; stable, so equal sequences keep batch order (reproducible grids).
         out.seqs.sort_by_key(|s| std::cmp::Reverse(s[1] as i64 + s[2] as i64));
-        out.decode_rows_end = out.decode_ctx.iter().rposition(|&c| c > 0).map_or(0, |r| r + 1);
+        // Decode rows and padding rows (context 0, outside every chunk: the decode kernel
+        // writes their zeros) are the decode launch's; trailing prefill rows are not.
+        out.decode_rows_end = prefill_row.iter().rposition(|&p| !p).map_or(0, |r| r + 1);
         out.decode_max_ctx = out.decode_ctx.iter().copied().max().unwrap_or(0).max(0) as usize;
         Ok(out)
     }
@@ -155,6 +160,10 @@ mod tests {
         assert_eq!(l.items(64, 64), 110);
         // 128-row tiles: group 4 → 32 tokens.
         assert_eq!(l.items(4, 128), 4 + 1);
+        // Padding rows after a chunk (context 0, no chunk) are the decode launch's: it writes
+        // their zeros.
+        let padded = PrefillLists::build([(0, 4, 0)].into_iter(), &[1, 2, 3, 4, 0, 0], &[0; 6]).expect("lists");
+        assert_eq!((padded.decode_rows_end, padded.decode_max_ctx), (6, 0));
         // A decode-only step has nothing for the prefill kernel.
         let d = PrefillLists::build([(0, 1, 3)].into_iter(), &[4], &[0]).expect("lists");
         assert!(d.seqs.is_empty() && d.decode_rows_end == 1 && d.items(8, 64) == 0);
