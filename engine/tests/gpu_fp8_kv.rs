@@ -87,15 +87,29 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
 
 #[test]
 fn gpu_fp8_kv_cache_matches_cpu_fp8_reference() {
+    matches_cpu_reference(KvCacheDtype::Fp8E4M3);
+}
+
+/// The same models and prompts with a bf16 cache on both sides: separates what the FP8 cache
+/// does from what the attention kernels do on these prompts.
+#[test]
+fn gpu_bf16_kv_cache_on_the_same_prompts_matches_cpu() {
+    // `auto`: the CPU reference's own storage emulating bf16, bf16 on the GPU.
+    matches_cpu_reference(KvCacheDtype::Auto);
+}
+
+/// The body of both tests above, with a `kv` cache on the CPU reference and on `cuda:0`.
+fn matches_cpu_reference(kv: KvCacheDtype) {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("qwen3", TinySpec::qwen3())] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> =
             [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 71, l, vocab)).collect();
-        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu, KvCacheDtype::Fp8E4M3, Some(256)), &prompts);
-        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0), KvCacheDtype::Fp8E4M3, Some(256));
-        assert_eq!(gpu_engine.kv_layout().dtype, KvDtype::Fp8E4M3);
+        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu, kv, Some(256)), &prompts);
+        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0), kv, Some(256));
+        let want = if kv == KvCacheDtype::Fp8E4M3 { KvDtype::Fp8E4M3 } else { KvDtype::BF16 };
+        assert_eq!(gpu_engine.kv_layout().dtype, want);
         let identical = compare(name, &cpu, &run_all(&gpu_engine, &prompts));
         compare(&format!("{name} (prefix cached)"), &cpu, &run_all(&gpu_engine, &prompts));
         assert!(identical * 2 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());

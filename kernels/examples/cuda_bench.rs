@@ -24,7 +24,7 @@
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice,
     GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
-    PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, SplitTarget, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -194,7 +194,7 @@ fn run() -> Result<(), CudaError> {
                 attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
                 let x = nkv * (nh / nkv).div_ceil(v.max_group as usize);
-                let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count());
+                let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), SplitTarget::BF16);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };

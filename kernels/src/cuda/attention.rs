@@ -18,8 +18,8 @@
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, attn_default, attn_fp8_default,
-    plan_splits,
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
+    attn_fp8_default, plan_splits,
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_fp8_smem_bytes,
@@ -247,7 +247,8 @@ impl AttentionCall<'_> {
         let x = v.ctas_per_row(n_heads, geo.n_kv_heads);
         // Only the split count reaches the kernel: each row's chunk is cut there from its own
         // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
-        let (splits, _) = plan_splits(self.split, x * rows, max_ctx, dev.sm_count());
+        let target = SplitTarget::for_cache(self.cache.is_fp8());
+        let (splits, _) = plan_splits(self.split, x * rows, max_ctx, dev.sm_count(), target);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
         if splits > 1 {
             dev.grow(&mut meta.part_o, rows * n_heads * splits * hd)?;

@@ -114,8 +114,8 @@ pub use moe::{
 };
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, attn_default, attn_fp8_default, auto_splits,
-    plan_splits,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,
+    auto_splits, plan_splits,
 };
 pub use prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_WARPS, prefill_smem_bytes,

@@ -160,6 +160,31 @@ pub enum AttnSplit {
 /// splits only add partial results and shorter pipelines.
 pub(crate) const TARGET_CTAS_PER_SM: usize = 2;
 
+/// How many CTAs per SM [`AttnSplit::Auto`] aims at: [`SplitTarget::BF16`] (see
+/// [`TARGET_CTAS_PER_SM`]) or [`SplitTarget::FP8`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitTarget {
+    ctas_per_sm: usize,
+    round_up: bool,
+}
+
+impl SplitTarget {
+    /// Two CTAs per SM, rounded down (a batch with more CTAs is not split).
+    pub const BF16: Self = Self { ctas_per_sm: TARGET_CTAS_PER_SM, round_up: false };
+    /// Three CTAs per SM, rounded up. An FP8 stage carries half the bytes for about the same
+    /// instructions (the codes are converted in shared memory), so a CTA alone streams more
+    /// slowly and the kernel wants more of them: on an H100 (`cuda_bench_fp8`, session 12,
+    /// Llama-3.1-8B heads) 32 rows at 8k ran 387 µs unsplit and 256 µs at 2 splits, 32 rows at
+    /// 2k 106 vs 78 µs, 8 rows at 4k 191 µs at 1 split, 47 at 8; 64 rows and more were fastest
+    /// unsplit, and one row at 8k at 32 splits (28.5 µs; 37.5 at 64).
+    pub const FP8: Self = Self { ctas_per_sm: 3, round_up: true };
+
+    /// The target for a cache of FP8 codes or of bf16 values.
+    pub fn for_cache(fp8: bool) -> Self {
+        if fp8 { Self::FP8 } else { Self::BF16 }
+    }
+}
+
 /// Most splits of one row's context.
 pub(crate) const MAX_SPLITS: usize = 128;
 /// Fewest tokens per split: below this the partial results cost more than they save. The
@@ -168,9 +193,9 @@ pub(crate) const MAX_SPLITS: usize = 128;
 pub(crate) const MIN_SPLIT_TOKENS: usize = 64;
 
 /// Splits and tokens per split for `ctas` CTAs per split over contexts of at most `max_ctx`
-/// tokens on `sms` SMs: about `TARGET_CTAS_PER_SM` CTAs per SM (`Auto`), each at least
+/// tokens on `sms` SMs: about `target`'s CTAs per SM (`Auto`), each at least
 /// `MIN_SPLIT_TOKENS` long. Returns `(splits, chunk)` with `splits * chunk >= max_ctx`.
-pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) -> (usize, usize) {
+pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, target: SplitTarget) -> (usize, usize) {
     let max_ctx = max_ctx.max(1);
     if let AttnSplit::Exact(n) = split {
         let n = n.clamp(1, MAX_SPLITS);
@@ -180,7 +205,10 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     let want = match split {
         // About two CTAs per SM, in one wave (see `TARGET_CTAS_PER_SM`); a batch that
         // already has that many CTAs is not split.
-        AttnSplit::Auto => (TARGET_CTAS_PER_SM * sms.max(1) / ctas.max(1)).max(1),
+        AttnSplit::Auto => {
+            let (want, have) = (target.ctas_per_sm * sms.max(1), ctas.max(1));
+            if target.round_up { want.div_ceil(have) } else { (want / have).max(1) }
+        }
         AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
     };
     let splits = want.clamp(1, by_len);
@@ -189,12 +217,14 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize) ->
     (max_ctx.div_ceil(chunk), chunk)
 }
 
-/// The splits the default decode launch ([`AttnSplit::Auto`], [`attn_default`]'s variant)
-/// uses for `rows` rows of contexts up to `max_ctx` on `sms` SMs: what a CUDA graph recorded
-/// for such a step is keyed by.
-pub fn auto_splits(sms: usize, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize) -> usize {
-    let variant = ATTN_VARIANTS[attn_default(n_heads / n_kv_heads.max(1))];
-    plan_splits(AttnSplit::Auto, variant.ctas_per_row(n_heads, n_kv_heads) * rows, max_ctx, sms).0
+/// The splits the default decode launch ([`AttnSplit::Auto`], the default variant of
+/// [`attn_default`] or for an FP8 cache [`attn_fp8_default`]) uses for `rows` rows of contexts
+/// up to `max_ctx` on `sms` SMs: what a CUDA graph recorded for such a step is keyed by.
+pub fn auto_splits(sms: usize, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize, fp8: bool) -> usize {
+    let group = n_heads / n_kv_heads.max(1);
+    let variant = if fp8 { ATTN_FP8_VARIANTS[attn_fp8_default(group)] } else { ATTN_VARIANTS[attn_default(group)] };
+    let ctas = variant.ctas_per_row(n_heads, n_kv_heads) * rows;
+    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_cache(fp8)).0
 }
 
 #[cfg(test)]
@@ -219,15 +249,18 @@ mod tests {
     #[test]
     fn split_plans_cover_the_context_and_fill_the_device() {
         // Batch 1, 8 KV heads, 2k context on 132 SMs: many splits of at least 64 tokens.
-        let (s, c) = plan_splits(AttnSplit::Auto, 8, 2048, 132);
+        let (s, c) = plan_splits(AttnSplit::Auto, 8, 2048, 132, SplitTarget::BF16);
         assert!(s >= 16 && c >= MIN_SPLIT_TOKENS && s * c >= 2048 && (s - 1) * c < 2048, "{s} × {c}");
         // A large batch already fills the device: no split.
-        assert_eq!(plan_splits(AttnSplit::Auto, 256 * 8, 4096, 132).0, 1);
+        assert_eq!(plan_splits(AttnSplit::Auto, 256 * 8, 4096, 132, SplitTarget::BF16).0, 1);
         // Forced values, clamped by the context; every split but the last is non-empty.
-        assert_eq!(plan_splits(AttnSplit::Fixed(1), 8, 100_000, 132), (1, 100_000usize.next_multiple_of(16)));
+        assert_eq!(
+            plan_splits(AttnSplit::Fixed(1), 8, 100_000, 132, SplitTarget::BF16),
+            (1, 100_000usize.next_multiple_of(16))
+        );
         for ctx in [1usize, 15, 16, 17, 63, 64, 65, 1000, 4100, 131_072] {
             for f in [1usize, 2, 7, 64, 1000] {
-                let (s, c) = plan_splits(AttnSplit::Fixed(f), 8, ctx, 132);
+                let (s, c) = plan_splits(AttnSplit::Fixed(f), 8, ctx, 132, SplitTarget::BF16);
                 assert!(
                     (1..=MAX_SPLITS).contains(&s) && s * c >= ctx && (s - 1) * c < ctx,
                     "ctx {ctx} f {f}: {s} × {c}"
@@ -241,11 +274,23 @@ mod tests {
     fn auto_splits_count_the_default_variants_ctas() {
         // Llama-3.1-8B (32/8 heads: group 4, one CTA per KV head) at batch 1, 2k: the plan for
         // 8 CTAs per split; at 12/1 heads (group 12: the 16-head variant) one CTA per row.
-        assert_eq!(auto_splits(132, 1, 32, 8, 2048), plan_splits(AttnSplit::Auto, 8, 2048, 132).0);
-        assert_eq!(auto_splits(132, 3, 12, 1, 4096), plan_splits(AttnSplit::Auto, 3, 4096, 132).0);
+        assert_eq!(
+            auto_splits(132, 1, 32, 8, 2048, false),
+            plan_splits(AttnSplit::Auto, 8, 2048, 132, SplitTarget::BF16).0
+        );
+        assert_eq!(
+            auto_splits(132, 3, 12, 1, 4096, false),
+            plan_splits(AttnSplit::Auto, 3, 4096, 132, SplitTarget::BF16).0
+        );
         // A group of 32 takes two CTAs of 16 heads per KV head.
         assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2), 4);
-        assert_eq!(auto_splits(132, 512, 32, 8, 4096), 1, "a full batch needs no split");
-        assert!(auto_splits(132, 1, 32, 0, 100) >= 1, "no KV heads: still a plan (the launch refuses)");
+        assert_eq!(auto_splits(132, 512, 32, 8, 4096, false), 1, "a full batch needs no split");
+        assert!(auto_splits(132, 1, 32, 0, 100, false) >= 1, "no KV heads: still a plan (the launch refuses)");
+        // An FP8 cache aims at three CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
+        // split in two where bf16 does not split; a full batch is not split either way.
+        assert_eq!(auto_splits(132, 32, 32, 8, 8192, false), 1);
+        assert_eq!(auto_splits(132, 32, 32, 8, 8192, true), 2);
+        assert_eq!(auto_splits(132, 8, 32, 8, 4096, true), 7);
+        assert_eq!(auto_splits(132, 256, 32, 8, 1024, true), 1);
     }
 }
