@@ -383,41 +383,6 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// Fills every layer's K and V cache with random values (benchmarks time decode over a
-    /// context without computing it; never zeros, which can time faster): bf16 in [-1, 1], or
-    /// for an FP8 cache E4M3 codes of magnitude below 1 (no NaN code).
-    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), BackendError> {
-        let tile_len = 1usize << 22;
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        let stream = self.dev.stream().clone();
-        if let Some(fp8) = self.fp8.as_mut() {
-            // Sign, and an exponent field below 7 (|value| < 1 at scale 1).
-            let codes: Vec<u8> = (0..tile_len).map(|_| (next() >> 40) as u8 & 0xb7).collect();
-            let tile = self.dev.upload(&codes)?;
-            for (k, v) in fp8.layers.iter_mut() {
-                for buf in [k, v] {
-                    tile_copy(&stream, &tile, buf)?;
-                }
-            }
-        } else {
-            let values: Vec<bf16> =
-                (0..tile_len).map(|_| bf16::from_f32((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)).collect();
-            let tile = self.dev.upload(&values)?;
-            for (k, v) in self.kv.iter_mut() {
-                for buf in [k, v] {
-                    tile_copy(&stream, &tile, buf)?;
-                }
-            }
-        }
-        Ok(self.dev.synchronize()?)
-    }
-
     /// The underlying device (for tests and benchmarks).
     pub fn device(&self) -> &CudaDevice {
         &self.dev
@@ -1035,22 +1000,6 @@ mod arch_ops;
 #[path = "cuda_moe.rs"]
 mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
-
-/// Copies `tile` over `buf` repeatedly until `buf` is full (the last copy may be partial).
-fn tile_copy<T: cudarc::driver::DeviceRepr>(
-    stream: &std::sync::Arc<baton_kernels::cuda::CudaStream>,
-    tile: &CudaSlice<T>,
-    buf: &mut CudaSlice<T>,
-) -> Result<(), BackendError> {
-    let mut off = 0;
-    while off < buf.len() {
-        let len = tile.len().min(buf.len() - off);
-        let mut dst = buf.slice_mut(off..off + len);
-        stream.memcpy_dtod(&tile.slice(..len), &mut dst).map_err(CudaError::from)?;
-        off += len;
-    }
-    Ok(())
-}
 
 #[cfg(test)]
 mod tests {
