@@ -8,6 +8,7 @@
 //! (checked by a test), so a config that parsed always has a builder.
 
 use super::gemma::Gemma;
+use super::gpt_oss::GptOss;
 use super::llama::Llama;
 use super::{Architecture, ModelLoadError, WeightLoader};
 use crate::backend::Backend;
@@ -23,6 +24,9 @@ pub enum Implementation {
     Llama,
     /// [`Gemma`]: Gemma 2 and Gemma 3 (text).
     Gemma,
+    /// [`GptOss`]: gpt-oss (sinks, alternating windows, YaRN, experts with biases and the
+    /// clamped SwiGLU).
+    GptOss,
 }
 
 impl Implementation {
@@ -36,6 +40,7 @@ impl Implementation {
         match self {
             Self::Llama => Ok(Box::new(Llama::load(cfg, w, b)?)),
             Self::Gemma => Ok(Box::new(Gemma::load(cfg, w, b)?)),
+            Self::GptOss => Ok(Box::new(GptOss::load(cfg, w, b)?)),
         }
     }
 }
@@ -60,6 +65,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Gemma2, implementation: Implementation::Gemma },
     Registration { family: Family::Gemma3Text, implementation: Implementation::Gemma },
     Registration { family: Family::Phi3, implementation: Implementation::Llama },
+    Registration { family: Family::GptOss, implementation: Implementation::GptOss },
 ];
 
 /// The registration of `family`, if any.
@@ -116,6 +122,8 @@ mod tests {
             ("gemma2", Family::Gemma2),
             ("Gemma3ForCausalLM", Family::Gemma3Text),
             ("gemma3_text", Family::Gemma3Text),
+            ("GptOssForCausalLM", Family::GptOss),
+            ("gpt_oss", Family::GptOss),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
