@@ -15,9 +15,9 @@ use baton_kernels::cpu::{
     RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionExtCall, BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
-    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall, RopeExtras, RopeInput,
-    RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
+    AddRmsNormCall, AttentionExtCall, BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall,
+    HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall,
+    RopeExtras, RopeInput, RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};

@@ -417,10 +417,8 @@ fn gpt_oss_configs_of_both_generations_parse_to_the_same_model() {
     assert_eq!(parse(&v4).expect("the transformers 4 config"), v5);
     // transformers 5 nested per layer type, the same parameters for both types.
     let yarn = gpt_oss_v5()["rope_parameters"].clone();
-    let nested = merged(
-        gpt_oss_v5(),
-        json!({"rope_parameters": {"full_attention": yarn.clone(), "sliding_attention": yarn}}),
-    );
+    let nested =
+        merged(gpt_oss_v5(), json!({"rope_parameters": {"full_attention": yarn.clone(), "sliding_attention": yarn}}));
     assert_eq!(parse(&nested).expect("nested rope_parameters"), v5);
     // The YaRN defaults: beta_fast 32, beta_slow 1, truncate true; the original context from
     // the top level when the config has one there (transformers' standardization).

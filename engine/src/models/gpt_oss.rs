@@ -2,7 +2,7 @@
 //!
 //! The layer is the Llama layout (`x += o(attn(norm(x)))`, `x += moe(norm(x))`, plain RMSNorms)
 //! with what transformers' `modeling_gpt_oss.py` adds:
-//! - q/k/v and o_proj have biases (`attention_bias`);
+//! - q/k/v and o_proj have biases (`attention_bias`, set in every released checkpoint);
 //! - every layer's attention has learned *sinks*: one logit per query head, an extra softmax
 //!   column with no value ([`Backend::attention_ext`] with `sinks`), so every layer, full and
 //!   sliding alike, attends through `attention_ext`;
@@ -26,9 +26,10 @@ struct Layer<B: Backend> {
     input_norm: B::Buf,
     post_attn_norm: B::Buf,
     qkv: B::Mat,
-    qkv_bias: B::Buf,
+    /// q/k/v and o_proj biases (`attention_bias`, true in every released gpt-oss).
+    qkv_bias: Option<B::Buf>,
     o: B::Mat,
-    o_bias: B::Buf,
+    o_bias: Option<B::Buf>,
     /// One sink logit per query head.
     sinks: B::Buf,
     attention: AttentionExtras,
@@ -132,9 +133,14 @@ impl<B: Backend> GptOss<B> {
                     &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
                     h,
                 )?,
-                qkv_bias: w.vec(b, &[attn("q_proj.bias", qd), attn("k_proj.bias", kvd), attn("v_proj.bias", kvd)])?,
+                qkv_bias: if cfg.attention_bias {
+                    let names = [attn("q_proj.bias", qd), attn("k_proj.bias", kvd), attn("v_proj.bias", kvd)];
+                    Some(w.vec(b, &names)?)
+                } else {
+                    None
+                },
                 o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
-                o_bias: w.vec(b, &[attn("o_proj.bias", h)])?,
+                o_bias: if cfg.o_proj_bias() { Some(w.vec(b, &[attn("o_proj.bias", h)])?) } else { None },
                 sinks: w.vec(b, &[attn("sinks", nh)])?,
                 attention: AttentionExtras { window, softcap: None },
                 moe: MoeMlp::load(cfg, i, spec.mlp, w, b)?,
@@ -202,14 +208,14 @@ impl<B: Backend> Architecture<B> for GptOss<B> {
                 b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
             }
             b.mark("qkv");
-            b.linear(&ws.hidden, t, &layer.qkv, Some(&layer.qkv_bias), &mut ws.qkv)?;
+            b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             b.mark("rope_kv");
             b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
             after_kv(b, i)?;
             b.mark("attention");
             b.attention_ext(i, &ws.q, nh, scale, batch, layer.attention, Some(&layer.sinks), &mut ws.attn)?;
             b.mark("o_proj");
-            b.linear(&ws.attn, t, &layer.o, Some(&layer.o_bias), &mut ws.proj)?;
+            b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
             b.mark("norm");
             b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
             b.mark("moe");
