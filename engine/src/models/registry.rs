@@ -171,6 +171,25 @@ mod tests {
     }
 
     #[test]
+    fn gpt_oss_loads_its_fixture_and_is_refused_by_a_backend_without_sinks() {
+        let (dir, _) = baton_formats::testing::load_golden("gpt_oss").expect("fixture");
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load");
+        let build =
+            |b: &mut CpuBackend| build_architecture(&model.config, &mut WeightLoader::new(model.weights.as_ref()), b);
+        let err = build(&mut CpuBackend::without_optional_ops()).err().expect("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, ModelLoadError::Unsupported { architecture: "gpt_oss", .. }), "{msg}");
+        assert!(msg.contains("sinks"), "{msg}");
+        let arch = build(&mut CpuBackend::new()).expect("gpt-oss on the CPU");
+        let kinds: Vec<AttentionKind> = arch.layers().iter().map(|l| l.attention).collect();
+        assert_eq!(kinds, [AttentionKind::SlidingWindow { window: 16 }, AttentionKind::Full]);
+        assert!(arch.layers().iter().all(|l| matches!(l.mlp, MlpKind::Moe { num_experts: 4, .. })));
+        // YaRN's attention factor, 0.1 · ln(32) + 1, is on the rotary table the layers use.
+        let table = arch.layers()[0].rope.table(32).expect("table");
+        assert!((table.attention_factor() - (0.1 * 32f32.ln() + 1.0)).abs() < 1e-6, "{}", table.attention_factor());
+    }
+
+    #[test]
     fn layer_specs_follow_the_config() {
         let mut cfg = TinySpec::qwen3().config();
         cfg.layer_types = vec![LayerType::Full, LayerType::Sliding];
