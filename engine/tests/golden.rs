@@ -5,7 +5,8 @@
 //! fixtures were produced by scripts/golden/make_golden.py with transformers.
 //! Qwen3 (q/k norm, head_dim 32 with hidden 64, untied and tied) comes from checkpoints that
 //! transformers itself wrote (scripts/golden/make_hf_tiny.py: transformers 5 config keys).
-//! Qwen3-MoE (sparse and dense layers mixed) and Mixtral (experts in every layer) likewise.
+//! Qwen3-MoE (sparse and dense layers mixed), Mixtral (experts in every layer) and gpt-oss
+//! (sinks, windows, YaRN, biased experts; also as MXFP4) likewise.
 //! Also: the same tiny model as an HF folder and as GGUF gives the same logits.
 
 mod common;
@@ -15,7 +16,7 @@ use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_engine::{EngineConfig, EngineHandle};
-use baton_formats::testing::{TinySpec, load_golden, write_gguf, write_hf_folder};
+use baton_formats::testing::{TinySpec, golden_checkpoint_copy, load_golden, write_gguf, write_hf_folder};
 use baton_formats::{GgufType, LoadFormat, LoadedModel, load_model};
 use common::*;
 
@@ -49,8 +50,14 @@ fn greedy_tokens(engine: &EngineHandle, ids: &[u32], n: usize) -> Vec<u32> {
 }
 
 fn check_fixture(name: &str) {
-    let (dir, golden) = load_golden(name).expect("golden fixture");
-    let model = load_model(&dir, LoadFormat::Auto).expect("load fixture model");
+    let (dir, _) = load_golden(name).expect("golden fixture");
+    check_fixture_in(name, &dir);
+}
+
+/// [`check_fixture`] with the fixture's model loaded from `dir`.
+fn check_fixture_in(name: &str, dir: &std::path::Path) {
+    let (_, golden) = load_golden(name).expect("golden fixture");
+    let model = load_model(dir, LoadFormat::Auto).expect("load fixture model");
     let engine = engine(&model, EngineConfig::default());
     assert!(!golden.prompts.is_empty());
     for p in &golden.prompts {
@@ -183,4 +190,23 @@ fn golden_gemma3_text_matches_transformers() {
     // 5:1 local/global layers, q/k norm, local RoPE base 10k beside a linearly scaled global
     // one, one KV head.
     check_fixture("gemma3_text");
+}
+
+#[test]
+fn golden_gpt_oss_matches_transformers() {
+    // Learned sinks in every layer, a window of 16 on layer 0 (prompts of 20, 40 and 64 tokens
+    // reach past it) and full attention on layer 1, YaRN (factor 32, truncate false), q/k/v/o
+    // biases, top-2 of 4 experts with router and expert biases and the clamped SwiGLU.
+    check_fixture("gpt_oss");
+}
+
+#[test]
+fn golden_gpt_oss_mxfp4_matches_transformers() {
+    // The same model with MXFP4 experts, dequantized at load; transformers' logits of the
+    // dequantized model. The reference `dequantized.safetensors` is left out of the folder so
+    // the experts come from the MXFP4 blocks.
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dir = golden_checkpoint_copy("gpt_oss_mxfp4", tmp.path()).expect("copy the MXFP4 checkpoint");
+    assert!(!dir.join("dequantized.safetensors").exists());
+    check_fixture_in("gpt_oss_mxfp4", &dir);
 }

@@ -304,6 +304,31 @@ fn gpu_phi_checkpoints_match_bf16_reference() {
     }
 }
 
+/// gpt-oss (sinks, alternating windows of 16, YaRN, biased experts with the clamped SwiGLU),
+/// the checkpoint transformers wrote and its MXFP4 copy (experts dequantized at load), give
+/// on CUDA the greedy tokens of the bf16-emulating CPU reference up to MoE routing near ties
+/// ([`MOE_ROUTING_TIE`]), also over the prefix cache. The prompts of 17 to 100 tokens run
+/// past the window.
+#[test]
+fn gpu_gpt_oss_checkpoints_match_bf16_reference() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let mxfp4 = baton_formats::testing::golden_checkpoint_copy("gpt_oss_mxfp4", tmp.path()).expect("copy");
+    let (f32_dir, _) = baton_formats::testing::load_golden("gpt_oss").expect("golden fixture");
+    for (name, dir) in [("gpt_oss", f32_dir), ("gpt_oss_mxfp4", mxfp4)] {
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load fixture");
+        let vocab = model.config.vocab_size;
+        let prompts: Vec<Vec<u32>> =
+            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 71, l, vocab)).collect();
+        let cpu = run_all(&start_with(&model, DeviceSpec::Cpu, true), &prompts);
+        let gpu_engine = start(&model, DeviceSpec::Cuda(0));
+        let gpu = run_all(&gpu_engine, &prompts);
+        let identical = compare(name, &cpu, &gpu, MOE_ROUTING_TIE);
+        let again = run_all(&gpu_engine, &prompts);
+        compare(&format!("{name} (prefix cached)"), &cpu, &again, MOE_ROUTING_TIE);
+        assert!(identical * 3 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());
+    }
+}
+
 /// With no block count given, the CUDA engine sizes the KV pool from free device memory:
 /// a larger `gpu_memory_utilization` gives a larger pool, and the engine still serves.
 #[test]

@@ -151,6 +151,18 @@ fn gpu_gemma_graph_replays_match_eager_steps() {
     }
 }
 
+/// The schedule on the gpt-oss fixture (peaked, see `peaked_fixture`): sinks and windows
+/// through the attention-ext kernel, YaRN, the router bias and the biased experts with the
+/// clamped SwiGLU replay from graphs as they run op by op, past the window (16).
+#[test]
+fn gpu_gpt_oss_graph_replays_match_eager_steps() {
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300);
+    println!("gpt_oss: {stats:?}");
+    assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
+    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
+    assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
+}
+
 /// Runs the schedule of the module doc on `m` with graphs and op by op (the growing prefill
 /// `long` tokens), checking every step; returns the graph model's replay counters.
 fn graph_schedule(m: &baton_formats::LoadedModel, long: usize) -> baton_engine::backend::cuda::GraphStats {

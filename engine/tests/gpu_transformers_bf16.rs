@@ -121,6 +121,15 @@ fn gpu_gemma_matches_transformers_bf16() {
     check("gemma3_text");
 }
 
+/// gpt-oss: sinks through the attention-ext kernel in every layer (windowed on layer 0, the
+/// prompts of 20 to 64 tokens run past the window of 16), YaRN's table and attention factor
+/// in the fused RoPE + KV write, biased q/k/v/o, the router's bias on its f32 logits, biased
+/// expert GEMVs and the clamped SwiGLU.
+#[test]
+fn gpu_gpt_oss_matches_transformers_bf16() {
+    check("gpt_oss");
+}
+
 /// Phi-3 (LongRoPE, fused qkv/gate_up) and Phi-4-mini (also partial rotary, tied).
 #[test]
 fn gpu_phi3_and_phi4_mini_match_transformers_bf16() {

@@ -214,6 +214,16 @@ extern "C" __global__ void bias_add_bf16(bf16_t* __restrict__ x, const bf16_t* _
         x[i] = f2bf(bf2f(x[i]) + bf2f(b[i % n]));
 }
 
+// x[r, j] += b[j] for f32 rows of width n and a bf16 bias, in f32 (gpt-oss's router bias on
+// its f32 logits).
+extern "C" __global__ void bias_add_f32(float* __restrict__ x, const bf16_t* __restrict__ b, int n,
+                                        long long total) {
+    PDL_ENTER();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] += bf2f(b[i % n]);
+}
+
 // dst[r, c] = src[r, col0 + c] for c < dst_w: one column band of a wider row-major matrix.
 extern "C" __global__ void copy_cols_bf16(const bf16_t* __restrict__ src, int src_w, int col0,
                                           bf16_t* __restrict__ dst, int dst_w, long long total) {

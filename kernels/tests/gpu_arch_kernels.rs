@@ -15,9 +15,9 @@ use baton_kernels::cpu::{
     RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionExtCall, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall, HostSeq, KvGeometry,
-    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall, RopeExtras, RopeInput,
-    RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
+    AddRmsNormCall, AttentionExtCall, BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall,
+    HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall,
+    RopeExtras, RopeInput, RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -220,6 +220,28 @@ fn gpu_clamped_swiglu_matches_cpu() {
     let bad =
         ClampedSwigluCall { gate_up: &up(&dev, &[1.0; 8]), rows: 1, d: 4, alpha: 1.702, limit: 0.0, out: &mut out };
     assert!(bad.launch(&dev).is_err(), "limit 0 accepted");
+}
+
+/// gpt-oss's router bias on its f32 logits: `x += bias` in f32, the bias read as bf16.
+#[test]
+fn gpu_bias_add_f32_matches_cpu() {
+    let dev = device();
+    let mut r = rng("bias_add_f32");
+    for &(rows, n) in &[(1usize, 32usize), (300, 128), (7, 5)] {
+        let x = rand_vec(&mut r, rows * n, 4.0);
+        let bias = rand_vec(&mut r, n, 2.0);
+        let bias_dev = up(&dev, &bias);
+        // The bias as the device holds it (bf16), added in f32.
+        let held = down(&dev, &bias_dev, n);
+        let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v + held[i % n]).collect();
+        let mut xd = dev.upload(&x).expect("upload");
+        BiasAddF32Call { x: &mut xd, bias: &bias_dev, rows, n }.launch(&dev).expect("bias_add_f32");
+        let got = down_f32(&dev, &xd, rows * n);
+        assert_eq!(got, want, "bias_add_f32 {rows}x{n}: f32 sums of the same operands");
+    }
+    let mut xd = dev.upload(&[0.0f32; 4]).expect("upload");
+    let bad = BiasAddF32Call { x: &mut xd, bias: &up(&dev, &[1.0; 2]), rows: 1, n: 4 };
+    assert!(bad.launch(&dev).is_err(), "a bias shorter than the row accepted");
 }
 
 #[test]

@@ -136,6 +136,14 @@ async fn a_phi4_mini_checkpoint_gives_transformers_tokens_through_serve_and_one_
     golden_checkpoint_through_serve_and_one_prefill_one_decode("phi4_mini", |len| len > 36).await;
 }
 
+/// gpt-oss: learned sinks in every layer, alternating windowed (16) and full layers, YaRN,
+/// biased experts with the clamped SwiGLU; the prompts of 20, 40 and 64 tokens run past the
+/// window, and the decode worker continues from the prefill worker's KV of both kinds of layer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpt_oss_checkpoint_gives_transformers_tokens_through_serve_and_one_prefill_one_decode() {
+    golden_checkpoint_through_serve_and_one_prefill_one_decode("gpt_oss", |len| len >= 20).await;
+}
+
 /// LongRoPE picks its factor list from the served context: a Phi-4-mini worker serving less
 /// than the original context (short factors) cannot join a cluster serving more (long
 /// factors); the router refuses it, naming both.

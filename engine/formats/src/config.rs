@@ -11,14 +11,16 @@ use serde_json::{Value, json};
 use crate::error::FormatError;
 pub use crate::hf_options::declared_dtype;
 use crate::hf_options::{
-    gemma_options, layer_types, parse_longrope, parse_rope, partial_rotary_factor, refuse_unimplemented_options,
+    gemma_options, gpt_oss_options, layer_types, parse_longrope, parse_rope, partial_rotary_factor,
+    refuse_unimplemented_options,
 };
 
 /// The transformer families Baton implements. All share Llama's attention layout; Qwen2 adds
 /// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE; Qwen3-MoE and Mixtral
 /// replace (some of) the dense MLPs with routed experts ([`MoeConfig`]); Gemma 2 and 3 add
 /// norms after attention and MLP, GELU-tanh, soft-capping and sliding-window layers (see
-/// [`GemmaOptions`]).
+/// [`GemmaOptions`]); gpt-oss has biases everywhere, attention sinks, alternating
+/// sliding-window layers, YaRN and routed experts with a clamped SwiGLU ([`GptOssOptions`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2 and SmolLM2.
@@ -42,11 +44,15 @@ pub enum Architecture {
     /// Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): fused `qkv_proj` and `gate_up_proj`
     /// in the checkpoint, partial rotary embeddings and LongRoPE.
     Phi3,
+    /// gpt-oss (`GptOssForCausalLM`): q/k/v/o biases, learned attention sinks, alternating
+    /// sliding/full layers, YaRN, routed experts (router and experts with biases, clamped
+    /// SwiGLU on interleaved gate/up columns), MXFP4 expert weights dequantized at load.
+    GptOss,
 }
 
 impl Architecture {
     /// Every architecture, in the order messages list them.
-    pub const ALL: [Architecture; 9] = [
+    pub const ALL: [Architecture; 10] = [
         Self::Llama,
         Self::Mistral,
         Self::Qwen2,
@@ -56,6 +62,7 @@ impl Architecture {
         Self::Gemma2,
         Self::Gemma3Text,
         Self::Phi3,
+        Self::GptOss,
     ];
 
     /// Maps a HF `model_type` or `architectures[0]` entry, or a GGUF `general.architecture`.
@@ -77,6 +84,9 @@ impl Architecture {
             // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
             // tensors) is not mapped: refused when a GGUF names it.
             Self::Phi3 => None,
+            // llama.cpp's `gpt-oss` GGUF stores experts (refused by their `expert_count`, as
+            // every MoE GGUF is) and is not mapped.
+            Self::GptOss => None,
         }
     }
 
@@ -97,12 +107,20 @@ impl Architecture {
             Self::Gemma2 => "gemma2",
             Self::Gemma3Text => "gemma3_text",
             Self::Phi3 => "phi3",
+            Self::GptOss => "gpt_oss",
         }
     }
 
     /// Whether this is Gemma 2 or Gemma 3 (their layer layout, norms and options).
     pub fn is_gemma(self) -> bool {
         matches!(self, Self::Gemma2 | Self::Gemma3Text)
+    }
+
+    /// Whether the family's implementation attends within `sliding_window` on sliding layers
+    /// (Gemma, gpt-oss); the others attend over the whole context, so their served context is
+    /// capped at an active window instead.
+    pub fn implements_sliding_window(self) -> bool {
+        self.is_gemma() || self == Self::GptOss
     }
 
     /// The HF `architectures[0]` class name.
@@ -117,6 +135,7 @@ impl Architecture {
             Self::Gemma2 => "Gemma2ForCausalLM",
             Self::Gemma3Text => "Gemma3ForCausalLM",
             Self::Phi3 => "Phi3ForCausalLM",
+            Self::GptOss => "GptOssForCausalLM",
         }
     }
 }
@@ -139,6 +158,24 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         /// Context length the model was pre-trained with.
         original_max_position_embeddings: usize,
+    },
+    /// YaRN (`rope_type: yarn`: gpt-oss, Qwen with long contexts): frequencies blended
+    /// between the plain ones and `1 / factor` of them over the `beta_fast`..`beta_slow`
+    /// correction range, cos/sin scaled by an attention factor.
+    Yarn {
+        /// Context extension factor.
+        factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: usize,
+        /// Rotations at the high-frequency end of the ramp (default 32).
+        beta_fast: f32,
+        /// Rotations at the low-frequency end of the ramp (default 1).
+        beta_slow: f32,
+        /// Round the ramp's ends outwards to whole dims (default true; gpt-oss: false).
+        truncate: bool,
+        /// The scale of cos and sin when the config fixes it (`attention_factor`, or the
+        /// `mscale` / `mscale_all_dim` ratio); `None`: `0.1 · ln(factor) + 1`.
+        attention_factor: Option<f32>,
     },
 }
 
@@ -258,7 +295,20 @@ impl ConfigDType {
     }
 }
 
-/// The routed experts of a mixture-of-experts model (Qwen3-MoE, Mixtral).
+/// What gpt-oss adds to the shared layout (`None` in [`ModelConfig::gpt_oss`] for every
+/// other family). Implied by the family: q/k/v/o biases, one learned sink logit per query
+/// head and layer (`self_attn.sinks`), router and expert biases, experts stored fused and
+/// transposed (`gate_up_proj` `[E, hidden, 2·inter]` with gate and up interleaved by column,
+/// `down_proj` `[E, inter, hidden]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GptOssOptions {
+    /// The experts' activation `(up + 1) · g · σ(alpha · g)` uses this `alpha` (`swiglu_alpha`).
+    pub swiglu_alpha: f32,
+    /// Gate clamped above, up clamped to ±`limit` before it (`swiglu_limit`).
+    pub swiglu_limit: f32,
+}
+
+/// The routed experts of a mixture-of-experts model (Qwen3-MoE, Mixtral, gpt-oss).
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeConfig {
     /// Experts per MoE layer (`num_experts`, transformers 5: `num_local_experts`).
@@ -355,6 +405,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Gemma 2 / Gemma 3 options; `None` for every other family.
     pub gemma: Option<GemmaOptions>,
+    /// gpt-oss options; `None` for every other family.
+    pub gpt_oss: Option<GptOssOptions>,
 }
 
 impl ModelConfig {
@@ -442,7 +494,10 @@ impl ModelConfig {
     /// biases are on q/k/v only, and Mistral has none.
     pub fn o_proj_bias(&self) -> bool {
         self.attention_bias
-            && matches!(self.architecture, Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe)
+            && matches!(
+                self.architecture,
+                Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::GptOss
+            )
     }
 
     /// The rotary parameters of full-attention layers.
@@ -548,6 +603,29 @@ impl ModelConfig {
             }
             _ => {}
         }
+        for rope in [Some(self.rope()), self.sliding_rope].into_iter().flatten() {
+            if let Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                ..
+            }) = rope.scaling
+                && !(factor.is_finite()
+                    && factor > 0.0
+                    && beta_fast > 0.0
+                    && beta_slow > 0.0
+                    && original_max_position_embeddings > 0
+                    && attention_factor.is_none_or(|a| a.is_finite() && a > 0.0))
+            {
+                return bad(format!(
+                    "yarn rope scaling needs factor, beta_fast, beta_slow, original_max_position_embeddings \
+                     and any attention_factor > 0 (got {factor}, {beta_fast}, {beta_slow}, \
+                     {original_max_position_embeddings}, {attention_factor:?})"
+                ));
+            }
+        }
         if self.layer_types.len() != self.num_hidden_layers {
             return bad(format!(
                 "layer_types has {} entries for {} layers",
@@ -604,6 +682,7 @@ impl ModelConfig {
     pub fn router_tensor(&self, layer: usize) -> String {
         match self.architecture {
             Architecture::Mixtral => format!("model.layers.{layer}.block_sparse_moe.gate.weight"),
+            Architecture::GptOss => format!("model.layers.{layer}.mlp.router.weight"),
             _ => format!("model.layers.{layer}.mlp.gate.weight"),
         }
     }
@@ -663,9 +742,21 @@ impl ModelConfig {
                 out.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
                 out.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
             }
+            if self.architecture == Architecture::GptOss {
+                out.push((format!("{p}.self_attn.sinks"), vec![self.num_attention_heads]));
+            }
             if let Some(m) = self.moe.as_ref().filter(|m| m.is_moe_layer(i)) {
                 let inter = m.intermediate_size;
                 out.push((self.router_tensor(i), vec![m.num_experts, h]));
+                if self.architecture == Architecture::GptOss {
+                    let (e, x) = (m.num_experts, format!("{p}.mlp.experts"));
+                    out.push((format!("{p}.mlp.router.bias"), vec![e]));
+                    out.push((format!("{x}.gate_up_proj"), vec![e, h, 2 * inter]));
+                    out.push((format!("{x}.gate_up_proj_bias"), vec![e, 2 * inter]));
+                    out.push((format!("{x}.down_proj"), vec![e, inter, h]));
+                    out.push((format!("{x}.down_proj_bias"), vec![e, h]));
+                    continue;
+                }
                 for e in 0..m.num_experts {
                     out.push((self.expert_tensor(i, e, ExpertProj::Gate), vec![inter, h]));
                     out.push((self.expert_tensor(i, e, ExpertProj::Up), vec![inter, h]));
@@ -766,7 +857,7 @@ impl ModelConfig {
             // context is capped at the window rather than giving wrong tokens past it.
             max_position_embeddings: match sliding_window {
                 Some(window)
-                    if !architecture.is_gemma()
+                    if !architecture.implements_sliding_window()
                         && layer_types.contains(&LayerType::Sliding)
                         && window < declared_len =>
                 {
@@ -783,6 +874,7 @@ impl ModelConfig {
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
             moe,
             gemma: gemma_options(v, architecture, path)?,
+            gpt_oss: gpt_oss_options(v, architecture, path)?,
         };
         cfg.validate_at(path)?;
         Ok(cfg)
@@ -806,6 +898,19 @@ impl ModelConfig {
                 "low_freq_factor": f32_json(low_freq_factor),
                 "high_freq_factor": f32_json(high_freq_factor),
                 "original_max_position_embeddings": original_max_position_embeddings
+            }),
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            }) => json!({
+                "rope_type": "yarn", "factor": f32_json(factor),
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "beta_fast": f32_json(beta_fast), "beta_slow": f32_json(beta_slow), "truncate": truncate,
+                "attention_factor": attention_factor.map_or(Value::Null, f32_json)
             }),
         };
         let eos: Value = match self.eos_token_ids.as_slice() {
@@ -877,6 +982,19 @@ impl ModelConfig {
                     obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
                 }
                 Architecture::Gemma2 | Architecture::Gemma3Text => self.insert_gemma_keys(obj),
+                Architecture::GptOss => {
+                    obj.insert("attention_bias".into(), json!(self.attention_bias));
+                    let types: Vec<&str> = self.layer_types.iter().map(|t| t.hf_name()).collect();
+                    obj.insert("layer_types".into(), json!(types));
+                    obj.insert("sliding_window".into(), json!(self.sliding_window));
+                    if let Some(m) = &self.moe {
+                        obj.insert("num_local_experts".into(), json!(m.num_experts));
+                    }
+                    if let Some(g) = self.gpt_oss {
+                        obj.insert("swiglu_alpha".into(), f32_json(g.swiglu_alpha));
+                        obj.insert("swiglu_limit".into(), f32_json(g.swiglu_limit));
+                    }
+                }
                 Architecture::Phi3 => {
                     obj.insert("sliding_window".into(), Value::Null);
                     obj.insert("partial_rotary_factor".into(), f32_json(self.partial_rotary_factor));
@@ -957,6 +1075,16 @@ fn parse_moe(v: &Value, architecture: Architecture, path: &Path) -> Result<Optio
                     return Err(FormatError::config(path, format!("mlp_only_layers must be a list, got {other}")));
                 }
             },
+        })),
+        // gpt-oss: top-k of the router logits, then a softmax over the k, which is the softmax
+        // over all experts renormalised over the chosen ones.
+        Architecture::GptOss => Ok(Some(MoeConfig {
+            num_experts: experts()?,
+            experts_per_token: req("num_experts_per_tok")?,
+            intermediate_size: req("intermediate_size")?,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
         })),
         Architecture::Mixtral => Ok(Some(MoeConfig {
             num_experts: experts()?,

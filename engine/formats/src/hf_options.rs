@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::config::{Architecture, ConfigDType, GemmaOptions, LayerType, RopeParameters, RopeScaling};
+use crate::config::{Architecture, ConfigDType, GemmaOptions, GptOssOptions, LayerType, RopeParameters, RopeScaling};
 use crate::error::FormatError;
 
 /// Activations the gated MLP implements (`silu` and its alias `swish`).
@@ -51,7 +51,15 @@ pub(crate) fn refuse_unimplemented_options(
     }
     if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
-        return Err(FormatError::unsupported(path, format!("quantization_config (quant_method {method:?})")));
+        // MXFP4 is gpt-oss's expert format: the safetensors store serves each `_blocks` +
+        // `_scales` pair as the bf16 tensor it dequantizes to, in the layout of the
+        // unquantized checkpoint (`crate::mxfp4`), which only gpt-oss's experts use.
+        if !(method == "mxfp4" && architecture == Architecture::GptOss) {
+            return Err(FormatError::unsupported(
+                path,
+                format!("quantization_config (quant_method {method:?}; implemented: \"mxfp4\" for gpt_oss)"),
+            ));
+        }
     }
     // Soft-capping is implemented for the Gemma families only (read by `gemma_options`).
     for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
@@ -211,10 +219,20 @@ pub(crate) fn layer_types(
     if architecture.is_gemma() {
         return gemma_layer_types(v, architecture, listed, num_layers);
     }
-    let Some(window) = v.get("sliding_window").and_then(Value::as_u64).map(|w| w as usize) else {
+    let declared = match (v.get("sliding_window"), architecture) {
+        // GptOssConfig's default window; a null one means every layer attends fully.
+        (None, Architecture::GptOss) => Some(128),
+        (w, _) => w.and_then(Value::as_u64).map(|w| w as usize),
+    };
+    let Some(window) = declared else {
         return Ok((all_full, None));
     };
     let types = match architecture {
+        // gpt-oss before `layer_types` was written: sliding first, alternating (transformers'
+        // GptOssConfig default).
+        Architecture::GptOss => listed.unwrap_or_else(|| {
+            (0..num_layers).map(|i| if i % 2 == 0 { LayerType::Sliding } else { LayerType::Full }).collect()
+        }),
         // Phi-3's `sliding_window` (Phi-3-mini-4k: 2047) masks every layer, as Mistral's does.
         Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
             listed.unwrap_or_else(|| vec![LayerType::Sliding; num_layers])
@@ -296,6 +314,33 @@ pub(crate) fn gemma_options(
     }))
 }
 
+/// The gpt-oss options (`None` for other families), with transformers' defaults where a key
+/// is absent (`swiglu_alpha` 1.702, `swiglu_limit` 7).
+pub(crate) fn gpt_oss_options(
+    v: &Value,
+    architecture: Architecture,
+    path: &Path,
+) -> Result<Option<GptOssOptions>, FormatError> {
+    if architecture != Architecture::GptOss {
+        return Ok(None);
+    }
+    let positive = |key: &str, default: f64| -> Result<f32, FormatError> {
+        let x = match v.get(key).filter(|x| !x.is_null()) {
+            None => default,
+            Some(x) => x.as_f64().ok_or_else(|| FormatError::config(path, format!("{key} must be a number")))?,
+        };
+        if x.is_finite() && x > 0.0 {
+            Ok(x as f32)
+        } else {
+            Err(FormatError::config(path, format!("{key} ({x}) must be positive")))
+        }
+    };
+    Ok(Some(GptOssOptions {
+        swiglu_alpha: positive("swiglu_alpha", 1.702)?,
+        swiglu_limit: positive("swiglu_limit", 7.0)?,
+    }))
+}
+
 /// The RoPE of full-attention layers, and of sliding ones where it differs. transformers 5's
 /// `rope_parameters` wins over the transformers 4 keys when both are present; nested per
 /// layer type it is `{"full_attention": {...}, "sliding_attention": {...}}`. Gemma 3 in
@@ -324,7 +369,7 @@ fn parse_rope_keys(v: &Value, path: &Path) -> Result<(RopeParameters, Option<Rop
     let Some(params) = v.get("rope_parameters").and_then(Value::as_object) else {
         let theta = legacy_theta.unwrap_or(10000.0);
         let rope = match v.get("rope_scaling").filter(|s| s.is_object()) {
-            Some(s) => parse_one(s, theta, path, "rope_scaling")?,
+            Some(s) => parse_one(s, v, theta, path, "rope_scaling")?,
             None => RopeParameters { theta, scaling: None },
         };
         return Ok((rope, None));
@@ -332,7 +377,7 @@ fn parse_rope_keys(v: &Value, path: &Path) -> Result<(RopeParameters, Option<Rop
     let nested = [LayerType::Full, LayerType::Sliding].iter().any(|t| params.contains_key(t.hf_name()));
     if !nested {
         let theta = legacy_theta.unwrap_or(10000.0);
-        return Ok((parse_one(&Value::Object(params.clone()), theta, path, "rope_parameters")?, None));
+        return Ok((parse_one(&Value::Object(params.clone()), v, theta, path, "rope_parameters")?, None));
     }
     if let Some(other) =
         params.keys().find(|k| ![LayerType::Full, LayerType::Sliding].iter().any(|t| t.hf_name() == *k))
@@ -341,7 +386,10 @@ fn parse_rope_keys(v: &Value, path: &Path) -> Result<(RopeParameters, Option<Rop
     }
     let per_type = |t: LayerType| -> Result<Option<RopeParameters>, FormatError> {
         nested_entry(params, t)
-            .map(|p| parse_one(p, legacy_theta.unwrap_or(10000.0), path, &format!("rope_parameters.{}", t.hf_name())))
+            .map(|p| {
+                let name = format!("rope_parameters.{}", t.hf_name());
+                parse_one(p, v, legacy_theta.unwrap_or(10000.0), path, &name)
+            })
             .transpose()
     };
     let full = per_type(LayerType::Full)?;
@@ -360,8 +408,9 @@ fn nested_entry(params: &Map<String, Value>, t: LayerType) -> Option<&Value> {
 
 /// One RoPE object (`rope_scaling`, flat `rope_parameters` or one of its per-type entries):
 /// its `rope_type` (or legacy `type`), its `rope_theta` (else `theta`), and the scaling's
-/// parameters. `name` names the object in errors.
-fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParameters, FormatError> {
+/// parameters. `config` is the whole config (for keys transformers reads beside the object);
+/// `name` names the object in errors.
+fn parse_one(s: &Value, config: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParameters, FormatError> {
     // The flat object's partial rotation is read by `partial_rotary_factor`; a different one
     // per layer type is not implemented.
     if name.contains('.')
@@ -396,12 +445,83 @@ fn parse_one(s: &Value, theta: f32, path: &Path, name: &str) -> Result<RopeParam
                     FormatError::config(path, format!("{name}.original_max_position_embeddings is missing"))
                 })? as usize,
         }),
+        "yarn" => Some(parse_yarn(s, config, path, name)?),
         other => {
             return Err(FormatError::unsupported(
                 path,
-                format!("{name} rope_type {other:?} (implemented: default, linear, llama3, longrope)"),
+                format!("{name} rope_type {other:?} (implemented: default, linear, llama3, yarn, longrope)"),
             ));
         }
     };
     Ok(RopeParameters { theta, scaling })
+}
+
+/// The keys a YaRN object may hold (transformers 5's `_validate_yarn_rope_parameters`); any
+/// other is refused, naming it, rather than ignored.
+const YARN_KEYS: [&str; 12] = [
+    "rope_type",
+    "type",
+    "factor",
+    "original_max_position_embeddings",
+    "rope_theta",
+    "partial_rotary_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+];
+
+/// YaRN's parameters as transformers 5 computes them (`_compute_yarn_parameters`): the
+/// original context is the config's top-level `original_max_position_embeddings` when it has
+/// one, else the object's, else `max_position_embeddings`; `beta_fast`/`beta_slow` default to
+/// 32/1 and `truncate` to true; the attention factor is `attention_factor`, else
+/// `mscale`/`mscale_all_dim`'s ratio when both are set, else (left to the table)
+/// `0.1 · ln(factor) + 1`. (transformers 4 took the factor as `max_position_embeddings /
+/// original` when the object named the original context; every released config has the two
+/// agree.)
+fn parse_yarn(s: &Value, config: &Value, path: &Path, name: &str) -> Result<RopeScaling, FormatError> {
+    if let Some(obj) = s.as_object()
+        && let Some(key) = obj.keys().find(|k| !YARN_KEYS.contains(&k.as_str()))
+    {
+        return Err(FormatError::unsupported(path, format!("{name} yarn option {key:?} (not implemented)")));
+    }
+    let num = |key: &str| -> Result<Option<f64>, FormatError> {
+        match s.get(key).filter(|x| !x.is_null()) {
+            None => Ok(None),
+            Some(x) => {
+                x.as_f64().map(Some).ok_or_else(|| FormatError::config(path, format!("{name}.{key} must be a number")))
+            }
+        }
+    };
+    let factor = num("factor")?.ok_or_else(|| FormatError::config(path, format!("{name}.factor is missing")))?;
+    let original = config
+        .get("original_max_position_embeddings")
+        .or_else(|| s.get("original_max_position_embeddings"))
+        .or_else(|| config.get("max_position_embeddings"))
+        .and_then(Value::as_u64)
+        .ok_or_else(|| FormatError::config(path, format!("{name}.original_max_position_embeddings is missing")))?;
+    let truncate = match s.get("truncate").filter(|t| !t.is_null()) {
+        None => true,
+        Some(t) => {
+            t.as_bool().ok_or_else(|| FormatError::config(path, format!("{name}.truncate must be a boolean")))?
+        }
+    };
+    // transformers' `get_mscale`.
+    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+    let attention_factor = match (num("attention_factor")?, num("mscale")?, num("mscale_all_dim")?) {
+        (Some(a), _, _) => Some(a as f32),
+        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => Some((mscale(factor, m) / mscale(factor, all)) as f32),
+        _ => None,
+    };
+    Ok(RopeScaling::Yarn {
+        factor: factor as f32,
+        original_max_position_embeddings: original as usize,
+        // transformers: `get("beta_fast") or 32` (a 0 means the default too).
+        beta_fast: num("beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0) as f32,
+        beta_slow: num("beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0) as f32,
+        truncate,
+        attention_factor,
+    })
 }

@@ -24,8 +24,8 @@ use std::str::FromStr;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{
-    Architecture, ConfigDType, ExpertProj, GemmaOptions, GenerationConfig, LayerType, LongRope, ModelConfig, MoeConfig,
-    RopeParameters, RopeScaling, declared_dtype,
+    Architecture, ConfigDType, ExpertProj, GemmaOptions, GenerationConfig, GptOssOptions, LayerType, LongRope,
+    ModelConfig, MoeConfig, RopeParameters, RopeScaling, declared_dtype,
 };
 pub use dummy::{DummyKind, DummyStore};
 pub use error::FormatError;

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use baton_formats::{
-    Architecture, ConfigDType, FormatError, LayerType, ModelConfig, RopeParameters, RopeScaling,
+    Architecture, ConfigDType, FormatError, GptOssOptions, LayerType, ModelConfig, RopeParameters, RopeScaling,
     testing::golden_fixtures_dir,
 };
 use serde_json::{Value, json};
@@ -113,7 +113,7 @@ fn nested_rope_parameters_are_read_per_layer_type() {
 fn unknown_rope_types_are_refused_in_every_form() {
     for (v, name) in [
         (config(json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}})), "dynamic"),
-        (config(json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})), "yarn"),
+        (config(json!({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}})), "mrope"),
         (config(json!({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.0e4}})), "dynamic"),
     ] {
         let msg = refused(&v);
@@ -135,7 +135,9 @@ fn options_that_change_the_math_are_refused_by_name() {
         (json!({"hidden_act": "gelu_pytorch_tanh"}), "hidden_act \"gelu_pytorch_tanh\""),
         (json!({"hidden_activation": "gelu"}), "hidden_activation \"gelu\""),
         (json!({"mlp_bias": true}), "mlp_bias"),
-        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\")"),
+        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\""),
+        // MXFP4 is implemented for gpt-oss's experts only.
+        (json!({"quantization_config": {"quant_method": "mxfp4"}}), "quantization_config (quant_method \"mxfp4\""),
         (json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),
         (json!({"attn_logit_softcapping": 50.0}), "attn_logit_softcapping"),
         (
@@ -358,4 +360,163 @@ fn phi3_configs_parse_with_longrope_and_partial_rotary() {
     assert!(err.to_string().contains("short_factor has 2 entries (need 8"), "{err}");
     let err = parse(&config(json!({"partial_rotary_factor": 0.05}))).expect_err("no rotary dims");
     assert!(err.to_string().contains("partial_rotary_factor 0.05 gives 0 rotary dims"), "{err}");
+}
+
+/// The gpt_oss fixture's `config.json` (transformers 5.23 wrote it: flat `rope_parameters`
+/// with YaRN, `layer_types`, `dtype`).
+fn gpt_oss_v5() -> Value {
+    let path = golden_fixtures_dir().join("gpt_oss/config.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).expect("read the gpt_oss config")).expect("json")
+}
+
+/// `v` with `extra` merged in (a `null` value removes the key).
+fn merged(mut v: Value, extra: Value) -> Value {
+    for (k, x) in extra.as_object().expect("object") {
+        match x {
+            Value::Null => {
+                v.as_object_mut().expect("object").remove(k);
+            }
+            _ => v[k] = x.clone(),
+        }
+    }
+    v
+}
+
+const GPT_OSS_YARN: RopeScaling = RopeScaling::Yarn {
+    factor: 32.0,
+    original_max_position_embeddings: 4096,
+    beta_fast: 32.0,
+    beta_slow: 1.0,
+    truncate: false,
+    attention_factor: None,
+};
+
+#[test]
+fn gpt_oss_configs_of_both_generations_parse_to_the_same_model() {
+    let v5 = parse(&gpt_oss_v5()).expect("the transformers 5 config");
+    assert_eq!(v5.architecture, Architecture::GptOss);
+    assert_eq!((v5.rope_theta, v5.rope_scaling, v5.sliding_rope), (150000.0, Some(GPT_OSS_YARN), None));
+    assert_eq!(v5.layer_types, [LayerType::Sliding, LayerType::Full]);
+    assert_eq!(v5.sliding_window, Some(16));
+    // gpt-oss implements its window: the context is not capped at it.
+    assert_eq!(v5.max_position_embeddings, 131072);
+    assert!(v5.attention_bias && v5.o_proj_bias());
+    assert_eq!(v5.gpt_oss, Some(GptOssOptions { swiglu_alpha: 1.702, swiglu_limit: 7.0 }));
+    let moe = v5.moe.as_ref().expect("experts");
+    assert_eq!((moe.num_experts, moe.experts_per_token, moe.intermediate_size), (4, 2, 32));
+    assert!(moe.norm_topk_prob && (0..2).all(|l| v5.is_moe_layer(l)));
+    // transformers 4.55 (the first with gpt-oss): `rope_theta` + `rope_scaling`, `torch_dtype`,
+    // no `layer_types` (alternating, sliding first).
+    let v4 = merged(
+        gpt_oss_v5(),
+        json!({"rope_parameters": null, "layer_types": null, "dtype": null, "torch_dtype": "bfloat16",
+               "rope_theta": 150000.0,
+               "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "original_max_position_embeddings": 4096, "truncate": false}}),
+    );
+    assert_eq!(parse(&v4).expect("the transformers 4 config"), v5);
+    // transformers 5 nested per layer type, the same parameters for both types.
+    let yarn = gpt_oss_v5()["rope_parameters"].clone();
+    let nested =
+        merged(gpt_oss_v5(), json!({"rope_parameters": {"full_attention": yarn.clone(), "sliding_attention": yarn}}));
+    assert_eq!(parse(&nested).expect("nested rope_parameters"), v5);
+    // The YaRN defaults: beta_fast 32, beta_slow 1, truncate true; the original context from
+    // the top level when the config has one there (transformers' standardization).
+    let defaults = merged(
+        gpt_oss_v5(),
+        json!({"original_max_position_embeddings": 2048,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0}}),
+    );
+    let want = RopeScaling::Yarn {
+        factor: 8.0,
+        original_max_position_embeddings: 2048,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: None,
+    };
+    assert_eq!(parse(&defaults).expect("yarn defaults").rope_scaling, Some(want));
+    // DeepSeek's mscale pair gives the attention factor: get_mscale(8, 1) / get_mscale(8, 0.5).
+    let mscale = merged(
+        gpt_oss_v5(),
+        json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+               "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5}}),
+    );
+    let Some(RopeScaling::Yarn { attention_factor: Some(a), .. }) = parse(&mscale).expect("mscale").rope_scaling else {
+        panic!("no attention factor")
+    };
+    let m = |x: f64| 0.1 * x * 8f64.ln() + 1.0;
+    assert!((f64::from(a) - m(1.0) / m(0.5)).abs() < 1e-6, "{a}");
+    // An explicit one wins.
+    let given = merged(
+        gpt_oss_v5(),
+        json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+               "original_max_position_embeddings": 4096, "attention_factor": 1.25, "mscale": 1.0}}),
+    );
+    assert!(matches!(
+        parse(&given).expect("attention_factor").rope_scaling,
+        Some(RopeScaling::Yarn { attention_factor: Some(1.25), .. })
+    ));
+}
+
+#[test]
+fn gpt_oss_mxfp4_is_accepted_and_other_quantizations_and_yarn_options_are_refused() {
+    let mxfp4 = golden_fixtures_dir().join("gpt_oss_mxfp4/config.json");
+    let cfg = ModelConfig::from_hf_file(&mxfp4).expect("the MXFP4 config parses");
+    assert_eq!(cfg, parse(&gpt_oss_v5()).expect("the f32 config"), "MXFP4 changes only the storage");
+    for (extra, needle) in [
+        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\""),
+        (json!({"quantization_config": {"bits": 4}}), "quant_method \"unknown\""),
+        (
+            json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                   "original_max_position_embeddings": 4096, "extrapolation_factor": 1.0}}),
+            "rope_parameters yarn option \"extrapolation_factor\"",
+        ),
+        (
+            json!({"rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                                   "original_max_position_embeddings": 4096},
+                "sliding_attention": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
+                                      "original_max_position_embeddings": 4096, "low_freq_factor": 1.0}}}),
+            "rope_parameters.sliding_attention yarn option \"low_freq_factor\"",
+        ),
+    ] {
+        let msg = refused(&merged(gpt_oss_v5(), extra.clone()));
+        assert!(msg.contains(needle), "{extra}: {msg}");
+    }
+    // Missing or mistyped YaRN parameters are config errors naming them.
+    for (rope, needle) in [
+        (json!({"rope_type": "yarn", "rope_theta": 1.5e5}), "rope_parameters.factor is missing"),
+        (json!({"rope_type": "yarn", "factor": 4.0, "truncate": "no"}), "rope_parameters.truncate must be a boolean"),
+        (json!({"rope_type": "yarn", "factor": -4.0}), "yarn rope scaling needs factor"),
+    ] {
+        let err = parse(&merged(gpt_oss_v5(), json!({"rope_parameters": rope}))).expect_err("refused");
+        assert!(err.to_string().contains(needle), "{err}");
+    }
+    // The swiglu options must be positive numbers.
+    let err = parse(&merged(gpt_oss_v5(), json!({"swiglu_limit": 0.0}))).expect_err("limit 0");
+    assert!(err.to_string().contains("swiglu_limit"), "{err}");
+}
+
+#[test]
+fn gpt_oss_expected_tensors_name_sinks_router_bias_and_fused_experts() {
+    let cfg = parse(&gpt_oss_v5()).expect("config");
+    let tensors: std::collections::HashMap<String, Vec<usize>> = cfg.expected_tensors().into_iter().collect();
+    let l = "model.layers.1";
+    for (name, shape) in [
+        (format!("{l}.self_attn.sinks"), vec![4]),
+        (format!("{l}.self_attn.o_proj.bias"), vec![64]),
+        (format!("{l}.mlp.router.weight"), vec![4, 64]),
+        (format!("{l}.mlp.router.bias"), vec![4]),
+        (format!("{l}.mlp.experts.gate_up_proj"), vec![4, 64, 64]),
+        (format!("{l}.mlp.experts.gate_up_proj_bias"), vec![4, 64]),
+        (format!("{l}.mlp.experts.down_proj"), vec![4, 32, 64]),
+        (format!("{l}.mlp.experts.down_proj_bias"), vec![4, 64]),
+    ] {
+        assert_eq!(tensors.get(&name), Some(&shape), "{name}");
+    }
+    assert!(!tensors.keys().any(|n| n.contains("experts.0.")), "no per-expert tensors");
+    // Exactly the fixture's tensors (the checker the loaders run).
+    let store = baton_formats::SafetensorsStore::open_dir(&golden_fixtures_dir().join("gpt_oss")).expect("open");
+    baton_formats::check_tensors(&store, &cfg, Path::new("gpt_oss")).expect("every expected tensor is there");
 }

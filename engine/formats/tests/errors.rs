@@ -256,9 +256,12 @@ fn config_validation_catches_inconsistencies() {
     }
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = hf_dir(tmp.path());
-    edit_config(&dir, |v| v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    // YaRN is implemented; an option of it that is not is refused at load, naming it.
+    edit_config(&dir, |v| {
+        v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "extrapolation_factor": 1.0})
+    });
     let err = load_err(&dir, LoadFormat::Auto);
-    assert!(err.to_string().contains("yarn"), "{err}");
+    assert!(err.to_string().contains("yarn option \"extrapolation_factor\""), "{err}");
 }
 
 #[test]

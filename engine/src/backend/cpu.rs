@@ -15,7 +15,10 @@
 //! dequantizes ([`baton_kernels::cpu::write_kv_fp8`], [`baton_kernels::cpu::paged_attention_fp8`]),
 //! and the KV I/O moves the codes. It is the reference for the CUDA FP8 cache.
 
-use super::{AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, KvScale, MoeWeights, OptionalOp};
+use super::{
+    AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, KvScale, MoeActivation, MoeWeights,
+    OptionalOp,
+};
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cpu::{
     self as k, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight,
@@ -343,7 +346,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
         if self.fp8_scales.is_some() {
-            return self.attention_fp8(layer, q, n_heads, scale, batch, out);
+            return self.attention_fp8(layer, q, n_heads, scale, batch, AttnExtras::default(), out);
         }
         let (kc, vc) = self.layer(layer)?;
         let width = n_heads * shape.head_dim;
@@ -550,7 +553,7 @@ impl Backend for CpuBackend {
         &mut self,
         x: &Vec<f32>,
         m: usize,
-        w: MoeWeights<'_, CpuMat>,
+        w: MoeWeights<'_, CpuMat, Vec<f32>>,
         routing: MoeRouting,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
@@ -558,7 +561,10 @@ impl Backend for CpuBackend {
         let h = w.router.cols;
         let shapes_ok = w.router.rows == ne
             && (w.gate_up.rows, w.gate_up.cols) == (ne * 2 * inter, h)
-            && (w.down.rows, w.down.cols) == (ne * h, inter);
+            && (w.down.rows, w.down.cols) == (ne * h, inter)
+            && w.router_bias.is_none_or(|b| b.len() == ne)
+            && w.gate_up_bias.is_none_or(|b| b.len() == ne * 2 * inter)
+            && w.down_bias.is_none_or(|b| b.len() == ne * h);
         if !shapes_ok || inter == 0 {
             return Err(kerr(
                 "moe",
@@ -569,24 +575,31 @@ impl Backend for CpuBackend {
             ));
         }
         let x = x.get(..m * h).ok_or_else(|| kerr("moe", format!("input has {} values, need {m}×{h}", x.len())))?;
-        // Router logits stay f32 (the CUDA backend computes them with an f32-output GEMM).
+        // Router logits stay f32 (the CUDA backend computes them with an f32-output GEMM and
+        // adds the bias in f32).
         let mut logits = vec![0.0; m * ne];
-        k::linear(x, &w.router.data, None, m, h, ne, &mut logits)?;
+        k::linear(x, &w.router.data, w.router_bias.map(Vec::as_slice), m, h, ne, &mut logits)?;
         let kk = routing.k;
         let (mut ids, mut weights) = (vec![0u32; m * kk], vec![0.0f32; m * kk]);
         k::moe_route(&logits, ne, routing, &mut ids, &mut weights)?;
         let perm = k::moe_permute(&ids, ne)?;
-        // Each op's output rounded where the CUDA kernels store bf16 (grouped GEMVs, SiLU·mul,
-        // the un-permuted sum); the routing weights stay f32 there too.
+        // Each op's output rounded where the CUDA kernels store bf16 (grouped GEMVs with their
+        // bias added before the one rounding, the activation, the un-permuted sum); the
+        // routing weights stay f32 there too.
         let mut gate_up = vec![0.0; m * kk * 2 * inter];
-        let gu = k::ExpertWeights { w: &w.gate_up.data, n: 2 * inter, d: h, bias: None };
+        let gu = k::ExpertWeights { w: &w.gate_up.data, n: 2 * inter, d: h, bias: w.gate_up_bias.map(Vec::as_slice) };
         k::moe_grouped_linear(x, k::MoeRows::PerToken, gu, &perm, kk, &mut gate_up)?;
         self.store(&mut gate_up);
         let mut act = vec![0.0; m * kk * inter];
-        k::silu_mul(&gate_up, &mut act, inter)?;
+        match w.activation {
+            MoeActivation::SiluGated => k::silu_mul(&gate_up, &mut act, inter)?,
+            MoeActivation::ClampedSwiglu { alpha, limit } => {
+                k::clamped_swiglu(&gate_up, &mut act, inter, alpha, limit)?
+            }
+        }
         self.store(&mut act);
         let mut expert_out = vec![0.0; m * kk * h];
-        let dw = k::ExpertWeights { w: &w.down.data, n: h, d: inter, bias: None };
+        let dw = k::ExpertWeights { w: &w.down.data, n: h, d: inter, bias: w.down_bias.map(Vec::as_slice) };
         k::moe_grouped_linear(&act, k::MoeRows::Permuted, dw, &perm, kk, &mut expert_out)?;
         self.store(&mut expert_out);
         out.resize(m * h, 0.0);
@@ -607,9 +620,14 @@ impl Backend for CpuBackend {
         scale: f32,
         batch: &BatchLayout,
         extras: AttentionExtras,
+        sinks: Option<&Vec<f32>>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
+        let extras = AttnExtras { window: extras.window, softcap: extras.softcap, sinks: sinks.map(Vec::as_slice) };
+        if self.fp8_scales.is_some() {
+            return self.attention_fp8(layer, q, n_heads, scale, batch, extras, out);
+        }
         let (kc, vc) = self.layer(layer)?;
         let width = n_heads * shape.head_dim;
         let cache = KvLayerRef {
@@ -619,7 +637,6 @@ impl Backend for CpuBackend {
             n_kv_heads: shape.num_kv_heads,
             head_dim: shape.head_dim,
         };
-        let extras = AttnExtras { window: extras.window, softcap: extras.softcap, sinks: None };
         attend_per_sequence(q, out, width, batch, |qr, span, or| {
             k::paged_attention_ext(qr, n_heads, scale, span, cache, extras, or)
         })?;
@@ -810,7 +827,8 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// [`Backend::attention`] over an FP8 cache (dequantized as it is read).
+    /// [`Backend::attention`] (with `extras`: [`Backend::attention_ext`]) over an FP8 cache
+    /// (dequantized as it is read).
     fn attention_fp8(
         &self,
         layer: usize,
@@ -818,6 +836,7 @@ impl CpuBackend {
         n_heads: usize,
         scale: f32,
         batch: &BatchLayout,
+        extras: AttnExtras<'_>,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
         let shape = self.shape()?;
@@ -833,7 +852,7 @@ impl CpuBackend {
             head_dim: shape.head_dim,
         };
         attend_per_sequence(q, out, width, batch, |qr, span, or| {
-            k::paged_attention_fp8(qr, n_heads, scale, span, cache, AttnExtras::default(), or)
+            k::paged_attention_fp8(qr, n_heads, scale, span, cache, extras, or)
         })?;
         self.store(out);
         Ok(())

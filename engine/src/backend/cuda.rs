@@ -767,9 +767,10 @@ impl Backend for CudaBackend {
         scale: f32,
         batch: &BatchLayout,
         extras: AttentionExtras,
+        sinks: Option<&CudaBuf>,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        self.attention_with(layer, q, n_heads, scale, batch, extras, out)
+        self.attention_with(layer, q, n_heads, scale, batch, extras, sinks, out)
     }
 
     fn set_layer_ropes(&mut self, tables: Vec<RopeTable>, layer_table: Vec<usize>) -> Result<(), BackendError> {
@@ -934,7 +935,7 @@ impl Backend for CudaBackend {
         &mut self,
         x: &CudaBuf,
         m: usize,
-        w: MoeWeights<'_, CudaMat>,
+        w: MoeWeights<'_, CudaMat, CudaBuf>,
         routing: MoeRouting,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {

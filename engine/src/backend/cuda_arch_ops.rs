@@ -1,8 +1,8 @@
 //! The CUDA backend's optional ops for Gemma 2 and Gemma 3 (text) (see
 //! [`OptionalOp`](crate::backend::OptionalOp)): norms scaling by `1 + w` and norms of bf16
 //! activation buffers, the bf16-rounded embedding scale, GELU-tanh·mul, final logit
-//! soft-capping, attention with a sliding window or score soft-capping, and a rotary table per
-//! layer kind. The trait methods in cuda.rs call these.
+//! soft-capping, attention with a sliding window, score soft-capping or sinks (gpt-oss), and a
+//! rotary table per layer kind. The trait methods in cuda.rs call these.
 //!
 //! Invariants (those of cuda.rs, and for CUDA graphs): every op only enqueues kernels on the
 //! device's stream, with no upload and no synchronization; scratch buffers only grow, and
@@ -28,6 +28,10 @@ pub(super) struct ArchState {
     /// model set them (every layer then uses the one table of `set_rope`).
     layer_inv_freq: Vec<CudaSlice<f64>>,
     layer_table: Vec<usize>,
+    /// The sink logits of the layer being attended, widened to f32 (the kernel reads f32;
+    /// the weights are stored bf16, as transformers' bf16 model holds them); grown to the
+    /// largest head count.
+    sinks_f32: Option<CudaSlice<f32>>,
 }
 
 /// The rotary table layer `layer` rotates with: its layer kind's, or the one `set_rope` table.
@@ -134,9 +138,10 @@ impl CudaBackend {
         Ok(SoftcapCall { x: &mut self.logits, n: rows * vocab, cap }.launch(&self.dev)?)
     }
 
-    /// Attention with `extras`: layers with neither a window nor a soft-cap, at a head_dim the
-    /// tuned kernels have, take [`Backend::attention`](crate::backend::Backend::attention);
-    /// the others the window/soft-cap kernel, which never reads a key before a row's window.
+    /// Attention with `extras` and `sinks`: layers with neither a window, a soft-cap nor
+    /// sinks, at a head_dim the tuned kernels have, take
+    /// [`Backend::attention`](crate::backend::Backend::attention); the others the
+    /// window/soft-cap/sinks kernel, which never reads a key before a row's window.
     pub(super) fn attention_with(
         &mut self,
         layer: usize,
@@ -145,10 +150,11 @@ impl CudaBackend {
         scale: f32,
         batch: &BatchLayout,
         extras: AttentionExtras,
+        sinks: Option<&CudaBuf>,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
-        if extras == AttentionExtras::default() && attention_supports(geo.head_dim) {
+        if extras == AttentionExtras::default() && sinks.is_none() && attention_supports(geo.head_dim) {
             return crate::backend::Backend::attention(self, layer, q, n_heads, scale, batch, out);
         }
         self.step_meta(batch)?;
@@ -158,6 +164,17 @@ impl CudaBackend {
             return Err(kerr("attention_ext", format!("q has {} values for {rows} rows of {width}", q.len)));
         }
         self.ensure(out, rows * width)?;
+        if let Some(s) = sinks {
+            if s.len != n_heads {
+                return Err(kerr("attention_ext", format!("{} sinks for {n_heads} heads", s.len)));
+            }
+            let scratch = match self.arch.sinks_f32.take() {
+                Some(buf) if buf.len() >= n_heads => buf,
+                _ => self.dev.alloc(n_heads)?,
+            };
+            let wide = self.arch.sinks_f32.insert(scratch);
+            CastCall { src: &s.data, dst: wide, n: n_heads }.launch(&self.dev)?;
+        }
         // A replay keys its graph by the heads (for the tuned kernel's splits, which this
         // kernel does not use: any split count replays it alike).
         self.graphs.n_heads = Some(n_heads);
@@ -173,7 +190,7 @@ impl CudaBackend {
             scale,
             window: extras.window,
             softcap: extras.softcap,
-            sinks: None,
+            sinks: sinks.and(self.arch.sinks_f32.as_ref()),
             out: &mut out.data,
         };
         Ok(call.launch(&self.dev)?)

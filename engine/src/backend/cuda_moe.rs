@@ -1,7 +1,9 @@
 //! The CUDA backend's mixture-of-experts op ([`Backend::moe`](crate::backend::Backend::moe)):
-//! the router GEMM with an f32 output, then the moe kernels of `baton_kernels::cuda` in the
-//! order their module documents (routing, permutation, one grouped GEMV over the experts in
-//! use for `[gate | up]`, SiLU·mul, one grouped GEMV for down, the weighted un-permute).
+//! the router GEMM with an f32 output (plus the router's bias in f32, gpt-oss), then the moe
+//! kernels of `baton_kernels::cuda` in the order their module documents (routing,
+//! permutation, one grouped GEMV over the experts in use for `[gate | up]` with its bias, the
+//! activation (SiLU·mul, or gpt-oss's clamped SwiGLU over interleaved rows), one grouped GEMV
+//! for down with its bias, the weighted un-permute).
 //!
 //! Invariants: the scratch buffers only grow (through the device allocator, so a growth
 //! moves the allocation generation and drops recorded graphs); every launch has a shape fixed
@@ -11,11 +13,11 @@
 //! are routed like real ones; their outputs are never read.
 
 use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
-use crate::backend::{BackendError, MoeWeights};
+use crate::backend::{BackendError, MoeActivation, MoeWeights};
 use baton_kernels::cpu::{MoeRouting, MoeRows};
 use baton_kernels::cuda::{
-    CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,
-    MoeUnpermuteCall, SiluMulCall, bf16,
+    BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K,
+    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, SiluMulCall, bf16,
 };
 use cudarc::driver::DeviceRepr;
 
@@ -67,7 +69,7 @@ impl CudaBackend {
         &mut self,
         x: &CudaBuf,
         m: usize,
-        w: MoeWeights<'_, CudaMat>,
+        w: MoeWeights<'_, CudaMat, CudaBuf>,
         routing: MoeRouting,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
@@ -75,7 +77,10 @@ impl CudaBackend {
         let h = w.router.cols;
         let shapes_ok = w.router.rows == ne
             && (w.gate_up.rows, w.gate_up.cols) == (ne * 2 * inter, h)
-            && (w.down.rows, w.down.cols) == (ne * h, inter);
+            && (w.down.rows, w.down.cols) == (ne * h, inter)
+            && w.router_bias.is_none_or(|b| b.len == ne)
+            && w.gate_up_bias.is_none_or(|b| b.len == ne * 2 * inter)
+            && w.down_bias.is_none_or(|b| b.len == ne * h);
         if !shapes_ok || inter == 0 {
             return Err(kerr(
                 "moe",
@@ -117,6 +122,9 @@ impl CudaBackend {
         // rounding of the logits).
         let kernel = linear_kernel(self.gemv, m, h);
         LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
+        if let Some(b) = w.router_bias {
+            BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+        }
         MoeRouteCall { logits: &s.logits, rows: m, n_experts: ne, routing, ids: &mut s.ids, weights: &mut s.weights }
             .launch(dev)?;
         MoePermuteCall {
@@ -133,7 +141,7 @@ impl CudaBackend {
             rows: MoeRows::PerToken,
             k,
             w: &w.gate_up.data,
-            bias: None,
+            bias: w.gate_up_bias.map(|b| &b.data),
             n_experts: ne,
             n: 2 * inter,
             d: h,
@@ -143,13 +151,21 @@ impl CudaBackend {
             out: &mut s.gate_up,
         }
         .launch(dev)?;
-        SiluMulCall { gate_up: &s.gate_up, rows: a, d: inter, out: &mut s.act }.launch(dev)?;
+        match w.activation {
+            MoeActivation::SiluGated => {
+                SiluMulCall { gate_up: &s.gate_up, rows: a, d: inter, out: &mut s.act }.launch(dev)?;
+            }
+            MoeActivation::ClampedSwiglu { alpha, limit } => {
+                ClampedSwigluCall { gate_up: &s.gate_up, rows: a, d: inter, alpha, limit, out: &mut s.act }
+                    .launch(dev)?;
+            }
+        }
         MoeGroupedGemvCall {
             x: &s.act,
             rows: MoeRows::Permuted,
             k,
             w: &w.down.data,
-            bias: None,
+            bias: w.down_bias.map(|b| &b.data),
             n_experts: ne,
             n: h,
             d: inter,

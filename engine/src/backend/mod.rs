@@ -444,14 +444,15 @@ pub trait Backend: Send + 'static {
 
     /// A mixture-of-experts MLP over `m` rows of `x` (the post-attention normed hidden
     /// states, `m × hidden`), into `out` (`m × hidden`, the branch [`Backend::add_rms_norm`]
-    /// adds to the residual): the router's logits (kept in f32), each row's top-k experts and
-    /// weights as `routing` says, every chosen expert's SiLU-gated MLP, and their weighted
-    /// sum. Optional ([`OptionalOp::Moe`]); the default refuses.
+    /// adds to the residual): the router's logits (kept in f32, plus the router's bias where
+    /// it has one), each row's top-k experts and weights as `routing` says, every chosen
+    /// expert's gated MLP (activation and biases as `w` says), and their weighted sum.
+    /// Optional ([`OptionalOp::Moe`]); the default refuses.
     fn moe(
         &mut self,
         _x: &Self::Buf,
         _m: usize,
-        _w: MoeWeights<'_, Self::Mat>,
+        _w: MoeWeights<'_, Self::Mat, Self::Buf>,
         _routing: MoeRouting,
         _out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
@@ -545,9 +546,10 @@ pub trait Backend: Send + 'static {
     fn softcap_logits(&mut self, _cap: f32) -> Result<(), BackendError> {
         Err(self.missing(OptionalOp::LogitSoftcap))
     }
-    /// [`Backend::attention`] with a sliding window and/or score soft-capping (`extras`);
-    /// keys outside a query's window are never read. Optional
-    /// ([`OptionalOp::AttentionExtras`]).
+    /// [`Backend::attention`] with a sliding window and/or score soft-capping (`extras`), and
+    /// with attention sinks when `sinks` is given (one logit per query head, `n_heads` long:
+    /// an extra softmax column without a value, gpt-oss); keys outside a query's window are
+    /// never read. Optional ([`OptionalOp::AttentionExtras`]).
     fn attention_ext(
         &mut self,
         _layer: usize,
@@ -556,6 +558,7 @@ pub trait Backend: Send + 'static {
         _scale: f32,
         _batch: &BatchLayout,
         _extras: AttentionExtras,
+        _sinks: Option<&Self::Buf>,
         _out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
         Err(self.missing(OptionalOp::AttentionExtras))
@@ -617,7 +620,8 @@ pub enum OptionalOp {
     GeluTanhMul,
     /// [`Backend::softcap_logits`] (final logit soft-capping).
     LogitSoftcap,
-    /// [`Backend::attention_ext`] (sliding windows shorter than the context, score soft-capping).
+    /// [`Backend::attention_ext`] (sliding windows shorter than the context, score
+    /// soft-capping, attention sinks).
     AttentionExtras,
     /// [`Backend::set_layer_ropes`] (a rotary table per layer kind).
     LayerRope,
@@ -633,37 +637,62 @@ impl OptionalOp {
             Self::EmbedScale => "embedding scale",
             Self::GeluTanhMul => "GELU-tanh gated MLP",
             Self::LogitSoftcap => "final logit soft-capping",
-            Self::AttentionExtras => "attention with a sliding window or score soft-capping",
+            Self::AttentionExtras => "attention with a sliding window, score soft-capping or sinks",
             Self::LayerRope => "rotary tables per layer kind",
         }
     }
 }
 
-/// One MoE layer's weights on a backend (see [`Backend::moe`]). Expert `e`'s matrices are
-/// rows `e · rows_per_expert ..` of the stacked matrices, each in the HF `[out, in]` layout,
-/// which is the layout the grouped expert kernels read.
+/// One MoE layer's weights on a backend (see [`Backend::moe`]): matrices `M`, bias vectors
+/// `V`. Expert `e`'s matrices are rows `e · rows_per_expert ..` of the stacked matrices, each
+/// in the HF `[out, in]` layout, which is the layout the grouped expert kernels read.
 #[derive(Debug)]
-pub struct MoeWeights<'a, M> {
+pub struct MoeWeights<'a, M, V> {
     /// The router (`gate`), `num_experts × hidden`.
     pub router: &'a M,
-    /// Every expert's `[gate; up]`, stacked: `num_experts · 2 · intermediate_size` rows of
-    /// `hidden` (expert `e`: its gate rows, then its up rows).
+    /// The router's bias, `num_experts` (gpt-oss), added to its f32 logits.
+    pub router_bias: Option<&'a V>,
+    /// Every expert's gate and up rows, stacked: `num_experts · 2 · intermediate_size` rows of
+    /// `hidden`, each expert's in the order `activation` reads them.
     pub gate_up: &'a M,
+    /// Every expert's gate/up bias, `num_experts · 2 · intermediate_size`, in the rows' order.
+    pub gate_up_bias: Option<&'a V>,
     /// Every expert's down projection, stacked: `num_experts · hidden` rows of `intermediate_size`.
     pub down: &'a M,
+    /// Every expert's down bias, `num_experts · hidden`.
+    pub down_bias: Option<&'a V>,
     /// Experts.
     pub num_experts: usize,
     /// Inner width of each expert.
     pub intermediate_size: usize,
+    /// The experts' gated activation.
+    pub activation: MoeActivation,
 }
 
-impl<M> Clone for MoeWeights<'_, M> {
+impl<M, V> Clone for MoeWeights<'_, M, V> {
     fn clone(&self) -> Self {
         *self
     }
 }
 
-impl<M> Copy for MoeWeights<'_, M> {}
+impl<M, V> Copy for MoeWeights<'_, M, V> {}
+
+/// The gated activation of an MoE layer's experts, and the order of their gate/up rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MoeActivation {
+    /// `silu(gate) · up`; each expert's rows are its gate rows, then its up rows (Qwen3-MoE,
+    /// Mixtral).
+    SiluGated,
+    /// gpt-oss's `(clamp(up, ±limit) + 1) · g · σ(alpha · g)` with `g = min(gate, limit)`;
+    /// each expert's rows interleave gate and up (`gate_i` is row `2i`, `up_i` row `2i + 1`),
+    /// as the checkpoint's `gate_up_proj` columns do.
+    ClampedSwiglu {
+        /// `swiglu_alpha`.
+        alpha: f32,
+        /// `swiglu_limit`.
+        limit: f32,
+    },
+}
 
 /// What [`Backend::attention_ext`] adds to plain causal attention.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

@@ -243,7 +243,7 @@ impl<B: Backend> Architecture<B> for Gemma<B> {
             }
             after_kv(b, i)?;
             b.mark("attention");
-            b.attention_ext(i, &ws.q, nh, scale, batch, layer.attention, &mut ws.attn)?;
+            b.attention_ext(i, &ws.q, nh, scale, batch, layer.attention, None, &mut ws.attn)?;
             b.mark("o_proj");
             b.linear(&ws.attn, t, &layer.o, None, &mut ws.proj)?;
             b.mark("norm");

@@ -14,6 +14,7 @@
 //! - [`Architecture::logits`] leaves its output in the backend (see `Backend::lm_head`).
 
 pub mod gemma;
+pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
 pub mod registry;

@@ -1,19 +1,23 @@
 //! The routed mixture-of-experts MLP block (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`, Mixtral's
-//! `block_sparse_moe`): a router, then every token's top-k experts, each a SiLU-gated MLP,
-//! summed with the routing weights. It is a drop-in for the dense MLP of a decoder layer, so
-//! the architectures whose attention is the Llama family's use it from `llama.rs` rather than
-//! repeating that family's whole layer in a file of their own; a family with other MoE
-//! details (shared experts, expert biases, another activation) extends this block.
+//! `block_sparse_moe`, gpt-oss's `GptOssMLP`): a router, then every token's top-k experts,
+//! each a gated MLP, summed with the routing weights. It is a drop-in for the dense MLP of a
+//! decoder layer, so the architectures use it from their own files (`llama.rs`,
+//! `gpt_oss.rs`) rather than each repeating it; a family with other MoE details extends this
+//! block (gpt-oss: biases on the router and the experts, the clamped SwiGLU, experts stored
+//! fused and transposed).
 //!
 //! Invariants: the experts' weights are stacked in the layout [`MoeWeights`] documents (the
-//! HF per-expert tensors, in expert order, gate rows before up rows), each tensor checked
-//! against the config's shapes as it loads; the routing follows transformers (softmax over
-//! all experts, top-k, renormalised over the k when `norm_topk_prob` / always for Mixtral,
-//! ties to the lower expert index); the backend op is [`OptionalOp::Moe`], checked at load.
+//! HF per-expert tensors, in expert order, gate rows before up rows; gpt-oss's fused
+//! `[E, hidden, 2·inter]` tensors transposed per expert, gate and up rows interleaved as its
+//! columns are), each tensor checked against the config's shapes as it loads; the routing
+//! follows transformers (softmax over all experts, top-k, renormalised over the k when
+//! `norm_topk_prob` / always for Mixtral and gpt-oss, whose top-k-then-softmax is the same
+//! function; ties to the lower expert index); the backend op is [`OptionalOp::Moe`], checked
+//! at load.
 
 use super::{MlpKind, ModelLoadError, WeightLoader};
-use crate::backend::{Backend, BackendError, MoeWeights, OptionalOp};
-use baton_formats::{ExpertProj, ModelConfig};
+use crate::backend::{Backend, BackendError, MoeActivation, MoeWeights, OptionalOp};
+use baton_formats::{Architecture, ExpertProj, ModelConfig};
 use baton_kernels::cpu::{MoeRouting, MoeScoring};
 
 /// One layer's experts and router on a backend.
@@ -21,9 +25,12 @@ pub struct MoeMlp<B: Backend> {
     router: B::Mat,
     gate_up: B::Mat,
     down: B::Mat,
+    /// Router, gate/up and down biases (gpt-oss; `None` elsewhere).
+    biases: Option<[B::Buf; 3]>,
     num_experts: usize,
     intermediate_size: usize,
     routing: MoeRouting,
+    activation: MoeActivation,
 }
 
 impl<B: Backend> MoeMlp<B> {
@@ -49,7 +56,27 @@ impl<B: Backend> MoeMlp<B> {
         }
         let h = cfg.hidden_size;
         let inter = intermediate_size;
+        let routing = MoeRouting { k: experts_per_token, scoring: MoeScoring::Softmax, renormalize, scale: 1.0 };
         let router = w.mat(b, &[(cfg.router_tensor(layer), num_experts)], h)?;
+        if cfg.architecture == Architecture::GptOss {
+            let opts = cfg.gpt_oss.ok_or_else(|| unsupported(b, "a gpt-oss config without its options".into()))?;
+            let (p, e) = (format!("model.layers.{layer}.mlp"), num_experts);
+            let biases = [
+                w.vec(b, &[(format!("{p}.router.bias"), e)])?,
+                w.vec(b, &[(format!("{p}.experts.gate_up_proj_bias"), e * 2 * inter)])?,
+                w.vec(b, &[(format!("{p}.experts.down_proj_bias"), e * h)])?,
+            ];
+            return Ok(Self {
+                router,
+                gate_up: w.mat_transposed(b, &format!("{p}.experts.gate_up_proj"), e, 2 * inter, h)?,
+                down: w.mat_transposed(b, &format!("{p}.experts.down_proj"), e, h, inter)?,
+                biases: Some(biases),
+                num_experts,
+                intermediate_size: inter,
+                routing,
+                activation: MoeActivation::ClampedSwiglu { alpha: opts.swiglu_alpha, limit: opts.swiglu_limit },
+            });
+        }
         let gate_up_names: Vec<(String, usize)> = (0..num_experts)
             .flat_map(|e| [ExpertProj::Gate, ExpertProj::Up].map(|p| (cfg.expert_tensor(layer, e, p), inter)))
             .collect();
@@ -57,18 +84,34 @@ impl<B: Backend> MoeMlp<B> {
         let down_names: Vec<(String, usize)> =
             (0..num_experts).map(|e| (cfg.expert_tensor(layer, e, ExpertProj::Down), h)).collect();
         let down = w.mat(b, &down_names, inter)?;
-        let routing = MoeRouting { k: experts_per_token, scoring: MoeScoring::Softmax, renormalize, scale: 1.0 };
-        Ok(Self { router, gate_up, down, num_experts, intermediate_size: inter, routing })
+        Ok(Self {
+            router,
+            gate_up,
+            down,
+            biases: None,
+            num_experts,
+            intermediate_size: inter,
+            routing,
+            activation: MoeActivation::SiluGated,
+        })
     }
 
     /// The block over `m` rows of `x` (normed hidden states) into `out`.
     pub fn forward(&self, b: &mut B, x: &B::Buf, m: usize, out: &mut B::Buf) -> Result<(), BackendError> {
+        let [router_bias, gate_up_bias, down_bias] = match &self.biases {
+            Some([r, g, d]) => [Some(r), Some(g), Some(d)],
+            None => [None; 3],
+        };
         let w = MoeWeights {
             router: &self.router,
+            router_bias,
             gate_up: &self.gate_up,
+            gate_up_bias,
             down: &self.down,
+            down_bias,
             num_experts: self.num_experts,
             intermediate_size: self.intermediate_size,
+            activation: self.activation,
         };
         b.moe(x, m, w, self.routing, out)
     }

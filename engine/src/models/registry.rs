@@ -8,6 +8,7 @@
 //! (checked by a test), so a config that parsed always has a builder.
 
 use super::gemma::Gemma;
+use super::gpt_oss::GptOss;
 use super::llama::Llama;
 use super::{Architecture, ModelLoadError, WeightLoader};
 use crate::backend::Backend;
@@ -23,6 +24,9 @@ pub enum Implementation {
     Llama,
     /// [`Gemma`]: Gemma 2 and Gemma 3 (text).
     Gemma,
+    /// [`GptOss`]: gpt-oss (sinks, alternating windows, YaRN, experts with biases and the
+    /// clamped SwiGLU).
+    GptOss,
 }
 
 impl Implementation {
@@ -36,6 +40,7 @@ impl Implementation {
         match self {
             Self::Llama => Ok(Box::new(Llama::load(cfg, w, b)?)),
             Self::Gemma => Ok(Box::new(Gemma::load(cfg, w, b)?)),
+            Self::GptOss => Ok(Box::new(GptOss::load(cfg, w, b)?)),
         }
     }
 }
@@ -60,6 +65,7 @@ pub const REGISTRY: &[Registration] = &[
     Registration { family: Family::Gemma2, implementation: Implementation::Gemma },
     Registration { family: Family::Gemma3Text, implementation: Implementation::Gemma },
     Registration { family: Family::Phi3, implementation: Implementation::Llama },
+    Registration { family: Family::GptOss, implementation: Implementation::GptOss },
 ];
 
 /// The registration of `family`, if any.
@@ -116,6 +122,8 @@ mod tests {
             ("gemma2", Family::Gemma2),
             ("Gemma3ForCausalLM", Family::Gemma3Text),
             ("gemma3_text", Family::Gemma3Text),
+            ("GptOssForCausalLM", Family::GptOss),
+            ("gpt_oss", Family::GptOss),
         ] {
             let got = Family::from_name(name).and_then(registration).map(|r| r.family);
             assert_eq!(got, Some(family), "{name}");
@@ -160,6 +168,25 @@ mod tests {
             let want = if name == "mixtral" { vec![true, true] } else { vec![true, false, true] };
             assert_eq!(moe, want, "{name}");
         }
+    }
+
+    #[test]
+    fn gpt_oss_loads_its_fixture_and_is_refused_by_a_backend_without_sinks() {
+        let (dir, _) = baton_formats::testing::load_golden("gpt_oss").expect("fixture");
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load");
+        let build =
+            |b: &mut CpuBackend| build_architecture(&model.config, &mut WeightLoader::new(model.weights.as_ref()), b);
+        let err = build(&mut CpuBackend::without_optional_ops()).err().expect("refused");
+        let msg = err.to_string();
+        assert!(matches!(err, ModelLoadError::Unsupported { architecture: "gpt_oss", .. }), "{msg}");
+        assert!(msg.contains("sinks"), "{msg}");
+        let arch = build(&mut CpuBackend::new()).expect("gpt-oss on the CPU");
+        let kinds: Vec<AttentionKind> = arch.layers().iter().map(|l| l.attention).collect();
+        assert_eq!(kinds, [AttentionKind::SlidingWindow { window: 16 }, AttentionKind::Full]);
+        assert!(arch.layers().iter().all(|l| matches!(l.mlp, MlpKind::Moe { num_experts: 4, .. })));
+        // YaRN's attention factor, 0.1 · ln(32) + 1, is on the rotary table the layers use.
+        let table = arch.layers()[0].rope.table(32).expect("table");
+        assert!((table.attention_factor() - (0.1 * 32f32.ln() + 1.0)).abs() < 1e-6, "{}", table.attention_factor());
     }
 
     #[test]

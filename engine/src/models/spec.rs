@@ -71,6 +71,21 @@ impl RopeSpec {
             }) => {
                 RopeScalingKind::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }
             }
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            }) => RopeScalingKind::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            },
         };
         RopeTable::new(head_dim, self.theta, kind)
     }

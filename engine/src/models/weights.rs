@@ -1,7 +1,8 @@
 //! Reading an architecture's tensors into a backend: [`WeightLoader`] takes named tensors
 //! from a `baton_formats::WeightStore` (always in Hugging Face naming and layout), checks
 //! each one's element count against the config, and stacks several by rows into one
-//! backend matrix or vector (the fused `[q; k; v]` and `[gate; up]`). Random weights
+//! backend matrix or vector (the fused `[q; k; v]` and `[gate; up]`), or transposes a stack of
+//! `[in, out]` matrices (gpt-oss's experts) into the `[out, in]` layout. Random weights
 //! (`--load-format dummy`) are drawn by the backend itself instead of read.
 //!
 //! Invariant: every tensor handed to the backend has exactly the elements the caller said,
@@ -10,6 +11,8 @@
 use super::ModelLoadError;
 use crate::backend::Backend;
 use baton_formats::{CounterInit, TensorView, WeightStore};
+use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// The model's tensors, read from a store or drawn by the backend: each call takes named
 /// tensors of `rows × cols` (vectors: `cols` 1) and stacks them by rows into one matrix or
@@ -51,6 +54,54 @@ impl<'a> WeightLoader<'a> {
             return Ok(b.random_vec(&parts)?);
         }
         Ok(b.upload_vec_raw(&self.views(names, 1)?)?)
+    }
+
+    /// The stored tensor `name`, `batches` matrices of `cols × rows` (`[in, out]`, the layout
+    /// `x @ W` reads: gpt-oss's `gate_up_proj` `[E, hidden, 2·inter]`), as one matrix of
+    /// `batches · rows` rows of `cols`: each batch transposed to the `[out, in]` layout
+    /// [`Backend::linear`] reads, the batches stacked in order. The bytes are moved as stored
+    /// (no conversion), so a device upload streams them as it does any tensor.
+    pub fn mat_transposed<B: Backend>(
+        &mut self,
+        b: &mut B,
+        name: &str,
+        batches: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<B::Mat, ModelLoadError> {
+        let names = [(name.to_string(), batches * rows)];
+        if let Some(parts) = self.drawn(&names, cols)? {
+            // Random weights are i.i.d.: their layout does not matter.
+            return Ok(b.random_mat(&parts, cols)?);
+        }
+        let stored = self.views(&names, cols)?.remove(0);
+        let size = stored.dtype.size();
+        let mut bytes = vec![0u8; stored.bytes.len()];
+        // (At least 1: an empty tensor has no chunks either way.)
+        let matrix = (rows * cols * size).max(1);
+        // One matrix (expert) per task, in tiles so that both sides stay in cache (gpt-oss-20b's
+        // expert matrices are 2880 × 5760).
+        const TILE: usize = 64;
+        bytes.par_chunks_exact_mut(matrix).zip(stored.bytes.par_chunks_exact(matrix)).for_each(|(dst, src)| {
+            // src is [cols][rows], dst [rows][cols]: element (r, c) moves from c·rows + r.
+            for r0 in (0..rows).step_by(TILE) {
+                for c0 in (0..cols).step_by(TILE) {
+                    for r in r0..(r0 + TILE).min(rows) {
+                        for c in c0..(c0 + TILE).min(cols) {
+                            let (from, to) = ((c * rows + r) * size, (r * cols + c) * size);
+                            dst[to..to + size].copy_from_slice(&src[from..from + size]);
+                        }
+                    }
+                }
+            }
+        });
+        let view = TensorView {
+            name: stored.name,
+            shape: vec![batches * rows, cols],
+            dtype: stored.dtype,
+            bytes: Cow::Owned(bytes),
+        };
+        Ok(b.upload_mat_raw(&[view], batches * rows, cols)?)
     }
 
     /// The stored tensors `names`, each checked to hold `rows × cols` elements.

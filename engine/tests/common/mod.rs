@@ -97,6 +97,18 @@ pub fn peaked_gemma_fixture(name: &str, factor: f32) -> LoadedModel {
     m
 }
 
+/// A golden fixture `name` whose final norm scales by a plain `w` (gpt-oss) made peaked:
+/// `w` multiplied by `factor`, so the logits are `factor` times larger (as
+/// [`peaked_gemma_fixture`] does for Gemma's `1 + w`).
+pub fn peaked_fixture(name: &str, factor: f32) -> LoadedModel {
+    let mut m = golden_model(name);
+    assert!(m.config.gemma.is_none(), "{name}: Gemma's norms scale by 1 + w, see peaked_gemma_fixture");
+    let norm = m.weights.get("model.norm.weight").expect("final norm").to_f32();
+    let scaled: Vec<f32> = norm.iter().map(|w| factor * w).collect();
+    m.weights = Box::new(Replaced { inner: m.weights, name: "model.norm.weight".into(), values: scaled });
+    m
+}
+
 /// A weight store with one tensor's values replaced (f32, same shape).
 struct Replaced {
     inner: Box<dyn baton_formats::WeightStore>,

@@ -156,6 +156,35 @@ impl BiasAddCall<'_> {
     }
 }
 
+/// `x[r, j] += bias[j]` in f32 for `rows` f32 rows of width `n` and a bf16 bias (gpt-oss's
+/// router logits).
+pub struct BiasAddF32Call<'a> {
+    /// `rows × n` f32, updated in place.
+    pub x: &'a mut CudaSlice<f32>,
+    /// `n` bf16.
+    pub bias: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Row width.
+    pub n: usize,
+}
+
+impl BiasAddF32Call<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "bias_add_f32";
+        need(OP, "x", self.x, self.rows * self.n)?;
+        need(OP, "bias", self.bias, self.n)?;
+        let total = self.rows * self.n;
+        if total == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(self.x).buf(self.bias).int(self.n)?.long(total)?;
+        // SAFETY: the loop updates `total` elements of `x` and reads `n` biases, checked above.
+        unsafe { args.launch(dev, &dev.kernels.bias_add_f32, grid_stride(total)) }
+    }
+}
+
 /// `dst[r, c] = src[r, col0 + c]` for `rows` rows and `c < dst_width`: a band of columns.
 pub struct CopyColsCall<'a> {
     /// `rows × src_width` bf16.

@@ -28,6 +28,7 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub add_rms_norm: F,
     pub silu_mul: F,
     pub bias_add: F,
+    pub bias_add_f32: F,
     pub copy_cols: F,
     pub gather_rows_bf16: F,
     pub gather_rows_f32: F,
@@ -87,6 +88,7 @@ impl<F> KernelTable<F> {
         let add_rms_norm = f(el, "add_rms_norm_f32")?;
         let silu_mul = f(el, "silu_mul_bf16")?;
         let bias_add = f(el, "bias_add_bf16")?;
+        let bias_add_f32 = f(el, "bias_add_f32")?;
         let copy_cols = f(el, "copy_cols_bf16")?;
         let gather_rows_bf16 = f(el, "gather_rows_bf16")?;
         let gather_rows_f32 = f(el, "gather_rows_f32")?;
@@ -149,6 +151,7 @@ impl<F> KernelTable<F> {
             add_rms_norm,
             silu_mul,
             bias_add,
+            bias_add_f32,
             copy_cols,
             gather_rows_bf16,
             gather_rows_f32,

@@ -37,7 +37,7 @@
 //! 5. **kernel families**, one call struct per kernel (or per set of kernels sharing their
 //!    operands), every operand a named field and one `launch(self, &CudaDevice)`:
 //!    `norm.rs` ([`RmsNormCall`], [`AddRmsNormCall`]), `elementwise.rs` ([`SiluMulCall`],
-//!    [`GeluTanhMulCall`], [`SoftcapCall`], [`BiasAddCall`], [`CopyColsCall`], [`CastCall`]),
+//!    [`GeluTanhMulCall`], [`SoftcapCall`], [`BiasAddCall`], [`BiasAddF32Call`], [`CopyColsCall`], [`CastCall`]),
 //!    `gather.rs` ([`EmbedCall`], [`GatherRowsCall`]), `rope.rs` ([`RopeKvCall`], with
 //!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed),
 //!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
@@ -100,7 +100,9 @@ pub use compile::{
 };
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};
-pub use elementwise::{BiasAddCall, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall};
+pub use elementwise::{
+    BiasAddCall, BiasAddF32Call, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall,
+};
 pub use error::CudaError;
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};

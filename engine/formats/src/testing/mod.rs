@@ -226,6 +226,7 @@ impl TinySpec {
             eos_token_ids: vec![EOS_ID],
             moe: self.moe.clone(),
             gemma: None,
+            gpt_oss: None,
         }
     }
 
@@ -308,7 +309,7 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
         Architecture::Llama | Architecture::Mistral => "llama",
-        Architecture::Qwen3Moe | Architecture::Mixtral => {
+        Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::GptOss => {
             return Err(FormatError::unsupported(Path::new("gguf"), "mixture-of-experts GGUF (not written or read)"));
         }
         Architecture::Gemma2 | Architecture::Gemma3Text => {
@@ -417,6 +418,24 @@ pub fn load_golden(name: &str) -> Result<(PathBuf, Golden), FormatError> {
     let dir = golden_fixtures_dir().join(name);
     let golden = read_golden(&dir.join("golden.json"))?;
     Ok((dir, golden))
+}
+
+/// The model files of golden fixture `name` copied into `dst` (created), without the
+/// reference files beside them: the golden outputs and `dequantized.safetensors`
+/// (`gpt_oss_mxfp4`'s expected dequantization, which a loader would read as one more shard,
+/// serving the experts from it instead of dequantizing the MXFP4 ones). Returns `dst`.
+pub fn golden_checkpoint_copy(name: &str, dst: &Path) -> Result<PathBuf, FormatError> {
+    const REFERENCES: [&str; 3] = ["dequantized.safetensors", "golden.json", "golden_bf16.json"];
+    let src = golden_fixtures_dir().join(name);
+    std::fs::create_dir_all(dst).map_err(|e| FormatError::io(dst, e))?;
+    for entry in std::fs::read_dir(&src).map_err(|e| FormatError::io(&src, e))? {
+        let path = entry.map_err(|e| FormatError::io(&src, e))?.path();
+        let Some(file) = path.file_name() else { continue };
+        if path.is_file() && !REFERENCES.iter().any(|r| file == *r) {
+            std::fs::copy(&path, dst.join(file)).map_err(|e| FormatError::io(&path, e))?;
+        }
+    }
+    Ok(dst.to_path_buf())
 }
 
 /// Golden fixture `name`'s outputs from transformers' bf16 forward (`golden_bf16.json`, written
