@@ -230,9 +230,9 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 10 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
+        // 12 plain kernels, 11 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
         // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV,
-        // un-permute, gpt-oss's clamped SwiGLU), the extended attention per
+        // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs;
@@ -243,7 +243,7 @@ mod tests {
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 27 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        assert_eq!(names.len(), 28 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
