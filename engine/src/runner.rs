@@ -148,12 +148,16 @@ impl<B: Backend> ModelRunner<B> {
     ) -> Result<(), ModelLoadError> {
         let resolved = dtype.resolve(self.backend.kv_dtype());
         let config = self.arch.config();
-        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && config.architecture.is_gemma() {
-            // Windowed and soft-capped attention reads a bf16 cache only (attention_ext).
+        let extended_attention =
+            config.architecture.is_gemma() || config.architecture == baton_formats::Architecture::GptOss;
+        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && extended_attention {
+            // Windowed, soft-capped or sink attention runs the extended kernel, whose CUDA
+            // launcher (`attention_with`) reads a bf16 cache only: refused here, on every
+            // backend, rather than at the first step.
             return Err(ModelLoadError::Unsupported {
                 architecture: config.architecture.model_type(),
                 device: self.backend.device_name(),
-                what: "--kv-cache-dtype fp8 with sliding-window or soft-capped attention (Gemma)".into(),
+                what: "--kv-cache-dtype fp8 with sliding-window, soft-capped or sink attention (Gemma, gpt-oss)".into(),
             });
         }
         let scales = if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 {

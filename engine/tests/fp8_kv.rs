@@ -159,17 +159,19 @@ fn the_pool_holds_more_blocks_per_byte_with_fp8() {
     .err()
     .expect("bf16 refused on the CPU");
     assert!(err.to_string().contains("BF16"), "{err}");
-    // Windowed / soft-capped attention has no FP8 kernel yet: refused at start, naming it.
-    let (dir, _) = baton_formats::testing::load_golden("gemma2").expect("fixture");
-    let gemma = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load gemma2");
-    let err = baton_engine::start_engine(
-        &gemma,
-        baton_engine::DeviceSpec::Cpu,
-        EngineConfig { kv_cache_dtype: KvCacheDtype::Fp8E4M3, num_threads: Some(1), ..EngineConfig::default() },
-    )
-    .err()
-    .expect("fp8 with windows refused");
-    assert!(err.to_string().contains("--kv-cache-dtype fp8") && err.to_string().contains("gemma2"), "{err}");
+    // Windowed / soft-capped / sink attention has no FP8 kernel yet: refused at start, naming it.
+    for name in ["gemma2", "gpt_oss"] {
+        let (dir, _) = baton_formats::testing::load_golden(name).expect("fixture");
+        let model = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load fixture");
+        let err = baton_engine::start_engine(
+            &model,
+            baton_engine::DeviceSpec::Cpu,
+            EngineConfig { kv_cache_dtype: KvCacheDtype::Fp8E4M3, num_threads: Some(1), ..EngineConfig::default() },
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{name}: fp8 with extended attention accepted"));
+        assert!(err.to_string().contains("--kv-cache-dtype fp8") && err.to_string().contains(name), "{err}");
+    }
     for e in [f32_engine, fp8_engine] {
         e.shutdown();
     }
