@@ -29,34 +29,8 @@ use baton_kernels::cuda::{
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Median milliseconds of `reps` timed calls of `f` after `warm` untimed ones.
-fn time_ms(
-    dev: &CudaDevice,
-    warm: usize,
-    reps: usize,
-    mut f: impl FnMut(usize) -> Result<(), CudaError>,
-) -> Result<f64, CudaError> {
-    for i in 0..warm {
-        f(i)?;
-    }
-    dev.synchronize()?;
-    let mut out = Vec::with_capacity(reps);
-    for i in 0..reps {
-        let a = dev.event()?;
-        let b = dev.event()?;
-        a.record(dev.stream())?;
-        f(i)?;
-        b.record(dev.stream())?;
-        b.synchronize()?;
-        out.push(a.elapsed_ms(&b)? as f64);
-    }
-    Ok(median(out))
-}
+mod common;
+use common::time_ms;
 
 /// A device buffer of `n` random bf16 values in [-1, 1], built from a 16 Mi-element random
 /// tile copied repeatedly (generating gigabytes on the host would dominate the run).

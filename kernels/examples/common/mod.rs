@@ -1,0 +1,33 @@
+//! Timing helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`).
+
+use baton_kernels::cuda::{CudaDevice, CudaError};
+
+/// The median of `v` (the upper one of an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median milliseconds of `reps` CUDA-event-timed calls of `f` after `warm` untimed ones.
+pub fn time_ms(
+    dev: &CudaDevice,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for i in 0..warm {
+        f(i)?;
+    }
+    dev.synchronize()?;
+    let mut out = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let a = dev.event()?;
+        let b = dev.event()?;
+        a.record(dev.stream())?;
+        f(i)?;
+        b.record(dev.stream())?;
+        b.synchronize()?;
+        out.push(f64::from(a.elapsed_ms(&b)?));
+    }
+    Ok(median(out))
+}
