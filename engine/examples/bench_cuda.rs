@@ -125,8 +125,27 @@ fn run() -> Res<()> {
     let h = cfg.hidden_size;
     let qd = cfg.num_attention_heads * cfg.head_dim;
     let kvd = cfg.num_key_value_heads * cfg.head_dim;
-    let per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size;
-    let weight_bytes = 2.0 * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * h) as f64;
+    // Weights read per decode step of `b` rows: every attention matrix, every dense MLP, and
+    // in each MoE layer the router plus the experts the step touches: exactly `k` at b = 1,
+    // and for larger b the expected count under uniform routing, E·(1 − (1 − k/E)^b) (random
+    // weights route about uniformly; the figure says so).
+    let attn = h * (qd + 2 * kvd) + qd * h;
+    let moe_layers = cfg.moe.as_ref().map_or(0, |m| (0..cfg.num_hidden_layers).filter(|&l| m.is_moe_layer(l)).count());
+    let dense_layers = cfg.num_hidden_layers - moe_layers;
+    let touched = |b: usize| -> f64 {
+        cfg.moe.as_ref().map_or(0.0, |m| {
+            let (e, k) = (m.num_experts as f64, m.experts_per_token as f64);
+            if b == 1 { k } else { e * (1.0 - (1.0 - k / e).powi(b as i32)) }
+        })
+    };
+    let weight_bytes_for = |b: usize| -> f64 {
+        let moe = cfg.moe.as_ref().map_or(0.0, |m| {
+            moe_layers as f64 * ((h * m.num_experts) as f64 + touched(b) * (3 * h * m.intermediate_size) as f64)
+        });
+        let dense = (cfg.num_hidden_layers * attn + dense_layers * 3 * h * cfg.intermediate_size) as f64;
+        2.0 * (dense + moe + (cfg.vocab_size * h) as f64)
+    };
+    let weight_bytes = weight_bytes_for(1);
     let kv_per_token = (2 * cfg.num_hidden_layers * kvd * kv_elem_bytes) as f64;
     writeln!(table, "copy 1 GiB d2d: {copy_gbs:.0} GB/s; weights read per step {:.2} GB", weight_bytes / 1e9)?;
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
@@ -229,7 +248,10 @@ fn run() -> Res<()> {
         "decode step (median of 40): shape | mode | ms | floor ms (weights + KV at copy) | % of floor | peer ms | baton/peer speed"
     )?;
     for &(b, ctx) in &shapes {
-        let bytes = weight_bytes + kv_per_token * (b * ctx) as f64;
+        let bytes = weight_bytes_for(b) + kv_per_token * (b * ctx) as f64;
+        if cfg.moe.is_some() {
+            writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
+        }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
         for &(graphs, pdl) in &modes {
             model.backend_mut().set_graphs(graphs);
