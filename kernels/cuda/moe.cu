@@ -195,6 +195,142 @@ extern "C" __global__ void moe_grouped_gemv_bf16(const bf16_t* __restrict__ x, i
     }
 }
 
+// The same product as moe_grouped_gemv_bf16 on the tensor cores, for steps where each expert
+// has many entries (prefill): a CTA computes a 64 x 64 tile of out (64 entries of one expert
+// by 64 columns) with 4 warps of 16 entries each, mma.sync m16n8k16 bf16 -> f32. Tiles of x
+// (gathered through order when per_token) and of w go to shared memory by 16-byte cp.async,
+// two stages of 32 inputs (d % 32 == 0), rows padded to 40 elements so the 8 rows of every
+// ldmatrix phase fall in distinct 16-byte bank groups. Grid (ceil(n / 64), tiles): tile t is
+// found by walking the experts' entry counts (ceil(count / 64) tiles each), and a CTA past the
+// last tile returns; entries past the expert's segment and columns past n are zero-filled and
+// never stored.
+#define MOE_GM_BM 64
+#define MOE_GM_BN 64
+#define MOE_GM_BK 32
+#define MOE_GM_RS (MOE_GM_BK + 8)
+
+__device__ __forceinline__ unsigned moe_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void moe_cp16(unsigned dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void moe_ldsm4(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void moe_mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ __launch_bounds__(128) void moe_grouped_gemm_bf16(
+    const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+    const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
+    int n_experts) {
+    PDL_ENTER();
+    __shared__ __align__(16) bf16_t xs[2][MOE_GM_BM * MOE_GM_RS];
+    __shared__ __align__(16) bf16_t ws[2][MOE_GM_BN * MOE_GM_RS];
+    int t = blockIdx.y, e = 0, begin = 0, end = 0;
+    for (; e < n_experts; e++) {
+        const int b0 = offsets[e], b1 = offsets[e + 1];
+        const int tiles = (b1 - b0 + MOE_GM_BM - 1) / MOE_GM_BM;
+        if (t < tiles) {
+            begin = b0 + t * MOE_GM_BM;
+            end = b1;
+            break;
+        }
+        t -= tiles;
+    }
+    if (e == n_experts) return;
+    const int col0 = blockIdx.x * MOE_GM_BN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Copies: each thread moves chunks tid and tid + 128 (row c / 4, 8 inputs c % 4) of the x
+    // tile and of the w tile per stage.
+    const bf16_t* xsrc[2];
+    const bf16_t* wsrc[2];
+    bool xok[2], wok[2];
+    unsigned xdst[2], wdst[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int c = tid + 128 * i, r = c >> 2, part = c & 3;
+        const int p = begin + r;
+        xok[i] = p < end;
+        xsrc[i] = x + (xok[i] ? (long long)(per_token ? order[p] / k : p) * d : 0) + part * 8;
+        const int col = col0 + r;
+        wok[i] = col < n;
+        wsrc[i] = w + (wok[i] ? ((long long)e * n + col) * d : 0) + part * 8;
+        xdst[i] = (unsigned)((r * MOE_GM_RS + part * 8) * 2);
+        wdst[i] = xdst[i];
+    }
+    auto load = [&](int k0, int s) {
+        const unsigned xb = moe_smem(xs[s]), wb = moe_smem(ws[s]);
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            moe_cp16(xb + xdst[i], xsrc[i] + k0, xok[i]);
+            moe_cp16(wb + wdst[i], wsrc[i] + k0, wok[i]);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+    float acc[MOE_GM_BN / 8][4];
+#pragma unroll
+    for (int j = 0; j < MOE_GM_BN / 8; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
+    const int nk = d / MOE_GM_BK;
+    load(0, 0);
+    for (int kt = 0; kt < nk; kt++) {
+        if (kt + 1 < nk) {
+            load((kt + 1) * MOE_GM_BK, (kt + 1) & 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        const unsigned xa = moe_smem(xs[kt & 1]), wb = moe_smem(ws[kt & 1]);
+#pragma unroll
+        for (int kk = 0; kk < MOE_GM_BK; kk += 16) {
+            // A: rows 16 warp + (lane & 15), inputs kk + 8 (lane >> 4): a0..a3 in mma order.
+            unsigned a[4];
+            moe_ldsm4(xa + (unsigned)(((warp * 16 + (lane & 15)) * MOE_GM_RS + kk + (lane >> 4) * 8) * 2), a);
+#pragma unroll
+            for (int np = 0; np < MOE_GM_BN / 16; np++) {
+                // B: w rows (columns of out) np * 16 + ..., as K in prefill.cu's Q K^T.
+                unsigned b[4];
+                moe_ldsm4(wb + (unsigned)(((np * 16 + (lane >> 4) * 8 + (lane & 7)) * MOE_GM_RS + kk +
+                                           ((lane >> 3) & 1) * 8) * 2),
+                          b);
+                moe_mma(acc[2 * np], a, b[0], b[1]);
+                moe_mma(acc[2 * np + 1], a, b[2], b[3]);
+            }
+        }
+        // Every warp is done with this stage before the next iteration's copy refills it.
+        __syncthreads();
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int j = 0; j < MOE_GM_BN / 8; j++) {
+        const int col = col0 + j * 8 + 2 * tq;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int p = begin + warp * 16 + g + 8 * h;
+            if (p >= end) continue;
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int c = col + q;
+                if (c < n) {
+                    const float b = bias ? bf2f(bias[(long long)e * n + c]) : 0.f;
+                    out[(long long)p * n + c] = f2bf(acc[j][2 * h + q] + b);
+                }
+            }
+        }
+    }
+}
+
 // out[r, i] = shared[r, i] (when given) + sum_j weights[r k + j] * y[position[r k + j], i]: one
 // CTA per token row, f32 sum in a fixed order (deterministic, no atomics), bf16 out.
 extern "C" __global__ void moe_unpermute_bf16(const bf16_t* __restrict__ y, const int* __restrict__ position,

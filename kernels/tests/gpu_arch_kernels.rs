@@ -16,8 +16,8 @@ use baton_kernels::cpu::{
 };
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionExtCall, BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, GeluTanhMulCall,
-    HostSeq, KvGeometry, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm, RmsNormCall,
-    RopeExtras, RopeInput, RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
+    HostSeq, KvGeometry, MoeExpertKernel, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, QkNorm,
+    RmsNormCall, RopeExtras, RopeInput, RopeKvCall, ScaleRoundCall, SiluMulCall, SoftcapCall, StepMeta, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -420,9 +420,16 @@ fn gpu_moe_routing_and_permutation_match_cpu() {
     assert!(call(8, soft(2, true), &mut short, &mut w).is_err(), "short ids accepted");
 }
 
-/// A whole MoE MLP on the device (route, permute, grouped gate_up GEMV, SiLU·mul, grouped down
-/// GEMV, un-permute with and without a shared expert) against the CPU references.
-fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usize, hidden: usize, inter: usize) {
+/// A whole MoE MLP on the device (route, permute, grouped gate_up product, SiLU·mul, grouped
+/// down product, un-permute with and without a shared expert) against the CPU references; the
+/// grouped products on `kernel` (the down projection on the GEMV when `inter` does not suit
+/// the GEMM).
+fn moe_mlp_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    (rows, ne, k, hidden, inter): (usize, usize, usize, usize, usize),
+    kernel: MoeExpertKernel,
+) {
     let routing = MoeRouting { k, scoring: MoeScoring::Softmax, renormalize: true, scale: 1.0 };
     let x = rand_vec(r, rows * hidden, 1.0);
     let logits: Vec<f32> = (0..rows * ne).map(|_| r.random_range(-2.0f32..2.0)).collect();
@@ -451,7 +458,9 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
     cpu::moe_unpermute(&h2r, hidden, &perm, &weights, k, None, &mut want).expect("unpermute");
     cpu::moe_unpermute(&h2r, hidden, &perm, &weights, k, Some(&shared), &mut want_shared).expect("unpermute");
 
-    let what = format!("moe mlp rows={rows} experts={ne} k={k} hidden={hidden} inter={inter}");
+    let what = format!("moe mlp rows={rows} experts={ne} k={k} hidden={hidden} inter={inter} {kernel:?}");
+    let down_kernel =
+        if kernel == MoeExpertKernel::Gemm && !inter.is_multiple_of(32) { MoeExpertKernel::Gemv } else { kernel };
     let ld = dev.upload(&logits).expect("logits");
     let mut idd = dev.alloc::<i32>(n).expect("ids");
     let mut wd = dev.alloc::<f32>(n).expect("weights");
@@ -487,7 +496,7 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
         assignments: n,
         out: &mut h1d,
     }
-    .launch(dev)
+    .launch_with(dev, kernel)
     .expect("gate_up");
     check(&format!("{what} gate_up"), &down(dev, &h1d, n * 2 * inter), &h1);
     let mut actd = poisoned(dev, n * inter);
@@ -508,7 +517,7 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
         assignments: n,
         out: &mut h2d,
     }
-    .launch(dev)
+    .launch_with(dev, down_kernel)
     .expect("down");
     check(&format!("{what} down"), &down(dev, &h2d, n * hidden), &h2);
     let shared_d = up(dev, &shared);
@@ -547,14 +556,21 @@ fn moe_mlp_case(dev: &CudaDevice, r: &mut StdRng, rows: usize, ne: usize, k: usi
 }
 
 /// Mixtral-like (8 experts, top-2) and Qwen3-MoE-like (64 experts, top-6, more than 8 rows per
-/// expert at 300 rows, so the GEMV's row batches repeat) shapes, decode to prefill sizes.
+/// expert at 300 rows, so the GEMV's row batches repeat) shapes, decode to prefill sizes, on
+/// the GEMV and on the tensor-core GEMM; and a prefill-sized step (1,000 rows over 32 experts,
+/// top-4: ~125 entries an expert, so whole and partial 64-entry tiles) on the GEMM and on `Auto`.
 #[test]
 fn gpu_moe_grouped_gemv_and_unpermute_match_cpu() {
     let dev = device();
     let mut r = rng("moe_mlp");
-    for rows in [1usize, 7, 300] {
-        moe_mlp_case(&dev, &mut r, rows, 8, 2, 64, 32);
-        moe_mlp_case(&dev, &mut r, rows, 64, 6, 256, 136);
+    for kernel in [MoeExpertKernel::Gemv, MoeExpertKernel::Gemm] {
+        for rows in [1usize, 7, 300] {
+            moe_mlp_case(&dev, &mut r, (rows, 8, 2, 64, 32), kernel);
+            moe_mlp_case(&dev, &mut r, (rows, 64, 6, 256, 136), kernel);
+        }
+    }
+    for kernel in [MoeExpertKernel::Gemm, MoeExpertKernel::Auto] {
+        moe_mlp_case(&dev, &mut r, (1000, 32, 4, 256, 96), kernel);
     }
 }
 

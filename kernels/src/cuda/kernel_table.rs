@@ -47,6 +47,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub moe_route: F,
     pub moe_permute: F,
     pub moe_grouped_gemv: F,
+    /// The grouped expert product on the tensor cores (many entries per expert: prefill).
+    pub moe_grouped_gemm: F,
     pub moe_unpermute: F,
     pub clamped_swiglu: F,
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
@@ -110,6 +112,7 @@ impl<F> KernelTable<F> {
         let moe_route = f(el, "moe_route_f32")?;
         let moe_permute = f(el, "moe_permute")?;
         let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
+        let moe_grouped_gemm = f(el, "moe_grouped_gemm_bf16")?;
         let moe_unpermute = f(el, "moe_unpermute_bf16")?;
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
@@ -168,6 +171,7 @@ impl<F> KernelTable<F> {
             moe_route,
             moe_permute,
             moe_grouped_gemv,
+            moe_grouped_gemm,
             moe_unpermute,
             clamped_swiglu,
             attention_ext,
@@ -230,8 +234,8 @@ mod tests {
         let names = kernel_names();
         let unique: HashSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
-        // 12 plain kernels, 11 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
-        // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV,
+        // 12 plain kernels, 12 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
+        // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV and GEMM,
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
@@ -243,7 +247,7 @@ mod tests {
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
-        assert_eq!(names.len(), 28 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        assert_eq!(names.len(), 29 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",

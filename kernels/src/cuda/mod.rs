@@ -112,7 +112,8 @@ pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
 pub use moe::{
-    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall,
+    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeExpertKernel, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,
+    MoeUnpermuteCall,
 };
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{

@@ -46,6 +46,23 @@ const ROUTE_ROWS_PER_CTA: usize = 4;
 /// Output columns per CTA of the grouped GEMV (one warp each).
 const GEMV_COLS_PER_CTA: usize = 8;
 
+/// The grouped GEMM's tile: entries × columns per CTA, and its input step (`d` must be a
+/// multiple of it).
+const GEMM_TILE: usize = 64;
+const GEMM_K_STEP: usize = 32;
+
+/// Which kernel computes a grouped expert product ([`MoeGroupedGemvCall::launch_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeExpertKernel {
+    /// `moe_grouped_gemv_bf16`: one warp per column, CUDA cores; reads each used expert's
+    /// weights once per 8 entries. Best when experts have few entries (decode).
+    Gemv,
+    /// `moe_grouped_gemm_bf16`: 64 × 64 tiles on the tensor cores; needs `d % 32 == 0`.
+    Gemm,
+    /// The GEMM when every expert averages at least 16 entries and `d` allows it, else the GEMV.
+    Auto,
+}
+
 /// Each token's top-k experts: `ids[r·k + j]` and `weights[r·k + j]`, best first.
 /// A row of NaN logits still gets in-range ids (with NaN weights), as the CPU reference
 /// gives, so the permutation and un-permute never meet an id they cannot place.
@@ -168,8 +185,13 @@ pub struct MoeGroupedGemvCall<'a> {
 }
 
 impl MoeGroupedGemvCall<'_> {
-    /// Checks the sizes and enqueues `moe_grouped_gemv_bf16`.
+    /// Checks the sizes and enqueues the kernel [`MoeExpertKernel::Auto`] picks.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        self.launch_with(dev, MoeExpertKernel::Auto)
+    }
+
+    /// Checks the sizes and enqueues `kernel`'s product.
+    pub fn launch_with(self, dev: &CudaDevice, kernel: MoeExpertKernel) -> Result<(), CudaError> {
         const OP: &str = "moe_grouped_gemv";
         let (ne, n, d, k, a) = (self.n_experts, self.n, self.d, self.k, self.assignments);
         shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
@@ -197,6 +219,27 @@ impl MoeGroupedGemvCall<'_> {
             None => args.u64(0),
         };
         let args = args.buf(self.offsets).buf(self.order).buf(self.out).int(n)?.int(d)?;
+        let gemm_fits = d.is_multiple_of(GEMM_K_STEP);
+        let gemm = match kernel {
+            MoeExpertKernel::Gemv => false,
+            MoeExpertKernel::Gemm => {
+                shape_check(OP, gemm_fits, || format!("the grouped GEMM needs d % {GEMM_K_STEP} == 0, d = {d}"))?;
+                true
+            }
+            MoeExpertKernel::Auto => gemm_fits && a >= 16 * ne,
+        };
+        if gemm {
+            // Tiles of 64 entries: at most ceil(a / 64) + one partial tile per expert.
+            let tiles = a.div_ceil(GEMM_TILE) + ne;
+            shape_check(OP, tiles <= MAX_GRID_YZ, || format!("{tiles} entry tiles exceed the grid"))?;
+            let grid = cfg((int(OP, n.div_ceil(GEMM_TILE))? as u32, tiles as u32, 1), 128);
+            let args = args.int(ne)?;
+            // SAFETY: as for the GEMV below: CTA (c, t) finds its expert e and a 64-entry tile
+            // inside offsets[e]..offsets[e + 1] (or returns), reads only those entries' rows of
+            // `x` (through `order`), expert e's rows < n of `w` (zero-filling the rest) and
+            // `bias[e]`, and writes those entries' columns < n of `out`. Sizes checked above.
+            return unsafe { args.launch(dev, &dev.kernels.moe_grouped_gemm, grid) };
+        }
         let grid = cfg((int(OP, n.div_ceil(GEMV_COLS_PER_CTA))? as u32, ne as u32, 1), (32 * GEMV_COLS_PER_CTA) as u32);
         // SAFETY: CTA (c, e) reads expert e's columns (< n, inside `w`, and `bias` if given) and the entries of its
         // segment offsets[e]..offsets[e + 1], which the permutation wrote within 0..assignments
