@@ -355,6 +355,9 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Gemma 2 / Gemma 3 options; `None` for every other family.
     pub gemma: Option<GemmaOptions>,
+    /// FP8 weights: the checkpoint's `quantization_config`, or quantization at load
+    /// (`--quantization fp8`); `None` for unquantized weights.
+    pub quantization: Option<crate::quantization::Quantization>,
 }
 
 impl ModelConfig {
@@ -783,6 +786,10 @@ impl ModelConfig {
             eos_token_ids: parse_id_list(v.get("eos_token_id")),
             moe,
             gemma: gemma_options(v, architecture, path)?,
+            quantization: match v.get("quantization_config").filter(|q| !q.is_null()) {
+                Some(q) => Some(crate::quantization::Quantization::from_hf(q, path)?),
+                None => None,
+            },
         };
         cfg.validate_at(path)?;
         Ok(cfg)

@@ -49,10 +49,8 @@ pub(crate) fn refuse_unimplemented_options(
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(FormatError::unsupported(path, "mlp_bias = true"));
     }
-    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
-        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
-        return Err(FormatError::unsupported(path, format!("quantization_config (quant_method {method:?})")));
-    }
+    // `quantization_config` is parsed (and what is not implemented refused) by
+    // `crate::quantization::Quantization::from_hf`.
     // Soft-capping is implemented for the Gemma families only (read by `gemma_options`).
     for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
         if let Some(cap) = v.get(key).filter(|c| !c.is_null() && !architecture.is_gemma()) {

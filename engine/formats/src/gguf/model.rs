@@ -199,6 +199,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         eos_token_ids,
         moe: None,
         gemma: None,
+        quantization: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)

@@ -226,6 +226,7 @@ impl TinySpec {
             eos_token_ids: vec![EOS_ID],
             moe: self.moe.clone(),
             gemma: None,
+            quantization: None,
         }
     }
 
