@@ -24,9 +24,6 @@ use serde_json::Value;
 use crate::error::FormatError;
 use crate::tensor::{DType, WeightStore};
 
-/// Largest finite E4M3 magnitude.
-const E4M3_MAX: f32 = 448.0;
-
 /// Where a model's FP8 weights come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QuantSource {
@@ -422,27 +419,6 @@ pub fn read_fp8_scales(
     Ok(scales)
 }
 
-/// Quantizes a `rows × cols` f32 matrix per output row: scale = `amax(row) / 448` (1 for an
-/// all-zero row), code = E4M3 of `x / scale`, rounded to nearest even with saturation. The
-/// engine's at-load path; `encode` is the E4M3 rounding (the kernels crate's, bit-exact with
-/// the hardware's).
-pub fn quantize_per_channel(values: &[f32], rows: usize, cols: usize, encode: impl Fn(f32) -> u8) -> Fp8Weight {
-    let mut codes = vec![0u8; rows * cols];
-    let mut scales = vec![1.0f32; rows];
-    for ((row, dst), scale) in
-        values.chunks_exact(cols.max(1)).zip(codes.chunks_exact_mut(cols.max(1))).zip(&mut scales)
-    {
-        let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        if amax > 0.0 && amax.is_finite() {
-            *scale = amax / E4M3_MAX;
-        }
-        for (d, v) in dst.iter_mut().zip(row) {
-            *d = encode(v / *scale);
-        }
-    }
-    Fp8Weight { rows, cols, codes, scales, layout: Fp8ScaleLayout::PerChannel }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -518,23 +494,5 @@ mod tests {
         assert_eq!(e4m3_value(0xFE), -448.0);
         assert!(e4m3_value(0x7F).is_nan() && e4m3_value(0xFF).is_nan());
         assert_eq!(e4m3_value(0x3C), 1.5);
-    }
-
-    #[test]
-    fn per_channel_quantization_scales_each_row_to_448() {
-        // Nearest of the codes this test produces (0, ±224, ±448): x / (amax / 448) is 448
-        // only up to f32 rounding.
-        let encode = |x: f32| -> u8 {
-            let sign = if x < 0.0 { 0x80 } else { 0 };
-            match x.abs() {
-                m if m < 112.0 => 0,
-                m if m < 336.0 => 0x76 | sign,
-                _ => 0x7E | sign,
-            }
-        };
-        let w = quantize_per_channel(&[2.0, -1.0, 0.0, 0.0, 4.0, 0.0], 3, 2, encode);
-        assert_eq!(w.scales, vec![2.0 / 448.0, 1.0, 4.0 / 448.0]);
-        assert_eq!(w.codes, vec![0x7E, 0xF6, 0, 0, 0x7E, 0]);
-        assert_eq!(e4m3_value(w.codes[1]) * w.scales[0], -1.0);
     }
 }

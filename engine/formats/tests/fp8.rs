@@ -57,12 +57,15 @@ fn each_fp8_format_loads_and_dequantizes_as_torch_does() {
     assert_eq!(ct.weights.get("model.layers.1.mlp.down_proj.weight").expect("kept").dtype, DType::F32);
 }
 
+/// A replacement tensor: dtype, shape, bytes.
+type Replacement = (safetensors::Dtype, Vec<usize>, Vec<u8>);
+
 /// A copy of fixture `name` in a temp dir whose tensor `target` is replaced by `(dtype, shape, bytes)`
 /// (or removed with `None`), and whose config.json is rewritten by `edit_config`.
 fn altered(
     name: &str,
     target: &str,
-    replacement: Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+    replacement: Option<Replacement>,
     edit_config: impl Fn(&mut serde_json::Value),
 ) -> tempfile::TempDir {
     let src = fixture(name);
@@ -104,7 +107,7 @@ fn bad_fp8_scales_are_refused_at_load_naming_the_tensor() {
     let block_scale = format!("{q}_scale_inv");
     let channel_scale = format!("{q}_scale");
     // block: q_proj is 64×64 with [32, 48] blocks: 2×2 scales.
-    let cases: Vec<(&str, String, Option<(Dtype, Vec<usize>, Vec<u8>)>, &str)> = vec![
+    let cases: Vec<(&str, String, Option<Replacement>, &str)> = vec![
         ("block", block_scale.clone(), Some((Dtype::F32, vec![2, 2], f32_bytes(&[1.0, f32::NAN, 1.0, 1.0]))), "NaN"),
         ("block", block_scale.clone(), Some((Dtype::F32, vec![2, 2], f32_bytes(&[1.0, 1.0, 0.0, 1.0]))), "holds 0"),
         ("block", block_scale.clone(), Some((Dtype::F32, vec![2, 2], f32_bytes(&[1.0, -2.0, 1.0, 1.0]))), "holds -2"),

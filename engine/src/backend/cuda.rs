@@ -342,15 +342,17 @@ impl CudaBackend {
     ) -> Result<CudaSlice<bf16>, BackendError> {
         let host: Vec<HostTensor<'_>> = parts
             .iter()
-            .map(|t| HostTensor {
-                bytes: &t.bytes,
-                dtype: match t.dtype {
+            .map(|t| {
+                let dtype = match t.dtype {
                     DType::BF16 => HostDType::Bf16,
                     DType::F16 => HostDType::F16,
                     DType::F32 => HostDType::F32,
-                },
+                    // FP8 weights come through `upload_mat_fp8` with their scales.
+                    DType::F8E4M3 => return Err(kerr(op, format!("tensor {} is FP8 without its scales", t.name))),
+                };
+                Ok(HostTensor { bytes: &t.bytes, dtype })
             })
-            .collect();
+            .collect::<Result<_, BackendError>>()?;
         let have: usize = host.iter().map(HostTensor::len).sum();
         if have != len || parts.iter().any(|t| t.bytes.len() != t.numel() * t.dtype.size()) {
             return Err(kerr(op, format!("{have} stored values for {len} elements")));
