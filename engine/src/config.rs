@@ -57,6 +57,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// The KV cache's element type (`--kv-cache-dtype`); FP8 doubles the blocks a budget holds.
     pub kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype,
+    /// FP8 projection weights (`--quantization`): `None` serves the checkpoint as it is.
+    pub quantization: crate::weight_quantization::WeightQuantization,
     /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
     pub num_kv_blocks: Option<usize>,
     /// Memory budget for the KV cache when `num_kv_blocks` is `None` (CPU backend).
@@ -112,6 +114,7 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype::Auto,
+            quantization: crate::weight_quantization::WeightQuantization::None,
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,
             gpu_memory_utilization: 0.9,

@@ -25,6 +25,7 @@ pub mod runner;
 mod step_timing;
 mod structured;
 pub mod synthetic;
+pub mod weight_quantization;
 
 pub use config::{DeviceSpec, EngineConfig, ParseDeviceError};
 pub use fault::{FaultInjection, FaultKind};
@@ -118,7 +119,8 @@ pub fn start_engine(
     let max_model_len = config.max_model_len.unwrap_or(model.config.max_position_embeddings);
     // What the engine runs: the model as served up to `max_model_len` (LongRoPE's factor list
     // depends on it).
-    let served = model.config.with_served_context(max_model_len);
+    let mut served = model.config.with_served_context(max_model_len);
+    config.quantization.apply(&mut served);
     let cfg = &served;
     if max_model_len == 0 {
         return Err(EngineStartError::Config("max_model_len must be positive".into()));

@@ -79,7 +79,7 @@ impl<B: Backend> ModelRunner<B> {
     /// [`WeightStore::counter_init`]).
     pub fn load(cfg: &ModelConfig, store: &dyn WeightStore, mut backend: B) -> Result<Self, ModelLoadError> {
         let started = std::time::Instant::now();
-        let mut w = WeightLoader::new(store);
+        let mut w = WeightLoader::new(store).with_quantization(cfg.quantization.clone());
         let mut arch = build_architecture(cfg, &mut w, &mut backend)?;
         let upload = backend.finish_weights()?;
         log_weights(started.elapsed(), w.tensors_read(), upload);

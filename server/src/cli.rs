@@ -103,6 +103,10 @@ pub struct ServeArgs {
     /// (= fp8_e4m3, with per-layer k_scale/v_scale from the checkpoint, else 1.0) [default: auto]
     #[arg(long, env = "BATON_KV_CACHE_DTYPE", value_name = "DTYPE")]
     pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
+    /// Weight quantization: none (as the checkpoint says: FP8 checkpoints load as FP8) or fp8
+    /// (quantize a bf16 checkpoint's projections at load, per output channel) [default: none]
+    #[arg(long, env = "BATON_QUANTIZATION", value_name = "METHOD")]
+    pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// KV-cache blocks to allocate [default: sized from available memory]
     #[arg(long, env = "BATON_NUM_KV_BLOCKS", value_name = "N")]
     pub num_kv_blocks: Option<usize>,

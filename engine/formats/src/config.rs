@@ -407,6 +407,9 @@ pub struct ModelConfig {
     pub gemma: Option<GemmaOptions>,
     /// gpt-oss options; `None` for every other family.
     pub gpt_oss: Option<GptOssOptions>,
+    /// FP8 weights: the checkpoint's `quantization_config`, or quantization at load
+    /// (`--quantization fp8`); `None` for unquantized weights.
+    pub quantization: Option<crate::quantization::Quantization>,
 }
 
 impl ModelConfig {
@@ -875,6 +878,14 @@ impl ModelConfig {
             moe,
             gemma: gemma_options(v, architecture, path)?,
             gpt_oss: gpt_oss_options(v, architecture, path)?,
+            quantization: match v.get("quantization_config").filter(|q| !q.is_null()) {
+                // MXFP4 (gpt-oss's experts) is dequantized by the safetensors store at load
+                // (`crate::mxfp4`; `hf_options` allows it for gpt-oss only): nothing stays
+                // quantized for the engine.
+                Some(q) if q.get("quant_method").and_then(Value::as_str) == Some("mxfp4") => None,
+                Some(q) => Some(crate::quantization::Quantization::from_hf(q, path)?),
+                None => None,
+            },
         };
         cfg.validate_at(path)?;
         Ok(cfg)

@@ -50,8 +50,10 @@ pub struct DummyStore {
 
 impl DummyStore {
     /// A store for `config` producing `dtype` tensors with init std `std`, normally
-    /// distributed ([`DummyKind::Normal`]).
+    /// distributed ([`DummyKind::Normal`]). FP8 is not drawn directly: an `F8E4M3` store
+    /// draws bf16 (the engine quantizes random weights under `--quantization fp8`).
     pub fn new(config: &ModelConfig, seed: u64, std: f32, dtype: DType) -> Self {
+        let dtype = if dtype == DType::F8E4M3 { DType::BF16 } else { dtype };
         Self { shapes: config.expected_tensors().into_iter().collect(), seed, std, dtype, kind: DummyKind::Normal }
     }
 
@@ -137,7 +139,7 @@ impl WeightStore for DummyStore {
                 match self.dtype {
                     DType::F32 => o.copy_from_slice(&v.to_le_bytes()),
                     DType::F16 => o.copy_from_slice(&f16::from_f32(*v).to_le_bytes()),
-                    DType::BF16 => o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes()),
+                    DType::BF16 | DType::F8E4M3 => o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes()),
                 }
             }
         });

@@ -49,15 +49,16 @@ pub(crate) fn refuse_unimplemented_options(
     if v.get("mlp_bias").and_then(Value::as_bool) == Some(true) {
         return Err(FormatError::unsupported(path, "mlp_bias = true"));
     }
+    // `quantization_config` is parsed (and what is not implemented refused) by
+    // `crate::quantization::Quantization::from_hf`, except MXFP4: gpt-oss's expert format,
+    // which the safetensors store serves as the bf16 tensors it dequantizes to, in the layout
+    // of the unquantized checkpoint (`crate::mxfp4`), and which only gpt-oss's experts use.
     if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
         let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
-        // MXFP4 is gpt-oss's expert format: the safetensors store serves each `_blocks` +
-        // `_scales` pair as the bf16 tensor it dequantizes to, in the layout of the
-        // unquantized checkpoint (`crate::mxfp4`), which only gpt-oss's experts use.
-        if !(method == "mxfp4" && architecture == Architecture::GptOss) {
+        if method == "mxfp4" && architecture != Architecture::GptOss {
             return Err(FormatError::unsupported(
                 path,
-                format!("quantization_config (quant_method {method:?}; implemented: \"mxfp4\" for gpt_oss)"),
+                "quantization_config (quant_method \"mxfp4\" is implemented for gpt_oss only)",
             ));
         }
     }

@@ -14,6 +14,7 @@ pub mod export;
 pub mod gguf;
 mod hf_options;
 pub mod mxfp4;
+pub mod quantization;
 pub mod safetensors_store;
 pub mod tensor;
 pub mod testing;
@@ -31,6 +32,9 @@ pub use dummy::{DummyKind, DummyStore};
 pub use error::FormatError;
 pub use export::{ExportDType, ExportOptions, ExportSummary, export_hf};
 pub use gguf::GgufType;
+pub use quantization::{
+    ActivationQuant, Fp8ScaleLayout, Fp8Weight, QuantSource, Quantization, read_fp8_scales, read_fp8_weight,
+};
 pub use safetensors_store::SafetensorsStore;
 pub use tensor::{CounterInit, DType, TensorView, WeightStore, check_tensors};
 pub use tokenizer::{IncrementalDetokenizer, StopMatcher, StopOutput, Tokenizer};
@@ -203,7 +207,39 @@ fn load_hf(dir: &Path) -> Result<LoadedModel, FormatError> {
     let store = SafetensorsStore::open_dir(dir)?;
     store.check_dtypes(&info.config)?;
     check_tensors(&store, &info.config, dir)?;
+    check_fp8_weights(&store, &info.config, dir)?;
     Ok(LoadedModel::from_info(info, Box::new(store)))
+}
+
+/// Checks every FP8 (`F8_E4M3`) tensor `config` needs: the config declares an FP8 checkpoint
+/// that does not skip its module, the tensor is a matrix, and its scale tensor has the
+/// layout's shape and finite positive values. Errors name the tensor.
+pub fn check_fp8_weights(store: &dyn WeightStore, config: &ModelConfig, path: &Path) -> Result<(), FormatError> {
+    for (name, shape) in config.expected_tensors() {
+        if store.get(&name)?.dtype != DType::F8E4M3 {
+            continue;
+        }
+        let q = match &config.quantization {
+            Some(q) if q.source != QuantSource::AtLoad && !q.skips(&name) => q,
+            Some(_) => {
+                return Err(FormatError::unsupported(
+                    path,
+                    format!("tensor {name:?} is F8_E4M3 but quantization_config leaves its module unquantized"),
+                ));
+            }
+            None => {
+                return Err(FormatError::unsupported(
+                    path,
+                    format!("tensor {name:?} is F8_E4M3 but config.json has no quantization_config"),
+                ));
+            }
+        };
+        let [rows, cols] = shape[..] else {
+            return Err(FormatError::unsupported(path, format!("tensor {name:?} is F8_E4M3 but not a matrix")));
+        };
+        read_fp8_scales(store, q, &name, rows, cols, path)?;
+    }
+    Ok(())
 }
 
 fn gguf_info(file: &gguf::GgufFile, config: ModelConfig, path: &Path) -> Result<ModelInfo, FormatError> {

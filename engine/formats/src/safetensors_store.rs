@@ -99,6 +99,7 @@ impl SafetensorsStore {
                     Dtype::F32 => Ok(DType::F32),
                     Dtype::F16 => Ok(DType::F16),
                     Dtype::BF16 => Ok(DType::BF16),
+                    Dtype::F8_E4M3 => Ok(DType::F8E4M3),
                     other => Err(other),
                 };
                 let entry = Entry {
@@ -129,13 +130,14 @@ impl SafetensorsStore {
         &self.maps[e.shard][e.start..e.end]
     }
 
-    /// Fails if a tensor `config` needs has a dtype other than F32/F16/BF16.
+    /// Fails if a tensor `config` needs has a dtype other than F32/F16/BF16 (or F8_E4M3, which
+    /// [`crate::check_fp8_weights`] checks against the config's quantization).
     pub fn check_dtypes(&self, config: &ModelConfig) -> Result<(), FormatError> {
         for (name, _) in config.expected_tensors() {
             if let Some(Entry { dtype: Err(d), shard, .. }) = self.entries.get(&name) {
                 return Err(FormatError::unsupported(
                     &self.files[*shard],
-                    format!("tensor {name:?} has dtype {d:?} (supported: F32, F16, BF16)"),
+                    format!("tensor {name:?} has dtype {d:?} (supported: F32, F16, BF16, F8_E4M3)"),
                 ));
             }
         }

@@ -19,6 +19,9 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
+    /// FP8 E4M3 (`e4m3fn`) codes of a quantized weight; their scales are separate tensors
+    /// (see [`crate::quantization`]).
+    F8E4M3,
 }
 
 impl DType {
@@ -27,6 +30,7 @@ impl DType {
         match self {
             Self::F32 => 4,
             Self::F16 | Self::BF16 => 2,
+            Self::F8E4M3 => 1,
         }
     }
 }
@@ -50,13 +54,14 @@ impl TensorView<'_> {
         self.shape.iter().product()
     }
 
-    /// The elements converted to f32 (a copy).
+    /// The elements converted to f32 (a copy); FP8 codes become their unscaled values.
     pub fn to_f32(&self) -> Vec<f32> {
         let b = &self.bytes;
         match self.dtype {
             DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
             DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F8E4M3 => b.iter().map(|&c| crate::quantization::e4m3_value(c)).collect(),
         }
     }
 }

@@ -135,7 +135,7 @@ fn options_that_change_the_math_are_refused_by_name() {
         (json!({"hidden_act": "gelu_pytorch_tanh"}), "hidden_act \"gelu_pytorch_tanh\""),
         (json!({"hidden_activation": "gelu"}), "hidden_activation \"gelu\""),
         (json!({"mlp_bias": true}), "mlp_bias"),
-        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\""),
+        (json!({"quantization_config": {"quant_method": "gptq"}}), "quant_method \"gptq\""),
         // MXFP4 is implemented for gpt-oss's experts only.
         (json!({"quantization_config": {"quant_method": "mxfp4"}}), "quantization_config (quant_method \"mxfp4\""),
         (json!({"final_logit_softcapping": 30.0}), "final_logit_softcapping"),

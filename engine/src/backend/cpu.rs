@@ -25,12 +25,15 @@ use baton_kernels::cpu::{
     RopeTable, SeqSpan,
 };
 
-/// A `rows × cols` row-major f32 weight matrix.
+/// A `rows × cols` row-major f32 weight matrix; for an FP8 weight, its dequantized values
+/// and how `linear` quantizes its inputs (the reference [`k::linear_fp8`] computes).
 #[derive(Debug, Clone)]
 pub struct CpuMat {
     data: Vec<f32>,
     rows: usize,
     cols: usize,
+    /// `Some` for an FP8 weight: the activation quantization of its inputs.
+    fp8_act: Option<k::ActivationScale>,
 }
 
 /// One layer's FP8 cache: K codes, V codes.
@@ -128,7 +131,13 @@ impl Backend for CpuBackend {
         }
         let mut data = data;
         self.store(&mut data);
-        Ok(CpuMat { data, rows, cols })
+        Ok(CpuMat { data, rows, cols, fp8_act: None })
+    }
+
+    fn upload_mat_fp8(&mut self, w: k::Fp8Matrix, act: k::ActivationScale) -> Result<CpuMat, BackendError> {
+        // Dequantized once, exactly, and not rounded to bf16 even when emulating it: the
+        // values are the FP8 codes times their scales, whatever the storage.
+        Ok(CpuMat { data: w.dequantize(), rows: w.rows(), cols: w.cols(), fp8_act: Some(act) })
     }
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<Vec<f32>, BackendError> {
@@ -210,6 +219,19 @@ impl Backend for CpuBackend {
         let x = x
             .get(..m * w.cols)
             .ok_or_else(|| kerr("linear", format!("input has {} values, need {m}×{}", x.len(), w.cols)))?;
+        // An FP8 weight with dynamic per-token activation scales: the input rows are quantized
+        // first, as `k::linear_fp8` does.
+        let quantized;
+        let x = if w.fp8_act == Some(k::ActivationScale::PerToken) {
+            quantized = {
+                let mut q = x.to_vec();
+                k::quantize_rows_per_token(&mut q, w.cols);
+                q
+            };
+            &quantized[..]
+        } else {
+            x
+        };
         if !self.bf16 {
             return Ok(k::linear(x, &w.data, bias.map(|b| b.as_slice()), m, w.cols, w.rows, out)?);
         }

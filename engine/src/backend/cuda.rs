@@ -131,15 +131,20 @@ pub struct CudaRes {
     len: usize,
 }
 
-/// A `rows × cols` row-major bf16 weight matrix on the device.
+/// A `rows × cols` row-major bf16 weight matrix on the device, or an FP8 one (then `data` is
+/// a one-element placeholder: FP8 matrices are projections, which only `linear` reads).
 pub struct CudaMat {
     data: CudaSlice<bf16>,
     rows: usize,
     cols: usize,
+    fp8: Option<baton_kernels::cuda::Fp8Weights>,
 }
 
 /// The CUDA backend on one device.
 pub struct CudaBackend {
+    /// The bf16 dequantization of one FP8 matrix, for products of more rows than the skinny
+    /// FP8 kernel takes: sized at upload for the largest FP8 matrix (no allocation in a step).
+    fp8_scratch: Option<CudaSlice<bf16>>,
     dev: CudaDevice,
     ordinal: usize,
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
@@ -279,6 +284,7 @@ impl CudaBackend {
             "startup phase"
         );
         Ok(Self {
+            fp8_scratch: None,
             dev,
             ordinal: opts.ordinal,
             kv: Vec::new(),
@@ -331,6 +337,29 @@ impl CudaBackend {
         Ok(data)
     }
 
+    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel for up to 16 rows, else
+    /// the matrix dequantized into the scratch buffer and the bf16 GEMM.
+    fn linear_fp8(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        w: &baton_kernels::cuda::Fp8Weights,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        use baton_kernels::cuda::{Fp8DequantCall, Fp8GemvCall, gemv_fp8_supports};
+        if gemv_fp8_supports(m, w.cols, w.col_block) {
+            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data }.launch(&self.dev)?);
+        }
+        let scratch = self
+            .fp8_scratch
+            .as_mut()
+            .ok_or_else(|| kerr("linear", "no FP8 scratch buffer (no FP8 matrix was uploaded)".into()))?;
+        Fp8DequantCall { w, out: scratch }.launch(&self.dev)?;
+        let kernel = linear_kernel(self.gemv, m, w.cols);
+        LinearCall { x: &x.data, m, k: w.cols, w: scratch, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
+        Ok(())
+    }
+
     /// A new bf16 buffer of `len` elements filled from the stored tensors `parts`, stacked,
     /// through the weight ring (the copies may still be in flight on return; they precede
     /// every later op on the stream).
@@ -342,15 +371,17 @@ impl CudaBackend {
     ) -> Result<CudaSlice<bf16>, BackendError> {
         let host: Vec<HostTensor<'_>> = parts
             .iter()
-            .map(|t| HostTensor {
-                bytes: &t.bytes,
-                dtype: match t.dtype {
+            .map(|t| {
+                let dtype = match t.dtype {
                     DType::BF16 => HostDType::Bf16,
                     DType::F16 => HostDType::F16,
                     DType::F32 => HostDType::F32,
-                },
+                    // FP8 weights come through `upload_mat_fp8` with their scales.
+                    DType::F8E4M3 => return Err(kerr(op, format!("tensor {} is FP8 without its scales", t.name))),
+                };
+                Ok(HostTensor { bytes: &t.bytes, dtype })
             })
-            .collect();
+            .collect::<Result<_, BackendError>>()?;
         let have: usize = host.iter().map(HostTensor::len).sum();
         if have != len || parts.iter().any(|t| t.bytes.len() != t.numel() * t.dtype.size()) {
             return Err(kerr(op, format!("{have} stored values for {len} elements")));
@@ -452,7 +483,23 @@ impl Backend for CudaBackend {
         if data.len() != rows * cols {
             return Err(kerr("upload_mat", format!("{} values for a {rows}×{cols} matrix", data.len())));
         }
-        Ok(CudaMat { data: self.dev.upload(&to_bf16(&data))?, rows, cols })
+        Ok(CudaMat { data: self.dev.upload(&to_bf16(&data))?, rows, cols, fp8: None })
+    }
+
+    fn upload_mat_fp8(
+        &mut self,
+        w: baton_kernels::cpu::Fp8Matrix,
+        act: baton_kernels::cpu::ActivationScale,
+    ) -> Result<CudaMat, BackendError> {
+        // Weights-only FP8 (W8A16): the activations stay bf16 whatever `act` says (the CPU
+        // reference with `ActivationScale::None` is what these kernels match).
+        let _ = act;
+        let weights = baton_kernels::cuda::Fp8Weights::upload(&self.dev, &w)?;
+        let len = w.rows() * w.cols();
+        if self.fp8_scratch.as_ref().is_none_or(|s| s.len() < len) {
+            self.fp8_scratch = Some(self.dev.alloc::<bf16>(len.max(1))?);
+        }
+        Ok(CudaMat { data: self.dev.alloc::<bf16>(1)?, rows: w.rows(), cols: w.cols(), fp8: Some(weights) })
     }
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {
@@ -460,7 +507,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_mat_raw(&mut self, parts: &[TensorView<'_>], rows: usize, cols: usize) -> Result<CudaMat, BackendError> {
-        Ok(CudaMat { data: self.stream_weights("upload_mat_raw", parts, rows * cols)?, rows, cols })
+        Ok(CudaMat { data: self.stream_weights("upload_mat_raw", parts, rows * cols)?, rows, cols, fp8: None })
     }
 
     fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<CudaBuf, BackendError> {
@@ -481,7 +528,7 @@ impl Backend for CudaBackend {
 
     fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaMat, BackendError> {
         let rows = parts.iter().map(|p| p.0).sum();
-        Ok(CudaMat { data: self.draw(parts, cols)?, rows, cols })
+        Ok(CudaMat { data: self.draw(parts, cols)?, rows, cols, fp8: None })
     }
 
     fn random_vec(&mut self, parts: &[(usize, CounterInit)]) -> Result<CudaBuf, BackendError> {
@@ -575,8 +622,13 @@ impl Backend for CudaBackend {
             return Err(kerr("linear", format!("input has {} values, need {m}×{}", x.len, w.cols)));
         }
         self.ensure(out, m * w.rows)?;
-        let kernel = linear_kernel(self.gemv, m, w.cols);
-        LinearCall { x: &x.data, m, k: w.cols, w: &w.data, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
+        if let Some(f) = &w.fp8 {
+            self.linear_fp8(x, m, f, out)?;
+        } else {
+            let kernel = linear_kernel(self.gemv, m, w.cols);
+            LinearCall { x: &x.data, m, k: w.cols, w: &w.data, n: w.rows, out: &mut out.data, kernel }
+                .launch(&self.dev)?;
+        }
         if let Some(b) = bias {
             if b.len != w.rows {
                 return Err(kerr("linear", format!("bias has {} values for {} outputs", b.len, w.rows)));

@@ -21,7 +21,7 @@ pub mod cuda;
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
 use baton_formats::{CounterInit, TensorView};
-use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
+use baton_kernels::cpu::{ActivationScale, Fp8Matrix, KernelError, MoeRouting, NormWeight, RopeTable};
 
 pub use crate::kv_cache_dtype::KvScale;
 use rayon::prelude::*;
@@ -208,6 +208,16 @@ pub trait Backend: Send + 'static {
         cols: usize,
     ) -> Result<Self::Mat, BackendError> {
         self.upload_mat(stacked_f32(parts), rows, cols)
+    }
+    /// Uploads an FP8 weight matrix for `linear`, whose inputs are quantized as `act` says.
+    /// The default uploads its dequantized values as an ordinary matrix (the product then
+    /// differs from the FP8 reference by the activation quantization and the backend's
+    /// storage rounding); the CPU backend computes the reference
+    /// ([`baton_kernels::cpu::linear_fp8`]).
+    fn upload_mat_fp8(&mut self, w: Fp8Matrix, act: ActivationScale) -> Result<Self::Mat, BackendError> {
+        let _ = act;
+        let (rows, cols) = (w.rows(), w.cols());
+        self.upload_mat(w.dequantize(), rows, cols)
     }
     /// Uploads a vector stacked from stored tensors (see [`Backend::upload_mat_raw`]).
     fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<Self::Buf, BackendError> {

@@ -151,19 +151,19 @@ impl<B: Backend> Gemma<B> {
                 post_attn_norm: w.vec(b, &[norm("post_attention_layernorm")])?,
                 pre_ff_norm: w.vec(b, &[norm("pre_feedforward_layernorm")])?,
                 post_ff_norm: w.vec(b, &[norm("post_feedforward_layernorm")])?,
-                qkv: w.mat(
+                qkv: w.linear(
                     b,
                     &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
                     h,
                 )?,
                 qk_norm,
-                o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
-                gate_up: w.mat(
+                o: w.linear(b, &[attn("o_proj.weight", h)], qd)?,
+                gate_up: w.linear(
                     b,
                     &[(format!("{p}.mlp.gate_proj.weight"), inter), (format!("{p}.mlp.up_proj.weight"), inter)],
                     h,
                 )?,
-                down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
+                down: w.linear(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
                 attention: AttentionExtras { window, softcap: opts.attn_logit_softcapping },
             });
         }

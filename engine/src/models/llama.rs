@@ -135,20 +135,24 @@ impl<B: Backend> Llama<B> {
                 input_norm: w.vec(b, &[(format!("{p}.input_layernorm.weight"), h)])?,
                 post_attn_norm: w.vec(b, &[(format!("{p}.post_attention_layernorm.weight"), h)])?,
                 qkv: if cfg.fused_checkpoint() {
-                    w.mat(b, &[attn("qkv_proj.weight", qd + 2 * kvd)], h)?
+                    w.linear(b, &[attn("qkv_proj.weight", qd + 2 * kvd)], h)?
                 } else {
-                    w.mat(b, &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)], h)?
+                    w.linear(
+                        b,
+                        &[attn("q_proj.weight", qd), attn("k_proj.weight", kvd), attn("v_proj.weight", kvd)],
+                        h,
+                    )?
                 },
                 qkv_bias,
                 qk_norm,
-                o: w.mat(b, &[attn("o_proj.weight", h)], qd)?,
+                o: w.linear(b, &[attn("o_proj.weight", h)], qd)?,
                 o_bias,
                 mlp: match spec.mlp {
                     MlpKind::Dense { intermediate_size: inter } => Mlp::Dense {
                         gate_up: if cfg.fused_checkpoint() {
-                            w.mat(b, &[(format!("{p}.mlp.gate_up_proj.weight"), 2 * inter)], h)?
+                            w.linear(b, &[(format!("{p}.mlp.gate_up_proj.weight"), 2 * inter)], h)?
                         } else {
-                            w.mat(
+                            w.linear(
                                 b,
                                 &[
                                     (format!("{p}.mlp.gate_proj.weight"), inter),
@@ -157,7 +161,7 @@ impl<B: Backend> Llama<B> {
                                 h,
                             )?
                         },
-                        down: w.mat(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
+                        down: w.linear(b, &[(format!("{p}.mlp.down_proj.weight"), h)], inter)?,
                         intermediate_size: inter,
                     },
                     kind => Mlp::Moe(MoeMlp::load(cfg, i, kind, w, b)?),

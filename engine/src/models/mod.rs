@@ -44,6 +44,14 @@ pub enum ModelLoadError {
         /// Elements expected.
         want: usize,
     },
+    /// An FP8 weight cannot be read as the model needs it.
+    #[error("tensor {name}: {message}")]
+    Fp8 {
+        /// Tensor name.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The backend refused an upload.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -5,12 +5,22 @@
 //! `[in, out]` matrices (gpt-oss's experts) into the `[out, in]` layout. Random weights
 //! (`--load-format dummy`) are drawn by the backend itself instead of read.
 //!
+//! The projections of a layer (q/k/v/o, gate/up/down) are read with [`WeightLoader::linear`]:
+//! under FP8 quantization ([`Quantization`]) they become [`Fp8Matrix`]es, read as stored from
+//! an FP8 checkpoint or quantized per output channel at load from a bf16/f32 one (random
+//! weights too); embeddings, the LM head, norms and MoE experts stay as stored.
+//!
 //! Invariant: every tensor handed to the backend has exactly the elements the caller said,
-//! both by its shape and by its bytes (what a device upload reads).
+//! both by its shape and by its bytes (what a device upload reads); an FP8 tensor reaches the
+//! backend only as an [`Fp8Matrix`] with its scales.
 
 use super::ModelLoadError;
-use crate::backend::Backend;
-use baton_formats::{CounterInit, TensorView, WeightStore};
+use crate::backend::{Backend, counter_values};
+use baton_formats::{
+    ActivationQuant, CounterInit, DType, Fp8ScaleLayout, QuantSource, Quantization, TensorView, WeightStore,
+    read_fp8_weight,
+};
+use baton_kernels::cpu::{ActivationScale, Fp8Matrix};
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -21,12 +31,96 @@ pub struct WeightLoader<'a> {
     store: &'a dyn WeightStore,
     /// Tensors read from the store so far.
     read: usize,
+    /// FP8 weight quantization of the projections, when any.
+    quantization: Option<Quantization>,
 }
 
 impl<'a> WeightLoader<'a> {
     /// A loader over `store`.
     pub fn new(store: &'a dyn WeightStore) -> Self {
-        Self { store, read: 0 }
+        Self { store, read: 0, quantization: None }
+    }
+
+    /// The same loader reading projections under `quantization` (see [`WeightLoader::linear`]).
+    pub fn with_quantization(mut self, quantization: Option<Quantization>) -> Self {
+        self.quantization = quantization;
+        self
+    }
+
+    /// A projection (`names` stacked as in [`WeightLoader::mat`]): an FP8 matrix under FP8
+    /// quantization unless the quantization skips its modules, else as [`WeightLoader::mat`].
+    pub fn linear<B: Backend>(
+        &mut self,
+        b: &mut B,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<B::Mat, ModelLoadError> {
+        let Some(q) = self.quantization.clone() else { return self.mat(b, names, cols) };
+        let act = match q.activations {
+            ActivationQuant::None => ActivationScale::None,
+            ActivationQuant::DynamicPerToken => ActivationScale::PerToken,
+        };
+        let skipped: Vec<bool> = names.iter().map(|(n, _)| q.skips(n)).collect();
+        if skipped.iter().all(|s| *s) {
+            return self.mat(b, names, cols);
+        }
+        if skipped.iter().any(|s| *s) {
+            return Err(ModelLoadError::Fp8 {
+                name: names[0].0.clone(),
+                message: "some of the fused projections are quantized and some are not".into(),
+            });
+        }
+        if let Some(parts) = self.drawn(names, cols)? {
+            // Random weights: drawn on the host, then quantized as a bf16 checkpoint would be.
+            let mats = parts
+                .iter()
+                .map(|p| Fp8Matrix::quantize_per_channel(&counter_values(std::slice::from_ref(p), cols), p.0, cols))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ModelLoadError::Fp8 { name: names[0].0.clone(), message: e.to_string() })?;
+            return self.upload_fp8(b, names, &mats, act);
+        }
+        let store = self.store;
+        let mut mats = Vec::with_capacity(names.len());
+        for (name, rows) in names {
+            let stored_fp8 = store.get(name)?.dtype == DType::F8E4M3;
+            let m = if stored_fp8 {
+                let w = read_fp8_weight(store, &q, name, *rows, cols, std::path::Path::new("<checkpoint>"))?;
+                let (rb, cb) = match w.layout {
+                    Fp8ScaleLayout::PerTensor => (w.rows.max(1), w.cols.max(1)),
+                    Fp8ScaleLayout::PerChannel => (1, w.cols.max(1)),
+                    Fp8ScaleLayout::Block { rows, cols } => (rows, cols),
+                };
+                Fp8Matrix::new(w.rows, w.cols, w.codes, w.scales, rb, cb)
+            } else if q.source == QuantSource::AtLoad {
+                let view = self.views(&[(name.clone(), *rows)], cols)?;
+                Fp8Matrix::quantize_per_channel(&view[0].to_f32(), *rows, cols)
+            } else {
+                return Err(ModelLoadError::Fp8 {
+                    name: name.clone(),
+                    message: format!(
+                        "stored as {:?}, but the checkpoint's quantization covers it",
+                        store.get(name)?.dtype
+                    ),
+                });
+            };
+            mats.push(m.map_err(|e| ModelLoadError::Fp8 { name: name.clone(), message: e.to_string() })?);
+            if stored_fp8 {
+                self.read += 1;
+            }
+        }
+        self.upload_fp8(b, names, &mats, act)
+    }
+
+    fn upload_fp8<B: Backend>(
+        &mut self,
+        b: &mut B,
+        names: &[(String, usize)],
+        mats: &[Fp8Matrix],
+        act: ActivationScale,
+    ) -> Result<B::Mat, ModelLoadError> {
+        let stacked = Fp8Matrix::stack(mats)
+            .map_err(|e| ModelLoadError::Fp8 { name: names[0].0.clone(), message: e.to_string() })?;
+        Ok(b.upload_mat_fp8(stacked, act)?)
     }
 
     /// Tensors read from the store so far (0 when every one was drawn).
@@ -111,6 +205,13 @@ impl<'a> WeightLoader<'a> {
             .iter()
             .map(|(name, rows)| {
                 let t = store.get(name)?;
+                if t.dtype == DType::F8E4M3 {
+                    // Its codes mean nothing without their scales (read by `linear`).
+                    return Err(ModelLoadError::Fp8 {
+                        name: name.clone(),
+                        message: "stored as FP8, but Baton reads this tensor unquantized".into(),
+                    });
+                }
                 let want = rows * cols;
                 // The element count from the shape, and from the bytes (what a device upload reads).
                 for got in [t.numel(), t.bytes.len() / t.dtype.size()] {

@@ -55,6 +55,7 @@ impl Family {
                 include_str!("../../cuda/moe.cu"),
                 include_str!("../../cuda/attention_ext.cu"),
                 include_str!("../../cuda/util.cu"),
+                include_str!("../../cuda/fp8_linear.cu"),
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
             Self::Gemv => &[include_str!("../../cuda/gemv.cu")],

@@ -51,6 +51,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub moe_grouped_gemm: F,
     pub moe_unpermute: F,
     pub clamped_swiglu: F,
+    /// FP8 weight dequantization to bf16 (fp8_linear.cu).
+    pub fp8_dequant: F,
+    /// The W8A16 skinny GEMM for up to 16 rows of x (fp8_linear.cu).
+    pub gemv_fp8: F,
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
@@ -115,6 +119,8 @@ impl<F> KernelTable<F> {
         let moe_grouped_gemm = f(el, "moe_grouped_gemm_bf16")?;
         let moe_unpermute = f(el, "moe_unpermute_bf16")?;
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
+        let fp8_dequant = f(el, "fp8_dequant_bf16")?;
+        let gemv_fp8 = f(el, "gemv_fp8_m16_bf16")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -174,6 +180,8 @@ impl<F> KernelTable<F> {
             moe_grouped_gemm,
             moe_unpermute,
             clamped_swiglu,
+            fp8_dequant,
+            gemv_fp8,
             attention_ext,
             attention_ext_fp8,
             attention,
@@ -241,8 +249,8 @@ mod tests {
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8).
-        let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32;
+        // a lane (8); FP8 weights' dequantization and skinny GEMM (2).
+        let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2;
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()

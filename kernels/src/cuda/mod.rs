@@ -72,6 +72,7 @@ mod compile;
 mod device;
 mod elementwise;
 mod error;
+mod fp8_linear;
 mod gather;
 mod gemv;
 mod graph;
@@ -104,6 +105,7 @@ pub use elementwise::{
     BiasAddCall, BiasAddF32Call, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall,
 };
 pub use error::CudaError;
+pub use fp8_linear::{Fp8DequantCall, Fp8GemvCall, Fp8Weights, gemv_fp8_supports};
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;

@@ -53,6 +53,8 @@ pub struct ServeFile {
     pub num_kv_blocks: Option<usize>,
     /// See `--kv-cache-dtype`.
     pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
+    /// See `--quantization`.
+    pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// See `--gpu-memory-utilization`.
     pub gpu_memory_utilization: Option<f32>,
     /// See `--kernel-cache-dir`.
@@ -116,6 +118,8 @@ pub struct ServeSettings {
     pub num_kv_blocks: Option<usize>,
     /// The KV cache's element type.
     pub kv_cache_dtype: baton_engine::kv_cache_dtype::KvCacheDtype,
+    /// The projection weights' quantization.
+    pub quantization: baton_engine::weight_quantization::WeightQuantization,
     /// Fraction of GPU memory the engine may use (`None`: the engine's default).
     pub gpu_memory_utilization: Option<f32>,
     /// Disk cache of compiled kernels (`None`: none could be determined).
@@ -152,6 +156,7 @@ impl ServeSettings {
             block_size: self.block_size.unwrap_or(d.block_size),
             num_kv_blocks: self.num_kv_blocks.or(d.num_kv_blocks),
             kv_cache_dtype: self.kv_cache_dtype,
+            quantization: self.quantization,
             gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
             kernel_cache_dir: self.kernel_cache_dir.clone(),
             max_num_seqs: self.max_num_seqs.unwrap_or(d.max_num_seqs),
@@ -189,6 +194,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         block_size: args.block_size.or(file.block_size),
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
         kv_cache_dtype: args.kv_cache_dtype.or(file.kv_cache_dtype).unwrap_or_default(),
+        quantization: args.quantization.or(file.quantization).unwrap_or_default(),
         gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
         // The default comes from the environment, read here at the binary's edge.
         kernel_cache_dir: args

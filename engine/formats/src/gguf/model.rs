@@ -200,6 +200,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         moe: None,
         gemma: None,
         gpt_oss: None,
+        quantization: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)

@@ -227,6 +227,7 @@ impl TinySpec {
             moe: self.moe.clone(),
             gemma: None,
             gpt_oss: None,
+            quantization: None,
         }
     }
 

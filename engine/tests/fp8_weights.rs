@@ -1,0 +1,203 @@
+//! FP8 weights (`--quantization fp8`, and FP8 checkpoints) on the CPU reference backend.
+//!
+//! Accuracy is reported as figures, not asserted against tuned thresholds: each FP8 model
+//! against the same weights unquantized, both on the bf16-emulating backend, teacher-forced
+//! over 64 greedy tokens of the unquantized run: mean and max |Δlogit| and greedy agreement.
+//! Only loose sanity is asserted (finite logits, FP8 really used, agreement ≥ 50 %). Also:
+//! the backend's FP8 linear is exactly the kernels' reference, each Hub format's fixture
+//! (scripts/golden/make_fp8.py) loads and runs, and `--quantization fp8` serves through the
+//! engine, random (`--load-format dummy`) weights included.
+
+mod common;
+
+use std::path::Path;
+
+use baton_engine::EngineConfig;
+use baton_engine::backend::cpu::CpuBackend;
+use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
+use baton_engine::runner::ModelRunner;
+use baton_engine::weight_quantization::WeightQuantization;
+use baton_formats::testing::{default_model_path, load_golden};
+use baton_formats::{LoadFormat, LoadedModel, ModelConfig, load_model};
+use baton_kernels::cpu::{ActivationScale, Fp8Matrix, linear_fp8};
+use common::*;
+
+const BLOCK: usize = 16;
+
+/// One sequence decoded step by step through a runner's paged cache.
+struct Seq {
+    runner: ModelRunner<CpuBackend>,
+    table: Vec<u32>,
+    pos: usize,
+}
+
+impl Seq {
+    fn new(cfg: &ModelConfig, model: &LoadedModel, max_len: usize) -> Self {
+        let mut runner =
+            ModelRunner::load(cfg, model.weights.as_ref(), CpuBackend::emulating_bf16()).expect("load model");
+        let blocks = max_len.div_ceil(BLOCK);
+        runner.alloc_kv_cache(blocks + 1, BLOCK).expect("kv cache");
+        Self { runner, table: (1..=blocks as u32).rev().collect(), pos: 0 }
+    }
+
+    fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
+        let n = tokens.len();
+        let batch = BatchLayout {
+            tokens: tokens.to_vec(),
+            positions: (self.pos..self.pos + n).collect(),
+            seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: self.pos, block_table: self.table.clone() }],
+            logit_rows: vec![n - 1],
+            pending: Vec::new(),
+            prompt_logprobs: Vec::new(),
+        };
+        self.pos += n;
+        self.runner.forward(&batch).expect("forward")
+    }
+}
+
+fn argmax(xs: &[f32]) -> u32 {
+    xs.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+struct Figures {
+    mean_abs: f64,
+    max_abs: f32,
+    agree: usize,
+    steps: usize,
+}
+
+/// `(reference config and weights)` vs `(fp8 config and weights)`, teacher-forced on the
+/// reference's greedy tokens.
+fn compare(reference: (&ModelConfig, &LoadedModel), fp8: (&ModelConfig, &LoadedModel), prompt: &[u32]) -> Figures {
+    let steps = 64;
+    let mut r = Seq::new(reference.0, reference.1, prompt.len() + steps);
+    let mut q = Seq::new(fp8.0, fp8.1, prompt.len() + steps);
+    let (mut a, mut b) = (r.feed(prompt), q.feed(prompt));
+    let (mut sum, mut n, mut max_abs, mut agree) = (0.0f64, 0usize, 0.0f32, 0usize);
+    for step in 0..steps {
+        assert!(a.iter().chain(&b).all(|x| x.is_finite()), "non-finite logits at step {step}");
+        for (x, y) in a.iter().zip(&b) {
+            let d = (x - y).abs();
+            sum += f64::from(d);
+            max_abs = max_abs.max(d);
+        }
+        n += a.len();
+        let next = argmax(&a);
+        agree += usize::from(argmax(&b) == next);
+        if step + 1 < steps {
+            a = r.feed(&[next]);
+            b = q.feed(&[next]);
+        }
+    }
+    Figures { mean_abs: sum / n as f64, max_abs, agree, steps }
+}
+
+fn report(name: &str, f: &Figures) {
+    println!(
+        "fp8-weights {name}: mean |Δlogit| {:.5}, max |Δlogit| {:.4}, greedy agreement {}/{} ({:.1} %)",
+        f.mean_abs,
+        f.max_abs,
+        f.agree,
+        f.steps,
+        100.0 * f.agree as f64 / f.steps as f64
+    );
+    assert!(f.mean_abs.is_finite() && f.max_abs.is_finite());
+    assert!(f.max_abs > 0.0, "{name}: FP8 weights gave bit-identical logits (not used?)");
+    assert!(f.agree * 2 >= f.steps, "{name}: greedy agreement {}/{}", f.agree, f.steps);
+}
+
+fn quantized_at_load(cfg: &ModelConfig) -> ModelConfig {
+    let mut q = cfg.clone();
+    WeightQuantization::Fp8.apply(&mut q);
+    q
+}
+
+#[test]
+fn the_cpu_backend_fp8_linear_is_the_kernel_reference() {
+    let (m, k, n) = (5, 96, 40);
+    let values: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * 0.1).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 3.0).collect();
+    let bias: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+    for (w, act) in [
+        (Fp8Matrix::quantize_per_channel(&values, n, k).expect("w"), ActivationScale::PerToken),
+        (
+            Fp8Matrix::new(
+                n,
+                k,
+                Fp8Matrix::quantize_per_channel(&values, n, k).expect("w").codes().to_vec(),
+                (0..2 * 2).map(|i| 0.001 * (i + 1) as f32).collect(),
+                32,
+                64,
+            )
+            .expect("block"),
+            ActivationScale::None,
+        ),
+    ] {
+        let mut want = vec![f32::NAN; m * n];
+        linear_fp8(&x, &w, Some(&bias), m, act, &mut want).expect("reference");
+        let mut b = CpuBackend::new();
+        let mat = b.upload_mat_fp8(w, act).expect("upload");
+        let (xb, bb) = (b.upload_vec(x.clone()).expect("x"), b.upload_vec(bias.clone()).expect("bias"));
+        let mut out = vec![f32::NAN; m * n];
+        b.linear(&xb, m, &mat, Some(&bb), &mut out).expect("linear");
+        assert_eq!(
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn fp8_weights_quantized_at_load_vs_bf16_on_the_golden_models() {
+    for name in ["llama", "qwen2", "tied", "qwen3", "gemma2"] {
+        let (dir, golden) = load_golden(name).expect("golden fixture");
+        let model = load_model(&dir, LoadFormat::Auto).expect("load fixture");
+        let fp8 = quantized_at_load(&model.config);
+        report(name, &compare((&model.config, &model), (&fp8, &model), &golden.prompts[0].ids));
+    }
+}
+
+#[test]
+fn each_hub_fp8_format_loads_and_runs_close_to_its_source() {
+    let (dir, golden) = load_golden("llama").expect("golden fixture");
+    let source = load_model(&dir, LoadFormat::Auto).expect("load source");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("formats/tests/fixtures/fp8");
+    for format in ["block", "tensor", "ct"] {
+        let model = load_model(&fixtures.join(format), LoadFormat::Auto).expect("load fp8 fixture");
+        assert!(model.config.quantization.is_some(), "{format}");
+        report(
+            &format!("llama-{format}"),
+            &compare((&source.config, &source), (&model.config, &model), &golden.prompts[0].ids),
+        );
+    }
+}
+
+#[test]
+fn fp8_weights_vs_bf16_on_the_default_model() {
+    let path = default_model_path();
+    assert!(path.exists(), "{} is missing: run scripts/fetch-default-model.sh", path.display());
+    let model = load_model(&path, LoadFormat::Auto).expect("load default model");
+    let tok = model.tokenizer.as_ref().expect("tokenizer");
+    let prompt = tok.encode("The capital of France is Paris. The capital of Italy is", false).expect("encode");
+    let fp8 = quantized_at_load(&model.config);
+    report("SmolLM2-135M", &compare((&model.config, &model), (&fp8, &model), &prompt));
+}
+
+#[test]
+fn quantization_fp8_serves_through_the_engine_with_stored_and_dummy_weights() {
+    let m = golden_model("llama");
+    let cfg = EngineConfig { quantization: WeightQuantization::Fp8, ..EngineConfig::default() };
+    let prompt = prompt(7, 12, m.config.vocab_size);
+    let fp8 = run(&engine(&m, cfg.clone()), &prompt, greedy(16));
+    let bf16 = run(&engine(&m, EngineConfig::default()), &prompt, greedy(16));
+    assert_eq!((fp8.len(), bf16.len()), (16, 16));
+    println!("fp8-weights engine llama: fp8 {fp8:?}\n                           f32 {bf16:?}");
+    // Random weights, quantized at load (`--load-format dummy --quantization fp8`).
+    let dummy_dir = tempfile::tempdir().expect("tempdir");
+    let config = dummy_dir.path().join("config.json");
+    std::fs::write(&config, m.config.to_hf_json().to_string()).expect("write config");
+    let dummy = load_model(&config, LoadFormat::Dummy).expect("dummy");
+    let toks = run(&engine(&dummy, cfg), &prompt, greedy(8));
+    assert_eq!(toks.len(), 8);
+    assert!(toks.iter().all(|t| (*t as usize) < m.config.vocab_size));
+}
