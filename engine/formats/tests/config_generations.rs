@@ -465,7 +465,7 @@ fn gpt_oss_mxfp4_is_accepted_and_other_quantizations_and_yarn_options_are_refuse
     let cfg = ModelConfig::from_hf_file(&mxfp4).expect("the MXFP4 config parses");
     assert_eq!(cfg, parse(&gpt_oss_v5()).expect("the f32 config"), "MXFP4 changes only the storage");
     for (extra, needle) in [
-        (json!({"quantization_config": {"quant_method": "fp8"}}), "quantization_config (quant_method \"fp8\""),
+        (json!({"quantization_config": {"quant_method": "gptq"}}), "quant_method \"gptq\""),
         (json!({"quantization_config": {"bits": 4}}), "quant_method \"unknown\""),
         (
             json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0,
