@@ -22,8 +22,10 @@
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
-//! [--kv-cache-dtype auto|fp8]`; with `fp8` the cache holds random E4M3 codes (scales 1) and
-//! the floors count one byte per cached K or V value;
+//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8]`; with `--kv-cache-dtype fp8` the
+//! cache holds random E4M3 codes (scales 1) and the floors count one byte per cached K or V
+//! value; with `--quantization fp8` the projections are quantized at load (per channel) and
+//! count one byte per weight;
 //! `--cublas` sends every GEMM to cuBLAS (by default small batches use the skinny-GEMM
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
@@ -81,7 +83,12 @@ fn run() -> Res<()> {
 
     let t0 = Instant::now();
     let loaded = load_model(std::path::Path::new(&config), LoadFormat::Dummy)?;
-    let cfg = loaded.config.clone();
+    let mut cfg = loaded.config.clone();
+    // `--quantization fp8`: the attention and MLP projections quantized at load per channel
+    // (as the engine does), read by the FP8 kernels; the floors count them at one byte.
+    let quantization: baton_engine::weight_quantization::WeightQuantization =
+        flag(&args, "--quantization").as_deref().unwrap_or("none").parse()?;
+    quantization.apply(&mut cfg);
     let opts = baton_kernels::cuda::CudaOptions {
         ordinal: 0,
         cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
@@ -97,7 +104,7 @@ fn run() -> Res<()> {
     let kv_elem_bytes = if kv_dtype == baton_engine::kv_cache_dtype::KvCacheDtype::Fp8E4M3 { 1 } else { 2 };
     let load_s = t0.elapsed().as_secs_f64();
     println!(
-        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}"
+        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}; weights {quantization}"
     );
 
     // Ceiling: device copy bandwidth, 1 GiB, read + written.
@@ -138,14 +145,26 @@ fn run() -> Res<()> {
             if b == 1 { k } else { e * (1.0 - (1.0 - k / e).powi(b as i32)) }
         })
     };
-    let weight_bytes_for = |b: usize| -> f64 {
+    // (projection parameters, other parameters read) per step of `b` rows: the projections
+    // are what `--quantization fp8` stores at one byte; MoE experts, the router and the LM head
+    // stay bf16.
+    let params_for = |b: usize| -> (f64, f64) {
         let moe = cfg.moe.as_ref().map_or(0.0, |m| {
             moe_layers as f64 * ((h * m.num_experts) as f64 + touched(b) * (3 * h * m.intermediate_size) as f64)
         });
         let dense = (cfg.num_hidden_layers * attn + dense_layers * 3 * h * cfg.intermediate_size) as f64;
-        2.0 * (dense + moe + (cfg.vocab_size * h) as f64)
+        (dense, moe + (cfg.vocab_size * h) as f64)
+    };
+    let projection_bytes = if cfg.quantization.is_some() { 1.0 } else { 2.0 };
+    let weight_bytes_for = |b: usize| -> f64 {
+        let (projections, other) = params_for(b);
+        projection_bytes * projections + 2.0 * other
     };
     let weight_bytes = weight_bytes_for(1);
+    let active_params = {
+        let (projections, other) = params_for(1);
+        projections + other
+    };
     let kv_per_token = (2 * cfg.num_hidden_layers * kvd * kv_elem_bytes) as f64;
     writeln!(table, "copy 1 GiB d2d: {copy_gbs:.0} GB/s; weights read per step {:.2} GB", weight_bytes / 1e9)?;
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
@@ -216,7 +235,7 @@ fn run() -> Res<()> {
             t.push(s.elapsed().as_secs_f64());
         }
         let ttft = median(t);
-        let prefill_tflops = 2.0 * (weight_bytes / 2.0) * n as f64 / ttft / 1e12;
+        let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
         let attn = if prefill_kernel { "prefill kernel" } else { "decode kernel" };
         writeln!(
             table,
@@ -320,7 +339,7 @@ fn run() -> Res<()> {
     }
 
     let doc = format!(
-        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"kv_cache_dtype\":\"{kv_dtype:?}\",\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
+        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"kv_cache_dtype\":\"{kv_dtype:?}\",\"quantization\":\"{quantization}\",\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
         args.join(" "),
         json.join(",\n")
     );
