@@ -22,6 +22,7 @@ use baton_engine::runner::ModelRunner;
 use baton_formats::testing::{TinySpec, default_model_path, load_golden};
 use baton_formats::{DType, FormatError, LoadFormat, LoadedModel, TensorView, WeightStore, load_model};
 use common::relay::*;
+use common::teacher_forced::{self, Figures};
 use common::*;
 
 const BLOCK: usize = 16;
@@ -59,54 +60,17 @@ impl Seq {
     }
 }
 
-fn argmax(xs: &[f32]) -> u32 {
-    xs.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
-}
-
 /// FP8 KV vs bf16 KV, teacher-forced on the bf16 run's greedy tokens.
-struct Figures {
-    mean_abs: f64,
-    max_abs: f32,
-    agree: usize,
-    steps: usize,
-}
-
 fn compare(model: &LoadedModel, prompt: &[u32], steps: usize) -> Figures {
     let store = model.weights.as_ref();
     let mut bf16 = Seq::new(model, store, KvCacheDtype::Auto, prompt.len() + steps);
     let mut fp8 = Seq::new(model, store, KvCacheDtype::Fp8E4M3, prompt.len() + steps);
     assert_eq!(fp8.runner.kv_dtype(), KvDtype::Fp8E4M3);
-    let (mut a, mut b) = (bf16.feed(prompt), fp8.feed(prompt));
-    let (mut sum, mut n, mut max_abs, mut agree) = (0.0f64, 0usize, 0.0f32, 0usize);
-    for step in 0..steps {
-        assert!(a.iter().chain(&b).all(|x| x.is_finite()), "non-finite logits at step {step}");
-        for (x, y) in a.iter().zip(&b) {
-            let d = (x - y).abs();
-            sum += f64::from(d);
-            max_abs = max_abs.max(d);
-        }
-        n += a.len();
-        let next = argmax(&a);
-        agree += usize::from(argmax(&b) == next);
-        if step + 1 < steps {
-            a = bf16.feed(&[next]);
-            b = fp8.feed(&[next]);
-        }
-    }
-    Figures { mean_abs: sum / n as f64, max_abs, agree, steps }
+    teacher_forced::compare(prompt, steps, |t| bf16.feed(t), |t| fp8.feed(t))
 }
 
 fn report(name: &str, f: &Figures) {
-    println!(
-        "fp8-kv {name}: mean |Δlogit| {:.5}, max |Δlogit| {:.4}, greedy agreement {}/{} ({:.1} %)",
-        f.mean_abs,
-        f.max_abs,
-        f.agree,
-        f.steps,
-        100.0 * f.agree as f64 / f.steps as f64
-    );
-    assert!(f.mean_abs.is_finite() && f.max_abs.is_finite());
-    assert!(f.agree * 2 >= f.steps, "{name}: greedy agreement {}/{}", f.agree, f.steps);
+    f.report("fp8-kv", name);
 }
 
 #[test]

@@ -20,6 +20,7 @@ use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::{default_model_path, load_golden};
 use baton_formats::{LoadFormat, LoadedModel, ModelConfig, load_model};
 use baton_kernels::cpu::{ActivationScale, Fp8Matrix, linear_fp8};
+use common::teacher_forced::{self, Figures};
 use common::*;
 
 const BLOCK: usize = 16;
@@ -55,55 +56,18 @@ impl Seq {
     }
 }
 
-fn argmax(xs: &[f32]) -> u32 {
-    xs.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
-}
-
-struct Figures {
-    mean_abs: f64,
-    max_abs: f32,
-    agree: usize,
-    steps: usize,
-}
-
 /// `(reference config and weights)` vs `(fp8 config and weights)`, teacher-forced on the
 /// reference's greedy tokens.
 fn compare(reference: (&ModelConfig, &LoadedModel), fp8: (&ModelConfig, &LoadedModel), prompt: &[u32]) -> Figures {
     let steps = 64;
     let mut r = Seq::new(reference.0, reference.1, prompt.len() + steps);
     let mut q = Seq::new(fp8.0, fp8.1, prompt.len() + steps);
-    let (mut a, mut b) = (r.feed(prompt), q.feed(prompt));
-    let (mut sum, mut n, mut max_abs, mut agree) = (0.0f64, 0usize, 0.0f32, 0usize);
-    for step in 0..steps {
-        assert!(a.iter().chain(&b).all(|x| x.is_finite()), "non-finite logits at step {step}");
-        for (x, y) in a.iter().zip(&b) {
-            let d = (x - y).abs();
-            sum += f64::from(d);
-            max_abs = max_abs.max(d);
-        }
-        n += a.len();
-        let next = argmax(&a);
-        agree += usize::from(argmax(&b) == next);
-        if step + 1 < steps {
-            a = r.feed(&[next]);
-            b = q.feed(&[next]);
-        }
-    }
-    Figures { mean_abs: sum / n as f64, max_abs, agree, steps }
+    teacher_forced::compare(prompt, steps, |t| r.feed(t), |t| q.feed(t))
 }
 
 fn report(name: &str, f: &Figures) {
-    println!(
-        "fp8-weights {name}: mean |Δlogit| {:.5}, max |Δlogit| {:.4}, greedy agreement {}/{} ({:.1} %)",
-        f.mean_abs,
-        f.max_abs,
-        f.agree,
-        f.steps,
-        100.0 * f.agree as f64 / f.steps as f64
-    );
-    assert!(f.mean_abs.is_finite() && f.max_abs.is_finite());
+    f.report("fp8-weights", name);
     assert!(f.max_abs > 0.0, "{name}: FP8 weights gave bit-identical logits (not used?)");
-    assert!(f.agree * 2 >= f.steps, "{name}: greedy agreement {}/{}", f.agree, f.steps);
 }
 
 fn quantized_at_load(cfg: &ModelConfig) -> ModelConfig {

@@ -35,18 +35,8 @@ use common::time_ms;
 /// A device buffer of `n` random bf16 values in [-1, 1], built from a 16 Mi-element random
 /// tile copied repeatedly (generating gigabytes on the host would dominate the run).
 fn random_bf16(dev: &CudaDevice, r: &mut StdRng, n: usize) -> Result<CudaSlice<bf16>, CudaError> {
-    let tile_len = n.min(1 << 24);
-    let tile: Vec<bf16> = (0..tile_len).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
-    let tile = dev.upload(&tile)?;
-    let mut out = dev.alloc::<bf16>(n)?;
-    let mut off = 0;
-    while off < n {
-        let len = tile_len.min(n - off);
-        let mut dst = out.slice_mut(off..off + len);
-        dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst)?;
-        off += len;
-    }
-    Ok(out)
+    let tile: Vec<bf16> = (0..n.min(1 << 24)).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
+    common::tiled(dev, &tile, n)
 }
 
 /// The first `n` values of a bf16 buffer, widened (synchronizes).

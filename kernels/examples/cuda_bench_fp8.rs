@@ -26,25 +26,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
 
 mod common;
-use common::time_ms;
-
-/// `n` values on the device, a random tile of up to 16 Mi values copied repeatedly.
-fn tiled<T: cudarc::driver::DeviceRepr + Clone>(
-    dev: &CudaDevice,
-    tile: &[T],
-    n: usize,
-) -> Result<CudaSlice<T>, CudaError> {
-    let tile = dev.upload(&tile[..tile.len().min(n)])?;
-    let mut out = dev.alloc::<T>(n)?;
-    let mut off = 0;
-    while off < n {
-        let len = tile.len().min(n - off);
-        let mut dst = out.slice_mut(off..off + len);
-        dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst)?;
-        off += len;
-    }
-    Ok(out)
-}
+use common::{tiled, time_ms};
 
 /// A K or V layer of `n` values as E4M3 codes and as their exact bf16 images.
 struct TwinCache {

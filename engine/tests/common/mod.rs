@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod relay;
+pub mod teacher_forced;
 
 use baton_core::api::{EngineClient, EngineOutput, EngineRequest, FinishReason, OutputStream};
 use baton_core::params::SamplingParams;

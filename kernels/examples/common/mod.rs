@@ -1,6 +1,7 @@
-//! Timing helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`).
+//! Helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`): timing,
+//! and large device buffers filled from a small random tile.
 
-use baton_kernels::cuda::{CudaDevice, CudaError};
+use baton_kernels::cuda::{CudaDevice, CudaError, CudaSlice};
 
 /// The median of `v` (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -30,4 +31,23 @@ pub fn time_ms(
         out.push(f64::from(a.elapsed_ms(&b)?));
     }
     Ok(median(out))
+}
+
+/// `n` values on the device: `tile` (up to its first `n` values) copied repeatedly, so that
+/// gigabytes of random inputs cost one small upload.
+pub fn tiled<T: cudarc::driver::DeviceRepr + Clone>(
+    dev: &CudaDevice,
+    tile: &[T],
+    n: usize,
+) -> Result<CudaSlice<T>, CudaError> {
+    let tile = dev.upload(&tile[..tile.len().min(n)])?;
+    let mut out = dev.alloc::<T>(n)?;
+    let mut off = 0;
+    while off < n {
+        let len = tile.len().min(n - off);
+        let mut dst = out.slice_mut(off..off + len);
+        dev.stream().memcpy_dtod(&tile.slice(..len), &mut dst)?;
+        off += len;
+    }
+    Ok(out)
 }
