@@ -148,12 +148,11 @@ impl<B: Backend> ModelRunner<B> {
     ) -> Result<(), ModelLoadError> {
         let resolved = dtype.resolve(self.backend.kv_dtype());
         let config = self.arch.config();
-        let extended_attention =
-            config.architecture.is_gemma() || config.architecture == baton_formats::Architecture::GptOss;
-        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && extended_attention {
-            // Windowed, soft-capped or sink attention runs the extended kernel, whose CUDA
-            // launcher (`attention_with`) reads a bf16 cache only: refused here, on every
-            // backend, rather than at the first step.
+        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && config.architecture.implements_sliding_window() {
+            // The families that attend within their windows (Gemma, gpt-oss) do it through the
+            // extended kernel (with soft-caps and sinks too), whose CUDA launcher
+            // (`attention_with`) reads a bf16 cache only: refused here, on every backend,
+            // rather than at the first step.
             return Err(ModelLoadError::Unsupported {
                 architecture: config.architecture.model_type(),
                 device: self.backend.device_name(),

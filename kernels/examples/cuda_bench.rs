@@ -30,25 +30,13 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
 
 mod common;
-use common::time_ms;
+use common::{download_f32, rel_diff, time_ms};
 
 /// A device buffer of `n` random bf16 values in [-1, 1], built from a 16 Mi-element random
 /// tile copied repeatedly (generating gigabytes on the host would dominate the run).
 fn random_bf16(dev: &CudaDevice, r: &mut StdRng, n: usize) -> Result<CudaSlice<bf16>, CudaError> {
     let tile: Vec<bf16> = (0..n.min(1 << 24)).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
     common::tiled(dev, &tile, n)
-}
-
-/// The first `n` values of a bf16 buffer, widened (synchronizes).
-fn download_f32(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>, CudaError> {
-    Ok(dev.download(s, n)?.iter().map(|v| v.to_f32()).collect())
-}
-
-/// ‖a − b‖ / ‖b‖ (NaN when either holds a non-finite value).
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let err: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum::<f64>().sqrt();
-    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
-    err / norm
 }
 
 fn main() {

@@ -46,11 +46,9 @@ fn random_q(dev: &CudaDevice, r: &mut StdRng, n: usize) -> Result<CudaSlice<bf16
     dev.upload(&v)
 }
 
+/// ‖a − b‖ / ‖b‖ over the first `n` values of two bf16 outputs.
 fn rel_diff(dev: &CudaDevice, a: &CudaSlice<bf16>, b: &CudaSlice<bf16>, n: usize) -> Result<f64, CudaError> {
-    let (a, b) = (dev.download(a, n)?, dev.download(b, n)?);
-    let err: f64 = a.iter().zip(&b).map(|(x, y)| (f64::from(x.to_f32()) - f64::from(y.to_f32())).powi(2)).sum();
-    let norm: f64 = b.iter().map(|y| f64::from(y.to_f32()).powi(2)).sum();
-    Ok((err / norm).sqrt())
+    Ok(common::rel_diff(&common::download_f32(dev, a, n)?, &common::download_f32(dev, b, n)?))
 }
 
 fn main() {
@@ -70,10 +68,8 @@ fn run() -> Result<(), CudaError> {
     let mut json = Vec::new();
 
     let n = 1usize << 29;
-    let src = random_q(&dev, &mut r, 1 << 20).and_then(|t| {
-        let host = dev.download(&t, 1 << 20)?;
-        tiled(&dev, &host, n)
-    })?;
+    let tile: Vec<bf16> = (0..1 << 20).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
+    let src = tiled(&dev, &tile, n)?;
     let mut dst = dev.alloc::<bf16>(n)?;
     let ms = time_ms(&dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
     let copy_gbs = 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9;

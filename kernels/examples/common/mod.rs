@@ -1,7 +1,7 @@
 //! Helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`): timing,
 //! and large device buffers filled from a small random tile.
 
-use baton_kernels::cuda::{CudaDevice, CudaError, CudaSlice};
+use baton_kernels::cuda::{CudaDevice, CudaError, CudaSlice, bf16};
 
 /// The median of `v` (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
@@ -50,4 +50,16 @@ pub fn tiled<T: cudarc::driver::DeviceRepr + Clone>(
         off += len;
     }
     Ok(out)
+}
+
+/// The first `n` values of a bf16 buffer, widened (synchronizes).
+pub fn download_f32(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Result<Vec<f32>, CudaError> {
+    Ok(dev.download(s, n)?.iter().map(|v| v.to_f32()).collect())
+}
+
+/// ‖a − b‖ / ‖b‖ (NaN when either holds a non-finite value).
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let err: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum::<f64>().sqrt();
+    err / norm
 }

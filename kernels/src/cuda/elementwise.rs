@@ -143,16 +143,7 @@ pub struct BiasAddCall<'a> {
 impl BiasAddCall<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        const OP: &str = "bias_add";
-        need(OP, "x", self.x, self.rows * self.n)?;
-        need(OP, "bias", self.bias, self.n)?;
-        let total = self.rows * self.n;
-        if total == 0 {
-            return Ok(());
-        }
-        let args = Args::new(OP).buf(self.x).buf(self.bias).int(self.n)?.long(total)?;
-        // SAFETY: the loop updates `total` elements of `x` and reads `n` biases, checked above.
-        unsafe { args.launch(dev, &dev.kernels.bias_add, grid_stride(total)) }
+        launch_bias_add(dev, "bias_add", &dev.kernels.bias_add, self.x, self.bias, (self.rows, self.n))
     }
 }
 
@@ -172,17 +163,29 @@ pub struct BiasAddF32Call<'a> {
 impl BiasAddF32Call<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        const OP: &str = "bias_add_f32";
-        need(OP, "x", self.x, self.rows * self.n)?;
-        need(OP, "bias", self.bias, self.n)?;
-        let total = self.rows * self.n;
-        if total == 0 {
-            return Ok(());
-        }
-        let args = Args::new(OP).buf(self.x).buf(self.bias).int(self.n)?.long(total)?;
-        // SAFETY: the loop updates `total` elements of `x` and reads `n` biases, checked above.
-        unsafe { args.launch(dev, &dev.kernels.bias_add_f32, grid_stride(total)) }
+        launch_bias_add(dev, "bias_add_f32", &dev.kernels.bias_add_f32, self.x, self.bias, (self.rows, self.n))
     }
+}
+
+/// The launch behind [`BiasAddCall`] and [`BiasAddF32Call`]: `func` adds the `n` biases to
+/// each of `rows` rows of `x` (the kernels share their argument list).
+fn launch_bias_add<T: Elem>(
+    dev: &CudaDevice,
+    op: &'static str,
+    func: &CudaFunction,
+    x: &CudaSlice<T>,
+    bias: &CudaSlice<bf16>,
+    (rows, n): (usize, usize),
+) -> Result<(), CudaError> {
+    need(op, "x", x, rows * n)?;
+    need(op, "bias", bias, n)?;
+    let total = rows * n;
+    if total == 0 {
+        return Ok(());
+    }
+    let args = Args::new(op).buf(x).buf(bias).int(n)?.long(total)?;
+    // SAFETY: the loop updates `total` elements of `x` and reads `n` biases, checked above.
+    unsafe { args.launch(dev, func, grid_stride(total)) }
 }
 
 /// `dst[r, c] = src[r, col0 + c]` for `rows` rows and `c < dst_width`: a band of columns.
