@@ -22,7 +22,7 @@
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
-//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8]`; with `--kv-cache-dtype fp8` the
+//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]`; with `--kv-cache-dtype fp8` the
 //! cache holds random E4M3 codes (scales 1) and the floors count one byte per cached K or V
 //! value; with `--quantization fp8` the projections are quantized at load (per channel) and
 //! count one byte per weight;
@@ -261,7 +261,19 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
-    let modes: Vec<(bool, bool)> = graph_modes.iter().flat_map(|&g| pdl_modes.iter().map(move |&p| (g, p))).collect();
+    // And with the gated MLP's activation fused into the skinny GEMM or not (`--fused-gate
+    // both`; the default runs it fused only).
+    let fused_modes: Vec<bool> = match flag(&args, "--fused-gate").as_deref() {
+        Some("off") => vec![false],
+        Some("both") => vec![true, false],
+        _ => vec![true],
+    };
+    let mut modes: Vec<(bool, bool, bool)> = Vec::new();
+    for &g in &graph_modes {
+        for &p in &pdl_modes {
+            modes.extend(fused_modes.iter().map(|&f| (g, p, f)));
+        }
+    }
     writeln!(
         table,
         "decode step (median of 40): shape | mode | ms | floor ms (weights + KV at copy) | % of floor | peer ms | baton/peer speed"
@@ -272,10 +284,16 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &(graphs, pdl) in &modes {
+        for &(graphs, pdl, fused) in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
-            let mode = format!("{}{}", if graphs { "graphs" } else { "eager" }, if pdl { "+pdl" } else { "" });
+            model.backend_mut().set_fused_gate(fused);
+            let mode = format!(
+                "{}{}{}",
+                if graphs { "graphs" } else { "eager" },
+                if pdl { "+pdl" } else { "" },
+                if fused { "" } else { "-unfused" }
+            );
             let mut times = Vec::new();
             for s in 0..48 {
                 let lay = decode_batch(b, ctx, ctx + s);
@@ -293,11 +311,11 @@ fn run() -> Res<()> {
             };
             writeln!(
                 table,
-                "  b={b:3} ctx={ctx:5} | {mode:10} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
+                "  b={b:3} ctx={ctx:5} | {mode:18} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -306,6 +324,7 @@ fn run() -> Res<()> {
         }
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
+            model.backend_mut().set_fused_gate(fused_modes[0]);
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };

@@ -133,17 +133,8 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
 // Rows of gate_up are [gate | up] of width 2d; out rows are act(gate) * up of width d. With
 // d % 8 == 0 each thread takes 8 outputs (16-byte loads and store; the launcher sizes the grid
 // for total / 8), else one. ACT is a functor: SiLU (SwiGLU) or GELU-tanh (GeGLU, Gemma).
-struct SiluAct {
-    __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
-};
-
-// PyTorch's gelu(x, approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-struct GeluTanhAct {
-    __device__ __forceinline__ float operator()(float g) const {
-        return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    }
-};
-
+// SiluAct and GeluTanhAct live in prelude.cuh: the skinny GEMM applies them in its epilogue
+// (gemv.cu, the fused gate_up projection), bit-identical to gated_mul here.
 template <typename ACT>
 __device__ __forceinline__ void gated_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out, int d,
                                           long long total) {

@@ -28,6 +28,14 @@
 // Partial sums meet in shared memory; each of the 16 x 8*NT outputs is summed by one
 // thread. K must be a multiple of 8 (16-byte rows); a last partial batch zeroes the chunks
 // past k on both operands.
+//
+// Gated (the MLP's gate_up projection with its activation fused, ACT = SiluAct or
+// GeluTanhAct): w is [gate; up] (2n rows, n = the intermediate size) and out is m x n. A CTA
+// takes 8 gate rows c..c+7 as A rows g and the matching up rows n+c..n+c+7 as rows g+8, so a
+// thread's accumulators hold gate and up of the same output (D[g][j] and D[g+8][j]); the
+// epilogue rounds both to bf16 first, as the unfused path stores them, and applies the same
+// activation functor as gated_mul (elementwise.cu): bit-identical to linear + silu_mul.
+// Grid: one CTA per 8 output columns (as many CTAs as the unfused product has).
 
 __device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
     uint4 v;
@@ -55,9 +63,74 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, unsigned a0, unsigned a
 __device__ __forceinline__ void gemv_store(bf16_t* out, long long i, float v) { out[i] = f2bf(v); }
 __device__ __forceinline__ void gemv_store(float* out, long long i, float v) { out[i] = v; }
 
+// The epilogue of a plain product (no activation).
+struct NoAct {};
+template <typename ACT>
+struct IsGated {
+    static constexpr bool value = true;
+};
+template <>
+struct IsGated<NoAct> {
+    static constexpr bool value = false;
+};
+
+// Row of w that tile row i (0..15) of CTA `cta` reads, clamped to valid memory. Plain: rows
+// 16 cta + i of n. Gated: gate row 8 cta + i for i < 8, its up row n + 8 cta + (i - 8) after.
+template <typename ACT>
+__device__ __forceinline__ long long gemv_w_row(int cta, int i, int n) {
+    return min(cta * 16 + i, n - 1);
+}
+template <>
+__device__ __forceinline__ long long gemv_w_row<SiluAct>(int cta, int i, int n) {
+    return min(cta * 8 + (i & 7), n - 1) + (i >= 8 ? n : 0);
+}
+template <>
+__device__ __forceinline__ long long gemv_w_row<GeluTanhAct>(int cta, int i, int n) {
+    return gemv_w_row<SiluAct>(cta, i, n);
+}
+
+// Sums the warps' partials (red[warp][nt * 4 + j][lane]: accumulator j of tile nt) and stores
+// the CTA's 16 output rows of every column of x.
+template <int NT, int NW, typename OUT>
+__device__ __forceinline__ void gemv_epilogue_plain(const float (*red)[NT * 4][32], OUT* __restrict__ out, int m,
+                                                    int n) {
+    const int row0 = blockIdx.x * 16;
+    for (int i = threadIdx.x; i < NT * 4 * 32; i += NW * 32) {
+        const int j = i >> 5, l = i & 31;
+        float s = 0.f;
+#pragma unroll
+        for (int v = 0; v < NW; v++) s += red[v][j][l];
+        const int row = row0 + (l >> 2) + ((j & 2) ? 8 : 0);
+        const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
+        if (row < n && mm < m) gemv_store(out, (long long)mm * n + row, s);
+    }
+}
+
+// The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
+// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
+template <int NT, int NW, typename ACT>
+__device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][32], ACT act,
+                                                    bf16_t* __restrict__ out, int m, int n) {
+    const int col0 = blockIdx.x * 8;
+    for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
+        const int jj = i >> 5, l = i & 31;
+        const int nt = jj >> 1, h = jj & 1;
+        float gate = 0.f, up = 0.f;
+#pragma unroll
+        for (int v = 0; v < NW; v++) {
+            gate += red[v][nt * 4 + h][l];
+            up += red[v][nt * 4 + h + 2][l];
+        }
+        const int col = col0 + (l >> 2);
+        const int mm = nt * 8 + 2 * (l & 3) + h;
+        if (col < n && mm < m) out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
+    }
+}
+
 // NT: tiles of 8 x rows (m <= 8 * NT). NW: warps per CTA (k split). U: k-steps of 32 per
-// batch (2*U weight loads of 16 bytes in flight per thread).
-template <int NT, int NW, int U, typename OUT>
+// batch (2*U weight loads of 16 bytes in flight per thread). ACT: NoAct, or the activation of
+// a gated product (then n is the number of output columns, half of w's rows).
+template <int NT, int NW, int U, typename OUT, typename ACT>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                           OUT* __restrict__ out, int m, int n, int k) {
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
@@ -65,9 +138,8 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16;
     const int kc = k >> 3;
-    const long long ra = min(row0 + g, n - 1), rb = min(row0 + g + 8, n - 1);
+    const long long ra = gemv_w_row<ACT>(blockIdx.x, g, n), rb = gemv_w_row<ACT>(blockIdx.x, g + 8, n);
     const uint4* wa = reinterpret_cast<const uint4*>(w + ra * k) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(w + rb * k) + t;
     const uint4* xr[NT];
@@ -87,7 +159,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         for (int l = threadIdx.x; l < 16 * LPR; l += NW * 32) {
             const int c = (l >> 4) * LINE_CHUNKS;
             if (c < kc) {
-                const long long r = min(row0 + (l & 15), n - 1);
+                const long long r = gemv_w_row<ACT>(blockIdx.x, l & 15, n);
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w + r * k) + c));
             }
         }
@@ -153,27 +225,31 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
 #pragma unroll
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
     __syncthreads();
-    for (int i = threadIdx.x; i < NT * 4 * 32; i += NW * 32) {
-        const int j = i >> 5, l = i & 31;
-        float s = 0.f;
-#pragma unroll
-        for (int v = 0; v < NW; v++) s += red[v][j][l];
-        const int row = row0 + (l >> 2) + ((j & 2) ? 8 : 0);
-        const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
-        if (row < n && mm < m) gemv_store(out, (long long)mm * n + row, s);
-    }
+    if constexpr (IsGated<ACT>::value)
+        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
+    else
+        gemv_epilogue_plain<NT, NW>(red, out, m, n);
 }
-
 #define GEMV_INSTANCE(MAXM, NW, U)                                                                              \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_bf16(                   \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
         int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, bf16_t>(x, w, out, m, n, k);                                                 \
+        gemv_body<MAXM / 8, NW, U, bf16_t, NoAct>(x, w, out, m, n, k);                                          \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_f32(                    \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ out, int m, int n,      \
         int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, float>(x, w, out, m, n, k);                                                  \
+        gemv_body<MAXM / 8, NW, U, float, NoAct>(x, w, out, m, n, k);                                           \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_silu(                   \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
+        int k) {                                                                                                \
+        gemv_body<MAXM / 8, NW, U, bf16_t, SiluAct>(x, w, out, m, n, k);                                        \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_gelu_tanh(              \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
+        int k) {                                                                                                \
+        gemv_body<MAXM / 8, NW, U, bf16_t, GeluTanhAct>(x, w, out, m, n, k);                                    \
     }
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in

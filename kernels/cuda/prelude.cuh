@@ -135,3 +135,17 @@ __device__ __forceinline__ void e4m3x16_to_bf16x16(const uint4 u, uint4* out) {
     e4m3x4_to_bf16x4(u.z, out[1].x, out[1].y);
     e4m3x4_to_bf16x4(u.w, out[1].z, out[1].w);
 }
+
+// The gated MLP activations, one formula each for every kernel that applies them (gated_mul in
+// elementwise.cu and the fused gate_up epilogue of gemv.cu), so fused and unfused paths agree bit
+// for bit. SiLU: g / (1 + e^-g).
+struct SiluAct {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.f + __expf(-g)); }
+};
+
+// PyTorch's gelu(x, approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+struct GeluTanhAct {
+    __device__ __forceinline__ float operator()(float g) const {
+        return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    }
+};

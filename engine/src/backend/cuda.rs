@@ -19,8 +19,8 @@
 //! block I/O is in cuda_kv_io.rs.
 
 use super::{
-    AttentionExtras, Backend, BackendError, BatchLayout, DeviceSampler, GraphReplay, KvCacheShape, KvIo, MoeWeights,
-    OptionalOp, WeightUploadReport,
+    AttentionExtras, Backend, BackendError, BatchLayout, DeviceSampler, Gate, GraphReplay, KvCacheShape, KvIo,
+    MoeWeights, OptionalOp, WeightUploadReport,
 };
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
@@ -166,6 +166,10 @@ pub struct CudaBackend {
     /// Small-batch GEMMs through the skinny-GEMM kernel (see [`GEMV_MAX_M`]); off = cuBLAS
     /// for every GEMM, for comparisons.
     gemv: bool,
+    /// The gated MLP's activation fused into the skinny GEMM where it applies
+    /// ([`Backend::gated_linear`]); off = the product and the activation kernel, for
+    /// comparisons.
+    fuse_gate: bool,
     /// Prefill chunks through the tensor-core prefill kernel (`AttnKernel::Mixed`);
     /// off = the decode kernel for every row, for comparisons.
     prefill_kernel: bool,
@@ -299,6 +303,7 @@ impl CudaBackend {
             rows,
             logits,
             gemv: true,
+            fuse_gate: true,
             prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
@@ -317,6 +322,14 @@ impl CudaBackend {
     /// to cuBLAS (`false`: for benchmarks and comparisons).
     pub fn set_gemv(&mut self, on: bool) {
         self.gemv = on;
+    }
+
+    /// Fuses the gated MLP's activation into the skinny GEMM where it applies (`true`, the
+    /// default) or runs the product and the activation kernel (`false`: for benchmarks and
+    /// comparisons; the outputs are the same bits). Drops recorded graphs.
+    pub fn set_fused_gate(&mut self, on: bool) {
+        self.fuse_gate = on;
+        self.drop_graphs();
     }
 
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
@@ -913,6 +926,18 @@ impl Backend for CudaBackend {
         Ok(SiluMulCall { gate_up: &gate_up.data, rows, d, out: &mut out.data }.launch(&self.dev)?)
     }
 
+    fn gated_linear(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        gate_up: &CudaMat,
+        gate: Gate,
+        scratch: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.gated_linear_cuda(x, m, gate_up, gate, scratch, out)
+    }
+
     fn gather_rows(
         &mut self,
         x: &CudaBuf,
@@ -1050,6 +1075,8 @@ mod graph;
 
 #[path = "cuda_arch_ops.rs"]
 mod arch_ops;
+#[path = "cuda_gated.rs"]
+mod gated;
 #[path = "cuda_moe.rs"]
 mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};

@@ -132,6 +132,11 @@ impl CudaBackend {
     /// op (`false`: vLLM's `--enforce-eager`). Switching drops the graphs.
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs.enabled = on;
+        self.drop_graphs();
+    }
+
+    /// Forgets every recording (and every failed one): a switch changed what a step launches.
+    pub(super) fn drop_graphs(&mut self) {
         self.graphs.graphs.clear();
         self.graphs.failed.clear();
     }
@@ -141,8 +146,7 @@ impl CudaBackend {
     /// graphs (they hold the old launches).
     pub fn set_pdl(&mut self, on: bool) {
         self.device().set_pdl(on);
-        self.graphs.graphs.clear();
-        self.graphs.failed.clear();
+        self.drop_graphs();
     }
 
     /// Replay counters so far.

@@ -360,6 +360,22 @@ pub trait Backend: Send + 'static {
     ) -> Result<(), BackendError>;
     /// `out = silu(gate) * up` with rows `[gate | up]` of width `2d`.
     fn silu_mul(&mut self, gate_up: &Self::Buf, d: usize, out: &mut Self::Buf) -> Result<(), BackendError>;
+    /// The gated MLP's first half: `out = act(gate) * up` where `[gate | up] = x · gate_upᵀ`
+    /// (`gate_up` is `2 · gate.d` rows: the gate rows, then the up rows). The default runs
+    /// [`Backend::linear`] into `scratch` and then [`Backend::silu_mul`] or
+    /// [`Backend::gelu_tanh_mul`]; a backend may fuse the two (CUDA does for decode-sized
+    /// batches, leaving `scratch` untouched) as long as `out` is the same.
+    fn gated_linear(
+        &mut self,
+        x: &Self::Buf,
+        m: usize,
+        gate_up: &Self::Mat,
+        gate: Gate,
+        scratch: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        gated_linear_unfused(self, x, m, gate_up, gate, scratch, out)
+    }
     /// `out[i] = x[rows[i]]` for rows of width `width`.
     fn gather_rows(
         &mut self,
@@ -702,6 +718,49 @@ pub enum MoeActivation {
         /// `swiglu_limit`.
         limit: f32,
     },
+}
+
+/// The gated MLP's activation and width ([`Backend::gated_linear`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gate {
+    /// What is applied to the gate before it multiplies up.
+    pub act: GateAct,
+    /// The intermediate size: the width of gate, of up and of the output.
+    pub d: usize,
+}
+
+/// The activation of a gated MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GateAct {
+    /// SwiGLU: `silu(gate) · up` (Llama, Qwen, Mistral, Phi).
+    Silu,
+    /// GeGLU with the tanh approximation: `gelu_tanh(gate) · up` (Gemma; an optional op,
+    /// [`OptionalOp::GeluTanhMul`]).
+    GeluTanh,
+}
+
+/// [`Backend::gated_linear`] as two ops: the product into `scratch`, then the activation
+/// (each op marked for a step profile under its own name).
+pub fn gated_linear_unfused<B: Backend + ?Sized>(
+    b: &mut B,
+    x: &B::Buf,
+    m: usize,
+    gate_up: &B::Mat,
+    gate: Gate,
+    scratch: &mut B::Buf,
+    out: &mut B::Buf,
+) -> Result<(), BackendError> {
+    b.linear(x, m, gate_up, None, scratch)?;
+    match gate.act {
+        GateAct::Silu => {
+            b.mark("silu_mul");
+            b.silu_mul(scratch, gate.d, out)
+        }
+        GateAct::GeluTanh => {
+            b.mark("gelu_tanh_mul");
+            b.gelu_tanh_mul(scratch, gate.d, out)
+        }
+    }
 }
 
 /// What [`Backend::attention_ext`] adds to plain causal attention.

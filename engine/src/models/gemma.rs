@@ -20,7 +20,7 @@
 //! geometry (the cache has one); activation buffers are reused across steps and only grow.
 
 use super::{AfterKv, Architecture, AttentionKind, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
-use crate::backend::{AttentionExtras, Backend, BackendError, BatchLayout, OptionalOp};
+use crate::backend::{AttentionExtras, Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
 use baton_formats::{GemmaOptions, ModelConfig};
 use baton_kernels::cpu::NormWeight;
 
@@ -250,9 +250,8 @@ impl<B: Backend> Architecture<B> for Gemma<B> {
             b.buf_rms_norm(&ws.proj, &layer.post_attn_norm, eps, STYLE, &mut ws.out)?;
             b.add_rms_norm_styled(&mut ws.residual, &ws.out, &layer.pre_ff_norm, eps, STYLE, &mut ws.hidden)?;
             b.mark("gate_up");
-            b.linear(&ws.hidden, t, &layer.gate_up, None, &mut ws.gate_up)?;
-            b.mark("gelu_tanh_mul");
-            b.gelu_tanh_mul(&ws.gate_up, cfg.intermediate_size, &mut ws.act)?;
+            let gate = Gate { act: GateAct::GeluTanh, d: cfg.intermediate_size };
+            b.gated_linear(&ws.hidden, t, &layer.gate_up, gate, &mut ws.gate_up, &mut ws.act)?;
             b.mark("down");
             b.linear(&ws.act, t, &layer.down, None, &mut ws.proj)?;
             b.mark("norm");

@@ -25,7 +25,7 @@
 
 use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
-use crate::backend::{Backend, BackendError, BatchLayout, OptionalOp};
+use crate::backend::{Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
 
@@ -252,9 +252,8 @@ impl<B: Backend> Architecture<B> for Llama<B> {
             match &layer.mlp {
                 Mlp::Dense { gate_up, down, intermediate_size } => {
                     b.mark("gate_up");
-                    b.linear(&ws.hidden, t, gate_up, None, &mut ws.gate_up)?;
-                    b.mark("silu_mul");
-                    b.silu_mul(&ws.gate_up, *intermediate_size, &mut ws.act)?;
+                    let gate = Gate { act: GateAct::Silu, d: *intermediate_size };
+                    b.gated_linear(&ws.hidden, t, gate_up, gate, &mut ws.gate_up, &mut ws.act)?;
                     b.mark("down");
                     b.linear(&ws.act, t, down, None, &mut ws.proj)?;
                 }

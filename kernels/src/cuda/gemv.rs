@@ -6,7 +6,8 @@
 //!
 //! Invariants: [`GEMV_VARIANTS`] lists the `GEMV_INSTANCE` lines of gemv.cu in order (a unit
 //! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
-//! and for bf16 and f32 outputs; the kernel takes `m × k` inputs with 1 ≤ m ≤
+//! and for every [`GemvEpilogue`] (bf16 and f32 outputs, and the gated products whose
+//! activation is fused: [`GatedLinearCall`](super::GatedLinearCall)); the kernel takes `m × k` inputs with 1 ≤ m ≤
 //! [`GEMV_KERNEL_MAX_M`] and k a multiple of 8 ([`gemv_supports`]), so that every row starts
 //! on a 16-byte boundary. Callers that may see other shapes ask first and use cuBLAS.
 
@@ -38,10 +39,43 @@ pub struct GemvVariant {
 }
 
 impl GemvVariant {
-    /// The kernel's name for up to `max_m` rows of `x` (8 or 16) and the output type.
-    pub fn kernel_name(&self, max_m: usize, f32_out: bool) -> String {
-        let ty = if f32_out { "f32" } else { "bf16" };
-        format!("gemv_m{max_m}_w{}_u{}_{ty}", self.warps, self.unroll)
+    /// The kernel's name for up to `max_m` rows of `x` (8 or 16) and the epilogue.
+    pub fn kernel_name(&self, max_m: usize, epilogue: GemvEpilogue) -> String {
+        format!("gemv_m{max_m}_w{}_u{}_{}", self.warps, self.unroll, epilogue.suffix())
+    }
+}
+
+/// What a skinny-GEMM instantiation does with its sums: every variant is compiled with each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvEpilogue {
+    /// `out = x · wᵀ` rounded to bf16.
+    Bf16,
+    /// `out = x · wᵀ` in f32 (the LM head).
+    F32,
+    /// The gated MLP: `w = [gate; up]`, `out = silu(gate) · up` (bf16, as `silu_mul` computes
+    /// it from the bf16 products).
+    Silu,
+    /// As [`Self::Silu`] with GELU (tanh approximation), Gemma's GeGLU.
+    GeluTanh,
+}
+
+impl GemvEpilogue {
+    /// Every epilogue, in the order of the kernel table's entries per variant.
+    pub const ALL: [Self; 4] = [Self::Bf16, Self::F32, Self::Silu, Self::GeluTanh];
+
+    /// The kernel name's last part (`GEMV_INSTANCE` in gemv.cu).
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+            Self::Silu => "silu",
+            Self::GeluTanh => "gelu_tanh",
+        }
+    }
+
+    /// Index in [`Self::ALL`] (and in the kernel table's entries per variant).
+    pub(crate) fn index(self) -> usize {
+        self as usize
     }
 }
 
@@ -99,7 +133,11 @@ mod tests {
 
     #[test]
     fn kernel_names() {
-        assert_eq!(GEMV_VARIANTS[1].kernel_name(8, false), "gemv_m8_w8_u4_bf16");
-        assert_eq!(GEMV_VARIANTS[0].kernel_name(16, true), "gemv_m16_w4_u4_f32");
+        assert_eq!(GEMV_VARIANTS[1].kernel_name(8, GemvEpilogue::Bf16), "gemv_m8_w8_u4_bf16");
+        assert_eq!(GEMV_VARIANTS[0].kernel_name(16, GemvEpilogue::F32), "gemv_m16_w4_u4_f32");
+        assert_eq!(GEMV_VARIANTS[3].kernel_name(8, GemvEpilogue::GeluTanh), "gemv_m8_w8_u2_gelu_tanh");
+        for (i, e) in GemvEpilogue::ALL.into_iter().enumerate() {
+            assert_eq!(e.index(), i);
+        }
     }
 }

@@ -11,7 +11,7 @@
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
-use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
+use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::paged_attention::{ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name};
 use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
@@ -71,8 +71,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// Prefill flash attention over an FP8 cache, indexed as [`Self::prefill`].
     pub prefill_fp8: Vec<Vec<F>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
-    /// `[bf16 out, f32 out]`.
-    pub gemv: [Vec<[F; 2]>; 2],
+    /// `[epilogue of GemvEpilogue::ALL]`.
+    pub gemv: [Vec<[F; 4]>; 2],
     /// Sampling, one CTA per row (sampling.cu).
     pub sample_rows: F,
     /// Sampled tokens into the next step's ids (sampling.cu).
@@ -145,12 +145,14 @@ impl<F> KernelTable<F> {
             prefill_fp8
                 .push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_fp8_kernel_name(hd, w))).collect::<Result<_, _>>()?);
         }
-        let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
+        let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 4]>, E> {
             let m = Module::part(Family::Gemv, max_m);
-            GEMV_VARIANTS
-                .iter()
-                .map(|v| Ok([f(m, &v.kernel_name(max_m, false))?, f(m, &v.kernel_name(max_m, true))?]))
-                .collect()
+            let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
+            for v in GEMV_VARIANTS {
+                let [a, b, c, d] = GemvEpilogue::ALL.map(|e| v.kernel_name(max_m, e));
+                variants.push([f(m, &a)?, f(m, &b)?, f(m, &c)?, f(m, &d)?]);
+            }
+            Ok(variants)
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
         let sampling = Module::whole(Family::Sampling);
@@ -247,14 +249,14 @@ mod tests {
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
-        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs;
+        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
         // a lane (8); FP8 weights' dequantization and skinny GEMM (2).
         let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2;
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
-            + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
+            + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         assert_eq!(names.len(), 29 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
@@ -262,6 +264,7 @@ mod tests {
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
             "gemv_m16_w8_u2_f32",
+            "gemv_m8_w4_u4_silu",
             "rope_qkv_qknorm_write_kv_fp8",
             "paged_attention_ext_fp8_d4",
             "paged_attention_tc_fp8_hd128_w2_s8_g16",

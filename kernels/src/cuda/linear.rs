@@ -8,8 +8,14 @@
 //! enqueues nothing; the skinny GEMM refuses the shapes [`gemv_supports`] rejects (callers
 //! that may see them pick cuBLAS); cuBLAS runs on the device's stream with the workspace it
 //! got at open, so it allocates nothing and can be recorded into a CUDA graph.
+//!
+//! [`GatedLinearCall`] is the gated MLP's first half (`act(gate) · up` of `x · [gate; up]ᵀ`)
+//! in one skinny-GEMM launch, for decode-sized batches: bit-identical to [`LinearCall`]
+//! followed by [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]) with the same variant.
 
-use super::gemv::{GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GEMV_VARIANTS, gemv_default, gemv_supports, gemv_tile_index};
+use super::gemv::{
+    GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GEMV_VARIANTS, GemvEpilogue, gemv_default, gemv_supports, gemv_tile_index,
+};
 use super::launch::{Args, Elem, cfg, int, need, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
@@ -154,6 +160,71 @@ impl<O> LinearCall<'_, O> {
     }
 }
 
+/// The activation a [`GatedLinearCall`] applies to the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatedAct {
+    /// `silu(gate) · up` (Llama, Qwen, Mistral, Phi).
+    Silu,
+    /// `gelu_tanh(gate) · up` (Gemma's GeGLU).
+    GeluTanh,
+}
+
+/// `out = act(gate) · up` where `gate = x · w[..d]ᵀ` and `up = x · w[d..]ᵀ` (`w` is the
+/// checkpoint's `[gate; up]`, `2d × k`): the skinny GEMM with the activation in its epilogue,
+/// for 1 ≤ m ≤ [`GEMV_KERNEL_MAX_M`] rows and k a multiple of 8 ([`gemv_supports`]; larger
+/// batches run [`LinearCall`] and the activation kernel).
+pub struct GatedLinearCall<'a> {
+    /// `m × k` bf16.
+    pub x: &'a CudaSlice<bf16>,
+    /// Rows of `x`.
+    pub m: usize,
+    /// The reduction length.
+    pub k: usize,
+    /// `2d × k` bf16: the gate rows, then the up rows.
+    pub w: &'a CudaSlice<bf16>,
+    /// The intermediate size: columns of `out`.
+    pub d: usize,
+    /// The activation.
+    pub act: GatedAct,
+    /// `m × d` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+    /// Index in [`GEMV_VARIANTS`], or `None` for the variant [`LinearCall`] would pick for the
+    /// unfused `2d`-row product (same CTA count, same sums: the results agree bit for bit).
+    pub variant: Option<usize>,
+}
+
+impl GatedLinearCall<'_> {
+    /// Checks the sizes and enqueues the fused product.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "gated_linear";
+        let Self { x, m, k, w, d, act, out, variant } = self;
+        need(OP, "x", x, m * k)?;
+        need(OP, "w", w, 2 * d * k)?;
+        need(OP, "out", out, m * d)?;
+        if m == 0 || d == 0 {
+            return Ok(());
+        }
+        shape_check(OP, gemv_supports(m, k), || {
+            format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
+        })?;
+        let variant = variant.unwrap_or_else(|| gemv_default(2 * d, dev.sm_count()));
+        let epilogue = match act {
+            GatedAct::Silu => GemvEpilogue::Silu,
+            GatedAct::GeluTanh => GemvEpilogue::GeluTanh,
+        };
+        let (v, funcs) = match (GEMV_VARIANTS.get(variant), dev.kernels.gemv[gemv_tile_index(m)].get(variant)) {
+            (Some(v), Some(f)) => (*v, f),
+            _ => return Err(shape_error(OP, format!("no gemv variant {variant}"))),
+        };
+        // One CTA per 8 output columns: 8 gate rows and their 8 up rows.
+        let grid = cfg((int(OP, d.div_ceil(GEMV_ROWS_PER_CTA / 2))? as u32, 1, 1), v.warps * 32);
+        let args = Args::new(OP).buf(x).buf(w).buf(out).int(m)?.int(d)?.int(k)?;
+        // SAFETY: x holds m × k, w 2d × k and out m × d (checked above); the kernel reads whole
+        // 16-byte rows (k % 8 == 0), rows below 2d of w, and writes only columns < d of out.
+        unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
+    }
+}
+
 /// The product through cuBLASLt's measured choice; `false` (nothing enqueued) when there is
 /// no cuBLASLt or no algorithm for the shape, so the caller runs plain cuBLAS.
 fn tuned<O>(
@@ -197,7 +268,8 @@ fn gemv<O: Elem>(
     };
     let grid = cfg((int(op, n.div_ceil(GEMV_ROWS_PER_CTA))? as u32, 1, 1), v.warps * 32);
     let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?;
+    let epilogue = if f32_out { GemvEpilogue::F32 } else { GemvEpilogue::Bf16 };
     // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
     // 16-byte rows, which k % 8 == 0 guarantees, and writes only rows < n of out.
-    unsafe { args.launch(dev, &funcs[usize::from(f32_out)], grid) }
+    unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
 }

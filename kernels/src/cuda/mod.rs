@@ -107,11 +107,11 @@ pub use elementwise::{
 pub use error::CudaError;
 pub use fp8_linear::{Fp8DequantCall, Fp8GemvCall, Fp8Weights, gemv_fp8_supports};
 pub use gather::{EmbedCall, GatherRowsCall};
-pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvVariant, gemv_default, gemv_supports};
+pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;
 pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
-pub use linear::{LinearCall, LinearKernel};
+pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
 pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeExpertKernel, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,

@@ -1,7 +1,12 @@
-//! Programmatic dependent launch (every kernel may start while the one before it finishes,
-//! and waits for it inside) must change nothing but timing: the same steps with it on and off
-//! give bit-identical logits, eager and from CUDA graphs, over prefill chunks, mixed batches
-//! and decode steps. A missing wait would show as a race: logits that move from run to run.
+//! Switches of the CUDA backend that must change nothing but timing: the same steps with each
+//! on and off give bit-identical logits, eager and from CUDA graphs, over prefill chunks,
+//! mixed batches and decode steps.
+//! - Programmatic dependent launch (every kernel may start while the one before it finishes,
+//!   and waits for it inside): a missing wait would show as a race, logits that move from run
+//!   to run.
+//! - The gated MLP's activation fused into the skinny GEMM (`set_fused_gate`): decode steps of
+//!   up to 16 rows take the fused kernel, which must write the bits the product + activation
+//!   pair writes.
 //!
 //! Named `gpu_*`: excluded from CI by name, and they FAIL when no GPU is present.
 
@@ -16,13 +21,22 @@ use common::{prompt, tiny};
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 24;
 
-fn model(m: &baton_formats::LoadedModel, pdl: bool, graphs: bool) -> ModelRunner<CudaBackend> {
+/// What a test switches: PDL, graphs, the fused gate.
+#[derive(Clone, Copy)]
+struct Switches {
+    pdl: bool,
+    graphs: bool,
+    fused_gate: bool,
+}
+
+fn model(m: &baton_formats::LoadedModel, sw: Switches) -> ModelRunner<CudaBackend> {
     let opts = baton_kernels::cuda::CudaOptions::default();
     let mut backend = CudaBackend::new(&opts).expect("open cuda:0");
     assert!(backend.device().pdl(), "PDL is on by default on this (Hopper) device");
-    backend.set_pdl(pdl);
-    assert_eq!(backend.device().pdl(), pdl);
-    backend.set_graphs(graphs);
+    backend.set_pdl(sw.pdl);
+    assert_eq!(backend.device().pdl(), sw.pdl);
+    backend.set_graphs(sw.graphs);
+    backend.set_fused_gate(sw.fused_gate);
     let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
     model.alloc_kv_cache(16 * BLOCKS_PER_SEQ, BLOCK).expect("kv cache");
     model
@@ -65,24 +79,44 @@ fn run(model: &mut ModelRunner<CudaBackend>, prompts: &[Vec<u32>], steps: usize)
     out
 }
 
-#[test]
-fn gpu_pdl_launches_give_bit_identical_steps() {
-    for spec in [TinySpec::llama(), TinySpec::qwen2()] {
-        let m = tiny(&spec);
+/// Runs the same steps with `a` and `b` and asserts bit-identical logits.
+fn assert_same_steps(what: &str, specs: &[TinySpec], a: impl Fn(bool) -> Switches, b: impl Fn(bool) -> Switches) {
+    for spec in specs {
+        let m = tiny(spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
         for graphs in [false, true] {
-            let with = run(&mut model(&m.model, true, graphs), &prompts, 24);
-            let without = run(&mut model(&m.model, false, graphs), &prompts, 24);
+            let with = run(&mut model(&m.model, a(graphs)), &prompts, 24);
+            let without = run(&mut model(&m.model, b(graphs)), &prompts, 24);
             assert_eq!(with.len(), without.len());
-            for (step, (a, b)) in with.iter().zip(&without).enumerate() {
-                assert!(a.iter().all(|x| x.is_finite()), "{:?} step {step}: non-finite logits", spec.architecture);
+            for (step, (x, y)) in with.iter().zip(&without).enumerate() {
+                assert!(x.iter().all(|v| v.is_finite()), "{:?} step {step}: non-finite logits", spec.architecture);
                 assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{:?}, graphs {graphs}, step {step}: logits differ with PDL on",
+                    x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{:?}, graphs {graphs}, step {step}: logits differ with {what} on",
                     spec.architecture
                 );
             }
         }
     }
+}
+
+#[test]
+fn gpu_pdl_launches_give_bit_identical_steps() {
+    assert_same_steps(
+        "PDL",
+        &[TinySpec::llama(), TinySpec::qwen2()],
+        |graphs| Switches { pdl: true, graphs, fused_gate: true },
+        |graphs| Switches { pdl: false, graphs, fused_gate: true },
+    );
+}
+
+#[test]
+fn gpu_fused_gate_gives_bit_identical_steps() {
+    assert_same_steps(
+        "the fused gate",
+        &[TinySpec::llama(), TinySpec::qwen3()],
+        |graphs| Switches { pdl: true, graphs, fused_gate: true },
+        |graphs| Switches { pdl: true, graphs, fused_gate: false },
+    );
 }

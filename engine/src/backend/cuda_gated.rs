@@ -1,0 +1,42 @@
+//! The CUDA backend's gated MLP projection ([`Backend::gated_linear`]): for decode-sized
+//! batches over bf16 weights, one skinny-GEMM launch with the activation in its epilogue
+//! ([`GatedLinearCall`]), which saves the activation kernel's launch and the `[gate | up]`
+//! round trip through memory; every other case (more rows than the skinny GEMM takes, FP8
+//! weights, the skinny GEMM switched off) runs the unfused pair.
+//!
+//! Invariant: both routes write the same bits to `out` (the fused epilogue rounds gate and up
+//! to bf16 and applies the activation kernel's own formula, with the variant the unfused
+//! product would pick); the fused route leaves `scratch` as it was.
+
+use super::{CudaBackend, CudaBuf, CudaMat, gemv_applies, kerr};
+use crate::backend::{BackendError, Gate, GateAct, gated_linear_unfused};
+use baton_kernels::cuda::{GatedAct, GatedLinearCall};
+
+impl CudaBackend {
+    /// [`Backend::gated_linear`] on this device.
+    pub(super) fn gated_linear_cuda(
+        &mut self,
+        x: &CudaBuf,
+        m: usize,
+        w: &CudaMat,
+        gate: Gate,
+        scratch: &mut CudaBuf,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let fusable = self.fuse_gate && w.fp8.is_none() && w.rows == 2 * gate.d && gemv_applies(self.gemv, m, w.cols);
+        if !fusable {
+            return gated_linear_unfused(self, x, m, w, gate, scratch, out);
+        }
+        if x.len < m * w.cols {
+            return Err(kerr("gated_linear", format!("input has {} values, need {m}×{}", x.len, w.cols)));
+        }
+        self.ensure(out, m * gate.d)?;
+        let act = match gate.act {
+            GateAct::Silu => GatedAct::Silu,
+            GateAct::GeluTanh => GatedAct::GeluTanh,
+        };
+        let call =
+            GatedLinearCall { x: &x.data, m, k: w.cols, w: &w.data, d: gate.d, act, out: &mut out.data, variant: None };
+        Ok(call.launch(&self.dev)?)
+    }
+}
