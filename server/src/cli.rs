@@ -221,6 +221,10 @@ pub struct RouterArgs {
     /// Context length; workers must hold at least this much [default: the model's]
     #[arg(long, env = "BATON_MAX_MODEL_LEN", value_name = "TOKENS")]
     pub max_model_len: Option<usize>,
+    /// The workers' weight quantization (their --quantization: none or fp8); part of the model
+    /// fingerprint, so a worker quantized otherwise is refused [default: none]
+    #[arg(long, env = "BATON_QUANTIZATION", value_name = "METHOD")]
+    pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// Largest accepted HTTP request body in bytes [default: 8388608]
     #[arg(long, env = "BATON_MAX_BODY_BYTES", value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,

@@ -66,8 +66,9 @@ pub async fn run(s: RouterSettings) -> anyhow::Result<()> {
         device: "cluster".into(),
     };
     let registry = Arc::new(Registry::new(RegistrySettings {
-        // As served: a worker whose context picks other LongRoPE factors is refused.
-        model_fingerprint: cfg.with_served_context(max_model_len).fingerprint(),
+        // As served: a worker whose context picks other LongRoPE factors, or whose weights are
+        // quantized otherwise, is refused.
+        model_fingerprint: crate::model::served_fingerprint(cfg, max_model_len, s.quantization),
         max_model_len,
         heartbeat_interval: s.heartbeat_interval,
         eject_after: s.eject_after,

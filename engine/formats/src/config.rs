@@ -439,9 +439,11 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
-    /// The model's identity in a cluster: the shape that decides whether two workers can
-    /// exchange KV and produce the same tokens, independent of the file format it came from.
-    /// A worker registers with it and the router refuses a worker whose fingerprint differs.
+    /// The model's identity in a cluster: the shape and the weights' quantization, which
+    /// decide whether two workers can exchange KV and produce the same tokens, independent of
+    /// the file format it came from. A worker registers with it and the router refuses a
+    /// worker whose fingerprint differs. Computed on the config as served: after
+    /// [`Self::with_served_context`] and with any at-load quantization applied.
     pub fn fingerprint(&self) -> String {
         let moe = match &self.moe {
             Some(m) => format!(
@@ -456,7 +458,7 @@ impl ModelConfig {
             None => String::new(),
         };
         format!(
-            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}-rot{}{}{moe}",
+            "{:?}-vocab{}-hidden{}-layers{}-heads{}-kv{}-hd{}-ffn{}-theta{}-bias{}-rot{}{}{moe}{}",
             self.architecture,
             self.vocab_size,
             self.hidden_size,
@@ -473,7 +475,9 @@ impl ModelConfig {
                 Some(l) if l.use_long => "-longrope-long",
                 Some(_) => "-longrope-short",
                 None => "",
-            }
+            },
+            // FP8 and bf16 weights (or two FP8 schemes) give different KV for one prompt.
+            self.quantization.as_ref().map_or(String::new(), |q| format!("-{}", q.fingerprint()))
         )
     }
 

@@ -83,6 +83,31 @@ impl PartialEq for Quantization {
     }
 }
 
+impl Quantization {
+    /// The scheme as part of a model fingerprint ([`crate::ModelConfig::fingerprint`]): where
+    /// the FP8 weights come from, their scale layout, the activations' quantization and the
+    /// modules kept unquantized. Two workers whose weights differ in any of these produce
+    /// different KV for the same prompt, so they must not pair up.
+    pub fn fingerprint(&self) -> String {
+        let source = match self.source {
+            QuantSource::HfFp8 => "hf",
+            QuantSource::CompressedTensors => "ct",
+            QuantSource::AtLoad => "atload",
+        };
+        let layout = match self.layout {
+            Fp8ScaleLayout::PerTensor => "tensor".to_string(),
+            Fp8ScaleLayout::PerChannel => "channel".to_string(),
+            Fp8ScaleLayout::Block { rows, cols } => format!("block{rows}x{cols}"),
+        };
+        let acts = match self.activations {
+            ActivationQuant::None => "w8a16",
+            ActivationQuant::DynamicPerToken => "w8a8dyn",
+        };
+        let ignore: Vec<&str> = self.ignore.iter().map(IgnoreRule::text).collect();
+        format!("fp8-{source}-{layout}-{acts}-ignore{ignore:?}")
+    }
+}
+
 /// One entry of `ignore` / `modules_to_not_convert`.
 #[derive(Debug, Clone)]
 enum IgnoreRule {

@@ -46,6 +46,8 @@ pub struct RouterFile {
     pub served_model_name: Option<String>,
     /// See `--max-model-len`.
     pub max_model_len: Option<usize>,
+    /// See `--quantization`.
+    pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// See `--max-body-bytes`.
     pub max_body_bytes: Option<usize>,
     /// See `--policy`.
@@ -124,6 +126,8 @@ pub struct RouterSettings {
     pub served_model_name: Option<String>,
     /// Context length (`None`: the model's); workers must hold at least this.
     pub max_model_len: Option<usize>,
+    /// The workers' weight quantization, part of the fingerprint they must match.
+    pub quantization: baton_engine::weight_quantization::WeightQuantization,
     /// Request body limit.
     pub max_body_bytes: usize,
     /// `round_robin`, `least_loaded` or `prefix_aware`.
@@ -178,6 +182,7 @@ pub fn router_settings(args: &RouterArgs, file: &RouterFile) -> Result<RouterSet
         api_key: args.api_key.clone().or_else(|| file.api_key.clone()).filter(|k| !k.is_empty()),
         served_model_name: args.served_model_name.clone().or_else(|| file.served_model_name.clone()),
         max_model_len: args.max_model_len.or(file.max_model_len),
+        quantization: args.quantization.or(file.quantization).unwrap_or_default(),
         max_body_bytes: args
             .max_body_bytes
             .or(file.max_body_bytes)
@@ -252,5 +257,20 @@ mod tests {
         assert_eq!(s.cluster.on_transfer_failure, TransferFailurePolicy::Retry { max_retries: 3 });
         let err = ConfigFile::parse("[router]\npolcy = \"x\"\n", Path::new("r.toml")).expect_err("typo");
         assert!(err.to_string().contains("polcy"), "{err}");
+    }
+
+    #[test]
+    fn router_quantization_from_flag_or_file_and_bad_values_named() {
+        use baton_engine::weight_quantization::WeightQuantization;
+        let none = ConfigFile::parse("", Path::new("r.toml")).expect("parses").router;
+        assert_eq!(router_settings(&router_args(&[]), &none).expect("valid").quantization, WeightQuantization::None);
+        let file = ConfigFile::parse("[router]\nquantization = \"fp8\"\n", Path::new("r.toml")).expect("ok").router;
+        assert_eq!(router_settings(&router_args(&[]), &file).expect("valid").quantization, WeightQuantization::Fp8);
+        let flag = router_settings(&router_args(&["--quantization", "none"]), &file).expect("valid");
+        assert_eq!(flag.quantization, WeightQuantization::None, "the flag beats the file");
+        let err = Cli::try_parse_from(["baton", "router", "--quantization", "awq"]).expect_err("awq");
+        assert!(err.to_string().contains("awq"), "{err}");
+        let err = ConfigFile::parse("[router]\nquantization = \"gptq\"\n", Path::new("r.toml")).expect_err("gptq");
+        assert!(err.to_string().contains("gptq"), "{err}");
     }
 }

@@ -189,11 +189,10 @@ pub async fn run(settings: WorkerSettings, started: Instant) -> anyhow::Result<(
     let device: DeviceSpec = s.device.parse().context("invalid --device")?;
     let model = crate::model::load_model(&s.model, load_format).await?;
     let mut config = s.engine_config();
-    // The fingerprint of the model as served: LongRoPE's factor list depends on the context.
-    let fingerprint = model
-        .config
-        .with_served_context(config.max_model_len.unwrap_or(model.config.max_position_embeddings))
-        .fingerprint();
+    // The fingerprint of the model as served: LongRoPE's factor list depends on the context,
+    // and `--quantization fp8` changes the weights.
+    let served_len = config.max_model_len.unwrap_or(model.config.max_position_embeddings);
+    let fingerprint = crate::model::served_fingerprint(&model.config, served_len, config.quantization);
     config.record_cache_events = settings.role.prefills();
     config.kv_transfer_timeout = settings.kv_transfer_timeout;
     let engine = tokio::task::spawn_blocking(move || baton_engine::start_engine(&model, device, config))
