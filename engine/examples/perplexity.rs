@@ -1,10 +1,11 @@
-//! Perplexity of a fixed text with the bf16 KV cache and with the FP8 (E4M3) KV cache, on
-//! the CPU reference backend emulating the CUDA backend's bf16 storage (so the only
-//! difference between the two runs is the cache's element type). Default text:
+//! Perplexity of a fixed text with bf16 weights and KV cache, with the FP8 (E4M3) KV cache,
+//! with FP8 weights (quantized at load per output channel, dynamic per-token activations: the
+//! `--quantization fp8` reference), and with both, on the CPU reference backend emulating the
+//! CUDA backend's bf16 storage (so the runs differ only in what is quantized). Default text:
 //! `bench/data/eighty-days-ch1-2.txt` (public domain; see `bench/data/README.md`), its first
 //! 2,048 tokens; default model: SmolLM2-135M. The text is fed in chunks of 256 tokens
 //! through the paged cache, so every chunk after the first attends to (dequantized) cached
-//! K/V. Writes `bench/results/perplexity-fp8-kv-<device>-<date>.json`.
+//! K/V. Writes `bench/results/perplexity-fp8-<device>-<date>.json`.
 //!
 //! Usage: `CARGO_PROFILE_DEV_OPT_LEVEL=3 cargo run -p baton-engine --example perplexity --
 //! [MODEL] [--text FILE] [--tokens N] [--commit SHA] [--out FILE]`
@@ -13,6 +14,7 @@ use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
+use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::{LoadFormat, LoadedModel, load_model};
 
 const CHUNK: usize = 256;
@@ -23,9 +25,16 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 }
 
 /// Mean negative log-likelihood (nats per token) of `ids[1..]` given their prefixes.
-fn mean_nll(model: &LoadedModel, ids: &[u32], dtype: KvCacheDtype) -> Result<f64, Box<dyn std::error::Error>> {
+fn mean_nll(
+    model: &LoadedModel,
+    ids: &[u32],
+    dtype: KvCacheDtype,
+    weights: WeightQuantization,
+) -> Result<f64, Box<dyn std::error::Error>> {
     let store = model.weights.as_ref();
-    let mut r = ModelRunner::load(&model.config, store, CpuBackend::emulating_bf16())?;
+    let mut cfg = model.config.clone();
+    weights.apply(&mut cfg);
+    let mut r = ModelRunner::load(&cfg, store, CpuBackend::emulating_bf16())?;
     r.set_kv_cache_dtype(dtype, store)?;
     let blocks = ids.len().div_ceil(BLOCK);
     r.alloc_kv_cache(blocks, BLOCK)?;
@@ -72,14 +81,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("{text_path} has {} tokens, fewer than --tokens {want}", ids.len()).into());
     }
     ids.truncate(want);
-    let bf16 = mean_nll(&model, &ids, KvCacheDtype::Auto)?;
-    let fp8 = mean_nll(&model, &ids, KvCacheDtype::Fp8E4M3)?;
-    let (ppl_bf16, ppl_fp8) = (bf16.exp(), fp8.exp());
-    let rel = (ppl_fp8 / ppl_bf16 - 1.0) * 100.0;
-    println!(
-        "{} tokens of {text_path}: perplexity bf16 KV {ppl_bf16:.4}, FP8 KV {ppl_fp8:.4} ({rel:+.3} %)",
-        ids.len()
-    );
+    let runs = [
+        ("bf16", KvCacheDtype::Auto, WeightQuantization::None),
+        ("fp8_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::None),
+        ("fp8_weights", KvCacheDtype::Auto, WeightQuantization::Fp8),
+        ("fp8_weights_and_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::Fp8),
+    ];
+    let mut ppl = Vec::new();
+    for (name, kv, w) in runs {
+        let p = mean_nll(&model, &ids, kv, w)?.exp();
+        println!("{} tokens of {text_path}: perplexity {name:20} {p:.4}", ids.len());
+        ppl.push((name, p));
+    }
+    let base = ppl[0].1;
+    let rel = |p: f64| (p / base - 1.0) * 100.0;
+    for &(name, p) in &ppl[1..] {
+        println!("  {name:20} {:+.3} % vs bf16", rel(p));
+    }
 
     let date = std::process::Command::new("date")
         .arg("+%Y-%m-%d")
@@ -87,9 +105,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     let device = "cpu-bf16-emulation";
-    let out = arg(&args, "--out").unwrap_or_else(|| format!("bench/results/perplexity-fp8-kv-{device}-{date}.json"));
+    let out = arg(&args, "--out").unwrap_or_else(|| format!("bench/results/perplexity-fp8-{device}-{date}.json"));
     let json = serde_json::json!({
-        "name": "perplexity-fp8-kv",
+        "name": "perplexity-fp8",
         "device": device,
         "date": date,
         "commit": commit,
@@ -99,12 +117,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "tokens": ids.len(),
         "chunk_tokens": CHUNK,
         "figures": {
-            "perplexity_bf16_kv": ppl_bf16,
-            "perplexity_fp8_e4m3_kv": ppl_fp8,
-            "relative_change_percent": rel,
+            "perplexity_bf16": ppl[0].1,
+            "perplexity_fp8_e4m3_kv": ppl[1].1,
+            "perplexity_fp8_weights": ppl[2].1,
+            "perplexity_fp8_weights_and_kv": ppl[3].1,
+            "relative_change_percent_fp8_kv": rel(ppl[1].1),
+            "relative_change_percent_fp8_weights": rel(ppl[2].1),
+            "relative_change_percent_fp8_weights_and_kv": rel(ppl[3].1),
             "kv_scales": "from the checkpoint, else 1.0",
+            "weight_scales": "per output channel, computed at load; activations per token, dynamic",
         },
-        "target": "FP8 KV perplexity within 1 % of bf16 KV (issue 17)",
+        "targets": "FP8 KV within 1 % of bf16; FP8 weights + KV within 2 % (issue 17)",
     });
     std::fs::write(&out, serde_json::to_string_pretty(&json)? + "\n")?;
     println!("wrote {out}");
