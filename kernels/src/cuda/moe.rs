@@ -469,9 +469,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_gemm_is_preferred_from_16_entries_an_expert_when_d_suits_it() {
+        // Qwen3-30B-A3B: decode at b = 64 (512 entries over 128 experts) stays on the skinny
+        // product; a 2,048-token prefill (16,384 entries) takes the GEMM.
+        assert!(!moe_gemm_preferred(64 * 8, 128, 2048));
+        assert!(moe_gemm_preferred(2048 * 8, 128, 2048));
+        assert!(moe_gemm_preferred(16 * 128, 128, 768));
+        assert!(!moe_gemm_preferred(16 * 128 - 1, 128, 768));
+        // An input width that is not a multiple of the GEMM's step never takes it.
+        assert!(!moe_gemm_preferred(1 << 20, 8, 136));
+    }
+
+    #[test]
     fn limits_match_the_kernel_source() {
         let src = include_str!("../../cuda/moe.cu");
         assert!(src.contains(&format!("#define MOE_MAX_EXPERTS {MOE_MAX_EXPERTS}")));
         assert!(src.contains(&format!("#define MOE_MAX_K {MOE_MAX_K}")));
+        // The fused routing + permutation routes with 32 warps, two rows a warp at most.
+        assert!(src.contains("__launch_bounds__(1024) void moe_route_permute("));
+        assert_eq!(MOE_ROUTE_PERMUTE_MAX_ROWS, 2 * 32);
     }
 }
