@@ -238,7 +238,7 @@ mod tests {
             }
         }
         // The CTA size the launcher uses is the kernel's launch bound, and the warps the body splits over.
-        assert!(src.contains(&format!("__launch_bounds__({SKINNY_THREADS})")));
+        assert!(src.contains(&format!("__launch_bounds__({SKINNY_THREADS}, 6)")));
         assert!(src.contains(&format!("#define MOE_SK_WARPS {}", SKINNY_THREADS / 32)));
         // The wide variant takes 4 k-steps a batch: 16 chunks of 8 inputs per warp a batch, so
         // hidden 2,048 gives each of the 4 warps 4 batches.
