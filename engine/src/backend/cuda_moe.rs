@@ -79,8 +79,13 @@ impl CudaBackend {
     /// launches, the CUDA-core grouped GEMV with a CTA column for every expert, the activation
     /// as its own launch) or on the current ones (`false`, the default): for `bench_cuda
     /// --moe-kernel` comparisons. Both compute the same function (to bf16 rounding).
+    /// Switching drops the recorded graphs (they hold the other kernels' launches).
     pub fn set_moe_legacy(&mut self, legacy: bool) {
-        self.moe.legacy = legacy;
+        if self.moe.legacy != legacy {
+            self.moe.legacy = legacy;
+            // `set_graphs` with the current setting clears the recorded graphs.
+            self.set_graphs(self.graphs.enabled);
+        }
     }
 
     /// [`Backend::moe`](crate::backend::Backend::moe) on the device.
