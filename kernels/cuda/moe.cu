@@ -92,9 +92,9 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
 #define MOE_CHUNK 4096
 
 // One CTA (any multiple of 32 threads, 1,024 best). Counts per expert (shared atomics; the
-// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1),
-// then a stable placement: ids are staged in chunks in shared memory and warp w places the
-// assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
+// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1, a
+// warp scan), then a stable placement: ids are staged in chunks in shared memory and warp w
+// places the assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
 // order[p] = a and position[a] = p. An id outside [0, n_experts) is never placed (the
 // segments then cover fewer than n entries; moe_route never writes one).
 // The body is shared with moe_route_permute, which writes ids in the same launch: so ids is
@@ -111,15 +111,36 @@ __device__ __forceinline__ void moe_permute_body(const int* ids, int n, int n_ex
         if ((unsigned)e < (unsigned)n_experts) atomicAdd(&cursor[e], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-        int acc = 0;
-        for (int e = 0; e < n_experts; e++) {
-            const int c = cursor[e];
-            cursor[e] = acc;
-            offsets[e] = acc;
-            acc += c;
+    // The exclusive prefix by warp 0: lane l sums experts 8l .. 8l + 7, a shuffle scan over the
+    // lanes, then each lane writes its 8 (a serial loop over 128 experts by one thread cost
+    // microseconds of dependent shared-memory round trips).
+    if (warp == 0) {
+        constexpr int PER = MOE_MAX_EXPERTS / 32;
+        int c[PER];
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int e = lane * PER + i;
+            c[i] = e < n_experts ? cursor[e] : 0;
+            sum += c[i];
         }
-        offsets[n_experts] = acc;
+        int incl = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        int acc = incl - sum;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int e = lane * PER + i;
+            if (e < n_experts) {
+                cursor[e] = acc;
+                offsets[e] = acc;
+            }
+            acc += c[i];
+        }
+        if (lane == 31) offsets[n_experts] = incl;
     }
     __syncthreads();
     for (int base = 0; base < n; base += MOE_CHUNK) {
