@@ -2,6 +2,9 @@
 // routing (each token's top-k experts and weights), the permutation that groups the
 // token-expert assignments by expert, one grouped GEMV over the experts in use, and the
 // un-permute that sums each token's expert outputs with its weights plus a shared expert.
+// Routing and permutation also come as one launch for decode-sized steps (moe_route_permute);
+// the decode-sized grouped product over the experts in use, with the activation fused, is in
+// moe_skinny.cu (compiled after this file, in the same module).
 //
 // An assignment is (token row, choice j), index a = row * k + j. ids/weights are rows x k.
 // The permutation is stable (by expert, then by assignment index), like the CPU's, so its
