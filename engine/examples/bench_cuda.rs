@@ -22,10 +22,15 @@
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
-//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]`; with `--kv-cache-dtype fp8` the
-//! cache holds random E4M3 codes (scales 1) and the floors count one byte per cached K or V
-//! value; with `--quantization fp8` the projections are quantized at load (per channel) and
-//! count one byte per weight;
+//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
+//! [--moe-kernel legacy|new|both]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! codes (scales 1) and the floors count one byte per cached K or V value; with
+//! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
+//! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
+//! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--moe-kernel`
+//! runs a MoE config's layers on their first kernels (`legacy`), their current ones (`new`, the
+//! default) or each in turn at every shape, in the decode timings and the profile (`both`); the
+//! profile splits a MoE layer into its `moe_*` kernels, each with its floor;
 //! `--cublas` sends every GEMM to cuBLAS (by default small batches use the skinny-GEMM
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
@@ -268,10 +273,21 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
-    let mut modes: Vec<(bool, bool, bool)> = Vec::new();
+    // `--moe-kernel legacy|new|both`: the MoE layer on its first kernels, its current ones
+    // (the default), or each in turn at every shape (MoE configs only).
+    let moe_legacy: Vec<bool> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
+        (false, _) | (true, None | Some("new")) => vec![false],
+        (true, Some("legacy")) => vec![true],
+        (true, Some("both")) => vec![true, false],
+        (true, Some(other)) => return Err(format!("--moe-kernel {other}: expected legacy, new or both").into()),
+    };
+    // (graphs, pdl, fused gate, legacy MoE) for every run of a shape.
+    let mut modes: Vec<(bool, bool, bool, bool)> = Vec::new();
     for &g in &graph_modes {
         for &p in &pdl_modes {
-            modes.extend(fused_modes.iter().map(|&f| (g, p, f)));
+            for &f in &fused_modes {
+                modes.extend(moe_legacy.iter().map(|&l| (g, p, f, l)));
+            }
         }
     }
     writeln!(
@@ -284,15 +300,17 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &(graphs, pdl, fused) in &modes {
+        for &(graphs, pdl, fused, legacy) in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused);
+            model.backend_mut().set_moe_legacy(legacy);
             let mode = format!(
-                "{}{}{}",
+                "{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
-                if fused { "" } else { "-unfused" }
+                if fused { "" } else { "-unfused" },
+                if legacy { "+legacy-moe" } else { "" }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -311,11 +329,11 @@ fn run() -> Res<()> {
             };
             writeln!(
                 table,
-                "  b={b:3} ctx={ctx:5} | {mode:18} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
+                "  b={b:3} ctx={ctx:5} | {mode:28} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -328,13 +346,29 @@ fn run() -> Res<()> {
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
-            for &gemm in gemms {
+            for (&gemm, &legacy) in gemms.iter().flat_map(|g| moe_legacy.iter().map(move |l| (g, l))) {
+                model.backend_mut().set_moe_legacy(legacy);
                 model.backend_mut().set_gemv(gemm == "default" && gemv);
                 let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
-                let shape = OpShape { b, ctx, cfg: &cfg, kv_elem_bytes: kv_elem_bytes as f64 };
+                let shape = OpShape {
+                    b,
+                    ctx,
+                    cfg: &cfg,
+                    kv_elem_bytes: kv_elem_bytes as f64,
+                    dense_layers: dense_layers as f64,
+                    moe_layers: moe_layers as f64,
+                    touched: touched(b),
+                };
+                let moe_txt = if cfg.moe.is_none() {
+                    ""
+                } else if legacy {
+                    " moe=legacy"
+                } else {
+                    " moe=new"
+                };
                 writeln!(
                     table,
-                    "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}: op | us/step | floor us | % of floor"
+                    "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}{moe_txt}: op | us/step | floor us | % of floor"
                 )?;
                 let mut total = 0.0;
                 for (label, us) in &rows {
@@ -342,12 +376,13 @@ fn run() -> Res<()> {
                     let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
                     writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
                     json.push(format!(
-                        "{{\"name\":\"decode_op\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                        "{{\"name\":\"decode_op\",\"legacy_moe\":{legacy},\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
                     ));
                 }
                 writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
             }
             model.backend_mut().set_gemv(gemv);
+            model.backend_mut().set_moe_legacy(false);
         }
         let st = model.backend().graph_stats();
         writeln!(
@@ -417,6 +452,11 @@ struct OpShape<'a> {
     cfg: &'a baton_formats::ModelConfig,
     /// Bytes of one cached K or V value (2 for bf16, 1 for FP8).
     kv_elem_bytes: f64,
+    /// Layers with a dense MLP, and with a mixture of experts.
+    dense_layers: f64,
+    moe_layers: f64,
+    /// Experts a MoE layer reads in this step (as the step's floor counts them).
+    touched: f64,
 }
 
 impl OpShape<'_> {
@@ -429,7 +469,20 @@ impl OpShape<'_> {
         let inter = c.intermediate_size as f64;
         let vocab = c.vocab_size as f64;
         let linear = |n: f64, k: f64| 2.0 * n * k + 2.0 * b * (n + k);
+        let dl = self.dense_layers;
+        // MoE: `a` assignments (rows × k), experts of width `mi`; the products read the
+        // touched experts' weights once and their entries' activations (the fused gate_up
+        // writes only the activated `a × mi`; `moe_act` appears only when it runs apart).
+        let (ml, ne, mi, a) = c.moe.as_ref().map_or((0.0, 0.0, 0.0, 0.0), |m| {
+            (self.moe_layers, m.num_experts as f64, m.intermediate_size as f64, b * m.experts_per_token as f64)
+        });
         match op {
+            "moe_router" => ml * (2.0 * ne * h + b * (2.0 * h + 4.0 * ne)),
+            "moe_route" => ml * (b * 4.0 * ne + a * 8.0 + a * 8.0),
+            "moe_gate_up" => ml * (self.touched * 2.0 * 2.0 * mi * h + b * 2.0 * h + a * 2.0 * mi),
+            "moe_act" => ml * a * 6.0 * mi,
+            "moe_down" => ml * (self.touched * 2.0 * h * mi + a * 2.0 * (mi + h)),
+            "moe_unpermute" => ml * (a * (2.0 * h + 8.0) + b * 2.0 * h),
             "embed" => b * h * 6.0,
             // Two norms per layer: the f32 residual read and written, x read, out written.
             "norm" => 2.0 * l * b * h * 12.0,
@@ -437,9 +490,9 @@ impl OpShape<'_> {
             "rope_kv" => l * b * 2.0 * 2.0 * (qd + 2.0 * kvd),
             "attention" => l * (2.0 * self.kv_elem_bytes * b * self.ctx as f64 * kvd + 4.0 * b * qd),
             "o_proj" => l * linear(h, qd),
-            "gate_up" => l * linear(2.0 * inter, h),
-            "silu_mul" => l * b * 6.0 * inter,
-            "down" => l * linear(h, inter),
+            "gate_up" => dl * linear(2.0 * inter, h),
+            "silu_mul" => dl * b * 6.0 * inter,
+            "down" => dl * linear(h, inter),
             "final_norm" => b * h * 12.0,
             "lm_head" => 2.0 * vocab * h + b * (2.0 * h + 4.0 * vocab),
             "sample" => b * vocab * 4.0,

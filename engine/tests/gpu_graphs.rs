@@ -116,7 +116,7 @@ fn step_both(models: &mut [ModelRunner<CudaBackend>; 2], seqs: &mut [Seq], live:
 #[test]
 fn gpu_graph_replays_match_eager_steps() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::llama() });
-    let stats = graph_schedule(&m.model, 600);
+    let stats = graph_schedule(&m.model, 600, false);
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
     assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
@@ -130,7 +130,7 @@ fn gpu_graph_replays_match_eager_steps() {
 #[test]
 fn gpu_moe_graph_replays_match_eager_steps() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
-    let stats = graph_schedule(&m.model, 600);
+    let stats = graph_schedule(&m.model, 600, false);
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
     assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
@@ -143,7 +143,7 @@ fn gpu_moe_graph_replays_match_eager_steps() {
 fn gpu_gemma_graph_replays_match_eager_steps() {
     for name in ["gemma2", "gemma3_text"] {
         // A growing prefill within the fixtures' 512 positions.
-        let stats = graph_schedule(&common::peaked_gemma_fixture(name, 8.0), 300);
+        let stats = graph_schedule(&common::peaked_gemma_fixture(name, 8.0), 300, false);
         println!("{name}: {stats:?}");
         assert!(stats.recorded >= 6, "{name}: too few graphs recorded: {stats:?}");
         assert!(stats.replayed >= 50, "{name}: too few steps replayed: {stats:?}");
@@ -156,18 +156,38 @@ fn gpu_gemma_graph_replays_match_eager_steps() {
 /// clamped SwiGLU replay from graphs as they run op by op, past the window (16).
 #[test]
 fn gpu_gpt_oss_graph_replays_match_eager_steps() {
-    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300);
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, false);
     println!("gpt_oss: {stats:?}");
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
     assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
 }
 
+/// The schedule with the op-by-op model on the first MoE kernels (`set_moe_legacy`: routing
+/// and permutation apart, the CUDA-core GEMV over every expert, the activation apart) and the
+/// graph model on the current ones (fused route + permute and gate_up + activation, the skinny
+/// product over the experts in use): Mixtral's SiLU experts and gpt-oss's biased experts with
+/// the clamped SwiGLU compute the same steps both ways, decode and prefill sizes.
+#[test]
+fn gpu_moe_new_kernels_match_the_first_ones() {
+    let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
+    let stats = graph_schedule(&m.model, 600, true);
+    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, true);
+    assert!(stats.replayed >= 50, "gpt_oss: too few steps replayed: {stats:?}");
+}
+
 /// Runs the schedule of the module doc on `m` with graphs and op by op (the growing prefill
-/// `long` tokens), checking every step; returns the graph model's replay counters.
-fn graph_schedule(m: &baton_formats::LoadedModel, long: usize) -> baton_engine::backend::cuda::GraphStats {
+/// `long` tokens; the op-by-op model on the first MoE kernels when `eager_moe_legacy`),
+/// checking every step; returns the graph model's replay counters.
+fn graph_schedule(
+    m: &baton_formats::LoadedModel,
+    long: usize,
+    eager_moe_legacy: bool,
+) -> baton_engine::backend::cuda::GraphStats {
     let vocab = m.config.vocab_size;
     let mut models = [cuda_model(m, true), cuda_model(m, false)];
+    models[1].backend_mut().set_moe_legacy(eager_moe_legacy);
     let lengths = [1usize, 7, 16, 17, 33, 5, 12, 40, 3, 9, 21, 2, 30, 14, 6, 19, 11, 8, 25, 4];
     let mut seqs: Vec<Seq> = lengths
         .iter()

@@ -2,6 +2,9 @@
 // routing (each token's top-k experts and weights), the permutation that groups the
 // token-expert assignments by expert, one grouped GEMV over the experts in use, and the
 // un-permute that sums each token's expert outputs with its weights plus a shared expert.
+// Routing and permutation also come as one launch for decode-sized steps (moe_route_permute);
+// the decode-sized grouped product over the experts in use, with the activation fused, is in
+// moe_skinny.cu (compiled after this file, in the same module).
 //
 // An assignment is (token row, choice j), index a = row * k + j. ids/weights are rows x k.
 // The permutation is stable (by expert, then by assignment index), like the CPU's, so its
@@ -16,13 +19,9 @@
 // warp argmax, ties to the lower expert index; the score of the chosen expert is its softmax
 // over all experts or its sigmoid, renormalized over the k when asked, times scale. Lane j
 // keeps choice j and writes it at the end (k <= 32).
-extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int rows, int n_experts, int k,
-                                         int sigmoid, int renormalize, float scale, int* __restrict__ ids,
-                                         float* __restrict__ weights) {
-    PDL_ENTER();
+__device__ __forceinline__ void moe_route_row(const float* __restrict__ logits, int row, int n_experts, int k,
+                                              int sigmoid, int renormalize, float scale, int* ids, float* weights) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row >= rows) return;
     const float* lr = logits + (long long)row * n_experts;
     float v[MOE_PER_LANE];
     float m = NEG_INF;
@@ -84,17 +83,27 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
     }
 }
 
+extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int rows, int n_experts, int k,
+                                         int sigmoid, int renormalize, float scale, int* __restrict__ ids,
+                                         float* __restrict__ weights) {
+    PDL_ENTER();
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    moe_route_row(logits, row, n_experts, k, sigmoid, renormalize, scale, ids, weights);
+}
+
 #define MOE_CHUNK 4096
 
 // One CTA (any multiple of 32 threads, 1,024 best). Counts per expert (shared atomics; the
-// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1),
-// then a stable placement: ids are staged in chunks in shared memory and warp w places the
-// assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
+// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1, a
+// warp scan), then a stable placement: ids are staged in chunks in shared memory and warp w
+// places the assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
 // order[p] = a and position[a] = p. An id outside [0, n_experts) is never placed (the
 // segments then cover fewer than n entries; moe_route never writes one).
-extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n, int n_experts, int* __restrict__ offsets,
-                                       int* __restrict__ order, int* __restrict__ position) {
-    PDL_ENTER();
+// The body is shared with moe_route_permute, which writes ids in the same launch: so ids is
+// not __restrict__ here (no read-only-cache loads of data this grid wrote).
+__device__ __forceinline__ void moe_permute_body(const int* ids, int n, int n_experts, int* __restrict__ offsets,
+                                                 int* __restrict__ order, int* __restrict__ position) {
     __shared__ int cursor[MOE_MAX_EXPERTS + 1];
     __shared__ int chunk[MOE_CHUNK];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
@@ -105,15 +114,36 @@ extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n, int n
         if ((unsigned)e < (unsigned)n_experts) atomicAdd(&cursor[e], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-        int acc = 0;
-        for (int e = 0; e < n_experts; e++) {
-            const int c = cursor[e];
-            cursor[e] = acc;
-            offsets[e] = acc;
-            acc += c;
+    // The exclusive prefix by warp 0: lane l sums experts 8l .. 8l + 7, a shuffle scan over the
+    // lanes, then each lane writes its 8 (a serial loop over 128 experts by one thread cost
+    // microseconds of dependent shared-memory round trips).
+    if (warp == 0) {
+        constexpr int PER = MOE_MAX_EXPERTS / 32;
+        int c[PER];
+        int sum = 0;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int e = lane * PER + i;
+            c[i] = e < n_experts ? cursor[e] : 0;
+            sum += c[i];
         }
-        offsets[n_experts] = acc;
+        int incl = sum;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        int acc = incl - sum;
+#pragma unroll
+        for (int i = 0; i < PER; i++) {
+            const int e = lane * PER + i;
+            if (e < n_experts) {
+                cursor[e] = acc;
+                offsets[e] = acc;
+            }
+            acc += c[i];
+        }
+        if (lane == 31) offsets[n_experts] = incl;
     }
     __syncthreads();
     for (int base = 0; base < n; base += MOE_CHUNK) {
@@ -138,6 +168,33 @@ extern "C" __global__ void moe_permute(const int* __restrict__ ids, int n, int n
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ __launch_bounds__(1024) void moe_permute(const int* __restrict__ ids, int n, int n_experts,
+                                                               int* __restrict__ offsets, int* __restrict__ order,
+                                                               int* __restrict__ position) {
+    PDL_ENTER();
+    moe_permute_body(ids, n, n_experts, offsets, order, position);
+}
+
+// Routing and permutation in one launch, for steps of few rows (decode), where each is a
+// launch of a few microseconds of mostly fixed cost: one CTA of 1,024 threads, warp w routes
+// rows w, w + 32, ... as moe_route_f32 does, then (after a barrier, which makes the CTA's
+// global writes visible to all its threads) the CTA permutes as moe_permute does. Outputs are
+// identical to the two launches'.
+extern "C" __global__ __launch_bounds__(1024) void moe_route_permute(const float* __restrict__ logits, int rows,
+                                                                     int n_experts, int k, int sigmoid,
+                                                                     int renormalize, float scale, int* ids,
+                                                                     float* __restrict__ weights,
+                                                                     int* __restrict__ offsets,
+                                                                     int* __restrict__ order,
+                                                                     int* __restrict__ position) {
+    PDL_ENTER();
+    const int warps = blockDim.x >> 5;
+    for (int row = threadIdx.x >> 5; row < rows; row += warps)
+        moe_route_row(logits, row, n_experts, k, sigmoid, renormalize, scale, ids, weights);
+    __syncthreads();
+    moe_permute_body(ids, rows * k, n_experts, offsets, order, position);
 }
 
 #define MOE_GEMV_ROWS 8
@@ -346,6 +403,14 @@ extern "C" __global__ void moe_unpermute_bf16(const bf16_t* __restrict__ y, cons
     }
 }
 
+// gpt-oss's clamped SwiGLU of one (gate, up) pair, shared by the kernel below and the fused
+// grouped GEMV (so the two round identically).
+__device__ __forceinline__ float moe_clamped_swiglu(float gate, float up, float alpha, float limit) {
+    const float g = fminf(gate, limit);
+    const float u = fminf(fmaxf(up, -limit), limit);
+    return (u + 1.f) * g / (1.f + expf(-alpha * g));
+}
+
 // gpt-oss's expert activation over rows of 2d interleaved [gate, up] pairs (gate_up[r, 2i] is
 // gate i, gate_up[r, 2i + 1] up i): gate clamped above at limit, up to [-limit, limit],
 // out[r, i] = (up + 1) * gate * sigmoid(alpha * gate).
@@ -356,8 +421,6 @@ extern "C" __global__ void clamped_swiglu_bf16(const bf16_t* __restrict__ gate_u
          i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / d, c = i - r * d;
         const unsigned pair = *reinterpret_cast<const unsigned*>(gate_up + r * 2 * d + 2 * c);
-        const float g = fminf(__uint_as_float(pair << 16), limit);
-        const float u = fminf(fmaxf(__uint_as_float(pair & 0xffff0000u), -limit), limit);
-        out[i] = f2bf((u + 1.f) * g / (1.f + expf(-alpha * g)));
+        out[i] = f2bf(moe_clamped_swiglu(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u), alpha, limit));
     }
 }

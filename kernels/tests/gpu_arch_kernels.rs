@@ -557,13 +557,13 @@ fn moe_mlp_case(
 
 /// Mixtral-like (8 experts, top-2) and Qwen3-MoE-like (64 experts, top-6, more than 8 rows per
 /// expert at 300 rows, so the GEMV's row batches repeat) shapes, decode to prefill sizes, on
-/// the GEMV and on the tensor-core GEMM; and a prefill-sized step (1,000 rows over 32 experts,
+/// the GEMV, the skinny tensor-core product and the tensor-core GEMM; and a prefill-sized step (1,000 rows over 32 experts,
 /// top-4: ~125 entries an expert, so whole and partial 64-entry tiles) on the GEMM and on `Auto`.
 #[test]
 fn gpu_moe_grouped_gemv_and_unpermute_match_cpu() {
     let dev = device();
     let mut r = rng("moe_mlp");
-    for kernel in [MoeExpertKernel::Gemv, MoeExpertKernel::Gemm] {
+    for kernel in [MoeExpertKernel::Gemv, MoeExpertKernel::Skinny, MoeExpertKernel::Gemm] {
         for rows in [1usize, 7, 300] {
             moe_mlp_case(&dev, &mut r, (rows, 8, 2, 64, 32), kernel);
             moe_mlp_case(&dev, &mut r, (rows, 64, 6, 256, 136), kernel);

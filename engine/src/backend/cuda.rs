@@ -196,6 +196,21 @@ pub struct CudaBackend {
     arch: arch_ops::ArchState,
 }
 
+/// [`Backend::mark`] on the backend's parts, for ops that hold other fields borrowed (the MoE
+/// layer marks its kernels): records an event labelled `label` when a profile is running.
+fn record_mark(
+    dev: &CudaDevice,
+    profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+    label: &'static str,
+) {
+    if let Some(events) = profile {
+        match dev.event().and_then(|e| Ok(e.record(dev.stream()).map(|_| e)?)) {
+            Ok(e) => events.push((label, e)),
+            Err(err) => tracing::warn!(error = %err, "cannot record a profile event; the profile stops"),
+        }
+    }
+}
+
 /// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
 /// `ops`), in the kernel crate's terms. Public for the GPU tests.
 pub fn device_row<'a>(logit_row: usize, plan: &'a RowPlan, ops: &'a [DeviceOp]) -> DeviceRow<'a> {
@@ -550,12 +565,7 @@ impl Backend for CudaBackend {
     }
 
     fn mark(&mut self, label: &'static str) {
-        if let Some(events) = &mut self.profile {
-            match self.dev.event().and_then(|e| Ok(e.record(self.dev.stream()).map(|_| e)?)) {
-                Ok(e) => events.push((label, e)),
-                Err(err) => tracing::warn!(error = %err, "cannot record a profile event; the profile stops"),
-            }
-        }
+        record_mark(&self.dev, &mut self.profile, label);
     }
 
     fn alloc(&mut self, len: usize) -> Result<CudaBuf, BackendError> {

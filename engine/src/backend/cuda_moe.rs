@@ -1,23 +1,31 @@
 //! The CUDA backend's mixture-of-experts op ([`Backend::moe`](crate::backend::Backend::moe)):
 //! the router GEMM with an f32 output (plus the router's bias in f32, gpt-oss), then the moe
-//! kernels of `baton_kernels::cuda` in the order their module documents (routing,
-//! permutation, one grouped GEMV over the experts in use for `[gate | up]` with its bias, the
-//! activation (SiLU·mul, or gpt-oss's clamped SwiGLU over interleaved rows), one grouped GEMV
-//! for down with its bias, the weighted un-permute).
+//! kernels of `baton_kernels::cuda` in the order their module documents (routing and
+//! permutation, in one launch for decode-sized steps; the grouped `[gate | up]` product with
+//! its bias and the activation (SiLU·mul, or gpt-oss's clamped SwiGLU over interleaved rows),
+//! fused into one launch over the experts in use for decode-sized steps, a tiled GEMM then the
+//! activation for prefill-sized ones; the grouped `down` product with its bias; the weighted
+//! un-permute). [`CudaBackend::set_moe_legacy`] restores the first kernels (routing and
+//! permutation apart, the CUDA-core GEMV over every expert, the activation apart), for
+//! comparisons. Each kernel gets a profile mark (`moe_*`), so `bench_cuda`'s per-op profile
+//! splits the layer.
 //!
 //! Invariants: the scratch buffers only grow (through the device allocator, so a growth
 //! moves the allocation generation and drops recorded graphs); every launch has a shape fixed
-//! by the row count alone (the grouped GEMV launches a CTA column for every expert, the
-//! permutation one CTA), and nothing synchronizes with the host, so a decode step with MoE
-//! layers records and replays as a CUDA graph like any other. Padding rows of a replayed step
-//! are routed like real ones; their outputs are never read.
+//! by the row count alone (the grouped products' grids are sized by `min(experts, rows · k)` or
+//! every expert, the routing and permutation one CTA), and nothing synchronizes with the host,
+//! so a decode step with MoE layers records and replays as a CUDA graph like any other. The
+//! kernel choice is a function of the row count and the shapes, so a replayed step runs what
+//! it recorded. Padding rows of a replayed step are routed like real ones; their outputs are
+//! never read.
 
-use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
+use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel, record_mark};
 use crate::backend::{BackendError, MoeActivation, MoeWeights};
 use baton_kernels::cpu::{MoeRouting, MoeRows};
 use baton_kernels::cuda::{
-    BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K,
-    MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeUnpermuteCall, SiluMulCall, bf16,
+    BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeExpertKernel,
+    MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall,
+    MoeUnpermuteCall, SiluMulCall, bf16, moe_gemm_preferred,
 };
 use cudarc::driver::DeviceRepr;
 
@@ -36,6 +44,8 @@ pub(super) struct MoeScratch {
     gate_up: CudaSlice<bf16>,
     act: CudaSlice<bf16>,
     expert_out: CudaSlice<bf16>,
+    /// Run the first kernels ([`CudaBackend::set_moe_legacy`]).
+    legacy: bool,
 }
 
 /// Replaces `buf` with a larger allocation when it holds fewer than `len` elements.
@@ -59,11 +69,25 @@ impl MoeScratch {
             gate_up: dev.alloc(1)?,
             act: dev.alloc(1)?,
             expert_out: dev.alloc(1)?,
+            legacy: false,
         })
     }
 }
 
 impl CudaBackend {
+    /// Runs the MoE layer on its first kernels (`true`: routing and permutation as two
+    /// launches, the CUDA-core grouped GEMV with a CTA column for every expert, the activation
+    /// as its own launch) or on the current ones (`false`, the default): for `bench_cuda
+    /// --moe-kernel` comparisons. Both compute the same function (to bf16 rounding).
+    /// Switching drops the recorded graphs (they hold the other kernels' launches).
+    pub fn set_moe_legacy(&mut self, legacy: bool) {
+        if self.moe.legacy != legacy {
+            self.moe.legacy = legacy;
+            // `set_graphs` with the current setting clears the recorded graphs.
+            self.set_graphs(self.graphs.enabled);
+        }
+    }
+
     /// [`Backend::moe`](crate::backend::Backend::moe) on the device.
     pub(super) fn moe_layer(
         &mut self,
@@ -118,48 +142,101 @@ impl CudaBackend {
         self.ensure(out, m * h)?;
         let dev = &self.dev;
         let s = &mut self.moe;
+        let profile = &mut self.profile;
+        let legacy = s.legacy;
+        // Prefill-sized steps run the tiled GEMM (its activation apart); decode-sized ones the
+        // skinny product over the experts in use, gate_up fused with its activation (the first
+        // kernels: the CUDA-core GEMV over every expert, the activation apart).
+        let (gate_up_kernel, down_kernel) = match legacy {
+            false => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
+            true => {
+                let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { MoeExpertKernel::Gemv };
+                (pick(h), pick(inter))
+            }
+        };
+        let fused_act = !legacy && !moe_gemm_preferred(a, ne, h);
         // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
         // rounding of the logits).
+        record_mark(dev, profile, "moe_router");
         let kernel = linear_kernel(self.gemv, m, h);
         LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
         if let Some(b) = w.router_bias {
             BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
         }
-        MoeRouteCall { logits: &s.logits, rows: m, n_experts: ne, routing, ids: &mut s.ids, weights: &mut s.weights }
+        record_mark(dev, profile, "moe_route");
+        let route = MoeRouteCall {
+            logits: &s.logits,
+            rows: m,
+            n_experts: ne,
+            routing,
+            ids: &mut s.ids,
+            weights: &mut s.weights,
+        };
+        if legacy {
+            route.launch(dev)?;
+            MoePermuteCall {
+                ids: &s.ids,
+                assignments: a,
+                n_experts: ne,
+                offsets: &mut s.offsets,
+                order: &mut s.order,
+                position: &mut s.position,
+            }
             .launch(dev)?;
-        MoePermuteCall {
-            ids: &s.ids,
-            assignments: a,
-            n_experts: ne,
-            offsets: &mut s.offsets,
-            order: &mut s.order,
-            position: &mut s.position,
+        } else {
+            MoeRoutePermuteCall { route, offsets: &mut s.offsets, order: &mut s.order, position: &mut s.position }
+                .launch(dev)?;
         }
-        .launch(dev)?;
-        MoeGroupedGemvCall {
-            x: &x.data,
-            rows: MoeRows::PerToken,
-            k,
-            w: &w.gate_up.data,
-            bias: w.gate_up_bias.map(|b| &b.data),
-            n_experts: ne,
-            n: 2 * inter,
-            d: h,
-            offsets: &s.offsets,
-            order: &s.order,
-            assignments: a,
-            out: &mut s.gate_up,
-        }
-        .launch(dev)?;
-        match w.activation {
-            MoeActivation::SiluGated => {
-                SiluMulCall { gate_up: &s.gate_up, rows: a, d: inter, out: &mut s.act }.launch(dev)?;
+        record_mark(dev, profile, "moe_gate_up");
+        if fused_act {
+            let act = match w.activation {
+                MoeActivation::SiluGated => MoeGatedAct::SiluMul,
+                MoeActivation::ClampedSwiglu { alpha, limit } => MoeGatedAct::ClampedSwiglu { alpha, limit },
+            };
+            MoeGateUpActCall {
+                x: &x.data,
+                rows: MoeRows::PerToken,
+                k,
+                w: &w.gate_up.data,
+                bias: w.gate_up_bias.map(|b| &b.data),
+                n_experts: ne,
+                inter,
+                d: h,
+                act,
+                offsets: &s.offsets,
+                order: &s.order,
+                assignments: a,
+                out: &mut s.act,
             }
-            MoeActivation::ClampedSwiglu { alpha, limit } => {
-                ClampedSwigluCall { gate_up: &s.gate_up, rows: a, d: inter, alpha, limit, out: &mut s.act }
-                    .launch(dev)?;
+            .launch(dev)?;
+        } else {
+            MoeGroupedGemvCall {
+                x: &x.data,
+                rows: MoeRows::PerToken,
+                k,
+                w: &w.gate_up.data,
+                bias: w.gate_up_bias.map(|b| &b.data),
+                n_experts: ne,
+                n: 2 * inter,
+                d: h,
+                offsets: &s.offsets,
+                order: &s.order,
+                assignments: a,
+                out: &mut s.gate_up,
+            }
+            .launch_with(dev, gate_up_kernel)?;
+            record_mark(dev, profile, "moe_act");
+            match w.activation {
+                MoeActivation::SiluGated => {
+                    SiluMulCall { gate_up: &s.gate_up, rows: a, d: inter, out: &mut s.act }.launch(dev)?;
+                }
+                MoeActivation::ClampedSwiglu { alpha, limit } => {
+                    ClampedSwigluCall { gate_up: &s.gate_up, rows: a, d: inter, alpha, limit, out: &mut s.act }
+                        .launch(dev)?;
+                }
             }
         }
+        record_mark(dev, profile, "moe_down");
         MoeGroupedGemvCall {
             x: &s.act,
             rows: MoeRows::Permuted,
@@ -174,7 +251,8 @@ impl CudaBackend {
             assignments: a,
             out: &mut s.expert_out,
         }
-        .launch(dev)?;
+        .launch_with(dev, down_kernel)?;
+        record_mark(dev, profile, "moe_unpermute");
         MoeUnpermuteCall {
             expert_out: &s.expert_out,
             position: &s.position,

@@ -12,6 +12,7 @@ use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
+use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
 use super::paged_attention::{ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name};
 use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
@@ -50,6 +51,11 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// The grouped expert product on the tensor cores (many entries per expert: prefill).
     pub moe_grouped_gemm: F,
     pub moe_unpermute: F,
+    /// Routing and permutation in one CTA (decode-sized steps).
+    pub moe_route_permute: F,
+    /// The grouped product over the experts in use on the tensor cores (moe_skinny.cu):
+    /// `[activation of MOE_SKINNY_ACTS][variant of MOE_SKINNY_VARIANTS]`.
+    pub moe_skinny: [[F; 2]; 3],
     pub clamped_swiglu: F,
     /// FP8 weight dequantization to bf16 (fp8_linear.cu).
     pub fp8_dequant: F,
@@ -118,6 +124,11 @@ impl<F> KernelTable<F> {
         let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
         let moe_grouped_gemm = f(el, "moe_grouped_gemm_bf16")?;
         let moe_unpermute = f(el, "moe_unpermute_bf16")?;
+        let moe_route_permute = f(el, "moe_route_permute")?;
+        let mut skinny = |act: MoeSkinnyAct| -> Result<[F; 2], E> {
+            Ok([f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[0]))?, f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[1]))?])
+        };
+        let moe_skinny = [skinny(MOE_SKINNY_ACTS[0])?, skinny(MOE_SKINNY_ACTS[1])?, skinny(MOE_SKINNY_ACTS[2])?];
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
         let gemv_fp8 = f(el, "gemv_fp8_m16_bf16")?;
@@ -181,6 +192,8 @@ impl<F> KernelTable<F> {
             moe_grouped_gemv,
             moe_grouped_gemm,
             moe_unpermute,
+            moe_route_permute,
+            moe_skinny,
             clamped_swiglu,
             fp8_dequant,
             gemv_fp8,
@@ -246,7 +259,8 @@ mod tests {
         assert_eq!(unique.len(), names.len(), "a kernel listed twice");
         // 12 plain kernels, 12 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
         // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV and GEMM,
-        // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the extended attention per
+        // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the fused MoE route +
+        // permute and the skinny grouped product per activation and variant, the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes, gemv per tile and variant every epilogue;
@@ -257,7 +271,8 @@ mod tests {
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
-        assert_eq!(names.len(), 29 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
+        assert_eq!(names.len(), 29 + 1 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
@@ -269,6 +284,9 @@ mod tests {
             "paged_attention_ext_fp8_d4",
             "paged_attention_tc_fp8_hd128_w2_s8_g16",
             "prefill_attention_fp8_hd64_w4",
+            "moe_route_permute",
+            "moe_skinny_silu_bf16_u4",
+            "moe_skinny_bf16_u2",
         ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }

@@ -42,7 +42,9 @@
 //!    [`QkNorm`]), `attention.rs` ([`AttentionCall`]: decode, prefill or mixed),
 //!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
 //!    ([`LinearCall`]: cuBLAS or the skinny GEMM), `moe.rs` ([`MoeRouteCall`],
-//!    [`MoePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`], [`ClampedSwigluCall`]).
+//!    [`MoePermuteCall`], [`MoeRoutePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`],
+//!    [`ClampedSwigluCall`]), `moe_skinny.rs` ([`MoeGateUpActCall`]: the decode-sized grouped
+//!    product over the experts in use, with the activation fused).
 //!
 //! # Adding a kernel
 //!
@@ -81,6 +83,7 @@ mod launch;
 mod linear;
 mod lt;
 mod moe;
+mod moe_skinny;
 mod norm;
 mod paged_attention;
 mod prefill;
@@ -114,9 +117,10 @@ pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
 pub use moe::{
-    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeExpertKernel, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall,
-    MoeUnpermuteCall,
+    ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_ROUTE_PERMUTE_MAX_ROWS, MoeExpertKernel, MoeGroupedGemvCall,
+    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred,
 };
+pub use moe_skinny::{MoeGateUpActCall, MoeGatedAct};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,

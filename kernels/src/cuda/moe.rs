@@ -1,20 +1,26 @@
-//! The mixture-of-experts kernels (moe.cu), in the order a MoE layer runs them:
+//! The mixture-of-experts kernels (moe.cu, moe_skinny.cu), in the order a MoE layer runs them:
 //!
 //! 1. [`MoeRouteCall`]: router logits (f32, `rows × n_experts`, e.g. a [`super::LinearCall`]
 //!    with f32 output) → each token's top-k expert ids and weights;
 //! 2. [`MoePermuteCall`]: the ids → the assignments grouped by expert (`offsets`, `order`,
-//!    `position`, as [`crate::cpu::MoePermutation`]);
+//!    `position`, as [`crate::cpu::MoePermutation`]); [`MoeRoutePermuteCall`] runs 1 and 2
+//!    in one launch for steps of up to [`MOE_ROUTE_PERMUTE_MAX_ROWS`] rows (decode);
 //! 3. [`MoeGroupedGemvCall`] with [`MoeRows::PerToken`]: the hidden states × every used
 //!    expert's `gate_up` (`n_experts × 2I × hidden`: gate rows then up rows, so the output
 //!    rows are `[gate | up]`), one output row per assignment in permuted order;
 //! 4. [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]; gpt-oss: [`ClampedSwigluCall`]
 //!    over its interleaved `[gate, up]` columns, with expert biases in the GEMVs) over those
-//!    `rows · k` rows;
+//!    `rows · k` rows; at decode sizes 3 and 4 are one launch, [`super::MoeGateUpActCall`]
+//!    (the skinny product with the activation in its epilogue, bit-identical to the pair);
 //! 5. [`MoeGroupedGemvCall`] with [`MoeRows::Permuted`]: × every used expert's `down`
 //!    (`n_experts × hidden × I`);
 //! 6. [`MoeUnpermuteCall`]: each token's k outputs summed with its weights, plus the shared
 //!    expert's output when the model has one, into the branch output that
 //!    [`super::AddRmsNormCall`] adds to the residual stream.
+//!
+//! The grouped product has three kernels ([`MoeExpertKernel`]): the tensor-core skinny GEMM
+//! over the experts in use (decode), the tiled tensor-core GEMM (prefill), and the first
+//! CUDA-core GEMV (kept for comparison: its grid has a CTA column for every expert).
 //!
 //! References: [`crate::cpu::moe_route`], [`crate::cpu::moe_permute`],
 //! [`crate::cpu::moe_grouped_linear`], [`crate::cpu::moe_unpermute`].
@@ -22,10 +28,31 @@
 //! Invariants: ids, weights, offsets, order and position are device data written by steps 1
 //! and 2 (the kernels that read them trust them; nothing else should write them); every
 //! launcher checks the slice sizes and the limits below before enqueueing; nothing here
-//! synchronizes with the host, so the layer can be captured in a CUDA graph (the grouped GEMV
-//! launches a CTA column for every expert and returns at once from the unused ones).
+//! synchronizes with the host and every grid is sized from host-known counts (rows, k,
+//! experts), so the layer can be captured in a CUDA graph.
+//!
+//! Floors of one Qwen3-30B-A3B MoE layer (hidden 2,048, 128 experts of width 768, top-8), the
+//! bytes each op must move over the H100's measured 2.99 TB/s copy bandwidth:
+//!
+//! | op | b = 1 | b = 64 (125.9 experts touched) |
+//! |---|---:|---:|
+//! | router (128 × 2,048 bf16) | 0.52 MB, 0.18 µs | 0.55 MB, 0.18 µs |
+//! | route + permute | < 10 KB | < 10 KB |
+//! | gate_up (8 / 125.9 experts × 1,536 × 2,048) | 50.3 MB, 16.8 µs | 792 MB, 265 µs |
+//! | SiLU·mul (fused into gate_up) | 37 KB | 2.4 MB |
+//! | down (× 2,048 × 768) | 25.2 MB, 8.4 µs | 396 MB, 132 µs |
+//! | un-permute | 37 KB | 2.4 MB |
+//!
+//! so 25.4 µs a layer at b = 1 (1.22 ms over 48 layers) and 398 µs at b = 64 (19.1 ms): only
+//! the two expert products matter for bytes; the other ops matter for their launches (7
+//! launches a layer before this module's fusions, 5 after: router, route + permute, gate_up
+//! with its activation, down, un-permute; a launch costs ~2 to 5 µs of mostly fixed time even
+//! in a graph with PDL, so about 10 µs a layer, ~0.5 ms a step, are the launches saved) and
+//! for the first GEMV's grid of every expert (at b = 1, 120 of 128 CTA columns that only
+//! return: 23,040 empty CTAs a gate_up launch).
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, grid_stride, int, need, row_threads, shape_check};
+use super::moe_skinny::{MoeSkinnyAct, SkinnyLaunch};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::{MoeRouting, MoeRows, MoeScoring};
 use half::bf16;
@@ -51,16 +78,32 @@ const GEMV_COLS_PER_CTA: usize = 8;
 const GEMM_TILE: usize = 64;
 const GEMM_K_STEP: usize = 32;
 
+/// Rows up to which [`MoeRoutePermuteCall::launch`] routes and permutes in one launch (one
+/// CTA of 32 warps: two rows a warp at most); more rows take the two kernels.
+pub const MOE_ROUTE_PERMUTE_MAX_ROWS: usize = 64;
+
 /// Which kernel computes a grouped expert product ([`MoeGroupedGemvCall::launch_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeExpertKernel {
-    /// `moe_grouped_gemv_bf16`: one warp per column, CUDA cores; reads each used expert's
-    /// weights once per 8 entries. Best when experts have few entries (decode).
+    /// `moe_grouped_gemv_bf16`, the first decode kernel: one warp per column on the CUDA
+    /// cores, a CTA column for every expert (the unused ones return at once); reads each used
+    /// expert's weights once per 8 entries. Kept for comparison (`bench_cuda --moe-kernel legacy`).
     Gemv,
+    /// `moe_skinny_*` (moe_skinny.cu): the tensor-core skinny GEMM over the experts in use
+    /// only (grid height `min(n_experts, assignments)`); reads each used expert's weights once
+    /// per 8 entries. For few entries per expert (decode).
+    Skinny,
     /// `moe_grouped_gemm_bf16`: 64 × 64 tiles on the tensor cores; needs `d % 32 == 0`.
     Gemm,
-    /// The GEMM when every expert averages at least 16 entries and `d` allows it, else the GEMV.
+    /// The GEMM when [`moe_gemm_preferred`], else the skinny product.
     Auto,
+}
+
+/// Whether the tiled grouped GEMM suits a product of `assignments` entries over `n_experts`
+/// experts of input width `d`: every expert averages at least 16 entries (so its 64-entry
+/// tiles are not mostly padding) and `d` is a multiple of its input step.
+pub fn moe_gemm_preferred(assignments: usize, n_experts: usize, d: usize) -> bool {
+    d.is_multiple_of(GEMM_K_STEP) && assignments >= 16 * n_experts
 }
 
 /// Each token's top-k experts: `ids[r·k + j]` and `weights[r·k + j]`, best first.
@@ -85,34 +128,41 @@ impl MoeRouteCall<'_> {
     /// Checks the sizes and enqueues `moe_route_f32`.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "moe_route";
-        let (rows, ne, r) = (self.rows, self.n_experts, self.routing);
-        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
-            format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
-        })?;
-        shape_check(OP, r.k >= 1 && r.k <= ne.min(MOE_MAX_K), || format!("k = {} with {ne} experts", r.k))?;
-        shape_check(OP, r.scale.is_finite(), || format!("scale {}", r.scale))?;
-        need(OP, "logits", self.logits, rows * ne)?;
-        need(OP, "ids", self.ids, rows * r.k)?;
-        need(OP, "weights", self.weights, rows * r.k)?;
+        let rows = self.rows;
+        let args = route_args(OP, &self)?;
         if rows == 0 {
             return Ok(());
         }
-        let sigmoid = matches!(r.scoring, MoeScoring::Sigmoid);
-        let args = Args::new(OP)
-            .buf(self.logits)
-            .int(rows)?
-            .int(ne)?
-            .int(r.k)?
-            .i32(i32::from(sigmoid))
-            .i32(i32::from(r.renormalize))
-            .f32(r.scale)
-            .buf(self.ids)
-            .buf(self.weights);
         let grid = cfg((int(OP, rows.div_ceil(ROUTE_ROWS_PER_CTA))? as u32, 1, 1), (32 * ROUTE_ROWS_PER_CTA) as u32);
         // SAFETY: warp r reads row r's `n_experts` logits and writes its `k` ids and weights, for
         // r < rows (the kernel skips the rest), all checked above.
         unsafe { args.launch(dev, &dev.kernels.moe_route, grid) }
     }
+}
+
+/// The routing kernels' checks (limits and sizes), then their leading arguments (logits
+/// through weights, in the kernels' order).
+fn route_args<'a>(op: &'static str, c: &'a MoeRouteCall<'_>) -> Result<Args<'a>, CudaError> {
+    let (rows, ne, r) = (c.rows, c.n_experts, c.routing);
+    shape_check(op, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
+        format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
+    })?;
+    shape_check(op, r.k >= 1 && r.k <= ne.min(MOE_MAX_K), || format!("k = {} with {ne} experts", r.k))?;
+    shape_check(op, r.scale.is_finite(), || format!("scale {}", r.scale))?;
+    need(op, "logits", c.logits, rows * ne)?;
+    need(op, "ids", c.ids, rows * r.k)?;
+    need(op, "weights", c.weights, rows * r.k)?;
+    let sigmoid = matches!(r.scoring, MoeScoring::Sigmoid);
+    Ok(Args::new(op)
+        .buf(c.logits)
+        .int(rows)?
+        .int(ne)?
+        .int(r.k)?
+        .i32(i32::from(sigmoid))
+        .i32(i32::from(r.renormalize))
+        .f32(r.scale)
+        .buf(&*c.ids)
+        .buf(&*c.weights))
 }
 
 /// Groups `assignments` expert ids by expert (stably): `offsets` (`n_experts + 1`), `order`
@@ -150,6 +200,56 @@ impl MoePermuteCall<'_> {
         // SAFETY: the CTA reads `n` ids, writes `n_experts + 1` offsets and places each in-range
         // id once into `order`/`position` (`n` each), all checked above.
         unsafe { args.launch(dev, &dev.kernels.moe_permute, cfg((1, 1, 1), 1024)) }
+    }
+}
+
+/// [`MoeRouteCall`] then [`MoePermuteCall`] over its `rows · k` ids, with the same outputs;
+/// one launch (`moe_route_permute`, one CTA) for up to [`MOE_ROUTE_PERMUTE_MAX_ROWS`] rows,
+/// where both kernels are mostly fixed launch cost, else the two.
+pub struct MoeRoutePermuteCall<'a> {
+    /// The routing (its `ids` and `weights` are written, then permuted).
+    pub route: MoeRouteCall<'a>,
+    /// `n_experts + 1` prefix offsets (written).
+    pub offsets: &'a mut CudaSlice<i32>,
+    /// Assignment index of each permuted entry (written).
+    pub order: &'a mut CudaSlice<i32>,
+    /// Permuted entry of each assignment (written).
+    pub position: &'a mut CudaSlice<i32>,
+}
+
+impl MoeRoutePermuteCall<'_> {
+    /// Checks the sizes and enqueues the fused kernel for few rows, else the two kernels.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        let fused = self.route.rows <= MOE_ROUTE_PERMUTE_MAX_ROWS;
+        self.launch_with(dev, fused)
+    }
+
+    /// Checks the sizes and enqueues the fused kernel (`fused`, at any row count: one CTA
+    /// routes every row, so large steps are slow but correct) or the two kernels.
+    pub fn launch_with(self, dev: &CudaDevice, fused: bool) -> Result<(), CudaError> {
+        const OP: &str = "moe_route_permute";
+        let Self { route, offsets, order, position } = self;
+        let (ne, n) = (route.n_experts, route.rows * route.routing.k);
+        if !fused {
+            // The permutation's checks come first, so a refused call enqueues nothing.
+            need(OP, "offsets", offsets, ne + 1)?;
+            need(OP, "order", order, n)?;
+            need(OP, "position", position, n)?;
+            let MoeRouteCall { logits, rows, n_experts, routing, ids, weights } = route;
+            MoeRouteCall { logits, rows, n_experts, routing, ids: &mut *ids, weights }.launch(dev)?;
+            return MoePermuteCall { ids, assignments: n, n_experts: ne, offsets, order, position }.launch(dev);
+        }
+        let args = route_args(OP, &route)?;
+        need(OP, "offsets", offsets, ne + 1)?;
+        need(OP, "order", order, n)?;
+        need(OP, "position", position, n)?;
+        let args = args.buf(&*offsets).buf(&*order).buf(&*position);
+        // Launched even for no rows: the offsets are still written (all zero).
+        // SAFETY: warp w routes rows w, w + 32, ... < rows as moe_route_f32 does (reading their
+        // logits, writing their k ids and weights), then the CTA permutes the rows · k ids as
+        // moe_permute does (writing n_experts + 1 offsets and rows · k order and position), all
+        // sizes checked above.
+        unsafe { args.launch(dev, &dev.kernels.moe_route_permute, cfg((1, 1, 1), 1024)) }
     }
 }
 
@@ -212,6 +312,37 @@ impl MoeGroupedGemvCall<'_> {
         if a == 0 || n == 0 {
             return Ok(());
         }
+        let kernel = match kernel {
+            MoeExpertKernel::Auto if moe_gemm_preferred(a, ne, d) => MoeExpertKernel::Gemm,
+            MoeExpertKernel::Auto => MoeExpertKernel::Skinny,
+            MoeExpertKernel::Gemm => {
+                shape_check(OP, d.is_multiple_of(GEMM_K_STEP), || {
+                    format!("the grouped GEMM needs d % {GEMM_K_STEP} == 0, d = {d}")
+                })?;
+                MoeExpertKernel::Gemm
+            }
+            other => other,
+        };
+        if kernel == MoeExpertKernel::Skinny {
+            return SkinnyLaunch {
+                x: self.x,
+                rows: self.rows,
+                k,
+                w: self.w,
+                bias: self.bias,
+                offsets: self.offsets,
+                order: self.order,
+                out: self.out,
+                n,
+                d,
+                n_experts: ne,
+                assignments: a,
+                act: MoeSkinnyAct::None,
+                alpha: 0.0,
+                limit: 0.0,
+            }
+            .launch(OP, dev);
+        }
         let args = Args::new(OP).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(k)?.buf(self.w);
         // A null pointer tells the kernel there is no bias.
         let args = match self.bias {
@@ -219,16 +350,7 @@ impl MoeGroupedGemvCall<'_> {
             None => args.u64(0),
         };
         let args = args.buf(self.offsets).buf(self.order).buf(self.out).int(n)?.int(d)?;
-        let gemm_fits = d.is_multiple_of(GEMM_K_STEP);
-        let gemm = match kernel {
-            MoeExpertKernel::Gemv => false,
-            MoeExpertKernel::Gemm => {
-                shape_check(OP, gemm_fits, || format!("the grouped GEMM needs d % {GEMM_K_STEP} == 0, d = {d}"))?;
-                true
-            }
-            MoeExpertKernel::Auto => gemm_fits && a >= 16 * ne,
-        };
-        if gemm {
+        if kernel == MoeExpertKernel::Gemm {
             // Tiles of 64 entries: at most ceil(a / 64) + one partial tile per expert.
             let tiles = a.div_ceil(GEMM_TILE) + ne;
             shape_check(OP, tiles <= MAX_GRID_YZ, || format!("{tiles} entry tiles exceed the grid"))?;
@@ -347,9 +469,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_gemm_is_preferred_from_16_entries_an_expert_when_d_suits_it() {
+        // Qwen3-30B-A3B: decode at b = 64 (512 entries over 128 experts) stays on the skinny
+        // product; a 2,048-token prefill (16,384 entries) takes the GEMM.
+        assert!(!moe_gemm_preferred(64 * 8, 128, 2048));
+        assert!(moe_gemm_preferred(2048 * 8, 128, 2048));
+        assert!(moe_gemm_preferred(16 * 128, 128, 768));
+        assert!(!moe_gemm_preferred(16 * 128 - 1, 128, 768));
+        // An input width that is not a multiple of the GEMM's step never takes it.
+        assert!(!moe_gemm_preferred(1 << 20, 8, 136));
+    }
+
+    #[test]
     fn limits_match_the_kernel_source() {
         let src = include_str!("../../cuda/moe.cu");
         assert!(src.contains(&format!("#define MOE_MAX_EXPERTS {MOE_MAX_EXPERTS}")));
         assert!(src.contains(&format!("#define MOE_MAX_K {MOE_MAX_K}")));
+        // The fused routing + permutation routes with 32 warps, two rows a warp at most.
+        assert!(src.contains("__launch_bounds__(1024) void moe_route_permute("));
+        assert_eq!(MOE_ROUTE_PERMUTE_MAX_ROWS, 2 * 32);
     }
 }

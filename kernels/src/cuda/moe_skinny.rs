@@ -1,0 +1,247 @@
+//! The grouped expert product for decode-sized steps (moe_skinny.cu): the tensor-core skinny
+//! GEMM over the experts in use only, alone ([`MoeExpertKernel::Skinny`](super::MoeExpertKernel))
+//! or with the gated activation fused into its epilogue ([`MoeGateUpActCall`]: the `gate_up`
+//! product and SiLU·mul / gpt-oss's clamped SwiGLU in one launch).
+//!
+//! Invariants: the grid's height is `min(n_experts, assignments)`, a bound the host knows
+//! without reading the routing (CTA column y finds the y-th expert with entries on the device),
+//! so the launch records into a CUDA graph; the fused output is bit-identical to the
+//! unfused pair (the skinny product then [`super::SiluMulCall`] / [`super::ClampedSwigluCall`]),
+//! which the GPU tests check; `offsets` and `order` come from the permutation of the same
+//! assignments (trusted, as everywhere in the MoE kernels).
+
+use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
+use super::moe::MOE_MAX_EXPERTS;
+use super::{CudaDevice, CudaError, CudaSlice};
+use crate::cpu::MoeRows;
+use half::bf16;
+
+/// The epilogues of the skinny product, in the kernel table's order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MoeSkinnyAct {
+    /// Plain product (16 output columns a CTA).
+    None,
+    /// `silu(gate) · up` over `[gate | up]` halves.
+    Silu,
+    /// gpt-oss's clamped SwiGLU over interleaved `[gate, up]` columns.
+    Swiglu,
+}
+
+/// Every epilogue, in the kernel table's order.
+pub(crate) const MOE_SKINNY_ACTS: [MoeSkinnyAct; 3] = [MoeSkinnyAct::None, MoeSkinnyAct::Silu, MoeSkinnyAct::Swiglu];
+
+/// The k-steps of 32 inputs per batch (`U`) of the compiled variants: 2 for narrow inputs (the
+/// `down` projection's 768), 4 from [`WIDE_INPUT`] on (hidden 2,048), so each of the 4 warps
+/// gets several batches either way.
+pub(crate) const MOE_SKINNY_VARIANTS: [usize; 2] = [2, 4];
+
+/// Inputs from which the wider variant runs.
+const WIDE_INPUT: usize = 2048;
+
+/// Threads per CTA (4 warps splitting the input dimension).
+const SKINNY_THREADS: u32 = 128;
+
+impl MoeSkinnyAct {
+    /// The kernel of this epilogue with `u` k-steps per batch (moe_skinny.cu).
+    pub(crate) fn kernel_name(self, u: usize) -> String {
+        let act = match self {
+            Self::None => "",
+            Self::Silu => "silu_",
+            Self::Swiglu => "swiglu_",
+        };
+        format!("moe_skinny_{act}bf16_u{u}")
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Output columns per CTA: 16 weight rows a CTA, one per column plain, a (gate, up) pair
+    /// per column fused.
+    fn cols_per_cta(self) -> usize {
+        if self == Self::None { 16 } else { 8 }
+    }
+}
+
+/// The gated activation a [`MoeGateUpActCall`] fuses, with the `gate_up` layout it implies.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MoeGatedAct {
+    /// `silu(gate) · up`; each expert's rows are `[gate (I) | up (I)]` (Qwen3-MoE, Mixtral).
+    SiluMul,
+    /// gpt-oss's `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`, `g = min(gate, limit)`; each
+    /// expert's rows are interleaved `[gate, up]` pairs.
+    ClampedSwiglu {
+        /// `swiglu_alpha` (1.702).
+        alpha: f32,
+        /// `swiglu_limit` (7).
+        limit: f32,
+    },
+}
+
+/// The shared operands of a skinny launch (plain or fused), checked by the caller.
+pub(crate) struct SkinnyLaunch<'a> {
+    pub x: &'a CudaSlice<bf16>,
+    pub rows: MoeRows,
+    pub k: usize,
+    pub w: &'a CudaSlice<bf16>,
+    pub bias: Option<&'a CudaSlice<bf16>>,
+    pub offsets: &'a CudaSlice<i32>,
+    pub order: &'a CudaSlice<i32>,
+    pub out: &'a mut CudaSlice<bf16>,
+    /// Rows of each expert's weight matrix (`2I` for `gate_up`).
+    pub n: usize,
+    pub d: usize,
+    pub n_experts: usize,
+    pub assignments: usize,
+    pub act: MoeSkinnyAct,
+    pub alpha: f32,
+    pub limit: f32,
+}
+
+impl SkinnyLaunch<'_> {
+    /// Enqueues the skinny kernel of `self.act` (sizes already checked by the caller; `n`,
+    /// `assignments` > 0).
+    pub(crate) fn launch(self, op: &'static str, dev: &CudaDevice) -> Result<(), CudaError> {
+        let (ne, a) = (self.n_experts, self.assignments);
+        let cols = if self.act == MoeSkinnyAct::None { self.n } else { self.n / 2 };
+        let variant = usize::from(self.d >= WIDE_INPUT);
+        let func = &dev.kernels.moe_skinny[self.act.index()][variant];
+        let args = Args::new(op).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(self.k)?.buf(self.w);
+        // A null pointer tells the kernel there is no bias.
+        let args = match self.bias {
+            Some(b) => args.buf(b),
+            None => args.u64(0),
+        };
+        let args = args
+            .buf(self.offsets)
+            .buf(self.order)
+            .buf(self.out)
+            .int(self.n)?
+            .int(self.d)?
+            .int(ne)?
+            .f32(self.alpha)
+            .f32(self.limit);
+        let grid = (int(op, cols.div_ceil(self.act.cols_per_cta()))? as u32, ne.min(a) as u32, 1);
+        // SAFETY: CTA (c, y) finds the y-th expert e with entries in offsets (n_experts + 1
+        // values, written by the permutation within 0..assignments) or returns; it reads expert
+        // e's rows < n of `w` (n_experts × n × d) and of `bias` (n_experts × n), the rows of `x`
+        // of its entries (through `order`: assignment indices < assignments, so token rows <
+        // assignments / k when per-token, else entries < assignments), and writes its entries'
+        // columns < cols of `out` (assignments × cols). Sizes checked by the caller.
+        unsafe { args.launch(dev, func, cfg(grid, SKINNY_THREADS)) }
+    }
+}
+
+/// The `gate_up` product of every permuted entry with the activation fused:
+/// `out[p, c] = act(bf16(x[src(p)] · w[e, gate(c)] + b), bf16(x[src(p)] · w[e, up(c)] + b))`,
+/// `out` is `assignments × inter` bf16, bit-identical to [`super::MoeGroupedGemvCall`] on
+/// [`MoeExpertKernel::Skinny`](super::MoeExpertKernel::Skinny) followed by
+/// [`super::SiluMulCall`] (or [`super::ClampedSwigluCall`]), one launch instead of two and
+/// without the `assignments × 2I` intermediate. Decode-sized steps: an expert's weights are
+/// re-read (from L2) per 8 of its entries, so prefill-sized steps want the grouped GEMM and
+/// the activation apart ([`super::moe_gemm_preferred`]).
+pub struct MoeGateUpActCall<'a> {
+    /// `rows × d` ([`MoeRows::PerToken`]) or `assignments × d` ([`MoeRows::Permuted`]) bf16.
+    pub x: &'a CudaSlice<bf16>,
+    /// Which rows of `x` the entries read.
+    pub rows: MoeRows,
+    /// Experts per token (`assignments = rows · k`).
+    pub k: usize,
+    /// All experts' `gate_up` weights, `n_experts × 2·inter × d` bf16, laid out as `act` says.
+    pub w: &'a CudaSlice<bf16>,
+    /// All experts' `gate_up` biases, `n_experts × 2·inter` bf16 (gpt-oss); `None` for none.
+    pub bias: Option<&'a CudaSlice<bf16>>,
+    /// Experts, at most [`MOE_MAX_EXPERTS`].
+    pub n_experts: usize,
+    /// Expert width `I` (output columns).
+    pub inter: usize,
+    /// Input width, a multiple of 8.
+    pub d: usize,
+    /// The activation (and the layout of `w`'s rows).
+    pub act: MoeGatedAct,
+    /// The [`super::MoePermuteCall`]'s offsets.
+    pub offsets: &'a CudaSlice<i32>,
+    /// The [`super::MoePermuteCall`]'s order.
+    pub order: &'a CudaSlice<i32>,
+    /// Assignments (`rows · k`).
+    pub assignments: usize,
+    /// `assignments × inter` bf16 (written for every placed assignment).
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl MoeGateUpActCall<'_> {
+    /// Checks the sizes and enqueues the fused skinny kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_gate_up_act";
+        let (ne, inter, d, k, a) = (self.n_experts, self.inter, self.d, self.k, self.assignments);
+        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
+        shape_check(OP, d > 0 && d.is_multiple_of(8), || format!("d = {d} is not a positive multiple of 8"))?;
+        shape_check(OP, k >= 1 && a.is_multiple_of(k), || format!("{a} assignments with k = {k}"))?;
+        let (act, alpha, limit) = match self.act {
+            MoeGatedAct::SiluMul => (MoeSkinnyAct::Silu, 0.0, 0.0),
+            MoeGatedAct::ClampedSwiglu { alpha, limit } => {
+                shape_check(OP, alpha.is_finite() && limit.is_finite() && limit > 0.0, || {
+                    format!("alpha {alpha} / limit {limit}")
+                })?;
+                (MoeSkinnyAct::Swiglu, alpha, limit)
+            }
+        };
+        let x_rows = match self.rows {
+            MoeRows::PerToken => a / k,
+            MoeRows::Permuted => a,
+        };
+        let n = 2 * inter;
+        need(OP, "x", self.x, x_rows * d)?;
+        need(OP, "w", self.w, ne * n * d)?;
+        if let Some(b) = self.bias {
+            need(OP, "bias", b, ne * n)?;
+        }
+        need(OP, "offsets", self.offsets, ne + 1)?;
+        need(OP, "order", self.order, a)?;
+        need(OP, "out", self.out, a * inter)?;
+        if a == 0 || inter == 0 {
+            return Ok(());
+        }
+        SkinnyLaunch {
+            x: self.x,
+            rows: self.rows,
+            k,
+            w: self.w,
+            bias: self.bias,
+            offsets: self.offsets,
+            order: self.order,
+            out: self.out,
+            n,
+            d,
+            n_experts: ne,
+            assignments: a,
+            act,
+            alpha,
+            limit,
+        }
+        .launch(OP, dev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_and_variants_match_the_source() {
+        let src = include_str!("../../cuda/moe_skinny.cu");
+        for act in MOE_SKINNY_ACTS {
+            for u in MOE_SKINNY_VARIANTS {
+                let name = act.kernel_name(u);
+                assert!(src.contains(&format!("void {name}(")), "{name} missing");
+                assert!(src.lines().any(|l| l.contains(&format!(", {u}>(")) && l.contains("moe_skinny_body")));
+            }
+        }
+        // The CTA size the launcher uses is the kernel's launch bound, and the warps the body splits over.
+        assert!(src.contains(&format!("__launch_bounds__({SKINNY_THREADS}, 6)")));
+        assert!(src.contains(&format!("#define MOE_SK_WARPS {}", SKINNY_THREADS / 32)));
+        // The wide variant takes 4 k-steps a batch: 16 chunks of 8 inputs per warp a batch, so
+        // hidden 2,048 gives each of the 4 warps 4 batches.
+        assert_eq!(WIDE_INPUT / 8 / (4 * MOE_SKINNY_VARIANTS[1]) / (SKINNY_THREADS as usize / 32), 4);
+    }
+}

@@ -1,0 +1,399 @@
+//! The decode-sized MoE kernels against their CPU references (`baton_kernels::cpu`) and, for
+//! the fusions, against the unfused launches bit for bit: routing + permutation in one launch
+//! ([`MoeRoutePermuteCall`]), the tensor-core skinny grouped product over the experts in use
+//! ([`MoeExpertKernel::Skinny`]), and that product with SiLU·mul or gpt-oss's clamped SwiGLU
+//! in its epilogue ([`MoeGateUpActCall`]). Rows 1, 3, 64 and 300; k 1, 2 and 8; 8, 60 and 128
+//! experts; uniform routing (most experts unused at decode sizes) and skewed routing (every
+//! token to the same experts). Fresh random inputs every run (the seed is printed), outputs
+//! poisoned before each launch, ‖out − ref‖ / ‖ref‖ < 1e-2 for bf16 outputs, ids exact.
+//!
+//! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do not
+//! skip) when no device can be opened.
+
+mod common;
+
+use baton_kernels::cpu::{self, ExpertWeights, MoePermutation, MoeRouting, MoeRows, MoeScoring};
+use baton_kernels::cuda::{
+    ClampedSwigluCall, CudaDevice, CudaSlice, MoeExpertKernel, MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall,
+    MoeRouteCall, MoeRoutePermuteCall, SiluMulCall, bf16,
+};
+use common::{check, device, down, poisoned, rand_vec, rng, up};
+use rand::{Rng, rngs::StdRng};
+
+/// (experts, k) pairs covering 8, 60 and 128 experts and k of 1, 2 and 8.
+const ROUTINGS: [(usize, usize); 4] = [(8, 2), (60, 1), (128, 8), (8, 8)];
+const ROWS: [usize; 4] = [1, 3, 64, 300];
+
+/// Router logits: uniform, or skewed so that every row's top-k is the same k experts (with
+/// k = 1, every token to one expert).
+fn logits(r: &mut StdRng, rows: usize, ne: usize, k: usize, skewed: bool) -> Vec<f32> {
+    let hot = r.random_range(0..ne);
+    let mut l: Vec<f32> = (0..rows * ne).map(|_| r.random_range(-2.0f32..2.0)).collect();
+    if skewed {
+        for row in 0..rows {
+            for j in 0..k {
+                l[row * ne + (hot + j) % ne] += 20.0 - j as f32;
+            }
+        }
+    }
+    l
+}
+
+fn routing(ne: usize, k: usize) -> MoeRouting {
+    // The sigmoid scoring for one of the shapes, softmax (renormalized) for the others.
+    let scoring = if ne == 60 { MoeScoring::Sigmoid } else { MoeScoring::Softmax };
+    MoeRouting { k, scoring, renormalize: true, scale: 1.0 }
+}
+
+/// The CPU routing and permutation of `logits`.
+fn cpu_route(logits: &[f32], ne: usize, routing: MoeRouting) -> (Vec<u32>, Vec<f32>, MoePermutation) {
+    let n = logits.len() / ne * routing.k;
+    let (mut ids, mut w) = (vec![0u32; n], vec![0f32; n]);
+    cpu::moe_route(logits, ne, routing, &mut ids, &mut w).expect("cpu route");
+    let perm = cpu::moe_permute(&ids, ne).expect("cpu permute");
+    (ids, w, perm)
+}
+
+fn as_i32(v: &[u32]) -> Vec<i32> {
+    v.iter().map(|&x| x as i32).collect()
+}
+
+/// The device permutation of a routing (offsets, order, position), through the fused launch.
+struct DevicePerm {
+    offsets: CudaSlice<i32>,
+    order: CudaSlice<i32>,
+    position: CudaSlice<i32>,
+}
+
+fn device_route(dev: &CudaDevice, logits: &[f32], rows: usize, ne: usize, routing: MoeRouting) -> DevicePerm {
+    let n = rows * routing.k;
+    let ld = dev.upload(logits).expect("logits");
+    let mut ids = dev.upload(&vec![-1i32; n]).expect("ids");
+    let mut weights = dev.upload(&vec![f32::NAN; n]).expect("weights");
+    let mut p = DevicePerm {
+        offsets: dev.upload(&vec![-1i32; ne + 1]).expect("offsets"),
+        order: dev.upload(&vec![-1i32; n]).expect("order"),
+        position: dev.upload(&vec![-1i32; n]).expect("position"),
+    };
+    MoeRoutePermuteCall {
+        route: MoeRouteCall { logits: &ld, rows, n_experts: ne, routing, ids: &mut ids, weights: &mut weights },
+        offsets: &mut p.offsets,
+        order: &mut p.order,
+        position: &mut p.position,
+    }
+    .launch(dev)
+    .expect("route + permute");
+    p
+}
+
+/// The fused routing + permutation (forced at every row count) and the two-kernel path
+/// against the CPU: ids, offsets, order and position exact, weights to 1e-5.
+#[test]
+fn gpu_moe_route_permute_fused_matches_cpu() {
+    let dev = device();
+    let mut r = rng("moe_route_permute");
+    for (ne, k) in ROUTINGS {
+        for rows in ROWS {
+            for skewed in [false, true] {
+                let routing = routing(ne, k);
+                let l = logits(&mut r, rows, ne, k, skewed);
+                let (want_ids, want_w, perm) = cpu_route(&l, ne, routing);
+                if skewed {
+                    let used = perm.offsets.windows(2).filter(|w| w[1] > w[0]).count();
+                    assert_eq!(used, k, "skewed logits route to {used} experts, want {k}");
+                }
+                let ld = dev.upload(&l).expect("logits");
+                let n = rows * k;
+                for fused in [true, false] {
+                    let mut ids = dev.upload(&vec![-1i32; n]).expect("ids");
+                    let mut w = dev.upload(&vec![f32::NAN; n]).expect("weights");
+                    let mut offsets = dev.upload(&vec![-1i32; ne + 1]).expect("offsets");
+                    let mut order = dev.upload(&vec![-1i32; n]).expect("order");
+                    let mut position = dev.upload(&vec![-1i32; n]).expect("position");
+                    MoeRoutePermuteCall {
+                        route: MoeRouteCall {
+                            logits: &ld,
+                            rows,
+                            n_experts: ne,
+                            routing,
+                            ids: &mut ids,
+                            weights: &mut w,
+                        },
+                        offsets: &mut offsets,
+                        order: &mut order,
+                        position: &mut position,
+                    }
+                    .launch_with(&dev, fused)
+                    .expect("route + permute");
+                    let what = format!("route+permute e={ne} k={k} rows={rows} skewed={skewed} fused={fused}");
+                    let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
+                    assert_eq!(got(&ids, n), as_i32(&want_ids), "{what}: ids");
+                    assert_eq!(got(&offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
+                    assert_eq!(got(&order, n), as_i32(&perm.order), "{what}: order");
+                    assert_eq!(got(&position, n), as_i32(&perm.position), "{what}: position");
+                    let gw: Vec<f32> = dev.download(&w, n).expect("weights");
+                    let e = common::rel_err(&gw, &want_w);
+                    assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+                }
+            }
+        }
+    }
+    // Refusals before any launch: short permutation outputs, k above the experts.
+    let ld = dev.upload(&[0.0f32; 16]).expect("logits");
+    let (mut ids, mut w) = (dev.alloc::<i32>(4).expect("ids"), dev.alloc::<f32>(4).expect("w"));
+    let (mut o, mut ord, mut pos) =
+        (dev.alloc::<i32>(9).expect("o"), dev.alloc::<i32>(3).expect("ord"), dev.alloc::<i32>(4).expect("pos"));
+    for fused in [true, false] {
+        let call = MoeRoutePermuteCall {
+            route: MoeRouteCall {
+                logits: &ld,
+                rows: 2,
+                n_experts: 8,
+                routing: routing(8, 2),
+                ids: &mut ids,
+                weights: &mut w,
+            },
+            offsets: &mut o,
+            order: &mut ord,
+            position: &mut pos,
+        };
+        assert!(call.launch_with(&dev, fused).is_err(), "short order accepted (fused {fused})");
+    }
+    let mut ord4 = dev.alloc::<i32>(4).expect("ord");
+    let call = MoeRoutePermuteCall {
+        route: MoeRouteCall {
+            logits: &ld,
+            rows: 2,
+            n_experts: 8,
+            routing: routing(8, 9),
+            ids: &mut ids,
+            weights: &mut w,
+        },
+        offsets: &mut o,
+        order: &mut ord4,
+        position: &mut pos,
+    };
+    assert!(call.launch(&dev).is_err(), "k > experts accepted");
+}
+
+/// Shapes of the product tests: (hidden, expert width). 256 / 136 exercise the narrow variant
+/// with a partial last batch (136 inputs of the down projection); 2,048 / 768 is the
+/// Qwen3-30B-A3B shape (the wide variant on gate_up), at decode sizes with 8 experts so the
+/// CPU reference stays quick.
+fn widths(rows: usize, ne: usize, k: usize) -> Vec<(usize, usize)> {
+    let mut v = vec![(256, 136)];
+    if ne == 8 && k == 2 && rows <= 64 {
+        v.push((2048, 768));
+    }
+    v
+}
+
+/// The skinny product (both row sources, with a bias on one) against the CPU grouped linear.
+#[test]
+fn gpu_moe_skinny_product_matches_cpu() {
+    let dev = device();
+    let mut r = rng("moe_skinny");
+    for (ne, k) in ROUTINGS {
+        for rows in ROWS {
+            for skewed in [false, true] {
+                for (hidden, inter) in widths(rows, ne, k) {
+                    let routing = routing(ne, k);
+                    let l = logits(&mut r, rows, ne, k, skewed);
+                    let (_, _, perm) = cpu_route(&l, ne, routing);
+                    let p = device_route(&dev, &l, rows, ne, routing);
+                    let a = rows * k;
+                    let what = format!("skinny e={ne} k={k} rows={rows} skewed={skewed} {hidden}/{inter}");
+                    // gate_up from the hidden states (per token), no bias.
+                    let x = rand_vec(&mut r, rows * hidden, 1.0);
+                    let w1 = rand_vec(&mut r, ne * 2 * inter * hidden, 1.0 / (hidden as f32).sqrt());
+                    let mut want = vec![0f32; a * 2 * inter];
+                    let wv = ExpertWeights { w: &w1, n: 2 * inter, d: hidden, bias: None };
+                    cpu::moe_grouped_linear(&x, MoeRows::PerToken, wv, &perm, k, &mut want).expect("cpu");
+                    let (xd, w1d) = (up(&dev, &x), up(&dev, &w1));
+                    let mut out = poisoned(&dev, a * 2 * inter);
+                    MoeGroupedGemvCall {
+                        x: &xd,
+                        rows: MoeRows::PerToken,
+                        k,
+                        w: &w1d,
+                        bias: None,
+                        n_experts: ne,
+                        n: 2 * inter,
+                        d: hidden,
+                        offsets: &p.offsets,
+                        order: &p.order,
+                        assignments: a,
+                        out: &mut out,
+                    }
+                    .launch_with(&dev, MoeExpertKernel::Skinny)
+                    .expect("skinny gate_up");
+                    check(&format!("{what} per-token"), &down(&dev, &out, a * 2 * inter), &want);
+                    // down from permuted rows, with a bias.
+                    let xp = rand_vec(&mut r, a * inter, 1.0);
+                    let w2 = rand_vec(&mut r, ne * hidden * inter, 1.0 / (inter as f32).sqrt());
+                    let b2 = rand_vec(&mut r, ne * hidden, 0.5);
+                    let mut want2 = vec![0f32; a * hidden];
+                    let wv2 = ExpertWeights { w: &w2, n: hidden, d: inter, bias: Some(&b2) };
+                    cpu::moe_grouped_linear(&xp, MoeRows::Permuted, wv2, &perm, k, &mut want2).expect("cpu");
+                    let (xpd, w2d, b2d) = (up(&dev, &xp), up(&dev, &w2), up(&dev, &b2));
+                    let mut out2 = poisoned(&dev, a * hidden);
+                    MoeGroupedGemvCall {
+                        x: &xpd,
+                        rows: MoeRows::Permuted,
+                        k,
+                        w: &w2d,
+                        bias: Some(&b2d),
+                        n_experts: ne,
+                        n: hidden,
+                        d: inter,
+                        offsets: &p.offsets,
+                        order: &p.order,
+                        assignments: a,
+                        out: &mut out2,
+                    }
+                    .launch_with(&dev, MoeExpertKernel::Skinny)
+                    .expect("skinny down");
+                    check(&format!("{what} permuted+bias"), &down(&dev, &out2, a * hidden), &want2);
+                }
+            }
+        }
+    }
+}
+
+fn bits(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<u16> {
+    dev.download(s, n).expect("download").iter().map(|v| v.to_bits()).collect()
+}
+
+/// gate_up with the activation fused, against the skinny product followed by the activation
+/// kernel (bit for bit) and against the CPU (gate_up rounded to bf16 as the device stores it,
+/// then the CPU activation); SiLU·mul over `[gate | up]` and the clamped SwiGLU over
+/// interleaved columns (a small limit, so the clamps bite), each with and without a bias.
+#[test]
+fn gpu_moe_gate_up_act_is_bit_identical_to_unfused() {
+    let dev = device();
+    let mut r = rng("moe_gate_up_act");
+    let acts = [MoeGatedAct::SiluMul, MoeGatedAct::ClampedSwiglu { alpha: 1.702, limit: 1.5 }];
+    for (ne, k) in ROUTINGS {
+        for rows in ROWS {
+            for skewed in [false, true] {
+                for (hidden, inter) in widths(rows, ne, k) {
+                    let routing = routing(ne, k);
+                    let l = logits(&mut r, rows, ne, k, skewed);
+                    let (_, _, perm) = cpu_route(&l, ne, routing);
+                    let p = device_route(&dev, &l, rows, ne, routing);
+                    let a = rows * k;
+                    let x = rand_vec(&mut r, rows * hidden, 1.0);
+                    let w1 = rand_vec(&mut r, ne * 2 * inter * hidden, 4.0 / (hidden as f32).sqrt());
+                    let b1 = rand_vec(&mut r, ne * 2 * inter, 0.5);
+                    let (xd, w1d, b1d) = (up(&dev, &x), up(&dev, &w1), up(&dev, &b1));
+                    for act in acts {
+                        for with_bias in [false, true] {
+                            let what = format!(
+                                "gate_up+act e={ne} k={k} rows={rows} skewed={skewed} {hidden}/{inter} {act:?} bias={with_bias}"
+                            );
+                            let bias = with_bias.then_some(&b1d);
+                            let mut gate_up = poisoned(&dev, a * 2 * inter);
+                            MoeGroupedGemvCall {
+                                x: &xd,
+                                rows: MoeRows::PerToken,
+                                k,
+                                w: &w1d,
+                                bias,
+                                n_experts: ne,
+                                n: 2 * inter,
+                                d: hidden,
+                                offsets: &p.offsets,
+                                order: &p.order,
+                                assignments: a,
+                                out: &mut gate_up,
+                            }
+                            .launch_with(&dev, MoeExpertKernel::Skinny)
+                            .expect("skinny gate_up");
+                            let mut unfused = poisoned(&dev, a * inter);
+                            match act {
+                                MoeGatedAct::SiluMul => {
+                                    SiluMulCall { gate_up: &gate_up, rows: a, d: inter, out: &mut unfused }.launch(&dev)
+                                }
+                                MoeGatedAct::ClampedSwiglu { alpha, limit } => ClampedSwigluCall {
+                                    gate_up: &gate_up,
+                                    rows: a,
+                                    d: inter,
+                                    alpha,
+                                    limit,
+                                    out: &mut unfused,
+                                }
+                                .launch(&dev),
+                            }
+                            .expect("activation");
+                            let mut fused = poisoned(&dev, a * inter);
+                            MoeGateUpActCall {
+                                x: &xd,
+                                rows: MoeRows::PerToken,
+                                k,
+                                w: &w1d,
+                                bias,
+                                n_experts: ne,
+                                inter,
+                                d: hidden,
+                                act,
+                                offsets: &p.offsets,
+                                order: &p.order,
+                                assignments: a,
+                                out: &mut fused,
+                            }
+                            .launch(&dev)
+                            .expect("fused gate_up + activation");
+                            let (fb, ub) = (bits(&dev, &fused, a * inter), bits(&dev, &unfused, a * inter));
+                            if let Some(i) = (0..fb.len()).find(|&i| fb[i] != ub[i]) {
+                                panic!("{what}: fused differs from unfused at {i}: {:#06x} vs {:#06x}", fb[i], ub[i]);
+                            }
+                            // The CPU: the product (rounded to bf16, as stored), then the activation.
+                            let wv =
+                                ExpertWeights { w: &w1, n: 2 * inter, d: hidden, bias: with_bias.then_some(&b1[..]) };
+                            let mut h = vec![0f32; a * 2 * inter];
+                            cpu::moe_grouped_linear(&x, MoeRows::PerToken, wv, &perm, k, &mut h).expect("cpu");
+                            let h: Vec<f32> = h.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+                            let mut want = vec![0f32; a * inter];
+                            match act {
+                                MoeGatedAct::SiluMul => cpu::silu_mul(&h, &mut want, inter),
+                                MoeGatedAct::ClampedSwiglu { alpha, limit } => {
+                                    cpu::clamped_swiglu(&h, &mut want, inter, alpha, limit)
+                                }
+                            }
+                            .expect("cpu activation");
+                            check(&what, &down(&dev, &fused, a * inter), &want);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Refusals: a non-finite or non-positive limit, d not a multiple of 8, a short output.
+    // 2 tokens of 8 inputs, 2 experts of 2 × 16 rows.
+    let (xd, wd) = (up(&dev, &[0.5; 16]), up(&dev, &[0.5; 2 * 32 * 8]));
+    let p = device_route(&dev, &[1.0, 0.0, 0.0, 1.0], 2, 2, routing(2, 1));
+    for (act, d, out_len) in [
+        (MoeGatedAct::ClampedSwiglu { alpha: 1.0, limit: 0.0 }, 8, 32),
+        (MoeGatedAct::ClampedSwiglu { alpha: f32::NAN, limit: 7.0 }, 8, 32),
+        (MoeGatedAct::SiluMul, 6, 32),
+        (MoeGatedAct::SiluMul, 8, 31),
+    ] {
+        let mut out = poisoned(&dev, out_len);
+        let call = MoeGateUpActCall {
+            x: &xd,
+            rows: MoeRows::PerToken,
+            k: 1,
+            w: &wd,
+            bias: None,
+            n_experts: 2,
+            inter: 16,
+            d,
+            act,
+            offsets: &p.offsets,
+            order: &p.order,
+            assignments: 2,
+            out: &mut out,
+        };
+        assert!(call.launch(&dev).is_err(), "{act:?} d={d} out={out_len} accepted");
+    }
+}
