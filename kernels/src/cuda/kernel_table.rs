@@ -12,7 +12,9 @@ use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
-use super::paged_attention::{ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name};
+use super::paged_attention::{
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name, tc_dynamic_smem,
+};
 use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
     prefill_smem_bytes,
@@ -202,8 +204,17 @@ impl<F> KernelTable<F> {
 impl KernelTable<CudaFunction> {
     /// Sets the attributes some kernels need before their first launch: each prefill kernel's
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
-    /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128).
+    /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
+    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
     pub fn prepare(&self) -> Result<(), CudaError> {
+        for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
+            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, false)));
+            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, true)));
+            for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
+        }
         for (hd, (funcs, fp8)) in PREFILL_HEAD_DIMS.iter().zip(self.prefill.iter().zip(&self.prefill_fp8)) {
             let sized = funcs.iter().map(|f| (f, prefill_smem_bytes(*hd)));
             for (func, bytes) in sized.chain(fp8.iter().map(|f| (f, prefill_fp8_smem_bytes(*hd)))) {
