@@ -1,7 +1,9 @@
-//! The tuned decode attention kernels (`paged_attention_*`, `paged_attention_tc_*`, their FP8
-//! entries and the split combine) with a sliding window, logit soft-capping and attention
-//! sinks ([`AttentionOptions`]), at head dims 64, 128 and 256, GQA groups 1 to 12, every split
-//! mode, bf16 and FP8 caches, against `cpu::paged_attention_ext` / `cpu::paged_attention_fp8`.
+//! The tuned attention kernels (decode: `paged_attention_*`, `paged_attention_tc_*`, their FP8
+//! entries and the split combine; prefill: `prefill_attention_*`, both CTA sizes, and the
+//! router) with a sliding window, logit soft-capping and attention sinks
+//! ([`AttentionOptions`]), at head dims 64, 128 and 256 (no prefill kernel at 256: the router
+//! sends it to the decode kernel), GQA groups 1 to 12, every split mode, bf16 and FP8 caches,
+//! against `cpu::paged_attention_ext` / `cpu::paged_attention_fp8`.
 //! Windows smaller than, equal to and larger than a row's context, windows that start inside
 //! a block, sinks far below and far above the scores, padding rows (context 0: zeros). Fresh
 //! random inputs every run (the seed is printed), outputs poisoned (NaN) before each launch,
@@ -15,7 +17,7 @@ mod common;
 use baton_kernels::cpu::{self, AttnExtras, Fp8KvLayerRef, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice,
-    CudaSlice, HostSeq, KvCacheRef, KvGeometry, StepMeta, bf16,
+    CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -118,10 +120,11 @@ impl Step {
     }
 }
 
-/// The decode launches a case makes for a cache: every listed variant at every split mode
-/// (unsplit, `Auto`, a forced 3, and `Exact` as a graph replays, with more splits than a
-/// windowed row has chunks), and the router.
-fn launches(fp8: bool) -> Vec<(String, AttnKernel, AttnSplit)> {
+/// The launches a case makes for a cache, each a sequence of kernels into one output: every
+/// listed decode variant at every split mode (unsplit, `Auto`, a forced 3, and `Exact` as a
+/// graph replays, with more splits than a windowed row has chunks); the router; the decode
+/// kernel then each prefill variant over the prefill chunk's rows.
+fn launches(fp8: bool) -> Vec<(String, Vec<AttnKernel>, AttnSplit)> {
     let splits = [AttnSplit::Fixed(1), AttnSplit::Auto, AttnSplit::Fixed(3), AttnSplit::Exact(7), AttnSplit::Exact(32)];
     let variants: Vec<usize> = if fp8 {
         (0..ATTN_FP8_VARIANTS.len()).collect()
@@ -134,11 +137,14 @@ fn launches(fp8: bool) -> Vec<(String, AttnKernel, AttnSplit)> {
     let mut runs = Vec::new();
     for v in variants {
         for split in splits {
-            runs.push((format!("variant {v} {split:?}"), AttnKernel::Decode { variant: Some(v) }, split));
+            runs.push((format!("variant {v} {split:?}"), vec![AttnKernel::Decode { variant: Some(v) }], split));
         }
     }
-    runs.push(("mixed".into(), AttnKernel::Mixed, AttnSplit::Auto));
-    runs.push(("default".into(), AttnKernel::DECODE, AttnSplit::Auto));
+    runs.push(("mixed".into(), vec![AttnKernel::Mixed], AttnSplit::Auto));
+    for variant in 0..PREFILL_WARPS.len() {
+        let label = format!("decode then prefill {variant}");
+        runs.push((label, vec![AttnKernel::DECODE, AttnKernel::Prefill { variant }], AttnSplit::Auto));
+    }
     runs
 }
 
@@ -174,22 +180,27 @@ fn options_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usi
         let want = step.reference(&cache, extras);
         let sinks_d = sinks.as_ref().map(|s| dev.upload(s).expect("sinks"));
         let options = AttentionOptions { window, softcap, sinks: sinks_d.as_ref() };
-        for (run, kernel, split) in launches(fp8) {
-            let mut out = poisoned(dev, want.len());
-            AttentionCall {
-                q: &qd,
-                cache: cache_ref,
-                meta: &mut step.meta,
-                n_heads: nh,
-                geo: step.geo,
-                scale: step.scale,
-                out: &mut out,
-                kernel,
-                split,
-                options,
+        for (run, kernels, split) in launches(fp8) {
+            if kernels.iter().any(|k| matches!(k, AttnKernel::Prefill { .. })) && !prefill_supported(nh, nkv, hd) {
+                continue;
             }
-            .launch(dev)
-            .unwrap_or_else(|e| panic!("{tag} {label} {run}: {e}"));
+            let mut out = poisoned(dev, want.len());
+            for kernel in kernels {
+                AttentionCall {
+                    q: &qd,
+                    cache: cache_ref,
+                    meta: &mut step.meta,
+                    n_heads: nh,
+                    geo: step.geo,
+                    scale: step.scale,
+                    out: &mut out,
+                    kernel,
+                    split,
+                    options,
+                }
+                .launch(dev)
+                .unwrap_or_else(|e| panic!("{tag} {label} {run}: {e}"));
+            }
             let got = down(dev, &out, want.len());
             // Padding rows: exact zeros.
             let real = (step.q.len() / (nh * hd) - PAD) * nh * hd;
@@ -225,9 +236,8 @@ fn gpu_tuned_attention_options_match_cpu_fp8() {
     }
 }
 
-/// Bad options are refused before anything is enqueued: a window of 0, a soft-cap that is not
-/// finite and positive, fewer sinks than heads; the prefill kernel refuses options (the router
-/// sends such layers to the decode kernel).
+/// Bad options are refused before anything is enqueued, by both kernels: a window of 0, a
+/// soft-cap that is not finite and positive, fewer sinks than heads.
 #[test]
 fn gpu_tuned_attention_refuses_bad_options() {
     let dev = device();
@@ -238,18 +248,14 @@ fn gpu_tuned_attention_refuses_bad_options() {
     let (k, v) = (up(&dev, &rand_vec(&mut r, len, 1.0)), up(&dev, &rand_vec(&mut r, len, 1.0)));
     let qd = up(&dev, &step.q);
     let short = dev.upload(&vec![0.0f32; nh - 1]).expect("short sinks");
-    let bad: [(&str, AttentionOptions<'_>, AttnKernel); 5] = [
-        ("window 0", AttentionOptions { window: Some(0), ..Default::default() }, AttnKernel::DECODE),
-        ("softcap 0", AttentionOptions { softcap: Some(0.0), ..Default::default() }, AttnKernel::DECODE),
-        ("softcap NaN", AttentionOptions { softcap: Some(f32::NAN), ..Default::default() }, AttnKernel::DECODE),
-        ("short sinks", AttentionOptions { sinks: Some(&short), ..Default::default() }, AttnKernel::DECODE),
-        (
-            "prefill with a window",
-            AttentionOptions { window: Some(16), ..Default::default() },
-            AttnKernel::Prefill { variant: 0 },
-        ),
+    let bad: [(&str, AttentionOptions<'_>); 4] = [
+        ("window 0", AttentionOptions { window: Some(0), ..Default::default() }),
+        ("softcap 0", AttentionOptions { softcap: Some(0.0), ..Default::default() }),
+        ("softcap NaN", AttentionOptions { softcap: Some(f32::NAN), ..Default::default() }),
+        ("short sinks", AttentionOptions { sinks: Some(&short), ..Default::default() }),
     ];
-    for (label, options, kernel) in bad {
+    let kernels = [AttnKernel::DECODE, AttnKernel::Prefill { variant: 0 }, AttnKernel::Mixed];
+    for ((label, options), kernel) in bad.into_iter().flat_map(|b| kernels.map(|k| (b, k))) {
         let mut out = poisoned(&dev, step.q.len());
         let call = AttentionCall {
             q: &qd,
@@ -263,6 +269,6 @@ fn gpu_tuned_attention_refuses_bad_options() {
             split: AttnSplit::Auto,
             options,
         };
-        assert!(call.launch(&dev).is_err(), "{label} accepted");
+        assert!(call.launch(&dev).is_err(), "{label} accepted by {kernel:?}");
     }
 }

@@ -248,8 +248,7 @@ impl CudaBackend {
 
     /// The tuned attention kernels ([`AttentionCall`]) with `options`: the router of
     /// [`Backend::attention`] (no options) and of `attention_with` (a window, a soft-cap or
-    /// sinks at a head_dim the kernels have). With options the decode kernel takes every row
-    /// (the prefill kernel has none yet).
+    /// sinks at a head_dim the kernels have); both kernels take the options.
     pub(super) fn attention_tuned(
         &mut self,
         layer: usize,

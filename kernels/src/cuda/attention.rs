@@ -15,11 +15,10 @@
 //! - an FP8 cache ([`KvCacheRef::Fp8`]) takes the same routes through the FP8 entries of both
 //!   kernels (`paged_attention_tc_fp8_*`, `prefill_attention_fp8_*`): the launcher folds the K
 //!   scale into the softmax scale and passes the V scale, both checked finite and positive;
-//! - [`AttentionOptions`] (sliding window, soft-cap, sinks) reach the decode kernel as runtime
-//!   arguments: a windowed row's splits cut `[ctx - window, ctx)` only (its split plan is made
-//!   for `min(ctx, window)` tokens), so no key before the window is read. The prefill kernel has
-//!   no options yet: with options, [`AttnKernel::Mixed`] runs the decode kernel on every row
-//!   (prefill rows included, correct but slower) and [`AttnKernel::Prefill`] is refused.
+//! - [`AttentionOptions`] (sliding window, soft-cap, sinks) reach both kernels as runtime
+//!   arguments: a windowed decode row's splits cut `[ctx - window, ctx)` only (its split plan
+//!   is made for `min(ctx, window)` tokens), and a prefill tile's KV loop starts at the tile
+//!   holding its first query's window start, so no block before a window is read.
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
@@ -265,10 +264,7 @@ impl AttentionCall<'_> {
     fn mixed(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         let (n_heads, geo) = (self.n_heads, self.geo);
         let variant = self.default_decode_variant();
-        if !self.meta.prefill.has_prefill()
-            || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim)
-            || !self.options.is_none()
-        {
+        if !self.meta.prefill.has_prefill() || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim) {
             return self.decode(dev, variant, DecodeRows::All);
         }
         // Validate the prefill launch before enqueueing anything.
@@ -382,9 +378,6 @@ impl AttentionCall<'_> {
             *PREFILL_WARPS.get(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
         let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
         self.check_io(OP)?;
-        shape_check(OP, self.options.is_none(), || {
-            "the prefill kernel has no window, soft-cap or sinks (AttnKernel::Mixed runs the decode kernel)".into()
-        })?;
         // The kernel takes the running max on unscaled scores, which needs scale > 0.
         shape_check(OP, scale > 0.0 && scale.is_finite(), || format!("softmax scale {scale} is not positive"))?;
         if items == 0 {
@@ -417,8 +410,10 @@ impl AttentionCall<'_> {
             .u32(block_magic(geo.block_size))
             .f32(qscale);
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
-        // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
-        // the sequence list was built from the validated metadata (positions below the block
+        let (window, cap2) = self.options.kernel_args();
+        let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
+        // SAFETY: q, out and the caches were checked against the rows, heads and geometry,
+        // sinks against the heads; the sequence list was built from the validated metadata (positions below the block
         // index's exact range, checked above), and the grid covers its work items.
         unsafe { args.launch(dev, func, grid) }
     }

@@ -8,8 +8,14 @@
 //! - a sequence is *prefill* when its chunk has at least [`PREFILL_MIN_TOKENS`] rows; its rows
 //!   are computed by the prefill kernel, every other row (decode) by the decode kernel;
 //! - the prefill kernel handles GQA groups up to [`PREFILL_MAX_GROUP`] query heads per KV head
-//!   and head_dim 16, 32, 64 or 128 ([`prefill_supported`]); other shapes go to the decode
-//!   kernel for every row;
+//!   and head_dim 16, 32, 64, 128 or 256 ([`prefill_supported`]); other shapes go to the
+//!   decode kernel for every row. At 256 (Gemma) two stages of 64-key K/V tiles take 132 KiB
+//!   (bf16; 134 KiB FP8): one CTA per SM, and a thread's O (128 f32), Q fragments (64) and
+//!   scores (32) fill its 255 registers with 24 bytes of stack (ptxas, NVRTC sm_90a): a first
+//!   version, measured against the decode kernel by `bench_cuda`'s TTFT lines; 32-key tiles
+//!   or Q read from shared memory would free registers;
+//! - it takes the window, soft-cap and sinks of `AttentionOptions` as the decode kernel does
+//!   (prefill.cu: the KV loop starts at the window of the tile's first query);
 //! - it comes in two CTA sizes ([`PREFILL_WARPS`]): 4 warps (64 packed query rows, the
 //!   default) and 8 warps (128 rows);
 //! - the sequence list is ordered heaviest first (longest context), so the longest CTAs start
@@ -37,7 +43,7 @@ pub const PREFILL_DEFAULT_VARIANT: usize = 0;
 /// variant's tile rows: a group must fit one tile).
 pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT];
 /// Head dims with a compiled prefill kernel, in the order of the device's function table.
-pub(crate) const PREFILL_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
 /// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu).
 pub(crate) fn prefill_kernel_name(head_dim: usize, warps: usize) -> String {
@@ -178,6 +184,10 @@ mod tests {
         assert_eq!(prefill_kernel_name(128, 8), "prefill_attention_hd128_w8");
         // Three 4-warp CTAs per SM at head_dim 128 need 68 KiB each.
         assert_eq!(prefill_smem_bytes(128), 69_632);
+        // Gemma's 256: one CTA per SM, within a CTA's 227 KiB either way.
+        assert!(prefill_supported(16, 8, 256));
+        assert_eq!((prefill_smem_bytes(256), prefill_fp8_smem_bytes(256)), (135_168, 137_216));
+        assert!(prefill_fp8_smem_bytes(256) <= 227 * 1024);
     }
 
     #[test]
