@@ -456,9 +456,7 @@ impl OpShape<'_> {
             "norm" => 2.0 * l * b * h * 12.0,
             "qkv" => l * linear(qd + 2.0 * kvd, h),
             "rope_kv" => l * b * 2.0 * 2.0 * (qd + 2.0 * kvd),
-            "attention" => {
-                2.0 * self.kv_elem_bytes * b * layer_tokens(self.windows, self.ctx) * kvd + l * 4.0 * b * qd
-            }
+            "attention" => 2.0 * self.kv_elem_bytes * b * layer_tokens(self.windows, self.ctx) * kvd + l * 4.0 * b * qd,
             "o_proj" => l * linear(h, qd),
             "gate_up" => l * linear(2.0 * inter, h),
             "silu_mul" => l * b * 6.0 * inter,

@@ -96,8 +96,13 @@ impl Step {
             let (q, out) = (&self.q[row * w..(row + n) * w], &mut want[row * w..(row + n) * w]);
             match cache {
                 Cache::Bf16 { k, v } => {
-                    let layer =
-                        KvLayerRef { k, v, block_size: geo.block_size, n_kv_heads: geo.n_kv_heads, head_dim: geo.head_dim };
+                    let layer = KvLayerRef {
+                        k,
+                        v,
+                        block_size: geo.block_size,
+                        n_kv_heads: geo.n_kv_heads,
+                        head_dim: geo.head_dim,
+                    };
                     cpu::paged_attention_ext(q, self.nh, self.scale, span, layer, extras, out)
                 }
                 Cache::Fp8 { k, v, k_scale, v_scale } => {

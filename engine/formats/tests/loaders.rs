@@ -6,7 +6,8 @@ use std::path::Path;
 
 use baton_formats::testing::{TinySpec, write_gguf, write_hf_folder};
 use baton_formats::{
-    Architecture, DType, GgufType, LayerType, LoadFormat, LoadedModel, ModelConfig, RopeScaling, WeightStore, load_model,
+    Architecture, DType, GgufType, LayerType, LoadFormat, LoadedModel, ModelConfig, RopeScaling, WeightStore,
+    load_model,
 };
 
 fn load(path: &Path, format: LoadFormat) -> LoadedModel {

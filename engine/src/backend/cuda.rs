@@ -27,10 +27,10 @@ use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AttentionCall, AttentionOptions, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceMask,
-    DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvCacheRef, KvGeometry,
-    LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta,
-    WeightUploader, attention_supports, bf16, gemv_supports,
+    AttentionCall, AttentionOptions, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
+    KvCacheRef, KvGeometry, LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
+    StepIds, StepMeta, WeightUploader, attention_supports, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -245,7 +245,6 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 }
 
 impl CudaBackend {
-
     /// The tuned attention kernels ([`AttentionCall`]) with `options`: the router of
     /// [`Backend::attention`] (no options) and of `attention_with` (a window, a soft-cap or
     /// sinks at a head_dim the kernels have); both kernels take the options.

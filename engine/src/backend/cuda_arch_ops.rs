@@ -15,8 +15,8 @@ use super::{CudaBackend, CudaBuf, CudaRes, kerr};
 use crate::backend::{AttentionExtras, BackendError, BatchLayout};
 use baton_kernels::cpu::{NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionExtCall, AttentionOptions, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall, ScaleRoundCall, SoftcapCall,
-    attention_supports,
+    AddRmsNormCall, AttentionExtCall, AttentionOptions, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall,
+    ScaleRoundCall, SoftcapCall, attention_supports,
 };
 
 /// What the optional ops keep on the backend.

@@ -26,6 +26,7 @@
 ///   64): ptxas (NVRTC sm_90a, `cuobjdump -res-usage`) gives 245-252 registers, no stack or
 ///   local memory, for all six tensor-core shapes at 256 (64 threads: 4 CTAs per SM by
 ///   registers, so shared memory sets the residency above); the register variants 223.
+///
 /// The register variants keep static shared memory at 256 (8 heads: 32 KiB of merge space).
 pub(crate) const ATTN_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
