@@ -35,7 +35,10 @@
 // value is a bf16 value) and the loop above runs on that tile unchanged. The K scale is folded
 // into qscale by the launcher, the V scale into the final 1 / l.
 //
-// Options (runtime arguments, as the decode kernel's in attention.cu): window > 0: the query
+// Options (prefill_attention_opt_* and prefill_attention_fp8_opt_*: runtime arguments, as the
+// decode kernel's in attention.cu; the plain entries compile them out, OPT = false, because
+// the option code costs registers: at head_dim 128 and 4 warps 175 instead of 168, two CTAs
+// per SM instead of three, and at 64 a 24-byte stack frame): window > 0: the query
 // at position p sees keys [p + 1 - window, p] only; the KV loop starts at the tile holding the
 // tile's first query's first key, so no block before the window is read, and keys before a
 // row's window are masked. A row may then see no key in a tile (its window starts later), so
@@ -104,13 +107,19 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
-template <int HD, int NW, typename C>
+template <int HD, int NW, typename C, bool OPT>
 __device__ __forceinline__ void prefill_attention_body(
     const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables,
     int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, float v_scale, int window,
     float cap2, const float* __restrict__ sinks) {
     constexpr bool FP8 = sizeof(C) == 1;
+    if constexpr (!OPT) {
+        // Constants: the option code below folds away.
+        window = 0;
+        cap2 = 0.f;
+        sinks = nullptr;
+    }
     constexpr int RS = HD + 8;                    // bf16 tile row stride, elements
     constexpr int TILE = PF_BN * RS;              // elements of one bf16 K (or V) tile
     constexpr int RB = FP8 ? HD + 16 : RS * 2;    // ring row stride, bytes
@@ -388,26 +397,29 @@ __device__ __forceinline__ void prefill_attention_body(
 }
 
 // Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16; the FP8 entry 2 stages x
-// (K + V) x PF_BN x (HD + 16) bytes plus one bf16 K + V tile (see prefill.rs).
-#define PF_INSTANCE(HD, NW)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_hd##HD##_w##NW(                    \
+// (K + V) x PF_BN x (HD + 16) bytes plus one bf16 K + V tile (see prefill.rs). Per (HD, NW):
+// the plain entries, then the same with the options (window, soft-cap, sinks; `_opt_`).
+#define PF_ENTRIES(HD, NW, OPT, TAG)                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention##TAG##hd##HD##_w##NW(              \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, int window, float cap2,  \
         const float* __restrict__ sinks) { PDL_ENTER();                                                        \
-        prefill_attention_body<HD, NW, bf16_t>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,   \
-                                       n_kv_heads, block_size, bs_magic, qscale, 1.f, window, cap2, sinks);    \
+        prefill_attention_body<HD, NW, bf16_t, OPT>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables,      \
+                                       n_heads, n_kv_heads, block_size, bs_magic, qscale, 1.f, window, cap2,  \
+                                       sinks);                                                                 \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_fp8_hd##HD##_w##NW(                \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_fp8##TAG##hd##HD##_w##NW(          \
         const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                               \
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, const int* __restrict__ seqs,     \
         int n_seqs, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,         \
         unsigned bs_magic, float qscale, float v_scale, int window, float cap2,                                \
         const float* __restrict__ sinks) { PDL_ENTER();                                                        \
-        prefill_attention_body<HD, NW, unsigned char>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables,    \
-                                       n_heads, n_kv_heads, block_size, bs_magic, qscale, v_scale, window,     \
-                                       cap2, sinks);                                                           \
+        prefill_attention_body<HD, NW, unsigned char, OPT>(q, k_cache, v_cache, out, seqs, n_seqs,             \
+                                       block_tables, n_heads, n_kv_heads, block_size, bs_magic, qscale,        \
+                                       v_scale, window, cap2, sinks);                                          \
     }
+#define PF_INSTANCE(HD, NW) PF_ENTRIES(HD, NW, false, _) PF_ENTRIES(HD, NW, true, _opt_)
 
 // The variants, in the order of PREFILL_HEAD_DIMS x PREFILL_WARPS in kernels/src/cuda/prefill.rs.
 PF_INSTANCE(16, 4)

@@ -383,9 +383,16 @@ impl AttentionCall<'_> {
         if items == 0 {
             return Ok(());
         }
+        // The `_opt_` entries compute the options; the plain ones compile them out.
+        let k = &dev.kernels;
+        let plain = self.options.is_none();
         let (table, smem) = match self.cache {
-            KvCacheRef::Bf16 { .. } => (&dev.kernels.prefill, prefill_smem_bytes(geo.head_dim)),
-            KvCacheRef::Fp8 { .. } => (&dev.kernels.prefill_fp8, prefill_fp8_smem_bytes(geo.head_dim)),
+            KvCacheRef::Bf16 { .. } => {
+                (if plain { &k.prefill } else { &k.prefill_opt }, prefill_smem_bytes(geo.head_dim))
+            }
+            KvCacheRef::Fp8 { .. } => {
+                (if plain { &k.prefill_fp8 } else { &k.prefill_fp8_opt }, prefill_fp8_smem_bytes(geo.head_dim))
+            }
         };
         let func = table
             .get(hd_idx)

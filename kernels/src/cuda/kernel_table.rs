@@ -72,6 +72,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub prefill: Vec<Vec<F>>,
     /// Prefill flash attention over an FP8 cache, indexed as [`Self::prefill`].
     pub prefill_fp8: Vec<Vec<F>>,
+    /// [`Self::prefill`] with a window, soft-cap and sinks (`prefill_attention_opt_*`).
+    pub prefill_opt: Vec<Vec<F>>,
+    /// [`Self::prefill_fp8`] with a window, soft-cap and sinks.
+    pub prefill_fp8_opt: Vec<Vec<F>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[bf16 out, f32 out]`.
     pub gemv: [Vec<[F; 2]>; 2],
@@ -141,11 +145,23 @@ impl<F> KernelTable<F> {
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         let mut prefill_fp8 = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        let mut prefill_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        let mut prefill_fp8_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
             let m = Module::part(Family::Prefill, hd);
-            prefill.push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
-            prefill_fp8
-                .push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_fp8_kernel_name(hd, w))).collect::<Result<_, _>>()?);
+            for (opt, bf, fp8) in
+                [(false, &mut prefill, &mut prefill_fp8), (true, &mut prefill_opt, &mut prefill_fp8_opt)]
+            {
+                bf.push(
+                    PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w, opt))).collect::<Result<_, _>>()?,
+                );
+                fp8.push(
+                    PREFILL_WARPS
+                        .iter()
+                        .map(|&w| f(m, &prefill_fp8_kernel_name(hd, w, opt)))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
         }
         let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
             let m = Module::part(Family::Gemv, max_m);
@@ -191,6 +207,8 @@ impl<F> KernelTable<F> {
             attention_combine,
             prefill,
             prefill_fp8,
+            prefill_opt,
+            prefill_fp8_opt,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -215,9 +233,12 @@ impl KernelTable<CudaFunction> {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
-        for (hd, (funcs, fp8)) in PREFILL_HEAD_DIMS.iter().zip(self.prefill.iter().zip(&self.prefill_fp8)) {
-            let sized = funcs.iter().map(|f| (f, prefill_smem_bytes(*hd)));
-            for (func, bytes) in sized.chain(fp8.iter().map(|f| (f, prefill_fp8_smem_bytes(*hd)))) {
+        let bf16 = self.prefill.iter().zip(&self.prefill_opt);
+        let fp8 = self.prefill_fp8.iter().zip(&self.prefill_fp8_opt);
+        for (hd, ((funcs, opt), (fp8, fp8_opt))) in PREFILL_HEAD_DIMS.iter().zip(bf16.zip(fp8)) {
+            let sized = funcs.iter().chain(opt).map(|f| (f, prefill_smem_bytes(*hd)));
+            let fp8_sized = fp8.iter().chain(fp8_opt).map(|f| (f, prefill_fp8_smem_bytes(*hd)));
+            for (func, bytes) in sized.chain(fp8_sized) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
@@ -258,13 +279,13 @@ mod tests {
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
-        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant both outputs;
+        // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant both outputs;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
         // a lane (8); FP8 weights' dequantization and skinny GEMM (2).
         let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2;
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
-            + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
+            + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * 2;
         assert_eq!(names.len(), 29 + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
@@ -277,6 +298,8 @@ mod tests {
             "paged_attention_ext_fp8_d4",
             "paged_attention_tc_fp8_hd128_w2_s8_g16",
             "prefill_attention_fp8_hd64_w4",
+            "prefill_attention_opt_hd256_w4",
+            "prefill_attention_fp8_opt_hd128_w8",
         ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }
