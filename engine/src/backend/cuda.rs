@@ -270,7 +270,7 @@ impl CudaBackend {
         let cache = match self.fp8.as_ref() {
             // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
             Some(_) if !attention_supports(geo.head_dim) && options.is_none() => {
-                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, &mut out.data);
+                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, Default::default(), &mut out.data);
             }
             Some(fp8) => fp8.cache_ref(layer)?,
             None => {

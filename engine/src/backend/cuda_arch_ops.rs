@@ -143,7 +143,8 @@ impl CudaBackend {
     /// ([`attention_supports`]: 16 to 256 in powers of two) takes them
     /// ([`CudaBackend::attention_tuned`], the options as runtime arguments; a windowed row's
     /// splits cover its window only); other head dims the window/soft-cap/sinks kernel
-    /// ([`AttentionExtCall`]). Neither reads a key before a row's window.
+    /// ([`AttentionExtCall`], or over an FP8 cache its FP8 entry). None reads a key before a
+    /// row's window.
     pub(super) fn attention_with(
         &mut self,
         layer: usize,
@@ -182,6 +183,10 @@ impl CudaBackend {
         // A replay keys its graph by the heads (for the tuned kernel's splits, which this
         // kernel does not use: any split count replays it alike).
         self.graphs.n_heads = Some(n_heads);
+        if self.fp8.is_some() {
+            let options = (extras, sinks.and(self.arch.sinks_f32.as_ref()));
+            return self.attention_fp8(layer, &q.data, n_heads, scale, geo, options, &mut out.data);
+        }
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let call = AttentionExtCall {
