@@ -269,8 +269,10 @@ impl CudaBackend {
         self.graphs.n_heads = Some(n_heads);
         let cache = match self.fp8.as_ref() {
             // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
-            Some(_) if !attention_supports(geo.head_dim) && options.is_none() => {
-                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, Default::default(), &mut out.data);
+            Some(_) if !attention_supports(geo.head_dim) => {
+                let extras = AttentionExtras { window: options.window, softcap: options.softcap };
+                let options = (extras, options.sinks);
+                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, options, &mut out.data);
             }
             Some(fp8) => fp8.cache_ref(layer)?,
             None => {
