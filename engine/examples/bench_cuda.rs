@@ -23,7 +23,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
-//! [--moe-kernel legacy|new|both]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|new|both] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -31,6 +31,11 @@
 //! runs a MoE config's layers on their first kernels (`legacy`), their current ones (`new`, the
 //! default) or each in turn at every shape, in the decode timings and the profile (`both`); the
 //! profile splits a MoE layer into its `moe_*` kernels, each with its floor;
+//! `--all-global` treats every layer as global (no sliding window; each layer keeps its RoPE
+//! and everything else), so that a windowed model (`configs/models/gemma-3-12b.json`) can be
+//! compared with itself attending over the whole context. The decode floors count what each
+//! layer's attention must read: `min(ctx, window)` tokens on a windowed layer; the table shows
+//! that floor and the all-global one (every layer reading `ctx`) side by side.
 //! `--cublas` sends every GEMM to cuBLAS (by default small batches use the skinny-GEMM
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
@@ -94,6 +99,11 @@ fn run() -> Res<()> {
     let quantization: baton_engine::weight_quantization::WeightQuantization =
         flag(&args, "--quantization").as_deref().unwrap_or("none").parse()?;
     quantization.apply(&mut cfg);
+    // `--all-global`: no layer has a window (the layer kinds, and so each layer's RoPE, stay).
+    let all_global = args.iter().any(|a| a == "--all-global");
+    if all_global {
+        cfg.sliding_window = None;
+    }
     let opts = baton_kernels::cuda::CudaOptions {
         ordinal: 0,
         cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
@@ -109,7 +119,7 @@ fn run() -> Res<()> {
     let kv_elem_bytes = if kv_dtype == baton_engine::kv_cache_dtype::KvCacheDtype::Fp8E4M3 { 1 } else { 2 };
     let load_s = t0.elapsed().as_secs_f64();
     println!(
-        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}; weights {quantization}"
+        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}; weights {quantization}; all-global {all_global}"
     );
 
     // Ceiling: device copy bandwidth, 1 GiB, read + written.
@@ -170,7 +180,17 @@ fn run() -> Res<()> {
         let (projections, other) = params_for(1);
         projections + other
     };
-    let kv_per_token = (2 * cfg.num_hidden_layers * kvd * kv_elem_bytes) as f64;
+    // KV bytes one sequence's attention reads at context `ctx`, over the layers: a windowed
+    // layer reads min(ctx, window) tokens (the tuned kernels never read before the window);
+    // and the same with every layer global.
+    let windows = layer_windows(&cfg);
+    let kv_token_bytes = (2 * kvd * kv_elem_bytes) as f64;
+    let kv_seq_bytes = |ctx: usize| -> f64 { kv_token_bytes * layer_tokens(&windows, ctx) };
+    let kv_seq_bytes_global = |ctx: usize| -> f64 { kv_token_bytes * (cfg.num_hidden_layers * ctx) as f64 };
+    let windowed_layers = windows.iter().filter(|w| w.is_some()).count();
+    if windowed_layers > 0 {
+        writeln!(table, "{windowed_layers} of {} layers attend within a window", cfg.num_hidden_layers)?;
+    }
     writeln!(table, "copy 1 GiB d2d: {copy_gbs:.0} GB/s; weights read per step {:.2} GB", weight_bytes / 1e9)?;
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
 
@@ -292,10 +312,11 @@ fn run() -> Res<()> {
     }
     writeln!(
         table,
-        "decode step (median of 40): shape | mode | ms | floor ms (weights + KV at copy) | % of floor | peer ms | baton/peer speed"
+        "decode step (median of 40): shape | mode | ms | floor ms (weights + KV read at copy) | % of floor | all-global floor ms | peer ms | baton/peer speed"
     )?;
     for &(b, ctx) in &shapes {
-        let bytes = weight_bytes_for(b) + kv_per_token * (b * ctx) as f64;
+        let bytes = weight_bytes_for(b) + kv_seq_bytes(ctx) * b as f64;
+        let global_floor_ms = (weight_bytes_for(b) + kv_seq_bytes_global(ctx) * b as f64) / (copy_gbs * 1e9) * 1e3;
         if cfg.moe.is_some() {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
@@ -329,11 +350,11 @@ fn run() -> Res<()> {
             };
             writeln!(
                 table,
-                "  b={b:3} ctx={ctx:5} | {mode:28} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {peer_txt} | {ratio_txt}",
+                "  b={b:3} ctx={ctx:5} | {mode:28} | {ms:7.3} | {floor_ms:7.3} | {:5.1}% | {global_floor_ms:7.3} | {peer_txt} | {ratio_txt}",
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -358,6 +379,7 @@ fn run() -> Res<()> {
                     dense_layers: dense_layers as f64,
                     moe_layers: moe_layers as f64,
                     touched: touched(b),
+                    windows: &windows,
                 };
                 let moe_txt = if cfg.moe.is_none() {
                     ""
@@ -393,7 +415,7 @@ fn run() -> Res<()> {
     }
 
     let doc = format!(
-        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"kv_cache_dtype\":\"{kv_dtype:?}\",\"quantization\":\"{quantization}\",\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
+        "{{\"benchmark\":\"bench-cuda\",\"device\":{device:?},\"commit\":{commit:?},\"all_global\":{all_global},\"kv_cache_dtype\":\"{kv_dtype:?}\",\"quantization\":\"{quantization}\",\"command\":{:?},\"model_config\":{config:?},\"gemv\":{gemv},\"load_seconds\":{load_s:.1},\"results\":[\n{}\n]}}\n",
         args.join(" "),
         json.join(",\n")
     );
@@ -457,6 +479,25 @@ struct OpShape<'a> {
     moe_layers: f64,
     /// Experts a MoE layer reads in this step (as the step's floor counts them).
     touched: f64,
+    /// Each layer's window ([`layer_windows`]).
+    windows: &'a [Option<usize>],
+}
+
+/// Each layer's sliding window (`None`: global), as the model attends: sliding layers of a
+/// config with a `sliding_window` (none left with `--all-global`).
+fn layer_windows(cfg: &baton_formats::ModelConfig) -> Vec<Option<usize>> {
+    cfg.layer_types
+        .iter()
+        .map(|t| match (t, cfg.sliding_window) {
+            (baton_formats::LayerType::Sliding, Some(w)) => Some(w),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Tokens read at context `ctx`, summed over the layers: `min(ctx, window)` on a windowed one.
+fn layer_tokens(windows: &[Option<usize>], ctx: usize) -> f64 {
+    windows.iter().map(|w| w.map_or(ctx, |w| ctx.min(w)) as f64).sum()
 }
 
 impl OpShape<'_> {
@@ -488,7 +529,7 @@ impl OpShape<'_> {
             "norm" => 2.0 * l * b * h * 12.0,
             "qkv" => l * linear(qd + 2.0 * kvd, h),
             "rope_kv" => l * b * 2.0 * 2.0 * (qd + 2.0 * kvd),
-            "attention" => l * (2.0 * self.kv_elem_bytes * b * self.ctx as f64 * kvd + 4.0 * b * qd),
+            "attention" => 2.0 * self.kv_elem_bytes * b * layer_tokens(self.windows, self.ctx) * kvd + l * 4.0 * b * qd,
             "o_proj" => l * linear(h, qd),
             "gate_up" => dl * linear(2.0 * inter, h),
             "silu_mul" => dl * b * 6.0 * inter,

@@ -147,18 +147,9 @@ impl<B: Backend> ModelRunner<B> {
         store: &dyn WeightStore,
     ) -> Result<(), ModelLoadError> {
         let resolved = dtype.resolve(self.backend.kv_dtype());
-        let config = self.arch.config();
-        if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 && config.architecture.implements_sliding_window() {
-            // The families that attend within their windows (Gemma, gpt-oss) do it through the
-            // extended kernel (with soft-caps and sinks too), whose CUDA launcher
-            // (`attention_with`) reads a bf16 cache only: refused here, on every backend,
-            // rather than at the first step.
-            return Err(ModelLoadError::Unsupported {
-                architecture: config.architecture.model_type(),
-                device: self.backend.device_name(),
-                what: "--kv-cache-dtype fp8 with sliding-window, soft-capped or sink attention (Gemma, gpt-oss)".into(),
-            });
-        }
+        // Windows, soft-caps and sinks (Gemma, gpt-oss) read an FP8 cache too: the CPU
+        // reference's `paged_attention_fp8` and, on CUDA, the tuned kernels' FP8 entries with
+        // their options (or `AttentionExtFp8Call` for other head dims).
         let scales = if resolved == baton_core::kv_transfer::KvDtype::Fp8E4M3 {
             crate::kv_cache_dtype::load_kv_scales(store, self.arch.config().num_hidden_layers)?
         } else {

@@ -1,8 +1,10 @@
 //! The CUDA backend's FP8 (E4M3) KV cache (`--kv-cache-dtype fp8`) through `start_engine`:
 //! the well-conditioned tiny models give on `cuda:0` the greedy tokens of the CPU reference
 //! with an FP8 cache that emulates the CUDA backend's bf16 storage (same codes, same scales),
-//! up to near ties, also when the second round reads its prompts from the prefix cache; and
-//! the pool sized from free memory holds about twice the bf16 pool's blocks.
+//! up to near ties, also when the second round reads its prompts from the prefix cache; so do
+//! the Gemma 2/3 and gpt-oss fixtures (sliding windows, soft-caps, sinks: the tuned kernels'
+//! options over the FP8 cache); and the pool sized from free memory holds about twice the
+//! bf16 pool's blocks.
 //!
 //! Where they may differ: the CUDA kernel rotates k in its own f32 order before rounding to
 //! bf16, so a k value can land on the neighbouring bf16 and then, rarely, on the neighbouring
@@ -19,7 +21,7 @@ use baton_core::params::SamplingParams;
 use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
 use baton_formats::testing::TinySpec;
-use common::{drain, prompt, tiny};
+use common::{drain, peaked_fixture, peaked_gemma_fixture, prompt, tiny};
 
 const MAX_TOKENS: usize = 24;
 /// The reference's top-2 gap (nats) below which a greedy token may flip. The FP8 cache goes
@@ -111,19 +113,35 @@ fn gpu_bf16_kv_cache_on_the_same_prompts_matches_cpu() {
 fn matches_cpu_reference(kv: KvCacheDtype) {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("qwen3", TinySpec::qwen3())] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
-        let m = tiny(&spec);
-        let vocab = m.model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> =
-            [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 71, l, vocab)).collect();
-        let cpu = run_all(&start(&m.model, DeviceSpec::Cpu, kv, Some(256)), &prompts);
-        let gpu_engine = start(&m.model, DeviceSpec::Cuda(0), kv, Some(256));
-        let want = if kv == KvCacheDtype::Fp8E4M3 { KvDtype::Fp8E4M3 } else { KvDtype::BF16 };
-        assert_eq!(gpu_engine.kv_layout().dtype, want);
-        let identical = compare(name, &cpu, &run_all(&gpu_engine, &prompts));
-        compare(&format!("{name} (prefix cached)"), &cpu, &run_all(&gpu_engine, &prompts));
-        assert!(identical * 2 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());
-        gpu_engine.shutdown();
+        model_matches_cpu_reference(name, &tiny(&spec).model, kv);
     }
+}
+
+/// `model` with a `kv` cache on the CPU reference and on `cuda:0`: prompts shorter and longer
+/// than the fixtures' 16-token windows, each round twice (the second from the prefix cache).
+fn model_matches_cpu_reference(name: &str, model: &baton_formats::LoadedModel, kv: KvCacheDtype) {
+    let vocab = model.config.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 71, l, vocab)).collect();
+    let cpu = run_all(&start(model, DeviceSpec::Cpu, kv, Some(256)), &prompts);
+    let gpu_engine = start(model, DeviceSpec::Cuda(0), kv, Some(256));
+    let want = if kv == KvCacheDtype::Fp8E4M3 { KvDtype::Fp8E4M3 } else { KvDtype::BF16 };
+    assert_eq!(gpu_engine.kv_layout().dtype, want);
+    let identical = compare(name, &cpu, &run_all(&gpu_engine, &prompts));
+    compare(&format!("{name} (prefix cached)"), &cpu, &run_all(&gpu_engine, &prompts));
+    assert!(identical * 2 >= prompts.len(), "{name}: only {identical}/{} prompts identical", prompts.len());
+    gpu_engine.shutdown();
+}
+
+/// Sliding windows, soft-caps and sinks over the FP8 cache: the Gemma 2 / Gemma 3 and gpt-oss
+/// fixtures, made peaked (their logits scaled by 8, see `common`) so that greedy tokens are
+/// rarely near ties, on the CPU reference and on `cuda:0`, both with an FP8 cache.
+#[test]
+fn gpu_fp8_kv_cache_with_windows_softcaps_and_sinks_matches_cpu() {
+    for name in ["gemma2", "gemma3_text"] {
+        model_matches_cpu_reference(name, &peaked_gemma_fixture(name, 8.0), KvCacheDtype::Fp8E4M3);
+    }
+    model_matches_cpu_reference("gpt_oss", &peaked_fixture("gpt_oss", 8.0), KvCacheDtype::Fp8E4M3);
 }
 
 #[test]

@@ -27,6 +27,36 @@
 // tokens, computed here from the row's own length rather than passed in, so that one launch
 // configuration (grid z = splits) serves any context lengths: a captured CUDA graph replays
 // with new lengths. Splits past a row's context do nothing.
+//
+// Options (runtime arguments of every entry, both kernels and the combine; `AttentionOptions`
+// in kernels/src/cuda/attention.rs):
+// - window > 0: row r reads keys [max(0, ctx - window), ctx) only; the splits cut that range
+//   (its length min(ctx, window) replaces ctx in split_chunk), so no block before the window
+//   is read and splits past it do nothing. 0: the whole context.
+// - cap2 > 0: each score s (log2 domain) becomes cap2 * tanh(s / cap2), cap2 = softcap *
+//   log2(e): in the natural domain cap * tanh(s / cap), the soft-cap of the scaled score.
+// - sinks non-null: one natural-log logit per query head that joins the softmax denominator
+//   only (gpt-oss). It is added once, where the output is normalized: the single-split write
+//   or the combine, never per split.
+
+// The first key a row of ctx tokens reads (window 0: the whole context).
+__device__ __forceinline__ int window_start(int ctx, int window) { return window > 0 ? max(0, ctx - window) : 0; }
+
+// The soft-cap of a log2-domain score (cap2 <= 0: none).
+__device__ __forceinline__ float soft_cap(float s, float cap2) { return cap2 > 0.f ? cap2 * tanhf(s / cap2) : s; }
+
+// Adds head h's sink to a finished (max mx, sum L, unnormalized o) softmax state: the sink's
+// column weighs exp(sink) in the natural domain, so exp2(sink * log2 e - max) here; the max
+// moves to the sink when it is larger, so that a large sink rescales instead of overflowing.
+__device__ __forceinline__ void add_sink(const float* __restrict__ sinks, int h, float& mx, float& L, float& o) {
+    if (sinks == nullptr) return;
+    const float sk = sinks[h] * 1.4426950408889634f;
+    const float m2 = fmaxf(mx, sk);
+    const float f = exp2f(mx - m2);
+    L = L * f + exp2f(sk - m2);
+    o *= f;
+    mx = m2;
+}
 
 // Tokens per split of a row of ctx tokens: an even share rounded up to 16, at least min_chunk.
 __device__ __forceinline__ int split_chunk(int ctx, int n_splits, int min_chunk) {
@@ -59,7 +89,7 @@ __device__ __forceinline__ void paged_attention_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
     constexpr int LPT = HD / 8;
     constexpr int TPW = 32 / LPT;
     constexpr int TS = NW * TPW;
@@ -84,8 +114,9 @@ __device__ __forceinline__ void paged_attention_body(
         }
         return;
     }
-    const int chunk = split_chunk(ctx, n_splits, min_chunk);
-    const int c0 = split * chunk;
+    const int lo = window_start(ctx, window);
+    const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
+    const int c0 = lo + split * chunk;
     const int c1 = min(ctx, c0 + chunk);
     // A split past this row's context (rows of one launch have different lengths): the
     // combine step never reads it.
@@ -150,7 +181,7 @@ __device__ __forceinline__ void paged_attention_body(
                     for (int j = 0; j < 8; j++) d += qv[g][j] * kf[u][j];
 #pragma unroll
                     for (int o = LPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                    s[u] = ok[u] ? d : NEG_INF;
+                    s[u] = ok[u] ? soft_cap(d, cap2) : NEG_INF;
                     mx = fmaxf(mx, s[u]);
                 }
                 // mx is -inf only when this lane has seen no valid token yet (then every
@@ -246,6 +277,7 @@ __device__ __forceinline__ void paged_attention_body(
         }
         const long long rh = (long long)row * n_heads + h0 + g;
         if (n_splits == 1) {
+            add_sink(sinks, h0 + g, mx, L, o);
             out[rh * HD + d] = f2bf(o / L);
         } else {
             const long long ps = rh * n_splits + split;
@@ -264,7 +296,7 @@ template <int HD>
 __device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
                                                        const float* __restrict__ part_ml, bf16_t* __restrict__ out,
                                                        const int* __restrict__ row_ctx, int n_heads, int n_splits,
-                                                       int min_chunk) {
+                                                       int min_chunk, int window, const float* __restrict__ sinks) {
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
     const int ctx = row_ctx[row];
     const long long rh = (long long)row * n_heads + h;
@@ -272,8 +304,9 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         out[rh * HD + d] = f2bf(0.f);  // a padding row (see above)
         return;
     }
-    const int chunk = split_chunk(ctx, n_splits, min_chunk);
-    const int used = min(n_splits, (ctx + chunk - 1) / chunk);
+    const int len = ctx - window_start(ctx, window);
+    const int chunk = split_chunk(len, n_splits, min_chunk);
+    const int used = min(n_splits, (len + chunk - 1) / chunk);
     const float* ml = part_ml + rh * n_splits * 2;
     float mx = NEG_INF;
     for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[2 * s]);
@@ -283,6 +316,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         L += ml[2 * s + 1] * f;
         o += part_o[(rh * n_splits + s) * HD + d] * f;
     }
+    add_sink(sinks, h, mx, L, o);
     out[rh * HD + d] = f2bf(o / L);
 }
 
@@ -291,9 +325,11 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
-        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) { PDL_ENTER();                                \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_body<HD, NW, U, G, P != 0>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
-                                           block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk);     \
+                                           block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk,      \
+                                           window, cap2, sinks);                                                  \
     }
 
 // The variants, in the order of ATTN_VARIANTS in kernels/src/cuda/paged_attention.rs.
@@ -307,14 +343,15 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int min_chunk) { PDL_ENTER();                                            \
-        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk);                   \
+                                                        int min_chunk, int window, const float* __restrict__ sinks) { PDL_ENTER(); \
+        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks);    \
     }
 
 ATT_VARIANTS(16)
 ATT_VARIANTS(32)
 ATT_VARIANTS(64)
 ATT_VARIANTS(128)
+ATT_VARIANTS(256)
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core decode attention (`paged_attention_tc_*`): the same contract as above (arguments,
@@ -478,6 +515,22 @@ constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb) {
                                                                     : 6;
 }
 
+// Shared memory a CTA declares statically; a shape that needs more (head_dim 256) takes it as
+// dynamic shared memory, whose size the launcher passes and whose limit the device raised
+// (`tc_dynamic_smem` in kernels/src/cuda/paged_attention.rs mirrors tc_smem_bytes).
+constexpr int TC_STATIC_SMEM = 48 * 1024;
+
+template <int SMEM>
+__device__ __forceinline__ unsigned char* tc_smem_base() {
+    if constexpr (SMEM <= TC_STATIC_SMEM) {
+        __shared__ __align__(16) unsigned char s[SMEM];
+        return s;
+    } else {
+        extern __shared__ __align__(16) unsigned char tc_dyn_smem[];
+        return tc_dyn_smem;
+    }
+}
+
 // C: the cache's element, bf16_t or (FP8 cache) unsigned char E4M3 codes. With FP8 the ring
 // holds the codes (half the bytes in flight per token), each warp converts its 8 tokens of the
 // stage into a private bf16 tile (exact: e4m3x16_to_bf16x16) and the tensor-core part reads
@@ -488,9 +541,9 @@ __device__ __forceinline__ void paged_attention_tc_body(
     const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
     constexpr bool FP8 = sizeof(C) == 1;
-    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 128, "head_dim: a multiple of 16, at most 128");
+    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
     static_assert(NS >= 2, "at least double buffering");
     constexpr int THREADS = NW * 32;
@@ -504,9 +557,9 @@ __device__ __forceinline__ void paged_attention_tc_body(
     constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
     constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, (int)sizeof(C));
     static_assert(SMEM >= RING_B + (FP8 ? NW * 2 * WT_B : 0) && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
-    static_assert(SMEM <= 48 * 1024, "static shared memory limit (the launcher passes no dynamic size)");
+    static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
     static_assert(THREADS == 4 * TT && CPR >= 1 && RB % 16 == 0, "copy mapping: four threads per token");
-    __shared__ __align__(16) unsigned char smem[SMEM];
+    unsigned char* const smem = tc_smem_base<SMEM>();
 
     const int group = n_heads / n_kv_heads;
     const int gchunks = (group + MG - 1) / MG;
@@ -525,8 +578,9 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
         return;
     }
-    const int chunk = split_chunk(ctx, n_splits, min_chunk);
-    const int c0 = split * chunk;
+    const int lo = window_start(ctx, window);
+    const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
+    const int c0 = lo + split * chunk;
     const int c1 = min(ctx, c0 + chunk);
     // A split past this row's context: the combine step never reads it.
     if (c0 >= c1) return;
@@ -690,8 +744,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
         float corr[RH];
 #pragma unroll
         for (int h = 0; h < RH; h++) {
-            const float s0 = v0 ? sc[2 * h] * qscale : NEG_INF;
-            const float s1 = v1 ? sc[2 * h + 1] * qscale : NEG_INF;
+            const float s0 = v0 ? soft_cap(sc[2 * h] * qscale, cap2) : NEG_INF;
+            const float s1 = v1 ? soft_cap(sc[2 * h + 1] * qscale, cap2) : NEG_INF;
             float tm = fmaxf(s0, s1);
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
@@ -761,6 +815,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
         const long long rh = (long long)row * n_heads + h0 + r;
         if (n_splits == 1) {
+            add_sink(sinks, h0 + r, mx, L, o);
             out[rh * HD + d] = f2bf(o * v_scale / L);
         } else {
             const long long ps = rh * n_splits + split;
@@ -778,9 +833,11 @@ __device__ __forceinline__ void paged_attention_tc_body(
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
-        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk) { PDL_ENTER();                                \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_tc_body<HD, NW, NS, MG, bf16_t>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
-                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, 1.f); \
+                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, 1.f, \
+                                                window, cap2, sinks);                                             \
     }
 
 // Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
@@ -790,10 +847,10 @@ __device__ __forceinline__ void paged_attention_tc_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale) { PDL_ENTER();                                                              \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
         paged_attention_tc_body<HD, NW, NS, MG, unsigned char>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,  \
                                                 row_bt, block_tables, n_heads, n_kv_heads, block_size, qscale,    \
-                                                min_chunk, v_scale);                                              \
+                                                min_chunk, v_scale, window, cap2, sinks);                         \
     }
 
 // The tensor-core variants (warps, stages, heads per CTA), in the order they follow the
@@ -811,3 +868,4 @@ ATT_TC_VARIANTS(16)
 ATT_TC_VARIANTS(32)
 ATT_TC_VARIANTS(64)
 ATT_TC_VARIANTS(128)
+ATT_TC_VARIANTS(256)

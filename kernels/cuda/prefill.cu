@@ -19,7 +19,7 @@
 // past the needed range, so no uninitialized value ever meets the P*V product), two stages:
 // tile j+1 is in flight while tile j is consumed. Shared rows are padded by 16 bytes (row
 // stride HD + 8 elements), which puts the 8 row addresses of every ldmatrix phase in
-// distinct 16-byte bank groups for HD in {16, 32, 64, 128}.
+// distinct 16-byte bank groups for HD in {16, 32, 64, 128, 256}.
 //
 // Per KV tile, per warp: S = Q K^T (Q fragments live in registers for the whole loop, K
 // fragments by ldmatrix), online softmax in f32 in the log2 domain (the max is taken on raw
@@ -34,6 +34,18 @@
 // bytes); after a stage lands, the CTA converts it into one bf16 K/V tile (exact: every E4M3
 // value is a bf16 value) and the loop above runs on that tile unchanged. The K scale is folded
 // into qscale by the launcher, the V scale into the final 1 / l.
+//
+// Options (prefill_attention_opt_* and prefill_attention_fp8_opt_*: runtime arguments, as the
+// decode kernel's in attention.cu; the plain entries compile them out, OPT = false, because
+// the option code costs registers: at head_dim 128 and 4 warps 175 instead of 168, two CTAs
+// per SM instead of three, and at 64 a 24-byte stack frame): window > 0: the query
+// at position p sees keys [p + 1 - window, p] only; the KV loop starts at the tile holding the
+// tile's first query's first key, so no block before the window is read, and keys before a
+// row's window are masked. A row may then see no key in a tile (its window starts later), so
+// the running max guards against -inf (as the decode kernel does). cap2 > 0: each score is
+// soft-capped in the log2 domain (cap2 * tanh(s * qscale / cap2)), then divided by qscale
+// again so the running max stays on the kernel's raw scale (tanh is monotonic). sinks
+// non-null: head h's sink logit joins the denominator once, at the output.
 //
 // Block ids are divided with a host-computed magic number (bs_magic = ceil(2^32 / block_size),
 // block_size 1 bypassed), exact for position * block_size < 2^32 (the launcher checks): the
@@ -95,12 +107,19 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
-template <int HD, int NW, typename C>
+template <int HD, int NW, typename C, bool OPT>
 __device__ __forceinline__ void prefill_attention_body(
     const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
     bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables,
-    int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, float v_scale) {
+    int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, float v_scale, int window,
+    float cap2, const float* __restrict__ sinks) {
     constexpr bool FP8 = sizeof(C) == 1;
+    if constexpr (!OPT) {
+        // Constants: the option code below folds away.
+        window = 0;
+        cap2 = 0.f;
+        sinks = nullptr;
+    }
     constexpr int RS = HD + 8;                    // bf16 tile row stride, elements
     constexpr int TILE = PF_BN * RS;              // elements of one bf16 K (or V) tile
     constexpr int RB = FP8 ? HD + 16 : RS * 2;    // ring row stride, bytes
@@ -142,6 +161,8 @@ __device__ __forceinline__ void prefill_attention_body(
     const int pos_first = start_pos + t0;
     const int n_kv = pos_first + nt_here;  // keys 0 .. the tile's last position
     const int n_tiles = (n_kv + PF_BN - 1) / PF_BN;
+    // With a window, the first tile holding a key the tile's first query sees.
+    const int j0 = window > 0 ? max(0, pos_first + 1 - window) / PF_BN : 0;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -205,9 +226,9 @@ __device__ __forceinline__ void prefill_attention_body(
     // ldmatrix lane addressing (see the fragment notes above each use).
     const int lm_row = lane & 7, lm_sel = (lane >> 3) & 1, lm_hi = lane >> 4;
 
-    load_tile(0, 0);
+    load_tile(j0, j0 & 1);
     pf_commit();
-    for (int j = 0; j < n_tiles; j++) {
+    for (int j = j0; j < n_tiles; j++) {
         const int st = j & 1;
         if (j + 1 < n_tiles) load_tile(j + 1, st ^ 1);
         // Always commit (an empty group when nothing was issued) so wait<1> means "tile j landed".
@@ -251,6 +272,14 @@ __device__ __forceinline__ void prefill_attention_body(
             }
         }
 
+        // The soft-cap, before any mask (a masked -inf must stay -inf).
+        if (cap2 > 0.f) {
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[n][e] = cap2 * tanhf(sc[n][e] * qscale / cap2) / qscale;
+        }
+
         // Causal mask (only where the tile reaches past the first query position; keys past
         // n_kv - 1 are past every row's position, so they are masked here too).
         if (kv0 + PF_BN - 1 > pos_first) {
@@ -260,6 +289,17 @@ __device__ __forceinline__ void prefill_attention_body(
                 for (int e = 0; e < 4; e++) {
                     const int key = kv0 + n * 8 + 2 * t + (e & 1);
                     if (key > rpos[e >> 1]) sc[n][e] = NEG_INF;
+                }
+        }
+
+        // Window: keys before a row's window (only in tiles that start before the last row's).
+        if (window > 0 && kv0 < n_kv - window) {
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = kv0 + n * 8 + 2 * t + (e & 1);
+                    if (key <= rpos[e >> 1] - window) sc[n][e] = NEG_INF;
                 }
         }
 
@@ -278,8 +318,9 @@ __device__ __forceinline__ void prefill_attention_body(
         float ms[2], corr[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            // m[i] is -inf before the first tile: exp2(-inf) = 0 and O, l are still 0.
-            ms[i] = mx[i] * qscale;
+            // m[i] is -inf before the first tile: exp2(-inf) = 0 and O, l are still 0. With a
+            // window a row may have seen no key yet (mx = -inf): subtract 0, every p is 0.
+            ms[i] = mx[i] == NEG_INF ? 0.f : mx[i] * qscale;
             corr[i] = pf_exp2(m[i] * qscale - ms[i]);
             m[i] = mx[i];
             l[i] *= corr[i];
@@ -328,6 +369,22 @@ __device__ __forceinline__ void prefill_attention_body(
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
+    if (sinks != nullptr) {
+        // The sink's column (log2 domain): the max moves to it when larger (see attention.cu).
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int hg = (warp * 16 + g + 8 * i) % group;
+            const float sk = sinks[kvh * group + hg] * 1.4426950408889634f;
+            const float mr = m[i] * qscale, m2 = fmaxf(mr, sk);
+            const float f = pf_exp2(mr - m2);
+            l[i] = l[i] * f + pf_exp2(sk - m2);
+#pragma unroll
+            for (int n = 0; n < OT; n++) {
+                o[n][2 * i] *= f;
+                o[n][2 * i + 1] *= f;
+            }
+        }
+    }
     const float inv[2] = {v_scale / l[0], v_scale / l[1]};
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -340,23 +397,29 @@ __device__ __forceinline__ void prefill_attention_body(
 }
 
 // Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16; the FP8 entry 2 stages x
-// (K + V) x PF_BN x (HD + 16) bytes plus one bf16 K + V tile (see prefill.rs).
-#define PF_INSTANCE(HD, NW)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_hd##HD##_w##NW(                    \
+// (K + V) x PF_BN x (HD + 16) bytes plus one bf16 K + V tile (see prefill.rs). Per (HD, NW):
+// the plain entries, then the same with the options (window, soft-cap, sinks; `_opt_`).
+#define PF_ENTRIES(HD, NW, OPT, TAG)                                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention##TAG##hd##HD##_w##NW(              \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
-        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) { PDL_ENTER();                        \
-        prefill_attention_body<HD, NW, bf16_t>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,   \
-                                       n_kv_heads, block_size, bs_magic, qscale, 1.f);                         \
+        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale, int window, float cap2,  \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                        \
+        prefill_attention_body<HD, NW, bf16_t, OPT>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables,      \
+                                       n_heads, n_kv_heads, block_size, bs_magic, qscale, 1.f, window, cap2,  \
+                                       sinks);                                                                 \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_fp8_hd##HD##_w##NW(                \
+    extern "C" __global__ void __launch_bounds__(NW * 32) prefill_attention_fp8##TAG##hd##HD##_w##NW(          \
         const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                               \
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, const int* __restrict__ seqs,     \
         int n_seqs, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,         \
-        unsigned bs_magic, float qscale, float v_scale) { PDL_ENTER();                                         \
-        prefill_attention_body<HD, NW, unsigned char>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables,    \
-                                       n_heads, n_kv_heads, block_size, bs_magic, qscale, v_scale);            \
+        unsigned bs_magic, float qscale, float v_scale, int window, float cap2,                                \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                        \
+        prefill_attention_body<HD, NW, unsigned char, OPT>(q, k_cache, v_cache, out, seqs, n_seqs,             \
+                                       block_tables, n_heads, n_kv_heads, block_size, bs_magic, qscale,        \
+                                       v_scale, window, cap2, sinks);                                          \
     }
+#define PF_INSTANCE(HD, NW) PF_ENTRIES(HD, NW, false, _) PF_ENTRIES(HD, NW, true, _opt_)
 
 // The variants, in the order of PREFILL_HEAD_DIMS x PREFILL_WARPS in kernels/src/cuda/prefill.rs.
 PF_INSTANCE(16, 4)
@@ -367,3 +430,5 @@ PF_INSTANCE(64, 4)
 PF_INSTANCE(64, 8)
 PF_INSTANCE(128, 4)
 PF_INSTANCE(128, 8)
+PF_INSTANCE(256, 4)
+PF_INSTANCE(256, 8)

@@ -22,8 +22,8 @@
 //! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
 
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice,
-    GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
+    ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
     PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, SplitTarget, StepMeta, attn_default, bf16, gemv_default, plan_splits,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -130,6 +130,7 @@ fn run() -> Result<(), CudaError> {
                 out,
                 kernel,
                 split,
+                options: AttentionOptions::default(),
             }
             .launch(&dev)
         };
@@ -348,6 +349,7 @@ fn prefill_section(
                 out,
                 kernel,
                 split,
+                options: AttentionOptions::default(),
             }
             .launch(dev)
         };

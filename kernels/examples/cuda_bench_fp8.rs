@@ -19,8 +19,8 @@
 
 use baton_kernels::cpu::fp8::e4m3_to_f32;
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions, CudaSlice, HostSeq,
-    KvCacheRef, KvGeometry, StepMeta, attn_fp8_default, bf16,
+    ATTN_FP8_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, HostSeq, KvCacheRef, KvGeometry, StepMeta, attn_fp8_default, bf16,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -115,7 +115,19 @@ fn run() -> Result<(), CudaError> {
         let fp8_cache = KvCacheRef::Fp8 { k: &k.codes, v: &v.codes, k_scale: 1.0, v_scale: 1.0 };
         let attention_split = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant, split| {
             let kernel = AttnKernel::Decode { variant };
-            AttentionCall { q: &q, cache, meta, n_heads: nh, geo, scale, out, kernel, split }.launch(&dev)
+            AttentionCall {
+                q: &q,
+                cache,
+                meta,
+                n_heads: nh,
+                geo,
+                scale,
+                out,
+                kernel,
+                split,
+                options: AttentionOptions::default(),
+            }
+            .launch(&dev)
         };
         let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant| {
             attention_split(meta, out, cache, variant, AttnSplit::Auto)
@@ -193,8 +205,19 @@ fn run() -> Result<(), CudaError> {
         let mut run = |cache, out: &mut CudaSlice<bf16>| {
             time_ms(&dev, 3, 20, |_| {
                 let (kernel, split) = (AttnKernel::Mixed, AttnSplit::Auto);
-                AttentionCall { q: &q, cache, meta: &mut meta, n_heads: nh, geo, scale, out: &mut *out, kernel, split }
-                    .launch(&dev)
+                AttentionCall {
+                    q: &q,
+                    cache,
+                    meta: &mut meta,
+                    n_heads: nh,
+                    geo,
+                    scale,
+                    out: &mut *out,
+                    kernel,
+                    split,
+                    options: AttentionOptions::default(),
+                }
+                .launch(&dev)
             })
         };
         let bf16_ms = run(KvCacheRef::Bf16 { k: &k.bf16, v: &v.bf16 }, &mut o_ref)?;

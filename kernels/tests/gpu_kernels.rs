@@ -10,10 +10,10 @@ mod common;
 
 use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTable, SeqSpan};
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AddRmsNormCall, AttentionCall, AttnKernel, AttnSplit, BiasAddCall, CopyColsCall, CudaDevice,
-    CudaOptions, CudaSlice, DeviceRow, EmbedCall, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatherRowsCall, HostSeq,
-    KvCacheRef, KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers, SiluMulCall,
-    StepIds, StepMeta, bf16, gemv_supports,
+    ATTN_VARIANTS, AddRmsNormCall, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, BiasAddCall, CopyColsCall,
+    CudaDevice, CudaOptions, CudaSlice, DeviceRow, EmbedCall, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatherRowsCall,
+    HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers,
+    SiluMulCall, StepIds, StepMeta, bf16, gemv_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -554,6 +554,7 @@ fn attention_case(
             out,
             kernel,
             split,
+            options: AttentionOptions::default(),
         }
         .launch(dev)
     };

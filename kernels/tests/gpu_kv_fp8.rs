@@ -20,9 +20,9 @@ use baton_kernels::cpu::{
     self, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, NormWeight, RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttnKernel, AttnKind, AttnSplit, CudaDevice,
-    CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput, RopeKvFp8Call, StepMeta,
-    attention_supports, bf16,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnKind,
+    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput,
+    RopeKvFp8Call, StepMeta, attention_supports, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::Rng;
@@ -319,9 +319,20 @@ fn tuned_fp8_cases(
     runs.push(("mixed".into(), AttnKernel::Mixed, AttnSplit::Auto));
     for (label, kernel, split) in runs {
         let mut out = poisoned(dev, want.len());
-        AttentionCall { q, cache, meta: &mut *meta, n_heads, geo, scale, out: &mut out, kernel, split }
-            .launch(dev)
-            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        AttentionCall {
+            q,
+            cache,
+            meta: &mut *meta,
+            n_heads,
+            geo,
+            scale,
+            out: &mut out,
+            kernel,
+            split,
+            options: AttentionOptions::default(),
+        }
+        .launch(dev)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
         check(
             &format!("tuned fp8 {label} hd={hd} heads={n_heads}/{}", geo.n_kv_heads),
             &down(dev, &out, want.len()),
@@ -343,6 +354,7 @@ fn tuned_fp8_cases(
                 out: &mut out,
                 kernel,
                 split: AttnSplit::Auto,
+                options: AttentionOptions::default(),
             }
             .launch(dev)
             .unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
@@ -362,6 +374,7 @@ fn tuned_fp8_cases(
             out: &mut out,
             kernel: AttnKernel::Mixed,
             split: AttnSplit::Auto,
+            options: AttentionOptions::default(),
         };
         assert!(call.launch(dev).is_err(), "k_scale {bad} accepted by the tuned kernels");
     }
@@ -432,9 +445,20 @@ fn gpu_fp8_tuned_attention_equals_bf16_on_exact_images() {
         let mut run = |cache: KvCacheRef<'_>, kernels: &[AttnKernel], split: AttnSplit| -> Vec<u16> {
             let mut out = poisoned(&dev, len);
             for &kernel in kernels {
-                AttentionCall { q: &q, cache, meta: &mut meta, n_heads: nh, geo, scale, out: &mut out, kernel, split }
-                    .launch(&dev)
-                    .unwrap_or_else(|e| panic!("{kernel:?} {split:?}: {e}"));
+                AttentionCall {
+                    q: &q,
+                    cache,
+                    meta: &mut meta,
+                    n_heads: nh,
+                    geo,
+                    scale,
+                    out: &mut out,
+                    kernel,
+                    split,
+                    options: AttentionOptions::default(),
+                }
+                .launch(&dev)
+                .unwrap_or_else(|e| panic!("{kernel:?} {split:?}: {e}"));
             }
             dev.download(&out, len).expect("download").iter().map(|v| v.to_bits()).collect()
         };

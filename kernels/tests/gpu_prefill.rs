@@ -12,7 +12,7 @@ mod common;
 
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    AttentionCall, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry,
+    AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry,
     PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
@@ -73,6 +73,7 @@ fn prefill_case(
         out: &mut out,
         kernel: AttnKernel::Mixed,
         split: AttnSplit::Auto,
+        options: AttentionOptions::default(),
     }
     .launch(dev)
     .expect("attention_mixed");
@@ -96,6 +97,7 @@ fn prefill_case(
             out: &mut out,
             kernel: AttnKernel::Prefill { variant: vi },
             split: AttnSplit::Auto,
+            options: AttentionOptions::default(),
         }
         .launch(dev)
         .expect("prefill_attention");
@@ -170,6 +172,7 @@ fn gpu_prefill_attention_refuses_bad_shapes() {
             out: &mut out,
             kernel: AttnKernel::Prefill { variant: PREFILL_DEFAULT_VARIANT },
             split: AttnSplit::Auto,
+            options: AttentionOptions::default(),
         }
         .launch(&dev)
     };

@@ -6,7 +6,8 @@ use std::path::Path;
 
 use baton_formats::testing::{TinySpec, write_gguf, write_hf_folder};
 use baton_formats::{
-    Architecture, DType, GgufType, LoadFormat, LoadedModel, ModelConfig, RopeScaling, WeightStore, load_model,
+    Architecture, DType, GgufType, LayerType, LoadFormat, LoadedModel, ModelConfig, RopeScaling, WeightStore,
+    load_model,
 };
 
 fn load(path: &Path, format: LoadFormat) -> LoadedModel {
@@ -428,6 +429,7 @@ fn every_model_config_under_configs_loads_as_dummy_weights() {
             let vocab = match name {
                 n if n.starts_with("llama-3") => 128_256,
                 n if n.starts_with("qwen3-") => 151_936,
+                n if n.starts_with("gemma-3-") => 262_208,
                 other => panic!("{other}: which model's vocabulary does this shape use?"),
             };
             assert_eq!(m.config.vocab_size, vocab, "{}: benchmark shapes use the real vocabulary", path.display());
@@ -460,4 +462,31 @@ fn counter_dummy_weights_are_pure_uniform_draws_with_the_asked_mean_and_std() {
     // The test models keep their normal generator (their golden fixtures depend on it).
     let tiny = TinySpec::qwen2().weights();
     assert!(tiny.counter_init("model.embed_tokens.weight").is_none());
+}
+
+/// The Gemma-3-12B text shape the sliding-window benchmark runs (`bench_cuda --config
+/// configs/models/gemma-3-12b.json`): 5 sliding layers of 1,024 tokens to each full one, the
+/// local and global RoPE, Gemma's score scale and tied embeddings.
+#[test]
+fn the_gemma_3_12b_config_parses_with_its_windows() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/gemma-3-12b.json");
+    let m = load(&path, LoadFormat::Dummy);
+    let c = &m.config;
+    assert_eq!(c.architecture, Architecture::Gemma3Text);
+    assert_eq!((c.hidden_size, c.num_hidden_layers, c.vocab_size), (3840, 48, 262_208));
+    assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (16, 8, 256));
+    assert_eq!(c.intermediate_size, 15_360);
+    assert_eq!(c.sliding_window, Some(1024));
+    let full: Vec<usize> = (0..48).filter(|&i| c.layer_types[i] == LayerType::Full).collect();
+    assert_eq!(full, (0..8).map(|k| 6 * k + 5).collect::<Vec<_>>(), "every sixth layer is global");
+    assert!(c.tie_word_embeddings);
+    let g = c.gemma.expect("gemma options");
+    assert_eq!(g.query_pre_attn_scalar, 256.0);
+    assert_eq!((g.attn_logit_softcapping, g.final_logit_softcapping), (None, None));
+    let global = c.rope_for(LayerType::Full);
+    assert_eq!(global.theta, 1e6);
+    assert!(matches!(global.scaling, Some(RopeScaling::Linear { factor: 8.0 })));
+    let local = c.rope_for(LayerType::Sliding);
+    assert_eq!((local.theta, local.scaling), (10_000.0, None));
+    assert_eq!(m.weights.names().len(), c.expected_tensors().len());
 }

@@ -27,10 +27,10 @@ use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AttentionCall, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, DeviceMask,
-    DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq, KvCacheRef, KvGeometry,
-    LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall, StepIds, StepMeta,
-    WeightUploader, attention_supports, bf16, gemv_supports,
+    AttentionCall, AttentionOptions, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
+    KvCacheRef, KvGeometry, LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
+    StepIds, StepMeta, WeightUploader, attention_supports, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -264,6 +264,61 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 }
 
 impl CudaBackend {
+    /// The tuned attention kernels ([`AttentionCall`]) with `options`: the router of
+    /// [`Backend::attention`] (no options) and of `attention_with` (a window, a soft-cap or
+    /// sinks at a head_dim the kernels have); both kernels take the options.
+    pub(super) fn attention_tuned(
+        &mut self,
+        layer: usize,
+        q: &CudaBuf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        options: AttentionOptions<'_>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let width = n_heads * geo.head_dim;
+        if q.len != rows * width {
+            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
+        }
+        self.ensure(out, rows * width)?;
+        self.graphs.n_heads = Some(n_heads);
+        let cache = match self.fp8.as_ref() {
+            // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
+            Some(_) if !attention_supports(geo.head_dim) => {
+                let extras = AttentionExtras { window: options.window, softcap: options.softcap };
+                let options = (extras, options.sinks);
+                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, options, &mut out.data);
+            }
+            Some(fp8) => fp8.cache_ref(layer)?,
+            None => {
+                let (k, v) =
+                    self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+                KvCacheRef::Bf16 { k, v }
+            }
+        };
+        let split = self.attention_policy();
+        // A staged replay is pure decode (and needs its exact split count).
+        let kernel =
+            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
+        let call = AttentionCall {
+            q: &q.data,
+            cache,
+            meta: &mut self.meta,
+            n_heads,
+            geo,
+            scale,
+            out: &mut out.data,
+            kernel,
+            split,
+            options,
+        };
+        Ok(call.launch(&self.dev)?)
+    }
+
     /// Opens the device in `opts` and compiles (or loads from the cache) the kernels.
     pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
         let opened = std::time::Instant::now();
@@ -888,45 +943,8 @@ impl Backend for CudaBackend {
         batch: &BatchLayout,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let width = n_heads * geo.head_dim;
-        if q.len != rows * width {
-            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
-        }
-        self.ensure(out, rows * width)?;
-        self.graphs.n_heads = Some(n_heads);
-        let cache = match self.fp8.as_ref() {
-            // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
-            Some(_) if !attention_supports(geo.head_dim) => {
-                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, &mut out.data);
-            }
-            Some(fp8) => fp8.cache_ref(layer)?,
-            None => {
-                let (k, v) =
-                    self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-                KvCacheRef::Bf16 { k, v }
-            }
-        };
-        let split = self.attention_policy();
-        // A staged replay is pure decode (and needs its exact split count).
-        let kernel =
-            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
-        let call = AttentionCall {
-            q: &q.data,
-            cache,
-            meta: &mut self.meta,
-            n_heads,
-            geo,
-            scale,
-            out: &mut out.data,
-            kernel,
-            split,
-        };
-        Ok(call.launch(&self.dev)?)
+        self.attention_tuned(layer, q, n_heads, scale, batch, AttentionOptions::default(), out)
     }
-
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
         if d == 0 || !gate_up.len.is_multiple_of(2 * d) {
             return Err(kerr("silu_mul", format!("{} values is not rows of width {}", gate_up.len, 2 * d)));

@@ -1,8 +1,9 @@
 //! The CUDA backend's optional ops for Gemma 2 and Gemma 3 (text) (see
 //! [`OptionalOp`](crate::backend::OptionalOp)): norms scaling by `1 + w` and norms of bf16
 //! activation buffers, the bf16-rounded embedding scale, GELU-tanh·mul, final logit
-//! soft-capping, attention with a sliding window, score soft-capping or sinks (gpt-oss), and a
-//! rotary table per layer kind. The trait methods in cuda.rs call these.
+//! soft-capping, attention with a sliding window, score soft-capping or sinks (gpt-oss; through
+//! the tuned kernels where they have the head_dim, else the extended kernel), and a rotary
+//! table per layer kind. The trait methods in cuda.rs call these.
 //!
 //! Invariants (those of cuda.rs, and for CUDA graphs): every op only enqueues kernels on the
 //! device's stream, with no upload and no synchronization; scratch buffers only grow, and
@@ -14,8 +15,8 @@ use super::{CudaBackend, CudaBuf, CudaRes, kerr};
 use crate::backend::{AttentionExtras, BackendError, BatchLayout};
 use baton_kernels::cpu::{NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionExtCall, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall, ScaleRoundCall, SoftcapCall,
-    attention_supports,
+    AddRmsNormCall, AttentionExtCall, AttentionOptions, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall,
+    ScaleRoundCall, SoftcapCall, attention_supports,
 };
 
 /// What the optional ops keep on the backend.
@@ -138,10 +139,12 @@ impl CudaBackend {
         Ok(SoftcapCall { x: &mut self.logits, n: rows * vocab, cap }.launch(&self.dev)?)
     }
 
-    /// Attention with `extras` and `sinks`: layers with neither a window, a soft-cap nor
-    /// sinks, at a head_dim the tuned kernels have, take
-    /// [`Backend::attention`](crate::backend::Backend::attention); the others the
-    /// window/soft-cap/sinks kernel, which never reads a key before a row's window.
+    /// Attention with `extras` and `sinks`: every layer at a head_dim the tuned kernels have
+    /// ([`attention_supports`]: 16 to 256 in powers of two) takes them
+    /// ([`CudaBackend::attention_tuned`], the options as runtime arguments; a windowed row's
+    /// splits cover its window only); other head dims the window/soft-cap/sinks kernel
+    /// ([`AttentionExtCall`], or over an FP8 cache its FP8 entry). None reads a key before a
+    /// row's window.
     pub(super) fn attention_with(
         &mut self,
         layer: usize,
@@ -154,8 +157,18 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
-        if extras == AttentionExtras::default() && sinks.is_none() && attention_supports(geo.head_dim) {
-            return crate::backend::Backend::attention(self, layer, q, n_heads, scale, batch, out);
+        if attention_supports(geo.head_dim) {
+            if let Some(s) = sinks {
+                self.widen_sinks(s, n_heads)?;
+            }
+            // Out of `self` for the call's borrow, put back after it.
+            let wide = if sinks.is_some() { self.arch.sinks_f32.take() } else { None };
+            let options = AttentionOptions { window: extras.window, softcap: extras.softcap, sinks: wide.as_ref() };
+            let done = self.attention_tuned(layer, q, n_heads, scale, batch, options, out);
+            if wide.is_some() {
+                self.arch.sinks_f32 = wide;
+            }
+            return done;
         }
         self.step_meta(batch)?;
         let rows = batch.tokens.len();
@@ -165,19 +178,15 @@ impl CudaBackend {
         }
         self.ensure(out, rows * width)?;
         if let Some(s) = sinks {
-            if s.len != n_heads {
-                return Err(kerr("attention_ext", format!("{} sinks for {n_heads} heads", s.len)));
-            }
-            let scratch = match self.arch.sinks_f32.take() {
-                Some(buf) if buf.len() >= n_heads => buf,
-                _ => self.dev.alloc(n_heads)?,
-            };
-            let wide = self.arch.sinks_f32.insert(scratch);
-            CastCall { src: &s.data, dst: wide, n: n_heads }.launch(&self.dev)?;
+            self.widen_sinks(s, n_heads)?;
         }
         // A replay keys its graph by the heads (for the tuned kernel's splits, which this
         // kernel does not use: any split count replays it alike).
         self.graphs.n_heads = Some(n_heads);
+        if self.fp8.is_some() {
+            let options = (extras, sinks.and(self.arch.sinks_f32.as_ref()));
+            return self.attention_fp8(layer, &q.data, n_heads, scale, geo, options, &mut out.data);
+        }
         let (kc, vc) =
             self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
         let call = AttentionExtCall {
@@ -194,6 +203,20 @@ impl CudaBackend {
             out: &mut out.data,
         };
         Ok(call.launch(&self.dev)?)
+    }
+
+    /// Widens the layer's `n_heads` bf16 sink logits into `arch.sinks_f32` (grown on demand:
+    /// the op-by-op pass before a recording grows it).
+    fn widen_sinks(&mut self, s: &CudaBuf, n_heads: usize) -> Result<(), BackendError> {
+        if s.len != n_heads {
+            return Err(kerr("attention_ext", format!("{} sinks for {n_heads} heads", s.len)));
+        }
+        let scratch = match self.arch.sinks_f32.take() {
+            Some(buf) if buf.len() >= n_heads => buf,
+            _ => self.dev.alloc(n_heads)?,
+        };
+        let wide = self.arch.sinks_f32.insert(scratch);
+        Ok(CastCall { src: &s.data, dst: wide, n: n_heads }.launch(&self.dev)?)
     }
 
     /// Uploads one `inv_freq` table per layer kind; layer `i` rotates with

@@ -15,7 +15,11 @@
 //!   generation moves (some buffer may have been replaced), and recorded only right after the
 //!   same padded step ran op by op, so no buffer needs to grow while recording.
 //! - Attention in a staged step uses exactly the key's split count ([`AttnSplit::Exact`]);
-//!   the kernels cut each row's context themselves, so one graph serves any lengths.
+//!   the kernels cut each row's context themselves, so one graph serves any lengths. The key
+//!   is planned for the longest context (what global layers read); a windowed layer
+//!   (`AttentionOptions::window`) cuts the same number of splits over the `min(ctx, window)`
+//!   tokens it reads, so its chunks are shorter (never under the kernels' least chunk) and
+//!   splits past its window exit at once: any split count is correct for it.
 //! - Padding rows write no KV (slot -1) and attend to nothing; their logits are never read.
 
 use super::CudaBackend;

@@ -12,7 +12,7 @@
 //! (NCCL) connector does not move FP8 caches yet: [`CudaBackend::layer_cache`] refuses them.
 
 use super::CudaBackend;
-use crate::backend::{BackendError, KvCacheShape, KvScale};
+use crate::backend::{AttentionExtras, BackendError, KvCacheShape, KvScale};
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cuda::{
     AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvFp8Call, bf16,
@@ -114,7 +114,9 @@ impl CudaBackend {
         Ok(call.launch_with(&self.dev, extras)?)
     }
 
-    /// Causal attention of `q` over `layer`'s FP8 cache (step metadata already set).
+    /// Causal attention of `q` over `layer`'s FP8 cache (step metadata already set) through
+    /// the extended kernel, for head dims the tuned kernels lack, with `extras` and `sinks`
+    /// (f32, one per query head).
     pub(super) fn attention_fp8(
         &self,
         layer: usize,
@@ -122,6 +124,7 @@ impl CudaBackend {
         n_heads: usize,
         scale: f32,
         geo: KvGeometry,
+        (extras, sinks): (AttentionExtras, Option<&CudaSlice<f32>>),
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), BackendError> {
         let fp8 = self.fp8.as_ref().ok_or_else(|| no_layer(layer))?;
@@ -137,9 +140,9 @@ impl CudaBackend {
             n_heads,
             geo,
             scale,
-            window: None,
-            softcap: None,
-            sinks: None,
+            window: extras.window,
+            softcap: extras.softcap,
+            sinks,
             out,
         };
         Ok(call.launch(&self.dev)?)

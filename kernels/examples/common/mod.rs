@@ -1,5 +1,5 @@
-//! Helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`): timing,
-//! and large device buffers filled from a small random tile.
+//! Helpers shared by the kernel benchmark programs (`cuda_bench`, `cuda_bench_fp8`,
+//! `cuda_bench_window`): timing, and large device buffers filled from a small random tile.
 
 use baton_kernels::cuda::{CudaDevice, CudaError, CudaSlice, bf16};
 

@@ -14,12 +14,16 @@
 //!   on the same stream, overwriting the prefill rows (see `prefill.rs`);
 //! - an FP8 cache ([`KvCacheRef::Fp8`]) takes the same routes through the FP8 entries of both
 //!   kernels (`paged_attention_tc_fp8_*`, `prefill_attention_fp8_*`): the launcher folds the K
-//!   scale into the softmax scale and passes the V scale, both checked finite and positive.
+//!   scale into the softmax scale and passes the V scale, both checked finite and positive;
+//! - [`AttentionOptions`] (sliding window, soft-cap, sinks) reach both kernels as runtime
+//!   arguments: a windowed decode row's splits cut `[ctx - window, ctx)` only (its split plan
+//!   is made for `min(ctx, window)` tokens), and a prefill tile's KV loop starts at the tile
+//!   holding its first query's window start, so no block before a window is read.
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
-    attn_fp8_default, plan_splits,
+    attn_fp8_default, plan_splits, tc_dynamic_smem,
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_fp8_smem_bytes,
@@ -30,9 +34,64 @@ use cudarc::driver::LaunchConfig;
 use half::bf16;
 
 /// Whether the tuned attention kernels ([`AttentionCall`]) are built for `head_dim`; other
-/// head dims take [`super::AttentionExtCall`].
+/// head dims take [`super::AttentionExtCall`]. Every [`AttentionOptions`] is supported at
+/// these head dims (by the decode kernel; see the module doc for prefill).
 pub fn attention_supports(head_dim: usize) -> bool {
     ATTN_HEAD_DIMS.contains(&head_dim)
+}
+
+/// What a layer adds to plain causal attention: the meaning of
+/// [`AttentionExtCall`](super::AttentionExtCall)'s fields of the same names (reference
+/// [`crate::cpu::paged_attention_ext`]). The default is none of them.
+#[derive(Clone, Copy, Default)]
+pub struct AttentionOptions<'a> {
+    /// Sliding window in tokens, the query's own included: a row of context `ctx` reads keys
+    /// `[max(0, ctx - window), ctx)`; `None` for the whole context. Never 0.
+    pub window: Option<usize>,
+    /// Soft-cap of the scaled scores (`cap · tanh(s / cap)`); finite and positive, or `None`.
+    pub softcap: Option<f32>,
+    /// One sink logit per query head (`n_heads` f32, natural log) joining the softmax
+    /// denominator only; `None` for none.
+    pub sinks: Option<&'a CudaSlice<f32>>,
+}
+
+impl AttentionOptions<'_> {
+    /// Whether this is plain causal attention.
+    pub fn is_none(&self) -> bool {
+        self.window.is_none() && self.softcap.is_none() && self.sinks.is_none()
+    }
+
+    /// Tokens a row of `ctx` tokens reads: `min(ctx, window)`. The split plan of a windowed
+    /// layer (and a CUDA graph's key for it) is made for this length.
+    pub fn effective_ctx(&self, ctx: usize) -> usize {
+        self.window.map_or(ctx, |w| ctx.min(w))
+    }
+
+    /// The window and the soft-cap as the kernels take them: window 0 for none (an int: a
+    /// window past any context is the whole context), the cap in the log2 domain of the scores
+    /// (`cap · log2 e`; 0 for none).
+    fn kernel_args(&self) -> (i32, f32) {
+        let window = self.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        (window, self.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E))
+    }
+}
+
+/// Refuses options no kernel computes: a window of 0 tokens, a soft-cap that is not finite
+/// and positive, fewer sinks than query heads (`sinks`: how many the buffer holds).
+pub(crate) fn check_options(
+    op: &'static str,
+    window: Option<usize>,
+    softcap: Option<f32>,
+    sinks: Option<usize>,
+    n_heads: usize,
+) -> Result<(), CudaError> {
+    shape_check(op, window != Some(0), || "a sliding window of 0 tokens".into())?;
+    shape_check(op, softcap.is_none_or(|c| c.is_finite() && c > 0.0), || {
+        format!("soft-cap {softcap:?} is not finite and positive")
+    })?;
+    shape_check(op, sinks.is_none_or(|n| n >= n_heads), || {
+        format!("{} sinks for {n_heads} query heads", sinks.unwrap_or(0))
+    })
 }
 
 /// The layer's K/V cache as the tuned attention kernels read it.
@@ -140,6 +199,8 @@ pub struct AttentionCall<'a> {
     /// How the decode kernel splits each row's context ([`AttnSplit::Exact`] for a graph
     /// replay); the prefill kernel does not split.
     pub split: AttnSplit,
+    /// Window, soft-cap and sinks ([`AttentionOptions::default`]: none).
+    pub options: AttentionOptions<'a>,
 }
 
 /// Which rows a decode launch covers.
@@ -176,6 +237,8 @@ impl AttentionCall<'_> {
     /// scales finite and positive.
     fn check_io(&self, op: &'static str) -> Result<(), CudaError> {
         let (n_heads, geo) = (self.n_heads, self.geo);
+        let o = &self.options;
+        check_options(op, o.window, o.softcap, o.sinks.map(CudaSlice::len), n_heads)?;
         shape_check(op, geo.n_kv_heads > 0 && n_heads.is_multiple_of(geo.n_kv_heads), || {
             format!("{n_heads} query heads is not a multiple of {} KV heads", geo.n_kv_heads)
         })?;
@@ -247,8 +310,10 @@ impl AttentionCall<'_> {
         let x = v.ctas_per_row(n_heads, geo.n_kv_heads);
         // Only the split count reaches the kernel: each row's chunk is cut there from its own
         // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
+        // A windowed row reads min(ctx, window) tokens: the plan is made for that length.
         let target = SplitTarget::for_cache(self.cache.is_fp8());
-        let (splits, _) = plan_splits(self.split, x * rows, max_ctx, dev.sm_count(), target);
+        let read = self.options.effective_ctx(max_ctx);
+        let (splits, _) = plan_splits(self.split, x * rows, read, dev.sm_count(), target);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
         if splits > 1 {
             dev.grow(&mut meta.part_o, rows * n_heads * splits * hd)?;
@@ -258,8 +323,10 @@ impl AttentionCall<'_> {
             DecodeRows::All => &meta.row_ctx,
             DecodeRows::DecodeOnly => &meta.prefill.decode_ctx,
         };
-        let grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32);
+        let mut grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32);
+        grid.shared_mem_bytes = tc_dynamic_smem(&v, hd, self.cache.is_fp8()) as u32;
         let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
+        let (window, cap2) = self.options.kernel_args();
         let args = self
             .cache
             .push(Args::new(OP).buf(self.q))
@@ -274,11 +341,14 @@ impl AttentionCall<'_> {
             .int(geo.block_size)?
             .f32(qscale)
             .i32(min_chunk);
-        // The FP8 entries take the V scale last.
+        // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
+        let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this
-        // geometry when it was set; the partials hold `rows × heads × splits` entries.
+        // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks
+        // hold at least `n_heads` values; the dynamic shared memory is the variant's own
+        // (`tc_dynamic_smem`), whose limit the device raised at load.
         unsafe { args.launch(dev, func, grid) }?;
         if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
@@ -289,7 +359,9 @@ impl AttentionCall<'_> {
                 .buf(row_ctx)
                 .int(n_heads)?
                 .int(splits)?
-                .i32(min_chunk);
+                .i32(min_chunk)
+                .i32(window);
+            let args = push_sinks(args, self.options.sinks);
             // SAFETY: as above: the partials and out of `rows × n_heads` heads.
             unsafe { args.launch(dev, &dev.kernels.attention_combine[hd_idx], grid) }?;
         }
@@ -311,9 +383,16 @@ impl AttentionCall<'_> {
         if items == 0 {
             return Ok(());
         }
+        // The `_opt_` entries compute the options; the plain ones compile them out.
+        let k = &dev.kernels;
+        let plain = self.options.is_none();
         let (table, smem) = match self.cache {
-            KvCacheRef::Bf16 { .. } => (&dev.kernels.prefill, prefill_smem_bytes(geo.head_dim)),
-            KvCacheRef::Fp8 { .. } => (&dev.kernels.prefill_fp8, prefill_fp8_smem_bytes(geo.head_dim)),
+            KvCacheRef::Bf16 { .. } => {
+                (if plain { &k.prefill } else { &k.prefill_opt }, prefill_smem_bytes(geo.head_dim))
+            }
+            KvCacheRef::Fp8 { .. } => {
+                (if plain { &k.prefill_fp8 } else { &k.prefill_fp8_opt }, prefill_fp8_smem_bytes(geo.head_dim))
+            }
         };
         let func = table
             .get(hd_idx)
@@ -338,10 +417,20 @@ impl AttentionCall<'_> {
             .u32(block_magic(geo.block_size))
             .f32(qscale);
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
-        // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
-        // the sequence list was built from the validated metadata (positions below the block
+        let (window, cap2) = self.options.kernel_args();
+        let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
+        // SAFETY: q, out and the caches were checked against the rows, heads and geometry,
+        // sinks against the heads; the sequence list was built from the validated metadata (positions below the block
         // index's exact range, checked above), and the grid covers its work items.
         unsafe { args.launch(dev, func, grid) }
+    }
+}
+
+/// `args` with the sink buffer appended, or a null pointer (no sinks) for the kernels.
+fn push_sinks<'b>(args: Args<'b>, sinks: Option<&'b CudaSlice<f32>>) -> Args<'b> {
+    match sinks {
+        Some(s) => args.buf(s),
+        None => args.u64(0),
     }
 }
 
@@ -380,6 +469,36 @@ mod tests {
 
     fn geo(block_size: usize, n_kv_heads: usize, head_dim: usize) -> KvGeometry {
         KvGeometry { num_blocks: 64, block_size, n_kv_heads, head_dim }
+    }
+
+    #[test]
+    fn option_refusals_name_the_option() {
+        assert!(check_options("t", None, None, None, 8).is_ok());
+        assert!(check_options("t", Some(1), Some(50.0), Some(8), 8).is_ok());
+        assert!(check_options("t", Some(4096), None, Some(16), 8).is_ok(), "a larger sink buffer");
+        let msg = |r: Result<(), CudaError>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg(check_options("t", Some(0), None, None, 8)).contains("window of 0"));
+        for cap in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            assert!(msg(check_options("t", None, Some(cap), None, 8)).contains("soft-cap"), "cap {cap}");
+        }
+        assert!(msg(check_options("t", None, None, Some(7), 8)).contains("7 sinks for 8"));
+    }
+
+    #[test]
+    fn options_read_the_window_only() {
+        let none = AttentionOptions::default();
+        assert!(none.is_none());
+        assert_eq!(none.effective_ctx(8192), 8192);
+        assert_eq!(none.kernel_args(), (0, 0.0));
+        let w = AttentionOptions { window: Some(1024), softcap: Some(50.0), sinks: None };
+        assert!(!w.is_none());
+        assert_eq!(w.effective_ctx(8192), 1024);
+        assert_eq!(w.effective_ctx(100), 100);
+        let (win, cap2) = w.kernel_args();
+        assert_eq!(win, 1024);
+        assert!((cap2 - 50.0 * std::f32::consts::LOG2_E).abs() < 1e-4);
+        let huge = AttentionOptions { window: Some(usize::MAX), ..Default::default() };
+        assert_eq!(huge.kernel_args().0, i32::MAX, "a window past any context");
     }
 
     #[test]

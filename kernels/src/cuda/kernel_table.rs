@@ -13,7 +13,9 @@ use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
-use super::paged_attention::{ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name};
+use super::paged_attention::{
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name, tc_dynamic_smem,
+};
 use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
     prefill_smem_bytes,
@@ -76,6 +78,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub prefill: Vec<Vec<F>>,
     /// Prefill flash attention over an FP8 cache, indexed as [`Self::prefill`].
     pub prefill_fp8: Vec<Vec<F>>,
+    /// [`Self::prefill`] with a window, soft-cap and sinks (`prefill_attention_opt_*`).
+    pub prefill_opt: Vec<Vec<F>>,
+    /// [`Self::prefill_fp8`] with a window, soft-cap and sinks.
+    pub prefill_fp8_opt: Vec<Vec<F>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
     pub gemv: [Vec<[F; 4]>; 2],
@@ -150,11 +156,23 @@ impl<F> KernelTable<F> {
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         let mut prefill_fp8 = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        let mut prefill_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
+        let mut prefill_fp8_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
             let m = Module::part(Family::Prefill, hd);
-            prefill.push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w))).collect::<Result<_, _>>()?);
-            prefill_fp8
-                .push(PREFILL_WARPS.iter().map(|&w| f(m, &prefill_fp8_kernel_name(hd, w))).collect::<Result<_, _>>()?);
+            for (opt, bf, fp8) in
+                [(false, &mut prefill, &mut prefill_fp8), (true, &mut prefill_opt, &mut prefill_fp8_opt)]
+            {
+                bf.push(
+                    PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w, opt))).collect::<Result<_, _>>()?,
+                );
+                fp8.push(
+                    PREFILL_WARPS
+                        .iter()
+                        .map(|&w| f(m, &prefill_fp8_kernel_name(hd, w, opt)))
+                        .collect::<Result<_, _>>()?,
+                );
+            }
         }
         let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 4]>, E> {
             let m = Module::part(Family::Gemv, max_m);
@@ -204,6 +222,8 @@ impl<F> KernelTable<F> {
             attention_combine,
             prefill,
             prefill_fp8,
+            prefill_opt,
+            prefill_fp8_opt,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -217,11 +237,23 @@ impl<F> KernelTable<F> {
 impl KernelTable<CudaFunction> {
     /// Sets the attributes some kernels need before their first launch: each prefill kernel's
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
-    /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128).
+    /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
+    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
     pub fn prepare(&self) -> Result<(), CudaError> {
-        for (hd, (funcs, fp8)) in PREFILL_HEAD_DIMS.iter().zip(self.prefill.iter().zip(&self.prefill_fp8)) {
-            let sized = funcs.iter().map(|f| (f, prefill_smem_bytes(*hd)));
-            for (func, bytes) in sized.chain(fp8.iter().map(|f| (f, prefill_fp8_smem_bytes(*hd)))) {
+        for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
+            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, false)));
+            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, true)));
+            for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
+                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
+        }
+        let bf16 = self.prefill.iter().zip(&self.prefill_opt);
+        let fp8 = self.prefill_fp8.iter().zip(&self.prefill_fp8_opt);
+        for (hd, ((funcs, opt), (fp8, fp8_opt))) in PREFILL_HEAD_DIMS.iter().zip(bf16.zip(fp8)) {
+            let sized = funcs.iter().chain(opt).map(|f| (f, prefill_smem_bytes(*hd)));
+            let fp8_sized = fp8.iter().chain(fp8_opt).map(|f| (f, prefill_fp8_smem_bytes(*hd)));
+            for (func, bytes) in sized.chain(fp8_sized) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
@@ -263,13 +295,13 @@ mod tests {
         // permute and the skinny grouped product per activation and variant, the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
-        // combine, per prefill head_dim both CTA sizes, gemv per tile and variant every epilogue;
+        // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
         // a lane (8); FP8 weights' dequantization and skinny GEMM (2).
         let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2;
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
-            + 2 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
+            + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
         assert_eq!(names.len(), 29 + 1 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
@@ -287,6 +319,8 @@ mod tests {
             "moe_route_permute",
             "moe_skinny_silu_bf16_u4",
             "moe_skinny_bf16_u2",
+            "prefill_attention_opt_hd256_w4",
+            "prefill_attention_fp8_opt_hd128_w8",
         ] {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }

@@ -96,7 +96,7 @@ mod step_meta;
 mod util;
 mod weight_upload;
 
-pub use attention::{AttentionCall, AttnKernel, KvCacheRef, attention_supports};
+pub use attention::{AttentionCall, AttentionOptions, AttnKernel, KvCacheRef, attention_supports};
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
 pub use compile::{
     Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,

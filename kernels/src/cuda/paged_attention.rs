@@ -9,8 +9,51 @@
 //! than 128 splits, and its splits cover the longest context.
 
 /// Head dims every attention variant is instantiated for, in the order of the device's
-/// function table.
-pub(crate) const ATTN_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+/// function table. 256 is Gemma 2/3's (the other listed models: gpt-oss 64, Llama and Qwen3
+/// 128; Phi-3/4-mini's 96 is not here: the register kernels need `head_dim / 8` to divide a
+/// warp, so 96 takes `AttentionExtCall`).
+///
+/// At head_dim 256 the tensor-core shapes need more than the 48 KiB a CTA may declare
+/// statically, and take it as dynamic shared memory ([`tc_dynamic_smem`]), by
+/// `tc_smem_bytes` (attention.cu; [`tc_smem_bytes`] here):
+/// - bf16 `tc_w2_s4_g8` / `tc_w2_s4_g16`: 4 stages × (K + V) × 16 tokens × 528-byte rows =
+///   67,584 B (the g16 merge, 2 × 16 × 258 × 4 = 33,024 B, fits in it): 3 CTAs per SM;
+///   `tc_w2_s5_g8`: 84,480 B, 2 per SM;
+/// - FP8 `tc_w2_s4_g8`: 4 × 2 × 16 × 272 = 34,816 B of codes + 2 warps × (K + V) × 8 × 528 =
+///   16,896 B of converted tiles = 51,712 B (4 per SM); `tc_w2_s8_g8` / `_g16`: 86,528 B
+///   (2 per SM);
+/// - registers (the accumulators are 64 f32 a thread at 8 heads, 128 at 16; Q fragments 32 /
+///   64): ptxas (NVRTC sm_90a, `cuobjdump -res-usage`) gives 245-252 registers, no stack or
+///   local memory, for all six tensor-core shapes at 256 (64 threads: 4 CTAs per SM by
+///   registers, so shared memory sets the residency above); the register variants 223.
+///
+/// The register variants keep static shared memory at 256 (8 heads: 32 KiB of merge space).
+pub(crate) const ATTN_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
+
+/// Shared memory a CTA may declare statically; a tensor-core shape needing more takes it as
+/// dynamic shared memory (`TC_STATIC_SMEM` in attention.cu).
+const TC_STATIC_SMEM: usize = 48 * 1024;
+
+/// Shared memory of one tensor-core CTA (`tc_smem_bytes` in attention.cu): the ring of
+/// `stages` stages of K and V for `8 × warps` tokens (rows padded by 16 bytes), with an FP8
+/// cache each warp's bf16 tiles, or the end-of-kernel merge if larger. 0 for register variants.
+pub(crate) fn tc_smem_bytes(v: &AttnVariant, head_dim: usize, fp8: bool) -> usize {
+    if v.kind != AttnKind::TensorCore {
+        return 0;
+    }
+    let (nw, ns, mg) = (v.warps as usize, v.unroll as usize, v.max_group as usize);
+    let ring_row = if fp8 { head_dim + 16 } else { (head_dim + 8) * 2 };
+    let tiles = if fp8 { nw * 2 * 8 * (head_dim + 8) * 2 } else { 0 };
+    let ring = ns * 2 * (8 * nw) * ring_row + tiles;
+    ring.max(nw * mg * (head_dim + 2) * 4)
+}
+
+/// The dynamic shared memory a variant's launch passes: its [`tc_smem_bytes`] when that is
+/// over the static limit (the kernel then declares none statically), else 0.
+pub(crate) fn tc_dynamic_smem(v: &AttnVariant, head_dim: usize, fp8: bool) -> usize {
+    let bytes = tc_smem_bytes(v, head_dim, fp8);
+    if bytes > TC_STATIC_SMEM { bytes } else { 0 }
+}
 
 /// Which paged attention kernel a variant instantiates (see attention.cu).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +89,7 @@ pub struct AttnVariant {
 impl AttnVariant {
     /// The kernel's name for `head_dim` (see `ATT_INSTANCE` and `ATT_TC_INSTANCE` in
     /// attention.cu). Both kinds are instantiated for every head_dim the launcher accepts
-    /// (16, 32, 64, 128), so no variant needs a fallback.
+    /// ([`ATTN_HEAD_DIMS`]), so no variant needs a fallback.
     pub fn kernel_name(&self, head_dim: usize) -> String {
         format!("paged_attention_{}", self.label_for(head_dim))
     }
@@ -219,7 +262,8 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, ta
 
 /// The splits the default decode launch ([`AttnSplit::Auto`], the default variant of
 /// [`attn_default`] or for an FP8 cache [`attn_fp8_default`]) uses for `rows` rows of contexts
-/// up to `max_ctx` on `sms` SMs: what a CUDA graph recorded for such a step is keyed by.
+/// up to `max_ctx` on `sms` SMs: what a CUDA graph recorded for such a step is keyed by. For a
+/// windowed layer pass the tokens it reads, `min(max_ctx, window)`.
 pub fn auto_splits(sms: usize, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize, fp8: bool) -> usize {
     let group = n_heads / n_kv_heads.max(1);
     let variant = if fp8 { ATTN_FP8_VARIANTS[attn_fp8_default(group)] } else { ATTN_VARIANTS[attn_default(group)] };
@@ -243,6 +287,33 @@ mod tests {
             let v = ATTN_VARIANTS[attn_default(group)];
             assert_eq!(v.kind, AttnKind::TensorCore);
             assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+        }
+    }
+
+    #[test]
+    fn tc_shared_memory_matches_the_documented_numbers() {
+        let (s4g8, s5g8, s4g16) = (ATTN_VARIANTS[6], ATTN_VARIANTS[7], ATTN_VARIANTS[8]);
+        // The head_dim 128 shapes measured by ptxas (attention.cu's Numbers): static.
+        assert_eq!(tc_smem_bytes(&s4g8, 128, false), 34_816);
+        assert_eq!(tc_smem_bytes(&s5g8, 128, false), 43_520);
+        assert_eq!(tc_smem_bytes(&s4g16, 128, false), 34_816);
+        for hd in [16, 32, 64, 128] {
+            for v in ATTN_VARIANTS {
+                assert_eq!(tc_dynamic_smem(&v, hd, false), 0, "{} at {hd}", v.label());
+            }
+            for v in ATTN_FP8_VARIANTS {
+                assert_eq!(tc_dynamic_smem(&v, hd, true), 0, "FP8 {} at {hd}", v.label());
+            }
+        }
+        // head_dim 256: every tensor-core shape goes dynamic, the register ones stay static.
+        assert_eq!(tc_dynamic_smem(&s4g8, 256, false), 67_584);
+        assert_eq!(tc_dynamic_smem(&s5g8, 256, false), 84_480);
+        assert_eq!(tc_dynamic_smem(&s4g16, 256, false), 67_584);
+        assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[0], 256, true), 51_712);
+        assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[1], 256, true), 86_528);
+        assert_eq!(tc_dynamic_smem(&ATTN_VARIANTS[0], 256, false), 0);
+        for v in ATTN_VARIANTS.iter().chain(&ATTN_FP8_VARIANTS) {
+            assert!(tc_smem_bytes(v, 256, true).max(tc_smem_bytes(v, 256, false)) <= 227 * 1024);
         }
     }
 

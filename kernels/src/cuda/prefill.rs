@@ -8,8 +8,17 @@
 //! - a sequence is *prefill* when its chunk has at least [`PREFILL_MIN_TOKENS`] rows; its rows
 //!   are computed by the prefill kernel, every other row (decode) by the decode kernel;
 //! - the prefill kernel handles GQA groups up to [`PREFILL_MAX_GROUP`] query heads per KV head
-//!   and head_dim 16, 32, 64 or 128 ([`prefill_supported`]); other shapes go to the decode
-//!   kernel for every row;
+//!   and head_dim 16, 32, 64, 128 or 256 ([`prefill_supported`]); other shapes go to the
+//!   decode kernel for every row. At 256 (Gemma) two stages of 64-key K/V tiles take 132 KiB
+//!   (bf16; 134 KiB FP8): one CTA per SM, and a thread's O (128 f32), Q fragments (64) and
+//!   scores (32) fill its 255 registers (ptxas, NVRTC sm_90a: no stack for the plain bf16
+//!   entry, 24-40 bytes for the FP8 and `_opt_` ones): a first
+//!   version, measured against the decode kernel by `bench_cuda`'s TTFT lines; 32-key tiles
+//!   or Q read from shared memory would free registers;
+//! - it takes the window, soft-cap and sinks of `AttentionOptions` as the decode kernel does
+//!   (prefill.cu: the KV loop starts at the window of the tile's first query), in separate
+//!   `_opt_` entries: compiled into the plain ones, the option code cost registers (one CTA
+//!   per SM fewer at head_dim 128);
 //! - it comes in two CTA sizes ([`PREFILL_WARPS`]): 4 warps (64 packed query rows, the
 //!   default) and 8 warps (128 rows);
 //! - the sequence list is ordered heaviest first (longest context), so the longest CTAs start
@@ -37,11 +46,14 @@ pub const PREFILL_DEFAULT_VARIANT: usize = 0;
 /// variant's tile rows: a group must fit one tile).
 pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT];
 /// Head dims with a compiled prefill kernel, in the order of the device's function table.
-pub(crate) const PREFILL_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
-/// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu).
-pub(crate) fn prefill_kernel_name(head_dim: usize, warps: usize) -> String {
-    format!("prefill_attention_hd{head_dim}_w{warps}")
+/// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu); with `options`
+/// the entry that computes a window, soft-cap and sinks (`prefill_attention_opt_*`: the plain
+/// one compiles them out, keeping its registers).
+pub(crate) fn prefill_kernel_name(head_dim: usize, warps: usize, options: bool) -> String {
+    let opt = if options { "opt_" } else { "" };
+    format!("prefill_attention_{opt}hd{head_dim}_w{warps}")
 }
 
 /// Dynamic shared memory of the prefill kernel for `head_dim`: 2 stages of K and V tiles of
@@ -58,8 +70,9 @@ pub fn prefill_fp8_smem_bytes(head_dim: usize) -> usize {
 }
 
 /// The FP8-cache kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu).
-pub(crate) fn prefill_fp8_kernel_name(head_dim: usize, warps: usize) -> String {
-    format!("prefill_attention_fp8_hd{head_dim}_w{warps}")
+pub(crate) fn prefill_fp8_kernel_name(head_dim: usize, warps: usize, options: bool) -> String {
+    let opt = if options { "opt_" } else { "" };
+    format!("prefill_attention_fp8_{opt}hd{head_dim}_w{warps}")
 }
 
 /// Whether the prefill kernel handles this attention shape.
@@ -175,9 +188,15 @@ mod tests {
     fn supported_shapes_and_names() {
         assert!(!prefill_supported(128, 1, 128) && prefill_supported(64, 1, 16) && !prefill_supported(8, 3, 64));
         assert!(!prefill_supported(8, 0, 64) && !prefill_supported(32, 8, 96));
-        assert_eq!(prefill_kernel_name(128, 8), "prefill_attention_hd128_w8");
+        assert_eq!(prefill_kernel_name(128, 8, false), "prefill_attention_hd128_w8");
+        assert_eq!(prefill_kernel_name(256, 4, true), "prefill_attention_opt_hd256_w4");
+        assert_eq!(prefill_fp8_kernel_name(64, 8, true), "prefill_attention_fp8_opt_hd64_w8");
         // Three 4-warp CTAs per SM at head_dim 128 need 68 KiB each.
         assert_eq!(prefill_smem_bytes(128), 69_632);
+        // Gemma's 256: one CTA per SM, within a CTA's 227 KiB either way.
+        assert!(prefill_supported(16, 8, 256));
+        assert_eq!((prefill_smem_bytes(256), prefill_fp8_smem_bytes(256)), (135_168, 137_216));
+        assert!(prefill_fp8_smem_bytes(256) <= 227 * 1024);
     }
 
     #[test]
