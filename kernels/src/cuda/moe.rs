@@ -4,7 +4,9 @@
 //!    with f32 output) → each token's top-k expert ids and weights;
 //! 2. [`MoePermuteCall`]: the ids → the assignments grouped by expert (`offsets`, `order`,
 //!    `position`, as [`crate::cpu::MoePermutation`]); [`MoeRoutePermuteCall`] runs 1 and 2
-//!    in one launch for steps of up to [`MOE_ROUTE_PERMUTE_MAX_ROWS`] rows (decode);
+//!    in one launch for small decode steps (the kernel takes up to
+//!    [`MOE_ROUTE_PERMUTE_MAX_ROWS`] rows; the launcher picks it up to 16, where it measured
+//!    no slower than the two kernels);
 //! 3. [`MoeGroupedGemvCall`] with [`MoeRows::PerToken`]: the hidden states × every used
 //!    expert's `gate_up` (`n_experts × 2I × hidden`: gate rows then up rows, so the output
 //!    rows are `[gate | up]`), one output row per assignment in permuted order;
@@ -78,9 +80,16 @@ const GEMV_COLS_PER_CTA: usize = 8;
 const GEMM_TILE: usize = 64;
 const GEMM_K_STEP: usize = 32;
 
-/// Rows up to which [`MoeRoutePermuteCall::launch`] routes and permutes in one launch (one
-/// CTA of 32 warps: two rows a warp at most); more rows take the two kernels.
+/// Most rows the fused routing + permutation kernel takes (one CTA of 32 warps: two rows a
+/// warp at most).
 pub const MOE_ROUTE_PERMUTE_MAX_ROWS: usize = 64;
+
+/// Rows up to which [`MoeRoutePermuteCall::launch`] takes the fused kernel. Measured on the
+/// H100 (Qwen3-30B-A3B shape, one eager step, 48 layers, commit 3e2fc16): at 1 row fused and
+/// split cost the same (464 vs 475 µs a step), at 64 rows the fused CTA is twice as slow
+/// (1,337 vs 725 µs: one CTA routes all 64 rows); so only small decode steps take it, where
+/// under CUDA graphs it saves one launch a layer.
+const MOE_ROUTE_PERMUTE_FUSED_ROWS: usize = 16;
 
 /// Which kernel computes a grouped expert product ([`MoeGroupedGemvCall::launch_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,8 +213,8 @@ impl MoePermuteCall<'_> {
 }
 
 /// [`MoeRouteCall`] then [`MoePermuteCall`] over its `rows · k` ids, with the same outputs;
-/// one launch (`moe_route_permute`, one CTA) for up to [`MOE_ROUTE_PERMUTE_MAX_ROWS`] rows,
-/// where both kernels are mostly fixed launch cost, else the two.
+/// one launch (`moe_route_permute`, one CTA) for small decode steps, where both kernels are
+/// mostly fixed launch cost, else the two.
 pub struct MoeRoutePermuteCall<'a> {
     /// The routing (its `ids` and `weights` are written, then permuted).
     pub route: MoeRouteCall<'a>,
@@ -220,7 +229,7 @@ pub struct MoeRoutePermuteCall<'a> {
 impl MoeRoutePermuteCall<'_> {
     /// Checks the sizes and enqueues the fused kernel for few rows, else the two kernels.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        let fused = self.route.rows <= MOE_ROUTE_PERMUTE_MAX_ROWS;
+        let fused = self.route.rows <= MOE_ROUTE_PERMUTE_FUSED_ROWS;
         self.launch_with(dev, fused)
     }
 
@@ -488,5 +497,6 @@ mod tests {
         // The fused routing + permutation routes with 32 warps, two rows a warp at most.
         assert!(src.contains("__launch_bounds__(1024) void moe_route_permute("));
         assert_eq!(MOE_ROUTE_PERMUTE_MAX_ROWS, 2 * 32);
+        const { assert!(MOE_ROUTE_PERMUTE_FUSED_ROWS <= MOE_ROUTE_PERMUTE_MAX_ROWS) };
     }
 }
