@@ -148,7 +148,7 @@ fn gpu_tiny_models_greedy_match_cpu() {
         identical += same;
         total += n;
     }
-    for name in ["gemma2", "gemma3_text"] {
+    for name in ["gemma2", "gemma3_text", "mistral_window"] {
         let (same, n) = cpu_and_cuda_agree(name, &golden_model(name));
         identical += same;
         total += n;

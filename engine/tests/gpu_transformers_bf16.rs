@@ -121,6 +121,13 @@ fn gpu_gemma_matches_transformers_bf16() {
     check("gemma3_text");
 }
 
+/// Mistral's sliding window on every layer (a Llama-family model attending within its window):
+/// the prompts of 20 to 64 tokens run past the window (16).
+#[test]
+fn gpu_mistral_window_matches_transformers_bf16() {
+    check("mistral_window");
+}
+
 /// gpt-oss: sinks through the attention-ext kernel in every layer (windowed on layer 0, the
 /// prompts of 20 to 64 tokens run past the window of 16), YaRN's table and attention factor
 /// in the fused RoPE + KV write, biased q/k/v/o, the router's bias on its f32 logits, biased

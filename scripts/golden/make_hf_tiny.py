@@ -57,6 +57,15 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, bos_token_id=0, eos_token_id=2, 
 PHI3_ORIGINAL_MAX = 36
 
 
+def mistral_window():
+    # Every layer slides (Mistral's sliding_window), so the 40- and 64-token prompts and their
+    # greedy tokens attend past the 16-token window: a full-attention implementation fails them.
+    return transformers.MistralConfig(
+        **COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, sliding_window=WINDOW, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+
+
 def _factors(n, lo, hi, seed):
     r = random.Random(seed)
     return [round(r.uniform(lo, hi), 4) for _ in range(n)]
@@ -139,6 +148,7 @@ FIXTURES = {
     "phi3": lambda: phi3(1.0, tied=False),
     "phi4_mini": lambda: phi3(0.75, tied=True),
     "gpt_oss": gpt_oss,
+    "mistral_window": mistral_window,
 }
 MAX_SAFETENSORS_BYTES = 1 << 20
 MIN_GREEDY_GAP = 2e-3

@@ -116,13 +116,6 @@ impl Architecture {
         matches!(self, Self::Gemma2 | Self::Gemma3Text)
     }
 
-    /// Whether the family's implementation attends within `sliding_window` on sliding layers
-    /// (Gemma, gpt-oss); the others attend over the whole context, so their served context is
-    /// capped at an active window instead.
-    pub fn implements_sliding_window(self) -> bool {
-        self.is_gemma() || self == Self::GptOss
-    }
-
     /// The HF `architectures[0]` class name.
     pub fn hf_class(self) -> &'static str {
         match self {
@@ -379,10 +372,8 @@ pub struct ModelConfig {
     /// Fraction of each head that rotates (`partial_rotary_factor`; 1 = all of it): the
     /// first [`ModelConfig::rotary_dim`] dims, the rest pass through.
     pub partial_rotary_factor: f32,
-    /// Longest context the model supports: the config's `max_position_embeddings`, capped at
-    /// an active `sliding_window` (Mistral's, or Qwen2's when `use_sliding_window` puts a layer
-    /// under it) for families whose layers attend over the whole context (not Gemma's, which
-    /// implement the window).
+    /// Longest context the model supports: the config's `max_position_embeddings` (sliding
+    /// layers attend within [`Self::sliding_window`] at any context).
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding matrix (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
@@ -859,19 +850,9 @@ impl ModelConfig {
             rope_scaling: rope.scaling,
             longrope,
             partial_rotary_factor: partial_rotary_factor(v),
-            // Attention over the whole context equals sliding-window attention only up to
-            // the window, and the Llama-family layers here attend over the whole context: the
-            // context is capped at the window rather than giving wrong tokens past it.
-            max_position_embeddings: match sliding_window {
-                Some(window)
-                    if !architecture.implements_sliding_window()
-                        && layer_types.contains(&LayerType::Sliding)
-                        && window < declared_len =>
-                {
-                    window.max(1)
-                }
-                _ => declared_len,
-            },
+            // Every family attends within its window on sliding layers (engine/src/models),
+            // so an active window no longer caps the context.
+            max_position_embeddings: declared_len,
             tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
             attention_bias,
             layer_types,

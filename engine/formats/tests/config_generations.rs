@@ -93,8 +93,8 @@ fn nested_rope_parameters_are_read_per_layer_type() {
     assert_eq!(c.rope_for(LayerType::Full).theta, 1.0e6);
     assert_eq!(c.layer_types, vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding, LayerType::Full]);
     assert_eq!(c.sliding_window, Some(64));
-    // Windowed layers cap the context (they run as full attention here).
-    assert_eq!(c.max_position_embeddings, 64);
+    // Windowed layers attend within their window: the context is the declared one.
+    assert_eq!(c.max_position_embeddings, 32768);
     // The same parameters for both kinds: nothing separate to keep.
     let same = parse(&nested(json!({"rope_type": "default", "rope_theta": 1.0e6}))).expect("same");
     assert_eq!(same.sliding_rope, None);
@@ -222,8 +222,9 @@ fn qwen3_configs_parse_with_q_k_norm_and_their_own_head_dim() {
         .expect("parse")
     };
     assert_eq!(windowed(false).max_position_embeddings, 32768);
+    assert_eq!(windowed(false).sliding_window, None);
     let on = windowed(true);
-    assert_eq!(on.max_position_embeddings, 128);
+    assert_eq!((on.max_position_embeddings, on.sliding_window), (32768, Some(128)));
     assert_eq!(on.layer_types, vec![LayerType::Full, LayerType::Full, LayerType::Sliding, LayerType::Sliding]);
 }
 
@@ -274,11 +275,13 @@ fn moe_configs_parse_their_experts_and_sparse_layers() {
     for n in ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.3.w2.weight"] {
         assert!(names.iter().any(|x| x == n), "{n} missing");
     }
-    // Mixtral's sliding window is Mistral's (every layer, the context capped at the window).
+    // Mixtral's sliding window is Mistral's: every layer, the context not capped.
     let windowed = parse(&config(json!({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
                                          "sliding_window": 256})))
     .expect("windowed mixtral");
-    assert_eq!(windowed.max_position_embeddings, 256);
+    assert_eq!(windowed.max_position_embeddings, 32768);
+    assert_eq!(windowed.sliding_window, Some(256));
+    assert!(windowed.layer_types.iter().all(|t| *t == LayerType::Sliding));
 }
 
 #[test]

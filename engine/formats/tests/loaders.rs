@@ -336,9 +336,9 @@ fn transformers_v5_rope_parameters_are_understood() {
 }
 
 #[test]
-fn an_active_sliding_window_caps_the_context() {
-    // Attention here is over the whole context, which equals windowed attention only up to the
-    // window: a config whose window is active must not serve contexts past it.
+fn an_active_sliding_window_marks_its_layers_and_keeps_the_context() {
+    // Every family attends within its window on sliding layers, so the context stays the
+    // declared one; which layers slide follows each family's rule.
     let base = |extra: serde_json::Value| {
         let mut v = serde_json::json!({
             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -348,31 +348,36 @@ fn an_active_sliding_window_caps_the_context() {
         for (k, x) in extra.as_object().expect("object") {
             v[k] = x.clone();
         }
-        ModelConfig::from_hf_json(&v, Path::new("config.json")).expect("parse").max_position_embeddings
+        let c = ModelConfig::from_hf_json(&v, Path::new("config.json")).expect("parse");
+        assert_eq!(c.max_position_embeddings, 32768, "{extra}: the window must not cap the context");
+        let sliding: Vec<usize> = (0..4).filter(|&i| c.layer_types[i] == baton_formats::LayerType::Sliding).collect();
+        (c.sliding_window, sliding)
     };
     use serde_json::json;
-    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096})), 4096);
-    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": null})), 32768);
-    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 65536})), 32768);
-    // Qwen2: only with use_sliding_window, and only if a layer is at or past max_window_layers.
-    assert_eq!(base(json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": false})), 32768);
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096})), (Some(4096), vec![0, 1, 2, 3]));
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": null})), (None, vec![]));
+    // Qwen2: only with use_sliding_window, and only from layer max_window_layers on.
+    assert_eq!(
+        base(json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": false})),
+        (None, vec![])
+    );
     assert_eq!(
         base(
             json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true, "max_window_layers": 4})
         ),
-        32768
+        (None, vec![])
     );
     assert_eq!(
         base(
             json!({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true, "max_window_layers": 2})
         ),
-        4096
+        (Some(4096), vec![2, 3])
     );
     // transformers 5's layer_types says which layers are windowed.
     let full = json!(["full_attention", "full_attention", "full_attention", "full_attention"]);
     let one = json!(["full_attention", "full_attention", "full_attention", "sliding_attention"]);
-    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096, "layer_types": full})), 32768);
-    assert_eq!(base(json!({"model_type": "llama", "sliding_window": 4096, "layer_types": one})), 4096);
+    assert_eq!(base(json!({"model_type": "mistral", "sliding_window": 4096, "layer_types": full})), (None, vec![]));
+    assert_eq!(base(json!({"model_type": "llama", "sliding_window": 4096, "layer_types": one})), (Some(4096), vec![3]));
 }
 
 #[test]

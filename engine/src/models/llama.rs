@@ -17,15 +17,18 @@
 //! puts biases on q/k/v (and on o_proj where the family does, see
 //! `ModelConfig::o_proj_bias`).
 //!
-//! Invariants: every layer attends fully over the served context (a sliding window is
-//! accepted only where it is at least the context, which the config parser ensures by
-//! capping the context), has a SiLU-gated MLP, dense or routed experts, and one shared rotary table (other
-//! [`LayerSpec`]s are refused at load); activation buffers are reused across steps and
-//! only grow.
+//! Sliding layers (Mistral's `sliding_window`, Qwen2/Qwen3's `use_sliding_window` from
+//! `max_window_layers` on, Phi-3's) attend within their window through
+//! [`Backend::attention_ext`] (an optional op, checked at load), which never reads keys before
+//! the window; a window at least as long as the served context is plain attention.
+//!
+//! Invariants: every layer has a SiLU-gated MLP, dense or routed experts, and one shared
+//! rotary table (other [`LayerSpec`]s are refused at load); activation buffers are reused
+//! across steps and only grow.
 
 use super::moe::MoeMlp;
-use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
-use crate::backend::{Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
+use super::{AfterKv, Architecture, AttentionKind, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
+use crate::backend::{AttentionExtras, Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
 
@@ -38,6 +41,10 @@ struct Layer<B: Backend> {
     qk_norm: Option<(B::Buf, B::Buf)>,
     o: B::Mat,
     o_bias: Option<B::Buf>,
+    /// The sliding window of a layer whose window is shorter than the served context
+    /// (Mistral's, Qwen2's `use_sliding_window` layers, Phi-3's); `None` attends over the whole
+    /// context.
+    window: Option<usize>,
     mlp: Mlp<B>,
 }
 
@@ -92,8 +99,8 @@ impl<B: Backend> Llama<B> {
             what,
         };
         for (i, s) in specs.iter().enumerate() {
-            if !s.attends_fully_up_to(cfg.max_position_embeddings) {
-                return Err(unsupported(format!("layer {i}: attention {:?}", s.attention)));
+            if !s.attends_fully_up_to(cfg.max_position_embeddings) && !b.supports(OptionalOp::AttentionExtras) {
+                return Err(unsupported(format!("layer {i} needs {}", OptionalOp::AttentionExtras.name())));
             }
             if s.qk_norm && !b.supports(OptionalOp::HeadRmsNorm) {
                 return Err(unsupported(format!("layer {i} needs {}", OptionalOp::HeadRmsNorm.name())));
@@ -147,6 +154,14 @@ impl<B: Backend> Llama<B> {
                 qk_norm,
                 o: w.linear(b, &[attn("o_proj.weight", h)], qd)?,
                 o_bias,
+                window: match spec.attention {
+                    AttentionKind::SlidingWindow { window }
+                        if !spec.attends_fully_up_to(cfg.max_position_embeddings) =>
+                    {
+                        Some(window)
+                    }
+                    _ => None,
+                },
                 mlp: match spec.mlp {
                     MlpKind::Dense { intermediate_size: inter } => Mlp::Dense {
                         gate_up: if cfg.fused_checkpoint() {
@@ -244,7 +259,14 @@ impl<B: Backend> Architecture<B> for Llama<B> {
             }
             after_kv(b, i)?;
             b.mark("attention");
-            b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?;
+            match layer.window {
+                // Keys before the window are never read (the backend's windowed attention).
+                Some(window) => {
+                    let extras = AttentionExtras { window: Some(window), softcap: None };
+                    b.attention_ext(i, &ws.q, nh, scale, batch, extras, None, &mut ws.attn)?;
+                }
+                None => b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?,
+            }
             b.mark("o_proj");
             b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
             b.mark("norm");
