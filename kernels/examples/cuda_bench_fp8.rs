@@ -86,28 +86,9 @@ fn run() -> Result<(), CudaError> {
     .ok();
     for &(batch, ctx) in &[(1usize, 8192usize), (8, 4096), (32, 2048), (32, 8192), (64, 2048), (128, 4096), (256, 1024)]
     {
-        let blocks_per = ctx.div_ceil(bs);
-        let set_bytes = 2 * batch * blocks_per * bs * nkv * hd;
-        let copies = (512usize << 20).div_ceil(set_bytes).clamp(1, 16);
-        let num_blocks = copies * batch * blocks_per;
-        let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let common::DecodeSets { geo, mut metas, copies } =
+            common::decode_sets(&dev, &mut r, (batch, ctx), (bs, nkv, hd), 1)?;
         let (k, v) = (twin(&dev, &mut r, geo.layer_len())?, twin(&dev, &mut r, geo.layer_len())?);
-        let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
-        for i in (1..pool.len()).rev() {
-            pool.swap(i, r.random_range(0..=i));
-        }
-        let tables: Vec<Vec<u32>> = pool.chunks(blocks_per).map(<[u32]>::to_vec).collect();
-        let mut metas = Vec::with_capacity(copies);
-        for c in 0..copies {
-            let seqs: Vec<HostSeq<'_>> = tables[c * batch..(c + 1) * batch]
-                .iter()
-                .enumerate()
-                .map(|(i, t)| HostSeq { row_start: i, n_tokens: 1, start_pos: ctx - 1, block_table: t })
-                .collect();
-            let mut meta = StepMeta::new(&dev)?;
-            meta.set(&dev, &seqs, batch, bs, num_blocks)?;
-            metas.push(meta);
-        }
         let q = random_q(&dev, &mut r, batch * nh * hd)?;
         let len = batch * nh * hd;
         let (mut o_ref, mut o) = (dev.alloc::<bf16>(len)?, dev.alloc::<bf16>(len)?);

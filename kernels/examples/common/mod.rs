@@ -63,3 +63,50 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     let norm: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum::<f64>().sqrt();
     err / norm
 }
+
+/// Decode-attention inputs that rotate so that no timing is served from L2: `copies` sets of
+/// `batch` rows at context `ctx`, each set over its own blocks of one shuffled pool.
+pub struct DecodeSets {
+    /// The cache geometry covering every set (`num_blocks` = copies × batch × blocks a row).
+    pub geo: baton_kernels::cuda::KvGeometry,
+    /// One step's metadata per set.
+    pub metas: Vec<baton_kernels::cuda::StepMeta>,
+    /// How many sets (enough for about 512 MiB of K and V, 1 to 16).
+    pub copies: usize,
+}
+
+/// [`DecodeSets`] for `batch` decode rows at context `ctx`, with block size `bs` and `nkv` KV
+/// heads of `hd` dims, `elem_bytes` bytes per cached value. The caller allocates the caches
+/// for `geo.layer_len()` values.
+pub fn decode_sets(
+    dev: &CudaDevice,
+    r: &mut rand::rngs::StdRng,
+    (batch, ctx): (usize, usize),
+    (bs, nkv, hd): (usize, usize, usize),
+    elem_bytes: usize,
+) -> Result<DecodeSets, CudaError> {
+    use baton_kernels::cuda::{HostSeq, KvGeometry, StepMeta};
+    use rand::Rng;
+    let blocks_per = ctx.div_ceil(bs);
+    let set_bytes = 2 * batch * blocks_per * bs * nkv * hd * elem_bytes;
+    let copies = (512usize << 20).div_ceil(set_bytes).clamp(1, 16);
+    let num_blocks = copies * batch * blocks_per;
+    let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.random_range(0..=i));
+    }
+    let tables: Vec<Vec<u32>> = pool.chunks(blocks_per).map(<[u32]>::to_vec).collect();
+    let mut metas = Vec::with_capacity(copies);
+    for set in tables.chunks(batch) {
+        let seqs: Vec<HostSeq<'_>> = set
+            .iter()
+            .enumerate()
+            .map(|(i, t)| HostSeq { row_start: i, n_tokens: 1, start_pos: ctx - 1, block_table: t })
+            .collect();
+        let mut meta = StepMeta::new(dev)?;
+        meta.set(dev, &seqs, batch, bs, num_blocks)?;
+        metas.push(meta);
+    }
+    Ok(DecodeSets { geo, metas, copies })
+}
