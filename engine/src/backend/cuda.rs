@@ -30,7 +30,7 @@ use baton_kernels::cuda::{
     AttentionCall, AttentionOptions, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
     CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
     KvCacheRef, KvGeometry, LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
-    StepIds, StepMeta, WeightUploader, attention_supports, bf16, gemv_supports,
+    StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -264,9 +264,9 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 }
 
 impl CudaBackend {
-    /// The tuned attention kernels ([`AttentionCall`]) with `options`: the router of
-    /// [`Backend::attention`] (no options) and of `attention_with` (a window, a soft-cap or
-    /// sinks at a head_dim the kernels have); both kernels take the options.
+    /// The tuned attention kernels ([`AttentionCall`]) with `options`, over the bf16 or FP8
+    /// cache, at a head_dim they have ([`baton_kernels::cuda::attention_supports`]);
+    /// `attention_with` is the router that sends every layer here or to the simple kernel.
     pub(super) fn attention_tuned(
         &mut self,
         layer: usize,
@@ -287,12 +287,6 @@ impl CudaBackend {
         self.ensure(out, rows * width)?;
         self.graphs.n_heads = Some(n_heads);
         let cache = match self.fp8.as_ref() {
-            // Head dims without a tuned kernel read the FP8 cache through the simple kernel.
-            Some(_) if !attention_supports(geo.head_dim) => {
-                let extras = AttentionExtras { window: options.window, softcap: options.softcap };
-                let options = (extras, options.sinks);
-                return self.attention_fp8(layer, &q.data, n_heads, scale, geo, options, &mut out.data);
-            }
             Some(fp8) => fp8.cache_ref(layer)?,
             None => {
                 let (k, v) =
@@ -943,7 +937,9 @@ impl Backend for CudaBackend {
         batch: &BatchLayout,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        self.attention_tuned(layer, q, n_heads, scale, batch, AttentionOptions::default(), out)
+        // One router for every layer: the tuned kernels where they have the head_dim, the
+        // simple kernel elsewhere (either cache type).
+        self.attention_with(layer, q, n_heads, scale, batch, AttentionExtras::default(), None, out)
     }
     fn silu_mul(&mut self, gate_up: &CudaBuf, d: usize, out: &mut CudaBuf) -> Result<(), BackendError> {
         if d == 0 || !gate_up.len.is_multiple_of(2 * d) {

@@ -27,7 +27,7 @@
 //! across steps and only grow.
 
 use super::moe::MoeMlp;
-use super::{AfterKv, Architecture, AttentionKind, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
+use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{AttentionExtras, Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
@@ -154,14 +154,7 @@ impl<B: Backend> Llama<B> {
                 qk_norm,
                 o: w.linear(b, &[attn("o_proj.weight", h)], qd)?,
                 o_bias,
-                window: match spec.attention {
-                    AttentionKind::SlidingWindow { window }
-                        if !spec.attends_fully_up_to(cfg.max_position_embeddings) =>
-                    {
-                        Some(window)
-                    }
-                    _ => None,
-                },
+                window: spec.window_within(cfg.max_position_embeddings),
                 mlp: match spec.mlp {
                     MlpKind::Dense { intermediate_size: inter } => Mlp::Dense {
                         gate_up: if cfg.fused_checkpoint() {

@@ -148,9 +148,15 @@ impl LayerSpec {
     /// Whether this layer's attention equals full attention for every context up to
     /// `max_len` tokens (a window at least that long never cuts anything off).
     pub fn attends_fully_up_to(&self, max_len: usize) -> bool {
+        self.window_within(max_len).is_none()
+    }
+
+    /// The window this layer must attend within at contexts up to `max_len` tokens; `None`
+    /// when it attends fully there (no window, or one at least `max_len` long).
+    pub fn window_within(&self, max_len: usize) -> Option<usize> {
         match self.attention {
-            AttentionKind::Full => true,
-            AttentionKind::SlidingWindow { window } => window >= max_len,
+            AttentionKind::SlidingWindow { window } if window < max_len => Some(window),
+            _ => None,
         }
     }
 }

@@ -303,22 +303,24 @@ impl MoeGroupedGemvCall<'_> {
     pub fn launch_with(self, dev: &CudaDevice, kernel: MoeExpertKernel) -> Result<(), CudaError> {
         const OP: &str = "moe_grouped_gemv";
         let (ne, n, d, k, a) = (self.n_experts, self.n, self.d, self.k, self.assignments);
-        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
-        shape_check(OP, d > 0 && d.is_multiple_of(8), || format!("d = {d} is not a positive multiple of 8"))?;
-        shape_check(OP, k >= 1 && a.is_multiple_of(k), || format!("{a} assignments with k = {k}"))?;
-        let x_rows = match self.rows {
-            MoeRows::PerToken => a / k,
-            MoeRows::Permuted => a,
+        let product = SkinnyLaunch {
+            x: self.x,
+            rows: self.rows,
+            k,
+            w: self.w,
+            bias: self.bias,
+            offsets: self.offsets,
+            order: self.order,
+            out: self.out,
+            n,
+            d,
+            n_experts: ne,
+            assignments: a,
+            act: MoeSkinnyAct::None,
+            alpha: 0.0,
+            limit: 0.0,
         };
-        need(OP, "x", self.x, x_rows * d)?;
-        need(OP, "w", self.w, ne * n * d)?;
-        if let Some(b) = self.bias {
-            need(OP, "bias", b, ne * n)?;
-        }
-        need(OP, "offsets", self.offsets, ne + 1)?;
-        need(OP, "order", self.order, a)?;
-        need(OP, "out", self.out, a * n)?;
-        if a == 0 || n == 0 {
+        if !product.checked(OP)? {
             return Ok(());
         }
         let kernel = match kernel {
@@ -333,32 +335,16 @@ impl MoeGroupedGemvCall<'_> {
             other => other,
         };
         if kernel == MoeExpertKernel::Skinny {
-            return SkinnyLaunch {
-                x: self.x,
-                rows: self.rows,
-                k,
-                w: self.w,
-                bias: self.bias,
-                offsets: self.offsets,
-                order: self.order,
-                out: self.out,
-                n,
-                d,
-                n_experts: ne,
-                assignments: a,
-                act: MoeSkinnyAct::None,
-                alpha: 0.0,
-                limit: 0.0,
-            }
-            .launch(OP, dev);
+            return product.launch(OP, dev);
         }
-        let args = Args::new(OP).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(k)?.buf(self.w);
+        let SkinnyLaunch { x, rows, w, bias, offsets, order, out, .. } = product;
+        let args = Args::new(OP).buf(x).i32(i32::from(rows == MoeRows::PerToken)).int(k)?.buf(w);
         // A null pointer tells the kernel there is no bias.
-        let args = match self.bias {
+        let args = match bias {
             Some(b) => args.buf(b),
             None => args.u64(0),
         };
-        let args = args.buf(self.offsets).buf(self.order).buf(self.out).int(n)?.int(d)?;
+        let args = args.buf(offsets).buf(order).buf(out).int(n)?.int(d)?;
         if kernel == MoeExpertKernel::Gemm {
             // Tiles of 64 entries: at most ceil(a / 64) + one partial tile per expert.
             let tiles = a.div_ceil(GEMM_TILE) + ne;

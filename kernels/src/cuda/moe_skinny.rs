@@ -78,7 +78,9 @@ pub enum MoeGatedAct {
     },
 }
 
-/// The shared operands of a skinny launch (plain or fused), checked by the caller.
+/// The operands of a grouped expert product as every kernel reads them (the skinny kernel,
+/// plain or fused, and the first GEMV and the GEMM of moe.rs): [`Self::checked`] is the one
+/// size check they share.
 pub(crate) struct SkinnyLaunch<'a> {
     pub x: &'a CudaSlice<bf16>,
     pub rows: MoeRows,
@@ -99,11 +101,37 @@ pub(crate) struct SkinnyLaunch<'a> {
 }
 
 impl SkinnyLaunch<'_> {
-    /// Enqueues the skinny kernel of `self.act` (sizes already checked by the caller; `n`,
-    /// `assignments` > 0).
+    /// Output columns per assignment: `n`, or `n / 2` when a gated activation pairs rows.
+    fn out_cols(&self) -> usize {
+        if self.act == MoeSkinnyAct::None { self.n } else { self.n / 2 }
+    }
+
+    /// Checks the expert count, `d`, `k` and every operand's size; `false` when the product
+    /// is empty (nothing to enqueue).
+    pub(crate) fn checked(&self, op: &'static str) -> Result<bool, CudaError> {
+        let (ne, d, k, a) = (self.n_experts, self.d, self.k, self.assignments);
+        shape_check(op, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
+        shape_check(op, d > 0 && d.is_multiple_of(8), || format!("d = {d} is not a positive multiple of 8"))?;
+        shape_check(op, k >= 1 && a.is_multiple_of(k), || format!("{a} assignments with k = {k}"))?;
+        let x_rows = match self.rows {
+            MoeRows::PerToken => a / k,
+            MoeRows::Permuted => a,
+        };
+        need(op, "x", self.x, x_rows * d)?;
+        need(op, "w", self.w, ne * self.n * d)?;
+        if let Some(b) = self.bias {
+            need(op, "bias", b, ne * self.n)?;
+        }
+        need(op, "offsets", self.offsets, ne + 1)?;
+        need(op, "order", self.order, a)?;
+        need(op, "out", self.out, a * self.out_cols())?;
+        Ok(a > 0 && self.out_cols() > 0)
+    }
+
+    /// Enqueues the skinny kernel of `self.act` (after [`Self::checked`] said `true`).
     pub(crate) fn launch(self, op: &'static str, dev: &CudaDevice) -> Result<(), CudaError> {
         let (ne, a) = (self.n_experts, self.assignments);
-        let cols = if self.act == MoeSkinnyAct::None { self.n } else { self.n / 2 };
+        let cols = self.out_cols();
         let variant = usize::from(self.d >= WIDE_INPUT);
         let func = &dev.kernels.moe_skinny[self.act.index()][variant];
         let args = Args::new(op).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(self.k)?.buf(self.w);
@@ -173,10 +201,6 @@ impl MoeGateUpActCall<'_> {
     /// Checks the sizes and enqueues the fused skinny kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "moe_gate_up_act";
-        let (ne, inter, d, k, a) = (self.n_experts, self.inter, self.d, self.k, self.assignments);
-        shape_check(OP, (1..=MOE_MAX_EXPERTS).contains(&ne) && ne <= MAX_GRID_YZ, || format!("{ne} experts"))?;
-        shape_check(OP, d > 0 && d.is_multiple_of(8), || format!("d = {d} is not a positive multiple of 8"))?;
-        shape_check(OP, k >= 1 && a.is_multiple_of(k), || format!("{a} assignments with k = {k}"))?;
         let (act, alpha, limit) = match self.act {
             MoeGatedAct::SiluMul => (MoeSkinnyAct::Silu, 0.0, 0.0),
             MoeGatedAct::ClampedSwiglu { alpha, limit } => {
@@ -186,40 +210,27 @@ impl MoeGateUpActCall<'_> {
                 (MoeSkinnyAct::Swiglu, alpha, limit)
             }
         };
-        let x_rows = match self.rows {
-            MoeRows::PerToken => a / k,
-            MoeRows::Permuted => a,
-        };
-        let n = 2 * inter;
-        need(OP, "x", self.x, x_rows * d)?;
-        need(OP, "w", self.w, ne * n * d)?;
-        if let Some(b) = self.bias {
-            need(OP, "bias", b, ne * n)?;
-        }
-        need(OP, "offsets", self.offsets, ne + 1)?;
-        need(OP, "order", self.order, a)?;
-        need(OP, "out", self.out, a * inter)?;
-        if a == 0 || inter == 0 {
-            return Ok(());
-        }
-        SkinnyLaunch {
+        let product = SkinnyLaunch {
             x: self.x,
             rows: self.rows,
-            k,
+            k: self.k,
             w: self.w,
             bias: self.bias,
             offsets: self.offsets,
             order: self.order,
             out: self.out,
-            n,
-            d,
-            n_experts: ne,
-            assignments: a,
+            n: 2 * self.inter,
+            d: self.d,
+            n_experts: self.n_experts,
+            assignments: self.assignments,
             act,
             alpha,
             limit,
+        };
+        if !product.checked(OP)? {
+            return Ok(());
         }
-        .launch(OP, dev)
+        product.launch(OP, dev)
     }
 }
 
