@@ -451,6 +451,35 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned addr, unsigned* r) {
                  : "memory");
 }
 
+__device__ __forceinline__ void ldsm_x1(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x1_t(unsigned addr, unsigned* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];" : "=r"(r[0]) : "r"(addr) : "memory");
+}
+
+// N (1, 2 or 4) 8 x 8 b16 matrices, transposed with TRANS; lane l supplies the address of row
+// l % 8 of matrix l / 8 (lanes past 8 N are ignored).
+template <int N, bool TRANS>
+__device__ __forceinline__ void ldsm_n(unsigned addr, unsigned* r) {
+    static_assert(N == 1 || N == 2 || N == 4, "ldmatrix loads 1, 2 or 4 matrices");
+    if constexpr (N == 4) {
+        if constexpr (TRANS) ldsm_x4_t(addr, r); else ldsm_x4(addr, r);
+    } else if constexpr (N == 2) {
+        if constexpr (TRANS) ldsm_x2_t(addr, r); else ldsm_x2(addr, r);
+    } else {
+        if constexpr (TRANS) ldsm_x1_t(addr, r); else ldsm_x1(addr, r);
+    }
+}
+
+// Two f32 as f16x2, lo in the low half.
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // Two f32 as bf16x2, lo in the low half (the lower column of an mma fragment).
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
@@ -458,12 +487,23 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// c (MG/4 accumulators: rows g, and g + 8 when MG = 16) += A (16 x 16) B (16 x 8). With MG = 8
-// rows 8..15 are zero: a1, a3 and c2, c3 are constants and d2, d3 are dropped, so the
-// accumulators of those rows take no registers.
-template <int MG>
+// c (MG/4 accumulators: rows g, and g + 8 when MG = 16) += A (16 x 16) B (16 x 8), bf16 inputs
+// (F16: f16 inputs), f32 accumulation. With MG = 8 rows 8..15 are zero: a1, a3 and c2, c3 are
+// constants and d2, d3 are dropped, so the accumulators of those rows take no registers.
+template <int MG, bool F16 = false>
 __device__ __forceinline__ void tc_mma_k16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    if constexpr (MG == 16) {
+    if constexpr (F16 && MG == 16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else if constexpr (F16) {
+        float x2, x3;
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %10, %10};"
+            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
+            : "r"(a[0]), "r"(0u), "r"(a[1]), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
+    } else if constexpr (MG == 16) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -478,9 +518,18 @@ __device__ __forceinline__ void tc_mma_k16(float* c, const unsigned* a, unsigned
 }
 
 // c += A (16 x 8: a0 rows g, a1 rows g + 8) B (8 x 8), as tc_mma_k16.
-template <int MG>
+template <int MG, bool F16 = false>
 __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned b0) {
-    if constexpr (MG == 16) {
+    if constexpr (F16 && MG == 16) {
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(b0));
+    } else if constexpr (F16) {
+        float x2, x3;
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %7, %7};"
+            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
+            : "r"(a[0]), "r"(0u), "r"(b0), "f"(0.f));
+    } else if constexpr (MG == 16) {
         asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(b0));
@@ -496,13 +545,10 @@ __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned 
 // an FP8 cache (eb = 1) HD codes padded by 16 bytes.
 constexpr int tc_ring_row(int hd, int eb) { return eb == 1 ? hd + 16 : (hd + 8) * 2; }
 
-// Shared memory of one CTA: the ring, plus with an FP8 cache each warp's bf16 copy of its 8
-// tokens' K and V (rows of HD + 8); the end-of-kernel merge reuses it all.
+// Shared memory of one CTA: the ring, or the end-of-kernel merge (which reuses it) if larger.
 constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg, int eb) {
-    return ns * 2 * (8 * nw) * tc_ring_row(hd, eb) + (eb == 1 ? nw * 2 * 8 * (hd + 8) * 2 : 0) >
-                   nw * mg * (hd + 2) * 4
-               ? ns * 2 * (8 * nw) * tc_ring_row(hd, eb) + (eb == 1 ? nw * 2 * 8 * (hd + 8) * 2 : 0)
-               : nw * mg * (hd + 2) * 4;
+    return ns * 2 * (8 * nw) * tc_ring_row(hd, eb) > nw * mg * (hd + 2) * 4 ? ns * 2 * (8 * nw) * tc_ring_row(hd, eb)
+                                                                           : nw * mg * (hd + 2) * 4;
 }
 
 // CTAs per SM that shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 6:
@@ -532,10 +578,25 @@ __device__ __forceinline__ unsigned char* tc_smem_base() {
 }
 
 // C: the cache's element, bf16_t or (FP8 cache) unsigned char E4M3 codes. With FP8 the ring
-// holds the codes (half the bytes in flight per token), each warp converts its 8 tokens of the
-// stage into a private bf16 tile (exact: e4m3x16_to_bf16x16) and the tensor-core part reads
-// that tile; the K scale is already folded into qscale by the launcher and the V scale
-// multiplies the output (or the split's partial) here.
+// holds the codes (half the bytes in flight per token) and the products run in f16 straight
+// from them: ldmatrix on the codes gives each lane four codes of a row (a 16-bit element is
+// a pair of codes), one hardware conversion per pair makes them f16 fragments (exact: every
+// E4M3 value is an f16 value), and no converted copy goes through shared memory. The first
+// version converted each warp's tile to bf16 in shared memory; that pass doubled a warp's
+// instructions per stage and held the kernel at 67-71 % of copy (BENCHMARKS.md, e8265f1).
+// - K: lane (g, t) gets bytes 4t..4t+3 of each 16-byte segment i of token g's row, i.e. head
+//   dims 16i + 4t + 0..3. The m16n8k16 B fragment wants k = 2t, 2t+1 (b0) and 2t+8, 2t+9
+//   (b1), so chunk i's k order is a permutation of its dims; Q's A fragments take the same
+//   permutation (a0 = dims 16i + 4t + 0..1, a2 = + 2..3), and the dot product is unchanged.
+// - V: ldmatrix.trans gives lane (g, t) the code pairs (dims 16i + 2g, + 1) of tokens 2t and
+//   2t + 1; a byte permutation makes (token 2t, token 2t + 1) pairs of the even dim and of the
+//   odd dim, the B fragments of two m16n8k8 products whose output columns are those dims
+//   (accumulator j = 2i + parity holds dims 16i + 4t + parity and + 2).
+// - Q in f16: exact for |q| in f16's normal range; a CTA whose largest |q| exceeds 2^14 scales
+//   Q down by a power of two (exact) and its scores back up by it, so nothing overflows.
+// - P in f16 (11 significant bits against bf16's 8: no less accurate than the bf16 kernel).
+// The K scale is already folded into qscale by the launcher and the V scale multiplies the
+// output (or the split's partial) here.
 template <int HD, int NW, int NS, int MG, typename C>
 __device__ __forceinline__ void paged_attention_tc_body(
     const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
@@ -553,10 +614,9 @@ __device__ __forceinline__ void paged_attention_tc_body(
     constexpr int CPR = HD * (int)sizeof(C) / 16;        // 16-byte chunks per ring row
     constexpr int TILE_B = TT * RB;        // bytes of one K (or V) stage
     constexpr int RING_B = NS * 2 * TILE_B;
-    constexpr int WT_B = 8 * RS * 2;       // bytes of one warp's converted K (or V) tile (FP8)
     constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
     constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, (int)sizeof(C));
-    static_assert(SMEM >= RING_B + (FP8 ? NW * 2 * WT_B : 0) && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
+    static_assert(SMEM >= RING_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
     static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
     static_assert(THREADS == 4 * TT && CPR >= 1 && RB % 16 == 0, "copy mapping: four threads per token");
     unsigned char* const smem = tc_smem_base<SMEM>();
@@ -639,26 +699,73 @@ __device__ __forceinline__ void paged_attention_tc_body(
     // Q as A fragments (rows g and g + 8 = query heads of this CTA, k = head dims), unscaled:
     // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
     unsigned qa[HD / 16][2 * RH];
+    float qs = qscale;  // the scores' scale (FP8: times the power of two Q was scaled down by)
+    if constexpr (FP8) {
+        // f16 fragments in the code fragments' dim order (see above): dims 16kk + 4t + 0..3.
+        float qf[HD / 16][RH][4];
+        float amax = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
+        for (int kk = 0; kk < HD / 16; kk++) {
 #pragma unroll
-        for (int h = 0; h < RH; h++) {
-            const int r = g + 8 * h;
-            unsigned lo = 0, hi = 0;
-            if (r < ng) {
-                const unsigned* qr =
-                    reinterpret_cast<const unsigned*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
-                lo = qr[0];
-                hi = qr[4];
+            for (int h = 0; h < RH; h++) {
+                const int r = g + 8 * h;
+                uint2 v = make_uint2(0, 0);
+                if (r < ng) v = *reinterpret_cast<const uint2*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 4 * t);
+                qf[kk][h][0] = __uint_as_float(v.x << 16);
+                qf[kk][h][1] = __uint_as_float(v.x & 0xffff0000u);
+                qf[kk][h][2] = __uint_as_float(v.y << 16);
+                qf[kk][h][3] = __uint_as_float(v.y & 0xffff0000u);
+#pragma unroll
+                for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(qf[kk][h][j]));
             }
-            // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
-            // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
-            if constexpr (RH == 2) {
-                qa[kk][h] = lo;
-                qa[kk][2 + h] = hi;
-            } else {
-                qa[kk][0] = lo;
-                qa[kk][1] = hi;
+        }
+        // Every warp holds all of Q, so every warp finds the same maximum and scale.
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float down = 1.f;
+        if (amax > 16384.f && amax <= 3.0e38f) {
+            int e;
+            frexpf(amax, &e);  // amax < 2^e
+            down = ldexpf(1.f, 14 - e);
+            qs = qscale * ldexpf(1.f, e - 14);
+        }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+            for (int h = 0; h < RH; h++) {
+                const unsigned lo = pack_f16x2(qf[kk][h][0] * down, qf[kk][h][1] * down);
+                const unsigned hi = pack_f16x2(qf[kk][h][2] * down, qf[kk][h][3] * down);
+                if constexpr (RH == 2) {
+                    qa[kk][h] = lo;
+                    qa[kk][2 + h] = hi;
+                } else {
+                    qa[kk][0] = lo;
+                    qa[kk][1] = hi;
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+            for (int h = 0; h < RH; h++) {
+                const int r = g + 8 * h;
+                unsigned lo = 0, hi = 0;
+                if (r < ng) {
+                    const unsigned* qr =
+                        reinterpret_cast<const unsigned*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
+                    lo = qr[0];
+                    hi = qr[4];
+                }
+                // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
+                // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
+                if constexpr (RH == 2) {
+                    qa[kk][h] = lo;
+                    qa[kk][2 + h] = hi;
+                } else {
+                    qa[kk][0] = lo;
+                    qa[kk][1] = hi;
+                }
             }
         }
     }
@@ -682,12 +789,13 @@ __device__ __forceinline__ void paged_attention_tc_body(
         cp_async_commit();
     }
     // ldmatrix row addresses: lane l supplies row l % 8 of matrix l / 8; the warp's rows are
-    // its 8 tokens of the ring stage, or (FP8) of its own converted tile.
-    const int wrow = FP8 ? 0 : warp * 8;
-    const unsigned lrow = (unsigned)(((wrow + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
-    const unsigned lrow2 = (unsigned)(((wrow + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
-    // FP8: this warp's converted K tile, then its V tile.
-    const unsigned ck_a = sk_a + RING_B + (unsigned)(warp * 2 * WT_B), cv_a = ck_a + WT_B;
+    // its 8 tokens of the ring stage (matrices: 16-byte column segments of the rows).
+    const unsigned lrow = FP8 ? (unsigned)((warp * 8 + (lane & 7)) * RB + (lane >> 3) * 16)
+                              : (unsigned)(((warp * 8 + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
+    const unsigned lrow2 = (unsigned)(((warp * 8 + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
+    // FP8: 16-byte segments of a row (16 codes each) and how many one ldmatrix takes.
+    constexpr int SEGS = HD / 16;
+    constexpr int SEG_N = SEGS >= 4 ? 4 : SEGS;
     for (int it = 0; it < n_tiles; it++) {
         cp_async_wait<NS - 2>();
         // Stage `it` is visible to every warp, and every warp is done with the slot that the
@@ -697,34 +805,24 @@ __device__ __forceinline__ void paged_attention_tc_body(
         cp_async_commit();
 
         const int s = it % NS;
-        unsigned ks = sk_a + (unsigned)(s * TILE_B), vs = sv_a + (unsigned)(s * TILE_B);
-        if constexpr (FP8) {
-            // The warp's 8 tokens, K and V: 2 * 8 * CPR chunks of 16 codes, each converted to 16
-            // bf16 in the warp's tile. The previous iteration's ldmatrix reads of the tile are
-            // done before any lane overwrites it.
-            __syncwarp();
-            const unsigned char* const ring = smem + s * TILE_B + warp * 8 * RB;
-            unsigned char* const conv = smem + RING_B + warp * 2 * WT_B;
-#pragma unroll
-            for (int c = lane; c < 2 * 8 * CPR; c += 32) {
-                const int is_v = c >= 8 * CPR;
-                const int cc = c - is_v * 8 * CPR, r = cc / CPR, col = cc - r * CPR;
-                const uint4 u = *reinterpret_cast<const uint4*>(ring + is_v * NS * TILE_B + r * RB + col * 16);
-                uint4 b[2];
-                e4m3x16_to_bf16x16(u, b);
-                uint4* dst = reinterpret_cast<uint4*>(conv + is_v * WT_B + r * RS * 2 + col * 32);
-                dst[0] = b[0];
-                dst[1] = b[1];
-            }
-            __syncwarp();
-            ks = ck_a;
-            vs = cv_a;
-        }
+        const unsigned ks = sk_a + (unsigned)(s * TILE_B), vs = sv_a + (unsigned)(s * TILE_B);
         // S = Q K^T over this warp's 8 tokens.
         float sc[2 * RH];
 #pragma unroll
         for (int i = 0; i < 2 * RH; i++) sc[i] = 0.f;
-        if constexpr (HD >= 32) {
+        if constexpr (FP8) {
+#pragma unroll
+            for (int i0 = 0; i0 < SEGS; i0 += SEG_N) {
+                unsigned c[SEG_N];
+                ldsm_n<SEG_N, false>(ks + lrow + i0 * 16, c);
+#pragma unroll
+                for (int j = 0; j < SEG_N; j++) {
+                    unsigned b0, b1;
+                    e4m3x4_to_f16x4(c[j], b0, b1);
+                    tc_mma_k16<MG, true>(sc, qa[i0 + j], b0, b1);
+                }
+            }
+        } else if constexpr (HD >= 32) {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk += 2) {
                 unsigned b[4];
@@ -744,8 +842,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
         float corr[RH];
 #pragma unroll
         for (int h = 0; h < RH; h++) {
-            const float s0 = v0 ? soft_cap(sc[2 * h] * qscale, cap2) : NEG_INF;
-            const float s1 = v1 ? soft_cap(sc[2 * h + 1] * qscale, cap2) : NEG_INF;
+            const float s0 = v0 ? soft_cap(sc[2 * h] * qs, cap2) : NEG_INF;
+            const float s1 = v1 ? soft_cap(sc[2 * h + 1] * qs, cap2) : NEG_INF;
             float tm = fmaxf(s0, s1);
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
@@ -756,14 +854,29 @@ __device__ __forceinline__ void paged_attention_tc_body(
             const float p0 = exp2f(s0 - mu), p1 = exp2f(s1 - mu);
             l[h] = l[h] * corr[h] + p0 + p1;
             m[h] = mn;
-            pa[h] = pack_bf16x2(p0, p1);
+            pa[h] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
         }
 #pragma unroll
         for (int j = 0; j < HD / 8; j++)
 #pragma unroll
             for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
         // O += P V: the 8 tokens are k, head dims n (8 per mma).
-        if constexpr (HD >= 32) {
+        if constexpr (FP8) {
+#pragma unroll
+            for (int i0 = 0; i0 < SEGS; i0 += SEG_N) {
+                unsigned c[SEG_N];
+                ldsm_n<SEG_N, true>(vs + lrow + i0 * 16, c);
+#pragma unroll
+                for (int j = 0; j < SEG_N; j++) {
+                    // Bytes (tok 2t: even dim, odd dim; tok 2t+1: even, odd) -> (even: 2t, 2t+1;
+                    // odd: 2t, 2t+1).
+                    unsigned ev, od;
+                    e4m3x4_to_f16x4(__byte_perm(c[j], 0u, 0x3120), ev, od);
+                    tc_mma_k8<MG, true>(acc[2 * (i0 + j)], pa, ev);
+                    tc_mma_k8<MG, true>(acc[2 * (i0 + j) + 1], pa, od);
+                }
+            }
+        } else if constexpr (HD >= 32) {
 #pragma unroll
             for (int nb = 0; nb < HD / 32; nb++) {
                 unsigned b[4];
@@ -795,8 +908,12 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
 #pragma unroll
         for (int j = 0; j < HD / 8; j++) {
-            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t] = acc[j][2 * h];
-            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t + 1] = acc[j][2 * h + 1];
+            // The accumulators' head dims: j * 8 + 2t and + 1, or with FP8 (see above)
+            // 16 (j / 2) + 4t + j % 2 and + 2.
+            const int d0 = FP8 ? (j >> 1) * 16 + 4 * t + (j & 1) : j * 8 + 2 * t;
+            const int d1 = FP8 ? d0 + 2 : d0 + 1;
+            sm_o[(warp * MG + r) * HD + d0] = acc[j][2 * h];
+            sm_o[(warp * MG + r) * HD + d1] = acc[j][2 * h + 1];
         }
     }
     __syncthreads();
@@ -862,7 +979,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
     ATT_TC_INSTANCE(HD, 2, 4, 16)    \
     ATT_TC_FP8_INSTANCE(HD, 2, 4, 8) \
     ATT_TC_FP8_INSTANCE(HD, 2, 8, 8) \
-    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16)
+    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16) \
+    ATT_TC_FP8_INSTANCE(HD, 4, 4, 8)
 
 ATT_TC_VARIANTS(16)
 ATT_TC_VARIANTS(32)

@@ -128,6 +128,31 @@ __device__ __forceinline__ void e4m3x4_to_bf16x4(unsigned u, unsigned& lo, unsig
 #endif
 }
 
+// Four E4M3 codes (the bytes of u, lowest first) as four f16 values, exactly (every E4M3 value,
+// subnormals included, is a normal f16): lo holds codes 0 and 1, hi codes 2 and 3, the lower
+// code in the low half. One hardware conversion per pair on sm_89+, against the four extra
+// conversions through f32 that bf16 needs (e4m3x4_to_bf16x4): the FP8-cache decode kernel
+// runs its products in f16 for that reason.
+__device__ __forceinline__ void e4m3x4_to_f16x4(unsigned u, unsigned& lo, unsigned& hi) {
+#if __CUDA_ARCH__ >= 890
+    asm("{\n"
+        " .reg .b16 c0, c1;\n"
+        " mov.b32 {c0, c1}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, c0;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, c1;\n"
+        "}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(u));
+#else
+    unsigned short h[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h[j]) : "f"(e4m32f((unsigned char)((u >> (8 * j)) & 0xffu))));
+    lo = (unsigned)h[0] | ((unsigned)h[1] << 16);
+    hi = (unsigned)h[2] | ((unsigned)h[3] << 16);
+#endif
+}
+
 // 16 E4M3 codes as 16 bf16 values (e4m3x4_to_bf16x4 on each word): out[0..1] hold codes 0..7.
 __device__ __forceinline__ void e4m3x16_to_bf16x16(const uint4 u, uint4* out) {
     e4m3x4_to_bf16x4(u.x, out[0].x, out[0].y);
