@@ -556,9 +556,13 @@ constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg, int eb) {
 // value; 6 CTAs of 2 warps leave 170 registers a thread). Without it ptxas picked 72
 // registers and spilled for some head_dim 64 shapes; a cap of 8 CTAs (128 registers) spilled
 // at head_dim 128, whose shapes take 154-168.
-constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb) {
-    return 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024) < 6 ? 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024)
-                                                                    : 6;
+// At head_dim 256 the accumulators and Q fragments alone take ~100 registers a thread and the
+// shapes 238-250 in all, so at most 4 CTAs of 2 warps fit by registers: the FP8 4-stage ring
+// (34.8 KB, 6 CTAs by shared memory) spilled 240 bytes a thread at a cap of 6.
+constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb, int cap) {
+    return 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024) < (hd >= 256 && cap > 4 ? 4 : cap)
+               ? 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024)
+               : (hd >= 256 && cap > 4 ? 4 : cap);
 }
 
 // Shared memory a CTA declares statically; a shape that needs more (head_dim 256) takes it as
@@ -856,10 +860,22 @@ __device__ __forceinline__ void paged_attention_tc_body(
             m[h] = mn;
             pa[h] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
         }
+        // The rescale is skipped when no row of the warp moved its max (every corr is exactly
+        // 1, so the product would be the identity), as after the first tiles it rarely does:
+        // it is HD / 4 multiplies a thread, the largest item of a stage's arithmetic. Not at
+        // head_dim 256, where the branch costs registers the 8-head shapes do not have.
+        bool moved = HD > 128;
+        if constexpr (HD <= 128) {
 #pragma unroll
-        for (int j = 0; j < HD / 8; j++)
+            for (int h = 0; h < RH; h++) moved |= corr[h] != 1.f;
+            moved = __any_sync(0xffffffffu, moved);
+        }
+        if (moved) {
 #pragma unroll
-            for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
+            for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
+        }
         // O += P V: the 8 tokens are k, head dims n (8 per mma).
         if constexpr (FP8) {
 #pragma unroll
@@ -946,7 +962,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 2)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 2, 6)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
@@ -959,7 +975,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
 
 // Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
 #define ATT_TC_FP8_INSTANCE(HD, NW, NS, MG)                                                                        \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1, 6)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
         const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                  \
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
@@ -979,8 +995,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
     ATT_TC_INSTANCE(HD, 2, 4, 16)    \
     ATT_TC_FP8_INSTANCE(HD, 2, 4, 8) \
     ATT_TC_FP8_INSTANCE(HD, 2, 8, 8) \
-    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16) \
-    ATT_TC_FP8_INSTANCE(HD, 4, 4, 8)
+    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16)
 
 ATT_TC_VARIANTS(16)
 ATT_TC_VARIANTS(32)

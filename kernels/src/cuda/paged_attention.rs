@@ -20,7 +20,7 @@
 ///   67,584 B (the g16 merge, 2 × 16 × 258 × 4 = 33,024 B, fits in it): 3 CTAs per SM;
 ///   `tc_w2_s5_g8`: 84,480 B, 2 per SM;
 /// - FP8 `tc_w2_s4_g8`: 4 × 2 × 16 × 272 = 34,816 B of codes (static); `tc_w2_s8_g8` /
-///   `_g16`: 69,632 B (3 per SM); `tc_w4_s4_g8`: 69,632 B;
+///   `_g16`: 69,632 B (3 per SM);
 /// - registers (the accumulators are 64 f32 a thread at 8 heads, 128 at 16; Q fragments 32 /
 ///   64): ptxas (NVRTC sm_90a, `cuobjdump -res-usage`) gives 245-252 registers, no stack or
 ///   local memory, for all six tensor-core shapes at 256 (64 threads: 4 CTAs per SM by
@@ -137,9 +137,8 @@ const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
 /// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in attention.cu,
 /// kernel names `paged_attention_tc_fp8_*`). A stage of FP8 codes is half the bytes of a bf16
 /// one, so the deeper rings keep as many bytes in flight as the bf16 default: at head_dim 128,
-/// 8 stages of 16 tokens are 36.9 KB of codes (6 CTAs per SM); 4 stages, 18.4 KB. The last,
-/// 4 warps (32 tokens a stage), is for the sweep in `cuda_bench_fp8`.
-pub const ATTN_FP8_VARIANTS: [AttnVariant; 4] = [tc(2, 4, 8), tc(2, 8, 8), tc(2, 8, 16), tc(4, 4, 8)];
+/// 8 stages of 16 tokens are 36.9 KB of codes (6 CTAs per SM); 4 stages, 18.4 KB (8).
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 4, 8), tc(2, 8, 8), tc(2, 8, 16)];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
 /// (index in [`ATTN_FP8_VARIANTS`]): the 8-stage ring, with 16 heads per CTA beyond a group of 8.
@@ -309,7 +308,6 @@ mod tests {
         assert_eq!(tc_dynamic_smem(&s4g16, 256, false), 67_584);
         assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[0], 256, true), 0);
         assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[1], 256, true), 69_632);
-        assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[3], 256, true), 69_632);
         assert_eq!(tc_dynamic_smem(&ATTN_VARIANTS[0], 256, false), 0);
         for v in ATTN_VARIANTS.iter().chain(&ATTN_FP8_VARIANTS) {
             assert!(tc_smem_bytes(v, 256, true).max(tc_smem_bytes(v, 256, false)) <= 227 * 1024);
