@@ -15,7 +15,8 @@
 //! images (exact), so each FP8 output's relative difference from the bf16 default's output is
 //! printed as a check of what was timed (the kernels round only where the bf16 path does).
 //!
-//! Usage: `cuda_bench_fp8 OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
+//! Usage: `cuda_bench_fp8 OUT.json [COMMIT [B:CTX]]` (B:CTX: only that decode shape); prints a
+//! table and writes every figure as JSON.
 
 use baton_kernels::cpu::fp8::e4m3_to_f32;
 use baton_kernels::cuda::{
@@ -62,6 +63,11 @@ fn run() -> Result<(), CudaError> {
     let args: Vec<String> = std::env::args().collect();
     let out_path = args.get(1).cloned().unwrap_or_else(|| "cuda_bench_fp8.json".into());
     let commit = args.get(2).cloned().unwrap_or_default();
+    // Optional `B:CTX`: only that decode shape (for a profiler run of one launch).
+    let only: Option<(usize, usize)> = args.get(3).and_then(|s| {
+        let (b, c) = s.split_once(':')?;
+        Some((b.parse().ok()?, c.parse().ok()?))
+    });
     let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None })?;
     let mut r = StdRng::seed_from_u64(0xf8);
     let mut table = String::new();
@@ -84,8 +90,8 @@ fn run() -> Result<(), CudaError> {
         "\ndecode attention (32/8 heads, hd 128, bs 16, split auto); * = default FP8 variant\n cache variant      batch   ctx      us    GB/s  %copy  vs bf16  rel diff"
     )
     .ok();
-    for &(batch, ctx) in &[(1usize, 8192usize), (8, 4096), (32, 2048), (32, 8192), (64, 2048), (128, 4096), (256, 1024)]
-    {
+    let shapes = [(1usize, 8192usize), (8, 4096), (32, 2048), (32, 8192), (64, 2048), (128, 4096), (256, 1024)];
+    for &(batch, ctx) in shapes.iter().filter(|s| only.is_none_or(|o| o == **s)) {
         let common::DecodeSets { geo, mut metas, copies } =
             common::decode_sets(&dev, &mut r, (batch, ctx), (bs, nkv, hd), 1)?;
         let (k, v) = (twin(&dev, &mut r, geo.layer_len())?, twin(&dev, &mut r, geo.layer_len())?);
