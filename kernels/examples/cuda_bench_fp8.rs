@@ -13,7 +13,8 @@
 //!
 //! Both caches hold the same values: random E4M3 codes (scales 1, no NaN code) and their bf16
 //! images (exact), so each FP8 output's relative difference from the bf16 default's output is
-//! printed as a check of what was timed (the kernels round only where the bf16 path does).
+//! printed as a check of what was timed (the prefill kernels round only where the bf16 path
+//! does; the FP8 decode kernel rounds the softmax weights to f16 where bf16 rounds to bf16).
 //!
 //! Usage: `cuda_bench_fp8 OUT.json [COMMIT [B:CTX]]` (B:CTX: only that decode shape); prints a
 //! table and writes every figure as JSON.
