@@ -151,7 +151,7 @@ impl MoeRouteCall<'_> {
 
 /// The routing kernels' checks (limits and sizes), then their leading arguments (logits
 /// through weights, in the kernels' order).
-fn route_args<'a>(op: &'static str, c: &'a MoeRouteCall<'_>) -> Result<Args<'a>, CudaError> {
+pub(super) fn route_args<'a>(op: &'static str, c: &'a MoeRouteCall<'_>) -> Result<Args<'a>, CudaError> {
     let (rows, ne, r) = (c.rows, c.n_experts, c.routing);
     shape_check(op, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
         format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
@@ -319,6 +319,7 @@ impl MoeGroupedGemvCall<'_> {
             act: MoeSkinnyAct::None,
             alpha: 0.0,
             limit: 0.0,
+            unpermute: None,
         };
         if !product.checked(OP)? {
             return Ok(());
