@@ -243,6 +243,22 @@ fn run() -> Res<()> {
     };
     let prefill_table: Vec<u32> = (decode_blocks as u32..(decode_blocks + prefill_blocks) as u32).collect();
 
+    // `--moe-kernel legacy|split|new|both` or a comma list of them (`split,new`): the MoE
+    // layer on its first kernels, on the five-launch set, on the current one (the default), or
+    // each in turn at every shape (`both` = `legacy,new`; MoE configs only).
+    let moe_sets: Vec<MoeKernels> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
+        (false, _) | (true, None) => vec![MoeKernels::Fused],
+        (true, Some("both")) => vec![MoeKernels::First, MoeKernels::Fused],
+        (true, Some(list)) => list
+            .split(',')
+            .map(|name| {
+                [MoeKernels::First, MoeKernels::Split, MoeKernels::Fused]
+                    .into_iter()
+                    .find(|k| k.name() == name)
+                    .ok_or_else(|| format!("--moe-kernel {name}: expected legacy, split, new or both"))
+            })
+            .collect::<Result<_, _>>()?,
+    };
     // TTFT: one 2,048-token prompt as one prefill step.
     let prefill = BatchLayout {
         tokens: (0..n).map(|i| (i * 31 % cfg.vocab_size) as u32).collect(),
@@ -252,7 +268,11 @@ fn run() -> Res<()> {
         pending: Vec::new(),
         prompt_logprobs: Vec::new(),
     };
-    for prefill_kernel in [true, false] {
+    // Every MoE kernel set with the prefill attention kernel, the last also with the decode one.
+    let ttft_runs: Vec<(MoeKernels, bool)> =
+        moe_sets.iter().map(|&m| (m, true)).chain(std::iter::once((moe_sets[moe_sets.len() - 1], false))).collect();
+    for (moe, prefill_kernel) in ttft_runs {
+        model.backend_mut().set_moe_kernels(moe);
         model.backend_mut().set_prefill_kernel(prefill_kernel);
         engine_step(&mut model, &prefill)?;
         let mut t = Vec::new();
@@ -264,13 +284,15 @@ fn run() -> Res<()> {
         let ttft = median(t);
         let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
         let attn = if prefill_kernel { "prefill kernel" } else { "decode kernel" };
+        let moe_name = moe.name();
+        let moe_txt = if cfg.moe.is_some() { format!(", MoE kernels {moe_name}") } else { String::new() };
         writeln!(
             table,
-            "TTFT 2048-token prompt, attention on the {attn}: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)",
+            "TTFT 2048-token prompt, attention on the {attn}{moe_txt}: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)",
             ttft * 1e3
         )?;
         json.push(format!(
-            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
             ttft * 1e3
         ));
     }
@@ -294,22 +316,6 @@ fn run() -> Res<()> {
         Some("off") => vec![false],
         Some("both") => vec![true, false],
         _ => vec![true],
-    };
-    // `--moe-kernel legacy|split|new|both` or a comma list of them (`split,new`): the MoE
-    // layer on its first kernels, on the five-launch set, on the current one (the default), or
-    // each in turn at every shape (`both` = `legacy,new`; MoE configs only).
-    let moe_sets: Vec<MoeKernels> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
-        (false, _) | (true, None) => vec![MoeKernels::Fused],
-        (true, Some("both")) => vec![MoeKernels::First, MoeKernels::Fused],
-        (true, Some(list)) => list
-            .split(',')
-            .map(|name| {
-                [MoeKernels::First, MoeKernels::Split, MoeKernels::Fused]
-                    .into_iter()
-                    .find(|k| k.name() == name)
-                    .ok_or_else(|| format!("--moe-kernel {name}: expected legacy, split, new or both"))
-            })
-            .collect::<Result<_, _>>()?,
     };
     // (graphs, pdl, fused gate, MoE kernels) for every run of a shape.
     let mut modes: Vec<(bool, bool, bool, MoeKernels)> = Vec::new();

@@ -646,3 +646,81 @@ fn gpu_moe_down_unpermute_is_bit_identical_to_unfused() {
         }
     }
 }
+
+/// Expert ids for `rows × k` assignments over `ne` experts: `uniform`; one expert taking 80 %
+/// of them and the rest spread over the lower half of the experts (the upper half empty); or
+/// every assignment to one expert.
+fn skewed_ids(r: &mut StdRng, n: usize, ne: usize, mode: usize) -> Vec<u32> {
+    let hot = r.random_range(0..ne) as u32;
+    (0..n)
+        .map(|_| match mode {
+            0 => r.random_range(0..ne) as u32,
+            1 if r.random_range(0..10) < 8 => hot,
+            1 => r.random_range(0..ne / 2) as u32,
+            _ => hot,
+        })
+        .collect()
+}
+
+/// The wide-tiled grouped GEMM ([`MoeExpertKernel::GemmWide`]) and the 64 × 64 one against
+/// the CPU over skewed routings (uniform; one expert with 80 % of the entries and half the
+/// experts empty; every entry on one expert), both row sources, with and without a bias,
+/// output widths that are and are not multiples of the 128-column tile, inputs of 96 to 2,048
+/// (multiples of the 32-input step); outputs poisoned. Also checks the automatic choice takes
+/// the wide kernel from 64 entries an expert.
+#[test]
+fn gpu_moe_wide_gemm_matches_cpu_on_skewed_routings() {
+    let dev = device();
+    let mut r = rng("moe_wide_gemm");
+    // (tokens, k, experts, n, d)
+    let shapes = [(600, 4, 16, 320, 256), (300, 8, 32, 256, 96), (1100, 2, 8, 200, 160), (80, 8, 8, 1536, 2048)];
+    for (rows, k, ne, n, d) in shapes {
+        let a = rows * k;
+        assert!(
+            baton_kernels::cuda::moe_gemm_wide_preferred(a, ne, d),
+            "{rows}×{k} over {ne} should take the wide GEMM"
+        );
+        for mode in 0..3 {
+            let ids = skewed_ids(&mut r, a, ne, mode);
+            let perm = cpu::moe_permute(&ids, ne).expect("cpu permute");
+            let offsets = dev.upload(&as_i32(&perm.offsets)).expect("offsets");
+            let order = dev.upload(&as_i32(&perm.order)).expect("order");
+            let w = rand_vec(&mut r, ne * n * d, 1.0 / (d as f32).sqrt());
+            let b = rand_vec(&mut r, ne * n, 0.5);
+            let (wd, bd) = (up(&dev, &w), up(&dev, &b));
+            for rows_src in [MoeRows::PerToken, MoeRows::Permuted] {
+                let x_rows = if rows_src == MoeRows::PerToken { rows } else { a };
+                let x = rand_vec(&mut r, x_rows * d, 1.0);
+                let xd = up(&dev, &x);
+                for with_bias in [false, true] {
+                    let wv = ExpertWeights { w: &w, n, d, bias: with_bias.then_some(&b[..]) };
+                    let mut want = vec![0f32; a * n];
+                    cpu::moe_grouped_linear(&x, rows_src, wv, &perm, k, &mut want).expect("cpu");
+                    for kernel in [MoeExpertKernel::GemmWide, MoeExpertKernel::Gemm, MoeExpertKernel::Auto] {
+                        let what = format!(
+                            "gemm {kernel:?} rows={rows} k={k} e={ne} n={n} d={d} skew={mode} {rows_src:?} bias={with_bias}"
+                        );
+                        let mut out = poisoned(&dev, a * n);
+                        MoeGroupedGemvCall {
+                            x: &xd,
+                            rows: rows_src,
+                            k,
+                            w: &wd,
+                            bias: with_bias.then_some(&bd),
+                            n_experts: ne,
+                            n,
+                            d,
+                            offsets: &offsets,
+                            order: &order,
+                            assignments: a,
+                            out: &mut out,
+                        }
+                        .launch_with(&dev, kernel)
+                        .expect("grouped GEMM");
+                        check(&what, &down(&dev, &out, a * n), &want);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -4,12 +4,14 @@
 //! permutation, in one launch for decode-sized steps; the grouped `[gate | up]` product with
 //! its bias and the activation (SiLU·mul, or gpt-oss's clamped SwiGLU over interleaved rows),
 //! fused into one launch over the experts in use for decode-sized steps, a tiled GEMM then the
-//! activation for prefill-sized ones; the grouped `down` product with its bias; the weighted
+//! activation for prefill-sized ones (64 × 128 tiles on the default set when experts average
+//! 64 entries); the grouped `down` product with its bias; the weighted
 //! un-permute). Steps of at most [`MOE_ROUTER_MAX_ROWS`] rows run three launches a layer
 //! ([`MoeKernels::Fused`], the default): the router GEMV with the routing and permutation
 //! ([`MoeRouterCall`]), gate_up with its activation, and down with the un-permute
 //! ([`MoeDownUnpermuteCall`]). [`CudaBackend::set_moe_kernels`] selects the earlier sets for
-//! comparisons: [`MoeKernels::Split`] (the five launches before those two fusions) and
+//! comparisons: [`MoeKernels::Split`] (the five launches before those two fusions, and the
+//! 64 × 64 GEMM tiles at every prefill size) and
 //! [`MoeKernels::First`] (routing and permutation apart, the CUDA-core GEMV over every expert,
 //! the activation apart). Each kernel gets a profile mark (`moe_*`), so `bench_cuda`'s per-op
 //! profile splits the layer.
@@ -44,10 +46,12 @@ pub enum MoeKernels {
     /// with a CTA column for every expert, the activation as its own launch.
     First,
     /// Five launches at decode sizes: the router GEMV, route + permute, gate_up with its
-    /// activation, down, un-permute (the tensor-core skinny product over the experts in use).
+    /// activation, down, un-permute (the tensor-core skinny product over the experts in use);
+    /// prefill-sized steps on the 64 × 64 grouped GEMM.
     Split,
     /// [`Self::Split`] with, for steps of at most [`MOE_ROUTER_MAX_ROWS`] rows, the router fused
-    /// with route + permute and the un-permute fused into down: three launches (the default).
+    /// with route + permute and the un-permute fused into down (three launches), and the wide
+    /// (64 × 128) grouped GEMM for experts averaging 64 entries (the default).
     Fused,
 }
 
@@ -196,13 +200,15 @@ impl CudaBackend {
         let s = &mut self.moe;
         let profile = &mut self.profile;
         let legacy = s.kernels == MoeKernels::First;
-        // Prefill-sized steps run the tiled GEMM (its activation apart); decode-sized ones the
-        // skinny product over the experts in use, gate_up fused with its activation (the first
-        // kernels: the CUDA-core GEMV over every expert, the activation apart).
-        let (gate_up_kernel, down_kernel) = match legacy {
-            false => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
-            true => {
-                let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { MoeExpertKernel::Gemv };
+        // Prefill-sized steps run a tiled GEMM (its activation apart): the wide tiles on the
+        // fused set when experts average 64 entries, else the 64 × 64 ones; decode-sized ones
+        // the skinny product over the experts in use, gate_up fused with its activation (the
+        // first kernels: the CUDA-core GEMV over every expert, the activation apart).
+        let (gate_up_kernel, down_kernel) = match s.kernels {
+            MoeKernels::Fused => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
+            MoeKernels::Split | MoeKernels::First => {
+                let small = if legacy { MoeExpertKernel::Gemv } else { MoeExpertKernel::Skinny };
+                let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { small };
                 (pick(h), pick(inter))
             }
         };

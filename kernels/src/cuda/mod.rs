@@ -121,7 +121,7 @@ pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
 pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_ROUTE_PERMUTE_MAX_ROWS, MoeExpertKernel, MoeGroupedGemvCall,
-    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred,
+    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred, moe_gemm_wide_preferred,
 };
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
