@@ -94,6 +94,17 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
 
 #define MOE_CHUNK 4096
 
+// The inclusive prefix sum of v over the lanes of the calling warp (every lane calls it).
+__device__ __forceinline__ int moe_warp_incl_scan(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
 // The exclusive prefix of the per-expert counts in cursor (shared) into cursor and offsets
 // (n_experts + 1 values, the last the total), by one warp (every lane calls it): lane l sums
 // experts 8l .. 8l + 7, a shuffle scan over the lanes, then each lane writes its 8 (a serial loop
@@ -109,12 +120,7 @@ __device__ __forceinline__ void moe_scan_offsets(int* cursor, int n_experts, int
         c[i] = e < n_experts ? cursor[e] : 0;
         sum += c[i];
     }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
+    const int incl = moe_warp_incl_scan(sum);
     int acc = incl - sum;
 #pragma unroll
     for (int i = 0; i < PER; i++) {

@@ -1,7 +1,7 @@
 // The grouped expert GEMM for prefill-sized steps with many entries per expert (reference:
 // kernels/src/cpu/moe.rs moe_grouped_linear; launcher: kernels/src/cuda/moe.rs,
 // MoeExpertKernel::GemmWide). Compiled after moe.cu (same module): it uses moe_smem, moe_cp16,
-// moe_ldsm4 and moe_mma.
+// moe_ldsm4, moe_mma and moe_warp_incl_scan.
 //
 // out[p, c] = x[src(p)] . w[e, c] (+ bias[e, c]) as moe_grouped_gemm_bf16 computes it, on
 // wider tiles: a CTA of 8 warps computes 64 entries of one expert x 128 columns, each warp
@@ -37,12 +37,7 @@ __device__ __forceinline__ bool moe_find_tile(const int* __restrict__ offsets, i
         tiles[i] = (c + bm - 1) / bm;
         sum += tiles[i];
     }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
+    const int incl = moe_warp_incl_scan(sum);
     // The lane whose experts hold tile t: the first with t < incl.
     const unsigned m = __ballot_sync(0xffffffffu, t < incl);
     if (m == 0) return false;

@@ -62,6 +62,26 @@ fn as_i32(v: &[u32]) -> Vec<i32> {
     v.iter().map(|&x| x as i32).collect()
 }
 
+/// A device routing (`[ids, offsets, order, position]` and weights) against the CPU's: the
+/// integers exact, the weights to 1e-5.
+fn check_route(
+    dev: &CudaDevice,
+    what: &str,
+    [ids, offsets, order, position]: [&CudaSlice<i32>; 4],
+    weights: &CudaSlice<f32>,
+    (want_ids, want_w, perm): (&[u32], &[f32], &MoePermutation),
+) {
+    let (n, ne) = (want_ids.len(), perm.offsets.len() - 1);
+    let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
+    assert_eq!(got(ids, n), as_i32(want_ids), "{what}: ids");
+    assert_eq!(got(offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
+    assert_eq!(got(order, n), as_i32(&perm.order), "{what}: order");
+    assert_eq!(got(position, n), as_i32(&perm.position), "{what}: position");
+    let gw: Vec<f32> = dev.download(weights, n).expect("weights");
+    let e = common::rel_err(&gw, want_w);
+    assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+}
+
 /// The device routing weights and permutation (offsets, order, position) of a routing,
 /// through the fused launch.
 struct DevicePerm {
@@ -132,14 +152,8 @@ fn gpu_moe_route_permute_fused_matches_cpu() {
                     .launch_with(&dev, fused)
                     .expect("route + permute");
                     let what = format!("route+permute e={ne} k={k} rows={rows} skewed={skewed} fused={fused}");
-                    let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
-                    assert_eq!(got(&ids, n), as_i32(&want_ids), "{what}: ids");
-                    assert_eq!(got(&offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
-                    assert_eq!(got(&order, n), as_i32(&perm.order), "{what}: order");
-                    assert_eq!(got(&position, n), as_i32(&perm.position), "{what}: position");
-                    let gw: Vec<f32> = dev.download(&w, n).expect("weights");
-                    let e = common::rel_err(&gw, &want_w);
-                    assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+                    let got = [&ids, &offsets, &order, &position];
+                    check_route(&dev, &what, got, &w, (&want_ids, &want_w, &perm));
                 }
             }
         }
@@ -491,14 +505,8 @@ fn gpu_moe_router_fused_matches_cpu() {
                         let gl: Vec<f32> = dev.download(&logits, rows * ne).expect("logits");
                         let e = common::rel_err(&gl, &l);
                         assert!(e < 1e-5, "{what}: logits rel err {e:.2e}");
-                        let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
-                        assert_eq!(got(&ids, n), as_i32(&want_ids), "{what}: ids");
-                        assert_eq!(got(&offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
-                        assert_eq!(got(&order, n), as_i32(&perm.order), "{what}: order");
-                        assert_eq!(got(&position, n), as_i32(&perm.position), "{what}: position");
-                        let gw: Vec<f32> = dev.download(&wts, n).expect("weights");
-                        let e = common::rel_err(&gw, &want_w);
-                        assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+                        let got = [&ids, &offsets, &order, &position];
+                        check_route(&dev, &what, got, &wts, (&want_ids, &want_w, &perm));
                         assert_eq!(dev.download(&counter, 1).expect("counter"), vec![0u32], "{what}: counter left set");
                     }
                 }
