@@ -23,14 +23,16 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
-//! [--moe-kernel legacy|new|both] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|both|LIST] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
 //! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--moe-kernel`
-//! runs a MoE config's layers on their first kernels (`legacy`), their current ones (`new`, the
-//! default) or each in turn at every shape, in the decode timings and the profile (`both`); the
-//! profile splits a MoE layer into its `moe_*` kernels, each with its floor;
+//! runs a MoE config's layers on their first kernels (`legacy`), the five-launch decode set
+//! (`split`), their current ones (`new`, the default: router + routing + permutation and down +
+//! un-permute fused for steps of at most 16 rows), or each of a comma list in turn at every
+//! shape, in the decode timings and the profile (`both` = `legacy,new`); the profile splits a
+//! MoE layer into its `moe_*` kernels, each with its floor;
 //! `--all-global` treats every layer as global (no sliding window; each layer keeps its RoPE
 //! and everything else), so that a windowed model (`configs/models/gemma-3-12b.json`) can be
 //! compared with itself attending over the whole context. The decode floors count what each
@@ -40,7 +42,7 @@
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
 
-use baton_engine::backend::cuda::CudaBackend;
+use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
@@ -241,6 +243,22 @@ fn run() -> Res<()> {
     };
     let prefill_table: Vec<u32> = (decode_blocks as u32..(decode_blocks + prefill_blocks) as u32).collect();
 
+    // `--moe-kernel legacy|split|new|both` or a comma list of them (`split,new`): the MoE
+    // layer on its first kernels, on the five-launch set, on the current one (the default), or
+    // each in turn at every shape (`both` = `legacy,new`; MoE configs only).
+    let moe_sets: Vec<MoeKernels> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
+        (false, _) | (true, None) => vec![MoeKernels::Fused],
+        (true, Some("both")) => vec![MoeKernels::First, MoeKernels::Fused],
+        (true, Some(list)) => list
+            .split(',')
+            .map(|name| {
+                [MoeKernels::First, MoeKernels::Split, MoeKernels::Fused]
+                    .into_iter()
+                    .find(|k| k.name() == name)
+                    .ok_or_else(|| format!("--moe-kernel {name}: expected legacy, split, new or both"))
+            })
+            .collect::<Result<_, _>>()?,
+    };
     // TTFT: one 2,048-token prompt as one prefill step.
     let prefill = BatchLayout {
         tokens: (0..n).map(|i| (i * 31 % cfg.vocab_size) as u32).collect(),
@@ -250,7 +268,11 @@ fn run() -> Res<()> {
         pending: Vec::new(),
         prompt_logprobs: Vec::new(),
     };
-    for prefill_kernel in [true, false] {
+    // Every MoE kernel set with the prefill attention kernel, the last also with the decode one.
+    let ttft_runs: Vec<(MoeKernels, bool)> =
+        moe_sets.iter().map(|&m| (m, true)).chain(std::iter::once((moe_sets[moe_sets.len() - 1], false))).collect();
+    for (moe, prefill_kernel) in ttft_runs {
+        model.backend_mut().set_moe_kernels(moe);
         model.backend_mut().set_prefill_kernel(prefill_kernel);
         engine_step(&mut model, &prefill)?;
         let mut t = Vec::new();
@@ -262,13 +284,15 @@ fn run() -> Res<()> {
         let ttft = median(t);
         let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
         let attn = if prefill_kernel { "prefill kernel" } else { "decode kernel" };
+        let moe_name = moe.name();
+        let moe_txt = if cfg.moe.is_some() { format!(", MoE kernels {moe_name}") } else { String::new() };
         writeln!(
             table,
-            "TTFT 2048-token prompt, attention on the {attn}: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)",
+            "TTFT 2048-token prompt, attention on the {attn}{moe_txt}: {:.1} ms ({prefill_tflops:.0} TFLOP/s of GEMM work)",
             ttft * 1e3
         )?;
         json.push(format!(
-            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
             ttft * 1e3
         ));
     }
@@ -293,20 +317,12 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
-    // `--moe-kernel legacy|new|both`: the MoE layer on its first kernels, its current ones
-    // (the default), or each in turn at every shape (MoE configs only).
-    let moe_legacy: Vec<bool> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
-        (false, _) | (true, None | Some("new")) => vec![false],
-        (true, Some("legacy")) => vec![true],
-        (true, Some("both")) => vec![true, false],
-        (true, Some(other)) => return Err(format!("--moe-kernel {other}: expected legacy, new or both").into()),
-    };
-    // (graphs, pdl, fused gate, legacy MoE) for every run of a shape.
-    let mut modes: Vec<(bool, bool, bool, bool)> = Vec::new();
+    // (graphs, pdl, fused gate, MoE kernels) for every run of a shape.
+    let mut modes: Vec<(bool, bool, bool, MoeKernels)> = Vec::new();
     for &g in &graph_modes {
         for &p in &pdl_modes {
             for &f in &fused_modes {
-                modes.extend(moe_legacy.iter().map(|&l| (g, p, f, l)));
+                modes.extend(moe_sets.iter().map(|&l| (g, p, f, l)));
             }
         }
     }
@@ -321,17 +337,19 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &(graphs, pdl, fused, legacy) in &modes {
+        for &(graphs, pdl, fused, moe) in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused);
-            model.backend_mut().set_moe_legacy(legacy);
+            model.backend_mut().set_moe_kernels(moe);
+            let legacy = moe == MoeKernels::First;
+            let moe_name = moe.name();
             let mode = format!(
                 "{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused { "" } else { "-unfused" },
-                if legacy { "+legacy-moe" } else { "" }
+                if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -354,7 +372,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -367,8 +385,9 @@ fn run() -> Res<()> {
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
-            for (&gemm, &legacy) in gemms.iter().flat_map(|g| moe_legacy.iter().map(move |l| (g, l))) {
-                model.backend_mut().set_moe_legacy(legacy);
+            for (&gemm, &moe) in gemms.iter().flat_map(|g| moe_sets.iter().map(move |l| (g, l))) {
+                model.backend_mut().set_moe_kernels(moe);
+                let (legacy, moe_name) = (moe == MoeKernels::First, moe.name());
                 model.backend_mut().set_gemv(gemm == "default" && gemv);
                 let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
                 let shape = OpShape {
@@ -381,13 +400,7 @@ fn run() -> Res<()> {
                     touched: touched(b),
                     windows: &windows,
                 };
-                let moe_txt = if cfg.moe.is_none() {
-                    ""
-                } else if legacy {
-                    " moe=legacy"
-                } else {
-                    " moe=new"
-                };
+                let moe_txt = if cfg.moe.is_none() { String::new() } else { format!(" moe={moe_name}") };
                 writeln!(
                     table,
                     "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}{moe_txt}: op | us/step | floor us | % of floor"
@@ -398,13 +411,13 @@ fn run() -> Res<()> {
                     let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
                     writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
                     json.push(format!(
-                        "{{\"name\":\"decode_op\",\"legacy_moe\":{legacy},\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                        "{{\"name\":\"decode_op\",\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
                     ));
                 }
                 writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
             }
             model.backend_mut().set_gemv(gemv);
-            model.backend_mut().set_moe_legacy(false);
+            model.backend_mut().set_moe_kernels(MoeKernels::Fused);
         }
         let st = model.backend().graph_stats();
         writeln!(
@@ -524,6 +537,9 @@ impl OpShape<'_> {
             "moe_act" => ml * a * 6.0 * mi,
             "moe_down" => ml * (self.touched * 2.0 * h * mi + a * 2.0 * (mi + h)),
             "moe_unpermute" => ml * (a * (2.0 * h + 8.0) + b * 2.0 * h),
+            // The fused launches of small steps: the sums of their parts.
+            "moe_router_route" => self.bytes("moe_router") + self.bytes("moe_route"),
+            "moe_down_unpermute" => self.bytes("moe_down") + self.bytes("moe_unpermute"),
             "embed" => b * h * 6.0,
             // Two norms per layer: the f32 residual read and written, x read, out written.
             "norm" => 2.0 * l * b * h * 12.0,

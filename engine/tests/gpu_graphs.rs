@@ -16,7 +16,7 @@ mod common;
 
 use baton_core::api::EngineClient;
 use baton_core::params::SamplingParams;
-use baton_engine::backend::cuda::CudaBackend;
+use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_engine::{DeviceSpec, EngineConfig, start_engine};
@@ -116,7 +116,7 @@ fn step_both(models: &mut [ModelRunner<CudaBackend>; 2], seqs: &mut [Seq], live:
 #[test]
 fn gpu_graph_replays_match_eager_steps() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::llama() });
-    let stats = graph_schedule(&m.model, 600, false);
+    let stats = graph_schedule(&m.model, 600, MoeKernels::Fused);
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
     assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
@@ -130,7 +130,7 @@ fn gpu_graph_replays_match_eager_steps() {
 #[test]
 fn gpu_moe_graph_replays_match_eager_steps() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
-    let stats = graph_schedule(&m.model, 600, false);
+    let stats = graph_schedule(&m.model, 600, MoeKernels::Fused);
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
     assert_eq!(stats.failed, 0, "a recording failed: {stats:?}");
@@ -143,7 +143,7 @@ fn gpu_moe_graph_replays_match_eager_steps() {
 fn gpu_gemma_graph_replays_match_eager_steps() {
     for name in ["gemma2", "gemma3_text"] {
         // A growing prefill within the fixtures' 512 positions.
-        let stats = graph_schedule(&common::peaked_gemma_fixture(name, 8.0), 300, false);
+        let stats = graph_schedule(&common::peaked_gemma_fixture(name, 8.0), 300, MoeKernels::Fused);
         println!("{name}: {stats:?}");
         assert!(stats.recorded >= 6, "{name}: too few graphs recorded: {stats:?}");
         assert!(stats.replayed >= 50, "{name}: too few steps replayed: {stats:?}");
@@ -156,7 +156,7 @@ fn gpu_gemma_graph_replays_match_eager_steps() {
 /// clamped SwiGLU replay from graphs as they run op by op, past the window (16).
 #[test]
 fn gpu_gpt_oss_graph_replays_match_eager_steps() {
-    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, false);
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, MoeKernels::Fused);
     println!("gpt_oss: {stats:?}");
     assert!(stats.recorded >= 6, "too few graphs recorded: {stats:?}");
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
@@ -171,23 +171,36 @@ fn gpu_gpt_oss_graph_replays_match_eager_steps() {
 #[test]
 fn gpu_moe_new_kernels_match_the_first_ones() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
-    let stats = graph_schedule(&m.model, 600, true);
+    let stats = graph_schedule(&m.model, 600, MoeKernels::First);
     assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
-    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, true);
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, MoeKernels::First);
+    assert!(stats.replayed >= 50, "gpt_oss: too few steps replayed: {stats:?}");
+}
+
+/// The schedule with the op-by-op model on the five-launch decode set ([`MoeKernels::Split`])
+/// and the graph model on the fused one (steps of at most 16 rows: the router with routing and
+/// permutation, down with the un-permute, their counters reset by every launch and replay):
+/// Mixtral's SiLU experts and gpt-oss's router bias and biased experts compute the same steps.
+#[test]
+fn gpu_moe_fused_router_and_unpermute_match_the_split_kernels() {
+    let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
+    let stats = graph_schedule(&m.model, 600, MoeKernels::Split);
+    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
+    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, MoeKernels::Split);
     assert!(stats.replayed >= 50, "gpt_oss: too few steps replayed: {stats:?}");
 }
 
 /// Runs the schedule of the module doc on `m` with graphs and op by op (the growing prefill
-/// `long` tokens; the op-by-op model on the first MoE kernels when `eager_moe_legacy`),
-/// checking every step; returns the graph model's replay counters.
+/// `long` tokens; the op-by-op model on the MoE kernel set `eager_moe`, the graph model on the
+/// default one), checking every step; returns the graph model's replay counters.
 fn graph_schedule(
     m: &baton_formats::LoadedModel,
     long: usize,
-    eager_moe_legacy: bool,
+    eager_moe: MoeKernels,
 ) -> baton_engine::backend::cuda::GraphStats {
     let vocab = m.config.vocab_size;
     let mut models = [cuda_model(m, true), cuda_model(m, false)];
-    models[1].backend_mut().set_moe_legacy(eager_moe_legacy);
+    models[1].backend_mut().set_moe_kernels(eager_moe);
     let lengths = [1usize, 7, 16, 17, 33, 5, 12, 40, 3, 9, 21, 2, 30, 14, 6, 19, 11, 8, 25, 4];
     let mut seqs: Vec<Seq> = lengths
         .iter()

@@ -94,6 +94,46 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
 
 #define MOE_CHUNK 4096
 
+// The inclusive prefix sum of v over the lanes of the calling warp (every lane calls it).
+__device__ __forceinline__ int moe_warp_incl_scan(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
+// The exclusive prefix of the per-expert counts in cursor (shared) into cursor and offsets
+// (n_experts + 1 values, the last the total), by one warp (every lane calls it): lane l sums
+// experts 8l .. 8l + 7, a shuffle scan over the lanes, then each lane writes its 8 (a serial loop
+// over 128 experts by one thread cost microseconds of dependent shared-memory round trips).
+__device__ __forceinline__ void moe_scan_offsets(int* cursor, int n_experts, int* __restrict__ offsets) {
+    constexpr int PER = MOE_MAX_EXPERTS / 32;
+    const int lane = threadIdx.x & 31;
+    int c[PER];
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int e = lane * PER + i;
+        c[i] = e < n_experts ? cursor[e] : 0;
+        sum += c[i];
+    }
+    const int incl = moe_warp_incl_scan(sum);
+    int acc = incl - sum;
+#pragma unroll
+    for (int i = 0; i < PER; i++) {
+        const int e = lane * PER + i;
+        if (e < n_experts) {
+            cursor[e] = acc;
+            offsets[e] = acc;
+        }
+        acc += c[i];
+    }
+    if (lane == 31) offsets[n_experts] = incl;
+}
+
 // One CTA (any multiple of 32 threads, 1,024 best). Counts per expert (shared atomics; the
 // count does not depend on their order), an exclusive prefix into offsets (n_experts + 1, a
 // warp scan), then a stable placement: ids are staged in chunks in shared memory and warp w
@@ -114,37 +154,7 @@ __device__ __forceinline__ void moe_permute_body(const int* ids, int n, int n_ex
         if ((unsigned)e < (unsigned)n_experts) atomicAdd(&cursor[e], 1);
     }
     __syncthreads();
-    // The exclusive prefix by warp 0: lane l sums experts 8l .. 8l + 7, a shuffle scan over the
-    // lanes, then each lane writes its 8 (a serial loop over 128 experts by one thread cost
-    // microseconds of dependent shared-memory round trips).
-    if (warp == 0) {
-        constexpr int PER = MOE_MAX_EXPERTS / 32;
-        int c[PER];
-        int sum = 0;
-#pragma unroll
-        for (int i = 0; i < PER; i++) {
-            const int e = lane * PER + i;
-            c[i] = e < n_experts ? cursor[e] : 0;
-            sum += c[i];
-        }
-        int incl = sum;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        int acc = incl - sum;
-#pragma unroll
-        for (int i = 0; i < PER; i++) {
-            const int e = lane * PER + i;
-            if (e < n_experts) {
-                cursor[e] = acc;
-                offsets[e] = acc;
-            }
-            acc += c[i];
-        }
-        if (lane == 31) offsets[n_experts] = incl;
-    }
+    if (warp == 0) moe_scan_offsets(cursor, n_experts, offsets);
     __syncthreads();
     for (int base = 0; base < n; base += MOE_CHUNK) {
         const int len = min(MOE_CHUNK, n - base);
@@ -390,17 +400,26 @@ extern "C" __global__ __launch_bounds__(128) void moe_grouped_gemm_bf16(
 
 // out[r, i] = shared[r, i] (when given) + sum_j weights[r k + j] * y[position[r k + j], i]: one
 // CTA per token row, f32 sum in a fixed order (deterministic, no atomics), bf16 out.
+// One output of the un-permute, before its bf16 rounding: shared[row, i] (when given) plus
+// the k weighted expert outputs in choice order. Shared by moe_unpermute_bf16 and the down
+// product's fused un-permute (moe_skinny.cu), so both round the same sums the same way. y is
+// read through L2 (ld.global.cg): in the fused kernel other CTAs of the same grid wrote it.
+__device__ __forceinline__ float moe_unpermute_at(const bf16_t* y, const int* __restrict__ position,
+                                                  const float* __restrict__ weights, int k,
+                                                  const bf16_t* __restrict__ shared, long long row, int d, int i) {
+    float acc = shared ? bf2f(shared[row * d + i]) : 0.f;
+    for (int j = 0; j < k; j++)
+        acc += weights[row * k + j] * bf2f(__ldcg(y + (long long)position[row * k + j] * d + i));
+    return acc;
+}
+
 extern "C" __global__ void moe_unpermute_bf16(const bf16_t* __restrict__ y, const int* __restrict__ position,
                                               const float* __restrict__ weights, int k,
                                               const bf16_t* __restrict__ shared, bf16_t* __restrict__ out, int d) {
     PDL_ENTER();
     const long long row = blockIdx.x;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = shared ? bf2f(shared[row * d + i]) : 0.f;
-        for (int j = 0; j < k; j++)
-            acc += weights[row * k + j] * bf2f(y[(long long)position[row * k + j] * d + i]);
-        out[row * d + i] = f2bf(acc);
-    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x)
+        out[row * d + i] = f2bf(moe_unpermute_at(y, position, weights, k, shared, row, d, i));
 }
 
 // gpt-oss's clamped SwiGLU of one (gate, up) pair, shared by the kernel below and the fused

@@ -22,6 +22,7 @@
 // - MOE_ACT_NONE: rows c0 .. c0 + 15, out[p, c] = bf16(sum + bias[e, c]) (16 columns a CTA);
 // - MOE_ACT_SILU: gate rows c0 .. c0 + 7 and up rows I + c0 .. (w is [gate | up], I = n / 2);
 // - MOE_ACT_SWIGLU: gate rows 2c, up rows 2c + 1 (gpt-oss's interleaved columns);
+// - MOE_ACT_UNPERMUTE: as MOE_ACT_NONE, then the un-permute of its 16 columns fused in (below);
 // the fused epilogue rounds gate and up to bf16 exactly as MOE_ACT_NONE stores them (same sum
 // order over the warps, same bias add), then applies the activation kernels' formula, so its
 // output is bit-identical to the unfused product followed by silu_mul_bf16 /
@@ -30,6 +31,7 @@
 #define MOE_ACT_NONE 0
 #define MOE_ACT_SILU 1
 #define MOE_ACT_SWIGLU 2
+#define MOE_ACT_UNPERMUTE 3
 #define MOE_SK_WARPS 4
 
 // The y-th expert, in index order, with at least one entry: its id and segment. Every lane of
@@ -70,26 +72,67 @@ __device__ __forceinline__ uint4 moe_ld_stream(const uint4* p) {
     return v;
 }
 
+// The fused un-permute of the down product (MOE_ACT_UNPERMUTE), for decode-sized steps: the
+// CTAs of one column tile (blockIdx.x: 16 output columns, every expert in use) each store
+// their entries' bf16 outputs to y as the plain product does, then arrive on the tile's counter
+// (counters[blockIdx.x], release: a fence after the stores); the last of the gridDim.y CTAs to
+// arrive (inactive ones arrive too) reads the tile back through L2 and writes
+// final[r, c] = bf16(moe_unpermute_at(...)) for every token row r and its 16 columns, so the
+// un-permute launch disappears and the result is bit-identical to moe_unpermute_bf16 after the
+// plain product (same stored y, same helper). It leaves the counter at zero for the next
+// launch (CUDA graph replays). Every thread of the CTA calls it (barriers).
+__device__ __forceinline__ void moe_unpermute_tile(const bf16_t* y, int n, const int* __restrict__ position,
+                                                   const float* __restrict__ weights, int k, int rows,
+                                                   bf16_t* __restrict__ final_out, unsigned* counters) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    // Acquire: the other CTAs' stores to y, fenced before their arrivals, are visible now.
+    __threadfence();
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
+    const int c0 = blockIdx.x * 16;
+    for (int i = threadIdx.x; i < rows * 16; i += blockDim.x) {
+        const int r = i >> 4, col = c0 + (i & 15);
+        if (col < n) final_out[(long long)r * n + col] = f2bf(moe_unpermute_at(y, position, weights, k, nullptr, r, n, col));
+    }
+}
+
+// The un-permute's operands of a MOE_ACT_UNPERMUTE launch (unused otherwise).
+struct MoeUnpermuteArgs {
+    const int* position;
+    const float* weights;
+    int rows;
+    bf16_t* out;
+    unsigned* counters;
+};
+
 template <int ACT, int U>
 __device__ __forceinline__ void moe_skinny_body(const bf16_t* __restrict__ x, int per_token, int k,
                                                 const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
                                                 const int* __restrict__ offsets, const int* __restrict__ order,
                                                 bf16_t* __restrict__ out, int n, int d, int n_experts, float alpha,
-                                                float limit) {
+                                                float limit, MoeUnpermuteArgs un) {
     constexpr int NW = MOE_SK_WARPS;
+    constexpr bool PLAIN = ACT == MOE_ACT_NONE || ACT == MOE_ACT_UNPERMUTE;
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
     __shared__ float red[NW][4][32];
     PDL_ENTER();
     int e = 0, begin = 0, end = 0;
-    if (!moe_active_expert(offsets, n_experts, blockIdx.y, e, begin, end)) return;
+    if (!moe_active_expert(offsets, n_experts, blockIdx.y, e, begin, end)) {
+        if (ACT == MOE_ACT_UNPERMUTE) moe_unpermute_tile(out, n, un.position, un.weights, k, un.rows, un.out, un.counters);
+        return;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kc = d >> 3;
     // Output columns of this CTA, and the two weight rows of lane group g (A rows g, g + 8).
     const int half = n >> 1;
-    const int c0 = blockIdx.x * (ACT == MOE_ACT_NONE ? 16 : 8);
+    const int c0 = blockIdx.x * (PLAIN ? 16 : 8);
     long long ra, rb;
-    if (ACT == MOE_ACT_NONE) {
+    if (PLAIN) {
         ra = min(c0 + g, n - 1);
         rb = min(c0 + g + 8, n - 1);
     } else {
@@ -153,7 +196,7 @@ __device__ __forceinline__ void moe_skinny_body(const bf16_t* __restrict__ x, in
 #pragma unroll
         for (int j = 0; j < 4; j++) red[warp][j][lane] = acc[0][j] + acc[1][j];
         __syncthreads();
-        if (ACT == MOE_ACT_NONE) {
+        if (PLAIN) {
             for (int i = threadIdx.x; i < 4 * 32; i += NW * 32) {
                 const int j = i >> 5, l = i & 31;
                 float s = 0.f;
@@ -193,6 +236,7 @@ __device__ __forceinline__ void moe_skinny_body(const bf16_t* __restrict__ x, in
         // Every thread is done reading red before the next entry batch writes it.
         __syncthreads();
     }
+    if (ACT == MOE_ACT_UNPERMUTE) moe_unpermute_tile(out, n, un.position, un.weights, k, un.rows, un.out, un.counters);
 }
 
 // Six CTAs an SM (__launch_bounds__(128, 6): at most 80 registers, none spilled with NVRTC
@@ -206,40 +250,69 @@ extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_bf16_u2(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_NONE, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_NONE, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_bf16_u4(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_NONE, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_NONE, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_silu_bf16_u2(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_SILU, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_SILU, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_silu_bf16_u4(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_SILU, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_SILU, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_swiglu_bf16_u2(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_SWIGLU, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_SWIGLU, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_swiglu_bf16_u4(
     const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
     const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
     int n_experts, float alpha, float limit) {
-    moe_skinny_body<MOE_ACT_SWIGLU, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit);
+    moe_skinny_body<MOE_ACT_SWIGLU, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                       MoeUnpermuteArgs{});
+}
+
+// The down product with the un-permute fused (MOE_ACT_UNPERMUTE), for decode-sized steps.
+// u2 (expert widths below 2,048: Qwen3-30B-A3B's 768) runs eight CTAs an SM (64 registers, no
+// stack with NVRTC 13.0 on sm_90a): at b = 1 down is 128 column tiles x 8 experts = 1,024 CTAs,
+// one wave over the H100's 132 x 8 slots instead of 1.3 waves at six. u4 keeps six (at eight
+// it spilled 48 bytes).
+extern "C" __global__ __launch_bounds__(128, 8) void moe_skinny_unpermute_bf16_u2(
+    const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+    const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
+    int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
+    int rows, bf16_t* __restrict__ final_out, unsigned* counters) {
+    moe_skinny_body<MOE_ACT_UNPERMUTE, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                          MoeUnpermuteArgs{position, weights, rows, final_out, counters});
+}
+
+extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_unpermute_bf16_u4(
+    const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+    const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
+    int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
+    int rows, bf16_t* __restrict__ final_out, unsigned* counters) {
+    moe_skinny_body<MOE_ACT_UNPERMUTE, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
+                                          MoeUnpermuteArgs{position, weights, rows, final_out, counters});
 }

@@ -2,7 +2,10 @@
 //! the fusions, against the unfused launches bit for bit: routing + permutation in one launch
 //! ([`MoeRoutePermuteCall`]), the tensor-core skinny grouped product over the experts in use
 //! ([`MoeExpertKernel::Skinny`]), and that product with SiLU·mul or gpt-oss's clamped SwiGLU
-//! in its epilogue ([`MoeGateUpActCall`]). Rows 1, 3, 64 and 300; k 1, 2 and 8; 8, 60 and 128
+//! in its epilogue ([`MoeGateUpActCall`]), the router fused with routing and permutation
+//! ([`MoeRouterCall`], against the CPU: its logits are summed in another order) and the down
+//! product with the un-permute fused ([`MoeDownUnpermuteCall`], bit for bit against the product
+//! then [`MoeUnpermuteCall`]). Rows 1, 3, 64 and 300 (1, 3, 16 for the fused router); k 1, 2 and 8; 8, 60 and 128
 //! experts; uniform routing (most experts unused at decode sizes) and skewed routing (every
 //! token to the same experts). Fresh random inputs every run (the seed is printed), outputs
 //! poisoned before each launch, ‖out − ref‖ / ‖ref‖ < 1e-2 for bf16 outputs, ids exact.
@@ -14,8 +17,9 @@ mod common;
 
 use baton_kernels::cpu::{self, ExpertWeights, MoePermutation, MoeRouting, MoeRows, MoeScoring};
 use baton_kernels::cuda::{
-    ClampedSwigluCall, CudaDevice, CudaSlice, MoeExpertKernel, MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall,
-    MoeRouteCall, MoeRoutePermuteCall, SiluMulCall, bf16,
+    ClampedSwigluCall, CudaDevice, CudaSlice, MOE_ROUTER_MAX_ROWS, MoeDownUnpermuteCall, MoeExpertKernel,
+    MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoeRouteCall, MoeRoutePermuteCall, MoeRouterCall,
+    MoeUnpermuteCall, SiluMulCall, bf16, moe_unpermute_counters,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::{Rng, rngs::StdRng};
@@ -58,8 +62,30 @@ fn as_i32(v: &[u32]) -> Vec<i32> {
     v.iter().map(|&x| x as i32).collect()
 }
 
-/// The device permutation of a routing (offsets, order, position), through the fused launch.
+/// A device routing (`[ids, offsets, order, position]` and weights) against the CPU's: the
+/// integers exact, the weights to 1e-5.
+fn check_route(
+    dev: &CudaDevice,
+    what: &str,
+    [ids, offsets, order, position]: [&CudaSlice<i32>; 4],
+    weights: &CudaSlice<f32>,
+    (want_ids, want_w, perm): (&[u32], &[f32], &MoePermutation),
+) {
+    let (n, ne) = (want_ids.len(), perm.offsets.len() - 1);
+    let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
+    assert_eq!(got(ids, n), as_i32(want_ids), "{what}: ids");
+    assert_eq!(got(offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
+    assert_eq!(got(order, n), as_i32(&perm.order), "{what}: order");
+    assert_eq!(got(position, n), as_i32(&perm.position), "{what}: position");
+    let gw: Vec<f32> = dev.download(weights, n).expect("weights");
+    let e = common::rel_err(&gw, want_w);
+    assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+}
+
+/// The device routing weights and permutation (offsets, order, position) of a routing,
+/// through the fused launch.
 struct DevicePerm {
+    weights: CudaSlice<f32>,
     offsets: CudaSlice<i32>,
     order: CudaSlice<i32>,
     position: CudaSlice<i32>,
@@ -69,14 +95,14 @@ fn device_route(dev: &CudaDevice, logits: &[f32], rows: usize, ne: usize, routin
     let n = rows * routing.k;
     let ld = dev.upload(logits).expect("logits");
     let mut ids = dev.upload(&vec![-1i32; n]).expect("ids");
-    let mut weights = dev.upload(&vec![f32::NAN; n]).expect("weights");
     let mut p = DevicePerm {
+        weights: dev.upload(&vec![f32::NAN; n]).expect("weights"),
         offsets: dev.upload(&vec![-1i32; ne + 1]).expect("offsets"),
         order: dev.upload(&vec![-1i32; n]).expect("order"),
         position: dev.upload(&vec![-1i32; n]).expect("position"),
     };
     MoeRoutePermuteCall {
-        route: MoeRouteCall { logits: &ld, rows, n_experts: ne, routing, ids: &mut ids, weights: &mut weights },
+        route: MoeRouteCall { logits: &ld, rows, n_experts: ne, routing, ids: &mut ids, weights: &mut p.weights },
         offsets: &mut p.offsets,
         order: &mut p.order,
         position: &mut p.position,
@@ -126,14 +152,8 @@ fn gpu_moe_route_permute_fused_matches_cpu() {
                     .launch_with(&dev, fused)
                     .expect("route + permute");
                     let what = format!("route+permute e={ne} k={k} rows={rows} skewed={skewed} fused={fused}");
-                    let got = |s: &CudaSlice<i32>, len| dev.download(s, len).expect("download");
-                    assert_eq!(got(&ids, n), as_i32(&want_ids), "{what}: ids");
-                    assert_eq!(got(&offsets, ne + 1), as_i32(&perm.offsets), "{what}: offsets");
-                    assert_eq!(got(&order, n), as_i32(&perm.order), "{what}: order");
-                    assert_eq!(got(&position, n), as_i32(&perm.position), "{what}: position");
-                    let gw: Vec<f32> = dev.download(&w, n).expect("weights");
-                    let e = common::rel_err(&gw, &want_w);
-                    assert!(e < 1e-5, "{what}: weights rel err {e:.2e}");
+                    let got = [&ids, &offsets, &order, &position];
+                    check_route(&dev, &what, got, &w, (&want_ids, &want_w, &perm));
                 }
             }
         }
@@ -395,5 +415,320 @@ fn gpu_moe_gate_up_act_is_bit_identical_to_unfused() {
             out: &mut out,
         };
         assert!(call.launch(&dev).is_err(), "{act:?} d={d} out={out_len} accepted");
+    }
+}
+
+/// Router logits on the CPU (`x · wᵀ + bias`, f32), redrawn from `x` until no row has two of
+/// its k + 1 largest logits within 1e-4 of each other, so that the device's other summation
+/// order (f32 rounding, ~1e-6) cannot swap a choice or its rank.
+fn separated_logits(
+    r: &mut StdRng,
+    rows: usize,
+    h: usize,
+    w: &[f32],
+    bias: Option<&[f32]>,
+    ne: usize,
+    k: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    for _ in 0..100 {
+        let x = rand_vec(r, rows * h, 1.0);
+        let mut l = vec![0f32; rows * ne];
+        cpu::linear(&x, w, bias, rows, h, ne, &mut l).expect("cpu router");
+        let separated = l.chunks(ne).all(|row| {
+            let mut v = row.to_vec();
+            v.sort_by(|a, b| b.total_cmp(a));
+            v[..(k + 1).min(ne)].windows(2).all(|p| p[0] - p[1] > 1e-4)
+        });
+        if separated {
+            return (x, l);
+        }
+    }
+    panic!("no well-separated router logits in 100 draws");
+}
+
+/// The router fused with routing and permutation ([`MoeRouterCall`]) against the CPU: logits
+/// to 1e-5 (f32, summed in another order), ids, offsets, order and position exact, weights to
+/// 1e-5; hidden 136 (a partial batch of 16-byte chunks), 256 and 2,048 (128 experts); with and
+/// without the router bias. Each case launches twice on fresh poisoned outputs (the counter the
+/// first launch's last CTA reset must give the same result again) and checks the counter is 0.
+#[test]
+fn gpu_moe_router_fused_matches_cpu() {
+    let dev = device();
+    let mut r = rng("moe_router_fused");
+    for (ne, k) in ROUTINGS {
+        for rows in [1, 3, MOE_ROUTER_MAX_ROWS] {
+            for h in [136, 256, 2048] {
+                if h == 2048 && ne != 128 {
+                    continue;
+                }
+                for with_bias in [false, true] {
+                    let routing = routing(ne, k);
+                    let what = format!("router e={ne} k={k} rows={rows} h={h} bias={with_bias}");
+                    let w = rand_vec(&mut r, ne * h, 1.0 / (h as f32).sqrt());
+                    let b = rand_vec(&mut r, ne, 0.5);
+                    let bias = with_bias.then_some(&b[..]);
+                    let (x, l) = separated_logits(&mut r, rows, h, &w, bias, ne, k);
+                    let (want_ids, want_w, perm) = cpu_route(&l, ne, routing);
+                    let (xd, wd, bd) = (up(&dev, &x), up(&dev, &w), up(&dev, &b));
+                    let n = rows * k;
+                    let mut counter = dev.upload(&[0u32]).expect("counter");
+                    for launch in 0..2 {
+                        let logits = dev.upload(&vec![f32::NAN; rows * ne]).expect("logits");
+                        let mut ids = dev.upload(&vec![-1i32; n]).expect("ids");
+                        let mut wts = dev.upload(&vec![f32::NAN; n]).expect("weights");
+                        let mut offsets = dev.upload(&vec![-1i32; ne + 1]).expect("offsets");
+                        let mut order = dev.upload(&vec![-1i32; n]).expect("order");
+                        let mut position = dev.upload(&vec![-1i32; n]).expect("position");
+                        MoeRouterCall {
+                            x: &xd,
+                            h,
+                            w: &wd,
+                            bias: with_bias.then_some(&bd),
+                            counter: &mut counter,
+                            then: MoeRoutePermuteCall {
+                                route: MoeRouteCall {
+                                    logits: &logits,
+                                    rows,
+                                    n_experts: ne,
+                                    routing,
+                                    ids: &mut ids,
+                                    weights: &mut wts,
+                                },
+                                offsets: &mut offsets,
+                                order: &mut order,
+                                position: &mut position,
+                            },
+                        }
+                        .launch(&dev)
+                        .expect("fused router");
+                        let what = format!("{what} launch {launch}");
+                        let gl: Vec<f32> = dev.download(&logits, rows * ne).expect("logits");
+                        let e = common::rel_err(&gl, &l);
+                        assert!(e < 1e-5, "{what}: logits rel err {e:.2e}");
+                        let got = [&ids, &offsets, &order, &position];
+                        check_route(&dev, &what, got, &wts, (&want_ids, &want_w, &perm));
+                        assert_eq!(dev.download(&counter, 1).expect("counter"), vec![0u32], "{what}: counter left set");
+                    }
+                }
+            }
+        }
+    }
+    // Refusals before any launch: more rows than the kernel routes, a hidden width off 8.
+    let ld = dev.alloc::<f32>(17 * 8).expect("logits");
+    let (xd, wd) = (up(&dev, &vec![0.5; 17 * 16]), up(&dev, &vec![0.5; 8 * 16]));
+    let (mut ids, mut w) = (dev.alloc::<i32>(34).expect("ids"), dev.alloc::<f32>(34).expect("w"));
+    let (mut o, mut ord, mut pos) =
+        (dev.alloc::<i32>(9).expect("o"), dev.alloc::<i32>(34).expect("ord"), dev.alloc::<i32>(34).expect("pos"));
+    let mut counter = dev.upload(&[0u32]).expect("counter");
+    for (rows, h) in [(17, 8), (2, 12)] {
+        let call = MoeRouterCall {
+            x: &xd,
+            h,
+            w: &wd,
+            bias: None,
+            counter: &mut counter,
+            then: MoeRoutePermuteCall {
+                route: MoeRouteCall {
+                    logits: &ld,
+                    rows,
+                    n_experts: 8,
+                    routing: routing(8, 2),
+                    ids: &mut ids,
+                    weights: &mut w,
+                },
+                offsets: &mut o,
+                order: &mut ord,
+                position: &mut pos,
+            },
+        };
+        assert!(call.launch(&dev).is_err(), "rows {rows} / hidden {h} accepted");
+    }
+}
+
+/// The down product with the un-permute fused ([`MoeDownUnpermuteCall`]) against the skinny
+/// product followed by [`MoeUnpermuteCall`], bit for bit (the entries' outputs and the token
+/// rows), and against the CPU (product rounded to bf16 as stored, then the weighted sum); with
+/// and without a bias, uniform and skewed routing (with k = 1, every token to one expert, so a
+/// tile's one active CTA may not be its last), rows up to 64. Each case launches twice on fresh
+/// poisoned outputs and checks the tile counters are back at 0.
+#[test]
+fn gpu_moe_down_unpermute_is_bit_identical_to_unfused() {
+    let dev = device();
+    let mut r = rng("moe_down_unpermute");
+    for (ne, k) in ROUTINGS {
+        for rows in [1, 3, 16, 64] {
+            for skewed in [false, true] {
+                for (hidden, inter) in widths(rows, ne, k) {
+                    let routing = routing(ne, k);
+                    let l = logits(&mut r, rows, ne, k, skewed);
+                    let (_, want_w, perm) = cpu_route(&l, ne, routing);
+                    let p = device_route(&dev, &l, rows, ne, routing);
+                    let a = rows * k;
+                    let xp = rand_vec(&mut r, a * inter, 1.0);
+                    let w2 = rand_vec(&mut r, ne * hidden * inter, 1.0 / (inter as f32).sqrt());
+                    let b2 = rand_vec(&mut r, ne * hidden, 0.5);
+                    let (xpd, w2d, b2d) = (up(&dev, &xp), up(&dev, &w2), up(&dev, &b2));
+                    let tiles = moe_unpermute_counters(hidden);
+                    let mut counters = dev.upload(&vec![0u32; tiles]).expect("counters");
+                    for with_bias in [false, true] {
+                        let what = format!(
+                            "down+unpermute e={ne} k={k} rows={rows} skewed={skewed} {hidden}/{inter} bias={with_bias}"
+                        );
+                        let bias = with_bias.then_some(&b2d);
+                        let mut y = poisoned(&dev, a * hidden);
+                        MoeGroupedGemvCall {
+                            x: &xpd,
+                            rows: MoeRows::Permuted,
+                            k,
+                            w: &w2d,
+                            bias,
+                            n_experts: ne,
+                            n: hidden,
+                            d: inter,
+                            offsets: &p.offsets,
+                            order: &p.order,
+                            assignments: a,
+                            out: &mut y,
+                        }
+                        .launch_with(&dev, MoeExpertKernel::Skinny)
+                        .expect("skinny down");
+                        let mut unfused = poisoned(&dev, rows * hidden);
+                        MoeUnpermuteCall {
+                            expert_out: &y,
+                            position: &p.position,
+                            weights: &p.weights,
+                            rows,
+                            k,
+                            d: hidden,
+                            shared: None,
+                            out: &mut unfused,
+                        }
+                        .launch(&dev)
+                        .expect("un-permute");
+                        let (yb, ub) = (bits(&dev, &y, a * hidden), bits(&dev, &unfused, rows * hidden));
+                        for launch in 0..2 {
+                            let mut fy = poisoned(&dev, a * hidden);
+                            let mut fused = poisoned(&dev, rows * hidden);
+                            MoeDownUnpermuteCall {
+                                x: &xpd,
+                                k,
+                                w: &w2d,
+                                bias,
+                                n_experts: ne,
+                                n: hidden,
+                                d: inter,
+                                offsets: &p.offsets,
+                                order: &p.order,
+                                position: &p.position,
+                                weights: &p.weights,
+                                assignments: a,
+                                expert_out: &mut fy,
+                                counters: &mut counters,
+                                out: &mut fused,
+                            }
+                            .launch(&dev)
+                            .expect("fused down + un-permute");
+                            let what = format!("{what} launch {launch}");
+                            let fyb = bits(&dev, &fy, a * hidden);
+                            if let Some(i) = (0..yb.len()).find(|&i| fyb[i] != yb[i]) {
+                                panic!("{what}: entry outputs differ at {i}: {:#06x} vs {:#06x}", fyb[i], yb[i]);
+                            }
+                            let fb = bits(&dev, &fused, rows * hidden);
+                            if let Some(i) = (0..ub.len()).find(|&i| fb[i] != ub[i]) {
+                                panic!("{what}: fused differs from unfused at {i}: {:#06x} vs {:#06x}", fb[i], ub[i]);
+                            }
+                            let left: Vec<u32> = dev.download(&counters, tiles).expect("counters");
+                            assert!(left.iter().all(|&c| c == 0), "{what}: tile counters left set: {left:?}");
+                        }
+                        // The CPU: the product (rounded to bf16, as stored), then the weighted sum.
+                        let wv = ExpertWeights { w: &w2, n: hidden, d: inter, bias: with_bias.then_some(&b2[..]) };
+                        let mut ycpu = vec![0f32; a * hidden];
+                        cpu::moe_grouped_linear(&xp, MoeRows::Permuted, wv, &perm, k, &mut ycpu).expect("cpu");
+                        let ycpu: Vec<f32> = ycpu.iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+                        let mut want = vec![0f32; rows * hidden];
+                        cpu::moe_unpermute(&ycpu, hidden, &perm, &want_w, k, None, &mut want).expect("cpu un-permute");
+                        check(&what, &down(&dev, &unfused, rows * hidden), &want);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Expert ids for `rows × k` assignments over `ne` experts: `uniform`; one expert taking 80 %
+/// of them and the rest spread over the lower half of the experts (the upper half empty); or
+/// every assignment to one expert.
+fn skewed_ids(r: &mut StdRng, n: usize, ne: usize, mode: usize) -> Vec<u32> {
+    let hot = r.random_range(0..ne) as u32;
+    (0..n)
+        .map(|_| match mode {
+            0 => r.random_range(0..ne) as u32,
+            1 if r.random_range(0..10) < 8 => hot,
+            1 => r.random_range(0..ne / 2) as u32,
+            _ => hot,
+        })
+        .collect()
+}
+
+/// The wide-tiled grouped GEMM ([`MoeExpertKernel::GemmWide`]) and the 64 × 64 one against
+/// the CPU over skewed routings (uniform; one expert with 80 % of the entries and half the
+/// experts empty; every entry on one expert), both row sources, with and without a bias,
+/// output widths that are and are not multiples of the 128-column tile, inputs of 96 to 2,048
+/// (multiples of the 32-input step); outputs poisoned. Also checks the automatic choice takes
+/// the wide kernel from 64 entries an expert.
+#[test]
+fn gpu_moe_wide_gemm_matches_cpu_on_skewed_routings() {
+    let dev = device();
+    let mut r = rng("moe_wide_gemm");
+    // (tokens, k, experts, n, d)
+    let shapes = [(600, 4, 16, 320, 256), (300, 8, 32, 256, 96), (1100, 2, 8, 200, 160), (80, 8, 8, 1536, 2048)];
+    for (rows, k, ne, n, d) in shapes {
+        let a = rows * k;
+        assert!(
+            baton_kernels::cuda::moe_gemm_wide_preferred(a, ne, d),
+            "{rows}×{k} over {ne} should take the wide GEMM"
+        );
+        for mode in 0..3 {
+            let ids = skewed_ids(&mut r, a, ne, mode);
+            let perm = cpu::moe_permute(&ids, ne).expect("cpu permute");
+            let offsets = dev.upload(&as_i32(&perm.offsets)).expect("offsets");
+            let order = dev.upload(&as_i32(&perm.order)).expect("order");
+            let w = rand_vec(&mut r, ne * n * d, 1.0 / (d as f32).sqrt());
+            let b = rand_vec(&mut r, ne * n, 0.5);
+            let (wd, bd) = (up(&dev, &w), up(&dev, &b));
+            for rows_src in [MoeRows::PerToken, MoeRows::Permuted] {
+                let x_rows = if rows_src == MoeRows::PerToken { rows } else { a };
+                let x = rand_vec(&mut r, x_rows * d, 1.0);
+                let xd = up(&dev, &x);
+                for with_bias in [false, true] {
+                    let wv = ExpertWeights { w: &w, n, d, bias: with_bias.then_some(&b[..]) };
+                    let mut want = vec![0f32; a * n];
+                    cpu::moe_grouped_linear(&x, rows_src, wv, &perm, k, &mut want).expect("cpu");
+                    for kernel in [MoeExpertKernel::GemmWide, MoeExpertKernel::Gemm, MoeExpertKernel::Auto] {
+                        let what = format!(
+                            "gemm {kernel:?} rows={rows} k={k} e={ne} n={n} d={d} skew={mode} {rows_src:?} bias={with_bias}"
+                        );
+                        let mut out = poisoned(&dev, a * n);
+                        MoeGroupedGemvCall {
+                            x: &xd,
+                            rows: rows_src,
+                            k,
+                            w: &wd,
+                            bias: with_bias.then_some(&bd),
+                            n_experts: ne,
+                            n,
+                            d,
+                            offsets: &offsets,
+                            order: &order,
+                            assignments: a,
+                            out: &mut out,
+                        }
+                        .launch_with(&dev, kernel)
+                        .expect("grouped GEMM");
+                        check(&what, &down(&dev, &out, a * n), &want);
+                    }
+                }
+            }
+        }
     }
 }

@@ -1104,6 +1104,7 @@ mod gated;
 #[path = "cuda_moe.rs"]
 mod moe;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
+pub use moe::MoeKernels;
 
 #[cfg(test)]
 mod tests {

@@ -4,14 +4,21 @@
 //! permutation, in one launch for decode-sized steps; the grouped `[gate | up]` product with
 //! its bias and the activation (SiLU·mul, or gpt-oss's clamped SwiGLU over interleaved rows),
 //! fused into one launch over the experts in use for decode-sized steps, a tiled GEMM then the
-//! activation for prefill-sized ones; the grouped `down` product with its bias; the weighted
-//! un-permute). [`CudaBackend::set_moe_legacy`] restores the first kernels (routing and
-//! permutation apart, the CUDA-core GEMV over every expert, the activation apart), for
-//! comparisons. Each kernel gets a profile mark (`moe_*`), so `bench_cuda`'s per-op profile
-//! splits the layer.
+//! activation for prefill-sized ones (64 × 128 tiles on the default set when experts average
+//! 64 entries); the grouped `down` product with its bias; the weighted
+//! un-permute). Steps of at most [`MOE_ROUTER_MAX_ROWS`] rows run three launches a layer
+//! ([`MoeKernels::Fused`], the default): the router GEMV with the routing and permutation
+//! ([`MoeRouterCall`]), gate_up with its activation, and down with the un-permute
+//! ([`MoeDownUnpermuteCall`]). [`CudaBackend::set_moe_kernels`] selects the earlier sets for
+//! comparisons: [`MoeKernels::Split`] (the five launches before those two fusions, and the
+//! 64 × 64 GEMM tiles at every prefill size) and
+//! [`MoeKernels::First`] (routing and permutation apart, the CUDA-core GEMV over every expert,
+//! the activation apart). Each kernel gets a profile mark (`moe_*`), so `bench_cuda`'s per-op
+//! profile splits the layer.
 //!
 //! Invariants: the scratch buffers only grow (through the device allocator, so a growth
-//! moves the allocation generation and drops recorded graphs); every launch has a shape fixed
+//! moves the allocation generation and drops recorded graphs); the fused kernels' counters are
+//! zero between launches (allocated zeroed, each launch leaves them zero); every launch has a shape fixed
 //! by the row count alone (the grouped products' grids are sized by `min(experts, rows · k)` or
 //! every expert, the routing and permutation one CTA), and nothing synchronizes with the host,
 //! so a decode step with MoE layers records and replays as a CUDA graph like any other. The
@@ -23,11 +30,41 @@ use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel, record_mark};
 use crate::backend::{BackendError, MoeActivation, MoeWeights};
 use baton_kernels::cpu::{MoeRouting, MoeRows};
 use baton_kernels::cuda::{
-    BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K, MoeExpertKernel,
-    MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall,
-    MoeUnpermuteCall, SiluMulCall, bf16, moe_gemm_preferred,
+    BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K,
+    MOE_ROUTER_MAX_ROWS, MoeDownUnpermuteCall, MoeExpertKernel, MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall,
+    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeRouterCall, MoeUnpermuteCall, SiluMulCall, bf16,
+    moe_gemm_preferred, moe_unpermute_counters,
 };
 use cudarc::driver::DeviceRepr;
+
+/// Which set of kernels the MoE op runs ([`CudaBackend::set_moe_kernels`]); all compute the
+/// same function (to bf16 rounding; the router's f32 logits are summed in another order by the
+/// fused router).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeKernels {
+    /// The first kernels: routing and permutation as two launches, the CUDA-core grouped GEMV
+    /// with a CTA column for every expert, the activation as its own launch.
+    First,
+    /// Five launches at decode sizes: the router GEMV, route + permute, gate_up with its
+    /// activation, down, un-permute (the tensor-core skinny product over the experts in use);
+    /// prefill-sized steps on the 64 × 64 grouped GEMM.
+    Split,
+    /// [`Self::Split`] with, for steps of at most [`MOE_ROUTER_MAX_ROWS`] rows, the router fused
+    /// with route + permute and the un-permute fused into down (three launches), and the wide
+    /// (64 × 128) grouped GEMM for experts averaging 64 entries (the default).
+    Fused,
+}
+
+impl MoeKernels {
+    /// The name `bench_cuda --moe-kernel` and its records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::First => "legacy",
+            Self::Split => "split",
+            Self::Fused => "new",
+        }
+    }
+}
 
 /// Device scratch of the MoE op, grown to the largest step and reused by every layer.
 pub(super) struct MoeScratch {
@@ -44,14 +81,26 @@ pub(super) struct MoeScratch {
     gate_up: CudaSlice<bf16>,
     act: CudaSlice<bf16>,
     expert_out: CudaSlice<bf16>,
-    /// Run the first kernels ([`CudaBackend::set_moe_legacy`]).
-    legacy: bool,
+    /// The fused router's counter (one) and the fused un-permute's tile counters; zero
+    /// between launches.
+    router_counter: CudaSlice<u32>,
+    tile_counters: CudaSlice<u32>,
+    /// The kernel set ([`CudaBackend::set_moe_kernels`]).
+    kernels: MoeKernels,
 }
 
 /// Replaces `buf` with a larger allocation when it holds fewer than `len` elements.
 fn grow<T: DeviceRepr>(dev: &CudaDevice, buf: &mut CudaSlice<T>, len: usize) -> Result<(), BackendError> {
     if buf.len() < len {
         *buf = dev.alloc(len.next_power_of_two())?;
+    }
+    Ok(())
+}
+
+/// [`grow`] for counters: the new allocation is zeroed (the fused kernels' precondition).
+fn grow_zeroed(dev: &CudaDevice, buf: &mut CudaSlice<u32>, len: usize) -> Result<(), BackendError> {
+    if buf.len() < len {
+        *buf = dev.upload(&vec![0u32; len.next_power_of_two()])?;
     }
     Ok(())
 }
@@ -69,23 +118,29 @@ impl MoeScratch {
             gate_up: dev.alloc(1)?,
             act: dev.alloc(1)?,
             expert_out: dev.alloc(1)?,
-            legacy: false,
+            router_counter: dev.upload(&[0u32])?,
+            tile_counters: dev.upload(&[0u32])?,
+            kernels: MoeKernels::Fused,
         })
     }
 }
 
 impl CudaBackend {
-    /// Runs the MoE layer on its first kernels (`true`: routing and permutation as two
-    /// launches, the CUDA-core grouped GEMV with a CTA column for every expert, the activation
-    /// as its own launch) or on the current ones (`false`, the default): for `bench_cuda
-    /// --moe-kernel` comparisons. Both compute the same function (to bf16 rounding).
+    /// Runs the MoE layer on the kernel set `kernels` ([`MoeKernels::Fused`] by default): for
+    /// `bench_cuda --moe-kernel` comparisons. All compute the same function (to bf16 rounding).
     /// Switching drops the recorded graphs (they hold the other kernels' launches).
-    pub fn set_moe_legacy(&mut self, legacy: bool) {
-        if self.moe.legacy != legacy {
-            self.moe.legacy = legacy;
+    pub fn set_moe_kernels(&mut self, kernels: MoeKernels) {
+        if self.moe.kernels != kernels {
+            self.moe.kernels = kernels;
             // `set_graphs` with the current setting clears the recorded graphs.
             self.set_graphs(self.graphs.enabled);
         }
+    }
+
+    /// [`Self::set_moe_kernels`] with [`MoeKernels::First`] (`true`) or the default
+    /// [`MoeKernels::Fused`] (`false`).
+    pub fn set_moe_legacy(&mut self, legacy: bool) {
+        self.set_moe_kernels(if legacy { MoeKernels::First } else { MoeKernels::Fused });
     }
 
     /// [`Backend::moe`](crate::backend::Backend::moe) on the device.
@@ -139,31 +194,39 @@ impl CudaBackend {
         grow(dev, &mut s.gate_up, a * 2 * inter)?;
         grow(dev, &mut s.act, a * inter)?;
         grow(dev, &mut s.expert_out, a * h)?;
+        grow_zeroed(dev, &mut s.tile_counters, moe_unpermute_counters(h))?;
         self.ensure(out, m * h)?;
         let dev = &self.dev;
         let s = &mut self.moe;
         let profile = &mut self.profile;
-        let legacy = s.legacy;
-        // Prefill-sized steps run the tiled GEMM (its activation apart); decode-sized ones the
-        // skinny product over the experts in use, gate_up fused with its activation (the first
-        // kernels: the CUDA-core GEMV over every expert, the activation apart).
-        let (gate_up_kernel, down_kernel) = match legacy {
-            false => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
-            true => {
-                let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { MoeExpertKernel::Gemv };
+        let legacy = s.kernels == MoeKernels::First;
+        // Prefill-sized steps run a tiled GEMM (its activation apart): the wide tiles on the
+        // fused set when experts average 64 entries, else the 64 × 64 ones; decode-sized ones
+        // the skinny product over the experts in use, gate_up fused with its activation (the
+        // first kernels: the CUDA-core GEMV over every expert, the activation apart).
+        let (gate_up_kernel, down_kernel) = match s.kernels {
+            MoeKernels::Fused => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
+            MoeKernels::Split | MoeKernels::First => {
+                let small = if legacy { MoeExpertKernel::Gemv } else { MoeExpertKernel::Skinny };
+                let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { small };
                 (pick(h), pick(inter))
             }
         };
         let fused_act = !legacy && !moe_gemm_preferred(a, ne, h);
-        // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
-        // rounding of the logits).
-        record_mark(dev, profile, "moe_router");
-        let kernel = linear_kernel(self.gemv, m, h);
-        LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
-        if let Some(b) = w.router_bias {
-            BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+        // Small steps on the fused set: the router with the routing and permutation, the
+        // un-permute inside down (which then runs the skinny product, as gate_up does).
+        let small = s.kernels == MoeKernels::Fused && m <= MOE_ROUTER_MAX_ROWS;
+        let fused_down = small && !moe_gemm_preferred(a, ne, inter);
+        if !small {
+            // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
+            // rounding of the logits).
+            record_mark(dev, profile, "moe_router");
+            let kernel = linear_kernel(self.gemv, m, h);
+            LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
+            if let Some(b) = w.router_bias {
+                BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+            }
         }
-        record_mark(dev, profile, "moe_route");
         let route = MoeRouteCall {
             logits: &s.logits,
             rows: m,
@@ -172,7 +235,25 @@ impl CudaBackend {
             ids: &mut s.ids,
             weights: &mut s.weights,
         };
-        if legacy {
+        if small {
+            // The same logits, summed by the fused kernel (in f32 too), then routed as above.
+            record_mark(dev, profile, "moe_router_route");
+            MoeRouterCall {
+                x: &x.data,
+                h,
+                w: &w.router.data,
+                bias: w.router_bias.map(|b| &b.data),
+                counter: &mut s.router_counter,
+                then: MoeRoutePermuteCall {
+                    route,
+                    offsets: &mut s.offsets,
+                    order: &mut s.order,
+                    position: &mut s.position,
+                },
+            }
+            .launch(dev)?;
+        } else if legacy {
+            record_mark(dev, profile, "moe_route");
             route.launch(dev)?;
             MoePermuteCall {
                 ids: &s.ids,
@@ -184,6 +265,7 @@ impl CudaBackend {
             }
             .launch(dev)?;
         } else {
+            record_mark(dev, profile, "moe_route");
             MoeRoutePermuteCall { route, offsets: &mut s.offsets, order: &mut s.order, position: &mut s.position }
                 .launch(dev)?;
         }
@@ -235,6 +317,27 @@ impl CudaBackend {
                         .launch(dev)?;
                 }
             }
+        }
+        if fused_down {
+            record_mark(dev, profile, "moe_down_unpermute");
+            return Ok(MoeDownUnpermuteCall {
+                x: &s.act,
+                k,
+                w: &w.down.data,
+                bias: w.down_bias.map(|b| &b.data),
+                n_experts: ne,
+                n: h,
+                d: inter,
+                offsets: &s.offsets,
+                order: &s.order,
+                position: &s.position,
+                weights: &s.weights,
+                assignments: a,
+                expert_out: &mut s.expert_out,
+                counters: &mut s.tile_counters,
+                out: &mut out.data,
+            }
+            .launch(dev)?);
         }
         record_mark(dev, profile, "moe_down");
         MoeGroupedGemvCall {

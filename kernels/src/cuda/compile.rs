@@ -54,6 +54,8 @@ impl Family {
                 include_str!("../../cuda/rope_kv.cu"),
                 include_str!("../../cuda/moe.cu"),
                 include_str!("../../cuda/moe_skinny.cu"),
+                include_str!("../../cuda/moe_router.cu"),
+                include_str!("../../cuda/moe_gemm.cu"),
                 include_str!("../../cuda/attention_ext.cu"),
                 include_str!("../../cuda/util.cu"),
                 include_str!("../../cuda/fp8_linear.cu"),

@@ -52,12 +52,16 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub moe_grouped_gemv: F,
     /// The grouped expert product on the tensor cores (many entries per expert: prefill).
     pub moe_grouped_gemm: F,
+    /// Its wide-tiled version (moe_gemm.cu: experts with many entries).
+    pub moe_grouped_gemm_wide: F,
     pub moe_unpermute: F,
     /// Routing and permutation in one CTA (decode-sized steps).
     pub moe_route_permute: F,
     /// The grouped product over the experts in use on the tensor cores (moe_skinny.cu):
     /// `[activation of MOE_SKINNY_ACTS][variant of MOE_SKINNY_VARIANTS]`.
-    pub moe_skinny: [[F; 2]; 3],
+    pub moe_skinny: [[F; 2]; 4],
+    /// The router GEMV, routing and permutation in one launch (moe_router.cu, decode-sized steps).
+    pub moe_router_route_permute: F,
     pub clamped_swiglu: F,
     /// FP8 weight dequantization to bf16 (fp8_linear.cu).
     pub fp8_dequant: F,
@@ -129,12 +133,19 @@ impl<F> KernelTable<F> {
         let moe_permute = f(el, "moe_permute")?;
         let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
         let moe_grouped_gemm = f(el, "moe_grouped_gemm_bf16")?;
+        let moe_grouped_gemm_wide = f(el, "moe_grouped_gemm_wide_bf16")?;
         let moe_unpermute = f(el, "moe_unpermute_bf16")?;
         let moe_route_permute = f(el, "moe_route_permute")?;
         let mut skinny = |act: MoeSkinnyAct| -> Result<[F; 2], E> {
             Ok([f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[0]))?, f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[1]))?])
         };
-        let moe_skinny = [skinny(MOE_SKINNY_ACTS[0])?, skinny(MOE_SKINNY_ACTS[1])?, skinny(MOE_SKINNY_ACTS[2])?];
+        let moe_skinny = [
+            skinny(MOE_SKINNY_ACTS[0])?,
+            skinny(MOE_SKINNY_ACTS[1])?,
+            skinny(MOE_SKINNY_ACTS[2])?,
+            skinny(MOE_SKINNY_ACTS[3])?,
+        ];
+        let moe_router_route_permute = f(el, "moe_router_route_permute")?;
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
         let gemv_fp8 = f(el, "gemv_fp8_m16_bf16")?;
@@ -209,9 +220,11 @@ impl<F> KernelTable<F> {
             moe_permute,
             moe_grouped_gemv,
             moe_grouped_gemm,
+            moe_grouped_gemm_wide,
             moe_unpermute,
             moe_route_permute,
             moe_skinny,
+            moe_router_route_permute,
             clamped_swiglu,
             fp8_dequant,
             gemv_fp8,
@@ -292,7 +305,8 @@ mod tests {
         // 12 plain kernels, 12 for the new architectures (q/k-norm RoPE ×2, GELU-tanh·mul,
         // soft-cap, Gemma's bf16-rounded embedding scale, MoE routing, permutation, grouped GEMV and GEMM,
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the fused MoE route +
-        // permute and the skinny grouped product per activation and variant, the extended attention per
+        // permute, the fused router + route + permute, the wide grouped GEMM, and the skinny grouped product per activation
+        // (plain, SiLU·mul, clamped SwiGLU, un-permute) and variant, the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
@@ -304,7 +318,7 @@ mod tests {
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
-        assert_eq!(names.len(), 29 + 1 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        assert_eq!(names.len(), 29 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
@@ -319,6 +333,9 @@ mod tests {
             "moe_route_permute",
             "moe_skinny_silu_bf16_u4",
             "moe_skinny_bf16_u2",
+            "moe_skinny_unpermute_bf16_u2",
+            "moe_router_route_permute",
+            "moe_grouped_gemm_wide_bf16",
             "prefill_attention_opt_hd256_w4",
             "prefill_attention_fp8_opt_hd128_w8",
         ] {

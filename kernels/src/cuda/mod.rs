@@ -43,8 +43,10 @@
 //!    `attention_ext.rs` ([`AttentionExtCall`]: sliding window, soft-cap, sinks, head_dim ≤ 256), `linear.rs`
 //!    ([`LinearCall`]: cuBLAS or the skinny GEMM), `moe.rs` ([`MoeRouteCall`],
 //!    [`MoePermuteCall`], [`MoeRoutePermuteCall`], [`MoeGroupedGemvCall`], [`MoeUnpermuteCall`],
-//!    [`ClampedSwigluCall`]), `moe_skinny.rs` ([`MoeGateUpActCall`]: the decode-sized grouped
-//!    product over the experts in use, with the activation fused).
+//!    [`ClampedSwigluCall`]), `moe_skinny.rs` ([`MoeGateUpActCall`], [`MoeDownUnpermuteCall`]:
+//!    the decode-sized grouped product over the experts in use, with the activation or the
+//!    un-permute fused), `moe_router.rs` ([`MoeRouterCall`]: router, routing and permutation
+//!    in one launch for decode-sized steps).
 //!
 //! # Adding a kernel
 //!
@@ -83,6 +85,7 @@ mod launch;
 mod linear;
 mod lt;
 mod moe;
+mod moe_router;
 mod moe_skinny;
 mod norm;
 mod paged_attention;
@@ -118,9 +121,10 @@ pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
 pub use lt::{LtChoice, LtShape};
 pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_ROUTE_PERMUTE_MAX_ROWS, MoeExpertKernel, MoeGroupedGemvCall,
-    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred,
+    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred, moe_gemm_wide_preferred,
 };
-pub use moe_skinny::{MoeGateUpActCall, MoeGatedAct};
+pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
+pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
 pub use norm::{AddRmsNormCall, RmsNormCall};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,

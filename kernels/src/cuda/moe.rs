@@ -20,9 +20,11 @@
 //!    expert's output when the model has one, into the branch output that
 //!    [`super::AddRmsNormCall`] adds to the residual stream.
 //!
-//! The grouped product has three kernels ([`MoeExpertKernel`]): the tensor-core skinny GEMM
-//! over the experts in use (decode), the tiled tensor-core GEMM (prefill), and the first
-//! CUDA-core GEMV (kept for comparison: its grid has a CTA column for every expert).
+//! The grouped product has four kernels ([`MoeExpertKernel`]): the tensor-core skinny GEMM
+//! over the experts in use (decode), the tiled tensor-core GEMM (64 × 64 tiles, moe.cu) for
+//! prefill-sized steps and its wider-tiled version (64 × 128, three stages, moe_gemm.cu) for
+//! experts averaging at least 64 entries, and the first CUDA-core GEMV (kept for comparison:
+//! its grid has a CTA column for every expert).
 //!
 //! References: [`crate::cpu::moe_route`], [`crate::cpu::moe_permute`],
 //! [`crate::cpu::moe_grouped_linear`], [`crate::cpu::moe_unpermute`].
@@ -80,6 +82,10 @@ const GEMV_COLS_PER_CTA: usize = 8;
 const GEMM_TILE: usize = 64;
 const GEMM_K_STEP: usize = 32;
 
+/// The wide GEMM's tile columns and threads (its entries per tile are [`GEMM_TILE`]).
+const GEMM_WIDE_COLS: usize = 128;
+const GEMM_WIDE_THREADS: u32 = 256;
+
 /// Most rows the fused routing + permutation kernel takes (one CTA of 32 warps: two rows a
 /// warp at most).
 pub const MOE_ROUTE_PERMUTE_MAX_ROWS: usize = 64;
@@ -104,7 +110,11 @@ pub enum MoeExpertKernel {
     Skinny,
     /// `moe_grouped_gemm_bf16`: 64 × 64 tiles on the tensor cores; needs `d % 32 == 0`.
     Gemm,
-    /// The GEMM when [`moe_gemm_preferred`], else the skinny product.
+    /// `moe_grouped_gemm_wide_bf16` (moe_gemm.cu): 64 entries × 128 columns a CTA of 8 warps,
+    /// three cp.async stages; needs `d % 32 == 0`. For experts with many entries (prefill).
+    GemmWide,
+    /// The wide GEMM when [`moe_gemm_wide_preferred`], the GEMM when [`moe_gemm_preferred`],
+    /// else the skinny product.
     Auto,
 }
 
@@ -113,6 +123,13 @@ pub enum MoeExpertKernel {
 /// tiles are not mostly padding) and `d` is a multiple of its input step.
 pub fn moe_gemm_preferred(assignments: usize, n_experts: usize, d: usize) -> bool {
     d.is_multiple_of(GEMM_K_STEP) && assignments >= 16 * n_experts
+}
+
+/// Whether the wide-tiled grouped GEMM suits the product: experts average at least 64 entries
+/// (a full 64-entry tile each, so the 128 columns of a tile amortize its x rows) and `d` is a
+/// multiple of the input step.
+pub fn moe_gemm_wide_preferred(assignments: usize, n_experts: usize, d: usize) -> bool {
+    d.is_multiple_of(GEMM_K_STEP) && assignments >= 64 * n_experts
 }
 
 /// Each token's top-k experts: `ids[r·k + j]` and `weights[r·k + j]`, best first.
@@ -151,7 +168,7 @@ impl MoeRouteCall<'_> {
 
 /// The routing kernels' checks (limits and sizes), then their leading arguments (logits
 /// through weights, in the kernels' order).
-fn route_args<'a>(op: &'static str, c: &'a MoeRouteCall<'_>) -> Result<Args<'a>, CudaError> {
+pub(super) fn route_args<'a>(op: &'static str, c: &'a MoeRouteCall<'_>) -> Result<Args<'a>, CudaError> {
     let (rows, ne, r) = (c.rows, c.n_experts, c.routing);
     shape_check(op, (1..=MOE_MAX_EXPERTS).contains(&ne), || {
         format!("{ne} experts (1 to {MOE_MAX_EXPERTS} supported)")
@@ -319,18 +336,20 @@ impl MoeGroupedGemvCall<'_> {
             act: MoeSkinnyAct::None,
             alpha: 0.0,
             limit: 0.0,
+            unpermute: None,
         };
         if !product.checked(OP)? {
             return Ok(());
         }
         let kernel = match kernel {
+            MoeExpertKernel::Auto if moe_gemm_wide_preferred(a, ne, d) => MoeExpertKernel::GemmWide,
             MoeExpertKernel::Auto if moe_gemm_preferred(a, ne, d) => MoeExpertKernel::Gemm,
             MoeExpertKernel::Auto => MoeExpertKernel::Skinny,
-            MoeExpertKernel::Gemm => {
+            gemm @ (MoeExpertKernel::Gemm | MoeExpertKernel::GemmWide) => {
                 shape_check(OP, d.is_multiple_of(GEMM_K_STEP), || {
                     format!("the grouped GEMM needs d % {GEMM_K_STEP} == 0, d = {d}")
                 })?;
-                MoeExpertKernel::Gemm
+                gemm
             }
             other => other,
         };
@@ -345,17 +364,21 @@ impl MoeGroupedGemvCall<'_> {
             None => args.u64(0),
         };
         let args = args.buf(offsets).buf(order).buf(out).int(n)?.int(d)?;
-        if kernel == MoeExpertKernel::Gemm {
+        if matches!(kernel, MoeExpertKernel::Gemm | MoeExpertKernel::GemmWide) {
             // Tiles of 64 entries: at most ceil(a / 64) + one partial tile per expert.
             let tiles = a.div_ceil(GEMM_TILE) + ne;
             shape_check(OP, tiles <= MAX_GRID_YZ, || format!("{tiles} entry tiles exceed the grid"))?;
-            let grid = cfg((int(OP, n.div_ceil(GEMM_TILE))? as u32, tiles as u32, 1), 128);
+            let (cols, threads, func) = match kernel {
+                MoeExpertKernel::GemmWide => (GEMM_WIDE_COLS, GEMM_WIDE_THREADS, &dev.kernels.moe_grouped_gemm_wide),
+                _ => (GEMM_TILE, 128, &dev.kernels.moe_grouped_gemm),
+            };
+            let grid = cfg((int(OP, n.div_ceil(cols))? as u32, tiles as u32, 1), threads);
             let args = args.int(ne)?;
             // SAFETY: as for the GEMV below: CTA (c, t) finds its expert e and a 64-entry tile
             // inside offsets[e]..offsets[e + 1] (or returns), reads only those entries' rows of
             // `x` (through `order`), expert e's rows < n of `w` (zero-filling the rest) and
             // `bias[e]`, and writes those entries' columns < n of `out`. Sizes checked above.
-            return unsafe { args.launch(dev, &dev.kernels.moe_grouped_gemm, grid) };
+            return unsafe { args.launch(dev, func, grid) };
         }
         let grid = cfg((int(OP, n.div_ceil(GEMV_COLS_PER_CTA))? as u32, ne as u32, 1), (32 * GEMV_COLS_PER_CTA) as u32);
         // SAFETY: CTA (c, e) reads expert e's columns (< n, inside `w`, and `bias` if given) and the entries of its
@@ -473,6 +496,19 @@ mod tests {
         assert!(!moe_gemm_preferred(16 * 128 - 1, 128, 768));
         // An input width that is not a multiple of the GEMM's step never takes it.
         assert!(!moe_gemm_preferred(1 << 20, 8, 136));
+        // The wide tiles from 64 entries an expert: the 2,048-token prefill (128 an expert).
+        assert!(moe_gemm_wide_preferred(2048 * 8, 128, 768));
+        assert!(!moe_gemm_wide_preferred(64 * 128 - 1, 128, 2048));
+        assert!(!moe_gemm_wide_preferred(1 << 20, 8, 136));
+    }
+
+    #[test]
+    fn wide_gemm_tile_matches_the_kernel_source() {
+        let src = include_str!("../../cuda/moe_gemm.cu");
+        assert!(src.contains(&format!("#define MOE_GW_BM {GEMM_TILE}")));
+        assert!(src.contains(&format!("#define MOE_GW_BN {GEMM_WIDE_COLS}")));
+        assert!(src.contains(&format!("#define MOE_GW_BK {GEMM_K_STEP}")));
+        assert!(src.contains(&format!("__launch_bounds__({GEMM_WIDE_THREADS}, 2) void moe_grouped_gemm_wide_bf16(")));
     }
 
     #[test]

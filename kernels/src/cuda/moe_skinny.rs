@@ -1,13 +1,16 @@
 //! The grouped expert product for decode-sized steps (moe_skinny.cu): the tensor-core skinny
 //! GEMM over the experts in use only, alone ([`MoeExpertKernel::Skinny`](super::MoeExpertKernel))
 //! or with the gated activation fused into its epilogue ([`MoeGateUpActCall`]: the `gate_up`
-//! product and SiLU·mul / gpt-oss's clamped SwiGLU in one launch).
+//! product and SiLU·mul / gpt-oss's clamped SwiGLU in one launch), or with the un-permute
+//! fused after it ([`MoeDownUnpermuteCall`]: the `down` product and the weighted sum of each
+//! token's k expert outputs in one launch).
 //!
 //! Invariants: the grid's height is `min(n_experts, assignments)`, a bound the host knows
 //! without reading the routing (CTA column y finds the y-th expert with entries on the device),
 //! so the launch records into a CUDA graph; the fused output is bit-identical to the
-//! unfused pair (the skinny product then [`super::SiluMulCall`] / [`super::ClampedSwigluCall`]),
-//! which the GPU tests check; `offsets` and `order` come from the permutation of the same
+//! unfused pair (the skinny product then [`super::SiluMulCall`] / [`super::ClampedSwigluCall`],
+//! or [`super::MoeUnpermuteCall`]), which the GPU tests check; the fused un-permute's tile
+//! counters are zero between launches (each launch's last CTA of a tile resets its counter); `offsets` and `order` come from the permutation of the same
 //! assignments (trusted, as everywhere in the MoE kernels).
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check};
@@ -25,10 +28,13 @@ pub(crate) enum MoeSkinnyAct {
     Silu,
     /// gpt-oss's clamped SwiGLU over interleaved `[gate, up]` columns.
     Swiglu,
+    /// Plain product, then the un-permute of its 16 columns by the tile's last CTA.
+    Unpermute,
 }
 
 /// Every epilogue, in the kernel table's order.
-pub(crate) const MOE_SKINNY_ACTS: [MoeSkinnyAct; 3] = [MoeSkinnyAct::None, MoeSkinnyAct::Silu, MoeSkinnyAct::Swiglu];
+pub(crate) const MOE_SKINNY_ACTS: [MoeSkinnyAct; 4] =
+    [MoeSkinnyAct::None, MoeSkinnyAct::Silu, MoeSkinnyAct::Swiglu, MoeSkinnyAct::Unpermute];
 
 /// The k-steps of 32 inputs per batch (`U`) of the compiled variants: 2 for narrow inputs (the
 /// `down` projection's 768), 4 from [`WIDE_INPUT`] on (hidden 2,048), so each of the 4 warps
@@ -41,6 +47,14 @@ const WIDE_INPUT: usize = 2048;
 /// Threads per CTA (4 warps splitting the input dimension).
 const SKINNY_THREADS: u32 = 128;
 
+/// Output columns per CTA of the plain product, so the column tiles of the fused un-permute.
+const UNPERMUTE_TILE: usize = 16;
+
+/// Tile counters a [`MoeDownUnpermuteCall`] with `n` output columns needs (one per column tile).
+pub fn moe_unpermute_counters(n: usize) -> usize {
+    n.div_ceil(UNPERMUTE_TILE)
+}
+
 impl MoeSkinnyAct {
     /// The kernel of this epilogue with `u` k-steps per batch (moe_skinny.cu).
     pub(crate) fn kernel_name(self, u: usize) -> String {
@@ -48,6 +62,7 @@ impl MoeSkinnyAct {
             Self::None => "",
             Self::Silu => "silu_",
             Self::Swiglu => "swiglu_",
+            Self::Unpermute => "unpermute_",
         };
         format!("moe_skinny_{act}bf16_u{u}")
     }
@@ -59,7 +74,12 @@ impl MoeSkinnyAct {
     /// Output columns per CTA: 16 weight rows a CTA, one per column plain, a (gate, up) pair
     /// per column fused.
     fn cols_per_cta(self) -> usize {
-        if self == Self::None { 16 } else { 8 }
+        if self.plain() { UNPERMUTE_TILE } else { 8 }
+    }
+
+    /// One output column per weight row (no gated activation pairing them).
+    fn plain(self) -> bool {
+        matches!(self, Self::None | Self::Unpermute)
     }
 }
 
@@ -98,12 +118,23 @@ pub(crate) struct SkinnyLaunch<'a> {
     pub act: MoeSkinnyAct,
     pub alpha: f32,
     pub limit: f32,
+    /// The fused un-permute's operands (with [`MoeSkinnyAct::Unpermute`] only): position,
+    /// weights, the `rows × n` output and the tile counters.
+    pub unpermute: Option<UnpermuteTail<'a>>,
+}
+
+/// What a [`MoeSkinnyAct::Unpermute`] launch passes after the product's operands.
+pub(crate) struct UnpermuteTail<'a> {
+    pub position: &'a CudaSlice<i32>,
+    pub weights: &'a CudaSlice<f32>,
+    pub out: &'a mut CudaSlice<bf16>,
+    pub counters: &'a mut CudaSlice<u32>,
 }
 
 impl SkinnyLaunch<'_> {
     /// Output columns per assignment: `n`, or `n / 2` when a gated activation pairs rows.
     fn out_cols(&self) -> usize {
-        if self.act == MoeSkinnyAct::None { self.n } else { self.n / 2 }
+        if self.act.plain() { self.n } else { self.n / 2 }
     }
 
     /// Checks the expert count, `d`, `k` and every operand's size; `false` when the product
@@ -149,13 +180,24 @@ impl SkinnyLaunch<'_> {
             .int(ne)?
             .f32(self.alpha)
             .f32(self.limit);
+        let args = match &self.unpermute {
+            Some(t) => args.buf(t.position).buf(t.weights).int(a / self.k)?.buf(&*t.out).buf(&*t.counters),
+            None if self.act == MoeSkinnyAct::Unpermute => {
+                return Err(super::launch::shape_error(op, "the fused un-permute without its operands"));
+            }
+            None => args,
+        };
         let grid = (int(op, cols.div_ceil(self.act.cols_per_cta()))? as u32, ne.min(a) as u32, 1);
         // SAFETY: CTA (c, y) finds the y-th expert e with entries in offsets (n_experts + 1
         // values, written by the permutation within 0..assignments) or returns; it reads expert
         // e's rows < n of `w` (n_experts × n × d) and of `bias` (n_experts × n), the rows of `x`
         // of its entries (through `order`: assignment indices < assignments, so token rows <
         // assignments / k when per-token, else entries < assignments), and writes its entries'
-        // columns < cols of `out` (assignments × cols). Sizes checked by the caller.
+        // columns < cols of `out` (assignments × cols). With the fused un-permute, CTA (c, y)
+        // increments counters[c] (c < n / 16, checked by the caller) and the tile's last CTA
+        // reads its 16 columns of the entries of every token row (positions < assignments,
+        // written by the permutation) and writes them to the `rows × n` output, weights `rows ×
+        // k`. Sizes checked by the caller.
         unsafe { args.launch(dev, func, cfg(grid, SKINNY_THREADS)) }
     }
 }
@@ -226,6 +268,86 @@ impl MoeGateUpActCall<'_> {
             act,
             alpha,
             limit,
+            unpermute: None,
+        };
+        if !product.checked(OP)? {
+            return Ok(());
+        }
+        product.launch(OP, dev)
+    }
+}
+
+/// The `down` product of every permuted entry with the un-permute fused after it: the
+/// entries' outputs go to `expert_out` as [`super::MoeGroupedGemvCall`] on
+/// [`MoeExpertKernel::Skinny`](super::MoeExpertKernel::Skinny) writes them, and each token's
+/// `out[r] = Σ_j weights[r·k + j] · expert_out[position[r·k + j]]` is written by the last CTA
+/// of each 16-column tile to finish, bit-identical to that product followed by
+/// [`super::MoeUnpermuteCall`] (no shared expert), in one launch. For decode-sized steps: the last
+/// CTA of a tile sums `rows · 16 · k` values. `counters` must be zero before the first launch
+/// (each launch leaves them zero); a launch must not overlap another using the same counters
+/// (launches on one stream never do).
+pub struct MoeDownUnpermuteCall<'a> {
+    /// `assignments × d` bf16 in permuted order (the activated `gate_up` output).
+    pub x: &'a CudaSlice<bf16>,
+    /// Experts per token (`assignments = rows · k`).
+    pub k: usize,
+    /// All experts' `down` weights, `n_experts × n × d` bf16.
+    pub w: &'a CudaSlice<bf16>,
+    /// All experts' `down` biases, `n_experts × n` bf16 (gpt-oss); `None` for none.
+    pub bias: Option<&'a CudaSlice<bf16>>,
+    /// Experts, at most [`MOE_MAX_EXPERTS`].
+    pub n_experts: usize,
+    /// Output width (hidden).
+    pub n: usize,
+    /// Input width (expert width), a multiple of 8.
+    pub d: usize,
+    /// The [`super::MoePermuteCall`]'s offsets, order and position.
+    pub offsets: &'a CudaSlice<i32>,
+    pub order: &'a CudaSlice<i32>,
+    pub position: &'a CudaSlice<i32>,
+    /// The routing weights, `rows × k` f32.
+    pub weights: &'a CudaSlice<f32>,
+    /// Assignments (`rows · k`).
+    pub assignments: usize,
+    /// `assignments × n` bf16: the entries' outputs (written, then read back by the tiles).
+    pub expert_out: &'a mut CudaSlice<bf16>,
+    /// [`moe_unpermute_counters`]`(n)` tile counters, zero (left zero).
+    pub counters: &'a mut CudaSlice<u32>,
+    /// `rows × n` bf16 (written).
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl MoeDownUnpermuteCall<'_> {
+    /// Checks the sizes and enqueues the fused kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "moe_down_unpermute";
+        let (n, k, a) = (self.n, self.k, self.assignments);
+        need(OP, "counters", self.counters, moe_unpermute_counters(n))?;
+        need(OP, "position", self.position, a)?;
+        need(OP, "weights", self.weights, a)?;
+        need(OP, "out", self.out, (a / k.max(1)) * n)?;
+        let product = SkinnyLaunch {
+            x: self.x,
+            rows: MoeRows::Permuted,
+            k,
+            w: self.w,
+            bias: self.bias,
+            offsets: self.offsets,
+            order: self.order,
+            out: self.expert_out,
+            n,
+            d: self.d,
+            n_experts: self.n_experts,
+            assignments: a,
+            act: MoeSkinnyAct::Unpermute,
+            alpha: 0.0,
+            limit: 0.0,
+            unpermute: Some(UnpermuteTail {
+                position: self.position,
+                weights: self.weights,
+                out: self.out,
+                counters: self.counters,
+            }),
         };
         if !product.checked(OP)? {
             return Ok(());
