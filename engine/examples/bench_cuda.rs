@@ -23,7 +23,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
-//! [--moe-kernel legacy|split|new|both|LIST] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -243,19 +243,20 @@ fn run() -> Res<()> {
     };
     let prefill_table: Vec<u32> = (decode_blocks as u32..(decode_blocks + prefill_blocks) as u32).collect();
 
-    // `--moe-kernel legacy|split|new|both` or a comma list of them (`split,new`): the MoE
-    // layer on its first kernels, on the five-launch set, on the current one (the default), or
-    // each in turn at every shape (`both` = `legacy,new`; MoE configs only).
+    // `--moe-kernel legacy|split|new|fused-router|both` or a comma list of them (`split,new`):
+    // the MoE layer on its first kernels, on the five-launch set, on the current one (the
+    // default), on that with the router fused too, or each in turn at every shape (`both` =
+    // `legacy,new`; MoE configs only).
     let moe_sets: Vec<MoeKernels> = match (cfg.moe.is_some(), flag(&args, "--moe-kernel").as_deref()) {
         (false, _) | (true, None) => vec![MoeKernels::Fused],
         (true, Some("both")) => vec![MoeKernels::First, MoeKernels::Fused],
         (true, Some(list)) => list
             .split(',')
             .map(|name| {
-                [MoeKernels::First, MoeKernels::Split, MoeKernels::Fused]
+                [MoeKernels::First, MoeKernels::Split, MoeKernels::Fused, MoeKernels::FusedRouter]
                     .into_iter()
                     .find(|k| k.name() == name)
-                    .ok_or_else(|| format!("--moe-kernel {name}: expected legacy, split, new or both"))
+                    .ok_or_else(|| format!("--moe-kernel {name}: expected legacy, split, new, fused-router or both"))
             })
             .collect::<Result<_, _>>()?,
     };

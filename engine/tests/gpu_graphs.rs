@@ -178,16 +178,20 @@ fn gpu_moe_new_kernels_match_the_first_ones() {
 }
 
 /// The schedule with the op-by-op model on the five-launch decode set ([`MoeKernels::Split`])
-/// and the graph model on the fused one (steps of at most 16 rows: the router with routing and
-/// permutation, down with the un-permute, their counters reset by every launch and replay):
-/// Mixtral's SiLU experts and gpt-oss's router bias and biased experts compute the same steps.
+/// and the graph model on each fused set (steps of at most 16 rows: down with the un-permute,
+/// and with [`MoeKernels::FusedRouter`] the router with routing and permutation, their counters
+/// reset by every launch and replay): Mixtral's SiLU experts and gpt-oss's router bias and
+/// biased experts compute the same steps.
 #[test]
 fn gpu_moe_fused_router_and_unpermute_match_the_split_kernels() {
     let m = tiny(&TinySpec { init_std: 0.5, max_position_embeddings: 2048, ..TinySpec::mixtral() });
-    let stats = graph_schedule(&m.model, 600, MoeKernels::Split);
-    assert!(stats.replayed >= 50, "too few steps replayed: {stats:?}");
-    let stats = graph_schedule(&common::peaked_fixture("gpt_oss", 8.0), 300, MoeKernels::Split);
-    assert!(stats.replayed >= 50, "gpt_oss: too few steps replayed: {stats:?}");
+    for graph_moe in [MoeKernels::Fused, MoeKernels::FusedRouter] {
+        let stats = graph_schedule_on(&m.model, 600, graph_moe, MoeKernels::Split);
+        assert!(stats.replayed >= 50, "{graph_moe:?}: too few steps replayed: {stats:?}");
+        let gpt_oss = common::peaked_fixture("gpt_oss", 8.0);
+        let stats = graph_schedule_on(&gpt_oss, 300, graph_moe, MoeKernels::Split);
+        assert!(stats.replayed >= 50, "{graph_moe:?} gpt_oss: too few steps replayed: {stats:?}");
+    }
 }
 
 /// Runs the schedule of the module doc on `m` with graphs and op by op (the growing prefill
@@ -198,8 +202,19 @@ fn graph_schedule(
     long: usize,
     eager_moe: MoeKernels,
 ) -> baton_engine::backend::cuda::GraphStats {
+    graph_schedule_on(m, long, MoeKernels::Fused, eager_moe)
+}
+
+/// [`graph_schedule`] with the graph model on the MoE kernel set `graph_moe`.
+fn graph_schedule_on(
+    m: &baton_formats::LoadedModel,
+    long: usize,
+    graph_moe: MoeKernels,
+    eager_moe: MoeKernels,
+) -> baton_engine::backend::cuda::GraphStats {
     let vocab = m.config.vocab_size;
     let mut models = [cuda_model(m, true), cuda_model(m, false)];
+    models[0].backend_mut().set_moe_kernels(graph_moe);
     models[1].backend_mut().set_moe_kernels(eager_moe);
     let lengths = [1usize, 7, 16, 17, 33, 5, 12, 40, 3, 9, 21, 2, 30, 14, 6, 19, 11, 8, 25, 4];
     let mut seqs: Vec<Seq> = lengths

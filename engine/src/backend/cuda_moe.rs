@@ -6,12 +6,13 @@
 //! fused into one launch over the experts in use for decode-sized steps, a tiled GEMM then the
 //! activation for prefill-sized ones (64 × 128 tiles on the default set when experts average
 //! 64 entries); the grouped `down` product with its bias; the weighted
-//! un-permute). Steps of at most [`MOE_ROUTER_MAX_ROWS`] rows run three launches a layer
-//! ([`MoeKernels::Fused`], the default): the router GEMV with the routing and permutation
-//! ([`MoeRouterCall`]), gate_up with its activation, and down with the un-permute
-//! ([`MoeDownUnpermuteCall`]). [`CudaBackend::set_moe_kernels`] selects the earlier sets for
-//! comparisons: [`MoeKernels::Split`] (the five launches before those two fusions, and the
-//! 64 × 64 GEMM tiles at every prefill size) and
+//! un-permute). Steps of at most [`MOE_ROUTER_MAX_ROWS`] rows run four launches a layer
+//! ([`MoeKernels::Fused`], the default): the router GEMV, routing with the permutation, gate_up
+//! with its activation, and down with the un-permute ([`MoeDownUnpermuteCall`]).
+//! [`CudaBackend::set_moe_kernels`] selects the other sets for comparisons:
+//! [`MoeKernels::FusedRouter`] (three launches: the router GEMV with the routing and
+//! permutation, [`MoeRouterCall`]; measured slower on the H100, see the variant),
+//! [`MoeKernels::Split`] (five launches, and the 64 × 64 GEMM tiles at every prefill size) and
 //! [`MoeKernels::First`] (routing and permutation apart, the CUDA-core GEMV over every expert,
 //! the activation apart). Each kernel gets a profile mark (`moe_*`), so `bench_cuda`'s per-op
 //! profile splits the layer.
@@ -49,10 +50,16 @@ pub enum MoeKernels {
     /// activation, down, un-permute (the tensor-core skinny product over the experts in use);
     /// prefill-sized steps on the 64 × 64 grouped GEMM.
     Split,
-    /// [`Self::Split`] with, for steps of at most [`MOE_ROUTER_MAX_ROWS`] rows, the router fused
-    /// with route + permute and the un-permute fused into down (three launches), and the wide
-    /// (64 × 128) grouped GEMM for experts averaging 64 entries (the default).
+    /// [`Self::Split`] with, for steps of at most [`MOE_ROUTER_MAX_ROWS`] rows, the un-permute
+    /// fused into down (four launches), and the wide (64 × 128) grouped GEMM for experts
+    /// averaging 64 entries (the default).
     Fused,
+    /// [`Self::Fused`] with the router GEMV fused with route + permute as well (three
+    /// launches). Slower than [`Self::Fused`] on the H100 (Qwen3-30B-A3B shape, session 14:
+    /// 18.7 against 15.4 µs a layer eager at one row, 52 against 21 µs at 16): its 8 CTAs of
+    /// one warp per expert row stream the 0.5 MB router more slowly than the GEMV's grid, and
+    /// the last CTA's routing waits for all of them. Kept for the comparison.
+    FusedRouter,
 }
 
 impl MoeKernels {
@@ -62,6 +69,7 @@ impl MoeKernels {
             Self::First => "legacy",
             Self::Split => "split",
             Self::Fused => "new",
+            Self::FusedRouter => "fused-router",
         }
     }
 }
@@ -205,7 +213,7 @@ impl CudaBackend {
         // the skinny product over the experts in use, gate_up fused with its activation (the
         // first kernels: the CUDA-core GEMV over every expert, the activation apart).
         let (gate_up_kernel, down_kernel) = match s.kernels {
-            MoeKernels::Fused => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
+            MoeKernels::Fused | MoeKernels::FusedRouter => (MoeExpertKernel::Auto, MoeExpertKernel::Auto),
             MoeKernels::Split | MoeKernels::First => {
                 let small = if legacy { MoeExpertKernel::Gemv } else { MoeExpertKernel::Skinny };
                 let pick = |d| if moe_gemm_preferred(a, ne, d) { MoeExpertKernel::Gemm } else { small };
@@ -213,11 +221,13 @@ impl CudaBackend {
             }
         };
         let fused_act = !legacy && !moe_gemm_preferred(a, ne, h);
-        // Small steps on the fused set: the router with the routing and permutation, the
-        // un-permute inside down (which then runs the skinny product, as gate_up does).
-        let small = s.kernels == MoeKernels::Fused && m <= MOE_ROUTER_MAX_ROWS;
+        // Small steps on the fused sets: the un-permute inside down (which then runs the skinny
+        // product, as gate_up does), and with `FusedRouter` the router with the routing and
+        // permutation.
+        let small = matches!(s.kernels, MoeKernels::Fused | MoeKernels::FusedRouter) && m <= MOE_ROUTER_MAX_ROWS;
         let fused_down = small && !moe_gemm_preferred(a, ne, inter);
-        if !small {
+        let fused_router = small && s.kernels == MoeKernels::FusedRouter;
+        if !fused_router {
             // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
             // rounding of the logits).
             record_mark(dev, profile, "moe_router");
@@ -235,7 +245,7 @@ impl CudaBackend {
             ids: &mut s.ids,
             weights: &mut s.weights,
         };
-        if small {
+        if fused_router {
             // The same logits, summed by the fused kernel (in f32 too), then routed as above.
             record_mark(dev, profile, "moe_router_route");
             MoeRouterCall {
