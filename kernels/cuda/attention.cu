@@ -487,23 +487,12 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// c (MG/4 accumulators: rows g, and g + 8 when MG = 16) += A (16 x 16) B (16 x 8), bf16 inputs
-// (F16: f16 inputs), f32 accumulation. With MG = 8 rows 8..15 are zero: a1, a3 and c2, c3 are
-// constants and d2, d3 are dropped, so the accumulators of those rows take no registers.
-template <int MG, bool F16 = false>
+// c (MG/4 accumulators: rows g, and g + 8 when MG = 16) += A (16 x 16) B (16 x 8). With MG = 8
+// rows 8..15 are zero: a1, a3 and c2, c3 are constants and d2, d3 are dropped, so the
+// accumulators of those rows take no registers.
+template <int MG>
 __device__ __forceinline__ void tc_mma_k16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    if constexpr (F16 && MG == 16) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else if constexpr (F16) {
-        float x2, x3;
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-            "{%0, %1, %10, %10};"
-            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
-            : "r"(a[0]), "r"(0u), "r"(a[1]), "r"(0u), "r"(b0), "r"(b1), "f"(0.f));
-    } else if constexpr (MG == 16) {
+    if constexpr (MG == 16) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -518,18 +507,9 @@ __device__ __forceinline__ void tc_mma_k16(float* c, const unsigned* a, unsigned
 }
 
 // c += A (16 x 8: a0 rows g, a1 rows g + 8) B (8 x 8), as tc_mma_k16.
-template <int MG, bool F16 = false>
+template <int MG>
 __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned b0) {
-    if constexpr (F16 && MG == 16) {
-        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(b0));
-    } else if constexpr (F16) {
-        float x2, x3;
-        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %7, %7};"
-            : "+f"(c[0]), "+f"(c[1]), "=f"(x2), "=f"(x3)
-            : "r"(a[0]), "r"(0u), "r"(b0), "f"(0.f));
-    } else if constexpr (MG == 16) {
+    if constexpr (MG == 16) {
         asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(b0));
@@ -545,10 +525,15 @@ __device__ __forceinline__ void tc_mma_k8(float* c, const unsigned* a, unsigned 
 // an FP8 cache (eb = 1) HD codes padded by 16 bytes.
 constexpr int tc_ring_row(int hd, int eb) { return eb == 1 ? hd + 16 : (hd + 8) * 2; }
 
+// Tokens a warp takes per stage: 8 (the bf16 kernel: tokens are the mma's N) or 16 (the FP8
+// kernel, attention_tc_fp8.cu: tokens are its M).
+constexpr int tc_warp_tokens(int eb) { return eb == 1 ? 16 : 8; }
+
 // Shared memory of one CTA: the ring, or the end-of-kernel merge (which reuses it) if larger.
 constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg, int eb) {
-    return ns * 2 * (8 * nw) * tc_ring_row(hd, eb) > nw * mg * (hd + 2) * 4 ? ns * 2 * (8 * nw) * tc_ring_row(hd, eb)
-                                                                           : nw * mg * (hd + 2) * 4;
+    return ns * 2 * (tc_warp_tokens(eb) * nw) * tc_ring_row(hd, eb) > nw * mg * (hd + 2) * 4
+               ? ns * 2 * (tc_warp_tokens(eb) * nw) * tc_ring_row(hd, eb)
+               : nw * mg * (hd + 2) * 4;
 }
 
 // CTAs per SM that shared memory allows (228 KB per SM, 1 KB reserved per CTA), at most 6:
@@ -581,114 +566,57 @@ __device__ __forceinline__ unsigned char* tc_smem_base() {
     }
 }
 
-// C: the cache's element, bf16_t or (FP8 cache) unsigned char E4M3 codes. With FP8 the ring
-// holds the codes (half the bytes in flight per token) and the products run in f16 straight
-// from them: ldmatrix on the codes gives each lane four codes of a row (a 16-bit element is
-// a pair of codes), one hardware conversion per pair makes them f16 fragments (exact: every
-// E4M3 value is an f16 value), and no converted copy goes through shared memory. The first
-// version converted each warp's tile to bf16 in shared memory; that pass doubled a warp's
-// instructions per stage and held the kernel at 67-71 % of copy (BENCHMARKS.md, e8265f1).
-// - K: lane (g, t) gets bytes 4t..4t+3 of each 16-byte segment i of token g's row, i.e. head
-//   dims 16i + 4t + 0..3. The m16n8k16 B fragment wants k = 2t, 2t+1 (b0) and 2t+8, 2t+9
-//   (b1), so chunk i's k order is a permutation of its dims; Q's A fragments take the same
-//   permutation (a0 = dims 16i + 4t + 0..1, a2 = + 2..3), and the dot product is unchanged.
-// - V: ldmatrix.trans gives lane (g, t) the code pairs (dims 16i + 2g, + 1) of tokens 2t and
-//   2t + 1; a byte permutation makes (token 2t, token 2t + 1) pairs of the even dim and of the
-//   odd dim, the B fragments of two m16n8k8 products whose output columns are those dims
-//   (accumulator j = 2i + parity holds dims 16i + 4t + parity and + 2).
-// - Q in f16: exact for |q| in f16's normal range; a CTA whose largest |q| exceeds 2^14 scales
-//   Q down by a power of two (exact) and its scores back up by it, so nothing overflows.
-// - P in f16 (11 significant bits against bf16's 8: no less accurate than the bf16 kernel).
-// The K scale is already folded into qscale by the launcher and the V scale multiplies the
-// output (or the split's partial) here.
-template <int HD, int NW, int NS, int MG, typename C>
-__device__ __forceinline__ void paged_attention_tc_body(
-    const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
-    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
-    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
-    constexpr bool FP8 = sizeof(C) == 1;
-    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
-    static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
-    static_assert(NS >= 2, "at least double buffering");
-    constexpr int THREADS = NW * 32;
-    constexpr int TT = 8 * NW;             // tokens per stage (8 per warp)
-    constexpr int RS = HD + 8;             // padded bf16 row stride, elements
-    constexpr int RB = tc_ring_row(HD, (int)sizeof(C));  // ring row stride, bytes
-    constexpr int CPR = HD * (int)sizeof(C) / 16;        // 16-byte chunks per ring row
-    constexpr int TILE_B = TT * RB;        // bytes of one K (or V) stage
-    constexpr int RING_B = NS * 2 * TILE_B;
-    constexpr int RH = MG / 8;             // accumulator row halves per thread (g, g + 8)
-    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, (int)sizeof(C));
-    static_assert(SMEM >= RING_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
-    static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
-    static_assert(THREADS == 4 * TT && CPR >= 1 && RB % 16 == 0, "copy mapping: four threads per token");
-    unsigned char* const smem = tc_smem_base<SMEM>();
+// The copy of a CTA's row chunk into the shared-memory ring, shared by both tensor-core decode
+// kernels. A stage is TT tokens: K rows (ring slot s at sk + s * TILE_B) then V rows (at sv),
+// RB bytes a row. TPT = THREADS / TT threads share each token: thread q of token tid / TPT
+// copies 16-byte chunks q, q + TPT, ... of the token's K row followed by its V row (2 * CPR
+// chunks; with 2 * CPR < TPT some threads copy nothing). One warp instruction thus reads
+// TPT * 16 contiguous bytes of each of 32 / TPT rows (whole 32-byte sectors), and each thread
+// tracks the block of one token only: the block id of its token in the next stage is loaded
+// one stage ahead, so the dependent block-table read is a stage old when its copies issue.
+// Tokens past the chunk are copied as zeros (cp.async src-size 0): no stale or uninitialized
+// shared memory (possibly NaN) meets a zero probability in the P V product.
+template <typename C, int HD, int TT, int THREADS, int RB, int NS>
+struct TcRing {
+    static constexpr int TPT = THREADS / TT;
+    static constexpr int CPR = HD * (int)sizeof(C) / 16;  // 16-byte chunks per row
+    static constexpr int CPT = (2 * CPR + TPT - 1) / TPT;  // copies per thread per stage
+    static constexpr int EPC = 16 / (int)sizeof(C);      // elements per chunk
+    static constexpr int TILE_B = TT * RB;                 // bytes of one K (or V) stage
+    static_assert(THREADS % TT == 0 && CPR >= 1 && RB % 16 == 0, "copy mapping: whole threads per token");
 
-    const int group = n_heads / n_kv_heads;
-    const int gchunks = (group + MG - 1) / MG;
-    const int kvh = blockIdx.x / gchunks, gc = blockIdx.x - kvh * gchunks;
-    const int row = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
-    const int h0 = kvh * group + gc * MG;
-    const int ng = min(MG, group - gc * MG);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int ctx = row_ctx[row];
-    if (ctx <= 0) {
-        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
-        if (split == 0) {
-            for (int i = tid; i < ng * HD; i += THREADS)
-                out[((long long)row * n_heads + h0 + i / HD) * HD + i % HD] = f2bf(0.f);
-        }
-        return;
-    }
-    const int lo = window_start(ctx, window);
-    const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
-    const int c0 = lo + split * chunk;
-    const int c1 = min(ctx, c0 + chunk);
-    // A split past this row's context: the combine step never reads it.
-    if (c0 >= c1) return;
-    const int n_tiles = (c1 - c0 + TT - 1) / TT;
-    const int* bt = block_tables + row_bt[row];
-    const long long kv_w = (long long)n_kv_heads * HD;
+    const C* kbase;
+    const C* vbase;
+    const int* bt;
+    long long kv_w;
+    int block_size, c1, p0, ctok, cq, lb, off, blk;
+    unsigned sk, sv, drow;
 
-    // Copy assignment: a stage has TT = 8 * NW tokens and THREADS = 32 * NW threads, so four
-    // threads share each token: thread q = tid % 4 of token tid / 4 copies 16-byte chunks
-    // q, q + 4, q + 8, ... of the token's K row followed by its V row (2 * CPR chunks; with
-    // 2 * CPR < 4, as head_dim 16 bf16, some threads copy nothing). One warp instruction thus
-    // reads 64 contiguous bytes of each of 8 rows (whole 32-byte sectors), and each thread
-    // tracks the block of one token only.
-    constexpr int CPT = (2 * CPR + 3) / 4;  // copies per thread per stage
-    constexpr int EPC = 16 / (int)sizeof(C);  // elements per 16-byte chunk
-    const int ctok = tid >> 2, cq = tid & 3;
-    const C* const kbase = k_cache + (long long)kvh * HD;
-    const C* const vbase = v_cache + (long long)kvh * HD;
-    const unsigned sk_a = smem_addr(smem), sv_a = sk_a + NS * TILE_B;
-    const unsigned drow = (unsigned)(ctok * RB);
-    int lb, off, blk;
-    {
+    __device__ __forceinline__ TcRing(unsigned ring, const C* k_cache, const C* v_cache, int kvh, int n_kv_heads,
+                                      int block_size_, const int* bt_, int c0, int c1_, int tid)
+        : kbase(k_cache + (long long)kvh * HD), vbase(v_cache + (long long)kvh * HD), bt(bt_),
+          kv_w((long long)n_kv_heads * HD), block_size(block_size_), c1(c1_), p0(c0), ctok(tid / TPT),
+          cq(tid % TPT), sk(ring), sv(ring + NS * TILE_B), drow((unsigned)(tid / TPT * RB)) {
         const int p = c0 + ctok;
         lb = p / block_size;
         off = p - lb * block_size;
         blk = p < c1 ? bt[lb] : 0;
     }
-    // Copies the next stage in order (the token state advances by one stage) into ring slot
-    // `s`, then loads the block id of this thread's token in the following stage, so the
-    // dependent block-table read is a stage old by the time its copies are issued.
-    int issue_p0 = c0;
-    auto issue = [&](int s) {
-        const int p = issue_p0 + ctok;
+
+    // Copies the next stage in order (the token state advances by one stage) into slot s.
+    __device__ __forceinline__ void issue(int s) {
+        const int p = p0 + ctok;
         const int n = p < c1 ? 16 : 0;
         const long long e = n ? ((long long)blk * block_size + off) * kv_w : 0;
         const unsigned d = (unsigned)(s * TILE_B) + drow;
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
             // Chunk c of the K row then V row (c < CPR: K).
-            const int c = cq + 4 * j;
-            if ((2 * CPR) % 4 == 0 || c < 2 * CPR) {
+            const int c = cq + TPT * j;
+            if ((2 * CPR) % TPT == 0 || c < 2 * CPR) {
                 const bool is_v = c >= CPR;
                 const int col = is_v ? c - CPR : c;
-                cp_async16((is_v ? sv_a : sk_a) + d + col * 16, (is_v ? vbase : kbase) + e + col * EPC, n);
+                cp_async16((is_v ? sv : sk) + d + col * 16, (is_v ? vbase : kbase) + e + col * EPC, n);
             }
         }
         off += TT;
@@ -697,79 +625,142 @@ __device__ __forceinline__ void paged_attention_tc_body(
             lb++;
         }
         blk = p + TT < c1 ? bt[lb] : 0;
-        issue_p0 += TT;
-    };
+        p0 += TT;
+    }
+};
+
+// The end of both tensor-core decode kernels, once every warp has written its heads' running
+// (max, sum) to sm_ml [NW][MG][2] and unnormalized O to sm_o [NW][MG][HD] and the CTA has
+// synchronized: the CTA combines the warps per output and writes the normalized bf16 output
+// (one split; the sink joins the softmax here) or the split's partial for attention_combine.
+// v_scale multiplies O (an FP8 cache's V scale; 1 for bf16).
+template <int HD, int NW, int MG>
+__device__ __forceinline__ void tc_merge_write(const float* sm_o, const float* sm_ml, int ng, int row, int h0,
+                                               int n_heads, int split, int n_splits, float v_scale,
+                                               const float* __restrict__ sinks, bf16_t* __restrict__ out,
+                                               float* __restrict__ part_o, float* __restrict__ part_ml) {
+    for (int i = threadIdx.x; i < ng * HD; i += NW * 32) {
+        const int r = i / HD, d = i - r * HD;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm_ml[(w * MG + r) * 2]);
+        float L = 0.f, o = 0.f;
+        // mx is finite: the chunk holds at least one valid token, so some warp saw one.
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const float f = exp2f(sm_ml[(w * MG + r) * 2] - mx);
+            L += sm_ml[(w * MG + r) * 2 + 1] * f;
+            o += sm_o[(w * MG + r) * HD + d] * f;
+        }
+        const long long rh = (long long)row * n_heads + h0 + r;
+        if (n_splits == 1) {
+            add_sink(sinks, h0 + r, mx, L, o);
+            out[rh * HD + d] = f2bf(o * v_scale / L);
+        } else {
+            const long long ps = rh * n_splits + split;
+            part_o[ps * HD + d] = o * v_scale;
+            if (d == 0) {
+                part_ml[ps * 2] = mx;
+                part_ml[ps * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+// The row, CTA and chunk a tensor-core decode CTA serves (grid (n_kv_heads * group chunks,
+// rows, splits)); `run` is false when it has nothing to do: a padding row (whose zeros the
+// first split writes here) or a split past the row's context (the combine never reads it).
+struct TcChunk {
+    int kvh, row, split, n_splits, h0, ng, c0, c1;
+    bool run;
+};
+
+template <int HD, int MG>
+__device__ __forceinline__ TcChunk tc_chunk(const int* __restrict__ row_ctx, int n_heads, int n_kv_heads,
+                                            int min_chunk, int window, bf16_t* __restrict__ out) {
+    TcChunk k;
+    const int group = n_heads / n_kv_heads;
+    const int gchunks = (group + MG - 1) / MG;
+    k.kvh = blockIdx.x / gchunks;
+    const int gc = blockIdx.x - k.kvh * gchunks;
+    k.row = blockIdx.y;
+    k.split = blockIdx.z;
+    k.n_splits = gridDim.z;
+    k.h0 = k.kvh * group + gc * MG;
+    k.ng = min(MG, group - gc * MG);
+    const int ctx = row_ctx[k.row];
+    k.run = false;
+    k.c0 = k.c1 = 0;
+    if (ctx <= 0) {
+        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
+        if (k.split == 0) {
+            for (int i = threadIdx.x; i < k.ng * HD; i += blockDim.x)
+                out[((long long)k.row * n_heads + k.h0 + i / HD) * HD + i % HD] = f2bf(0.f);
+        }
+        return k;
+    }
+    const int lo = window_start(ctx, window);
+    const int chunk = split_chunk(ctx - lo, k.n_splits, min_chunk);
+    k.c0 = lo + k.split * chunk;
+    k.c1 = min(ctx, k.c0 + chunk);
+    k.run = k.c0 < k.c1;
+    return k;
+}
+
+// The bf16-cache kernel (an FP8 cache has its own, attention_tc_fp8.cu).
+template <int HD, int NW, int NS, int MG>
+__device__ __forceinline__ void paged_attention_tc_body(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
+    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
+    static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
+    static_assert(NS >= 2, "at least double buffering");
+    constexpr int THREADS = NW * 32;
+    constexpr int TT = tc_warp_tokens(2) * NW;  // tokens per stage (8 per warp)
+    constexpr int RS = HD + 8;                  // padded bf16 row stride, elements
+    constexpr int RB = tc_ring_row(HD, 2);      // ring row stride, bytes
+    constexpr int RH = MG / 8;                  // accumulator row halves per thread (g, g + 8)
+    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, 2);
+    using Ring = TcRing<bf16_t, HD, TT, THREADS, RB, NS>;
+    static_assert(SMEM >= NS * 2 * Ring::TILE_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
+    static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
+    static_assert(Ring::TPT == 4, "four threads per token");
+    unsigned char* const smem = tc_smem_base<SMEM>();
+
+    const TcChunk ck = tc_chunk<HD, MG>(row_ctx, n_heads, n_kv_heads, min_chunk, window, out);
+    if (!ck.run) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int c0 = ck.c0, c1 = ck.c1, ng = ck.ng;
+    const int n_tiles = (c1 - c0 + TT - 1) / TT;
+    Ring ring(smem_addr(smem), k_cache, v_cache, ck.kvh, n_kv_heads, block_size, block_tables + row_bt[ck.row], c0,
+              c1, tid);
 
     // Q as A fragments (rows g and g + 8 = query heads of this CTA, k = head dims), unscaled:
     // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
     unsigned qa[HD / 16][2 * RH];
-    float qs = qscale;  // the scores' scale (FP8: times the power of two Q was scaled down by)
-    if constexpr (FP8) {
-        // f16 fragments in the code fragments' dim order (see above): dims 16kk + 4t + 0..3.
-        float qf[HD / 16][RH][4];
-        float amax = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
+    for (int kk = 0; kk < HD / 16; kk++) {
 #pragma unroll
-            for (int h = 0; h < RH; h++) {
-                const int r = g + 8 * h;
-                uint2 v = make_uint2(0, 0);
-                if (r < ng) v = *reinterpret_cast<const uint2*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 4 * t);
-                qf[kk][h][0] = __uint_as_float(v.x << 16);
-                qf[kk][h][1] = __uint_as_float(v.x & 0xffff0000u);
-                qf[kk][h][2] = __uint_as_float(v.y << 16);
-                qf[kk][h][3] = __uint_as_float(v.y & 0xffff0000u);
-#pragma unroll
-                for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(qf[kk][h][j]));
+        for (int h = 0; h < RH; h++) {
+            const int r = g + 8 * h;
+            unsigned lo = 0, hi = 0;
+            if (r < ng) {
+                const unsigned* qr = reinterpret_cast<const unsigned*>(
+                    q + ((long long)ck.row * n_heads + ck.h0 + r) * HD + kk * 16 + 2 * t);
+                lo = qr[0];
+                hi = qr[4];
             }
-        }
-        // Every warp holds all of Q, so every warp finds the same maximum and scale.
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float down = 1.f;
-        if (amax > 16384.f && amax <= 3.0e38f) {
-            int e;
-            frexpf(amax, &e);  // amax < 2^e
-            down = ldexpf(1.f, 14 - e);
-            qs = qscale * ldexpf(1.f, e - 14);
-        }
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-#pragma unroll
-            for (int h = 0; h < RH; h++) {
-                const unsigned lo = pack_f16x2(qf[kk][h][0] * down, qf[kk][h][1] * down);
-                const unsigned hi = pack_f16x2(qf[kk][h][2] * down, qf[kk][h][3] * down);
-                if constexpr (RH == 2) {
-                    qa[kk][h] = lo;
-                    qa[kk][2 + h] = hi;
-                } else {
-                    qa[kk][0] = lo;
-                    qa[kk][1] = hi;
-                }
-            }
-        }
-    } else {
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; kk++) {
-#pragma unroll
-            for (int h = 0; h < RH; h++) {
-                const int r = g + 8 * h;
-                unsigned lo = 0, hi = 0;
-                if (r < ng) {
-                    const unsigned* qr =
-                        reinterpret_cast<const unsigned*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
-                    lo = qr[0];
-                    hi = qr[4];
-                }
-                // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
-                // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
-                if constexpr (RH == 2) {
-                    qa[kk][h] = lo;
-                    qa[kk][2 + h] = hi;
-                } else {
-                    qa[kk][0] = lo;
-                    qa[kk][1] = hi;
-                }
+            // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
+            // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
+            if constexpr (RH == 2) {
+                qa[kk][h] = lo;
+                qa[kk][2 + h] = hi;
+            } else {
+                qa[kk][0] = lo;
+                qa[kk][1] = hi;
             }
         }
     }
@@ -789,44 +780,28 @@ __device__ __forceinline__ void paged_attention_tc_body(
     // wait count uniform at the tail.
 #pragma unroll
     for (int s = 0; s < NS - 1; s++) {
-        if (s < n_tiles) issue(s);
+        if (s < n_tiles) ring.issue(s);
         cp_async_commit();
     }
     // ldmatrix row addresses: lane l supplies row l % 8 of matrix l / 8; the warp's rows are
-    // its 8 tokens of the ring stage (matrices: 16-byte column segments of the rows).
-    const unsigned lrow = FP8 ? (unsigned)((warp * 8 + (lane & 7)) * RB + (lane >> 3) * 16)
-                              : (unsigned)(((warp * 8 + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
+    // its 8 tokens of the ring stage.
+    const unsigned lrow = (unsigned)(((warp * 8 + (lane & 7)) * RS + (lane >> 3) * 8) * 2);
     const unsigned lrow2 = (unsigned)(((warp * 8 + (lane & 7)) * RS + ((lane >> 3) & 1) * 8) * 2);
-    // FP8: 16-byte segments of a row (16 codes each) and how many one ldmatrix takes.
-    constexpr int SEGS = HD / 16;
-    constexpr int SEG_N = SEGS >= 4 ? 4 : SEGS;
     for (int it = 0; it < n_tiles; it++) {
         cp_async_wait<NS - 2>();
         // Stage `it` is visible to every warp, and every warp is done with the slot that the
         // next copy overwrites (consumed in the previous iteration).
         __syncthreads();
-        if (it + NS - 1 < n_tiles) issue((it + NS - 1) % NS);
+        if (it + NS - 1 < n_tiles) ring.issue((it + NS - 1) % NS);
         cp_async_commit();
 
         const int s = it % NS;
-        const unsigned ks = sk_a + (unsigned)(s * TILE_B), vs = sv_a + (unsigned)(s * TILE_B);
+        const unsigned ks = ring.sk + (unsigned)(s * Ring::TILE_B), vs = ring.sv + (unsigned)(s * Ring::TILE_B);
         // S = Q K^T over this warp's 8 tokens.
         float sc[2 * RH];
 #pragma unroll
         for (int i = 0; i < 2 * RH; i++) sc[i] = 0.f;
-        if constexpr (FP8) {
-#pragma unroll
-            for (int i0 = 0; i0 < SEGS; i0 += SEG_N) {
-                unsigned c[SEG_N];
-                ldsm_n<SEG_N, false>(ks + lrow + i0 * 16, c);
-#pragma unroll
-                for (int j = 0; j < SEG_N; j++) {
-                    unsigned b0, b1;
-                    e4m3x4_to_f16x4(c[j], b0, b1);
-                    tc_mma_k16<MG, true>(sc, qa[i0 + j], b0, b1);
-                }
-            }
-        } else if constexpr (HD >= 32) {
+        if constexpr (HD >= 32) {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk += 2) {
                 unsigned b[4];
@@ -846,8 +821,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
         float corr[RH];
 #pragma unroll
         for (int h = 0; h < RH; h++) {
-            const float s0 = v0 ? soft_cap(sc[2 * h] * qs, cap2) : NEG_INF;
-            const float s1 = v1 ? soft_cap(sc[2 * h + 1] * qs, cap2) : NEG_INF;
+            const float s0 = v0 ? soft_cap(sc[2 * h] * qscale, cap2) : NEG_INF;
+            const float s1 = v1 ? soft_cap(sc[2 * h + 1] * qscale, cap2) : NEG_INF;
             float tm = fmaxf(s0, s1);
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
             tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
@@ -858,12 +833,11 @@ __device__ __forceinline__ void paged_attention_tc_body(
             const float p0 = exp2f(s0 - mu), p1 = exp2f(s1 - mu);
             l[h] = l[h] * corr[h] + p0 + p1;
             m[h] = mn;
-            pa[h] = FP8 ? pack_f16x2(p0, p1) : pack_bf16x2(p0, p1);
+            pa[h] = pack_bf16x2(p0, p1);
         }
         // The rescale is skipped when no row of the warp moved its max (every corr is exactly
-        // 1, so the product would be the identity), as after the first tiles it rarely does:
-        // it is HD / 4 multiplies a thread, the largest item of a stage's arithmetic. Not at
-        // head_dim 256, where the branch costs registers the 8-head shapes do not have.
+        // 1, so the product would be the identity), as after the first tiles it rarely does.
+        // Not at head_dim 256, where the branch costs registers the 8-head shapes do not have.
         bool moved = HD > 128;
         if constexpr (HD <= 128) {
 #pragma unroll
@@ -877,22 +851,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
                 for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
         }
         // O += P V: the 8 tokens are k, head dims n (8 per mma).
-        if constexpr (FP8) {
-#pragma unroll
-            for (int i0 = 0; i0 < SEGS; i0 += SEG_N) {
-                unsigned c[SEG_N];
-                ldsm_n<SEG_N, true>(vs + lrow + i0 * 16, c);
-#pragma unroll
-                for (int j = 0; j < SEG_N; j++) {
-                    // Bytes (tok 2t: even dim, odd dim; tok 2t+1: even, odd) -> (even: 2t, 2t+1;
-                    // odd: 2t, 2t+1).
-                    unsigned ev, od;
-                    e4m3x4_to_f16x4(__byte_perm(c[j], 0u, 0x3120), ev, od);
-                    tc_mma_k8<MG, true>(acc[2 * (i0 + j)], pa, ev);
-                    tc_mma_k8<MG, true>(acc[2 * (i0 + j) + 1], pa, od);
-                }
-            }
-        } else if constexpr (HD >= 32) {
+        if constexpr (HD >= 32) {
 #pragma unroll
             for (int nb = 0; nb < HD / 32; nb++) {
                 unsigned b[4];
@@ -924,41 +883,13 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
 #pragma unroll
         for (int j = 0; j < HD / 8; j++) {
-            // The accumulators' head dims: j * 8 + 2t and + 1, or with FP8 (see above)
-            // 16 (j / 2) + 4t + j % 2 and + 2.
-            const int d0 = FP8 ? (j >> 1) * 16 + 4 * t + (j & 1) : j * 8 + 2 * t;
-            const int d1 = FP8 ? d0 + 2 : d0 + 1;
-            sm_o[(warp * MG + r) * HD + d0] = acc[j][2 * h];
-            sm_o[(warp * MG + r) * HD + d1] = acc[j][2 * h + 1];
+            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t] = acc[j][2 * h];
+            sm_o[(warp * MG + r) * HD + j * 8 + 2 * t + 1] = acc[j][2 * h + 1];
         }
     }
     __syncthreads();
-    for (int i = tid; i < ng * HD; i += THREADS) {
-        const int r = i / HD, d = i - r * HD;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm_ml[(w * MG + r) * 2]);
-        float L = 0.f, o = 0.f;
-        // mx is finite: the chunk holds at least one valid token, so some warp saw one.
-#pragma unroll
-        for (int w = 0; w < NW; w++) {
-            const float f = exp2f(sm_ml[(w * MG + r) * 2] - mx);
-            L += sm_ml[(w * MG + r) * 2 + 1] * f;
-            o += sm_o[(w * MG + r) * HD + d] * f;
-        }
-        const long long rh = (long long)row * n_heads + h0 + r;
-        if (n_splits == 1) {
-            add_sink(sinks, h0 + r, mx, L, o);
-            out[rh * HD + d] = f2bf(o * v_scale / L);
-        } else {
-            const long long ps = rh * n_splits + split;
-            part_o[ps * HD + d] = o * v_scale;
-            if (d == 0) {
-                part_ml[ps * 2] = mx;
-                part_ml[ps * 2 + 1] = L;
-            }
-        }
-    }
+    tc_merge_write<HD, NW, MG>(sm_o, sm_ml, ng, ck.row, ck.h0, n_heads, ck.split, ck.n_splits, 1.f, sinks, out,
+                               part_o, part_ml);
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
@@ -968,34 +899,17 @@ __device__ __forceinline__ void paged_attention_tc_body(
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
         const float* __restrict__ sinks) { PDL_ENTER();                                                           \
-        paged_attention_tc_body<HD, NW, NS, MG, bf16_t>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
-                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, 1.f, \
+        paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
+                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, \
                                                 window, cap2, sinks);                                             \
     }
 
-// Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
-#define ATT_TC_FP8_INSTANCE(HD, NW, NS, MG)                                                                        \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1, 6)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
-        const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                  \
-        const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
-        float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
-        const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
-        paged_attention_tc_body<HD, NW, NS, MG, unsigned char>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,  \
-                                                row_bt, block_tables, n_heads, n_kv_heads, block_size, qscale,    \
-                                                min_chunk, v_scale, window, cap2, sinks);                         \
-    }
-
 // The tensor-core variants (warps, stages, heads per CTA), in the order they follow the
-// register variants in ATTN_VARIANTS; then the FP8-cache variants in the order of
-// ATTN_FP8_VARIANTS (an FP8 stage is half the bytes, so they run deeper rings).
-#define ATT_TC_VARIANTS(HD)          \
-    ATT_TC_INSTANCE(HD, 2, 4, 8)     \
-    ATT_TC_INSTANCE(HD, 2, 5, 8)     \
-    ATT_TC_INSTANCE(HD, 2, 4, 16)    \
-    ATT_TC_FP8_INSTANCE(HD, 2, 4, 8) \
-    ATT_TC_FP8_INSTANCE(HD, 2, 8, 8) \
-    ATT_TC_FP8_INSTANCE(HD, 2, 8, 16)
+// register variants in ATTN_VARIANTS (the FP8-cache variants: attention_tc_fp8.cu).
+#define ATT_TC_VARIANTS(HD)      \
+    ATT_TC_INSTANCE(HD, 2, 4, 8) \
+    ATT_TC_INSTANCE(HD, 2, 5, 8) \
+    ATT_TC_INSTANCE(HD, 2, 4, 16)
 
 ATT_TC_VARIANTS(16)
 ATT_TC_VARIANTS(32)

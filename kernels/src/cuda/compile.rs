@@ -39,7 +39,8 @@ pub enum Family {
     Sampling,
     /// The skinny GEMM, cut by rows of x (the `GEMV_VARIANTS(MAXM)` instances).
     Gemv,
-    /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`).
+    /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
+    /// `ATT_TC_FP8_VARIANTS(HD)`).
     Attention,
     /// Prefill flash attention, cut by head_dim (`PF_INSTANCE(HD, ..)`).
     Prefill,
@@ -62,7 +63,9 @@ impl Family {
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
             Self::Gemv => &[include_str!("../../cuda/gemv.cu")],
-            Self::Attention => &[include_str!("../../cuda/attention.cu")],
+            Self::Attention => {
+                &[include_str!("../../cuda/attention.cu"), include_str!("../../cuda/attention_tc_fp8.cu")]
+            }
             Self::Prefill => &[include_str!("../../cuda/prefill.cu")],
         }
     }
@@ -73,7 +76,7 @@ impl Family {
         match self {
             Self::Elementwise | Self::Sampling => &[],
             Self::Gemv => &["GEMV_VARIANTS"],
-            Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS"],
+            Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS"],
             Self::Prefill => &["PF_INSTANCE"],
         }
     }

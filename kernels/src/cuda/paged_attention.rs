@@ -19,8 +19,8 @@
 /// - bf16 `tc_w2_s4_g8` / `tc_w2_s4_g16`: 4 stages × (K + V) × 16 tokens × 528-byte rows =
 ///   67,584 B (the g16 merge, 2 × 16 × 258 × 4 = 33,024 B, fits in it): 3 CTAs per SM;
 ///   `tc_w2_s5_g8`: 84,480 B, 2 per SM;
-/// - FP8 `tc_w2_s4_g8`: 4 × 2 × 16 × 272 = 34,816 B of codes (static); `tc_w2_s8_g8` /
-///   `_g16`: 69,632 B (3 per SM);
+/// - FP8 (16 tokens a warp) `tc_w2_s3_g8`: 3 × 2 × 32 × 272 = 52,224 B of codes (4 per SM);
+///   `tc_w2_s4_g8` / `_g16`: 69,632 B (3 per SM);
 /// - registers (the accumulators are 64 f32 a thread at 8 heads, 128 at 16; Q fragments 32 /
 ///   64): ptxas (NVRTC sm_90a, `cuobjdump -res-usage`) gives 245-252 registers, no stack or
 ///   local memory, for all six tensor-core shapes at 256 (64 threads: 4 CTAs per SM by
@@ -34,15 +34,16 @@ pub(crate) const ATTN_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 const TC_STATIC_SMEM: usize = 48 * 1024;
 
 /// Shared memory of one tensor-core CTA (`tc_smem_bytes` in attention.cu): the ring of
-/// `stages` stages of K and V for `8 × warps` tokens (rows padded by 16 bytes), or the
-/// end-of-kernel merge if larger. 0 for register variants.
+/// `stages` stages of K and V for `8 × warps` tokens (FP8: `16 × warps`; rows padded by 16
+/// bytes), or the end-of-kernel merge if larger. 0 for register variants.
 pub(crate) fn tc_smem_bytes(v: &AttnVariant, head_dim: usize, fp8: bool) -> usize {
     if v.kind != AttnKind::TensorCore {
         return 0;
     }
     let (nw, ns, mg) = (v.warps as usize, v.unroll as usize, v.max_group as usize);
-    let ring_row = if fp8 { head_dim + 16 } else { (head_dim + 8) * 2 };
-    let ring = ns * 2 * (8 * nw) * ring_row;
+    // FP8: 16 tokens a warp (tokens are the mma's M, attention_tc_fp8.cu); bf16: 8.
+    let (ring_row, warp_tokens) = if fp8 { (head_dim + 16, 16) } else { ((head_dim + 8) * 2, 8) };
+    let ring = ns * 2 * (warp_tokens * nw) * ring_row;
     ring.max(nw * mg * (head_dim + 2) * 4)
 }
 
@@ -134,14 +135,14 @@ const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
     AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
 }
 
-/// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in attention.cu,
-/// kernel names `paged_attention_tc_fp8_*`). A stage of FP8 codes is half the bytes of a bf16
-/// one, so the deeper rings keep as many bytes in flight as the bf16 default: at head_dim 128,
-/// 8 stages of 16 tokens are 36.9 KB of codes (6 CTAs per SM); 4 stages, 18.4 KB (8).
-pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 4, 8), tc(2, 8, 8), tc(2, 8, 16)];
+/// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in
+/// attention_tc_fp8.cu, kernel names `paged_attention_tc_fp8_*`): tokens are the mma's M, 16 a
+/// warp per stage, so a stage of 2 warps is 32 tokens; at head_dim 128, 4 stages are 36.9 KB
+/// of codes (6 CTAs per SM), 3 stages 27.6 KB.
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 3, 8), tc(2, 4, 8), tc(2, 4, 16)];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
-/// (index in [`ATTN_FP8_VARIANTS`]): the 8-stage ring, with 16 heads per CTA beyond a group of 8.
+/// (index in [`ATTN_FP8_VARIANTS`]): the 4-stage ring, with 16 heads per CTA beyond a group of 8.
 pub fn attn_fp8_default(group: usize) -> usize {
     if group > 8 { 2 } else { 1 }
 }
@@ -306,8 +307,9 @@ mod tests {
         assert_eq!(tc_dynamic_smem(&s4g8, 256, false), 67_584);
         assert_eq!(tc_dynamic_smem(&s5g8, 256, false), 84_480);
         assert_eq!(tc_dynamic_smem(&s4g16, 256, false), 67_584);
-        assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[0], 256, true), 0);
+        assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[0], 256, true), 52_224);
         assert_eq!(tc_dynamic_smem(&ATTN_FP8_VARIANTS[1], 256, true), 69_632);
+        assert_eq!(tc_smem_bytes(&ATTN_FP8_VARIANTS[1], 128, true), 36_864);
         assert_eq!(tc_dynamic_smem(&ATTN_VARIANTS[0], 256, false), 0);
         for v in ATTN_VARIANTS.iter().chain(&ATTN_FP8_VARIANTS) {
             assert!(tc_smem_bytes(v, 256, true).max(tc_smem_bytes(v, 256, false)) <= 227 * 1024);
