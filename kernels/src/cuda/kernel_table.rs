@@ -328,7 +328,7 @@ mod tests {
             "gemv_m8_w4_u4_silu",
             "rope_qkv_qknorm_write_kv_fp8",
             "paged_attention_ext_fp8_d4",
-            "paged_attention_tc_fp8_hd128_w2_s8_g16",
+            "paged_attention_tc_fp8_hd128_w2_s4_g16",
             "prefill_attention_fp8_hd64_w4",
             "moe_route_permute",
             "moe_skinny_silu_bf16_u4",
