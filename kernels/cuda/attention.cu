@@ -568,28 +568,32 @@ __device__ __forceinline__ unsigned char* tc_smem_base() {
 
 // The copy of a CTA's row chunk into the shared-memory ring, shared by both tensor-core decode
 // kernels. A stage is TT tokens: K rows (ring slot s at sk + s * TILE_B) then V rows (at sv),
-// RB bytes a row. TPT = THREADS / TT threads share each token: thread q of token tid / TPT
-// copies 16-byte chunks q, q + TPT, ... of the token's K row followed by its V row (2 * CPR
-// chunks; with 2 * CPR < TPT some threads copy nothing). One warp instruction thus reads
-// TPT * 16 contiguous bytes of each of 32 / TPT rows (whole 32-byte sectors), and each thread
-// tracks the block of one token only: the block id of its token in the next stage is loaded
+// RB bytes a row. Four threads share each token: thread q = tid % 4 copies 16-byte chunks
+// q, q + 4, ... of the token's K row followed by its V row (2 * CPR chunks; with 2 * CPR < 4
+// some threads copy nothing), so one warp instruction reads 64 contiguous bytes of each of 8
+// rows (whole 32-byte sectors; the FP8 kernel's first version, two threads a token and 32
+// bytes a row per instruction, ran 15 % slower at 32 x 8k). With TT > THREADS / 4 (the FP8
+// kernel's 16 tokens a warp) a thread serves TPTH tokens, THREADS / 4 apart. Each thread
+// tracks the blocks of its tokens only: the block id of a token in the next stage is loaded
 // one stage ahead, so the dependent block-table read is a stage old when its copies issue.
 // Tokens past the chunk are copied as zeros (cp.async src-size 0): no stale or uninitialized
 // shared memory (possibly NaN) meets a zero probability in the P V product.
 template <typename C, int HD, int TT, int THREADS, int RB, int NS>
 struct TcRing {
-    static constexpr int TPT = THREADS / TT;
+    static constexpr int TPT = 4;                          // threads per token
+    static constexpr int TPTH = TT * TPT / THREADS;        // tokens per thread
     static constexpr int CPR = HD * (int)sizeof(C) / 16;  // 16-byte chunks per row
-    static constexpr int CPT = (2 * CPR + TPT - 1) / TPT;  // copies per thread per stage
+    static constexpr int CPT = (2 * CPR + TPT - 1) / TPT;  // copies per thread and token per stage
     static constexpr int EPC = 16 / (int)sizeof(C);      // elements per chunk
     static constexpr int TILE_B = TT * RB;                 // bytes of one K (or V) stage
-    static_assert(THREADS % TT == 0 && CPR >= 1 && RB % 16 == 0, "copy mapping: whole threads per token");
+    static_assert(TPTH >= 1 && TPTH * THREADS == TT * TPT && CPR >= 1 && RB % 16 == 0, "copy mapping");
 
     const C* kbase;
     const C* vbase;
     const int* bt;
     long long kv_w;
-    int block_size, c1, p0, ctok, cq, lb, off, blk;
+    int block_size, c1, p0, ctok, cq;
+    int lb[TPTH], off[TPTH], blk[TPTH];
     unsigned sk, sv, drow;
 
     __device__ __forceinline__ TcRing(unsigned ring, const C* k_cache, const C* v_cache, int kvh, int n_kv_heads,
@@ -597,34 +601,40 @@ struct TcRing {
         : kbase(k_cache + (long long)kvh * HD), vbase(v_cache + (long long)kvh * HD), bt(bt_),
           kv_w((long long)n_kv_heads * HD), block_size(block_size_), c1(c1_), p0(c0), ctok(tid / TPT),
           cq(tid % TPT), sk(ring), sv(ring + NS * TILE_B), drow((unsigned)(tid / TPT * RB)) {
-        const int p = c0 + ctok;
-        lb = p / block_size;
-        off = p - lb * block_size;
-        blk = p < c1 ? bt[lb] : 0;
+#pragma unroll
+        for (int k = 0; k < TPTH; k++) {
+            const int p = c0 + ctok + k * (THREADS / TPT);
+            lb[k] = p / block_size;
+            off[k] = p - lb[k] * block_size;
+            blk[k] = p < c1 ? bt[lb[k]] : 0;
+        }
     }
 
     // Copies the next stage in order (the token state advances by one stage) into slot s.
     __device__ __forceinline__ void issue(int s) {
-        const int p = p0 + ctok;
-        const int n = p < c1 ? 16 : 0;
-        const long long e = n ? ((long long)blk * block_size + off) * kv_w : 0;
-        const unsigned d = (unsigned)(s * TILE_B) + drow;
 #pragma unroll
-        for (int j = 0; j < CPT; j++) {
-            // Chunk c of the K row then V row (c < CPR: K).
-            const int c = cq + TPT * j;
-            if ((2 * CPR) % TPT == 0 || c < 2 * CPR) {
-                const bool is_v = c >= CPR;
-                const int col = is_v ? c - CPR : c;
-                cp_async16((is_v ? sv : sk) + d + col * 16, (is_v ? vbase : kbase) + e + col * EPC, n);
+        for (int k = 0; k < TPTH; k++) {
+            const int p = p0 + ctok + k * (THREADS / TPT);
+            const int n = p < c1 ? 16 : 0;
+            const long long e = n ? ((long long)blk[k] * block_size + off[k]) * kv_w : 0;
+            const unsigned d = (unsigned)(s * TILE_B) + drow + (unsigned)(k * (THREADS / TPT) * RB);
+#pragma unroll
+            for (int j = 0; j < CPT; j++) {
+                // Chunk c of the K row then V row (c < CPR: K).
+                const int c = cq + TPT * j;
+                if ((2 * CPR) % TPT == 0 || c < 2 * CPR) {
+                    const bool is_v = c >= CPR;
+                    const int col = is_v ? c - CPR : c;
+                    cp_async16((is_v ? sv : sk) + d + col * 16, (is_v ? vbase : kbase) + e + col * EPC, n);
+                }
             }
+            off[k] += TT;
+            while (off[k] >= block_size) {
+                off[k] -= block_size;
+                lb[k]++;
+            }
+            blk[k] = p + TT < c1 ? bt[lb[k]] : 0;
         }
-        off += TT;
-        while (off >= block_size) {
-            off -= block_size;
-            lb++;
-        }
-        blk = p + TT < c1 ? bt[lb] : 0;
         p0 += TT;
     }
 };
@@ -726,7 +736,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
     using Ring = TcRing<bf16_t, HD, TT, THREADS, RB, NS>;
     static_assert(SMEM >= NS * 2 * Ring::TILE_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
     static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
-    static_assert(Ring::TPT == 4, "four threads per token");
+    static_assert(Ring::TPTH == 1, "one token a thread");
     unsigned char* const smem = tc_smem_base<SMEM>();
 
     const TcChunk ck = tc_chunk<HD, MG>(row_ctx, n_heads, n_kv_heads, min_chunk, window, out);
