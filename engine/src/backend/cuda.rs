@@ -414,8 +414,9 @@ impl CudaBackend {
         Ok(data)
     }
 
-    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel for up to 16 rows, else
-    /// the matrix dequantized into the scratch buffer and the bf16 GEMM.
+    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel for up to
+    /// `GEMV_FP8_MAX_M` (64) rows, else the matrix dequantized into the scratch buffer and the
+    /// bf16 GEMM.
     fn linear_fp8(
         &mut self,
         x: &CudaBuf,
@@ -425,7 +426,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         use baton_kernels::cuda::{Fp8DequantCall, Fp8GemvCall, gemv_fp8_supports};
         if gemv_fp8_supports(m, w.cols, w.col_block) {
-            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data }.launch(&self.dev)?);
+            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         let scratch = self
             .fp8_scratch

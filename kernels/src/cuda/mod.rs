@@ -108,7 +108,10 @@ pub use elementwise::{
     BiasAddCall, BiasAddF32Call, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall,
 };
 pub use error::CudaError;
-pub use fp8_linear::{Fp8DequantCall, Fp8GemvCall, Fp8Weights, gemv_fp8_supports};
+pub use fp8_linear::{
+    Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, gemv_fp8_default,
+    gemv_fp8_scaling, gemv_fp8_supports,
+};
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;

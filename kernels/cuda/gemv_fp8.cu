@@ -1,0 +1,216 @@
+// The skinny GEMM over FP8 (E4M3) weights (W8A16, decode): out[m][n] = sum_k x[m][k] * w[n][k],
+// x bf16 (m x k), w[n][k] = e4m3(codes[n][k]) * scales[n / rb][k / cb] (one f32 per rb x cb
+// block: per tensor, per output channel, or 128 x 128), f32 accumulation, bf16 output.
+// Reference: kernels/src/cpu/fp8_linear.rs (linear_fp8 with ActivationScale::None). Compiled
+// after gemv.cu, in the same modules: it uses that file's loads, mma, epilogue and prefetch.
+//
+// The scheme is gemv.cu's (weights as the mma A operand, 8 rows of x as B, NW warps splitting k
+// in batches of U k-steps, partial sums meeting in shared memory, the first round prefetched
+// into L2 before PDL's wait) with the unit changed: a thread's 16-byte load of w now holds 16
+// weights (a "chunk"), so a k-step is 64 codes (4 threads x 16) and each chunk feeds 4 mma
+// instructions. Fragment trick as in gemv.cu: thread (g, t) of k-step s holds chunk 4s + t
+// (codes 16 (4s + t) .. + 15) of w rows g and g + 8 and the same 16 columns of x row g; mma
+// i = 0..3 takes their bf16 pairs 2i (as the fragment's k 2t, 2t+1) and 2i + 1 (k 2t+8, 2t+9),
+// the same map for A and B, so every product pairs the right x with the right w.
+//
+// Conversion (the kernel's only extra work over bf16, so it must be cheap: the cvt-based
+// e4m3x4_to_bf16x4 of the prelude costs ~8 conversion-pipe instructions per 4 codes, which
+// would cap the kernel near 2 TB/s): PRMT puts each code in the low byte of a 16-bit half with
+// its sign replicated over the high byte; << 4 moves the 7 exponent+mantissa bits to bf16 bits
+// 4..10 and a sign copy to bit 15; a mask clears the other copies. The result is the bf16
+// whose bits are those of the E4M3 code re-biased by 127 - 7: exactly value * 2^-120 for
+// normal codes (bf16 exponent field = E4M3's) and for subnormal ones (bf16 subnormal m/8 *
+// 2^-126 = m * 2^-9 * 2^-120). One bf16x2 FMA by 2^120 (+ -0) restores the value exactly
+// (bf16 keeps subnormal inputs; every E4M3 value is a normal bf16). Four integer instructions
+// and one FMA per two weights. The NaN codes (0x7F, 0xFF) read as +-480 here; quantization
+// (satfinite) never produces them.
+//
+// Scales: with one column block over the whole row (per tensor, per channel: cb >= k) the
+// row's scale multiplies the sum in the epilogue (BLOCKED false). With column blocks (cb a
+// multiple of 64, so a k-step never straddles two), each k-step's products go to fresh
+// accumulators that are scaled by their rows' block scales and added (BLOCKED true).
+//
+// Rows of x: CTA b takes weight tile b / groups (16 rows of w) and x rows 8 NT (b % groups) ..
+// + 8 NT - 1; with more rows of x than one CTA's tile (groups > 1) the CTAs sharing a weight
+// tile are adjacent in launch order, so the tile is read from HBM once and from L2 after.
+// Rows past m read row m - 1 (valid memory) and are never stored; weight rows past n read row
+// n - 1 and are never stored. k must be a multiple of 16 (16-byte code rows); a last partial
+// batch zeroes the chunks past k on both operands.
+
+// Two E4M3 codes (the bytes of q that `sel` picks, see above) as a bf16x2 of their exact values.
+__device__ __forceinline__ unsigned fp8_pair_bf16(unsigned q, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(q), "r"(sel));
+    r = (r << 4) & 0x87f087f0u;
+    // x 2^120 (bf16 0x7b80) + -0: exact, and keeps the sign of a zero.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return r;
+}
+
+// The 16 codes of a chunk as 8 bf16 pairs (p[j] = codes 2j, 2j + 1, the lower in the low half).
+// Selectors: bytes (0, sign of 0, 1, sign of 1) = 0x9180; (2, sign 2, 3, sign 3) = 0xb3a2.
+__device__ __forceinline__ void fp8_chunk_bf16(const uint4 v, unsigned* p) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        p[2 * j] = fp8_pair_bf16(w[j], 0x9180u);
+        p[2 * j + 1] = fp8_pair_bf16(w[j], 0xb3a2u);
+    }
+}
+
+// d[h] += the 4 mma of one chunk: A rows g (pa) and g + 8 (pb), B = x pairs px.
+__device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa, const unsigned* pb,
+                                              const unsigned* px) {
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        mma_bf16_16816(d[i & 1], pa[2 * i], pb[2 * i], pa[2 * i + 1], pb[2 * i + 1], px[2 * i], px[2 * i + 1]);
+}
+
+// NT: tiles of 8 x rows per CTA. NW: warps (k split). U: k-steps of 64 codes per batch (2 U
+// 16-byte weight loads in flight per thread). BLOCKED: column-block scales (see above).
+template <int NT, int NW, int U, bool BLOCKED>
+__device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes,
+                                              const float* __restrict__ scales, bf16_t* __restrict__ out, int m,
+                                              int n, int k, int rb, int cb, int groups) {
+    constexpr int BATCH = 4 * U;  // chunks per row per batch
+    __shared__ float red[NW][NT * 4][32];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x / groups, m0 = (blockIdx.x - tile * groups) * 8 * NT;
+    const int kc = k >> 4, ncb = (k + cb - 1) / cb;
+    const auto wrow = [&](int i) -> long long { return min(tile * 16 + i, n - 1); };
+    const long long ra = wrow(g), rb8 = wrow(g + 8);
+    const uint4* wa = reinterpret_cast<const uint4*>(codes + ra * k) + t;
+    const uint4* wb = reinterpret_cast<const uint4*>(codes + rb8 * k) + t;
+    const float* sa = scales + (ra / rb) * ncb;
+    const float* sb = scales + (rb8 / rb) * ncb;
+    const uint4* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const long long xm = min(m0 + nt * 8 + g, m - 1);
+        xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + 2 * t;
+    }
+
+    // The first round (batches 0..NW-1 of the tile's 16 rows), once per tile.
+    if (m0 == 0) gemv_prefetch_l2(codes, k, NW * BATCH * 16, wrow);
+    PDL_ENTER();
+
+    // Two accumulator sets per tile (even and odd mma of a chunk) halve the dependent chain.
+    float acc[NT][2][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) acc[nt][h][j] = 0.f;
+
+    const int nb = (kc + BATCH - 1) / BATCH;
+    for (int b = warp; b < nb; b += NW) {
+        const int c0 = b * BATCH;
+        uint4 va[U], vb[U], vx[NT][U][2];
+        if (c0 + BATCH <= kc) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                va[u] = gemv_ld_stream(wa + c0 + 4 * u);
+                vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    vx[nt][u][0] = gemv_ld_cached(xr[nt] + 2 * (c0 + 4 * u));
+                    vx[nt][u][1] = gemv_ld_cached(xr[nt] + 2 * (c0 + 4 * u) + 1);
+                }
+        } else {
+            // The last, partial batch: chunks past k load chunk 0 (valid memory) and are zeroed
+            // on both operands, so they add exact zeros.
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int c = c0 + 4 * u;
+                const bool in = c + t < kc;
+                const int cc = in ? c : -t;
+                va[u] = in ? gemv_ld_stream(wa + cc) : make_uint4(0, 0, 0, 0);
+                vb[u] = in ? gemv_ld_stream(wb + cc) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        vx[nt][u][h] = in ? gemv_ld_cached(xr[nt] + 2 * cc + h) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        // The column-block scales of this batch's k-steps (a step past k clamps to the last
+        // block: its products are zeros).
+        float s_a[U], s_b[U];
+        if constexpr (BLOCKED) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int blk = min((c0 + 4 * u) * 16 / cb, ncb - 1);
+                s_a[u] = sa[blk];
+                s_b[u] = sb[blk];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            unsigned pa[8], pb[8];
+            fp8_chunk_bf16(va[u], pa);
+            fp8_chunk_bf16(vb[u], pb);
+            unsigned px[NT][8];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4 lo = vx[nt][u][0], hi = vx[nt][u][1];
+                px[nt][0] = lo.x, px[nt][1] = lo.y, px[nt][2] = lo.z, px[nt][3] = lo.w;
+                px[nt][4] = hi.x, px[nt][5] = hi.y, px[nt][6] = hi.z, px[nt][7] = hi.w;
+            }
+            if constexpr (BLOCKED) {
+                float part[2][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int j = 0; j < 4; j++) part[h][j] = 0.f;
+                    fp8_chunk_mma(part, pa, pb, px[nt]);
+                    // Accumulators 0, 1 are row g, 2, 3 row g + 8.
+#pragma unroll
+                    for (int j = 0; j < 4; j++) acc[nt][0][j] += (part[0][j] + part[1][j]) * (j < 2 ? s_a[u] : s_b[u]);
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+                    fp8_chunk_mma(acc[nt], pa, pb, px[nt]);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[nt][0][j] + acc[nt][1][j];
+    __syncthreads();
+    const auto row_scale = [&](int row) { return BLOCKED ? 1.f : scales[(row / rb) * ncb]; };
+    gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
+}
+
+#define GEMV_FP8_INSTANCE(MAXM, NW, U)                                                                        \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_row(              \
+        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
+        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
+        gemv_fp8_body<MAXM / 8, NW, U, false>(x, codes, scales, out, m, n, k, rb, cb, groups);                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_blk(              \
+        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
+        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
+        gemv_fp8_body<MAXM / 8, NW, U, true>(x, codes, scales, out, m, n, k, rb, cb, groups);                 \
+    }
+
+// The variants (warps, k-steps per batch), in the order of GEMV_FP8_VARIANTS in
+// kernels/src/cuda/fp8_linear.rs, for up to 8 and up to 16 rows of x per CTA.
+#define GEMV_FP8_VARIANTS(MAXM)     \
+    GEMV_FP8_INSTANCE(MAXM, 4, 4)   \
+    GEMV_FP8_INSTANCE(MAXM, 8, 4)   \
+    GEMV_FP8_INSTANCE(MAXM, 4, 2)   \
+    GEMV_FP8_INSTANCE(MAXM, 8, 2)
+
+GEMV_FP8_VARIANTS(8)
+GEMV_FP8_VARIANTS(16)
