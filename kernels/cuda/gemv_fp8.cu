@@ -13,17 +13,9 @@
 // i = 0..3 takes their bf16 pairs 2i (as the fragment's k 2t, 2t+1) and 2i + 1 (k 2t+8, 2t+9),
 // the same map for A and B, so every product pairs the right x with the right w.
 //
-// Conversion (the kernel's only extra work over bf16, so it must be cheap: the cvt-based
-// e4m3x4_to_bf16x4 of the prelude costs ~8 conversion-pipe instructions per 4 codes, which
-// would cap the kernel near 2 TB/s): PRMT puts each code in the low byte of a 16-bit half with
-// its sign replicated over the high byte; << 4 moves the 7 exponent+mantissa bits to bf16 bits
-// 4..10 and a sign copy to bit 15; a mask clears the other copies. The result is the bf16
-// whose bits are those of the E4M3 code re-biased by 127 - 7: exactly value * 2^-120 for
-// normal codes (bf16 exponent field = E4M3's) and for subnormal ones (bf16 subnormal m/8 *
-// 2^-126 = m * 2^-9 * 2^-120). One bf16x2 FMA by 2^120 (+ -0) restores the value exactly
-// (bf16 keeps subnormal inputs; every E4M3 value is a normal bf16). Four integer instructions
-// and one FMA per two weights. The NaN codes (0x7F, 0xFF) read as +-480 here; quantization
-// (satfinite) never produces them.
+// Conversion: fp8x16_to_bf16 (prelude), four integer instructions and one bf16x2 FMA per two
+// weights. The cvt-based e4m3x4_to_bf16x4 would cost ~8 conversion-pipe instructions per 4
+// codes and cap the kernel near 2 TB/s.
 //
 // Scales: with one column block over the whole row (per tensor, per channel: cb >= k) the
 // row's scale multiplies the sum in the epilogue (BLOCKED false). With column blocks (cb a
@@ -36,27 +28,6 @@
 // Rows past m read row m - 1 (valid memory) and are never stored; weight rows past n read row
 // n - 1 and are never stored. k must be a multiple of 16 (16-byte code rows); a last partial
 // batch zeroes the chunks past k on both operands.
-
-// Two E4M3 codes (the bytes of q that `sel` picks, see above) as a bf16x2 of their exact values.
-__device__ __forceinline__ unsigned fp8_pair_bf16(unsigned q, unsigned sel) {
-    unsigned r;
-    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(q), "r"(sel));
-    r = (r << 4) & 0x87f087f0u;
-    // x 2^120 (bf16 0x7b80) + -0: exact, and keeps the sign of a zero.
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
-    return r;
-}
-
-// The 16 codes of a chunk as 8 bf16 pairs (p[j] = codes 2j, 2j + 1, the lower in the low half).
-// Selectors: bytes (0, sign of 0, 1, sign of 1) = 0x9180; (2, sign 2, 3, sign 3) = 0xb3a2.
-__device__ __forceinline__ void fp8_chunk_bf16(const uint4 v, unsigned* p) {
-    const unsigned w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        p[2 * j] = fp8_pair_bf16(w[j], 0x9180u);
-        p[2 * j + 1] = fp8_pair_bf16(w[j], 0xb3a2u);
-    }
-}
 
 // d[h] += the 4 mma of one chunk: A rows g (pa) and g + 8 (pb), B = x pairs px.
 __device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa, const unsigned* pb,
@@ -153,8 +124,8 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
 #pragma unroll
         for (int u = 0; u < U; u++) {
             unsigned pa[8], pb[8];
-            fp8_chunk_bf16(va[u], pa);
-            fp8_chunk_bf16(vb[u], pb);
+            fp8x16_to_bf16(va[u], pa);
+            fp8x16_to_bf16(vb[u], pb);
             unsigned px[NT][8];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++) {

@@ -222,6 +222,10 @@ impl Fp8DequantCall<'_> {
         if total == 0 {
             return Ok(());
         }
+        // 16 weights a thread when every 16-code chunk lies in one row and one column block.
+        let wide = w.cols.is_multiple_of(16) && (w.col_block >= w.cols || w.col_block.is_multiple_of(16));
+        let (func, units) =
+            if wide { (&dev.kernels.fp8_dequant16, total / 16) } else { (&dev.kernels.fp8_dequant, total) };
         let args = Args::new(OP)
             .buf(&w.codes)
             .buf(&w.scales)
@@ -229,10 +233,11 @@ impl Fp8DequantCall<'_> {
             .int(w.cols)?
             .int(w.row_block)?
             .int(w.col_block)?
-            .long(total)?;
-        // SAFETY: the grid-stride loop writes `total` outputs and reads as many codes and the
-        // scales of their blocks, checked above.
-        unsafe { args.launch(dev, &dev.kernels.fp8_dequant, grid_stride(total)) }
+            .long(units)?;
+        // SAFETY: the grid-stride loop writes `total` outputs (16 per unit for the wide kernel,
+        // whose rows are whole 16-byte chunks) and reads as many codes and the scales of their
+        // blocks, checked above.
+        unsafe { args.launch(dev, func, grid_stride(units)) }
     }
 }
 
