@@ -47,3 +47,30 @@ extern "C" __global__ void fp8_dequant16_bf16(const unsigned char* __restrict__ 
         o[1] = make_uint4(q[4], q[5], q[6], q[7]);
     }
 }
+
+// Dynamic per-token activation quantization (W8A8, the input of the FP8 tensor-core GEMM): row r
+// of x (bf16, k wide) becomes codes[r][c] = e4m3(x[r][c] / s_r) with s_r = amax(|x[r]|) / 448
+// (1 for a row of zeros or without a finite maximum), scales[r] = s_r: bit for bit the CPU
+// reference's quantize_rows_per_token (f32 division, f2e4m3 = the satfinite conversion). One
+// CTA per row; amax by warp shuffles and one shared-memory round (NaN inputs are skipped by
+// fmaxf, as the reference's f32::max skips them).
+extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsigned char* __restrict__ codes,
+                                              float* __restrict__ scales, int k) {
+    __shared__ float part[32];
+    PDL_ENTER();
+    const long long row = blockIdx.x;
+    const bf16_t* xr = x + row * k;
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(xr[c])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = amax;
+    __syncthreads();
+    amax = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+    for (int c = threadIdx.x; c < k; c += blockDim.x) codes[row * k + c] = f2e4m3(bf2f(xr[c]) / s);
+    if (threadIdx.x == 0) scales[row] = s;
+}

@@ -8,8 +8,11 @@
 //! - `fp8 wW_uU`: every variant of the skinny FP8 kernel (`Fp8GemvCall`, per-channel scales;
 //!   `*` = the default), up to 64 rows (past that the engine does not use it; at 256 only the
 //!   default runs, for the record), and the default with 128 × 128 block scales (`blk`);
-//! - `dequant+gemm` (M ≥ 16): the engine's path past 64 rows, the matrix dequantized into a bf16
-//!   scratch and the bf16 product.
+//! - `dequant+gemm` (M ≥ 16): the engine's path past 64 rows for weights-only FP8 and 128 × 128
+//!   blocks, the matrix dequantized into a bf16 scratch and the bf16 product;
+//! - `w8a8` (M ≥ 16): its path past 64 rows for `--quantization fp8` (per-token activation
+//!   quantization, then cuBLASLt's FP8 GEMM with outer-vector scales; its "rel diff" includes
+//!   the activations' quantization error, ~1e-2, since the reference keeps x in bf16).
 //!
 //! Fewest bytes: the weights once (n·k codes + scales for FP8, 2·n·k for bf16), x and out
 //! (bf16) once; the figure is that over the time, also as a share of the device-to-device
@@ -22,8 +25,8 @@
 //! JSON (`bench/results/cuda-fp8-linear-COMMIT-DEVICE-DATE.json`).
 
 use baton_kernels::cuda::{
-    CudaDevice, CudaError, CudaOptions, CudaSlice, Fp8DequantCall, Fp8GemvCall, Fp8Weights, GEMV_FP8_MAX_M,
-    GEMV_FP8_VARIANTS, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, bf16, gemv_fp8_default,
+    CudaDevice, CudaError, CudaOptions, CudaSlice, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, Fp8Weights,
+    GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, bf16, gemv_fp8_default,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -53,7 +56,9 @@ fn random_fp8(
         .collect();
     let scales: Vec<f32> =
         (0..rows.div_ceil(row_block) * cols.div_ceil(col_block)).map(|_| r.random_range(0.5f32..2.0) * 1e-3).collect();
-    Ok(Fp8Weights { codes: tiled(dev, &tile, n)?, scales: dev.upload(&scales)?, rows, cols, row_block, col_block })
+    // Per channel or 128 × 128 here: neither needs an expanded per-row copy.
+    let (codes, scales) = (tiled(dev, &tile, n)?, dev.upload(&scales)?);
+    Ok(Fp8Weights { codes, scales, rows, cols, row_block, col_block, expanded_row_scales: None })
 }
 
 fn main() {
@@ -93,6 +98,8 @@ fn run() -> Result<(), CudaError> {
         "\nout = x·Wᵀ, bf16 x and out; fp8 = per-channel scales unless blk (128×128); * = default variant\n shape        M kernel             us     GB/s  %copy  fp8 vs bf16  rel diff"
     )
     .ok();
+    // W8A8 products cuBLASLt refused (shape, M, why): listed after the table.
+    let mut refused: Vec<(&str, usize, String)> = Vec::new();
     let mut record = |row: Row<'_>, bf16_us: f64| {
         let gbs = row.bytes as f64 / (row.us * 1e-6) / 1e9;
         let d = row.diff.map(|d| format!("{d:.1e}")).unwrap_or_default();
@@ -164,9 +171,27 @@ fn run() -> Result<(), CudaError> {
                         Fp8DequantCall { w: &chan[i % copies], out: &mut scratch }.launch(&dev)?;
                         LinearCall { x: &x, m, k, w: &scratch, n, out: &mut out, kernel: bf16_kernel }.launch(&dev)
                     })?;
-                let row =
-                    Row { kernel: "dequant+gemm".into(), default: m > GEMV_FP8_MAX_M, us, bytes: fp8_bytes, ..base };
-                record(row, bf16_us);
+                record(Row { kernel: "dequant+gemm".into(), us, bytes: fp8_bytes, ..base }, bf16_us);
+                let (mut xq, mut xs) = (dev.alloc::<u8>(m * k)?, dev.alloc::<f32>(m)?);
+                let mut w8a8 = |w: &Fp8Weights, out: &mut CudaSlice<bf16>| {
+                    Fp8W8A8Call { x: &x, m, w, xq: &mut xq, xs: &mut xs, out }.launch(&dev)
+                };
+                match w8a8(&chan[0], &mut out) {
+                    Ok(()) => {
+                        let diff = Some(rel_diff(&download_f32(&dev, &out, m * n)?, &want));
+                        let us = 1e3 * time_ms(&dev, 3, 20, |i| w8a8(&chan[i % copies], &mut out))?;
+                        let row = Row {
+                            kernel: "w8a8".into(),
+                            default: m > GEMV_FP8_MAX_M,
+                            us,
+                            bytes: fp8_bytes,
+                            diff,
+                            ..base
+                        };
+                        record(row, bf16_us);
+                    }
+                    Err(e) => refused.push((shape, m, e.to_string())),
+                }
             }
             let default = gemv_fp8_default(n, m, dev.sm_count());
             for (vi, v) in GEMV_FP8_VARIANTS.iter().enumerate() {
@@ -199,6 +224,13 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
+    for (shape, m, why) in &refused {
+        writeln!(table, " {shape:8} {m:5} w8a8 refused by cuBLASLt: {why}").ok();
+        let why = why.replace('"', "'");
+        json.push(format!(
+            "{{\"name\":\"linear\",\"shape\":\"{shape}\",\"m\":{m},\"kernel\":\"w8a8\",\"refused\":\"{why}\"}}"
+        ));
+    }
     let doc = format!(
         "{{\"benchmark\":\"cuda-fp8-linear\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"results\":[\n{}\n]}}\n",
         dev.name(),

@@ -5,7 +5,9 @@
 //! x pick single weights), and the dequantization to bf16 (`Fp8DequantCall`, checked element
 //! for element against `Fp8Matrix::dequantize` rounded to bf16), for per-channel, per-tensor,
 //! 128 × 128 and odd block scales, at the Llama-3.1-8B projection shapes scaled down and at odd
-//! ones. Weights are random E4M3 codes over every non-NaN value (subnormals and zeros
+//! ones. The W8A8 path for more rows (`Fp8W8A8Call`: per-token activation quantization, checked
+//! code for code against `cpu::quantize_rows_per_token`'s rule, then cuBLASLt's FP8 GEMM with
+//! outer-vector scales) against `cpu::linear_fp8` with `ActivationScale::PerToken`. Weights are random E4M3 codes over every non-NaN value (subnormals and zeros
 //! included). Fresh random inputs every run (the seed is printed); outputs poisoned with bf16
 //! NaN before each launch.
 //!
@@ -14,11 +16,11 @@
 
 mod common;
 
-use baton_kernels::cpu::fp8::e4m3_to_f32;
+use baton_kernels::cpu::fp8::{e4m3_from_f32, e4m3_to_f32};
 use baton_kernels::cpu::{self, ActivationScale, Fp8Matrix};
 use baton_kernels::cuda::{
-    Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, bf16, gemv_fp8_scaling,
-    gemv_fp8_supports,
+    CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
+    QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::Rng;
@@ -164,4 +166,70 @@ fn gpu_fp8_dequant_matches_the_reference_exactly() {
         let want: Vec<f32> = w.dequantize().iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
         assert_eq!(got, want, "dequant {n}×{k} {block:?}");
     }
+}
+
+#[test]
+fn gpu_fp8_activation_quantization_matches_the_per_token_rule() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_activation_quantization_matches_the_per_token_rule");
+    for (m, k, amp) in [(5usize, 4096usize, 3.0f32), (130, 1000, 0.02), (3, 7, 900.0)] {
+        let mut x = rand_vec(&mut r, m * k, amp);
+        // A row of zeros (scale 1) and a row with one value past 448 · a small scale.
+        x[..k].iter_mut().for_each(|v| *v = 0.0);
+        if m > 2 {
+            x[k + 1] = bf16::from_f32(1e4).to_f32();
+        }
+        let mut codes = dev.upload(&vec![0x7fu8; m * k]).expect("poisoned codes");
+        let mut scales = dev.upload(&vec![f32::NAN; m]).expect("poisoned scales");
+        QuantizeRowsCall { x: &up(&dev, &x), m, k, codes: &mut codes, scales: &mut scales }
+            .launch(&dev)
+            .expect("launch");
+        let (got_codes, got_scales) =
+            (dev.download(&codes, m * k).expect("codes"), dev.download(&scales, m).expect("s"));
+        for (row, xr) in x.chunks(k).enumerate() {
+            let amax = xr.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let s = if amax > 0.0 && amax.is_finite() { amax / 448.0 } else { 1.0 };
+            assert_eq!(got_scales[row].to_bits(), s.to_bits(), "scale of row {row} ({m}×{k})");
+            for (c, v) in xr.iter().enumerate() {
+                assert_eq!(got_codes[row * k + c], e4m3_from_f32(v / s), "code ({row}, {c}) of {v} / {s} ({m}×{k})");
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_fp8_w8a8_matches_the_per_token_reference() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_w8a8_matches_the_per_token_reference");
+    for (what, n, k, block) in [
+        ("qkv/8 per channel", 768usize, 512usize, None),
+        ("down/8 per channel", 512, 1792, None),
+        ("per tensor", 1024, 4096, Some((1024, 4096))),
+        ("row blocks of 24", 48, 208, Some((24, 208))),
+    ] {
+        let w = matrix(&mut r, n, k, block);
+        let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+        assert!(w8a8_supports(&dev, &dw), "{what}: W8A8 takes row-constant scales");
+        for m in [GEMV_FP8_MAX_M + 1, 128, 300] {
+            let x = rand_vec(&mut r, m * k, 1.0);
+            let mut want = vec![0.0; m * n];
+            cpu::linear_fp8(&x, &w, None, m, ActivationScale::PerToken, &mut want).expect("reference");
+            let mut xq = dev.alloc::<u8>(m * k).expect("codes");
+            let mut xs = dev.alloc::<f32>(m).expect("scales");
+            let mut out = poisoned(&dev, m * n);
+            Fp8W8A8Call { x: &up(&dev, &x), m, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }
+                .launch(&dev)
+                .unwrap_or_else(|e| panic!("{what}: W8A8 launch ({m}×{k} · {n}×{k}): {e}"));
+            check(&format!("w8a8 {what} m {m} n {n} k {k}"), &down(&dev, &out, m * n), &want);
+        }
+    }
+    // 128 × 128 blocks are not row-constant: refused before anything runs.
+    let w = matrix(&mut r, 256, 512, Some((128, 128)));
+    let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+    assert!(!w8a8_supports(&dev, &dw));
+    let (mut xq, mut xs, mut out) =
+        (dev.alloc::<u8>(512).expect("c"), dev.alloc::<f32>(1).expect("s"), poisoned(&dev, 256));
+    let x = up(&dev, &rand_vec(&mut r, 512, 1.0));
+    let e = Fp8W8A8Call { x: &x, m: 1, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }.launch(&dev);
+    assert!(matches!(e, Err(CudaError::Shape { .. })), "{e:?}");
 }

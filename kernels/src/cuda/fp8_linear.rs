@@ -126,12 +126,18 @@ pub struct Fp8Weights {
     pub row_block: usize,
     /// Columns per scale block.
     pub col_block: usize,
+    /// One scale per row when the scales are constant along rows but blocked over several
+    /// (per tensor, or row blocks > 1 with one column block): what the W8A8 product's per-row
+    /// scale vector needs. `None` otherwise (per channel needs no copy: see
+    /// [`Self::row_scales`]).
+    pub expanded_row_scales: Option<CudaSlice<f32>>,
 }
 
 impl Fp8Weights {
-    /// Uploads `w`'s codes and scales.
+    /// Uploads `w`'s codes and scales (and the per-row expansion of row-constant block scales).
     pub fn upload(dev: &CudaDevice, w: &Fp8Matrix) -> Result<Self, CudaError> {
         let (row_block, col_block) = w.block();
+        let expanded = col_block >= w.cols() && row_block > 1;
         Ok(Self {
             codes: dev.upload(w.codes())?,
             scales: dev.upload(w.scales())?,
@@ -139,7 +145,20 @@ impl Fp8Weights {
             cols: w.cols(),
             row_block,
             col_block,
+            expanded_row_scales: if expanded { Some(dev.upload(w.per_row().scales())?) } else { None },
         })
+    }
+
+    /// The `rows` per-row scales when the scales are constant along each row (one column block
+    /// over the row), else `None` (block-scaled along k).
+    pub fn row_scales(&self) -> Option<&CudaSlice<f32>> {
+        if self.col_block < self.cols {
+            None
+        } else if self.row_block == 1 {
+            Some(&self.scales)
+        } else {
+            self.expanded_row_scales.as_ref()
+        }
     }
 }
 

@@ -63,6 +63,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
     pub fp8_dequant: F,
     pub fp8_dequant16: F,
+    /// Per-token E4M3 quantization of activations (fp8_linear.cu), for the W8A8 GEMM.
+    pub quantize_rows_e4m3: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
     /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
     pub gemv_fp8: [Vec<[F; 2]>; 2],
@@ -141,6 +143,7 @@ impl<F> KernelTable<F> {
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
         let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
+        let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -228,6 +231,7 @@ impl<F> KernelTable<F> {
             clamped_swiglu,
             fp8_dequant,
             fp8_dequant16,
+            quantize_rows_e4m3,
             gemv_fp8,
             attention_ext,
             attention_ext_fp8,
@@ -311,9 +315,10 @@ mod tests {
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8); FP8 weights' dequantization (2) and skinny GEMM per tile, variant and scaling.
+        // a lane (8); FP8 weights' dequantization (2), activation quantization (1) and skinny
+        // GEMM per tile, variant and scaling.
         let fp8 =
-            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 3 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
