@@ -51,6 +51,17 @@ __device__ __forceinline__ uint4 gemv_ld_cached(const uint4* p) {
     return v;
 }
 
+// A full batch of weight loads: chunks c0 + 4u (+ the thread's t, folded into wa/wb) of rows
+// g and g + 8, all issued before any use (streamed: read once).
+template <int U>
+__device__ __forceinline__ void gemv_ld_w_batch(const uint4* wa, const uint4* wb, int c0, uint4* va, uint4* vb) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        va[u] = gemv_ld_stream(wa + c0 + 4 * u);
+        vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
+    }
+}
+
 // d += A (16x16, rows g/g+8 in a0..a3) * B (16x8, column g in b0, b1), f32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
@@ -186,11 +197,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         const int c0 = b * BATCH;
         uint4 va[U], vb[U], vx[NT][U];
         if (c0 + BATCH <= kc) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                va[u] = gemv_ld_stream(wa + c0 + 4 * u);
-                vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
-            }
+            gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll

@@ -81,11 +81,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
         const int c0 = b * BATCH;
         uint4 va[U], vb[U], vx[NT][U][2];
         if (c0 + BATCH <= kc) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                va[u] = gemv_ld_stream(wa + c0 + 4 * u);
-                vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
-            }
+            gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -101,13 +97,18 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
                 const int c = c0 + 4 * u;
                 const bool in = c + t < kc;
                 const int cc = in ? c : -t;
-                va[u] = in ? gemv_ld_stream(wa + cc) : make_uint4(0, 0, 0, 0);
-                vb[u] = in ? gemv_ld_stream(wb + cc) : make_uint4(0, 0, 0, 0);
+                va[u] = gemv_ld_stream(wa + cc);
+                vb[u] = gemv_ld_stream(wb + cc);
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        vx[nt][u][h] = in ? gemv_ld_cached(xr[nt] + 2 * cc + h) : make_uint4(0, 0, 0, 0);
+                    for (int h = 0; h < 2; h++) vx[nt][u][h] = gemv_ld_cached(xr[nt] + 2 * cc + h);
+                if (!in) {
+                    const uint4 z = make_uint4(0, 0, 0, 0);
+                    va[u] = vb[u] = z;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) vx[nt][u][0] = vx[nt][u][1] = z;
+                }
             }
         }
         // The column-block scales of this batch's k-steps (a step past k clamps to the last

@@ -260,15 +260,8 @@ fn run() -> Result<(), CudaError> {
     json.push(format!("{{\"name\":\"gemm_8192_cubed\",\"ms\":{ms:.4},\"tflop_s\":{tf:.1}}}"));
 
     let (cms, cached) = dev.module_load();
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-kernels\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        args.join(" "),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    let extra = format!("\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},");
+    common::write_results(&dev, &out_path, "cuda-kernels", &commit, &args, &extra, &json)?;
     println!("{table}");
     Ok(())
 }

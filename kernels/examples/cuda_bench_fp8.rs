@@ -210,14 +210,7 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-fp8-attention\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    common::write_results(&dev, &out_path, "cuda-fp8-attention", &commit, &args, "", &json)?;
     println!("{table}");
     Ok(())
 }

@@ -231,15 +231,7 @@ fn run() -> Result<(), CudaError> {
             "{{\"name\":\"linear\",\"shape\":\"{shape}\",\"m\":{m},\"kernel\":\"w8a8\",\"refused\":\"{why}\"}}"
         ));
     }
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-fp8-linear\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        args.join(" "),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    common::write_results(&dev, &out_path, "cuda-fp8-linear", &commit, &args, "", &json)?;
     println!("{table}");
     Ok(())
 }

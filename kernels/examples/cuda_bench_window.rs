@@ -150,15 +150,7 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-attention-window\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        args.join(" "),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    common::write_results(&dev, &out_path, "cuda-attention-window", &commit, &args, "", &json)?;
     println!("{table}");
     Ok(())
 }

@@ -123,3 +123,25 @@ pub fn decode_sets(
     }
     Ok(DecodeSets { geo, metas, copies })
 }
+
+/// Writes a benchmark's JSON document to `out_path`: `benchmark`, the device, its arch, the
+/// commit, the command line (`args`), the `extra` fields (each `"key":value,`, or empty) and
+/// the `results`.
+pub fn write_results(
+    dev: &CudaDevice,
+    out_path: &str,
+    benchmark: &str,
+    commit: &str,
+    args: &[String],
+    extra: &str,
+    results: &[String],
+) -> Result<(), CudaError> {
+    let doc = format!(
+        "{{\"benchmark\":\"{benchmark}\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",{extra}\"results\":[\n{}\n]}}\n",
+        dev.name(),
+        dev.arch(),
+        args.join(" "),
+        results.join(",\n")
+    );
+    std::fs::write(out_path, doc).map_err(|e| CudaError::Cache { path: out_path.into(), message: e.to_string() })
+}
