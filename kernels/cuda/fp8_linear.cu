@@ -49,19 +49,28 @@ extern "C" __global__ void fp8_dequant16_bf16(const unsigned char* __restrict__ 
 }
 
 // Dynamic per-token activation quantization (W8A8, the input of the FP8 tensor-core GEMM): row r
-// of x (bf16, k wide) becomes codes[r][c] = e4m3(x[r][c] / s_r) with s_r = amax(|x[r]|) / 448
-// (1 for a row of zeros or without a finite maximum), scales[r] = s_r: bit for bit the CPU
-// reference's quantize_rows_per_token (f32 division, f2e4m3 = the satfinite conversion). One
-// CTA per row; amax by warp shuffles and one shared-memory round (NaN inputs are skipped by
-// fmaxf, as the reference's f32::max skips them).
+// of x (bf16, k wide, k % 8 == 0) becomes codes[r][c] = e4m3(x[r][c] / s_r) with s_r =
+// amax(|x[r]|) / 448 (1 for a row of zeros or without a finite maximum), scales[r] = s_r: bit for
+// bit the CPU reference's quantize_rows_per_token (f32 division, f2e4m3 = the satfinite
+// conversion). One CTA per row, 8 values a thread per step (16-byte loads, 8-byte stores); the
+// second pass re-reads the row from L1/L2. amax by warp shuffles and one shared-memory round
+// (NaN inputs are skipped by fmaxf, as the reference's f32::max skips them).
 extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsigned char* __restrict__ codes,
                                               float* __restrict__ scales, int k) {
     __shared__ float part[32];
     PDL_ENTER();
     const long long row = blockIdx.x;
-    const bf16_t* xr = x + row * k;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * k);
+    uint2* cr = reinterpret_cast<uint2*>(codes + row * k);
+    const int k8 = k >> 3;
     float amax = 0.f;
-    for (int c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(bf2f(xr[c])));
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = xr[c];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            amax = fmaxf(amax, fmaxf(fabsf(bf2f((bf16_t)(w[j] & 0xffffu))), fabsf(bf2f((bf16_t)(w[j] >> 16)))));
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -71,6 +80,17 @@ extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsi
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
-    for (int c = threadIdx.x; c < k; c += blockDim.x) codes[row * k + c] = f2e4m3(bf2f(xr[c]) / s);
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = xr[c];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        unsigned q[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const unsigned lo = f2e4m3(bf2f((bf16_t)(w[j] & 0xffffu)) / s);
+            const unsigned hi = f2e4m3(bf2f((bf16_t)(w[j] >> 16)) / s);
+            q[j >> 1] |= (lo | (hi << 8)) << (16 * (j & 1));
+        }
+        cr[c] = make_uint2(q[0], q[1]);
+    }
     if (threadIdx.x == 0) scales[row] = s;
 }

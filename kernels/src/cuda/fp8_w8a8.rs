@@ -21,7 +21,8 @@ use half::bf16;
 /// Threads per CTA of the quantization (one CTA per row).
 const QUANT_THREADS: u32 = 256;
 
-/// `codes[r] = e4m3(x[r] / s_r)`, `scales[r] = s_r = amax(|x[r]|) / 448` (1 for a zero row).
+/// `codes[r] = e4m3(x[r] / s_r)`, `scales[r] = s_r = amax(|x[r]|) / 448` (1 for a zero row);
+/// k a multiple of 8 (16-byte rows).
 pub struct QuantizeRowsCall<'a> {
     /// `m × k` bf16.
     pub x: &'a CudaSlice<bf16>,
@@ -40,6 +41,7 @@ impl QuantizeRowsCall<'_> {
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "quantize_rows_e4m3";
         let Self { x, m, k, codes, scales } = self;
+        shape_check(OP, k.is_multiple_of(8), || format!("k = {k}: the kernel reads 8 values a load"))?;
         need(OP, "x", x, m * k)?;
         need(OP, "codes", codes, m * k)?;
         need(OP, "scales", scales, m)?;
@@ -47,8 +49,8 @@ impl QuantizeRowsCall<'_> {
             return Ok(());
         }
         let args = Args::new(OP).buf(x).buf(codes).buf(scales).int(k)?;
-        // SAFETY: CTA r reads row r of x and writes row r of codes and scales[r], r < m: sizes
-        // checked above.
+        // SAFETY: CTA r reads row r of x and writes row r of codes and scales[r], r < m, in whole
+        // 8-value pieces (k % 8 == 0): sizes checked above.
         unsafe { args.launch(dev, &dev.kernels.quantize_rows_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
     }
 }
