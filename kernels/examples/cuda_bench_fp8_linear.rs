@@ -6,11 +6,12 @@
 //! - `bf16`: the bf16 product the engine runs for bf16 weights (the skinny GEMM's default
 //!   variant up to 16 rows, cuBLASLt's tuned algorithm beyond);
 //! - `fp8 wW_uU`: every variant of the skinny FP8 kernel (`Fp8GemvCall`, per-channel scales;
-//!   `*` = the default), up to 64 rows (past that the engine does not use it; at 256 only the
-//!   default runs, for the record), and the default with 128 × 128 block scales (`blk`);
+//!   `*` = the default, marked where the engine runs it: below `W8A8_MIN_M` rows), up to 64 rows
+//!   (at 256 only the default runs, for the record), and the default with 128 × 128 block
+//!   scales (`blk`, the engine's choice up to 64 rows for such weights);
 //! - `dequant+gemm` (M ≥ 16): the engine's path past 64 rows for weights-only FP8 and 128 × 128
 //!   blocks, the matrix dequantized into a bf16 scratch and the bf16 product;
-//! - `w8a8` (M ≥ 16): its path past 64 rows for `--quantization fp8` (per-token activation
+//! - `w8a8` (M ≥ 16): its path from `W8A8_MIN_M` rows for `--quantization fp8` (per-token activation
 //!   quantization, then cuBLASLt's FP8 GEMM with outer-vector scales; its "rel diff" includes
 //!   the activations' quantization error, ~1e-2, since the reference keeps x in bf16).
 //!
@@ -26,7 +27,7 @@
 
 use baton_kernels::cuda::{
     CudaDevice, CudaError, CudaOptions, CudaSlice, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, Fp8Weights,
-    GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, bf16, gemv_fp8_default,
+    GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, W8A8_MIN_M, bf16, gemv_fp8_default,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -180,14 +181,8 @@ fn run() -> Result<(), CudaError> {
                     Ok(()) => {
                         let diff = Some(rel_diff(&download_f32(&dev, &out, m * n)?, &want));
                         let us = 1e3 * time_ms(&dev, 3, 20, |i| w8a8(&chan[i % copies], &mut out))?;
-                        let row = Row {
-                            kernel: "w8a8".into(),
-                            default: m > GEMV_FP8_MAX_M,
-                            us,
-                            bytes: fp8_bytes,
-                            diff,
-                            ..base
-                        };
+                        let row =
+                            Row { kernel: "w8a8".into(), default: m >= W8A8_MIN_M, us, bytes: fp8_bytes, diff, ..base };
                         record(row, bf16_us);
                     }
                     Err(e) => refused.push((shape, m, e.to_string())),
@@ -205,8 +200,7 @@ fn run() -> Result<(), CudaError> {
                 Fp8GemvCall { x: &x, m, w: &chan[0], out: &mut out, variant: Some(vi) }.launch(&dev)?;
                 let diff = Some(rel_diff(&download_f32(&dev, &out, m * n)?, &want));
                 let kernel = format!("fp8 w{}_u{}", v.warps, v.unroll);
-                let row =
-                    Row { kernel, default: vi == default && m <= GEMV_FP8_MAX_M, us, bytes: fp8_bytes, diff, ..base };
+                let row = Row { kernel, default: vi == default && m < W8A8_MIN_M, us, bytes: fp8_bytes, diff, ..base };
                 record(row, bf16_us);
             }
             // 128 × 128 block scales, default variant.

@@ -429,16 +429,18 @@ impl CudaBackend {
         Ok(data)
     }
 
-    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel for up to
-    /// `GEMV_FP8_MAX_M` (64) rows; past that, for per-token activation quantization and
-    /// row-constant scales, the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt);
-    /// else the matrix dequantized into the scratch buffer and the bf16 GEMM.
+    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel up to `W8A8_MIN_M - 1` (16)
+    /// rows; from `W8A8_MIN_M`, for per-token activation quantization and row-constant scales,
+    /// the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt); else the skinny kernel up
+    /// to `GEMV_FP8_MAX_M` (64) rows, and past it the matrix dequantized into the scratch buffer
+    /// and the bf16 GEMM.
     fn linear_fp8(&mut self, x: &CudaBuf, m: usize, f: &Fp8Mat, out: &mut CudaBuf) -> Result<(), BackendError> {
         use baton_kernels::cuda::{
-            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, gemv_fp8_supports, w8a8_supports,
+            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, W8A8_MIN_M, gemv_fp8_supports, w8a8_supports,
         };
         let w = &f.w;
-        if gemv_fp8_supports(m, w.cols, w.col_block) {
+        let skinny = gemv_fp8_supports(m, w.cols, w.col_block);
+        if skinny && m < W8A8_MIN_M {
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
@@ -459,6 +461,9 @@ impl CudaBackend {
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+        if skinny {
+            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         let scratch = self
             .fp8_scratch

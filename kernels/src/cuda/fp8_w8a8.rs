@@ -18,6 +18,13 @@ use super::lt::{LtScales, LtShape};
 use super::{CudaDevice, CudaError, CudaSlice, Fp8Weights};
 use half::bf16;
 
+/// Fewest rows of x for which the engine prefers this path to the skinny FP8 kernel when both
+/// apply. The skinny kernel re-reads x per 16-row weight tile: m/8 bytes of x through L1/L2 per
+/// weight byte (and L1 stops holding x past 16 rows or at k = 14,336), while this path reads the
+/// weights once and runs on the FP8 tensor cores; the kernel bench (`cuda_bench_fp8_linear`)
+/// shows both at 16 and 64 rows to place the crossover.
+pub const W8A8_MIN_M: usize = 17;
+
 /// Threads per CTA of the quantization (one CTA per row).
 const QUANT_THREADS: u32 = 256;
 
