@@ -1,10 +1,12 @@
 // FP8 (E4M3) weight matrices: w[n][k] = e4m3(codes[n][k]) * scales[n / rb][k / cb], the
 // scales one f32 per rb x cb block ([ceil(n/rb)][ceil(k/cb)]: per tensor, per channel, or
 // 128 x 128). Reference: kernels/src/cpu/fp8_linear.rs (Fp8Matrix, linear_fp8 with
-// ActivationScale::None: these kernels are weights-only FP8, W8A16).
+// ActivationScale::None: these kernels are weights-only FP8, W8A16). The skinny GEMM over such
+// weights (decode) is gemv_fp8.cu.
 
-// w_bf16[i] = bf16(e4m3(codes[i]) * scale(i)): the dequantized matrix, for a bf16 GEMM
-// (prefill: M > 16).
+// w_bf16[i] = bf16(e4m3(codes[i]) * scale(i)): the dequantized matrix, for a bf16 GEMM (more
+// rows of x than the skinny kernel takes). Any shape, one weight a thread per step (the
+// launcher's fallback: fp8_dequant16_bf16 takes the usual shapes).
 extern "C" __global__ void fp8_dequant_bf16(const unsigned char* __restrict__ codes, const float* __restrict__ scales,
                                             bf16_t* __restrict__ out, int k, int rb, int cb, long long total) {
     PDL_ENTER();
@@ -17,65 +19,78 @@ extern "C" __global__ void fp8_dequant_bf16(const unsigned char* __restrict__ co
     }
 }
 
-// Skinny W8A16 GEMM for decode: out[m][n] = sum_k x[m][k] * w[n][k], x bf16 (m <= 16 rows),
-// w FP8 as above, f32 accumulation, bf16 output. One warp per weight row: each lane reads 16
-// consecutive codes (one 16-byte load, streamed: the weights are read once) and the matching
-// 16 bf16 of every x row (L1-cached: every warp re-reads x), applies the 16-code chunk's one
-// scale (the launcher requires k % 16 == 0 and cb % 16 == 0 or cb >= k, so a chunk never
-// straddles a column block), and the warp reduces with shuffles.
-template <int MAXM>
-__device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes,
-                                              const float* __restrict__ scales, bf16_t* __restrict__ out, int m, int n,
-                                              int k, int rb, int cb) {
-    const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+// As fp8_dequant_bf16 (bit for bit on non-NaN codes) 16 weights a thread per step: one 16-byte
+// load of codes, fp8x16_to_bf16 (exact), one scale (the launcher requires k % 16 == 0 and no
+// 16-code chunk straddling a column block), two 16-byte stores. `chunks` = rows * k / 16.
+extern "C" __global__ void fp8_dequant16_bf16(const unsigned char* __restrict__ codes,
+                                              const float* __restrict__ scales, bf16_t* __restrict__ out, int k,
+                                              int rb, int cb, long long chunks) {
     PDL_ENTER();
-    if (row >= n) return;
-    const int ncb = (k + cb - 1) / cb;
-    const float* srow = scales + (long long)(row / rb) * ncb;
-    const uint4* wrow = reinterpret_cast<const uint4*>(codes + (long long)row * k);
-    float acc[MAXM];
-#pragma unroll
-    for (int i = 0; i < MAXM; i++) acc[i] = 0.f;
-    for (int c = lane; c < (k >> 4); c += 32) {
+    const int ncb = (k + cb - 1) / cb, kc = k >> 4;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < chunks;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / kc;
+        const int c = (int)(i - r * kc) << 4;
+        const float s = scales[(r / rb) * ncb + c / cb];
         uint4 v;
         asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
             : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-            : "l"(wrow + c));
-        const float s = srow[(c << 4) / cb];
-        float w[16];
-        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+            : "l"(codes + i * 16));
+        unsigned p[8], q[8];
+        fp8x16_to_bf16(v, p);
 #pragma unroll
-        for (int j = 0; j < 16; j++) w[j] = e4m32f((unsigned char)((words[j >> 2] >> ((j & 3) * 8)) & 0xffu)) * s;
-#pragma unroll
-        for (int i = 0; i < MAXM; i++) {
-            if (i < m) {
-                const uint4* xr = reinterpret_cast<const uint4*>(x + (long long)i * k + (c << 4));
-                const uint4 a = xr[0], b = xr[1];
-                const unsigned xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    sum += bf2f((bf16_t)(xs[j] & 0xffffu)) * w[2 * j];
-                    sum += bf2f((bf16_t)(xs[j] >> 16)) * w[2 * j + 1];
-                }
-                acc[i] += sum;
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < MAXM; i++) {
-        float v = acc[i];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0 && i < m) out[(long long)i * n + row] = f2bf(v);
+        for (int j = 0; j < 8; j++)
+            q[j] = (unsigned)f2bf(bf2f((bf16_t)(p[j] & 0xffffu)) * s) |
+                   ((unsigned)f2bf(bf2f((bf16_t)(p[j] >> 16)) * s) << 16);
+        uint4* o = reinterpret_cast<uint4*>(out + i * 16);
+        o[0] = make_uint4(q[0], q[1], q[2], q[3]);
+        o[1] = make_uint4(q[4], q[5], q[6], q[7]);
     }
 }
 
-extern "C" __global__ __launch_bounds__(256) void gemv_fp8_m16_bf16(const bf16_t* __restrict__ x,
-                                                                    const unsigned char* __restrict__ codes,
-                                                                    const float* __restrict__ scales,
-                                                                    bf16_t* __restrict__ out, int m, int n, int k,
-                                                                    int rb, int cb) {
-    gemv_fp8_body<16>(x, codes, scales, out, m, n, k, rb, cb);
+// Dynamic per-token activation quantization (W8A8, the input of the FP8 tensor-core GEMM): row r
+// of x (bf16, k wide, k % 8 == 0) becomes codes[r][c] = e4m3(x[r][c] / s_r) with s_r =
+// amax(|x[r]|) / 448 (1 for a row of zeros or without a finite maximum), scales[r] = s_r: bit for
+// bit the CPU reference's quantize_rows_per_token (f32 division, f2e4m3 = the satfinite
+// conversion). One CTA per row, 8 values a thread per step (16-byte loads, 8-byte stores); the
+// second pass re-reads the row from L1/L2. amax by warp shuffles and one shared-memory round
+// (NaN inputs are skipped by fmaxf, as the reference's f32::max skips them).
+extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsigned char* __restrict__ codes,
+                                              float* __restrict__ scales, int k) {
+    __shared__ float part[32];
+    PDL_ENTER();
+    const long long row = blockIdx.x;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + row * k);
+    uint2* cr = reinterpret_cast<uint2*>(codes + row * k);
+    const int k8 = k >> 3;
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = xr[c];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            amax = fmaxf(amax, fmaxf(fabsf(bf2f((bf16_t)(w[j] & 0xffffu))), fabsf(bf2f((bf16_t)(w[j] >> 16)))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = amax;
+    __syncthreads();
+    amax = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        const uint4 v = xr[c];
+        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        unsigned q[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const unsigned lo = f2e4m3(bf2f((bf16_t)(w[j] & 0xffffu)) / s);
+            const unsigned hi = f2e4m3(bf2f((bf16_t)(w[j] >> 16)) / s);
+            q[j >> 1] |= (lo | (hi << 8)) << (16 * (j & 1));
+        }
+        cr[c] = make_uint2(q[0], q[1]);
+    }
+    if (threadIdx.x == 0) scales[row] = s;
 }

@@ -51,6 +51,17 @@ __device__ __forceinline__ uint4 gemv_ld_cached(const uint4* p) {
     return v;
 }
 
+// A full batch of weight loads: chunks c0 + 4u (+ the thread's t, folded into wa/wb) of rows
+// g and g + 8, all issued before any use (streamed: read once).
+template <int U>
+__device__ __forceinline__ void gemv_ld_w_batch(const uint4* wa, const uint4* wb, int c0, uint4* va, uint4* vb) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        va[u] = gemv_ld_stream(wa + c0 + 4 * u);
+        vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
+    }
+}
+
 // d += A (16x16, rows g/g+8 in a0..a3) * B (16x8, column g in b0, b1), f32 accumulators.
 __device__ __forceinline__ void mma_bf16_16816(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                                unsigned b0, unsigned b1) {
@@ -89,20 +100,38 @@ __device__ __forceinline__ long long gemv_w_row<GeluTanhAct>(int cta, int i, int
     return gemv_w_row<SiluAct>(cta, i, n);
 }
 
+// A per-output-row factor applied in the plain epilogue: none for bf16 weights (x 1 is exact).
+struct NoRowScale {
+    __device__ __forceinline__ float operator()(int) const { return 1.f; }
+};
+
 // Sums the warps' partials (red[warp][nt * 4 + j][lane]: accumulator j of tile nt) and stores
-// the CTA's 16 output rows of every column of x.
-template <int NT, int NW, typename OUT>
+// the CTA's 16 output rows (row0 ..) of its 8 * NT rows of x (m0 ..), each sum times scale(row)
+// (gemv_fp8.cu passes the FP8 weights' per-row scale).
+template <int NT, int NW, typename OUT, typename SCALE>
 __device__ __forceinline__ void gemv_epilogue_plain(const float (*red)[NT * 4][32], OUT* __restrict__ out, int m,
-                                                    int n) {
-    const int row0 = blockIdx.x * 16;
+                                                    int n, int row0, int m0, SCALE scale) {
     for (int i = threadIdx.x; i < NT * 4 * 32; i += NW * 32) {
         const int j = i >> 5, l = i & 31;
         float s = 0.f;
 #pragma unroll
         for (int v = 0; v < NW; v++) s += red[v][j][l];
         const int row = row0 + (l >> 2) + ((j & 2) ? 8 : 0);
-        const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
-        if (row < n && mm < m) gemv_store(out, (long long)mm * n + row, s);
+        const int mm = m0 + (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
+        if (row < n && mm < m) gemv_store(out, (long long)mm * n + row, s * scale(row));
+    }
+}
+
+// Before waiting for the previous kernel (PDL, see the prelude): pulls the first `bytes` bytes
+// of the CTA's 16 weight rows (row i at base + row(i) * row_bytes, rows of row_bytes bytes) into
+// L2, so the first loads start from L2 while the previous kernel finishes. Weights are never
+// written during a step.
+template <typename ROW>
+__device__ __forceinline__ void gemv_prefetch_l2(const unsigned char* base, long long row_bytes, int bytes, ROW row) {
+    constexpr int LINE = 128;
+    for (int l = threadIdx.x; l < 16 * (bytes / LINE); l += blockDim.x) {
+        const long long c = (long long)(l >> 4) * LINE;
+        if (c < row_bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + row(l & 15) * row_bytes + c));
     }
 }
 
@@ -149,21 +178,9 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + t;
     }
 
-    // Before waiting for the previous kernel (PDL, see the prelude): pull the first round of
-    // this CTA's weights (batches 0..NW-1 of its 16 rows: NW * BATCH 16-byte chunks a row)
-    // into L2, so the loads below start from L2 while the previous kernel finishes. Weights
-    // are never written during a step; x is read only after the wait.
-    {
-        constexpr int LINE_CHUNKS = 8;  // 16-byte chunks per 128-byte line
-        constexpr int LPR = NW * BATCH / LINE_CHUNKS;
-        for (int l = threadIdx.x; l < 16 * LPR; l += NW * 32) {
-            const int c = (l >> 4) * LINE_CHUNKS;
-            if (c < kc) {
-                const long long r = gemv_w_row<ACT>(blockIdx.x, l & 15, n);
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint4*>(w + r * k) + c));
-            }
-        }
-    }
+    // The first round: batches 0..NW-1 of the CTA's 16 rows (NW * BATCH 16-byte chunks a row).
+    gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16,
+                     [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); });
     PDL_ENTER();
 
     // Two accumulator sets (even and odd mma of a step) halve the dependent mma chain.
@@ -180,11 +197,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         const int c0 = b * BATCH;
         uint4 va[U], vb[U], vx[NT][U];
         if (c0 + BATCH <= kc) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                va[u] = gemv_ld_stream(wa + c0 + 4 * u);
-                vb[u] = gemv_ld_stream(wb + c0 + 4 * u);
-            }
+            gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
@@ -228,7 +241,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     if constexpr (IsGated<ACT>::value)
         gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
     else
-        gemv_epilogue_plain<NT, NW>(red, out, m, n);
+        gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }
 #define GEMV_INSTANCE(MAXM, NW, U)                                                                              \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_bf16(                   \

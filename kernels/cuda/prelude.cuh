@@ -161,6 +161,38 @@ __device__ __forceinline__ void e4m3x16_to_bf16x16(const uint4 u, uint4* out) {
     e4m3x4_to_bf16x4(u.w, out[1].z, out[1].w);
 }
 
+// Fast E4M3 -> bf16 for the FP8 weight kernels (gemv_fp8.cu, fp8_linear.cu), exact for every
+// non-NaN code: PRMT puts each code in the low byte of a 16-bit half with its sign replicated
+// over the high byte; << 4 moves the 7 exponent+mantissa bits to bf16 bits 4..10 and a sign
+// copy to bit 15; the mask clears the other copies. That bf16's bits are the code's re-biased
+// by 127 - 7: exactly value * 2^-120 for normal codes (bf16 exponent field = E4M3's) and for
+// subnormal ones (bf16 subnormal m/8 * 2^-126 = m * 2^-9 * 2^-120). One bf16x2 FMA by 2^120
+// (+ -0) restores the value exactly (bf16 arithmetic keeps subnormal inputs; every E4M3 value
+// is a normal bf16). Four integer instructions and one FMA per two codes, no conversion-pipe
+// instruction. The NaN codes (0x7F, 0xFF) read as +-480; quantization (satfinite) never
+// produces them.
+//
+// Two E4M3 codes (the bytes of q that `sel` picks) as a bf16x2 of their exact values.
+__device__ __forceinline__ unsigned fp8_pair_bf16(unsigned q, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(q), "r"(sel));
+    r = (r << 4) & 0x87f087f0u;
+    // x 2^120 (bf16 0x7b80) + -0: exact, and keeps the sign of a zero.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(r), "r"(0x7b807b80u), "r"(0x80008000u));
+    return r;
+}
+
+// 16 codes (a 16-byte load) as 8 bf16 pairs (p[j] = codes 2j, 2j + 1, the lower in the low half).
+// Selectors: bytes (0, sign of 0, 1, sign of 1) = 0x9180; (2, sign 2, 3, sign 3) = 0xb3a2.
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4 v, unsigned* p) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        p[2 * j] = fp8_pair_bf16(w[j], 0x9180u);
+        p[2 * j + 1] = fp8_pair_bf16(w[j], 0xb3a2u);
+    }
+}
+
 // The gated MLP activations, one formula each for every kernel that applies them (gated_mul in
 // elementwise.cu and the fused gate_up epilogue of gemv.cu), so fused and unfused paths agree bit
 // for bit. SiLU: g / (1 + e^-g).

@@ -57,12 +57,7 @@ fn run() -> Result<(), CudaError> {
     println!("device {} ({})", dev.name(), dev.arch());
 
     // 1. Copy bandwidth: 1 GiB source, bytes read + written.
-    let n = 1usize << 29; // bf16 elements = 1 GiB
-    let src = random_bf16(&dev, &mut r, n)?;
-    let mut dst = dev.alloc::<bf16>(n)?;
-    let ms = time_ms(&dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
-    let copy_gbs = 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9;
-    drop((src, dst));
+    let (ms, copy_gbs) = common::copy_bandwidth(&dev, &mut r)?;
     writeln!(table, "copy 1 GiB d2d: {ms:.3} ms, {copy_gbs:.0} GB/s (read+write)").ok();
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"ms\":{ms:.4},\"gb_s\":{copy_gbs:.1}}}"));
 
@@ -265,15 +260,8 @@ fn run() -> Result<(), CudaError> {
     json.push(format!("{{\"name\":\"gemm_8192_cubed\",\"ms\":{ms:.4},\"tflop_s\":{tf:.1}}}"));
 
     let (cms, cached) = dev.module_load();
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-kernels\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        args.join(" "),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    let extra = format!("\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},");
+    common::write_results(&dev, &out_path, "cuda-kernels", &commit, &args, &extra, &json)?;
     println!("{table}");
     Ok(())
 }

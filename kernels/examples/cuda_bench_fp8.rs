@@ -74,13 +74,7 @@ fn run() -> Result<(), CudaError> {
     let mut table = String::new();
     let mut json = Vec::new();
 
-    let n = 1usize << 29;
-    let tile: Vec<bf16> = (0..1 << 20).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
-    let src = tiled(&dev, &tile, n)?;
-    let mut dst = dev.alloc::<bf16>(n)?;
-    let ms = time_ms(&dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
-    let copy_gbs = 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9;
-    drop((src, dst));
+    let (_, copy_gbs) = common::copy_bandwidth(&dev, &mut r)?;
     writeln!(table, "device {}; copy 1 GiB d2d: {copy_gbs:.0} GB/s (read+write)", dev.name()).ok();
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
 
@@ -223,14 +217,7 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-fp8-attention\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    common::write_results(&dev, &out_path, "cuda-fp8-attention", &commit, &args, "", &json)?;
     println!("{table}");
     Ok(())
 }

@@ -71,12 +71,7 @@ fn run() -> Result<(), CudaError> {
     let mut json = Vec::new();
     println!("device {} ({})", dev.name(), dev.arch());
 
-    let n = 1usize << 29;
-    let src = random_bf16(&dev, &mut r, n)?;
-    let mut dst = dev.alloc::<bf16>(n)?;
-    let ms = time_ms(&dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
-    let copy_gbs = 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9;
-    drop((src, dst));
+    let (_, copy_gbs) = common::copy_bandwidth(&dev, &mut r)?;
     writeln!(table, "copy 1 GiB d2d: {copy_gbs:.0} GB/s (read+write)").ok();
     json.push(format!("{{\"name\":\"copy_d2d_1GiB\",\"gb_s\":{copy_gbs:.1}}}"));
 
@@ -155,15 +150,7 @@ fn run() -> Result<(), CudaError> {
         }
     }
 
-    let doc = format!(
-        "{{\"benchmark\":\"cuda-attention-window\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",\"results\":[\n{}\n]}}\n",
-        dev.name(),
-        dev.arch(),
-        args.join(" "),
-        json.join(",\n")
-    );
-    std::fs::write(&out_path, doc)
-        .map_err(|e| CudaError::Cache { path: out_path.clone().into(), message: e.to_string() })?;
+    common::write_results(&dev, &out_path, "cuda-attention-window", &commit, &args, "", &json)?;
     println!("{table}");
     Ok(())
 }

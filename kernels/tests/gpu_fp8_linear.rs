@@ -1,59 +1,149 @@
 //! The FP8 weight kernels against the CPU reference (`cpu::linear_fp8` with
-//! `ActivationScale::None`, W8A16, on the bf16 inputs the kernel reads): the skinny W8A16 GEMM
-//! (`Fp8GemvCall`, m = 1..16) and the dequantization to bf16 (`Fp8DequantCall`, checked
-//! element for element against `Fp8Matrix::dequantize` rounded to bf16), for per-channel,
-//! per-tensor and 128 × 128 block scales, at decode shapes and odd ones. Fresh random inputs
-//! every run (the seed is printed); outputs poisoned with bf16 NaN before each launch.
+//! `ActivationScale::None`, W8A16, on the bf16 inputs the kernel reads): the skinny tensor-core
+//! GEMM (`Fp8GemvCall`, every m in 1..=16, more rows of x in several CTAs per weight tile up to
+//! 64, every compiled variant), its E4M3 → bf16 conversion code by code (exact: one-hot rows of
+//! x pick single weights), and the dequantization to bf16 (`Fp8DequantCall`, checked element
+//! for element against `Fp8Matrix::dequantize` rounded to bf16), for per-channel, per-tensor,
+//! 128 × 128 and odd block scales, at the Llama-3.1-8B projection shapes scaled down and at odd
+//! ones. The W8A8 path for more rows (`Fp8W8A8Call`: per-token activation quantization, checked
+//! code for code against `cpu::quantize_rows_per_token`'s rule, then cuBLASLt's FP8 GEMM with
+//! outer-vector scales) against `cpu::linear_fp8` with `ActivationScale::PerToken`. Weights are random E4M3 codes over every non-NaN value (subnormals and zeros
+//! included). Fresh random inputs every run (the seed is printed); outputs poisoned with bf16
+//! NaN before each launch.
 //!
 //! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do not
 //! skip) when no device can be opened.
 
 mod common;
 
+use baton_kernels::cpu::fp8::{e4m3_from_f32, e4m3_to_f32};
 use baton_kernels::cpu::{self, ActivationScale, Fp8Matrix};
-use baton_kernels::cuda::{Fp8DequantCall, Fp8GemvCall, Fp8Weights, bf16, gemv_fp8_supports};
+use baton_kernels::cuda::{
+    CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
+    QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
+};
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::Rng;
 use rand::rngs::StdRng;
 
-/// A random `n × k` FP8 matrix with `(row_block, col_block)` scales (`None`: per channel).
-fn matrix(r: &mut StdRng, n: usize, k: usize, block: Option<(usize, usize)>) -> Fp8Matrix {
-    let values = rand_vec(r, n * k, 0.05);
-    let w = Fp8Matrix::quantize_per_channel(&values, n, k).expect("quantize");
-    match block {
-        None => w,
-        Some((rb, cb)) => {
-            let scales: Vec<f32> =
-                (0..n.div_ceil(rb) * k.div_ceil(cb)).map(|_| r.random_range(0.5f32..2.0) * 1e-4).collect();
-            Fp8Matrix::new(n, k, w.codes().to_vec(), scales, rb, cb).expect("block matrix")
+/// A random E4M3 code that is not NaN (0x7F, 0xFF).
+fn code(r: &mut StdRng) -> u8 {
+    loop {
+        let c: u8 = r.random();
+        if c & 0x7f != 0x7f {
+            return c;
         }
     }
+}
+
+/// A random `n × k` FP8 matrix with `(row_block, col_block)` scales (`None`: per channel).
+fn matrix(r: &mut StdRng, n: usize, k: usize, block: Option<(usize, usize)>) -> Fp8Matrix {
+    let (rb, cb) = block.unwrap_or((1, k));
+    let codes: Vec<u8> = (0..n * k).map(|_| code(r)).collect();
+    let scales: Vec<f32> = (0..n.div_ceil(rb) * k.div_ceil(cb)).map(|_| r.random_range(0.5f32..2.0) * 1e-3).collect();
+    Fp8Matrix::new(n, k, codes, scales, rb, cb).expect("matrix")
+}
+
+/// Rows of x the product tests run: every m the one-CTA tiles take, then several CTAs a tile.
+fn rows_to_test() -> Vec<usize> {
+    let mut ms: Vec<usize> = (1..=16).collect();
+    ms.extend([17, 24, 33, GEMV_FP8_MAX_M]);
+    ms
 }
 
 #[test]
 fn gpu_fp8_gemv_matches_the_w8a16_reference() {
     let dev = device();
     let mut r = rng("gpu_fp8_gemv_matches_the_w8a16_reference");
-    for (n, k, block) in [
-        (4096usize, 4096usize, None),
-        (6144, 4096, Some((128, 128))),
-        (1024, 14336, Some((128, 128))),
-        (100, 96, Some((100, 96))), // per tensor, odd sizes
-        (37, 64, Some((1, 48))),
+    for (what, n, k, block) in [
+        // The Llama-3.1-8B projections scaled down by 8 (n and k), per channel and 128 × 128.
+        ("qkv/8", 768usize, 512usize, None),
+        ("o/8", 512, 512, Some((128, 128))),
+        ("gate_up/8", 3584, 512, None),
+        ("down/8", 512, 1792, Some((128, 128))),
+        // Full-length rows: many batches per warp.
+        ("down k", 48, 14336, Some((128, 128))),
+        ("o k", 64, 4096, None),
+        // Per tensor at odd sizes (n not a multiple of 16, k not of 64).
+        ("tensor", 100, 400, Some((100, 400))),
+        // 128 × 128 blocks with a partial last block (400 = 3 × 128 + 16) and a partial row tile.
+        ("block partial", 37, 400, Some((128, 128))),
+        // Row blocks that split a 16-row tile (rows g and g + 8 in different blocks).
+        ("rb 24 blocked", 72, 256, Some((24, 64))),
+        ("rb 24 row", 40, 208, Some((24, 208))),
+        // A column block wider than k (one block over the row).
+        ("cb > k", 33, 80, Some((1, 4096))),
     ] {
         let w = matrix(&mut r, n, k, block);
         let (_, cb) = w.block();
+        let scaling = gemv_fp8_scaling(k, cb).expect("a skinny scale layout");
         let dw = Fp8Weights::upload(&dev, &w).expect("upload");
-        for m in [1usize, 3, 8, 9, 16] {
+        for m in rows_to_test() {
             assert!(gemv_fp8_supports(m, k, cb), "{m}×{k} cb {cb}");
-            // bf16-exact inputs, as the kernel reads them.
-            let x: Vec<f32> = rand_vec(&mut r, m * k, 1.0).iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+            let x = rand_vec(&mut r, m * k, 1.0);
             let mut want = vec![0.0; m * n];
             cpu::linear_fp8(&x, &w, None, m, ActivationScale::None, &mut want).expect("reference");
-            let mut out = poisoned(&dev, m * n);
-            Fp8GemvCall { x: &up(&dev, &x), m, w: &dw, out: &mut out }.launch(&dev).expect("launch");
-            check(&format!("gemv_fp8 m {m} n {n} k {k} {block:?}"), &down(&dev, &out, m * n), &want);
+            let dx = up(&dev, &x);
+            for (vi, v) in GEMV_FP8_VARIANTS.iter().enumerate() {
+                let mut out = poisoned(&dev, m * n);
+                Fp8GemvCall { x: &dx, m, w: &dw, out: &mut out, variant: Some(vi) }.launch(&dev).expect("launch");
+                let label =
+                    format!("gemv_fp8 {what} m {m} n {n} k {k} {block:?} {scaling:?} w{}_u{}", v.warps, v.unroll);
+                check(&label, &down(&dev, &out, m * n), &want);
+            }
         }
+    }
+}
+
+#[test]
+fn gpu_fp8_gemv_converts_every_code_exactly() {
+    // One-hot rows of x pick single weights: out[i][row] = e4m3(code[row][col_i]) · scale(row),
+    // exact in bf16 with power-of-two scales. The picked columns hold every non-NaN code several
+    // times over (16 columns × 64 rows per round), and sit in different chunk positions per
+    // round; both scale layouts and every variant and tile size run.
+    let dev = device();
+    let mut r = rng("gpu_fp8_gemv_converts_every_code_exactly");
+    let (n, k) = (64usize, 1024usize);
+    for (round, (rb, cb)) in [(1usize, k), (16, 128), (64, 256), (1, 64)].into_iter().enumerate() {
+        let mut codes: Vec<u8> = (0..n * k).map(|_| code(&mut r)).collect();
+        let mut cols: Vec<usize> = Vec::new();
+        while cols.len() < 16 {
+            let c = r.random_range(0..k);
+            if !cols.contains(&c) {
+                cols.push(c);
+            }
+        }
+        for row in 0..n {
+            for (i, &c) in cols.iter().enumerate() {
+                let v = ((row * 16 + i + round * 5) % 256) as u8;
+                codes[row * k + c] = if v & 0x7f == 0x7f { 0 } else { v };
+            }
+        }
+        let scales: Vec<f32> = (0..n.div_ceil(rb) * k.div_ceil(cb)).map(|_| 2f32.powi(r.random_range(-3..3))).collect();
+        let w = Fp8Matrix::new(n, k, codes, scales, rb, cb).expect("matrix");
+        let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+        for m in [8usize, 16] {
+            let mut x = vec![0.0f32; m * k];
+            for i in 0..m {
+                x[i * k + cols[i]] = 1.0;
+            }
+            let want: Vec<f32> = (0..m)
+                .flat_map(|i| (0..n).map(move |row| (i, row)))
+                .map(|(i, row)| e4m3_to_f32(w.codes()[row * k + cols[i]]) * w.scale_at(row, cols[i]))
+                .collect();
+            let dx = up(&dev, &x);
+            for vi in 0..GEMV_FP8_VARIANTS.len() {
+                let mut out = poisoned(&dev, m * n);
+                Fp8GemvCall { x: &dx, m, w: &dw, out: &mut out, variant: Some(vi) }.launch(&dev).expect("launch");
+                let got = down(&dev, &out, m * n);
+                for (j, (g, e)) in got.iter().zip(&want).enumerate() {
+                    let (i, row) = (j / n, j % n);
+                    let c = w.codes()[row * k + cols[i]];
+                    assert_eq!(g, e, "code {c:#04x} (row {row}, x row {i}), m {m}, blocks {rb}×{cb}, variant {vi}");
+                }
+            }
+        }
+        assert_eq!(gemv_fp8_scaling(k, cb), Some(if cb >= k { Fp8Scaling::Row } else { Fp8Scaling::Block }));
     }
 }
 
@@ -61,7 +151,13 @@ fn gpu_fp8_gemv_matches_the_w8a16_reference() {
 fn gpu_fp8_dequant_matches_the_reference_exactly() {
     let dev = device();
     let mut r = rng("gpu_fp8_dequant_matches_the_reference_exactly");
-    for (n, k, block) in [(512usize, 384usize, Some((128, 128))), (77, 200, None), (64, 64, Some((64, 64)))] {
+    for (n, k, block) in [
+        (512usize, 384usize, Some((128, 128))),
+        (77, 200, None),
+        (64, 64, Some((64, 64))),
+        (40, 208, Some((24, 48))),
+        (9, 7, Some((2, 3))),
+    ] {
         let w = matrix(&mut r, n, k, block);
         let dw = Fp8Weights::upload(&dev, &w).expect("upload");
         let mut out = poisoned(&dev, n * k);
@@ -70,4 +166,70 @@ fn gpu_fp8_dequant_matches_the_reference_exactly() {
         let want: Vec<f32> = w.dequantize().iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
         assert_eq!(got, want, "dequant {n}×{k} {block:?}");
     }
+}
+
+#[test]
+fn gpu_fp8_activation_quantization_matches_the_per_token_rule() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_activation_quantization_matches_the_per_token_rule");
+    for (m, k, amp) in [(5usize, 4096usize, 3.0f32), (130, 1000, 0.02), (3, 24, 900.0), (2, 14336, 1.0)] {
+        let mut x = rand_vec(&mut r, m * k, amp);
+        // A row of zeros (scale 1) and a row with one value past 448 · a small scale.
+        x[..k].iter_mut().for_each(|v| *v = 0.0);
+        if m > 2 {
+            x[k + 1] = bf16::from_f32(1e4).to_f32();
+        }
+        let mut codes = dev.upload(&vec![0x7fu8; m * k]).expect("poisoned codes");
+        let mut scales = dev.upload(&vec![f32::NAN; m]).expect("poisoned scales");
+        QuantizeRowsCall { x: &up(&dev, &x), m, k, codes: &mut codes, scales: &mut scales }
+            .launch(&dev)
+            .expect("launch");
+        let (got_codes, got_scales) =
+            (dev.download(&codes, m * k).expect("codes"), dev.download(&scales, m).expect("s"));
+        for (row, xr) in x.chunks(k).enumerate() {
+            let amax = xr.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let s = if amax > 0.0 && amax.is_finite() { amax / 448.0 } else { 1.0 };
+            assert_eq!(got_scales[row].to_bits(), s.to_bits(), "scale of row {row} ({m}×{k})");
+            for (c, v) in xr.iter().enumerate() {
+                assert_eq!(got_codes[row * k + c], e4m3_from_f32(v / s), "code ({row}, {c}) of {v} / {s} ({m}×{k})");
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_fp8_w8a8_matches_the_per_token_reference() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_w8a8_matches_the_per_token_reference");
+    for (what, n, k, block) in [
+        ("qkv/8 per channel", 768usize, 512usize, None),
+        ("down/8 per channel", 512, 1792, None),
+        ("per tensor", 1024, 4096, Some((1024, 4096))),
+        ("row blocks of 24", 48, 208, Some((24, 208))),
+    ] {
+        let w = matrix(&mut r, n, k, block);
+        let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+        assert!(w8a8_supports(&dev, &dw), "{what}: W8A8 takes row-constant scales");
+        for m in [GEMV_FP8_MAX_M + 1, 128, 300] {
+            let x = rand_vec(&mut r, m * k, 1.0);
+            let mut want = vec![0.0; m * n];
+            cpu::linear_fp8(&x, &w, None, m, ActivationScale::PerToken, &mut want).expect("reference");
+            let mut xq = dev.alloc::<u8>(m * k).expect("codes");
+            let mut xs = dev.alloc::<f32>(m).expect("scales");
+            let mut out = poisoned(&dev, m * n);
+            Fp8W8A8Call { x: &up(&dev, &x), m, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }
+                .launch(&dev)
+                .unwrap_or_else(|e| panic!("{what}: W8A8 launch ({m}×{k} · {n}×{k}): {e}"));
+            check(&format!("w8a8 {what} m {m} n {n} k {k}"), &down(&dev, &out, m * n), &want);
+        }
+    }
+    // 128 × 128 blocks are not row-constant: refused before anything runs.
+    let w = matrix(&mut r, 256, 512, Some((128, 128)));
+    let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+    assert!(!w8a8_supports(&dev, &dw));
+    let (mut xq, mut xs, mut out) =
+        (dev.alloc::<u8>(512).expect("c"), dev.alloc::<f32>(1).expect("s"), poisoned(&dev, 256));
+    let x = up(&dev, &rand_vec(&mut r, 512, 1.0));
+    let e = Fp8W8A8Call { x: &x, m: 1, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }.launch(&dev);
+    assert!(matches!(e, Err(CudaError::Shape { .. })), "{e:?}");
 }

@@ -137,7 +137,15 @@ pub struct CudaMat {
     data: CudaSlice<bf16>,
     rows: usize,
     cols: usize,
-    fp8: Option<baton_kernels::cuda::Fp8Weights>,
+    fp8: Option<Fp8Mat>,
+}
+
+/// An FP8 projection and how its activations are meant to be quantized.
+struct Fp8Mat {
+    w: baton_kernels::cuda::Fp8Weights,
+    /// Dynamic per-token activation quantization (W8A8, `--quantization fp8`): products past
+    /// the skinny kernel's rows take the FP8 tensor-core GEMM. Else (W8A16) they dequantize.
+    per_token: bool,
 }
 
 /// The CUDA backend on one device.
@@ -145,6 +153,11 @@ pub struct CudaBackend {
     /// The bf16 dequantization of one FP8 matrix, for products of more rows than the skinny
     /// FP8 kernel takes: sized at upload for the largest FP8 matrix (no allocation in a step).
     fp8_scratch: Option<CudaSlice<bf16>>,
+    /// The per-token E4M3 codes and scales of a W8A8 product's activations (grown as needed).
+    fp8_act: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
+    /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
+    /// cuBLASLt refuses one, after which they dequantize like W8A16.
+    w8a8: bool,
     dev: CudaDevice,
     ordinal: usize,
     kv: Vec<(CudaSlice<bf16>, CudaSlice<bf16>)>,
@@ -353,6 +366,8 @@ impl CudaBackend {
         );
         Ok(Self {
             fp8_scratch: None,
+            fp8_act: None,
+            w8a8: true,
             dev,
             ordinal: opts.ordinal,
             kv: Vec::new(),
@@ -414,18 +429,41 @@ impl CudaBackend {
         Ok(data)
     }
 
-    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel for up to 16 rows, else
-    /// the matrix dequantized into the scratch buffer and the bf16 GEMM.
-    fn linear_fp8(
-        &mut self,
-        x: &CudaBuf,
-        m: usize,
-        w: &baton_kernels::cuda::Fp8Weights,
-        out: &mut CudaBuf,
-    ) -> Result<(), BackendError> {
-        use baton_kernels::cuda::{Fp8DequantCall, Fp8GemvCall, gemv_fp8_supports};
-        if gemv_fp8_supports(m, w.cols, w.col_block) {
-            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data }.launch(&self.dev)?);
+    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel up to `W8A8_MIN_M - 1` (16)
+    /// rows; from `W8A8_MIN_M`, for per-token activation quantization and row-constant scales,
+    /// the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt); else the skinny kernel up
+    /// to `GEMV_FP8_MAX_M` (64) rows, and past it the matrix dequantized into the scratch buffer
+    /// and the bf16 GEMM.
+    fn linear_fp8(&mut self, x: &CudaBuf, m: usize, f: &Fp8Mat, out: &mut CudaBuf) -> Result<(), BackendError> {
+        use baton_kernels::cuda::{
+            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, W8A8_MIN_M, gemv_fp8_supports, w8a8_supports,
+        };
+        let w = &f.w;
+        let skinny = gemv_fp8_supports(m, w.cols, w.col_block);
+        if skinny && m < W8A8_MIN_M {
+            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
+        }
+        if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
+            let (codes, scales) = (m * w.cols, m);
+            let act = match self.fp8_act.take() {
+                Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
+                _ => (
+                    self.dev.alloc::<u8>(codes.next_power_of_two())?,
+                    self.dev.alloc::<f32>(scales.next_power_of_two())?,
+                ),
+            };
+            let (xq, xs) = self.fp8_act.insert(act);
+            match (Fp8W8A8Call { x: &x.data, m, w, xq, xs, out: &mut out.data }).launch(&self.dev) {
+                Ok(()) => return Ok(()),
+                Err(CudaError::BlasLt(message)) => {
+                    tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
+                    self.w8a8 = false;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if skinny {
+            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         let scratch = self
             .fp8_scratch
@@ -568,15 +606,17 @@ impl Backend for CudaBackend {
         w: baton_kernels::cpu::Fp8Matrix,
         act: baton_kernels::cpu::ActivationScale,
     ) -> Result<CudaMat, BackendError> {
-        // Weights-only FP8 (W8A16): the activations stay bf16 whatever `act` says (the CPU
-        // reference with `ActivationScale::None` is what these kernels match).
-        let _ = act;
+        // Decode-sized products are weights-only FP8 (W8A16: the CPU reference with
+        // `ActivationScale::None` is what the skinny kernel matches); larger ones follow `act`
+        // (`linear_fp8`).
+        let per_token = act == baton_kernels::cpu::ActivationScale::PerToken;
         let weights = baton_kernels::cuda::Fp8Weights::upload(&self.dev, &w)?;
         let len = w.rows() * w.cols();
         if self.fp8_scratch.as_ref().is_none_or(|s| s.len() < len) {
             self.fp8_scratch = Some(self.dev.alloc::<bf16>(len.max(1))?);
         }
-        Ok(CudaMat { data: self.dev.alloc::<bf16>(1)?, rows: w.rows(), cols: w.cols(), fp8: Some(weights) })
+        let fp8 = Some(Fp8Mat { w: weights, per_token });
+        Ok(CudaMat { data: self.dev.alloc::<bf16>(1)?, rows: w.rows(), cols: w.cols(), fp8 })
     }
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {

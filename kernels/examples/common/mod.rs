@@ -33,6 +33,19 @@ pub fn time_ms(
     Ok(median(out))
 }
 
+/// The device-to-device copy of a 1 GiB buffer of random bf16: its median milliseconds and
+/// bandwidth (GB/s, bytes read plus written), the ceiling a memory-bound kernel's figure is
+/// compared with.
+pub fn copy_bandwidth(dev: &CudaDevice, r: &mut rand::rngs::StdRng) -> Result<(f64, f64), CudaError> {
+    use rand::Rng;
+    let n = 1usize << 29;
+    let tile: Vec<bf16> = (0..1 << 20).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0))).collect();
+    let src = tiled(dev, &tile, n)?;
+    let mut dst = dev.alloc::<bf16>(n)?;
+    let ms = time_ms(dev, 3, 20, |_| dev.copy(&src, &mut dst, n))?;
+    Ok((ms, 2.0 * (n * 2) as f64 / (ms * 1e-3) / 1e9))
+}
+
 /// `n` values on the device: `tile` (up to its first `n` values) copied repeatedly, so that
 /// gigabytes of random inputs cost one small upload.
 pub fn tiled<T: cudarc::driver::DeviceRepr + Clone>(
@@ -109,4 +122,26 @@ pub fn decode_sets(
         metas.push(meta);
     }
     Ok(DecodeSets { geo, metas, copies })
+}
+
+/// Writes a benchmark's JSON document to `out_path`: `benchmark`, the device, its arch, the
+/// commit, the command line (`args`), the `extra` fields (each `"key":value,`, or empty) and
+/// the `results`.
+pub fn write_results(
+    dev: &CudaDevice,
+    out_path: &str,
+    benchmark: &str,
+    commit: &str,
+    args: &[String],
+    extra: &str,
+    results: &[String],
+) -> Result<(), CudaError> {
+    let doc = format!(
+        "{{\"benchmark\":\"{benchmark}\",\"device\":\"{}\",\"arch\":\"{}\",\"commit\":\"{commit}\",\"command\":\"{}\",{extra}\"results\":[\n{}\n]}}\n",
+        dev.name(),
+        dev.arch(),
+        args.join(" "),
+        results.join(",\n")
+    );
+    std::fs::write(out_path, doc).map_err(|e| CudaError::Cache { path: out_path.into(), message: e.to_string() })
 }

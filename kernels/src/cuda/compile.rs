@@ -37,7 +37,8 @@ pub enum Family {
     Elementwise,
     /// Sampling on the device, and prompt logprobs.
     Sampling,
-    /// The skinny GEMM, cut by rows of x (the `GEMV_VARIANTS(MAXM)` instances).
+    /// The skinny GEMM over bf16 and over FP8 weights, cut by rows of x (the
+    /// `GEMV_VARIANTS(MAXM)` and `GEMV_FP8_VARIANTS(MAXM)` instances).
     Gemv,
     /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
     /// `ATT_TC_FP8_VARIANTS(HD)`).
@@ -62,7 +63,7 @@ impl Family {
                 include_str!("../../cuda/fp8_linear.cu"),
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
-            Self::Gemv => &[include_str!("../../cuda/gemv.cu")],
+            Self::Gemv => &[include_str!("../../cuda/gemv.cu"), include_str!("../../cuda/gemv_fp8.cu")],
             Self::Attention => {
                 &[include_str!("../../cuda/attention.cu"), include_str!("../../cuda/attention_tc_fp8.cu")]
             }
@@ -75,7 +76,7 @@ impl Family {
     fn instance_macros(self) -> &'static [&'static str] {
         match self {
             Self::Elementwise | Self::Sampling => &[],
-            Self::Gemv => &["GEMV_VARIANTS"],
+            Self::Gemv => &["GEMV_VARIANTS", "GEMV_FP8_VARIANTS"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS"],
             Self::Prefill => &["PF_INSTANCE"],
         }
@@ -593,6 +594,7 @@ mod tests {
         assert_eq!(instance_param("ATT_TC_VARIANTS(16)", att), Some(16));
         assert_eq!(instance_param("PF_INSTANCE(64, 8)", Family::Prefill.instance_macros()), Some(64));
         assert_eq!(instance_param("GEMV_VARIANTS(16)", Family::Gemv.instance_macros()), Some(16));
+        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::Gemv.instance_macros()), Some(8));
         // Definitions and indented uses inside a macro stay in every module.
         assert_eq!(instance_param("#define ATT_VARIANTS(HD)       \\", att), None);
         assert_eq!(instance_param("    ATT_INSTANCE(HD, 4, 4, 4, 0)  \\", att), None);
@@ -605,6 +607,7 @@ mod tests {
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_VARIANTS"),
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_TC_VARIANTS"),
             (Family::Gemv, GEMV_MAX_MS.to_vec(), "GEMV_VARIANTS"),
+            (Family::Gemv, GEMV_MAX_MS.to_vec(), "GEMV_FP8_VARIANTS"),
         ] {
             for &p in &parts {
                 let src = Module::part(family, p).source();
@@ -700,6 +703,14 @@ mod tests {
             .collect();
         let rust: Vec<String> =
             super::super::GEMV_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
+        assert_eq!(cuda, vec![rust; GEMV_MAX_MS.len()].concat());
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("GEMV_FP8_INSTANCE(MAXM, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+            .collect();
+        let rust: Vec<String> =
+            super::super::GEMV_FP8_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
         assert_eq!(cuda, vec![rust; GEMV_MAX_MS.len()].concat());
         // The prefill instances: every head_dim × CTA size, in the function table's order.
         let cuda: Vec<String> = src

@@ -1,23 +1,116 @@
-//! FP8 (E4M3) weight matrices on the device and their two launches (`kernels/cuda/fp8_linear.cu`):
-//! [`Fp8GemvCall`], the weights-only (W8A16) skinny GEMM for decode (m ≤ 16 rows of bf16 x, the
-//! FP8 weights read once, f32 accumulation, scales per block), and [`Fp8DequantCall`], the
-//! dequantization to bf16 that larger products feed to the bf16 GEMM. The reference is
-//! [`crate::cpu::linear_fp8`] with [`crate::cpu::ActivationScale::None`].
+//! FP8 (E4M3) weight matrices on the device and their two launches: [`Fp8GemvCall`], the
+//! weights-only (W8A16) skinny GEMM of `kernels/cuda/gemv_fp8.cu` (bf16 x, the FP8 weights read
+//! once on the tensor cores, f32 accumulation, scales per block), and [`Fp8DequantCall`]
+//! (`kernels/cuda/fp8_linear.cu`), the dequantization to bf16 that products of more rows feed to
+//! the bf16 GEMM. The reference is [`crate::cpu::linear_fp8`] with
+//! [`crate::cpu::ActivationScale::None`].
 //!
 //! Invariants: an [`Fp8Weights`] holds exactly `rows × cols` codes and the block scales of
-//! its [`Fp8Matrix`]; [`gemv_fp8_supports`] is the one rule for which shapes the skinny kernel
-//! takes (k a multiple of 16, a column block that no 16-code chunk straddles).
+//! its [`Fp8Matrix`]; [`gemv_fp8_scaling`] is the one rule for which scale layouts the skinny
+//! kernel takes (one column block over the row, or column blocks of a multiple of 64 codes, so
+//! that no 64-code k-step straddles two) and [`gemv_fp8_supports`] the one rule for which
+//! products the engine sends to it (k a multiple of 16, 1 ≤ m ≤ [`GEMV_FP8_MAX_M`]);
+//! [`GEMV_FP8_VARIANTS`] lists the `GEMV_FP8_INSTANCE` lines of gemv_fp8.cu in order (a unit
+//! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
+//! per CTA and for both [`Fp8Scaling`]s.
 
-use super::launch::{Args, cfg, grid_stride, need, shape_check};
+use super::gemv::{GEMV_MAX_MS, GEMV_ROWS_PER_CTA, GemvVariant};
+use super::launch::{Args, cfg, grid_stride, int, need, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::Fp8Matrix;
 use half::bf16;
 
-/// Most rows of x the skinny FP8 kernel takes.
-pub const GEMV_FP8_MAX_M: usize = 16;
+/// Most rows of x the engine sends to the skinny FP8 kernel. Up to 16 one CTA per weight tile
+/// covers them; beyond, each tile has one CTA per 16 rows of x, adjacent in launch order, so the
+/// tile comes from HBM once and from L2 for the others. Past 64 rows the L2 re-reads and the
+/// mma work outgrow one pass of dequantization + the bf16 GEMM (see bench/notes/fp8-weights.md).
+pub const GEMV_FP8_MAX_M: usize = 64;
 
-/// Weight rows per CTA of the skinny kernel (one warp each).
-const ROWS_PER_CTA: usize = 8;
+/// Codes per k-step of the kernel (4 threads × 16): column blocks must be a multiple of it.
+const KSTEP_CODES: usize = 64;
+
+/// How the kernel applies the scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Scaling {
+    /// One column block over the whole row (per tensor, per output channel): the row's scale
+    /// multiplies the finished sum.
+    Row,
+    /// Column blocks of a multiple of 64 codes (DeepSeek's 128 × 128): each k-step's partial
+    /// sums are scaled by their block's scale.
+    Block,
+}
+
+impl Fp8Scaling {
+    /// Both, in the order of the kernel table's entries per variant.
+    pub const ALL: [Self; 2] = [Self::Row, Self::Block];
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Row => "row",
+            Self::Block => "blk",
+        }
+    }
+
+    /// Index in [`Self::ALL`].
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The compiled (warps, k-steps of 64 codes per batch) shapes of the FP8 kernel, in the order of
+/// `GEMV_FP8_VARIANTS` in gemv_fp8.cu.
+pub const GEMV_FP8_VARIANTS: [GemvVariant; 4] = [
+    GemvVariant { warps: 4, unroll: 4 },
+    GemvVariant { warps: 8, unroll: 4 },
+    GemvVariant { warps: 4, unroll: 2 },
+    GemvVariant { warps: 8, unroll: 2 },
+];
+
+impl GemvVariant {
+    /// The FP8 kernel's name for up to `max_m` rows of x per CTA (8 or 16) and `scaling`.
+    pub fn fp8_kernel_name(&self, max_m: usize, scaling: Fp8Scaling) -> String {
+        format!("gemv_fp8_m{max_m}_w{}_u{}_{}", self.warps, self.unroll, scaling.suffix())
+    }
+}
+
+/// How the kernel would apply the scales of a `k`-wide matrix with column block `cb`, or `None`
+/// when it cannot (a column block that some 64-code k-step would straddle).
+pub fn gemv_fp8_scaling(k: usize, cb: usize) -> Option<Fp8Scaling> {
+    if cb >= k && cb > 0 {
+        Some(Fp8Scaling::Row)
+    } else if cb > 0 && cb.is_multiple_of(KSTEP_CODES) {
+        Some(Fp8Scaling::Block)
+    } else {
+        None
+    }
+}
+
+/// Whether [`Fp8GemvCall`] takes `m` rows against a `k`-wide matrix with column block `cb`
+/// within the engine's range: 1 ≤ m ≤ [`GEMV_FP8_MAX_M`], k a multiple of 16 (16-byte code
+/// rows), and a scale layout [`gemv_fp8_scaling`] accepts.
+pub fn gemv_fp8_supports(m: usize, k: usize, cb: usize) -> bool {
+    (1..=GEMV_FP8_MAX_M).contains(&m) && k.is_multiple_of(16) && gemv_fp8_scaling(k, cb).is_some()
+}
+
+/// Index in [`GEMV_FP8_VARIANTS`] of the variant used for `n` output rows and `m` rows of x on
+/// `sms` SMs. Fewer than 4 CTAs per SM (qkv, o, down at decode) take 8 warps, so that k is split
+/// further and more loads are in flight; up to 8 rows of x take 4 k-steps per batch (8 loads of
+/// 16 codes in flight per thread), more rows 2 (their x fragments double the registers).
+pub fn gemv_fp8_default(n: usize, m: usize, sms: usize) -> usize {
+    let ctas = n.div_ceil(GEMV_ROWS_PER_CTA) * fp8_groups(m);
+    let wide = ctas >= 4 * sms.max(1);
+    match (m <= GEMV_MAX_MS[0], wide) {
+        (true, true) => 0,
+        (true, false) => 1,
+        (false, true) => 2,
+        (false, false) => 3,
+    }
+}
+
+/// CTAs per weight tile: one per 16 rows of x (one for up to 16).
+fn fp8_groups(m: usize) -> usize {
+    m.div_ceil(GEMV_MAX_MS[1]).max(1)
+}
 
 /// An FP8 weight matrix on the device.
 pub struct Fp8Weights {
@@ -33,12 +126,18 @@ pub struct Fp8Weights {
     pub row_block: usize,
     /// Columns per scale block.
     pub col_block: usize,
+    /// One scale per row when the scales are constant along rows but blocked over several
+    /// (per tensor, or row blocks > 1 with one column block): what the W8A8 product's per-row
+    /// scale vector needs. `None` otherwise (per channel needs no copy: see
+    /// [`Self::row_scales`]).
+    pub expanded_row_scales: Option<CudaSlice<f32>>,
 }
 
 impl Fp8Weights {
-    /// Uploads `w`'s codes and scales.
+    /// Uploads `w`'s codes and scales (and the per-row expansion of row-constant block scales).
     pub fn upload(dev: &CudaDevice, w: &Fp8Matrix) -> Result<Self, CudaError> {
         let (row_block, col_block) = w.block();
+        let expanded = col_block >= w.cols() && row_block > 1;
         Ok(Self {
             codes: dev.upload(w.codes())?,
             scales: dev.upload(w.scales())?,
@@ -46,58 +145,79 @@ impl Fp8Weights {
             cols: w.cols(),
             row_block,
             col_block,
+            expanded_row_scales: if expanded { Some(dev.upload(w.per_row().scales())?) } else { None },
         })
+    }
+
+    /// The `rows` per-row scales when the scales are constant along each row (one column block
+    /// over the row), else `None` (block-scaled along k).
+    pub fn row_scales(&self) -> Option<&CudaSlice<f32>> {
+        if self.col_block < self.cols {
+            None
+        } else if self.row_block == 1 {
+            Some(&self.scales)
+        } else {
+            self.expanded_row_scales.as_ref()
+        }
     }
 }
 
-/// Whether [`Fp8GemvCall`] takes `m` rows against a `k`-wide matrix with column block `cb`.
-pub fn gemv_fp8_supports(m: usize, k: usize, cb: usize) -> bool {
-    (1..=GEMV_FP8_MAX_M).contains(&m) && k.is_multiple_of(16) && (cb.is_multiple_of(16) || cb >= k) && cb > 0
-}
-
-/// `out = x · W_dqᵀ` (bf16 out) for `m` ≤ 16 rows: the W8A16 decode product.
+/// `out = x · W_dqᵀ` (bf16 out): the W8A16 decode product.
 pub struct Fp8GemvCall<'a> {
     /// `m × k` bf16.
     pub x: &'a CudaSlice<bf16>,
-    /// Rows of x.
+    /// Rows of x (any positive number: the launcher takes more than [`GEMV_FP8_MAX_M`], for
+    /// benchmarks; the engine stops there).
     pub m: usize,
     /// The weights (`n × k`).
     pub w: &'a Fp8Weights,
     /// `m × n` bf16.
     pub out: &'a mut CudaSlice<bf16>,
+    /// Index in [`GEMV_FP8_VARIANTS`], or `None` for [`gemv_fp8_default`].
+    pub variant: Option<usize>,
 }
 
 impl Fp8GemvCall<'_> {
     /// Checks the shapes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "gemv_fp8";
-        let w = self.w;
+        let Self { x, m, w, out, variant } = self;
         let (n, k) = (w.rows, w.cols);
-        shape_check(OP, gemv_fp8_supports(self.m, k, w.col_block), || {
-            format!("m = {}, k = {k}, column block {}: not a skinny FP8 shape", self.m, w.col_block)
+        let scaling = gemv_fp8_scaling(k, w.col_block);
+        shape_check(OP, m > 0 && k.is_multiple_of(16) && scaling.is_some(), || {
+            format!("m = {m}, k = {k}, column block {}: not a skinny FP8 shape", w.col_block)
         })?;
-        need(OP, "x", self.x, self.m * k)?;
+        let scaling = scaling.unwrap_or(Fp8Scaling::Row);
+        need(OP, "x", x, m * k)?;
         need(OP, "codes", &w.codes, n * k)?;
         need(OP, "scales", &w.scales, n.div_ceil(w.row_block) * k.div_ceil(w.col_block))?;
-        need(OP, "out", self.out, self.m * n)?;
+        need(OP, "out", out, m * n)?;
         if n == 0 {
             return Ok(());
         }
+        let variant = variant.unwrap_or_else(|| gemv_fp8_default(n, m, dev.sm_count()));
+        let tile = usize::from(m > GEMV_MAX_MS[0]);
+        let (v, funcs) = match (GEMV_FP8_VARIANTS.get(variant), dev.kernels.gemv_fp8[tile].get(variant)) {
+            (Some(v), Some(f)) => (*v, f),
+            _ => return Err(shape_error(OP, format!("no gemv_fp8 variant {variant}"))),
+        };
+        let groups = fp8_groups(m);
+        let ctas = int(OP, n.div_ceil(GEMV_ROWS_PER_CTA) * groups)? as u32;
         let args = Args::new(OP)
-            .buf(self.x)
+            .buf(x)
             .buf(&w.codes)
             .buf(&w.scales)
-            .buf(self.out)
-            .int(self.m)?
+            .buf(out)
+            .int(m)?
             .int(n)?
             .int(k)?
             .int(w.row_block)?
-            .int(w.col_block)?;
-        let grid = u32::try_from(n.div_ceil(ROWS_PER_CTA))
-            .map_err(|_| CudaError::Shape { op: OP, message: format!("{n} rows") })?;
-        // SAFETY: one warp per weight row < n reads `k` codes of it, its scales, and k values of
-        // each of the m rows of x; it writes out[i][row] for i < m: all sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.gemv_fp8, cfg((grid, 1, 1), (ROWS_PER_CTA * 32) as u32)) }
+            .int(w.col_block)?
+            .int(groups)?;
+        // SAFETY: CTA b reads the 16 weight rows of tile b / groups (clamped to n - 1) over k
+        // codes, their scales, and rows of x clamped to m - 1 over k columns; it writes out[i][row]
+        // for i < m, row < n only: all sizes checked above (k % 16 == 0: 16-byte code rows).
+        unsafe { args.launch(dev, &funcs[scaling.index()], cfg((ctas, 1, 1), v.warps * 32)) }
     }
 }
 
@@ -121,6 +241,10 @@ impl Fp8DequantCall<'_> {
         if total == 0 {
             return Ok(());
         }
+        // 16 weights a thread when every 16-code chunk lies in one row and one column block.
+        let wide = w.cols.is_multiple_of(16) && (w.col_block >= w.cols || w.col_block.is_multiple_of(16));
+        let (func, units) =
+            if wide { (&dev.kernels.fp8_dequant16, total / 16) } else { (&dev.kernels.fp8_dequant, total) };
         let args = Args::new(OP)
             .buf(&w.codes)
             .buf(&w.scales)
@@ -128,10 +252,11 @@ impl Fp8DequantCall<'_> {
             .int(w.cols)?
             .int(w.row_block)?
             .int(w.col_block)?
-            .long(total)?;
-        // SAFETY: the grid-stride loop writes `total` outputs and reads as many codes and the
-        // scales of their blocks, checked above.
-        unsafe { args.launch(dev, &dev.kernels.fp8_dequant, grid_stride(total)) }
+            .long(units)?;
+        // SAFETY: the grid-stride loop writes `total` outputs (16 per unit for the wide kernel,
+        // whose rows are whole 16-byte chunks) and reads as many codes and the scales of their
+        // blocks, checked above.
+        unsafe { args.launch(dev, func, grid_stride(units)) }
     }
 }
 
@@ -142,10 +267,31 @@ mod tests {
     #[test]
     fn skinny_shapes() {
         assert!(gemv_fp8_supports(1, 4096, 128) && gemv_fp8_supports(16, 4096, 4096) && gemv_fp8_supports(3, 64, 64));
-        assert!(!gemv_fp8_supports(17, 4096, 128), "m > 16 dequantizes and uses the bf16 GEMM");
+        assert!(gemv_fp8_supports(64, 14336, 128) && gemv_fp8_supports(17, 4096, 4096));
+        assert!(!gemv_fp8_supports(65, 4096, 128), "past 64 rows: dequantize and the bf16 GEMM");
         assert!(!gemv_fp8_supports(1, 4104, 4104), "k not a multiple of 16");
-        assert!(!gemv_fp8_supports(1, 96, 40), "a 16-code chunk would straddle column blocks");
-        assert!(gemv_fp8_supports(1, 96, 48), "48-column blocks start on 16-code chunks");
+        assert!(!gemv_fp8_supports(1, 96, 48), "a 64-code k-step would straddle 48-column blocks");
+        assert!(gemv_fp8_supports(1, 96, 96) && gemv_fp8_supports(1, 80, 4096), "one block over the row");
         assert!(!gemv_fp8_supports(0, 64, 64));
+        assert_eq!(gemv_fp8_scaling(4096, 4096), Some(Fp8Scaling::Row));
+        assert_eq!(gemv_fp8_scaling(4096, 128), Some(Fp8Scaling::Block));
+        assert_eq!(gemv_fp8_scaling(4096, 0), None);
+        assert_eq!([1, 16, 17, 64].map(fp8_groups), [1, 1, 2, 4]);
+    }
+
+    #[test]
+    fn default_variants_and_names() {
+        // Llama-3.1-8B on 132 SMs: qkv, o, down narrow (8 warps); gate_up wide.
+        for n in [6144usize, 4096] {
+            assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(n, 1, 132)].warps, 8, "n = {n}");
+        }
+        assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 1, 132)], GemvVariant { warps: 4, unroll: 4 });
+        assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 16, 132)], GemvVariant { warps: 4, unroll: 2 });
+        assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(4096, 64, 132)].warps, 4, "4 CTAs a tile: wide");
+        assert_eq!(GEMV_FP8_VARIANTS[1].fp8_kernel_name(8, Fp8Scaling::Row), "gemv_fp8_m8_w8_u4_row");
+        assert_eq!(GEMV_FP8_VARIANTS[2].fp8_kernel_name(16, Fp8Scaling::Block), "gemv_fp8_m16_w4_u2_blk");
+        for (i, s) in Fp8Scaling::ALL.into_iter().enumerate() {
+            assert_eq!(s.index(), i);
+        }
     }
 }

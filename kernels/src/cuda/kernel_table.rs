@@ -6,11 +6,12 @@
 //! [`kernel_names`] runs the same list to check a compiled module offline (`cuda_compile`).
 //! The templated kernels are indexed like their descriptions: attention
 //! `[ATTN_HEAD_DIMS][ATTN_VARIANTS]`, prefill `[PREFILL_HEAD_DIMS][PREFILL_WARPS]`, gemv
-//! `[GEMV_MAX_MS][GEMV_VARIANTS][bf16 out, f32 out]`.
+//! `[GEMV_MAX_MS][GEMV_VARIANTS][GemvEpilogue]`, FP8 gemv `[GEMV_MAX_MS][GEMV_FP8_VARIANTS][Fp8Scaling]`.
 
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
+use super::fp8_linear::{Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
 use super::paged_attention::{
@@ -63,10 +64,14 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// The router GEMV, routing and permutation in one launch (moe_router.cu, decode-sized steps).
     pub moe_router_route_permute: F,
     pub clamped_swiglu: F,
-    /// FP8 weight dequantization to bf16 (fp8_linear.cu).
+    /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
     pub fp8_dequant: F,
-    /// The W8A16 skinny GEMM for up to 16 rows of x (fp8_linear.cu).
-    pub gemv_fp8: F,
+    pub fp8_dequant16: F,
+    /// Per-token E4M3 quantization of activations (fp8_linear.cu), for the W8A8 GEMM.
+    pub quantize_rows_e4m3: F,
+    /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
+    /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
+    pub gemv_fp8: [Vec<[F; 2]>; 2],
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
@@ -148,7 +153,8 @@ impl<F> KernelTable<F> {
         let moe_router_route_permute = f(el, "moe_router_route_permute")?;
         let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
-        let gemv_fp8 = f(el, "gemv_fp8_m16_bf16")?;
+        let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
+        let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -195,6 +201,16 @@ impl<F> KernelTable<F> {
             Ok(variants)
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
+        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
+            let m = Module::part(Family::Gemv, max_m);
+            let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
+            for v in GEMV_FP8_VARIANTS {
+                let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s));
+                variants.push([f(m, &a)?, f(m, &b)?]);
+            }
+            Ok(variants)
+        };
+        let gemv_fp8 = [gemv_fp8_for(GEMV_MAX_MS[0])?, gemv_fp8_for(GEMV_MAX_MS[1])?];
         let sampling = Module::whole(Family::Sampling);
         Ok(Self {
             embed,
@@ -227,6 +243,8 @@ impl<F> KernelTable<F> {
             moe_router_route_permute,
             clamped_swiglu,
             fp8_dequant,
+            fp8_dequant16,
+            quantize_rows_e4m3,
             gemv_fp8,
             attention_ext,
             attention_ext_fp8,
@@ -311,8 +329,10 @@ mod tests {
         // profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8); FP8 weights' dequantization and skinny GEMM (2).
-        let fp8 = 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 2;
+        // a lane (8); FP8 weights' dequantization (2), activation quantization (1) and skinny
+        // GEMM per tile, variant and scaling.
+        let fp8 =
+            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 3 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
@@ -326,6 +346,8 @@ mod tests {
             "prefill_attention_hd16_w8",
             "gemv_m16_w8_u2_f32",
             "gemv_m8_w4_u4_silu",
+            "gemv_fp8_m16_w8_u2_blk",
+            "gemv_fp8_m8_w4_u4_row",
             "rope_qkv_qknorm_write_kv_fp8",
             "paged_attention_ext_fp8_d4",
             "paged_attention_tc_fp8_hd128_w2_s4_g16",
@@ -350,6 +372,7 @@ mod tests {
                 None => assert!(src.contains(&format!("void {n}(")), "{n} is not defined in {}", module.name()),
                 Some(p) => {
                     let tag = match module.family {
+                        Family::Gemv if n.starts_with("gemv_fp8_") => format!("gemv_fp8_m{p}_"),
                         Family::Gemv => format!("gemv_m{p}_"),
                         _ => format!("_hd{p}"),
                     };

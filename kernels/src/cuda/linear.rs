@@ -237,7 +237,7 @@ fn tuned<O>(
     if !call.checked(op)? {
         return Ok(true);
     }
-    let shape = super::lt::LtShape { m: call.m, n: call.n, k: call.k, f32_out };
+    let shape = super::lt::LtShape { m: call.m, n: call.n, k: call.k, f32_out, fp8: false };
     match lt.run(dev, shape, call.x, call.w, call.out) {
         Ok(_) => Ok(true),
         Err(CudaError::BlasLt(_)) => Ok(false),

@@ -11,6 +11,12 @@
 //! timing is possible then) takes the heuristic's first choice and is timed at its next
 //! eager call.
 //!
+//! The same machinery runs the W8A8 FP8 product ([`LtShape::fp8`]): E4M3 weights and E4M3
+//! activations (quantized per token by `quantize_rows_e4m3`), f32 accumulation, bf16 out, the
+//! weights' per-row and the activations' per-token scales applied by cuBLASLt as "outer
+//! vector" scales (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, CUDA 12.9+); their device
+//! pointers are set on the descriptor before each launch.
+//!
 //! Invariants: every descriptor lives as long as its [`Plan`]; the GEMMs run on the device's
 //! stream with this module's own workspace (fixed at open, so nothing is allocated per call
 //! and the launches can be recorded); a shape no algorithm supports is an error the caller
@@ -30,7 +36,8 @@ pub const TIMED_REPS: usize = 5;
 /// Bytes of the cuBLASLt workspace (split-K algorithms keep partial sums there).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// A product's shape: `m` rows of x, `n` rows of w, reduction `k`, f32 (or bf16) output.
+/// A product's shape: `m` rows of x, `n` rows of w, reduction `k`, f32 (or bf16) output, bf16
+/// (or FP8) operands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LtShape {
     /// Rows of x and of the output.
@@ -41,6 +48,18 @@ pub struct LtShape {
     pub k: usize,
     /// Whether the output is f32 (else bf16).
     pub f32_out: bool,
+    /// Whether the operands are E4M3 with outer-vector scales (W8A8; bf16 output), else bf16.
+    pub fp8: bool,
+}
+
+/// The outer-vector scales of an FP8 product: one per row of w (`n`) and one per row of x
+/// (`m`).
+#[derive(Clone, Copy)]
+pub(crate) struct LtScales<'a> {
+    /// `n` f32: the weights' per-row scales.
+    pub w: &'a CudaSlice<f32>,
+    /// `m` f32: the activations' per-token scales.
+    pub x: &'a CudaSlice<f32>,
 }
 
 /// The descriptors and the chosen algorithm of one shape.
@@ -119,9 +138,11 @@ impl LtGemm {
         Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()) }))
     }
 
-    fn plan(&self, s: LtShape) -> Result<Plan, CudaError> {
+    /// The descriptors of `s` and the heuristic's candidates (an FP8 shape's scale pointers are
+    /// set first, from `scales`: the heuristic sees a complete descriptor).
+    fn plan(&self, stream: &CudaStream, s: LtShape, scales: Option<LtScales<'_>>) -> Result<Plan, CudaError> {
         use sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        use sys::cudaDataType::{CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_32F};
         let (m, n, k) = (s.m as u64, s.n as u64, s.k as u64);
         let desc = result::create_matmul_desc(CUBLAS_COMPUTE_32F, CUDA_R_32F).map_err(lt_err)?;
         // Column-major view, as for plain cuBLAS: outᵀ (n × m) = op(W) · xᵀ, where W is
@@ -137,8 +158,24 @@ impl LtGemm {
             )
         }
         .map_err(lt_err)?;
-        let a = result::create_matrix_layout(CUDA_R_16BF, k, n, k as i64).map_err(lt_err)?;
-        let b = result::create_matrix_layout(CUDA_R_16BF, k, m, k as i64).map_err(lt_err)?;
+        if s.fp8 {
+            // Both operands scaled by a vector along their outer (non-reduced) dimension.
+            let mode = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32;
+            for attr in [
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+            ] {
+                // SAFETY: `desc` is live; the attribute is a 32-bit scale mode.
+                unsafe { result::set_matmul_desc_attribute(desc, attr, (&mode as *const i32).cast(), 4) }
+                    .map_err(lt_err)?;
+            }
+        }
+        if let Some(sc) = scales {
+            set_scale_pointers(stream, desc, sc)?;
+        }
+        let operand = if s.fp8 { CUDA_R_8F_E4M3 } else { CUDA_R_16BF };
+        let a = result::create_matrix_layout(operand, k, n, k as i64).map_err(lt_err)?;
+        let b = result::create_matrix_layout(operand, k, m, k as i64).map_err(lt_err)?;
         let d = result::create_matrix_layout(if s.f32_out { CUDA_R_32F } else { CUDA_R_16BF }, n, m, n as i64)
             .map_err(lt_err)?;
         let mut plan = Plan { desc, a, b, d, candidates: Vec::new(), chosen: None };
@@ -197,12 +234,48 @@ impl LtGemm {
         w: &CudaSlice<bf16>,
         out: &mut CudaSlice<O>,
     ) -> Result<LtChoice, CudaError> {
+        if shape.fp8 {
+            return Err(CudaError::BlasLt(format!("{shape:?}: an FP8 shape needs run_fp8")));
+        }
+        self.run_any(dev, shape, x, w, out, None)
+    }
+
+    /// `out = (sx ⊗ sw) ∘ (x · wᵀ)` on E4M3 operands (`shape.fp8`, bf16 out): `x` `m × k` codes
+    /// with per-row scales `scales.x`, `w` `n × k` codes with per-row scales `scales.w` (the
+    /// caller checked every size). Algorithm choice as [`Self::run`].
+    pub fn run_fp8(
+        &self,
+        dev: &super::CudaDevice,
+        shape: LtShape,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        scales: LtScales<'_>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<LtChoice, CudaError> {
+        if !shape.fp8 || shape.f32_out {
+            return Err(CudaError::BlasLt(format!("{shape:?}: not an FP8 shape with bf16 output")));
+        }
+        self.run_any(dev, shape, x, w, out, Some(scales))
+    }
+
+    fn run_any<E, O>(
+        &self,
+        dev: &super::CudaDevice,
+        shape: LtShape,
+        x: &CudaSlice<E>,
+        w: &CudaSlice<E>,
+        out: &mut CudaSlice<O>,
+        scales: Option<LtScales<'_>>,
+    ) -> Result<LtChoice, CudaError> {
         let mut plans = self.plans.lock().map_err(|_| CudaError::BlasLt("the plans' lock is poisoned".into()))?;
+        let stream = dev.stream();
         let plan = match plans.entry(shape) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(shape)?),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(stream, shape, scales)?),
         };
-        let stream = dev.stream();
+        if let Some(sc) = scales {
+            set_scale_pointers(stream, plan.desc, sc)?;
+        }
         let mut choice = LtChoice::default();
         if plan.chosen.is_none() && !dev.is_capturing() {
             for i in 0..plan.candidates.len() {
@@ -228,13 +301,13 @@ impl LtGemm {
         Ok(choice)
     }
 
-    fn launch<O>(
+    fn launch<E, O>(
         &self,
         stream: &CudaStream,
         plan: &Plan,
         algo: usize,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
+        x: &CudaSlice<E>,
+        w: &CudaSlice<E>,
         out: &mut CudaSlice<O>,
     ) -> Result<(), CudaError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -269,4 +342,22 @@ impl LtGemm {
         }
         .map_err(lt_err)
     }
+}
+
+/// Points the FP8 descriptor's A (weights) and B (activations) scales at `sc` (read by the
+/// launches that follow, so every launch sets its own matrix's scales first).
+fn set_scale_pointers(stream: &CudaStream, desc: sys::cublasLtMatmulDesc_t, sc: LtScales<'_>) -> Result<(), CudaError> {
+    let (wp, _gw) = sc.w.device_ptr(stream);
+    let (xp, _gx) = sc.x.device_ptr(stream);
+    for (attr, ptr) in [
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, wp),
+        (sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, xp),
+    ] {
+        // SAFETY: `desc` is live; the attribute is a device pointer (8 bytes), copied by the call.
+        unsafe {
+            result::set_matmul_desc_attribute(desc, attr, (&ptr as *const u64).cast(), std::mem::size_of::<u64>())
+        }
+        .map_err(lt_err)?;
+    }
+    Ok(())
 }

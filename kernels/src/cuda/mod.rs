@@ -77,6 +77,7 @@ mod device;
 mod elementwise;
 mod error;
 mod fp8_linear;
+mod fp8_w8a8;
 mod gather;
 mod gemv;
 mod graph;
@@ -111,7 +112,11 @@ pub use elementwise::{
     BiasAddCall, BiasAddF32Call, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall,
 };
 pub use error::CudaError;
-pub use fp8_linear::{Fp8DequantCall, Fp8GemvCall, Fp8Weights, gemv_fp8_supports};
+pub use fp8_linear::{
+    Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, gemv_fp8_default,
+    gemv_fp8_scaling, gemv_fp8_supports,
+};
+pub use fp8_w8a8::{Fp8W8A8Call, QuantizeRowsCall, W8A8_MIN_M, w8a8_supports};
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;
