@@ -142,9 +142,12 @@ const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
 pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 3, 8), tc(2, 4, 8), tc(2, 4, 16)];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
-/// (index in [`ATTN_FP8_VARIANTS`]): the 4-stage ring, with 16 heads per CTA beyond a group of 8.
+/// (index in [`ATTN_FP8_VARIANTS`]): the 3-stage ring, or with 16 heads per CTA beyond a group
+/// of 8 the 4-stage one. Measured on the H100 (`cuda_bench_fp8`, session 14, Llama-3.1-8B
+/// heads): 3 stages were as fast as or faster than 4 at every batch and context (128 x 4096:
+/// 423 against 467 µs); the 16-head shape was measured at 4 stages only.
 pub fn attn_fp8_default(group: usize) -> usize {
-    if group > 8 { 2 } else { 1 }
+    if group > 8 { 2 } else { 0 }
 }
 
 /// The FP8-cache kernel's name of `variant` (a tensor-core variant) for `head_dim`.
