@@ -9,7 +9,8 @@
 //! Usage: `bench_throughput --config configs/models/llama-3.1-8b.json --out OUT.json
 //! [--device cuda:0] [--prompts 1000] [--isl 128] [--osl 128] [--max-num-seqs 256]
 //! [--max-num-batched-tokens 8192] [--commit C] [--time-limit-s 300]
-//! [--async-scheduling on|off|both] [--kv-cache-dtype auto|bf16|fp8]`. When the time limit passes first, the figures cover the
+//! [--async-scheduling on|off|both] [--kv-cache-dtype auto|bf16|fp8] [--quantization none|fp8]`
+//! (`fp8`: the projections quantized at load per output channel, as `baton serve` does). When the time limit passes first, the figures cover the
 //! requests that finished and the JSON says `timed_out`. `both` runs the workload with async
 //! scheduling off, then on, on one loaded model, and writes a JSON array of the two runs.
 //! Each run also records where the engine thread's time went (`StepTiming`): host time and
@@ -82,6 +83,7 @@ fn run() -> Res<()> {
         max_waiting: prompts + 1,
         kernel_cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
         kv_cache_dtype: flag(&args, "--kv-cache-dtype").as_deref().unwrap_or("auto").parse()?,
+        quantization: flag(&args, "--quantization").as_deref().unwrap_or("none").parse()?,
         ..EngineConfig::default()
     };
 
@@ -89,8 +91,8 @@ fn run() -> Res<()> {
     let loaded = load_model(std::path::Path::new(&config), LoadFormat::Dummy)?;
     let load_s = t_load.elapsed().as_secs_f64();
     println!(
-        "loaded {config} in {load_s:.1} s; {prompts} prompts, ISL {isl}, OSL {osl}; KV cache {:?}",
-        base_cfg.kv_cache_dtype
+        "loaded {config} in {load_s:.1} s; {prompts} prompts, ISL {isl}, OSL {osl}; KV cache {:?}; weights {}",
+        base_cfg.kv_cache_dtype, base_cfg.quantization
     );
     let mut runs = Vec::new();
     for async_scheduling in modes {
@@ -123,7 +125,7 @@ fn run() -> Res<()> {
             let t = &f.timing;
             format!(
                 concat!(
-                    "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},\"kv_cache_dtype\":\"{:?}\",\"kv_tokens\":{},",
+                    "{{\"benchmark\":\"offline_throughput\",\"config\":{:?},\"device\":\"{}\",\"commit\":{:?},\"kv_cache_dtype\":\"{:?}\",\"weights\":\"{}\",\"kv_tokens\":{},",
                     "\"prompts\":{},\"finished\":{},\"isl\":{},\"osl\":{},\"max_num_seqs\":{},\"max_num_batched_tokens\":{},",
                     "\"async_scheduling\":{},\"elapsed_s\":{:.3},\"output_tok_s\":{:.1},\"total_tok_s\":{:.1},\"req_s\":{:.3},",
                     "\"timed_out\":{},\"steps\":{},\"planned_ahead\":{},\"host_ms_per_step\":{:.4},\"wait_ms_per_step\":{:.4}}}"
@@ -132,6 +134,7 @@ fn run() -> Res<()> {
                 device,
                 commit,
                 base_cfg.kv_cache_dtype,
+                base_cfg.quantization,
                 f.kv_tokens,
                 prompts,
                 f.finished,
