@@ -140,14 +140,6 @@ pub struct CudaMat {
     fp8: Option<Fp8Mat>,
 }
 
-/// An FP8 projection and how its activations are meant to be quantized.
-struct Fp8Mat {
-    w: baton_kernels::cuda::Fp8Weights,
-    /// Dynamic per-token activation quantization (W8A8, `--quantization fp8`): products past
-    /// the skinny kernel's rows take the FP8 tensor-core GEMM. Else (W8A16) they dequantize.
-    per_token: bool,
-}
-
 /// The CUDA backend on one device.
 pub struct CudaBackend {
     /// The bf16 dequantization of one FP8 matrix, for products of more rows than the skinny
@@ -427,52 +419,6 @@ impl CudaBackend {
             offset += rows * cols;
         }
         Ok(data)
-    }
-
-    /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel up to `W8A8_MIN_M - 1` (16)
-    /// rows; from `W8A8_MIN_M`, for per-token activation quantization and row-constant scales,
-    /// the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt); else the skinny kernel up
-    /// to `GEMV_FP8_MAX_M` (64) rows, and past it the matrix dequantized into the scratch buffer
-    /// and the bf16 GEMM.
-    fn linear_fp8(&mut self, x: &CudaBuf, m: usize, f: &Fp8Mat, out: &mut CudaBuf) -> Result<(), BackendError> {
-        use baton_kernels::cuda::{
-            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, W8A8_MIN_M, gemv_fp8_supports, w8a8_supports,
-        };
-        let w = &f.w;
-        let skinny = gemv_fp8_supports(m, w.cols, w.col_block);
-        if skinny && m < W8A8_MIN_M {
-            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
-        }
-        if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
-            let (codes, scales) = (m * w.cols, m);
-            let act = match self.fp8_act.take() {
-                Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
-                _ => (
-                    self.dev.alloc::<u8>(codes.next_power_of_two())?,
-                    self.dev.alloc::<f32>(scales.next_power_of_two())?,
-                ),
-            };
-            let (xq, xs) = self.fp8_act.insert(act);
-            match (Fp8W8A8Call { x: &x.data, m, w, xq, xs, out: &mut out.data }).launch(&self.dev) {
-                Ok(()) => return Ok(()),
-                Err(CudaError::BlasLt(message)) => {
-                    tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
-                    self.w8a8 = false;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        if skinny {
-            return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
-        }
-        let scratch = self
-            .fp8_scratch
-            .as_mut()
-            .ok_or_else(|| kerr("linear", "no FP8 scratch buffer (no FP8 matrix was uploaded)".into()))?;
-        Fp8DequantCall { w, out: scratch }.launch(&self.dev)?;
-        let kernel = linear_kernel(self.gemv, m, w.cols);
-        LinearCall { x: &x.data, m, k: w.cols, w: scratch, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
-        Ok(())
     }
 
     /// A new bf16 buffer of `len` elements filled from the stored tensors `parts`, stacked,
@@ -1139,10 +1085,13 @@ mod graph;
 
 #[path = "cuda_arch_ops.rs"]
 mod arch_ops;
+#[path = "cuda_fp8_linear.rs"]
+mod fp8_linear;
 #[path = "cuda_gated.rs"]
 mod gated;
 #[path = "cuda_moe.rs"]
 mod moe;
+use fp8_linear::Fp8Mat;
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 pub use moe::MoeKernels;
 
