@@ -542,12 +542,14 @@ constexpr int tc_smem_bytes(int hd, int nw, int ns, int mg, int eb) {
 // registers and spilled for some head_dim 64 shapes; a cap of 8 CTAs (128 registers) spilled
 // at head_dim 128, whose shapes take 154-168.
 // At head_dim 256 the accumulators and Q fragments alone take ~100 registers a thread and the
-// shapes 238-250 in all, so at most 4 CTAs of 2 warps fit by registers: the FP8 4-stage ring
-// (34.8 KB, 6 CTAs by shared memory) spilled 240 bytes a thread at a cap of 6.
-constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb, int cap) {
-    return 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024) < (hd >= 256 && cap > 4 ? 4 : cap)
+// shapes 238-250 in all, so at most 4 CTAs of 2 warps fit by registers (tc_cta_cap): the first
+// FP8 kernel's 4-stage ring (34.8 KB, 6 CTAs by shared memory) spilled 240 bytes a thread at 6.
+constexpr int tc_cta_cap(int hd) { return hd >= 256 ? 4 : 6; }
+
+constexpr int tc_min_ctas(int hd, int nw, int ns, int mg, int eb) {
+    return 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024) < tc_cta_cap(hd)
                ? 233472 / (tc_smem_bytes(hd, nw, ns, mg, eb) + 1024)
-               : (hd >= 256 && cap > 4 ? 4 : cap);
+               : tc_cta_cap(hd);
 }
 
 // Shared memory a CTA declares statically; a shape that needs more (head_dim 256) takes it as
@@ -903,7 +905,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 2, 6)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 2)) paged_attention_tc_hd##HD##_w##NW##_s##NS##_g##MG(       \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \

@@ -272,7 +272,7 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
 
 // Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
 #define ATT_TC_FP8_INSTANCE(HD, NW, NS, MG)                                                                        \
-    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1, 6)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
+    extern "C" __global__ void __launch_bounds__(NW * 32, tc_min_ctas(HD, NW, NS, MG, 1)) paged_attention_tc_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
         const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                  \
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
