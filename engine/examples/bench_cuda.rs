@@ -23,7 +23,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
-//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -33,6 +33,8 @@
 //! un-permute fused for steps of at most 16 rows), or each of a comma list in turn at every
 //! shape, in the decode timings and the profile (`both` = `legacy,new`); the profile splits a
 //! MoE layer into its `moe_*` kernels, each with its floor;
+//! `--l2-prefetch` runs the decode timings once per listed budget (MiB of each skinny GEMM's
+//! weights pulled into L2 before it waits for the previous kernel; `CudaDevice::gemv_l2_prefetch`);
 //! `--all-global` treats every layer as global (no sliding window; each layer keeps its RoPE
 //! and everything else), so that a windowed model (`configs/models/gemma-3-12b.json`) can be
 //! compared with itself attending over the whole context. The decode floors count what each
@@ -318,12 +320,25 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
-    // (graphs, pdl, fused gate, MoE kernels) for every run of a shape.
-    let mut modes: Vec<(bool, bool, bool, MoeKernels)> = Vec::new();
+    // And with the skinny GEMM pulling this many MiB of its weights into L2 before it waits
+    // for the previous kernel (`--l2-prefetch 0,16,32`: a list; the device's default when not
+    // given).
+    let default_prefetch = model.backend().device().gemv_l2_prefetch();
+    let prefetch_modes: Vec<usize> = match flag(&args, "--l2-prefetch") {
+        None => vec![default_prefetch],
+        Some(list) => list
+            .split(',')
+            .map(|v| v.parse::<usize>().map(|mib| mib << 20).map_err(|e| format!("--l2-prefetch {v}: {e}")))
+            .collect::<Result<_, _>>()?,
+    };
+    // (graphs, pdl, fused gate, MoE kernels, L2 prefetch bytes) for every run of a shape.
+    let mut modes: Vec<(bool, bool, bool, MoeKernels, usize)> = Vec::new();
     for &g in &graph_modes {
         for &p in &pdl_modes {
             for &f in &fused_modes {
-                modes.extend(moe_sets.iter().map(|&l| (g, p, f, l)));
+                for &pf in &prefetch_modes {
+                    modes.extend(moe_sets.iter().map(|&l| (g, p, f, l, pf)));
+                }
             }
         }
     }
@@ -338,19 +353,21 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &(graphs, pdl, fused, moe) in &modes {
+        for &(graphs, pdl, fused, moe, prefetch) in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused);
             model.backend_mut().set_moe_kernels(moe);
+            model.backend_mut().set_gemv_l2_prefetch(prefetch);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}",
+                "{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused { "" } else { "-unfused" },
-                if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") }
+                if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
+                if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -373,13 +390,14 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"gemv_l2_prefetch\":{prefetch},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
                 peer.map_or("null".into(), |p| format!("{:.4}", p / ms)),
             ));
         }
+        model.backend_mut().set_gemv_l2_prefetch(default_prefetch);
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);

@@ -135,6 +135,23 @@ __device__ __forceinline__ void gemv_prefetch_l2(const unsigned char* base, long
     }
 }
 
+// Further, bytes [from, to) of each of the CTA's 16 rows into L2, one bulk prefetch a row
+// (the copy engine walks it; no per-line instructions): the host asks for more than the first
+// round where the weights fit in L2 beside what the previous kernel streams, so that a
+// latency-bound predecessor (attention at a short context, a norm) leaves DRAM busy with the
+// next product's weights. `from` and `to` are multiples of 16 bytes (k % 8 == 0 and the host
+// rounds), `to` at most row_bytes.
+template <typename ROW>
+__device__ __forceinline__ void gemv_prefetch_l2_bulk(const unsigned char* base, long long row_bytes, int from, int to,
+                                                      ROW row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x < 16 && to > from && to <= row_bytes)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + row(threadIdx.x) * row_bytes + from),
+                     "r"(to - from)
+                     : "memory");
+#endif
+}
+
 // The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
 // its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
 template <int NT, int NW, typename ACT>
@@ -158,10 +175,12 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
 
 // NT: tiles of 8 x rows (m <= 8 * NT). NW: warps per CTA (k split). U: k-steps of 32 per
 // batch (2*U weight loads of 16 bytes in flight per thread). ACT: NoAct, or the activation of
-// a gated product (then n is the number of output columns, half of w's rows).
+// a gated product (then n is the number of output columns, half of w's rows). pf: bytes of
+// each weight row pulled into L2 before the PDL wait (at least the first round; see
+// gemv_prefetch_l2_bulk).
 template <int NT, int NW, int U, typename OUT, typename ACT>
 __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                                          OUT* __restrict__ out, int m, int n, int k) {
+                                          OUT* __restrict__ out, int m, int n, int k, int pf) {
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
     __shared__ float red[NW][NT * 4][32];
 
@@ -179,8 +198,9 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     }
 
     // The first round: batches 0..NW-1 of the CTA's 16 rows (NW * BATCH 16-byte chunks a row).
-    gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16,
-                     [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); });
+    const auto wrow = [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); };
+    gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, wrow);
+    gemv_prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, pf, wrow);
     PDL_ENTER();
 
     // Two accumulator sets (even and odd mma of a step) halve the dependent mma chain.
@@ -246,23 +266,23 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
 #define GEMV_INSTANCE(MAXM, NW, U)                                                                              \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_bf16(                   \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, bf16_t, NoAct>(x, w, out, m, n, k);                                          \
+        int k, int pf) {                                                                                        \
+        gemv_body<MAXM / 8, NW, U, bf16_t, NoAct>(x, w, out, m, n, k, pf);                                          \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_f32(                    \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ out, int m, int n,      \
-        int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, float, NoAct>(x, w, out, m, n, k);                                           \
+        int k, int pf) {                                                                                        \
+        gemv_body<MAXM / 8, NW, U, float, NoAct>(x, w, out, m, n, k, pf);                                           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_silu(                   \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, bf16_t, SiluAct>(x, w, out, m, n, k);                                        \
+        int k, int pf) {                                                                                        \
+        gemv_body<MAXM / 8, NW, U, bf16_t, SiluAct>(x, w, out, m, n, k, pf);                                        \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_gelu_tanh(              \
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k) {                                                                                                \
-        gemv_body<MAXM / 8, NW, U, bf16_t, GeluTanhAct>(x, w, out, m, n, k);                                    \
+        int k, int pf) {                                                                                        \
+        gemv_body<MAXM / 8, NW, U, bf16_t, GeluTanhAct>(x, w, out, m, n, k, pf);                                    \
     }
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in

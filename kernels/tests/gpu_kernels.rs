@@ -317,6 +317,21 @@ fn gpu_gemv_matches_cpu() {
                 .launch(&dev)
                 .expect("gemv_f32_out");
             check32(&format!("gemv_f32_out default m={m} k={k} n={n}"), &down32(&dev, &out32, m * n), &want);
+            // With more of the weights pulled into L2 before the wait (half the matrix, all of
+            // it): a prefetch changes no bit of the result, and reads nothing past the rows.
+            let default_bits = down(&dev, &out, m * n);
+            for budget in [n * k, usize::MAX] {
+                dev.set_gemv_l2_prefetch(budget);
+                let mut out = poisoned(&dev, m * n + spare);
+                LinearCall { x: &xd, m, k, w: &wd, n, out: &mut out, kernel: LinearKernel::GEMV }
+                    .launch(&dev)
+                    .expect("gemv with prefetch");
+                let got = down(&dev, &out, m * n + spare);
+                assert!(got[m * n..].iter().all(|v| v.is_nan()), "prefetch {budget}: wrote past m × n");
+                let same = got[..m * n].iter().zip(&default_bits).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "gemv m={m} k={k} n={n}: prefetch budget {budget} changed the result");
+            }
+            dev.set_gemv_l2_prefetch(0);
         }
     }
 

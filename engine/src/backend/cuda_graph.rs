@@ -153,6 +153,14 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Sets how many bytes of its weights a skinny GEMM pulls into L2 before it waits for the
+    /// previous kernel ([`baton_kernels::cuda::CudaDevice::set_gemv_l2_prefetch`]; for
+    /// comparisons). Drops recorded graphs.
+    pub fn set_gemv_l2_prefetch(&mut self, bytes: usize) {
+        self.device().set_gemv_l2_prefetch(bytes);
+        self.drop_graphs();
+    }
+
     /// Replay counters so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats

@@ -10,6 +10,7 @@
 
 use super::compile;
 use super::error::CudaError;
+use super::gemv::GEMV_L2_PREFETCH_DEFAULT;
 use super::kernel_table::KernelTable;
 use super::launch::shape_check;
 use cudarc::cublas::CudaBlas;
@@ -17,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr}
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Bytes of the workspace cuBLAS gets at open: given one, it allocates nothing per call, which
 /// a GEMM recorded into a CUDA graph requires.
@@ -60,6 +61,9 @@ pub struct CudaDevice {
     pdl: AtomicBool,
     /// Whether the device can launch that way (compute capability 9.0 and later).
     pdl_capable: bool,
+    /// Bytes of a skinny GEMM's weights pulled into L2 before it waits for the previous kernel
+    /// (see [`CudaDevice::gemv_l2_prefetch`]).
+    gemv_l2_prefetch: AtomicUsize,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -142,6 +146,7 @@ impl CudaDevice {
             // Hopper and later: kernels overlap their launch and prologue with the previous
             // kernel's tail (griddepcontrol needs sm_90).
             pdl: AtomicBool::new(major >= 9),
+            gemv_l2_prefetch: AtomicUsize::new(GEMV_L2_PREFETCH_DEFAULT),
             pdl_capable: major >= 9,
             _blas_workspace: blas_workspace,
             lt,
@@ -308,6 +313,22 @@ impl CudaDevice {
     /// an allocation for [`CudaDevice::alloc_generation`] and they are dropped.
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on && self.pdl_capable, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// How many bytes of its weight matrix a skinny GEMM pulls into L2 before it waits for the
+    /// previous kernel under programmatic dependent launch: at least its first round of loads
+    /// (`gemv_prefetch_l2` in gemv.cu), at most the whole matrix, spread evenly over the rows.
+    /// While the previous kernel is latency-bound (a norm, RoPE, attention over a short
+    /// context) DRAM would otherwise idle; the weights are never written during a step.
+    pub fn gemv_l2_prefetch(&self) -> usize {
+        self.gemv_l2_prefetch.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`CudaDevice::gemv_l2_prefetch`] (0: the first round only). Recorded graphs hold
+    /// the old launches, so this counts as an allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_gemv_l2_prefetch(&self, bytes: usize) {
+        self.gemv_l2_prefetch.store(bytes, Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 

@@ -99,6 +99,27 @@ pub fn gemv_default(n: usize, sms: usize) -> usize {
     if n.div_ceil(GEMV_ROWS_PER_CTA) >= 4 * sms.max(1) { 0 } else { 1 }
 }
 
+/// The default of [`CudaDevice::gemv_l2_prefetch`](super::CudaDevice::gemv_l2_prefetch):
+/// bytes of a weight matrix a skinny GEMM pulls into L2 before it waits (0: the first round).
+pub const GEMV_L2_PREFETCH_DEFAULT: usize = 0;
+
+impl GemvVariant {
+    /// Bytes of each weight row the first round of loads covers (every warp's first batch:
+    /// `gemv_prefetch_l2` in gemv.cu always pulls these into L2).
+    pub fn first_round_bytes(&self) -> usize {
+        self.warps as usize * 4 * self.unroll as usize * 16
+    }
+
+    /// The kernel's `pf` argument: bytes of each of `rows` weight rows of `k` bf16 values to
+    /// pull into L2 before the wait, for a budget of `budget` bytes over the matrix. At least
+    /// the first round, at most the row, a multiple of 128 bytes (whole lines) otherwise.
+    pub fn prefetch_row_bytes(&self, rows: usize, k: usize, budget: usize) -> usize {
+        let row = 2 * k;
+        let first = self.first_round_bytes().min(row);
+        (budget / rows.max(1) / 128 * 128).clamp(first, row)
+    }
+}
+
 /// Whether the kernel takes an `m × k` input: 1 ≤ m ≤ [`GEMV_KERNEL_MAX_M`] and k a multiple
 /// of 8 (16-byte rows). Anything else goes to cuBLAS ([`LinearKernel::Cublas`](super::LinearKernel::Cublas)).
 pub fn gemv_supports(m: usize, k: usize) -> bool {
@@ -129,6 +150,22 @@ mod tests {
             assert_eq!(GEMV_VARIANTS[gemv_default(n, 132)].warps, 4, "n = {n}");
         }
         assert!(gemv_default(1, 0) < GEMV_VARIANTS.len());
+    }
+
+    #[test]
+    fn prefetch_spreads_the_budget_over_the_rows_within_the_first_round_and_the_row() {
+        let v = GEMV_VARIANTS[1]; // 8 warps × 4 k-steps: 2 KiB of each row in the first round
+        assert_eq!(v.first_round_bytes(), 2048);
+        // o_proj of Llama-3.1-8B (4,096 rows of 8 KiB): no budget, the first round.
+        assert_eq!(v.prefetch_row_bytes(4096, 4096, 0), 2048);
+        // 24 MiB over 32 MiB: three quarters of each row, whole lines.
+        assert_eq!(v.prefetch_row_bytes(4096, 4096, 24 << 20), 6144);
+        // A budget past the matrix: the whole row, no more.
+        assert_eq!(v.prefetch_row_bytes(4096, 4096, 1 << 30), 8192);
+        // Rounded down to 128-byte lines (a row of 6 KiB + 16 B at k = 3080).
+        assert_eq!(v.prefetch_row_bytes(3, 3080, 3 * 5000), 4992);
+        // A row shorter than the first round: the row.
+        assert_eq!(v.prefetch_row_bytes(16, 512, 0), 1024);
     }
 
     #[test]

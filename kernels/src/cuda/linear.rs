@@ -218,7 +218,8 @@ impl GatedLinearCall<'_> {
         };
         // One CTA per 8 output columns: 8 gate rows and their 8 up rows.
         let grid = cfg((int(OP, d.div_ceil(GEMV_ROWS_PER_CTA / 2))? as u32, 1, 1), v.warps * 32);
-        let args = Args::new(OP).buf(x).buf(w).buf(out).int(m)?.int(d)?.int(k)?;
+        let pf = v.prefetch_row_bytes(2 * d, k, dev.gemv_l2_prefetch());
+        let args = Args::new(OP).buf(x).buf(w).buf(out).int(m)?.int(d)?.int(k)?.int(pf)?;
         // SAFETY: x holds m × k, w 2d × k and out m × d (checked above); the kernel reads whole
         // 16-byte rows (k % 8 == 0), rows below 2d of w, and writes only columns < d of out.
         unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
@@ -267,9 +268,11 @@ fn gemv<O: Elem>(
         _ => return Err(shape_error(op, format!("no gemv variant {variant}"))),
     };
     let grid = cfg((int(op, n.div_ceil(GEMV_ROWS_PER_CTA))? as u32, 1, 1), v.warps * 32);
-    let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?;
+    let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
+    let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?.int(pf)?;
     let epilogue = if f32_out { GemvEpilogue::F32 } else { GemvEpilogue::Bf16 };
     // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
-    // 16-byte rows, which k % 8 == 0 guarantees, and writes only rows < n of out.
+    // 16-byte rows, which k % 8 == 0 guarantees, prefetches at most each row's 2k bytes (pf),
+    // and writes only rows < n of out.
     unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
 }

@@ -215,13 +215,14 @@ pub struct SplitTarget {
 impl SplitTarget {
     /// Two CTAs per SM, rounded down (a batch with more CTAs is not split).
     pub const BF16: Self = Self { ctas_per_sm: TARGET_CTAS_PER_SM, round_up: false };
-    /// Three CTAs per SM, rounded up. An FP8 stage carries half the bytes for about the same
-    /// instructions (the codes are converted in shared memory), so a CTA alone streams more
-    /// slowly and the kernel wants more of them: on an H100 (`cuda_bench_fp8`, session 12,
-    /// Llama-3.1-8B heads) 32 rows at 8k ran 387 µs unsplit and 256 µs at 2 splits, 32 rows at
-    /// 2k 106 vs 78 µs, 8 rows at 4k 191 µs at 1 split, 47 at 8; 64 rows and more were fastest
-    /// unsplit, and one row at 8k at 32 splits (28.5 µs; 37.5 at 64).
-    pub const FP8: Self = Self { ctas_per_sm: 3, round_up: true };
+    /// Two CTAs per SM, rounded up: an FP8 stage carries half the bytes, so a CTA alone streams
+    /// more slowly and a batch just short of two per SM gains from a second split. Measured on
+    /// an H100 (`cuda_bench_fp8` fixed-split sweep of the tokens-as-M kernel, Llama-3.1-8B heads,
+    /// 5e43b81): one row at 8k 23.1 µs at 32 splits against 26.6 at the 50 of the earlier rule
+    /// (three per SM, rounded up); 8 rows at 4k 39.9 at 4, 40.6 at 8 (41.0 at that rule's 7);
+    /// 32 rows at 8k 218.8 at 2 splits, 223.5 unsplit; 32 rows at 2k 66.1 at 2, 64.2 unsplit
+    /// (the one shape where rounding down would win, by 3 %); 64 rows and more fastest unsplit.
+    pub const FP8: Self = Self { ctas_per_sm: 2, round_up: true };
 
     /// The target for a cache of FP8 codes or of bf16 values.
     pub fn for_cache(fp8: bool) -> Self {
@@ -359,11 +360,13 @@ mod tests {
         assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2), 4);
         assert_eq!(auto_splits(132, 512, 32, 8, 4096, false), 1, "a full batch needs no split");
         assert!(auto_splits(132, 1, 32, 0, 100, false) >= 1, "no KV heads: still a plan (the launch refuses)");
-        // An FP8 cache aims at three CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
-        // split in two where bf16 does not split; a full batch is not split either way.
+        // An FP8 cache aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
+        // split in two where bf16 does not split; one row at 8k in 33 (as bf16); a full batch
+        // is not split either way.
         assert_eq!(auto_splits(132, 32, 32, 8, 8192, false), 1);
         assert_eq!(auto_splits(132, 32, 32, 8, 8192, true), 2);
-        assert_eq!(auto_splits(132, 8, 32, 8, 4096, true), 7);
+        assert_eq!(auto_splits(132, 8, 32, 8, 4096, true), 5);
+        assert_eq!(auto_splits(132, 1, 32, 8, 8192, true), auto_splits(132, 1, 32, 8, 8192, false));
         assert_eq!(auto_splits(132, 256, 32, 8, 1024, true), 1);
     }
 }
