@@ -43,19 +43,31 @@ __device__ __forceinline__ uint2 f4_to_bf4(float a, float b, float c, float d) {
 
 __device__ __forceinline__ bool norm_fits(int dim) { return (dim & 3) == 0 && dim <= 4 * NORM_V * (int)blockDim.x; }
 
-// out = r / rms(r) * (w + w_off) for the row r held as NORM_V float4 chunks per thread (w_off
-// is 0, or 1 for Gemma's norms, which scale by 1 + w computed in f32).
-__device__ __forceinline__ void norm_store(const float4* r, const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
-                                           int dim, float eps, float ss, float w_off) {
+// The norm weight's chunks of this thread (as norm_store reads them), loaded before the PDL
+// wait: weights are never written during a step, and from DRAM (the step streams gigabytes
+// through L2) this load would otherwise be a second memory round trip after the row's.
+__device__ __forceinline__ void norm_weight_load(const bf16_t* __restrict__ w, int dim, uint2* wv) {
+#pragma unroll
+    for (int j = 0; j < NORM_V; j++) {
+        const int i = 4 * (j * blockDim.x + threadIdx.x);
+        wv[j] = i < dim ? *reinterpret_cast<const uint2*>(w + i) : make_uint2(0u, 0u);
+    }
+}
+
+// out = r / rms(r) * (w + w_off) for the row r held as NORM_V float4 chunks per thread and the
+// weight's chunks wv (norm_weight_load; w_off is 0, or 1 for Gemma's norms, which scale by 1 + w
+// computed in f32).
+__device__ __forceinline__ void norm_store(const float4* r, const uint2* wv, bf16_t* __restrict__ out, int dim,
+                                           float eps, float ss, float w_off) {
     const float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
 #pragma unroll
     for (int j = 0; j < NORM_V; j++) {
         const int i = 4 * (j * blockDim.x + threadIdx.x);
         if (i < dim) {
-            float4 wv = bf4_to_f4(*reinterpret_cast<const uint2*>(w + i));
-            wv = make_float4(wv.x + w_off, wv.y + w_off, wv.z + w_off, wv.w + w_off);
+            float4 w = bf4_to_f4(wv[j]);
+            w = make_float4(w.x + w_off, w.y + w_off, w.z + w_off, w.w + w_off);
             *reinterpret_cast<uint2*>(out + i) =
-                f4_to_bf4(r[j].x * inv * wv.x, r[j].y * inv * wv.y, r[j].z * inv * wv.z, r[j].w * inv * wv.w);
+                f4_to_bf4(r[j].x * inv * w.x, r[j].y * inv * w.y, r[j].z * inv * w.z, r[j].w * inv * w.w);
         }
     }
 }
@@ -63,9 +75,11 @@ __device__ __forceinline__ void norm_store(const float4* r, const bf16_t* __rest
 // out = x / rms(x) * (w + w_off) with an f32 input row (the residual stream), one block per row.
 extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_t* __restrict__ w,
                                         bf16_t* __restrict__ out, int dim, float eps, float w_off) {
-    PDL_ENTER();
     const long long base = (long long)blockIdx.x * dim;
     if (norm_fits(dim)) {
+        uint2 wv[NORM_V];
+        norm_weight_load(w, dim, wv);
+        PDL_ENTER();
         float4 r[NORM_V];
         float ss = 0.f;
 #pragma unroll
@@ -75,9 +89,10 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_
         }
 #pragma unroll
         for (int j = 0; j < NORM_V; j++) ss += r[j].x * r[j].x + r[j].y * r[j].y + r[j].z * r[j].z + r[j].w * r[j].w;
-        norm_store(r, w, out + base, dim, eps, ss, w_off);
+        norm_store(r, wv, out + base, dim, eps, ss, w_off);
         return;
     }
+    PDL_ENTER();
     float ss = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) { float v = x[base + i]; ss += v * v; }
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
@@ -90,9 +105,11 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_
 extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const bf16_t* __restrict__ x,
                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int dim,
                                             float eps, float w_off) {
-    PDL_ENTER();
     const long long base = (long long)blockIdx.x * dim;
     if (norm_fits(dim)) {
+        uint2 wv[NORM_V];
+        norm_weight_load(w, dim, wv);
+        PDL_ENTER();
         float4 r[NORM_V];
         uint2 xv[NORM_V];
 #pragma unroll
@@ -116,9 +133,10 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
                 r[j] = make_float4(0.f, 0.f, 0.f, 0.f);
             }
         }
-        norm_store(r, w, out + base, dim, eps, ss, w_off);
+        norm_store(r, wv, out + base, dim, eps, ss, w_off);
         return;
     }
+    PDL_ENTER();
     float ss = 0.f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float r = residual[base + i] + bf2f(x[base + i]);

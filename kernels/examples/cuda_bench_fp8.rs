@@ -6,7 +6,8 @@
 //! `Auto`. Fewest bytes = every cached K and V element of every sequence read once (1 byte
 //! FP8, 2 bytes bf16) plus q and out; the figure is that over the time, as a share of the
 //! device-to-device copy bandwidth measured first. Pools are replicated (one block-table set
-//! per copy, used in turn) so that no timing is served from L2.
+//! per copy, used in turn) so that no timing is served from L2. Per shape, the default FP8
+//! variant and the bf16 default also run at fixed split counts (1 = one launch, no combine).
 //!
 //! Prefill attention (one sequence of S tokens, causal) through the router (`Mixed`), FP8 and
 //! bf16: causal FLOPs = 2 · S² · head_dim · heads.
@@ -16,7 +17,7 @@
 //! printed as a check of what was timed (the prefill kernels round only where the bf16 path
 //! does; the FP8 decode kernel rounds the softmax weights to f16 where bf16 rounds to bf16).
 //!
-//! Usage: `cuda_bench_fp8 OUT.json [COMMIT [B:CTX]]` (B:CTX: only that decode shape); prints a
+//! Usage: `cuda_bench_fp8 OUT.json [COMMIT [B:CTX,...]]` (B:CTX: only those decode shapes); prints a
 //! table and writes every figure as JSON.
 
 use baton_kernels::cpu::fp8::e4m3_to_f32;
@@ -64,10 +65,15 @@ fn run() -> Result<(), CudaError> {
     let args: Vec<String> = std::env::args().collect();
     let out_path = args.get(1).cloned().unwrap_or_else(|| "cuda_bench_fp8.json".into());
     let commit = args.get(2).cloned().unwrap_or_default();
-    // Optional `B:CTX`: only that decode shape (for a profiler run of one launch).
-    let only: Option<(usize, usize)> = args.get(3).and_then(|s| {
-        let (b, c) = s.split_once(':')?;
-        Some((b.parse().ok()?, c.parse().ok()?))
+    // Optional `B:CTX[,B:CTX...]`: only those decode shapes (for a profiler run of one launch,
+    // or shapes off the default list).
+    let only: Option<Vec<(usize, usize)>> = args.get(3).map(|list| {
+        list.split(',')
+            .filter_map(|s| {
+                let (b, c) = s.split_once(':')?;
+                Some((b.parse().ok()?, c.parse().ok()?))
+            })
+            .collect()
     });
     let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None })?;
     let mut r = StdRng::seed_from_u64(0xf8);
@@ -85,8 +91,9 @@ fn run() -> Result<(), CudaError> {
         "\ndecode attention (32/8 heads, hd 128, bs 16, split auto); * = default FP8 variant\n cache variant      batch   ctx      us    GB/s  %copy  vs bf16  rel diff"
     )
     .ok();
-    let shapes = [(1usize, 8192usize), (8, 4096), (32, 2048), (32, 8192), (64, 2048), (128, 4096), (256, 1024)];
-    for &(batch, ctx) in shapes.iter().filter(|s| only.is_none_or(|o| o == **s)) {
+    let shapes = only
+        .unwrap_or_else(|| vec![(1, 8192), (8, 4096), (32, 2048), (32, 8192), (64, 2048), (128, 4096), (256, 1024)]);
+    for &(batch, ctx) in &shapes {
         let common::DecodeSets { geo, mut metas, copies } =
             common::decode_sets(&dev, &mut r, (batch, ctx), (bs, nkv, hd), 1)?;
         let (k, v) = (twin(&dev, &mut r, geo.layer_len())?, twin(&dev, &mut r, geo.layer_len())?);
@@ -130,6 +137,19 @@ fn run() -> Result<(), CudaError> {
             ));
         }
         writeln!(table, " fp8 default at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
+        // The bf16 default at the same fixed splits (1 = no combine launch).
+        let mut sweep = Vec::new();
+        for n in [1usize, 2, 4, 8, 16, 32, 64] {
+            let split = AttnSplit::Fixed(n);
+            let ms =
+                time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, bf16_cache, None, split))?;
+            sweep.push(format!("{n}:{:.1}", ms * 1e3));
+            json.push(format!(
+                "{{\"name\":\"decode_attention_bf16_split\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
+                ms * 1e3
+            ));
+        }
+        writeln!(table, " bf16 default at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
         let qo_bytes = 2 * len * 2;
         let kv_values = 2 * batch * ctx * nkv * hd;
         let mut rows = vec![("bf16".to_string(), "default".to_string(), bf16_ms, kv_values * 2 + qo_bytes, 0.0)];
