@@ -60,10 +60,34 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     const int i = threadIdx.x;
     const int head = blockIdx.y;
     const long long kv_w = (long long)n_kv_heads * head_dim;
+    // Everything but q, k and v is known before the previous kernel ends: the slots and
+    // positions (uploaded by the host before the step's kernels), the frequencies and the norm
+    // weights (never written during a step). They are loaded and the angle computed before the
+    // PDL wait, so that after it only the projection's output is a memory round trip away.
     const long long slot = slots[row];
     // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
     const bool active = !QK_NORM || i < half;
-    if (head >= n_heads + n_kv_heads) {
+    const bool is_v = head >= n_heads + n_kv_heads;
+    const bool rotating = i < rot_half;
+    const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
+    float s = 0.f, c = 1.f;
+    if (!is_v && active && rotating) {
+        double sd, cd;
+        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
+        // cs_scale: YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise); it
+        // scales only the rotated dims, as transformers' does.
+        s = (float)sd * cs_scale;
+        c = (float)cd * cs_scale;
+    }
+    // The head's norm weights, (offset + w) of its two elements.
+    float w0 = 0.f, w1 = 0.f;
+    if (QK_NORM && !is_v && active) {
+        const bf16_t* nw = head < n_heads ? norm.q_w : norm.k_w;
+        w0 = norm.offset + bf2f(nw[e0]);
+        w1 = norm.offset + bf2f(nw[e1]);
+    }
+    PDL_ENTER();
+    if (is_v) {
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
@@ -71,17 +95,6 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         kv_put(vc + i, vr[i], v_scale);
         kv_put(vc + i + half, vr[i + half], v_scale);
         return;
-    }
-    const bool rotating = i < rot_half;
-    const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
-    float s = 0.f, c = 1.f;
-    if (active && rotating) {
-        double sd, cd;
-        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
-        // cs_scale: YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise); it
-        // scales only the rotated dims, as transformers' does.
-        s = (float)sd * cs_scale;
-        c = (float)cd * cs_scale;
     }
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
@@ -91,8 +104,8 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
             // Every thread reaches the reduction (the branch is uniform over the CTA).
             const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
             if (!active) return;
-            a *= inv * (norm.offset + bf2f(norm.q_w[e0]));
-            b *= inv * (norm.offset + bf2f(norm.q_w[e1]));
+            a *= inv * w0;
+            b *= inv * w1;
         }
         // (c, s) = (1, 0) on pass-through elements: a and b unchanged.
         const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
@@ -107,8 +120,8 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     if (QK_NORM) {
         const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
         if (!active) return;
-        a *= inv * (norm.offset + bf2f(norm.k_w[e0]));
-        b *= inv * (norm.offset + bf2f(norm.k_w[e1]));
+        a *= inv * w0;
+        b *= inv * w1;
     }
     const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
     if (k_out) {
@@ -131,7 +144,6 @@ extern "C" __global__ void rope_write_kv_bf16(bf16_t* __restrict__ q, bf16_t* __
                                               const long long* __restrict__ slots,
                                               const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                               int head_dim, int rot_half, float cs_scale) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<false, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
                               slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
@@ -145,7 +157,6 @@ extern "C" __global__ void rope_qkv_write_kv_bf16(const bf16_t* __restrict__ qkv
                                                   const long long* __restrict__ slots,
                                                   const double* __restrict__ inv_freq, int n_heads,
                                                   int n_kv_heads, int head_dim, int rot_half, float cs_scale) {
-    PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<false, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache,
@@ -162,7 +173,6 @@ extern "C" __global__ void rope_qknorm_write_kv_bf16(bf16_t* __restrict__ q, bf1
                                                      const double* __restrict__ inv_freq, int n_heads,
                                                      int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
                                                      const bf16_t* __restrict__ k_w, float eps, float offset) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<true, bf16_t>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache, v_cache, positions,
                              slots, inv_freq, n_heads, n_kv_heads, head_dim, rot_half, cs_scale,
@@ -176,7 +186,6 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_bf16(const bf16_t* __restric
                                                          const double* __restrict__ inv_freq, int n_heads,
                                                          int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
                                                          const bf16_t* __restrict__ k_w, float eps, float offset) {
-    PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<true, bf16_t>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride, k_cache, v_cache,
@@ -192,7 +201,6 @@ extern "C" __global__ void rope_write_kv_fp8(bf16_t* __restrict__ q, bf16_t* __r
                                              const long long* __restrict__ slots, const double* __restrict__ inv_freq,
                                              int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
                                              float k_scale, float v_scale) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<false, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
                                              v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
@@ -205,7 +213,6 @@ extern "C" __global__ void rope_qkv_write_kv_fp8(const bf16_t* __restrict__ qkv,
                                                  const long long* __restrict__ slots,
                                                  const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                                  int head_dim, int rot_half, float cs_scale, float k_scale, float v_scale) {
-    PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<false, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
@@ -223,7 +230,6 @@ extern "C" __global__ void rope_qknorm_write_kv_fp8(bf16_t* __restrict__ q, bf16
                                                     int head_dim, int rot_half, float cs_scale,
                                                     const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
                                                     float eps, float offset, float k_scale, float v_scale) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<true, unsigned char>(q, (long long)n_heads * head_dim, q, k, kv_w, k, v, kv_w, k_cache,
                                             v_cache, positions, slots, inv_freq, n_heads, n_kv_heads, head_dim,
@@ -236,7 +242,6 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_fp8(
     const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale,
     const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w, float eps, float offset, float k_scale,
     float v_scale) {
-    PDL_ENTER();
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
     rope_write_kv_body<true, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
