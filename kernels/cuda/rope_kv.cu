@@ -60,16 +60,24 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     const int i = threadIdx.x;
     const int head = blockIdx.y;
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    // Everything but q, k and v is known before the previous kernel ends: the slots and
-    // positions (uploaded by the host before the step's kernels), the frequencies and the norm
-    // weights (never written during a step). They are loaded and the angle computed before the
-    // PDL wait, so that after it only the projection's output is a memory round trip away.
-    const long long slot = slots[row];
     // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
     const bool active = !QK_NORM || i < half;
     const bool is_v = head >= n_heads + n_kv_heads;
     const bool rotating = i < rot_half;
     const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
+    // The head's norm weights, (offset + w) of its two elements, loaded before the PDL wait:
+    // weights are never written during a step, and from DRAM this load would be a second round
+    // trip after the reduction. Only these: moving the position, slot and angle before the wait
+    // too made the step 7 % slower at 8 rows of 1k on an H100 (the attention kernel after this
+    // one; BENCHMARKS.md, session 15), as other changes to this kernel's shape did before.
+    float w0 = 0.f, w1 = 0.f;
+    if (QK_NORM && !is_v && active) {
+        const bf16_t* nw = head < n_heads ? norm.q_w : norm.k_w;
+        w0 = norm.offset + bf2f(nw[e0]);
+        w1 = norm.offset + bf2f(nw[e1]);
+    }
+    PDL_ENTER();
+    const long long slot = slots[row];
     float s = 0.f, c = 1.f;
     if (!is_v && active && rotating) {
         double sd, cd;
@@ -79,14 +87,6 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         s = (float)sd * cs_scale;
         c = (float)cd * cs_scale;
     }
-    // The head's norm weights, (offset + w) of its two elements.
-    float w0 = 0.f, w1 = 0.f;
-    if (QK_NORM && !is_v && active) {
-        const bf16_t* nw = head < n_heads ? norm.q_w : norm.k_w;
-        w0 = norm.offset + bf2f(nw[e0]);
-        w1 = norm.offset + bf2f(nw[e1]);
-    }
-    PDL_ENTER();
     if (is_v) {
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
