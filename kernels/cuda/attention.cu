@@ -14,11 +14,8 @@
 // (shuffles within a warp, shared memory across warps).
 //
 // With one split the CTA writes the normalized bf16 output. With several, it writes its
-// unnormalized f32 partial (acc, max, sum) to a workspace and the splits of each (row, head)
-// are merged: by `attention_combine_hd*` after the register kernels, and inside the
-// tensor-core kernels by the split that finishes last (tc_merge_write: one ticket per row and
-// CTA of heads, which that split resets, so the tickets are zero between launches), which
-// saves the combine's launch (about 4 us a layer at one row, where it is on the critical path). Scores are kept in the log2 domain (q is pre-scaled by
+// unnormalized f32 partial (acc, max, sum) to a workspace and `attention_combine_hd*` merges
+// the splits of each (row, head). Scores are kept in the log2 domain (q is pre-scaled by
 // scale * log2(e)) so the exponentials are exp2f.
 //
 // row_ctx[r]: tokens row r attends to (its position + 1: causal over the cache, which
@@ -329,8 +326,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks, unsigned* __restrict__ /* tickets: the tensor-core kernels' */) {        \
-        PDL_ENTER();                                                                                               \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_body<HD, NW, U, G, P != 0>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,            \
                                            block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk,      \
                                            window, cap2, sinks);                                                  \
@@ -648,15 +644,13 @@ struct TcRing {
 // The end of both tensor-core decode kernels, once every warp has written its heads' running
 // (max, sum) to sm_ml [NW][MG][2] and unnormalized O to sm_o [NW][MG][HD] and the CTA has
 // synchronized: the CTA combines the warps per output and writes the normalized bf16 output
-// (one split; the sink joins the softmax here) or the split's partial, and the last of the
-// row's `used` splits to finish merges them (its ticket: tickets[row * gridDim.x + blockIdx.x]).
+// (one split; the sink joins the softmax here) or the split's partial for attention_combine.
 // v_scale multiplies O (an FP8 cache's V scale; 1 for bf16).
 template <int HD, int NW, int MG>
 __device__ __forceinline__ void tc_merge_write(const float* sm_o, const float* sm_ml, int ng, int row, int h0,
-                                               int n_heads, int split, int n_splits, int used, float v_scale,
+                                               int n_heads, int split, int n_splits, float v_scale,
                                                const float* __restrict__ sinks, bf16_t* __restrict__ out,
-                                               float* __restrict__ part_o, float* __restrict__ part_ml,
-                                               unsigned* ticket) {
+                                               float* __restrict__ part_o, float* __restrict__ part_ml) {
     for (int i = threadIdx.x; i < ng * HD; i += NW * 32) {
         const int r = i / HD, d = i - r * HD;
         float mx = NEG_INF;
@@ -683,42 +677,13 @@ __device__ __forceinline__ void tc_merge_write(const float* sm_o, const float* s
             }
         }
     }
-    if (n_splits == 1) return;
-    // Split-K's merge in the split that finishes last (see the top of this file): each split
-    // publishes its partials (fence, then a ticket); the one that draws ticket used - 1 (the
-    // row's splits that run: tc_chunk) merges every split's partial of its heads exactly as
-    // attention_combine_body does, reading them past L1 (other SMs wrote them), and resets the
-    // ticket for the next launch.
-    __shared__ int last_split;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last_split = atomicAdd(ticket, 1u) == (unsigned)(used - 1);
-    __syncthreads();
-    if (!last_split) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < ng * HD; i += NW * 32) {
-        const int r = i / HD, d = i - r * HD;
-        const long long rh = (long long)row * n_heads + h0 + r;
-        const float* ml = part_ml + rh * n_splits * 2;
-        float mx = NEG_INF;
-        for (int s = 0; s < used; s++) mx = fmaxf(mx, __ldcg(ml + 2 * s));
-        float L = 0.f, o = 0.f;
-        for (int s = 0; s < used; s++) {
-            const float f = exp2f(__ldcg(ml + 2 * s) - mx);
-            L += __ldcg(ml + 2 * s + 1) * f;
-            o += __ldcg(part_o + (rh * n_splits + s) * HD + d) * f;
-        }
-        add_sink(sinks, h0 + r, mx, L, o);
-        out[rh * HD + d] = f2bf(o / L);
-    }
-    if (threadIdx.x == 0) *ticket = 0u;
 }
 
 // The row, CTA and chunk a tensor-core decode CTA serves (grid (n_kv_heads * group chunks,
 // rows, splits)); `run` is false when it has nothing to do: a padding row (whose zeros the
 // first split writes here) or a split past the row's context (the combine never reads it).
 struct TcChunk {
-    int kvh, row, split, n_splits, used, h0, ng, c0, c1;
+    int kvh, row, split, n_splits, h0, ng, c0, c1;
     bool run;
 };
 
@@ -738,7 +703,6 @@ __device__ __forceinline__ TcChunk tc_chunk(const int* __restrict__ row_ctx, int
     const int ctx = row_ctx[k.row];
     k.run = false;
     k.c0 = k.c1 = 0;
-    k.used = 0;
     if (ctx <= 0) {
         // A padding row: zeros, so that nothing downstream reads uninitialized memory.
         if (k.split == 0) {
@@ -752,8 +716,6 @@ __device__ __forceinline__ TcChunk tc_chunk(const int* __restrict__ row_ctx, int
     k.c0 = lo + k.split * chunk;
     k.c1 = min(ctx, k.c0 + chunk);
     k.run = k.c0 < k.c1;
-    // Splits that run for this row (those past its context do nothing), as the combine counts.
-    k.used = min(k.n_splits, (ctx - lo + chunk - 1) / chunk);
     return k;
 }
 
@@ -763,8 +725,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks,
-    unsigned* __restrict__ tickets) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (the mma's M rows)");
     static_assert(NS >= 2, "at least double buffering");
@@ -939,8 +900,8 @@ __device__ __forceinline__ void paged_attention_tc_body(
         }
     }
     __syncthreads();
-    tc_merge_write<HD, NW, MG>(sm_o, sm_ml, ng, ck.row, ck.h0, n_heads, ck.split, ck.n_splits, ck.used, 1.f, sinks,
-                               out, part_o, part_ml, tickets + (long long)ck.row * gridDim.x + blockIdx.x);
+    tc_merge_write<HD, NW, MG>(sm_o, sm_ml, ng, ck.row, ck.h0, n_heads, ck.split, ck.n_splits, 1.f, sinks, out,
+                               part_o, part_ml);
 }
 
 #define ATT_TC_INSTANCE(HD, NW, NS, MG)                                                                            \
@@ -949,11 +910,10 @@ __device__ __forceinline__ void paged_attention_tc_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks, unsigned* __restrict__ tickets) {                                        \
-        PDL_ENTER();                                                                                               \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
                                                 block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, \
-                                                window, cap2, sinks, tickets);                                    \
+                                                window, cap2, sinks);                                             \
     }
 
 // The tensor-core variants (warps, stages, heads per CTA), in the order they follow the

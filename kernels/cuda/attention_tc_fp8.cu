@@ -52,8 +52,7 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,
-    unsigned* __restrict__ tickets) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (one or two n-tiles)");
     static_assert(NS >= 2, "at least double buffering");
@@ -267,8 +266,8 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
         }
     }
     __syncthreads();
-    tc_merge_write<HD, NW, MG>(sm_o, sm_ml, ng, ck.row, ck.h0, n_heads, ck.split, ck.n_splits, ck.used, v_scale,
-                               sinks, out, part_o, part_ml, tickets + (long long)ck.row * gridDim.x + blockIdx.x);
+    tc_merge_write<HD, NW, MG>(sm_o, sm_ml, ng, ck.row, ck.h0, n_heads, ck.split, ck.n_splits, v_scale, sinks, out,
+                               part_o, part_ml);
 }
 
 // Over an FP8 (E4M3) cache: qscale already holds the K scale; v_scale is the layer's V scale.
@@ -278,12 +277,10 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,                    \
-        unsigned* __restrict__ tickets) {                                                                          \
-        PDL_ENTER();                                                                                               \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
         paged_attention_tc_fp8_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,   \
                                                     block_tables, n_heads, n_kv_heads, block_size, qscale,        \
-                                                    min_chunk, v_scale, window, cap2, sinks, tickets);            \
+                                                    min_chunk, v_scale, window, cap2, sinks);                     \
     }
 
 // The FP8-cache variants (warps, stages of 16 tokens a warp, heads per CTA), in the order of

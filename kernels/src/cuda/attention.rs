@@ -5,11 +5,10 @@
 //! Invariants:
 //! - every launch checks the GQA heads, the metadata's cache geometry and the sizes of `q`,
 //!   `out` and the caches before it enqueues anything;
-//! - the decode kernel splits long contexts across CTAs by [`AttnSplit`]; the tensor-core
-//!   kernels merge the partials in the split of each row that finishes last (its ticket in the
-//!   step's metadata, zero between launches), the register kernels with a combine launch; the
-//!   partial buffers and tickets live in the step's metadata and grow on demand (never while
-//!   a graph is recorded: the staged split count was run op by op first);
+//! - the decode kernel splits long contexts across CTAs by [`AttnSplit`] and merges the
+//!   partials with a combine launch; the partial buffers live in the step's metadata and grow
+//!   on demand (never while a graph is recorded: the staged split count was run op by op
+//!   first);
 //! - in a mixed batch the decode kernel runs first (over rows up to the last decode row; the
 //!   prefill rows among them have context 0 and get zeros) and the prefill kernel after it,
 //!   on the same stream, overwriting the prefill rows (see `prefill.rs`);
@@ -23,7 +22,7 @@
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
     attn_fp8_default, plan_splits, tc_dynamic_smem,
 };
 use super::prefill::{
@@ -319,8 +318,6 @@ impl AttentionCall<'_> {
         if splits > 1 {
             dev.grow(&mut meta.part_o, rows * n_heads * splits * hd)?;
             dev.grow(&mut meta.part_ml, rows * n_heads * splits * 2)?;
-            // Zero at growth; the tensor-core kernels leave them zero after every launch.
-            dev.grow_zeroed(&mut meta.part_tickets, rows * x)?;
         }
         let row_ctx = match which {
             DecodeRows::All => &meta.row_ctx,
@@ -346,16 +343,14 @@ impl AttentionCall<'_> {
             .i32(min_chunk);
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
-        let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks).buf(&meta.part_tickets);
+        let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this
-        // geometry when it was set; the partials hold `rows × heads × splits` entries and the
-        // tickets `rows × x` (the grid's x × y) when it splits; sinks hold at least `n_heads`
-        // values; the dynamic shared memory is the variant's own (`tc_dynamic_smem`), whose
-        // limit the device raised at load.
+        // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks
+        // hold at least `n_heads` values; the dynamic shared memory is the variant's own
+        // (`tc_dynamic_smem`), whose limit the device raised at load.
         unsafe { args.launch(dev, func, grid) }?;
-        // The tensor-core kernels merge their splits themselves (the last split to finish).
-        if splits > 1 && v.kind != AttnKind::TensorCore {
+        if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
             let args = Args::new(OP)
                 .buf(&meta.part_o)

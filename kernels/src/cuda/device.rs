@@ -227,29 +227,6 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// [`CudaDevice::alloc`] with every element zero (the zeros are enqueued on the stream, so
-    /// they land before any later kernel reads them).
-    pub(crate) fn alloc_zeroed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        len: usize,
-    ) -> Result<CudaSlice<T>, CudaError> {
-        let mut buf = self.alloc(len)?;
-        self.stream.memset_zeros(&mut buf)?;
-        Ok(buf)
-    }
-
-    /// [`CudaDevice::grow`] into a zeroed buffer (the old contents are dropped, not copied).
-    pub(crate) fn grow_zeroed<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        buf: &mut CudaSlice<T>,
-        len: usize,
-    ) -> Result<(), CudaError> {
-        if buf.len() < len {
-            *buf = self.alloc_zeroed(len.next_power_of_two())?;
-        }
-        Ok(())
-    }
-
     /// [`CudaDevice::grow`] for a buffer no CUDA graph uses (see
     /// [`CudaDevice::alloc_outside_graphs`]).
     pub(crate) fn grow_outside_graphs<T: DeviceRepr>(

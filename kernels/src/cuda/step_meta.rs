@@ -65,10 +65,6 @@ pub struct StepMeta {
     /// `rows × heads × splits × 2` (max, sum), grown on demand.
     pub(crate) part_o: CudaSlice<f32>,
     pub(crate) part_ml: CudaSlice<f32>,
-    /// One ticket per row and CTA of heads: the tensor-core decode kernels count their finished
-    /// splits here, and the last merges them and resets its ticket, so every ticket is zero
-    /// between launches (grown zeroed).
-    pub(crate) part_tickets: CudaSlice<u32>,
     host: HostMeta,
     up: MetaStaging,
     /// The routing of prefill chunks and decode rows (see `prefill.rs`).
@@ -109,7 +105,6 @@ impl StepMeta {
             max_ctx: 0,
             part_o: dev.alloc(64)?,
             part_ml: dev.alloc(64)?,
-            part_tickets: dev.alloc_zeroed(64)?,
             host: Default::default(),
             up: MetaStaging::new(),
             prefill: PrefillMeta::new(dev)?,
