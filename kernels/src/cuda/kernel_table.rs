@@ -67,8 +67,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
     pub fp8_dequant: F,
     pub fp8_dequant16: F,
-    /// Per-token E4M3 quantization of activations (fp8_linear.cu), for the W8A8 GEMM.
+    /// Per-row E4M3 quantization (fp8_linear.cu): of bf16 activations per token (the W8A8
+    /// GEMM's input), and of f32 random weights per channel.
     pub quantize_rows_e4m3: F,
+    pub quantize_rows_e4m3_f32: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
     /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
     pub gemv_fp8: [Vec<[F; 2]>; 2],
@@ -100,8 +102,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub take_sampled_ids: F,
     /// Prompt logprobs, one CTA per row (prompt_logprobs.cu, in the sampling module).
     pub prompt_logprobs: F,
-    /// Counter-generated random weights (util.cu).
+    /// Counter-generated random weights (util.cu): in bf16, and in f32.
     pub fill_counter: F,
+    pub fill_counter_f32: F,
     /// A timed wait (util.cu).
     pub spin: F,
 }
@@ -155,6 +158,7 @@ impl<F> KernelTable<F> {
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
         let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
         let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
+        let quantize_rows_e4m3_f32 = f(el, "quantize_rows_e4m3_f32")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -245,6 +249,7 @@ impl<F> KernelTable<F> {
             fp8_dequant,
             fp8_dequant16,
             quantize_rows_e4m3,
+            quantize_rows_e4m3_f32,
             gemv_fp8,
             attention_ext,
             attention_ext_fp8,
@@ -260,6 +265,7 @@ impl<F> KernelTable<F> {
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
             prompt_logprobs: f(sampling, "prompt_logprobs")?,
             fill_counter: f(el, "fill_counter_bf16")?,
+            fill_counter_f32: f(el, "fill_counter_f32")?,
             spin: f(el, "spin_ns")?,
         })
     }
