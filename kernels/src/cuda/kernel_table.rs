@@ -331,20 +331,20 @@ mod tests {
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the fused MoE route +
         // permute, the fused router + route + permute, the wide grouped GEMM, and the skinny grouped product per activation
         // (plain, SiLU·mul, clamped SwiGLU, un-permute) and variant, the extended attention per
-        // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
-        // profiler's spin), per attention head_dim every variant and the
+        // head dims a lane (8), 2 sampling kernels and prompt logprobs, 3 utility kernels (random weights in bf16 and
+        // f32, the profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8); FP8 weights' dequantization (2), activation quantization (1) and skinny
+        // a lane (8); FP8 weights' dequantization (2), per-row quantization (bf16 activations, f32 weights) and skinny
         // GEMM per tile, variant and scaling.
         let fp8 =
-            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 3 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 4 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
-        assert_eq!(names.len(), 29 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        assert_eq!(names.len(), 30 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
