@@ -122,25 +122,17 @@ fn gpu_drawn_model_matches_the_cpu_model_of_the_same_weights() {
     }
 }
 
-/// A fresh generator's draws (clock-seeded, printed): the keys and distributions of a test.
+/// `n` counter draws with fresh keys and distributions (a clock-seeded generator, its seed
+/// printed): means 0 or in ±0.5, standard deviations from 0.001 to 3.
 fn fresh_inits(test: &str, n: usize) -> Vec<CounterInit> {
+    use rand::{Rng, SeedableRng};
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
     println!("{test}: seed {seed}");
-    let mut z = seed;
-    let mut next = move || {
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut x = z;
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^ (x >> 31)
-    };
+    let mut r = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n)
         .map(|_| {
-            let key = next();
-            // Means from -0.5 to 0.5, standard deviations from 0.001 to ~3.
-            let mean = ((next() >> 40) as f32 / 16_777_216.0 - 0.5) * (next() % 2) as f32;
-            let std = 0.001 * 3000f32.powf((next() >> 40) as f32 / 16_777_216.0);
-            CounterInit::uniform(key, mean, std)
+            let mean = if r.random_bool(0.5) { 0.0 } else { r.random_range(-0.5f32..0.5) };
+            CounterInit::uniform(r.random(), mean, 0.001 * 3000f32.powf(r.random_range(0.0f32..1.0)))
         })
         .collect()
 }
@@ -152,7 +144,8 @@ fn gpu_fp8_weights_drawn_on_the_device_are_the_host_quantization_bit_for_bit() {
     // Every case draws fresh keys, so memory a kernel failed to write cannot hold the right
     // codes by chance from an earlier case.
     let cases: Vec<(Vec<(usize, CounterInit)>, usize)> = vec![
-        // A fused [q; k; v] and [gate; up] of a small model, Llama-8B's o projection.
+        // A fused [q; k; v], a fused [gate; up] (k = 1000: 8-value loads, rows not a multiple
+        // of the CTA's 2,048 values), Llama-3.1-8B's o projection.
         (vec![(256, i[0]), (64, i[1]), (64, i[2])], 256),
         (vec![(688, i[3]), (688, i[4])], 1000),
         (vec![(4096, i[5])], 4096),
@@ -183,13 +176,12 @@ fn gpu_fp8_weights_drawn_on_the_device_are_the_host_quantization_bit_for_bit() {
 
 #[test]
 fn gpu_fp8_dummy_model_quantized_on_the_device_matches_the_host_quantized_one() {
-    let cuda = cuda_backend;
     for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied()] {
         // Drawn: every tensor on the device, the projections quantized there. Read: the store's
         // f32 values uploaded, the projections quantized on the host at load.
-        let drawn = logits_with(&spec, WeightQuantization::Fp8, &store(&spec), cuda());
-        let read = logits_with(&spec, WeightQuantization::Fp8, &ReadOnly(store(&spec)), cuda());
-        let bf16 = logits(&spec, &store(&spec), cuda());
+        let drawn = logits_with(&spec, WeightQuantization::Fp8, &store(&spec), cuda_backend());
+        let read = logits_with(&spec, WeightQuantization::Fp8, &ReadOnly(store(&spec)), cuda_backend());
+        let bf16 = logits(&spec, &store(&spec), cuda_backend());
         assert!(drawn.iter().all(|x| x.is_finite()), "{:?}: non-finite logits", spec.architecture);
         assert!(
             drawn.iter().zip(&read).all(|(a, b)| a.to_bits() == b.to_bits()),
