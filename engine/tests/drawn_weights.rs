@@ -144,8 +144,8 @@ fn gpu_fp8_weights_drawn_on_the_device_are_the_host_quantization_bit_for_bit() {
     // Every case draws fresh keys, so memory a kernel failed to write cannot hold the right
     // codes by chance from an earlier case.
     let cases: Vec<(Vec<(usize, CounterInit)>, usize)> = vec![
-        // A fused [q; k; v], a fused [gate; up] (k = 1000: 8-value loads, rows not a multiple
-        // of the CTA's 2,048 values), Llama-3.1-8B's o projection.
+        // A fused [q; k; v], a fused [gate; up] (k = 1000: a row shorter than a CTA's step of
+        // 256 threads × 8 values), Llama-3.1-8B's o projection.
         (vec![(256, i[0]), (64, i[1]), (64, i[2])], 256),
         (vec![(688, i[3]), (688, i[4])], 1000),
         (vec![(4096, i[5])], 4096),
