@@ -48,28 +48,46 @@ extern "C" __global__ void fp8_dequant16_bf16(const unsigned char* __restrict__ 
     }
 }
 
-// Dynamic per-token activation quantization (W8A8, the input of the FP8 tensor-core GEMM): row r
-// of x (bf16, k wide, k % 8 == 0) becomes codes[r][c] = e4m3(x[r][c] / s_r) with s_r =
-// amax(|x[r]|) / 448 (1 for a row of zeros or without a finite maximum), scales[r] = s_r: bit for
-// bit the CPU reference's quantize_rows_per_token (f32 division, f2e4m3 = the satfinite
-// conversion). One CTA per row, 8 values a thread per step (16-byte loads, 8-byte stores); the
-// second pass re-reads the row from L1/L2. amax by warp shuffles and one shared-memory round
-// (NaN inputs are skipped by fmaxf, as the reference's f32::max skips them).
-extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsigned char* __restrict__ codes,
-                                              float* __restrict__ scales, int k) {
+// Per-row E4M3 quantization: row r of x (k wide, k % 8 == 0) becomes codes[row0 + r][c] =
+// e4m3(x[r][c] / s_r) with s_r = amax(|x[r]|) / 448 (1 for a row of zeros or without a finite
+// maximum), scales[row0 + r] = s_r: bit for bit the CPU reference's rule (f32 division, f2e4m3 =
+// the satfinite conversion). Two uses, one rule:
+// - quantize_rows_e4m3 (bf16 x): dynamic per-token activation quantization (W8A8, the input of
+//   the FP8 tensor-core GEMM), quantize_rows_per_token's codes and scales;
+// - quantize_rows_e4m3_f32 (f32 x): per-channel weight quantization of random weights drawn on
+//   the device (Fp8Matrix::quantize_per_channel's codes and scales; row0 places a chunk of rows).
+// One CTA per row, 8 values a thread per step (16-byte loads per 8 bf16, two per 8 f32; 8-byte
+// stores); the second pass re-reads the row from L1/L2. amax by warp shuffles and one
+// shared-memory round (NaN inputs are skipped by fmaxf, as the reference's f32::max skips them;
+// max is exact, so the order of the reduction does not change it).
+__device__ __forceinline__ void load8(const bf16_t* p, float v[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        v[2 * j] = bf2f((bf16_t)(w[j] & 0xffffu));
+        v[2 * j + 1] = bf2f((bf16_t)(w[j] >> 16));
+    }
+}
+__device__ __forceinline__ void load8(const float* p, float v[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+template <typename T>
+__device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict__ codes,
+                                              float* __restrict__ scales, int k, long long row0) {
     __shared__ float part[32];
     PDL_ENTER();
     const long long row = blockIdx.x;
-    const uint4* xr = reinterpret_cast<const uint4*>(x + row * k);
-    uint2* cr = reinterpret_cast<uint2*>(codes + row * k);
+    const T* xr = x + row * k;
+    uint2* cr = reinterpret_cast<uint2*>(codes + (row0 + row) * k);
     const int k8 = k >> 3;
     float amax = 0.f;
     for (int c = threadIdx.x; c < k8; c += blockDim.x) {
-        const uint4 v = xr[c];
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        float v[8];
+        load8(xr + 8 * c, v);
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            amax = fmaxf(amax, fmaxf(fabsf(bf2f((bf16_t)(w[j] & 0xffffu))), fabsf(bf2f((bf16_t)(w[j] >> 16)))));
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -81,16 +99,22 @@ extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsi
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
     for (int c = threadIdx.x; c < k8; c += blockDim.x) {
-        const uint4 v = xr[c];
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
+        float v[8];
+        load8(xr + 8 * c, v);
         unsigned q[2] = {0u, 0u};
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const unsigned lo = f2e4m3(bf2f((bf16_t)(w[j] & 0xffffu)) / s);
-            const unsigned hi = f2e4m3(bf2f((bf16_t)(w[j] >> 16)) / s);
-            q[j >> 1] |= (lo | (hi << 8)) << (16 * (j & 1));
-        }
+        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
         cr[c] = make_uint2(q[0], q[1]);
     }
-    if (threadIdx.x == 0) scales[row] = s;
+    if (threadIdx.x == 0) scales[row0 + row] = s;
+}
+
+extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsigned char* __restrict__ codes,
+                                              float* __restrict__ scales, int k, long long row0) {
+    quantize_rows(x, codes, scales, k, row0);
+}
+
+extern "C" __global__ void quantize_rows_e4m3_f32(const float* __restrict__ x, unsigned char* __restrict__ codes,
+                                                  float* __restrict__ scales, int k, long long row0) {
+    quantize_rows(x, codes, scales, k, row0);
 }

@@ -20,7 +20,7 @@ use baton_kernels::cpu::fp8::{e4m3_from_f32, e4m3_to_f32};
 use baton_kernels::cpu::{self, ActivationScale, Fp8Matrix};
 use baton_kernels::cuda::{
     CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
-    QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
+    QuantRows, QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::Rng;
@@ -169,6 +169,39 @@ fn gpu_fp8_dequant_matches_the_reference_exactly() {
 }
 
 #[test]
+fn gpu_fp8_weight_quantization_of_f32_rows_is_quantize_per_channel() {
+    // The per-channel rule of random weights quantized on the device: f32 rows (not rounded to
+    // bf16), placed at row0 of a larger matrix whose other rows stay as they were.
+    let dev = device();
+    let mut r = rng("gpu_fp8_weight_quantization_of_f32_rows_is_quantize_per_channel");
+    for (m, k, amp, row0) in [(7usize, 4096usize, 0.02f32, 3usize), (130, 1000, 3.0, 0), (3, 24, 900.0, 1)] {
+        let mut x: Vec<f32> = (0..m * k).map(|_| r.random_range(-amp..amp)).collect();
+        // A row of zeros (scale 1), and a row with one value far past the rest.
+        x[..k].iter_mut().for_each(|v| *v = 0.0);
+        x[k + 1] = 1e4;
+        let (total, poison) = (row0 + m + 2, 0x7fu8);
+        let mut codes = dev.upload(&vec![poison; total * k]).expect("poisoned codes");
+        let mut scales = dev.upload(&vec![f32::NAN; total]).expect("poisoned scales");
+        let xd = dev.upload(&x).expect("x");
+        QuantizeRowsCall { x: QuantRows::F32(&xd), m, k, codes: &mut codes, scales: &mut scales, row0 }
+            .launch(&dev)
+            .expect("launch");
+        let (got_codes, got_scales) =
+            (dev.download(&codes, total * k).expect("codes"), dev.download(&scales, total).expect("s"));
+        let want = Fp8Matrix::quantize_per_channel(&x, m, k).expect("reference");
+        let rows = row0..row0 + m;
+        assert_eq!(&got_codes[rows.start * k..rows.end * k], want.codes(), "codes ({m}×{k} at row {row0})");
+        assert_eq!(
+            got_scales[rows.clone()].iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+            want.scales().iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+            "scales ({m}×{k} at row {row0})"
+        );
+        assert!(got_codes[..rows.start * k].iter().chain(&got_codes[rows.end * k..]).all(|&c| c == poison));
+        assert!(got_scales[..rows.start].iter().chain(&got_scales[rows.end..]).all(|s| s.is_nan()));
+    }
+}
+
+#[test]
 fn gpu_fp8_activation_quantization_matches_the_per_token_rule() {
     let dev = device();
     let mut r = rng("gpu_fp8_activation_quantization_matches_the_per_token_rule");
@@ -181,7 +214,7 @@ fn gpu_fp8_activation_quantization_matches_the_per_token_rule() {
         }
         let mut codes = dev.upload(&vec![0x7fu8; m * k]).expect("poisoned codes");
         let mut scales = dev.upload(&vec![f32::NAN; m]).expect("poisoned scales");
-        QuantizeRowsCall { x: &up(&dev, &x), m, k, codes: &mut codes, scales: &mut scales }
+        QuantizeRowsCall { x: QuantRows::Bf16(&up(&dev, &x)), m, k, codes: &mut codes, scales: &mut scales, row0: 0 }
             .launch(&dev)
             .expect("launch");
         let (got_codes, got_scales) =

@@ -552,17 +552,17 @@ impl Backend for CudaBackend {
         w: baton_kernels::cpu::Fp8Matrix,
         act: baton_kernels::cpu::ActivationScale,
     ) -> Result<CudaMat, BackendError> {
-        // Decode-sized products are weights-only FP8 (W8A16: the CPU reference with
-        // `ActivationScale::None` is what the skinny kernel matches); larger ones follow `act`
-        // (`linear_fp8`).
-        let per_token = act == baton_kernels::cpu::ActivationScale::PerToken;
         let weights = baton_kernels::cuda::Fp8Weights::upload(&self.dev, &w)?;
-        let len = w.rows() * w.cols();
-        if self.fp8_scratch.as_ref().is_none_or(|s| s.len() < len) {
-            self.fp8_scratch = Some(self.dev.alloc::<bf16>(len.max(1))?);
-        }
-        let fp8 = Some(Fp8Mat { w: weights, per_token });
-        Ok(CudaMat { data: self.dev.alloc::<bf16>(1)?, rows: w.rows(), cols: w.cols(), fp8 })
+        self.fp8_mat(weights, act)
+    }
+
+    fn random_mat_fp8(
+        &mut self,
+        parts: &[(usize, CounterInit)],
+        cols: usize,
+        act: baton_kernels::cpu::ActivationScale,
+    ) -> Result<CudaMat, BackendError> {
+        self.draw_fp8(parts, cols, act)
     }
 
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {

@@ -1,5 +1,13 @@
 //! The CUDA backend's products over FP8 (E4M3) projection weights (`--quantization fp8`):
-//! which kernel a product of `m` rows takes, and the device scratch the choice needs.
+//! which kernel a product of `m` rows takes, and the device scratch the choice needs; and the
+//! FP8 matrices themselves, uploaded or (random weights, `--load-format dummy`) drawn and
+//! quantized on the device.
+//!
+//! Random FP8 weights are the host's ([`crate::backend::counter_fp8`]) bit for bit: the counter
+//! draws in f32 as the host makes them (`fill_counter_f32`, not rounded to bf16: the host
+//! quantizes the f32 values), then per-channel quantization by the same rule
+//! (`quantize_rows_e4m3_f32`), a bounded chunk of rows at a time through one f32 temporary
+//! freed before returning.
 //!
 //! Invariants: up to 16 rows take the skinny W8A16 kernel (activations stay bf16); from
 //! `W8A8_MIN_M` rows a matrix whose activations are quantized per token takes cuBLASLt's FP8
@@ -7,9 +15,15 @@
 //! otherwise the skinny kernel up to `GEMV_FP8_MAX_M` rows, and past it the matrix dequantized
 //! into the scratch buffer sized at upload (no allocation in a step) and the bf16 GEMM.
 
-use super::{CudaBackend, CudaBuf, kerr, linear_kernel};
-use crate::backend::BackendError;
-use baton_kernels::cuda::LinearCall;
+use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
+use crate::backend::{Backend, BackendError, counter_fp8};
+use baton_formats::CounterInit;
+use baton_kernels::cpu::ActivationScale;
+use baton_kernels::cuda::{Fp8Weights, LinearCall, QuantRows, QuantizeRowsCall, bf16};
+
+/// Most f32 values drawn at once by [`CudaBackend::draw_fp8`] (256 MiB of temporary): a whole
+/// part up to Llama-3.1-8B's gate (14,336 × 4,096), a few chunks for 70B-sized matrices.
+const DRAW_CHUNK: usize = 1 << 26;
 
 /// An FP8 projection and how its activations are meant to be quantized.
 pub(super) struct Fp8Mat {
@@ -20,6 +34,58 @@ pub(super) struct Fp8Mat {
 }
 
 impl CudaBackend {
+    /// A matrix over the FP8 weights `w`, with the dequantization scratch grown to its size.
+    pub(super) fn fp8_mat(&mut self, w: Fp8Weights, act: ActivationScale) -> Result<CudaMat, BackendError> {
+        // Decode-sized products are weights-only FP8 (W8A16: the CPU reference with
+        // `ActivationScale::None` is what the skinny kernel matches); larger ones follow `act`
+        // (`linear_fp8`).
+        let per_token = act == ActivationScale::PerToken;
+        let (rows, cols) = (w.rows, w.cols);
+        let len = rows * cols;
+        if self.fp8_scratch.as_ref().is_none_or(|s| s.len() < len) {
+            self.fp8_scratch = Some(self.dev.alloc::<bf16>(len.max(1))?);
+        }
+        let fp8 = Some(Fp8Mat { w, per_token });
+        Ok(CudaMat { data: self.dev.alloc::<bf16>(1)?, rows, cols, fp8 })
+    }
+
+    /// [`Backend::random_mat_fp8`] on the device (see the module docs): the codes and scales
+    /// [`counter_fp8`] gives on the host. Shapes the quantization kernel does not take (`cols`
+    /// not a multiple of 8, nothing to draw) go the host's way.
+    pub(super) fn draw_fp8(
+        &mut self,
+        parts: &[(usize, CounterInit)],
+        cols: usize,
+        act: ActivationScale,
+    ) -> Result<CudaMat, BackendError> {
+        let rows: usize = parts.iter().map(|p| p.0).sum();
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(8) {
+            return self.upload_mat_fp8(counter_fp8(parts, cols)?, act);
+        }
+        let dev = &self.dev;
+        let mut codes = dev.alloc::<u8>(rows * cols)?;
+        let mut scales = dev.alloc::<f32>(rows)?;
+        let largest = parts.iter().map(|p| p.0).max().unwrap_or(1);
+        let chunk = (DRAW_CHUNK / cols).clamp(1, largest);
+        let mut drawn = dev.alloc::<f32>(chunk * cols)?;
+        let mut row0 = 0;
+        for (part_rows, init) in parts {
+            for r in (0..*part_rows).step_by(chunk) {
+                let m = chunk.min(part_rows - r);
+                dev.fill_counter_f32(&mut drawn, r * cols, m * cols, (init.key, init.mean, init.amp))?;
+                let x = QuantRows::F32(&drawn);
+                QuantizeRowsCall { x, m, k: cols, codes: &mut codes, scales: &mut scales, row0: row0 + r }
+                    .launch(dev)?;
+            }
+            row0 += part_rows;
+        }
+        // Freed in stream order, after the last quantization read it.
+        drop(drawn);
+        // One scale per row: what `Fp8Matrix::quantize_per_channel` and `stack` give.
+        let w = Fp8Weights { codes, scales, rows, cols, row_block: 1, col_block: cols, expanded_row_scales: None };
+        self.fp8_mat(w, act)
+    }
+
     /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel up to `W8A8_MIN_M - 1` (16)
     /// rows; from `W8A8_MIN_M`, for per-token activation quantization and row-constant scales,
     /// the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt); else the skinny kernel up
@@ -70,5 +136,13 @@ impl CudaBackend {
         let kernel = linear_kernel(self.gemv, m, w.cols);
         LinearCall { x: &x.data, m, k: w.cols, w: scratch, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
         Ok(())
+    }
+}
+
+impl CudaMat {
+    /// The FP8 codes and scales (on the device) of an FP8 matrix; `None` for a bf16 one. For
+    /// tests and tools that check what a load produced.
+    pub fn fp8_weights(&self) -> Option<&Fp8Weights> {
+        self.fp8.as_ref().map(|f| &f.w)
     }
 }

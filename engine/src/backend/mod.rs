@@ -42,6 +42,17 @@ pub fn counter_values(parts: &[(usize, CounterInit)], cols: usize) -> Vec<f32> {
     out
 }
 
+/// The host's draw of [`Backend::random_mat_fp8`]: [`counter_values`] of each part quantized
+/// per output channel as a bf16 checkpoint would be at load
+/// ([`Fp8Matrix::quantize_per_channel`]), the parts stacked by rows ([`Fp8Matrix::stack`]).
+pub fn counter_fp8(parts: &[(usize, CounterInit)], cols: usize) -> Result<Fp8Matrix, KernelError> {
+    let mats = parts
+        .iter()
+        .map(|p| Fp8Matrix::quantize_per_channel(&counter_values(std::slice::from_ref(p), cols), p.0, cols))
+        .collect::<Result<Vec<_>, _>>()?;
+    Fp8Matrix::stack(&mats)
+}
+
 /// The elements of `parts`, stacked in order, as f32 (how the default
 /// [`Backend::upload_mat_raw`] reads stored tensors).
 pub fn stacked_f32(parts: &[TensorView<'_>]) -> Vec<f32> {
@@ -236,6 +247,19 @@ pub trait Backend: Send + 'static {
     fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<Self::Mat, BackendError> {
         let rows = parts.iter().map(|p| p.0).sum();
         self.upload_mat(counter_values(parts, cols), rows, cols)
+    }
+    /// A `rows × cols` FP8 matrix of random weights for `linear` (inputs quantized as `act`
+    /// says): the draws of [`Backend::random_mat`] in f32, quantized per output channel and
+    /// stacked ([`counter_fp8`]). The default does that on the host and calls
+    /// [`Backend::upload_mat_fp8`]; a device backend may draw and quantize where the weights
+    /// live, to the same codes and scales.
+    fn random_mat_fp8(
+        &mut self,
+        parts: &[(usize, CounterInit)],
+        cols: usize,
+        act: ActivationScale,
+    ) -> Result<Self::Mat, BackendError> {
+        self.upload_mat_fp8(counter_fp8(parts, cols)?, act)
     }
     /// A vector of random weights, `parts` in order (see [`Backend::random_mat`]).
     fn random_vec(&mut self, parts: &[(usize, CounterInit)]) -> Result<Self::Buf, BackendError> {

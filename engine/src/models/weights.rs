@@ -15,7 +15,7 @@
 //! backend only as an [`Fp8Matrix`] with its scales.
 
 use super::ModelLoadError;
-use crate::backend::{Backend, counter_values};
+use crate::backend::Backend;
 use baton_formats::{
     ActivationQuant, CounterInit, DType, Fp8ScaleLayout, QuantSource, Quantization, TensorView, WeightStore,
     read_fp8_weight,
@@ -71,13 +71,9 @@ impl<'a> WeightLoader<'a> {
             });
         }
         if let Some(parts) = self.drawn(names, cols)? {
-            // Random weights: drawn on the host, then quantized as a bf16 checkpoint would be.
-            let mats = parts
-                .iter()
-                .map(|p| Fp8Matrix::quantize_per_channel(&counter_values(std::slice::from_ref(p), cols), p.0, cols))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| ModelLoadError::Fp8 { name: names[0].0.clone(), message: e.to_string() })?;
-            return self.upload_fp8(b, names, &mats, act);
+            // Random weights: drawn and quantized as a bf16 checkpoint would be, by the backend
+            // (a device backend where they live).
+            return Ok(b.random_mat_fp8(&parts, cols, act)?);
         }
         let store = self.store;
         let mut mats = Vec::with_capacity(names.len());

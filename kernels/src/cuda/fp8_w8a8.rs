@@ -1,7 +1,7 @@
 //! The W8A8 FP8 linear for more rows of x than the skinny kernel takes (prefill, large batches):
 //! [`QuantizeRowsCall`] quantizes the bf16 activations per token to E4M3 (`quantize_rows_e4m3`
 //! in `kernels/cuda/fp8_linear.cu`, bit for bit [`crate::cpu::quantize_rows_per_token`]'s codes
-//! and scales), and [`Fp8W8A8Call`] runs it then cuBLASLt's FP8 tensor-core GEMM (`lt.rs`,
+//! and scales; the same call quantizes f32 random weights per channel at load), and [`Fp8W8A8Call`] runs it then cuBLASLt's FP8 tensor-core GEMM (`lt.rs`,
 //! [`LtShape::fp8`](super::LtShape)) with the weights' per-row and the tokens' scales applied as
 //! outer-vector scales. The reference is [`crate::cpu::linear_fp8`] with
 //! [`crate::cpu::ActivationScale::PerToken`] (what `--quantization fp8` means, as in vLLM).
@@ -28,37 +28,56 @@ pub const W8A8_MIN_M: usize = 17;
 /// Threads per CTA of the quantization (one CTA per row).
 const QUANT_THREADS: u32 = 256;
 
-/// `codes[r] = e4m3(x[r] / s_r)`, `scales[r] = s_r = amax(|x[r]|) / 448` (1 for a zero row);
-/// k a multiple of 8 (16-byte rows).
+/// The rows [`QuantizeRowsCall`] quantizes.
+pub enum QuantRows<'a> {
+    /// bf16 activations (per-token quantization, the W8A8 GEMM's input).
+    Bf16(&'a CudaSlice<bf16>),
+    /// f32 weights (per-channel quantization of random weights drawn on the device).
+    F32(&'a CudaSlice<f32>),
+}
+
+/// `codes[row0 + r] = e4m3(x[r] / s_r)`, `scales[row0 + r] = s_r = amax(|x[r]|) / 448` (1 for a
+/// zero row) for `r < m`; k a multiple of 8 (16-byte loads). The one rule of both
+/// [`crate::cpu::quantize_rows_per_token`] and [`crate::cpu::Fp8Matrix::quantize_per_channel`].
 pub struct QuantizeRowsCall<'a> {
-    /// `m × k` bf16.
-    pub x: &'a CudaSlice<bf16>,
+    /// `m × k` values.
+    pub x: QuantRows<'a>,
     /// Rows.
     pub m: usize,
     /// Columns.
     pub k: usize,
-    /// `m × k` E4M3 codes.
+    /// E4M3 codes, `(row0 + m) × k` at least.
     pub codes: &'a mut CudaSlice<u8>,
-    /// `m` f32 scales.
+    /// f32 scales, `row0 + m` at least.
     pub scales: &'a mut CudaSlice<f32>,
+    /// The row of `codes` and `scales` that row 0 of x goes to (a chunk of a larger matrix).
+    pub row0: usize,
 }
 
 impl QuantizeRowsCall<'_> {
     /// Checks the sizes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "quantize_rows_e4m3";
-        let Self { x, m, k, codes, scales } = self;
+        let Self { x, m, k, codes, scales, row0 } = self;
         shape_check(OP, k.is_multiple_of(8), || format!("k = {k}: the kernel reads 8 values a load"))?;
-        need(OP, "x", x, m * k)?;
-        need(OP, "codes", codes, m * k)?;
-        need(OP, "scales", scales, m)?;
+        let rows = row0.checked_add(m).ok_or_else(|| shape_error(OP, format!("rows {row0} + {m} overflow")))?;
+        match x {
+            QuantRows::Bf16(x) => need(OP, "x", x, m * k)?,
+            QuantRows::F32(x) => need(OP, "x", x, m * k)?,
+        }
+        need(OP, "codes", codes, rows * k)?;
+        need(OP, "scales", scales, rows)?;
         if m == 0 {
             return Ok(());
         }
-        let args = Args::new(OP).buf(x).buf(codes).buf(scales).int(k)?;
-        // SAFETY: CTA r reads row r of x and writes row r of codes and scales[r], r < m, in whole
-        // 8-value pieces (k % 8 == 0): sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.quantize_rows_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
+        let (args, func) = match x {
+            QuantRows::Bf16(x) => (Args::new(OP).buf(x), &dev.kernels.quantize_rows_e4m3),
+            QuantRows::F32(x) => (Args::new(OP).buf(x), &dev.kernels.quantize_rows_e4m3_f32),
+        };
+        let args = args.buf(codes).buf(scales).int(k)?.long(row0)?;
+        // SAFETY: CTA r reads row r of x and writes row row0 + r of codes and scales[row0 + r],
+        // r < m, in whole 8-value pieces (k % 8 == 0): sizes checked above.
+        unsafe { args.launch(dev, func, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
     }
 }
 
@@ -108,7 +127,7 @@ impl Fp8W8A8Call<'_> {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        QuantizeRowsCall { x, m, k, codes: xq, scales: xs }.launch(dev)?;
+        QuantizeRowsCall { x: QuantRows::Bf16(x), m, k, codes: xq, scales: xs, row0: 0 }.launch(dev)?;
         let shape = LtShape { m, n, k, f32_out: false, fp8: true };
         lt.run_fp8(dev, shape, xq, &w.codes, LtScales { w: row_scales, x: xs }, out)?;
         Ok(())

@@ -67,8 +67,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
     pub fp8_dequant: F,
     pub fp8_dequant16: F,
-    /// Per-token E4M3 quantization of activations (fp8_linear.cu), for the W8A8 GEMM.
+    /// Per-row E4M3 quantization (fp8_linear.cu): of bf16 activations per token (the W8A8
+    /// GEMM's input), and of f32 random weights per channel.
     pub quantize_rows_e4m3: F,
+    pub quantize_rows_e4m3_f32: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
     /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
     pub gemv_fp8: [Vec<[F; 2]>; 2],
@@ -100,8 +102,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub take_sampled_ids: F,
     /// Prompt logprobs, one CTA per row (prompt_logprobs.cu, in the sampling module).
     pub prompt_logprobs: F,
-    /// Counter-generated random weights (util.cu).
+    /// Counter-generated random weights (util.cu): in bf16, and in f32.
     pub fill_counter: F,
+    pub fill_counter_f32: F,
     /// A timed wait (util.cu).
     pub spin: F,
 }
@@ -155,6 +158,7 @@ impl<F> KernelTable<F> {
         let fp8_dequant = f(el, "fp8_dequant_bf16")?;
         let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
         let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
+        let quantize_rows_e4m3_f32 = f(el, "quantize_rows_e4m3_f32")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -245,6 +249,7 @@ impl<F> KernelTable<F> {
             fp8_dequant,
             fp8_dequant16,
             quantize_rows_e4m3,
+            quantize_rows_e4m3_f32,
             gemv_fp8,
             attention_ext,
             attention_ext_fp8,
@@ -260,6 +265,7 @@ impl<F> KernelTable<F> {
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
             prompt_logprobs: f(sampling, "prompt_logprobs")?,
             fill_counter: f(el, "fill_counter_bf16")?,
+            fill_counter_f32: f(el, "fill_counter_f32")?,
             spin: f(el, "spin_ns")?,
         })
     }
@@ -325,20 +331,20 @@ mod tests {
         // un-permute, gpt-oss's clamped SwiGLU and f32 router bias), the fused MoE route +
         // permute, the fused router + route + permute, the wide grouped GEMM, and the skinny grouped product per activation
         // (plain, SiLU·mul, clamped SwiGLU, un-permute) and variant, the extended attention per
-        // head dims a lane (8), 2 sampling kernels and prompt logprobs, 2 utility kernels (random weights, the
-        // profiler's spin), per attention head_dim every variant and the
+        // head dims a lane (8), 2 sampling kernels and prompt logprobs, 3 utility kernels (random weights in bf16 and
+        // f32, the profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8); FP8 weights' dequantization (2), activation quantization (1) and skinny
+        // a lane (8); FP8 weights' dequantization (2), per-row quantization (bf16 activations, f32 weights) and skinny
         // GEMM per tile, variant and scaling.
         let fp8 =
-            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 3 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 4 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
-        assert_eq!(names.len(), 29 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
+        assert_eq!(names.len(), 30 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
         for n in [
             "embed_f32",
             "prompt_logprobs",
