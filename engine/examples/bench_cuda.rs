@@ -123,7 +123,7 @@ fn run() -> Res<()> {
     let kv_elem_bytes = if kv_dtype == baton_engine::kv_cache_dtype::KvCacheDtype::Fp8E4M3 { 1 } else { 2 };
     let load_s = t0.elapsed().as_secs_f64();
     println!(
-        "{device}: loaded {config} (random bf16 weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}; weights {quantization}; all-global {all_global}"
+        "{device}: loaded {config} (random weights) in {load_s:.1} s; small-batch GEMV {gemv}; KV cache {kv_dtype:?}; weights {quantization}; all-global {all_global}"
     );
 
     // Ceiling: device copy bandwidth, 1 GiB, read + written.
