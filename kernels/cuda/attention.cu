@@ -316,10 +316,6 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         L += ml[2 * s + 1] * f;
         o += part_o[(rh * n_splits + s) * HD + d] * f;
     }
-    // The next kernel (the o projection, whose CTAs pull their first weights into L2 before
-    // they wait) may start once the partials are read, not before: its prefetch would queue
-    // ahead of these loads.
-    pdl_trigger();
     add_sink(sinks, h, mx, L, o);
     out[rh * HD + d] = f2bf(o / L);
 }
@@ -347,7 +343,7 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int min_chunk, int window, const float* __restrict__ sinks) { pdl_wait(); \
+                                                        int min_chunk, int window, const float* __restrict__ sinks) { PDL_ENTER(); \
         attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks);    \
     }
 
@@ -655,12 +651,6 @@ __device__ __forceinline__ void tc_merge_write(const float* sm_o, const float* s
                                                int n_heads, int split, int n_splits, float v_scale,
                                                const float* __restrict__ sinks, bf16_t* __restrict__ out,
                                                float* __restrict__ part_o, float* __restrict__ part_ml) {
-    // Programmatic dependent launch: both tensor-core kernels wait at entry but let the next
-    // kernel start only here, after their KV loads: the next is the combine or the o
-    // projection, whose CTAs pull their first weights into L2 before they wait, and from the
-    // entry that prefetch queued ahead of this kernel's loads (session 15, BENCHMARKS.md).
-    // CTAs that exit early count as triggered.
-    pdl_trigger();
     for (int i = threadIdx.x; i < ng * HD; i += NW * 32) {
         const int r = i / HD, d = i - r * HD;
         float mx = NEG_INF;
@@ -920,7 +910,7 @@ __device__ __forceinline__ void paged_attention_tc_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks) { pdl_wait();                                                            \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_tc_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
                                                 block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, \
                                                 window, cap2, sinks);                                             \

@@ -277,7 +277,7 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { pdl_wait();      \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
         paged_attention_tc_fp8_body<HD, NW, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,   \
                                                     block_tables, n_heads, n_kv_heads, block_size, qscale,        \
                                                     min_chunk, v_scale, window, cap2, sinks);                     \

@@ -39,10 +39,7 @@ __device__ __forceinline__ float block_sum(float v) {
 // launch had no such attribute), and `launch_dependents` lets the next kernel's CTAs start
 // as soon as all of this grid's CTAs are running, so its launch and prologue overlap this
 // kernel's tail. Work that only reads data no kernel of the step writes (weights) may come
-// before the wait: the skinny GEMM prefetches its first weight tiles there, and the norms load
-// their weight. A latency-bound kernel followed by such a GEMM may trigger later instead (the
-// decode attention kernels, after their KV loads), so that the GEMM's prefetch does not queue
-// ahead of its own loads.
+// before the wait: the skinny GEMM prefetches its first weight tiles there.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
