@@ -275,7 +275,9 @@ mod tests {
             match err {
                 KvScaleError::Shape { shape: got, .. } => assert_eq!(got, shape),
                 KvScaleError::Value { value: got, .. } => assert!(got.is_nan() || got == value),
-                KvScaleError::Read { .. } => panic!("read error for {value} {shape:?}"),
+                KvScaleError::Read { .. } | KvScaleError::CalibrationWithoutFp8 { .. } => {
+                    panic!("unexpected error for {value} {shape:?}")
+                }
             }
         }
     }

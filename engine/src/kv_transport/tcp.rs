@@ -753,4 +753,13 @@ mod tests {
             drop(client.await);
         });
     }
+
+    #[test]
+    fn layer_frame_scales_are_none_or_finite_and_positive() {
+        assert_eq!(frame_scale(0.0, 0.0), Ok(None));
+        assert_eq!(frame_scale(0.5, 3.0), Ok(Some(KvScale { k: 0.5, v: 3.0 })));
+        for (k, v) in [(0.0, 1.0), (1.0, 0.0), (f32::NAN, 1.0), (1.0, f32::INFINITY), (-1.0, 1.0), (1.0, -0.0)] {
+            assert!(frame_scale(k, v).is_err(), "{k} {v}");
+        }
+    }
 }
