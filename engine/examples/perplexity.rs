@@ -62,7 +62,10 @@ fn mean_nll(
             let scales = r.kv_scales();
             let (kmin, kmax) = scales.iter().fold((f32::MAX, 0.0f32), |(a, b), s| (a.min(s.k), b.max(s.k)));
             let (vmin, vmax) = scales.iter().fold((f32::MAX, 0.0f32), |(a, b), s| (a.min(s.v), b.max(s.v)));
-            println!("  calibrated scales: k {kmin:.4}..{kmax:.4}, v {vmin:.4}..{vmax:.4} over {} layers", scales.len());
+            println!(
+                "  calibrated scales: k {kmin:.4}..{kmax:.4}, v {vmin:.4}..{vmax:.4} over {} layers",
+                scales.len()
+            );
         }
         for (i, row) in logits.chunks_exact(vocab).enumerate() {
             let Some(&next) = ids.get(start + i + 1) else { break };
@@ -154,7 +157,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         figures["relative_change_percent_fp8_kv_calibrated"] = rel(ppl[4].1).into();
         figures["relative_change_percent_fp8_weights_and_kv_calibrated"] = rel(ppl[5].1).into();
         figures["kv_scales_calibrated"] =
-            "amax(|K|)/200 and amax(|V|)/100 per layer from the first prefill step (the first chunk), then fixed".into();
+            "amax(|K|)/200 and amax(|V|)/100 per layer from the first prefill step (the first chunk), then fixed"
+                .into();
     }
     std::fs::write(&out, serde_json::to_string_pretty(&json)? + "\n")?;
     println!("wrote {out}");

@@ -135,7 +135,13 @@ pub fn calibrated_scale(layer: usize, amax: KvAmax, old: KvScale) -> KvScale {
         if amax.is_finite() && amax > 0.0 && s.is_finite() && s > 0.0 {
             s
         } else {
-            tracing::warn!(layer, which, amax, kept = old, "FP8 KV scale calibration: unusable amax; keeping the scale");
+            tracing::warn!(
+                layer,
+                which,
+                amax,
+                kept = old,
+                "FP8 KV scale calibration: unusable amax; keeping the scale"
+            );
             old
         }
     };
@@ -148,7 +154,9 @@ pub fn check_scale(layer: usize, s: &KvScale) -> Result<(), crate::backend::Back
     if s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0 {
         Ok(())
     } else {
-        Err(crate::backend::BackendError::Device(format!("layer {layer}'s FP8 KV scales {s:?} are not finite and positive")))
+        Err(crate::backend::BackendError::Device(format!(
+            "layer {layer}'s FP8 KV scales {s:?} are not finite and positive"
+        )))
     }
 }
 

@@ -144,7 +144,9 @@ impl<B: Backend> ModelRunner<B> {
     pub fn calculate_kv_scales(&mut self) -> Result<(), ModelLoadError> {
         let dtype = self.backend.kv_dtype();
         if dtype != baton_core::kv_transfer::KvDtype::Fp8E4M3 {
-            return Err(crate::kv_cache_dtype::KvScaleError::CalibrationWithoutFp8 { dtype: format!("{dtype:?}") }.into());
+            return Err(
+                crate::kv_cache_dtype::KvScaleError::CalibrationWithoutFp8 { dtype: format!("{dtype:?}") }.into()
+            );
         }
         self.kv_calibrate = vec![true; self.arch.config().num_hidden_layers];
         tracing::info!(

@@ -18,8 +18,8 @@ use baton_engine::kv_cache_dtype::{K_SCALE_CONSTANT, KvCacheDtype, V_SCALE_CONST
 use baton_engine::kv_connector::KvAccess;
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineConfig, start_engine};
-use baton_formats::{LoadFormat, LoadedModel, load_model};
 use baton_formats::testing::TinySpec;
+use baton_formats::{LoadFormat, LoadedModel, load_model};
 use baton_kernels::cpu::fp8::quantize_e4m3;
 use baton_kernels::cpu::{RopeScalingKind, RopeTable, abs_max, requantize_e4m3};
 use common::relay::*;
@@ -129,13 +129,18 @@ fn plain_and_calibrated(model: &LoadedModel, prompt: &[u32], steps: usize) -> (F
     let p = teacher_forced::compare(prompt, steps, |t| reference.feed(t), |t| plain.feed(t));
     let mut reference = Seq::new(model, store, KvCacheDtype::Auto, len);
     let mut first = None;
-    let c = teacher_forced::compare(prompt, steps, |t| reference.feed(t), |t| {
-        let logits = cal.feed(t);
-        // Fixed after the first prefill: every later step sees the same scales.
-        let now = cal.runner.kv_scales();
-        assert_eq!(*first.get_or_insert_with(|| now.clone()), now, "the scales moved after the first prefill");
-        logits
-    });
+    let c = teacher_forced::compare(
+        prompt,
+        steps,
+        |t| reference.feed(t),
+        |t| {
+            let logits = cal.feed(t);
+            // Fixed after the first prefill: every later step sees the same scales.
+            let now = cal.runner.kv_scales();
+            assert_eq!(*first.get_or_insert_with(|| now.clone()), now, "the scales moved after the first prefill");
+            logits
+        },
+    );
     (p, c, cal.runner.kv_scales())
 }
 
@@ -245,8 +250,10 @@ fn a_calibrated_prefill_worker_hands_its_scales_to_a_calibrating_decode_worker_o
     // V past ±448: scale 1.0 clips, so a D that did not take P's scales would decode otherwise.
     let (_keep, model) = scaled(&[("v_proj.weight", 4000.0)]);
     let vocab = model.config.vocab_size;
-    let cfg = EngineConfig { kv_cache_dtype: KvCacheDtype::Fp8E4M3, calculate_kv_scales: true, ..EngineConfig::default() };
-    let prompts: Vec<Vec<u32>> = [33usize, 9, 50].iter().enumerate().map(|(i, &n)| prompt(40 + i as u64, n, vocab)).collect();
+    let cfg =
+        EngineConfig { kv_cache_dtype: KvCacheDtype::Fp8E4M3, calculate_kv_scales: true, ..EngineConfig::default() };
+    let prompts: Vec<Vec<u32>> =
+        [33usize, 9, 50].iter().enumerate().map(|(i, &n)| prompt(40 + i as u64, n, vocab)).collect();
     // The unified engine's first prefill is the same first prompt as P's, so the same scales.
     let unified = engine(&model, cfg.clone());
     let p = engine(&model, cfg.clone());

@@ -131,7 +131,12 @@ fn calibrated_scales<B: Backend>(model: &baton_formats::LoadedModel, backend: B,
         tokens: prompt.to_vec(),
         positions: (0..n).collect(),
         // Reversed blocks, so the paging is exercised.
-        seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: 0, block_table: (1..=blocks as u32).rev().collect() }],
+        seqs: vec![SeqLayout {
+            row_start: 0,
+            n_tokens: n,
+            start_pos: 0,
+            block_table: (1..=blocks as u32).rev().collect(),
+        }],
         logit_rows: vec![n - 1],
         pending: Vec::new(),
         prompt_logprobs: Vec::new(),

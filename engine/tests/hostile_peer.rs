@@ -281,12 +281,19 @@ fn hostile_handshakes_and_frames_cost_their_own_request_a_recompute() {
                 }
                 7 => {
                     // Past the transport: a layer outside the layout, then one of the wrong size.
-                    let frame = LayerFrame { layer: layout.num_layers, k: vec![0; half], v: vec![0; half], seq: 0, scale: None };
+                    let frame = LayerFrame {
+                        layer: layout.num_layers,
+                        k: vec![0; half],
+                        v: vec![0; half],
+                        seq: 0,
+                        scale: None,
+                    };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }
                 8 => {
-                    let frame = LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0, scale: None };
+                    let frame =
+                        LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0, scale: None };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }

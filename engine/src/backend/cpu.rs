@@ -467,7 +467,11 @@ impl Backend for CpuBackend {
         match &self.fp8_scales {
             Some(s) if layers.is_empty() || layers.len() == s.len() => {}
             _ if layers.is_empty() => {}
-            _ => return Err(BackendError::Device("FP8 KV scale calibration needs an FP8 cache, one flag a layer".into())),
+            _ => {
+                return Err(BackendError::Device(
+                    "FP8 KV scale calibration needs an FP8 cache, one flag a layer".into(),
+                ));
+            }
         }
         self.kv_calibrate = layers.to_vec();
         Ok(())
@@ -884,11 +888,15 @@ impl CpuBackend {
         for s in &batch.seqs {
             let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
             let (Some(kr), Some(vr)) = (kb.get(rows.clone()), v.get(rows)) else {
-                return Err(kerr("calibrate_kv_scales", format!("rows of sequence at {} outside the batch", s.row_start)));
+                return Err(kerr(
+                    "calibrate_kv_scales",
+                    format!("rows of sequence at {} outside the batch", s.row_start),
+                ));
             };
             amax = KvAmax { k: k::abs_max(&[amax.k, k::abs_max(kr)]), v: k::abs_max(&[amax.v, k::abs_max(vr)]) };
         }
-        let scales = self.fp8_scales.as_mut().ok_or_else(|| kerr("calibrate_kv_scales", "the cache is not FP8".into()))?;
+        let scales =
+            self.fp8_scales.as_mut().ok_or_else(|| kerr("calibrate_kv_scales", "the cache is not FP8".into()))?;
         let slot = scales.get_mut(layer).ok_or_else(|| kerr("calibrate_kv_scales", format!("no layer {layer}")))?;
         *slot = calibrated_scale(layer, amax, *slot);
         Ok(())

@@ -17,8 +17,7 @@ use crate::backend::{AttentionExtras, BackendError, KvCacheShape, KvScale};
 use crate::kv_cache_dtype::KvAmax;
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cuda::{
-    AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvFp8Call,
-    bf16,
+    AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvFp8Call, bf16,
 };
 
 /// The FP8 cache: its per-layer scales and, once allocated, its codes.

@@ -393,7 +393,8 @@ impl IncomingTransfer {
                 let mut sb = [0u8; 8];
                 sb.copy_from_slice(&body[12..20]);
                 let f32_at = |at: usize| f32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
-                let scale = frame_scale(f32_at(20), f32_at(24)).map_err(|e| TransportError::Protocol(format!("layer {layer}: {e}")))?;
+                let scale = frame_scale(f32_at(20), f32_at(24))
+                    .map_err(|e| TransportError::Protocol(format!("layer {layer}: {e}")))?;
                 Ok(Incoming::Layer(LayerFrame {
                     layer,
                     k: body[LAYER_HEAD..LAYER_HEAD + half].to_vec(),
@@ -470,7 +471,13 @@ mod tests {
     fn frame(layer: usize, half: usize, seed: u8) -> LayerFrame {
         let k = (0..half).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add(layer as u8)).collect();
         let v = (0..half).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed ^ 0x5a)).collect();
-        LayerFrame { layer, k, v, seq: layer as u64 + 100, scale: (layer % 2 == 1).then_some(KvScale { k: 0.25, v: 3.5 }) }
+        LayerFrame {
+            layer,
+            k,
+            v,
+            seq: layer as u64 + 100,
+            scale: (layer % 2 == 1).then_some(KvScale { k: 0.25, v: 3.5 }),
+        }
     }
 
     fn trailer() -> TransferTrailer {

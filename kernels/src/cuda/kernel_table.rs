@@ -342,8 +342,11 @@ mod tests {
         // passes, and its extended attention per head dims
         // a lane (8); FP8 weights' dequantization (2), activation quantization (1) and skinny
         // GEMM per tile, variant and scaling.
-        let fp8 =
-            4 + 4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 3 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+        let fp8 = 4
+            + 4
+            + ATTN_EXT_MAX_HEAD_DIM / 32
+            + 3
+            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
