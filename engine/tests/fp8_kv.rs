@@ -155,13 +155,7 @@ fn a_disaggregated_fp8_hand_off_matches_unified_fp8_and_a_dtype_mismatch_is_refu
     let rt = rt();
     rt.block_on(async {
         let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        for pr in &prompts {
-            let alone = collect(unified.submit(EngineRequest::new(pr.clone(), greedy(12))).expect("submit")).await;
-            let (p_out, d_out) = relay(&p, &d, &listener, pr, greedy(12), None).await;
-            assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids);
-            assert_eq!(tokens(&d_out), tokens(&alone), "prompt of {} tokens", pr.len());
-            assert_eq!(d_out[0].num_cached_tokens, pr.len(), "D computed none of the prompt");
-        }
+        relays_match_unified(&unified, &p, &d, &listener, &prompts).await;
         // P stores FP8, D f32: the hand-off is refused (naming the dtype) and D recomputes.
         let pr = &prompts[2];
         let err = refused_relay(&p, &f32_d, &listener, pr).await;

@@ -10,7 +10,6 @@
 
 mod common;
 
-use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::kv_transfer::KvDtype;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{Backend, BatchLayout, KvCacheShape, KvScale, SeqLayout};
@@ -260,13 +259,7 @@ fn a_calibrated_prefill_worker_hands_its_scales_to_a_calibrating_decode_worker_o
     let d = engine(&model, cfg);
     rt().block_on(async {
         let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        for pr in &prompts {
-            let alone = collect(unified.submit(EngineRequest::new(pr.clone(), greedy(12))).expect("submit")).await;
-            let (p_out, d_out) = relay(&p, &d, &listener, pr, greedy(12), None).await;
-            assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids);
-            assert_eq!(tokens(&d_out), tokens(&alone), "prompt of {} tokens", pr.len());
-            assert_eq!(d_out[0].num_cached_tokens, pr.len(), "D computed none of the prompt");
-        }
+        relays_match_unified(&unified, &p, &d, &listener, &prompts).await;
     });
     for e in [&unified, &p, &d] {
         assert_all_blocks_free(e);

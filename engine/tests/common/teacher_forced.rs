@@ -7,7 +7,7 @@ use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
-use baton_formats::{LoadedModel, WeightStore};
+use baton_formats::{LoadedModel, ModelConfig, WeightStore};
 
 const BLOCK: usize = 16;
 
@@ -21,7 +21,12 @@ pub struct Seq {
 
 impl Seq {
     pub fn new(model: &LoadedModel, store: &dyn WeightStore, dtype: KvCacheDtype, max_len: usize) -> Self {
-        let mut runner = ModelRunner::load(&model.config, store, CpuBackend::emulating_bf16()).expect("load model");
+        Self::with_config(&model.config, store, dtype, max_len)
+    }
+
+    /// [`Seq::new`] with a configuration of its own (e.g. with a weight quantization applied).
+    pub fn with_config(cfg: &ModelConfig, store: &dyn WeightStore, dtype: KvCacheDtype, max_len: usize) -> Self {
+        let mut runner = ModelRunner::load(cfg, store, CpuBackend::emulating_bf16()).expect("load model");
         runner.set_kv_cache_dtype(dtype, store).expect("kv dtype");
         let blocks = max_len.div_ceil(BLOCK);
         runner.alloc_kv_cache(blocks + 1, BLOCK).expect("kv cache");
