@@ -7,8 +7,12 @@
 //! through the paged cache, so every chunk after the first attends to (dequantized) cached
 //! K/V. Writes `bench/results/perplexity-fp8-<device>-<date>.json`.
 //!
+//! With `--calculate-kv-scales`, the two FP8 KV runs are repeated with the scales calculated
+//! from the first prefill step (the first chunk; `--calculate-kv-scales` as the engine runs it)
+//! and the JSON goes to `bench/results/perplexity-fp8-calibrated-<device>-<date>.json`.
+//!
 //! Usage: `CARGO_PROFILE_DEV_OPT_LEVEL=3 cargo run -p baton-engine --example perplexity --
-//! [MODEL] [--text FILE] [--tokens N] [--commit SHA] [--out FILE]`
+//! [MODEL] [--text FILE] [--tokens N] [--calculate-kv-scales] [--commit SHA] [--out FILE]`
 
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
@@ -28,8 +32,7 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 fn mean_nll(
     model: &LoadedModel,
     ids: &[u32],
-    dtype: KvCacheDtype,
-    weights: WeightQuantization,
+    (dtype, weights, calibrate): (KvCacheDtype, WeightQuantization, bool),
 ) -> Result<f64, Box<dyn std::error::Error>> {
     let store = model.weights.as_ref();
     let mut cfg = model.config.clone();
@@ -38,6 +41,9 @@ fn mean_nll(
     r.set_kv_cache_dtype(dtype, store)?;
     let blocks = ids.len().div_ceil(BLOCK);
     r.alloc_kv_cache(blocks, BLOCK)?;
+    if calibrate {
+        r.calculate_kv_scales()?;
+    }
     let table: Vec<u32> = (0..blocks as u32).collect();
     let vocab = model.config.vocab_size;
     let (mut nll, mut n) = (0.0f64, 0usize);
@@ -52,6 +58,15 @@ fn mean_nll(
             prompt_logprobs: Vec::new(),
         };
         let logits = r.forward(&batch)?;
+        if calibrate && start == 0 {
+            let scales = r.kv_scales();
+            let (kmin, kmax) = scales.iter().fold((f32::MAX, 0.0f32), |(a, b), s| (a.min(s.k), b.max(s.k)));
+            let (vmin, vmax) = scales.iter().fold((f32::MAX, 0.0f32), |(a, b), s| (a.min(s.v), b.max(s.v)));
+            println!(
+                "  calibrated scales: k {kmin:.4}..{kmax:.4}, v {vmin:.4}..{vmax:.4} over {} layers",
+                scales.len()
+            );
+        }
         for (i, row) in logits.chunks_exact(vocab).enumerate() {
             let Some(&next) = ids.get(start + i + 1) else { break };
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -81,15 +96,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("{text_path} has {} tokens, fewer than --tokens {want}", ids.len()).into());
     }
     ids.truncate(want);
-    let runs = [
-        ("bf16", KvCacheDtype::Auto, WeightQuantization::None),
-        ("fp8_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::None),
-        ("fp8_weights", KvCacheDtype::Auto, WeightQuantization::Fp8),
-        ("fp8_weights_and_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::Fp8),
+    let calibrate = args.iter().any(|a| a == "--calculate-kv-scales");
+    let mut runs = vec![
+        ("bf16", KvCacheDtype::Auto, WeightQuantization::None, false),
+        ("fp8_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::None, false),
+        ("fp8_weights", KvCacheDtype::Auto, WeightQuantization::Fp8, false),
+        ("fp8_weights_and_kv", KvCacheDtype::Fp8E4M3, WeightQuantization::Fp8, false),
     ];
+    if calibrate {
+        runs.push(("fp8_kv_calibrated", KvCacheDtype::Fp8E4M3, WeightQuantization::None, true));
+        runs.push(("fp8_weights_and_kv_calibrated", KvCacheDtype::Fp8E4M3, WeightQuantization::Fp8, true));
+    }
     let mut ppl = Vec::new();
-    for (name, kv, w) in runs {
-        let p = mean_nll(&model, &ids, kv, w)?.exp();
+    for (name, kv, w, cal) in runs {
+        let p = mean_nll(&model, &ids, (kv, w, cal))?.exp();
         println!("{} tokens of {text_path}: perplexity {name:20} {p:.4}", ids.len());
         ppl.push((name, p));
     }
@@ -105,9 +125,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     let device = "cpu-bf16-emulation";
-    let out = arg(&args, "--out").unwrap_or_else(|| format!("bench/results/perplexity-fp8-{device}-{date}.json"));
-    let json = serde_json::json!({
-        "name": "perplexity-fp8",
+    let name = if calibrate { "perplexity-fp8-calibrated" } else { "perplexity-fp8" };
+    let out = arg(&args, "--out").unwrap_or_else(|| format!("bench/results/{name}-{device}-{date}.json"));
+    let mut json = serde_json::json!({
+        "name": name,
         "device": device,
         "date": date,
         "commit": commit,
@@ -129,6 +150,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         "targets": "FP8 KV within 1 % of bf16; FP8 weights + KV within 2 % (issue 17)",
     });
+    if calibrate {
+        let figures = &mut json["figures"];
+        figures["perplexity_fp8_e4m3_kv_calibrated"] = ppl[4].1.into();
+        figures["perplexity_fp8_weights_and_kv_calibrated"] = ppl[5].1.into();
+        figures["relative_change_percent_fp8_kv_calibrated"] = rel(ppl[4].1).into();
+        figures["relative_change_percent_fp8_weights_and_kv_calibrated"] = rel(ppl[5].1).into();
+        figures["kv_scales_calibrated"] =
+            "amax(|K|)/200 and amax(|V|)/100 per layer from the first prefill step (the first chunk), then fixed"
+                .into();
+    }
     std::fs::write(&out, serde_json::to_string_pretty(&json)? + "\n")?;
     println!("wrote {out}");
     Ok(())

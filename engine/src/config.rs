@@ -57,6 +57,11 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// The KV cache's element type (`--kv-cache-dtype`); FP8 doubles the blocks a budget holds.
     pub kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype,
+    /// `--calculate-kv-scales`: the FP8 cache's per-layer scales are calculated from the
+    /// first step with prefill tokens (amax / vLLM's constants, replacing the checkpoint's),
+    /// then fixed; see [`crate::kv_cache_dtype`]. Refused at start unless `kv_cache_dtype` is
+    /// FP8.
+    pub calculate_kv_scales: bool,
     /// FP8 projection weights (`--quantization`): `None` serves the checkpoint as it is.
     pub quantization: crate::weight_quantization::WeightQuantization,
     /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
@@ -114,6 +119,7 @@ impl Default for EngineConfig {
         Self {
             block_size: 16,
             kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype::Auto,
+            calculate_kv_scales: false,
             quantization: crate::weight_quantization::WeightQuantization::None,
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,

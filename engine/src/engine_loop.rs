@@ -152,7 +152,8 @@ impl<B: crate::backend::Backend> StepModel for crate::runner::ModelRunner<B> {
     }
 
     fn kv_access(&mut self) -> &mut dyn KvAccess {
-        self.backend_mut()
+        // The runner, not its backend: it adopts a sender's FP8 scales while calibration waits.
+        self
     }
 }
 

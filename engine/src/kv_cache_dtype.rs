@@ -12,7 +12,17 @@
 //! `model.layers.N.self_attn.kv_scale` for both), else 1.0, which suits activations within
 //! ±448. Invariant: every scale the engine uses is finite and positive; a NaN, infinite,
 //! zero or negative scale, or one that is not a single value, is refused at load, naming the
-//! tensor. No calibration pass is run: a checkpoint whose K or V exceed ±448 needs its scales.
+//! tensor.
+//!
+//! Calibration (`--calculate-kv-scales`, vLLM's option and semantics): on the first forward
+//! step that has prefill tokens, each layer's scales become `amax(|K|) / K_SCALE_CONSTANT` and
+//! `amax(|V|) / V_SCALE_CONSTANT` ([`calibrated_scale`]), over that step's new K (after RoPE,
+//! and after the q/k norm where the model has one, exactly the values the cache stores) and V,
+//! computed before the step writes them; they are then fixed for the life of the engine. As in
+//! vLLM, calculated scales replace the checkpoint's where it has them (the user asked for
+//! them). A zero or non-finite amax keeps the layer's scale (1.0 unless the checkpoint gave
+//! one) and says so in a warning. Invariant: every scale the engine uses stays finite and
+//! positive, calibrated or not.
 
 use baton_core::kv_transfer::KvDtype;
 use baton_formats::WeightStore;
@@ -99,6 +109,57 @@ impl Default for KvScale {
     }
 }
 
+/// vLLM's `K_SCALE_CONSTANT` (`vllm/envs.py`, default 200): a calibrated K scale maps the
+/// step's largest |K| to code 200, leaving E4M3's range up to 448 for later, larger keys.
+pub const K_SCALE_CONSTANT: f32 = 200.0;
+
+/// vLLM's `V_SCALE_CONSTANT` (default 100): the largest |V| maps to code 100.
+pub const V_SCALE_CONSTANT: f32 = 100.0;
+
+/// The largest magnitudes of one layer's new K and V in a calibration step (NaN when a value
+/// was NaN: the reductions propagate it, so a bad step cannot pass for a good one).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvAmax {
+    /// max |K| over the step's rows.
+    pub k: f32,
+    /// max |V| over the step's rows.
+    pub v: f32,
+}
+
+/// Layer `layer`'s scales from its calibration amax (see the module doc): `amax / constant`
+/// for K and V, each falling back to `old`'s where its amax is zero or not finite (a warning
+/// names the layer and the value).
+pub fn calibrated_scale(layer: usize, amax: KvAmax, old: KvScale) -> KvScale {
+    let one = |which: &str, amax: f32, constant: f32, old: f32| {
+        let s = amax / constant;
+        if amax.is_finite() && amax > 0.0 && s.is_finite() && s > 0.0 {
+            s
+        } else {
+            tracing::warn!(
+                layer,
+                which,
+                amax,
+                kept = old,
+                "FP8 KV scale calibration: unusable amax; keeping the scale"
+            );
+            old
+        }
+    };
+    KvScale { k: one("k", amax.k, K_SCALE_CONSTANT, old.k), v: one("v", amax.v, V_SCALE_CONSTANT, old.v) }
+}
+
+/// Ok when both of layer `layer`'s scales are finite and positive (what every backend holds
+/// to), else a device error naming the layer.
+pub fn check_scale(layer: usize, s: &KvScale) -> Result<(), crate::backend::BackendError> {
+    if s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0 {
+        Ok(())
+    } else {
+        Err(crate::backend::BackendError::Device(format!(
+            "layer {layer}'s FP8 KV scales {s:?} are not finite and positive"
+        )))
+    }
+}
+
 /// A checkpoint's KV scale that cannot be used.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum KvScaleError {
@@ -117,6 +178,12 @@ pub enum KvScaleError {
         name: String,
         /// Its value.
         value: f32,
+    },
+    /// `--calculate-kv-scales` on a cache that is not FP8.
+    #[error("--calculate-kv-scales needs an FP8 KV cache (--kv-cache-dtype fp8); this cache stores {dtype}")]
+    CalibrationWithoutFp8 {
+        /// The cache's element type.
+        dtype: String,
     },
     /// The store failed to read it.
     #[error("KV scale tensor {name}: {message}")]
@@ -216,9 +283,24 @@ mod tests {
             match err {
                 KvScaleError::Shape { shape: got, .. } => assert_eq!(got, shape),
                 KvScaleError::Value { value: got, .. } => assert!(got.is_nan() || got == value),
-                KvScaleError::Read { .. } => panic!("read error for {value} {shape:?}"),
+                KvScaleError::Read { .. } | KvScaleError::CalibrationWithoutFp8 { .. } => {
+                    panic!("unexpected error for {value} {shape:?}")
+                }
             }
         }
+    }
+
+    #[test]
+    fn calibrated_scales_are_amax_over_vllm_constants_and_bad_amax_keeps_the_old() {
+        let old = KvScale { k: 0.5, v: 2.0 };
+        let s = calibrated_scale(3, KvAmax { k: 50.0, v: 3.0 }, old);
+        assert_eq!(s, KvScale { k: 50.0 / 200.0, v: 3.0 / 100.0 });
+        for bad in [0.0, f32::NAN, f32::INFINITY, -1.0] {
+            assert_eq!(calibrated_scale(0, KvAmax { k: bad, v: 7.0 }, old), KvScale { k: 0.5, v: 0.07 }, "{bad}");
+            assert_eq!(calibrated_scale(0, KvAmax { k: 7.0, v: bad }, old), KvScale { k: 0.035, v: 2.0 }, "{bad}");
+        }
+        // A subnormal amax whose quotient underflows to zero keeps the old scale too.
+        assert_eq!(calibrated_scale(0, KvAmax { k: f32::from_bits(1), v: 1.0 }, old).k, 0.5);
     }
 
     #[test]

@@ -131,6 +131,12 @@ pub fn start_engine(
             cfg.max_position_embeddings
         )));
     }
+    if config.calculate_kv_scales && config.kv_cache_dtype != kv_cache_dtype::KvCacheDtype::Fp8E4M3 {
+        return Err(EngineStartError::Config(format!(
+            "--calculate-kv-scales needs --kv-cache-dtype fp8 (the KV cache is {})",
+            config.kv_cache_dtype
+        )));
+    }
     if config.block_size == 0 || config.block_size > 1024 {
         return Err(EngineStartError::Config(format!("block_size must be in [1, 1024], got {}", config.block_size)));
     }
@@ -283,6 +289,10 @@ fn size_kv<B: backend::Backend>(
         )));
     }
     llama.alloc_kv_cache(num_blocks, config.block_size)?;
+    // After the CUDA profiling step (its dummy tokens must not calibrate anything).
+    if config.calculate_kv_scales {
+        llama.calculate_kv_scales()?;
+    }
     let name = llama.device_name();
     let dtype = llama.kv_dtype();
     Ok((Box::new(llama), num_blocks, name, dtype))

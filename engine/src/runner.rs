@@ -17,7 +17,7 @@
 //! [`crate::backend::DeviceSampler`]) are never required: steps then run op by op and
 //! sample on the host. A sampling launch is collected at most once.
 
-use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, PromptLogprobRow, ReplayStart};
+use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, KvScale, PromptLogprobRow, ReplayStart};
 use crate::models::{Architecture, ModelLoadError, WeightLoader, build_architecture};
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
@@ -50,6 +50,10 @@ pub struct ModelRunner<B: Backend> {
     launched: Option<LaunchedSample>,
     /// The answers for the last step's [`BatchLayout::prompt_logprobs`], in order.
     prompt_logprobs: Vec<PromptLogprob>,
+    /// FP8 KV scale calibration (`--calculate-kv-scales`): per layer, whether its scales are
+    /// still to be set, by the first step with prefill tokens or, on a decode worker, by the
+    /// first sender whose codes it stores. Empty when calibration is off.
+    kv_calibrate: Vec<bool>,
 }
 
 /// Most rows of vocabulary logits the LM head produces at once for prompt logprobs: a long
@@ -84,7 +88,15 @@ impl<B: Backend> ModelRunner<B> {
         let upload = backend.finish_weights()?;
         log_weights(started.elapsed(), w.tensors_read(), upload);
         arch.prepare(&mut backend)?;
-        Ok(Self { arch, backend, logit_count: 0, picks: Vec::new(), launched: None, prompt_logprobs: Vec::new() })
+        Ok(Self {
+            arch,
+            backend,
+            logit_count: 0,
+            picks: Vec::new(),
+            launched: None,
+            prompt_logprobs: Vec::new(),
+            kv_calibrate: Vec::new(),
+        })
     }
 
     /// The model's configuration.
@@ -117,6 +129,37 @@ impl<B: Backend> ModelRunner<B> {
     /// [`crate::backend::KvIo::write_kv_blocks`]).
     pub fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
         kv_io(&mut self.backend)?.write_kv_blocks(layer, blocks, k, v)
+    }
+
+    /// The FP8 KV cache's scales in use, one per layer (empty when the cache is not FP8).
+    pub fn kv_scales(&self) -> Vec<KvScale> {
+        self.backend.kv_scales()
+    }
+
+    /// Turns on FP8 KV scale calibration (`--calculate-kv-scales`, see
+    /// [`crate::kv_cache_dtype`]): the first step with prefill tokens sets every layer's
+    /// scales from its own K and V, replacing the checkpoint's; they are fixed from then on.
+    /// Call it after any profiling step (that step's dummy tokens must not calibrate).
+    /// Refused unless the cache is FP8.
+    pub fn calculate_kv_scales(&mut self) -> Result<(), ModelLoadError> {
+        let dtype = self.backend.kv_dtype();
+        if dtype != baton_core::kv_transfer::KvDtype::Fp8E4M3 {
+            return Err(
+                crate::kv_cache_dtype::KvScaleError::CalibrationWithoutFp8 { dtype: format!("{dtype:?}") }.into()
+            );
+        }
+        self.kv_calibrate = vec![true; self.arch.config().num_hidden_layers];
+        tracing::info!(
+            k_constant = crate::kv_cache_dtype::K_SCALE_CONSTANT,
+            v_constant = crate::kv_cache_dtype::V_SCALE_CONSTANT,
+            "FP8 KV scales will be calculated from the first prefill step (replacing any from the checkpoint)"
+        );
+        Ok(())
+    }
+
+    /// Whether some layer's FP8 KV scales still wait for their calibration.
+    pub fn kv_scales_pending(&self) -> bool {
+        self.kv_calibrate.iter().any(|&c| c)
     }
 
     /// Element type of the backend's KV cache.
@@ -290,6 +333,9 @@ impl<B: Backend> ModelRunner<B> {
         self.prompt_logprobs.clear();
         let resolved = self.resolve_pending(batch)?;
         let batch = resolved.as_ref().unwrap_or(batch);
+        if self.kv_scales_pending() && has_prefill(batch) {
+            return self.calibrating_step(batch, after_layer);
+        }
         if after_layer.is_none()
             && batch.prompt_logprobs.is_empty()
             && let Some(rows) = self.backend.graph_replay().and_then(|g| g.replay_rows(batch))
@@ -306,6 +352,35 @@ impl<B: Backend> ModelRunner<B> {
             }
         }
         self.run_ops(batch, after_layer)
+    }
+
+    /// The FP8 KV scale calibration step: `batch` op by op (never replayed or recorded) with
+    /// the backend setting each pending layer's scales before its KV write. On success the
+    /// scales are fixed; a failed step leaves calibration pending for the next prefill.
+    fn calibrating_step(
+        &mut self,
+        batch: &BatchLayout,
+        after_layer: Option<&mut AfterLayer<'_>>,
+    ) -> Result<(), BackendError> {
+        self.backend.calibrate_kv_scales(&self.kv_calibrate)?;
+        let ran = self.run_ops(batch, after_layer);
+        let stopped = self.backend.calibrate_kv_scales(&[]);
+        ran?;
+        stopped?;
+        let scales = self.backend.kv_scales();
+        for (layer, s) in scales.iter().enumerate().filter(|(i, _)| self.kv_calibrate.get(*i) == Some(&true)) {
+            tracing::debug!(layer, k_scale = s.k, v_scale = s.v, "FP8 KV scales calculated");
+        }
+        let (k_max, v_max) = scales.iter().fold((0.0f32, 0.0f32), |(k, v), s| (k.max(s.k), v.max(s.v)));
+        tracing::info!(
+            layers = scales.len(),
+            rows = batch.tokens.len(),
+            k_scale_max = k_max,
+            v_scale_max = v_max,
+            "FP8 KV scales calculated from the first prefill step; fixed from now on"
+        );
+        self.kv_calibrate.fill(false);
+        Ok(())
     }
 
     /// Runs a padded decode step from a recording, recording it first if needed; `false` when
@@ -389,6 +464,51 @@ fn prompt_logprobs<B: Backend>(
         }));
     }
     Ok(out)
+}
+
+/// The cache as the KV connector sees it: the backend's, except that a received layer whose
+/// calibration is still pending adopts the sender's FP8 scales (then fixed) rather than
+/// being requantized into scales no prefill has set yet.
+impl<B: Backend> crate::kv_connector::KvAccess for ModelRunner<B> {
+    fn read_kv_blocks(&mut self, layer: usize, blocks: &[u32]) -> Result<(Vec<u8>, Vec<u8>), BackendError> {
+        kv_io(&mut self.backend)?.read_kv_blocks(layer, blocks)
+    }
+
+    fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError> {
+        kv_io(&mut self.backend)?.write_kv_blocks(layer, blocks, k, v)
+    }
+
+    fn device(&mut self) -> Option<&mut dyn crate::backend::KvDeviceAccess> {
+        self.backend.kv_device()
+    }
+
+    fn kv_scale(&self, layer: usize) -> Option<KvScale> {
+        self.backend.kv_scales().get(layer).copied()
+    }
+
+    fn import_kv_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        k: &[u8],
+        v: &[u8],
+        sender: Option<KvScale>,
+    ) -> Result<(), BackendError> {
+        if let Some(sent) = sender
+            && self.kv_calibrate.get(layer).copied().unwrap_or(false)
+        {
+            self.backend.set_kv_scale(layer, sent)?;
+            self.kv_calibrate[layer] = false;
+            tracing::info!(layer, k_scale = sent.k, v_scale = sent.v, "FP8 KV scales adopted from a prefill worker");
+        }
+        crate::kv_connector::write_in_own_scales(self, layer, blocks, (k, v), sender)
+    }
+}
+
+/// Whether `batch` has prefill tokens: a chunk of more than one token, or one that starts a
+/// sequence (a one-token prompt). A decode row is one token after others.
+fn has_prefill(batch: &BatchLayout) -> bool {
+    batch.seqs.iter().any(|s| s.n_tokens > 1 || (s.n_tokens == 1 && s.start_pos == 0))
 }
 
 /// The backend's KV I/O, or an error naming the missing capability.

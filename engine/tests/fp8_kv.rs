@@ -14,51 +14,16 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::kv_transfer::KvDtype;
 use baton_engine::EngineConfig;
+use baton_engine::backend::KvCacheShape;
 use baton_engine::backend::cpu::CpuBackend;
-use baton_engine::backend::{BatchLayout, KvCacheShape, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::runner::ModelRunner;
 use baton_formats::testing::{TinySpec, default_model_path, load_golden};
 use baton_formats::{DType, FormatError, LoadFormat, LoadedModel, TensorView, WeightStore, load_model};
 use common::relay::*;
-use common::teacher_forced::{self, Figures};
+use common::teacher_forced::{self, Figures, Seq};
 use common::*;
-
-const BLOCK: usize = 16;
-
-/// One sequence decoded step by step through a runner's paged cache.
-struct Seq {
-    runner: ModelRunner<CpuBackend>,
-    table: Vec<u32>,
-    pos: usize,
-}
-
-impl Seq {
-    fn new(model: &LoadedModel, store: &dyn WeightStore, dtype: KvCacheDtype, max_len: usize) -> Self {
-        let mut runner = ModelRunner::load(&model.config, store, CpuBackend::emulating_bf16()).expect("load model");
-        runner.set_kv_cache_dtype(dtype, store).expect("kv dtype");
-        let blocks = max_len.div_ceil(BLOCK);
-        runner.alloc_kv_cache(blocks + 1, BLOCK).expect("kv cache");
-        // Reversed, so the paging is exercised.
-        Self { runner, table: (1..=blocks as u32).rev().collect(), pos: 0 }
-    }
-
-    /// Feeds `tokens`; returns the logits of the last one.
-    fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
-        let n = tokens.len();
-        let batch = BatchLayout {
-            tokens: tokens.to_vec(),
-            positions: (self.pos..self.pos + n).collect(),
-            seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: self.pos, block_table: self.table.clone() }],
-            logit_rows: vec![n - 1],
-            pending: Vec::new(),
-            prompt_logprobs: Vec::new(),
-        };
-        self.pos += n;
-        self.runner.forward(&batch).expect("forward")
-    }
-}
 
 /// FP8 KV vs bf16 KV, teacher-forced on the bf16 run's greedy tokens.
 fn compare(model: &LoadedModel, prompt: &[u32], steps: usize) -> Figures {
@@ -190,13 +155,7 @@ fn a_disaggregated_fp8_hand_off_matches_unified_fp8_and_a_dtype_mismatch_is_refu
     let rt = rt();
     rt.block_on(async {
         let listener = TcpKvListener::bind("127.0.0.1:0".parse().expect("addr")).await.expect("bind");
-        for pr in &prompts {
-            let alone = collect(unified.submit(EngineRequest::new(pr.clone(), greedy(12))).expect("submit")).await;
-            let (p_out, d_out) = relay(&p, &d, &listener, pr, greedy(12), None).await;
-            assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids);
-            assert_eq!(tokens(&d_out), tokens(&alone), "prompt of {} tokens", pr.len());
-            assert_eq!(d_out[0].num_cached_tokens, pr.len(), "D computed none of the prompt");
-        }
+        relays_match_unified(&unified, &p, &d, &listener, &prompts).await;
         // P stores FP8, D f32: the hand-off is refused (naming the dtype) and D recomputes.
         let pr = &prompts[2];
         let err = refused_relay(&p, &f32_d, &listener, pr).await;

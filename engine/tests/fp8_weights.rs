@@ -13,55 +13,23 @@ mod common;
 use std::path::Path;
 
 use baton_engine::EngineConfig;
+use baton_engine::backend::Backend;
 use baton_engine::backend::cpu::CpuBackend;
-use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
-use baton_engine::runner::ModelRunner;
+use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::{default_model_path, load_golden};
 use baton_formats::{LoadFormat, LoadedModel, ModelConfig, load_model};
 use baton_kernels::cpu::{ActivationScale, Fp8Matrix, linear_fp8};
-use common::teacher_forced::{self, Figures};
+use common::teacher_forced::{self, Figures, Seq};
 use common::*;
-
-const BLOCK: usize = 16;
-
-/// One sequence decoded step by step through a runner's paged cache.
-struct Seq {
-    runner: ModelRunner<CpuBackend>,
-    table: Vec<u32>,
-    pos: usize,
-}
-
-impl Seq {
-    fn new(cfg: &ModelConfig, model: &LoadedModel, max_len: usize) -> Self {
-        let mut runner =
-            ModelRunner::load(cfg, model.weights.as_ref(), CpuBackend::emulating_bf16()).expect("load model");
-        let blocks = max_len.div_ceil(BLOCK);
-        runner.alloc_kv_cache(blocks + 1, BLOCK).expect("kv cache");
-        Self { runner, table: (1..=blocks as u32).rev().collect(), pos: 0 }
-    }
-
-    fn feed(&mut self, tokens: &[u32]) -> Vec<f32> {
-        let n = tokens.len();
-        let batch = BatchLayout {
-            tokens: tokens.to_vec(),
-            positions: (self.pos..self.pos + n).collect(),
-            seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: self.pos, block_table: self.table.clone() }],
-            logit_rows: vec![n - 1],
-            pending: Vec::new(),
-            prompt_logprobs: Vec::new(),
-        };
-        self.pos += n;
-        self.runner.forward(&batch).expect("forward")
-    }
-}
 
 /// `(reference config and weights)` vs `(fp8 config and weights)`, teacher-forced on the
 /// reference's greedy tokens.
 fn compare(reference: (&ModelConfig, &LoadedModel), fp8: (&ModelConfig, &LoadedModel), prompt: &[u32]) -> Figures {
     let steps = 64;
-    let mut r = Seq::new(reference.0, reference.1, prompt.len() + steps);
-    let mut q = Seq::new(fp8.0, fp8.1, prompt.len() + steps);
+    let len = prompt.len() + steps;
+    let mut r = Seq::with_config(reference.0, reference.1.weights.as_ref(), KvCacheDtype::Auto, len);
+    let mut q = Seq::with_config(fp8.0, fp8.1.weights.as_ref(), KvCacheDtype::Auto, len);
     teacher_forced::compare(prompt, steps, |t| r.feed(t), |t| q.feed(t))
 }
 

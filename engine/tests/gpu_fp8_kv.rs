@@ -4,7 +4,9 @@
 //! up to near ties, also when the second round reads its prompts from the prefix cache; so do
 //! the Gemma 2/3 and gpt-oss fixtures (sliding windows, soft-caps, sinks: the tuned kernels'
 //! options over the FP8 cache); and the pool sized from free memory holds about twice the
-//! bf16 pool's blocks.
+//! bf16 pool's blocks. With `--calculate-kv-scales`, the scales the CUDA backend calculates
+//! from a first prefill equal the CPU reference's within bf16 rounding, and the greedy tokens
+//! that follow match as above.
 //!
 //! Where they may differ: the CUDA kernel rotates k in its own f32 order before rounding to
 //! bf16, so a k value can land on the neighbouring bf16 and then, rarely, on the neighbouring
@@ -18,7 +20,11 @@ mod common;
 use baton_core::api::{EngineClient, EngineRequest};
 use baton_core::kv_transfer::KvDtype;
 use baton_core::params::SamplingParams;
+use baton_engine::backend::cpu::CpuBackend;
+use baton_engine::backend::cuda::CudaBackend;
+use baton_engine::backend::{Backend, BatchLayout, KvScale, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
+use baton_engine::runner::ModelRunner;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
 use baton_formats::testing::TinySpec;
 use common::{drain, peaked_fixture, peaked_gemma_fixture, prompt, tiny};
@@ -42,6 +48,7 @@ fn start(
     device: DeviceSpec,
     kv: KvCacheDtype,
     blocks: Option<usize>,
+    calculate_kv_scales: bool,
 ) -> EngineHandle {
     let cfg = EngineConfig {
         num_threads: Some(2),
@@ -49,6 +56,7 @@ fn start(
         max_model_len: Some(512),
         cpu_emulates_bf16: true,
         kv_cache_dtype: kv,
+        calculate_kv_scales,
         ..EngineConfig::default()
     };
     start_engine(model, device, cfg).unwrap_or_else(|e| panic!("start on {device} with {kv}: {e}"))
@@ -99,7 +107,68 @@ fn compare(name: &str, cpu: &[Run], gpu: &[Run]) -> usize {
 
 #[test]
 fn gpu_fp8_kv_cache_matches_cpu_fp8_reference() {
-    matches_cpu_reference(KvCacheDtype::Fp8E4M3);
+    matches_cpu_reference(KvCacheDtype::Fp8E4M3, false);
+}
+
+/// With `--calculate-kv-scales` on both sides: the scales come from the same first prefill
+/// (a prompt run alone before the others), then the greedy tokens match as above.
+#[test]
+fn gpu_fp8_kv_cache_calibrated_matches_cpu_fp8_reference() {
+    matches_cpu_reference(KvCacheDtype::Fp8E4M3, true);
+}
+
+/// The scales `backend` calculates for `model` from one prefill of `prompt` (FP8 cache,
+/// `--calculate-kv-scales`).
+fn calibrated_scales<B: Backend>(model: &baton_formats::LoadedModel, backend: B, prompt: &[u32]) -> Vec<KvScale> {
+    let store = model.weights.as_ref();
+    let mut r = ModelRunner::load(&model.config, store, backend).expect("load");
+    r.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, store).expect("fp8");
+    let blocks = prompt.len().div_ceil(16);
+    r.alloc_kv_cache(blocks + 1, 16).expect("cache");
+    r.calculate_kv_scales().expect("calibration");
+    let n = prompt.len();
+    let batch = BatchLayout {
+        tokens: prompt.to_vec(),
+        positions: (0..n).collect(),
+        // Reversed blocks, so the paging is exercised.
+        seqs: vec![SeqLayout {
+            row_start: 0,
+            n_tokens: n,
+            start_pos: 0,
+            block_table: (1..=blocks as u32).rev().collect(),
+        }],
+        logit_rows: vec![n - 1],
+        pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
+    };
+    r.forward(&batch).expect("prefill");
+    assert!(!r.kv_scales_pending());
+    r.kv_scales()
+}
+
+/// The CUDA calibration pass (`rope*_write_kv_amax`) against the CPU reference's amax, on the
+/// same first prefill: llama (fused QKV rows) and qwen3 (the q/k norm fused in). The CUDA K
+/// and V come out of bf16 GEMMs with their own accumulation order and the CUDA kernel rotates
+/// in its own f32 order, so the largest element may round to a neighbouring bf16: the scales
+/// agree within 2⁻⁶ relative (two bf16 steps), not bit for bit.
+#[test]
+fn gpu_calibrated_kv_scales_match_the_cpu_reference() {
+    for (name, spec) in [("llama", TinySpec::llama()), ("qwen3", TinySpec::qwen3())] {
+        let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
+        let m = tiny(&spec);
+        let prompt = prompt(5, 40, m.model.config.vocab_size);
+        let cpu = calibrated_scales(&m.model, CpuBackend::emulating_bf16(), &prompt);
+        let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
+        let gpu = calibrated_scales(&m.model, CudaBackend::new(&opts).expect("open cuda:0"), &prompt);
+        assert_eq!(cpu.len(), gpu.len());
+        for (l, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+            println!("{name} layer {l}: cpu {c:?} gpu {g:?}");
+            assert!(*c != KvScale::default(), "{name} layer {l}: the CPU reference calibrated");
+            for (which, a, b) in [("k", c.k, g.k), ("v", c.v, g.v)] {
+                assert!((a - b).abs() <= a * (1.0 / 64.0), "{name} layer {l} {which}: cpu {a} gpu {b}");
+            }
+        }
+    }
 }
 
 /// The same models and prompts with a bf16 cache on both sides: separates what the FP8 cache
@@ -107,25 +176,33 @@ fn gpu_fp8_kv_cache_matches_cpu_fp8_reference() {
 #[test]
 fn gpu_bf16_kv_cache_on_the_same_prompts_matches_cpu() {
     // `auto`: the CPU reference's own storage emulating bf16, bf16 on the GPU.
-    matches_cpu_reference(KvCacheDtype::Auto);
+    matches_cpu_reference(KvCacheDtype::Auto, false);
 }
 
-/// The body of both tests above, with a `kv` cache on the CPU reference and on `cuda:0`.
-fn matches_cpu_reference(kv: KvCacheDtype) {
+/// The body of the tests above, with a `kv` cache on the CPU reference and on `cuda:0`
+/// (calibrated from a first prefill with `calibrate`).
+fn matches_cpu_reference(kv: KvCacheDtype, calibrate: bool) {
     for (name, spec) in [("llama", TinySpec::llama()), ("qwen2", TinySpec::qwen2()), ("qwen3", TinySpec::qwen3())] {
         let spec = TinySpec { init_std: 0.5, seed: spec.seed + 1000, ..spec };
-        model_matches_cpu_reference(name, &tiny(&spec).model, kv);
+        model_matches_cpu_reference(name, &tiny(&spec).model, kv, calibrate);
     }
 }
 
 /// `model` with a `kv` cache on the CPU reference and on `cuda:0`: prompts shorter and longer
 /// than the fixtures' 16-token windows, each round twice (the second from the prefix cache).
-fn model_matches_cpu_reference(name: &str, model: &baton_formats::LoadedModel, kv: KvCacheDtype) {
+fn model_matches_cpu_reference(name: &str, model: &baton_formats::LoadedModel, kv: KvCacheDtype, calibrate: bool) {
     let vocab = model.config.vocab_size;
     let prompts: Vec<Vec<u32>> =
         [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 71, l, vocab)).collect();
-    let cpu = run_all(&start(model, DeviceSpec::Cpu, kv, Some(256)), &prompts);
-    let gpu_engine = start(model, DeviceSpec::Cuda(0), kv, Some(256));
+    // A calibrating engine's scales come from its first prefill: the same prompt, alone, on both.
+    let first = |e: EngineHandle| {
+        if calibrate {
+            run_all(&e, &[prompt(70, 33, vocab)]);
+        }
+        e
+    };
+    let cpu = run_all(&first(start(model, DeviceSpec::Cpu, kv, Some(256), calibrate)), &prompts);
+    let gpu_engine = first(start(model, DeviceSpec::Cuda(0), kv, Some(256), calibrate));
     let want = if kv == KvCacheDtype::Fp8E4M3 { KvDtype::Fp8E4M3 } else { KvDtype::BF16 };
     assert_eq!(gpu_engine.kv_layout().dtype, want);
     let identical = compare(name, &cpu, &run_all(&gpu_engine, &prompts));
@@ -140,16 +217,16 @@ fn model_matches_cpu_reference(name: &str, model: &baton_formats::LoadedModel, k
 #[test]
 fn gpu_fp8_kv_cache_with_windows_softcaps_and_sinks_matches_cpu() {
     for name in ["gemma2", "gemma3_text"] {
-        model_matches_cpu_reference(name, &peaked_gemma_fixture(name, 8.0), KvCacheDtype::Fp8E4M3);
+        model_matches_cpu_reference(name, &peaked_gemma_fixture(name, 8.0), KvCacheDtype::Fp8E4M3, false);
     }
-    model_matches_cpu_reference("gpt_oss", &peaked_fixture("gpt_oss", 8.0), KvCacheDtype::Fp8E4M3);
+    model_matches_cpu_reference("gpt_oss", &peaked_fixture("gpt_oss", 8.0), KvCacheDtype::Fp8E4M3, false);
 }
 
 #[test]
 fn gpu_fp8_kv_pool_holds_twice_the_blocks() {
     let m = tiny(&TinySpec::llama());
     let blocks = |kv| {
-        let e = start(&m.model, DeviceSpec::Cuda(0), kv, None);
+        let e = start(&m.model, DeviceSpec::Cuda(0), kv, None, false);
         let n = e.info().num_blocks;
         e.shutdown();
         n

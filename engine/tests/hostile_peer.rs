@@ -11,7 +11,7 @@
 //! against the reservation hold even for a peer inside the cluster.
 //!
 //! The raw-wire cases speak the TCP transport's documented format themselves
-//! (`baton_engine::kv_transport::tcp`): the receiver's magic `BKV3` and 32-byte challenge,
+//! (`baton_engine::kv_transport::tcp`): the receiver's magic `BKV4` and 32-byte challenge,
 //! then the sender's magic and frames `kind: u8, len: u64 LE`, the `HELLO` carrying a
 //! 32-byte proof before the handshake JSON.
 
@@ -137,9 +137,9 @@ impl RawPeer {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         let mut greeting = [0u8; 4 + KV_NONCE_LEN];
         s.read_exact(&mut greeting).await.expect("the receiver's challenge");
-        assert_eq!(&greeting[..4], b"BKV3");
+        assert_eq!(&greeting[..4], b"BKV4");
         let challenge = KvChallenge(greeting[4..].try_into().expect("32 bytes"));
-        s.write_all(b"BKV3").await.expect("magic");
+        s.write_all(b"BKV4").await.expect("magic");
         let body = serde_json::to_vec(hs).expect("json");
         let proof = secret().kv_proof(&challenge, &body);
         let mut peer = RawPeer(s);
@@ -156,7 +156,8 @@ impl RawPeer {
         let mut payload = layer.to_le_bytes().to_vec();
         payload.extend_from_slice(&(half as u64).to_le_bytes());
         payload.extend_from_slice(&0u64.to_le_bytes());
-        payload.resize(20 + 2 * half, 0);
+        // Then the two FP8 scales (0, 0: none) and the K and V bytes.
+        payload.resize(28 + 2 * half, 0);
         self.frame(LAYER, payload.len() as u64, &payload).await;
     }
 }
@@ -261,7 +262,7 @@ fn hostile_handshakes_and_frames_cost_their_own_request_a_recompute() {
                     let mut sender = connect(addr, hs).await.expect("accepted");
                     for layer in 0..layout.num_layers {
                         sender
-                            .send_layer(&LayerFrame { layer, k: vec![0; half], v: vec![0; half], seq: 0 })
+                            .send_layer(&LayerFrame { layer, k: vec![0; half], v: vec![0; half], seq: 0, scale: None })
                             .await
                             .expect("layer");
                     }
@@ -280,12 +281,19 @@ fn hostile_handshakes_and_frames_cost_their_own_request_a_recompute() {
                 }
                 7 => {
                     // Past the transport: a layer outside the layout, then one of the wrong size.
-                    let frame = LayerFrame { layer: layout.num_layers, k: vec![0; half], v: vec![0; half], seq: 0 };
+                    let frame = LayerFrame {
+                        layer: layout.num_layers,
+                        k: vec![0; half],
+                        v: vec![0; half],
+                        seq: 0,
+                        scale: None,
+                    };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }
                 8 => {
-                    let frame = LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0 };
+                    let frame =
+                        LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0, scale: None };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }

@@ -45,7 +45,19 @@ struct QkNormArgs {
 __device__ __forceinline__ void kv_put(bf16_t* c, bf16_t x, float) { *c = x; }
 __device__ __forceinline__ void kv_put(unsigned char* c, bf16_t x, float scale) { *c = f2e4m3(bf2f(x) / scale); }
 
-template <bool QK_NORM, typename C>
+// FP8 KV scale calibration (AMAX): the same rotation (and norm), but instead of writing, the
+// largest |k| (as stored: rotated, rounded to bf16) and |v| over the rows with a slot are
+// raised into amax[0] and amax[1] (zeroed by the caller); q, k and the cache are untouched.
+// The maximum is taken on the bits: a non-negative float orders as an unsigned int, and a NaN
+// (sign cleared) exceeds every finite value and infinity, so a NaN in K or V comes out NaN
+// (the CPU reference's abs_max propagates it the same way). One atomic per warp.
+__device__ __forceinline__ void amax_put(float* amax, float x) {
+    const unsigned mask = __activemask();
+    const unsigned m = __reduce_max_sync(mask, __float_as_uint(fabsf(x)));
+    if ((threadIdx.x & 31) == (unsigned)(__ffs(mask) - 1)) atomicMax(reinterpret_cast<unsigned*>(amax), m);
+}
+
+template <bool QK_NORM, typename C, bool AMAX = false>
 __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
                                                    const bf16_t* k_in, long long k_stride, bf16_t* k_out,
                                                    const bf16_t* __restrict__ v_in, long long v_stride,
@@ -54,7 +66,7 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                                    int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
-                                                   float k_scale, float v_scale) {
+                                                   float k_scale, float v_scale, float* amax = nullptr) {
     const int row = blockIdx.x;
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
@@ -91,11 +103,17 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
+        if (AMAX) {
+            amax_put(amax + 1, __uint_as_float(max(__float_as_uint(fabsf(bf2f(vr[i]))), __float_as_uint(fabsf(bf2f(vr[i + half]))))));
+            return;
+        }
         C* vc = v_cache + slot * kv_w + h * head_dim;
         kv_put(vc + i, vr[i], v_scale);
         kv_put(vc + i + half, vr[i + half], v_scale);
         return;
     }
+    // A calibration pass reads keys and values only (CTA-uniform: no reduction is left half-done).
+    if (AMAX && head < n_heads) return;
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
         bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
@@ -124,6 +142,11 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         b *= inv * w1;
     }
     const bf16_t ra = f2bf(a * c - b * s), rb = f2bf(b * c + a * s);
+    if (AMAX) {
+        // fmaxf would drop a NaN: take the larger bits instead (both magnitudes, so NaN wins).
+        if (slot >= 0) amax_put(amax, __uint_as_float(max(__float_as_uint(fabsf(bf2f(ra))), __float_as_uint(fabsf(bf2f(rb))))));
+        return;
+    }
     if (k_out) {
         bf16_t* ko = k_out + row * kv_w + h * head_dim;
         ko[e0] = ra;
@@ -247,4 +270,66 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_fp8(
     rope_write_kv_body<true, unsigned char>(qkv, stride, q_out, qkv + qd, stride, nullptr, qkv + qd + kvd, stride,
                                             k_cache, v_cache, positions, slots, inv_freq, n_heads, n_kv_heads,
                                             head_dim, rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, k_scale, v_scale);
+}
+
+// The four entries above as FP8 KV scale calibration passes (AMAX, see amax_put): the same
+// inputs, rotation and norm; the largest stored |k| and |v| of the rows with a slot go to
+// amax[0] and amax[1]; nothing is written but amax.
+extern "C" __global__ void rope_write_kv_amax(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                                              const bf16_t* __restrict__ v, float* __restrict__ amax,
+                                              const int* __restrict__ positions, const long long* __restrict__ slots,
+                                              const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                              int head_dim, int rot_half, float cs_scale) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<false, unsigned char, true>(q, (long long)n_heads * head_dim, nullptr, k, kv_w, nullptr, v, kv_w,
+                                                   nullptr, nullptr, positions, slots, inv_freq, n_heads, n_kv_heads,
+                                                   head_dim, rot_half, cs_scale, QkNormArgs{nullptr, nullptr, 0.f, 0.f},
+                                                   1.f, 1.f, amax);
+}
+
+extern "C" __global__ void rope_qkv_write_kv_amax(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_out,
+                                                  float* __restrict__ amax, const int* __restrict__ positions,
+                                                  const long long* __restrict__ slots,
+                                                  const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                                  int head_dim, int rot_half, float cs_scale) {
+    PDL_ENTER();
+    (void)q_out;
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<false, unsigned char, true>(qkv, stride, nullptr, qkv + qd, stride, nullptr, qkv + qd + kvd,
+                                                   stride, nullptr, nullptr, positions, slots, inv_freq, n_heads,
+                                                   n_kv_heads, head_dim, rot_half, cs_scale,
+                                                   QkNormArgs{nullptr, nullptr, 0.f, 0.f}, 1.f, 1.f, amax);
+}
+
+extern "C" __global__ void rope_qknorm_write_kv_amax(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                                                     const bf16_t* __restrict__ v, float* __restrict__ amax,
+                                                     const int* __restrict__ positions,
+                                                     const long long* __restrict__ slots,
+                                                     const double* __restrict__ inv_freq, int n_heads,
+                                                     int n_kv_heads, int head_dim, int rot_half, float cs_scale,
+                                                     const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
+                                                     float eps, float offset) {
+    PDL_ENTER();
+    const long long kv_w = (long long)n_kv_heads * head_dim;
+    rope_write_kv_body<true, unsigned char, true>(q, (long long)n_heads * head_dim, nullptr, k, kv_w, nullptr, v, kv_w,
+                                                  nullptr, nullptr, positions, slots, inv_freq, n_heads, n_kv_heads,
+                                                  head_dim, rot_half, cs_scale, QkNormArgs{q_w, k_w, eps, offset}, 1.f,
+                                                  1.f, amax);
+}
+
+extern "C" __global__ void rope_qkv_qknorm_write_kv_amax(
+    const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_out, float* __restrict__ amax,
+    const int* __restrict__ positions, const long long* __restrict__ slots, const double* __restrict__ inv_freq,
+    int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
+    const bf16_t* __restrict__ k_w, float eps, float offset) {
+    PDL_ENTER();
+    (void)q_out;
+    const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
+    const long long stride = qd + 2 * kvd;
+    rope_write_kv_body<true, unsigned char, true>(qkv, stride, nullptr, qkv + qd, stride, nullptr, qkv + qd + kvd,
+                                                  stride, nullptr, nullptr, positions, slots, inv_freq, n_heads,
+                                                  n_kv_heads, head_dim, rot_half, cs_scale,
+                                                  QkNormArgs{q_w, k_w, eps, offset}, 1.f, 1.f, amax);
 }

@@ -2,7 +2,8 @@
 //! write (`RopeKvFp8Call`, reference `cpu::write_kv_fp8` on the rotated, bf16-rounded k and
 //! v) and attention over an FP8 cache (`AttentionExtFp8Call`, and the tuned decode and
 //! prefill kernels through `AttentionCall` with `KvCacheRef::Fp8`; reference
-//! `cpu::paged_attention_fp8`). Fresh random inputs every run (the seed is printed); caches
+//! `cpu::paged_attention_fp8`), and FP8 KV scale calibration's read-only pass
+//! (`RopeKvAmaxCall`, reference `cpu::abs_max` of the same rotated k and of v). Fresh random inputs every run (the seed is printed); caches
 //! poisoned with the E4M3 NaN code (0x7F) and outputs with bf16 NaN before each launch.
 //!
 //! V codes must match the reference exactly (the kernel quantizes the same bf16 value with
@@ -22,7 +23,7 @@ use baton_kernels::cpu::{
 use baton_kernels::cuda::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnKind,
     AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput,
-    RopeKvFp8Call, StepMeta, attention_supports, bf16,
+    RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::Rng;
@@ -50,10 +51,14 @@ fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormW
     let positions: Vec<usize> = specs.iter().flat_map(|&(s, n)| s..s + n).collect();
     let table = RopeTable::new(hd, 10_000.0, RopeScalingKind::None).expect("table");
     let (qw_len, kw_len) = (nh * hd, nkv * hd);
-    // Values past 448 × scale saturate; some are there on purpose.
+    // Values past 448 × scale saturate; some are there on purpose. The padding rows are ten
+    // times larger: a calibration pass that counted them would show it.
     let q = rand_vec(r, (rows + pad) * qw_len, 2.0);
-    let k = rand_vec(r, (rows + pad) * kw_len, 600.0 * ks);
-    let v = rand_vec(r, (rows + pad) * kw_len, 600.0 * vs);
+    let mut k = rand_vec(r, (rows + pad) * kw_len, 600.0 * ks);
+    let mut v = rand_vec(r, (rows + pad) * kw_len, 600.0 * vs);
+    for x in k[rows * kw_len..].iter_mut().chain(&mut v[rows * kw_len..]) {
+        *x = bf(*x * 10.0);
+    }
     // bf16-exact, as the kernel reads them (rand_vec is; 1 + x need not be).
     let w: Vec<f32> = rand_vec(r, hd, 0.5).iter().map(|x| bf(x + 1.0)).collect();
     let eps = 1e-6;
@@ -162,6 +167,39 @@ fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormW
     .expect("fused");
     check(&format!("{what} fused q"), &down(dev, &q_out, rows * qw_len), &qn);
     compare_cache("fused", &kcd, &vcd);
+
+    // FP8 KV scale calibration's pass over the same rows (`RopeKvAmaxCall`): the largest
+    // stored |k| (rotated, normed, bf16) and |v| of the rows with a slot, nothing written. V
+    // is read as stored: exact. K may sit one bf16 step from the reference's (as its codes).
+    let (k_ref, v_ref) = (cpu::abs_max(&kn), cpu::abs_max(&v[..rows * kw_len]));
+    let amax_of = |input: RopeInput<'_>| {
+        // Zeroed, as the caller must (maxima are raised into it).
+        let mut a = dev.upload(&[0.0f32, 0.0]).expect("zeroed amax");
+        let call = RopeKvAmaxCall { input, amax: &mut a, meta: &meta, inv_freq: &inv, n_heads: nh, geo };
+        call.launch_with(dev, extras()).expect("amax");
+        let got = dev.download(&a, 2).expect("download amax");
+        [got[0], got[1]]
+    };
+    let (mut qd, mut kd) = (up(dev, &q), up(dev, &k));
+    let split = amax_of(RopeInput::Split { q: &mut qd, k: &mut kd, v: &vd });
+    assert_eq!(down(dev, &qd, q.len()), q, "{what}: the amax pass left q as it was");
+    assert_eq!(down(dev, &kd, k.len()), k, "{what}: the amax pass left k as it was");
+    let mut q_out = poisoned(dev, (rows + pad) * qw_len);
+    let fused = amax_of(RopeInput::Fused { qkv: &qkvd, q_out: &mut q_out });
+    assert!(down(dev, &q_out, q_out.len()).iter().all(|x| x.is_nan()), "{what}: the amax pass wrote q");
+    for (tag, [gk, gv]) in [("split", split), ("fused", fused)] {
+        println!("{what} {tag} amax: k {gk} (cpu {k_ref}), v {gv} (cpu {v_ref})");
+        assert_eq!(gv, v_ref, "{what} {tag}: max |v|");
+        assert!((gk - k_ref).abs() <= k_ref / 128.0, "{what} {tag}: max |k| {gk} vs {k_ref}");
+    }
+    // A NaN in a real row's v comes out NaN (the CPU reference propagates it too).
+    let mut v_nan = v.clone();
+    v_nan[kw_len + 3] = f32::NAN;
+    let vnd = up(dev, &v_nan);
+    let (mut qd, mut kd) = (up(dev, &q), up(dev, &k));
+    let [gk, gv] = amax_of(RopeInput::Split { q: &mut qd, k: &mut kd, v: &vnd });
+    assert!(gv.is_nan() && cpu::abs_max(&v_nan[..rows * kw_len]).is_nan(), "{what}: NaN v gave {gv}");
+    assert!((gk - k_ref).abs() <= k_ref / 128.0, "{what}: max |k| with a NaN v");
 
     // A scale that is zero or NaN is refused before anything is enqueued.
     for bad in [0.0, f32::NAN, -1.0] {

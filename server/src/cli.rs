@@ -103,6 +103,11 @@ pub struct ServeArgs {
     /// (= fp8_e4m3, with per-layer k_scale/v_scale from the checkpoint, else 1.0) [default: auto]
     #[arg(long, env = "BATON_KV_CACHE_DTYPE", value_name = "DTYPE")]
     pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
+    /// Calculate the FP8 KV cache's per-layer scales from the first prefill step (vLLM's
+    /// --calculate-kv-scales: amax(|K|)/200 and amax(|V|)/100, replacing the checkpoint's),
+    /// then keep them; needs --kv-cache-dtype fp8 [default: false]
+    #[arg(long, env = "BATON_CALCULATE_KV_SCALES", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
+    pub calculate_kv_scales: Option<bool>,
     /// Weight quantization: none (as the checkpoint says: FP8 checkpoints load as FP8) or fp8
     /// (quantize a bf16 checkpoint's projections at load, per output channel) [default: none]
     #[arg(long, env = "BATON_QUANTIZATION", value_name = "METHOD")]

@@ -25,7 +25,8 @@ pub enum KvDtype {
     /// IEEE half.
     F16,
     /// FP8 E4M3 codes, each a value divided by its layer's K or V scale (`--kv-cache-dtype
-    /// fp8`). Both sides load the scales from the same checkpoint (or default them to 1.0).
+    /// fp8`). The scales travel with each layer's codes; a receiver with other scales adopts
+    /// or requantizes (the engine's `KvAccess::import_kv_blocks`).
     Fp8E4M3,
 }
 

@@ -19,6 +19,7 @@ use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, KvScale, MoeActivation, MoeWeights,
     OptionalOp,
 };
+use crate::kv_cache_dtype::{KvAmax, calibrated_scale, check_scale};
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cpu::{
     self as k, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight,
@@ -48,6 +49,8 @@ pub struct CpuBackend {
     kv_fp8: Vec<Fp8Codes>,
     /// The FP8 scales per layer when the cache is FP8, `None` for f32.
     fp8_scales: Option<Vec<KvScale>>,
+    /// Layers whose next FP8 write calibrates their scales ([`Backend::calibrate_kv_scales`]).
+    kv_calibrate: Vec<bool>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
     /// Rotary tables per layer kind and each layer's index into them (see
@@ -449,18 +452,37 @@ impl Backend for CpuBackend {
         if self.fp8_scales.is_some() { KvDtype::Fp8E4M3 } else { KvDtype::F32 }
     }
 
+    fn kv_scales(&self) -> Vec<KvScale> {
+        self.fp8_scales.clone().unwrap_or_default()
+    }
+
+    fn set_kv_scale(&mut self, layer: usize, scale: KvScale) -> Result<(), BackendError> {
+        check_scale(layer, &scale)?;
+        let slot = self.fp8_scales.as_mut().and_then(|s| s.get_mut(layer));
+        *slot.ok_or_else(|| BackendError::Device(format!("layer {layer} has no FP8 KV cache")))? = scale;
+        Ok(())
+    }
+
+    fn calibrate_kv_scales(&mut self, layers: &[bool]) -> Result<(), BackendError> {
+        match &self.fp8_scales {
+            Some(s) if layers.is_empty() || layers.len() == s.len() => {}
+            _ if layers.is_empty() => {}
+            _ => {
+                return Err(BackendError::Device(
+                    "FP8 KV scale calibration needs an FP8 cache, one flag a layer".into(),
+                ));
+            }
+        }
+        self.kv_calibrate = layers.to_vec();
+        Ok(())
+    }
+
     fn set_kv_cache_dtype(&mut self, dtype: KvDtype, scales: Vec<KvScale>) -> Result<(), BackendError> {
         match dtype {
             KvDtype::F32 => self.fp8_scales = None,
             KvDtype::Fp8E4M3 => {
-                if let Some((i, s)) = scales
-                    .iter()
-                    .enumerate()
-                    .find(|(_, s)| !(s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0))
-                {
-                    return Err(BackendError::Device(format!(
-                        "layer {i}'s FP8 KV scales {s:?} are not finite and positive"
-                    )));
+                for (i, s) in scales.iter().enumerate() {
+                    check_scale(i, s)?;
                 }
                 self.fp8_scales = Some(scales);
             }
@@ -816,8 +838,11 @@ impl CpuBackend {
     /// and rounded as stored activations).
     fn write_kv_fp8(&mut self, layer: usize, kb: &[f32], v: &[f32], batch: &BatchLayout) -> Result<(), BackendError> {
         let shape = self.shape()?;
-        let scale = self.fp8_layer(layer)?.1;
         let stride = shape.num_kv_heads * shape.head_dim;
+        if self.kv_calibrate.get(layer).copied().unwrap_or(false) {
+            self.calibrate_layer(layer, kb, v, stride, batch)?;
+        }
+        let scale = self.fp8_layer(layer)?.1;
         let (kc, vc) = self
             .kv_fp8
             .get_mut(layer)
@@ -846,6 +871,34 @@ impl CpuBackend {
                 &mut cache,
             )?;
         }
+        Ok(())
+    }
+
+    /// Sets layer `layer`'s scales from the amax of the rows this step writes (each
+    /// sequence's chunk; rows of no sequence are never written, so they do not count).
+    fn calibrate_layer(
+        &mut self,
+        layer: usize,
+        kb: &[f32],
+        v: &[f32],
+        stride: usize,
+        batch: &BatchLayout,
+    ) -> Result<(), BackendError> {
+        let mut amax = KvAmax { k: 0.0, v: 0.0 };
+        for s in &batch.seqs {
+            let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
+            let (Some(kr), Some(vr)) = (kb.get(rows.clone()), v.get(rows)) else {
+                return Err(kerr(
+                    "calibrate_kv_scales",
+                    format!("rows of sequence at {} outside the batch", s.row_start),
+                ));
+            };
+            amax = KvAmax { k: k::abs_max(&[amax.k, k::abs_max(kr)]), v: k::abs_max(&[amax.v, k::abs_max(vr)]) };
+        }
+        let scales =
+            self.fp8_scales.as_mut().ok_or_else(|| kerr("calibrate_kv_scales", "the cache is not FP8".into()))?;
+        let slot = scales.get_mut(layer).ok_or_else(|| kerr("calibrate_kv_scales", format!("no layer {layer}")))?;
+        *slot = calibrated_scale(layer, amax, *slot);
         Ok(())
     }
 

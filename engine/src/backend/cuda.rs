@@ -1018,6 +1018,18 @@ impl Backend for CudaBackend {
         self.choose_kv_dtype(dtype, scales)
     }
 
+    fn kv_scales(&self) -> Vec<super::KvScale> {
+        self.fp8.as_ref().map(|f| f.scales.clone()).unwrap_or_default()
+    }
+
+    fn set_kv_scale(&mut self, layer: usize, scale: super::KvScale) -> Result<(), BackendError> {
+        self.set_fp8_scale(layer, scale)
+    }
+
+    fn calibrate_kv_scales(&mut self, layers: &[bool]) -> Result<(), BackendError> {
+        self.calibrate_fp8(layers)
+    }
+
     fn moe(
         &mut self,
         x: &CudaBuf,

@@ -3,8 +3,9 @@
 //! attention dequantizes as it reads: the tuned decode and prefill kernels through
 //! [`KvCacheRef::Fp8`] ([`Fp8Cache::cache_ref`]) for the head dims they are built for, the
 //! simple [`AttentionExtFp8Call`] for the others; the KV I/O of the TCP hand-off moves the
-//! codes as they are. The CPU backend's FP8 cache is the
-//! reference (same codes, same scales).
+//! codes as they are. FP8 KV scale calibration (`--calculate-kv-scales`) runs a read-only
+//! pass of the same RoPE ([`RopeKvAmaxCall`]) before a calibrating layer's write. The CPU
+//! backend's FP8 cache is the reference (same codes, same scales).
 //!
 //! Invariants: [`Fp8Cache::layers`] is empty or holds one (K, V) pair of `geo.layer_len()`
 //! bytes per layer; `scales` holds one finite, positive [`KvScale`] per layer. While the
@@ -13,9 +14,10 @@
 
 use super::CudaBackend;
 use crate::backend::{AttentionExtras, BackendError, KvCacheShape, KvScale};
+use crate::kv_cache_dtype::KvAmax;
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cuda::{
-    AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvFp8Call, bf16,
+    AttentionExtFp8Call, CudaSlice, KvCacheRef, KvGeometry, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvFp8Call, bf16,
 };
 
 /// The FP8 cache: its per-layer scales and, once allocated, its codes.
@@ -24,6 +26,11 @@ pub(super) struct Fp8Cache {
     pub(super) scales: Vec<KvScale>,
     /// (K codes, V codes) per layer.
     pub(super) layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
+    /// Layers whose next write calibrates their scales
+    /// ([`crate::backend::Backend::calibrate_kv_scales`]); empty when none.
+    pub(super) calibrate: Vec<bool>,
+    /// A calibration pass's `[max |k|, max |v|]`, allocated by the first calibration.
+    pub(super) amax: Option<CudaSlice<f32>>,
 }
 
 impl Fp8Cache {
@@ -46,16 +53,10 @@ impl CudaBackend {
         match dtype {
             KvDtype::BF16 => self.fp8 = None,
             KvDtype::Fp8E4M3 => {
-                if let Some((i, s)) = scales
-                    .iter()
-                    .enumerate()
-                    .find(|(_, s)| !(s.k.is_finite() && s.k > 0.0 && s.v.is_finite() && s.v > 0.0))
-                {
-                    return Err(BackendError::Device(format!(
-                        "layer {i}'s FP8 KV scales {s:?} are not finite and positive"
-                    )));
+                for (i, s) in scales.iter().enumerate() {
+                    crate::kv_cache_dtype::check_scale(i, s)?;
                 }
-                self.fp8 = Some(Fp8Cache { scales, layers: Vec::new() });
+                self.fp8 = Some(Fp8Cache { scales, layers: Vec::new(), calibrate: Vec::new(), amax: None });
             }
             other => {
                 return Err(BackendError::Device(format!(
@@ -87,17 +88,36 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// RoPE on `input` and the quantizing write of its k and v into `layer`'s FP8 cache.
+    /// RoPE on `input` and the quantizing write of its k and v into `layer`'s FP8 cache; when
+    /// the layer is being calibrated, its scales are set first from a read-only pass over the
+    /// same input ([`RopeKvAmaxCall`]; one device-to-host copy of two floats, so this step
+    /// waits for the device once per layer: calibration runs once, in an eager prefill step).
     pub(super) fn rope_fp8(
         &mut self,
         layer: usize,
-        input: RopeInput<'_>,
+        mut input: RopeInput<'_>,
         n_heads: usize,
         geo: KvGeometry,
         extras: RopeExtras<'_>,
     ) -> Result<(), BackendError> {
         let inv = super::arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), layer)?;
         let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
+        if fp8.calibrate.get(layer).copied().unwrap_or(false) {
+            let amax = match &mut fp8.amax {
+                Some(a) => a,
+                empty => empty.insert(self.dev.alloc(2)?),
+            };
+            let stream = self.dev.stream().clone();
+            let zero = [0.0f32; 2];
+            stream.memcpy_htod(&zero, amax).map_err(super::driver_error)?;
+            let call = RopeKvAmaxCall { input: input.reborrow(), amax, meta: &self.meta, inv_freq: inv, n_heads, geo };
+            call.launch_with(&self.dev, extras.clone())?;
+            let mut got = [0.0f32; 2];
+            stream.memcpy_dtoh(&*amax, &mut got).map_err(super::driver_error)?;
+            stream.synchronize().map_err(super::driver_error)?;
+            let slot = fp8.scales.get_mut(layer).ok_or_else(|| no_layer(layer))?;
+            *slot = crate::kv_cache_dtype::calibrated_scale(layer, KvAmax { k: got[0], v: got[1] }, *slot);
+        }
         let scale = *fp8.scales.get(layer).ok_or_else(|| no_layer(layer))?;
         let (kc, vc) = fp8.layers.get_mut(layer).ok_or_else(|| no_layer(layer))?;
         let call = RopeKvFp8Call {
@@ -112,6 +132,33 @@ impl CudaBackend {
             geo,
         };
         Ok(call.launch_with(&self.dev, extras)?)
+    }
+
+    /// [`crate::backend::Backend::set_kv_scale`]: recorded graphs hold the old scales as
+    /// launch arguments, so they are dropped.
+    pub(super) fn set_fp8_scale(&mut self, layer: usize, scale: KvScale) -> Result<(), BackendError> {
+        crate::kv_cache_dtype::check_scale(layer, &scale)?;
+        let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
+        *fp8.scales.get_mut(layer).ok_or_else(|| no_layer(layer))? = scale;
+        self.drop_graphs();
+        Ok(())
+    }
+
+    /// [`crate::backend::Backend::calibrate_kv_scales`]; stopping drops the recorded graphs
+    /// (none should exist before the first prefill, but a recording with the old scales
+    /// must never replay).
+    pub(super) fn calibrate_fp8(&mut self, layers: &[bool]) -> Result<(), BackendError> {
+        match self.fp8.as_mut() {
+            Some(fp8) if layers.is_empty() || layers.len() == fp8.scales.len() => fp8.calibrate = layers.to_vec(),
+            None if layers.is_empty() => return Ok(()),
+            _ => {
+                return Err(BackendError::Device(
+                    "FP8 KV scale calibration needs an FP8 cache, one flag a layer".into(),
+                ));
+            }
+        }
+        self.drop_graphs();
+        Ok(())
     }
 
     /// Causal attention of `q` over `layer`'s FP8 cache (step metadata already set) through

@@ -445,6 +445,28 @@ pub trait Backend: Send + 'static {
             )))
         }
     }
+    /// The FP8 cache's scales in use, one per layer (empty when the cache is not FP8).
+    fn kv_scales(&self) -> Vec<KvScale> {
+        Vec::new()
+    }
+    /// Replaces layer `layer`'s FP8 scales (finite and positive, else refused): a decode
+    /// worker adopting a prefill worker's calibrated scales before it stores that worker's
+    /// codes. Only sound while the layer's cache holds nothing written under the old scales.
+    fn set_kv_scale(&mut self, layer: usize, _scale: KvScale) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} has no FP8 KV scales to set (layer {layer})", self.device_name())))
+    }
+    /// FP8 KV scale calibration (`--calculate-kv-scales`, see [`crate::kv_cache_dtype`]):
+    /// from now on, each KV write into a layer `i` with `layers[i]` first sets that layer's
+    /// scales from the write's own new K (as stored: rotated, normed) and V
+    /// ([`crate::kv_cache_dtype::calibrated_scale`] of their amax over the step's rows), then
+    /// quantizes with them. An empty `layers` stops it. Never called while a step is being
+    /// recorded (calibration steps are prefill steps, which run op by op).
+    fn calibrate_kv_scales(&mut self, layers: &[bool]) -> Result<(), BackendError> {
+        if layers.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::Device(format!("{} cannot calibrate FP8 KV scales", self.device_name())))
+    }
     /// Marks the start of the op `label` for a step profile (see
     /// `CudaBackend::profile_begin`); a no-op unless the backend is profiling.
     fn mark(&mut self, _label: &'static str) {}

@@ -304,7 +304,13 @@ impl LinkConnector {
         match o.link.send_numbered(kv, layer, &o.export.runs) {
             Ok(seq) => {
                 o.link.arm_deadline(deadline);
-                let _ = o.export.tx.send(ExportEvent::Layer(LayerFrame { layer, k: Vec::new(), v: Vec::new(), seq }));
+                let _ = o.export.tx.send(ExportEvent::Layer(LayerFrame {
+                    layer,
+                    k: Vec::new(),
+                    v: Vec::new(),
+                    seq,
+                    scale: None,
+                }));
             }
             Err(e) => o.failed = Some(e.to_string()),
         }

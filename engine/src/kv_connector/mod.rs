@@ -33,7 +33,7 @@ pub use link::{GateState, HandoffGate, Link, LinkComm, LinkError, Links, Pending
 pub use link_connector::LinkConnector;
 pub use tcp::TcpConnector;
 
-use crate::backend::{Backend, BackendError, KvDeviceAccess};
+use crate::backend::{Backend, BackendError, KvDeviceAccess, KvScale};
 use crate::kv_transport::LayerFrame;
 use crate::relay::{ExportEvent, Reservation, TransferTrailer};
 use baton_core::api::RequestId;
@@ -54,6 +54,44 @@ pub trait KvAccess {
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
     /// The device side of the cache, on backends that have one.
     fn device(&mut self) -> Option<&mut dyn KvDeviceAccess>;
+    /// Layer `layer`'s FP8 scales, what its codes are written with (`None` when the cache
+    /// is not FP8).
+    fn kv_scale(&self, layer: usize) -> Option<KvScale>;
+    /// Stores codes another cache of the same layout wrote with the scales `sender` (`None`:
+    /// not FP8, the bytes are stored as they are). Codes of scales other than this layer's
+    /// are requantized into this layer's ([`baton_kernels::cpu::requantize_e4m3`]); the
+    /// engine's model overrides this so that a layer still waiting for its calibration adopts
+    /// the sender's scales instead (`crate::runner::ModelRunner`).
+    fn import_kv_blocks(
+        &mut self,
+        layer: usize,
+        blocks: &[u32],
+        k: &[u8],
+        v: &[u8],
+        sender: Option<KvScale>,
+    ) -> Result<(), BackendError> {
+        write_in_own_scales(self, layer, blocks, (k, v), sender)
+    }
+}
+
+/// [`KvAccess::import_kv_blocks`]'s default: the codes requantized from `sender`'s scales into
+/// layer `layer`'s own where they differ, else stored as they are.
+pub fn write_in_own_scales<A: KvAccess + ?Sized>(
+    kv: &mut A,
+    layer: usize,
+    blocks: &[u32],
+    (k, v): (&[u8], &[u8]),
+    sender: Option<KvScale>,
+) -> Result<(), BackendError> {
+    match (sender, kv.kv_scale(layer)) {
+        (Some(sent), Some(own)) if sent != own => {
+            let (mut k, mut v) = (k.to_vec(), v.to_vec());
+            baton_kernels::cpu::requantize_e4m3(&mut k, sent.k, own.k);
+            baton_kernels::cpu::requantize_e4m3(&mut v, sent.v, own.v);
+            kv.write_kv_blocks(layer, blocks, &k, &v)
+        }
+        _ => kv.write_kv_blocks(layer, blocks, k, v),
+    }
 }
 
 impl<B: Backend> KvAccess for B {
@@ -67,6 +105,10 @@ impl<B: Backend> KvAccess for B {
 
     fn device(&mut self) -> Option<&mut dyn KvDeviceAccess> {
         Backend::kv_device(self)
+    }
+
+    fn kv_scale(&self, layer: usize) -> Option<KvScale> {
+        Backend::kv_scales(self).get(layer).copied()
     }
 }
 

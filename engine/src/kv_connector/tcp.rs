@@ -64,7 +64,7 @@ impl KvConnector for TcpConnector {
         match event {
             KvEvent::Layer { id, blocks, frame } => match self.check(id, &blocks, &frame) {
                 Ok(false) => {}
-                Ok(true) => match kv.write_kv_blocks(frame.layer, &blocks, &frame.k, &frame.v) {
+                Ok(true) => match kv.import_kv_blocks(frame.layer, &blocks, &frame.k, &frame.v, frame.scale) {
                     Ok(()) => {}
                     Err(e) if e.is_fatal() => out.push(KvOutcome::Fatal(e)),
                     Err(e) => {
@@ -119,7 +119,10 @@ impl KvConnector for TcpConnector {
     fn after_layer(&mut self, layer: usize, kv: &mut dyn KvAccess) -> Result<(), BackendError> {
         for e in &self.step {
             let (k, v) = kv.read_kv_blocks(layer, &e.blocks)?;
-            let _ = e.tx.send(ExportEvent::Layer(LayerFrame { layer, k, v, seq: 0 }));
+            // The scales the codes were written with: calibrated ones once this layer's
+            // calibration ran (it runs before the layer's KV write, so before this hook).
+            let scale = kv.kv_scale(layer);
+            let _ = e.tx.send(ExportEvent::Layer(LayerFrame { layer, k, v, seq: 0, scale }));
         }
         Ok(())
     }

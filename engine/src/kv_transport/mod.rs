@@ -99,6 +99,10 @@ pub struct LayerFrame {
     /// Over an NCCL link (where `k` and `v` are empty): the number of this layer's send
     /// group on the link, which orders the receives (see [`nccl`]). 0 otherwise.
     pub seq: u64,
+    /// The FP8 scales the sender's codes were written with (its layer's scales, calibrated or
+    /// not); `None` for a cache that is not FP8. The receiver stores the codes under its own
+    /// scales ([`crate::kv_connector::KvAccess::import_kv_blocks`]).
+    pub scale: Option<crate::kv_cache_dtype::KvScale>,
 }
 
 /// A hand-off that failed.

@@ -1,10 +1,12 @@
 //! The TCP KV transport: host-staged layer frames over one connection per hand-off.
 //!
-//! Wire format: as soon as it accepts, the receiver sends the 4-byte magic `BKV3` and a
+//! Wire format: as soon as it accepts, the receiver sends the 4-byte magic `BKV4` and a
 //! 32-byte random challenge; the sender checks the magic, answers with the magic, then
 //! frames of `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (a 32-byte proof,
-//! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64`,
-//! then K and V bytes; `seq` orders NCCL receives, see `nccl`), `DONE` (JSON [`TransferTrailer`]: the first token).
+//! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64,
+//! k_scale: f32, v_scale: f32`, then K and V bytes; `seq` orders NCCL receives, see `nccl`;
+//! the scales are the FP8 scales the codes were written with, both 0 for a cache that is not
+//! FP8, anything else not finite and positive refused), `DONE` (JSON [`TransferTrailer`]: the first token).
 //! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
 //! `ACCEPT` after `DONE` once every layer is stored (or `REFUSE` when the trailer is bad).
 //!
@@ -28,6 +30,7 @@
 //! sizes the handshake declares, then the caller's admission (the reservation's own checks).
 
 use super::{Handshake, LayerFrame, TransportError};
+use crate::kv_cache_dtype::KvScale;
 use crate::relay::TransferTrailer;
 use baton_core::cluster_auth::{ClusterSecret, KV_NONCE_LEN, KvChallenge, TAG_LEN};
 use baton_core::kv_transfer::KvLayout;
@@ -37,7 +40,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Bumped with every wire change, so mismatched builds refuse each other at once.
-const MAGIC: &[u8; 4] = b"BKV3";
+const MAGIC: &[u8; 4] = b"BKV4";
 const HELLO: u8 = 1;
 const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
@@ -52,7 +55,7 @@ const MAX_CONTROL_FRAME: u64 = 64 << 10;
 /// Control frames are read in pieces of at most this much, as their bytes arrive.
 const READ_CHUNK: usize = 64 << 10;
 /// Bytes before K and V in a `LAYER` frame.
-const LAYER_HEAD: usize = 20;
+const LAYER_HEAD: usize = 28;
 
 async fn with_deadline<T>(
     d: Duration,
@@ -171,7 +174,10 @@ impl TcpKvSender {
         let mut head = [0u8; LAYER_HEAD];
         head[..4].copy_from_slice(&(frame.layer as u32).to_le_bytes());
         head[4..12].copy_from_slice(&(frame.k.len() as u64).to_le_bytes());
-        head[12..].copy_from_slice(&frame.seq.to_le_bytes());
+        head[12..20].copy_from_slice(&frame.seq.to_le_bytes());
+        let (ks, vs) = frame.scale.map_or((0.0f32, 0.0f32), |s| (s.k, s.v));
+        head[20..24].copy_from_slice(&ks.to_le_bytes());
+        head[24..].copy_from_slice(&vs.to_le_bytes());
         let d = self.deadline;
         with_deadline(d, "sending a layer", write_frame(&mut self.stream, LAYER, &[&head, &frame.k, &frame.v])).await?;
         self.next_layer += 1;
@@ -385,12 +391,16 @@ impl IncomingTransfer {
                 }
                 self.next_layer += 1;
                 let mut sb = [0u8; 8];
-                sb.copy_from_slice(&body[12..LAYER_HEAD]);
+                sb.copy_from_slice(&body[12..20]);
+                let f32_at = |at: usize| f32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
+                let scale = frame_scale(f32_at(20), f32_at(24))
+                    .map_err(|e| TransportError::Protocol(format!("layer {layer}: {e}")))?;
                 Ok(Incoming::Layer(LayerFrame {
                     layer,
                     k: body[LAYER_HEAD..LAYER_HEAD + half].to_vec(),
                     v: body[LAYER_HEAD + half..].to_vec(),
                     seq: u64::from_le_bytes(sb),
+                    scale,
                 }))
             }
             DONE => {
@@ -417,6 +427,17 @@ impl IncomingTransfer {
     /// Tells the sender the hand-off is refused, with `reason` (e.g. a bad trailer).
     pub async fn refuse(mut self, reason: &str) -> Result<(), TransportError> {
         write_frame(&mut self.stream, REFUSE, &[reason.as_bytes()]).await
+    }
+}
+
+/// A layer frame's scales as sent: both 0 for none (a cache that is not FP8), else both
+/// finite and positive (an FP8 cache's; see `crate::kv_cache_dtype`).
+fn frame_scale(k: f32, v: f32) -> Result<Option<KvScale>, String> {
+    let ok = |x: f32| x.is_finite() && x > 0.0;
+    match (k, v) {
+        (0.0, 0.0) => Ok(None),
+        (k, v) if ok(k) && ok(v) => Ok(Some(KvScale { k, v })),
+        (k, v) => Err(format!("FP8 scales k {k}, v {v}: each must be finite and positive (or both 0: none)")),
     }
 }
 
@@ -450,7 +471,13 @@ mod tests {
     fn frame(layer: usize, half: usize, seed: u8) -> LayerFrame {
         let k = (0..half).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed).wrapping_add(layer as u8)).collect();
         let v = (0..half).map(|i| (i as u8).wrapping_mul(17).wrapping_add(seed ^ 0x5a)).collect();
-        LayerFrame { layer, k, v, seq: layer as u64 + 100 }
+        LayerFrame {
+            layer,
+            k,
+            v,
+            seq: layer as u64 + 100,
+            scale: (layer % 2 == 1).then_some(KvScale { k: 0.25, v: 3.5 }),
+        }
     }
 
     fn trailer() -> TransferTrailer {
@@ -732,5 +759,14 @@ mod tests {
             assert!(t.elapsed() < Duration::from_secs(2));
             drop(client.await);
         });
+    }
+
+    #[test]
+    fn layer_frame_scales_are_none_or_finite_and_positive() {
+        assert_eq!(frame_scale(0.0, 0.0), Ok(None));
+        assert_eq!(frame_scale(0.5, 3.0), Ok(Some(KvScale { k: 0.5, v: 3.0 })));
+        for (k, v) in [(0.0, 1.0), (1.0, 0.0), (f32::NAN, 1.0), (1.0, f32::INFINITY), (-1.0, 1.0), (1.0, -0.0)] {
+            assert!(frame_scale(k, v).is_err(), "{k} {v}");
+        }
     }
 }

@@ -110,6 +110,16 @@ pub fn peaked_fixture(name: &str, factor: f32) -> LoadedModel {
     m
 }
 
+/// `m` with every tensor whose name ends in `suffix` (e.g. `v_proj.weight`) multiplied by
+/// `factor`.
+pub fn scaled_tensors(mut m: LoadedModel, suffix: &str, factor: f32) -> LoadedModel {
+    for name in m.weights.names().into_iter().filter(|n| n.ends_with(suffix)) {
+        let values: Vec<f32> = m.weights.get(&name).expect("tensor").to_f32().iter().map(|w| w * factor).collect();
+        m.weights = Box::new(Replaced { inner: m.weights, name, values });
+    }
+    m
+}
+
 /// A weight store with one tensor's values replaced (f32, same shape).
 struct Replaced {
     inner: Box<dyn baton_formats::WeightStore>,

@@ -1,7 +1,7 @@
 //! The prefill → decode relay between two in-process engines over the TCP transport, for
 //! the relay tests on CPU and on CUDA.
 
-use baton_core::api::{EngineOutput, EngineRequest, OutputStream, RequestId};
+use baton_core::api::{EngineClient, EngineOutput, EngineRequest, OutputStream, RequestId};
 use baton_core::cluster_auth::ReservationToken;
 use baton_core::params::SamplingParams;
 use baton_engine::EngineHandle;
@@ -201,4 +201,23 @@ pub async fn relay_many(
         outs.push(collect(s).await);
     }
     outs
+}
+
+/// Each of `prompts` run alone on `unified`, then relayed from `p` to `d` over `listener`
+/// (12 greedy tokens): P's first token and D's tokens must be the unified run's, and D must
+/// have computed none of the prompt (its KV all came from P).
+pub async fn relays_match_unified(
+    unified: &EngineHandle,
+    p: &EngineHandle,
+    d: &EngineHandle,
+    listener: &TcpKvListener,
+    prompts: &[Vec<u32>],
+) {
+    for pr in prompts {
+        let alone = collect(unified.submit(EngineRequest::new(pr.clone(), super::greedy(12))).expect("submit")).await;
+        let (p_out, d_out) = relay(p, d, listener, pr, super::greedy(12), None).await;
+        assert_eq!(p_out[0].new_token_ids, alone[0].new_token_ids);
+        assert_eq!(tokens(&d_out), tokens(&alone), "prompt of {} tokens", pr.len());
+        assert_eq!(d_out[0].num_cached_tokens, pr.len(), "D computed none of the prompt");
+    }
 }

@@ -10,7 +10,7 @@
 //! arithmetic as dequantizing inside the kernel, at the cost of one pass over the context.
 
 use super::attention::slot_offset;
-use super::fp8::{dequantize_e4m3, quantize_e4m3};
+use super::fp8::{dequantize_e4m3, e4m3_from_f32, e4m3_to_f32, quantize_e4m3};
 use super::{AttnExtras, KernelError, KvLayerRef, SeqSpan, check, paged_attention_ext};
 
 /// Geometry, scales and read access to one layer's FP8 cache.
@@ -81,6 +81,27 @@ pub fn write_kv_fp8(
     Ok(())
 }
 
+/// The largest magnitude in `xs` (0 when empty), NaN when any value is NaN: the reduction a
+/// KV scale calibration takes over a step's new K or V (the reference of the CUDA
+/// `*_kv_amax` kernels, which propagate NaN the same way).
+pub fn abs_max(xs: &[f32]) -> f32 {
+    xs.iter().fold(0.0f32, |m, &x| if m.is_nan() || x.is_nan() { f32::NAN } else { m.max(x.abs()) })
+}
+
+/// Re-expresses E4M3 codes written with scale `from` as codes of scale `to`, in place:
+/// `e4m3(decode(code) × from / to)` (a second rounding, saturating at ±448). Used where KV
+/// written under another cache's scales is stored under this cache's. Identity when the
+/// scales are equal.
+pub fn requantize_e4m3(codes: &mut [u8], from: f32, to: f32) {
+    if from == to {
+        return;
+    }
+    let table: Vec<u8> = (0..=255u8).map(|c| e4m3_from_f32(e4m3_to_f32(c) * from / to)).collect();
+    for c in codes {
+        *c = table[*c as usize];
+    }
+}
+
 /// [`paged_attention_ext`] over an FP8 cache: every key and value it reads is its code
 /// times the layer's scale.
 pub fn paged_attention_fp8(
@@ -123,6 +144,27 @@ pub fn paged_attention_fp8(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn abs_max_propagates_nan_and_requantize_rescales() {
+        use super::*;
+        assert_eq!(abs_max(&[]), 0.0);
+        assert_eq!(abs_max(&[1.0, -3.5, 2.0]), 3.5);
+        assert!(abs_max(&[1.0, f32::NAN, 2.0]).is_nan());
+        assert!(abs_max(&[f32::NAN, 9.0]).is_nan());
+        assert_eq!(abs_max(&[f32::NEG_INFINITY, 1.0]), f32::INFINITY);
+        let xs = [0.02f32, -1.5, 3.0, 100.0];
+        let mut codes = vec![0u8; 4];
+        quantize_e4m3(&xs, 0.5, &mut codes);
+        requantize_e4m3(&mut codes, 0.5, 0.25);
+        let mut want = vec![0u8; 4];
+        let once: Vec<f32> = xs.iter().map(|&x| e4m3_to_f32(e4m3_from_f32(x / 0.5)) * 0.5).collect();
+        quantize_e4m3(&once, 0.25, &mut want);
+        assert_eq!(codes, want, "decode with the old scale, encode with the new");
+        let before = codes.clone();
+        requantize_e4m3(&mut codes, 0.7, 0.7);
+        assert_eq!(codes, before);
+    }
+
     use super::*;
     use crate::cpu::fp8::{e4m3_from_f32, e4m3_to_f32};
     use crate::cpu::{KvLayerMut, write_kv};

@@ -45,6 +45,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// The four RoPE + KV-write entries above writing an FP8 (E4M3) cache, in that order:
     /// split, fused, split with q/k norm, fused with q/k norm (rope_kv.cu `*_fp8`).
     pub rope_write_kv_fp8: [F; 4],
+    /// The same four as FP8 KV scale calibration passes: the stored |k| and |v| maxima of a
+    /// step's rows, nothing written (rope_kv.cu `*_amax`).
+    pub rope_write_kv_amax: [F; 4],
     pub gelu_tanh_mul: F,
     pub softcap: F,
     pub scale_round: F,
@@ -133,6 +136,12 @@ impl<F> KernelTable<F> {
             f(el, "rope_qkv_write_kv_fp8")?,
             f(el, "rope_qknorm_write_kv_fp8")?,
             f(el, "rope_qkv_qknorm_write_kv_fp8")?,
+        ];
+        let rope_write_kv_amax = [
+            f(el, "rope_write_kv_amax")?,
+            f(el, "rope_qkv_write_kv_amax")?,
+            f(el, "rope_qknorm_write_kv_amax")?,
+            f(el, "rope_qkv_qknorm_write_kv_amax")?,
         ];
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
@@ -233,6 +242,7 @@ impl<F> KernelTable<F> {
             rope_qknorm_write_kv,
             rope_qkv_qknorm_write_kv,
             rope_write_kv_fp8,
+            rope_write_kv_amax,
             gelu_tanh_mul,
             softcap,
             scale_round,
@@ -334,11 +344,15 @@ mod tests {
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 3 utility kernels (random weights in bf16 and
         // f32, the profiler's spin), per attention head_dim every variant and the
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
-        // the FP8 KV cache's four RoPE + write entries and its extended attention per head dims
-        // a lane (8); FP8 weights' dequantization (2), per-row quantization (bf16 activations, f32 weights) and skinny
-        // GEMM per tile, variant and scaling.
-        let fp8 =
-            4 + ATTN_EXT_MAX_HEAD_DIM / 32 + 4 + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+        // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
+        // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
+        // per-row quantization (bf16 activations, f32 weights) and skinny GEMM per tile, variant
+        // and scaling.
+        let fp8 = 4
+            + 4
+            + ATTN_EXT_MAX_HEAD_DIM / 32
+            + 4
+            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
@@ -355,6 +369,7 @@ mod tests {
             "gemv_fp8_m16_w8_u2_blk",
             "gemv_fp8_m8_w4_u4_row",
             "rope_qkv_qknorm_write_kv_fp8",
+            "rope_qkv_qknorm_write_kv_amax",
             "paged_attention_ext_fp8_d4",
             "paged_attention_tc_fp8_hd128_w2_s4_g16",
             "prefill_attention_fp8_hd64_w4",

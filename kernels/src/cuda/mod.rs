@@ -140,7 +140,7 @@ pub use prefill::{
     prefill_supported,
 };
 pub use prompt_logprobs::{PROMPT_LOGPROB_MAX_TOP, PROMPT_LOGPROB_OUT_WORDS, PromptLogprobsCall, RowLogprob};
-pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call};
+pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvCall, RopeKvFp8Call};
 pub use sampling::{
     DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
 };

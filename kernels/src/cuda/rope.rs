@@ -3,7 +3,8 @@
 //! the rows of a fused QKV projection ([`RopeInput`]). [`RopeKvCall::launch_with`] adds
 //! ([`RopeExtras`]) the per-head q/k RMSNorm of Qwen3 and Gemma 3 ([`QkNorm`]), fused in
 //! front of the rotation, and partial rotary embeddings (Phi-4-mini: only the first
-//! `rotary_dim` dims of a head rotate).
+//! `rotary_dim` dims of a head rotate). [`RopeKvFp8Call`] writes an FP8 cache;
+//! [`RopeKvAmaxCall`] is FP8 KV scale calibration's read-only pass over the same rows.
 //!
 //! Invariants: positions and slots come from the step's [`KvWriteMeta`], validated when it
 //! was set; a row with slot -1 (a graph bucket's padding) writes nothing; one CTA per (row,
@@ -17,6 +18,7 @@ use half::bf16;
 
 /// The per-head RMSNorm of q and k that Qwen3 and Gemma 3 apply before RoPE (reference:
 /// [`crate::cpu::head_rms_norm`] on each head, then [`crate::cpu::RopeTable::apply`]).
+#[derive(Clone)]
 pub struct QkNorm<'a> {
     /// `head_dim` weights of the query heads' norm (`self_attn.q_norm.weight`).
     pub q_weight: &'a CudaSlice<bf16>,
@@ -51,9 +53,20 @@ pub enum RopeInput<'a> {
     },
 }
 
+impl RopeInput<'_> {
+    /// The same input borrowed again, for one launch (a calibration pass and the write that
+    /// follows it read the same rows).
+    pub fn reborrow(&mut self) -> RopeInput<'_> {
+        match self {
+            RopeInput::Split { q, k, v } => RopeInput::Split { q, k, v },
+            RopeInput::Fused { qkv, q_out } => RopeInput::Fused { qkv, q_out },
+        }
+    }
+}
+
 /// What some architectures add to the rotation ([`RopeKvCall::launch_with`]); the default adds
 /// nothing.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct RopeExtras<'a> {
     /// RMS-normalize every query and key head before the rotation (Qwen3, Gemma 3).
     pub qk_norm: Option<QkNorm<'a>>,
@@ -103,7 +116,7 @@ impl RopeKvCall<'_> {
     /// normalized, rotated one, v is not normalized); with `rotary_dim`, the dims past it
     /// pass through unrotated (normalized when `qk_norm` is given).
     pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
-        let cache = CacheArgs { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: None };
+        let cache = Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: None };
         let call = RopeParts {
             input: self.input,
             cache,
@@ -145,7 +158,8 @@ impl RopeKvFp8Call<'_> {
     /// Checks the sizes and scales and enqueues the `_fp8` kernel for the input form and
     /// extras (see [`RopeKvCall::launch_with`]).
     pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
-        let cache = CacheArgs { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: Some([self.k_scale, self.v_scale]) };
+        let cache =
+            Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: Some([self.k_scale, self.v_scale]) };
         let call = RopeParts {
             input: self.input,
             cache,
@@ -158,17 +172,53 @@ impl RopeKvFp8Call<'_> {
     }
 }
 
-/// A layer's K and V caches as kernel arguments, with the FP8 scales when they are E4M3 codes.
-struct CacheArgs<'a, T> {
-    k: &'a CudaSlice<T>,
-    v: &'a CudaSlice<T>,
-    fp8_scales: Option<[f32; 2]>,
+/// FP8 KV scale calibration's pass over a step (`rope*_write_kv_amax`): the rotation (and
+/// extras) of [`RopeKvFp8Call`] on the same input, but nothing is written except `amax`, which
+/// gets the largest |k| as the cache would store it (rotated, normed, rounded to bf16) and the
+/// largest |v|, over the rows with a slot; a NaN anywhere comes out NaN. The caller zeroes
+/// `amax` first (maxima are raised into it). Reference: [`crate::cpu::abs_max`] over the CPU
+/// backend's rotated k and v. q and k are not modified (in the split form either).
+pub struct RopeKvAmaxCall<'a> {
+    /// The rows' q, k and v, as the write that follows will get them.
+    pub input: RopeInput<'a>,
+    /// `[max |k|, max |v|]`, zeroed by the caller.
+    pub amax: &'a mut CudaSlice<f32>,
+    /// The step's positions and slots.
+    pub meta: &'a KvWriteMeta,
+    /// `rotary_dim / 2` inverse frequencies (scaling applied).
+    pub inv_freq: &'a CudaSlice<f64>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// The cache's geometry.
+    pub geo: KvGeometry,
 }
 
-/// The fields of [`RopeKvCall`] or [`RopeKvFp8Call`], with the caches of either type.
+impl RopeKvAmaxCall<'_> {
+    /// Checks the sizes and enqueues the `_amax` kernel for the input form and extras.
+    pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
+        let call = RopeParts::<u8> {
+            input: self.input,
+            cache: Dest::Amax(&*self.amax),
+            meta: self.meta,
+            inv_freq: self.inv_freq,
+            n_heads: self.n_heads,
+            geo: self.geo,
+        };
+        launch_rope(dev, call, extras)
+    }
+}
+
+/// Where the rotated k and v go: a layer's K and V caches (with the FP8 scales when they are
+/// E4M3 codes), or a calibration pass's two maxima.
+enum Dest<'a, T> {
+    Cache { k: &'a CudaSlice<T>, v: &'a CudaSlice<T>, fp8_scales: Option<[f32; 2]> },
+    Amax(&'a CudaSlice<f32>),
+}
+
+/// The fields of [`RopeKvCall`], [`RopeKvFp8Call`] or [`RopeKvAmaxCall`].
 struct RopeParts<'a, T> {
     input: RopeInput<'a>,
-    cache: CacheArgs<'a, T>,
+    cache: Dest<'a, T>,
     meta: &'a KvWriteMeta,
     inv_freq: &'a CudaSlice<f64>,
     n_heads: usize,
@@ -183,14 +233,22 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     let norm = extras.qk_norm;
     let rot = extras.rotary_dim.unwrap_or(hd);
     let normed = norm.is_some();
-    let fp8 = cache.fp8_scales.is_some();
+    // 0: bf16 cache, 1: FP8 cache, 2: calibration pass.
+    let mode = match &cache {
+        Dest::Cache { fp8_scales: None, .. } => 0,
+        Dest::Cache { fp8_scales: Some(_), .. } => 1,
+        Dest::Amax(_) => 2,
+    };
+    let kt = &dev.kernels;
     let (op, func, lead) = match input {
         RopeInput::Split { q, k, v } => {
-            let (op, func) = match (normed, fp8) {
-                (true, false) => ("rope_qknorm_write_kv", &dev.kernels.rope_qknorm_write_kv),
-                (false, false) => ("rope_write_kv", &dev.kernels.rope_write_kv),
-                (true, true) => ("rope_qknorm_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[2]),
-                (false, true) => ("rope_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[0]),
+            let (op, func) = match (normed, mode) {
+                (true, 0) => ("rope_qknorm_write_kv", &kt.rope_qknorm_write_kv),
+                (false, 0) => ("rope_write_kv", &kt.rope_write_kv),
+                (true, 1) => ("rope_qknorm_write_kv_fp8", &kt.rope_write_kv_fp8[2]),
+                (false, 1) => ("rope_write_kv_fp8", &kt.rope_write_kv_fp8[0]),
+                (true, _) => ("rope_qknorm_write_kv_amax", &kt.rope_write_kv_amax[2]),
+                (false, _) => ("rope_write_kv_amax", &kt.rope_write_kv_amax[0]),
             };
             need(op, "q", q, rows * n_heads * hd)?;
             need(op, "k", k, rows * nkv * hd)?;
@@ -198,11 +256,13 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
             (op, func, Args::new(op).buf(q).buf(k).buf(v))
         }
         RopeInput::Fused { qkv, q_out } => {
-            let (op, func) = match (normed, fp8) {
-                (true, false) => ("rope_qkv_qknorm_write_kv", &dev.kernels.rope_qkv_qknorm_write_kv),
-                (false, false) => ("rope_qkv_write_kv", &dev.kernels.rope_qkv_write_kv),
-                (true, true) => ("rope_qkv_qknorm_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[3]),
-                (false, true) => ("rope_qkv_write_kv_fp8", &dev.kernels.rope_write_kv_fp8[1]),
+            let (op, func) = match (normed, mode) {
+                (true, 0) => ("rope_qkv_qknorm_write_kv", &kt.rope_qkv_qknorm_write_kv),
+                (false, 0) => ("rope_qkv_write_kv", &kt.rope_qkv_write_kv),
+                (true, 1) => ("rope_qkv_qknorm_write_kv_fp8", &kt.rope_write_kv_fp8[3]),
+                (false, 1) => ("rope_qkv_write_kv_fp8", &kt.rope_write_kv_fp8[1]),
+                (true, _) => ("rope_qkv_qknorm_write_kv_amax", &kt.rope_write_kv_amax[3]),
+                (false, _) => ("rope_qkv_write_kv_amax", &kt.rope_write_kv_amax[1]),
             };
             need(op, "qkv", qkv, rows * (n_heads + 2 * nkv) * hd)?;
             need(op, "q_out", q_out, rows * n_heads * hd)?;
@@ -211,12 +271,19 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     };
     shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
     meta.check_geometry(op, &geo)?;
-    need(op, "k_cache", cache.k, geo.layer_len())?;
-    need(op, "v_cache", cache.v, geo.layer_len())?;
-    if let Some([k, v]) = cache.fp8_scales {
-        shape_check(op, [k, v].iter().all(|s| s.is_finite() && *s > 0.0), || {
-            format!("FP8 KV scales k {k}, v {v}: each must be finite and positive")
-        })?;
+    let mut fp8_scales = None;
+    match &cache {
+        Dest::Cache { k, v, fp8_scales: scales } => {
+            need(op, "k_cache", *k, geo.layer_len())?;
+            need(op, "v_cache", *v, geo.layer_len())?;
+            if let Some([k, v]) = *scales {
+                shape_check(op, [k, v].iter().all(|s| s.is_finite() && *s > 0.0), || {
+                    format!("FP8 KV scales k {k}, v {v}: each must be finite and positive")
+                })?;
+            }
+            fp8_scales = *scales;
+        }
+        Dest::Amax(a) => need(op, "amax", *a, 2)?,
     }
     shape_check(op, rot >= 2 && rot.is_multiple_of(2) && rot <= hd, || {
         format!("rotary_dim {rot} must be even, between 2 and head_dim {hd}")
@@ -238,9 +305,11 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     // With the norm, whole warps: the head's sum of squares is a block reduction.
     let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
     let grid = cfg((int(op, rows)? as u32, heads, 1), threads as u32);
+    let lead = match cache {
+        Dest::Cache { k, v, .. } => lead.buf(k).buf(v),
+        Dest::Amax(a) => lead.buf(a),
+    };
     let mut args = lead
-        .buf(cache.k)
-        .buf(cache.v)
         .buf(&meta.positions)
         .buf(&meta.slots)
         .buf(inv_freq)
@@ -252,12 +321,13 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     if let Some(n) = norm {
         args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
     }
-    if let Some([k, v]) = cache.fp8_scales {
+    if let Some([k, v]) = fp8_scales {
         args = args.f32(k).f32(v);
     }
     // SAFETY: each CTA reads and writes one head of its own row of the inputs (checked against `rows`
     // and the head counts above), writes one slot validated by the metadata against this
-    // cache's geometry (or none for slot -1), and reads `rotary_dim / 2` frequencies (and, with
+    // cache's geometry (or none for slot -1; a calibration pass writes only the two floats of
+    // `amax`, checked above), and reads `rotary_dim / 2` frequencies (and, with
     // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
     // touch nothing).
     unsafe { args.launch(dev, func, grid) }

@@ -53,6 +53,8 @@ pub struct ServeFile {
     pub num_kv_blocks: Option<usize>,
     /// See `--kv-cache-dtype`.
     pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
+    /// See `--calculate-kv-scales`.
+    pub calculate_kv_scales: Option<bool>,
     /// See `--quantization`.
     pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// See `--gpu-memory-utilization`.
@@ -118,6 +120,8 @@ pub struct ServeSettings {
     pub num_kv_blocks: Option<usize>,
     /// The KV cache's element type.
     pub kv_cache_dtype: baton_engine::kv_cache_dtype::KvCacheDtype,
+    /// FP8 KV scales calculated from the first prefill (checked against the dtype at start).
+    pub calculate_kv_scales: bool,
     /// The projection weights' quantization.
     pub quantization: baton_engine::weight_quantization::WeightQuantization,
     /// Fraction of GPU memory the engine may use (`None`: the engine's default).
@@ -156,6 +160,7 @@ impl ServeSettings {
             block_size: self.block_size.unwrap_or(d.block_size),
             num_kv_blocks: self.num_kv_blocks.or(d.num_kv_blocks),
             kv_cache_dtype: self.kv_cache_dtype,
+            calculate_kv_scales: self.calculate_kv_scales,
             quantization: self.quantization,
             gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
             kernel_cache_dir: self.kernel_cache_dir.clone(),
@@ -194,6 +199,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         block_size: args.block_size.or(file.block_size),
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
         kv_cache_dtype: args.kv_cache_dtype.or(file.kv_cache_dtype).unwrap_or_default(),
+        calculate_kv_scales: args.calculate_kv_scales.or(file.calculate_kv_scales).unwrap_or(false),
         quantization: args.quantization.or(file.quantization).unwrap_or_default(),
         gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
         // The default comes from the environment, read here at the binary's edge.
@@ -401,5 +407,18 @@ mod tests {
             .expect_err("e5m2 refused in the file")
             .to_string();
         assert!(bad.contains("fp8_e5m2"), "{bad}");
+    }
+
+    #[test]
+    fn calculate_kv_scales_from_flag_and_file() {
+        assert!(!resolve(&serve_args(&[]), &ServeFile::default()).engine_config().calculate_kv_scales);
+        let on = resolve(&serve_args(&["--kv-cache-dtype", "fp8", "--calculate-kv-scales"]), &ServeFile::default());
+        assert!(on.engine_config().calculate_kv_scales);
+        let file = ConfigFile::parse("[serve]\ncalculate_kv_scales = true\n", Path::new("t.toml")).expect("valid");
+        assert!(resolve(&serve_args(&[]), &file.serve).calculate_kv_scales);
+        assert!(
+            !resolve(&serve_args(&["--calculate-kv-scales=false"]), &file.serve).calculate_kv_scales,
+            "the flag beats the file"
+        );
     }
 }
