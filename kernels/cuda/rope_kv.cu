@@ -71,6 +71,9 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
     const int half = head_dim >> 1;
     const int i = threadIdx.x;
     const int head = blockIdx.y;
+    // A calibration pass reads keys and values only: a query head's CTA has nothing to do
+    // (the whole CTA leaves, so no reduction is left half-done).
+    if (AMAX && head < n_heads) return;
     const long long kv_w = (long long)n_kv_heads * head_dim;
     // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
     const bool active = !QK_NORM || i < half;
@@ -112,8 +115,6 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         kv_put(vc + i + half, vr[i + half], v_scale);
         return;
     }
-    // A calibration pass reads keys and values only (CTA-uniform: no reduction is left half-done).
-    if (AMAX && head < n_heads) return;
     if (head < n_heads) {
         const bf16_t* qr = q_in + row * q_stride + head * head_dim;
         bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
@@ -280,7 +281,6 @@ extern "C" __global__ void rope_write_kv_amax(const bf16_t* __restrict__ q, cons
                                               const int* __restrict__ positions, const long long* __restrict__ slots,
                                               const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                               int head_dim, int rot_half, float cs_scale) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<false, unsigned char, true>(q, (long long)n_heads * head_dim, nullptr, k, kv_w, nullptr, v, kv_w,
                                                    nullptr, nullptr, positions, slots, inv_freq, n_heads, n_kv_heads,
@@ -293,7 +293,6 @@ extern "C" __global__ void rope_qkv_write_kv_amax(const bf16_t* __restrict__ qkv
                                                   const long long* __restrict__ slots,
                                                   const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                                   int head_dim, int rot_half, float cs_scale) {
-    PDL_ENTER();
     (void)q_out;
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
@@ -311,7 +310,6 @@ extern "C" __global__ void rope_qknorm_write_kv_amax(const bf16_t* __restrict__ 
                                                      int n_kv_heads, int head_dim, int rot_half, float cs_scale,
                                                      const bf16_t* __restrict__ q_w, const bf16_t* __restrict__ k_w,
                                                      float eps, float offset) {
-    PDL_ENTER();
     const long long kv_w = (long long)n_kv_heads * head_dim;
     rope_write_kv_body<true, unsigned char, true>(q, (long long)n_heads * head_dim, nullptr, k, kv_w, nullptr, v, kv_w,
                                                   nullptr, nullptr, positions, slots, inv_freq, n_heads, n_kv_heads,
@@ -324,7 +322,6 @@ extern "C" __global__ void rope_qkv_qknorm_write_kv_amax(
     const int* __restrict__ positions, const long long* __restrict__ slots, const double* __restrict__ inv_freq,
     int n_heads, int n_kv_heads, int head_dim, int rot_half, float cs_scale, const bf16_t* __restrict__ q_w,
     const bf16_t* __restrict__ k_w, float eps, float offset) {
-    PDL_ENTER();
     (void)q_out;
     const long long qd = (long long)n_heads * head_dim, kvd = (long long)n_kv_heads * head_dim;
     const long long stride = qd + 2 * kvd;
