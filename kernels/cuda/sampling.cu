@@ -419,10 +419,10 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
         if (allowed(i) && (c > best_ok || ok_id == 0x7fffffff)) { best_ok = c; ok_id = i; }
     });
     s_block_argmax(s, best, best_id);
-    // The sanitized row's argmax: step 6's result too when no op and no mask changes the row.
-    const float raw_best = best;
-    const int raw_best_id = best_id;
+    // The sanitized row's maximum and argmax: step 6's result too when no op and no mask
+    // changes the row.
     const float raw_max = best;
+    const int raw_best_id = best_id;
     int raw_arg = raw_max == NEG_INF ? 0 : best_id;
     if (masked) {
         s_block_argmax(s, best_ok, ok_id);
@@ -502,7 +502,7 @@ extern "C" __global__ __launch_bounds__(SAMPLE_THREADS, 1) void sample_rows(
     // Step 6: the processed argmax (the token when greedy); step 0's when nothing changed the
     // row since (the same scan over the same values: the same result, one pass fewer).
     if (op_start == op_end && !masked) {
-        best = raw_best;
+        best = raw_max;
         best_id = raw_best_id;
     } else {
         best = NEG_INF;
