@@ -22,12 +22,13 @@
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
-//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both]
+//! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
 //! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
-//! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--moe-kernel`
+//! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--fused-norm`
+//! likewise for the RMSNorm fused into the skinny GEMMs around it (`branch_boundary`); `--moe-kernel`
 //! runs a MoE config's layers on their first kernels (`legacy`), the five-launch decode set
 //! (`split`), their current ones (`new`, the default: router + routing + permutation and down +
 //! un-permute fused for steps of at most 16 rows), or each of a comma list in turn at every
@@ -331,13 +332,27 @@ fn run() -> Res<()> {
             .map(|v| v.parse::<usize>().map(|mib| mib << 20).map_err(|e| format!("--l2-prefetch {v}: {e}")))
             .collect::<Result<_, _>>()?,
     };
-    // (graphs, pdl, fused gate, MoE kernels, L2 prefetch bytes) for every run of a shape.
-    let mut modes: Vec<(bool, bool, bool, MoeKernels, usize)> = Vec::new();
-    for &g in &graph_modes {
-        for &p in &pdl_modes {
-            for &f in &fused_modes {
-                for &pf in &prefetch_modes {
-                    modes.extend(moe_sets.iter().map(|&l| (g, p, f, l, pf)));
+    // And with the RMSNorm fused into the skinny GEMMs around it or not (`--fused-norm both`).
+    let norm_modes: Vec<bool> = match flag(&args, "--fused-norm").as_deref() {
+        Some("off") => vec![false],
+        Some("both") => vec![true, false],
+        _ => vec![true],
+    };
+    let mut modes: Vec<Mode> = Vec::new();
+    for &graphs in &graph_modes {
+        for &pdl in &pdl_modes {
+            for &fused_gate in &fused_modes {
+                for &fused_norm in &norm_modes {
+                    for &prefetch in &prefetch_modes {
+                        modes.extend(moe_sets.iter().map(|&moe| Mode {
+                            graphs,
+                            pdl,
+                            fused_gate,
+                            fused_norm,
+                            moe,
+                            prefetch,
+                        }));
+                    }
                 }
             }
         }
@@ -353,19 +368,21 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &(graphs, pdl, fused, moe, prefetch) in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, prefetch } in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
-            model.backend_mut().set_fused_gate(fused);
+            model.backend_mut().set_fused_gate(fused_gate);
+            model.backend_mut().set_fused_norm(fused_norm);
             model.backend_mut().set_moe_kernels(moe);
             model.backend_mut().set_gemv_l2_prefetch(prefetch);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}{}",
+                "{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
-                if fused { "" } else { "-unfused" },
+                if fused_gate { "" } else { "-unfused" },
+                if fused_norm { "" } else { "-normunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() }
             );
@@ -390,7 +407,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused},\"gemv_l2_prefetch\":{prefetch},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"gemv_l2_prefetch\":{prefetch},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -401,6 +418,7 @@ fn run() -> Res<()> {
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);
+            model.backend_mut().set_fused_norm(norm_modes[0]);
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
@@ -575,4 +593,16 @@ impl OpShape<'_> {
             _ => 0.0,
         }
     }
+}
+
+/// One configuration the decode timings run a shape under.
+#[derive(Clone, Copy)]
+struct Mode {
+    graphs: bool,
+    pdl: bool,
+    fused_gate: bool,
+    fused_norm: bool,
+    moe: MoeKernels,
+    /// Bytes of each skinny GEMM's weights pulled into L2 before it waits.
+    prefetch: usize,
 }

@@ -36,6 +36,16 @@
 // epilogue rounds both to bf16 first, as the unfused path stores them, and applies the same
 // activation functor as gated_mul (elementwise.cu): bit-identical to linear + silu_mul.
 // Grid: one CTA per 8 output columns (as many CTAs as the unfused product has).
+//
+// Norm fusion (decode at b <= 8: the two RMSNorms of a layer were single-CTA launches on the
+// step's critical path). A *residual* product (o_proj, down: ResidAct) adds its bf16-rounded
+// output to the f32 residual stream in its epilogue, as add_rms_norm_f32 did, and writes each
+// row's sum of squares over its 16 columns to stats[row][cta] (parts = gridDim.x of them, in a
+// fixed order, so the result does not depend on scheduling). A *norm-input* product (qkv,
+// gate_up: GemvXNorm) reads the residual instead of a bf16 x: after the PDL wait the CTA sums
+// the stats of its rows (one warp a row, a fixed tree), inv = rsqrt(mean + eps) as the norm
+// kernel computes it, and every chunk of x is bf16(r * inv * w_norm) at load, the norm
+// kernel's formula. The normalized activation is never stored.
 
 __device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
     uint4 v;
@@ -83,6 +93,21 @@ struct IsGated {
 template <>
 struct IsGated<NoAct> {
     static constexpr bool value = false;
+};
+// The epilogue of a residual product (see the top of the file): plain rows, added to the f32
+// residual stream, with the rows' sums of squares.
+struct ResidAct {};
+template <>
+struct IsGated<ResidAct> {
+    static constexpr bool value = false;
+};
+template <typename ACT>
+struct IsResid {
+    static constexpr bool value = false;
+};
+template <>
+struct IsResid<ResidAct> {
+    static constexpr bool value = true;
 };
 
 // Row of w that tile row i (0..15) of CTA `cta` reads, clamped to valid memory. Plain: rows
@@ -173,15 +198,178 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
     }
 }
 
+// The x operand as bf16 activations: thread (g, t)'s rows g, g + 8, ... (clamped to m - 1) of
+// x, offset by its t-th 16-byte chunk.
+template <int NT>
+struct GemvXBf16 {
+    const uint4* row[NT];
+    __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int t) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            row[nt] = reinterpret_cast<const uint4*>(x + (long long)min(nt * 8 + g, m - 1) * k) + t;
+    }
+    // After the PDL wait, before the first load: nothing to prepare.
+    __device__ __forceinline__ void ready(int, int, int) {}
+    // Chunk c (of 8 values) of tile nt's row.
+    __device__ __forceinline__ uint4 load(int nt, int c) const { return gemv_ld_cached(row[nt] + c); }
+    template <int U>
+    __device__ __forceinline__ void load_batch(int c0, uint4 (*vx)[U]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++) vx[nt][u] = load(nt, c0 + 4 * u);
+    }
+};
+
+// What a norm-input product reads instead of x: the f32 residual stream (m x k), the stats a
+// residual product left (m x parts sums of squares), the norm's weight (k bf16) and epsilon.
+struct GemvNormIn {
+    const float* __restrict__ res;
+    const float* __restrict__ stats;
+    const bf16_t* __restrict__ w;
+    int parts;
+    float eps;
+};
+
+__device__ __forceinline__ float4 gemv_ld_f4(const float4* p) {
+    float4 v;
+    asm("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+
+// bf16 pair (lo, hi) of r * inv * w, as norm_store rounds it.
+__device__ __forceinline__ unsigned gemv_norm_pair(float r0, float r1, float inv, unsigned w) {
+    const float w0 = __uint_as_float(w << 16), w1 = __uint_as_float(w & 0xffff0000u);
+    return (unsigned)f2bf(r0 * inv * w0) | ((unsigned)f2bf(r1 * inv * w1) << 16);
+}
+
+// The x operand as rms_norm(residual) * w, computed at load (see the top of the file).
+template <int NT>
+struct GemvXNorm {
+    const float4* row[NT];  // the t-th 32-byte chunk of row g, g + 8, ...
+    const uint4* w;         // the t-th 16-byte chunk of the norm weight
+    GemvNormIn in;
+    float inv[NT];
+    __device__ __forceinline__ GemvXNorm(const GemvNormIn& a, int m, int k, int g, int t) : in(a) {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+            row[nt] = reinterpret_cast<const float4*>(a.res + (long long)min(nt * 8 + g, m - 1) * k) + 2 * t;
+        w = reinterpret_cast<const uint4*>(a.w) + t;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) inv[nt] = 0.f;
+    }
+    // 1 / rms of each row this thread reads: warp i sums rows i, i + NW, ... of the stats (lane
+    // j its parts j, j + 32, ..., then a fixed shuffle tree), through shared memory. Every CTA
+    // computes the same bits. All threads of the CTA call it.
+    __device__ __forceinline__ void ready(int m, int k, int g) {
+        __shared__ float s_inv[NT * 8];
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        for (int mm = warp; mm < min(m, NT * 8); mm += nw) {
+            float s = 0.f;
+            for (int p = lane; p < in.parts; p += 32) s += in.stats[(long long)mm * in.parts + p];
+            s = warp_sum(s);
+            if (lane == 0) s_inv[mm] = rsqrtf(s / (float)k + in.eps);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) inv[nt] = s_inv[min(nt * 8 + g, m - 1)];
+    }
+    __device__ __forceinline__ uint4 norm(float4 a, float4 b, uint4 wv, float iv) const {
+        return make_uint4(gemv_norm_pair(a.x, a.y, iv, wv.x), gemv_norm_pair(a.z, a.w, iv, wv.y),
+                          gemv_norm_pair(b.x, b.y, iv, wv.z), gemv_norm_pair(b.z, b.w, iv, wv.w));
+    }
+    __device__ __forceinline__ uint4 load(int nt, int c) const {
+        return norm(gemv_ld_f4(row[nt] + 2 * c), gemv_ld_f4(row[nt] + 2 * c + 1), gemv_ld_cached(w + c), inv[nt]);
+    }
+    template <int U>
+    __device__ __forceinline__ void load_batch(int c0, uint4 (*vx)[U]) const {
+        // Every load of the batch before the first use (the weight chunk once per k-step).
+        uint4 wv[U];
+        float4 a[NT][U], b[NT][U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + 4 * u;
+            wv[u] = gemv_ld_cached(w + c);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                a[nt][u] = gemv_ld_f4(row[nt] + 2 * c);
+                b[nt][u] = gemv_ld_f4(row[nt] + 2 * c + 1);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++) vx[nt][u] = norm(a[nt][u], b[nt][u], wv[u], inv[nt]);
+    }
+};
+
+// The epilogue of a residual product: residual += bf16(sum) (add_rms_norm_f32's add, on the
+// product's rounded output), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
+// residual squared, for each row mm < m. rp holds the residual values this thread's entries
+// (the plain epilogue's indexing) had, loaded before the k loop.
+template <int NT, int NW, int E>
+__device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][32], const float* rp,
+                                                    float* __restrict__ res, float* __restrict__ stats, int m,
+                                                    int n) {
+    __shared__ float sq[16][NT * 8];
+    const int row0 = blockIdx.x * 16;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int i = threadIdx.x + e * NW * 32;
+        if (i < NT * 4 * 32) {
+            const int j = i >> 5, l = i & 31;
+            float s = 0.f;
+#pragma unroll
+            for (int v = 0; v < NW; v++) s += red[v][j][l];
+            const int r = (l >> 2) + ((j & 2) ? 8 : 0);
+            const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
+            float q = 0.f;
+            if (row0 + r < n && mm < m) {
+                const float v = rp[e] + bf2f(f2bf(s));
+                res[(long long)mm * n + row0 + r] = v;
+                q = v * v;
+            }
+            sq[r][mm] = q;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < min(m, NT * 8)) {
+        float s = 0.f;
+#pragma unroll
+        for (int r = 0; r < 16; r++) s += sq[r][threadIdx.x];
+        stats[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+    }
+}
+
+// The residual value of each of this thread's epilogue entries (0 past n or m).
+template <int NT, int NW, int E>
+__device__ __forceinline__ void gemv_resid_preload(const float* __restrict__ res, float* rp, int m, int n) {
+    const int row0 = blockIdx.x * 16;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+        const int i = threadIdx.x + e * NW * 32;
+        rp[e] = 0.f;
+        if (i < NT * 4 * 32) {
+            const int j = i >> 5, l = i & 31;
+            const int r = (l >> 2) + ((j & 2) ? 8 : 0);
+            const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
+            if (row0 + r < n && mm < m) rp[e] = res[(long long)mm * n + row0 + r];
+        }
+    }
+}
+
 // NT: tiles of 8 x rows (m <= 8 * NT). NW: warps per CTA (k split). U: k-steps of 32 per
-// batch (2*U weight loads of 16 bytes in flight per thread). ACT: NoAct, or the activation of
-// a gated product (then n is the number of output columns, half of w's rows). pf: bytes of
-// each weight row pulled into L2 before the PDL wait (at least the first round; see
-// gemv_prefetch_l2_bulk).
-template <int NT, int NW, int U, typename OUT, typename ACT>
-__device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                                          OUT* __restrict__ out, int m, int n, int k, int pf) {
+// batch (2*U weight loads of 16 bytes in flight per thread). ACT: NoAct, ResidAct (out is the
+// f32 residual stream, stats its sums of squares), or the activation of a gated product (then
+// n is the number of output columns, half of w's rows). X: where x comes from (GemvXBf16, or
+// GemvXNorm for a norm-input product). pf: bytes of each weight row pulled into L2 before the
+// PDL wait (at least the first round; see gemv_prefetch_l2_bulk).
+template <int NT, int NW, int U, typename OUT, typename ACT, typename X>
+__device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, OUT* __restrict__ out,
+                                          float* __restrict__ stats, int m, int n, int k, int pf) {
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
+    // Epilogue entries per thread (the residual epilogue preloads their residual values).
+    constexpr int E = (NT * 4 + NW - 1) / NW;
     __shared__ float red[NW][NT * 4][32];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -190,18 +378,15 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     const long long ra = gemv_w_row<ACT>(blockIdx.x, g, n), rb = gemv_w_row<ACT>(blockIdx.x, g + 8, n);
     const uint4* wa = reinterpret_cast<const uint4*>(w + ra * k) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(w + rb * k) + t;
-    const uint4* xr[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        const long long xm = min(nt * 8 + g, m - 1);
-        xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + t;
-    }
 
     // The first round: batches 0..NW-1 of the CTA's 16 rows (NW * BATCH 16-byte chunks a row).
     const auto wrow = [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); };
     gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, wrow);
     gemv_prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, pf, wrow);
     PDL_ENTER();
+    xin.ready(m, k, g);
+    float rp[E];
+    if constexpr (IsResid<ACT>::value) gemv_resid_preload<NT, NW, E>(out, rp, m, n);
 
     // Two accumulator sets (even and odd mma of a step) halve the dependent mma chain.
     float acc[2][NT][4];
@@ -218,10 +403,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
         uint4 va[U], vb[U], vx[NT][U];
         if (c0 + BATCH <= kc) {
             gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int u = 0; u < U; u++) vx[nt][u] = gemv_ld_cached(xr[nt] + c0 + 4 * u);
+            xin.template load_batch<U>(c0, vx);
         } else {
             // The last, partial batch: chunks past k load chunk 0 (valid memory) and are
             // zeroed on both operands, so they add exact zeros.
@@ -233,7 +415,7 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
                 va[u] = gemv_ld_stream(wa + cc);
                 vb[u] = gemv_ld_stream(wb + cc);
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) vx[nt][u] = gemv_ld_cached(xr[nt] + cc);
+                for (int nt = 0; nt < NT; nt++) vx[nt][u] = xin.load(nt, cc);
                 if (!in) {
                     va[u] = make_uint4(0, 0, 0, 0);
                     vb[u] = make_uint4(0, 0, 0, 0);
@@ -260,30 +442,54 @@ __device__ __forceinline__ void gemv_body(const bf16_t* __restrict__ x, const bf
     __syncthreads();
     if constexpr (IsGated<ACT>::value)
         gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
+    else if constexpr (IsResid<ACT>::value)
+        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
     else
         gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }
-#define GEMV_INSTANCE(MAXM, NW, U)                                                                              \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_bf16(                   \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k, int pf) {                                                                                        \
-        gemv_body<MAXM / 8, NW, U, bf16_t, NoAct>(x, w, out, m, n, k, pf);                                          \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_f32(                    \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ out, int m, int n,      \
-        int k, int pf) {                                                                                        \
-        gemv_body<MAXM / 8, NW, U, float, NoAct>(x, w, out, m, n, k, pf);                                           \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_silu(                   \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k, int pf) {                                                                                        \
-        gemv_body<MAXM / 8, NW, U, bf16_t, SiluAct>(x, w, out, m, n, k, pf);                                        \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_gelu_tanh(              \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n,     \
-        int k, int pf) {                                                                                        \
-        gemv_body<MAXM / 8, NW, U, bf16_t, GeluTanhAct>(x, w, out, m, n, k, pf);                                    \
+
+// A bf16-input instantiation of gemv_body; the kernel is named gemv_m<MAXM>_w<NW>_u<U>_<SUFFIX>.
+#define GEMV_KERNEL_BF16(MAXM, NW, U, SUFFIX, OUT, ACT)                                                      \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_##SUFFIX(            \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OUT* __restrict__ out, int m, int n,      \
+        int k, int pf) {                                                                                      \
+        gemv_body<MAXM / 8, NW, U, OUT, ACT>(GemvXBf16<MAXM / 8>(x, m, k, (threadIdx.x & 31) >> 2,            \
+                                                                 threadIdx.x & 3),                            \
+                                             w, out, nullptr, m, n, k, pf);                                   \
     }
+
+// The fused-norm kernels hold more registers than the plain ones (the f32 residual chunks):
+// 8-warp CTAs are held to 3 per SM, as the plain kernels fit, so that qkv's 384 CTAs (Llama-3.1-8B)
+// stay one wave on 132 SMs.
+#define GEMV_MIN_CTAS(NW) ((NW) == 8 ? 3 : 1)
+
+// A norm-input instantiation: x is rms_norm(res) * nw (see the top of the file).
+#define GEMV_KERNEL_NORM(MAXM, NW, U, SUFFIX, ACT)                                                           \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) gemv_m##MAXM##_w##NW##_u##U##_##SUFFIX(            \
+        const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
+        float eps, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n, int k, int pf) {     \
+        const GemvNormIn in{res, stats, nw, parts, eps};                                                      \
+        gemv_body<MAXM / 8, NW, U, bf16_t, ACT>(                                                              \
+            GemvXNorm<MAXM / 8>(in, m, k, (threadIdx.x & 31) >> 2, threadIdx.x & 3), w, out, nullptr, m, n, k, \
+            pf);                                                                                              \
+    }
+
+// Every epilogue of one variant, in the order of GemvEpilogue::ALL (kernels/src/cuda/gemv.rs).
+// The residual product's out is the f32 residual stream, and its stats follow.
+#define GEMV_INSTANCE(MAXM, NW, U)                                                                             \
+    GEMV_KERNEL_BF16(MAXM, NW, U, bf16, bf16_t, NoAct)                                                         \
+    GEMV_KERNEL_BF16(MAXM, NW, U, f32, float, NoAct)                                                           \
+    GEMV_KERNEL_BF16(MAXM, NW, U, silu, bf16_t, SiluAct)                                                       \
+    GEMV_KERNEL_BF16(MAXM, NW, U, gelu_tanh, bf16_t, GeluTanhAct)                                              \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) gemv_m##MAXM##_w##NW##_u##U##_resid(                 \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ res,                  \
+        float* __restrict__ stats, int m, int n, int k, int pf) {                                              \
+        gemv_body<MAXM / 8, NW, U, float, ResidAct>(GemvXBf16<MAXM / 8>(x, m, k, (threadIdx.x & 31) >> 2,      \
+                                                                        threadIdx.x & 3),                     \
+                                                    w, res, stats, m, n, k, pf);                               \
+    }                                                                                                          \
+    GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                                                            \
+    GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
 // kernels/src/cuda/gemv.rs, for up to 8 and up to 16 rows of x.

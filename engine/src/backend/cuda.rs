@@ -19,8 +19,8 @@
 //! block I/O is in cuda_kv_io.rs.
 
 use super::{
-    AttentionExtras, Backend, BackendError, BatchLayout, DeviceSampler, Gate, GraphReplay, KvCacheShape, KvIo,
-    MoeWeights, OptionalOp, WeightUploadReport,
+    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, Gate,
+    GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp, WeightUploadReport,
 };
 use baton_core::api::{PromptLogprob, TokenLogprob};
 use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
@@ -175,6 +175,12 @@ pub struct CudaBackend {
     /// ([`Backend::gated_linear`]); off = the product and the activation kernel, for
     /// comparisons.
     fuse_gate: bool,
+    /// The RMSNorm between two residual branches fused into the skinny GEMMs on either side
+    /// ([`Backend::branch_boundary`]); off = the three ops, for comparisons.
+    fuse_norm: bool,
+    /// The per-CTA sums of squares the fused boundary passes from one GEMM to the next
+    /// (allocated at the first fused boundary, for the most rows a skinny GEMM takes).
+    norm_stats: Option<CudaSlice<f32>>,
     /// Prefill chunks through the tensor-core prefill kernel (`AttnKernel::Mixed`);
     /// off = the decode kernel for every row, for comparisons.
     prefill_kernel: bool,
@@ -375,6 +381,8 @@ impl CudaBackend {
             logits,
             gemv: true,
             fuse_gate: true,
+            fuse_norm: true,
+            norm_stats: None,
             prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
@@ -400,6 +408,14 @@ impl CudaBackend {
     /// comparisons; the outputs are the same bits). Drops recorded graphs.
     pub fn set_fused_gate(&mut self, on: bool) {
         self.fuse_gate = on;
+        self.drop_graphs();
+    }
+
+    /// Fuses the RMSNorm between two residual branches into the skinny GEMMs on either side
+    /// where it applies (`true`, the default) or runs the projection, the norm and the next
+    /// projection (`false`: for benchmarks and comparisons). Drops recorded graphs.
+    pub fn set_fused_norm(&mut self, on: bool) {
+        self.fuse_norm = on;
         self.drop_graphs();
     }
 
@@ -948,6 +964,16 @@ impl Backend for CudaBackend {
         self.gated_linear_cuda(x, m, gate_up, gate, scratch, out)
     }
 
+    fn branch_boundary(
+        &mut self,
+        s: BranchBoundary<'_, Self>,
+        residual: &mut CudaRes,
+        scratch: BoundaryScratch<'_, Self>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.branch_boundary_cuda(s, residual, scratch, out)
+    }
+
     fn gather_rows(
         &mut self,
         x: &CudaBuf,
@@ -1097,6 +1123,8 @@ mod graph;
 
 #[path = "cuda_arch_ops.rs"]
 mod arch_ops;
+#[path = "cuda_boundary.rs"]
+mod boundary;
 #[path = "cuda_fp8_linear.rs"]
 mod fp8_linear;
 #[path = "cuda_gated.rs"]

@@ -15,8 +15,11 @@
 //! paged KV cache; the models own only handles. Activations are row-major
 //! `tokens × features`.
 
+mod boundary;
 pub mod cpu;
 pub mod cuda;
+
+pub use boundary::{BoundaryScratch, BranchBoundary, branch_boundary_unfused};
 
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
@@ -399,6 +402,19 @@ pub trait Backend: Send + 'static {
         out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
         gated_linear_unfused(self, x, m, gate_up, gate, scratch, out)
+    }
+    /// The boundary between two residual branches ([`BranchBoundary`]): the ending branch's
+    /// projection added to `residual`, the norm, and the next branch's first projection into
+    /// `out`. The default runs the three ops ([`branch_boundary_unfused`]); a backend may fuse
+    /// them (CUDA does for decode-sized batches) as long as `residual` and `out` are the same.
+    fn branch_boundary(
+        &mut self,
+        s: BranchBoundary<'_, Self>,
+        residual: &mut Self::Res,
+        scratch: BoundaryScratch<'_, Self>,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        branch_boundary_unfused(self, s, residual, scratch, out)
     }
     /// `out[i] = x[rows[i]]` for rows of width `width`.
     fn gather_rows(

@@ -28,7 +28,9 @@
 
 use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
-use crate::backend::{AttentionExtras, Backend, BackendError, BatchLayout, Gate, GateAct, OptionalOp};
+use crate::backend::{
+    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, Gate, GateAct, OptionalOp,
+};
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
 
@@ -234,14 +236,13 @@ impl<B: Backend> Architecture<B> for Llama<B> {
         b.mark("embed");
         b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            b.mark("norm");
             if i == 0 {
+                b.mark("norm");
                 b.rms_norm(&ws.residual, &layer.input_norm, eps, &mut ws.hidden)?;
-            } else {
-                b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.input_norm, eps, &mut ws.hidden)?;
+                b.mark("qkv");
+                b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
             }
-            b.mark("qkv");
-            b.linear(&ws.hidden, t, &layer.qkv, layer.qkv_bias.as_ref(), &mut ws.qkv)?;
+            // (Past layer 0, the previous layer's last boundary computed this layer's qkv.)
             if let Some((q_norm, k_norm)) = &layer.qk_norm {
                 b.mark("rope_kv");
                 let out = (&mut ws.q, &mut ws.k, &mut ws.v);
@@ -260,21 +261,67 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                 }
                 None => b.attention(i, &ws.q, nh, scale, batch, &mut ws.attn)?,
             }
-            b.mark("o_proj");
-            b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
-            b.mark("norm");
-            b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
+            let next = self.layers.get(i + 1);
             match &layer.mlp {
                 Mlp::Dense { gate_up, down, intermediate_size } => {
-                    b.mark("gate_up");
-                    let gate = Gate { act: GateAct::Silu, d: *intermediate_size };
-                    b.gated_linear(&ws.hidden, t, gate_up, gate, &mut ws.gate_up, &mut ws.act)?;
-                    b.mark("down");
-                    b.linear(&ws.act, t, down, None, &mut ws.proj)?;
+                    // o_proj, the residual add, the post-attention norm and gate_up (SiLU·mul).
+                    let s = BranchBoundary {
+                        m: t,
+                        x: &ws.attn,
+                        w: &layer.o,
+                        bias: layer.o_bias.as_ref(),
+                        norm: &layer.post_attn_norm,
+                        eps,
+                        next: gate_up,
+                        next_bias: None,
+                        gate: Some(Gate { act: GateAct::Silu, d: *intermediate_size }),
+                        labels: ("o_proj", "gate_up"),
+                    };
+                    let scratch =
+                        BoundaryScratch { proj: &mut ws.proj, hidden: &mut ws.hidden, gate_up: &mut ws.gate_up };
+                    b.branch_boundary(s, &mut ws.residual, scratch, &mut ws.act)?;
+                    match next {
+                        // down, the residual add, the next layer's input norm and its qkv.
+                        Some(n) => {
+                            let s = BranchBoundary {
+                                m: t,
+                                x: &ws.act,
+                                w: down,
+                                bias: None,
+                                norm: &n.input_norm,
+                                eps,
+                                next: &n.qkv,
+                                next_bias: n.qkv_bias.as_ref(),
+                                gate: None,
+                                labels: ("down", "qkv"),
+                            };
+                            let scratch = BoundaryScratch {
+                                proj: &mut ws.proj,
+                                hidden: &mut ws.hidden,
+                                gate_up: &mut ws.gate_up,
+                            };
+                            b.branch_boundary(s, &mut ws.residual, scratch, &mut ws.qkv)?;
+                        }
+                        // The last layer's output stays in `proj` for the final norm (`logits`).
+                        None => {
+                            b.mark("down");
+                            b.linear(&ws.act, t, down, None, &mut ws.proj)?;
+                        }
+                    }
                 }
                 Mlp::Moe(moe) => {
+                    b.mark("o_proj");
+                    b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
+                    b.mark("norm");
+                    b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
                     b.mark("moe");
                     moe.forward(b, &ws.hidden, t, &mut ws.proj)?;
+                    if let Some(n) = next {
+                        b.mark("norm");
+                        b.add_rms_norm(&mut ws.residual, &ws.proj, &n.input_norm, eps, &mut ws.hidden)?;
+                        b.mark("qkv");
+                        b.linear(&ws.hidden, t, &n.qkv, n.qkv_bias.as_ref(), &mut ws.qkv)?;
+                    }
                 }
             }
         }

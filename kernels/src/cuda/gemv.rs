@@ -6,8 +6,9 @@
 //!
 //! Invariants: [`GEMV_VARIANTS`] lists the `GEMV_INSTANCE` lines of gemv.cu in order (a unit
 //! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
-//! and for every [`GemvEpilogue`] (bf16 and f32 outputs, and the gated products whose
-//! activation is fused: [`GatedLinearCall`](super::GatedLinearCall)); the kernel takes `m × k` inputs with 1 ≤ m ≤
+//! and for every [`GemvEpilogue`] (bf16 and f32 outputs, the gated products whose
+//! activation is fused: [`GatedLinearCall`](super::GatedLinearCall), and the residual and
+//! norm-input products of the fused RMSNorm: `norm_linear.rs`); the kernel takes `m × k` inputs with 1 ≤ m ≤
 //! [`GEMV_KERNEL_MAX_M`] and k a multiple of 8 ([`gemv_supports`]), so that every row starts
 //! on a 16-byte boundary. Callers that may see other shapes ask first and use cuBLAS.
 
@@ -57,11 +58,21 @@ pub enum GemvEpilogue {
     Silu,
     /// As [`Self::Silu`] with GELU (tanh approximation), Gemma's GeGLU.
     GeluTanh,
+    /// The end of a residual branch (o_proj, down): `residual += bf16(x · wᵀ)` in f32, and each
+    /// row's sum of squares per CTA for the next norm-input product
+    /// ([`ResidualLinearCall`](super::ResidualLinearCall)).
+    Residual,
+    /// `out = rms_norm(residual) · w_norm · wᵀ` in bf16, the normalization done on x's loads
+    /// from a residual product's sums ([`NormLinearCall`](super::NormLinearCall)).
+    NormBf16,
+    /// As [`Self::NormBf16`] for the gated MLP with SiLU (as [`Self::Silu`]).
+    NormSilu,
 }
 
 impl GemvEpilogue {
     /// Every epilogue, in the order of the kernel table's entries per variant.
-    pub const ALL: [Self; 4] = [Self::Bf16, Self::F32, Self::Silu, Self::GeluTanh];
+    pub const ALL: [Self; 7] =
+        [Self::Bf16, Self::F32, Self::Silu, Self::GeluTanh, Self::Residual, Self::NormBf16, Self::NormSilu];
 
     /// The kernel name's last part (`GEMV_INSTANCE` in gemv.cu).
     fn suffix(self) -> &'static str {
@@ -70,6 +81,9 @@ impl GemvEpilogue {
             Self::F32 => "f32",
             Self::Silu => "silu",
             Self::GeluTanh => "gelu_tanh",
+            Self::Residual => "resid",
+            Self::NormBf16 => "norm_bf16",
+            Self::NormSilu => "norm_silu",
         }
     }
 
@@ -173,6 +187,8 @@ mod tests {
         assert_eq!(GEMV_VARIANTS[1].kernel_name(8, GemvEpilogue::Bf16), "gemv_m8_w8_u4_bf16");
         assert_eq!(GEMV_VARIANTS[0].kernel_name(16, GemvEpilogue::F32), "gemv_m16_w4_u4_f32");
         assert_eq!(GEMV_VARIANTS[3].kernel_name(8, GemvEpilogue::GeluTanh), "gemv_m8_w8_u2_gelu_tanh");
+        assert_eq!(GEMV_VARIANTS[1].kernel_name(8, GemvEpilogue::Residual), "gemv_m8_w8_u4_resid");
+        assert_eq!(GEMV_VARIANTS[0].kernel_name(16, GemvEpilogue::NormSilu), "gemv_m16_w4_u4_norm_silu");
         for (i, e) in GemvEpilogue::ALL.into_iter().enumerate() {
             assert_eq!(e.index(), i);
         }

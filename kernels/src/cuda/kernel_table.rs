@@ -98,7 +98,7 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub prefill_fp8_opt: Vec<Vec<F>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
-    pub gemv: [Vec<[F; 4]>; 2],
+    pub gemv: [Vec<Vec<F>>; 2],
     /// Sampling, one CTA per row (sampling.cu).
     pub sample_rows: F,
     /// Sampled tokens into the next step's ids (sampling.cu).
@@ -204,12 +204,12 @@ impl<F> KernelTable<F> {
                 );
             }
         }
-        let mut gemv_for = |max_m: usize| -> Result<Vec<[F; 4]>, E> {
+        let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
             let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
             for v in GEMV_VARIANTS {
-                let [a, b, c, d] = GemvEpilogue::ALL.map(|e| v.kernel_name(max_m, e));
-                variants.push([f(m, &a)?, f(m, &b)?, f(m, &c)?, f(m, &d)?]);
+                let funcs = GemvEpilogue::ALL.iter().map(|&e| f(m, &v.kernel_name(max_m, e)));
+                variants.push(funcs.collect::<Result<Vec<F>, E>>()?);
             }
             Ok(variants)
         };

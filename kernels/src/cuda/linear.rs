@@ -14,11 +14,13 @@
 //! followed by [`super::SiluMulCall`] (or [`super::GeluTanhMulCall`]) with the same variant.
 
 use super::gemv::{
-    GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GEMV_VARIANTS, GemvEpilogue, gemv_default, gemv_supports, gemv_tile_index,
+    GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports,
+    gemv_tile_index,
 };
 use super::launch::{Args, Elem, cfg, int, need, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice};
 use cudarc::cublas::{Gemm, GemmConfig, sys::cublasOperation_t};
+use cudarc::driver::CudaFunction;
 use half::bf16;
 
 /// Which implementation computes the product.
@@ -207,22 +209,19 @@ impl GatedLinearCall<'_> {
         shape_check(OP, gemv_supports(m, k), || {
             format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
         })?;
-        let variant = variant.unwrap_or_else(|| gemv_default(2 * d, dev.sm_count()));
         let epilogue = match act {
             GatedAct::Silu => GemvEpilogue::Silu,
             GatedAct::GeluTanh => GemvEpilogue::GeluTanh,
         };
-        let (v, funcs) = match (GEMV_VARIANTS.get(variant), dev.kernels.gemv[gemv_tile_index(m)].get(variant)) {
-            (Some(v), Some(f)) => (*v, f),
-            _ => return Err(shape_error(OP, format!("no gemv variant {variant}"))),
-        };
+        let (v, func) =
+            gemv_function(dev, OP, m, variant.unwrap_or_else(|| gemv_default(2 * d, dev.sm_count())), epilogue)?;
         // One CTA per 8 output columns: 8 gate rows and their 8 up rows.
         let grid = cfg((int(OP, d.div_ceil(GEMV_ROWS_PER_CTA / 2))? as u32, 1, 1), v.warps * 32);
         let pf = v.prefetch_row_bytes(2 * d, k, dev.gemv_l2_prefetch());
         let args = Args::new(OP).buf(x).buf(w).buf(out).int(m)?.int(d)?.int(k)?.int(pf)?;
         // SAFETY: x holds m × k, w 2d × k and out m × d (checked above); the kernel reads whole
         // 16-byte rows (k % 8 == 0), rows below 2d of w, and writes only columns < d of out.
-        unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
+        unsafe { args.launch(dev, func, grid) }
     }
 }
 
@@ -262,17 +261,29 @@ fn gemv<O: Elem>(
     shape_check(op, gemv_supports(m, k), || {
         format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
     })?;
-    let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
-    let (v, funcs) = match (GEMV_VARIANTS.get(variant), dev.kernels.gemv[gemv_tile_index(m)].get(variant)) {
-        (Some(v), Some(f)) => (*v, f),
-        _ => return Err(shape_error(op, format!("no gemv variant {variant}"))),
-    };
+    let epilogue = if f32_out { GemvEpilogue::F32 } else { GemvEpilogue::Bf16 };
+    let (v, func) = gemv_function(dev, op, m, variant.unwrap_or_else(|| gemv_default(n, dev.sm_count())), epilogue)?;
     let grid = cfg((int(op, n.div_ceil(GEMV_ROWS_PER_CTA))? as u32, 1, 1), v.warps * 32);
     let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
     let args = Args::new(op).buf(call.x).buf(call.w).buf(call.out).int(m)?.int(n)?.int(k)?.int(pf)?;
-    let epilogue = if f32_out { GemvEpilogue::F32 } else { GemvEpilogue::Bf16 };
     // SAFETY: x holds m × k, w n × k and out m × n (checked above); the kernel reads whole
     // 16-byte rows, which k % 8 == 0 guarantees, prefetches at most each row's 2k bytes (pf),
     // and writes only rows < n of out.
-    unsafe { args.launch(dev, &funcs[epilogue.index()], grid) }
+    unsafe { args.launch(dev, func, grid) }
+}
+
+/// The compiled skinny GEMM for `m` rows of x (its 8- or 16-row instantiation), `variant` of
+/// [`GEMV_VARIANTS`] and `epilogue`; refused (naming `op`) for a variant that does not exist.
+pub(super) fn gemv_function<'d>(
+    dev: &'d CudaDevice,
+    op: &'static str,
+    m: usize,
+    variant: usize,
+    epilogue: GemvEpilogue,
+) -> Result<(GemvVariant, &'d CudaFunction), CudaError> {
+    let funcs = dev.kernels.gemv[gemv_tile_index(m)].get(variant);
+    match (GEMV_VARIANTS.get(variant), funcs.and_then(|f| f.get(epilogue.index()))) {
+        (Some(v), Some(f)) => Ok((*v, f)),
+        _ => Err(shape_error(op, format!("no gemv variant {variant}"))),
+    }
 }

@@ -89,6 +89,7 @@ mod moe;
 mod moe_router;
 mod moe_skinny;
 mod norm;
+mod norm_linear;
 mod paged_attention;
 mod prefill;
 mod prompt_logprobs;
@@ -131,6 +132,7 @@ pub use moe::{
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
 pub use norm::{AddRmsNormCall, RmsNormCall};
+pub use norm_linear::{NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,
     auto_splits, plan_splits,

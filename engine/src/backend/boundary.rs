@@ -1,0 +1,74 @@
+//! The boundary between two residual branches of a pre-norm transformer layer, as one backend
+//! op ([`Backend::branch_boundary`]): the ending branch's output projection added to the
+//! residual stream, the RMSNorm, and the next branch's first projection (plain or gated).
+//!
+//! Seen as one op, a backend may fuse across the norm: CUDA adds the projection to the residual
+//! in the skinny GEMM's epilogue and normalizes on the next GEMM's loads, so the norm's
+//! single-CTA launch (twice a layer, on the decode step's critical path) disappears.
+//!
+//! Invariant: every implementation leaves `residual` and `out` as [`branch_boundary_unfused`]
+//! does; the scratch buffers ([`BoundaryScratch`]) hold nothing a caller may read afterwards.
+
+use super::{Backend, BackendError, Gate};
+use baton_kernels::cpu::KernelError;
+
+/// What [`Backend::branch_boundary`] computes: `residual += x · wᵀ (+ bias)`, then
+/// `h = rms_norm(residual) · norm`, then `out = h · nextᵀ (+ next_bias)` or, with a gate, the
+/// gated MLP's `act(gate) · up` of `h · nextᵀ` ([`Backend::gated_linear`]).
+pub struct BranchBoundary<'a, B: Backend + ?Sized> {
+    /// Rows (tokens).
+    pub m: usize,
+    /// The ending branch's last activation (`m × w.cols`).
+    pub x: &'a B::Buf,
+    /// The ending branch's output projection (o_proj, down).
+    pub w: &'a B::Mat,
+    /// Its bias, if the checkpoint has one.
+    pub bias: Option<&'a B::Buf>,
+    /// The norm's weight.
+    pub norm: &'a B::Buf,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// The next branch's first projection (qkv, gate_up).
+    pub next: &'a B::Mat,
+    /// Its bias (plain projections only: a gated projection with a bias is refused).
+    pub next_bias: Option<&'a B::Buf>,
+    /// `Some` for the gated MLP projection.
+    pub gate: Option<Gate>,
+    /// Step-profile labels of the two projections (`("o_proj", "gate_up")`).
+    pub labels: (&'static str, &'static str),
+}
+
+/// Buffers [`Backend::branch_boundary`] may use on the way; their contents afterwards are
+/// unspecified.
+pub struct BoundaryScratch<'a, B: Backend + ?Sized> {
+    /// The ending projection's output.
+    pub proj: &'a mut B::Buf,
+    /// The normalized activation.
+    pub hidden: &'a mut B::Buf,
+    /// `[gate | up]` of a gated projection that is not fused.
+    pub gate_up: &'a mut B::Buf,
+}
+
+/// [`Backend::branch_boundary`] as its three ops: [`Backend::linear`], [`Backend::add_rms_norm`]
+/// and [`Backend::linear`] or [`Backend::gated_linear`], each marked for a step profile.
+pub fn branch_boundary_unfused<B: Backend + ?Sized>(
+    b: &mut B,
+    s: BranchBoundary<'_, B>,
+    residual: &mut B::Res,
+    scratch: BoundaryScratch<'_, B>,
+    out: &mut B::Buf,
+) -> Result<(), BackendError> {
+    if s.gate.is_some() && s.next_bias.is_some() {
+        let message = "a gated projection with a bias".to_string();
+        return Err(BackendError::Kernel(KernelError { op: "branch_boundary", message }));
+    }
+    b.mark(s.labels.0);
+    b.linear(s.x, s.m, s.w, s.bias, scratch.proj)?;
+    b.mark("norm");
+    b.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
+    b.mark(s.labels.1);
+    match s.gate {
+        None => b.linear(scratch.hidden, s.m, s.next, s.next_bias, out),
+        Some(gate) => b.gated_linear(scratch.hidden, s.m, s.next, gate, scratch.gate_up, out),
+    }
+}
