@@ -45,7 +45,8 @@
 // gate_up: GemvXNorm) reads the residual instead of a bf16 x: after the PDL wait the CTA sums
 // the stats of its rows (one warp a row, a fixed tree), inv = rsqrt(mean + eps) as the norm
 // kernel computes it, and every chunk of x is bf16(r * inv * w_norm) at load, the norm
-// kernel's formula. The normalized activation is never stored.
+// kernel's formula. The normalized activation is never stored. Both kinds trigger the next
+// kernel's launch (PDL) after their k loop rather than at their start (measured, see gemv_body).
 
 __device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
     uint4 v;
@@ -202,6 +203,7 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
 // x, offset by its t-th 16-byte chunk.
 template <int NT>
 struct GemvXBf16 {
+    static constexpr bool NORM = false;
     const uint4* row[NT];
     __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int t) {
 #pragma unroll
@@ -246,6 +248,7 @@ __device__ __forceinline__ unsigned gemv_norm_pair(float r0, float r1, float inv
 // The x operand as rms_norm(residual) * w, computed at load (see the top of the file).
 template <int NT>
 struct GemvXNorm {
+    static constexpr bool NORM = true;
     const float4* row[NT];  // the t-th 32-byte chunk of row g, g + 8, ...
     const uint4* w;         // the t-th 16-byte chunk of the norm weight
     GemvNormIn in;
@@ -383,7 +386,14 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     const auto wrow = [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); };
     gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, wrow);
     gemv_prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, pf, wrow);
-    PDL_ENTER();
+    // The fused-norm kernels let the next kernel launch only after their k loop: triggered at
+    // the start, as the other kernels do, they made Llama-3.1-8B's b = 1 ctx 1k step 6.49 ms
+    // against 5.83 (and 5.98 unfused; H100, bench/results/bench-cuda-fusednorm-*).
+    constexpr bool late = IsResid<ACT>::value || X::NORM;
+    if constexpr (late)
+        pdl_wait();
+    else
+        PDL_ENTER();
     xin.ready(m, k, g);
     float rp[E];
     if constexpr (IsResid<ACT>::value) gemv_resid_preload<NT, NW, E>(out, rp, m, n);
@@ -433,6 +443,7 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
             }
     }
 
+    if constexpr (late) pdl_trigger();
     // Accumulator j of tile nt in lane (g, t) is D[g + 8*(j/2)][nt*8 + 2t + j%2]. Laid out
     // [warp][j][lane] so that a warp's stores and the summing loads are conflict-free.
 #pragma unroll
@@ -448,47 +459,53 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }
 
+// The fused-norm kernels hold more registers than the plain ones (the f32 residual chunks):
+// 8-warp CTAs are held to 3 per SM, as the plain kernels fit, so that qkv's 384 CTAs
+// (Llama-3.1-8B) stay one wave on 132 SMs.
+#define GEMV_MIN_CTAS(NW) ((NW) == 8 ? 3 : 1)
+#define GEMV_NAME(MAXM, NW, U, SUFFIX) gemv_m##MAXM##_w##NW##_u##U##_##SUFFIX
+// Thread (g, t) of the mma fragments.
+#define GEMV_G ((threadIdx.x & 31) >> 2)
+#define GEMV_T (threadIdx.x & 3)
+
 // A bf16-input instantiation of gemv_body; the kernel is named gemv_m<MAXM>_w<NW>_u<U>_<SUFFIX>.
-#define GEMV_KERNEL_BF16(MAXM, NW, U, SUFFIX, OUT, ACT)                                                      \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_m##MAXM##_w##NW##_u##U##_##SUFFIX(            \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OUT* __restrict__ out, int m, int n,      \
-        int k, int pf) {                                                                                      \
-        gemv_body<MAXM / 8, NW, U, OUT, ACT>(GemvXBf16<MAXM / 8>(x, m, k, (threadIdx.x & 31) >> 2,            \
-                                                                 threadIdx.x & 3),                            \
-                                             w, out, nullptr, m, n, k, pf);                                   \
+#define GEMV_KERNEL_BF16(MAXM, NW, U, SUFFIX, OUT, ACT)                                               \
+    extern "C" __global__ void __launch_bounds__(NW * 32) GEMV_NAME(MAXM, NW, U, SUFFIX)(             \
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OUT* __restrict__ out, int m,      \
+        int n, int k, int pf) {                                                                        \
+        const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, GEMV_T);                                        \
+        gemv_body<MAXM / 8, NW, U, OUT, ACT>(xin, w, out, nullptr, m, n, k, pf);                       \
     }
 
-// The fused-norm kernels hold more registers than the plain ones (the f32 residual chunks):
-// 8-warp CTAs are held to 3 per SM, as the plain kernels fit, so that qkv's 384 CTAs (Llama-3.1-8B)
-// stay one wave on 132 SMs.
-#define GEMV_MIN_CTAS(NW) ((NW) == 8 ? 3 : 1)
+// The residual product: out is the f32 residual stream, and its stats follow.
+#define GEMV_KERNEL_RESID(MAXM, NW, U)                                                                 \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW))                           \
+        GEMV_NAME(MAXM, NW, U, resid)(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,       \
+                                      float* __restrict__ res, float* __restrict__ stats, int m, int n, \
+                                      int k, int pf) {                                                 \
+        const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, GEMV_T);                                        \
+        gemv_body<MAXM / 8, NW, U, float, ResidAct>(xin, w, res, stats, m, n, k, pf);                  \
+    }
 
 // A norm-input instantiation: x is rms_norm(res) * nw (see the top of the file).
-#define GEMV_KERNEL_NORM(MAXM, NW, U, SUFFIX, ACT)                                                           \
-    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) gemv_m##MAXM##_w##NW##_u##U##_##SUFFIX(            \
-        const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
-        float eps, const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m, int n, int k, int pf) {     \
-        const GemvNormIn in{res, stats, nw, parts, eps};                                                      \
-        gemv_body<MAXM / 8, NW, U, bf16_t, ACT>(                                                              \
-            GemvXNorm<MAXM / 8>(in, m, k, (threadIdx.x & 31) >> 2, threadIdx.x & 3), w, out, nullptr, m, n, k, \
-            pf);                                                                                              \
+#define GEMV_KERNEL_NORM(MAXM, NW, U, SUFFIX, ACT)                                                     \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW))                           \
+        GEMV_NAME(MAXM, NW, U, SUFFIX)(const float* __restrict__ res, const float* __restrict__ stats,  \
+                                       int parts, const bf16_t* __restrict__ nw, float eps,             \
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int m,   \
+                                       int n, int k, int pf) {                                          \
+        const GemvXNorm<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, GEMV_T);   \
+        gemv_body<MAXM / 8, NW, U, bf16_t, ACT>(xin, w, out, nullptr, m, n, k, pf);                    \
     }
 
 // Every epilogue of one variant, in the order of GemvEpilogue::ALL (kernels/src/cuda/gemv.rs).
-// The residual product's out is the f32 residual stream, and its stats follow.
-#define GEMV_INSTANCE(MAXM, NW, U)                                                                             \
-    GEMV_KERNEL_BF16(MAXM, NW, U, bf16, bf16_t, NoAct)                                                         \
-    GEMV_KERNEL_BF16(MAXM, NW, U, f32, float, NoAct)                                                           \
-    GEMV_KERNEL_BF16(MAXM, NW, U, silu, bf16_t, SiluAct)                                                       \
-    GEMV_KERNEL_BF16(MAXM, NW, U, gelu_tanh, bf16_t, GeluTanhAct)                                              \
-    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) gemv_m##MAXM##_w##NW##_u##U##_resid(                 \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ res,                  \
-        float* __restrict__ stats, int m, int n, int k, int pf) {                                              \
-        gemv_body<MAXM / 8, NW, U, float, ResidAct>(GemvXBf16<MAXM / 8>(x, m, k, (threadIdx.x & 31) >> 2,      \
-                                                                        threadIdx.x & 3),                     \
-                                                    w, res, stats, m, n, k, pf);                               \
-    }                                                                                                          \
-    GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                                                            \
+#define GEMV_INSTANCE(MAXM, NW, U)                                 \
+    GEMV_KERNEL_BF16(MAXM, NW, U, bf16, bf16_t, NoAct)             \
+    GEMV_KERNEL_BF16(MAXM, NW, U, f32, float, NoAct)               \
+    GEMV_KERNEL_BF16(MAXM, NW, U, silu, bf16_t, SiluAct)           \
+    GEMV_KERNEL_BF16(MAXM, NW, U, gelu_tanh, bf16_t, GeluTanhAct)  \
+    GEMV_KERNEL_RESID(MAXM, NW, U)                                 \
+    GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                \
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
