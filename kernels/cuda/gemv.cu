@@ -179,10 +179,11 @@ __device__ __forceinline__ void gemv_prefetch_l2_bulk(const unsigned char* base,
 }
 
 // The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
-// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
-template <int NT, int NW, typename ACT>
+// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded,
+// each sum times scale(its weight row) first (FP8 weights' row scales; 1 for bf16).
+template <int NT, int NW, typename ACT, typename SCALE>
 __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][32], ACT act,
-                                                    bf16_t* __restrict__ out, int m, int n) {
+                                                    bf16_t* __restrict__ out, int m, int n, SCALE scale) {
     const int col0 = blockIdx.x * 8;
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
         const int jj = i >> 5, l = i & 31;
@@ -195,20 +196,25 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
         }
         const int col = col0 + (l >> 2);
         const int mm = nt * 8 + 2 * (l & 3) + h;
-        if (col < n && mm < m) out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
+        if (col < n && mm < m) {
+            gate *= scale(col);
+            up *= scale(n + col);
+            out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
+        }
     }
 }
 
-// The x operand as bf16 activations: thread (g, t)'s rows g, g + 8, ... (clamped to m - 1) of
-// x, offset by its t-th 16-byte chunk.
+// The x operand as bf16 activations: thread (g, t)'s rows m0 + g, m0 + g + 8, ... (clamped to
+// m - 1) of x, starting at 16-byte chunk co (t here; 2t in gemv_fp8.cu, whose k-steps take 16
+// values, and whose plain kernel splits the rows of x over CTAs from m0).
 template <int NT>
 struct GemvXBf16 {
     static constexpr bool NORM = false;
     const uint4* row[NT];
-    __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int t) {
+    __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int co, int m0 = 0) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-            row[nt] = reinterpret_cast<const uint4*>(x + (long long)min(nt * 8 + g, m - 1) * k) + t;
+            row[nt] = reinterpret_cast<const uint4*>(x + (long long)min(m0 + nt * 8 + g, m - 1) * k) + co;
     }
     // After the PDL wait, before the first load: nothing to prepare.
     __device__ __forceinline__ void ready(int, int, int) {}
@@ -249,15 +255,15 @@ __device__ __forceinline__ unsigned gemv_norm_pair(float r0, float r1, float inv
 template <int NT>
 struct GemvXNorm {
     static constexpr bool NORM = true;
-    const float4* row[NT];  // the t-th 32-byte chunk of row g, g + 8, ...
-    const uint4* w;         // the t-th 16-byte chunk of the norm weight
+    const float4* row[NT];  // the residual at chunk co (of 8 values) of rows g, g + 8, ...
+    const uint4* w;         // the norm weight at chunk co
     GemvNormIn in;
     float inv[NT];
-    __device__ __forceinline__ GemvXNorm(const GemvNormIn& a, int m, int k, int g, int t) : in(a) {
+    __device__ __forceinline__ GemvXNorm(const GemvNormIn& a, int m, int k, int g, int co) : in(a) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-            row[nt] = reinterpret_cast<const float4*>(a.res + (long long)min(nt * 8 + g, m - 1) * k) + 2 * t;
-        w = reinterpret_cast<const uint4*>(a.w) + t;
+            row[nt] = reinterpret_cast<const float4*>(a.res + (long long)min(nt * 8 + g, m - 1) * k) + 2 * co;
+        w = reinterpret_cast<const uint4*>(a.w) + co;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) inv[nt] = 0.f;
     }
@@ -310,10 +316,10 @@ struct GemvXNorm {
 // product's rounded output), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
 // residual squared, for each row mm < m. rp holds the residual values this thread's entries
 // (the plain epilogue's indexing) had, loaded before the k loop.
-template <int NT, int NW, int E>
+template <int NT, int NW, int E, typename SCALE>
 __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][32], const float* rp,
                                                     float* __restrict__ res, float* __restrict__ stats, int m,
-                                                    int n) {
+                                                    int n, SCALE scale) {
     __shared__ float sq[16][NT * 8];
     const int row0 = blockIdx.x * 16;
 #pragma unroll
@@ -328,7 +334,7 @@ __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][3
             const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
             float q = 0.f;
             if (row0 + r < n && mm < m) {
-                const float v = rp[e] + bf2f(f2bf(s));
+                const float v = rp[e] + bf2f(f2bf(s * scale(row0 + r)));
                 res[(long long)mm * n + row0 + r] = v;
                 q = v * v;
             }
@@ -452,9 +458,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
     __syncthreads();
     if constexpr (IsGated<ACT>::value)
-        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
+        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n, NoRowScale{});
     else if constexpr (IsResid<ACT>::value)
-        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
+        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n, NoRowScale{});
     else
         gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }

@@ -7,13 +7,16 @@
 //! Invariants: the fused route updates `residual` exactly as the unfused one (the same bf16
 //! rounding of the projection, the same f32 add) and its `out` differs only where the row's
 //! `1 / rms`, summed in another order, lands on the other side of a bf16 rounding; every case
-//! it does not cover (more rows than the skinny GEMM takes, FP8 weights, a bias on the ending
-//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`].
+//! it does not cover (more rows than the skinny GEMMs take, bf16 and FP8 weights mixed, a bias on
+//! the ending projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`]. FP8
+//! weights take gemv_fp8.cu's fused kernels, whose gated kind also fuses the SiLU·mul that the
+//! unfused FP8 path runs as its own kernel.
 
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
 use baton_kernels::cuda::{
-    BiasAddCall, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts,
+    BiasAddCall, Fp8Weights, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall,
+    W8A8_MIN_M, gemv_fp8_supports, norm_stat_parts,
 };
 
 impl CudaBackend {
@@ -33,14 +36,8 @@ impl CudaBackend {
             }
             Some(_) => None,
         };
-        let fusable = self.fuse_norm
-            && s.bias.is_none()
-            && s.w.fp8.is_none()
-            && s.next.fp8.is_none()
-            && s.next.cols == width
-            && gemv_applies(self.gemv, m, s.w.cols)
-            && gemv_applies(self.gemv, m, width);
-        let Some(kind) = kind.filter(|_| fusable) else {
+        let fusable = self.fuse_norm && s.bias.is_none() && s.next.cols == width;
+        let (Some(kind), Some((end_w, next_w)), true) = (kind, self.boundary_weights(&s), fusable) else {
             return branch_boundary_unfused(self, s, residual, scratch, out);
         };
         if s.x.len < m * s.w.cols || residual.len != m * width {
@@ -63,7 +60,7 @@ impl CudaBackend {
             x: &s.x.data,
             m,
             k: s.w.cols,
-            w: &s.w.data,
+            w: end_w,
             n: width,
             residual: &mut residual.data,
             stats: &mut stats,
@@ -78,7 +75,7 @@ impl CudaBackend {
                 eps: s.eps,
                 m,
                 k: width,
-                w: &s.next.data,
+                w: next_w,
                 kind,
                 out: &mut out.data,
                 variant: None,
@@ -94,5 +91,21 @@ impl CudaBackend {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         Ok(())
+    }
+
+    /// The two products' weights when the fused kernels take them: both bf16 and a batch the
+    /// skinny GEMM takes ([`gemv_applies`]), or both FP8 and a batch the skinny FP8 kernel
+    /// takes (as `linear_fp8` decides).
+    fn boundary_weights<'a>(&self, s: &BranchBoundary<'a, Self>) -> Option<(ProjWeights<'a>, ProjWeights<'a>)> {
+        let m = s.m;
+        match (&s.w.fp8, &s.next.fp8) {
+            (None, None) => (gemv_applies(self.gemv, m, s.w.cols) && gemv_applies(self.gemv, m, s.w.rows))
+                .then_some((ProjWeights::Bf16(&s.w.data), ProjWeights::Bf16(&s.next.data))),
+            (Some(a), Some(b)) => {
+                let skinny = |w: &Fp8Weights| m < W8A8_MIN_M && gemv_fp8_supports(m, w.cols, w.col_block);
+                (skinny(&a.w) && skinny(&b.w)).then_some((ProjWeights::Fp8(&a.w), ProjWeights::Fp8(&b.w)))
+            }
+            _ => None,
+        }
     }
 }
