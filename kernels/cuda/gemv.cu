@@ -227,6 +227,16 @@ struct GemvXBf16 {
 #pragma unroll
             for (int u = 0; u < U; u++) vx[nt][u] = load(nt, c0 + 4 * u);
     }
+    // gemv_fp8.cu's batch: chunks 2 (c0 + 4u) and 2 (c0 + 4u) + 1 for each k-step u.
+    template <int U>
+    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) vx[nt][u][h] = load(nt, 2 * (c0 + 4 * u) + h);
+    }
 };
 
 // What a norm-input product reads instead of x: the f32 residual stream (m x k), the stats a
@@ -309,6 +319,30 @@ struct GemvXNorm {
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int u = 0; u < U; u++) vx[nt][u] = norm(a[nt][u], b[nt][u], wv[u], inv[nt]);
+    }
+    // gemv_fp8.cu's batch (see GemvXBf16::load_pairs), every load before the first use.
+    template <int U>
+    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
+        uint4 wv[U][2];
+        float4 a[NT][U][2], b[NT][U][2];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int c = 2 * (c0 + 4 * u) + h;
+                wv[u][h] = gemv_ld_cached(w + c);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    a[nt][u][h] = gemv_ld_f4(row[nt] + 2 * c);
+                    b[nt][u][h] = gemv_ld_f4(row[nt] + 2 * c + 1);
+                }
+            }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) vx[nt][u][h] = norm(a[nt][u][h], b[nt][u][h], wv[u][h], inv[nt]);
     }
 };
 

@@ -92,13 +92,7 @@ __device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __rest
         uint4 va[U], vb[U], vx[NT][U][2];
         if (c0 + BATCH <= kc) {
             gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    vx[nt][u][0] = xin.load(nt, 2 * (c0 + 4 * u));
-                    vx[nt][u][1] = xin.load(nt, 2 * (c0 + 4 * u) + 1);
-                }
+            xin.template load_pairs<U>(c0, vx);
         } else {
             // The last, partial batch: chunks past k load chunk 0 (valid memory) and are zeroed
             // on both operands, so they add exact zeros.
