@@ -261,6 +261,19 @@ __device__ __forceinline__ unsigned gemv_norm_pair(float r0, float r1, float inv
     return (unsigned)f2bf(r0 * inv * w0) | ((unsigned)f2bf(r1 * inv * w1) << 16);
 }
 
+// s_inv[mm] = 1 / rms of residual row mm < rows from the stats: warp i sums rows i, i + NW, ...
+// (lane j its parts j, j + 32, ..., then a fixed shuffle tree), so every CTA computes the same
+// bits. The caller synchronizes before reading s_inv.
+__device__ __forceinline__ void gemv_norm_inv(const GemvNormIn& in, int rows, int k, float* s_inv) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int mm = warp; mm < rows; mm += nw) {
+        float s = 0.f;
+        for (int p = lane; p < in.parts; p += 32) s += in.stats[(long long)mm * in.parts + p];
+        s = warp_sum(s);
+        if (lane == 0) s_inv[mm] = rsqrtf(s / (float)k + in.eps);
+    }
+}
+
 // The x operand as rms_norm(residual) * w, computed at load (see the top of the file).
 template <int NT>
 struct GemvXNorm {
@@ -282,13 +295,7 @@ struct GemvXNorm {
     // computes the same bits. All threads of the CTA call it.
     __device__ __forceinline__ void ready(int m, int k, int g) {
         __shared__ float s_inv[NT * 8];
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-        for (int mm = warp; mm < min(m, NT * 8); mm += nw) {
-            float s = 0.f;
-            for (int p = lane; p < in.parts; p += 32) s += in.stats[(long long)mm * in.parts + p];
-            s = warp_sum(s);
-            if (lane == 0) s_inv[mm] = rsqrtf(s / (float)k + in.eps);
-        }
+        gemv_norm_inv(in, min(m, NT * 8), k, s_inv);
         __syncthreads();
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) inv[nt] = s_inv[min(nt * 8 + g, m - 1)];
@@ -343,6 +350,58 @@ struct GemvXNorm {
             for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int h = 0; h < 2; h++) vx[nt][u][h] = norm(a[nt][u][h], b[nt][u][h], wv[u][h], inv[nt]);
+    }
+};
+
+// The x operand as rms_norm(residual) * w, normalized once per CTA into shared memory (dynamic,
+// rows x k bf16 with rows = min(m, 8 NT)) after the PDL wait; the k loop then loads bf16 chunks
+// from there. gemv_fp8.cu's norm kernels use it: a lane of the FP8 kernel takes 16 values of x
+// per k-step against 16 one-byte weights, so normalizing at load (8 lanes of a warp repeating
+// the same row at m = 1) cost more issue slots than the weights' conversion (measured: qkv
+// +5.8 us, gate_up +11 us a layer over the unfused pair).
+template <int NT>
+struct GemvXNormShared {
+    static constexpr bool NORM = true;
+    GemvNormIn in;
+    const uint4* row[NT];
+    int co;
+    __device__ __forceinline__ GemvXNormShared(const GemvNormIn& a, int, int, int, int c) : in(a), co(c) {}
+    __device__ __forceinline__ void ready(int m, int k, int g) {
+        extern __shared__ uint4 gemv_xs[];
+        __shared__ float s_inv[NT * 8];
+        const int rows = min(m, NT * 8), kc = k >> 3;
+        gemv_norm_inv(in, rows, k, s_inv);
+        __syncthreads();
+        const uint4* w = reinterpret_cast<const uint4*>(in.w);
+        for (int i = threadIdx.x; i < rows * kc; i += blockDim.x) {
+            const int r = i / kc, c = i - r * kc;
+            const float4* src = reinterpret_cast<const float4*>(in.res + (long long)r * k) + 2 * c;
+            const uint4 wv = gemv_ld_cached(w + c);
+            const float iv = s_inv[r];
+            const float4 a = gemv_ld_f4(src), b = gemv_ld_f4(src + 1);
+            gemv_xs[i] = make_uint4(gemv_norm_pair(a.x, a.y, iv, wv.x), gemv_norm_pair(a.z, a.w, iv, wv.y),
+                                    gemv_norm_pair(b.x, b.y, iv, wv.z), gemv_norm_pair(b.z, b.w, iv, wv.w));
+        }
+        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) row[nt] = gemv_xs + (long long)min(nt * 8 + g, m - 1) * kc + co;
+    }
+    __device__ __forceinline__ uint4 load(int nt, int c) const { return row[nt][c]; }
+    template <int U>
+    __device__ __forceinline__ void load_batch(int c0, uint4 (*vx)[U]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++) vx[nt][u] = load(nt, c0 + 4 * u);
+    }
+    template <int U>
+    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) vx[nt][u][h] = load(nt, 2 * (c0 + 4 * u) + h);
     }
 };
 

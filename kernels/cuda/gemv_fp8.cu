@@ -201,7 +201,7 @@ __device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __rest
         const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
         float eps, const unsigned char* __restrict__ codes, const float* __restrict__ scales,          \
         bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb) {                                \
-        const GemvXNorm<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, 2 * GEMV_T); \
+        const GemvXNormShared<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, 2 * GEMV_T); \
         gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, bf16_t, ACT>(xin, codes, scales, out, nullptr, m, n, k, rb, cb, 1); \
     }
 

@@ -16,7 +16,7 @@ use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
 use baton_kernels::cuda::{
     BiasAddCall, Fp8Weights, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall,
-    W8A8_MIN_M, gemv_fp8_supports, norm_stat_parts,
+    W8A8_MIN_M, gemv_fp8_supports, norm_linear_fp8_fits, norm_stat_parts,
 };
 
 impl CudaBackend {
@@ -94,8 +94,8 @@ impl CudaBackend {
     }
 
     /// The two products' weights when the fused kernels take them: both bf16 and a batch the
-    /// skinny GEMM takes ([`gemv_applies`]), or both FP8 and a batch the skinny FP8 kernel
-    /// takes (as `linear_fp8` decides).
+    /// skinny GEMM takes ([`gemv_applies`]), or both FP8, a batch the skinny FP8 kernel takes
+    /// (as `linear_fp8` decides) and a normalized x that fits the kernel's shared memory.
     fn boundary_weights<'a>(&self, s: &BranchBoundary<'a, Self>) -> Option<(ProjWeights<'a>, ProjWeights<'a>)> {
         let m = s.m;
         match (&s.w.fp8, &s.next.fp8) {
@@ -103,7 +103,8 @@ impl CudaBackend {
                 .then_some((ProjWeights::Bf16(&s.w.data), ProjWeights::Bf16(&s.next.data))),
             (Some(a), Some(b)) => {
                 let skinny = |w: &Fp8Weights| m < W8A8_MIN_M && gemv_fp8_supports(m, w.cols, w.col_block);
-                (skinny(&a.w) && skinny(&b.w)).then_some((ProjWeights::Fp8(&a.w), ProjWeights::Fp8(&b.w)))
+                (skinny(&a.w) && skinny(&b.w) && norm_linear_fp8_fits(m, b.w.cols))
+                    .then_some((ProjWeights::Fp8(&a.w), ProjWeights::Fp8(&b.w)))
             }
             _ => None,
         }

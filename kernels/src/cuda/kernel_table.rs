@@ -289,7 +289,8 @@ impl KernelTable<CudaFunction> {
     /// Sets the attributes some kernels need before their first launch: each prefill kernel's
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
     /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
-    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
+    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256); and the
+    /// FP8 norm-input skinny GEMMs' limit for their normalized x.
     pub fn prepare(&self) -> Result<(), CudaError> {
         for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
             let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, false)));
@@ -297,6 +298,16 @@ impl KernelTable<CudaFunction> {
             for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
+        }
+        // The FP8 norm-input kernels' normalized x (`norm_linear.rs`).
+        let fp8_norm = [Fp8Epilogue::Norm, Fp8Epilogue::NormSilu];
+        for funcs in self.gemv_fp8.iter().flatten() {
+            for (e, s) in fp8_norm.iter().flat_map(|&e| Fp8Scaling::ALL.map(move |s| (e, s))) {
+                if let Some(func) = funcs.get(e.table_index(s)) {
+                    let bytes = super::norm_linear::NORM_X_SHARED_MAX as i32;
+                    func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
+                }
             }
         }
         let bf16 = self.prefill.iter().zip(&self.prefill_opt);

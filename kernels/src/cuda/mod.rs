@@ -132,7 +132,10 @@ pub use moe::{
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
 pub use norm::{AddRmsNormCall, RmsNormCall};
-pub use norm_linear::{NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall, norm_stat_parts};
+pub use norm_linear::{
+    NORM_X_SHARED_MAX, NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall, norm_linear_fp8_fits,
+    norm_stat_parts,
+};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,
     auto_splits, plan_splits,

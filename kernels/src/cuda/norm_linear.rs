@@ -18,12 +18,29 @@
 //! and every check is made before anything is enqueued.
 
 use super::fp8_linear::{Fp8Epilogue, Fp8Weights, gemv_fp8_default, gemv_fp8_function, gemv_fp8_scaling};
-use super::gemv::{GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA, GemvEpilogue, gemv_default, gemv_supports};
+use super::gemv::{GEMV_KERNEL_MAX_M, GEMV_MAX_MS, GEMV_ROWS_PER_CTA, GemvEpilogue, gemv_default, gemv_supports};
 use super::launch::{Args, cfg, int, need, shape_check, shape_error};
 use super::linear::gemv_function;
 use super::{CudaDevice, CudaError, CudaSlice};
 use cudarc::driver::{CudaFunction, LaunchConfig};
 use half::bf16;
+
+/// Most bytes of dynamic shared memory an FP8 norm-input kernel takes for its normalized x
+/// (`min(m, tile rows) × k` bf16): 8 rows of a 4,096-wide model's hidden state, or 16 rows up
+/// to 3,072.
+pub const NORM_X_SHARED_MAX: usize = 96 << 10;
+
+/// Whether [`NormLinearCall`] takes `m` rows of a `k`-wide residual over FP8 weights: its x
+/// fits [`NORM_X_SHARED_MAX`]. (bf16 weights normalize on the loads and take any skinny shape.)
+pub fn norm_linear_fp8_fits(m: usize, k: usize) -> bool {
+    norm_x_shared_bytes(m, k) <= NORM_X_SHARED_MAX
+}
+
+/// The FP8 norm-input kernel's shared memory: the normalized rows of its tile.
+fn norm_x_shared_bytes(m: usize, k: usize) -> usize {
+    let tile_rows = if m > GEMV_MAX_MS[0] { GEMV_MAX_MS[1] } else { GEMV_MAX_MS[0] };
+    m.min(tile_rows) * k * 2
+}
 
 /// Sums of squares a residual product writes per row of x for an output `width` wide: one per
 /// CTA of [`GEMV_ROWS_PER_CTA`] columns.
@@ -60,6 +77,8 @@ struct Picked<'d> {
     func: &'d CudaFunction,
     threads: u32,
     tail: Tail,
+    /// Dynamic shared memory (the FP8 norm-input kernels' normalized x).
+    shared: usize,
 }
 
 /// The arguments after the sizes: the bf16 kernels' L2 prefetch bytes, the FP8 ones' scale
@@ -83,7 +102,7 @@ impl<'a> Product<'a> {
                 let variant = variant.unwrap_or_else(|| gemv_default(rows, dev.sm_count()));
                 let (v, func) = gemv_function(dev, op, m, variant, bf16_kind)?;
                 let pf = v.prefetch_row_bytes(rows, k, dev.gemv_l2_prefetch());
-                Ok((Picked { func, threads: v.warps * 32, tail: Tail::Bf16 { pf } }, args.buf(w)))
+                Ok((Picked { func, threads: v.warps * 32, tail: Tail::Bf16 { pf }, shared: 0 }, args.buf(w)))
             }
             ProjWeights::Fp8(w) => {
                 let fits =
@@ -98,7 +117,16 @@ impl<'a> Product<'a> {
                 let variant = variant.unwrap_or_else(|| gemv_fp8_default(rows, m, dev.sm_count()));
                 let (v, func) = gemv_fp8_function(dev, op, m, variant, scaling, fp8_kind)?;
                 let tail = Tail::Fp8 { row_block: w.row_block, col_block: w.col_block };
-                Ok((Picked { func, threads: v.warps * 32, tail }, args.buf(&w.codes).buf(&w.scales)))
+                let shared = match fp8_kind {
+                    Fp8Epilogue::Norm | Fp8Epilogue::NormSilu => {
+                        shape_check(op, norm_linear_fp8_fits(m, k), || {
+                            format!("m = {m}, k = {k}: the normalized x exceeds {NORM_X_SHARED_MAX} bytes")
+                        })?;
+                        norm_x_shared_bytes(m, k)
+                    }
+                    Fp8Epilogue::Plain | Fp8Epilogue::Residual => 0,
+                };
+                Ok((Picked { func, threads: v.warps * 32, tail, shared }, args.buf(&w.codes).buf(&w.scales)))
             }
         }
     }
@@ -120,7 +148,9 @@ impl Picked<'_> {
             Tail::Bf16 { pf } => args.int(pf)?,
             Tail::Fp8 { row_block, col_block } => args.int(row_block)?.int(col_block)?,
         };
-        Ok((args, cfg((int(op, ctas)? as u32, 1, 1), self.threads)))
+        let mut launch = cfg((int(op, ctas)? as u32, 1, 1), self.threads);
+        launch.shared_mem_bytes = self.shared as u32;
+        Ok((args, launch))
     }
 }
 
