@@ -179,11 +179,10 @@ __device__ __forceinline__ void gemv_prefetch_l2_bulk(const unsigned char* base,
 }
 
 // The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
-// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded,
-// each sum times scale(its weight row) first (FP8 weights' row scales; 1 for bf16).
-template <int NT, int NW, typename ACT, typename SCALE>
+// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
+template <int NT, int NW, typename ACT>
 __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][32], ACT act,
-                                                    bf16_t* __restrict__ out, int m, int n, SCALE scale) {
+                                                    bf16_t* __restrict__ out, int m, int n) {
     const int col0 = blockIdx.x * 8;
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
         const int jj = i >> 5, l = i & 31;
@@ -196,25 +195,20 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
         }
         const int col = col0 + (l >> 2);
         const int mm = nt * 8 + 2 * (l & 3) + h;
-        if (col < n && mm < m) {
-            gate *= scale(col);
-            up *= scale(n + col);
-            out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
-        }
+        if (col < n && mm < m) out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
     }
 }
 
-// The x operand as bf16 activations: thread (g, t)'s rows m0 + g, m0 + g + 8, ... (clamped to
-// m - 1) of x, starting at 16-byte chunk co (t here; 2t in gemv_fp8.cu, whose k-steps take 16
-// values, and whose plain kernel splits the rows of x over CTAs from m0).
+// The x operand as bf16 activations: thread (g, t)'s rows g, g + 8, ... (clamped to m - 1) of
+// x, offset by its t-th 16-byte chunk.
 template <int NT>
 struct GemvXBf16 {
     static constexpr bool NORM = false;
     const uint4* row[NT];
-    __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int co, int m0 = 0) {
+    __device__ __forceinline__ GemvXBf16(const bf16_t* __restrict__ x, int m, int k, int g, int t) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-            row[nt] = reinterpret_cast<const uint4*>(x + (long long)min(m0 + nt * 8 + g, m - 1) * k) + co;
+            row[nt] = reinterpret_cast<const uint4*>(x + (long long)min(nt * 8 + g, m - 1) * k) + t;
     }
     // After the PDL wait, before the first load: nothing to prepare.
     __device__ __forceinline__ void ready(int, int, int) {}
@@ -226,16 +220,6 @@ struct GemvXBf16 {
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int u = 0; u < U; u++) vx[nt][u] = load(nt, c0 + 4 * u);
-    }
-    // gemv_fp8.cu's batch: chunks 2 (c0 + 4u) and 2 (c0 + 4u) + 1 for each k-step u.
-    template <int U>
-    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) vx[nt][u][h] = load(nt, 2 * (c0 + 4 * u) + h);
     }
 };
 
@@ -261,32 +245,19 @@ __device__ __forceinline__ unsigned gemv_norm_pair(float r0, float r1, float inv
     return (unsigned)f2bf(r0 * inv * w0) | ((unsigned)f2bf(r1 * inv * w1) << 16);
 }
 
-// s_inv[mm] = 1 / rms of residual row mm < rows from the stats: warp i sums rows i, i + NW, ...
-// (lane j its parts j, j + 32, ..., then a fixed shuffle tree), so every CTA computes the same
-// bits. The caller synchronizes before reading s_inv.
-__device__ __forceinline__ void gemv_norm_inv(const GemvNormIn& in, int rows, int k, float* s_inv) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int mm = warp; mm < rows; mm += nw) {
-        float s = 0.f;
-        for (int p = lane; p < in.parts; p += 32) s += in.stats[(long long)mm * in.parts + p];
-        s = warp_sum(s);
-        if (lane == 0) s_inv[mm] = rsqrtf(s / (float)k + in.eps);
-    }
-}
-
 // The x operand as rms_norm(residual) * w, computed at load (see the top of the file).
 template <int NT>
 struct GemvXNorm {
     static constexpr bool NORM = true;
-    const float4* row[NT];  // the residual at chunk co (of 8 values) of rows g, g + 8, ...
-    const uint4* w;         // the norm weight at chunk co
+    const float4* row[NT];  // the t-th 32-byte chunk of row g, g + 8, ...
+    const uint4* w;         // the t-th 16-byte chunk of the norm weight
     GemvNormIn in;
     float inv[NT];
-    __device__ __forceinline__ GemvXNorm(const GemvNormIn& a, int m, int k, int g, int co) : in(a) {
+    __device__ __forceinline__ GemvXNorm(const GemvNormIn& a, int m, int k, int g, int t) : in(a) {
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-            row[nt] = reinterpret_cast<const float4*>(a.res + (long long)min(nt * 8 + g, m - 1) * k) + 2 * co;
-        w = reinterpret_cast<const uint4*>(a.w) + co;
+            row[nt] = reinterpret_cast<const float4*>(a.res + (long long)min(nt * 8 + g, m - 1) * k) + 2 * t;
+        w = reinterpret_cast<const uint4*>(a.w) + t;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) inv[nt] = 0.f;
     }
@@ -295,7 +266,13 @@ struct GemvXNorm {
     // computes the same bits. All threads of the CTA call it.
     __device__ __forceinline__ void ready(int m, int k, int g) {
         __shared__ float s_inv[NT * 8];
-        gemv_norm_inv(in, min(m, NT * 8), k, s_inv);
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        for (int mm = warp; mm < min(m, NT * 8); mm += nw) {
+            float s = 0.f;
+            for (int p = lane; p < in.parts; p += 32) s += in.stats[(long long)mm * in.parts + p];
+            s = warp_sum(s);
+            if (lane == 0) s_inv[mm] = rsqrtf(s / (float)k + in.eps);
+        }
         __syncthreads();
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) inv[nt] = s_inv[min(nt * 8 + g, m - 1)];
@@ -327,92 +304,16 @@ struct GemvXNorm {
 #pragma unroll
             for (int u = 0; u < U; u++) vx[nt][u] = norm(a[nt][u], b[nt][u], wv[u], inv[nt]);
     }
-    // gemv_fp8.cu's batch (see GemvXBf16::load_pairs), every load before the first use.
-    template <int U>
-    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
-        uint4 wv[U][2];
-        float4 a[NT][U][2], b[NT][U][2];
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int c = 2 * (c0 + 4 * u) + h;
-                wv[u][h] = gemv_ld_cached(w + c);
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    a[nt][u][h] = gemv_ld_f4(row[nt] + 2 * c);
-                    b[nt][u][h] = gemv_ld_f4(row[nt] + 2 * c + 1);
-                }
-            }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) vx[nt][u][h] = norm(a[nt][u][h], b[nt][u][h], wv[u][h], inv[nt]);
-    }
-};
-
-// The x operand as rms_norm(residual) * w, normalized once per CTA into shared memory (dynamic,
-// rows x k bf16 with rows = min(m, 8 NT)) after the PDL wait; the k loop then loads bf16 chunks
-// from there. gemv_fp8.cu's norm kernels use it: a lane of the FP8 kernel takes 16 values of x
-// per k-step against 16 one-byte weights, so normalizing at load (8 lanes of a warp repeating
-// the same row at m = 1) cost more issue slots than the weights' conversion (measured: qkv
-// +5.8 us, gate_up +11 us a layer over the unfused pair).
-template <int NT>
-struct GemvXNormShared {
-    static constexpr bool NORM = true;
-    GemvNormIn in;
-    const uint4* row[NT];
-    int co;
-    __device__ __forceinline__ GemvXNormShared(const GemvNormIn& a, int, int, int, int c) : in(a), co(c) {}
-    __device__ __forceinline__ void ready(int m, int k, int g) {
-        extern __shared__ uint4 gemv_xs[];
-        __shared__ float s_inv[NT * 8];
-        const int rows = min(m, NT * 8), kc = k >> 3;
-        gemv_norm_inv(in, rows, k, s_inv);
-        __syncthreads();
-        const uint4* w = reinterpret_cast<const uint4*>(in.w);
-        for (int i = threadIdx.x; i < rows * kc; i += blockDim.x) {
-            const int r = i / kc, c = i - r * kc;
-            const float4* src = reinterpret_cast<const float4*>(in.res + (long long)r * k) + 2 * c;
-            const uint4 wv = gemv_ld_cached(w + c);
-            const float iv = s_inv[r];
-            const float4 a = gemv_ld_f4(src), b = gemv_ld_f4(src + 1);
-            gemv_xs[i] = make_uint4(gemv_norm_pair(a.x, a.y, iv, wv.x), gemv_norm_pair(a.z, a.w, iv, wv.y),
-                                    gemv_norm_pair(b.x, b.y, iv, wv.z), gemv_norm_pair(b.z, b.w, iv, wv.w));
-        }
-        __syncthreads();
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) row[nt] = gemv_xs + (long long)min(nt * 8 + g, m - 1) * kc + co;
-    }
-    __device__ __forceinline__ uint4 load(int nt, int c) const { return row[nt][c]; }
-    template <int U>
-    __device__ __forceinline__ void load_batch(int c0, uint4 (*vx)[U]) const {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int u = 0; u < U; u++) vx[nt][u] = load(nt, c0 + 4 * u);
-    }
-    template <int U>
-    __device__ __forceinline__ void load_pairs(int c0, uint4 (*vx)[U][2]) const {
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) vx[nt][u][h] = load(nt, 2 * (c0 + 4 * u) + h);
-    }
 };
 
 // The epilogue of a residual product: residual += bf16(sum) (add_rms_norm_f32's add, on the
 // product's rounded output), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
 // residual squared, for each row mm < m. rp holds the residual values this thread's entries
 // (the plain epilogue's indexing) had, loaded before the k loop.
-template <int NT, int NW, int E, typename SCALE>
+template <int NT, int NW, int E>
 __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][32], const float* rp,
                                                     float* __restrict__ res, float* __restrict__ stats, int m,
-                                                    int n, SCALE scale) {
+                                                    int n) {
     __shared__ float sq[16][NT * 8];
     const int row0 = blockIdx.x * 16;
 #pragma unroll
@@ -427,7 +328,7 @@ __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][3
             const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
             float q = 0.f;
             if (row0 + r < n && mm < m) {
-                const float v = rp[e] + bf2f(f2bf(s * scale(row0 + r)));
+                const float v = rp[e] + bf2f(f2bf(s));
                 res[(long long)mm * n + row0 + r] = v;
                 q = v * v;
             }
@@ -551,9 +452,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
     __syncthreads();
     if constexpr (IsGated<ACT>::value)
-        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n, NoRowScale{});
+        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
     else if constexpr (IsResid<ACT>::value)
-        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n, NoRowScale{});
+        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
     else
         gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }

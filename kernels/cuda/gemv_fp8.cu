@@ -38,42 +38,34 @@ __device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa,
 }
 
 // NT: tiles of 8 x rows per CTA. NW: warps (k split). U: k-steps of 64 codes per batch (2 U
-// 16-byte weight loads in flight per thread). BLOCKED: column-block scales (see above). ACT and
-// X as in gemv.cu's gemv_body: NoAct (plain rows), SiluAct (gated: 8 gate rows and their 8 up
-// rows a CTA, act(gate) * up out) or ResidAct (out is the f32 residual, stats its sums of
-// squares); x as bf16 (GemvXBf16) or normalized from the residual on load (GemvXNorm). The
-// gated, residual and norm-input kinds take one CTA per tile (groups == 1, m <= 8 NT) and
-// trigger the next launch after their k loop, as gemv.cu's fused kernels do.
-template <int NT, int NW, int U, bool BLOCKED, typename OUT, typename ACT, typename X>
-__device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __restrict__ codes,
-                                              const float* __restrict__ scales, OUT* __restrict__ out,
-                                              float* __restrict__ stats, int m, int n, int k, int rb, int cb,
-                                              int groups) {
+// 16-byte weight loads in flight per thread). BLOCKED: column-block scales (see above).
+template <int NT, int NW, int U, bool BLOCKED>
+__device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes,
+                                              const float* __restrict__ scales, bf16_t* __restrict__ out, int m,
+                                              int n, int k, int rb, int cb, int groups) {
     constexpr int BATCH = 4 * U;  // chunks per row per batch
-    constexpr int E = (NT * 4 + NW - 1) / NW;
-    constexpr bool fused = IsGated<ACT>::value || IsResid<ACT>::value || X::NORM;
     __shared__ float red[NW][NT * 4][32];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x / groups, m0 = (blockIdx.x - tile * groups) * 8 * NT;
     const int kc = k >> 4, ncb = (k + cb - 1) / cb;
-    const auto wrow = [&](int i) -> long long { return gemv_w_row<ACT>(tile, i, n); };
+    const auto wrow = [&](int i) -> long long { return min(tile * 16 + i, n - 1); };
     const long long ra = wrow(g), rb8 = wrow(g + 8);
     const uint4* wa = reinterpret_cast<const uint4*>(codes + ra * k) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(codes + rb8 * k) + t;
     const float* sa = scales + (ra / rb) * ncb;
     const float* sb = scales + (rb8 / rb) * ncb;
+    const uint4* xr[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const long long xm = min(m0 + nt * 8 + g, m - 1);
+        xr[nt] = reinterpret_cast<const uint4*>(x + xm * k) + 2 * t;
+    }
 
     // The first round (batches 0..NW-1 of the tile's 16 rows), once per tile.
     if (m0 == 0) gemv_prefetch_l2(codes, k, NW * BATCH * 16, wrow);
-    if constexpr (fused)
-        pdl_wait();
-    else
-        PDL_ENTER();
-    xin.ready(m, k, g);
-    float rp[E];
-    if constexpr (IsResid<ACT>::value) gemv_resid_preload<NT, NW, E>(out, rp, m, n);
+    PDL_ENTER();
 
     // Two accumulator sets per tile (even and odd mma of a chunk) halve the dependent chain.
     float acc[NT][2][4];
@@ -84,15 +76,19 @@ __device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __rest
 #pragma unroll
             for (int j = 0; j < 4; j++) acc[nt][h][j] = 0.f;
 
-    // x chunk (of 8 values) c of a thread's row starts at its 2t-th chunk: k-step chunk c (16
-    // codes) pairs with x chunks 2c and 2c + 1.
     const int nb = (kc + BATCH - 1) / BATCH;
     for (int b = warp; b < nb; b += NW) {
         const int c0 = b * BATCH;
         uint4 va[U], vb[U], vx[NT][U][2];
         if (c0 + BATCH <= kc) {
             gemv_ld_w_batch<U>(wa, wb, c0, va, vb);
-            xin.template load_pairs<U>(c0, vx);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    vx[nt][u][0] = gemv_ld_cached(xr[nt] + 2 * (c0 + 4 * u));
+                    vx[nt][u][1] = gemv_ld_cached(xr[nt] + 2 * (c0 + 4 * u) + 1);
+                }
         } else {
             // The last, partial batch: chunks past k load chunk 0 (valid memory) and are zeroed
             // on both operands, so they add exact zeros.
@@ -106,7 +102,7 @@ __device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __rest
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++) vx[nt][u][h] = xin.load(nt, 2 * cc + h);
+                    for (int h = 0; h < 2; h++) vx[nt][u][h] = gemv_ld_cached(xr[nt] + 2 * cc + h);
                 if (!in) {
                     const uint4 z = make_uint4(0, 0, 0, 0);
                     va[u] = vb[u] = z;
@@ -158,64 +154,27 @@ __device__ __forceinline__ void gemv_fp8_body(X xin, const unsigned char* __rest
             }
         }
     }
-    if constexpr (fused) pdl_trigger();
 
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[nt][0][j] + acc[nt][1][j];
     __syncthreads();
-    // Per-row scales (one column block) multiply the sums; blocked ones were applied per step.
     const auto row_scale = [&](int row) { return BLOCKED ? 1.f : scales[(row / rb) * ncb]; };
-    if constexpr (IsGated<ACT>::value)
-        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n, row_scale);
-    else if constexpr (IsResid<ACT>::value)
-        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n, row_scale);
-    else
-        gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
+    gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
 }
 
-#define GEMV_FP8_NAME(MAXM, NW, U, SUFFIX) gemv_fp8_m##MAXM##_w##NW##_u##U##_##SUFFIX
-// (No register bound on the fused kinds: held to gemv.cu's 80, their 8-warp CTAs spilled; like
-// the plain FP8 kernel, they fit 2 a SM.)
-
-// A bf16-input FP8 kernel: plain (groups CTAs a tile) or residual (stats follow out).
-#define GEMV_FP8_KERNEL(MAXM, NW, U, SUFFIX, BLOCKED)                                                   \
-    extern "C" __global__ void __launch_bounds__(NW * 32) GEMV_FP8_NAME(MAXM, NW, U, SUFFIX)(            \
+#define GEMV_FP8_INSTANCE(MAXM, NW, U)                                                                        \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_row(              \
         const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
-        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                    \
-        const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, 2 * GEMV_T, (blockIdx.x % groups) * MAXM);       \
-        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, bf16_t, NoAct>(xin, codes, scales, out, nullptr, m, n, k, rb, cb, \
-                                                               groups);                                 \
-    }
-#define GEMV_FP8_KERNEL_RESID(MAXM, NW, U, SUFFIX, BLOCKED)                                             \
-    extern "C" __global__ void __launch_bounds__(NW * 32) GEMV_FP8_NAME(MAXM, NW, U, SUFFIX)(                   \
+        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
+        gemv_fp8_body<MAXM / 8, NW, U, false>(x, codes, scales, out, m, n, k, rb, cb, groups);                \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_blk(              \
         const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
-        float* __restrict__ res, float* __restrict__ stats, int m, int n, int k, int rb, int cb) {      \
-        const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, 2 * GEMV_T);                                     \
-        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, float, ResidAct>(xin, codes, scales, res, stats, m, n, k, rb, cb, 1); \
+        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
+        gemv_fp8_body<MAXM / 8, NW, U, true>(x, codes, scales, out, m, n, k, rb, cb, groups);                 \
     }
-// A norm-input FP8 kernel, plain (NoAct) or gated (SiluAct; n is then the output width).
-#define GEMV_FP8_KERNEL_NORM(MAXM, NW, U, SUFFIX, BLOCKED, ACT)                                         \
-    extern "C" __global__ void __launch_bounds__(NW * 32) GEMV_FP8_NAME(MAXM, NW, U, SUFFIX)(                   \
-        const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
-        float eps, const unsigned char* __restrict__ codes, const float* __restrict__ scales,          \
-        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb) {                                \
-        const GemvXNormShared<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, 2 * GEMV_T); \
-        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, bf16_t, ACT>(xin, codes, scales, out, nullptr, m, n, k, rb, cb, 1); \
-    }
-
-// Every kind of one variant, in the order of Fp8Epilogue::ALL x Fp8Scaling::ALL
-// (kernels/src/cuda/fp8_linear.rs).
-#define GEMV_FP8_INSTANCE(MAXM, NW, U)                                           \
-    GEMV_FP8_KERNEL(MAXM, NW, U, row, false)                                     \
-    GEMV_FP8_KERNEL(MAXM, NW, U, blk, true)                                      \
-    GEMV_FP8_KERNEL_RESID(MAXM, NW, U, row_resid, false)                         \
-    GEMV_FP8_KERNEL_RESID(MAXM, NW, U, blk_resid, true)                          \
-    GEMV_FP8_KERNEL_NORM(MAXM, NW, U, row_norm, false, NoAct)                    \
-    GEMV_FP8_KERNEL_NORM(MAXM, NW, U, blk_norm, true, NoAct)                     \
-    GEMV_FP8_KERNEL_NORM(MAXM, NW, U, row_norm_silu, false, SiluAct)             \
-    GEMV_FP8_KERNEL_NORM(MAXM, NW, U, blk_norm_silu, true, SiluAct)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_FP8_VARIANTS in
 // kernels/src/cuda/fp8_linear.rs, for up to 8 and up to 16 rows of x per CTA.

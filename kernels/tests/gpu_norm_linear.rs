@@ -1,15 +1,13 @@
 //! The fused branch boundary ([`ResidualLinearCall`] then [`NormLinearCall`]) against the three
 //! launches it replaces ([`LinearCall`], [`AddRmsNormCall`], then [`LinearCall`] or
-//! [`GatedLinearCall`]; over FP8 weights [`Fp8GemvCall`] and, gated, [`SiluMulCall`]) with the
-//! same skinny-GEMM variant, over bf16 weights and FP8 ones (per channel and 128 × 128 blocks),
-//! on fresh random inputs (the seed is printed):
+//! [`GatedLinearCall`]) with the same skinny-GEMM variant, on fresh random inputs (the seed is
+//! printed):
 //! - the residual stream bit for bit (the same bf16 rounding of the projection, the same add);
 //! - the stats: each row's sum of squares over each CTA's 16 columns, against the host's sum
 //!   of the downloaded residual;
-//! - the next projection's output within one bf16 step (of the row's largest output) of the
-//!   unfused one, and in at most a tenth of the elements (the `1 / rms` is summed in another
-//!   order, so an element of the normalized activation may round the other way), and against
-//!   the unfused output with the bf16 check;
+//! - the next projection's output within one bf16 step of the unfused one, and in at most a
+//!   few elements (the `1 / rms` is summed in another order, so an element of the normalized
+//!   activation may round the other way), and against the unfused output with the bf16 check;
 //! - outputs NaN-poisoned past their end, so a stray write fails;
 //! - the refusals: too many rows, k off a multiple of 8, short stats, a missing variant.
 //!
@@ -18,14 +16,11 @@
 
 mod common;
 
-use baton_kernels::cpu::Fp8Matrix;
 use baton_kernels::cuda::{
-    AddRmsNormCall, CudaDevice, CudaSlice, Fp8GemvCall, Fp8Weights, GEMV_FP8_VARIANTS, GEMV_KERNEL_MAX_M,
-    GEMV_VARIANTS, GatedAct, GatedLinearCall, LinearCall, LinearKernel, NormLinearCall, NormLinearOut, ProjWeights,
-    ResidualLinearCall, SiluMulCall, bf16, norm_stat_parts,
+    AddRmsNormCall, CudaDevice, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatedAct, GatedLinearCall, LinearCall,
+    LinearKernel, NormLinearCall, NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
-use rand::{Rng, rngs::StdRng};
 
 const EPS: f32 = 1e-5;
 
@@ -37,66 +32,6 @@ fn down_f32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
     dev.download(s, n).expect("download f32")
 }
 
-/// A projection's weights on the device.
-enum Weights {
-    Bf16(CudaSlice<bf16>),
-    Fp8(Fp8Weights),
-}
-
-/// How a case's weights are stored: bf16, or FP8 per channel, or FP8 with 128 × 128 blocks.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Storage {
-    Bf16,
-    Fp8Row,
-    Fp8Block,
-}
-
-impl Weights {
-    /// `rows × cols` random weights of magnitude `a`, stored as `storage` says (the FP8 block
-    /// scales are random powers of two over the per-channel codes: any codes and scales make a
-    /// valid matrix).
-    fn random(dev: &CudaDevice, r: &mut StdRng, rows: usize, cols: usize, a: f32, storage: Storage) -> Self {
-        let v = rand_vec(r, rows * cols, a);
-        if storage == Storage::Bf16 {
-            return Self::Bf16(up(dev, &v));
-        }
-        let mut w = Fp8Matrix::quantize_per_channel(&v, rows, cols).expect("quantize");
-        if storage == Storage::Fp8Block {
-            let (rb, cb) = (128, 128);
-            let scales = (0..rows.div_ceil(rb) * cols.div_ceil(cb)).map(|_| a * 2f32.powi(r.random_range(-9..-6)));
-            w = Fp8Matrix::new(rows, cols, w.codes().to_vec(), scales.collect(), rb, cb).expect("blocked");
-        }
-        Self::Fp8(Fp8Weights::upload(dev, &w).expect("upload fp8"))
-    }
-
-    fn proj(&self) -> ProjWeights<'_> {
-        match self {
-            Self::Bf16(w) => ProjWeights::Bf16(w),
-            Self::Fp8(w) => ProjWeights::Fp8(w),
-        }
-    }
-
-    /// The unfused product `out = x · wᵀ` with the same variant.
-    fn linear(
-        &self,
-        dev: &CudaDevice,
-        x: &CudaSlice<bf16>,
-        (m, k, n): (usize, usize, usize),
-        variant: Option<usize>,
-    ) -> CudaSlice<bf16> {
-        let mut out = poisoned(dev, m * n);
-        match self {
-            Self::Bf16(w) => {
-                let kernel = LinearKernel::Gemv { variant };
-                LinearCall { x, m, k, w, n, out: &mut out, kernel }.launch(dev)
-            }
-            Self::Fp8(w) => Fp8GemvCall { x, m, w, out: &mut out, variant }.launch(dev),
-        }
-        .expect("linear");
-        out
-    }
-}
-
 /// One case's inputs on the device: `x` (m × k), `w` (width × k), the residual (m × width), the
 /// norm weight (width) and the next projection's weights (rows × width).
 struct Case {
@@ -105,10 +40,10 @@ struct Case {
     width: usize,
     kind: NormLinearOut,
     x: CudaSlice<bf16>,
-    w: Weights,
+    w: CudaSlice<bf16>,
     residual: Vec<f32>,
     norm: CudaSlice<bf16>,
-    next: Weights,
+    next: CudaSlice<bf16>,
 }
 
 impl Case {
@@ -122,7 +57,9 @@ impl Case {
     /// The three unfused launches: (residual after, output).
     fn unfused(&self, dev: &CudaDevice, variant: Option<usize>) -> (Vec<f32>, Vec<f32>) {
         let (m, k, width, cols) = (self.m, self.k, self.width, self.cols());
-        let proj = self.w.linear(dev, &self.x, (m, k, width), variant);
+        let kernel = LinearKernel::Gemv { variant };
+        let mut proj = poisoned(dev, m * width);
+        LinearCall { x: &self.x, m, k, w: &self.w, n: width, out: &mut proj, kernel }.launch(dev).expect("linear");
         let mut res = up_f32(dev, &self.residual);
         let mut hidden = poisoned(dev, m * width);
         let call = AddRmsNormCall {
@@ -135,24 +72,17 @@ impl Case {
             out: &mut hidden,
         };
         call.launch(dev).expect("add_rms_norm");
-        let out = match (self.kind, &self.next) {
-            (NormLinearOut::Plain { n }, next) => next.linear(dev, &hidden, (m, width, n), variant),
-            (NormLinearOut::GatedSilu { d }, Weights::Bf16(w)) => {
-                let mut out = poisoned(dev, m * d);
+        let mut out = poisoned(dev, m * cols);
+        match self.kind {
+            NormLinearOut::Plain { n } => {
+                LinearCall { x: &hidden, m, k: width, w: &self.next, n, out: &mut out, kernel }.launch(dev)
+            }
+            NormLinearOut::GatedSilu { d } => {
                 let act = GatedAct::Silu;
-                GatedLinearCall { x: &hidden, m, k: width, w, d, act, out: &mut out, variant }
-                    .launch(dev)
-                    .expect("gated linear");
-                out
+                GatedLinearCall { x: &hidden, m, k: width, w: &self.next, d, act, out: &mut out, variant }.launch(dev)
             }
-            // The engine's unfused FP8 gate: the product, then the activation kernel.
-            (NormLinearOut::GatedSilu { d }, next) => {
-                let gate_up = next.linear(dev, &hidden, (m, width, 2 * d), variant);
-                let mut out = poisoned(dev, m * d);
-                SiluMulCall { gate_up: &gate_up, rows: m, d, out: &mut out }.launch(dev).expect("silu_mul");
-                out
-            }
-        };
+        }
+        .expect("next projection");
         (down_f32(dev, &res, m * width), down(dev, &out, m * cols))
     }
 
@@ -163,8 +93,7 @@ impl Case {
         let parts = norm_stat_parts(width);
         let mut res = up_f32(dev, &self.residual);
         let mut stats = up_f32(dev, &vec![f32::NAN; m * parts]);
-        let w = self.w.proj();
-        ResidualLinearCall { x: &self.x, m, k, w, n: width, residual: &mut res, stats: &mut stats, variant }
+        ResidualLinearCall { x: &self.x, m, k, w: &self.w, n: width, residual: &mut res, stats: &mut stats, variant }
             .launch(dev)
             .expect("residual_linear");
         let mut out = poisoned(dev, m * cols + spare);
@@ -175,7 +104,7 @@ impl Case {
             eps: EPS,
             m,
             k: width,
-            w: self.next.proj(),
+            w: &self.next,
             kind: self.kind,
             out: &mut out,
             variant,
@@ -194,28 +123,21 @@ fn bf16_step(v: f32) -> f32 {
 fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
     let dev = device();
     let mut r = rng("norm_linear");
-    // (k, width, next, storage): Llama-3.1-8B's o_proj → qkv and down → gate_up shapes, a width
-    // that is not a multiple of a CTA's 16 columns (264), a partial last k batch (136), tiny
-    // ones; and over FP8 weights per channel and in 128 × 128 blocks.
-    let shapes: [(usize, usize, NormLinearOut, Storage); 11] = [
-        (4096, 4096, NormLinearOut::Plain { n: 6144 }, Storage::Bf16),
-        (4096, 4096, NormLinearOut::GatedSilu { d: 14336 }, Storage::Bf16),
-        (136, 264, NormLinearOut::Plain { n: 40 }, Storage::Bf16),
-        (2048, 1000, NormLinearOut::GatedSilu { d: 257 }, Storage::Bf16),
-        (8, 8, NormLinearOut::Plain { n: 7 }, Storage::Bf16),
-        (14336, 4096, NormLinearOut::Plain { n: 1024 }, Storage::Bf16),
-        (4096, 4096, NormLinearOut::Plain { n: 6144 }, Storage::Fp8Row),
-        (4096, 4096, NormLinearOut::GatedSilu { d: 14336 }, Storage::Fp8Row),
-        (14336, 4096, NormLinearOut::Plain { n: 1000 }, Storage::Fp8Row),
-        (2048, 1024, NormLinearOut::GatedSilu { d: 520 }, Storage::Fp8Block),
-        (512, 400, NormLinearOut::Plain { n: 37 }, Storage::Fp8Block),
+    // (k, width, next): Llama-3.1-8B's o_proj → qkv and down → gate_up shapes, a width that is
+    // not a multiple of a CTA's 16 columns (264), a partial last k batch (136), and tiny ones.
+    let shapes: [(usize, usize, NormLinearOut); 6] = [
+        (4096, 4096, NormLinearOut::Plain { n: 6144 }),
+        (4096, 4096, NormLinearOut::GatedSilu { d: 14336 }),
+        (136, 264, NormLinearOut::Plain { n: 40 }),
+        (2048, 1000, NormLinearOut::GatedSilu { d: 257 }),
+        (8, 8, NormLinearOut::Plain { n: 7 }),
+        (14336, 4096, NormLinearOut::Plain { n: 1024 }),
     ];
-    for (k, width, kind, storage) in shapes {
+    for (k, width, kind) in shapes {
         let rows = match kind {
             NormLinearOut::Plain { n } => n,
             NormLinearOut::GatedSilu { d } => 2 * d,
         };
-        let n_variants = if storage == Storage::Bf16 { GEMV_VARIANTS.len() } else { GEMV_FP8_VARIANTS.len() };
         for m in [1usize, 3, 8, 9, GEMV_KERNEL_MAX_M] {
             let case = Case {
                 m,
@@ -223,16 +145,16 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
                 width,
                 kind,
                 x: up(&dev, &rand_vec(&mut r, m * k, 1.0)),
-                w: Weights::random(&dev, &mut r, width, k, 1.0 / (k as f32).sqrt(), storage),
+                w: up(&dev, &rand_vec(&mut r, width * k, 1.0 / (k as f32).sqrt())),
                 residual: rand_vec(&mut r, m * width, 2.0),
                 norm: up(&dev, &rand_vec(&mut r, width, 1.5)),
-                next: Weights::random(&dev, &mut r, rows, width, 3.0 / (width as f32).sqrt(), storage),
+                next: up(&dev, &rand_vec(&mut r, rows * width, 3.0 / (width as f32).sqrt())),
             };
             let cols = case.cols();
             let parts = norm_stat_parts(width);
-            let variants = (0..n_variants).map(Some).chain([None]);
+            let variants = (0..GEMV_VARIANTS.len()).map(Some).chain([None]);
             for variant in variants {
-                let what = format!("{storage:?} {kind:?} k={k} width={width} m={m} variant {variant:?}");
+                let what = format!("{kind:?} k={k} width={width} m={m} variant {variant:?}");
                 let spare = 64;
                 let (res, stats, out) = case.fused(&dev, variant, spare);
                 let (want_res, want_out) = case.unfused(&dev, variant);
@@ -266,10 +188,8 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
                         }
                     }
                 }
-                // A flip of h needs an element within ~1e-7 of a bf16 rounding midpoint, and
-                // moves an output across its own rounding only sometimes (83 of 8,000 seen at
-                // k = 4,096); a systematic error would change most outputs.
-                assert!(differ * 10 <= out.len().max(10), "{what}: {differ} of {} outputs differ", out.len());
+                // A flip needs an element within ~1e-7 of a bf16 rounding midpoint: rare.
+                assert!(differ * 100 <= out.len().max(100), "{what}: {differ} of {} outputs differ", out.len());
                 check(&what, out, &want_out);
             }
         }
@@ -291,8 +211,7 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
             }
             None => &mut stats,
         };
-        let w = ProjWeights::Bf16(&w);
-        ResidualLinearCall { x: &x, m, k, w, n: width, residual: &mut res, stats, variant }.launch(&dev)
+        ResidualLinearCall { x: &x, m, k, w: &w, n: width, residual: &mut res, stats, variant }.launch(&dev)
     };
     assert!(call(m_max, k, None, None).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
     assert!(call(1, k - 4, None, None).is_err(), "k % 8 != 0 accepted");
@@ -309,7 +228,7 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
         eps: EPS,
         m: 1,
         k: width,
-        w: ProjWeights::Bf16(&next),
+        w: &next,
         kind: NormLinearOut::Plain { n: 64 },
         out: &mut out,
         variant: None,

@@ -7,16 +7,15 @@
 //! Invariants: the fused route updates `residual` exactly as the unfused one (the same bf16
 //! rounding of the projection, the same f32 add) and its `out` differs only where the row's
 //! `1 / rms`, summed in another order, lands on the other side of a bf16 rounding; every case
-//! it does not cover (more rows than the skinny GEMMs take, bf16 and FP8 weights mixed, a bias on
-//! the ending projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`]. FP8
-//! weights take gemv_fp8.cu's fused kernels, whose gated kind also fuses the SiLU·mul that the
-//! unfused FP8 path runs as its own kernel.
+//! it does not cover (more rows than the skinny GEMM takes, FP8 weights, a bias on the ending
+//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`]. FP8 weights stay
+//! unfused on purpose: the same fusion in the FP8 skinny GEMM (c686c61..00d922e, reverted) made
+//! Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to 71 % (BENCHMARKS.md, session 16).
 
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
 use baton_kernels::cuda::{
-    BiasAddCall, Fp8Weights, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall,
-    W8A8_MIN_M, gemv_fp8_supports, norm_linear_fp8_fits, norm_stat_parts,
+    BiasAddCall, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts,
 };
 
 impl CudaBackend {
@@ -36,8 +35,14 @@ impl CudaBackend {
             }
             Some(_) => None,
         };
-        let fusable = self.fuse_norm && s.bias.is_none() && s.next.cols == width;
-        let (Some(kind), Some((end_w, next_w)), true) = (kind, self.boundary_weights(&s), fusable) else {
+        let fusable = self.fuse_norm
+            && s.bias.is_none()
+            && s.w.fp8.is_none()
+            && s.next.fp8.is_none()
+            && s.next.cols == width
+            && gemv_applies(self.gemv, m, s.w.cols)
+            && gemv_applies(self.gemv, m, width);
+        let Some(kind) = kind.filter(|_| fusable) else {
             return branch_boundary_unfused(self, s, residual, scratch, out);
         };
         if s.x.len < m * s.w.cols || residual.len != m * width {
@@ -60,7 +65,7 @@ impl CudaBackend {
             x: &s.x.data,
             m,
             k: s.w.cols,
-            w: end_w,
+            w: &s.w.data,
             n: width,
             residual: &mut residual.data,
             stats: &mut stats,
@@ -75,7 +80,7 @@ impl CudaBackend {
                 eps: s.eps,
                 m,
                 k: width,
-                w: next_w,
+                w: &s.next.data,
                 kind,
                 out: &mut out.data,
                 variant: None,
@@ -91,22 +96,5 @@ impl CudaBackend {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         Ok(())
-    }
-
-    /// The two products' weights when the fused kernels take them: both bf16 and a batch the
-    /// skinny GEMM takes ([`gemv_applies`]), or both FP8, a batch the skinny FP8 kernel takes
-    /// (as `linear_fp8` decides) and a normalized x that fits the kernel's shared memory.
-    fn boundary_weights<'a>(&self, s: &BranchBoundary<'a, Self>) -> Option<(ProjWeights<'a>, ProjWeights<'a>)> {
-        let m = s.m;
-        match (&s.w.fp8, &s.next.fp8) {
-            (None, None) => (gemv_applies(self.gemv, m, s.w.cols) && gemv_applies(self.gemv, m, s.w.rows))
-                .then_some((ProjWeights::Bf16(&s.w.data), ProjWeights::Bf16(&s.next.data))),
-            (Some(a), Some(b)) => {
-                let skinny = |w: &Fp8Weights| m < W8A8_MIN_M && gemv_fp8_supports(m, w.cols, w.col_block);
-                (skinny(&a.w) && skinny(&b.w) && norm_linear_fp8_fits(m, b.w.cols))
-                    .then_some((ProjWeights::Fp8(&a.w), ProjWeights::Fp8(&b.w)))
-            }
-            _ => None,
-        }
     }
 }

@@ -18,7 +18,6 @@ use super::gemv::{GEMV_MAX_MS, GEMV_ROWS_PER_CTA, GemvVariant};
 use super::launch::{Args, cfg, grid_stride, int, need, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::Fp8Matrix;
-use cudarc::driver::CudaFunction;
 use half::bf16;
 
 /// Most rows of x the engine sends to the skinny FP8 kernel. Up to 16 one CTA per weight tile
@@ -67,45 +66,10 @@ pub const GEMV_FP8_VARIANTS: [GemvVariant; 4] = [
     GemvVariant { warps: 8, unroll: 2 },
 ];
 
-/// What an FP8 skinny-GEMM instantiation does with its input and sums (every variant and
-/// scaling is compiled with each; the fused kinds are the norm fusion's, `norm_linear.rs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fp8Epilogue {
-    /// `out = x · W_dqᵀ` in bf16 ([`Fp8GemvCall`]).
-    Plain,
-    /// `residual += bf16(x · W_dqᵀ)` and the rows' per-CTA sums of squares.
-    Residual,
-    /// `out = rms_norm(residual) · w_norm · W_dqᵀ`, normalized on the loads of x.
-    Norm,
-    /// As [`Self::Norm`] for the gated MLP: `silu(gate) · up`.
-    NormSilu,
-}
-
-impl Fp8Epilogue {
-    /// Every kind, in the order of the kernel table's entries per variant (each with both
-    /// scalings, [`Fp8Scaling::ALL`]).
-    pub const ALL: [Self; 4] = [Self::Plain, Self::Residual, Self::Norm, Self::NormSilu];
-
-    fn suffix(self) -> &'static str {
-        match self {
-            Self::Plain => "",
-            Self::Residual => "_resid",
-            Self::Norm => "_norm",
-            Self::NormSilu => "_norm_silu",
-        }
-    }
-
-    /// Index in the kernel table's entries of a variant, with `scaling`.
-    pub(crate) fn table_index(self, scaling: Fp8Scaling) -> usize {
-        self as usize * Fp8Scaling::ALL.len() + scaling.index()
-    }
-}
-
 impl GemvVariant {
-    /// The FP8 kernel's name for up to `max_m` rows of x per CTA (8 or 16), `scaling` and the
-    /// epilogue.
-    pub fn fp8_kernel_name(&self, max_m: usize, scaling: Fp8Scaling, epilogue: Fp8Epilogue) -> String {
-        format!("gemv_fp8_m{max_m}_w{}_u{}_{}{}", self.warps, self.unroll, scaling.suffix(), epilogue.suffix())
+    /// The FP8 kernel's name for up to `max_m` rows of x per CTA (8 or 16) and `scaling`.
+    pub fn fp8_kernel_name(&self, max_m: usize, scaling: Fp8Scaling) -> String {
+        format!("gemv_fp8_m{max_m}_w{}_u{}_{}", self.warps, self.unroll, scaling.suffix())
     }
 }
 
@@ -232,7 +196,11 @@ impl Fp8GemvCall<'_> {
             return Ok(());
         }
         let variant = variant.unwrap_or_else(|| gemv_fp8_default(n, m, dev.sm_count()));
-        let (v, func) = gemv_fp8_function(dev, OP, m, variant, scaling, Fp8Epilogue::Plain)?;
+        let tile = usize::from(m > GEMV_MAX_MS[0]);
+        let (v, funcs) = match (GEMV_FP8_VARIANTS.get(variant), dev.kernels.gemv_fp8[tile].get(variant)) {
+            (Some(v), Some(f)) => (*v, f),
+            _ => return Err(shape_error(OP, format!("no gemv_fp8 variant {variant}"))),
+        };
         let groups = fp8_groups(m);
         let ctas = int(OP, n.div_ceil(GEMV_ROWS_PER_CTA) * groups)? as u32;
         let args = Args::new(OP)
@@ -249,26 +217,7 @@ impl Fp8GemvCall<'_> {
         // SAFETY: CTA b reads the 16 weight rows of tile b / groups (clamped to n - 1) over k
         // codes, their scales, and rows of x clamped to m - 1 over k columns; it writes out[i][row]
         // for i < m, row < n only: all sizes checked above (k % 16 == 0: 16-byte code rows).
-        unsafe { args.launch(dev, func, cfg((ctas, 1, 1), v.warps * 32)) }
-    }
-}
-
-/// The compiled FP8 skinny GEMM for `m` rows of x (its 8- or 16-row instantiation), `variant`
-/// of [`GEMV_FP8_VARIANTS`], `scaling` and `epilogue`; refused (naming `op`) for a variant that
-/// does not exist.
-pub(super) fn gemv_fp8_function<'d>(
-    dev: &'d CudaDevice,
-    op: &'static str,
-    m: usize,
-    variant: usize,
-    scaling: Fp8Scaling,
-    epilogue: Fp8Epilogue,
-) -> Result<(GemvVariant, &'d CudaFunction), CudaError> {
-    let tile = usize::from(m > GEMV_MAX_MS[0]);
-    let funcs = dev.kernels.gemv_fp8[tile].get(variant);
-    match (GEMV_FP8_VARIANTS.get(variant), funcs.and_then(|f| f.get(epilogue.table_index(scaling)))) {
-        (Some(v), Some(f)) => Ok((*v, f)),
-        _ => Err(shape_error(op, format!("no gemv_fp8 variant {variant}"))),
+        unsafe { args.launch(dev, &funcs[scaling.index()], cfg((ctas, 1, 1), v.warps * 32)) }
     }
 }
 
@@ -339,12 +288,8 @@ mod tests {
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 1, 132)], GemvVariant { warps: 4, unroll: 4 });
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 16, 132)], GemvVariant { warps: 4, unroll: 2 });
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(4096, 64, 132)].warps, 4, "4 CTAs a tile: wide");
-        let plain = Fp8Epilogue::Plain;
-        assert_eq!(GEMV_FP8_VARIANTS[1].fp8_kernel_name(8, Fp8Scaling::Row, plain), "gemv_fp8_m8_w8_u4_row");
-        assert_eq!(GEMV_FP8_VARIANTS[2].fp8_kernel_name(16, Fp8Scaling::Block, plain), "gemv_fp8_m16_w4_u2_blk");
-        let name = GEMV_FP8_VARIANTS[1].fp8_kernel_name(8, Fp8Scaling::Block, Fp8Epilogue::NormSilu);
-        assert_eq!(name, "gemv_fp8_m8_w8_u4_blk_norm_silu");
-        assert_eq!(Fp8Epilogue::Residual.table_index(Fp8Scaling::Block), 3);
+        assert_eq!(GEMV_FP8_VARIANTS[1].fp8_kernel_name(8, Fp8Scaling::Row), "gemv_fp8_m8_w8_u4_row");
+        assert_eq!(GEMV_FP8_VARIANTS[2].fp8_kernel_name(16, Fp8Scaling::Block), "gemv_fp8_m16_w4_u2_blk");
         for (i, s) in Fp8Scaling::ALL.into_iter().enumerate() {
             assert_eq!(s.index(), i);
         }

@@ -6,12 +6,12 @@
 //! [`kernel_names`] runs the same list to check a compiled module offline (`cuda_compile`).
 //! The templated kernels are indexed like their descriptions: attention
 //! `[ATTN_HEAD_DIMS][ATTN_VARIANTS]`, prefill `[PREFILL_HEAD_DIMS][PREFILL_WARPS]`, gemv
-//! `[GEMV_MAX_MS][GEMV_VARIANTS][GemvEpilogue]`, FP8 gemv `[GEMV_MAX_MS][GEMV_FP8_VARIANTS][Fp8Epilogue × Fp8Scaling]`.
+//! `[GEMV_MAX_MS][GEMV_VARIANTS][GemvEpilogue]`, FP8 gemv `[GEMV_MAX_MS][GEMV_FP8_VARIANTS][Fp8Scaling]`.
 
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
-use super::fp8_linear::{Fp8Epilogue, Fp8Scaling, GEMV_FP8_VARIANTS};
+use super::fp8_linear::{Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
 use super::paged_attention::{
@@ -75,9 +75,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub quantize_rows_e4m3: F,
     pub quantize_rows_e4m3_f32: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
-    /// GEMV_FP8_VARIANTS]`, each `[epilogue of Fp8Epilogue::ALL × scaling of Fp8Scaling::ALL]`
-    /// (`Fp8Epilogue::table_index`).
-    pub gemv_fp8: [Vec<Vec<F>>; 2],
+    /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
+    pub gemv_fp8: [Vec<[F; 2]>; 2],
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
@@ -215,15 +214,12 @@ impl<F> KernelTable<F> {
             Ok(variants)
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
-        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
+        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
             let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
             for v in GEMV_FP8_VARIANTS {
-                let names = Fp8Epilogue::ALL
-                    .iter()
-                    .flat_map(|&e| Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s, e)))
-                    .map(|n| f(m, &n));
-                variants.push(names.collect::<Result<Vec<F>, E>>()?);
+                let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s));
+                variants.push([f(m, &a)?, f(m, &b)?]);
             }
             Ok(variants)
         };
@@ -289,8 +285,7 @@ impl KernelTable<CudaFunction> {
     /// Sets the attributes some kernels need before their first launch: each prefill kernel's
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
     /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
-    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256); and the
-    /// FP8 norm-input skinny GEMMs' limit for their normalized x.
+    /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
     pub fn prepare(&self) -> Result<(), CudaError> {
         for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
             let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, false)));
@@ -298,16 +293,6 @@ impl KernelTable<CudaFunction> {
             for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
-            }
-        }
-        // The FP8 norm-input kernels' normalized x (`norm_linear.rs`).
-        let fp8_norm = [Fp8Epilogue::Norm, Fp8Epilogue::NormSilu];
-        for funcs in self.gemv_fp8.iter().flatten() {
-            for (e, s) in fp8_norm.iter().flat_map(|&e| Fp8Scaling::ALL.map(move |s| (e, s))) {
-                if let Some(func) = funcs.get(e.table_index(s)) {
-                    let bytes = super::norm_linear::NORM_X_SHARED_MAX as i32;
-                    func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
-                }
             }
         }
         let bf16 = self.prefill.iter().zip(&self.prefill_opt);
@@ -361,13 +346,13 @@ mod tests {
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
         // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
-        // per-row quantization (bf16 activations, f32 weights) and skinny GEMM per tile, variant,
-        // scaling and epilogue (plain, residual, norm-input plain and gated).
+        // per-row quantization (bf16 activations, f32 weights) and skinny GEMM per tile, variant
+        // and scaling.
         let fp8 = 4
             + 4
             + ATTN_EXT_MAX_HEAD_DIM / 32
             + 4
-            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len() * Fp8Epilogue::ALL.len();
+            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
@@ -383,10 +368,6 @@ mod tests {
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",
             "gemv_fp8_m8_w4_u4_row",
-            "gemv_fp8_m8_w8_u4_row_resid",
-            "gemv_fp8_m16_w4_u2_blk_norm_silu",
-            "gemv_m8_w8_u4_resid",
-            "gemv_m16_w4_u4_norm_bf16",
             "rope_qkv_qknorm_write_kv_fp8",
             "rope_qkv_qknorm_write_kv_amax",
             "paged_attention_ext_fp8_d4",

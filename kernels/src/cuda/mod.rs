@@ -114,8 +114,8 @@ pub use elementwise::{
 };
 pub use error::CudaError;
 pub use fp8_linear::{
-    Fp8DequantCall, Fp8Epilogue, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
-    gemv_fp8_default, gemv_fp8_scaling, gemv_fp8_supports,
+    Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, gemv_fp8_default,
+    gemv_fp8_scaling, gemv_fp8_supports,
 };
 pub use fp8_w8a8::{Fp8W8A8Call, QuantRows, QuantizeRowsCall, W8A8_MIN_M, w8a8_supports};
 pub use gather::{EmbedCall, GatherRowsCall};
@@ -132,10 +132,7 @@ pub use moe::{
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
 pub use norm::{AddRmsNormCall, RmsNormCall};
-pub use norm_linear::{
-    NORM_X_SHARED_MAX, NormLinearCall, NormLinearOut, ProjWeights, ResidualLinearCall, norm_linear_fp8_fits,
-    norm_stat_parts,
-};
+pub use norm_linear::{NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,
     auto_splits, plan_splits,
