@@ -9,7 +9,8 @@
 //! - the device-to-device copy bandwidth (bytes read + written, 1 GiB);
 //! - single-stream decode tok/s at a 128-token context vs the roofline: weight bytes read per
 //!   step (every matrix except the embedding table, of which one row is read) ÷ copy bandwidth;
-//! - TTFT of one 2,048-token prompt (one prefill step, median of 3), with the tensor-core
+//! - TTFT of one 2,048-token prompt (one prefill step, median of 3; with the per-op profile of
+//!   that step unless `--no-profile`), with the tensor-core
 //!   prefill attention and again with the decode kernel over every row (the old path);
 //! - decode steps at each `--shapes` `batch:context` (default the torch.compile peer's:
 //!   1:128, 64:1024, 256:1024, 1:8192, 32:8192; the KV cache is filled with random values
@@ -301,6 +302,15 @@ fn run() -> Res<()> {
         ));
     }
     model.backend_mut().set_prefill_kernel(true);
+    model.backend_mut().set_moe_kernels(moe_sets[moe_sets.len() - 1]);
+    // Where the prefill step's time goes: the same step op by op (eager, events between ops).
+    if !args.iter().any(|a| a == "--no-profile") {
+        writeln!(table, "  per-op TTFT step (eager, queue filled first): op | us")?;
+        for (op, us) in profile_step(&mut model, &prefill, 3)? {
+            writeln!(table, "    {op:12}| {us:9.1}")?;
+            json.push(format!("{{\"name\":\"ttft_op\",\"prompt_tokens\":{n},\"op\":\"{op}\",\"us\":{us:.1}}}"));
+        }
+    }
 
     // Decode, with CUDA graphs (the default) and op by op (`--enforce-eager`), and with and
     // without programmatic dependent launch (`--pdl both`), in this run.
