@@ -10,10 +10,11 @@
 // QKV projection's rows [q | k | v] (no split copies) and writes only the rotated q out; the
 // in-place entry keeps separate q/k/v buffers (rotated q and k written back).
 
-// Grid (rows, n_heads + 2 * n_kv_heads), head_dim / 2 threads: CTA (row, y) rotates query
-// head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads + n_kv_heads), or
-// copies value head y - n_heads - n_kv_heads into the cache; thread i owns the pair (i,
-// i + head_dim / 2). One pass per CTA and every head in parallel: at one row (decode at b = 1)
+// Grid (rows, n_heads + 2 * n_kv_heads) at decode, head_dim / 2 threads: CTA (row, y) rotates
+// query head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads +
+// n_kv_heads), or copies value head y - n_heads - n_kv_heads into the cache; thread i owns the
+// pair (i, i + head_dim / 2). A prefill chunk's grid has fewer y, each CTA looping over heads
+// y, y + gridDim.y, ... (rope_write_kv_body). One pass per CTA and every head in parallel: at one row (decode at b = 1)
 // a CTA per row looping over 40 heads took ~10 us, latency-bound. Eight heads per CTA (512
 // threads) halved this kernel at 256 rows but, under programmatic dependent launch, made the
 // attention kernel after it 3.7 ms a step slower at b=32 ctx 8k (its few long CTAs were
@@ -57,52 +58,37 @@ __device__ __forceinline__ void amax_put(float* amax, float x) {
     if ((threadIdx.x & 31) == (unsigned)(__ffs(mask) - 1)) atomicMax(reinterpret_cast<unsigned*>(amax), m);
 }
 
-template <bool QK_NORM, typename C, bool AMAX = false>
-__device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
-                                                   const bf16_t* k_in, long long k_stride, bf16_t* k_out,
-                                                   const bf16_t* __restrict__ v_in, long long v_stride,
-                                                   C* __restrict__ k_cache, C* __restrict__ v_cache,
-                                                   const int* __restrict__ positions,
-                                                   const long long* __restrict__ slots,
-                                                   const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
-                                                   int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
-                                                   float k_scale, float v_scale, float* amax = nullptr) {
-    const int row = blockIdx.x;
-    const int half = head_dim >> 1;
-    const int i = threadIdx.x;
-    const int head = blockIdx.y;
-    // A calibration pass reads keys and values only: a query head's CTA has nothing to do
-    // (the whole CTA leaves, so no reduction is left half-done).
+// The head's norm weights, (offset + w) of the thread's two elements (query heads q_w, key
+// heads k_w; nothing for value heads or without QK_NORM).
+template <bool QK_NORM>
+__device__ __forceinline__ void rope_norm_weights(const QkNormArgs& norm, int head, int n_heads, int n_kv_heads,
+                                                  bool active, int e0, int e1, float* w0, float* w1) {
+    if (QK_NORM && active && head < n_heads + n_kv_heads) {
+        const bf16_t* nw = head < n_heads ? norm.q_w : norm.k_w;
+        *w0 = norm.offset + bf2f(nw[e0]);
+        *w1 = norm.offset + bf2f(nw[e1]);
+    }
+}
+
+// One head of one row (see rope_write_kv_body): the thread's two elements, with the row's
+// (c, s) for its pair and the head's norm weights w0, w1. Every thread of the CTA calls it for
+// the same head (the norm's block reduction needs them all).
+template <bool QK_NORM, typename C, bool AMAX>
+__device__ __forceinline__ void rope_one_head(int head, int row, int i, long long slot, float c, float s, float w0,
+                                              float w1, const bf16_t* q_in, long long q_stride, bf16_t* q_out,
+                                              const bf16_t* k_in, long long k_stride, bf16_t* k_out,
+                                              const bf16_t* __restrict__ v_in, long long v_stride,
+                                              C* __restrict__ k_cache, C* __restrict__ v_cache, int n_heads,
+                                              int n_kv_heads, int head_dim, int rot_half, QkNormArgs norm,
+                                              float k_scale, float v_scale, float* amax) {
+    // A calibration pass reads keys and values only.
     if (AMAX && head < n_heads) return;
+    const int half = head_dim >> 1;
     const long long kv_w = (long long)n_kv_heads * head_dim;
-    // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
     const bool active = !QK_NORM || i < half;
-    const bool is_v = head >= n_heads + n_kv_heads;
     const bool rotating = i < rot_half;
     const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
-    // The head's norm weights, (offset + w) of its two elements, loaded before the PDL wait:
-    // weights are never written during a step, and from DRAM this load would be a second round
-    // trip after the reduction. Only these: moving the position, slot and angle before the wait
-    // too made the step 7 % slower at 8 rows of 1k on an H100 (the attention kernel after this
-    // one; BENCHMARKS.md, session 15), as other changes to this kernel's shape did before.
-    float w0 = 0.f, w1 = 0.f;
-    if (QK_NORM && !is_v && active) {
-        const bf16_t* nw = head < n_heads ? norm.q_w : norm.k_w;
-        w0 = norm.offset + bf2f(nw[e0]);
-        w1 = norm.offset + bf2f(nw[e1]);
-    }
-    PDL_ENTER();
-    const long long slot = slots[row];
-    float s = 0.f, c = 1.f;
-    if (!is_v && active && rotating) {
-        double sd, cd;
-        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
-        // cs_scale: YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise); it
-        // scales only the rotated dims, as transformers' does.
-        s = (float)sd * cs_scale;
-        c = (float)cd * cs_scale;
-    }
-    if (is_v) {
+    if (head >= n_heads + n_kv_heads) {
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
         const bf16_t* vr = v_in + row * v_stride + h * head_dim;
@@ -157,6 +143,55 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         C* kc = k_cache + slot * kv_w + h * head_dim;
         kv_put(kc + e0, ra, k_scale);
         kv_put(kc + e1, rb, k_scale);
+    }
+}
+
+// CTA (row, y) takes heads y, y + gridDim.y, ... of that row: one head at decode (gridDim.y =
+// every head), several for a prefill chunk, whose rows then compute their angles (an f64
+// sincos a pair) once for several heads instead of once a head (see rope.rs).
+template <bool QK_NORM, typename C, bool AMAX = false>
+__device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long q_stride, bf16_t* q_out,
+                                                   const bf16_t* k_in, long long k_stride, bf16_t* k_out,
+                                                   const bf16_t* __restrict__ v_in, long long v_stride,
+                                                   C* __restrict__ k_cache, C* __restrict__ v_cache,
+                                                   const int* __restrict__ positions,
+                                                   const long long* __restrict__ slots,
+                                                   const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
+                                                   int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
+                                                   float k_scale, float v_scale, float* amax = nullptr) {
+    const int row = blockIdx.x;
+    const int first = blockIdx.y, total = n_heads + 2 * n_kv_heads;
+    const int i = threadIdx.x;
+    // A calibration pass's CTA of query heads only leaves at once (nothing to read or wait for).
+    if (AMAX && first + (int)gridDim.y * ((total - 1 - first) / (int)gridDim.y) < n_heads) return;
+    // Every thread is active without QK_NORM (the block is exactly head_dim / 2 threads).
+    const bool active = !QK_NORM || i < (head_dim >> 1);
+    const bool rotating = i < rot_half;
+    const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
+    // The first head's norm weights, loaded before the PDL wait: weights are never written during
+    // a step, and from DRAM this load would be a second round trip after the reduction. Only
+    // these: moving the position, slot and angle before the wait too made the step 7 % slower
+    // at 8 rows of 1k on an H100 (the attention kernel after this one; BENCHMARKS.md, session
+    // 15), as other changes to this kernel's shape did before.
+    float w0 = 0.f, w1 = 0.f;
+    rope_norm_weights<QK_NORM>(norm, first, n_heads, n_kv_heads, active, e0, e1, &w0, &w1);
+    PDL_ENTER();
+    const long long slot = slots[row];
+    float s = 0.f, c = 1.f;
+    // Value heads come last, so a CTA whose first head is a value head rotates nothing.
+    if (first < n_heads + n_kv_heads && active && rotating) {
+        double sd, cd;
+        sincos((double)positions[row] * inv_freq[i], &sd, &cd);
+        // cs_scale: YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise); it
+        // scales only the rotated dims, as transformers' does.
+        s = (float)sd * cs_scale;
+        c = (float)cd * cs_scale;
+    }
+    for (int head = first; head < total; head += gridDim.y) {
+        if (head != first) rope_norm_weights<QK_NORM>(norm, head, n_heads, n_kv_heads, active, e0, e1, &w0, &w1);
+        rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, q_in, q_stride, q_out, k_in, k_stride,
+                                         k_out, v_in, v_stride, k_cache, v_cache, n_heads, n_kv_heads, head_dim,
+                                         rot_half, norm, k_scale, v_scale, amax);
     }
 }
 

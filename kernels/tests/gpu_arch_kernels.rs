@@ -40,10 +40,16 @@ fn down_f32(dev: &CudaDevice, s: &CudaSlice<f32>, n: usize) -> Vec<f32> {
 /// dims rotating), both input forms, with padding rows: q and the K cache against
 /// `head_rms_norm` then `RopeTable::apply_partial` then `write_kv`; V copied exactly; padding
 /// rows write nothing.
-fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<NormWeight>, rot: usize) {
+fn rope_extras_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    hd: usize,
+    style: Option<NormWeight>,
+    rot: usize,
+    specs: &[(usize, usize)],
+) {
     let (nh, nkv, bs, pad) = (6usize, 2usize, 16usize, 2usize);
-    let specs = [(37usize, 20usize), (5000, 1), (0, 3)];
-    let (num_blocks, tables, rows) = shuffled_tables(r, &specs, bs, 3);
+    let (num_blocks, tables, rows) = shuffled_tables(r, specs, bs, 3);
     let positions: Vec<usize> = specs.iter().flat_map(|&(s, n)| s..s + n).collect();
     // Partial rotation with LongRoPE's per-frequency divisors and its attention factor on cos
     // and sin (Phi-4-mini); the full rotation plain.
@@ -190,14 +196,18 @@ fn rope_extras_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, style: Option<N
 fn gpu_rope_qk_norm_write_kv_matches_cpu() {
     let dev = device();
     let mut r = rng("rope_qk_norm");
-    for hd in [16usize, 32, 64, 128, 256] {
-        for style in [NormWeight::Plain, NormWeight::OnePlus] {
-            rope_extras_case(&dev, &mut r, hd, Some(style), hd);
+    // A decode-sized batch (one head a CTA), and one with a 600-token prefill chunk (a CTA per
+    // row and group of heads, `rope_head_groups`).
+    for specs in [&[(37usize, 20usize), (5000, 1), (0, 3)][..], &[(37, 20), (5000, 1), (0, 600)]] {
+        for hd in [16usize, 32, 64, 128, 256] {
+            for style in [NormWeight::Plain, NormWeight::OnePlus] {
+                rope_extras_case(&dev, &mut r, hd, Some(style), hd, specs);
+            }
         }
-    }
-    for (hd, rot) in [(128usize, 96usize), (16, 12), (64, 2)] {
-        rope_extras_case(&dev, &mut r, hd, None, rot);
-        rope_extras_case(&dev, &mut r, hd, Some(NormWeight::Plain), rot);
+        for (hd, rot) in [(128usize, 96usize), (16, 12), (64, 2)] {
+            rope_extras_case(&dev, &mut r, hd, None, rot, specs);
+            rope_extras_case(&dev, &mut r, hd, Some(NormWeight::Plain), rot, specs);
+        }
     }
 }
 

@@ -44,10 +44,16 @@ fn bf(x: f32) -> f32 {
 
 /// RoPE + FP8 KV write at `hd` with scales `(ks, vs)`, optionally the q/k norm, both input
 /// forms, with padding rows that must write nothing.
-fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormWeight>, (ks, vs): (f32, f32)) {
+fn rope_fp8_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    hd: usize,
+    norm: Option<NormWeight>,
+    (ks, vs): (f32, f32),
+    specs: &[(usize, usize)],
+) {
     let (nh, nkv, bs, pad) = (4usize, 2usize, 16usize, 2usize);
-    let specs = [(37usize, 20usize), (5000, 1), (0, 3)];
-    let (num_blocks, tables, rows) = shuffled_tables(r, &specs, bs, 3);
+    let (num_blocks, tables, rows) = shuffled_tables(r, specs, bs, 3);
     let positions: Vec<usize> = specs.iter().flat_map(|&(s, n)| s..s + n).collect();
     let table = RopeTable::new(hd, 10_000.0, RopeScalingKind::None).expect("table");
     let (qw_len, kw_len) = (nh * hd, nkv * hd);
@@ -222,11 +228,15 @@ fn rope_fp8_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, norm: Option<NormW
 fn gpu_rope_write_kv_fp8_matches_cpu() {
     let dev = device();
     let mut r = rng("rope_write_kv_fp8");
-    for hd in [16usize, 64, 128] {
-        for scales in [(1.0, 1.0), (0.0625, 3.0)] {
-            rope_fp8_case(&dev, &mut r, hd, None, scales);
+    // A decode-sized batch (one head a CTA), and one with a 600-token prefill chunk (a CTA per
+    // row and group of heads, `rope_head_groups`).
+    for specs in [&[(37usize, 20usize), (5000, 1), (0, 3)][..], &[(37, 20), (5000, 1), (0, 600)]] {
+        for hd in [16usize, 64, 128] {
+            for scales in [(1.0, 1.0), (0.0625, 3.0)] {
+                rope_fp8_case(&dev, &mut r, hd, None, scales, specs);
+            }
+            rope_fp8_case(&dev, &mut r, hd, Some(NormWeight::Plain), (0.01, 0.5), specs);
         }
-        rope_fp8_case(&dev, &mut r, hd, Some(NormWeight::Plain), (0.01, 0.5));
     }
 }
 
