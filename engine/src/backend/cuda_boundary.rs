@@ -49,15 +49,18 @@ impl CudaBackend {
             let message = format!("x {}, residual {} for {m} rows of {}→{width}", s.x.len, residual.len, s.w.cols);
             return Err(kerr("branch_boundary", message));
         }
+        let cols = match kind {
+            NormLinearOut::Plain { n } => n,
+            NormLinearOut::GatedSilu { d } => d,
+        };
+        if let Some(b) = s.next_bias.filter(|b| b.len != cols) {
+            return Err(kerr("branch_boundary", format!("bias has {} values for {cols} outputs", b.len)));
+        }
         // Sized once for the most rows a skinny GEMM takes, so a recorded graph's pointer stays.
         let need = GEMV_KERNEL_MAX_M * norm_stat_parts(width);
         let mut stats = match self.norm_stats.take() {
             Some(b) if b.len() >= need => b,
             _ => self.dev.alloc(need)?,
-        };
-        let cols = match kind {
-            NormLinearOut::Plain { n } => n,
-            NormLinearOut::GatedSilu { d } => d,
         };
         self.ensure(out, m * cols)?;
         record_mark(&self.dev, &mut self.profile, s.labels.0);
@@ -90,9 +93,6 @@ impl CudaBackend {
         self.norm_stats = Some(stats);
         launched?;
         if let Some(b) = s.next_bias {
-            if b.len != cols {
-                return Err(kerr("branch_boundary", format!("bias has {} values for {cols} outputs", b.len)));
-            }
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         Ok(())
