@@ -7,6 +7,9 @@
 //! - The gated MLP's activation fused into the skinny GEMM (`set_fused_gate`): decode steps of
 //!   up to 16 rows take the fused kernel, which must write the bits the product + activation
 //!   pair writes.
+//! - Over FP8 weights (W8A8 per token), the RMSNorm that quantizes its rows for the next
+//!   projection (`set_fused_norm`, prefill-sized steps): the same codes as the norm then the
+//!   quantization, so the same bits.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
@@ -20,6 +23,7 @@ mod common;
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
+use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::TinySpec;
 use common::{prompt, tiny};
 
@@ -89,23 +93,36 @@ fn run(model: &mut ModelRunner<CudaBackend>, prompts: &[Vec<u32>], steps: usize)
 /// Runs the same steps with `a` and `b` and asserts bit-identical logits.
 fn assert_same_steps(what: &str, specs: &[TinySpec], a: impl Fn(bool) -> Switches, b: impl Fn(bool) -> Switches) {
     for spec in specs {
-        let m = tiny(spec);
-        let vocab = m.model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
-        for graphs in [false, true] {
-            let with = run(&mut model(&m.model, a(graphs)), &prompts, 24);
-            let without = run(&mut model(&m.model, b(graphs)), &prompts, 24);
-            assert_eq!(with.len(), without.len());
-            for (step, (x, y)) in with.iter().zip(&without).enumerate() {
-                assert!(x.iter().all(|v| v.is_finite()), "{:?} step {step}: non-finite logits", spec.architecture);
-                assert!(
-                    x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
-                    "{:?}, graphs {graphs}, step {step}: logits differ with {what} on",
-                    spec.architecture
-                );
-            }
-        }
+        assert_same_steps_on(what, &tiny(spec).model, &a, &b);
     }
+}
+
+/// [`assert_same_steps`] on one loaded model; returns the runners of the last (graphs) pair.
+fn assert_same_steps_on(
+    what: &str,
+    m: &baton_formats::LoadedModel,
+    a: impl Fn(bool) -> Switches,
+    b: impl Fn(bool) -> Switches,
+) -> (ModelRunner<CudaBackend>, ModelRunner<CudaBackend>) {
+    let vocab = m.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
+    let mut last = None;
+    for graphs in [false, true] {
+        let (mut ma, mut mb) = (model(m, a(graphs)), model(m, b(graphs)));
+        let with = run(&mut ma, &prompts, 24);
+        let without = run(&mut mb, &prompts, 24);
+        assert_eq!(with.len(), without.len());
+        for (step, (x, y)) in with.iter().zip(&without).enumerate() {
+            assert!(x.iter().all(|v| v.is_finite()), "{:?} step {step}: non-finite logits", m.config.architecture);
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{:?}, graphs {graphs}, step {step}: logits differ with {what} on",
+                m.config.architecture
+            );
+        }
+        last = Some((ma, mb));
+    }
+    last.expect("two runs")
 }
 
 #[test]
@@ -160,5 +177,18 @@ fn gpu_fused_norm_matches_the_unfused_steps() {
             }
             assert!(compared >= 2, "{:?}: only {compared} steps compared", spec.architecture);
         }
+    }
+}
+
+#[test]
+fn gpu_w8a8_norm_quantization_gives_bit_identical_steps() {
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        let mut m = tiny(&spec);
+        WeightQuantization::Fp8.apply(&mut m.model.config);
+        let on = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: true };
+        let off = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: false };
+        let (fused, _) = assert_same_steps_on("the W8A8 norm quantization", &m.model, on, off);
+        // The prefill step (837 rows) went through cuBLASLt's FP8 GEMM: the fused path ran.
+        assert!(fused.backend().w8a8_active(), "{:?}: cuBLASLt refused the FP8 GEMM", spec.architecture);
     }
 }

@@ -99,9 +99,37 @@ extern "C" __global__ void rms_norm_f32(const float* __restrict__ x, const bf16_
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[base + i] = f2bf(x[base + i] * inv * (bf2f(w[i]) + w_off));
 }
 
+// residual += x for the row at base, held as NORM_V float4 chunks per thread (the norm_fits
+// layout) and stored back; returns the thread's part of the sum of squares. Each thread re-reads
+// only the residual elements it wrote itself, so no barrier is needed before the reduction.
+__device__ __forceinline__ float add_residual_row(float* __restrict__ residual, const bf16_t* __restrict__ x,
+                                                  long long base, int dim, float4* r) {
+    uint2 xv[NORM_V];
+#pragma unroll
+    for (int j = 0; j < NORM_V; j++) {
+        const int i = 4 * (j * blockDim.x + threadIdx.x);
+        if (i < dim) {
+            r[j] = *reinterpret_cast<const float4*>(residual + base + i);
+            xv[j] = *reinterpret_cast<const uint2*>(x + base + i);
+        }
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; j++) {
+        const int i = 4 * (j * blockDim.x + threadIdx.x);
+        if (i < dim) {
+            const float4 a = bf4_to_f4(xv[j]);
+            r[j] = make_float4(r[j].x + a.x, r[j].y + a.y, r[j].z + a.z, r[j].w + a.w);
+            *reinterpret_cast<float4*>(residual + base + i) = r[j];
+            ss += r[j].x * r[j].x + r[j].y * r[j].y + r[j].z * r[j].z + r[j].w * r[j].w;
+        } else {
+            r[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    return ss;
+}
+
 // residual += x in f32 (x is a bf16 branch output); out = rms_norm(residual) * (w + w_off) in bf16.
-// Each thread re-reads only the residual elements it wrote itself, so no barrier is needed
-// between the add and the normalization beyond the one inside block_sum.
 extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const bf16_t* __restrict__ x,
                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out, int dim,
                                             float eps, float w_off) {
@@ -111,28 +139,7 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
         norm_weight_load(w, dim, wv);
         PDL_ENTER();
         float4 r[NORM_V];
-        uint2 xv[NORM_V];
-#pragma unroll
-        for (int j = 0; j < NORM_V; j++) {
-            const int i = 4 * (j * blockDim.x + threadIdx.x);
-            if (i < dim) {
-                r[j] = *reinterpret_cast<const float4*>(residual + base + i);
-                xv[j] = *reinterpret_cast<const uint2*>(x + base + i);
-            }
-        }
-        float ss = 0.f;
-#pragma unroll
-        for (int j = 0; j < NORM_V; j++) {
-            const int i = 4 * (j * blockDim.x + threadIdx.x);
-            if (i < dim) {
-                const float4 a = bf4_to_f4(xv[j]);
-                r[j] = make_float4(r[j].x + a.x, r[j].y + a.y, r[j].z + a.z, r[j].w + a.w);
-                *reinterpret_cast<float4*>(residual + base + i) = r[j];
-                ss += r[j].x * r[j].x + r[j].y * r[j].y + r[j].z * r[j].z + r[j].w * r[j].w;
-            } else {
-                r[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
+        const float ss = add_residual_row(residual, x, base, dim, r);
         norm_store(r, wv, out + base, dim, eps, ss, w_off);
         return;
     }
@@ -146,6 +153,55 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
     float inv = rsqrtf(block_sum(ss) / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         out[base + i] = f2bf(residual[base + i] * inv * (bf2f(w[i]) + w_off));
+}
+
+// add_rms_norm_f32's add and norm with the normalized row quantized per token instead of stored:
+// each value rounded to bf16 as add_rms_norm_f32 stores it, then codes[row] = e4m3(h / s) with
+// s = amax(|h|) / 448 (1 for a row of zeros or without a finite maximum), scales[row] = s, as
+// quantize_rows_e4m3 computes them from the stored row (fp8_linear.cu): the same codes and
+// scales without the bf16 row's write and re-read. Rows that fit the registers only (the
+// launcher checks norm_fits' condition).
+extern "C" __global__ void add_rms_norm_quant_e4m3(float* __restrict__ residual, const bf16_t* __restrict__ x,
+                                                   const bf16_t* __restrict__ w, unsigned char* __restrict__ codes,
+                                                   float* __restrict__ scales, int dim, float eps, float w_off) {
+    __shared__ float part[32];
+    const long long base = (long long)blockIdx.x * dim;
+    uint2 wv[NORM_V];
+    norm_weight_load(w, dim, wv);
+    PDL_ENTER();
+    float4 r[NORM_V];
+    const float inv = rsqrtf(block_sum(add_residual_row(residual, x, base, dim, r)) / (float)dim + eps);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; j++) {
+        const int i = 4 * (j * blockDim.x + threadIdx.x);
+        if (i < dim) {
+            float4 wf = bf4_to_f4(wv[j]);
+            wf = make_float4(wf.x + w_off, wf.y + w_off, wf.z + w_off, wf.w + w_off);
+            r[j] = make_float4(bf2f(f2bf(r[j].x * inv * wf.x)), bf2f(f2bf(r[j].y * inv * wf.y)),
+                               bf2f(f2bf(r[j].z * inv * wf.z)), bf2f(f2bf(r[j].w * inv * wf.w)));
+            amax = fmaxf(fmaxf(amax, fmaxf(fabsf(r[j].x), fabsf(r[j].y))), fmaxf(fabsf(r[j].z), fabsf(r[j].w)));
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = amax;
+    __syncthreads();
+    amax = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+#pragma unroll
+    for (int j = 0; j < NORM_V; j++) {
+        const int i = 4 * (j * blockDim.x + threadIdx.x);
+        if (i < dim) {
+            const unsigned q = (unsigned)f2e4m3(r[j].x / s) | ((unsigned)f2e4m3(r[j].y / s) << 8) |
+                               ((unsigned)f2e4m3(r[j].z / s) << 16) | ((unsigned)f2e4m3(r[j].w / s) << 24);
+            *reinterpret_cast<unsigned*>(codes + base + i) = q;
+        }
+    }
+    if (threadIdx.x == 0) scales[blockIdx.x] = s;
 }
 
 // Rows of gate_up are [gate | up] of width 2d; out rows are act(gate) * up of width d. With

@@ -7,7 +7,10 @@
 //! 128 × 128 and odd block scales, at the Llama-3.1-8B projection shapes scaled down and at odd
 //! ones. The W8A8 path for more rows (`Fp8W8A8Call`: per-token activation quantization, checked
 //! code for code against `cpu::quantize_rows_per_token`'s rule, then cuBLASLt's FP8 GEMM with
-//! outer-vector scales) against `cpu::linear_fp8` with `ActivationScale::PerToken`. Weights are random E4M3 codes over every non-NaN value (subnormals and zeros
+//! outer-vector scales) against `cpu::linear_fp8` with `ActivationScale::PerToken`; the add +
+//! norm + quantization kernel (`AddRmsNormQuantCall`) bit for bit against `AddRmsNormCall` then
+//! `QuantizeRowsCall`, and `Fp8W8A8QuantizedCall` on its codes bit for bit against
+//! `Fp8W8A8Call` on the stored rows. Weights are random E4M3 codes over every non-NaN value (subnormals and zeros
 //! included). Fresh random inputs every run (the seed is printed); outputs poisoned with bf16
 //! NaN before each launch.
 //!
@@ -19,8 +22,9 @@ mod common;
 use baton_kernels::cpu::fp8::{e4m3_from_f32, e4m3_to_f32};
 use baton_kernels::cpu::{self, ActivationScale, Fp8Matrix};
 use baton_kernels::cuda::{
-    CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
-    QuantRows, QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
+    AddRmsNormCall, AddRmsNormQuantCall, CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call,
+    Fp8W8A8QuantizedCall, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, NORM_QUANT_MAX_DIM, QuantRows,
+    QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::Rng;
@@ -265,4 +269,128 @@ fn gpu_fp8_w8a8_matches_the_per_token_reference() {
     let x = up(&dev, &rand_vec(&mut r, 512, 1.0));
     let e = Fp8W8A8Call { x: &x, m: 1, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }.launch(&dev);
     assert!(matches!(e, Err(CudaError::Shape { .. })), "{e:?}");
+}
+
+/// The W8A8 input made by the norm kernel (`AddRmsNormQuantCall`: the residual add, the norm,
+/// and the normalized rows quantized per token without storing them) against the two launches
+/// it replaces (`AddRmsNormCall`, then `QuantizeRowsCall` on its bf16 rows): residual, codes and
+/// scales bit for bit, at widths from 16 to 8,192 (one to many values a thread, a partial last
+/// chunk), a zero row (scale 1) and rows of large values; then the GEMM on those codes
+/// (`Fp8W8A8QuantizedCall`) against `Fp8W8A8Call` on the stored rows, bit for bit. Refusals: a
+/// width off a multiple of 4 or past the registers, short codes.
+#[test]
+fn gpu_fp8_norm_quantization_is_the_norm_then_the_quantization() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_norm_quantization_is_the_norm_then_the_quantization");
+    for (rows, dim) in [(37usize, 4096usize), (19, 8192), (5, 16), (3, 1000), (64, 2048)] {
+        let mut res = rand_vec(&mut r, rows * dim, 3.0);
+        // Row 1: the residual and x cancel to zero (a zero normalized row: scale 1).
+        let x = {
+            let mut x = rand_vec(&mut r, rows * dim, 2.0);
+            if rows > 2 {
+                for j in 0..dim {
+                    x[dim + j] = 0.0;
+                    res[dim + j] = 0.0;
+                }
+                // Row 2: large values (the norm makes them ordinary; the weights scale them).
+                for v in &mut res[2 * dim..3 * dim] {
+                    *v *= 1e4;
+                }
+            }
+            x
+        };
+        let w = rand_vec(&mut r, dim, 40.0);
+        let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+        let eps = 1e-5;
+        // The two launches.
+        let mut res_a = dev.upload(&res).expect("residual");
+        let mut hidden = poisoned(&dev, rows * dim);
+        AddRmsNormCall { residual: &mut res_a, x: &xd, weight: &wd, rows, dim, eps, out: &mut hidden }
+            .launch(&dev)
+            .expect("add_rms_norm");
+        let mut codes_a = dev.upload(&vec![0x7fu8; rows * dim]).expect("codes");
+        let mut scales_a = dev.upload(&vec![f32::NAN; rows]).expect("scales");
+        QuantizeRowsCall {
+            x: QuantRows::Bf16(&hidden),
+            m: rows,
+            k: dim,
+            codes: &mut codes_a,
+            scales: &mut scales_a,
+            row0: 0,
+        }
+        .launch(&dev)
+        .expect("quantize");
+        // The fused one.
+        let mut res_b = dev.upload(&res).expect("residual");
+        let mut codes_b = dev.upload(&vec![0x7fu8; rows * dim + 64]).expect("codes");
+        let mut scales_b = dev.upload(&vec![f32::NAN; rows + 4]).expect("scales");
+        let call = AddRmsNormQuantCall {
+            residual: &mut res_b,
+            x: &xd,
+            weight: &wd,
+            rows,
+            dim,
+            eps,
+            codes: &mut codes_b,
+            scales: &mut scales_b,
+        };
+        call.launch(&dev).expect("add_rms_norm_quant");
+        let what = format!("rows {rows} dim {dim}");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let (ra, rb) = (dev.download(&res_a, rows * dim).expect("dl"), dev.download(&res_b, rows * dim).expect("dl"));
+        assert_eq!(bits(ra), bits(rb), "{what}: residual differs");
+        let (ca, cb) =
+            (dev.download(&codes_a, rows * dim).expect("dl"), dev.download(&codes_b, rows * dim + 64).expect("dl"));
+        assert_eq!(ca[..], cb[..rows * dim], "{what}: codes differ");
+        assert!(cb[rows * dim..].iter().all(|&c| c == 0x7f), "{what}: codes written past the rows");
+        let (sa, sb) = (dev.download(&scales_a, rows).expect("dl"), dev.download(&scales_b, rows + 4).expect("dl"));
+        assert_eq!(bits(sa.clone()), bits(sb[..rows].to_vec()), "{what}: scales differ");
+        assert!(sb[rows..].iter().all(|v| v.is_nan()), "{what}: scales written past the rows");
+        if rows > 2 {
+            assert_eq!(sa[1], 1.0, "{what}: a zero row's scale is 1");
+        }
+        // The GEMM on the fused codes against Fp8W8A8Call on the stored rows.
+        let n = 48;
+        let wm = matrix(&mut r, n, dim, None);
+        let dw = Fp8Weights::upload(&dev, &wm).expect("upload");
+        if rows >= 17 && w8a8_supports(&dev, &dw) {
+            let (mut xq, mut xs) = (dev.alloc::<u8>(rows * dim).expect("xq"), dev.alloc::<f32>(rows).expect("xs"));
+            let mut want = poisoned(&dev, rows * n);
+            Fp8W8A8Call { x: &hidden, m: rows, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut want }
+                .launch(&dev)
+                .expect("w8a8");
+            let mut got = poisoned(&dev, rows * n);
+            Fp8W8A8QuantizedCall { xq: &codes_b, xs: &scales_b, m: rows, w: &dw, out: &mut got }
+                .launch(&dev)
+                .expect("w8a8 quantized");
+            let (g, w) = (down(&dev, &got, rows * n), down(&dev, &want, rows * n));
+            assert!(g.iter().all(|v| v.is_finite()), "{what}: unwritten GEMM output");
+            assert_eq!(bits(g), bits(w), "{what}: the GEMM on the fused codes differs");
+        }
+    }
+    // Refusals.
+    let (rows, dim) = (2usize, 4098usize);
+    let mut res = dev.upload(&vec![0f32; rows * dim]).expect("res");
+    let xd = up(&dev, &vec![0.0; rows * dim]);
+    let wd = up(&dev, &vec![1.0; dim]);
+    let mut codes = dev.upload(&vec![0u8; rows * dim]).expect("codes");
+    let mut scales = dev.upload(&vec![0f32; rows]).expect("scales");
+    let mut call = |dim: usize, codes_len: usize| {
+        let mut short = dev.upload(&vec![0u8; codes_len]).expect("codes");
+        let c = if codes_len == 0 { &mut codes } else { &mut short };
+        AddRmsNormQuantCall {
+            residual: &mut res,
+            x: &xd,
+            weight: &wd,
+            rows: 1,
+            dim,
+            eps: 1e-5,
+            codes: c,
+            scales: &mut scales,
+        }
+        .launch(&dev)
+    };
+    assert!(call(dim, 0).is_err(), "a width off a multiple of 4 accepted");
+    assert!(call(NORM_QUANT_MAX_DIM + 4, 0).is_err(), "a width past the registers accepted");
+    assert!(call(4096, 100).is_err(), "short codes accepted");
 }

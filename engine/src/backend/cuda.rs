@@ -419,6 +419,12 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
+    /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
+    pub fn w8a8_active(&self) -> bool {
+        self.w8a8
+    }
+
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
     /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
     pub fn set_prefill_kernel(&mut self, on: bool) {

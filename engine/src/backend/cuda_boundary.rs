@@ -8,14 +8,19 @@
 //! rounding of the projection, the same f32 add) and its `out` differs only where the row's
 //! `1 / rms`, summed in another order, lands on the other side of a bf16 rounding; every case
 //! it does not cover (more rows than the skinny GEMM takes, FP8 weights, a bias on the ending
-//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`]. FP8 weights stay
-//! unfused on purpose: the same fusion in the FP8 skinny GEMM (c686c61..00d922e, reverted) made
-//! Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to 71 % (BENCHMARKS.md, session 16).
+//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`], except one:
+//! decode-sized FP8 boundaries stay unfused on purpose (the same fusion in the FP8 skinny GEMM,
+//! c686c61..00d922e, reverted, made Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to
+//! 71 %; BENCHMARKS.md, session 16), while a prefill-sized boundary into an FP8 per-token
+//! (W8A8) projection has the norm kernel quantize its rows for the FP8 GEMM
+//! ([`AddRmsNormQuantCall`]) instead of storing them for the quantization kernel to re-read:
+//! the same codes, so the same bits.
 
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
-use crate::backend::{BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
+use crate::backend::{Backend, BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
 use baton_kernels::cuda::{
-    BiasAddCall, GEMV_KERNEL_MAX_M, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts,
+    AddRmsNormQuantCall, BiasAddCall, CudaError, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
+    NormLinearOut, ResidualLinearCall, W8A8_MIN_M, norm_quant_supports, norm_stat_parts, w8a8_supports,
 };
 
 impl CudaBackend {
@@ -43,6 +48,9 @@ impl CudaBackend {
             && gemv_applies(self.gemv, m, s.w.cols)
             && gemv_applies(self.gemv, m, width);
         let Some(kind) = kind.filter(|_| fusable) else {
+            if self.w8a8_input_fusable(&s) {
+                return self.branch_boundary_w8a8(s, residual, scratch, out);
+            }
             return branch_boundary_unfused(self, s, residual, scratch, out);
         };
         if s.x.len < m * s.w.cols || residual.len != m * width {
@@ -96,5 +104,109 @@ impl CudaBackend {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         Ok(())
+    }
+
+    /// Whether a prefill-sized boundary into an FP8 per-token (W8A8) projection takes the add +
+    /// norm + quantization kernel ([`AddRmsNormQuantCall`]): the batch past the skinny kernel,
+    /// cuBLASLt's FP8 GEMM in use, and a row the kernel holds.
+    fn w8a8_input_fusable(&self, s: &BranchBoundary<'_, Self>) -> bool {
+        let Some(f) = &s.next.fp8 else { return false };
+        self.fuse_norm
+            && self.w8a8
+            && f.per_token
+            && s.m >= W8A8_MIN_M
+            && s.next.cols == s.w.rows
+            && norm_quant_supports(s.w.rows)
+            && w8a8_supports(&self.dev, &f.w)
+            && !(s.gate.is_some() && s.next_bias.is_some())
+    }
+
+    /// The boundary of a prefill-sized batch into a W8A8 projection: the ending projection as
+    /// [`Backend::linear`] runs it, then the residual add and the norm with the normalized rows
+    /// quantized per token in the same kernel (the bf16 rows are never stored nor re-read), then
+    /// cuBLASLt's FP8 GEMM on those codes (and, gated, the activation kernel). The codes and
+    /// scales are the ones `linear_fp8` would make from the stored rows, so `out` is the same
+    /// bits. Where cuBLASLt refuses the FP8 GEMM, W8A8 is switched off (as `linear_fp8` does)
+    /// and the norm is recomputed from the updated residual into `hidden` for the fallback.
+    fn branch_boundary_w8a8(
+        &mut self,
+        s: BranchBoundary<'_, Self>,
+        residual: &mut CudaRes,
+        scratch: BoundaryScratch<'_, Self>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let (m, width) = (s.m, s.w.rows);
+        let Some(next) = s.next.fp8.as_ref() else { return branch_boundary_unfused(self, s, residual, scratch, out) };
+        let n = next.w.rows;
+        // Every check before anything is enqueued.
+        if residual.len != m * width || s.x.len < m * s.w.cols {
+            let message = format!("x {}, residual {} for {m} rows of {}→{width}", s.x.len, residual.len, s.w.cols);
+            return Err(kerr("branch_boundary", message));
+        }
+        match (s.gate, s.next_bias) {
+            (Some(g), _) if n != 2 * g.d => {
+                return Err(kerr("branch_boundary", format!("{n} gated rows for an intermediate size of {}", g.d)));
+            }
+            (None, Some(b)) if b.len != n => {
+                return Err(kerr("branch_boundary", format!("bias has {} values for {n} outputs", b.len)));
+            }
+            _ => {}
+        }
+        record_mark(&self.dev, &mut self.profile, s.labels.0);
+        self.linear(s.x, m, s.w, s.bias, scratch.proj)?;
+        let (codes, scales) = (m * width, m);
+        let (mut xq, mut xs) = match self.fp8_act.take() {
+            Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
+            _ => (self.dev.alloc::<u8>(codes.next_power_of_two())?, self.dev.alloc::<f32>(scales.next_power_of_two())?),
+        };
+        // The GEMM's output: `out`, or the `[gate | up]` scratch before the activation.
+        let dst = if s.gate.is_some() { &mut *scratch.gate_up } else { &mut *out };
+        self.ensure(dst, m * n)?;
+        record_mark(&self.dev, &mut self.profile, "norm");
+        let norm = AddRmsNormQuantCall {
+            residual: &mut residual.data,
+            x: &scratch.proj.data,
+            weight: &s.norm.data,
+            rows: m,
+            dim: width,
+            eps: s.eps,
+            codes: &mut xq,
+            scales: &mut xs,
+        };
+        let product = norm.launch(&self.dev).and_then(|()| {
+            record_mark(&self.dev, &mut self.profile, s.labels.1);
+            Fp8W8A8QuantizedCall { xq: &xq, xs: &xs, m, w: &next.w, out: &mut dst.data }.launch(&self.dev)
+        });
+        self.fp8_act = Some((xq, xs));
+        match product {
+            Ok(()) => {}
+            Err(CudaError::BlasLt(message)) => {
+                // Nothing of the GEMM was enqueued; the residual holds the sum already.
+                tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
+                self.w8a8 = false;
+                self.rms_norm(residual, s.norm, s.eps, scratch.hidden)?;
+                return match s.gate {
+                    None => self.linear(scratch.hidden, m, s.next, s.next_bias, out),
+                    Some(gate) => self.gated_linear(scratch.hidden, m, s.next, gate, scratch.gate_up, out),
+                };
+            }
+            Err(e) => return Err(e.into()),
+        }
+        match s.gate {
+            None => match s.next_bias {
+                Some(b) => Ok(BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n }.launch(&self.dev)?),
+                None => Ok(()),
+            },
+            Some(g) => match g.act {
+                GateAct::Silu => {
+                    record_mark(&self.dev, &mut self.profile, "silu_mul");
+                    self.silu_mul(scratch.gate_up, g.d, out)
+                }
+                GateAct::GeluTanh => {
+                    record_mark(&self.dev, &mut self.profile, "gelu_tanh_mul");
+                    self.gelu_tanh_mul(scratch.gate_up, g.d, out)
+                }
+            },
+        }
     }
 }

@@ -133,3 +133,42 @@ impl Fp8W8A8Call<'_> {
         Ok(())
     }
 }
+
+/// [`Fp8W8A8Call`]'s GEMM on activations already quantized per token (by the op before it:
+/// [`AddRmsNormQuantCall`](super::AddRmsNormQuantCall)).
+pub struct Fp8W8A8QuantizedCall<'a> {
+    /// `m × k` E4M3 activation codes.
+    pub xq: &'a CudaSlice<u8>,
+    /// `m` activation scales.
+    pub xs: &'a CudaSlice<f32>,
+    /// Rows of x.
+    pub m: usize,
+    /// The weights (`n × k`), row-constant scales.
+    pub w: &'a Fp8Weights,
+    /// `m × n` bf16.
+    pub out: &'a mut CudaSlice<bf16>,
+}
+
+impl Fp8W8A8QuantizedCall<'_> {
+    /// Checks the sizes and enqueues the GEMM; [`CudaError::BlasLt`] (nothing enqueued) where
+    /// cuBLASLt has no FP8 outer-vector mode.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "linear_w8a8_quantized";
+        let Self { xq, xs, m, w, out } = self;
+        let (n, k) = (w.rows, w.cols);
+        shape_check(OP, w8a8_supports(dev, w), || format!("{n}×{k}: not a W8A8 matrix on this device"))?;
+        let Some(row_scales) = w.row_scales() else { return Err(shape_error(OP, "no row scales")) };
+        let Some(lt) = &dev.lt else { return Err(shape_error(OP, "no cuBLASLt")) };
+        need(OP, "activation codes", xq, m * k)?;
+        need(OP, "activation scales", xs, m)?;
+        need(OP, "codes", &w.codes, n * k)?;
+        need(OP, "row scales", row_scales, n)?;
+        need(OP, "out", out, m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let shape = LtShape { m, n, k, f32_out: false, fp8: true };
+        lt.run_fp8(dev, shape, xq, &w.codes, LtScales { w: row_scales, x: xs }, out)?;
+        Ok(())
+    }
+}

@@ -30,6 +30,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub embed: F,
     pub rms_norm: F,
     pub add_rms_norm: F,
+    /// The add + norm with the normalized rows quantized per token (FP8 W8A8 input).
+    pub add_rms_norm_quant: F,
     pub silu_mul: F,
     pub bias_add: F,
     pub bias_add_f32: F,
@@ -119,6 +121,7 @@ impl<F> KernelTable<F> {
         let embed = f(el, "embed_f32")?;
         let rms_norm = f(el, "rms_norm_f32")?;
         let add_rms_norm = f(el, "add_rms_norm_f32")?;
+        let add_rms_norm_quant = f(el, "add_rms_norm_quant_e4m3")?;
         let silu_mul = f(el, "silu_mul_bf16")?;
         let bias_add = f(el, "bias_add_bf16")?;
         let bias_add_f32 = f(el, "bias_add_f32")?;
@@ -229,6 +232,7 @@ impl<F> KernelTable<F> {
             embed,
             rms_norm,
             add_rms_norm,
+            add_rms_norm_quant,
             silu_mul,
             bias_add,
             bias_add_f32,
@@ -346,12 +350,12 @@ mod tests {
         // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
         // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
-        // per-row quantization (bf16 activations, f32 weights) and skinny GEMM per tile, variant
-        // and scaling.
+        // per-row quantization (bf16 activations, f32 weights), the add + norm + quantization of
+        // the W8A8 input, and skinny GEMM per tile, variant and scaling.
         let fp8 = 4
             + 4
             + ATTN_EXT_MAX_HEAD_DIM / 32
-            + 4
+            + 5
             + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)

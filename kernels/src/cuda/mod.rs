@@ -117,7 +117,7 @@ pub use fp8_linear::{
     Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, gemv_fp8_default,
     gemv_fp8_scaling, gemv_fp8_supports,
 };
-pub use fp8_w8a8::{Fp8W8A8Call, QuantRows, QuantizeRowsCall, W8A8_MIN_M, w8a8_supports};
+pub use fp8_w8a8::{Fp8W8A8Call, Fp8W8A8QuantizedCall, QuantRows, QuantizeRowsCall, W8A8_MIN_M, w8a8_supports};
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;
@@ -131,7 +131,7 @@ pub use moe::{
 };
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
-pub use norm::{AddRmsNormCall, RmsNormCall};
+pub use norm::{AddRmsNormCall, AddRmsNormQuantCall, NORM_QUANT_MAX_DIM, RmsNormCall, norm_quant_supports};
 pub use norm_linear::{NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, SplitTarget, attn_default, attn_fp8_default,

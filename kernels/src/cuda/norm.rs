@@ -1,6 +1,7 @@
 //! RMSNorm of the residual stream (`rms_norm_f32`, `add_rms_norm_f32` in elementwise.cu):
 //! [`RmsNormCall`] and [`AddRmsNormCall`], scaling by `w` or, with `launch_with`, by Gemma's
-//! `1 + w` ([`NormWeight`]).
+//! `1 + w` ([`NormWeight`]); and [`AddRmsNormQuantCall`], the add + norm whose output is the
+//! FP8 W8A8 GEMM's per-token quantized input instead of a bf16 row.
 //!
 //! Invariants: the residual stream is f32 and is never rounded to bf16 (the fused add keeps
 //! the sum in f32); the normalized output is bf16; one CTA per row, sized so that the row
@@ -106,5 +107,65 @@ impl AddRmsNormCall<'_> {
         // SAFETY: one CTA per row touches `residual`, `x` and `out` within `rows × dim` and
         // `dim` weights: all checked above.
         unsafe { args.launch(dev, &dev.kernels.add_rms_norm, grid) }
+    }
+}
+
+/// Widest row [`AddRmsNormQuantCall`] takes: the row must sit in its CTA's registers (1,024
+/// threads of 16 values).
+pub const NORM_QUANT_MAX_DIM: usize = 1024 * NORM_ELEMS_PER_THREAD;
+
+/// Whether [`AddRmsNormQuantCall`] takes rows `dim` wide: a multiple of 4, at most
+/// [`NORM_QUANT_MAX_DIM`].
+pub fn norm_quant_supports(dim: usize) -> bool {
+    dim > 0 && dim.is_multiple_of(4) && dim <= NORM_QUANT_MAX_DIM
+}
+
+/// `residual += x; h = bf16(rms_norm(residual) · weight)`, then `h` quantized per row to E4M3
+/// (`codes = e4m3(h / s)`, `scales = s = amax(|h|) / 448`, 1 for a zero row): the codes and
+/// scales [`QuantizeRowsCall`](super::QuantizeRowsCall) makes from [`AddRmsNormCall`]'s output,
+/// without storing `h`.
+pub struct AddRmsNormQuantCall<'a> {
+    /// `rows × dim` f32, updated in place.
+    pub residual: &'a mut CudaSlice<f32>,
+    /// `rows × dim` bf16: the branch output added to the residual.
+    pub x: &'a CudaSlice<bf16>,
+    /// `dim` bf16.
+    pub weight: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub rows: usize,
+    /// Row width.
+    pub dim: usize,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// `rows × dim` E4M3 codes.
+    pub codes: &'a mut CudaSlice<u8>,
+    /// `rows` f32 scales.
+    pub scales: &'a mut CudaSlice<f32>,
+}
+
+impl AddRmsNormQuantCall<'_> {
+    /// Checks the sizes and enqueues the kernel (plain `w` scaling).
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "add_rms_norm_quant";
+        let Self { residual, x, weight, rows, dim, eps, codes, scales } = self;
+        super::launch::shape_check(OP, norm_quant_supports(dim), || {
+            format!("dim = {dim}: needs a multiple of 4 up to {NORM_QUANT_MAX_DIM}")
+        })?;
+        let n = rows * dim;
+        need(OP, "residual", residual, n)?;
+        need(OP, "x", x, n)?;
+        need(OP, "weight", weight, dim)?;
+        need(OP, "codes", codes, n)?;
+        need(OP, "scales", scales, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let grid = per_row(OP, rows, row_threads(dim, NORM_ELEMS_PER_THREAD))?;
+        let args = Args::new(OP).buf(residual).buf(x).buf(weight).buf(codes).buf(scales).int(dim)?.f32(eps);
+        let args = args.f32(NormWeight::Plain.offset());
+        // SAFETY: one CTA per row touches `residual`, `x` and `codes` within `rows × dim`,
+        // `scales[row]` and `dim` weights: all checked above; the row fits the CTA's registers
+        // (norm_quant_supports: dim ≤ 16 · threads, threads from row_threads).
+        unsafe { args.launch(dev, &dev.kernels.add_rms_norm_quant, grid) }
     }
 }
