@@ -276,6 +276,9 @@ fn run() -> Res<()> {
     // Every MoE kernel set with the prefill attention kernel, the last also with the decode one.
     let ttft_runs: Vec<(MoeKernels, bool)> =
         moe_sets.iter().map(|&m| (m, true)).chain(std::iter::once((moe_sets[moe_sets.len() - 1], false))).collect();
+    // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
+    // fused, the default).
+    model.backend_mut().set_fused_norm(flag(&args, "--fused-norm").as_deref() != Some("off"));
     for (moe, prefill_kernel) in ttft_runs {
         model.backend_mut().set_moe_kernels(moe);
         model.backend_mut().set_prefill_kernel(prefill_kernel);
