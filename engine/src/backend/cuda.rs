@@ -175,7 +175,8 @@ pub struct CudaBackend {
     /// ([`Backend::gated_linear`]); off = the product and the activation kernel, for
     /// comparisons.
     fuse_gate: bool,
-    /// The RMSNorm between two residual branches fused into the skinny GEMMs on either side
+    /// The RMSNorm between two residual branches fused into the skinny GEMMs on either side,
+    /// or (prefill into a W8A8 projection) quantizing its rows for the FP8 GEMM
     /// ([`Backend::branch_boundary`]); off = the three ops, for comparisons.
     fuse_norm: bool,
     /// The per-CTA sums of squares the fused boundary passes from one GEMM to the next
@@ -412,8 +413,9 @@ impl CudaBackend {
     }
 
     /// Fuses the RMSNorm between two residual branches into the skinny GEMMs on either side
-    /// where it applies (`true`, the default) or runs the projection, the norm and the next
-    /// projection (`false`: for benchmarks and comparisons). Drops recorded graphs.
+    /// where it applies, and has it quantize its rows for a W8A8 projection at prefill (`true`,
+    /// the default), or runs the projection, the norm and the next projection (`false`: for
+    /// benchmarks and comparisons). Drops recorded graphs.
     pub fn set_fused_norm(&mut self, on: bool) {
         self.fuse_norm = on;
         self.drop_graphs();
