@@ -164,7 +164,6 @@ extern "C" __global__ void add_rms_norm_f32(float* __restrict__ residual, const 
 extern "C" __global__ void add_rms_norm_quant_e4m3(float* __restrict__ residual, const bf16_t* __restrict__ x,
                                                    const bf16_t* __restrict__ w, unsigned char* __restrict__ codes,
                                                    float* __restrict__ scales, int dim, float eps, float w_off) {
-    __shared__ float part[32];
     const long long base = (long long)blockIdx.x * dim;
     uint2 wv[NORM_V];
     norm_weight_load(w, dim, wv);
@@ -183,15 +182,7 @@ extern "C" __global__ void add_rms_norm_quant_e4m3(float* __restrict__ residual,
             amax = fmaxf(fmaxf(amax, fmaxf(fabsf(r[j].x), fabsf(r[j].y))), fmaxf(fabsf(r[j].z), fabsf(r[j].w)));
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = amax;
-    __syncthreads();
-    amax = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+    const float s = e4m3_row_scale(block_amax(amax));
 #pragma unroll
     for (int j = 0; j < NORM_V; j++) {
         const int i = 4 * (j * blockDim.x + threadIdx.x);

@@ -76,7 +76,6 @@ __device__ __forceinline__ void load8(const float* p, float v[8]) {
 template <typename T>
 __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict__ codes,
                                               float* __restrict__ scales, int k, long long row0) {
-    __shared__ float part[32];
     PDL_ENTER();
     const long long row = blockIdx.x;
     const T* xr = x + row * k;
@@ -89,15 +88,7 @@ __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned 
 #pragma unroll
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = amax;
-    __syncthreads();
-    amax = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+    const float s = e4m3_row_scale(block_amax(amax));
     for (int c = threadIdx.x; c < k8; c += blockDim.x) {
         float v[8];
         load8(xr + 8 * c, v);

@@ -32,6 +32,29 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+// The largest of the block's non-negative values (|x|: 0 is the identity; fmaxf skips NaN, as
+// the CPU reference's f32::max does); every thread gets it. The order does not matter: max is
+// exact.
+__device__ __forceinline__ float block_amax(float v) {
+    __shared__ float partial_max[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) partial_max[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? partial_max[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// The per-token E4M3 scale of a row whose largest magnitude is amax: amax / 448, or 1 for a
+// row of zeros or without a finite maximum (the CPU reference's quantize_rows_per_token).
+__device__ __forceinline__ float e4m3_row_scale(float amax) {
+    return (amax > 0.f && amax <= __int_as_float(0x7f7fffff)) ? amax / 448.f : 1.f;
+}
+
 // Programmatic dependent launch (Hopper): a kernel launched with the programmatic-serialization
 // attribute may start while the kernel before it on the stream still runs. Every kernel
 // calls PDL_ENTER before it touches memory that kernel may write or read: `griddepcontrol.wait`
