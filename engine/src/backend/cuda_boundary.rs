@@ -17,7 +17,9 @@
 //! the same codes, so the same bits.
 
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
-use crate::backend::{Backend, BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused};
+use crate::backend::{
+    Backend, BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused, gate_activation,
+};
 use baton_kernels::cuda::{
     AddRmsNormQuantCall, BiasAddCall, CudaError, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
     NormLinearOut, ResidualLinearCall, W8A8_MIN_M, norm_quant_supports, norm_stat_parts, w8a8_supports,
@@ -53,10 +55,7 @@ impl CudaBackend {
             }
             return branch_boundary_unfused(self, s, residual, scratch, out);
         };
-        if s.x.len < m * s.w.cols || residual.len != m * width {
-            let message = format!("x {}, residual {} for {m} rows of {}→{width}", s.x.len, residual.len, s.w.cols);
-            return Err(kerr("branch_boundary", message));
-        }
+        check_shapes(&s, residual)?;
         let cols = match kind {
             NormLinearOut::Plain { n } => n,
             NormLinearOut::GatedSilu { d } => d,
@@ -139,10 +138,7 @@ impl CudaBackend {
         let Some(next) = s.next.fp8.as_ref() else { return branch_boundary_unfused(self, s, residual, scratch, out) };
         let n = next.w.rows;
         // Every check before anything is enqueued.
-        if residual.len != m * width || s.x.len < m * s.w.cols {
-            let message = format!("x {}, residual {} for {m} rows of {}→{width}", s.x.len, residual.len, s.w.cols);
-            return Err(kerr("branch_boundary", message));
-        }
+        check_shapes(&s, residual)?;
         match (s.gate, s.next_bias) {
             (Some(g), _) if n != 2 * g.d => {
                 return Err(kerr("branch_boundary", format!("{n} gated rows for an intermediate size of {}", g.d)));
@@ -154,11 +150,7 @@ impl CudaBackend {
         }
         record_mark(&self.dev, &mut self.profile, s.labels.0);
         self.linear(s.x, m, s.w, s.bias, scratch.proj)?;
-        let (codes, scales) = (m * width, m);
-        let (mut xq, mut xs) = match self.fp8_act.take() {
-            Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
-            _ => (self.dev.alloc::<u8>(codes.next_power_of_two())?, self.dev.alloc::<f32>(scales.next_power_of_two())?),
-        };
+        let (mut xq, mut xs) = self.take_fp8_act(m, width)?;
         // The GEMM's output: `out`, or the `[gate | up]` scratch before the activation.
         let dst = if s.gate.is_some() { &mut *scratch.gate_up } else { &mut *out };
         self.ensure(dst, m * n)?;
@@ -197,16 +189,18 @@ impl CudaBackend {
                 Some(b) => Ok(BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n }.launch(&self.dev)?),
                 None => Ok(()),
             },
-            Some(g) => match g.act {
-                GateAct::Silu => {
-                    record_mark(&self.dev, &mut self.profile, "silu_mul");
-                    self.silu_mul(scratch.gate_up, g.d, out)
-                }
-                GateAct::GeluTanh => {
-                    record_mark(&self.dev, &mut self.profile, "gelu_tanh_mul");
-                    self.gelu_tanh_mul(scratch.gate_up, g.d, out)
-                }
-            },
+            Some(g) => gate_activation(self, g, scratch.gate_up, out),
         }
     }
+}
+
+/// The shapes both fused routes need before anything is enqueued: `x` holds `m` rows of the
+/// ending projection's input, the residual exactly `m` rows of its output.
+fn check_shapes(s: &BranchBoundary<'_, CudaBackend>, residual: &CudaRes) -> Result<(), BackendError> {
+    let (m, width) = (s.m, s.w.rows);
+    if s.x.len < m * s.w.cols || residual.len != m * width {
+        let message = format!("x {}, residual {} for {m} rows of {}→{width}", s.x.len, residual.len, s.w.cols);
+        return Err(kerr("branch_boundary", message));
+    }
+    Ok(())
 }

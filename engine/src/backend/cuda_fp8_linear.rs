@@ -19,7 +19,7 @@ use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
 use crate::backend::{Backend, BackendError, counter_fp8};
 use baton_formats::CounterInit;
 use baton_kernels::cpu::ActivationScale;
-use baton_kernels::cuda::{Fp8Weights, LinearCall, QuantRows, QuantizeRowsCall, bf16};
+use baton_kernels::cuda::{CudaSlice, Fp8Weights, LinearCall, QuantRows, QuantizeRowsCall, bf16};
 
 /// Most f32 values drawn at once by [`CudaBackend::draw_fp8`] (256 MiB of temporary): a whole
 /// part up to Llama-3.1-8B's gate (14,336 × 4,096), a few chunks for 70B-sized matrices.
@@ -107,14 +107,7 @@ impl CudaBackend {
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
-            let (codes, scales) = (m * w.cols, m);
-            let act = match self.fp8_act.take() {
-                Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
-                _ => (
-                    self.dev.alloc::<u8>(codes.next_power_of_two())?,
-                    self.dev.alloc::<f32>(scales.next_power_of_two())?,
-                ),
-            };
+            let act = self.take_fp8_act(m, w.cols)?;
             let (xq, xs) = self.fp8_act.insert(act);
             match (Fp8W8A8Call { x: &x.data, m, w, xq, xs, out: &mut out.data }).launch(&self.dev) {
                 Ok(()) => return Ok(()),
@@ -136,6 +129,18 @@ impl CudaBackend {
         let kernel = linear_kernel(self.gemv, m, w.cols);
         LinearCall { x: &x.data, m, k: w.cols, w: scratch, n: w.rows, out: &mut out.data, kernel }.launch(&self.dev)?;
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// The per-token activation scratch (codes and scales) taken out of the backend, grown to
+    /// `m` rows of `k`; the caller puts it back (`self.fp8_act`) once its launches are enqueued.
+    pub(super) fn take_fp8_act(&mut self, m: usize, k: usize) -> Result<(CudaSlice<u8>, CudaSlice<f32>), BackendError> {
+        let (codes, scales) = (m * k, m);
+        Ok(match self.fp8_act.take() {
+            Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
+            _ => (self.dev.alloc::<u8>(codes.next_power_of_two())?, self.dev.alloc::<f32>(scales.next_power_of_two())?),
+        })
     }
 }
 

@@ -813,14 +813,25 @@ pub fn gated_linear_unfused<B: Backend + ?Sized>(
     out: &mut B::Buf,
 ) -> Result<(), BackendError> {
     b.linear(x, m, gate_up, None, scratch)?;
+    gate_activation(b, gate, scratch, out)
+}
+
+/// The gated MLP's activation on a computed `[gate | up]` (`gate_up`, `2 · gate.d` wide):
+/// `out = act(gate) · up`, marked for a step profile under the activation's name.
+pub fn gate_activation<B: Backend + ?Sized>(
+    b: &mut B,
+    gate: Gate,
+    gate_up: &B::Buf,
+    out: &mut B::Buf,
+) -> Result<(), BackendError> {
     match gate.act {
         GateAct::Silu => {
             b.mark("silu_mul");
-            b.silu_mul(scratch, gate.d, out)
+            b.silu_mul(gate_up, gate.d, out)
         }
         GateAct::GeluTanh => {
             b.mark("gelu_tanh_mul");
-            b.gelu_tanh_mul(scratch, gate.d, out)
+            b.gelu_tanh_mul(gate_up, gate.d, out)
         }
     }
 }

@@ -7,7 +7,7 @@
 //! the sum in f32); the normalized output is bf16; one CTA per row, sized so that the row
 //! fits in its threads' registers (`NORM_V` float4 chunks each, elementwise.cu).
 
-use super::launch::{Args, int, need, per_row, row_threads};
+use super::launch::{Args, int, need, per_row, row_threads, shape_check};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::NormWeight;
 use half::bf16;
@@ -148,7 +148,7 @@ impl AddRmsNormQuantCall<'_> {
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "add_rms_norm_quant";
         let Self { residual, x, weight, rows, dim, eps, codes, scales } = self;
-        super::launch::shape_check(OP, norm_quant_supports(dim), || {
+        shape_check(OP, norm_quant_supports(dim), || {
             format!("dim = {dim}: needs a multiple of 4 up to {NORM_QUANT_MAX_DIM}")
         })?;
         let n = rows * dim;
