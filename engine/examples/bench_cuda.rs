@@ -273,15 +273,21 @@ fn run() -> Res<()> {
         pending: Vec::new(),
         prompt_logprobs: Vec::new(),
     };
-    // Every MoE kernel set with the prefill attention kernel, the last also with the decode one.
-    let ttft_runs: Vec<(MoeKernels, bool)> =
-        moe_sets.iter().map(|&m| (m, true)).chain(std::iter::once((moe_sets[moe_sets.len() - 1], false))).collect();
+    // Every MoE kernel set with the prefill attention kernel, the last also with the decode one
+    // and (on Hopper) with the mma.sync prefill kernel instead of the warpgroup one.
+    let last = moe_sets[moe_sets.len() - 1];
+    let mut ttft_runs: Vec<(MoeKernels, bool, bool)> = moe_sets.iter().map(|&m| (m, true, true)).collect();
+    if model.backend_mut().prefill_wgmma_capable() {
+        ttft_runs.push((last, true, false));
+    }
+    ttft_runs.push((last, false, true));
     // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
     // fused, the default).
     model.backend_mut().set_fused_norm(flag(&args, "--fused-norm").as_deref() != Some("off"));
-    for (moe, prefill_kernel) in ttft_runs {
+    for (moe, prefill_kernel, wgmma) in ttft_runs {
         model.backend_mut().set_moe_kernels(moe);
         model.backend_mut().set_prefill_kernel(prefill_kernel);
+        model.backend_mut().set_prefill_wgmma(wgmma);
         engine_step(&mut model, &prefill)?;
         let mut t = Vec::new();
         for _ in 0..3 {
@@ -291,7 +297,12 @@ fn run() -> Res<()> {
         }
         let ttft = median(t);
         let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
-        let attn = if prefill_kernel { "prefill kernel" } else { "decode kernel" };
+        let wg = wgmma && model.backend_mut().prefill_wgmma_capable();
+        let attn = match (prefill_kernel, wg) {
+            (false, _) => "decode kernel",
+            (true, true) => "prefill kernel (warpgroup MMA)",
+            (true, false) => "prefill kernel (mma.sync)",
+        };
         let moe_name = moe.name();
         let moe_txt = if cfg.moe.is_some() { format!(", MoE kernels {moe_name}") } else { String::new() };
         writeln!(
@@ -300,12 +311,13 @@ fn run() -> Res<()> {
             ttft * 1e3
         )?;
         json.push(format!(
-            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"prefill_wgmma\":{wg},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
             ttft * 1e3
         ));
     }
     model.backend_mut().set_prefill_kernel(true);
-    model.backend_mut().set_moe_kernels(moe_sets[moe_sets.len() - 1]);
+    model.backend_mut().set_prefill_wgmma(true);
+    model.backend_mut().set_moe_kernels(last);
     // Where the prefill step's time goes: the same step op by op (eager, events between ops).
     if !args.iter().any(|a| a == "--no-profile") {
         writeln!(table, "  per-op TTFT step (eager, queue filled first): op | us")?;

@@ -24,7 +24,8 @@
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
     CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
-    PREFILL_DEFAULT_VARIANT, PREFILL_WARPS, SplitTarget, StepMeta, attn_default, bf16, gemv_default, plan_splits,
+    PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default, bf16, gemv_default,
+    plan_splits, prefill_variant_warps,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -327,12 +328,21 @@ fn prefill_section(
         let n = s * nh * hd;
         let old = download_f32(dev, &o_old, n)?;
         let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);
-        let mut rows = vec![(format!("prefill_mma_w{}*", PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]), ms_new, diff)];
-        // The other CTA sizes, launched directly (the router uses the default).
-        for (vi, &w) in PREFILL_WARPS.iter().enumerate().filter(|&(vi, _)| vi != PREFILL_DEFAULT_VARIANT) {
+        // The router's choice: the warpgroup kernel on Hopper, else the default mma.sync variant.
+        let routed = if dev.prefill_wgmma() { PREFILL_WGMMA } else { PREFILL_DEFAULT_VARIANT };
+        let name = |vi: usize| match prefill_variant_warps(vi) {
+            Some(_) if vi == PREFILL_WGMMA => "prefill_wgmma".to_string(),
+            Some(w) => format!("prefill_mma_w{w}"),
+            None => format!("prefill_variant_{vi}"),
+        };
+        let mut rows = vec![(format!("{}*", name(routed)), ms_new, diff)];
+        // The other variants, launched directly (the warpgroup one only where it runs).
+        let others =
+            (0..PREFILL_VARIANTS).filter(|&vi| vi != routed && (vi != PREFILL_WGMMA || dev.prefill_wgmma_capable()));
+        for vi in others {
             let kernel = AttnKernel::Prefill { variant: vi };
             let ms = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_var, kernel))?;
-            rows.push((format!("prefill_mma_w{w}"), ms, rel_diff(&download_f32(dev, &o_var, n)?, &old)));
+            rows.push((name(vi), ms, rel_diff(&download_f32(dev, &o_var, n)?, &old)));
         }
         rows.push(("decode_kernel".to_string(), ms_old, 0.0));
         for (name, ms, diff) in rows {

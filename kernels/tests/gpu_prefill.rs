@@ -13,7 +13,8 @@ mod common;
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
     AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry,
-    PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
+    PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WGMMA, StepMeta, bf16, prefill_supported,
+    prefill_variant_warps, prefill_wg_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::rngs::StdRng;
@@ -82,12 +83,17 @@ fn prefill_case(
     if !prefill_supported(nh, nkv, hd) || !is_prefill.iter().any(|&p| p) {
         return;
     }
-    for (vi, &warps) in PREFILL_WARPS.iter().enumerate() {
+    for vi in 0..PREFILL_VARIANTS {
+        let warps = prefill_variant_warps(vi).expect("a variant");
         if nh / nkv > 16 * warps {
             continue;
         }
+        let wg = vi == PREFILL_WGMMA;
+        if wg && !prefill_wg_supported(nh, nkv, hd, false, false) {
+            continue;
+        }
         let mut out = poisoned(dev, q.len());
-        AttentionCall {
+        let launched = AttentionCall {
             q: &qd,
             cache: KvCacheRef::Bf16 { k: &kd, v: &vd },
             meta: &mut meta,
@@ -99,8 +105,14 @@ fn prefill_case(
             split: AttnSplit::Auto,
             options: AttentionOptions::default(),
         }
-        .launch(dev)
-        .expect("prefill_attention");
+        .launch(dev);
+        if wg && !dev.prefill_wgmma_capable() {
+            // Off Hopper the warpgroup kernel is refused, naming why.
+            let msg = launched.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(msg.contains("sm_90a"), "{what}: the warpgroup kernel off sm_90a: {msg:?}");
+            continue;
+        }
+        launched.expect("prefill_attention");
         let got = down(dev, &out, q.len());
         let (mut g, mut wnt) = (Vec::new(), Vec::new());
         for (r, &p) in is_prefill.iter().enumerate() {
@@ -112,7 +124,8 @@ fn prefill_case(
                 assert!(got[span].iter().all(|v| v.is_nan()), "{what}: prefill kernel wrote decode row {r}");
             }
         }
-        check(&format!("prefill only, {warps} warps, {what}"), &g, &wnt);
+        let kernel = if wg { "warpgroup MMA".to_string() } else { format!("{warps} warps") };
+        check(&format!("prefill only, {kernel}, {what}"), &g, &wnt);
     }
 }
 

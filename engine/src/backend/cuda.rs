@@ -433,6 +433,19 @@ impl CudaBackend {
         self.prefill_kernel = on;
     }
 
+    /// Sends the prefill chunks of a shape it computes to the warpgroup-MMA prefill kernel
+    /// (`true`, the default on Hopper) or to the mma.sync one (`false`: for comparisons); see
+    /// `CudaDevice::set_prefill_wgmma`. Drops recorded graphs.
+    pub fn set_prefill_wgmma(&mut self, on: bool) {
+        self.dev.set_prefill_wgmma(on);
+        self.drop_graphs();
+    }
+
+    /// Whether the warpgroup-MMA prefill kernel can run on this device.
+    pub fn prefill_wgmma_capable(&self) -> bool {
+        self.dev.prefill_wgmma_capable()
+    }
+
     /// The counter draws `parts` (rows each) of `cols` columns, one bf16 buffer.
     fn draw(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaSlice<bf16>, BackendError> {
         let total: usize = parts.iter().map(|p| p.0 * cols).sum();

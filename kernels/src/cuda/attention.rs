@@ -26,8 +26,9 @@ use super::paged_attention::{
     attn_fp8_default, plan_splits, tc_dynamic_smem,
 };
 use super::prefill::{
-    PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PrefillLists, block_magic, prefill_fp8_smem_bytes,
-    prefill_smem_bytes, prefill_supported,
+    PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
+    prefill_fp8_smem_bytes, prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_smem_bytes,
+    prefill_wg_supported,
 };
 use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
 use cudarc::driver::LaunchConfig;
@@ -158,14 +159,15 @@ pub enum AttnKernel {
         variant: Option<usize>,
     },
     /// The prefill kernel on the step's prefill chunks only (sequences of at least
-    /// `PREFILL_MIN_TOKENS` rows), with CTAs of `PREFILL_WARPS[variant]` warps; other rows
-    /// are not touched.
+    /// `PREFILL_MIN_TOKENS` rows): the mma.sync kernel with CTAs of `PREFILL_WARPS[variant]`
+    /// warps, or at [`PREFILL_WGMMA`] the warpgroup-MMA kernel; other rows are not touched.
     Prefill {
-        /// Index in [`PREFILL_WARPS`].
+        /// Below `PREFILL_VARIANTS` (see `prefill_variant_warps`).
         variant: usize,
     },
     /// The router: prefill chunks on the prefill kernel, every other row on the decode kernel
-    /// (default variants; the decode launch splits by [`AttentionCall::split`]). The decode
+    /// (default variants, the warpgroup prefill kernel where `CudaDevice::prefill_wgmma` and
+    /// the shape allow; the decode launch splits by [`AttentionCall::split`]). The decode
     /// kernel takes every row when the step has no prefill chunk or the shape has no prefill
     /// kernel ([`prefill_supported`]).
     Mixed,
@@ -267,13 +269,23 @@ impl AttentionCall<'_> {
         if !self.meta.prefill.has_prefill() || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim) {
             return self.decode(dev, variant, DecodeRows::All);
         }
+        // The warpgroup kernel where it runs this shape, else the default mma.sync variant.
+        let wg = dev.prefill_wgmma()
+            && prefill_wg_supported(
+                n_heads,
+                geo.n_kv_heads,
+                geo.head_dim,
+                self.cache.is_fp8(),
+                !self.options.is_none(),
+            );
+        let pf_variant = if wg { PREFILL_WGMMA } else { PREFILL_DEFAULT_VARIANT };
         // Validate the prefill launch before enqueueing anything.
         check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
         if self.meta.prefill.lists.decode_rows_end > 0 {
             self.decode(dev, variant, DecodeRows::DecodeOnly)?;
         }
         // After the decode kernel: it wrote zeros into the prefill rows (module doc).
-        self.prefill(dev, PREFILL_DEFAULT_VARIANT)
+        self.prefill(dev, pf_variant)
     }
 
     /// The decode kernel with `ATTN_VARIANTS[variant]` (FP8: `ATTN_FP8_VARIANTS[variant]`), then
@@ -375,8 +387,21 @@ impl AttentionCall<'_> {
         let (n_heads, geo, scale) = (self.n_heads, self.geo, self.scale);
         let lists = &self.meta.prefill.lists;
         let warps =
-            *PREFILL_WARPS.get(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
+            prefill_variant_warps(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
         let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
+        if variant == PREFILL_WGMMA {
+            shape_check(OP, dev.prefill_wgmma_capable(), || {
+                format!("the warpgroup prefill kernel needs sm_90a kernels (built for {})", dev.arch())
+            })?;
+            let (fp8, opts) = (self.cache.is_fp8(), !self.options.is_none());
+            shape_check(OP, prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, fp8, opts), || {
+                format!(
+                    "the warpgroup prefill kernel computes head_dim 128 over a bf16 cache without options \
+                     (head_dim {}, FP8 cache {fp8}, options {opts})",
+                    geo.head_dim
+                )
+            })?;
+        }
         self.check_io(OP)?;
         // The kernel takes the running max on unscaled scores, which needs scale > 0.
         shape_check(OP, scale > 0.0 && scale.is_finite(), || format!("softmax scale {scale} is not positive"))?;
@@ -386,6 +411,9 @@ impl AttentionCall<'_> {
         // The `_opt_` entries compute the options; the plain ones compile them out.
         let k = &dev.kernels;
         let plain = self.options.is_none();
+        if variant == PREFILL_WGMMA {
+            return self.prefill_wg(dev, items);
+        }
         let (table, smem) = match self.cache {
             KvCacheRef::Bf16 { .. } => {
                 (if plain { &k.prefill } else { &k.prefill_opt }, prefill_smem_bytes(geo.head_dim))
@@ -423,6 +451,37 @@ impl AttentionCall<'_> {
         // sinks against the heads; the sequence list was built from the validated metadata (positions below the block
         // index's exact range, checked above), and the grid covers its work items.
         unsafe { args.launch(dev, func, grid) }
+    }
+}
+
+impl AttentionCall<'_> {
+    /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles of
+    /// 64 packed rows); the caller checked the device, the shape and the arguments.
+    fn prefill_wg(&self, dev: &CudaDevice, items: usize) -> Result<(), CudaError> {
+        const OP: &str = "prefill_attention_wg";
+        let (n_heads, geo) = (self.n_heads, self.geo);
+        let grid = LaunchConfig {
+            grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: prefill_wg_smem_bytes() as u32,
+        };
+        let (qscale, _) = self.cache.kernel_scales(self.scale);
+        let args = self
+            .cache
+            .push(Args::new(OP).buf(self.q))
+            .buf(&*self.out)
+            .buf(&self.meta.prefill.seqs)
+            .int(self.meta.prefill.lists.seqs.len())?
+            .buf(&self.meta.block_tables)
+            .int(n_heads)?
+            .int(geo.n_kv_heads)?
+            .int(geo.block_size)?
+            .u32(block_magic(geo.block_size))
+            .f32(qscale);
+        // SAFETY: as the mma.sync prefill launch: q, out and the caches checked against the
+        // rows, heads and geometry (head_dim 128, bf16 cache), the sequence list built from the
+        // validated metadata, and the grid covers its work items.
+        unsafe { args.launch(dev, &dev.kernels.prefill_wg, grid) }
     }
 }
 

@@ -43,7 +43,7 @@ pub enum Family {
     /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
     /// `ATT_TC_FP8_VARIANTS(HD)`).
     Attention,
-    /// Prefill flash attention, cut by head_dim (`PF_INSTANCE(HD, ..)`).
+    /// Prefill flash attention, cut by head_dim (`PF_INSTANCE(HD, ..)`, `PF_WG_INSTANCE(HD, ..)`).
     Prefill,
 }
 
@@ -67,7 +67,7 @@ impl Family {
             Self::Attention => {
                 &[include_str!("../../cuda/attention.cu"), include_str!("../../cuda/attention_tc_fp8.cu")]
             }
-            Self::Prefill => &[include_str!("../../cuda/prefill.cu")],
+            Self::Prefill => &[include_str!("../../cuda/prefill.cu"), include_str!("../../cuda/prefill_wg.cu")],
         }
     }
 
@@ -78,7 +78,7 @@ impl Family {
             Self::Elementwise | Self::Sampling => &[],
             Self::Gemv => &["GEMV_VARIANTS", "GEMV_FP8_VARIANTS"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS"],
-            Self::Prefill => &["PF_INSTANCE"],
+            Self::Prefill => &["PF_INSTANCE", "PF_WG_INSTANCE"],
         }
     }
 

@@ -18,6 +18,10 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr}
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// The one NVRTC target whose build of the warpgroup-MMA prefill kernel runs (wgmma needs the
+/// architecture-specific Hopper target; other builds trap, see prefill_wg.cu).
+const WGMMA_ARCH: &str = "sm_90a";
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Bytes of the workspace cuBLAS gets at open: given one, it allocates nothing per call, which
@@ -64,6 +68,9 @@ pub struct CudaDevice {
     /// Bytes of a skinny GEMM's weights pulled into L2 before it waits for the previous kernel
     /// (see [`CudaDevice::gemv_l2_prefetch`]).
     gemv_l2_prefetch: AtomicUsize,
+    /// Whether the mixed-batch router sends prefill chunks to the warpgroup-MMA kernel where it
+    /// applies (see [`CudaDevice::prefill_wgmma`]).
+    prefill_wgmma: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -100,6 +107,7 @@ impl CudaDevice {
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = compile::device_arch(major, minor);
+        let wgmma_capable = arch == WGMMA_ARCH;
         let name = ctx.name()?;
         let t0 = std::time::Instant::now();
         let (modules, module_reports) = compile::load_modules(&ctx, &arch, opts.cache_dir.as_deref())?;
@@ -148,6 +156,7 @@ impl CudaDevice {
             pdl: AtomicBool::new(major >= 9),
             gemv_l2_prefetch: AtomicUsize::new(GEMV_L2_PREFETCH_DEFAULT),
             pdl_capable: major >= 9,
+            prefill_wgmma: AtomicBool::new(wgmma_capable),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -313,6 +322,27 @@ impl CudaDevice {
     /// an allocation for [`CudaDevice::alloc_generation`] and they are dropped.
     pub fn set_pdl(&self, on: bool) {
         self.pdl.store(on && self.pdl_capable, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Whether the attention router sends prefill chunks of a shape it computes (head_dim 128,
+    /// bf16 cache, no options) to the warpgroup-MMA kernel (`prefill_wg.cu`) rather than the
+    /// mma.sync one: on by default where the kernels were built for `sm_90a` (Hopper), the only
+    /// target that runs it.
+    pub fn prefill_wgmma(&self) -> bool {
+        self.prefill_wgmma.load(Ordering::Relaxed)
+    }
+
+    /// Whether the warpgroup-MMA prefill kernel can run here (kernels built for `sm_90a`).
+    pub fn prefill_wgmma_capable(&self) -> bool {
+        self.arch == WGMMA_ARCH
+    }
+
+    /// Turns [`CudaDevice::prefill_wgmma`] on or off (for comparisons; ignored off `sm_90a`).
+    /// Recorded graphs hold the old launches, so this counts as an allocation for
+    /// [`CudaDevice::alloc_generation`].
+    pub fn set_prefill_wgmma(&self, on: bool) {
+        self.prefill_wgmma.store(on && self.prefill_wgmma_capable(), Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 

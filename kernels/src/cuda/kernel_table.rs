@@ -18,8 +18,8 @@ use super::paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name, tc_dynamic_smem,
 };
 use super::prefill::{
-    PREFILL_HEAD_DIMS, PREFILL_WARPS, prefill_fp8_kernel_name, prefill_fp8_smem_bytes, prefill_kernel_name,
-    prefill_smem_bytes,
+    PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_HEAD_DIM, prefill_fp8_kernel_name, prefill_fp8_smem_bytes,
+    prefill_kernel_name, prefill_smem_bytes, prefill_wg_kernel_name, prefill_wg_smem_bytes,
 };
 use cudarc::driver::CudaFunction;
 use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
@@ -98,6 +98,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub prefill_opt: Vec<Vec<F>>,
     /// [`Self::prefill_fp8`] with a window, soft-cap and sinks.
     pub prefill_fp8_opt: Vec<Vec<F>>,
+    /// Prefill flash attention on the warpgroup MMA (prefill_wg.cu, head_dim 128; its body
+    /// is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`).
+    pub prefill_wg: F,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
     pub gemv: [Vec<Vec<F>>; 2],
@@ -207,6 +210,8 @@ impl<F> KernelTable<F> {
                 );
             }
         }
+        let prefill_wg =
+            f(Module::part(Family::Prefill, PREFILL_WG_HEAD_DIM), &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM))?;
         let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
             let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
@@ -274,6 +279,7 @@ impl<F> KernelTable<F> {
             prefill_fp8,
             prefill_opt,
             prefill_fp8_opt,
+            prefill_wg,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -309,6 +315,9 @@ impl KernelTable<CudaFunction> {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
+        let wg = &self.prefill_wg;
+        wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, prefill_wg_smem_bytes() as i32)?;
+        wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         Ok(())
     }
 }
@@ -347,7 +356,8 @@ mod tests {
         // (plain, SiLU·mul, clamped SwiGLU, un-permute) and variant, the extended attention per
         // head dims a lane (8), 2 sampling kernels and prompt logprobs, 3 utility kernels (random weights in bf16 and
         // f32, the profiler's spin), per attention head_dim every variant and the
-        // combine, per prefill head_dim both CTA sizes with and without options, gemv per tile and variant every epilogue;
+        // combine, per prefill head_dim both CTA sizes with and without options (and the warpgroup
+        // kernel at head_dim 128), gemv per tile and variant every epilogue;
         // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
         // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
         // per-row quantization (bf16 activations, f32 weights), the add + norm + quantization of
@@ -360,6 +370,7 @@ mod tests {
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
+            + 1
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
         assert_eq!(names.len(), 30 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
@@ -368,6 +379,7 @@ mod tests {
             "prompt_logprobs",
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
+            "prefill_attention_wg_hd128",
             "gemv_m16_w8_u2_f32",
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",

@@ -1,0 +1,316 @@
+// Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg_hd128`): the
+// contract of prefill.cu's kernel (arguments, grid (n_kv_heads, work items), work items
+// enumerated in-kernel from the heaviest-first sequence list, packed GQA rows, causal mask,
+// output in q's layout), bf16 cache, head_dim 128, no window, soft-cap or sinks; a different
+// inside.
+//
+// Why. prefill.cu's kernel issues mma.sync (m16n8k16) from every warp, each warp loading its
+// K and V fragments from shared memory by ldmatrix: at a 2,048-token Llama-3.1-8B prefill it
+// ran at ~177 TFLOP/s, 6.1-6.6 ms of a 38-53 ms TTFT (BENCHMARKS.md). wgmma (sm_90a) reads B
+// straight from shared memory through a descriptor, runs at twice mma.sync's rate, and is
+// asynchronous: no ldmatrix, and the issue slots go to the softmax.
+//
+// Shape. One CTA is one warpgroup (4 warps, 128 threads) holding BM = 64 packed query rows
+// (tokens x heads of one GQA group, as prefill.cu's 4-warp variant: warp w owns rows 16w..16w+15).
+// Q stays in registers for the whole loop as wgmma's A operand (the register fragment of a
+// warp is mma.sync's m16n8k16 A fragment). Per 64-key tile:
+//   S (64 x 64)  = Q K^T: 8 x wgmma m64n64k16, B = K tile (K-major: a key's 128 values are
+//                  its row), accumulators in mma.sync's C layout per 8-column tile;
+//   online softmax in f32, log2 domain, exactly prefill.cu's (same masks, same guards);
+//   O (64 x 128) += P V: 4 x wgmma m64n128k16, A = P rounded to bf16 in registers (the S
+//                  accumulators of key tiles 2kk, 2kk+1 are the A fragment of k-step kk),
+//                  B = V tile read transposed (N-major: a key's row is contiguous in N).
+//
+// Shared memory. NS stages, each a K tile then a V tile, each tile two halves (head dims
+// 0-63, 64-127) of 64 rows x 128 bytes in the 128-byte swizzle wgmma's descriptors name:
+// the 16-byte chunk c of row r sits at chunk position c ^ (r % 8), every 8-row group a
+// 1,024-byte atom (so the ring is aligned to 1,024 bytes). One layout serves both operands:
+//   K (K-major B, SW128): start = half base + 32 bytes per 16-dim k-step, SBO = 1,024
+//     (8-row groups along N = keys), LBO unused;
+//   V (N-major B, SW128): start = tile base + 2,048 bytes per 16-key k-step, LBO = 8,192
+//     (the second half along N = head dims), SBO = 1,024 (8-key groups along K).
+// Tiles are gathered through the block table with 16-byte cp.async into their swizzled
+// places (zero-filled past the needed keys, so no uninitialized value meets P V); after a
+// stage lands each thread fences the generic-proxy writes for the async proxy that wgmma
+// reads through, then the CTA synchronizes.
+//
+// The body compiles only for sm_90a (`__CUDA_ARCH_FEAT_SM90_ALL`); other targets get an
+// entry that traps, which the launcher never selects (CudaDevice::prefill_wgmma).
+
+#define WG_BN 64
+
+// wgmma with A from registers, f32 accumulators (operand lists generated: 32 and 64 of them).
+__device__ __forceinline__ void wg_mma_n64(float* d, const unsigned* a, unsigned long long desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wg_mma_n128(float* d, const unsigned* a, unsigned long long desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
+}
+
+// Makes the compiler treat the registers as live across the asynchronous MMAs (their values
+// must not be moved or reused between a wgmma and its wait).
+template <int N>
+__device__ __forceinline__ void wg_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+// stride byte offsets, each stored >> 4.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((addr & 0x3ffffu) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3fffu) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
+}
+
+template <int NS>
+__device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                                                const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
+                                                const int* __restrict__ seqs, int n_seqs,
+                                                const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
+                                                int block_size, unsigned bs_magic, float qscale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int HD = 128;
+    constexpr int HALF_B = WG_BN * 128;    // one half of a tile: 64 rows x 128 bytes
+    constexpr int TILE_B = 2 * HALF_B;     // a K (or V) tile
+    constexpr int STAGE_B = 2 * TILE_B;    // K then V
+    constexpr int KS = HD / 16;            // k-steps of Q K^T
+    constexpr int NT = WG_BN / 8;          // 8-key column tiles of S
+    constexpr int OT = HD / 8;             // 8-wide column tiles of O
+    extern __shared__ __align__(16) unsigned char wg_smem_raw[];
+    // The swizzle atoms must sit on 1,024-byte boundaries (the launcher adds the slack).
+    const unsigned ring = (pf_smem_addr(wg_smem_raw) + 1023u) & ~1023u;
+
+    const int group = n_heads / n_kv_heads;
+    const int tq = 64 / group;
+    const int kvh = blockIdx.x;
+    int item = blockIdx.y, s = 0, tile = -1;
+    for (; s < n_seqs; s++) {
+        const int tiles = (seqs[4 * s + 1] + tq - 1) / tq;
+        if (item < tiles) {
+            tile = tiles - 1 - item;
+            break;
+        }
+        item -= tiles;
+    }
+    if (tile < 0) return;
+    const int row_start = seqs[4 * s], n_tok = seqs[4 * s + 1], start_pos = seqs[4 * s + 2];
+    const int* __restrict__ bt = block_tables + seqs[4 * s + 3];
+    const int t0 = tile * tq;
+    const int nt_here = min(tq, n_tok - t0);
+    const int pos_first = start_pos + t0;
+    const int n_kv = pos_first + nt_here;
+    const int n_tiles = (n_kv + WG_BN - 1) / WG_BN;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    int rpos[2];
+    long long roff[2];
+    bool rvalid[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int p = warp * 16 + g + 8 * i;
+        const int tk = p / group, hg = p - tk * group;
+        rvalid[i] = tk < nt_here;
+        const int tkc = min(tk, nt_here - 1);
+        rpos[i] = pos_first + tkc;
+        roff[i] = ((long long)(row_start + t0 + tkc) * n_heads + (long long)kvh * group + hg) * HD;
+    }
+    unsigned qf[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const unsigned*>(q + roff[0] + c);
+        qf[kk][1] = *reinterpret_cast<const unsigned*>(q + roff[1] + c);
+        qf[kk][2] = *reinterpret_cast<const unsigned*>(q + roff[0] + c + 8);
+        qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
+    }
+
+    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + 8, ... of K and V;
+    // every row it copies has r % 8 = lr, so its swizzled column is the same for all of them.
+    const long long kv_w = (long long)n_kv_heads * HD;
+    const int lc = threadIdx.x & 15, lr = threadIdx.x >> 4;
+    const long long head_off = (long long)kvh * HD + lc * 8;
+    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ lr) << 4));
+    auto load_tile = [&](int j, int st) {
+        const unsigned ks = ring + st * STAGE_B;
+#pragma unroll
+        for (int ps = 0; ps < WG_BN / 8; ps++) {
+            const int r = lr + ps * 8;
+            const int p = j * WG_BN + r;
+            const bool ok = p < n_kv;
+            long long off = head_off;
+            if (ok) {
+                const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
+                off += ((long long)bt[lb] * block_size + (p - lb * block_size)) * kv_w;
+            }
+            const unsigned d = ks + r * 128 + dcol;
+            pf_cp16(d, k_cache + off, ok);
+            pf_cp16(d + TILE_B, v_cache + off, ok);
+        }
+    };
+
+    float o[OT * 4];
+#pragma unroll
+    for (int i = 0; i < OT * 4; i++) o[i] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF};
+    float l[2] = {0.f, 0.f};
+
+#pragma unroll
+    for (int st = 0; st < NS - 1; st++) {
+        if (st < n_tiles) load_tile(st, st);
+        pf_commit();
+    }
+    for (int j = 0; j < n_tiles; j++) {
+        const int st = j % NS;
+        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS);
+        pf_commit();
+        pf_wait<NS - 1>();
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        const unsigned kt = ring + st * STAGE_B, vt = kt + TILE_B;
+        const int kv0 = j * WG_BN;
+
+        float sc[NT * 4];
+#pragma unroll
+        for (int i = 0; i < NT * 4; i++) sc[i] = 0.f;
+        wg_fence_regs<NT * 4>(sc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+            wg_mma_n64(sc, qf[kk], wg_desc(kt + (kk >> 2) * HALF_B + (kk & 3) * 32, 16, 1024), 1);
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs<NT * 4>(sc);
+
+        // Causal mask (keys past n_kv - 1 are past every row's position: masked here too).
+        if (kv0 + WG_BN - 1 > pos_first) {
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = kv0 + n * 8 + 2 * t + (e & 1);
+                    if (key > rpos[e >> 1]) sc[4 * n + e] = NEG_INF;
+                }
+        }
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            mx[0] = fmaxf(mx[0], fmaxf(sc[4 * n], sc[4 * n + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        }
+        float ms[2], corr[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            // Every real row sees key 0 in tile 0, so mx is finite from the first tile on;
+            // padding rows copy a real row. The guard keeps an all-masked row finite anyway.
+            ms[i] = mx[i] == NEG_INF ? 0.f : mx[i] * qscale;
+            corr[i] = pf_exp2(m[i] * qscale - ms[i]);
+            m[i] = mx[i];
+            l[i] *= corr[i];
+        }
+#pragma unroll
+        for (int n = 0; n < OT; n++) {
+            o[4 * n] *= corr[0];
+            o[4 * n + 1] *= corr[0];
+            o[4 * n + 2] *= corr[1];
+            o[4 * n + 3] *= corr[1];
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float pe = pf_exp2(sc[4 * n + e] * qscale - ms[e >> 1]);
+                sc[4 * n + e] = pe;
+                l[e >> 1] += pe;
+            }
+        unsigned pa[WG_BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; kk++) {
+            pa[kk][0] = pf_pack(sc[8 * kk], sc[8 * kk + 1]);
+            pa[kk][1] = pf_pack(sc[8 * kk + 2], sc[8 * kk + 3]);
+            pa[kk][2] = pf_pack(sc[8 * kk + 4], sc[8 * kk + 5]);
+            pa[kk][3] = pf_pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+        }
+        wg_fence_regs<OT * 4>(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BN / 16; kk++) wg_mma_n128(o, pa[kk], wg_desc(vt + kk * 2048, HALF_B, 1024), 1);
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs<OT * 4>(o);
+        // Every warp is done with stage st before a later iteration refills it.
+        __syncthreads();
+    }
+    pf_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    const float inv[2] = {1.f / l[0], 1.f / l[1]};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!rvalid[i]) continue;
+        bf16_t* orow = out + roff[i] + 2 * t;
+#pragma unroll
+        for (int n = 0; n < OT; n++)
+            *reinterpret_cast<unsigned*>(orow + n * 8) = pf_pack(o[4 * n + 2 * i] * inv[i], o[4 * n + 2 * i + 1] * inv[i]);
+    }
+#else
+    __trap();
+#endif
+}
+
+// Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes, plus 1,024 bytes of slack
+// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs).
+#define PF_WG_INSTANCE(HD, NS)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) prefill_attention_wg_hd##HD(                               \
+        const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,   \
+        bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
+        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
+        PDL_ENTER();                                                                                             \
+        prefill_wg_body<NS>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,           \
+                            block_size, bs_magic, qscale);                                                       \
+    }
+
+// head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it).
+PF_WG_INSTANCE(128, 2)
