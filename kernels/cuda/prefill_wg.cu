@@ -10,8 +10,9 @@
 // straight from shared memory through a descriptor, runs at twice mma.sync's rate, and is
 // asynchronous: no ldmatrix, and the issue slots go to the softmax.
 //
-// Shape. One CTA is one warpgroup (4 warps, 128 threads) holding BM = 64 packed query rows
-// (tokens x heads of one GQA group, as prefill.cu's 4-warp variant: warp w owns rows 16w..16w+15).
+// Shape. A CTA is NWG warpgroups (4 warps, 128 threads each); warpgroup w holds 64 packed
+// query rows (tokens x heads of one GQA group, as prefill.cu: warp w owns rows 16w..16w+15 of
+// the CTA's 64 * NWG), all of them over the same K/V tiles.
 // Q stays in registers for the whole loop as wgmma's A operand (the register fragment of a
 // warp is mma.sync's m16n8k16 A fragment). Per 64-key tile:
 //   S (64 x 64)  = Q K^T: 8 x wgmma m64n64k16, B = K tile (K-major: a key's 128 values are
@@ -95,7 +96,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
-template <int NS>
+template <int NS, int NWG>
 __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                                                 const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                 const int* __restrict__ seqs, int n_seqs,
@@ -114,7 +115,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     const unsigned ring = (pf_smem_addr(wg_smem_raw) + 1023u) & ~1023u;
 
     const int group = n_heads / n_kv_heads;
-    const int tq = 64 / group;
+    const int tq = 64 * NWG / group;  // tokens per tile (the launcher guarantees group <= 64)
     const int kvh = blockIdx.x;
     int item = blockIdx.y, s = 0, tile = -1;
     for (; s < n_seqs; s++) {
@@ -158,17 +159,18 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
     }
 
-    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + 8, ... of K and V;
-    // every row it copies has r % 8 = lr, so its swizzled column is the same for all of them.
+    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + RSTEP, ... of K and
+    // V; every row it copies has the same r % 8, so its swizzled column is the same for all.
+    constexpr int RSTEP = 8 * NWG;  // rows a pass of the CTA's threads covers
     const long long kv_w = (long long)n_kv_heads * HD;
     const int lc = threadIdx.x & 15, lr = threadIdx.x >> 4;
     const long long head_off = (long long)kvh * HD + lc * 8;
-    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ lr) << 4));
+    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ (lr & 7)) << 4));
     auto load_tile = [&](int j, int st) {
         const unsigned ks = ring + st * STAGE_B;
 #pragma unroll
-        for (int ps = 0; ps < WG_BN / 8; ps++) {
-            const int r = lr + ps * 8;
+        for (int ps = 0; ps < WG_BN / RSTEP; ps++) {
+            const int r = lr + ps * RSTEP;
             const int p = j * WG_BN + r;
             const bool ok = p < n_kv;
             long long off = head_off;
@@ -188,6 +190,9 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     float m[2] = {NEG_INF, NEG_INF};
     float l[2] = {0.f, 0.f};
 
+    // Tiles 0 .. NS-2 in flight first; iteration j waits for tile j (one commit group per
+    // tile, empty past the last), then refills the stage iteration j-1 read: every thread
+    // passed this iteration's barrier, so every warpgroup is done with it (one barrier per tile).
 #pragma unroll
     for (int st = 0; st < NS - 1; st++) {
         if (st < n_tiles) load_tile(st, st);
@@ -195,11 +200,11 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     }
     for (int j = 0; j < n_tiles; j++) {
         const int st = j % NS;
-        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS);
-        pf_commit();
-        pf_wait<NS - 1>();
+        pf_wait<NS - 2>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
+        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS);
+        pf_commit();
         const unsigned kt = ring + st * STAGE_B, vt = kt + TILE_B;
         const int kv0 = j * WG_BN;
 
@@ -276,8 +281,6 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         wg_commit();
         wg_wait0();
         wg_fence_regs<OT * 4>(o);
-        // Every warp is done with stage st before a later iteration refills it.
-        __syncthreads();
     }
     pf_wait<0>();
 
@@ -301,16 +304,21 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 }
 
 // Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes, plus 1,024 bytes of slack
-// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs).
-#define PF_WG_INSTANCE(HD, NS)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) prefill_attention_wg_hd##HD(                               \
+// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs). NWG warpgroups a CTA, each
+// its own 64 packed rows over the same K/V tiles (NWG = 2 halves the tiles' L2 reads per FLOP).
+#define PF_WG_INSTANCE(HD, NS, NWG)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128 * NWG) prefill_attention_wg_hd##HD##_s##NS##_g##NWG(        \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,   \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
         PDL_ENTER();                                                                                             \
-        prefill_wg_body<NS>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,           \
-                            block_size, bs_magic, qscale);                                                       \
+        prefill_wg_body<NS, NWG>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,      \
+                                 block_size, bs_magic, qscale);                                                  \
     }
 
-// head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it).
-PF_WG_INSTANCE(128, 2)
+// head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it); the
+// configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order.
+PF_WG_INSTANCE(128, 2, 1)
+PF_WG_INSTANCE(128, 3, 1)
+PF_WG_INSTANCE(128, 3, 2)
+PF_WG_INSTANCE(128, 4, 2)

@@ -27,8 +27,8 @@ use super::paged_attention::{
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
-    prefill_fp8_smem_bytes, prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_smem_bytes,
-    prefill_wg_supported,
+    prefill_fp8_smem_bytes, prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_config,
+    prefill_wg_smem_bytes, prefill_wg_supported,
 };
 use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
 use cudarc::driver::LaunchConfig;
@@ -160,7 +160,8 @@ pub enum AttnKernel {
     },
     /// The prefill kernel on the step's prefill chunks only (sequences of at least
     /// `PREFILL_MIN_TOKENS` rows): the mma.sync kernel with CTAs of `PREFILL_WARPS[variant]`
-    /// warps, or at [`PREFILL_WGMMA`] the warpgroup-MMA kernel; other rows are not touched.
+    /// warps, or from [`PREFILL_WGMMA`] on the warpgroup-MMA kernel's configurations; other rows
+    /// are not touched.
     Prefill {
         /// Below `PREFILL_VARIANTS` (see `prefill_variant_warps`).
         variant: usize,
@@ -278,7 +279,7 @@ impl AttentionCall<'_> {
                 self.cache.is_fp8(),
                 !self.options.is_none(),
             );
-        let pf_variant = if wg { PREFILL_WGMMA } else { PREFILL_DEFAULT_VARIANT };
+        let pf_variant = if wg { PREFILL_WGMMA + dev.prefill_wg_config() } else { PREFILL_DEFAULT_VARIANT };
         // Validate the prefill launch before enqueueing anything.
         check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
         if self.meta.prefill.lists.decode_rows_end > 0 {
@@ -389,7 +390,8 @@ impl AttentionCall<'_> {
         let warps =
             prefill_variant_warps(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
         let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
-        if variant == PREFILL_WGMMA {
+        let wg_config = prefill_wg_config(variant);
+        if wg_config.is_some() {
             shape_check(OP, dev.prefill_wgmma_capable(), || {
                 format!("the warpgroup prefill kernel needs sm_90a kernels (built for {})", dev.arch())
             })?;
@@ -411,8 +413,8 @@ impl AttentionCall<'_> {
         // The `_opt_` entries compute the options; the plain ones compile them out.
         let k = &dev.kernels;
         let plain = self.options.is_none();
-        if variant == PREFILL_WGMMA {
-            return self.prefill_wg(dev, items);
+        if let Some(config) = wg_config {
+            return self.prefill_wg(dev, variant - PREFILL_WGMMA, config.0, items);
         }
         let (table, smem) = match self.cache {
             KvCacheRef::Bf16 { .. } => {
@@ -455,15 +457,19 @@ impl AttentionCall<'_> {
 }
 
 impl AttentionCall<'_> {
-    /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles of
-    /// 64 packed rows); the caller checked the device, the shape and the arguments.
-    fn prefill_wg(&self, dev: &CudaDevice, items: usize) -> Result<(), CudaError> {
+    /// The warpgroup-MMA prefill kernel of configuration `config` (`stages` deep) over the
+    /// step's prefill chunks (`items` query tiles); the caller checked the device, the shape
+    /// and the arguments.
+    fn prefill_wg(&self, dev: &CudaDevice, config: usize, stages: usize, items: usize) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention_wg";
         let (n_heads, geo) = (self.n_heads, self.geo);
+        let func =
+            dev.kernels.prefill_wg.get(config).ok_or_else(|| shape_error(OP, format!("no configuration {config}")))?;
+        let warps = prefill_variant_warps(PREFILL_WGMMA + config).unwrap_or(4);
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: prefill_wg_smem_bytes() as u32,
+            block_dim: (32 * warps as u32, 1, 1),
+            shared_mem_bytes: prefill_wg_smem_bytes(stages) as u32,
         };
         let (qscale, _) = self.cache.kernel_scales(self.scale);
         let args = self
@@ -481,7 +487,7 @@ impl AttentionCall<'_> {
         // SAFETY: as the mma.sync prefill launch: q, out and the caches checked against the
         // rows, heads and geometry (head_dim 128, bf16 cache), the sequence list built from the
         // validated metadata, and the grid covers its work items.
-        unsafe { args.launch(dev, &dev.kernels.prefill_wg, grid) }
+        unsafe { args.launch(dev, func, grid) }
     }
 }
 

@@ -48,21 +48,32 @@ pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]
 /// Head dims with a compiled prefill kernel, in the order of the device's function table.
 pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
-/// The variant index of the warpgroup-MMA kernel (`prefill_wg.cu`): after the
-/// [`PREFILL_WARPS`] variants of the mma.sync kernel. One warpgroup (4 warps, 64 packed rows)
-/// a CTA; Hopper (`sm_90a`) only, head_dim [`PREFILL_WG_HEAD_DIM`], a bf16 cache, no window,
-/// soft-cap or sinks ([`prefill_wg_supported`]).
+/// The warpgroup-MMA kernel's compiled configurations (`PF_WG_INSTANCE` in prefill_wg.cu, in
+/// order): `(stages of the K/V ring, warpgroups a CTA)`. Each warpgroup holds 64 packed rows.
+pub const PREFILL_WG_CONFIGS: [(usize, usize); 4] = [(2, 1), (3, 1), (3, 2), (4, 2)];
+/// The variant index of the first warpgroup-MMA configuration (`prefill_wg.cu`): after the
+/// [`PREFILL_WARPS`] variants of the mma.sync kernel, configuration `i` of
+/// [`PREFILL_WG_CONFIGS`] is variant `PREFILL_WGMMA + i`. Hopper (`sm_90a`) only, head_dim
+/// [`PREFILL_WG_HEAD_DIM`], a bf16 cache, no window, soft-cap or sinks ([`prefill_wg_supported`]).
 pub const PREFILL_WGMMA: usize = PREFILL_WARPS.len();
 /// Every prefill variant index: `0..PREFILL_VARIANTS`.
-pub const PREFILL_VARIANTS: usize = PREFILL_WARPS.len() + 1;
+pub const PREFILL_VARIANTS: usize = PREFILL_WARPS.len() + PREFILL_WG_CONFIGS.len();
+/// The warpgroup configuration the router uses (index in [`PREFILL_WG_CONFIGS`]).
+pub const PREFILL_WG_DEFAULT: usize = 0;
 /// The one head_dim the warpgroup kernel is compiled for.
 pub const PREFILL_WG_HEAD_DIM: usize = 128;
-/// Stages of the warpgroup kernel's K/V ring (`PF_WG_INSTANCE(128, 2)` in prefill_wg.cu).
-const WG_STAGES: usize = 2;
+
+/// The warpgroup configuration of prefill variant `variant`, if it is one.
+pub fn prefill_wg_config(variant: usize) -> Option<(usize, usize)> {
+    variant.checked_sub(PREFILL_WGMMA).and_then(|i| PREFILL_WG_CONFIGS.get(i).copied())
+}
 
 /// Warps per CTA of prefill variant `variant` (`None` past [`PREFILL_VARIANTS`]).
 pub fn prefill_variant_warps(variant: usize) -> Option<usize> {
-    if variant == PREFILL_WGMMA { Some(4) } else { PREFILL_WARPS.get(variant).copied() }
+    match prefill_wg_config(variant) {
+        Some((_, groups)) => Some(4 * groups),
+        None => PREFILL_WARPS.get(variant).copied(),
+    }
 }
 
 /// Whether the warpgroup kernel computes this shape, given that the device runs it (`sm_90a`):
@@ -77,16 +88,17 @@ pub fn prefill_wg_supported(
     prefill_supported(n_heads, n_kv_heads, head_dim) && head_dim == PREFILL_WG_HEAD_DIM && !fp8_cache && !options
 }
 
-/// The warpgroup kernel's name (`PF_WG_INSTANCE` in prefill_wg.cu).
-pub(crate) fn prefill_wg_kernel_name(head_dim: usize) -> String {
-    format!("prefill_attention_wg_hd{head_dim}")
+/// The warpgroup kernel's name for `head_dim` and a configuration (`PF_WG_INSTANCE` in
+/// prefill_wg.cu).
+pub(crate) fn prefill_wg_kernel_name(head_dim: usize, (stages, groups): (usize, usize)) -> String {
+    format!("prefill_attention_wg_hd{head_dim}_s{stages}_g{groups}")
 }
 
-/// Dynamic shared memory of the warpgroup kernel: its stages of K and V tiles (64 keys × 256
-/// bytes each, unpadded: the 128-byte swizzle spreads the banks), plus 1,024 bytes so the ring
-/// can start on the swizzle atoms' 1,024-byte boundary.
-pub fn prefill_wg_smem_bytes() -> usize {
-    WG_STAGES * 2 * BN * PREFILL_WG_HEAD_DIM * 2 + 1024
+/// Dynamic shared memory of the warpgroup kernel with `stages` stages: K and V tiles of 64 keys
+/// × 256 bytes each (unpadded: the 128-byte swizzle spreads the banks), plus 1,024 bytes so the
+/// ring can start on the swizzle atoms' 1,024-byte boundary.
+pub fn prefill_wg_smem_bytes(stages: usize) -> usize {
+    stages * 2 * BN * PREFILL_WG_HEAD_DIM * 2 + 1024
 }
 
 /// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu); with `options`
@@ -238,9 +250,13 @@ mod tests {
         assert!(prefill_supported(16, 8, 256));
         assert_eq!((prefill_smem_bytes(256), prefill_fp8_smem_bytes(256)), (135_168, 137_216));
         assert!(prefill_fp8_smem_bytes(256) <= 227 * 1024);
-        // The warpgroup kernel: three CTAs of 65 KiB per SM; head_dim 128, bf16, no options.
-        assert_eq!(prefill_wg_smem_bytes(), 66_560);
-        assert_eq!(prefill_wg_kernel_name(128), "prefill_attention_wg_hd128");
+        // The warpgroup kernel: three CTAs of 65 KiB per SM at two stages; head_dim 128, bf16,
+        // no options.
+        assert_eq!(prefill_wg_smem_bytes(2), 66_560);
+        assert_eq!(prefill_wg_kernel_name(128, (3, 2)), "prefill_attention_wg_hd128_s3_g2");
+        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 2), Some((3, 2)));
+        assert_eq!((prefill_wg_config(1), prefill_wg_config(PREFILL_VARIANTS)), (None, None));
+        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 2), Some(8));
         assert!(prefill_wg_supported(32, 8, 128, false, false));
         assert!(!prefill_wg_supported(32, 8, 64, false, false) && !prefill_wg_supported(32, 8, 128, true, false));
         assert!(!prefill_wg_supported(32, 8, 128, false, true) && !prefill_wg_supported(128, 1, 128, false, false));
