@@ -96,7 +96,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
-template <int NS, int NWG>
+template <int NS, int NWG, bool BTP, bool DEFER>
 __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                                                 const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                 const int* __restrict__ seqs, int n_seqs,
@@ -166,7 +166,16 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     const int lc = threadIdx.x & 15, lr = threadIdx.x >> 4;
     const long long head_off = (long long)kvh * HD + lc * 8;
     const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ (lr & 7)) << 4));
-    auto load_tile = [&](int j, int st) {
+    // The cache slot of key p (p < n_kv): a dependent read of the block table.
+    auto slot_of = [&](int p) {
+        const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
+        return bt[lb] * block_size + (p - lb * block_size);
+    };
+    // With BTP the slots of tile t's 64 keys are read one iteration before its copy is issued
+    // (threads 0..63, one key each) and parked in slots_s[t & 1], so the copy's addresses need
+    // no global read: the block-table latency leaves the path from the barrier to the copies.
+    __shared__ int slots_s[2][WG_BN];
+    auto load_tile = [&](int j, int st, bool from_smem) {
         const unsigned ks = ring + st * STAGE_B;
 #pragma unroll
         for (int ps = 0; ps < WG_BN / RSTEP; ps++) {
@@ -174,15 +183,13 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
             const int p = j * WG_BN + r;
             const bool ok = p < n_kv;
             long long off = head_off;
-            if (ok) {
-                const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
-                off += ((long long)bt[lb] * block_size + (p - lb * block_size)) * kv_w;
-            }
+            if (ok) off += (long long)(from_smem ? slots_s[j & 1][r] : slot_of(p)) * kv_w;
             const unsigned d = ks + r * 128 + dcol;
             pf_cp16(d, k_cache + off, ok);
             pf_cp16(d + TILE_B, v_cache + off, ok);
         }
     };
+    const int tid = threadIdx.x;
 
     float o[OT * 4];
 #pragma unroll
@@ -191,20 +198,29 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     float l[2] = {0.f, 0.f};
 
     // Tiles 0 .. NS-2 in flight first; iteration j waits for tile j (one commit group per
-    // tile, empty past the last), then refills the stage iteration j-1 read: every thread
-    // passed this iteration's barrier, so every warpgroup is done with it (one barrier per tile).
+    // tile, empty past the last), then refills the stage iteration j-1 read with tile j+NS-1:
+    // every thread passed this iteration's barrier, so every warpgroup is done with it (one
+    // barrier per tile). With DEFER, P V of tile j is left in flight at the end of iteration
+    // j (its wait is the next iteration's wait for S); the refill then follows that wait and a
+    // second barrier, since the stage it overwrites may be the one that P V still reads.
 #pragma unroll
     for (int st = 0; st < NS - 1; st++) {
-        if (st < n_tiles) load_tile(st, st);
+        if (st < n_tiles) load_tile(st, st, false);
         pf_commit();
     }
+    if (BTP && tid < WG_BN && (NS - 1) * WG_BN + tid < n_kv) slots_s[(NS - 1) & 1][tid] = slot_of((NS - 1) * WG_BN + tid);
     for (int j = 0; j < n_tiles; j++) {
         const int st = j % NS;
         pf_wait<NS - 2>();
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
-        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS);
-        pf_commit();
+        // The slots of tile j+NS, stored at the end of this iteration.
+        const int pre = (j + NS) * WG_BN + tid;
+        const int pre_slot = BTP && tid < WG_BN && pre < n_kv ? slot_of(pre) : 0;
+        if (!DEFER) {
+            if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
+            pf_commit();
+        }
         const unsigned kt = ring + st * STAGE_B, vt = kt + TILE_B;
         const int kv0 = j * WG_BN;
 
@@ -219,6 +235,12 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         wg_commit();
         wg_wait0();
         wg_fence_regs<NT * 4>(sc);
+        if (DEFER) {
+            wg_fence_regs<OT * 4>(o);  // P V of tile j-1 is complete too (in-order groups)
+            __syncthreads();
+            if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
+            pf_commit();
+        }
 
         // Causal mask (keys past n_kv - 1 are past every row's position: masked here too).
         if (kv0 + WG_BN - 1 > pos_first) {
@@ -279,6 +301,13 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; kk++) wg_mma_n128(o, pa[kk], wg_desc(vt + kk * 2048, HALF_B, 1024), 1);
         wg_commit();
+        if (!DEFER) {
+            wg_wait0();
+            wg_fence_regs<OT * 4>(o);
+        }
+        if (BTP && tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
+    }
+    if (DEFER) {
         wg_wait0();
         wg_fence_regs<OT * 4>(o);
     }
@@ -305,20 +334,23 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 
 // Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes, plus 1,024 bytes of slack
 // for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs). NWG warpgroups a CTA, each
-// its own 64 packed rows over the same K/V tiles (NWG = 2 halves the tiles' L2 reads per FLOP).
-#define PF_WG_INSTANCE(HD, NS, NWG)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128 * NWG) prefill_attention_wg_hd##HD##_s##NS##_g##NWG(        \
-        const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,   \
-        bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
-        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
-        PDL_ENTER();                                                                                             \
-        prefill_wg_body<NS, NWG>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,      \
-                                 block_size, bs_magic, qscale);                                                  \
+// its own 64 packed rows over the same K/V tiles (NWG = 2 halves the tiles' L2 reads per FLOP);
+// BTP: block-table slots read a tile ahead into shared memory; DEFER: P V's wait deferred.
+#define PF_WG_INSTANCE(HD, NS, NWG, BTP, DEFER)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)                                     \
+        prefill_attention_wg_hd##HD##_s##NS##_g##NWG##_b##BTP##_d##DEFER(                                         \
+            const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
+            bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs,                                   \
+            const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, unsigned bs_magic,  \
+            float qscale) {                                                                                       \
+        PDL_ENTER();                                                                                              \
+        prefill_wg_body<NS, NWG, BTP, DEFER>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,       \
+                                             n_kv_heads, block_size, bs_magic, qscale);                          \
     }
 
 // head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it); the
 // configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order.
-PF_WG_INSTANCE(128, 2, 1)
-PF_WG_INSTANCE(128, 3, 1)
-PF_WG_INSTANCE(128, 3, 2)
-PF_WG_INSTANCE(128, 4, 2)
+PF_WG_INSTANCE(128, 2, 1, 0, 0)
+PF_WG_INSTANCE(128, 2, 1, 1, 0)
+PF_WG_INSTANCE(128, 2, 1, 1, 1)
+PF_WG_INSTANCE(128, 2, 2, 1, 1)

@@ -125,7 +125,7 @@ fn prefill_case(
             }
         }
         let kernel = match prefill_wg_config(vi) {
-            Some((stages, groups)) => format!("warpgroup MMA, {stages} stages, {groups} warpgroups"),
+            Some(c) => format!("warpgroup MMA {c:?}"),
             None => format!("{warps} warps"),
         };
         check(&format!("prefill only, {kernel}, {what}"), &g, &wnt);

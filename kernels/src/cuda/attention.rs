@@ -414,7 +414,7 @@ impl AttentionCall<'_> {
         let k = &dev.kernels;
         let plain = self.options.is_none();
         if let Some(config) = wg_config {
-            return self.prefill_wg(dev, variant - PREFILL_WGMMA, config.0, items);
+            return self.prefill_wg(dev, variant - PREFILL_WGMMA, config.stages, items);
         }
         let (table, smem) = match self.cache {
             KvCacheRef::Bf16 { .. } => {

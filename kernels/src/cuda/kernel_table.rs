@@ -319,8 +319,8 @@ impl KernelTable<CudaFunction> {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
-        for (wg, &(stages, _)) in self.prefill_wg.iter().zip(&PREFILL_WG_CONFIGS) {
-            let bytes = prefill_wg_smem_bytes(stages) as i32;
+        for (wg, c) in self.prefill_wg.iter().zip(&PREFILL_WG_CONFIGS) {
+            let bytes = prefill_wg_smem_bytes(c.stages) as i32;
             wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
             wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         }
@@ -385,7 +385,7 @@ mod tests {
             "prompt_logprobs",
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
-            "prefill_attention_wg_hd128_s2_g1",
+            "prefill_attention_wg_hd128_s2_g1_b0_d0",
             "gemv_m16_w8_u2_f32",
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",

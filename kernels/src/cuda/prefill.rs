@@ -48,9 +48,27 @@ pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]
 /// Head dims with a compiled prefill kernel, in the order of the device's function table.
 pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
-/// The warpgroup-MMA kernel's compiled configurations (`PF_WG_INSTANCE` in prefill_wg.cu, in
-/// order): `(stages of the K/V ring, warpgroups a CTA)`. Each warpgroup holds 64 packed rows.
-pub const PREFILL_WG_CONFIGS: [(usize, usize); 4] = [(2, 1), (3, 1), (3, 2), (4, 2)];
+/// One compiled configuration of the warpgroup-MMA prefill kernel (`PF_WG_INSTANCE` in
+/// prefill_wg.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgConfig {
+    /// Stages of the K/V ring.
+    pub stages: usize,
+    /// Warpgroups a CTA, each holding 64 packed rows over the same K/V tiles.
+    pub groups: usize,
+    /// Block-table slots read a tile ahead into shared memory.
+    pub bt_prefetch: bool,
+    /// P V's wait deferred to the next tile's wait for S.
+    pub defer_pv: bool,
+}
+
+const fn wg(stages: usize, groups: usize, bt_prefetch: bool, defer_pv: bool) -> WgConfig {
+    WgConfig { stages, groups, bt_prefetch, defer_pv }
+}
+
+/// The warpgroup-MMA kernel's compiled configurations, in prefill_wg.cu's order.
+pub const PREFILL_WG_CONFIGS: [WgConfig; 4] =
+    [wg(2, 1, false, false), wg(2, 1, true, false), wg(2, 1, true, true), wg(2, 2, true, true)];
 /// The variant index of the first warpgroup-MMA configuration (`prefill_wg.cu`): after the
 /// [`PREFILL_WARPS`] variants of the mma.sync kernel, configuration `i` of
 /// [`PREFILL_WG_CONFIGS`] is variant `PREFILL_WGMMA + i`. Hopper (`sm_90a`) only, head_dim
@@ -64,14 +82,14 @@ pub const PREFILL_WG_DEFAULT: usize = 0;
 pub const PREFILL_WG_HEAD_DIM: usize = 128;
 
 /// The warpgroup configuration of prefill variant `variant`, if it is one.
-pub fn prefill_wg_config(variant: usize) -> Option<(usize, usize)> {
+pub fn prefill_wg_config(variant: usize) -> Option<WgConfig> {
     variant.checked_sub(PREFILL_WGMMA).and_then(|i| PREFILL_WG_CONFIGS.get(i).copied())
 }
 
 /// Warps per CTA of prefill variant `variant` (`None` past [`PREFILL_VARIANTS`]).
 pub fn prefill_variant_warps(variant: usize) -> Option<usize> {
     match prefill_wg_config(variant) {
-        Some((_, groups)) => Some(4 * groups),
+        Some(c) => Some(4 * c.groups),
         None => PREFILL_WARPS.get(variant).copied(),
     }
 }
@@ -90,8 +108,9 @@ pub fn prefill_wg_supported(
 
 /// The warpgroup kernel's name for `head_dim` and a configuration (`PF_WG_INSTANCE` in
 /// prefill_wg.cu).
-pub(crate) fn prefill_wg_kernel_name(head_dim: usize, (stages, groups): (usize, usize)) -> String {
-    format!("prefill_attention_wg_hd{head_dim}_s{stages}_g{groups}")
+pub(crate) fn prefill_wg_kernel_name(head_dim: usize, c: WgConfig) -> String {
+    let (s, g, b, d) = (c.stages, c.groups, u8::from(c.bt_prefetch), u8::from(c.defer_pv));
+    format!("prefill_attention_wg_hd{head_dim}_s{s}_g{g}_b{b}_d{d}")
 }
 
 /// Dynamic shared memory of the warpgroup kernel with `stages` stages: K and V tiles of 64 keys
@@ -253,10 +272,10 @@ mod tests {
         // The warpgroup kernel: three CTAs of 65 KiB per SM at two stages; head_dim 128, bf16,
         // no options.
         assert_eq!(prefill_wg_smem_bytes(2), 66_560);
-        assert_eq!(prefill_wg_kernel_name(128, (3, 2)), "prefill_attention_wg_hd128_s3_g2");
-        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 2), Some((3, 2)));
+        assert_eq!(prefill_wg_kernel_name(128, wg(3, 2, true, false)), "prefill_attention_wg_hd128_s3_g2_b1_d0");
+        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 3), Some(wg(2, 2, true, true)));
         assert_eq!((prefill_wg_config(1), prefill_wg_config(PREFILL_VARIANTS)), (None, None));
-        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 2), Some(8));
+        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 3), Some(8));
         assert!(prefill_wg_supported(32, 8, 128, false, false));
         assert!(!prefill_wg_supported(32, 8, 64, false, false) && !prefill_wg_supported(32, 8, 128, true, false));
         assert!(!prefill_wg_supported(32, 8, 128, false, true) && !prefill_wg_supported(128, 1, 128, false, false));
