@@ -305,7 +305,6 @@ fn run() -> Res<()> {
         let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
         let wg = wgmma && model.backend_mut().prefill_wgmma_capable();
         let c = PREFILL_WG_CONFIGS[wg_config];
-        let (stages, groups) = (c.stages, c.groups);
         let attn = match (prefill_kernel, wg) {
             (false, _) => "decode kernel".to_string(),
             (true, true) => format!("prefill kernel (warpgroup MMA, {c:?})"),
@@ -319,9 +318,9 @@ fn run() -> Res<()> {
             ttft * 1e3
         )?;
         json.push(format!(
-            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"prefill_wgmma\":{wg},\"wg_stages\":{stages},\"wg_groups\":{groups},\"wg_bt_prefetch\":{},\"wg_defer_pv\":{},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"prefill_wgmma\":{wg},\"wg_stages\":{},\"wg_bt_prefetch\":{},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
+            c.stages,
             c.bt_prefetch,
-            c.defer_pv,
             ttft * 1e3
         ));
     }

@@ -8,8 +8,9 @@
 //!   up to 16 rows take the fused kernel, which must write the bits the product + activation
 //!   pair writes.
 //! - Over FP8 weights (W8A8 per token), the RMSNorm that quantizes its rows for the next
-//!   projection (`set_fused_norm`, prefill-sized steps): the same codes as the norm then the
-//!   quantization, so the same bits.
+//!   projection (`set_fused_norm`, prefill-sized steps), and SiLU·mul that quantizes its rows for
+//!   the down projection (`BranchBoundary::then`): the same codes as the kernel pairs they
+//!   replace, so the same bits.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
@@ -188,7 +189,13 @@ fn gpu_w8a8_norm_quantization_gives_bit_identical_steps() {
         let on = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: true };
         let off = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: false };
         let (fused, _) = assert_same_steps_on("the W8A8 norm quantization", &m.model, on, off);
-        // The prefill step (837 rows) went through cuBLASLt's FP8 GEMM: the fused path ran.
+        // The prefill step (837 rows) went through cuBLASLt's FP8 GEMM: the fused path ran, and
+        // the down projections took SiLU·mul's codes (once a layer of each prefill step).
         assert!(fused.backend().w8a8_active(), "{:?}: cuBLASLt refused the FP8 GEMM", spec.architecture);
+        assert!(
+            fused.backend().w8a8_handoffs() > 0,
+            "{:?}: no down projection took SiLU·mul's codes",
+            spec.architecture
+        );
     }
 }

@@ -105,6 +105,53 @@ extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsi
     quantize_rows(x, codes, scales, k, row0);
 }
 
+// SiLU(gate) * up of each row of gate_up ([gate | up], 2d wide), rounded to bf16 as silu_mul_bf16
+// stores it, written to act, and quantized per token as quantize_rows_e4m3 quantizes those bf16
+// values: the same act, codes and scale bit for bit, with one read of gate_up and no re-read of
+// act (the W8A8 down projection's input at prefill). One CTA per row; the second pass recomputes
+// the products from gate_up (L1/L2) rather than keeping 2d values in registers.
+extern "C" __global__ void silu_mul_quant_e4m3(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ act,
+                                               unsigned char* __restrict__ codes, float* __restrict__ scales,
+                                               int d) {
+    PDL_ENTER();
+    const long long row = blockIdx.x;
+    const bf16_t* g = gate_up + row * 2 * (long long)d;
+    const bf16_t* u = g + d;
+    uint4* ar = reinterpret_cast<uint4*>(act + row * (long long)d);
+    uint2* cr = reinterpret_cast<uint2*>(codes + row * (long long)d);
+    const SiluAct silu;
+    const int d8 = d >> 3;
+    // The eight bf16 products of chunk c, as floats.
+    auto products = [&](int c, float v[8]) {
+        float gv[8], uv[8];
+        load8(g + 8 * c, gv);
+        load8(u + 8 * c, uv);
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = bf2f(f2bf(silu(gv[j]) * uv[j]));
+    };
+    float amax = 0.f;
+    for (int c = threadIdx.x; c < d8; c += blockDim.x) {
+        float v[8];
+        products(c, v);
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[j] = (unsigned)f2bf(v[2 * j]) | ((unsigned)f2bf(v[2 * j + 1]) << 16);
+        ar[c] = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+    }
+    const float s = e4m3_row_scale(block_amax(amax));
+    for (int c = threadIdx.x; c < d8; c += blockDim.x) {
+        float v[8];
+        products(c, v);
+        unsigned q[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
+        cr[c] = make_uint2(q[0], q[1]);
+    }
+    if (threadIdx.x == 0) scales[row] = s;
+}
+
 extern "C" __global__ void quantize_rows_e4m3_f32(const float* __restrict__ x, unsigned char* __restrict__ codes,
                                                   float* __restrict__ scales, int k, long long row0) {
     quantize_rows(x, codes, scales, k, row0);

@@ -10,9 +10,8 @@
 // straight from shared memory through a descriptor, runs at twice mma.sync's rate, and is
 // asynchronous: no ldmatrix, and the issue slots go to the softmax.
 //
-// Shape. A CTA is NWG warpgroups (4 warps, 128 threads each); warpgroup w holds 64 packed
-// query rows (tokens x heads of one GQA group, as prefill.cu: warp w owns rows 16w..16w+15 of
-// the CTA's 64 * NWG), all of them over the same K/V tiles.
+// Shape. One CTA is one warpgroup (4 warps, 128 threads) holding BM = 64 packed query rows
+// (tokens x heads of one GQA group, as prefill.cu's 4-warp variant: warp w owns rows 16w..16w+15).
 // Q stays in registers for the whole loop as wgmma's A operand (the register fragment of a
 // warp is mma.sync's m16n8k16 A fragment). Per 64-key tile:
 //   S (64 x 64)  = Q K^T: 8 x wgmma m64n64k16, B = K tile (K-major: a key's 128 values are
@@ -33,7 +32,10 @@
 // Tiles are gathered through the block table with 16-byte cp.async into their swizzled
 // places (zero-filled past the needed keys, so no uninitialized value meets P V); after a
 // stage lands each thread fences the generic-proxy writes for the async proxy that wgmma
-// reads through, then the CTA synchronizes.
+// reads through, then the CTA synchronizes. The copy of tile j+1 is issued right after that
+// barrier; with BTP its cache slots were read from the block table during tile j-1 and parked
+// in shared memory, so no dependent global read stands between the barrier and the copies
+// (that read cost 14-19 % of the kernel's time; BENCHMARKS.md, session 17).
 //
 // The body compiles only for sm_90a (`__CUDA_ARCH_FEAT_SM90_ALL`); other targets get an
 // entry that traps, which the launcher never selects (CudaDevice::prefill_wgmma).
@@ -96,7 +98,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
-template <int NS, int NWG, bool BTP, bool DEFER>
+template <int NS, bool BTP>
 __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                                                 const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                 const int* __restrict__ seqs, int n_seqs,
@@ -115,7 +117,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     const unsigned ring = (pf_smem_addr(wg_smem_raw) + 1023u) & ~1023u;
 
     const int group = n_heads / n_kv_heads;
-    const int tq = 64 * NWG / group;  // tokens per tile (the launcher guarantees group <= 64)
+    const int tq = 64 / group;  // tokens per tile (the launcher guarantees group <= 64)
     const int kvh = blockIdx.x;
     int item = blockIdx.y, s = 0, tile = -1;
     for (; s < n_seqs; s++) {
@@ -159,13 +161,12 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
     }
 
-    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + RSTEP, ... of K and
-    // V; every row it copies has the same r % 8, so its swizzled column is the same for all.
-    constexpr int RSTEP = 8 * NWG;  // rows a pass of the CTA's threads covers
+    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + 8, ... of K and V;
+    // every row it copies has r % 8 = lr, so its swizzled column is the same for all of them.
     const long long kv_w = (long long)n_kv_heads * HD;
     const int lc = threadIdx.x & 15, lr = threadIdx.x >> 4;
     const long long head_off = (long long)kvh * HD + lc * 8;
-    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ (lr & 7)) << 4));
+    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ lr) << 4));
     // The cache slot of key p (p < n_kv): a dependent read of the block table.
     auto slot_of = [&](int p) {
         const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
@@ -178,8 +179,8 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     auto load_tile = [&](int j, int st, bool from_smem) {
         const unsigned ks = ring + st * STAGE_B;
 #pragma unroll
-        for (int ps = 0; ps < WG_BN / RSTEP; ps++) {
-            const int r = lr + ps * RSTEP;
+        for (int ps = 0; ps < WG_BN / 8; ps++) {
+            const int r = lr + ps * 8;
             const int p = j * WG_BN + r;
             const bool ok = p < n_kv;
             long long off = head_off;
@@ -199,10 +200,8 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 
     // Tiles 0 .. NS-2 in flight first; iteration j waits for tile j (one commit group per
     // tile, empty past the last), then refills the stage iteration j-1 read with tile j+NS-1:
-    // every thread passed this iteration's barrier, so every warpgroup is done with it (one
-    // barrier per tile). With DEFER, P V of tile j is left in flight at the end of iteration
-    // j (its wait is the next iteration's wait for S); the refill then follows that wait and a
-    // second barrier, since the stage it overwrites may be the one that P V still reads.
+    // every thread passed this iteration's barrier, so every warp is done with it (one barrier
+    // per tile).
 #pragma unroll
     for (int st = 0; st < NS - 1; st++) {
         if (st < n_tiles) load_tile(st, st, false);
@@ -217,10 +216,8 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         // The slots of tile j+NS, stored at the end of this iteration.
         const int pre = (j + NS) * WG_BN + tid;
         const int pre_slot = BTP && tid < WG_BN && pre < n_kv ? slot_of(pre) : 0;
-        if (!DEFER) {
-            if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
-            pf_commit();
-        }
+        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
+        pf_commit();
         const unsigned kt = ring + st * STAGE_B, vt = kt + TILE_B;
         const int kv0 = j * WG_BN;
 
@@ -235,12 +232,6 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         wg_commit();
         wg_wait0();
         wg_fence_regs<NT * 4>(sc);
-        if (DEFER) {
-            wg_fence_regs<OT * 4>(o);  // P V of tile j-1 is complete too (in-order groups)
-            __syncthreads();
-            if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
-            pf_commit();
-        }
 
         // Causal mask (keys past n_kv - 1 are past every row's position: masked here too).
         if (kv0 + WG_BN - 1 > pos_first) {
@@ -301,15 +292,9 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; kk++) wg_mma_n128(o, pa[kk], wg_desc(vt + kk * 2048, HALF_B, 1024), 1);
         wg_commit();
-        if (!DEFER) {
-            wg_wait0();
-            wg_fence_regs<OT * 4>(o);
-        }
-        if (BTP && tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
-    }
-    if (DEFER) {
         wg_wait0();
         wg_fence_regs<OT * 4>(o);
+        if (BTP && tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
     }
     pf_wait<0>();
 
@@ -333,24 +318,26 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 }
 
 // Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes, plus 1,024 bytes of slack
-// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs). NWG warpgroups a CTA, each
-// its own 64 packed rows over the same K/V tiles (NWG = 2 halves the tiles' L2 reads per FLOP);
-// BTP: block-table slots read a tile ahead into shared memory; DEFER: P V's wait deferred.
-#define PF_WG_INSTANCE(HD, NS, NWG, BTP, DEFER)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 3 : 1)                                     \
-        prefill_attention_wg_hd##HD##_s##NS##_g##NWG##_b##BTP##_d##DEFER(                                         \
-            const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache, \
-            bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs,                                   \
-            const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, unsigned bs_magic,  \
-            float qscale) {                                                                                       \
-        PDL_ENTER();                                                                                              \
-        prefill_wg_body<NS, NWG, BTP, DEFER>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,       \
-                                             n_kv_heads, block_size, bs_magic, qscale);                          \
+// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs); BTP: the block-table slots
+// read a tile ahead into shared memory. Three CTAs an SM: the register cap (168) is what the
+// kernel needs without spilling, and 3 x 65 KiB of shared memory fit.
+//
+// Measured and set aside (H100, BENCHMARKS.md, session 17): three stages (two CTAs an SM: 10-20 %
+// slower), two warpgroups a CTA sharing the K/V tiles (one CTA an SM: 5-10 % slower, although
+// it halves the tiles' L2 reads per FLOP), and P V's wait deferred to the next tile's (a second
+// barrier a tile: 8-14 % slower).
+#define PF_WG_INSTANCE(HD, NS, BTP)                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_hd##HD##_s##NS##_b##BTP(           \
+        const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,   \
+        bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
+        int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
+        PDL_ENTER();                                                                                             \
+        prefill_wg_body<NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,      \
+                                 block_size, bs_magic, qscale);                                                  \
     }
 
 // head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it); the
-// configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order.
-PF_WG_INSTANCE(128, 2, 1, 0, 0)
-PF_WG_INSTANCE(128, 2, 1, 1, 0)
-PF_WG_INSTANCE(128, 2, 1, 1, 1)
-PF_WG_INSTANCE(128, 2, 2, 1, 1)
+// configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order: the default (block-table
+// slots prefetched) and the first version, kept for comparisons.
+PF_WG_INSTANCE(128, 2, 1)
+PF_WG_INSTANCE(128, 2, 0)

@@ -332,15 +332,7 @@ fn prefill_section(
         let routed =
             if dev.prefill_wgmma() { PREFILL_WGMMA + dev.prefill_wg_config() } else { PREFILL_DEFAULT_VARIANT };
         let name = |vi: usize| match (prefill_wg_config(vi), prefill_variant_warps(vi)) {
-            (Some(c), _) => {
-                format!(
-                    "prefill_wg_s{}_g{}{}{}",
-                    c.stages,
-                    c.groups,
-                    if c.bt_prefetch { "_bt" } else { "" },
-                    if c.defer_pv { "_dpv" } else { "" }
-                )
-            }
+            (Some(c), _) => format!("prefill_wg_s{}{}", c.stages, if c.bt_prefetch { "_bt" } else { "" }),
             (None, Some(w)) => format!("prefill_mma_w{w}"),
             (None, None) => format!("prefill_variant_{vi}"),
         };

@@ -24,7 +24,7 @@ use baton_kernels::cpu::{self, ActivationScale, Fp8Matrix};
 use baton_kernels::cuda::{
     AddRmsNormCall, AddRmsNormQuantCall, CudaError, Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8W8A8Call,
     Fp8W8A8QuantizedCall, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, NORM_QUANT_MAX_DIM, QuantRows,
-    QuantizeRowsCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
+    QuantizeRowsCall, SiluMulCall, SiluMulQuantCall, bf16, gemv_fp8_scaling, gemv_fp8_supports, w8a8_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::Rng;
@@ -393,4 +393,64 @@ fn gpu_fp8_norm_quantization_is_the_norm_then_the_quantization() {
     assert!(call(dim, 0).is_err(), "a width off a multiple of 4 accepted");
     assert!(call(NORM_QUANT_MAX_DIM + 4, 0).is_err(), "a width past the registers accepted");
     assert!(call(4096, 100).is_err(), "short codes accepted");
+}
+
+/// SiLU·mul with its quantization (`SiluMulQuantCall`) writes the act `SiluMulCall` writes and
+/// the codes and scales `QuantizeRowsCall` makes of it, bit for bit; a zero row gets scale 1
+/// and large products saturate nothing (the scale follows the row's amax).
+#[test]
+fn gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization() {
+    let dev = device();
+    let mut r = rng("gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization");
+    for (rows, d) in [(37usize, 14336usize), (19, 1024), (5, 8), (3, 1000), (64, 2048)] {
+        let mut gu = rand_vec(&mut r, rows * 2 * d, 4.0);
+        if rows > 2 {
+            // Row 1: up is zero (a zero row); row 2: large gates and ups.
+            gu[2 * d + d..4 * d].fill(0.0);
+            for v in &mut gu[4 * d..6 * d] {
+                *v *= 300.0;
+            }
+        }
+        let gud = up(&dev, &gu);
+        let mut act_a = poisoned(&dev, rows * d);
+        SiluMulCall { gate_up: &gud, rows, d, out: &mut act_a }.launch(&dev).expect("silu_mul");
+        let mut codes_a = dev.upload(&vec![0x7fu8; rows * d]).expect("codes");
+        let mut scales_a = dev.upload(&vec![f32::NAN; rows]).expect("scales");
+        let quant = QuantizeRowsCall {
+            x: QuantRows::Bf16(&act_a),
+            m: rows,
+            k: d,
+            codes: &mut codes_a,
+            scales: &mut scales_a,
+            row0: 0,
+        };
+        quant.launch(&dev).expect("quantize");
+        let mut act_b = poisoned(&dev, rows * d + 8);
+        let mut codes_b = dev.upload(&vec![0x7fu8; rows * d + 64]).expect("codes");
+        let mut scales_b = dev.upload(&vec![f32::NAN; rows + 4]).expect("scales");
+        let fused =
+            SiluMulQuantCall { gate_up: &gud, m: rows, d, act: &mut act_b, codes: &mut codes_b, scales: &mut scales_b };
+        fused.launch(&dev).expect("silu_mul_quant");
+        let what = format!("rows {rows} d {d}");
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let (aa, ab) = (down(&dev, &act_a, rows * d), down(&dev, &act_b, rows * d + 8));
+        assert_eq!(bits(aa), bits(ab[..rows * d].to_vec()), "{what}: act differs");
+        assert!(ab[rows * d..].iter().all(|v| v.is_nan()), "{what}: act written past the rows");
+        let (ca, cb) =
+            (dev.download(&codes_a, rows * d).expect("dl"), dev.download(&codes_b, rows * d + 64).expect("dl"));
+        assert_eq!(ca[..], cb[..rows * d], "{what}: codes differ");
+        assert!(cb[rows * d..].iter().all(|&c| c == 0x7f), "{what}: codes written past the rows");
+        let (sa, sb) = (dev.download(&scales_a, rows).expect("dl"), dev.download(&scales_b, rows + 4).expect("dl"));
+        assert_eq!(bits(sa.clone()), bits(sb[..rows].to_vec()), "{what}: scales differ");
+        assert!(sb[rows..].iter().all(|v| v.is_nan()), "{what}: scales written past the rows");
+        assert!(sa.iter().all(|s| s.is_finite() && *s > 0.0), "{what}: scales {sa:?}");
+        if rows > 2 {
+            assert_eq!(sa[1], 1.0, "{what}: a zero row's scale is 1");
+        }
+    }
+    // A width the kernel does not read in whole pieces is refused, naming it.
+    let gud = up(&dev, &[1.0; 2 * 12]);
+    let (mut a, mut c, mut s) = (poisoned(&dev, 12), dev.alloc::<u8>(12).expect("c"), dev.alloc::<f32>(1).expect("s"));
+    let err = SiluMulQuantCall { gate_up: &gud, m: 1, d: 12, act: &mut a, codes: &mut c, scales: &mut s }.launch(&dev);
+    assert!(err.err().map(|e| e.to_string()).unwrap_or_default().contains("d = 12"), "d = 12 refused");
 }

@@ -36,6 +36,11 @@ pub struct BranchBoundary<'a, B: Backend + ?Sized> {
     pub gate: Option<Gate>,
     /// Step-profile labels of the two projections (`("o_proj", "gate_up")`).
     pub labels: (&'static str, &'static str),
+    /// The projection that reads `out` next, where it is the very next op to touch `out` (the
+    /// gated MLP's down projection): a backend may then also hand `out` over in a form of its
+    /// own (CUDA: the per-token FP8 codes of a W8A8 down projection's input, so that it does not
+    /// quantize `out` again). `out` is written either way. `None`: nothing is assumed.
+    pub then: Option<&'a B::Mat>,
 }
 
 /// Buffers [`Backend::branch_boundary`] may use on the way; their contents afterwards are

@@ -147,6 +147,12 @@ pub struct CudaBackend {
     fp8_scratch: Option<CudaSlice<bf16>>,
     /// The per-token E4M3 codes and scales of a W8A8 product's activations (grown as needed).
     fp8_act: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
+    /// Set when `fp8_act` holds the per-token codes of a buffer's current contents, handed over
+    /// by the op that wrote it (`BranchBoundary::then`) to the W8A8 product that reads it next;
+    /// taken by that product, dropped by any other use of `fp8_act`.
+    act_codes: Option<ActCodes>,
+    /// W8A8 products that took their input's codes that way (see [`CudaBackend::w8a8_handoffs`]).
+    handoffs: u64,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -366,6 +372,8 @@ impl CudaBackend {
         Ok(Self {
             fp8_scratch: None,
             fp8_act: None,
+            act_codes: None,
+            handoffs: 0,
             w8a8: true,
             dev,
             ordinal: opts.ordinal,
@@ -425,6 +433,12 @@ impl CudaBackend {
     /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
     pub fn w8a8_active(&self) -> bool {
         self.w8a8
+    }
+
+    /// How many W8A8 products so far took their input's per-token codes from the op that wrote
+    /// it (SiLU·mul quantizing for the down projection) instead of quantizing it themselves.
+    pub fn w8a8_handoffs(&self) -> u64 {
+        self.handoffs
     }
 
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
@@ -1160,7 +1174,7 @@ mod fp8_linear;
 mod gated;
 #[path = "cuda_moe.rs"]
 mod moe;
-use fp8_linear::Fp8Mat;
+use fp8_linear::{ActCodes, Fp8Mat};
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 pub use moe::MoeKernels;
 

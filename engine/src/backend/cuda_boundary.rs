@@ -14,15 +14,19 @@
 //! 71 %; BENCHMARKS.md, session 16), while a prefill-sized boundary into an FP8 per-token
 //! (W8A8) projection has the norm kernel quantize its rows for the FP8 GEMM
 //! ([`AddRmsNormQuantCall`]) instead of storing them for the quantization kernel to re-read:
-//! the same codes, so the same bits.
+//! the same codes, so the same bits. Its gated activation likewise quantizes its rows for the
+//! W8A8 down projection that reads them next ([`SiluMulQuantCall`], `BranchBoundary::then`):
+//! the codes wait in `fp8_act`, tagged with the activation buffer ([`ActCodes`]), and that
+//! product takes them instead of quantizing the stored rows again (`linear_fp8`).
 
-use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
+use super::{ActCodes, CudaBackend, CudaBuf, CudaMat, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{
-    Backend, BackendError, BoundaryScratch, BranchBoundary, GateAct, branch_boundary_unfused, gate_activation,
+    Backend, BackendError, BoundaryScratch, BranchBoundary, Gate, GateAct, branch_boundary_unfused, gate_activation,
 };
 use baton_kernels::cuda::{
     AddRmsNormQuantCall, BiasAddCall, CudaError, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
-    NormLinearOut, ResidualLinearCall, W8A8_MIN_M, norm_quant_supports, norm_stat_parts, w8a8_supports,
+    NormLinearOut, ResidualLinearCall, SiluMulQuantCall, W8A8_MIN_M, norm_quant_supports, norm_stat_parts,
+    w8a8_supports,
 };
 
 impl CudaBackend {
@@ -189,8 +193,40 @@ impl CudaBackend {
                 Some(b) => Ok(BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n }.launch(&self.dev)?),
                 None => Ok(()),
             },
+            Some(g) if s.then.is_some_and(|d| self.w8a8_takes_gated(d, g)) => {
+                // The activation kernel also quantizes its rows for the down projection that
+                // reads them next (`BranchBoundary::then`), which then skips its quantization.
+                record_mark(&self.dev, &mut self.profile, "silu_mul");
+                self.ensure(out, m * g.d)?;
+                let (mut xq, mut xs) = self.take_fp8_act(m, g.d)?;
+                let call = SiluMulQuantCall {
+                    gate_up: &scratch.gate_up.data,
+                    m,
+                    d: g.d,
+                    act: &mut out.data,
+                    codes: &mut xq,
+                    scales: &mut xs,
+                };
+                let launched = call.launch(&self.dev);
+                self.fp8_act = Some((xq, xs));
+                launched?;
+                self.act_codes = Some(ActCodes::of(out, m, g.d));
+                Ok(())
+            }
             Some(g) => gate_activation(self, g, scratch.gate_up, out),
         }
+    }
+
+    /// Whether the W8A8 boundary's activation kernel quantizes its rows for `down`: a SiLU gate,
+    /// and `down` a per-token FP8 matrix of `g.d` columns that cuBLASLt's FP8 GEMM takes.
+    fn w8a8_takes_gated(&self, down: &CudaMat, g: Gate) -> bool {
+        let Some(f) = &down.fp8 else { return false };
+        self.w8a8
+            && g.act == GateAct::Silu
+            && f.per_token
+            && down.cols == g.d
+            && g.d.is_multiple_of(8)
+            && w8a8_supports(&self.dev, &f.w)
     }
 }
 

@@ -99,12 +99,31 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         use baton_kernels::cuda::{
-            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, W8A8_MIN_M, gemv_fp8_supports, w8a8_supports,
+            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, Fp8W8A8QuantizedCall, W8A8_MIN_M, gemv_fp8_supports,
+            w8a8_supports,
         };
         let w = &f.w;
         let skinny = gemv_fp8_supports(m, w.cols, w.col_block);
         if skinny && m < W8A8_MIN_M {
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
+        }
+        if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
+            // The codes of x, made by the op that wrote it (`BranchBoundary::then`).
+            let handed = self.act_codes.take().is_some_and(|c| c == ActCodes::of(x, m, w.cols));
+            if let (true, Some((xq, xs))) = (handed, &self.fp8_act) {
+                match (Fp8W8A8QuantizedCall { xq, xs, m, w, out: &mut out.data }).launch(&self.dev) {
+                    Ok(()) => {
+                        self.handoffs += 1;
+                        return Ok(());
+                    }
+                    Err(CudaError::BlasLt(message)) => {
+                        // x was written too: the fallbacks below read it.
+                        tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
+                        self.w8a8 = false;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
         }
         if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
             let act = self.take_fp8_act(m, w.cols)?;
@@ -136,11 +155,29 @@ impl CudaBackend {
     /// The per-token activation scratch (codes and scales) taken out of the backend, grown to
     /// `m` rows of `k`; the caller puts it back (`self.fp8_act`) once its launches are enqueued.
     pub(super) fn take_fp8_act(&mut self, m: usize, k: usize) -> Result<(CudaSlice<u8>, CudaSlice<f32>), BackendError> {
+        // Whatever codes were handed over are about to be overwritten.
+        self.act_codes = None;
         let (codes, scales) = (m * k, m);
         Ok(match self.fp8_act.take() {
             Some((c, s)) if c.len() >= codes && s.len() >= scales => (c, s),
             _ => (self.dev.alloc::<u8>(codes.next_power_of_two())?, self.dev.alloc::<f32>(scales.next_power_of_two())?),
         })
+    }
+}
+
+/// Which buffer's per-token codes `CudaBackend::fp8_act` holds: the buffer object (its host
+/// address: the same `CudaBuf` the writer wrote and the reader reads) and the shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ActCodes {
+    buf: usize,
+    m: usize,
+    k: usize,
+}
+
+impl ActCodes {
+    /// The tag of `m` rows of `k` values in `buf`.
+    pub(super) fn of(buf: &CudaBuf, m: usize, k: usize) -> Self {
+        Self { buf: std::ptr::from_ref(buf) as usize, m, k }
     }
 }
 

@@ -276,6 +276,8 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                         next_bias: None,
                         gate: Some(Gate { act: GateAct::Silu, d: *intermediate_size }),
                         labels: ("o_proj", "gate_up"),
+                        // The next boundary (or the last layer's down) reads `act` first.
+                        then: Some(down),
                     };
                     let scratch =
                         BoundaryScratch { proj: &mut ws.proj, hidden: &mut ws.hidden, gate_up: &mut ws.gate_up };
@@ -294,6 +296,7 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                                 next_bias: n.qkv_bias.as_ref(),
                                 gate: None,
                                 labels: ("down", "qkv"),
+                                then: None,
                             };
                             let scratch = BoundaryScratch {
                                 proj: &mut ws.proj,

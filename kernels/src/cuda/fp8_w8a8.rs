@@ -81,6 +81,44 @@ impl QuantizeRowsCall<'_> {
     }
 }
 
+/// SiLU·mul of a gated projection's `[gate | up]` rows ([`SiluMulCall`](super::SiluMulCall)'s
+/// values), written as bf16 and quantized per token as [`QuantizeRowsCall`] quantizes them: the
+/// W8A8 down projection's input in one pass ([`Fp8W8A8QuantizedCall`] takes the codes).
+pub struct SiluMulQuantCall<'a> {
+    /// `m × 2d` bf16, `[gate | up]` per row.
+    pub gate_up: &'a CudaSlice<bf16>,
+    /// Rows.
+    pub m: usize,
+    /// Outputs per row.
+    pub d: usize,
+    /// `m × d` bf16: SiLU(gate) · up.
+    pub act: &'a mut CudaSlice<bf16>,
+    /// `m × d` E4M3 codes of `act`.
+    pub codes: &'a mut CudaSlice<u8>,
+    /// `m` per-token scales.
+    pub scales: &'a mut CudaSlice<f32>,
+}
+
+impl SiluMulQuantCall<'_> {
+    /// Checks the sizes and enqueues the kernel.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "silu_mul_quant_e4m3";
+        let Self { gate_up, m, d, act, codes, scales } = self;
+        shape_check(OP, d.is_multiple_of(8), || format!("d = {d}: the kernel reads 8 values a load"))?;
+        need(OP, "gate_up", gate_up, 2 * m * d)?;
+        need(OP, "act", act, m * d)?;
+        need(OP, "codes", codes, m * d)?;
+        need(OP, "scales", scales, m)?;
+        if m == 0 {
+            return Ok(());
+        }
+        let args = Args::new(OP).buf(gate_up).buf(act).buf(codes).buf(scales).int(d)?;
+        // SAFETY: CTA r reads row r of gate_up (2d values) and writes row r of act and codes
+        // (d each) and scales[r], r < m, in whole 8-value pieces (d % 8 == 0): sizes checked above.
+        unsafe { args.launch(dev, &dev.kernels.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
+    }
+}
+
 /// Whether [`Fp8W8A8Call`] takes `w` (scales constant along rows, k a multiple of 16: the
 /// 16-byte leading dimension FP8 cuBLASLt needs) on this device (cuBLASLt loaded).
 pub fn w8a8_supports(dev: &CudaDevice, w: &Fp8Weights) -> bool {

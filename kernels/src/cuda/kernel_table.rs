@@ -76,6 +76,9 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// GEMM's input), and of f32 random weights per channel.
     pub quantize_rows_e4m3: F,
     pub quantize_rows_e4m3_f32: F,
+    /// SiLU·mul with its bf16 rows also quantized per token (fp8_linear.cu: the W8A8 down
+    /// projection's input).
+    pub silu_mul_quant_e4m3: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
     /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
     pub gemv_fp8: [Vec<[F; 2]>; 2],
@@ -175,6 +178,7 @@ impl<F> KernelTable<F> {
         let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
         let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
         let quantize_rows_e4m3_f32 = f(el, "quantize_rows_e4m3_f32")?;
+        let silu_mul_quant_e4m3 = f(el, "silu_mul_quant_e4m3")?;
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
             .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
@@ -273,6 +277,7 @@ impl<F> KernelTable<F> {
             fp8_dequant16,
             quantize_rows_e4m3,
             quantize_rows_e4m3_f32,
+            silu_mul_quant_e4m3,
             gemv_fp8,
             attention_ext,
             attention_ext_fp8,
@@ -367,11 +372,12 @@ mod tests {
         // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
         // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
         // per-row quantization (bf16 activations, f32 weights), the add + norm + quantization of
-        // the W8A8 input, and skinny GEMM per tile, variant and scaling.
+        // the W8A8 input, SiLU·mul with its quantization, and skinny GEMM per tile, variant and
+        // scaling.
         let fp8 = 4
             + 4
             + ATTN_EXT_MAX_HEAD_DIM / 32
-            + 5
+            + 6
             + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
@@ -385,7 +391,7 @@ mod tests {
             "prompt_logprobs",
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
-            "prefill_attention_wg_hd128_s2_g1_b0_d0",
+            "prefill_attention_wg_hd128_s2_b1",
             "gemv_m16_w8_u2_f32",
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",

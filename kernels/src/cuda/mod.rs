@@ -117,7 +117,9 @@ pub use fp8_linear::{
     Fp8DequantCall, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS, gemv_fp8_default,
     gemv_fp8_scaling, gemv_fp8_supports,
 };
-pub use fp8_w8a8::{Fp8W8A8Call, Fp8W8A8QuantizedCall, QuantRows, QuantizeRowsCall, W8A8_MIN_M, w8a8_supports};
+pub use fp8_w8a8::{
+    Fp8W8A8Call, Fp8W8A8QuantizedCall, QuantRows, QuantizeRowsCall, SiluMulQuantCall, W8A8_MIN_M, w8a8_supports,
+};
 pub use gather::{EmbedCall, GatherRowsCall};
 pub use gemv::{GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GemvEpilogue, GemvVariant, gemv_default, gemv_supports};
 pub use graph::StepGraph;

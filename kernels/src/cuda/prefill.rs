@@ -49,26 +49,20 @@ pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]
 pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
 /// One compiled configuration of the warpgroup-MMA prefill kernel (`PF_WG_INSTANCE` in
-/// prefill_wg.cu).
+/// prefill_wg.cu). One warpgroup a CTA (64 packed rows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WgConfig {
     /// Stages of the K/V ring.
     pub stages: usize,
-    /// Warpgroups a CTA, each holding 64 packed rows over the same K/V tiles.
-    pub groups: usize,
     /// Block-table slots read a tile ahead into shared memory.
     pub bt_prefetch: bool,
-    /// P V's wait deferred to the next tile's wait for S.
-    pub defer_pv: bool,
 }
 
-const fn wg(stages: usize, groups: usize, bt_prefetch: bool, defer_pv: bool) -> WgConfig {
-    WgConfig { stages, groups, bt_prefetch, defer_pv }
-}
-
-/// The warpgroup-MMA kernel's compiled configurations, in prefill_wg.cu's order.
-pub const PREFILL_WG_CONFIGS: [WgConfig; 4] =
-    [wg(2, 1, false, false), wg(2, 1, true, false), wg(2, 1, true, true), wg(2, 2, true, true)];
+/// The warpgroup-MMA kernel's compiled configurations, in prefill_wg.cu's order: the default,
+/// then the first version (block-table slots read as each tile's copy is issued), kept for
+/// comparisons (`cuda_bench`, `bench_cuda`).
+pub const PREFILL_WG_CONFIGS: [WgConfig; 2] =
+    [WgConfig { stages: 2, bt_prefetch: true }, WgConfig { stages: 2, bt_prefetch: false }];
 /// The variant index of the first warpgroup-MMA configuration (`prefill_wg.cu`): after the
 /// [`PREFILL_WARPS`] variants of the mma.sync kernel, configuration `i` of
 /// [`PREFILL_WG_CONFIGS`] is variant `PREFILL_WGMMA + i`. Hopper (`sm_90a`) only, head_dim
@@ -89,7 +83,7 @@ pub fn prefill_wg_config(variant: usize) -> Option<WgConfig> {
 /// Warps per CTA of prefill variant `variant` (`None` past [`PREFILL_VARIANTS`]).
 pub fn prefill_variant_warps(variant: usize) -> Option<usize> {
     match prefill_wg_config(variant) {
-        Some(c) => Some(4 * c.groups),
+        Some(_) => Some(4),
         None => PREFILL_WARPS.get(variant).copied(),
     }
 }
@@ -109,8 +103,7 @@ pub fn prefill_wg_supported(
 /// The warpgroup kernel's name for `head_dim` and a configuration (`PF_WG_INSTANCE` in
 /// prefill_wg.cu).
 pub(crate) fn prefill_wg_kernel_name(head_dim: usize, c: WgConfig) -> String {
-    let (s, g, b, d) = (c.stages, c.groups, u8::from(c.bt_prefetch), u8::from(c.defer_pv));
-    format!("prefill_attention_wg_hd{head_dim}_s{s}_g{g}_b{b}_d{d}")
+    format!("prefill_attention_wg_hd{head_dim}_s{}_b{}", c.stages, u8::from(c.bt_prefetch))
 }
 
 /// Dynamic shared memory of the warpgroup kernel with `stages` stages: K and V tiles of 64 keys
@@ -272,10 +265,10 @@ mod tests {
         // The warpgroup kernel: three CTAs of 65 KiB per SM at two stages; head_dim 128, bf16,
         // no options.
         assert_eq!(prefill_wg_smem_bytes(2), 66_560);
-        assert_eq!(prefill_wg_kernel_name(128, wg(3, 2, true, false)), "prefill_attention_wg_hd128_s3_g2_b1_d0");
-        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 3), Some(wg(2, 2, true, true)));
+        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[0]), "prefill_attention_wg_hd128_s2_b1");
+        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 1), Some(WgConfig { stages: 2, bt_prefetch: false }));
         assert_eq!((prefill_wg_config(1), prefill_wg_config(PREFILL_VARIANTS)), (None, None));
-        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 3), Some(8));
+        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 1), Some(4));
         assert!(prefill_wg_supported(32, 8, 128, false, false));
         assert!(!prefill_wg_supported(32, 8, 64, false, false) && !prefill_wg_supported(32, 8, 128, true, false));
         assert!(!prefill_wg_supported(32, 8, 128, false, true) && !prefill_wg_supported(128, 1, 128, false, false));
