@@ -107,9 +107,11 @@ extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsi
 
 // SiLU(gate) * up of each row of gate_up ([gate | up], 2d wide), rounded to bf16 as silu_mul_bf16
 // stores it, written to act, and quantized per token as quantize_rows_e4m3 quantizes those bf16
-// values: the same act, codes and scale bit for bit, with one read of gate_up and no re-read of
-// act (the W8A8 down projection's input at prefill). One CTA per row; the second pass recomputes
-// the products from gate_up (L1/L2) rather than keeping 2d values in registers.
+// values: the same act, codes and scale bit for bit, with one read of gate_up (the W8A8 down
+// projection's input at prefill). One CTA per row; the second pass re-reads the row of act this
+// thread just wrote (its own chunks: program order makes them visible; 2d bytes, from L2),
+// not gate_up (4d bytes, past L2 at prefill sizes: a first version that recomputed the products
+// from gate_up took as long as the two kernels it replaces).
 extern "C" __global__ void silu_mul_quant_e4m3(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ act,
                                                unsigned char* __restrict__ codes, float* __restrict__ scales,
                                                int d) {
@@ -141,9 +143,10 @@ extern "C" __global__ void silu_mul_quant_e4m3(const bf16_t* __restrict__ gate_u
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }
     const float s = e4m3_row_scale(block_amax(amax));
+    const bf16_t* a = act + row * (long long)d;
     for (int c = threadIdx.x; c < d8; c += blockDim.x) {
         float v[8];
-        products(c, v);
+        load8(a + 8 * c, v);
         unsigned q[2] = {0u, 0u};
 #pragma unroll
         for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
