@@ -27,10 +27,6 @@ pub const W8A8_MIN_M: usize = 17;
 
 /// Threads per CTA of the quantization (one CTA per row).
 const QUANT_THREADS: u32 = 256;
-/// Threads of a [`SiluMulQuantCall`] CTA (one row): at 256 a thread walked 7 of a 14,336-wide
-/// row's 16-byte chunks one after another, and the kernel took 107 µs a 2,048-row layer
-/// against 68 µs of bytes (H100); more threads put more of the row's loads in flight at once.
-const SILU_QUANT_THREADS: u32 = 1024;
 
 /// The rows [`QuantizeRowsCall`] quantizes.
 pub enum QuantRows<'a> {
@@ -119,9 +115,7 @@ impl SiluMulQuantCall<'_> {
         let args = Args::new(OP).buf(gate_up).buf(act).buf(codes).buf(scales).int(d)?;
         // SAFETY: CTA r reads row r of gate_up (2d values) and writes row r of act and codes
         // (d each) and scales[r], r < m, in whole 8-value pieces (d % 8 == 0): sizes checked above.
-        unsafe {
-            args.launch(dev, &dev.kernels.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), SILU_QUANT_THREADS))
-        }
+        unsafe { args.launch(dev, &dev.kernels.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
     }
 }
 
