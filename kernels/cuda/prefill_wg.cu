@@ -1,8 +1,8 @@
 // Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg_hd128`): the
 // contract of prefill.cu's kernel (arguments, grid (n_kv_heads, work items), work items
 // enumerated in-kernel from the heaviest-first sequence list, packed GQA rows, causal mask,
-// output in q's layout), bf16 cache, head_dim 128, no window, soft-cap or sinks; a different
-// inside.
+// output in q's layout), bf16 or FP8 (E4M3) cache, head_dim 128, no window, soft-cap or sinks;
+// a different inside.
 //
 // Why. prefill.cu's kernel issues mma.sync (m16n8k16) from every warp, each warp loading its
 // K and V fragments from shared memory by ldmatrix: at a 2,048-token Llama-3.1-8B prefill it
@@ -98,23 +98,30 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
-template <int NS, bool BTP>
-__device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                                                const bf16_t* __restrict__ v_cache, bf16_t* __restrict__ out,
+template <typename C, int NS, bool BTP>
+__device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const C* __restrict__ k_cache,
+                                                const C* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                 const int* __restrict__ seqs, int n_seqs,
                                                 const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
-                                                int block_size, unsigned bs_magic, float qscale) {
+                                                int block_size, unsigned bs_magic, float qscale, float v_scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool FP8 = sizeof(C) == 1;
     constexpr int HD = 128;
-    constexpr int HALF_B = WG_BN * 128;    // one half of a tile: 64 rows x 128 bytes
-    constexpr int TILE_B = 2 * HALF_B;     // a K (or V) tile
-    constexpr int STAGE_B = 2 * TILE_B;    // K then V
+    constexpr int HALF_B = WG_BN * 128;    // one half of a bf16 tile: 64 rows x 128 bytes
+    constexpr int TILE_B = 2 * HALF_B;     // a bf16 K (or V) tile
+    constexpr int ROW_B = HD * (int)sizeof(C);  // bytes of a cached row (FP8: 128 codes)
+    constexpr int STAGE_B = 2 * WG_BN * ROW_B;  // a ring stage: K then V
+    constexpr int CPR = ROW_B / 16;        // 16-byte chunks per cached row
+    constexpr int RPP = 128 / CPR;         // rows one pass of the CTA's copies covers
     constexpr int KS = HD / 16;            // k-steps of Q K^T
     constexpr int NT = WG_BN / 8;          // 8-key column tiles of S
     constexpr int OT = HD / 8;             // 8-wide column tiles of O
     extern __shared__ __align__(16) unsigned char wg_smem_raw[];
-    // The swizzle atoms must sit on 1,024-byte boundaries (the launcher adds the slack).
-    const unsigned ring = (pf_smem_addr(wg_smem_raw) + 1023u) & ~1023u;
+    // The swizzle atoms must sit on 1,024-byte boundaries (the launcher adds the slack). With
+    // an FP8 cache the swizzled bf16 K and V tile the wgmma reads comes first (conv), then the
+    // ring of plain code rows; with bf16 the ring itself is swizzled and wgmma reads it.
+    const unsigned base = (pf_smem_addr(wg_smem_raw) + 1023u) & ~1023u;
+    const unsigned conv = base, ring = FP8 ? base + 2 * TILE_B : base;
 
     const int group = n_heads / n_kv_heads;
     const int tq = 64 / group;  // tokens per tile (the launcher guarantees group <= 64)
@@ -161,12 +168,13 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
     }
 
-    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + 8, ... of K and V;
-    // every row it copies has r % 8 = lr, so its swizzled column is the same for all of them.
+    // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + RPP, ... of K and V.
+    // bf16: every row it copies has r % 8 = lr, so its swizzled column is the same for all of
+    // them. FP8: plain rows of 128 codes (converted into the swizzled tile after they land).
     const long long kv_w = (long long)n_kv_heads * HD;
-    const int lc = threadIdx.x & 15, lr = threadIdx.x >> 4;
-    const long long head_off = (long long)kvh * HD + lc * 8;
-    const unsigned dcol = (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ lr) << 4));
+    const int lc = threadIdx.x % CPR, lr = threadIdx.x / CPR;
+    const long long head_off = (long long)kvh * HD + lc * (16 / (int)sizeof(C));
+    const unsigned dcol = FP8 ? (unsigned)(lc * 16) : (unsigned)((lc >> 3) * HALF_B + (((lc & 7) ^ (lr & 7)) << 4));
     // The cache slot of key p (p < n_kv): a dependent read of the block table.
     auto slot_of = [&](int p) {
         const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
@@ -179,15 +187,15 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     auto load_tile = [&](int j, int st, bool from_smem) {
         const unsigned ks = ring + st * STAGE_B;
 #pragma unroll
-        for (int ps = 0; ps < WG_BN / 8; ps++) {
-            const int r = lr + ps * 8;
+        for (int ps = 0; ps < WG_BN / RPP; ps++) {
+            const int r = lr + ps * RPP;
             const int p = j * WG_BN + r;
             const bool ok = p < n_kv;
             long long off = head_off;
             if (ok) off += (long long)(from_smem ? slots_s[j & 1][r] : slot_of(p)) * kv_w;
-            const unsigned d = ks + r * 128 + dcol;
+            const unsigned d = ks + r * (FP8 ? ROW_B : 128) + dcol;
             pf_cp16(d, k_cache + off, ok);
-            pf_cp16(d + TILE_B, v_cache + off, ok);
+            pf_cp16(d + STAGE_B / 2, v_cache + off, ok);
         }
     };
     const int tid = threadIdx.x;
@@ -218,7 +226,25 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         const int pre_slot = BTP && tid < WG_BN && pre < n_kv ? slot_of(pre) : 0;
         if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
         pf_commit();
-        const unsigned kt = ring + st * STAGE_B, vt = kt + TILE_B;
+        if constexpr (FP8) {
+            // Stage st's codes into the swizzled bf16 tile (exact: every E4M3 value is a bf16
+            // value), 16 codes a step: row r's chunk cc is bf16 chunks 2cc and 2cc + 1.
+            const unsigned char* codes = wg_smem_raw + (ring - pf_smem_addr(wg_smem_raw)) + st * STAGE_B;
+            for (int c = threadIdx.x; c < 2 * WG_BN * 8; c += 128) {
+                const int r = c >> 3, cc = c & 7;  // r: K rows 0..63, then V rows
+                const int rr = r & (WG_BN - 1);
+                uint4 b[2];
+                e4m3x16_to_bf16x16(*reinterpret_cast<const uint4*>(codes + r * ROW_B + cc * 16), b);
+                const unsigned tile = conv + (r >= WG_BN ? TILE_B : 0) + (cc >> 2) * HALF_B + rr * 128;
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(tile + ((((2 * cc) & 7) ^ (rr & 7)) << 4)),
+                             "r"(b[0].x), "r"(b[0].y), "r"(b[0].z), "r"(b[0].w) : "memory");
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(tile + ((((2 * cc + 1) & 7) ^ (rr & 7)) << 4)),
+                             "r"(b[1].x), "r"(b[1].y), "r"(b[1].z), "r"(b[1].w) : "memory");
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+        }
+        const unsigned kt = FP8 ? conv : ring + st * STAGE_B, vt = kt + TILE_B;
         const int kv0 = j * WG_BN;
 
         float sc[NT * 4];
@@ -303,7 +329,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
-    const float inv[2] = {1.f / l[0], 1.f / l[1]};
+    const float inv[2] = {v_scale / l[0], v_scale / l[1]};
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         if (!rvalid[i]) continue;
@@ -317,8 +343,9 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 #endif
 }
 
-// Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes, plus 1,024 bytes of slack
-// for the ring's alignment (`prefill_wg_smem_bytes` in prefill.rs); BTP: the block-table slots
+// Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes (FP8: x 128 bytes of codes,
+// plus the converted bf16 K + V tile, 32 KiB), plus 1,024 bytes of slack for the alignment
+// (`prefill_wg_smem_bytes` in prefill.rs); BTP: the block-table slots
 // read a tile ahead into shared memory. Three CTAs an SM: the register cap (168) is what the
 // kernel needs without spilling, and 3 x 65 KiB of shared memory fit.
 //
@@ -332,12 +359,22 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
         PDL_ENTER();                                                                                             \
-        prefill_wg_body<NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,      \
-                                 block_size, bs_magic, qscale);                                                  \
+        prefill_wg_body<bf16_t, NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,          \
+                                         n_kv_heads, block_size, bs_magic, qscale, 1.f);                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_fp8_hd##HD##_s##NS##_b##BTP(       \
+        const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                 \
+        const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, const int* __restrict__ seqs,       \
+        int n_seqs, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,           \
+        unsigned bs_magic, float qscale, float v_scale) {                                                        \
+        PDL_ENTER();                                                                                             \
+        prefill_wg_body<unsigned char, NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,   \
+                                                n_kv_heads, block_size, bs_magic, qscale, v_scale);              \
     }
 
 // head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it); the
 // configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order: the default (block-table
-// slots prefetched) and the first version, kept for comparisons.
+// slots prefetched) and the first version, kept for comparisons. Each for a bf16 cache and an
+// FP8 one (the K scale folded into qscale by the launcher, the V scale into the output's 1 / l).
 PF_WG_INSTANCE(128, 2, 1)
 PF_WG_INSTANCE(128, 2, 0)

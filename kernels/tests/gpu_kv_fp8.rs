@@ -22,8 +22,9 @@ use baton_kernels::cpu::{
 };
 use baton_kernels::cuda::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnKind,
-    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, QkNorm, RopeExtras, RopeInput,
-    RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16,
+    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_VARIANTS, QkNorm, RopeExtras, RopeInput,
+    RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16, prefill_variant_warps, prefill_wg_config,
+    prefill_wg_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::Rng;
@@ -389,9 +390,10 @@ fn tuned_fp8_cases(
             want,
         );
     }
-    // Every prefill CTA size: a decode launch covers every row, the prefill kernel then
-    // overwrites the prefill chunks' rows with its own results.
-    for variant in 0..PREFILL_WARPS.len() {
+    // Every prefill variant (CTA sizes, warpgroup configurations where they run this shape): a
+    // decode launch covers every row, the prefill kernel then overwrites the prefill chunks'
+    // rows with its own results.
+    for variant in (0..PREFILL_VARIANTS).filter(|&v| prefill_runs(dev, v, n_heads, geo.n_kv_heads, hd)) {
         let mut out = poisoned(dev, want.len());
         for kernel in [AttnKernel::Decode { variant: None }, AttnKernel::Prefill { variant }] {
             AttentionCall {
@@ -427,6 +429,16 @@ fn tuned_fp8_cases(
             options: AttentionOptions::default(),
         };
         assert!(call.launch(dev).is_err(), "k_scale {bad} accepted by the tuned kernels");
+    }
+}
+
+/// Whether prefill variant `v` runs this shape here: the mma.sync CTA sizes always (the group
+/// fits), the warpgroup configurations on `sm_90a` at head_dim 128.
+fn prefill_runs(dev: &CudaDevice, v: usize, n_heads: usize, n_kv_heads: usize, hd: usize) -> bool {
+    let fits = prefill_variant_warps(v).is_some_and(|w| n_heads / n_kv_heads <= 16 * w);
+    match prefill_wg_config(v) {
+        Some(_) => fits && dev.prefill_wgmma_capable() && prefill_wg_supported(n_heads, n_kv_heads, hd, false),
+        None => fits,
     }
 }
 
@@ -539,7 +551,7 @@ fn gpu_fp8_tuned_attention_equals_bf16_on_exact_images() {
                 cases.push((format!("decode {fv}"), vec![(fp8, f)], vec![(bf, b)], split, false));
             }
         }
-        for pv in 0..PREFILL_WARPS.len() {
+        for pv in (0..PREFILL_VARIANTS).filter(|&v| prefill_runs(&dev, v, nh, nkv, hd)) {
             // The bf16 decode kernel first (every row, the same on both sides), then the
             // prefill kernel over the chunks, on the FP8 cache and on its bf16 image.
             let d = AttnKernel::Decode { variant: Some(bf16_twin(0)) };

@@ -89,7 +89,7 @@ fn prefill_case(
             continue;
         }
         let wg = prefill_wg_config(vi).is_some();
-        if wg && !prefill_wg_supported(nh, nkv, hd, false, false) {
+        if wg && !prefill_wg_supported(nh, nkv, hd, false) {
             continue;
         }
         let mut out = poisoned(dev, q.len());

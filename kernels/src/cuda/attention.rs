@@ -271,14 +271,8 @@ impl AttentionCall<'_> {
             return self.decode(dev, variant, DecodeRows::All);
         }
         // The warpgroup kernel where it runs this shape, else the default mma.sync variant.
-        let wg = dev.prefill_wgmma()
-            && prefill_wg_supported(
-                n_heads,
-                geo.n_kv_heads,
-                geo.head_dim,
-                self.cache.is_fp8(),
-                !self.options.is_none(),
-            );
+        let wg =
+            dev.prefill_wgmma() && prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, !self.options.is_none());
         let pf_variant = if wg { PREFILL_WGMMA + dev.prefill_wg_config() } else { PREFILL_DEFAULT_VARIANT };
         // Validate the prefill launch before enqueueing anything.
         check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
@@ -395,11 +389,10 @@ impl AttentionCall<'_> {
             shape_check(OP, dev.prefill_wgmma_capable(), || {
                 format!("the warpgroup prefill kernel needs sm_90a kernels (built for {})", dev.arch())
             })?;
-            let (fp8, opts) = (self.cache.is_fp8(), !self.options.is_none());
-            shape_check(OP, prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, fp8, opts), || {
+            let opts = !self.options.is_none();
+            shape_check(OP, prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, opts), || {
                 format!(
-                    "the warpgroup prefill kernel computes head_dim 128 over a bf16 cache without options \
-                     (head_dim {}, FP8 cache {fp8}, options {opts})",
+                    "the warpgroup prefill kernel computes head_dim 128 without options (head_dim {}, options {opts})",
                     geo.head_dim
                 )
             })?;
@@ -463,15 +456,16 @@ impl AttentionCall<'_> {
     fn prefill_wg(&self, dev: &CudaDevice, config: usize, stages: usize, items: usize) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention_wg";
         let (n_heads, geo) = (self.n_heads, self.geo);
-        let func =
-            dev.kernels.prefill_wg.get(config).ok_or_else(|| shape_error(OP, format!("no configuration {config}")))?;
+        let fp8 = self.cache.is_fp8();
+        let funcs = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
+        let func = funcs.get(config).ok_or_else(|| shape_error(OP, format!("no configuration {config}")))?;
         let warps = prefill_variant_warps(PREFILL_WGMMA + config).unwrap_or(4);
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
-            shared_mem_bytes: prefill_wg_smem_bytes(stages) as u32,
+            shared_mem_bytes: prefill_wg_smem_bytes(stages, fp8) as u32,
         };
-        let (qscale, _) = self.cache.kernel_scales(self.scale);
+        let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
         let args = self
             .cache
             .push(Args::new(OP).buf(self.q))
@@ -484,9 +478,10 @@ impl AttentionCall<'_> {
             .int(geo.block_size)?
             .u32(block_magic(geo.block_size))
             .f32(qscale);
+        let args = if fp8 { args.f32(v_scale) } else { args };
         // SAFETY: as the mma.sync prefill launch: q, out and the caches checked against the
-        // rows, heads and geometry (head_dim 128, bf16 cache), the sequence list built from the
-        // validated metadata, and the grid covers its work items.
+        // rows, heads and geometry (head_dim 128), the sequence list built from the validated
+        // metadata, and the grid covers its work items.
         unsafe { args.launch(dev, func, grid) }
     }
 }

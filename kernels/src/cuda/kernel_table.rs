@@ -105,6 +105,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`), one per
     /// `PREFILL_WG_CONFIGS` entry.
     pub prefill_wg: Vec<F>,
+    /// The same over an FP8 cache.
+    pub prefill_wg_fp8: Vec<F>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
     pub gemv: [Vec<Vec<F>>; 2],
@@ -218,7 +220,11 @@ impl<F> KernelTable<F> {
         let wg_module = Module::part(Family::Prefill, PREFILL_WG_HEAD_DIM);
         let prefill_wg = PREFILL_WG_CONFIGS
             .iter()
-            .map(|&c| f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, c)))
+            .map(|&c| f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, c, false)))
+            .collect::<Result<_, _>>()?;
+        let prefill_wg_fp8 = PREFILL_WG_CONFIGS
+            .iter()
+            .map(|&c| f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, c, true)))
             .collect::<Result<_, _>>()?;
         let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
             let m = Module::part(Family::Gemv, max_m);
@@ -289,6 +295,7 @@ impl<F> KernelTable<F> {
             prefill_opt,
             prefill_fp8_opt,
             prefill_wg,
+            prefill_wg_fp8,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -324,10 +331,12 @@ impl KernelTable<CudaFunction> {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
-        for (wg, c) in self.prefill_wg.iter().zip(&PREFILL_WG_CONFIGS) {
-            let bytes = prefill_wg_smem_bytes(c.stages) as i32;
-            wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
-            wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+        for (fp8, funcs) in [(false, &self.prefill_wg), (true, &self.prefill_wg_fp8)] {
+            for (wg, c) in funcs.iter().zip(&PREFILL_WG_CONFIGS) {
+                let bytes = prefill_wg_smem_bytes(c.stages, fp8) as i32;
+                wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
+                wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+            }
         }
         Ok(())
     }
@@ -382,7 +391,7 @@ mod tests {
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
-            + PREFILL_WG_CONFIGS.len()
+            + 2 * PREFILL_WG_CONFIGS.len()
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
         assert_eq!(names.len(), 30 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);

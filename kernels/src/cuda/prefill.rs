@@ -66,7 +66,8 @@ pub const PREFILL_WG_CONFIGS: [WgConfig; 2] =
 /// The variant index of the first warpgroup-MMA configuration (`prefill_wg.cu`): after the
 /// [`PREFILL_WARPS`] variants of the mma.sync kernel, configuration `i` of
 /// [`PREFILL_WG_CONFIGS`] is variant `PREFILL_WGMMA + i`. Hopper (`sm_90a`) only, head_dim
-/// [`PREFILL_WG_HEAD_DIM`], a bf16 cache, no window, soft-cap or sinks ([`prefill_wg_supported`]).
+/// [`PREFILL_WG_HEAD_DIM`], a bf16 or FP8 cache, no window, soft-cap or sinks
+/// ([`prefill_wg_supported`]).
 pub const PREFILL_WGMMA: usize = PREFILL_WARPS.len();
 /// Every prefill variant index: `0..PREFILL_VARIANTS`.
 pub const PREFILL_VARIANTS: usize = PREFILL_WARPS.len() + PREFILL_WG_CONFIGS.len();
@@ -89,28 +90,25 @@ pub fn prefill_variant_warps(variant: usize) -> Option<usize> {
 }
 
 /// Whether the warpgroup kernel computes this shape, given that the device runs it (`sm_90a`):
-/// head_dim 128, a bf16 cache, no options, and a GQA group that fits its 64 rows.
-pub fn prefill_wg_supported(
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    fp8_cache: bool,
-    options: bool,
-) -> bool {
-    prefill_supported(n_heads, n_kv_heads, head_dim) && head_dim == PREFILL_WG_HEAD_DIM && !fp8_cache && !options
+/// head_dim 128, no options, and a GQA group that fits its 64 rows (a bf16 or an FP8 cache).
+pub fn prefill_wg_supported(n_heads: usize, n_kv_heads: usize, head_dim: usize, options: bool) -> bool {
+    prefill_supported(n_heads, n_kv_heads, head_dim) && head_dim == PREFILL_WG_HEAD_DIM && !options
 }
 
 /// The warpgroup kernel's name for `head_dim` and a configuration (`PF_WG_INSTANCE` in
 /// prefill_wg.cu).
-pub(crate) fn prefill_wg_kernel_name(head_dim: usize, c: WgConfig) -> String {
-    format!("prefill_attention_wg_hd{head_dim}_s{}_b{}", c.stages, u8::from(c.bt_prefetch))
+pub(crate) fn prefill_wg_kernel_name(head_dim: usize, c: WgConfig, fp8: bool) -> String {
+    let cache = if fp8 { "fp8_" } else { "" };
+    format!("prefill_attention_wg_{cache}hd{head_dim}_s{}_b{}", c.stages, u8::from(c.bt_prefetch))
 }
 
 /// Dynamic shared memory of the warpgroup kernel with `stages` stages: K and V tiles of 64 keys
-/// × 256 bytes each (unpadded: the 128-byte swizzle spreads the banks), plus 1,024 bytes so the
-/// ring can start on the swizzle atoms' 1,024-byte boundary.
-pub fn prefill_wg_smem_bytes(stages: usize) -> usize {
-    stages * 2 * BN * PREFILL_WG_HEAD_DIM * 2 + 1024
+/// × 256 bytes each (unpadded: the 128-byte swizzle spreads the banks); over an FP8 cache the
+/// stages hold code rows (128 bytes) and one such bf16 K + V tile holds their conversion; plus
+/// 1,024 bytes so the tiles can start on the swizzle atoms' 1,024-byte boundary.
+pub fn prefill_wg_smem_bytes(stages: usize, fp8: bool) -> usize {
+    let tile = 2 * BN * PREFILL_WG_HEAD_DIM * 2;
+    if fp8 { tile + stages * tile / 2 + 1024 } else { stages * tile + 1024 }
 }
 
 /// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu); with `options`
@@ -264,14 +262,15 @@ mod tests {
         assert!(prefill_fp8_smem_bytes(256) <= 227 * 1024);
         // The warpgroup kernel: three CTAs of 65 KiB per SM at two stages; head_dim 128, bf16,
         // no options.
-        assert_eq!(prefill_wg_smem_bytes(2), 66_560);
-        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[0]), "prefill_attention_wg_hd128_s2_b1");
+        assert_eq!((prefill_wg_smem_bytes(2, false), prefill_wg_smem_bytes(2, true)), (66_560, 66_560));
+        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[0], false), "prefill_attention_wg_hd128_s2_b1");
+        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[1], true), "prefill_attention_wg_fp8_hd128_s2_b0");
         assert_eq!(prefill_wg_config(PREFILL_WGMMA + 1), Some(WgConfig { stages: 2, bt_prefetch: false }));
         assert_eq!((prefill_wg_config(1), prefill_wg_config(PREFILL_VARIANTS)), (None, None));
         assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 1), Some(4));
-        assert!(prefill_wg_supported(32, 8, 128, false, false));
-        assert!(!prefill_wg_supported(32, 8, 64, false, false) && !prefill_wg_supported(32, 8, 128, true, false));
-        assert!(!prefill_wg_supported(32, 8, 128, false, true) && !prefill_wg_supported(128, 1, 128, false, false));
+        assert!(prefill_wg_supported(32, 8, 128, false));
+        assert!(!prefill_wg_supported(32, 8, 64, false) && !prefill_wg_supported(32, 8, 128, true));
+        assert!(!prefill_wg_supported(128, 1, 128, false));
         assert_eq!((prefill_variant_warps(0), prefill_variant_warps(PREFILL_WGMMA)), (Some(4), Some(4)));
         assert_eq!(prefill_variant_warps(PREFILL_VARIANTS), None);
     }
