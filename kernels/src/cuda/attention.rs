@@ -447,9 +447,7 @@ impl AttentionCall<'_> {
         // index's exact range, checked above), and the grid covers its work items.
         unsafe { args.launch(dev, func, grid) }
     }
-}
 
-impl AttentionCall<'_> {
     /// The warpgroup-MMA prefill kernel of configuration `config` (`stages` deep) over the
     /// step's prefill chunks (`items` query tiles); the caller checked the device, the shape
     /// and the arguments.
@@ -459,10 +457,10 @@ impl AttentionCall<'_> {
         let fp8 = self.cache.is_fp8();
         let funcs = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
         let func = funcs.get(config).ok_or_else(|| shape_error(OP, format!("no configuration {config}")))?;
-        let warps = prefill_variant_warps(PREFILL_WGMMA + config).unwrap_or(4);
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
-            block_dim: (32 * warps as u32, 1, 1),
+            // One warpgroup.
+            block_dim: (128, 1, 1),
             shared_mem_bytes: prefill_wg_smem_bytes(stages, fp8) as u32,
         };
         let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
