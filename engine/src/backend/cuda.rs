@@ -22,15 +22,13 @@ use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, Gate,
     GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp, WeightUploadReport,
 };
-use baton_core::api::{PromptLogprob, TokenLogprob};
-use baton_core::sampling::{RowPlan, Sampled, TokenOp, TokenOpKind};
+use baton_core::api::PromptLogprob;
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AttentionCall, AttentionOptions, AttnKernel, BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions,
-    CudaSlice, DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, EmbedCall, GatherRowsCall, HostSeq,
-    KvCacheRef, KvGeometry, LinearCall, LinearKernel, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers, SiluMulCall,
-    StepIds, StepMeta, WeightUploader, bf16, gemv_supports,
+    BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, EmbedCall, GatherRowsCall, HostSeq,
+    KvGeometry, LinearCall, LinearKernel, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16,
+    gemv_supports,
 };
 use baton_kernels::cuda::{HostDType, HostTensor};
 
@@ -229,50 +227,6 @@ fn record_mark(
     }
 }
 
-/// Logit row `logit_row` sampled with `plan` (whose ops, converted by [`device_ops`], are
-/// `ops`), in the kernel crate's terms. Public for the GPU tests.
-pub fn device_row<'a>(logit_row: usize, plan: &'a RowPlan, ops: &'a [DeviceOp]) -> DeviceRow<'a> {
-    DeviceRow {
-        logit_row,
-        ops,
-        greedy: plan.greedy,
-        temperature: plan.temperature,
-        top_k: plan.top_k,
-        top_p: plan.top_p,
-        min_p: plan.min_p,
-        logprobs: plan.logprobs,
-        u: plan.u,
-        allowed: plan.allowed.as_ref().map(|m| DeviceMask { words: m.words(), len: m.len() }),
-    }
-}
-
-/// The kernel's answer as the sampler's result (logprobs only when the plan asked).
-pub fn sampled(pick: DeviceSample, plan: &RowPlan) -> Sampled {
-    with_logprobs(pick, plan.logprobs)
-}
-
-fn with_logprobs(pick: DeviceSample, logprobs: Option<usize>) -> Sampled {
-    Sampled {
-        token_id: pick.token,
-        logprobs: logprobs.map(|_| TokenLogprob { token_id: pick.token, logprob: pick.logprob, top: pick.top }),
-    }
-}
-
-/// A plan's ops in the kernel crate's terms.
-pub fn device_ops(ops: &[TokenOp]) -> Vec<DeviceOp> {
-    ops.iter()
-        .map(|op| {
-            let (kind, value) = match op.kind {
-                TokenOpKind::Bias(b) => (DeviceOpKind::Bias, b),
-                TokenOpKind::Mask => (DeviceOpKind::Mask, 0.0),
-                TokenOpKind::Repetition(r) => (DeviceOpKind::Repetition, r),
-                TokenOpKind::Subtract(s) => (DeviceOpKind::Subtract, s),
-            };
-            DeviceOp { id: op.id, kind, value }
-        })
-        .collect()
-}
-
 fn to_bf16(data: &[f32]) -> Vec<bf16> {
     data.iter().map(|&v| bf16::from_f32(v)).collect()
 }
@@ -282,55 +236,6 @@ fn kerr(op: &'static str, message: String) -> BackendError {
 }
 
 impl CudaBackend {
-    /// The tuned attention kernels ([`AttentionCall`]) with `options`, over the bf16 or FP8
-    /// cache, at a head_dim they have ([`baton_kernels::cuda::attention_supports`]);
-    /// `attention_with` is the router that sends every layer here or to the simple kernel.
-    pub(super) fn attention_tuned(
-        &mut self,
-        layer: usize,
-        q: &CudaBuf,
-        n_heads: usize,
-        scale: f32,
-        batch: &BatchLayout,
-        options: AttentionOptions<'_>,
-        out: &mut CudaBuf,
-    ) -> Result<(), BackendError> {
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let width = n_heads * geo.head_dim;
-        if q.len != rows * width {
-            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
-        }
-        self.ensure(out, rows * width)?;
-        self.graphs.n_heads = Some(n_heads);
-        let cache = match self.fp8.as_ref() {
-            Some(fp8) => fp8.cache_ref(layer)?,
-            None => {
-                let (k, v) =
-                    self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
-                KvCacheRef::Bf16 { k, v }
-            }
-        };
-        let split = self.attention_policy();
-        // A staged replay is pure decode (and needs its exact split count).
-        let kernel =
-            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
-        let call = AttentionCall {
-            q: &q.data,
-            cache,
-            meta: &mut self.meta,
-            n_heads,
-            geo,
-            scale,
-            out: &mut out.data,
-            kernel,
-            split,
-            options,
-        };
-        Ok(call.launch(&self.dev)?)
-    }
-
     /// Opens the device in `opts` and compiles (or loads from the cache) the kernels.
     pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
         let opened = std::time::Instant::now();
@@ -406,68 +311,6 @@ impl CudaBackend {
         })
     }
 
-    /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
-    /// to cuBLAS (`false`: for benchmarks and comparisons).
-    pub fn set_gemv(&mut self, on: bool) {
-        self.gemv = on;
-    }
-
-    /// Fuses the gated MLP's activation into the skinny GEMM where it applies (`true`, the
-    /// default) or runs the product and the activation kernel (`false`: for benchmarks and
-    /// comparisons; the outputs are the same bits). Drops recorded graphs.
-    pub fn set_fused_gate(&mut self, on: bool) {
-        self.fuse_gate = on;
-        self.drop_graphs();
-    }
-
-    /// Fuses the RMSNorm between two residual branches into the skinny GEMMs on either side
-    /// where it applies, and has it quantize its rows for a W8A8 projection at prefill (`true`,
-    /// the default), or runs the projection, the norm and the next projection (`false`: for
-    /// benchmarks and comparisons). Drops recorded graphs.
-    pub fn set_fused_norm(&mut self, on: bool) {
-        self.fuse_norm = on;
-        self.drop_graphs();
-    }
-
-    /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
-    /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
-    pub fn w8a8_active(&self) -> bool {
-        self.w8a8
-    }
-
-    /// How many W8A8 products so far took their input's per-token codes from the op that wrote
-    /// it (SiLU·mul quantizing for the down projection) instead of quantizing it themselves.
-    pub fn w8a8_handoffs(&self) -> u64 {
-        self.handoffs
-    }
-
-    /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
-    /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
-    pub fn set_prefill_kernel(&mut self, on: bool) {
-        self.prefill_kernel = on;
-    }
-
-    /// Sends the prefill chunks of a shape it computes to the warpgroup-MMA prefill kernel
-    /// (`true`, the default on Hopper) or to the mma.sync one (`false`: for comparisons); see
-    /// `CudaDevice::set_prefill_wgmma`. Drops recorded graphs.
-    pub fn set_prefill_wgmma(&mut self, on: bool) {
-        self.dev.set_prefill_wgmma(on);
-        self.drop_graphs();
-    }
-
-    /// Picks the warpgroup-MMA prefill kernel's configuration (index in
-    /// `baton_kernels::cuda::PREFILL_WG_CONFIGS`; for comparisons). Drops recorded graphs.
-    pub fn set_prefill_wg_config(&mut self, config: usize) -> Result<(), BackendError> {
-        self.dev.set_prefill_wg_config(config)?;
-        self.drop_graphs();
-        Ok(())
-    }
-
-    /// Whether the warpgroup-MMA prefill kernel can run on this device.
-    pub fn prefill_wgmma_capable(&self) -> bool {
-        self.dev.prefill_wgmma_capable()
-    }
-
     /// The counter draws `parts` (rows each) of `cols` columns, one bf16 buffer.
     fn draw(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaSlice<bf16>, BackendError> {
         let total: usize = parts.iter().map(|p| p.0 * cols).sum();
@@ -509,34 +352,6 @@ impl CudaBackend {
         let mut data = self.dev.alloc::<bf16>(len)?;
         self.uploader.get_or_insert_with(WeightUploader::default).upload(&self.dev, &host, &mut data)?;
         Ok(data)
-    }
-
-    /// Starts profiling the ops enqueued from now on: a spin of `spin_ns` nanoseconds goes
-    /// first, so the host can queue the whole step behind it and its kernels then run back
-    /// to back (as from a graph); every [`Backend::mark`] records an event. Profile eager
-    /// steps only (graphs off).
-    pub fn profile_begin(&mut self, spin_ns: u64) -> Result<(), BackendError> {
-        self.dev.spin(spin_ns)?;
-        self.profile = Some(Vec::new());
-        Ok(())
-    }
-
-    /// Ends the profile: waits for the device and returns, for each mark, its label and the
-    /// milliseconds until the next mark (the last mark closes the profile and gets none).
-    pub fn profile_end(&mut self) -> Result<Vec<(&'static str, f64)>, BackendError> {
-        let events = self.profile.take().unwrap_or_default();
-        self.dev.synchronize()?;
-        let mut out = Vec::with_capacity(events.len());
-        for w in events.windows(2) {
-            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(|e| BackendError::from(CudaError::from(e)))?;
-            out.push((w[0].0, f64::from(ms)));
-        }
-        Ok(out)
-    }
-
-    /// The underlying device (for tests and benchmarks).
-    pub fn device(&self) -> &CudaDevice {
-        &self.dev
     }
 
     fn ensure(&self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
@@ -1127,28 +942,6 @@ impl Backend for CudaBackend {
     }
 }
 
-impl DeviceSampler for CudaBackend {
-    fn can_sample_on_device(&self, vocab: usize, plan: &RowPlan) -> bool {
-        (1..=SAMPLE_MAX_VOCAB).contains(&vocab) && plan.logprobs.is_none_or(|k| k <= SAMPLE_MAX_TOP)
-    }
-
-    fn launch_device_sample(&mut self, rows: &[(usize, &RowPlan)]) -> Result<(), BackendError> {
-        let (have, vocab) = self.logit_shape;
-        let ops: Vec<Vec<DeviceOp>> = rows.iter().map(|(_, plan)| device_ops(&plan.ops)).collect();
-        let dev_rows: Vec<DeviceRow<'_>> =
-            rows.iter().zip(&ops).map(|(&(logit_row, plan), ops)| device_row(logit_row, plan, ops)).collect();
-        self.sample_logprobs.clear();
-        self.dev.sample_rows_launch(&mut self.logits, have, vocab, &dev_rows, &mut self.sample_bufs)?;
-        self.sample_logprobs.extend(rows.iter().map(|(_, plan)| plan.logprobs));
-        Ok(())
-    }
-
-    fn collect_device_sample(&mut self) -> Result<Vec<Sampled>, BackendError> {
-        let picks = self.dev.sample_rows_collect(&mut self.sample_bufs)?;
-        Ok(picks.into_iter().zip(self.sample_logprobs.drain(..)).map(|(p, lp)| with_logprobs(p, lp)).collect())
-    }
-}
-
 #[path = "cuda_kv_io.rs"]
 mod kv_io;
 
@@ -1174,9 +967,14 @@ mod fp8_linear;
 mod gated;
 #[path = "cuda_moe.rs"]
 mod moe;
+#[path = "cuda_sampler.rs"]
+mod sampler;
+#[path = "cuda_switches.rs"]
+mod switches;
 use fp8_linear::{ActCodes, Fp8Mat};
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 pub use moe::MoeKernels;
+pub use sampler::{device_ops, device_row, sampled};
 
 #[cfg(test)]
 mod tests {

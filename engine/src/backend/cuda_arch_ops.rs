@@ -3,7 +3,8 @@
 //! activation buffers, the bf16-rounded embedding scale, GELU-tanh·mul, final logit
 //! soft-capping, attention with a sliding window, score soft-capping or sinks (gpt-oss; through
 //! the tuned kernels where they have the head_dim, else the extended kernel), and a rotary
-//! table per layer kind. The trait methods in cuda.rs call these.
+//! table per layer kind; and the tuned attention kernels' launch ([`CudaBackend::attention_tuned`])
+//! that plain attention and these options share. The trait methods in cuda.rs call these.
 //!
 //! Invariants (those of cuda.rs, and for CUDA graphs): every op only enqueues kernels on the
 //! device's stream, with no upload and no synchronization; scratch buffers only grow, and
@@ -15,8 +16,8 @@ use super::{CudaBackend, CudaBuf, CudaRes, kerr};
 use crate::backend::{AttentionExtras, BackendError, BatchLayout};
 use baton_kernels::cpu::{NormWeight, RopeTable};
 use baton_kernels::cuda::{
-    AddRmsNormCall, AttentionExtCall, AttentionOptions, CastCall, CudaSlice, GeluTanhMulCall, RmsNormCall,
-    ScaleRoundCall, SoftcapCall, attention_supports,
+    AddRmsNormCall, AttentionCall, AttentionExtCall, AttentionOptions, AttnKernel, CastCall, CudaSlice,
+    GeluTanhMulCall, KvCacheRef, RmsNormCall, ScaleRoundCall, SoftcapCall, attention_supports,
 };
 
 /// What the optional ops keep on the backend.
@@ -252,5 +253,56 @@ impl CudaBackend {
         self.arch.layer_inv_freq = uploaded;
         self.arch.layer_table = layer_table;
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// The tuned attention kernels ([`AttentionCall`]) with `options`, over the bf16 or FP8
+    /// cache, at a head_dim they have ([`baton_kernels::cuda::attention_supports`]);
+    /// `attention_with` is the router that sends every layer here or to the simple kernel.
+    pub(super) fn attention_tuned(
+        &mut self,
+        layer: usize,
+        q: &CudaBuf,
+        n_heads: usize,
+        scale: f32,
+        batch: &BatchLayout,
+        options: AttentionOptions<'_>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let width = n_heads * geo.head_dim;
+        if q.len != rows * width {
+            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
+        }
+        self.ensure(out, rows * width)?;
+        self.graphs.n_heads = Some(n_heads);
+        let cache = match self.fp8.as_ref() {
+            Some(fp8) => fp8.cache_ref(layer)?,
+            None => {
+                let (k, v) =
+                    self.kv.get(layer).ok_or_else(|| BackendError::Device(format!("layer {layer} has no KV cache")))?;
+                KvCacheRef::Bf16 { k, v }
+            }
+        };
+        let split = self.attention_policy();
+        // A staged replay is pure decode (and needs its exact split count).
+        let kernel =
+            if self.graphs.staged.is_some() || !self.prefill_kernel { AttnKernel::DECODE } else { AttnKernel::Mixed };
+        let call = AttentionCall {
+            q: &q.data,
+            cache,
+            meta: &mut self.meta,
+            n_heads,
+            geo,
+            scale,
+            out: &mut out.data,
+            kernel,
+            split,
+            options,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 }

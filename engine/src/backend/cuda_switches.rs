@@ -1,0 +1,99 @@
+//! The CUDA backend's launch switches, statistics and step profiler: what benchmarks and tests
+//! turn and read. Every switch keeps the results (bit for bit, or within the rounding its doc
+//! names) and only moves timing; one that changes recorded launches drops the graphs.
+
+use super::CudaBackend;
+use crate::backend::BackendError;
+use baton_kernels::cuda::{CudaDevice, CudaError};
+
+impl CudaBackend {
+    /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
+    /// to cuBLAS (`false`: for benchmarks and comparisons).
+    pub fn set_gemv(&mut self, on: bool) {
+        self.gemv = on;
+    }
+
+    /// Fuses the gated MLP's activation into the skinny GEMM where it applies (`true`, the
+    /// default) or runs the product and the activation kernel (`false`: for benchmarks and
+    /// comparisons; the outputs are the same bits). Drops recorded graphs.
+    pub fn set_fused_gate(&mut self, on: bool) {
+        self.fuse_gate = on;
+        self.drop_graphs();
+    }
+
+    /// Fuses the RMSNorm between two residual branches into the skinny GEMMs on either side
+    /// where it applies, and has it quantize its rows for a W8A8 projection at prefill (`true`,
+    /// the default), or runs the projection, the norm and the next projection (`false`: for
+    /// benchmarks and comparisons). Drops recorded graphs.
+    pub fn set_fused_norm(&mut self, on: bool) {
+        self.fuse_norm = on;
+        self.drop_graphs();
+    }
+
+    /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
+    /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
+    pub fn w8a8_active(&self) -> bool {
+        self.w8a8
+    }
+
+    /// How many W8A8 products so far took their input's per-token codes from the op that wrote
+    /// it (SiLU·mul quantizing for the down projection) instead of quantizing it themselves.
+    pub fn w8a8_handoffs(&self) -> u64 {
+        self.handoffs
+    }
+
+    /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
+    /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
+    pub fn set_prefill_kernel(&mut self, on: bool) {
+        self.prefill_kernel = on;
+    }
+
+    /// Sends the prefill chunks of a shape it computes to the warpgroup-MMA prefill kernel
+    /// (`true`, the default on Hopper) or to the mma.sync one (`false`: for comparisons); see
+    /// `CudaDevice::set_prefill_wgmma`. Drops recorded graphs.
+    pub fn set_prefill_wgmma(&mut self, on: bool) {
+        self.dev.set_prefill_wgmma(on);
+        self.drop_graphs();
+    }
+
+    /// Picks the warpgroup-MMA prefill kernel's configuration (index in
+    /// `baton_kernels::cuda::PREFILL_WG_CONFIGS`; for comparisons). Drops recorded graphs.
+    pub fn set_prefill_wg_config(&mut self, config: usize) -> Result<(), BackendError> {
+        self.dev.set_prefill_wg_config(config)?;
+        self.drop_graphs();
+        Ok(())
+    }
+
+    /// Whether the warpgroup-MMA prefill kernel can run on this device.
+    pub fn prefill_wgmma_capable(&self) -> bool {
+        self.dev.prefill_wgmma_capable()
+    }
+
+    /// Starts profiling the ops enqueued from now on: a spin of `spin_ns` nanoseconds goes
+    /// first, so the host can queue the whole step behind it and its kernels then run back
+    /// to back (as from a graph); every [`Backend::mark`] records an event. Profile eager
+    /// steps only (graphs off).
+    pub fn profile_begin(&mut self, spin_ns: u64) -> Result<(), BackendError> {
+        self.dev.spin(spin_ns)?;
+        self.profile = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Ends the profile: waits for the device and returns, for each mark, its label and the
+    /// milliseconds until the next mark (the last mark closes the profile and gets none).
+    pub fn profile_end(&mut self) -> Result<Vec<(&'static str, f64)>, BackendError> {
+        let events = self.profile.take().unwrap_or_default();
+        self.dev.synchronize()?;
+        let mut out = Vec::with_capacity(events.len());
+        for w in events.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(|e| BackendError::from(CudaError::from(e)))?;
+            out.push((w[0].0, f64::from(ms)));
+        }
+        Ok(out)
+    }
+
+    /// The underlying device (for tests and benchmarks).
+    pub fn device(&self) -> &CudaDevice {
+        &self.dev
+    }
+}
