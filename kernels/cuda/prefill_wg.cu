@@ -1,4 +1,4 @@
-// Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg_hd128`): the
+// Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg[_fp8]_hd128_*`): the
 // contract of prefill.cu's kernel (arguments, grid (n_kv_heads, work items), work items
 // enumerated in-kernel from the heaviest-first sequence list, packed GQA rows, causal mask,
 // output in q's layout), bf16 or FP8 (E4M3) cache, head_dim 128, no window, soft-cap or sinks;
@@ -36,6 +36,9 @@
 // barrier; with BTP its cache slots were read from the block table during tile j-1 and parked
 // in shared memory, so no dependent global read stands between the barrier and the copies
 // (that read cost 14-19 % of the kernel's time; BENCHMARKS.md, session 17).
+// Over an FP8 cache the stages hold plain rows of 128 codes instead; once a stage lands the
+// CTA converts it, exactly, into one swizzled bf16 K + V tile (`conv`, first in shared memory)
+// that the wgmma descriptors point at, fences and synchronizes again: a second barrier a tile.
 //
 // The body compiles only for sm_90a (`__CUDA_ARCH_FEAT_SM90_ALL`); other targets get an
 // entry that traps, which the launcher never selects (CudaDevice::prefill_wgmma).
