@@ -107,6 +107,142 @@ __device__ __forceinline__ float pf_exp2(float x) {
     return y;
 }
 
+// ---- Pieces both prefill kernels share (this file's and prefill_wg.cu's, compiled after it) --
+
+// A CTA's query tile and the thread's two packed rows (g and g + 8 of its warp's 16).
+struct PfTile {
+    int row_start, t0, nt_here, pos_first;
+    int n_kv;         // keys 0 .. the tile's last position
+    const int* bt;    // the sequence's block table
+    int rpos[2];      // the rows' positions (a padding row copies the tile's last real one)
+    long long roff[2];  // the rows' offsets in q and out
+    bool rvalid[2];   // whether the row is a real (token, head) of the chunk
+};
+
+// Finds this CTA's (sequence, tile) of tq tokens: work items run over the sequences in list
+// order (heaviest first), and within a sequence from its last tile down. False past the list
+// (the grid never exceeds the item count; defensive only).
+template <int HD>
+__device__ __forceinline__ bool pf_find_tile(const int* __restrict__ seqs, int n_seqs,
+                                             const int* __restrict__ block_tables, int tq, int group, int n_heads,
+                                             int kvh, int warp, int g, PfTile& tl) {
+    int item = blockIdx.y, s = 0, tile = -1;
+    for (; s < n_seqs; s++) {
+        const int tiles = (seqs[4 * s + 1] + tq - 1) / tq;
+        if (item < tiles) {
+            tile = tiles - 1 - item;
+            break;
+        }
+        item -= tiles;
+    }
+    if (tile < 0) return false;
+    const int n_tok = seqs[4 * s + 1], start_pos = seqs[4 * s + 2];
+    tl.row_start = seqs[4 * s];
+    tl.bt = block_tables + seqs[4 * s + 3];
+    tl.t0 = tile * tq;
+    tl.nt_here = min(tq, n_tok - tl.t0);
+    tl.pos_first = start_pos + tl.t0;
+    tl.n_kv = tl.pos_first + tl.nt_here;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int p = warp * 16 + g + 8 * i;
+        const int tk = p / group, hg = p - tk * group;
+        tl.rvalid[i] = tk < tl.nt_here;
+        const int tkc = min(tk, tl.nt_here - 1);
+        tl.rpos[i] = tl.pos_first + tkc;
+        tl.roff[i] = ((long long)(tl.row_start + tl.t0 + tkc) * n_heads + (long long)kvh * group + hg) * HD;
+    }
+    return true;
+}
+
+// Q as A fragments (mma.sync m16n8k16's, which is also wgmma's register A per warp):
+// a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8.
+template <int KS>
+__device__ __forceinline__ void pf_load_q(const bf16_t* __restrict__ q, const PfTile& tl, int t, unsigned (&qf)[KS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        const int c = kk * 16 + 2 * t;
+        qf[kk][0] = *reinterpret_cast<const unsigned*>(q + tl.roff[0] + c);
+        qf[kk][1] = *reinterpret_cast<const unsigned*>(q + tl.roff[1] + c);
+        qf[kk][2] = *reinterpret_cast<const unsigned*>(q + tl.roff[0] + c + 8);
+        qf[kk][3] = *reinterpret_cast<const unsigned*>(q + tl.roff[1] + c + 8);
+    }
+}
+
+// The causal mask of the key tile starting at kv0 (only where it reaches past the tile's
+// first query position; keys past n_kv - 1 are past every row's position, so they are masked
+// here too). sc holds the accumulator layout: column tile n, (row g | g + 8) x (2t, 2t + 1).
+template <int NT>
+__device__ __forceinline__ void pf_causal_mask(float (&sc)[NT][4], int kv0, const PfTile& tl, int t) {
+    if (kv0 + NT * 8 - 1 > tl.pos_first) {
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kv0 + n * 8 + 2 * t + (e & 1);
+                if (key > tl.rpos[e >> 1]) sc[n][e] = NEG_INF;
+            }
+    }
+}
+
+// Online softmax over one key tile: new max per row (quad reduction), O and l rescaled,
+// sc := P = 2^(s - m) (log2 domain: the max is taken on raw scores, qscale = scale * log2 e),
+// l += the row sums of P (per-thread partials, one quad reduction at the end).
+template <int NT, int OT>
+__device__ __forceinline__ void pf_softmax_tile(float (&sc)[NT][4], float (&o)[OT][4], float (&m)[2], float (&l)[2],
+                                                float qscale) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int n = 0; n < NT; n++) {
+        mx[0] = fmaxf(mx[0], fmaxf(sc[n][0], sc[n][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(sc[n][2], sc[n][3]));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+    float ms[2], corr[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        // m[i] is -inf before the first tile: exp2(-inf) = 0 and O, l are still 0. With a
+        // window a row may have seen no key yet (mx = -inf): subtract 0, every p is 0.
+        ms[i] = mx[i] == NEG_INF ? 0.f : mx[i] * qscale;
+        corr[i] = pf_exp2(m[i] * qscale - ms[i]);
+        m[i] = mx[i];
+        l[i] *= corr[i];
+    }
+#pragma unroll
+    for (int n = 0; n < OT; n++) {
+        o[n][0] *= corr[0];
+        o[n][1] *= corr[0];
+        o[n][2] *= corr[1];
+        o[n][3] *= corr[1];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float pe = pf_exp2(sc[n][e] * qscale - ms[e >> 1]);
+            sc[n][e] = pe;
+            l[e >> 1] += pe;
+        }
+}
+
+// The real rows of O times inv (v_scale / l per row) into out, bf16, in q's layout.
+template <int OT>
+__device__ __forceinline__ void pf_store_out(bf16_t* __restrict__ out, const PfTile& tl, int t, const float (&o)[OT][4],
+                                             const float (&inv)[2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        if (!tl.rvalid[i]) continue;
+        bf16_t* orow = out + tl.roff[i] + 2 * t;
+#pragma unroll
+        for (int n = 0; n < OT; n++)
+            *reinterpret_cast<unsigned*>(orow + n * 8) = pf_pack(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
+    }
+}
+
 template <int HD, int NW, typename C, bool OPT>
 __device__ __forceinline__ void prefill_attention_body(
     const bf16_t* __restrict__ q, const C* __restrict__ k_cache, const C* __restrict__ v_cache,
@@ -142,55 +278,19 @@ __device__ __forceinline__ void prefill_attention_body(
     const int tq = BM / group;  // tokens per tile (the launcher guarantees group <= BM)
     const int kvh = blockIdx.x;
 
-    // Find this CTA's (sequence, tile): items run over the sequences in list order, and
-    // within a sequence from its last tile down.
-    int item = blockIdx.y, s = 0, tile = -1;
-    for (; s < n_seqs; s++) {
-        const int tiles = (seqs[4 * s + 1] + tq - 1) / tq;
-        if (item < tiles) {
-            tile = tiles - 1 - item;
-            break;
-        }
-        item -= tiles;
-    }
-    if (tile < 0) return;  // the grid never exceeds the item count; defensive only
-    const int row_start = seqs[4 * s], n_tok = seqs[4 * s + 1], start_pos = seqs[4 * s + 2];
-    const int* __restrict__ bt = block_tables + seqs[4 * s + 3];
-    const int t0 = tile * tq;
-    const int nt_here = min(tq, n_tok - t0);
-    const int pos_first = start_pos + t0;
-    const int n_kv = pos_first + nt_here;  // keys 0 .. the tile's last position
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    PfTile tl;
+    if (!pf_find_tile<HD>(seqs, n_seqs, block_tables, tq, group, n_heads, kvh, warp, g, tl)) return;
+    const int* __restrict__ bt = tl.bt;
+    const int pos_first = tl.pos_first, n_kv = tl.n_kv;
     const int n_tiles = (n_kv + PF_BN - 1) / PF_BN;
     // With a window, the first tile holding a key the tile's first query sees.
     const int j0 = window > 0 ? max(0, pos_first + 1 - window) / PF_BN : 0;
+    const int* rpos = tl.rpos;
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-
-    // The thread's two packed rows (g and g + 8 of its warp's 16).
-    int rpos[2];
-    long long roff[2];
-    bool rvalid[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int p = warp * 16 + g + 8 * i;
-        const int tk = p / group, hg = p - tk * group;
-        rvalid[i] = tk < nt_here;
-        const int tkc = min(tk, nt_here - 1);
-        rpos[i] = pos_first + tkc;
-        roff[i] = ((long long)(row_start + t0 + tkc) * n_heads + (long long)kvh * group + hg) * HD;
-    }
-
-    // Q as A fragments: a0 = row g cols 2t.., a1 = row g+8, a2 = row g cols 2t+8.., a3 = row g+8.
     unsigned qf[KS][4];
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        const int c = kk * 16 + 2 * t;
-        qf[kk][0] = *reinterpret_cast<const unsigned*>(q + roff[0] + c);
-        qf[kk][1] = *reinterpret_cast<const unsigned*>(q + roff[1] + c);
-        qf[kk][2] = *reinterpret_cast<const unsigned*>(q + roff[0] + c + 8);
-        qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
-    }
+    pf_load_q<KS>(q, tl, t, qf);
 
     const long long kv_w = (long long)n_kv_heads * HD;
     const int lc = threadIdx.x % CPR, lr = threadIdx.x / CPR;
@@ -280,17 +380,7 @@ __device__ __forceinline__ void prefill_attention_body(
                 for (int e = 0; e < 4; e++) sc[n][e] = cap2 * tanhf(sc[n][e] * qscale / cap2) / qscale;
         }
 
-        // Causal mask (only where the tile reaches past the first query position; keys past
-        // n_kv - 1 are past every row's position, so they are masked here too).
-        if (kv0 + PF_BN - 1 > pos_first) {
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = kv0 + n * 8 + 2 * t + (e & 1);
-                    if (key > rpos[e >> 1]) sc[n][e] = NEG_INF;
-                }
-        }
+        pf_causal_mask<NT>(sc, kv0, tl, t);
 
         // Window: keys before a row's window (only in tiles that start before the last row's).
         if (window > 0 && kv0 < n_kv - window) {
@@ -303,43 +393,7 @@ __device__ __forceinline__ void prefill_attention_body(
                 }
         }
 
-        // Online softmax: new max per row (quad reduction), rescale O and l, P = 2^(s - m).
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            mx[0] = fmaxf(mx[0], fmaxf(sc[n][0], sc[n][1]));
-            mx[1] = fmaxf(mx[1], fmaxf(sc[n][2], sc[n][3]));
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        }
-        float ms[2], corr[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            // m[i] is -inf before the first tile: exp2(-inf) = 0 and O, l are still 0. With a
-            // window a row may have seen no key yet (mx = -inf): subtract 0, every p is 0.
-            ms[i] = mx[i] == NEG_INF ? 0.f : mx[i] * qscale;
-            corr[i] = pf_exp2(m[i] * qscale - ms[i]);
-            m[i] = mx[i];
-            l[i] *= corr[i];
-        }
-#pragma unroll
-        for (int n = 0; n < OT; n++) {
-            o[n][0] *= corr[0];
-            o[n][1] *= corr[0];
-            o[n][2] *= corr[1];
-            o[n][3] *= corr[1];
-        }
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float pe = pf_exp2(sc[n][e] * qscale - ms[e >> 1]);
-                sc[n][e] = pe;
-                l[e >> 1] += pe;
-            }
+        pf_softmax_tile<NT, OT>(sc, o, m, l, qscale);
 
         // O += P V. P's accumulator layout of column tiles 2kk and 2kk+1 is exactly the A
         // fragment of key step kk. V is [key][d]: ldmatrix.trans of (keys lo, d lo),
@@ -386,14 +440,7 @@ __device__ __forceinline__ void prefill_attention_body(
         }
     }
     const float inv[2] = {v_scale / l[0], v_scale / l[1]};
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (!rvalid[i]) continue;
-        bf16_t* orow = out + roff[i] + 2 * t;
-#pragma unroll
-        for (int n = 0; n < OT; n++)
-            *reinterpret_cast<unsigned*>(orow + n * 8) = pf_pack(o[n][2 * i] * inv[i], o[n][2 * i + 1] * inv[i]);
-    }
+    pf_store_out<OT>(out, tl, t, o, inv);
 }
 
 // Dynamic shared memory: 2 stages x (K + V) x PF_BN x (HD + 8) bf16; the FP8 entry 2 stages x

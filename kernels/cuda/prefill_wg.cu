@@ -129,47 +129,15 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     const int group = n_heads / n_kv_heads;
     const int tq = 64 / group;  // tokens per tile (the launcher guarantees group <= 64)
     const int kvh = blockIdx.x;
-    int item = blockIdx.y, s = 0, tile = -1;
-    for (; s < n_seqs; s++) {
-        const int tiles = (seqs[4 * s + 1] + tq - 1) / tq;
-        if (item < tiles) {
-            tile = tiles - 1 - item;
-            break;
-        }
-        item -= tiles;
-    }
-    if (tile < 0) return;
-    const int row_start = seqs[4 * s], n_tok = seqs[4 * s + 1], start_pos = seqs[4 * s + 2];
-    const int* __restrict__ bt = block_tables + seqs[4 * s + 3];
-    const int t0 = tile * tq;
-    const int nt_here = min(tq, n_tok - t0);
-    const int pos_first = start_pos + t0;
-    const int n_kv = pos_first + nt_here;
-    const int n_tiles = (n_kv + WG_BN - 1) / WG_BN;
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    int rpos[2];
-    long long roff[2];
-    bool rvalid[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const int p = warp * 16 + g + 8 * i;
-        const int tk = p / group, hg = p - tk * group;
-        rvalid[i] = tk < nt_here;
-        const int tkc = min(tk, nt_here - 1);
-        rpos[i] = pos_first + tkc;
-        roff[i] = ((long long)(row_start + t0 + tkc) * n_heads + (long long)kvh * group + hg) * HD;
-    }
+    PfTile tl;
+    if (!pf_find_tile<HD>(seqs, n_seqs, block_tables, tq, group, n_heads, kvh, warp, g, tl)) return;
+    const int* __restrict__ bt = tl.bt;
+    const int n_kv = tl.n_kv;
+    const int n_tiles = (n_kv + WG_BN - 1) / WG_BN;
     unsigned qf[KS][4];
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        const int c = kk * 16 + 2 * t;
-        qf[kk][0] = *reinterpret_cast<const unsigned*>(q + roff[0] + c);
-        qf[kk][1] = *reinterpret_cast<const unsigned*>(q + roff[1] + c);
-        qf[kk][2] = *reinterpret_cast<const unsigned*>(q + roff[0] + c + 8);
-        qf[kk][3] = *reinterpret_cast<const unsigned*>(q + roff[1] + c + 8);
-    }
+    pf_load_q<KS>(q, tl, t, qf);
 
     // The copy: thread (lr, lc) copies 16-byte chunk lc of rows lr, lr + RPP, ... of K and V.
     // bf16: every row it copies has r % 8 = lr, so its swizzled column is the same for all of
@@ -203,9 +171,11 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
     };
     const int tid = threadIdx.x;
 
-    float o[OT * 4];
+    float o[OT][4];
 #pragma unroll
-    for (int i = 0; i < OT * 4; i++) o[i] = 0.f;
+    for (int n = 0; n < OT; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[n][e] = 0.f;
     float m[2] = {NEG_INF, NEG_INF};
     float l[2] = {0.f, 0.f};
 
@@ -250,79 +220,40 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         const unsigned kt = FP8 ? conv : ring + st * STAGE_B, vt = kt + TILE_B;
         const int kv0 = j * WG_BN;
 
-        float sc[NT * 4];
-#pragma unroll
-        for (int i = 0; i < NT * 4; i++) sc[i] = 0.f;
-        wg_fence_regs<NT * 4>(sc);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++)
-            wg_mma_n64(sc, qf[kk], wg_desc(kt + (kk >> 2) * HALF_B + (kk & 3) * 32, 16, 1024), 1);
-        wg_commit();
-        wg_wait0();
-        wg_fence_regs<NT * 4>(sc);
-
-        // Causal mask (keys past n_kv - 1 are past every row's position: masked here too).
-        if (kv0 + WG_BN - 1 > pos_first) {
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int key = kv0 + n * 8 + 2 * t + (e & 1);
-                    if (key > rpos[e >> 1]) sc[4 * n + e] = NEG_INF;
-                }
-        }
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            mx[0] = fmaxf(mx[0], fmaxf(sc[4 * n], sc[4 * n + 1]));
-            mx[1] = fmaxf(mx[1], fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-        }
-        float ms[2], corr[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            // Every real row sees key 0 in tile 0, so mx is finite from the first tile on;
-            // padding rows copy a real row. The guard keeps an all-masked row finite anyway.
-            ms[i] = mx[i] == NEG_INF ? 0.f : mx[i] * qscale;
-            corr[i] = pf_exp2(m[i] * qscale - ms[i]);
-            m[i] = mx[i];
-            l[i] *= corr[i];
-        }
-#pragma unroll
-        for (int n = 0; n < OT; n++) {
-            o[4 * n] *= corr[0];
-            o[4 * n + 1] *= corr[0];
-            o[4 * n + 2] *= corr[1];
-            o[4 * n + 3] *= corr[1];
-        }
+        float sc[NT][4];
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float pe = pf_exp2(sc[4 * n + e] * qscale - ms[e >> 1]);
-                sc[4 * n + e] = pe;
-                l[e >> 1] += pe;
-            }
+            for (int e = 0; e < 4; e++) sc[n][e] = 0.f;
+        wg_fence_regs<NT * 4>(&sc[0][0]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+            wg_mma_n64(&sc[0][0], qf[kk], wg_desc(kt + (kk >> 2) * HALF_B + (kk & 3) * 32, 16, 1024), 1);
+        wg_commit();
+        wg_wait0();
+        wg_fence_regs<NT * 4>(&sc[0][0]);
+
+        pf_causal_mask<NT>(sc, kv0, tl, t);
+        // Every real row sees key 0 in tile 0, so its max is finite from the first tile on;
+        // padding rows copy a real row.
+        pf_softmax_tile<NT, OT>(sc, o, m, l, qscale);
         unsigned pa[WG_BN / 16][4];
 #pragma unroll
         for (int kk = 0; kk < WG_BN / 16; kk++) {
-            pa[kk][0] = pf_pack(sc[8 * kk], sc[8 * kk + 1]);
-            pa[kk][1] = pf_pack(sc[8 * kk + 2], sc[8 * kk + 3]);
-            pa[kk][2] = pf_pack(sc[8 * kk + 4], sc[8 * kk + 5]);
-            pa[kk][3] = pf_pack(sc[8 * kk + 6], sc[8 * kk + 7]);
+            pa[kk][0] = pf_pack(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pf_pack(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pf_pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pf_pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
-        wg_fence_regs<OT * 4>(o);
+        wg_fence_regs<OT * 4>(&o[0][0]);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < WG_BN / 16; kk++) wg_mma_n128(o, pa[kk], wg_desc(vt + kk * 2048, HALF_B, 1024), 1);
+        for (int kk = 0; kk < WG_BN / 16; kk++)
+            wg_mma_n128(&o[0][0], pa[kk], wg_desc(vt + kk * 2048, HALF_B, 1024), 1);
         wg_commit();
         wg_wait0();
-        wg_fence_regs<OT * 4>(o);
+        wg_fence_regs<OT * 4>(&o[0][0]);
         if (BTP && tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
     }
     pf_wait<0>();
@@ -333,14 +264,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
     const float inv[2] = {v_scale / l[0], v_scale / l[1]};
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        if (!rvalid[i]) continue;
-        bf16_t* orow = out + roff[i] + 2 * t;
-#pragma unroll
-        for (int n = 0; n < OT; n++)
-            *reinterpret_cast<unsigned*>(orow + n * 8) = pf_pack(o[4 * n + 2 * i] * inv[i], o[4 * n + 2 * i + 1] * inv[i]);
-    }
+    pf_store_out<OT>(out, tl, t, o, inv);
 #else
     __trap();
 #endif
