@@ -50,7 +50,6 @@ use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
-use baton_kernels::cuda::{PREFILL_WG_CONFIGS, PREFILL_WG_DEFAULT};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -276,24 +275,19 @@ fn run() -> Res<()> {
     };
     // Every MoE kernel set with the prefill attention kernel, the last also with the decode one
     // and (on Hopper) with the mma.sync prefill kernel instead of the warpgroup one.
-    // On Hopper the last set also runs once per warpgroup configuration (the default first).
     let last = moe_sets[moe_sets.len() - 1];
-    let wg_default = PREFILL_WG_DEFAULT;
-    let mut ttft_runs: Vec<(MoeKernels, bool, bool, usize)> =
-        moe_sets.iter().map(|&m| (m, true, true, wg_default)).collect();
+    let mut ttft_runs: Vec<(MoeKernels, bool, bool)> = moe_sets.iter().map(|&m| (m, true, true)).collect();
     if model.backend_mut().prefill_wgmma_capable() {
-        ttft_runs.extend((0..PREFILL_WG_CONFIGS.len()).filter(|&c| c != wg_default).map(|c| (last, true, true, c)));
-        ttft_runs.push((last, true, false, wg_default));
+        ttft_runs.push((last, true, false));
     }
-    ttft_runs.push((last, false, true, wg_default));
+    ttft_runs.push((last, false, true));
     // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
     // fused, the default).
     model.backend_mut().set_fused_norm(flag(&args, "--fused-norm").as_deref() != Some("off"));
-    for (moe, prefill_kernel, wgmma, wg_config) in ttft_runs {
+    for (moe, prefill_kernel, wgmma) in ttft_runs {
         model.backend_mut().set_moe_kernels(moe);
         model.backend_mut().set_prefill_kernel(prefill_kernel);
         model.backend_mut().set_prefill_wgmma(wgmma);
-        model.backend_mut().set_prefill_wg_config(wg_config)?;
         engine_step(&mut model, &prefill)?;
         let mut t = Vec::new();
         for _ in 0..3 {
@@ -304,11 +298,10 @@ fn run() -> Res<()> {
         let ttft = median(t);
         let prefill_tflops = 2.0 * active_params * n as f64 / ttft / 1e12;
         let wg = wgmma && model.backend_mut().prefill_wgmma_capable();
-        let c = PREFILL_WG_CONFIGS[wg_config];
         let attn = match (prefill_kernel, wg) {
-            (false, _) => "decode kernel".to_string(),
-            (true, true) => format!("prefill kernel (warpgroup MMA, {c:?})"),
-            (true, false) => "prefill kernel (mma.sync)".to_string(),
+            (false, _) => "decode kernel",
+            (true, true) => "prefill kernel (warpgroup MMA)",
+            (true, false) => "prefill kernel (mma.sync)",
         };
         let moe_name = moe.name();
         let moe_txt = if cfg.moe.is_some() { format!(", MoE kernels {moe_name}") } else { String::new() };
@@ -318,15 +311,12 @@ fn run() -> Res<()> {
             ttft * 1e3
         )?;
         json.push(format!(
-            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"prefill_wgmma\":{wg},\"wg_stages\":{},\"wg_bt_prefetch\":{},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
-            c.stages,
-            c.bt_prefetch,
+            "{{\"name\":\"ttft\",\"prompt_tokens\":{n},\"prefill_kernel\":{prefill_kernel},\"prefill_wgmma\":{wg},\"moe_kernels\":\"{moe_name}\",\"ms\":{:.2},\"gemm_tflop_s\":{prefill_tflops:.1}}}",
             ttft * 1e3
         ));
     }
     model.backend_mut().set_prefill_kernel(true);
     model.backend_mut().set_prefill_wgmma(true);
-    model.backend_mut().set_prefill_wg_config(wg_default)?;
     model.backend_mut().set_moe_kernels(last);
     // Where the prefill step's time goes: the same step op by op (eager, events between ops).
     if !args.iter().any(|a| a == "--no-profile") {

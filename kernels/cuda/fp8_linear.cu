@@ -73,6 +73,21 @@ __device__ __forceinline__ void load8(const float* p, float v[8]) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
+// A row's second pass: the E4M3 codes of its k8 * 8 values divided by the row's scale s, 8 a
+// store (every thread its chunks c = threadIdx.x, + blockDim.x, ...). xr is not __restrict__:
+// SiLU·mul reads back the act row it wrote, which the read-only load path must not serve.
+template <typename T>
+__device__ __forceinline__ void store_row_codes(const T* xr, uint2* __restrict__ cr, int k8, float s) {
+    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
+        float v[8];
+        load8(xr + 8 * c, v);
+        unsigned q[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
+        cr[c] = make_uint2(q[0], q[1]);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned char* __restrict__ codes,
                                               float* __restrict__ scales, int k, long long row0) {
@@ -89,14 +104,7 @@ __device__ __forceinline__ void quantize_rows(const T* __restrict__ x, unsigned 
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }
     const float s = e4m3_row_scale(block_amax(amax));
-    for (int c = threadIdx.x; c < k8; c += blockDim.x) {
-        float v[8];
-        load8(xr + 8 * c, v);
-        unsigned q[2] = {0u, 0u};
-#pragma unroll
-        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
-        cr[c] = make_uint2(q[0], q[1]);
-    }
+    store_row_codes(xr, cr, k8, s);
     if (threadIdx.x == 0) scales[row0 + row] = s;
 }
 
@@ -143,15 +151,7 @@ extern "C" __global__ void silu_mul_quant_e4m3(const bf16_t* __restrict__ gate_u
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }
     const float s = e4m3_row_scale(block_amax(amax));
-    const bf16_t* a = act + row * (long long)d;
-    for (int c = threadIdx.x; c < d8; c += blockDim.x) {
-        float v[8];
-        load8(a + 8 * c, v);
-        unsigned q[2] = {0u, 0u};
-#pragma unroll
-        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
-        cr[c] = make_uint2(q[0], q[1]);
-    }
+    store_row_codes<bf16_t>(act + row * (long long)d, cr, d8, s);
     if (threadIdx.x == 0) scales[row] = s;
 }
 

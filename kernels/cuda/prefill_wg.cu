@@ -1,4 +1,4 @@
-// Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg[_fp8]_hd128_*`): the
+// Prefill flash attention on Hopper's warpgroup MMA (`prefill_attention_wg[_fp8]_hd128`): the
 // contract of prefill.cu's kernel (arguments, grid (n_kv_heads, work items), work items
 // enumerated in-kernel from the heaviest-first sequence list, packed GQA rows, causal mask,
 // output in q's layout), bf16 or FP8 (E4M3) cache, head_dim 128, no window, soft-cap or sinks;
@@ -33,7 +33,7 @@
 // places (zero-filled past the needed keys, so no uninitialized value meets P V); after a
 // stage lands each thread fences the generic-proxy writes for the async proxy that wgmma
 // reads through, then the CTA synchronizes. The copy of tile j+1 is issued right after that
-// barrier; with BTP its cache slots were read from the block table during tile j-1 and parked
+// barrier; its cache slots were read from the block table during tile j-1 and parked
 // in shared memory, so no dependent global read stands between the barrier and the copies
 // (that read cost 14-19 % of the kernel's time; BENCHMARKS.md, session 17).
 // Over an FP8 cache the stages hold plain rows of 128 codes instead; once a stage lands the
@@ -101,7 +101,7 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned addr, unsigned lb
            ((unsigned long long)((sbo >> 4) & 0x3fffu) << 32) | (1ull << 62);
 }
 
-template <typename C, int NS, bool BTP>
+template <typename C>
 __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, const C* __restrict__ k_cache,
                                                 const C* __restrict__ v_cache, bf16_t* __restrict__ out,
                                                 const int* __restrict__ seqs, int n_seqs,
@@ -110,6 +110,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr bool FP8 = sizeof(C) == 1;
     constexpr int HD = 128;
+    constexpr int NS = 2;                  // ring stages (3 cost a CTA an SM and measured slower)
     constexpr int HALF_B = WG_BN * 128;    // one half of a bf16 tile: 64 rows x 128 bytes
     constexpr int TILE_B = 2 * HALF_B;     // a bf16 K (or V) tile
     constexpr int ROW_B = HD * (int)sizeof(C);  // bytes of a cached row (FP8: 128 codes)
@@ -151,7 +152,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         const int lb = block_size == 1 ? p : (int)__umulhi((unsigned)p, bs_magic);
         return bt[lb] * block_size + (p - lb * block_size);
     };
-    // With BTP the slots of tile t's 64 keys are read one iteration before its copy is issued
+    // The slots of tile t's 64 keys are read one iteration before its copy is issued
     // (threads 0..63, one key each) and parked in slots_s[t & 1], so the copy's addresses need
     // no global read: the block-table latency leaves the path from the barrier to the copies.
     __shared__ int slots_s[2][WG_BN];
@@ -188,7 +189,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         if (st < n_tiles) load_tile(st, st, false);
         pf_commit();
     }
-    if (BTP && tid < WG_BN && (NS - 1) * WG_BN + tid < n_kv) slots_s[(NS - 1) & 1][tid] = slot_of((NS - 1) * WG_BN + tid);
+    if (tid < WG_BN && (NS - 1) * WG_BN + tid < n_kv) slots_s[(NS - 1) & 1][tid] = slot_of((NS - 1) * WG_BN + tid);
     for (int j = 0; j < n_tiles; j++) {
         const int st = j % NS;
         pf_wait<NS - 2>();
@@ -196,8 +197,8 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         __syncthreads();
         // The slots of tile j+NS, stored at the end of this iteration.
         const int pre = (j + NS) * WG_BN + tid;
-        const int pre_slot = BTP && tid < WG_BN && pre < n_kv ? slot_of(pre) : 0;
-        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, BTP);
+        const int pre_slot = tid < WG_BN && pre < n_kv ? slot_of(pre) : 0;
+        if (j + NS - 1 < n_tiles) load_tile(j + NS - 1, (j + NS - 1) % NS, true);
         pf_commit();
         if constexpr (FP8) {
             // Stage st's codes into the swizzled bf16 tile (exact: every E4M3 value is a bf16
@@ -254,7 +255,7 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
         wg_commit();
         wg_wait0();
         wg_fence_regs<OT * 4>(&o[0][0]);
-        if (BTP && tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
+        if (tid < WG_BN && pre < n_kv) slots_s[(j + NS) & 1][tid] = pre_slot;
     }
     pf_wait<0>();
 
@@ -270,38 +271,36 @@ __device__ __forceinline__ void prefill_wg_body(const bf16_t* __restrict__ q, co
 #endif
 }
 
-// Dynamic shared memory: NS stages x (K + V) x 64 keys x 256 bytes (FP8: x 128 bytes of codes,
+// Dynamic shared memory: 2 stages x (K + V) x 64 keys x 256 bytes (FP8: x 128 bytes of codes,
 // plus the converted bf16 K + V tile, 32 KiB), plus 1,024 bytes of slack for the alignment
-// (`prefill_wg_smem_bytes` in prefill.rs); BTP: the block-table slots
-// read a tile ahead into shared memory. Three CTAs an SM: the register cap (168) is what the
+// (`prefill_wg_smem_bytes` in prefill.rs). Three CTAs an SM: the register cap (168) is what the
 // kernel needs without spilling, and 3 x 65 KiB of shared memory fit.
 //
 // Measured and set aside (H100, BENCHMARKS.md, session 17): three stages (two CTAs an SM: 10-20 %
 // slower), two warpgroups a CTA sharing the K/V tiles (one CTA an SM: 5-10 % slower, although
-// it halves the tiles' L2 reads per FLOP), and P V's wait deferred to the next tile's (a second
-// barrier a tile: 8-14 % slower).
-#define PF_WG_INSTANCE(HD, NS, BTP)                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_hd##HD##_s##NS##_b##BTP(           \
+// it halves the tiles' L2 reads per FLOP), P V's wait deferred to the next tile's (a second
+// barrier a tile: 8-14 % slower), and the block-table slots read as each copy is issued
+// (14-19 % slower).
+#define PF_WG_INSTANCE(HD)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_hd##HD(                            \
         const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,   \
         bf16_t* __restrict__ out, const int* __restrict__ seqs, int n_seqs, const int* __restrict__ block_tables, \
         int n_heads, int n_kv_heads, int block_size, unsigned bs_magic, float qscale) {                          \
         PDL_ENTER();                                                                                             \
-        prefill_wg_body<bf16_t, NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,          \
-                                         n_kv_heads, block_size, bs_magic, qscale, 1.f);                         \
+        prefill_wg_body<bf16_t>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads, n_kv_heads,       \
+                                block_size, bs_magic, qscale, 1.f);                                              \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_fp8_hd##HD##_s##NS##_b##BTP(       \
+    extern "C" __global__ void __launch_bounds__(128, 3) prefill_attention_wg_fp8_hd##HD(                        \
         const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                 \
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, const int* __restrict__ seqs,       \
         int n_seqs, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,           \
         unsigned bs_magic, float qscale, float v_scale) {                                                        \
         PDL_ENTER();                                                                                             \
-        prefill_wg_body<unsigned char, NS, BTP>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,   \
-                                                n_kv_heads, block_size, bs_magic, qscale, v_scale);              \
+        prefill_wg_body<unsigned char>(q, k_cache, v_cache, out, seqs, n_seqs, block_tables, n_heads,            \
+                                       n_kv_heads, block_size, bs_magic, qscale, v_scale);                       \
     }
 
-// head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it); the
-// configurations of PREFILL_WG_CONFIGS in prefill.rs, in its order: the default (block-table
-// slots prefetched) and the first version, kept for comparisons. Each for a bf16 cache and an
-// FP8 one (the K scale folded into qscale by the launcher, the V scale into the output's 1 / l).
-PF_WG_INSTANCE(128, 2, 1)
-PF_WG_INSTANCE(128, 2, 0)
+// head_dim 128 only (the 16-byte chunk mapping and the two 64-dim halves assume it), for a bf16
+// cache and an FP8 one (the K scale folded into qscale by the launcher, the V scale into the
+// output's 1 / l).
+PF_WG_INSTANCE(128)

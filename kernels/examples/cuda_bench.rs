@@ -25,7 +25,7 @@ use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
     CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
     PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default, bf16, gemv_default,
-    plan_splits, prefill_variant_warps, prefill_wg_config,
+    plan_splits, prefill_variant_warps,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -329,17 +329,16 @@ fn prefill_section(
         let old = download_f32(dev, &o_old, n)?;
         let diff = rel_diff(&download_f32(dev, &o_new, n)?, &old);
         // The router's choice: the warpgroup kernel on Hopper, else the default mma.sync variant.
-        let routed =
-            if dev.prefill_wgmma() { PREFILL_WGMMA + dev.prefill_wg_config() } else { PREFILL_DEFAULT_VARIANT };
-        let name = |vi: usize| match (prefill_wg_config(vi), prefill_variant_warps(vi)) {
-            (Some(c), _) => format!("prefill_wg_s{}{}", c.stages, if c.bt_prefetch { "_bt" } else { "" }),
-            (None, Some(w)) => format!("prefill_mma_w{w}"),
-            (None, None) => format!("prefill_variant_{vi}"),
+        let routed = if dev.prefill_wgmma() { PREFILL_WGMMA } else { PREFILL_DEFAULT_VARIANT };
+        let name = |vi: usize| match prefill_variant_warps(vi) {
+            _ if vi == PREFILL_WGMMA => "prefill_wgmma".to_string(),
+            Some(w) => format!("prefill_mma_w{w}"),
+            None => format!("prefill_variant_{vi}"),
         };
         let mut rows = vec![(format!("{}*", name(routed)), ms_new, diff)];
         // The other variants, launched directly (the warpgroup one only where it runs).
-        let others = (0..PREFILL_VARIANTS)
-            .filter(|&vi| vi != routed && (prefill_wg_config(vi).is_none() || dev.prefill_wgmma_capable()));
+        let others =
+            (0..PREFILL_VARIANTS).filter(|&vi| vi != routed && (vi != PREFILL_WGMMA || dev.prefill_wgmma_capable()));
         for vi in others {
             let kernel = AttnKernel::Prefill { variant: vi };
             let ms = time_ms(dev, 3, 20, |_| attention(&mut meta, &mut o_var, kernel))?;

@@ -22,8 +22,8 @@ use baton_kernels::cpu::{
 };
 use baton_kernels::cuda::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnKind,
-    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_VARIANTS, QkNorm, RopeExtras, RopeInput,
-    RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16, prefill_variant_warps, prefill_wg_config,
+    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_VARIANTS, PREFILL_WGMMA, QkNorm,
+    RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16, prefill_variant_warps,
     prefill_wg_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
@@ -390,7 +390,7 @@ fn tuned_fp8_cases(
             want,
         );
     }
-    // Every prefill variant (CTA sizes, warpgroup configurations where they run this shape): a
+    // Every prefill variant (CTA sizes, the warpgroup kernel where it runs this shape): a
     // decode launch covers every row, the prefill kernel then overwrites the prefill chunks'
     // rows with its own results.
     for variant in (0..PREFILL_VARIANTS).filter(|&v| prefill_runs(dev, v, n_heads, geo.n_kv_heads, hd)) {
@@ -433,12 +433,13 @@ fn tuned_fp8_cases(
 }
 
 /// Whether prefill variant `v` runs this shape here: the mma.sync CTA sizes always (the group
-/// fits), the warpgroup configurations on `sm_90a` at head_dim 128.
+/// fits), the warpgroup kernel on `sm_90a` at head_dim 128.
 fn prefill_runs(dev: &CudaDevice, v: usize, n_heads: usize, n_kv_heads: usize, hd: usize) -> bool {
     let fits = prefill_variant_warps(v).is_some_and(|w| n_heads / n_kv_heads <= 16 * w);
-    match prefill_wg_config(v) {
-        Some(_) => fits && dev.prefill_wgmma_capable() && prefill_wg_supported(n_heads, n_kv_heads, hd, false),
-        None => fits,
+    if v == PREFILL_WGMMA {
+        fits && dev.prefill_wgmma_capable() && prefill_wg_supported(n_heads, n_kv_heads, hd, false)
+    } else {
+        fits
     }
 }
 

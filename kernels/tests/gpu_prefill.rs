@@ -13,8 +13,8 @@ mod common;
 use baton_kernels::cpu::{self, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
     AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry,
-    PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, StepMeta, bf16, prefill_supported,
-    prefill_variant_warps, prefill_wg_config, prefill_wg_supported,
+    PREFILL_DEFAULT_VARIANT, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WGMMA, StepMeta, bf16, prefill_supported,
+    prefill_variant_warps, prefill_wg_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::rngs::StdRng;
@@ -88,7 +88,7 @@ fn prefill_case(
         if nh / nkv > 16 * warps {
             continue;
         }
-        let wg = prefill_wg_config(vi).is_some();
+        let wg = vi == PREFILL_WGMMA;
         if wg && !prefill_wg_supported(nh, nkv, hd, false) {
             continue;
         }
@@ -124,10 +124,7 @@ fn prefill_case(
                 assert!(got[span].iter().all(|v| v.is_nan()), "{what}: prefill kernel wrote decode row {r}");
             }
         }
-        let kernel = match prefill_wg_config(vi) {
-            Some(c) => format!("warpgroup MMA {c:?}"),
-            None => format!("{warps} warps"),
-        };
+        let kernel = if wg { "warpgroup MMA".to_string() } else { format!("{warps} warps") };
         check(&format!("prefill only, {kernel}, {what}"), &g, &wnt);
     }
 }

@@ -108,29 +108,25 @@ impl CudaBackend {
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
-            // The codes of x, made by the op that wrote it (`BranchBoundary::then`).
+            // The codes of x as the op that wrote it made them (`BranchBoundary::then`), or made
+            // here from the stored rows.
             let handed = self.act_codes.take().is_some_and(|c| c == ActCodes::of(x, m, w.cols));
-            if let (true, Some((xq, xs))) = (handed, &self.fp8_act) {
-                match (Fp8W8A8QuantizedCall { xq, xs, m, w, out: &mut out.data }).launch(&self.dev) {
-                    Ok(()) => {
-                        self.handoffs += 1;
-                        return Ok(());
-                    }
-                    Err(CudaError::BlasLt(message)) => {
-                        // x was written too: the fallbacks below read it.
-                        tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
-                        self.w8a8 = false;
-                    }
-                    Err(e) => return Err(e.into()),
+            let launched = match (handed, &self.fp8_act) {
+                (true, Some((xq, xs))) => {
+                    let call = Fp8W8A8QuantizedCall { xq, xs, m, w, out: &mut out.data }.launch(&self.dev);
+                    self.handoffs += u64::from(call.is_ok());
+                    call
                 }
-            }
-        }
-        if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
-            let act = self.take_fp8_act(m, w.cols)?;
-            let (xq, xs) = self.fp8_act.insert(act);
-            match (Fp8W8A8Call { x: &x.data, m, w, xq, xs, out: &mut out.data }).launch(&self.dev) {
+                _ => {
+                    let act = self.take_fp8_act(m, w.cols)?;
+                    let (xq, xs) = self.fp8_act.insert(act);
+                    Fp8W8A8Call { x: &x.data, m, w, xq, xs, out: &mut out.data }.launch(&self.dev)
+                }
+            };
+            match launched {
                 Ok(()) => return Ok(()),
                 Err(CudaError::BlasLt(message)) => {
+                    // x is stored either way: the fallbacks below read it.
                     tracing::warn!(%message, "cuBLASLt refused the FP8 (W8A8) GEMM: dequantizing instead from now on");
                     self.w8a8 = false;
                 }

@@ -56,14 +56,6 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
-    /// Picks the warpgroup-MMA prefill kernel's configuration (index in
-    /// `baton_kernels::cuda::PREFILL_WG_CONFIGS`; for comparisons). Drops recorded graphs.
-    pub fn set_prefill_wg_config(&mut self, config: usize) -> Result<(), BackendError> {
-        self.dev.set_prefill_wg_config(config)?;
-        self.drop_graphs();
-        Ok(())
-    }
-
     /// Whether the warpgroup-MMA prefill kernel can run on this device.
     pub fn prefill_wgmma_capable(&self) -> bool {
         self.dev.prefill_wgmma_capable()

@@ -27,8 +27,8 @@ use super::paged_attention::{
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
-    prefill_fp8_smem_bytes, prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_config,
-    prefill_wg_smem_bytes, prefill_wg_supported,
+    prefill_fp8_smem_bytes, prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_smem_bytes,
+    prefill_wg_supported,
 };
 use super::{AttentionMeta, CudaDevice, CudaError, CudaSlice, KvGeometry};
 use cudarc::driver::LaunchConfig;
@@ -160,8 +160,7 @@ pub enum AttnKernel {
     },
     /// The prefill kernel on the step's prefill chunks only (sequences of at least
     /// `PREFILL_MIN_TOKENS` rows): the mma.sync kernel with CTAs of `PREFILL_WARPS[variant]`
-    /// warps, or from [`PREFILL_WGMMA`] on the warpgroup-MMA kernel's configurations; other rows
-    /// are not touched.
+    /// warps, or at [`PREFILL_WGMMA`] the warpgroup-MMA kernel; other rows are not touched.
     Prefill {
         /// Below `PREFILL_VARIANTS` (see `prefill_variant_warps`).
         variant: usize,
@@ -273,8 +272,8 @@ impl AttentionCall<'_> {
         // The warpgroup kernel where it runs this shape, else the default mma.sync variant.
         let wg =
             dev.prefill_wgmma() && prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, !self.options.is_none());
-        let pf_variant = if wg { PREFILL_WGMMA + dev.prefill_wg_config() } else { PREFILL_DEFAULT_VARIANT };
-        // Validate the prefill launch before enqueueing anything.
+        let pf_variant = if wg { PREFILL_WGMMA } else { PREFILL_DEFAULT_VARIANT };
+        // Validate the prefill launch before enqueueing anything (both kernels take 4 warps).
         check_prefill_shape(&self.meta.prefill.lists, n_heads, geo, PREFILL_WARPS[PREFILL_DEFAULT_VARIANT])?;
         if self.meta.prefill.lists.decode_rows_end > 0 {
             self.decode(dev, variant, DecodeRows::DecodeOnly)?;
@@ -384,8 +383,8 @@ impl AttentionCall<'_> {
         let warps =
             prefill_variant_warps(variant).ok_or_else(|| shape_error(OP, format!("no prefill variant {variant}")))?;
         let (hd_idx, items) = check_prefill_shape(lists, n_heads, geo, warps)?;
-        let wg_config = prefill_wg_config(variant);
-        if wg_config.is_some() {
+        let wg = variant == PREFILL_WGMMA;
+        if wg {
             shape_check(OP, dev.prefill_wgmma_capable(), || {
                 format!("the warpgroup prefill kernel needs sm_90a kernels (built for {})", dev.arch())
             })?;
@@ -406,8 +405,8 @@ impl AttentionCall<'_> {
         // The `_opt_` entries compute the options; the plain ones compile them out.
         let k = &dev.kernels;
         let plain = self.options.is_none();
-        if let Some(config) = wg_config {
-            return self.prefill_wg(dev, variant - PREFILL_WGMMA, config.stages, items);
+        if wg {
+            return self.prefill_wg(dev, items);
         }
         let (table, smem) = match self.cache {
             KvCacheRef::Bf16 { .. } => {
@@ -448,20 +447,18 @@ impl AttentionCall<'_> {
         unsafe { args.launch(dev, func, grid) }
     }
 
-    /// The warpgroup-MMA prefill kernel of configuration `config` (`stages` deep) over the
-    /// step's prefill chunks (`items` query tiles); the caller checked the device, the shape
-    /// and the arguments.
-    fn prefill_wg(&self, dev: &CudaDevice, config: usize, stages: usize, items: usize) -> Result<(), CudaError> {
+    /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles);
+    /// the caller checked the device, the shape and the arguments.
+    fn prefill_wg(&self, dev: &CudaDevice, items: usize) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention_wg";
         let (n_heads, geo) = (self.n_heads, self.geo);
         let fp8 = self.cache.is_fp8();
-        let funcs = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
-        let func = funcs.get(config).ok_or_else(|| shape_error(OP, format!("no configuration {config}")))?;
+        let func = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
             // One warpgroup.
             block_dim: (128, 1, 1),
-            shared_mem_bytes: prefill_wg_smem_bytes(stages, fp8) as u32,
+            shared_mem_bytes: prefill_wg_smem_bytes(fp8) as u32,
         };
         let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
         let args = self

@@ -71,8 +71,6 @@ pub struct CudaDevice {
     /// Whether the mixed-batch router sends prefill chunks to the warpgroup-MMA kernel where it
     /// applies (see [`CudaDevice::prefill_wgmma`]).
     prefill_wgmma: AtomicBool,
-    /// Which of its configurations (see [`CudaDevice::prefill_wg_config`]).
-    prefill_wg_config: AtomicUsize,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -159,7 +157,6 @@ impl CudaDevice {
             gemv_l2_prefetch: AtomicUsize::new(GEMV_L2_PREFETCH_DEFAULT),
             pdl_capable: major >= 9,
             prefill_wgmma: AtomicBool::new(wgmma_capable),
-            prefill_wg_config: AtomicUsize::new(super::prefill::PREFILL_WG_DEFAULT),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -334,22 +331,6 @@ impl CudaDevice {
     /// target that runs it.
     pub fn prefill_wgmma(&self) -> bool {
         self.prefill_wgmma.load(Ordering::Relaxed)
-    }
-
-    /// The configuration (index in `PREFILL_WG_CONFIGS`: stages, warpgroups a CTA) of the
-    /// warpgroup-MMA kernel the router launches; `PREFILL_WG_DEFAULT` unless set.
-    pub fn prefill_wg_config(&self) -> usize {
-        self.prefill_wg_config.load(Ordering::Relaxed)
-    }
-
-    /// Sets [`CudaDevice::prefill_wg_config`] (for comparisons); an index past the list is
-    /// refused. Recorded graphs hold the old launches, so this counts as an allocation.
-    pub fn set_prefill_wg_config(&self, config: usize) -> Result<(), CudaError> {
-        let n = super::prefill::PREFILL_WG_CONFIGS.len();
-        shape_check("prefill_wg_config", config < n, || format!("configuration {config} of {n}"))?;
-        self.prefill_wg_config.store(config, Ordering::Relaxed);
-        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-        Ok(())
     }
 
     /// Whether the warpgroup-MMA prefill kernel can run here (kernels built for `sm_90a`).

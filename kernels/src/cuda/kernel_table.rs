@@ -18,8 +18,8 @@ use super::paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name, tc_dynamic_smem,
 };
 use super::prefill::{
-    PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_CONFIGS, PREFILL_WG_HEAD_DIM, prefill_fp8_kernel_name,
-    prefill_fp8_smem_bytes, prefill_kernel_name, prefill_smem_bytes, prefill_wg_kernel_name, prefill_wg_smem_bytes,
+    PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_HEAD_DIM, prefill_fp8_kernel_name, prefill_fp8_smem_bytes,
+    prefill_kernel_name, prefill_smem_bytes, prefill_wg_kernel_name, prefill_wg_smem_bytes,
 };
 use cudarc::driver::CudaFunction;
 use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
@@ -102,11 +102,10 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// [`Self::prefill_fp8`] with a window, soft-cap and sinks.
     pub prefill_fp8_opt: Vec<Vec<F>>,
     /// Prefill flash attention on the warpgroup MMA (prefill_wg.cu, head_dim 128; its body
-    /// is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`), one per
-    /// `PREFILL_WG_CONFIGS` entry.
-    pub prefill_wg: Vec<F>,
+    /// is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`).
+    pub prefill_wg: F,
     /// The same over an FP8 cache.
-    pub prefill_wg_fp8: Vec<F>,
+    pub prefill_wg_fp8: F,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
     pub gemv: [Vec<Vec<F>>; 2],
@@ -218,14 +217,8 @@ impl<F> KernelTable<F> {
             }
         }
         let wg_module = Module::part(Family::Prefill, PREFILL_WG_HEAD_DIM);
-        let prefill_wg = PREFILL_WG_CONFIGS
-            .iter()
-            .map(|&c| f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, c, false)))
-            .collect::<Result<_, _>>()?;
-        let prefill_wg_fp8 = PREFILL_WG_CONFIGS
-            .iter()
-            .map(|&c| f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, c, true)))
-            .collect::<Result<_, _>>()?;
+        let prefill_wg = f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, false))?;
+        let prefill_wg_fp8 = f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, true))?;
         let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
             let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
@@ -331,12 +324,12 @@ impl KernelTable<CudaFunction> {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
         }
-        for (fp8, funcs) in [(false, &self.prefill_wg), (true, &self.prefill_wg_fp8)] {
-            for (wg, c) in funcs.iter().zip(&PREFILL_WG_CONFIGS) {
-                let bytes = prefill_wg_smem_bytes(c.stages, fp8) as i32;
-                wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)?;
-                wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
-            }
+        for (fp8, wg) in [(false, &self.prefill_wg), (true, &self.prefill_wg_fp8)] {
+            wg.set_attribute(
+                FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                prefill_wg_smem_bytes(fp8) as i32,
+            )?;
+            wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         }
         Ok(())
     }
@@ -391,7 +384,7 @@ mod tests {
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
-            + 2 * PREFILL_WG_CONFIGS.len()
+            + 2
             + GEMV_MAX_MS.len() * GEMV_VARIANTS.len() * GemvEpilogue::ALL.len();
         let moe_skinny = MOE_SKINNY_ACTS.len() * MOE_SKINNY_VARIANTS.len();
         assert_eq!(names.len(), 30 + 3 + moe_skinny + ATTN_EXT_MAX_HEAD_DIM / 32 + fp8 + templated);
@@ -400,7 +393,7 @@ mod tests {
             "prompt_logprobs",
             "paged_attention_tc_hd128_w2_s4_g16",
             "prefill_attention_hd16_w8",
-            "prefill_attention_wg_hd128_s2_b1",
+            "prefill_attention_wg_fp8_hd128",
             "gemv_m16_w8_u2_f32",
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",

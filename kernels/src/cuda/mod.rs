@@ -140,9 +140,8 @@ pub use paged_attention::{
     auto_splits, plan_splits,
 };
 pub use prefill::{
-    PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WARPS,
-    PREFILL_WG_CONFIGS, PREFILL_WG_DEFAULT, PREFILL_WGMMA, WgConfig, prefill_smem_bytes, prefill_supported,
-    prefill_variant_warps, prefill_wg_config, prefill_wg_supported,
+    PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WARPS, PREFILL_WGMMA,
+    prefill_smem_bytes, prefill_supported, prefill_variant_warps, prefill_wg_supported,
 };
 pub use prompt_logprobs::{PROMPT_LOGPROB_MAX_TOP, PROMPT_LOGPROB_OUT_WORDS, PromptLogprobsCall, RowLogprob};
 pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvCall, RopeKvFp8Call};

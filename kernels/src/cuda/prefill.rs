@@ -48,45 +48,21 @@ pub const PREFILL_MAX_GROUP: usize = 16 * PREFILL_WARPS[PREFILL_DEFAULT_VARIANT]
 /// Head dims with a compiled prefill kernel, in the order of the device's function table.
 pub(crate) const PREFILL_HEAD_DIMS: [usize; 5] = [16, 32, 64, 128, 256];
 
-/// One compiled configuration of the warpgroup-MMA prefill kernel (`PF_WG_INSTANCE` in
-/// prefill_wg.cu). One warpgroup a CTA (64 packed rows).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WgConfig {
-    /// Stages of the K/V ring.
-    pub stages: usize,
-    /// Block-table slots read a tile ahead into shared memory.
-    pub bt_prefetch: bool,
-}
-
-/// The warpgroup-MMA kernel's compiled configurations, in prefill_wg.cu's order: the default,
-/// then the first version (block-table slots read as each tile's copy is issued), kept for
-/// comparisons (`cuda_bench`, `bench_cuda`).
-pub const PREFILL_WG_CONFIGS: [WgConfig; 2] =
-    [WgConfig { stages: 2, bt_prefetch: true }, WgConfig { stages: 2, bt_prefetch: false }];
-/// The variant index of the first warpgroup-MMA configuration (`prefill_wg.cu`): after the
-/// [`PREFILL_WARPS`] variants of the mma.sync kernel, configuration `i` of
-/// [`PREFILL_WG_CONFIGS`] is variant `PREFILL_WGMMA + i`. Hopper (`sm_90a`) only, head_dim
-/// [`PREFILL_WG_HEAD_DIM`], a bf16 or FP8 cache, no window, soft-cap or sinks
-/// ([`prefill_wg_supported`]).
+/// The variant index of the warpgroup-MMA kernel (`prefill_wg.cu`), after the
+/// [`PREFILL_WARPS`] variants of the mma.sync kernel: one warpgroup (4 warps, 64 packed rows) a
+/// CTA; Hopper (`sm_90a`) only, head_dim [`PREFILL_WG_HEAD_DIM`], a bf16 or FP8 cache, no
+/// window, soft-cap or sinks ([`prefill_wg_supported`]).
 pub const PREFILL_WGMMA: usize = PREFILL_WARPS.len();
 /// Every prefill variant index: `0..PREFILL_VARIANTS`.
-pub const PREFILL_VARIANTS: usize = PREFILL_WARPS.len() + PREFILL_WG_CONFIGS.len();
-/// The warpgroup configuration the router uses (index in [`PREFILL_WG_CONFIGS`]).
-pub const PREFILL_WG_DEFAULT: usize = 0;
+pub const PREFILL_VARIANTS: usize = PREFILL_WARPS.len() + 1;
 /// The one head_dim the warpgroup kernel is compiled for.
 pub const PREFILL_WG_HEAD_DIM: usize = 128;
-
-/// The warpgroup configuration of prefill variant `variant`, if it is one.
-pub fn prefill_wg_config(variant: usize) -> Option<WgConfig> {
-    variant.checked_sub(PREFILL_WGMMA).and_then(|i| PREFILL_WG_CONFIGS.get(i).copied())
-}
+/// Stages of the warpgroup kernel's K/V ring (`NS` in prefill_wg.cu).
+const WG_STAGES: usize = 2;
 
 /// Warps per CTA of prefill variant `variant` (`None` past [`PREFILL_VARIANTS`]).
 pub fn prefill_variant_warps(variant: usize) -> Option<usize> {
-    match prefill_wg_config(variant) {
-        Some(_) => Some(4),
-        None => PREFILL_WARPS.get(variant).copied(),
-    }
+    if variant == PREFILL_WGMMA { Some(4) } else { PREFILL_WARPS.get(variant).copied() }
 }
 
 /// Whether the warpgroup kernel computes this shape, given that the device runs it (`sm_90a`):
@@ -95,20 +71,20 @@ pub fn prefill_wg_supported(n_heads: usize, n_kv_heads: usize, head_dim: usize, 
     prefill_supported(n_heads, n_kv_heads, head_dim) && head_dim == PREFILL_WG_HEAD_DIM && !options
 }
 
-/// The warpgroup kernel's name for `head_dim` and a configuration (`PF_WG_INSTANCE` in
-/// prefill_wg.cu).
-pub(crate) fn prefill_wg_kernel_name(head_dim: usize, c: WgConfig, fp8: bool) -> String {
+/// The warpgroup kernel's name for `head_dim` (`PF_WG_INSTANCE` in prefill_wg.cu), over an FP8
+/// cache with `fp8`.
+pub(crate) fn prefill_wg_kernel_name(head_dim: usize, fp8: bool) -> String {
     let cache = if fp8 { "fp8_" } else { "" };
-    format!("prefill_attention_wg_{cache}hd{head_dim}_s{}_b{}", c.stages, u8::from(c.bt_prefetch))
+    format!("prefill_attention_wg_{cache}hd{head_dim}")
 }
 
-/// Dynamic shared memory of the warpgroup kernel with `stages` stages: K and V tiles of 64 keys
-/// × 256 bytes each (unpadded: the 128-byte swizzle spreads the banks); over an FP8 cache the
-/// stages hold code rows (128 bytes) and one such bf16 K + V tile holds their conversion; plus
-/// 1,024 bytes so the tiles can start on the swizzle atoms' 1,024-byte boundary.
-pub fn prefill_wg_smem_bytes(stages: usize, fp8: bool) -> usize {
+/// Dynamic shared memory of the warpgroup kernel: its stages of K and V tiles of 64 keys × 256
+/// bytes each (unpadded: the 128-byte swizzle spreads the banks); over an FP8 cache the stages
+/// hold code rows (128 bytes) and one such bf16 K + V tile holds their conversion; plus 1,024
+/// bytes so the tiles can start on the swizzle atoms' 1,024-byte boundary.
+pub fn prefill_wg_smem_bytes(fp8: bool) -> usize {
     let tile = 2 * BN * PREFILL_WG_HEAD_DIM * 2;
-    if fp8 { tile + stages * tile / 2 + 1024 } else { stages * tile + 1024 }
+    if fp8 { tile + WG_STAGES * tile / 2 + 1024 } else { WG_STAGES * tile + 1024 }
 }
 
 /// The kernel's name for `head_dim` and `warps` (`PF_INSTANCE` in prefill.cu); with `options`
@@ -260,14 +236,11 @@ mod tests {
         assert!(prefill_supported(16, 8, 256));
         assert_eq!((prefill_smem_bytes(256), prefill_fp8_smem_bytes(256)), (135_168, 137_216));
         assert!(prefill_fp8_smem_bytes(256) <= 227 * 1024);
-        // The warpgroup kernel: three CTAs of 65 KiB per SM at two stages; head_dim 128, bf16,
-        // no options.
-        assert_eq!((prefill_wg_smem_bytes(2, false), prefill_wg_smem_bytes(2, true)), (66_560, 66_560));
-        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[0], false), "prefill_attention_wg_hd128_s2_b1");
-        assert_eq!(prefill_wg_kernel_name(128, PREFILL_WG_CONFIGS[1], true), "prefill_attention_wg_fp8_hd128_s2_b0");
-        assert_eq!(prefill_wg_config(PREFILL_WGMMA + 1), Some(WgConfig { stages: 2, bt_prefetch: false }));
-        assert_eq!((prefill_wg_config(1), prefill_wg_config(PREFILL_VARIANTS)), (None, None));
-        assert_eq!(prefill_variant_warps(PREFILL_WGMMA + 1), Some(4));
+        // The warpgroup kernel: three CTAs of 65 KiB per SM; head_dim 128, either cache, no
+        // options.
+        assert_eq!((prefill_wg_smem_bytes(false), prefill_wg_smem_bytes(true)), (66_560, 66_560));
+        assert_eq!(prefill_wg_kernel_name(128, false), "prefill_attention_wg_hd128");
+        assert_eq!(prefill_wg_kernel_name(128, true), "prefill_attention_wg_fp8_hd128");
         assert!(prefill_wg_supported(32, 8, 128, false));
         assert!(!prefill_wg_supported(32, 8, 64, false) && !prefill_wg_supported(32, 8, 128, true));
         assert!(!prefill_wg_supported(128, 1, 128, false));
