@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -363,20 +363,33 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
+    // And with RoPE's heads grouped into CTAs from these row counts (`--rope-grouped-min-rows
+    // 513,129`: a list; the device's default when not given).
+    let default_rope_min = model.backend().device().rope_grouped_min_rows();
+    let rope_modes: Vec<usize> = match flag(&args, "--rope-grouped-min-rows") {
+        None => vec![default_rope_min],
+        Some(list) => list
+            .split(',')
+            .map(|v| v.parse::<usize>().map_err(|e| format!("--rope-grouped-min-rows {v}: {e}")))
+            .collect::<Result<_, _>>()?,
+    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
             for &fused_gate in &fused_modes {
                 for &fused_norm in &norm_modes {
                     for &prefetch in &prefetch_modes {
-                        modes.extend(moe_sets.iter().map(|&moe| Mode {
-                            graphs,
-                            pdl,
-                            fused_gate,
-                            fused_norm,
-                            moe,
-                            prefetch,
-                        }));
+                        for &rope_min in &rope_modes {
+                            modes.extend(moe_sets.iter().map(|&moe| Mode {
+                                graphs,
+                                pdl,
+                                fused_gate,
+                                fused_norm,
+                                moe,
+                                prefetch,
+                                rope_min,
+                            }));
+                        }
                     }
                 }
             }
@@ -393,23 +406,25 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, prefetch } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, prefetch, rope_min } in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
             model.backend_mut().set_fused_norm(fused_norm);
             model.backend_mut().set_moe_kernels(moe);
             model.backend_mut().set_gemv_l2_prefetch(prefetch);
+            model.backend_mut().set_rope_grouped_min_rows(rope_min);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
                 if fused_norm { "" } else { "-normunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
-                if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() }
+                if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
+                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -432,7 +447,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"gemv_l2_prefetch\":{prefetch},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -447,8 +462,10 @@ fn run() -> Res<()> {
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
-            for (&gemm, &moe) in gemms.iter().flat_map(|g| moe_sets.iter().map(move |l| (g, l))) {
+            let runs = gemms.iter().flat_map(|g| moe_sets.iter().map(move |l| (g, l)));
+            for ((&gemm, &moe), &rope_min) in runs.flat_map(|r| rope_modes.iter().map(move |m| (r, m))) {
                 model.backend_mut().set_moe_kernels(moe);
+                model.backend_mut().set_rope_grouped_min_rows(rope_min);
                 let (legacy, moe_name) = (moe == MoeKernels::First, moe.name());
                 model.backend_mut().set_gemv(gemm == "default" && gemv);
                 let rows = profile_step(&mut model, &decode_batch(b, ctx, ctx), 5)?;
@@ -462,7 +479,10 @@ fn run() -> Res<()> {
                     touched: touched(b),
                     windows: &windows,
                 };
-                let moe_txt = if cfg.moe.is_none() { String::new() } else { format!(" moe={moe_name}") };
+                let mut moe_txt = if cfg.moe.is_none() { String::new() } else { format!(" moe={moe_name}") };
+                if rope_modes.len() > 1 {
+                    moe_txt += &format!(" rope_grouped_min_rows={rope_min}");
+                }
                 writeln!(
                     table,
                     "  per-op (eager, queue filled first) b={b} ctx={ctx} gemm={gemm}{moe_txt}: op | us/step | floor us | % of floor"
@@ -473,13 +493,14 @@ fn run() -> Res<()> {
                     let floor_us = shape.bytes(label) / (copy_gbs * 1e9) * 1e6;
                     writeln!(table, "    {label:11} | {us:8.1} | {floor_us:8.1} | {:5.1}%", 100.0 * floor_us / us)?;
                     json.push(format!(
-                        "{{\"name\":\"decode_op\",\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
+                        "{{\"name\":\"decode_op\",\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"batch\":{b},\"context\":{ctx},\"gemm\":{gemm:?},\"op\":{label:?},\"us_per_step\":{us:.2},\"floor_us\":{floor_us:.2}}}"
                     ));
                 }
                 writeln!(table, "    total       | {total:8.1} | {:8.1} |", floor_ms * 1e3)?;
             }
             model.backend_mut().set_gemv(gemv);
             model.backend_mut().set_moe_kernels(MoeKernels::Fused);
+            model.backend_mut().set_rope_grouped_min_rows(default_rope_min);
         }
         let st = model.backend().graph_stats();
         writeln!(
@@ -630,4 +651,6 @@ struct Mode {
     moe: MoeKernels,
     /// Bytes of each skinny GEMM's weights pulled into L2 before it waits.
     prefetch: usize,
+    /// Rows from which RoPE groups heads into a CTA.
+    rope_min: usize,
 }

@@ -161,6 +161,14 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Sets the rows from which RoPE + KV-write launches group several heads into a CTA
+    /// ([`baton_kernels::cuda::CudaDevice::set_rope_grouped_min_rows`]; for comparisons, the
+    /// same bits either way). Drops recorded graphs.
+    pub fn set_rope_grouped_min_rows(&mut self, rows: usize) {
+        self.device().set_rope_grouped_min_rows(rows);
+        self.drop_graphs();
+    }
+
     /// Replay counters so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats

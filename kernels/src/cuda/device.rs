@@ -71,6 +71,9 @@ pub struct CudaDevice {
     /// Whether the mixed-batch router sends prefill chunks to the warpgroup-MMA kernel where it
     /// applies (see [`CudaDevice::prefill_wgmma`]).
     prefill_wgmma: AtomicBool,
+    /// Rows from which a RoPE launch groups heads into a CTA (see
+    /// [`CudaDevice::rope_grouped_min_rows`]).
+    rope_grouped_min_rows: AtomicUsize,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -157,6 +160,7 @@ impl CudaDevice {
             gemv_l2_prefetch: AtomicUsize::new(GEMV_L2_PREFETCH_DEFAULT),
             pdl_capable: major >= 9,
             prefill_wgmma: AtomicBool::new(wgmma_capable),
+            rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -359,6 +363,20 @@ impl CudaDevice {
     /// the old launches, so this counts as an allocation for [`CudaDevice::alloc_generation`].
     pub fn set_gemv_l2_prefetch(&self, bytes: usize) {
         self.gemv_l2_prefetch.store(bytes, Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Rows from which a RoPE + KV-write launch gives each CTA several heads of its row
+    /// (`rope.rs`: `ROPE_HEADS_PER_CTA`) rather than one.
+    pub fn rope_grouped_min_rows(&self) -> usize {
+        self.rope_grouped_min_rows.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`CudaDevice::rope_grouped_min_rows`] (for comparisons; the results are the same
+    /// bits either way). Recorded graphs hold the old launches, so this counts as an
+    /// allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_rope_grouped_min_rows(&self, rows: usize) {
+        self.rope_grouped_min_rows.store(rows, Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 

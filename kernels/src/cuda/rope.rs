@@ -303,7 +303,7 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     // for a prefill chunk one per row and group of heads.
     let heads = n_heads + 2 * nkv;
     shape_check(op, heads <= MAX_GRID_YZ, || format!("{heads} heads exceed the grid"))?;
-    let head_groups = rope_head_groups(rows, heads);
+    let head_groups = rope_head_groups(rows, heads, dev.rope_grouped_min_rows());
     // With the norm, whole warps: the head's sum of squares is a block reduction.
     let threads = if normed { (hd / 2).next_multiple_of(32) } else { hd / 2 };
     let grid = cfg((int(op, rows)? as u32, int(op, head_groups)? as u32, 1), threads as u32);
@@ -346,9 +346,10 @@ pub(crate) const ROPE_GROUPED_MIN_ROWS: usize = 513;
 /// for ~50 MB moved.
 pub(crate) const ROPE_HEADS_PER_CTA: usize = 8;
 
-/// The grid's y: CTAs per row, each taking heads y, y + groups, ... (`heads` in all).
-pub(crate) fn rope_head_groups(rows: usize, heads: usize) -> usize {
-    if rows >= ROPE_GROUPED_MIN_ROWS { heads.div_ceil(ROPE_HEADS_PER_CTA).max(1) } else { heads }
+/// The grid's y: CTAs per row, each taking heads y, y + groups, ... (`heads` in all); grouped
+/// from `grouped_min_rows` rows (the device's [`super::CudaDevice::rope_grouped_min_rows`]).
+pub(crate) fn rope_head_groups(rows: usize, heads: usize, grouped_min_rows: usize) -> usize {
+    if rows >= grouped_min_rows { heads.div_ceil(ROPE_HEADS_PER_CTA).max(1) } else { heads }
 }
 
 #[cfg(test)]
@@ -358,9 +359,9 @@ mod tests {
     #[test]
     fn prefill_chunks_group_heads_and_decode_keeps_one_a_cta() {
         // Llama-3.1-8B: 32 + 2 × 8 heads.
-        assert_eq!(rope_head_groups(1, 48), 48);
-        assert_eq!(rope_head_groups(512, 48), 48);
-        assert_eq!(rope_head_groups(2048, 48), 6);
-        assert_eq!(rope_head_groups(2048, 3), 1);
+        assert_eq!(rope_head_groups(1, 48, ROPE_GROUPED_MIN_ROWS), 48);
+        assert_eq!(rope_head_groups(512, 48, ROPE_GROUPED_MIN_ROWS), 48);
+        assert_eq!(rope_head_groups(2048, 48, ROPE_GROUPED_MIN_ROWS), 6);
+        assert_eq!(rope_head_groups(2048, 3, ROPE_GROUPED_MIN_ROWS), 1);
     }
 }
