@@ -13,8 +13,9 @@
 // Grid (rows, n_heads + 2 * n_kv_heads) at decode, head_dim / 2 threads: CTA (row, y) rotates
 // query head y (y < n_heads), rotates and caches key head y - n_heads (y < n_heads +
 // n_kv_heads), or copies value head y - n_heads - n_kv_heads into the cache; thread i owns the
-// pair (i, i + head_dim / 2). A prefill chunk's grid has fewer y, each CTA looping over heads
-// y, y + gridDim.y, ... (rope_write_kv_body). One pass per CTA and every head in parallel: at one row (decode at b = 1)
+// pair (i, i + head_dim / 2). A prefill chunk's grid, and a decode batch's from 129 rows (rope.rs:
+// ROPE_GROUPED_MIN_ROWS), has fewer y, each CTA looping over heads y, y + gridDim.y, ...
+// (rope_write_kv_body). One pass per CTA and every head in parallel: at one row (decode at b = 1)
 // a CTA per row looping over 40 heads took ~10 us, latency-bound. Eight heads per CTA (512
 // threads) halved this kernel at 256 rows but, under programmatic dependent launch, made the
 // attention kernel after it 3.7 ms a step slower at b=32 ctx 8k (its few long CTAs were

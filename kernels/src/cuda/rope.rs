@@ -336,9 +336,12 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
 }
 
 /// Rows from which a RoPE launch gives each CTA [`ROPE_HEADS_PER_CTA`] heads of a row rather
-/// than one: prefill chunks. Decode steps (graphs pad them to at most 512 rows) keep one head a
-/// CTA, the shape whose timing the attention kernel after it was measured with (rope_kv.cu).
-pub(crate) const ROPE_GROUPED_MIN_ROWS: usize = 513;
+/// than one: prefill chunks and the largest decode batches. Smaller decode steps keep one head a
+/// CTA: eight heads a CTA made the attention kernel after it 3.7 ms a step slower at b=32 ctx 8k
+/// under programmatic dependent launch (rope_kv.cu). At 256 rows grouping took this kernel from
+/// 622 to 312 µs a step and the step 2 % faster, the attention after it unchanged (bf16 and FP8
+/// caches, H100, f591c03; BENCHMARKS.md).
+pub(crate) const ROPE_GROUPED_MIN_ROWS: usize = 129;
 
 /// Heads a CTA takes at [`ROPE_GROUPED_MIN_ROWS`] rows and more: its row's angles (an f64
 /// sincos a rotated pair) are computed once for them all. With one head a CTA, a 2,048-token
@@ -357,10 +360,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefill_chunks_group_heads_and_decode_keeps_one_a_cta() {
+    fn prefill_chunks_and_large_batches_group_heads_and_small_decode_keeps_one_a_cta() {
         // Llama-3.1-8B: 32 + 2 × 8 heads.
         assert_eq!(rope_head_groups(1, 48, ROPE_GROUPED_MIN_ROWS), 48);
-        assert_eq!(rope_head_groups(512, 48, ROPE_GROUPED_MIN_ROWS), 48);
+        assert_eq!(rope_head_groups(128, 48, ROPE_GROUPED_MIN_ROWS), 48);
+        assert_eq!(rope_head_groups(256, 48, ROPE_GROUPED_MIN_ROWS), 6);
         assert_eq!(rope_head_groups(2048, 48, ROPE_GROUPED_MIN_ROWS), 6);
         assert_eq!(rope_head_groups(2048, 3, ROPE_GROUPED_MIN_ROWS), 1);
     }
