@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--silu-quant-registers on|off] [--lt-cold-timing on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -281,11 +281,6 @@ fn run() -> Res<()> {
         ttft_runs.push((last, true, false));
     }
     ttft_runs.push((last, false, true));
-    // Process-wide settings for comparisons between runs: `--silu-quant-registers off` (SiLU·mul
-    // quantizing loops over its rows), `--lt-cold-timing on` (cuBLASLt's candidates timed with
-    // a cold L2).
-    model.backend_mut().set_silu_quant_in_registers(flag(&args, "--silu-quant-registers").as_deref() != Some("off"));
-    model.backend_mut().set_lt_cold_timing(flag(&args, "--lt-cold-timing").as_deref() == Some("on"))?;
     // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
     // fused, the default).
     model.backend_mut().set_fused_norm(flag(&args, "--fused-norm").as_deref() != Some("off"));

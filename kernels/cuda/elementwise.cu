@@ -187,8 +187,7 @@ extern "C" __global__ void add_rms_norm_quant_e4m3(float* __restrict__ residual,
     for (int j = 0; j < NORM_V; j++) {
         const int i = 4 * (j * blockDim.x + threadIdx.x);
         if (i < dim) {
-            const unsigned q = (unsigned)f2e4m3(r[j].x / s) | ((unsigned)f2e4m3(r[j].y / s) << 8) |
-                               ((unsigned)f2e4m3(r[j].z / s) << 16) | ((unsigned)f2e4m3(r[j].w / s) << 24);
+            const unsigned q = f2e4m3x2(r[j].x / s, r[j].y / s) | (f2e4m3x2(r[j].z / s, r[j].w / s) << 16);
             *reinterpret_cast<unsigned*>(codes + base + i) = q;
         }
     }

@@ -81,10 +81,8 @@ __device__ __forceinline__ void store_row_codes(const T* xr, uint2* __restrict__
     for (int c = threadIdx.x; c < k8; c += blockDim.x) {
         float v[8];
         load8(xr + 8 * c, v);
-        unsigned q[2] = {0u, 0u};
-#pragma unroll
-        for (int j = 0; j < 8; j++) q[j >> 2] |= (unsigned)f2e4m3(v[j] / s) << (8 * (j & 3));
-        cr[c] = make_uint2(q[0], q[1]);
+        cr[c] = make_uint2(f2e4m3x2(v[0] / s, v[1] / s) | (f2e4m3x2(v[2] / s, v[3] / s) << 16),
+                           f2e4m3x2(v[4] / s, v[5] / s) | (f2e4m3x2(v[6] / s, v[7] / s) << 16));
     }
 }
 
@@ -116,92 +114,40 @@ extern "C" __global__ void quantize_rows_e4m3(const bf16_t* __restrict__ x, unsi
 // SiLU(gate) * up of each row of gate_up ([gate | up], 2d wide), rounded to bf16 as silu_mul_bf16
 // stores it, written to act, and quantized per token as quantize_rows_e4m3 quantizes those bf16
 // values: the same act, codes and scale bit for bit, with one read of gate_up (the W8A8 down
-// projection's input). One CTA per row, two forms:
-// - SMQ_CHUNKS 8-value chunks a thread or fewer (d <= 8 * SMQ_CHUNKS * blockDim.x: Llama-3.1-8B's
-//   14,336 at 256 threads): every chunk's gate and up loads are issued before the first product,
-//   and the products stay in registers (packed bf16) for the codes. At a decode batch (256 rows,
-//   two CTAs an SM) the loop form below kept one chunk's loads in flight per thread and ran at
-//   ~30 % of copy;
-// - any other d: a loop over the chunks, whose second pass re-reads the row of act this thread
-//   just wrote (its own chunks: program order makes them visible; 2d bytes, from L2), not
-//   gate_up (4d bytes, past L2 at prefill sizes: a first version that recomputed the products
-//   from gate_up took as long as the two kernels it replaces).
-#define SMQ_CHUNKS 8
-
-// The eight bf16 products SiLU(g) * u of one chunk, as floats (g, u: eight bf16 each).
-__device__ __forceinline__ void silu_products(uint4 g, uint4 u, float v[8]) {
-    const SiluAct silu;
-    const unsigned gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        v[2 * j] = bf2f(f2bf(silu(bf2f((bf16_t)(gw[j] & 0xffffu))) * bf2f((bf16_t)(uw[j] & 0xffffu))));
-        v[2 * j + 1] = bf2f(f2bf(silu(bf2f((bf16_t)(gw[j] >> 16))) * bf2f((bf16_t)(uw[j] >> 16))));
-    }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float v[8]) {
-    unsigned w[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) w[j] = (unsigned)f2bf(v[2 * j]) | ((unsigned)f2bf(v[2 * j + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
+// projection's input at prefill). One CTA per row; the second pass re-reads the row of act this
+// thread just wrote (its own chunks: program order makes them visible; 2d bytes, from L2),
+// not gate_up (4d bytes, past L2 at prefill sizes: a first version that recomputed the products
+// from gate_up took as long as the two kernels it replaces). A form holding the row in registers
+// with every load issued at once (100 registers, two CTAs an SM) was slower at 256 rows and at
+// 2,048 (4d14f82, H100): the kernel is bound by its instructions, not by its loads' latency,
+// and the loop's occupancy serves it better.
 extern "C" __global__ void silu_mul_quant_e4m3(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ act,
                                                unsigned char* __restrict__ codes, float* __restrict__ scales,
-                                               int d, int in_registers) {
+                                               int d) {
     PDL_ENTER();
     const long long row = blockIdx.x;
     const bf16_t* g = gate_up + row * 2 * (long long)d;
     const bf16_t* u = g + d;
     uint4* ar = reinterpret_cast<uint4*>(act + row * (long long)d);
     uint2* cr = reinterpret_cast<uint2*>(codes + row * (long long)d);
+    const SiluAct silu;
     const int d8 = d >> 3;
+    // The eight bf16 products of chunk c, as floats.
+    auto products = [&](int c, float v[8]) {
+        float gv[8], uv[8];
+        load8(g + 8 * c, gv);
+        load8(u + 8 * c, uv);
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = bf2f(f2bf(silu(gv[j]) * uv[j]));
+    };
     float amax = 0.f;
-    if (in_registers) {
-        uint4 gv[SMQ_CHUNKS], uv[SMQ_CHUNKS];
-#pragma unroll
-        for (int j = 0; j < SMQ_CHUNKS; j++) {
-            const int c = j * blockDim.x + threadIdx.x;
-            if (c < d8) {
-                gv[j] = reinterpret_cast<const uint4*>(g)[c];
-                uv[j] = reinterpret_cast<const uint4*>(u)[c];
-            }
-        }
-        uint4 pv[SMQ_CHUNKS];
-#pragma unroll
-        for (int j = 0; j < SMQ_CHUNKS; j++) {
-            const int c = j * blockDim.x + threadIdx.x;
-            if (c < d8) {
-                float v[8];
-                silu_products(gv[j], uv[j], v);
-                pv[j] = pack_bf16x8(v);
-                ar[c] = pv[j];
-#pragma unroll
-                for (int e = 0; e < 8; e++) amax = fmaxf(amax, fabsf(v[e]));
-            }
-        }
-        const float s = e4m3_row_scale(block_amax(amax));
-#pragma unroll
-        for (int j = 0; j < SMQ_CHUNKS; j++) {
-            const int c = j * blockDim.x + threadIdx.x;
-            if (c < d8) {
-                const unsigned w[4] = {pv[j].x, pv[j].y, pv[j].z, pv[j].w};
-                unsigned q[2] = {0u, 0u};
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    const unsigned h = (e & 1) ? (w[e >> 1] >> 16) : (w[e >> 1] & 0xffffu);
-                    q[e >> 2] |= (unsigned)f2e4m3(bf2f((bf16_t)h) / s) << (8 * (e & 3));
-                }
-                cr[c] = make_uint2(q[0], q[1]);
-            }
-        }
-        if (threadIdx.x == 0) scales[row] = s;
-        return;
-    }
     for (int c = threadIdx.x; c < d8; c += blockDim.x) {
         float v[8];
-        silu_products(reinterpret_cast<const uint4*>(g)[c], reinterpret_cast<const uint4*>(u)[c], v);
-        ar[c] = pack_bf16x8(v);
+        products(c, v);
+        unsigned w[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[j] = (unsigned)f2bf(v[2 * j]) | ((unsigned)f2bf(v[2 * j + 1]) << 16);
+        ar[c] = make_uint4(w[0], w[1], w[2], w[3]);
 #pragma unroll
         for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
     }

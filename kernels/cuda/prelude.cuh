@@ -87,8 +87,9 @@ __device__ __forceinline__ void pdl_trigger() {
 // FP8 E4M3 (the FP8 KV cache), bit for bit as the CPU reference (kernels/src/cpu/fp8.rs) and
 // the hardware's cvt.rn.satfinite.e4m3x2.f32: round to nearest even, finite values past 448
 // saturate to +-448, NaN becomes 0x7F. Integer arithmetic only, so every architecture NVRTC
-// targets compiles it (the hardware instruction needs sm_89).
-__device__ __forceinline__ unsigned char f2e4m3(float x) {
+// targets compiles it (the hardware instruction needs sm_89); f2e4m3 and f2e4m3x2 below use the
+// instruction where it exists.
+__device__ __forceinline__ unsigned char f2e4m3_soft(float x) {
     const unsigned bits = __float_as_uint(x);
     const unsigned char sign = (unsigned char)((bits >> 24) & 0x80u);
     const unsigned a = bits & 0x7fffffffu;
@@ -104,6 +105,32 @@ __device__ __forceinline__ unsigned char f2e4m3(float x) {
     }
     // Subnormal: |x| / 2^-9 rounded to an integer, ties to even (the scaling is exact).
     return sign | (unsigned char)rintf(__uint_as_float(a) * 512.0f);
+}
+
+// The E4M3 codes of lo (low byte) and hi (high byte). On sm_89 and later one
+// cvt.rn.satfinite.e4m3x2.f32 for the pair (~30 integer instructions with branches each in
+// f2e4m3_soft: the quantizing row kernels were bound by them), with a NaN input's code set to
+// 0x7F afterwards whatever its sign, so that no rule of the instruction's NaN is relied on.
+__device__ __forceinline__ unsigned f2e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    unsigned r = d;
+    if ((__float_as_uint(lo) & 0x7fffffffu) > 0x7f800000u) r = (r & 0xff00u) | 0x7fu;
+    if ((__float_as_uint(hi) & 0x7fffffffu) > 0x7f800000u) r = (r & 0x00ffu) | 0x7f00u;
+    return r;
+#else
+    return (unsigned)f2e4m3_soft(lo) | ((unsigned)f2e4m3_soft(hi) << 8);
+#endif
+}
+
+// The E4M3 code of x (f2e4m3_soft's rule).
+__device__ __forceinline__ unsigned char f2e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    return (unsigned char)(f2e4m3x2(x, 0.f) & 0xffu);
+#else
+    return f2e4m3_soft(x);
+#endif
 }
 
 // The value of an E4M3 code (0x7F / 0xFF: NaN).

@@ -402,15 +402,7 @@ fn gpu_fp8_norm_quantization_is_the_norm_then_the_quantization() {
 fn gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization() {
     let dev = device();
     let mut r = rng("gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization");
-    // Both forms of the kernel (a row in registers, and the loop that wider rows take; 16,384 is
-    // the widest row the registers hold at 256 threads).
-    let forms = [true, false].into_iter().flat_map(|regs| {
-        [(37usize, 14336usize), (19, 1024), (5, 8), (3, 1000), (64, 2048), (3, 16384), (3, 16392)]
-            .into_iter()
-            .map(move |shape| (regs, shape))
-    });
-    for (in_registers, (rows, d)) in forms {
-        dev.set_silu_quant_in_registers(in_registers);
+    for (rows, d) in [(37usize, 14336usize), (19, 1024), (5, 8), (3, 1000), (64, 2048)] {
         let mut gu = rand_vec(&mut r, rows * 2 * d, 4.0);
         if rows > 2 {
             // Row 1: up is zero (a zero row); row 2: large gates and ups.
@@ -439,7 +431,7 @@ fn gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization() {
         let fused =
             SiluMulQuantCall { gate_up: &gud, m: rows, d, act: &mut act_b, codes: &mut codes_b, scales: &mut scales_b };
         fused.launch(&dev).expect("silu_mul_quant");
-        let what = format!("rows {rows} d {d} in registers {in_registers}");
+        let what = format!("rows {rows} d {d}");
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         let (aa, ab) = (down(&dev, &act_a, rows * d), down(&dev, &act_b, rows * d + 8));
         assert_eq!(bits(aa), bits(ab[..rows * d].to_vec()), "{what}: act differs");
@@ -456,7 +448,6 @@ fn gpu_fp8_silu_mul_quantization_is_the_activation_then_the_quantization() {
             assert_eq!(sa[1], 1.0, "{what}: a zero row's scale is 1");
         }
     }
-    dev.set_silu_quant_in_registers(true);
     // A width the kernel does not read in whole pieces is refused, naming it.
     let gud = up(&dev, &[1.0; 2 * 12]);
     let (mut a, mut c, mut s) = (poisoned(&dev, 12), dev.alloc::<u8>(12).expect("c"), dev.alloc::<f32>(1).expect("s"));

@@ -169,23 +169,6 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
-    /// Sets whether SiLU·mul quantizing keeps its rows in registers
-    /// ([`baton_kernels::cuda::CudaDevice::set_silu_quant_in_registers`]; for comparisons, the
-    /// same bits either way). Drops recorded graphs.
-    pub fn set_silu_quant_in_registers(&mut self, on: bool) {
-        self.device().set_silu_quant_in_registers(on);
-        self.drop_graphs();
-    }
-
-    /// Times cuBLASLt's candidates with a cold L2 or back to back
-    /// ([`baton_kernels::cuda::CudaDevice::set_lt_cold_timing`]; for comparisons), forgetting
-    /// the choices made so far. Drops recorded graphs.
-    pub fn set_lt_cold_timing(&mut self, on: bool) -> Result<(), BackendError> {
-        self.device().set_lt_cold_timing(on)?;
-        self.drop_graphs();
-        Ok(())
-    }
-
     /// Replay counters so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.graphs.stats

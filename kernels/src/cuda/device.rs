@@ -74,9 +74,6 @@ pub struct CudaDevice {
     /// Rows from which a RoPE launch groups heads into a CTA (see
     /// [`CudaDevice::rope_grouped_min_rows`]).
     rope_grouped_min_rows: AtomicUsize,
-    /// Whether SiLU·mul quantizing keeps a row's products in registers where it fits (see
-    /// [`CudaDevice::silu_quant_in_registers`]).
-    silu_quant_in_registers: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -164,7 +161,6 @@ impl CudaDevice {
             pdl_capable: major >= 9,
             prefill_wgmma: AtomicBool::new(wgmma_capable),
             rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
-            silu_quant_in_registers: AtomicBool::new(true),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -382,32 +378,6 @@ impl CudaDevice {
     pub fn set_rope_grouped_min_rows(&self, rows: usize) {
         self.rope_grouped_min_rows.store(rows, Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// Whether `silu_mul_quant_e4m3` issues all of a row's loads at once and keeps its products
-    /// in registers (`true`, the default, where the row fits) or loops over the row and re-reads
-    /// the act it wrote (`false`: for comparisons; the same bits either way).
-    pub fn silu_quant_in_registers(&self) -> bool {
-        self.silu_quant_in_registers.load(Ordering::Relaxed)
-    }
-
-    /// Sets [`CudaDevice::silu_quant_in_registers`]. Recorded graphs hold the old launches, so
-    /// this counts as an allocation for [`CudaDevice::alloc_generation`].
-    pub fn set_silu_quant_in_registers(&self, on: bool) {
-        self.silu_quant_in_registers.store(on, Ordering::Relaxed);
-        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// Times cuBLASLt's candidate algorithms with a cold L2 (`true`) or back to back (`false`,
-    /// the default), forgetting the choices made so far (see `lt.rs`). Nothing to do without
-    /// cuBLASLt. Recorded graphs hold the old choices, so this counts as an allocation for
-    /// [`CudaDevice::alloc_generation`].
-    pub fn set_lt_cold_timing(&self, on: bool) -> Result<(), CudaError> {
-        if let Some(lt) = &self.lt {
-            lt.set_cold_timing(on)?;
-        }
-        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-        Ok(())
     }
 
     /// How many device allocations this device has made; a graph recorded at one generation

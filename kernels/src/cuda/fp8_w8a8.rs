@@ -28,10 +28,6 @@ pub const W8A8_MIN_M: usize = 17;
 /// Threads per CTA of the quantization (one CTA per row).
 const QUANT_THREADS: u32 = 256;
 
-/// 8-value chunks a thread of `silu_mul_quant_e4m3` holds in registers (`SMQ_CHUNKS` in
-/// `fp8_linear.cu`).
-const SILU_QUANT_CHUNKS: usize = 8;
-
 /// The rows [`QuantizeRowsCall`] quantizes.
 pub enum QuantRows<'a> {
     /// bf16 activations (per-token quantization, the W8A8 GEMM's input).
@@ -116,13 +112,9 @@ impl SiluMulQuantCall<'_> {
         if m == 0 {
             return Ok(());
         }
-        // The registers hold SILU_QUANT_CHUNKS 8-value chunks a thread (fp8_linear.cu's
-        // SMQ_CHUNKS); wider rows take the kernel's loop.
-        let in_registers = dev.silu_quant_in_registers() && d <= 8 * SILU_QUANT_CHUNKS * QUANT_THREADS as usize;
-        let args = Args::new(OP).buf(gate_up).buf(act).buf(codes).buf(scales).int(d)?.int(usize::from(in_registers))?;
+        let args = Args::new(OP).buf(gate_up).buf(act).buf(codes).buf(scales).int(d)?;
         // SAFETY: CTA r reads row r of gate_up (2d values) and writes row r of act and codes
-        // (d each) and scales[r], r < m, in whole 8-value pieces (d % 8 == 0): sizes checked above;
-        // the register form covers d only up to its chunks (checked here).
+        // (d each) and scales[r], r < m, in whole 8-value pieces (d % 8 == 0): sizes checked above.
         unsafe { args.launch(dev, &dev.kernels.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
     }
 }
