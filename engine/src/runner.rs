@@ -87,6 +87,12 @@ impl<B: Backend> ModelRunner<B> {
         let mut arch = build_architecture(cfg, &mut w, &mut backend)?;
         let upload = backend.finish_weights()?;
         log_weights(started.elapsed(), w.tensors_read(), upload);
+        if w.experts_dequantized() > 0 {
+            tracing::info!(
+                matrices = w.experts_dequantized(),
+                "FP8 MoE experts dequantized to bf16 at load (no FP8 grouped expert GEMM yet)"
+            );
+        }
         arch.prepare(&mut backend)?;
         Ok(Self {
             arch,

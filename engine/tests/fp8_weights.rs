@@ -5,8 +5,9 @@
 //! over 64 greedy tokens of the unquantized run: mean and max |Δlogit| and greedy agreement.
 //! Only loose sanity is asserted (finite logits, FP8 really used, agreement ≥ 50 %). Also:
 //! the backend's FP8 linear is exactly the kernels' reference, each Hub format's fixture
-//! (scripts/golden/make_fp8.py) loads and runs, and `--quantization fp8` serves through the
-//! engine, random (`--load-format dummy`) weights included.
+//! (scripts/golden/make_fp8.py) loads and runs, an FP8 Qwen3-MoE checkpoint's experts load
+//! dequantized to bf16 bit for bit (scripts/golden/make_fp8_moe.py), and `--quantization fp8`
+//! serves through the engine, random (`--load-format dummy`) weights included.
 
 mod common;
 
@@ -93,15 +94,72 @@ fn fp8_weights_quantized_at_load_vs_bf16_on_the_golden_models() {
 fn each_hub_fp8_format_loads_and_runs_close_to_its_source() {
     let (dir, golden) = load_golden("llama").expect("golden fixture");
     let source = load_model(&dir, LoadFormat::Auto).expect("load source");
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("formats/tests/fixtures/fp8");
     for format in ["block", "tensor", "ct"] {
-        let model = load_model(&fixtures.join(format), LoadFormat::Auto).expect("load fp8 fixture");
+        let model = load_model(&fp8_fixture(format), LoadFormat::Auto).expect("load fp8 fixture");
         assert!(model.config.quantization.is_some(), "{format}");
         report(
             &format!("llama-{format}"),
             &compare((&source.config, &source), (&model.config, &model), &golden.prompts[0].ids),
         );
     }
+}
+
+fn fp8_fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("formats/tests/fixtures/fp8").join(name)
+}
+
+/// An FP8 Qwen3-MoE checkpoint (every expert F8_E4M3 with 16 × 24 block scales,
+/// `scripts/golden/make_fp8_moe.py`) loads; Baton dequantizes FP8 experts at load to bf16, so it
+/// computes exactly what the fixture's reference checkpoint computes (each expert's
+/// `code × scale` rounded to bf16 by numpy / ml_dtypes, stored as BF16): logits bit for bit over
+/// a prompt and 16 greedy steps, and not the source model's (the experts really are the
+/// quantized ones).
+#[test]
+fn fp8_moe_experts_load_dequantized_to_bf16_bit_for_bit() {
+    let dir = fp8_fixture("qwen3_moe_experts");
+    let fp8 = load_model(&dir, LoadFormat::Auto).expect("load the FP8 MoE fixture");
+    assert!(fp8.config.quantization.is_some(), "the fixture declares FP8");
+    let reference = load_model(&dir.join("reference"), LoadFormat::Auto).expect("load the reference");
+    assert!(reference.config.quantization.is_none());
+    let (source_dir, golden) = load_golden("qwen3_moe").expect("golden fixture");
+    let source = load_model(&source_dir, LoadFormat::Auto).expect("load source");
+    let prompt = &golden.prompts[0].ids;
+    let len = prompt.len() + 16;
+    let mut seqs =
+        [&reference, &fp8, &source].map(|m| teacher_forced::Seq::new(m, m.weights.as_ref(), KvCacheDtype::Auto, len));
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut feed = prompt.clone();
+    let mut differs_from_source = false;
+    for step in 0..16 {
+        let [r, q, s] = seqs.each_mut().map(|seq| seq.feed(&feed));
+        assert!(r.iter().all(|v| v.is_finite()), "step {step}: finite logits");
+        assert_eq!(bits(&q), bits(&r), "step {step}: the FP8 experts' logits differ from the reference's");
+        differs_from_source |= bits(&q) != bits(&s);
+        feed = vec![teacher_forced::argmax(&r)];
+    }
+    assert!(differs_from_source, "the FP8 experts gave the unquantized source's logits (not read?)");
+}
+
+/// A bad scale of an FP8 expert (NaN) is refused at load, naming its tensor.
+#[test]
+fn fp8_moe_expert_with_a_nan_scale_is_refused_naming_it() {
+    let src = fp8_fixture("qwen3_moe_experts");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), dir.path().join(f)).expect("copy");
+        }
+    }
+    let mut bytes = std::fs::read(src.join("model.safetensors")).expect("read");
+    let name = "model.layers.1.mlp.experts.5.down_proj.weight_scale_inv";
+    // The safetensors layout: an 8-byte little-endian header length, the JSON header, the data.
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).expect("header");
+    let start = header[name]["data_offsets"][0].as_u64().expect("offsets") as usize + 8 + n;
+    bytes[start + 4..start + 8].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(dir.path().join("model.safetensors"), bytes).expect("write");
+    let err = load_model(dir.path(), LoadFormat::Auto).err().expect("a NaN scale is refused").to_string();
+    assert!(err.contains(name) && err.contains("NaN"), "{err}");
 }
 
 #[test]

@@ -329,6 +329,35 @@ fn gpu_gpt_oss_checkpoints_match_bf16_reference() {
     }
 }
 
+/// An FP8 Qwen3-MoE checkpoint (experts F8_E4M3 with block scales, dequantized at load to bf16;
+/// `scripts/golden/make_fp8_moe.py`) gives on CUDA exactly the greedy tokens of its reference
+/// checkpoint (the same experts stored as bf16), and the CPU reference's up to MoE routing near
+/// ties ([`MOE_ROUTING_TIE`]).
+#[test]
+fn gpu_fp8_moe_experts_checkpoint_matches_its_bf16_reference() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("formats/tests/fixtures/fp8/qwen3_moe_experts");
+    let fp8 = baton_formats::load_model(&dir, baton_formats::LoadFormat::Auto).expect("load the FP8 fixture");
+    let reference =
+        baton_formats::load_model(&dir.join("reference"), baton_formats::LoadFormat::Auto).expect("load reference");
+    let vocab = fp8.config.vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        [1usize, 7, 16, 17, 40, 100].iter().enumerate().map(|(i, &l)| prompt(i as u64 + 91, l, vocab)).collect();
+    let engines = [
+        start_with(&fp8, DeviceSpec::Cpu, true),
+        start(&fp8, DeviceSpec::Cuda(0)),
+        start(&reference, DeviceSpec::Cuda(0)),
+    ];
+    let [cpu, gpu, gpu_reference] = [0, 1, 2].map(|i| run_all(&engines[i], &prompts));
+    // Stop the engine threads before asserting or exiting (a CUDA engine thread left running has
+    // met the driver's teardown at exit).
+    for engine in engines {
+        engine.shutdown();
+    }
+    assert_eq!(gpu, gpu_reference, "the FP8 experts' tokens differ from their bf16 reference's on CUDA");
+    let identical = compare("qwen3_moe_fp8_experts", &cpu, &gpu, MOE_ROUTING_TIE);
+    assert!(identical * 3 >= prompts.len(), "only {identical}/{} prompts identical to the CPU", prompts.len());
+}
+
 /// With no block count given, the CUDA engine sizes the KV pool from free device memory:
 /// a larger `gpu_memory_utilization` gives a larger pool, and the engine still serves.
 #[test]

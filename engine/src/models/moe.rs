@@ -80,10 +80,10 @@ impl<B: Backend> MoeMlp<B> {
         let gate_up_names: Vec<(String, usize)> = (0..num_experts)
             .flat_map(|e| [ExpertProj::Gate, ExpertProj::Up].map(|p| (cfg.expert_tensor(layer, e, p), inter)))
             .collect();
-        let gate_up = w.mat(b, &gate_up_names, h)?;
+        let gate_up = w.experts(b, &gate_up_names, h)?;
         let down_names: Vec<(String, usize)> =
             (0..num_experts).map(|e| (cfg.expert_tensor(layer, e, ExpertProj::Down), h)).collect();
-        let down = w.mat(b, &down_names, inter)?;
+        let down = w.experts(b, &down_names, inter)?;
         Ok(Self {
             router,
             gate_up,

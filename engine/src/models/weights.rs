@@ -8,7 +8,9 @@
 //! The projections of a layer (q/k/v/o, gate/up/down) are read with [`WeightLoader::linear`]:
 //! under FP8 quantization ([`Quantization`]) they become [`Fp8Matrix`]es, read as stored from
 //! an FP8 checkpoint or quantized per output channel at load from a bf16/f32 one (random
-//! weights too); embeddings, the LM head, norms and MoE experts stay as stored.
+//! weights too); embeddings, the LM head, norms and MoE experts stay as stored, except that the
+//! FP8 experts of an FP8 checkpoint (Qwen3-MoE-FP8, DeepSeek-style block scales) are dequantized
+//! at load to bf16 by [`WeightLoader::experts`]: Baton has no FP8 grouped expert GEMM yet.
 //!
 //! Invariant: every tensor handed to the backend has exactly the elements the caller said,
 //! both by its shape and by its bytes (what a device upload reads); an FP8 tensor reaches the
@@ -33,12 +35,14 @@ pub struct WeightLoader<'a> {
     read: usize,
     /// FP8 weight quantization of the projections, when any.
     quantization: Option<Quantization>,
+    /// FP8 expert matrices dequantized to bf16 so far ([`WeightLoader::experts`]).
+    experts_dequantized: usize,
 }
 
 impl<'a> WeightLoader<'a> {
     /// A loader over `store`.
     pub fn new(store: &'a dyn WeightStore) -> Self {
-        Self { store, read: 0, quantization: None }
+        Self { store, read: 0, quantization: None, experts_dequantized: 0 }
     }
 
     /// The same loader reading projections under `quantization` (see [`WeightLoader::linear`]).
@@ -136,6 +140,59 @@ impl<'a> WeightLoader<'a> {
         }
         let rows = names.iter().map(|n| n.1).sum();
         Ok(b.upload_mat_raw(&self.views(names, cols)?, rows, cols)?)
+    }
+
+    /// MoE expert matrices `names`, stacked as in [`WeightLoader::mat`]. An expert stored as FP8
+    /// (an FP8 checkpoint whose quantization covers the experts; `load_model` has checked its
+    /// scales) is dequantized here, each value `code × scale` in f32 rounded once to bf16: the
+    /// precision a device backend keeps bf16 weights in, and half the host memory of f32 while a
+    /// layer's experts are staged. Anything else is read as stored.
+    pub fn experts<B: Backend>(
+        &mut self,
+        b: &mut B,
+        names: &[(String, usize)],
+        cols: usize,
+    ) -> Result<B::Mat, ModelLoadError> {
+        let store = self.store;
+        let mut any_fp8 = false;
+        for (name, _) in names {
+            any_fp8 |= store.get(name)?.dtype == DType::F8E4M3;
+        }
+        if !any_fp8 {
+            return self.mat(b, names, cols);
+        }
+        let q = match &self.quantization {
+            Some(q) if q.source != QuantSource::AtLoad => q.clone(),
+            _ => {
+                let message = "stored as FP8, but the checkpoint declares no FP8 quantization".into();
+                return Err(ModelLoadError::Fp8 { name: names[0].0.clone(), message });
+            }
+        };
+        let mut views = Vec::with_capacity(names.len());
+        for (name, rows) in names {
+            if store.get(name)?.dtype != DType::F8E4M3 {
+                views.extend(self.views(&[(name.clone(), *rows)], cols)?);
+                continue;
+            }
+            let w = read_fp8_weight(store, &q, name, *rows, cols, std::path::Path::new("<checkpoint>"))?;
+            let bytes: Vec<u8> =
+                w.dequantize().into_iter().flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect();
+            views.push(TensorView {
+                name: name.clone(),
+                shape: vec![*rows, cols],
+                dtype: DType::BF16,
+                bytes: Cow::Owned(bytes),
+            });
+            self.read += 1;
+            self.experts_dequantized += 1;
+        }
+        let rows = names.iter().map(|n| n.1).sum();
+        Ok(b.upload_mat_raw(&views, rows, cols)?)
+    }
+
+    /// FP8 expert matrices dequantized to bf16 so far ([`WeightLoader::experts`]).
+    pub fn experts_dequantized(&self) -> usize {
+        self.experts_dequantized
     }
 
     /// The vectors `names`, each `(name, len)`, stacked into one.
