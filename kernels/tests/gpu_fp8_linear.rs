@@ -247,7 +247,9 @@ fn gpu_fp8_w8a8_matches_the_per_token_reference() {
         let w = matrix(&mut r, n, k, block);
         let dw = Fp8Weights::upload(&dev, &w).expect("upload");
         assert!(w8a8_supports(&dev, &dw), "{what}: W8A8 takes row-constant scales");
-        for m in [GEMV_FP8_MAX_M + 1, 128, 300] {
+        // With cuBLASLt's fast FP8 accumulation and without: both within the reference's tolerance.
+        for (m, fast) in [GEMV_FP8_MAX_M + 1, 128, 300].into_iter().flat_map(|m| [(m, false), (m, true)]) {
+            dev.set_lt_fp8_fast_accum(fast).expect("fast accumulation switch");
             let x = rand_vec(&mut r, m * k, 1.0);
             let mut want = vec![0.0; m * n];
             cpu::linear_fp8(&x, &w, None, m, ActivationScale::PerToken, &mut want).expect("reference");
@@ -257,9 +259,10 @@ fn gpu_fp8_w8a8_matches_the_per_token_reference() {
             Fp8W8A8Call { x: &up(&dev, &x), m, w: &dw, xq: &mut xq, xs: &mut xs, out: &mut out }
                 .launch(&dev)
                 .unwrap_or_else(|e| panic!("{what}: W8A8 launch ({m}×{k} · {n}×{k}): {e}"));
-            check(&format!("w8a8 {what} m {m} n {n} k {k}"), &down(&dev, &out, m * n), &want);
+            check(&format!("w8a8 {what} m {m} n {n} k {k} fast accumulation {fast}"), &down(&dev, &out, m * n), &want);
         }
     }
+    dev.set_lt_fp8_fast_accum(false).expect("fast accumulation switch");
     // 128 × 128 blocks are not row-constant: refused before anything runs.
     let w = matrix(&mut r, 256, 512, Some((128, 128)));
     let dw = Fp8Weights::upload(&dev, &w).expect("upload");

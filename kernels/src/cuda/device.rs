@@ -380,6 +380,22 @@ impl CudaDevice {
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Whether cuBLASLt's FP8 (W8A8) products use fast accumulation (`lt.rs`); false without
+    /// cuBLASLt.
+    pub fn lt_fp8_fast_accum(&self) -> bool {
+        self.lt.as_ref().is_some_and(|lt| lt.fp8_fast_accum())
+    }
+
+    /// Sets [`CudaDevice::lt_fp8_fast_accum`] (nothing to do without cuBLASLt). Recorded graphs
+    /// hold the old plans, so this counts as an allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_lt_fp8_fast_accum(&self, on: bool) -> Result<(), CudaError> {
+        if let Some(lt) = &self.lt {
+            lt.set_fp8_fast_accum(on)?;
+        }
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// How many device allocations this device has made; a graph recorded at one generation
     /// may hold pointers to buffers replaced since.
     pub fn alloc_generation(&self) -> u64 {

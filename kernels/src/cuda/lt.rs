@@ -30,6 +30,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Algorithms asked of the heuristic and timed per shape.
 pub const CANDIDATES: usize = 12;
@@ -96,6 +97,9 @@ pub(crate) struct LtGemm {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     plans: Mutex<HashMap<LtShape, Plan>>,
+    /// Whether FP8 products accumulate in the tensor cores' fast mode (see
+    /// [`LtGemm::set_fp8_fast_accum`]).
+    fp8_fast_accum: AtomicBool,
 }
 
 // SAFETY: the handle is used from one stream and every use holds the `plans` mutex.
@@ -137,7 +141,22 @@ impl LtGemm {
         let handle = result::create_handle().map_err(lt_err)?;
         // SAFETY: the workspace's contents never matter.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }?;
-        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()) }))
+        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()), fp8_fast_accum: AtomicBool::new(false) }))
+    }
+
+    /// Whether FP8 (W8A8) products run with cuBLASLt's fast accumulation
+    /// (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`: the tensor cores' FP8 partial sums are not promoted to
+    /// full f32 at every step), as vLLM's and TensorRT-LLM's Hopper FP8 GEMMs do by default.
+    pub fn fp8_fast_accum(&self) -> bool {
+        self.fp8_fast_accum.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`LtGemm::fp8_fast_accum`]; forgets every plan (each shape is planned and timed
+    /// again at its next call).
+    pub fn set_fp8_fast_accum(&self, on: bool) -> Result<(), CudaError> {
+        self.fp8_fast_accum.store(on, Ordering::Relaxed);
+        self.plans.lock().map_err(|_| CudaError::BlasLt("the plans' lock is poisoned".into()))?.clear();
+        Ok(())
     }
 
     /// The descriptors of `s` and the heuristic's candidates (an FP8 shape's scale pointers are
@@ -171,6 +190,17 @@ impl LtGemm {
                 unsafe { result::set_matmul_desc_attribute(desc, attr, (&mode as *const i32).cast(), 4) }
                     .map_err(lt_err)?;
             }
+            let fast = i8::from(self.fp8_fast_accum());
+            // SAFETY: `desc` is live; the attribute is an 8-bit flag.
+            unsafe {
+                result::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                    (&fast as *const i8).cast(),
+                    1,
+                )
+            }
+            .map_err(lt_err)?;
         }
         if let Some(sc) = scales {
             set_scale_pointers(stream, desc, sc)?;
