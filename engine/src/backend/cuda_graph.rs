@@ -169,8 +169,9 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
-    /// Runs cuBLASLt's FP8 products with fast accumulation or not
-    /// ([`baton_kernels::cuda::CudaDevice::set_lt_fp8_fast_accum`]). Drops recorded graphs.
+    /// Runs cuBLASLt's FP8 products with fast accumulation (the default) or not
+    /// ([`baton_kernels::cuda::CudaDevice::set_lt_fp8_fast_accum`]; for comparisons). Drops
+    /// recorded graphs.
     pub fn set_lt_fp8_fast_accum(&mut self, on: bool) -> Result<(), BackendError> {
         self.device().set_lt_fp8_fast_accum(on)?;
         self.drop_graphs();

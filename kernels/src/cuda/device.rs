@@ -380,8 +380,8 @@ impl CudaDevice {
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Whether cuBLASLt's FP8 (W8A8) products use fast accumulation (`lt.rs`); false without
-    /// cuBLASLt.
+    /// Whether cuBLASLt's FP8 (W8A8) products use fast accumulation (`lt.rs`; on by default);
+    /// false without cuBLASLt.
     pub fn lt_fp8_fast_accum(&self) -> bool {
         self.lt.as_ref().is_some_and(|lt| lt.fp8_fast_accum())
     }

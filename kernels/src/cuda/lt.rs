@@ -14,7 +14,8 @@
 //! chose nothing faster (Llama-3.1-8B FP8, b=256: 13.68 ms a step against 13.61; H100, 4d14f82).
 //!
 //! The same machinery runs the W8A8 FP8 product ([`LtShape::fp8`]): E4M3 weights and E4M3
-//! activations (quantized per token by `quantize_rows_e4m3`), f32 accumulation, bf16 out, the
+//! activations (quantized per token by `quantize_rows_e4m3`), f32 accumulation (cuBLASLt's fast
+//! mode by default, [`LtGemm::set_fp8_fast_accum`]), bf16 out, the
 //! weights' per-row and the activations' per-token scales applied by cuBLASLt as "outer
 //! vector" scales (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`, CUDA 12.9+); their device
 //! pointers are set on the descriptor before each launch.
@@ -141,12 +142,16 @@ impl LtGemm {
         let handle = result::create_handle().map_err(lt_err)?;
         // SAFETY: the workspace's contents never matter.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }?;
-        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()), fp8_fast_accum: AtomicBool::new(false) }))
+        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()), fp8_fast_accum: AtomicBool::new(true) }))
     }
 
     /// Whether FP8 (W8A8) products run with cuBLASLt's fast accumulation
     /// (`CUBLASLT_MATMUL_DESC_FAST_ACCUM`: the tensor cores' FP8 partial sums are not promoted to
-    /// full f32 at every step), as vLLM's and TensorRT-LLM's Hopper FP8 GEMMs do by default.
+    /// full f32 at every step), as vLLM's and TensorRT-LLM's Hopper FP8 GEMMs do by default. On
+    /// by default: on an H100 (02ae33f) it took the 8B shape's 2,048-token TTFT from 35.0 to
+    /// 32.1 ms and its b=256 decode step from 13.33 to 12.96 ms, while the products' relative
+    /// error against the f32 reference went from 1.68e-3 to 2.20e-3 at k = 4,096 (1.91e-3 at
+    /// 1,792; `gpu_fp8_w8a8_matches_the_per_token_reference` checks both settings).
     pub fn fp8_fast_accum(&self) -> bool {
         self.fp8_fast_accum.load(Ordering::Relaxed)
     }
