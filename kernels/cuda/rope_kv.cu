@@ -29,6 +29,9 @@
 // the normalized head is rounded to bf16 once. The head's sum of squares is a block reduction,
 // so these CTAs have head_dim / 2 threads rounded up to a multiple of 32; the extra threads
 // hold zeros and write nothing. Without QK_NORM the code is the plain kernel's.
+// Heads a CTA loads up front (rope_write_kv_body): rope.rs's ROPE_HEADS_PER_CTA.
+#define ROPE_MAX_HEADS 8
+
 struct QkNormArgs {
     const bf16_t* q_w;
     const bf16_t* k_w;
@@ -71,14 +74,48 @@ __device__ __forceinline__ void rope_norm_weights(const QkNormArgs& norm, int he
     }
 }
 
-// One head of one row (see rope_write_kv_body): the thread's two elements, with the row's
-// (c, s) for its pair and the head's norm weights w0, w1. Every thread of the CTA calls it for
-// the same head (the norm's block reduction needs them all).
+// The two input values of the thread for head `head` of row `row` (what rope_one_head then
+// rotates, normalizes or stores): elements e0 and e1 of a query or key head, elements i and
+// i + head_dim / 2 of a value head; zeros where the thread has nothing to read (a value head of
+// a row without a slot, a thread past head_dim / 2 with QK_NORM, a query head in a calibration
+// pass). Split from rope_one_head so that a CTA taking several heads issues every head's loads
+// before its first store: q_in and q_out may alias, so the compiler cannot move a later
+// head's loads above an earlier head's stores, and each head cost a full memory round trip.
+template <bool QK_NORM, bool AMAX>
+__device__ __forceinline__ void rope_load_head(int head, int row, int i, long long slot, const bf16_t* q_in,
+                                               long long q_stride, const bf16_t* k_in, long long k_stride,
+                                               const bf16_t* __restrict__ v_in, long long v_stride, int n_heads,
+                                               int n_kv_heads, int head_dim, int rot_half, float* a, float* b) {
+    *a = 0.f;
+    *b = 0.f;
+    if (AMAX && head < n_heads) return;
+    const int half = head_dim >> 1;
+    const bool active = !QK_NORM || i < half;
+    if (!active) return;
+    const bool rotating = i < rot_half;
+    const int e0 = rotating ? i : 2 * i, e1 = rotating ? i + rot_half : 2 * i + 1;
+    if (head >= n_heads + n_kv_heads) {
+        if (slot < 0) return;
+        const bf16_t* vr = v_in + row * v_stride + (head - n_heads - n_kv_heads) * head_dim;
+        *a = bf2f(vr[i]);
+        *b = bf2f(vr[i + half]);
+    } else if (head < n_heads) {
+        const bf16_t* qr = q_in + row * q_stride + head * head_dim;
+        *a = bf2f(qr[e0]);
+        *b = bf2f(qr[e1]);
+    } else {
+        const bf16_t* kr = k_in + row * k_stride + (head - n_heads) * head_dim;
+        *a = bf2f(kr[e0]);
+        *b = bf2f(kr[e1]);
+    }
+}
+
+// One head of one row (see rope_write_kv_body), from the thread's two input values a, b
+// (rope_load_head), the row's (c, s) for its pair and the head's norm weights w0, w1. Every
+// thread of the CTA calls it for the same head (the norm's block reduction needs them all).
 template <bool QK_NORM, typename C, bool AMAX>
 __device__ __forceinline__ void rope_one_head(int head, int row, int i, long long slot, float c, float s, float w0,
-                                              float w1, const bf16_t* q_in, long long q_stride, bf16_t* q_out,
-                                              const bf16_t* k_in, long long k_stride, bf16_t* k_out,
-                                              const bf16_t* __restrict__ v_in, long long v_stride,
+                                              float w1, float a, float b, bf16_t* q_out, bf16_t* k_out,
                                               C* __restrict__ k_cache, C* __restrict__ v_cache, int n_heads,
                                               int n_kv_heads, int head_dim, int rot_half, QkNormArgs norm,
                                               float k_scale, float v_scale, float* amax) {
@@ -92,20 +129,18 @@ __device__ __forceinline__ void rope_one_head(int head, int row, int i, long lon
     if (head >= n_heads + n_kv_heads) {
         if (slot < 0 || !active) return;
         const int h = head - n_heads - n_kv_heads;
-        const bf16_t* vr = v_in + row * v_stride + h * head_dim;
         if (AMAX) {
-            amax_put(amax + 1, __uint_as_float(max(__float_as_uint(fabsf(bf2f(vr[i]))), __float_as_uint(fabsf(bf2f(vr[i + half]))))));
+            amax_put(amax + 1, __uint_as_float(max(__float_as_uint(fabsf(a)), __float_as_uint(fabsf(b)))));
             return;
         }
         C* vc = v_cache + slot * kv_w + h * head_dim;
-        kv_put(vc + i, vr[i], v_scale);
-        kv_put(vc + i + half, vr[i + half], v_scale);
+        // a and b are bf16 values widened (bf2f): their top half is the stored bits, NaNs included.
+        kv_put(vc + i, (bf16_t)(__float_as_uint(a) >> 16), v_scale);
+        kv_put(vc + i + half, (bf16_t)(__float_as_uint(b) >> 16), v_scale);
         return;
     }
     if (head < n_heads) {
-        const bf16_t* qr = q_in + row * q_stride + head * head_dim;
         bf16_t* qo = q_out + ((long long)row * n_heads + head) * head_dim;
-        float a = active ? bf2f(qr[e0]) : 0.f, b = active ? bf2f(qr[e1]) : 0.f;
         if (QK_NORM) {
             // Every thread reaches the reduction (the branch is uniform over the CTA).
             const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
@@ -121,8 +156,6 @@ __device__ __forceinline__ void rope_one_head(int head, int row, int i, long lon
         return;
     }
     const int h = head - n_heads;
-    const bf16_t* kr = k_in + row * k_stride + h * head_dim;
-    float a = active ? bf2f(kr[e0]) : 0.f, b = active ? bf2f(kr[e1]) : 0.f;
     if (QK_NORM) {
         const float inv = rsqrtf(block_sum(a * a + b * b) / (float)head_dim + norm.eps);
         if (!active) return;
@@ -188,11 +221,35 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         s = (float)sd * cs_scale;
         c = (float)cd * cs_scale;
     }
+    // Every head's inputs first (up to ROPE_MAX_HEADS a CTA, what rope.rs launches), then the
+    // rotations and stores; a CTA given more heads loads each just before it.
+    const int count = (total - first + (int)gridDim.y - 1) / (int)gridDim.y;
+    if (count <= ROPE_MAX_HEADS) {
+        float a[ROPE_MAX_HEADS], b[ROPE_MAX_HEADS];
+#pragma unroll
+        for (int j = 0; j < ROPE_MAX_HEADS; j++)
+            if (j < count)
+                rope_load_head<QK_NORM, AMAX>(first + j * (int)gridDim.y, row, i, slot, q_in, q_stride, k_in, k_stride,
+                                              v_in, v_stride, n_heads, n_kv_heads, head_dim, rot_half, &a[j], &b[j]);
+#pragma unroll
+        for (int j = 0; j < ROPE_MAX_HEADS; j++) {
+            if (j < count) {
+                const int head = first + j * (int)gridDim.y;
+                if (j > 0) rope_norm_weights<QK_NORM>(norm, head, n_heads, n_kv_heads, active, e0, e1, &w0, &w1);
+                rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, a[j], b[j], q_out, k_out, k_cache,
+                                                 v_cache, n_heads, n_kv_heads, head_dim, rot_half, norm, k_scale,
+                                                 v_scale, amax);
+            }
+        }
+        return;
+    }
     for (int head = first; head < total; head += gridDim.y) {
         if (head != first) rope_norm_weights<QK_NORM>(norm, head, n_heads, n_kv_heads, active, e0, e1, &w0, &w1);
-        rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, q_in, q_stride, q_out, k_in, k_stride,
-                                         k_out, v_in, v_stride, k_cache, v_cache, n_heads, n_kv_heads, head_dim,
-                                         rot_half, norm, k_scale, v_scale, amax);
+        float a, b;
+        rope_load_head<QK_NORM, AMAX>(head, row, i, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, n_heads,
+                                      n_kv_heads, head_dim, rot_half, &a, &b);
+        rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, a, b, q_out, k_out, k_cache, v_cache,
+                                         n_heads, n_kv_heads, head_dim, rot_half, norm, k_scale, v_scale, amax);
     }
 }
 
