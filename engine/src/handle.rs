@@ -49,6 +49,39 @@ impl Inner {
     }
 }
 
+/// How long the last handle's drop waits for the engine thread to stop (see `Drop for Inner`).
+const DROP_JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Drop for Inner {
+    /// The last handle and the last stream are gone: stop the engine thread and wait for it (at
+    /// most [`DROP_JOIN_TIMEOUT`]), so that it never meets the process's exit half-way through
+    /// its teardown. Left running, a CUDA engine thread met the driver's teardown at exit and
+    /// crashed test binaries after their tests had passed (sessions 16 and 17). A thread still
+    /// running after the timeout (a hung device) is left behind with a warning rather than
+    /// hanging whoever dropped the handle; nothing joins from the engine thread itself.
+    fn drop(&mut self) {
+        if let Ok(tx) = self.tx.get_mut() {
+            let _ = tx.send(Command::Shutdown);
+        }
+        let Some(thread) = self.thread.get_mut().ok().and_then(Option::take) else { return };
+        if thread.thread().id() == std::thread::current().id() {
+            return;
+        }
+        let deadline = std::time::Instant::now() + DROP_JOIN_TIMEOUT;
+        while !thread.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        if thread.is_finished() {
+            let _ = thread.join();
+        } else {
+            tracing::warn!(
+                timeout_s = DROP_JOIN_TIMEOUT.as_secs(),
+                "the engine thread did not stop after its last handle was dropped"
+            );
+        }
+    }
+}
+
 impl AbortSink for Inner {
     fn abort(&self, id: RequestId) {
         self.send(Command::Abort(id));
@@ -329,5 +362,40 @@ impl EngineClient for EngineHandle {
 
     fn is_healthy(&self) -> bool {
         self.health().is_healthy()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DeviceSpec, EngineConfig, start_engine};
+    use baton_core::params::SamplingParams;
+    use baton_formats::{LoadFormat, load_model};
+
+    /// Dropping the last handle (and the last stream) stops the engine thread and waits for it:
+    /// when `drop` returns, the thread has let go of everything it held (its clone of the shared
+    /// state included), so a process may exit right after.
+    #[test]
+    fn dropping_the_last_handle_joins_the_engine_thread() {
+        let (dir, _) = baton_formats::testing::load_golden("llama").expect("golden fixture");
+        let model = load_model(&dir, LoadFormat::Auto).expect("load");
+        let cfg = EngineConfig { num_threads: Some(1), ..EngineConfig::default() };
+        for with_stream in [false, true] {
+            let handle = start_engine(&model, DeviceSpec::Cpu, cfg.clone()).expect("start");
+            let shared = handle.inner.shared.clone();
+            let params = SamplingParams { max_tokens: Some(4), ..SamplingParams::greedy() };
+            // A stream outlives the handle: the engine runs until the stream goes too.
+            let stream = with_stream.then(|| handle.submit(EngineRequest::new(vec![1, 2, 3], params)).expect("submit"));
+            drop(handle);
+            if let Some(s) = stream {
+                assert!(Arc::strong_count(&shared) > 1, "the engine stopped while a stream was alive");
+                drop(s);
+            }
+            assert_eq!(
+                Arc::strong_count(&shared),
+                1,
+                "with a stream {with_stream}: the engine thread still holds its state"
+            );
+        }
     }
 }
