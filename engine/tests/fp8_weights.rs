@@ -158,7 +158,7 @@ fn fp8_moe_expert_with_a_nan_scale_is_refused_naming_it() {
     let start = header[name]["data_offsets"][0].as_u64().expect("offsets") as usize + 8 + n;
     bytes[start + 4..start + 8].copy_from_slice(&f32::NAN.to_le_bytes());
     std::fs::write(dir.path().join("model.safetensors"), bytes).expect("write");
-    let err = load_model(dir.path(), LoadFormat::Auto).err().expect("a NaN scale is refused").to_string();
+    let err = load_model(dir.path(), LoadFormat::Auto).expect_err("a NaN scale is refused").to_string();
     assert!(err.contains(name) && err.contains("NaN"), "{err}");
 }
 
