@@ -30,6 +30,23 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Sets the rows from which RoPE + KV-write launches group several heads into a CTA
+    /// ([`baton_kernels::cuda::CudaDevice::set_rope_grouped_min_rows`]; for comparisons, the
+    /// same bits either way). Drops recorded graphs.
+    pub fn set_rope_grouped_min_rows(&mut self, rows: usize) {
+        self.device().set_rope_grouped_min_rows(rows);
+        self.drop_graphs();
+    }
+
+    /// Runs cuBLASLt's FP8 products with fast accumulation (the default) or not
+    /// ([`baton_kernels::cuda::CudaDevice::set_lt_fp8_fast_accum`]; for comparisons). Drops
+    /// recorded graphs.
+    pub fn set_lt_fp8_fast_accum(&mut self, on: bool) -> Result<(), BackendError> {
+        self.device().set_lt_fp8_fast_accum(on)?;
+        self.drop_graphs();
+        Ok(())
+    }
+
     /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
     /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
     pub fn w8a8_active(&self) -> bool {
