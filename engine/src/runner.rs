@@ -87,6 +87,12 @@ impl<B: Backend> ModelRunner<B> {
         let mut arch = build_architecture(cfg, &mut w, &mut backend)?;
         let upload = backend.finish_weights()?;
         log_weights(started.elapsed(), w.tensors_read(), upload);
+        let at_load = cfg.quantization.as_ref().is_some_and(|q| q.source == baton_formats::QuantSource::AtLoad);
+        if at_load && cfg.moe.is_some() {
+            tracing::info!(
+                "--quantization fp8 quantizes the attention and dense projections; the MoE experts stay bf16 (no FP8 grouped expert GEMM yet)"
+            );
+        }
         if w.experts_dequantized() > 0 {
             tracing::info!(
                 matrices = w.experts_dequantized(),
