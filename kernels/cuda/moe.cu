@@ -92,8 +92,6 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int r
     moe_route_row(logits, row, n_experts, k, sigmoid, renormalize, scale, ids, weights);
 }
 
-#define MOE_CHUNK 4096
-
 // The inclusive prefix sum of v over the lanes of the calling warp (every lane calls it).
 __device__ __forceinline__ int moe_warp_incl_scan(int v) {
     const int lane = threadIdx.x & 31;
@@ -134,49 +132,72 @@ __device__ __forceinline__ void moe_scan_offsets(int* cursor, int n_experts, int
     if (lane == 31) offsets[n_experts] = incl;
 }
 
-// One CTA (any multiple of 32 threads, 1,024 best). Counts per expert (shared atomics; the
-// count does not depend on their order), an exclusive prefix into offsets (n_experts + 1, a
-// warp scan), then a stable placement: ids are staged in chunks in shared memory and warp w
-// places the assignments of experts w, w + warps, ... in index order with a ballot per 32 ids, so
-// order[p] = a and position[a] = p. An id outside [0, n_experts) is never placed (the
-// segments then cover fewer than n entries; moe_route never writes one).
+// One CTA (any multiple of 32 threads up to 1,024, 1,024 best). Warp w owns a contiguous slice
+// of the n ids (whole groups of 32) and counts, per expert, the ids of its slice in its own row of
+// a [warp][expert] table (__match_any_sync groups a group's equal ids; the lowest lane of each
+// group adds the group's size, so no atomics). Each expert's total gives the exclusive prefix in
+// offsets (n_experts + 1, a warp scan); the table's rows become each warp's first position per
+// expert (the expert's offset plus the counts of the warps before). Then each warp walks its
+// slice again and places id i at its expert's running position plus its rank among the group's
+// lower lanes, so the placement is stable (by expert, then by assignment index): order[p] = i and
+// position[i] = p. An id outside [0, n_experts) is never placed (the segments then cover fewer
+// than n entries; moe_route never writes one).
+// Each id is read twice and placed once. The form before (sessions 11-17) scanned every 32 ids
+// once per expert, n_experts / 32 ballots per id: ~35 us a layer at a 2,048-token Qwen3-30B-A3B
+// prefill (16,384 ids, 128 experts; BENCHMARKS.md).
 // The body is shared with moe_route_permute, which writes ids in the same launch: so ids is
 // not __restrict__ here (no read-only-cache loads of data this grid wrote).
 __device__ __forceinline__ void moe_permute_body(const int* ids, int n, int n_experts, int* __restrict__ offsets,
                                                  int* __restrict__ order, int* __restrict__ position) {
     __shared__ int cursor[MOE_MAX_EXPERTS + 1];
-    __shared__ int chunk[MOE_CHUNK];
+    __shared__ int table[32][MOE_MAX_EXPERTS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
-    for (int e = tid; e <= n_experts; e += blockDim.x) cursor[e] = 0;
+    const unsigned below = (1u << lane) - 1u;
+    // Warp w's slice [lo, hi): whole groups of 32, in index order across the warps.
+    const int per_warp = ((n + warps - 1) / warps + 31) & ~31;
+    const int lo = min(n, warp * per_warp), hi = min(n, lo + per_warp);
+    for (int e = lane; e < n_experts; e += 32) table[warp][e] = 0;
+    __syncwarp();
+    for (int i0 = lo; i0 < hi; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < hi ? ids[i] : -1;
+        const bool valid = (unsigned)e < (unsigned)n_experts;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (valid && (peers & below) == 0) table[warp][e] += __popc(peers);
+        __syncwarp();
+    }
     __syncthreads();
-    for (int i = tid; i < n; i += blockDim.x) {
-        const int e = ids[i];
-        if ((unsigned)e < (unsigned)n_experts) atomicAdd(&cursor[e], 1);
+    for (int e = tid; e < n_experts; e += blockDim.x) {
+        int total = 0;
+        for (int w = 0; w < warps; w++) total += table[w][e];
+        cursor[e] = total;
     }
     __syncthreads();
     if (warp == 0) moe_scan_offsets(cursor, n_experts, offsets);
     __syncthreads();
-    for (int base = 0; base < n; base += MOE_CHUNK) {
-        const int len = min(MOE_CHUNK, n - base);
-        for (int i = tid; i < len; i += blockDim.x) chunk[i] = ids[base + i];
-        __syncthreads();
-        // Expert e's cursor is read and written by one warp only.
-        for (int e = warp; e < n_experts; e += warps) {
-            int cur = cursor[e];
-            for (int i0 = 0; i0 < len; i0 += 32) {
-                const int i = i0 + lane;
-                const bool hit = i < len && chunk[i] == e;
-                const unsigned b = __ballot_sync(0xffffffffu, hit);
-                if (hit) {
-                    const int p = cur + __popc(b & ((1u << lane) - 1u));
-                    order[p] = base + i;
-                    position[base + i] = p;
-                }
-                cur += __popc(b);
-            }
-            if (lane == 0) cursor[e] = cur;
+    for (int e = tid; e < n_experts; e += blockDim.x) {
+        int run = cursor[e];
+        for (int w = 0; w < warps; w++) {
+            const int c = table[w][e];
+            table[w][e] = run;
+            run += c;
         }
-        __syncthreads();
+    }
+    __syncthreads();
+    for (int i0 = lo; i0 < hi; i0 += 32) {
+        const int i = i0 + lane;
+        const int e = i < hi ? ids[i] : -1;
+        const bool valid = (unsigned)e < (unsigned)n_experts;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const int first = valid ? table[warp][e] : 0;
+        __syncwarp();
+        if (valid) {
+            const int p = first + __popc(peers & below);
+            order[p] = i;
+            position[i] = p;
+            if ((peers & below) == 0) table[warp][e] = first + __popc(peers);
+        }
+        __syncwarp();
     }
 }
 
