@@ -143,8 +143,9 @@ __device__ __forceinline__ void moe_scan_offsets(int* cursor, int n_experts, int
 // position[i] = p. An id outside [0, n_experts) is never placed (the segments then cover fewer
 // than n entries; moe_route never writes one).
 // Each id is read twice and placed once. The form before (sessions 11-17) scanned every 32 ids
-// once per expert, n_experts / 32 ballots per id: ~35 us a layer at a 2,048-token Qwen3-30B-A3B
-// prefill (16,384 ids, 128 experts; BENCHMARKS.md).
+// once per expert, n_experts / 32 ballots per id: route + permute took 174 us a layer at a
+// 2,048-token Qwen3-30B-A3B prefill (16,384 ids, 128 experts), 25 us now (H100, 7111dd2;
+// BENCHMARKS.md).
 // The body is shared with moe_route_permute, which writes ids in the same launch: so ids is
 // not __restrict__ here (no read-only-cache loads of data this grid wrote).
 __device__ __forceinline__ void moe_permute_body(const int* ids, int n, int n_experts, int* __restrict__ offsets,
