@@ -26,7 +26,7 @@ use baton_core::kv_transfer::KvLayout;
 use baton_core::params::ParamError;
 use baton_grammar::CompiledGrammar;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 
 struct Inner {
@@ -37,6 +37,8 @@ struct Inner {
     max_waiting: usize,
     next_id: AtomicU64,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Disconnected when the engine thread's body has returned (its sender is dropped then).
+    exited: Mutex<Receiver<()>>,
     grammars: GrammarPool,
 }
 
@@ -67,11 +69,8 @@ impl Drop for Inner {
         if thread.thread().id() == std::thread::current().id() {
             return;
         }
-        let deadline = std::time::Instant::now() + DROP_JOIN_TIMEOUT;
-        while !thread.is_finished() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        if thread.is_finished() {
+        let exited = self.exited.get_mut().map(|rx| rx.recv_timeout(DROP_JOIN_TIMEOUT));
+        if let Ok(Err(RecvTimeoutError::Disconnected)) = exited {
             let _ = thread.join();
         } else {
             tracing::warn!(
@@ -102,6 +101,7 @@ impl EngineHandle {
         kv_layout: KvLayout,
         max_waiting: usize,
         thread: std::thread::JoinHandle<()>,
+        exited: Receiver<()>,
         grammars: GrammarPool,
     ) -> Self {
         Self {
@@ -113,6 +113,7 @@ impl EngineHandle {
                 max_waiting,
                 next_id: AtomicU64::new(1),
                 thread: Mutex::new(Some(thread)),
+                exited: Mutex::new(exited),
                 grammars,
             }),
         }

@@ -230,14 +230,19 @@ pub fn start_engine(
         grammar_pool::GrammarPool::start(model.tokenizer.clone(), info.eos_token_ids.clone(), cfg.vocab_size)
             .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     let boundary = shared.clone();
+    // Dropped when the thread's body returns (or unwinds): what the last handle's drop waits for.
+    let (exited_tx, exited) = std::sync::mpsc::channel::<()>();
     let thread = std::thread::Builder::new()
         .name("baton-engine".into())
-        .spawn(move || run_engine_thread(engine, &boundary))
+        .spawn(move || {
+            let _exited = exited_tx;
+            run_engine_thread(engine, &boundary)
+        })
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
     tracing::info!(device = %device, num_blocks, block_size = config.block_size, kv_tokens = num_blocks * config.block_size, max_model_len, threads, "engine started");
     // CUDA graphs are recorded by the first decode step of each batch size, not here.
     log_phase("engine", started);
-    Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread, grammars))
+    Ok(EngineHandle::new(tx, shared, info, kv_layout, config.max_waiting, thread, exited, grammars))
 }
 
 /// Logs one phase of start-up, `started` until now, in the format every phase uses

@@ -17,7 +17,7 @@ use crate::backend::{AttentionExtras, BackendError, BatchLayout};
 use baton_kernels::cpu::{NormWeight, RopeTable};
 use baton_kernels::cuda::{
     AddRmsNormCall, AttentionCall, AttentionExtCall, AttentionOptions, AttnKernel, CastCall, CudaSlice,
-    GeluTanhMulCall, KvCacheRef, RmsNormCall, ScaleRoundCall, SoftcapCall, attention_supports,
+    GeluTanhMulCall, KvCacheRef, KvGeometry, RmsNormCall, ScaleRoundCall, SoftcapCall, attention_supports,
 };
 
 /// What the optional ops keep on the backend.
@@ -171,13 +171,7 @@ impl CudaBackend {
             }
             return done;
         }
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let width = n_heads * geo.head_dim;
-        if q.len != rows * width {
-            return Err(kerr("attention_ext", format!("q has {} values for {rows} rows of {width}", q.len)));
-        }
-        self.ensure(out, rows * width)?;
+        self.attention_prologue("attention_ext", q, n_heads, batch, out)?;
         if let Some(s) = sinks {
             self.widen_sinks(s, n_heads)?;
         }
@@ -257,6 +251,27 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
+    /// What every attention launcher does first: the step's metadata staged, `q` checked to hold
+    /// the batch's rows of `n_heads` heads, and `out` sized like it. Returns the cache geometry.
+    fn attention_prologue(
+        &mut self,
+        op: &'static str,
+        q: &CudaBuf,
+        n_heads: usize,
+        batch: &BatchLayout,
+        out: &mut CudaBuf,
+    ) -> Result<KvGeometry, BackendError> {
+        let geo = self.geo()?;
+        self.step_meta(batch)?;
+        let rows = batch.tokens.len();
+        let width = n_heads * geo.head_dim;
+        if q.len != rows * width {
+            return Err(kerr(op, format!("q has {} values for {rows} rows of {width}", q.len)));
+        }
+        self.ensure(out, rows * width)?;
+        Ok(geo)
+    }
+
     /// The tuned attention kernels ([`AttentionCall`]) with `options`, over the bf16 or FP8
     /// cache, at a head_dim they have ([`baton_kernels::cuda::attention_supports`]);
     /// `attention_with` is the router that sends every layer here or to the simple kernel.
@@ -270,14 +285,7 @@ impl CudaBackend {
         options: AttentionOptions<'_>,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        let geo = self.geo()?;
-        self.step_meta(batch)?;
-        let rows = batch.tokens.len();
-        let width = n_heads * geo.head_dim;
-        if q.len != rows * width {
-            return Err(kerr("attention", format!("q has {} values for {rows} rows of {width}", q.len)));
-        }
-        self.ensure(out, rows * width)?;
+        let geo = self.attention_prologue("attention", q, n_heads, batch, out)?;
         self.graphs.n_heads = Some(n_heads);
         let cache = match self.fp8.as_ref() {
             Some(fp8) => fp8.cache_ref(layer)?,

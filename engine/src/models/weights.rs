@@ -168,23 +168,29 @@ impl<'a> WeightLoader<'a> {
                 return Err(ModelLoadError::Fp8 { name: names[0].0.clone(), message });
             }
         };
+        // The FP8 experts dequantized in parallel (a model's experts are most of its weights).
+        let dequantized = names
+            .par_iter()
+            .map(|(name, rows)| -> Result<Option<TensorView<'a>>, ModelLoadError> {
+                if store.get(name)?.dtype != DType::F8E4M3 {
+                    return Ok(None);
+                }
+                let w = read_fp8_weight(store, &q, name, *rows, cols, std::path::Path::new("<checkpoint>"))?;
+                let bytes = w.dequantize().into_iter().flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect();
+                let shape = vec![*rows, cols];
+                Ok(Some(TensorView { name: name.clone(), shape, dtype: DType::BF16, bytes: Cow::Owned(bytes) }))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut views = Vec::with_capacity(names.len());
-        for (name, rows) in names {
-            if store.get(name)?.dtype != DType::F8E4M3 {
-                views.extend(self.views(&[(name.clone(), *rows)], cols)?);
-                continue;
+        for ((name, rows), view) in names.iter().zip(dequantized) {
+            match view {
+                Some(v) => {
+                    views.push(v);
+                    self.read += 1;
+                    self.experts_dequantized += 1;
+                }
+                None => views.extend(self.views(&[(name.clone(), *rows)], cols)?),
             }
-            let w = read_fp8_weight(store, &q, name, *rows, cols, std::path::Path::new("<checkpoint>"))?;
-            let bytes: Vec<u8> =
-                w.dequantize().into_iter().flat_map(|v| half::bf16::from_f32(v).to_le_bytes()).collect();
-            views.push(TensorView {
-                name: name.clone(),
-                shape: vec![*rows, cols],
-                dtype: DType::BF16,
-                bytes: Cow::Owned(bytes),
-            });
-            self.read += 1;
-            self.experts_dequantized += 1;
         }
         let rows = names.iter().map(|n| n.1).sum();
         Ok(b.upload_mat_raw(&views, rows, cols)?)

@@ -425,20 +425,7 @@ impl AttentionCall<'_> {
             block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let (qscale, v_scale) = self.cache.kernel_scales(scale);
-        let args = self
-            .cache
-            .push(Args::new(OP).buf(self.q))
-            .buf(&*self.out)
-            .buf(&self.meta.prefill.seqs)
-            .int(lists.seqs.len())?
-            .buf(&self.meta.block_tables)
-            .int(n_heads)?
-            .int(geo.n_kv_heads)?
-            .int(geo.block_size)?
-            .u32(block_magic(geo.block_size))
-            .f32(qscale);
-        let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
+        let args = self.prefill_args(OP)?;
         let (window, cap2) = self.options.kernel_args();
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry,
@@ -447,11 +434,32 @@ impl AttentionCall<'_> {
         unsafe { args.launch(dev, func, grid) }
     }
 
+    /// The arguments both prefill kernels start with: the cache, q, out, the step's prefill
+    /// sequence list and block tables, the head counts and block geometry, the softmax scale
+    /// (with the K scale folded in) and, over an FP8 cache, the V scale.
+    fn prefill_args(&self, op: &'static str) -> Result<Args<'_>, CudaError> {
+        let geo = self.geo;
+        let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
+        let args = self
+            .cache
+            .push(Args::new(op).buf(self.q))
+            .buf(&*self.out)
+            .buf(&self.meta.prefill.seqs)
+            .int(self.meta.prefill.lists.seqs.len())?
+            .buf(&self.meta.block_tables)
+            .int(self.n_heads)?
+            .int(geo.n_kv_heads)?
+            .int(geo.block_size)?
+            .u32(block_magic(geo.block_size))
+            .f32(qscale);
+        Ok(if self.cache.is_fp8() { args.f32(v_scale) } else { args })
+    }
+
     /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles);
     /// the caller checked the device, the shape and the arguments.
     fn prefill_wg(&self, dev: &CudaDevice, items: usize) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention_wg";
-        let (n_heads, geo) = (self.n_heads, self.geo);
+        let geo = self.geo;
         let fp8 = self.cache.is_fp8();
         let func = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
         let grid = LaunchConfig {
@@ -460,20 +468,7 @@ impl AttentionCall<'_> {
             block_dim: (128, 1, 1),
             shared_mem_bytes: prefill_wg_smem_bytes(fp8) as u32,
         };
-        let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
-        let args = self
-            .cache
-            .push(Args::new(OP).buf(self.q))
-            .buf(&*self.out)
-            .buf(&self.meta.prefill.seqs)
-            .int(self.meta.prefill.lists.seqs.len())?
-            .buf(&self.meta.block_tables)
-            .int(n_heads)?
-            .int(geo.n_kv_heads)?
-            .int(geo.block_size)?
-            .u32(block_magic(geo.block_size))
-            .f32(qscale);
-        let args = if fp8 { args.f32(v_scale) } else { args };
+        let args = self.prefill_args(OP)?;
         // SAFETY: as the mma.sync prefill launch: q, out and the caches checked against the
         // rows, heads and geometry (head_dim 128), the sequence list built from the validated
         // metadata, and the grid covers its work items.
