@@ -19,13 +19,14 @@
 //! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
 //! zeros); weights rotate among copies so that no shape is served from L2.
 //!
-//! Usage: `cuda_bench OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
+//! Usage: `cuda_bench OUT.json [COMMIT] [attention]`; prints a table and writes every figure as
+//! JSON. With `attention`, only sections 1 and 2.
 
 use baton_kernels::cuda::{
-    ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
-    CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel,
-    PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default, bf16, gemv_default,
-    plan_splits, prefill_variant_warps,
+    ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice, CudaError,
+    CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall,
+    LinearKernel, PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default, bf16,
+    gemv_default, plan_splits, prefill_variant_warps,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -116,15 +117,18 @@ fn run() -> Result<(), CudaError> {
         for (vi, v) in ATTN_VARIANTS.iter().enumerate() {
             // The default variant also at fixed split counts, to see where Auto's choice sits.
             let mut splits_to_time = vec![AttnSplit::Auto, AttnSplit::Fixed(1)];
-            if vi == attn_default(nh / nkv) {
+            // Likewise the first streaming variant.
+            let first_stream = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Stream);
+            if vi == attn_default(nh / nkv) || Some(vi) == first_stream {
                 splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
             }
             for split in splits_to_time {
                 let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;
                 attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
-                let x = nkv * (nh / nkv).div_ceil(v.max_group as usize);
-                let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), SplitTarget::BF16);
+                let x = v.ctas_per_row(nh, nkv, hd);
+                let target = SplitTarget::for_variant(v, nkv, hd, false);
+                let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), target);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };
@@ -145,6 +149,14 @@ fn run() -> Result<(), CudaError> {
                 ));
             }
         }
+    }
+
+    if args.get(3).is_some_and(|a| a == "attention") {
+        let (cms, cached) = dev.module_load();
+        let extra = format!("\"module_load_ms\":{cms:.1},\"module_from_cache\":{cached},");
+        common::write_results(&dev, &out_path, "cuda-kernels-attention", &commit, &args, &extra, &json)?;
+        println!("{table}");
+        return Ok(());
     }
 
     // 3. GEMM at the decode shapes (N, K) of Llama-3.1-8B: cuBLAS for every M, and for

@@ -134,9 +134,9 @@ fn launches(fp8: bool) -> Vec<(String, Vec<AttnKernel>, AttnSplit)> {
     let variants: Vec<usize> = if fp8 {
         (0..ATTN_FP8_VARIANTS.len()).collect()
     } else {
-        // A register variant with prefetch, and the three tensor-core shapes.
+        // A register variant with prefetch, and every tensor-core and streaming shape.
         let reg = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Registers && v.prefetch).expect("register");
-        let tc = ATTN_VARIANTS.iter().enumerate().filter(|(_, v)| v.kind == AttnKind::TensorCore).map(|(i, _)| i);
+        let tc = ATTN_VARIANTS.iter().enumerate().filter(|(_, v)| v.kind != AttnKind::Registers).map(|(i, _)| i);
         std::iter::once(reg).chain(tc).collect()
     };
     let mut runs = Vec::new();

@@ -198,7 +198,8 @@ impl CudaBackend {
         self.step_meta(padded)?;
         self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
         let fp8 = self.fp8.is_some();
-        let auto = auto_splits(self.dev.sm_count(), rows, n_heads, geo.n_kv_heads, self.meta.max_ctx(), fp8);
+        let auto =
+            auto_splits(self.dev.sm_count(), rows, n_heads, geo.n_kv_heads, geo.head_dim, self.meta.max_ctx(), fp8);
         // Graphs are keyed by a power of two (few graphs as contexts grow), rounded down:
         // rounding 3 up to 4 at 32 rows of 8k cost 7 % of the step (more CTAs than the device
         // runs well at once), while fewer splits than `Auto` measured no slower.

@@ -22,8 +22,8 @@
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
-    attn_fp8_default, plan_splits, tc_dynamic_smem,
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
+    attn_fp8_default, plan_splits, stream_kv_heads, stream_smem_bytes, tc_dynamic_smem,
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
@@ -313,11 +313,24 @@ impl AttentionCall<'_> {
             return Ok(());
         }
         shape_check(OP, rows <= MAX_GRID_YZ, || format!("{rows} rows exceed the grid's y limit"))?;
-        let x = v.ctas_per_row(n_heads, geo.n_kv_heads);
+        let smem = match v.kind {
+            AttnKind::Stream => {
+                shape_check(OP, dev.stream_attention_capable(), || {
+                    format!("the streaming attention kernel needs sm_90 (built for {})", dev.arch())
+                })?;
+                let kvc = stream_kv_heads(&v, geo.n_kv_heads, hd);
+                shape_check(OP, kvc > 0, || {
+                    format!("no streaming CTA fits {} KV heads of head_dim {hd}", geo.n_kv_heads)
+                })?;
+                stream_smem_bytes(&v, kvc, hd)
+            }
+            _ => tc_dynamic_smem(&v, hd, self.cache.is_fp8()),
+        };
+        let x = v.ctas_per_row(n_heads, geo.n_kv_heads, hd);
         // Only the split count reaches the kernel: each row's chunk is cut there from its own
         // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
         // A windowed row reads min(ctx, window) tokens: the plan is made for that length.
-        let target = SplitTarget::for_cache(self.cache.is_fp8());
+        let target = SplitTarget::for_variant(&v, geo.n_kv_heads, hd, self.cache.is_fp8());
         let read = self.options.effective_ctx(max_ctx);
         let (splits, _) = plan_splits(self.split, x * rows, read, dev.sm_count(), target);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
@@ -329,8 +342,9 @@ impl AttentionCall<'_> {
             DecodeRows::All => &meta.row_ctx,
             DecodeRows::DecodeOnly => &meta.prefill.decode_ctx,
         };
-        let mut grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), v.warps * 32);
-        grid.shared_mem_bytes = tc_dynamic_smem(&v, hd, self.cache.is_fp8()) as u32;
+        let threads = v.threads(geo.n_kv_heads, hd);
+        let mut grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), threads);
+        grid.shared_mem_bytes = smem as u32;
         let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
         let (window, cap2) = self.options.kernel_args();
         let args = self
@@ -354,7 +368,7 @@ impl AttentionCall<'_> {
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks
         // hold at least `n_heads` values; the dynamic shared memory is the variant's own
-        // (`tc_dynamic_smem`), whose limit the device raised at load.
+        // (`tc_dynamic_smem`, `stream_smem_bytes`: at most its limit, raised at load).
         unsafe { args.launch(dev, func, grid) }?;
         if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);

@@ -64,9 +64,11 @@ impl Family {
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
             Self::Gemv => &[include_str!("../../cuda/gemv.cu"), include_str!("../../cuda/gemv_fp8.cu")],
-            Self::Attention => {
-                &[include_str!("../../cuda/attention.cu"), include_str!("../../cuda/attention_tc_fp8.cu")]
-            }
+            Self::Attention => &[
+                include_str!("../../cuda/attention.cu"),
+                include_str!("../../cuda/attention_tc_fp8.cu"),
+                include_str!("../../cuda/attention_stream.cu"),
+            ],
             Self::Prefill => &[include_str!("../../cuda/prefill.cu"), include_str!("../../cuda/prefill_wg.cu")],
         }
     }
@@ -77,7 +79,7 @@ impl Family {
         match self {
             Self::Elementwise | Self::Sampling => &[],
             Self::Gemv => &["GEMV_VARIANTS", "GEMV_FP8_VARIANTS"],
-            Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS"],
+            Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS", "ATT_ST_VARIANTS"],
             Self::Prefill => &["PF_INSTANCE", "PF_WG_INSTANCE"],
         }
     }
@@ -677,8 +679,23 @@ mod tests {
         let rust: Vec<String> = ATTN_VARIANTS
             .iter()
             .skip_while(|v| v.kind == AttnKind::Registers)
+            .take_while(|v| v.kind != AttnKind::Stream)
             .map(|v| {
                 assert_eq!(v.kind, AttnKind::TensorCore, "register variants come first");
+                format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
+            })
+            .collect();
+        assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("ATT_ST_INSTANCE(HD, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+            .collect();
+        let rust: Vec<String> = ATTN_VARIANTS
+            .iter()
+            .skip_while(|v| v.kind != AttnKind::Stream)
+            .map(|v| {
+                assert_eq!(v.kind, AttnKind::Stream, "the streaming variants come last");
                 format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
             })
             .collect();

@@ -121,7 +121,7 @@ impl CudaDevice {
             Some(m) => Ok(m.load_function(n)?),
             None => Err(CudaError::Compile(format!("no module {} for kernel {n}", module.name()))),
         })?;
-        kernels.prepare()?;
+        kernels.prepare(major >= 9)?;
         let blas = CudaBlas::new(stream.clone())?;
         // SAFETY: cuBLAS only scratches in the workspace; its contents never matter.
         let blas_workspace = unsafe { stream.alloc::<u8>(CUBLAS_WORKSPACE_BYTES) }?;
@@ -335,6 +335,13 @@ impl CudaDevice {
     /// target that runs it.
     pub fn prefill_wgmma(&self) -> bool {
         self.prefill_wgmma.load(Ordering::Relaxed)
+    }
+
+    /// Whether the streaming decode attention kernel (`paged_attention_st_*`, the bulk copy
+    /// engine) can run here: sm_90 or later.
+    pub fn stream_attention_capable(&self) -> bool {
+        // The same condition as programmatic dependent launch: Hopper (sm_90) or later.
+        self.pdl_capable
     }
 
     /// Whether the warpgroup-MMA prefill kernel can run here (kernels built for `sm_90a`).

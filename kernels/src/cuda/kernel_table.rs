@@ -15,7 +15,8 @@ use super::fp8_linear::{Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
 use super::paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, combine_kernel_name, fp8_kernel_name, tc_dynamic_smem,
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnVariant, CTA_SMEM_LIMIT, combine_kernel_name,
+    fp8_kernel_name, tc_dynamic_smem,
 };
 use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_HEAD_DIM, prefill_fp8_kernel_name, prefill_fp8_smem_bytes,
@@ -305,9 +306,18 @@ impl KernelTable<CudaFunction> {
     /// dynamic shared-memory limit (above the default 48 KiB at head_dim 128) and the largest
     /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
     /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
-    pub fn prepare(&self) -> Result<(), CudaError> {
+    ///
+    /// The streaming decode shapes (sm_90 only: `hopper`) may take up to a CTA's limit of
+    /// dynamic shared memory ([`CTA_SMEM_LIMIT`]; how much a launch takes depends on the KV
+    /// heads, `stream_smem_bytes`).
+    pub fn prepare(&self, hopper: bool) -> Result<(), CudaError> {
         for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
-            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, false)));
+            let dynamic = |v: &AttnVariant| match v.kind {
+                AttnKind::Stream if hopper => CTA_SMEM_LIMIT,
+                AttnKind::Stream => 0,
+                _ => tc_dynamic_smem(v, *hd, false),
+            };
+            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, dynamic(v)));
             let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, true)));
             for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;

@@ -64,6 +64,10 @@ pub enum AttnKind {
     /// (loads in flight without registers) and both products run on the tensor cores
     /// (`mma.sync`, the CTA's query heads as the M rows).
     TensorCore,
+    /// `paged_attention_st_hd*` (attention_stream.cu, sm_90): a CTA takes every KV head of a row
+    /// (up to `warps`, one a warp) and streams the row's contiguous token slots into its ring
+    /// with the bulk copy engine, one copy per token row; products as [`AttnKind::TensorCore`].
+    Stream,
 }
 
 /// One compiled shape of the paged attention kernel (see attention.cu): the kernel kind,
@@ -73,7 +77,8 @@ pub enum AttnKind {
 pub struct AttnVariant {
     /// Which kernel.
     pub kind: AttnKind,
-    /// Warps per CTA.
+    /// Warps per CTA ([`AttnKind::Stream`]: the most, one per KV head of the CTA; see
+    /// [`stream_kv_heads`]).
     pub warps: u32,
     /// [`AttnKind::Registers`]: tokens in flight per thread (each a 16-byte K and a 16-byte V
     /// load). [`AttnKind::TensorCore`]: shared-memory stages in the ring (one is consumed while
@@ -102,6 +107,7 @@ impl AttnVariant {
                 format!("w{}_u{}_g{}_p{p}", self.warps, self.unroll, self.max_group)
             }
             AttnKind::TensorCore => format!("tc_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
+            AttnKind::Stream => format!("st_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
         }
     }
 
@@ -111,15 +117,64 @@ impl AttnVariant {
             AttnKind::TensorCore => {
                 format!("tc_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group)
             }
+            AttnKind::Stream => format!("st_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
         }
     }
 
-    /// CTAs one row takes along the grid's x axis: one per KV head and chunk of
-    /// `max_group` query heads of its GQA group.
-    pub(crate) fn ctas_per_row(&self, n_heads: usize, n_kv_heads: usize) -> usize {
+    /// CTAs one row takes along the grid's x axis: one per KV head (a streaming variant: per
+    /// [`stream_kv_heads`] KV heads) and chunk of `max_group` query heads of its GQA group.
+    pub fn ctas_per_row(&self, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> usize {
         let group = n_heads / n_kv_heads.max(1);
-        n_kv_heads * group.div_ceil((self.max_group as usize).max(1))
+        let heads = match self.kind {
+            AttnKind::Stream => n_kv_heads / stream_kv_heads(self, n_kv_heads, head_dim).max(1),
+            _ => n_kv_heads,
+        };
+        heads * group.div_ceil((self.max_group as usize).max(1))
     }
+
+    /// Threads of one CTA: `warps` warps, or for a streaming variant one warp per KV head of
+    /// the CTA.
+    pub(crate) fn threads(&self, n_kv_heads: usize, head_dim: usize) -> u32 {
+        match self.kind {
+            AttnKind::Stream => 32 * stream_kv_heads(self, n_kv_heads, head_dim).max(1) as u32,
+            _ => 32 * self.warps,
+        }
+    }
+
+    /// CTAs of this variant that fit on one SM by shared memory (228 KiB, 1 KiB reserved per
+    /// CTA), for the split rule: the streaming ring usually takes the SM alone.
+    pub(crate) fn stream_ctas_per_sm(&self, n_kv_heads: usize, head_dim: usize) -> usize {
+        let kvc = stream_kv_heads(self, n_kv_heads, head_dim).max(1);
+        (SM_SMEM / (stream_smem_bytes(self, kvc, head_dim) + 1024)).max(1)
+    }
+}
+
+/// Shared memory of one SM (H100), of which a CTA may take [`CTA_SMEM_LIMIT`].
+const SM_SMEM: usize = 228 * 1024;
+/// The most dynamic shared memory one CTA may take on sm_90 (227 KiB).
+pub(crate) const CTA_SMEM_LIMIT: usize = 227 * 1024;
+/// Tokens of one streaming ring stage (`ST_TOKENS` in attention_stream.cu).
+const STREAM_STAGE_TOKENS: usize = 16;
+
+/// Shared memory of a streaming CTA over `kvc` KV heads (`attention_stream.cu`): `unroll`
+/// stages of K and V rows of 16 tokens, each row the CTA's heads padded by 16 bytes, and one
+/// 8-byte mbarrier per stage.
+pub(crate) fn stream_smem_bytes(v: &AttnVariant, kvc: usize, head_dim: usize) -> usize {
+    let ns = v.unroll as usize;
+    ns * 2 * STREAM_STAGE_TOKENS * (kvc * head_dim * 2 + 16) + ns * 8
+}
+
+/// KV heads one CTA of a streaming variant takes: the largest divisor of `n_kv_heads` of at
+/// most `warps` whose ring fits a CTA's shared memory ([`CTA_SMEM_LIMIT`]); 0 for other kinds
+/// or when none fits.
+pub fn stream_kv_heads(v: &AttnVariant, n_kv_heads: usize, head_dim: usize) -> usize {
+    if v.kind != AttnKind::Stream {
+        return 0;
+    }
+    (1..=(v.warps as usize).min(n_kv_heads))
+        .rev()
+        .find(|&d| n_kv_heads.is_multiple_of(d) && stream_smem_bytes(v, d, head_dim) <= CTA_SMEM_LIMIT)
+        .unwrap_or(0)
 }
 
 /// The combine kernel's name for `head_dim` (the merge of split partials; attention.cu).
@@ -133,6 +188,10 @@ const fn reg(warps: u32, unroll: u32, max_group: u32, prefetch: bool) -> AttnVar
 
 const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
     AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
+}
+
+const fn st(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
+    AttnVariant { kind: AttnKind::Stream, warps, unroll: stages, max_group, prefetch: false }
 }
 
 /// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in
@@ -156,8 +215,9 @@ pub(crate) fn fp8_kernel_name(variant: &AttnVariant, head_dim: usize) -> String 
 }
 
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
-/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu).
-pub const ATTN_VARIANTS: [AttnVariant; 9] = [
+/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu), then the streaming
+/// kernels in the order of `ATT_ST_VARIANTS` (attention_stream.cu).
+pub const ATTN_VARIANTS: [AttnVariant; 13] = [
     reg(4, 4, 4, false),
     reg(4, 8, 4, false),
     reg(4, 4, 8, false),
@@ -170,6 +230,14 @@ pub const ATTN_VARIANTS: [AttnVariant; 9] = [
     tc(2, 5, 8),
     // Up to 16 query heads per CTA (all 16 M rows): a group of 12 or 16 reads K/V once.
     tc(2, 4, 16),
+    // Streaming: up to 8 KV heads a CTA, 3 stages (Llama-3.1-8B heads: 198 KB, one CTA per SM).
+    st(8, 3, 8),
+    // Two stages (132 KB at those heads: still one per SM, a shorter ring).
+    st(8, 2, 8),
+    // Up to 4 KV heads a CTA, 3 stages (99 KB: two CTAs per SM).
+    st(4, 3, 8),
+    // 16 query heads a warp (a group of 12 or 16 reads K/V once).
+    st(8, 3, 16),
 ];
 
 /// The variant the decode kernel uses by default for a GQA group of `group` query heads: the
@@ -228,6 +296,15 @@ impl SplitTarget {
     pub fn for_cache(fp8: bool) -> Self {
         if fp8 { Self::FP8 } else { Self::BF16 }
     }
+
+    /// The target of `variant` over such a cache: a streaming variant aims at the CTAs that fit
+    /// an SM by shared memory (usually one: its ring holds every KV head of a row), rounded down.
+    pub fn for_variant(variant: &AttnVariant, n_kv_heads: usize, head_dim: usize, fp8: bool) -> Self {
+        match variant.kind {
+            AttnKind::Stream => Self { ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim), round_up: false },
+            _ => Self::for_cache(fp8),
+        }
+    }
 }
 
 /// Most splits of one row's context.
@@ -266,11 +343,19 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, ta
 /// [`attn_default`] or for an FP8 cache [`attn_fp8_default`]) uses for `rows` rows of contexts
 /// up to `max_ctx` on `sms` SMs: what a CUDA graph recorded for such a step is keyed by. For a
 /// windowed layer pass the tokens it reads, `min(max_ctx, window)`.
-pub fn auto_splits(sms: usize, rows: usize, n_heads: usize, n_kv_heads: usize, max_ctx: usize, fp8: bool) -> usize {
+pub fn auto_splits(
+    sms: usize,
+    rows: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    max_ctx: usize,
+    fp8: bool,
+) -> usize {
     let group = n_heads / n_kv_heads.max(1);
     let variant = if fp8 { ATTN_FP8_VARIANTS[attn_fp8_default(group)] } else { ATTN_VARIANTS[attn_default(group)] };
-    let ctas = variant.ctas_per_row(n_heads, n_kv_heads) * rows;
-    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_cache(fp8)).0
+    let ctas = variant.ctas_per_row(n_heads, n_kv_heads, head_dim) * rows;
+    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_variant(&variant, n_kv_heads, head_dim, fp8)).0
 }
 
 #[cfg(test)]
@@ -349,24 +434,24 @@ mod tests {
         // Llama-3.1-8B (32/8 heads: group 4, one CTA per KV head) at batch 1, 2k: the plan for
         // 8 CTAs per split; at 12/1 heads (group 12: the 16-head variant) one CTA per row.
         assert_eq!(
-            auto_splits(132, 1, 32, 8, 2048, false),
+            auto_splits(132, 1, 32, 8, 128, 2048, false),
             plan_splits(AttnSplit::Auto, 8, 2048, 132, SplitTarget::BF16).0
         );
         assert_eq!(
-            auto_splits(132, 3, 12, 1, 4096, false),
+            auto_splits(132, 3, 12, 1, 128, 4096, false),
             plan_splits(AttnSplit::Auto, 3, 4096, 132, SplitTarget::BF16).0
         );
         // A group of 32 takes two CTAs of 16 heads per KV head.
-        assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2), 4);
-        assert_eq!(auto_splits(132, 512, 32, 8, 4096, false), 1, "a full batch needs no split");
-        assert!(auto_splits(132, 1, 32, 0, 100, false) >= 1, "no KV heads: still a plan (the launch refuses)");
+        assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2, 128), 4);
+        assert_eq!(auto_splits(132, 512, 32, 8, 128, 4096, false), 1, "a full batch needs no split");
+        assert!(auto_splits(132, 1, 32, 0, 128, 100, false) >= 1, "no KV heads: still a plan (the launch refuses)");
         // An FP8 cache aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
         // split in two where bf16 does not split; one row at 8k in 33 (as bf16); a full batch
         // is not split either way.
-        assert_eq!(auto_splits(132, 32, 32, 8, 8192, false), 1);
-        assert_eq!(auto_splits(132, 32, 32, 8, 8192, true), 2);
-        assert_eq!(auto_splits(132, 8, 32, 8, 4096, true), 5);
-        assert_eq!(auto_splits(132, 1, 32, 8, 8192, true), auto_splits(132, 1, 32, 8, 8192, false));
-        assert_eq!(auto_splits(132, 256, 32, 8, 1024, true), 1);
+        assert_eq!(auto_splits(132, 32, 32, 8, 128, 8192, false), 1);
+        assert_eq!(auto_splits(132, 32, 32, 8, 128, 8192, true), 2);
+        assert_eq!(auto_splits(132, 8, 32, 8, 128, 4096, true), 5);
+        assert_eq!(auto_splits(132, 1, 32, 8, 128, 8192, true), auto_splits(132, 1, 32, 8, 128, 8192, false));
+        assert_eq!(auto_splits(132, 256, 32, 8, 128, 1024, true), 1);
     }
 }

@@ -1,0 +1,355 @@
+// ---------------------------------------------------------------------------------------------
+// Streaming decode attention (`paged_attention_st_*`): the contract of the decode kernels in
+// attention.cu (arguments, split_chunk cut here, padding rows, partials for attention_combine),
+// a different grid and copy engine. Included after attention.cu (its helpers: smem_addr,
+// ldmatrix, tc_mma_*, pack_bf16x2, soft_cap, add_sink, window_start, split_chunk).
+//
+// Why. The tensor-core kernel (paged_attention_tc_*) gives each CTA one KV head, so a CTA reads
+// one 256-byte row out of every 2 KB token slot (Llama-3.1-8B: 8 KV heads x 128 dims), with
+// four threads per row issuing 16-byte cp.async copies; ncu at 256 rows x 1k (8dcc311) showed
+// 2.53 TB/s of DRAM (75 % of peak) with L2 82 % busy and 6 small CTAs per SM in 2.6 waves. A
+// block of the cache, [block_size][n_kv_heads][head_dim], is one contiguous run of memory: here
+// one CTA takes every KV head of a row (up to `warps`; more KV heads are split over CTAs) and
+// streams the row's blocks with the bulk copy engine (cp.async.bulk, one instruction per token
+// row of up to 2 KB, completing on an mbarrier), so the SM issues 32 copies where it issued
+// 2,048, every DRAM access is a whole contiguous row, and no register holds a load in flight.
+//
+// Grid: (n_kv_heads / KVC * group chunks, rows, splits), KVC * 32 threads; KVC (the CTA's KV
+// heads, a divisor of n_kv_heads, at most the variant's warps) is blockDim.x / 32. Warp w takes
+// KV head kvh0 + w and its query heads (up to MG; a larger GQA group is split over CTAs along
+// x, as in the tensor-core kernel) over every token of the chunk, so no cross-warp merge: each
+// warp writes its own heads' output or partial.
+//
+// Ring: NS stages of ST = 16 tokens, K rows then V rows, each row the CTA's KVC heads (KVC *
+// HD bf16) padded by 16 bytes so that ldmatrix's 8 rows at one column fall in 8 bank groups.
+// Warp 0's lanes each copy one token's K or V row (ST * 2 = 32 lanes); lane 0 first announces
+// the stage's bytes on the stage's mbarrier (arrive.expect_tx), every warp waits on its phase.
+// A slot is refilled only after a CTA barrier at the top of the next iteration (every warp is
+// done with it). The ring starts zeroed: tokens past the chunk are not copied, and their V rows
+// (weighed by a zero probability) then hold zeros or an earlier stage's finite values, never
+// uninitialized shared memory that could be NaN; their scores are masked to -inf.
+//
+// Products (per warp, per stage of 16 tokens): S (MG x 16) = Q K^T as two m16n8k16 N tiles of
+// 8 tokens (K rows by ldmatrix, non-transposed), online softmax per query head over the 16
+// scores (a row lives in one quad: two shuffles), O (MG x HD) += P V by m16n8k16 with the 16
+// tokens as k (P's A fragment is the two S tiles' accumulators; V by ldmatrix.trans).
+//
+// Shared memory: NS * 2 * 16 * (KVC * HD * 2 + 16) bytes + NS mbarriers, all dynamic (the
+// launcher passes st_smem_bytes, kernels/src/cuda/paged_attention.rs). Llama-3.1-8B heads
+// (KVC 8, HD 128): 66 KB a stage, 198 KB at 3 stages: one CTA per SM.
+//
+// The body needs sm_90 (the bulk copy engine); other targets get an entry that traps, which the
+// launcher never selects (CudaDevice::stream_attention_capable).
+// ---------------------------------------------------------------------------------------------
+
+// Tokens a stage.
+#define ST_TOKENS 16
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// One arrival that also raises the phase's expected transaction bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "ST_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra ST_WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Global -> shared bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned),
+// counted on `bar`'s transaction bytes when it lands.
+__device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+template <int HD, int NS, int MG>
+__device__ __forceinline__ void paged_attention_st_body(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
+    static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
+    static_assert(NS >= 2, "at least double buffering");
+    constexpr int ST = ST_TOKENS;
+    constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
+    extern __shared__ __align__(16) unsigned char st_smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int kvc = blockDim.x >> 5;
+    const int group = n_heads / n_kv_heads;
+    const int gchunks = (group + MG - 1) / MG;
+    const int cta_heads = blockIdx.x / gchunks, gc = blockIdx.x - cta_heads * gchunks;
+    const int kvh0 = cta_heads * kvc;
+    const int ng = min(MG, group - gc * MG);  // query heads of each warp
+    const int row = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
+    const int ctx = row_ctx[row];
+    if (ctx <= 0) {
+        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
+        if (split == 0) {
+            for (int i = tid; i < kvc * ng * HD; i += blockDim.x) {
+                const int w = i / (ng * HD), r = (i / HD) % ng;
+                out[((long long)row * n_heads + (kvh0 + w) * group + gc * MG + r) * HD + i % HD] = f2bf(0.f);
+            }
+        }
+        return;
+    }
+    const int lo = window_start(ctx, window);
+    const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
+    const int c0 = lo + split * chunk, c1 = min(ctx, c0 + chunk);
+    if (c0 >= c1) return;  // a split past the row's context: the combine never reads it
+    const int n_tiles = (c1 - c0 + ST - 1) / ST;
+
+    const int row_b = kvc * HD * 2;  // a token's K (or V) for the CTA's heads
+    const int rb = row_b + 16;       // ring row stride
+    const int tile_b = ST * rb;      // one K (or V) stage
+    const unsigned ring = smem_addr(st_smem);
+    const unsigned bars = ring + (unsigned)(NS * 2 * tile_b);  // 16-byte aligned: tile_b is
+
+    // Zero the ring (see the header), then initialize the barriers; the fence orders these
+    // ordinary stores before the copy engine's writes to the same bytes.
+    {
+        uint4* z = reinterpret_cast<uint4*>(st_smem);
+        for (int i = tid; i < NS * 2 * tile_b / 16; i += blockDim.x) z[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < NS; s++) mbar_init(bars + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+
+    // The copy state of warp 0's lane: lanes 0..15 copy token `lane` of each stage's K rows,
+    // lanes 16..31 the same token's V row. The block id of its token in the next stage is
+    // read one stage ahead.
+    const int ctok = lane % ST;
+    const bool cv = lane >= ST;
+    const int* bt = block_tables + row_bt[row];
+    const long long kv_w = (long long)n_kv_heads * HD;
+    const bf16_t* const src_base = (cv ? v_cache : k_cache) + (long long)kvh0 * HD;
+    int cp = c0 + ctok;
+    int clb = cp / block_size;
+    int coff = cp - clb * block_size;
+    int cblk = (warp == 0 && cp < c1) ? bt[clb] : 0;
+    // Copies stage j (the next one in order) into ring slot j % NS.
+    auto issue = [&](int j) {
+        const int s = j % NS;
+        const unsigned bar = bars + 8 * s;
+        if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
+        __syncwarp();
+        if (cp < c1) {
+            const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
+            bulk_copy_g2s(dst, src_base + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
+        }
+        cp += ST;
+        coff += ST;
+        while (coff >= block_size) {
+            coff -= block_size;
+            clb++;
+        }
+        cblk = cp < c1 ? bt[clb] : 0;
+    };
+    if (warp == 0) {
+        for (int j = 0; j < NS - 1 && j < n_tiles; j++) issue(j);
+    }
+
+    // Q as A fragments (rows g and g + 8 = this warp's query heads, k = head dims), unscaled:
+    // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
+    const int h0 = (kvh0 + warp) * group + gc * MG;
+    unsigned qa[HD / 16][2 * RH];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+        for (int h = 0; h < RH; h++) {
+            const int r = g + 8 * h;
+            unsigned lo2 = 0, hi2 = 0;
+            if (r < ng) {
+                const unsigned* qr = reinterpret_cast<const unsigned*>(
+                    q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
+                lo2 = qr[0];
+                hi2 = qr[4];
+            }
+            if constexpr (RH == 2) {
+                qa[kk][h] = lo2;
+                qa[kk][2 + h] = hi2;
+            } else {
+                qa[kk][0] = lo2;
+                qa[kk][1] = hi2;
+            }
+        }
+    }
+
+    float m[RH], l[RH], acc[HD / 8][2 * RH];
+#pragma unroll
+    for (int h = 0; h < RH; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 2 * RH; i++) acc[j][i] = 0.f;
+
+    // ldmatrix lane addresses within a stage, bytes: K (non-transposed, 8 tokens x 8 dims per
+    // matrix): lane l gives token l % 8 at dims (l / 8) * 8; V (transposed, 16 tokens as k):
+    // lane l gives token (l % 8) + 8 * ((l / 8) % 2) at dims (l / 16) * 8.
+    const unsigned head_b = (unsigned)(warp * HD * 2);
+    const unsigned lk = (unsigned)((lane & 7) * rb + (lane >> 3) * 16) + head_b;
+    const unsigned lk2 = (unsigned)((lane & 7) * rb + ((lane >> 3) & 1) * 16) + head_b;
+    const unsigned lv = (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * rb + (lane >> 4) * 16) + head_b;
+    for (int it = 0; it < n_tiles; it++) {
+        // Every warp is done with the slot the next copy overwrites (consumed last iteration).
+        __syncthreads();
+        if (warp == 0 && it + NS - 1 < n_tiles) issue(it + NS - 1);
+        const int s = it % NS;
+        mbar_wait(bars + 8 * s, (unsigned)((it / NS) & 1));
+        const unsigned ks = ring + (unsigned)(s * 2 * tile_b), vs = ks + (unsigned)tile_b;
+
+        // S = Q K^T: two N tiles of 8 tokens.
+        float sc[2][2 * RH];
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+            for (int i = 0; i < 2 * RH; i++) sc[nt][i] = 0.f;
+            const unsigned kt = ks + (unsigned)(nt * 8 * rb);
+            if constexpr (HD >= 32) {
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; kk += 2) {
+                    unsigned b[4];
+                    ldsm_x4(kt + lk + kk * 32, b);
+                    tc_mma_k16<MG>(sc[nt], qa[kk], b[0], b[1]);
+                    tc_mma_k16<MG>(sc[nt], qa[kk + 1], b[2], b[3]);
+                }
+            } else {
+                unsigned b[2];
+                ldsm_x2(kt + lk2, b);
+                tc_mma_k16<MG>(sc[nt], qa[0], b[0], b[1]);
+            }
+        }
+        // Online softmax (log2 domain) per query head over the 16 tokens; a head lives in one
+        // quad. P goes straight into the A fragment of the P V product (k = the 16 tokens).
+        const int pt = c0 + it * ST + 2 * t;
+        unsigned pa[2 * RH];
+        float corr[RH];
+#pragma unroll
+        for (int h = 0; h < RH; h++) {
+            float sv[4];
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                sv[2 * nt] = pt + 8 * nt < c1 ? soft_cap(sc[nt][2 * h] * qscale, cap2) : NEG_INF;
+                sv[2 * nt + 1] = pt + 8 * nt + 1 < c1 ? soft_cap(sc[nt][2 * h + 1] * qscale, cap2) : NEG_INF;
+            }
+            float tm = fmaxf(fmaxf(sv[0], sv[1]), fmaxf(sv[2], sv[3]));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 1));
+            tm = fmaxf(tm, __shfl_xor_sync(0xffffffffu, tm, 2));
+            const float mn = fmaxf(m[h], tm);
+            // No valid token seen yet by this quad: keep everything at zero.
+            const float mu = mn == NEG_INF ? 0.f : mn;
+            corr[h] = exp2f(m[h] - mu);
+            float p[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) p[i] = exp2f(sv[i] - mu);
+            l[h] = l[h] * corr[h] + (p[0] + p[1]) + (p[2] + p[3]);
+            m[h] = mn;
+            // A fragment order: a0 (row g, k 2t), a1 (row g+8, k 2t), a2 (row g, k 2t+8),
+            // a3 (row g+8, k 2t+8); with MG = 8 only a0, a2 (tc_mma_k16 supplies the rest).
+            pa[h] = pack_bf16x2(p[0], p[1]);
+            pa[RH + h] = pack_bf16x2(p[2], p[3]);
+        }
+        // The rescale is skipped when no head of the warp moved its max (every corr is exactly
+        // 1, so the product would be the identity), as after the first tiles it rarely does.
+        bool moved = false;
+#pragma unroll
+        for (int h = 0; h < RH; h++) moved |= corr[h] != 1.f;
+        if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 2 * RH; i++) acc[j][i] *= corr[i / 2];
+        }
+        // O += P V: the 16 tokens are k, head dims n (two N tiles of 8 per ldmatrix.x4).
+#pragma unroll
+        for (int nb = 0; nb < HD / 16; nb++) {
+            unsigned b[4];
+            ldsm_x4_t(vs + lv + nb * 32, b);
+            tc_mma_k16<MG>(acc[2 * nb], pa, b[0], b[1]);
+            tc_mma_k16<MG>(acc[2 * nb + 1], pa, b[2], b[3]);
+        }
+    }
+
+    // Each warp saw every token of the chunk (at least one valid), so its max is finite: write
+    // the normalized output (one split; the sink joins the softmax here) or the partial.
+#pragma unroll
+    for (int h = 0; h < RH; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const int r = g + 8 * h;
+        if (r >= ng) continue;
+        const long long rh = (long long)row * n_heads + h0 + r;
+        if (n_splits == 1) {
+            float mx = m[h], L = l[h], f = 1.f;
+            add_sink(sinks, h0 + r, mx, L, f);
+            const float norm = f / L;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) {
+                const unsigned o2 = pack_bf16x2(acc[j][2 * h] * norm, acc[j][2 * h + 1] * norm);
+                *reinterpret_cast<unsigned*>(out + rh * HD + j * 8 + 2 * t) = o2;
+            }
+        } else {
+            const long long ps = rh * n_splits + split;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++)
+                *reinterpret_cast<float2*>(part_o + ps * HD + j * 8 + 2 * t) =
+                    make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+            if (t == 0) {
+                part_ml[ps * 2] = m[h];
+                part_ml[ps * 2 + 1] = l[h];
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define ATT_ST_INSTANCE(HD, NW, NS, MG)                                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 1) paged_attention_st_hd##HD##_w##NW##_s##NS##_g##MG(    \
+        const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,     \
+        bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
+        const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
+        int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
+        paged_attention_st_body<HD, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,           \
+                                            block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk,     \
+                                            window, cap2, sinks);                                                 \
+    }
+
+// The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp), in the
+// order they follow the tensor-core variants in ATTN_VARIANTS.
+#define ATT_ST_VARIANTS(HD)      \
+    ATT_ST_INSTANCE(HD, 8, 3, 8) \
+    ATT_ST_INSTANCE(HD, 8, 2, 8) \
+    ATT_ST_INSTANCE(HD, 4, 3, 8) \
+    ATT_ST_INSTANCE(HD, 8, 3, 16)
+
+ATT_ST_VARIANTS(16)
+ATT_ST_VARIANTS(32)
+ATT_ST_VARIANTS(64)
+ATT_ST_VARIANTS(128)
+ATT_ST_VARIANTS(256)
