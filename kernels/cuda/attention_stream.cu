@@ -346,7 +346,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     ATT_ST_INSTANCE(HD, 8, 3, 8) \
     ATT_ST_INSTANCE(HD, 8, 2, 8) \
     ATT_ST_INSTANCE(HD, 4, 3, 8) \
-    ATT_ST_INSTANCE(HD, 8, 3, 16)
+    ATT_ST_INSTANCE(HD, 8, 2, 16)
 
 ATT_ST_VARIANTS(16)
 ATT_ST_VARIANTS(32)

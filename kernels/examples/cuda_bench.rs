@@ -24,9 +24,9 @@
 
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice, CudaError,
-    CudaOptions, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall,
-    LinearKernel, PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default, bf16,
-    gemv_default, plan_splits, prefill_variant_warps,
+    CudaOptions, CudaSlice, DecodeShape, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall,
+    LinearKernel, PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default,
+    attn_tc_default, bf16, gemv_default, plan_splits, prefill_variant_warps,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -119,7 +119,9 @@ fn run() -> Result<(), CudaError> {
             let mut splits_to_time = vec![AttnSplit::Auto, AttnSplit::Fixed(1)];
             // Likewise the first streaming variant.
             let first_stream = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Stream);
-            if vi == attn_default(nh / nkv) || Some(vi) == first_stream {
+            let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: false };
+            let default = attn_default(&shape, dev.stream_attention_capable());
+            if vi == default || vi == attn_tc_default(nh / nkv) || Some(vi) == first_stream {
                 splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
             }
             for split in splits_to_time {
@@ -131,7 +133,7 @@ fn run() -> Result<(), CudaError> {
                 let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), target);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
-                let mark = if vi == attn_default(nh / nkv) && split == AttnSplit::Auto { '*' } else { ' ' };
+                let mark = if vi == default && split == AttnSplit::Auto { '*' } else { ' ' };
                 let tag = format!("{}{mark}", v.label());
                 writeln!(
                     table,

@@ -24,7 +24,7 @@
 
 use super::CudaBackend;
 use crate::backend::{BackendError, BatchLayout, GraphReplay, ReplayStart};
-use baton_kernels::cuda::{AttnSplit, StepGraph, auto_splits};
+use baton_kernels::cuda::{AttnSplit, DecodeShape, StepGraph, auto_splits};
 use std::collections::{HashMap, HashSet};
 
 /// Largest decode batch replayed from a graph; larger ones run op by op.
@@ -198,8 +198,8 @@ impl CudaBackend {
         self.step_meta(padded)?;
         self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
         let fp8 = self.fp8.is_some();
-        let auto =
-            auto_splits(self.dev.sm_count(), rows, n_heads, geo.n_kv_heads, geo.head_dim, self.meta.max_ctx(), fp8);
+        let shape = DecodeShape { rows, n_heads, n_kv_heads: geo.n_kv_heads, head_dim: geo.head_dim, fp8 };
+        let auto = auto_splits(self.dev.sm_count(), &shape, self.meta.max_ctx(), self.dev.stream_attention_capable());
         // Graphs are keyed by a power of two (few graphs as contexts grow), rounded down:
         // rounding 3 up to 4 at 32 rows of 8k cost 7 % of the step (more CTAs than the device
         // runs well at once), while fewer splits than `Auto` measured no slower.

@@ -22,8 +22,8 @@
 
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnSplit, MIN_SPLIT_TOKENS, SplitTarget, attn_default,
-    attn_fp8_default, plan_splits, stream_kv_heads, stream_smem_bytes, tc_dynamic_smem,
+    ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnSplit, DecodeShape, MIN_SPLIT_TOKENS, SplitTarget,
+    attn_default, plan_splits, stream_kv_heads, stream_smem_bytes, tc_dynamic_smem,
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
@@ -152,8 +152,8 @@ impl<'a> KvCacheRef<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnKernel {
     /// The decode kernel on every row: `ATTN_VARIANTS[variant]` (with an FP8 cache
-    /// `ATTN_FP8_VARIANTS[variant]`), or when `None` the default for the GQA group
-    /// ([`attn_default`], [`attn_fp8_default`]).
+    /// `ATTN_FP8_VARIANTS[variant]`), or when `None` the default for the launch
+    /// ([`attn_default`]: the GQA group, the cache type and the rows).
     Decode {
         /// Index in [`ATTN_VARIANTS`].
         variant: Option<usize>,
@@ -220,7 +220,7 @@ impl AttentionCall<'_> {
     pub fn launch(mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         match self.kernel {
             AttnKernel::Decode { variant } => {
-                let v = variant.unwrap_or_else(|| self.default_decode_variant());
+                let v = variant.unwrap_or_else(|| self.default_decode_variant(dev, self.meta.rows));
                 self.decode(dev, v, DecodeRows::All)
             }
             AttnKernel::Prefill { variant } => self.prefill(dev, variant),
@@ -228,10 +228,11 @@ impl AttentionCall<'_> {
         }
     }
 
-    /// The default decode variant for the GQA group and the cache type.
-    fn default_decode_variant(&self) -> usize {
-        let group = self.n_heads / self.geo.n_kv_heads.max(1);
-        if self.cache.is_fp8() { attn_fp8_default(group) } else { attn_default(group) }
+    /// The default decode variant ([`attn_default`]) for a launch over `rows` rows.
+    fn default_decode_variant(&self, dev: &CudaDevice, rows: usize) -> usize {
+        let (n_heads, geo) = (self.n_heads, self.geo);
+        let (n_kv_heads, head_dim, fp8) = (geo.n_kv_heads, geo.head_dim, self.cache.is_fp8());
+        attn_default(&DecodeShape { rows, n_heads, n_kv_heads, head_dim, fp8 }, dev.stream_attention_capable())
     }
 
     /// The checks every attention launch makes: GQA heads, the metadata's cache geometry, and
@@ -265,10 +266,11 @@ impl AttentionCall<'_> {
 
     fn mixed(&mut self, dev: &CudaDevice) -> Result<(), CudaError> {
         let (n_heads, geo) = (self.n_heads, self.geo);
-        let variant = self.default_decode_variant();
         if !self.meta.prefill.has_prefill() || !prefill_supported(n_heads, geo.n_kv_heads, geo.head_dim) {
+            let variant = self.default_decode_variant(dev, self.meta.rows);
             return self.decode(dev, variant, DecodeRows::All);
         }
+        let variant = self.default_decode_variant(dev, self.meta.prefill.lists.decode_rows_end);
         // The warpgroup kernel where it runs this shape, else the default mma.sync variant.
         let wg =
             dev.prefill_wgmma() && prefill_wg_supported(n_heads, geo.n_kv_heads, geo.head_dim, !self.options.is_none());

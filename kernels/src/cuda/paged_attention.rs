@@ -232,21 +232,77 @@ pub const ATTN_VARIANTS: [AttnVariant; 13] = [
     tc(2, 4, 16),
     // Streaming: up to 8 KV heads a CTA, 3 stages (Llama-3.1-8B heads: 198 KB, one CTA per SM).
     st(8, 3, 8),
-    // Two stages (132 KB at those heads: still one per SM, a shorter ring).
+    // Two stages (132 KB at those heads: still one CTA per SM, one stage in flight while the
+    // other is consumed): the default streaming shape, the fastest at every measured shape.
     st(8, 2, 8),
     // Up to 4 KV heads a CTA, 3 stages (99 KB: two CTAs per SM).
     st(4, 3, 8),
-    // 16 query heads a warp (a group of 12 or 16 reads K/V once).
-    st(8, 3, 16),
+    // 16 query heads a warp (a group of 12 or 16 reads K/V once), two stages.
+    st(8, 2, 16),
 ];
 
-/// The variant the decode kernel uses by default for a GQA group of `group` query heads: the
-/// tensor-core kernel with 4 shared-memory stages, 8 heads per CTA up to a group of 8 and 16
-/// beyond (so that a group of 12 or 16 reads each K/V row once). Measured on an H100
-/// (bench/results/cuda-kernels-tc-prefill-*): 71-86 % of copy at batch >= 32 and contexts of
-/// 1k-4k, where the register kernels reached 50-57 %.
-pub fn attn_default(group: usize) -> usize {
+/// The tensor-core variant for a GQA group of `group` query heads: 4 shared-memory stages, 8
+/// heads per CTA up to a group of 8 and 16 beyond (so that a group of 12 or 16 reads each K/V
+/// row once). Measured on an H100 (bench/results/cuda-kernels-tc-prefill-*): 71-86 % of copy
+/// at batch >= 32 and contexts of 1k-4k, where the register kernels reached 50-57 %. The
+/// default for launches too small for the streaming kernel ([`attn_default`]).
+pub fn attn_tc_default(group: usize) -> usize {
     if group > 8 { 8 } else { 6 }
+}
+
+/// The streaming variant for a GQA group of `group` query heads: two stages, 8 query heads a
+/// warp up to a group of 8 and 16 beyond.
+pub fn attn_stream_default(group: usize) -> usize {
+    if group > 8 { 12 } else { 10 }
+}
+
+/// Fewest CTAs per split at which the streaming kernel is the default: measured on an H100
+/// (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one CTA per row there), it is as fast as the
+/// tensor-core kernel at 8 rows × 4k (64.4 against 65.8 µs), faster from 32 rows (110 against
+/// 114 µs at 32 × 2k, 381 against 428 µs at 256 × 1k, 740 against 877 µs at 128 × 4k) and slower
+/// for one row (33.4 µs at its best split count against 31.1 at 8k), where a few CTAs each
+/// stream one row's whole slots and the tensor-core kernel's small CTAs spread wider.
+pub const STREAM_MIN_CTAS: usize = 8;
+
+/// One decode attention launch as the default rules see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeShape {
+    /// Query rows of the launch (a graph's padded bucket included).
+    pub rows: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head dim.
+    pub head_dim: usize,
+    /// Whether the cache holds FP8 codes.
+    pub fp8: bool,
+}
+
+impl DecodeShape {
+    fn group(&self) -> usize {
+        self.n_heads / self.n_kv_heads.max(1)
+    }
+}
+
+/// The variant the decode kernel uses by default for `shape`: over an FP8 cache
+/// [`attn_fp8_default`] (index in [`ATTN_FP8_VARIANTS`]); over bf16, where the device has the bulk
+/// copy engine (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] streaming CTAs
+/// per split, [`attn_stream_default`], else [`attn_tc_default`] (indices in [`ATTN_VARIANTS`]).
+pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
+    let group = shape.group();
+    if shape.fp8 {
+        return attn_fp8_default(group);
+    }
+    let st = attn_stream_default(group);
+    let v = &ATTN_VARIANTS[st];
+    let fits = stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0;
+    if stream && fits && shape.rows * v.ctas_per_row(shape.n_heads, shape.n_kv_heads, shape.head_dim) >= STREAM_MIN_CTAS
+    {
+        st
+    } else {
+        attn_tc_default(group)
+    }
 }
 
 /// How the decode kernel splits each row's context across CTAs: `Auto` aims at several CTAs
@@ -339,23 +395,16 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, ta
     (max_ctx.div_ceil(chunk), chunk)
 }
 
-/// The splits the default decode launch ([`AttnSplit::Auto`], the default variant of
-/// [`attn_default`] or for an FP8 cache [`attn_fp8_default`]) uses for `rows` rows of contexts
-/// up to `max_ctx` on `sms` SMs: what a CUDA graph recorded for such a step is keyed by. For a
-/// windowed layer pass the tokens it reads, `min(max_ctx, window)`.
-pub fn auto_splits(
-    sms: usize,
-    rows: usize,
-    n_heads: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
-    max_ctx: usize,
-    fp8: bool,
-) -> usize {
-    let group = n_heads / n_kv_heads.max(1);
-    let variant = if fp8 { ATTN_FP8_VARIANTS[attn_fp8_default(group)] } else { ATTN_VARIANTS[attn_default(group)] };
-    let ctas = variant.ctas_per_row(n_heads, n_kv_heads, head_dim) * rows;
-    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_variant(&variant, n_kv_heads, head_dim, fp8)).0
+/// The splits the default decode launch ([`AttnSplit::Auto`], the variant of [`attn_default`])
+/// uses for `shape` over contexts up to `max_ctx` on `sms` SMs (`stream`: the device runs the
+/// streaming kernel): what a CUDA graph recorded for such a step is keyed by. For a windowed
+/// layer pass the tokens it reads, `min(max_ctx, window)`.
+pub fn auto_splits(sms: usize, shape: &DecodeShape, max_ctx: usize, stream: bool) -> usize {
+    let vi = attn_default(shape, stream);
+    let variant = if shape.fp8 { ATTN_FP8_VARIANTS[vi] } else { ATTN_VARIANTS[vi] };
+    let (n_kv, hd) = (shape.n_kv_heads, shape.head_dim);
+    let ctas = variant.ctas_per_row(shape.n_heads, n_kv, hd) * shape.rows;
+    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_variant(&variant, n_kv, hd, shape.fp8)).0
 }
 
 #[cfg(test)]
@@ -368,12 +417,18 @@ mod tests {
         assert_eq!(ATTN_VARIANTS[6].kernel_name(16), "paged_attention_tc_hd16_w2_s4_g8");
         assert_eq!(ATTN_VARIANTS[6].label(), "tc_w2_s4_g8");
         assert_eq!(combine_kernel_name(64), "attention_combine_hd64");
-        // The default exists for any group and, being a tensor-core variant, covers a group of
-        // up to 8 (16 beyond) in one CTA per KV head.
+        assert_eq!(ATTN_VARIANTS[10].kernel_name(128), "paged_attention_st_hd128_w8_s2_g8");
+        assert_eq!(ATTN_VARIANTS[10].label(), "st_w8_s2_g8");
+        // The tensor-core and streaming defaults exist for any group and cover a group of up to
+        // 8 (16 beyond) in one CTA per KV head.
         for group in 1..=32 {
-            let v = ATTN_VARIANTS[attn_default(group)];
-            assert_eq!(v.kind, AttnKind::TensorCore);
-            assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+            for (vi, kind) in
+                [(attn_tc_default(group), AttnKind::TensorCore), (attn_stream_default(group), AttnKind::Stream)]
+            {
+                let v = ATTN_VARIANTS[vi];
+                assert_eq!(v.kind, kind);
+                assert!(group <= 8 || v.max_group == 16, "group {group}: {v:?}");
+            }
         }
     }
 
@@ -431,27 +486,69 @@ mod tests {
 
     #[test]
     fn auto_splits_count_the_default_variants_ctas() {
-        // Llama-3.1-8B (32/8 heads: group 4, one CTA per KV head) at batch 1, 2k: the plan for
-        // 8 CTAs per split; at 12/1 heads (group 12: the 16-head variant) one CTA per row.
+        let llama = |rows, fp8| DecodeShape { rows, n_heads: 32, n_kv_heads: 8, head_dim: 128, fp8 };
+        // Without the streaming kernel (before sm_90): Llama-3.1-8B (32/8 heads: group 4, one
+        // tensor-core CTA per KV head) at batch 1, 2k: the plan for 8 CTAs per split; at 12/1
+        // heads (group 12: the 16-head variant) one CTA per row.
         assert_eq!(
-            auto_splits(132, 1, 32, 8, 128, 2048, false),
+            auto_splits(132, &llama(1, false), 2048, false),
             plan_splits(AttnSplit::Auto, 8, 2048, 132, SplitTarget::BF16).0
         );
+        let g12 = DecodeShape { rows: 3, n_heads: 12, n_kv_heads: 1, head_dim: 128, fp8: false };
         assert_eq!(
-            auto_splits(132, 3, 12, 1, 128, 4096, false),
+            auto_splits(132, &g12, 4096, false),
             plan_splits(AttnSplit::Auto, 3, 4096, 132, SplitTarget::BF16).0
         );
         // A group of 32 takes two CTAs of 16 heads per KV head.
-        assert_eq!(ATTN_VARIANTS[attn_default(32)].ctas_per_row(64, 2, 128), 4);
-        assert_eq!(auto_splits(132, 512, 32, 8, 128, 4096, false), 1, "a full batch needs no split");
-        assert!(auto_splits(132, 1, 32, 0, 128, 100, false) >= 1, "no KV heads: still a plan (the launch refuses)");
+        assert_eq!(ATTN_VARIANTS[attn_tc_default(32)].ctas_per_row(64, 2, 128), 4);
+        assert_eq!(auto_splits(132, &llama(512, false), 4096, false), 1, "a full batch needs no split");
+        let no_kv = DecodeShape { n_kv_heads: 0, ..llama(1, false) };
+        assert!(auto_splits(132, &no_kv, 100, true) >= 1, "no KV heads: still a plan (the launch refuses)");
         // An FP8 cache aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
-        // split in two where bf16 does not split; one row at 8k in 33 (as bf16); a full batch
-        // is not split either way.
-        assert_eq!(auto_splits(132, 32, 32, 8, 128, 8192, false), 1);
-        assert_eq!(auto_splits(132, 32, 32, 8, 128, 8192, true), 2);
-        assert_eq!(auto_splits(132, 8, 32, 8, 128, 4096, true), 5);
-        assert_eq!(auto_splits(132, 1, 32, 8, 128, 8192, true), auto_splits(132, 1, 32, 8, 128, 8192, false));
-        assert_eq!(auto_splits(132, 256, 32, 8, 128, 1024, true), 1);
+        // split in two where the bf16 tensor-core kernel does not split; one row at 8k in 33
+        // (as bf16); a full batch is not split either way.
+        assert_eq!(auto_splits(132, &llama(32, false), 8192, false), 1);
+        assert_eq!(auto_splits(132, &llama(32, true), 8192, true), 2);
+        assert_eq!(auto_splits(132, &llama(8, true), 4096, true), 5);
+        assert_eq!(auto_splits(132, &llama(1, true), 8192, true), auto_splits(132, &llama(1, false), 8192, false));
+        assert_eq!(auto_splits(132, &llama(256, true), 1024, true), 1);
+        // With the streaming kernel (sm_90) from 8 rows: one CTA per row takes an SM alone, so
+        // 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all; below 8 rows
+        // the tensor-core kernel stays.
+        assert_eq!(attn_default(&llama(8, false), true), attn_stream_default(4));
+        assert_eq!(attn_default(&llama(7, false), true), attn_tc_default(4));
+        assert_eq!(attn_default(&llama(256, false), false), attn_tc_default(4));
+        assert_eq!(attn_default(&llama(256, true), true), attn_fp8_default(4));
+        assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
+        assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
+        assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
+    }
+
+    #[test]
+    fn streaming_ctas_fit_their_shared_memory() {
+        let (s3, s2, w4) = (ATTN_VARIANTS[9], ATTN_VARIANTS[10], ATTN_VARIANTS[11]);
+        // Llama-3.1-8B heads: every KV head in one CTA, rows of 8 × 128 × 2 + 16 = 2,064 bytes.
+        assert_eq!(stream_kv_heads(&s3, 8, 128), 8);
+        assert_eq!(stream_smem_bytes(&s3, 8, 128), 3 * 2 * 16 * 2064 + 24);
+        assert_eq!(stream_smem_bytes(&s2, 8, 128), 132_112);
+        assert_eq!((s2.stream_ctas_per_sm(8, 128), w4.stream_ctas_per_sm(8, 128)), (1, 2));
+        assert_eq!((s2.ctas_per_row(32, 8, 128), s2.threads(8, 128)), (1, 256));
+        assert_eq!((w4.ctas_per_row(32, 8, 128), w4.threads(8, 128)), (2, 128));
+        // Gemma-3-12B (8 KV heads at 256): 4 a CTA (8 would take 263 KB at two stages).
+        assert_eq!((stream_kv_heads(&s3, 8, 256), stream_kv_heads(&s2, 8, 256)), (4, 4));
+        // SmolLM2-135M (3 KV heads at 64): one CTA; 6 KV heads under a cap of 4: 3 a CTA.
+        assert_eq!((stream_kv_heads(&s2, 3, 64), stream_kv_heads(&w4, 6, 128)), (3, 3));
+        // A group of 24 at 8 query heads a warp: three CTAs per KV-head set.
+        assert_eq!(s2.ctas_per_row(48, 2, 128), 3);
+        assert_eq!(stream_kv_heads(&ATTN_VARIANTS[6], 8, 128), 0, "not a streaming variant");
+        for v in ATTN_VARIANTS.iter().filter(|v| v.kind == AttnKind::Stream) {
+            for hd in ATTN_HEAD_DIMS {
+                for nkv in 1..=16 {
+                    let k = stream_kv_heads(v, nkv, hd);
+                    assert!(k >= 1 && nkv.is_multiple_of(k), "{} {nkv} × {hd}: {k}", v.label());
+                    assert!(stream_smem_bytes(v, k, hd) <= CTA_SMEM_LIMIT);
+                }
+            }
+        }
     }
 }
