@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -285,6 +285,11 @@ fn run() -> Res<()> {
     // device's default when not given).
     if let Some(v) = flag(&args, "--fp8-fast-accum") {
         model.backend_mut().set_lt_fp8_fast_accum(v == "on")?;
+    }
+    // `--stream-attention on|off`: the default decode attention may take the streaming kernel
+    // (the device's default, on sm_90) or stays on the tensor-core kernel.
+    if let Some(v) = flag(&args, "--stream-attention") {
+        model.backend_mut().set_stream_attention(v == "on");
     }
     // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
     // fused, the default).

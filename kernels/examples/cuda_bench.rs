@@ -120,7 +120,7 @@ fn run() -> Result<(), CudaError> {
             // Likewise the first streaming variant.
             let first_stream = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Stream);
             let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: false };
-            let default = attn_default(&shape, dev.stream_attention_capable());
+            let default = attn_default(&shape, dev.stream_attention());
             if vi == default || vi == attn_tc_default(nh / nkv) || Some(vi) == first_stream {
                 splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
             }

@@ -30,6 +30,15 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Lets the default decode attention take the streaming kernel (`true`, the default on
+    /// sm_90) or keeps it on the tensor-core kernel
+    /// ([`baton_kernels::cuda::CudaDevice::set_stream_attention`]; for comparisons). Drops
+    /// recorded graphs.
+    pub fn set_stream_attention(&mut self, on: bool) {
+        self.device().set_stream_attention(on);
+        self.drop_graphs();
+    }
+
     /// Sets the rows from which RoPE + KV-write launches group several heads into a CTA
     /// ([`baton_kernels::cuda::CudaDevice::set_rope_grouped_min_rows`]; for comparisons, the
     /// same bits either way). Drops recorded graphs.

@@ -232,7 +232,7 @@ impl AttentionCall<'_> {
     fn default_decode_variant(&self, dev: &CudaDevice, rows: usize) -> usize {
         let (n_heads, geo) = (self.n_heads, self.geo);
         let (n_kv_heads, head_dim, fp8) = (geo.n_kv_heads, geo.head_dim, self.cache.is_fp8());
-        attn_default(&DecodeShape { rows, n_heads, n_kv_heads, head_dim, fp8 }, dev.stream_attention_capable())
+        attn_default(&DecodeShape { rows, n_heads, n_kv_heads, head_dim, fp8 }, dev.stream_attention())
     }
 
     /// The checks every attention launch makes: GQA heads, the metadata's cache geometry, and

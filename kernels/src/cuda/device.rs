@@ -74,6 +74,9 @@ pub struct CudaDevice {
     /// Rows from which a RoPE launch groups heads into a CTA (see
     /// [`CudaDevice::rope_grouped_min_rows`]).
     rope_grouped_min_rows: AtomicUsize,
+    /// Whether the default decode attention may take the streaming kernel
+    /// ([`CudaDevice::stream_attention`]).
+    stream_attention: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -161,6 +164,7 @@ impl CudaDevice {
             pdl_capable: major >= 9,
             prefill_wgmma: AtomicBool::new(wgmma_capable),
             rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
+            stream_attention: AtomicBool::new(major >= 9),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -342,6 +346,21 @@ impl CudaDevice {
     pub fn stream_attention_capable(&self) -> bool {
         // The same condition as programmatic dependent launch: Hopper (sm_90) or later.
         self.pdl_capable
+    }
+
+    /// Whether the default decode attention launch takes the streaming kernel where the launch
+    /// is large enough (`attn_default`): on by default where it can run
+    /// ([`CudaDevice::stream_attention_capable`]).
+    pub fn stream_attention(&self) -> bool {
+        self.stream_attention.load(Ordering::Relaxed)
+    }
+
+    /// Turns [`CudaDevice::stream_attention`] on or off (for comparisons; ignored where the
+    /// kernel cannot run). Recorded graphs hold the old launches, so this counts as an
+    /// allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_stream_attention(&self, on: bool) {
+        self.stream_attention.store(on && self.stream_attention_capable(), Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Whether the warpgroup-MMA prefill kernel can run here (kernels built for `sm_90a`).
