@@ -34,9 +34,13 @@
 // scores (a row lives in one quad: two shuffles), O (MG x HD) += P V by m16n8k16 with the 16
 // tokens as k (P's A fragment is the two S tiles' accumulators; V by ldmatrix.trans).
 //
-// Shared memory: NS * 2 * 16 * (KVC * HD * 2 + 16) bytes + NS mbarriers, all dynamic (the
-// launcher passes st_smem_bytes, kernels/src/cuda/paged_attention.rs). Llama-3.1-8B heads
-// (KVC 8, HD 128): 66 KB a stage, 198 KB at 3 stages: one CTA per SM.
+// Shared memory: NS * 2 * 16 * (KVC * HD * E + 16) bytes (E: 2 for bf16, 1 for FP8 codes) + NS
+// mbarriers, all dynamic (the launcher passes `stream_smem_bytes`,
+// kernels/src/cuda/paged_attention.rs). Llama-3.1-8B heads (KVC 8, HD 128): 66 KB a bf16 stage,
+// 132 KB at 2 stages: one CTA per SM; 33 KB an FP8 stage.
+//
+// The FP8-cache kernel (`paged_attention_st_fp8_*`) streams code rows the same way and runs one
+// Fp8WarpTile (attention_tc_fp8.cu: the 16 tokens of a stage as the mma's M) per warp.
 //
 // The body needs sm_90 (the bulk copy engine); other targets get an entry that traps, which the
 // launcher never selects (CudaDevice::stream_attention_capable).
@@ -75,6 +79,148 @@ __device__ __forceinline__ void bulk_copy_g2s(unsigned dst, const void* src, uns
                  : "memory");
 }
 
+// The factor that normalizes a finished softmax state (max mx, sum L) of query head h for one
+// split: the sink (if any) joins the denominator here; `scale` multiplies the output (an FP8
+// cache's V scale, 1 for bf16).
+__device__ __forceinline__ float st_norm(const float* __restrict__ sinks, int h, float mx, float L, float scale) {
+    float f = 1.f;
+    add_sink(sinks, h, mx, L, f);
+    return f * scale / L;
+}
+
+// Two adjacent outputs (i even) as one bf16 pair.
+__device__ __forceinline__ void st_out2(bf16_t* __restrict__ out, long long i, float a, float b) {
+    *reinterpret_cast<unsigned*>(out + i) = pack_bf16x2(a, b);
+}
+
+// Two adjacent partial outputs (i even).
+__device__ __forceinline__ void st_part2(float* __restrict__ part_o, long long i, float a, float b) {
+    *reinterpret_cast<float2*>(part_o + i) = make_float2(a, b);
+}
+
+// The CTA's share of a row and its ring, shared by the bf16 and FP8 streaming kernels: the grid
+// mapping (KV heads, query-head chunk, row, split), the chunk [c0, c1) of the row's context,
+// the zeroed ring of NS stages of ST tokens (K rows then V rows of KVC heads of C, rows padded
+// by 16 bytes) with one mbarrier a stage, and warp 0's copy state. `run` is false when the CTA
+// has nothing to do: a padding row (whose zeros the first split writes here) or a split past the
+// row's context.
+template <typename C, int HD, int NS, int MG>
+struct StRing {
+    static constexpr int ST = ST_TOKENS;
+    int kvh0, gc, ng, group, row, split, n_splits, c0, c1, n_tiles;
+    int row_b, rb, tile_b;
+    unsigned ring, bars;
+    bool run;
+    // Warp 0's copy state: lane l copies token l % 16 of each stage, its K row (l < 16) or V
+    // row; the block id of its token in the next stage is read one stage ahead.
+    const C* src;
+    const int* bt;
+    long long kv_w;
+    int block_size, cp, clb, coff, cblk, ctok;
+    bool cv;
+
+    __device__ __forceinline__ StRing(unsigned char* smem, const C* __restrict__ k_cache,
+                                      const C* __restrict__ v_cache, bf16_t* __restrict__ out,
+                                      const int* __restrict__ row_ctx, const int* __restrict__ row_bt,
+                                      const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
+                                      int block_size_, int min_chunk, int window) {
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const int kvc = blockDim.x >> 5;
+        group = n_heads / n_kv_heads;
+        const int gchunks = (group + MG - 1) / MG;
+        const int cta_heads = blockIdx.x / gchunks;
+        gc = blockIdx.x - cta_heads * gchunks;
+        kvh0 = cta_heads * kvc;
+        ng = min(MG, group - gc * MG);
+        row = blockIdx.y;
+        split = blockIdx.z;
+        n_splits = gridDim.z;
+        run = false;
+        const int ctx = row_ctx[row];
+        if (ctx <= 0) {
+            // A padding row: zeros, so that nothing downstream reads uninitialized memory.
+            if (split == 0) {
+                for (int i = tid; i < kvc * ng * HD; i += blockDim.x) {
+                    const int w = i / (ng * HD), r = (i / HD) % ng;
+                    out[((long long)row * n_heads + (kvh0 + w) * group + gc * MG + r) * HD + i % HD] = f2bf(0.f);
+                }
+            }
+            return;
+        }
+        const int lo = window_start(ctx, window);
+        const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
+        c0 = lo + split * chunk;
+        c1 = min(ctx, c0 + chunk);
+        if (c0 >= c1) return;  // a split past the row's context: the combine never reads it
+        run = true;
+        n_tiles = (c1 - c0 + ST - 1) / ST;
+        row_b = kvc * HD * (int)sizeof(C);
+        rb = row_b + 16;
+        tile_b = ST * rb;
+        ring = smem_addr(smem);
+        bars = ring + (unsigned)(NS * 2 * tile_b);  // 16-byte aligned: tile_b is
+
+        // Zero the ring (see the header), then initialize the barriers; the fence orders these
+        // ordinary stores before the copy engine's writes to the same bytes.
+        uint4* z = reinterpret_cast<uint4*>(smem);
+        for (int i = tid; i < NS * 2 * tile_b / 16; i += blockDim.x) z[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (tid == 0) {
+#pragma unroll
+            for (int s = 0; s < NS; s++) mbar_init(bars + 8 * s, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+
+        ctok = lane % ST;
+        cv = lane >= ST;
+        bt = block_tables + row_bt[row];
+        kv_w = (long long)n_kv_heads * HD;
+        src = (cv ? v_cache : k_cache) + (long long)kvh0 * HD;
+        block_size = block_size_;
+        cp = c0 + ctok;
+        clb = cp / block_size;
+        coff = cp - clb * block_size;
+        cblk = (warp == 0 && cp < c1) ? bt[clb] : 0;
+        if (warp == 0) {
+            for (int j = 0; j < NS - 1 && j < n_tiles; j++) issue(j, lane);
+        }
+    }
+
+    // Warp 0: copies stage j (the next one in order) into ring slot j % NS.
+    __device__ __forceinline__ void issue(int j, int lane) {
+        const int s = j % NS;
+        const unsigned bar = bars + 8 * s;
+        if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
+        __syncwarp();
+        if (cp < c1) {
+            const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
+            bulk_copy_g2s(dst, src + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
+        }
+        cp += ST;
+        coff += ST;
+        while (coff >= block_size) {
+            coff -= block_size;
+            clb++;
+        }
+        cblk = cp < c1 ? bt[clb] : 0;
+    }
+
+    // The top of iteration it: once every warp is done with the slot the next copy overwrites
+    // (consumed in iteration it - 1), warp 0 refills it; then waits for stage it. Returns the
+    // stage's K rows (its V rows are tile_b further).
+    __device__ __forceinline__ unsigned next(int it, int warp, int lane) {
+        __syncthreads();
+        if (warp == 0 && it + NS - 1 < n_tiles) issue(it + NS - 1, lane);
+        const int s = it % NS;
+        mbar_wait(bars + 8 * s, (unsigned)((it / NS) & 1));
+        return ring + (unsigned)(s * 2 * tile_b);
+    }
+
+    // First query head of warp w (its KV head kvh0 + w, this CTA's chunk of the group).
+    __device__ __forceinline__ int head0(int w) const { return (kvh0 + w) * group + gc * MG; }
+};
+
 template <int HD, int NS, int MG>
 __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
@@ -85,93 +231,18 @@ __device__ __forceinline__ void paged_attention_st_body(
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
     static_assert(NS >= 2, "at least double buffering");
-    constexpr int ST = ST_TOKENS;
     constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
     extern __shared__ __align__(16) unsigned char st_smem[];
-
+    StRing<bf16_t, HD, NS, MG> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
+                                    n_kv_heads, block_size, min_chunk, window);
+    if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int kvc = blockDim.x >> 5;
-    const int group = n_heads / n_kv_heads;
-    const int gchunks = (group + MG - 1) / MG;
-    const int cta_heads = blockIdx.x / gchunks, gc = blockIdx.x - cta_heads * gchunks;
-    const int kvh0 = cta_heads * kvc;
-    const int ng = min(MG, group - gc * MG);  // query heads of each warp
-    const int row = blockIdx.y, split = blockIdx.z, n_splits = gridDim.z;
-    const int ctx = row_ctx[row];
-    if (ctx <= 0) {
-        // A padding row: zeros, so that nothing downstream reads uninitialized memory.
-        if (split == 0) {
-            for (int i = tid; i < kvc * ng * HD; i += blockDim.x) {
-                const int w = i / (ng * HD), r = (i / HD) % ng;
-                out[((long long)row * n_heads + (kvh0 + w) * group + gc * MG + r) * HD + i % HD] = f2bf(0.f);
-            }
-        }
-        return;
-    }
-    const int lo = window_start(ctx, window);
-    const int chunk = split_chunk(ctx - lo, n_splits, min_chunk);
-    const int c0 = lo + split * chunk, c1 = min(ctx, c0 + chunk);
-    if (c0 >= c1) return;  // a split past the row's context: the combine never reads it
-    const int n_tiles = (c1 - c0 + ST - 1) / ST;
-
-    const int row_b = kvc * HD * 2;  // a token's K (or V) for the CTA's heads
-    const int rb = row_b + 16;       // ring row stride
-    const int tile_b = ST * rb;      // one K (or V) stage
-    const unsigned ring = smem_addr(st_smem);
-    const unsigned bars = ring + (unsigned)(NS * 2 * tile_b);  // 16-byte aligned: tile_b is
-
-    // Zero the ring (see the header), then initialize the barriers; the fence orders these
-    // ordinary stores before the copy engine's writes to the same bytes.
-    {
-        uint4* z = reinterpret_cast<uint4*>(st_smem);
-        for (int i = tid; i < NS * 2 * tile_b / 16; i += blockDim.x) z[i] = make_uint4(0u, 0u, 0u, 0u);
-    }
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < NS; s++) mbar_init(bars + 8 * s, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-
-    // The copy state of warp 0's lane: lanes 0..15 copy token `lane` of each stage's K rows,
-    // lanes 16..31 the same token's V row. The block id of its token in the next stage is
-    // read one stage ahead.
-    const int ctok = lane % ST;
-    const bool cv = lane >= ST;
-    const int* bt = block_tables + row_bt[row];
-    const long long kv_w = (long long)n_kv_heads * HD;
-    const bf16_t* const src_base = (cv ? v_cache : k_cache) + (long long)kvh0 * HD;
-    int cp = c0 + ctok;
-    int clb = cp / block_size;
-    int coff = cp - clb * block_size;
-    int cblk = (warp == 0 && cp < c1) ? bt[clb] : 0;
-    // Copies stage j (the next one in order) into ring slot j % NS.
-    auto issue = [&](int j) {
-        const int s = j % NS;
-        const unsigned bar = bars + 8 * s;
-        if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
-        __syncwarp();
-        if (cp < c1) {
-            const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
-            bulk_copy_g2s(dst, src_base + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
-        }
-        cp += ST;
-        coff += ST;
-        while (coff >= block_size) {
-            coff -= block_size;
-            clb++;
-        }
-        cblk = cp < c1 ? bt[clb] : 0;
-    };
-    if (warp == 0) {
-        for (int j = 0; j < NS - 1 && j < n_tiles; j++) issue(j);
-    }
+    const int c0 = ring.c0, c1 = ring.c1, ng = ring.ng, row = ring.row, rb = ring.rb;
 
     // Q as A fragments (rows g and g + 8 = this warp's query heads, k = head dims), unscaled:
     // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
-    const int h0 = (kvh0 + warp) * group + gc * MG;
+    const int h0 = ring.head0(warp);
     unsigned qa[HD / 16][2 * RH];
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
@@ -213,13 +284,8 @@ __device__ __forceinline__ void paged_attention_st_body(
     const unsigned lk = (unsigned)((lane & 7) * rb + (lane >> 3) * 16) + head_b;
     const unsigned lk2 = (unsigned)((lane & 7) * rb + ((lane >> 3) & 1) * 16) + head_b;
     const unsigned lv = (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * rb + (lane >> 4) * 16) + head_b;
-    for (int it = 0; it < n_tiles; it++) {
-        // Every warp is done with the slot the next copy overwrites (consumed last iteration).
-        __syncthreads();
-        if (warp == 0 && it + NS - 1 < n_tiles) issue(it + NS - 1);
-        const int s = it % NS;
-        mbar_wait(bars + 8 * s, (unsigned)((it / NS) & 1));
-        const unsigned ks = ring + (unsigned)(s * 2 * tile_b), vs = ks + (unsigned)tile_b;
+    for (int it = 0; it < ring.n_tiles; it++) {
+        const unsigned ks = ring.next(it, warp, lane), vs = ks + (unsigned)ring.tile_b;
 
         // S = Q K^T: two N tiles of 8 tokens.
         float sc[2][2 * RH];
@@ -244,7 +310,7 @@ __device__ __forceinline__ void paged_attention_st_body(
         }
         // Online softmax (log2 domain) per query head over the 16 tokens; a head lives in one
         // quad. P goes straight into the A fragment of the P V product (k = the 16 tokens).
-        const int pt = c0 + it * ST + 2 * t;
+        const int pt = c0 + it * ST_TOKENS + 2 * t;
         unsigned pa[2 * RH];
         float corr[RH];
 #pragma unroll
@@ -302,24 +368,76 @@ __device__ __forceinline__ void paged_attention_st_body(
         const int r = g + 8 * h;
         if (r >= ng) continue;
         const long long rh = (long long)row * n_heads + h0 + r;
-        if (n_splits == 1) {
-            float mx = m[h], L = l[h], f = 1.f;
-            add_sink(sinks, h0 + r, mx, L, f);
-            const float norm = f / L;
-#pragma unroll
-            for (int j = 0; j < HD / 8; j++) {
-                const unsigned o2 = pack_bf16x2(acc[j][2 * h] * norm, acc[j][2 * h + 1] * norm);
-                *reinterpret_cast<unsigned*>(out + rh * HD + j * 8 + 2 * t) = o2;
-            }
-        } else {
-            const long long ps = rh * n_splits + split;
+        if (ring.n_splits == 1) {
+            const float norm = st_norm(sinks, h0 + r, m[h], l[h], 1.f);
 #pragma unroll
             for (int j = 0; j < HD / 8; j++)
-                *reinterpret_cast<float2*>(part_o + ps * HD + j * 8 + 2 * t) =
-                    make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+                st_out2(out, rh * HD + j * 8 + 2 * t, acc[j][2 * h] * norm, acc[j][2 * h + 1] * norm);
+        } else {
+            const long long ps = rh * ring.n_splits + ring.split;
+#pragma unroll
+            for (int j = 0; j < HD / 8; j++) st_part2(part_o, ps * HD + j * 8 + 2 * t, acc[j][2 * h], acc[j][2 * h + 1]);
             if (t == 0) {
                 part_ml[ps * 2] = m[h];
                 part_ml[ps * 2 + 1] = l[h];
+            }
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// The FP8-cache streaming kernel: the ring above over code rows (KVC * HD bytes a token), each
+// warp one Fp8WarpTile (attention_tc_fp8.cu: tokens as M, the 16 tokens of a stage) for its KV
+// head. qscale already holds the K scale; v_scale multiplies the output (or the partial).
+template <int HD, int NS, int MG>
+__device__ __forceinline__ void paged_attention_st_fp8_body(
+    const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(NS >= 2, "at least double buffering");
+    using Tile = Fp8WarpTile<HD, MG>;
+    extern __shared__ __align__(16) unsigned char st_smem[];
+    StRing<unsigned char, HD, NS, MG> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
+                                           n_kv_heads, block_size, min_chunk, window);
+    if (!ring.run) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int h0 = ring.head0(warp);
+    Tile tile(q, ring.row, n_heads, h0, ring.ng, qscale, g, t);
+    const unsigned lrow = (unsigned)(warp * HD) + Tile::lane_row(lane, ring.rb);
+    for (int it = 0; it < ring.n_tiles; it++) {
+        const unsigned ks = ring.next(it, warp, lane);
+        tile.stage(ks + lrow, ks + (unsigned)ring.tile_b + lrow, ring.c0 + it * ST_TOKENS + g, ring.c1, cap2);
+    }
+    // As the bf16 kernel: every warp saw a valid token. Lane (g, t) writes heads 8 nt + 2t + c,
+    // dims 16i + 2g and + 1.
+#pragma unroll
+    for (int nt = 0; nt < Tile::NT; nt++) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const float lc = tile.sum(nt, c);
+            const int h = 8 * nt + 2 * t + c;
+            if (h >= ring.ng) continue;
+            const long long rh = (long long)ring.row * n_heads + h0 + h;
+            if (ring.n_splits == 1) {
+                const float norm = st_norm(sinks, h0 + h, tile.m[nt][c], lc, v_scale);
+#pragma unroll
+                for (int i = 0; i < Tile::SEGS; i++)
+                    st_out2(out, rh * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * norm, tile.acc[i][nt][2 + c] * norm);
+            } else {
+                const long long ps = rh * ring.n_splits + ring.split;
+#pragma unroll
+                for (int i = 0; i < Tile::SEGS; i++)
+                    st_part2(part_o, ps * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * v_scale,
+                             tile.acc[i][nt][2 + c] * v_scale);
+                if (g == 0) {
+                    part_ml[ps * 2] = tile.m[nt][c];
+                    part_ml[ps * 2 + 1] = lc;
+                }
             }
         }
     }
@@ -340,13 +458,31 @@ __device__ __forceinline__ void paged_attention_st_body(
                                             window, cap2, sinks);                                                 \
     }
 
+// Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
+#define ATT_ST_FP8_INSTANCE(HD, NW, NS, MG)                                                                        \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 1) paged_attention_st_fp8_hd##HD##_w##NW##_s##NS##_g##MG( \
+        const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache,                                  \
+        const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
+        float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
+        const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
+        paged_attention_st_fp8_body<HD, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
+                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, \
+                                                v_scale, window, cap2, sinks);                                    \
+    }
+
 // The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp), in the
-// order they follow the tensor-core variants in ATTN_VARIANTS.
-#define ATT_ST_VARIANTS(HD)      \
-    ATT_ST_INSTANCE(HD, 8, 3, 8) \
-    ATT_ST_INSTANCE(HD, 8, 2, 8) \
-    ATT_ST_INSTANCE(HD, 4, 3, 8) \
-    ATT_ST_INSTANCE(HD, 8, 2, 16)
+// order they follow the tensor-core variants in ATTN_VARIANTS, then the FP8 ones in the order
+// they follow the tensor-core ones in ATTN_FP8_VARIANTS.
+#define ATT_ST_VARIANTS(HD)          \
+    ATT_ST_INSTANCE(HD, 8, 3, 8)     \
+    ATT_ST_INSTANCE(HD, 8, 2, 8)     \
+    ATT_ST_INSTANCE(HD, 4, 3, 8)     \
+    ATT_ST_INSTANCE(HD, 8, 2, 16)    \
+    ATT_ST_FP8_INSTANCE(HD, 8, 3, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 8, 6, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 4, 4, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 8, 3, 16)
 
 ATT_ST_VARIANTS(16)
 ATT_ST_VARIANTS(32)

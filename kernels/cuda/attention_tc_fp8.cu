@@ -47,40 +47,33 @@ __device__ __forceinline__ void mma_f16_k16(float* d, const unsigned* a, unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int HD, int NW, int NS, int MG>
-__device__ __forceinline__ void paged_attention_tc_fp8_body(
-    const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
-    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
-    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
+// One warp's tokens-as-M products over an FP8 cache, shared by the tensor-core kernel here
+// (a warp takes 16 of a stage's tokens, every warp the CTA's heads) and the streaming kernel
+// (attention_stream.cu: a warp takes all 16 tokens of a stage for its own KV head): Q^T as B
+// fragments for up to MG heads, the running softmax state per head and O^T. Lane (g, t) holds
+// heads 2t + c (+ 8 per n-tile): the running max (the whole warp's), its own partial sum, and
+// O^T's (dim 16i + 2g, head) and (dim 16i + 2g + 1, head) in acc[i][nt][c] and [2 + c].
+template <int HD, int MG>
+struct Fp8WarpTile {
+    static constexpr int NT = MG / 8;                      // n-tiles of 8 heads
+    static constexpr int SEGS = HD / 16;                   // 16-byte code segments of a row
+    static constexpr int SEG_N = SEGS >= 2 ? 2 : 1;        // segments per ldmatrix (x4, or x2 at head_dim 16)
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
-    static_assert(MG == 8 || MG == 16, "8 or 16 query heads per CTA (one or two n-tiles)");
-    static_assert(NS >= 2, "at least double buffering");
-    constexpr int THREADS = NW * 32;
-    constexpr int TT = tc_warp_tokens(1) * NW;  // tokens per stage (16 per warp)
-    constexpr int RB = tc_ring_row(HD, 1);      // ring row stride, bytes (HD codes + 16)
-    constexpr int NT = MG / 8;                  // n-tiles of 8 heads
-    constexpr int SEGS = HD / 16;               // 16-byte code segments of a row
-    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, 1);
-    using Ring = TcRing<unsigned char, HD, TT, THREADS, RB, NS>;
-    static_assert(SMEM >= NS * 2 * Ring::TILE_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
-    static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
-    unsigned char* const smem = tc_smem_base<SMEM>();
+    static_assert(MG == 8 || MG == 16, "8 or 16 query heads (one or two n-tiles)");
 
-    const TcChunk ck = tc_chunk<HD, MG>(row_ctx, n_heads, n_kv_heads, min_chunk, window, out);
-    if (!ck.run) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int c0 = ck.c0, c1 = ck.c1, ng = ck.ng;
-    const int n_tiles = (c1 - c0 + TT - 1) / TT;
-    Ring ring(smem_addr(smem), k_cache, v_cache, ck.kvh, n_kv_heads, block_size, block_tables + row_bt[ck.row], c0,
-              c1, tid);
-
-    // Q^T as B fragments: lane (g, t) holds head g (+ 8 per n-tile), dims 16i + 4t + 0..3 of
-    // each segment i (the code fragments' order, above), in f16.
     unsigned qb[NT][SEGS][2];
-    float qs = qscale;  // the scores' scale, times the power of two Q was scaled down by
-    {
+    float qs;  // the scores' scale, times the power of two Q was scaled down by
+    float m[NT][2], l[NT][2], acc[SEGS][NT][4];
+    // The P^T exchange: this lane's B fragment (tokens 2t, 2t + 1, 2t + 8, 2t + 9; head g) comes
+    // from lanes (2t, g / 2) and (2t + 1, g / 2), the half of their head pair that is g.
+    int src_a, src_b;
+    unsigned half_sel;
+
+    // Loads Q^T for heads h0 .. h0 + ng - 1 of `row` (lane (g, t): head g (+ 8 per n-tile), dims
+    // 16i + 4t + 0..3 of each segment i, the code fragments' order) in f16, and clears the state.
+    __device__ __forceinline__ Fp8WarpTile(const bf16_t* __restrict__ q, int row, int n_heads, int h0, int ng,
+                                           float qscale, int g, int t) {
+        qs = qscale;
         float qf[NT][SEGS][4];
         float amax = 0.f;
 #pragma unroll
@@ -90,8 +83,7 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
             for (int i = 0; i < SEGS; i++) {
                 uint2 v = make_uint2(0, 0);
                 if (h < ng)
-                    v = *reinterpret_cast<const uint2*>(q + ((long long)ck.row * n_heads + ck.h0 + h) * HD + i * 16 +
-                                                        4 * t);
+                    v = *reinterpret_cast<const uint2*>(q + ((long long)row * n_heads + h0 + h) * HD + i * 16 + 4 * t);
                 qf[nt][i][0] = __uint_as_float(v.x << 16);
                 qf[nt][i][1] = __uint_as_float(v.x & 0xffff0000u);
                 qf[nt][i][2] = __uint_as_float(v.y << 16);
@@ -100,7 +92,7 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
                 for (int j = 0; j < 4; j++) amax = fmaxf(amax, fabsf(qf[nt][i][j]));
             }
         }
-        // Every warp holds all of Q, so every warp finds the same maximum and scale.
+        // Every lane ends with the warp's maximum, so the warp shares one scale.
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         float down = 1.f;
@@ -117,47 +109,33 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
                 qb[nt][i][0] = pack_f16x2(qf[nt][i][0] * down, qf[nt][i][1] * down);
                 qb[nt][i][1] = pack_f16x2(qf[nt][i][2] * down, qf[nt][i][3] * down);
             }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            m[nt][0] = m[nt][1] = NEG_INF;
+            l[nt][0] = l[nt][1] = 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < SEGS; i++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][nt][j] = 0.f;
+        src_a = 8 * t + (g >> 1);
+        src_b = src_a + 4;
+        half_sel = (g & 1) ? 0x7632u : 0x5410u;
     }
 
-    // Per head 2t + c (+ 8 nt): running max (the whole warp's), this lane's partial sum.
-    float m[NT][2], l[NT][2], acc[SEGS][NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        m[nt][0] = m[nt][1] = NEG_INF;
-        l[nt][0] = l[nt][1] = 0.f;
+    // The ldmatrix address of lane l within 16 code rows of stride rb bytes: row l % 8 of
+    // matrix l / 8; matrices alternate the tokens 0-7 and 8-15, two per 16-byte segment.
+    static __device__ __forceinline__ unsigned lane_row(int lane, int rb) {
+        return (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * rb + (lane >> 4) * 16);
     }
-#pragma unroll
-    for (int i = 0; i < SEGS; i++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) acc[i][nt][j] = 0.f;
 
-#pragma unroll
-    for (int s = 0; s < NS - 1; s++) {
-        if (s < n_tiles) ring.issue(s);
-        cp_async_commit();
-    }
-    // ldmatrix addresses: lane l supplies row l % 8 of matrix l / 8; matrices alternate the
-    // warp's tokens 0-7 and 8-15, two per 16-byte segment.
-    constexpr int SEG_N = SEGS >= 2 ? 2 : 1;  // segments per ldmatrix (x4, or x2 at head_dim 16)
-    const unsigned lrow = (unsigned)((warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * RB + (lane >> 4) * 16);
-    // The P^T exchange: this lane's B fragment (tokens 2t, 2t + 1, 2t + 8, 2t + 9; head g) comes
-    // from lanes (2t, g / 2) and (2t + 1, g / 2), the half of their head pair that is g.
-    const int src_a = 8 * t + (g >> 1), src_b = src_a + 4;
-    const unsigned half_sel = (g & 1) ? 0x7632u : 0x5410u;
-    for (int it = 0; it < n_tiles; it++) {
-        cp_async_wait<NS - 2>();
-        // Stage `it` is visible to every warp, and every warp is done with the slot that the
-        // next copy overwrites (consumed in the previous iteration).
-        __syncthreads();
-        if (it + NS - 1 < n_tiles) ring.issue((it + NS - 1) % NS);
-        cp_async_commit();
-
-        const int s = it % NS;
-        const unsigned ks = ring.sk + (unsigned)(s * Ring::TILE_B) + lrow;
-        const unsigned vs = ring.sv + (unsigned)(s * Ring::TILE_B) + lrow;
-        // S^T = K Q^T over the warp's 16 tokens.
+    // Consumes 16 tokens: K and V code rows at the lane's ldmatrix addresses ks and vs
+    // (lane_row past the tile's first row), token g at position pt (g + 8 at pt + 8); tokens at
+    // or past c1 are masked.
+    __device__ __forceinline__ void stage(unsigned ks, unsigned vs, int pt, int c1, float cap2) {
+        // S^T = K Q^T over the 16 tokens.
         float sc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
@@ -177,7 +155,6 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
             }
         }
         // Online softmax (log2 domain) per head over the 16 tokens.
-        const int pt = c0 + it * TT + warp * 16 + g;
         const bool v0 = pt < c1, v1 = pt + 8 < c1;
         unsigned pb[NT][2];
         float corr[NT][2];
@@ -239,6 +216,64 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
             }
         }
     }
+
+    // The warp's sum of head 8 nt + 2t + c over its lanes (every lane gets it).
+    __device__ __forceinline__ float sum(int nt, int c) const {
+        float lc = l[nt][c];
+        lc += __shfl_xor_sync(0xffffffffu, lc, 4);
+        lc += __shfl_xor_sync(0xffffffffu, lc, 8);
+        lc += __shfl_xor_sync(0xffffffffu, lc, 16);
+        return lc;
+    }
+};
+
+template <int HD, int NW, int NS, int MG>
+__device__ __forceinline__ void paged_attention_tc_fp8_body(
+    const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
+    static_assert(NS >= 2, "at least double buffering");
+    using Tile = Fp8WarpTile<HD, MG>;
+    constexpr int THREADS = NW * 32;
+    constexpr int TT = tc_warp_tokens(1) * NW;  // tokens per stage (16 per warp)
+    constexpr int RB = tc_ring_row(HD, 1);      // ring row stride, bytes (HD codes + 16)
+    constexpr int SMEM = tc_smem_bytes(HD, NW, NS, MG, 1);
+    using Ring = TcRing<unsigned char, HD, TT, THREADS, RB, NS>;
+    static_assert(SMEM >= NS * 2 * Ring::TILE_B && SMEM >= NW * MG * (HD + 2) * 4, "ring and merge fit");
+    static_assert(SMEM <= 227 * 1024, "a CTA's shared memory limit");
+    unsigned char* const smem = tc_smem_base<SMEM>();
+
+    const TcChunk ck = tc_chunk<HD, MG>(row_ctx, n_heads, n_kv_heads, min_chunk, window, out);
+    if (!ck.run) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int c0 = ck.c0, c1 = ck.c1, ng = ck.ng;
+    const int n_tiles = (c1 - c0 + TT - 1) / TT;
+    Ring ring(smem_addr(smem), k_cache, v_cache, ck.kvh, n_kv_heads, block_size, block_tables + row_bt[ck.row], c0,
+              c1, tid);
+    // Every warp holds all of the CTA's heads.
+    Tile tile(q, ck.row, n_heads, ck.h0, ng, qscale, g, t);
+
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) {
+        if (s < n_tiles) ring.issue(s);
+        cp_async_commit();
+    }
+    // The warp's 16 tokens of each stage.
+    const unsigned lrow = (unsigned)(warp * 16 * RB) + Tile::lane_row(lane, RB);
+    for (int it = 0; it < n_tiles; it++) {
+        cp_async_wait<NS - 2>();
+        // Stage `it` is visible to every warp, and every warp is done with the slot that the
+        // next copy overwrites (consumed in the previous iteration).
+        __syncthreads();
+        if (it + NS - 1 < n_tiles) ring.issue((it + NS - 1) % NS);
+        cp_async_commit();
+
+        const int s = it % NS;
+        tile.stage(ring.sk + (unsigned)(s * Ring::TILE_B) + lrow, ring.sv + (unsigned)(s * Ring::TILE_B) + lrow,
+                   c0 + it * TT + warp * 16 + g, c1, cap2);
+    }
     cp_async_wait<0>();
     __syncthreads();  // the ring is free: reuse it for the merge
 
@@ -246,22 +281,19 @@ __device__ __forceinline__ void paged_attention_tc_fp8_body(
     float* const sm_o = reinterpret_cast<float*>(smem);  // [NW][MG][HD]
     float* const sm_ml = sm_o + NW * MG * HD;            // [NW][MG][2]
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
+    for (int nt = 0; nt < Tile::NT; nt++) {
 #pragma unroll
         for (int c = 0; c < 2; c++) {
-            float lc = l[nt][c];
-            lc += __shfl_xor_sync(0xffffffffu, lc, 4);
-            lc += __shfl_xor_sync(0xffffffffu, lc, 8);
-            lc += __shfl_xor_sync(0xffffffffu, lc, 16);
+            const float lc = tile.sum(nt, c);
             const int h = 8 * nt + 2 * t + c;
             if (g == 0) {
-                sm_ml[(warp * MG + h) * 2] = m[nt][c];
+                sm_ml[(warp * MG + h) * 2] = tile.m[nt][c];
                 sm_ml[(warp * MG + h) * 2 + 1] = lc;
             }
 #pragma unroll
-            for (int i = 0; i < SEGS; i++) {
-                sm_o[(warp * MG + h) * HD + i * 16 + 2 * g] = acc[i][nt][c];
-                sm_o[(warp * MG + h) * HD + i * 16 + 2 * g + 1] = acc[i][nt][2 + c];
+            for (int i = 0; i < Tile::SEGS; i++) {
+                sm_o[(warp * MG + h) * HD + i * 16 + 2 * g] = tile.acc[i][nt][c];
+                sm_o[(warp * MG + h) * HD + i * 16 + 2 * g + 1] = tile.acc[i][nt][2 + c];
             }
         }
     }

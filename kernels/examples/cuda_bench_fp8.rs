@@ -23,7 +23,8 @@
 use baton_kernels::cpu::fp8::e4m3_to_f32;
 use baton_kernels::cuda::{
     ATTN_FP8_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
-    CudaSlice, HostSeq, KvCacheRef, KvGeometry, StepMeta, attn_fp8_default, bf16,
+    CudaSlice, DecodeShape, HostSeq, KvCacheRef, KvGeometry, StepMeta, attn_default, attn_fp8_default,
+    attn_stream_default, bf16,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -123,20 +124,26 @@ fn run() -> Result<(), CudaError> {
         };
         let bf16_ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o_ref, bf16_cache, None))?;
         attention(&mut metas[0], &mut o_ref, bf16_cache, None)?;
-        // Where the split count matters: the default FP8 variant at fixed splits (what `Auto`
-        // would choose is in the rows below).
-        let mut sweep = Vec::new();
-        for n in [1usize, 2, 4, 8, 16, 32, 64] {
-            let split = AttnSplit::Fixed(n);
-            let v = Some(attn_fp8_default(nh / nkv));
-            let ms = time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, fp8_cache, v, split))?;
-            sweep.push(format!("{n}:{:.1}", ms * 1e3));
-            json.push(format!(
-                "{{\"name\":\"decode_attention_fp8_split\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
-                ms * 1e3
-            ));
+        // The default FP8 variant of this launch (the streaming kernel from 8 rows on sm_90).
+        let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: true };
+        let fp8_default = attn_default(&shape, dev.stream_attention());
+        // Where the split count matters: the FP8 tensor-core and streaming defaults at fixed
+        // splits (what `Auto` would choose is in the rows below).
+        for (name, vi) in [("tc", attn_fp8_default(nh / nkv)), ("st", attn_stream_default(nh / nkv, true))] {
+            let mut sweep = Vec::new();
+            for n in [1usize, 2, 4, 8, 16, 32, 64] {
+                let split = AttnSplit::Fixed(n);
+                let v = Some(vi);
+                let ms =
+                    time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, fp8_cache, v, split))?;
+                sweep.push(format!("{n}:{:.1}", ms * 1e3));
+                json.push(format!(
+                    "{{\"name\":\"decode_attention_fp8_split\",\"kernel\":\"{name}\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
+                    ms * 1e3
+                ));
+            }
+            writeln!(table, " fp8 {name} at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
         }
-        writeln!(table, " fp8 default at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
         // The bf16 default at the same fixed splits (1 = no combine launch).
         let mut sweep = Vec::new();
         for n in [1usize, 2, 4, 8, 16, 32, 64] {
@@ -156,7 +163,7 @@ fn run() -> Result<(), CudaError> {
         for (vi, var) in ATTN_FP8_VARIANTS.iter().enumerate() {
             let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, fp8_cache, Some(vi)))?;
             attention(&mut metas[0], &mut o, fp8_cache, Some(vi))?;
-            let mark = if vi == attn_fp8_default(nh / nkv) { "*" } else { "" };
+            let mark = if vi == fp8_default { "*" } else { "" };
             rows.push((
                 "fp8".into(),
                 format!("{}{mark}", var.label()),

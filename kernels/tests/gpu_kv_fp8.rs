@@ -21,9 +21,9 @@ use baton_kernels::cpu::{
     self, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, NormWeight, RopeScalingKind, RopeTable, SeqSpan,
 };
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnKind,
-    AttnSplit, CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_VARIANTS, PREFILL_WGMMA, QkNorm,
-    RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16, prefill_variant_warps,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionExtFp8Call, AttentionOptions, AttnKernel, AttnSplit,
+    CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_VARIANTS, PREFILL_WGMMA, QkNorm, RopeExtras,
+    RopeInput, RopeKvAmaxCall, RopeKvFp8Call, StepMeta, attention_supports, bf16, prefill_variant_warps,
     prefill_wg_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
@@ -467,13 +467,14 @@ fn gpu_attention_fp8_with_queries_beyond_f16_matches_cpu() {
     }
 }
 
-/// The bf16 variant whose arithmetic an FP8 variant repeats: the tensor-core kernel with the
-/// same warps and heads per CTA (the ring depth does not change which warp takes which token).
+/// The bf16 variant whose arithmetic an FP8 variant repeats: the kernel of the same kind (tensor
+/// core or streaming) with the same warps and heads per warp or CTA (the ring depth does not
+/// change which warp takes which token).
 fn bf16_twin(fp8_variant: usize) -> usize {
     let f = ATTN_FP8_VARIANTS[fp8_variant];
     ATTN_VARIANTS
         .iter()
-        .position(|v| v.kind == AttnKind::TensorCore && v.warps == f.warps && v.max_group == f.max_group)
+        .position(|v| v.kind == f.kind && v.warps == f.warps && v.max_group == f.max_group)
         .expect("a bf16 twin")
 }
 

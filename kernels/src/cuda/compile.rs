@@ -705,14 +705,23 @@ mod tests {
             .filter_map(|l| l.trim().strip_prefix("ATT_TC_FP8_INSTANCE(HD, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
             .collect();
-        let rust: Vec<String> = super::super::paged_attention::ATTN_FP8_VARIANTS
-            .iter()
-            .map(|v| {
-                assert_eq!(v.kind, AttnKind::TensorCore, "the FP8 variants are tensor-core kernels");
-                format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
-            })
+        let fp8_list = |kind: AttnKind| -> Vec<String> {
+            super::super::paged_attention::ATTN_FP8_VARIANTS
+                .iter()
+                .filter(|v| v.kind == kind)
+                .map(|v| format!("{}, {}, {}", v.warps, v.unroll, v.max_group))
+                .collect()
+        };
+        assert_eq!(cuda, vec![fp8_list(AttnKind::TensorCore); ATTN_HEAD_DIMS.len()].concat());
+        let cuda: Vec<String> = src
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("ATT_ST_FP8_INSTANCE(HD, "))
+            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
             .collect();
-        assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
+        assert_eq!(cuda, vec![fp8_list(AttnKind::Stream); ATTN_HEAD_DIMS.len()].concat());
+        // The FP8 table lists its tensor-core variants first.
+        let kinds: Vec<AttnKind> = super::super::paged_attention::ATTN_FP8_VARIANTS.iter().map(|v| v.kind).collect();
+        assert!(kinds.windows(2).all(|w| w[0] == w[1] || w[1] == AttnKind::Stream), "{kinds:?}");
         let cuda: Vec<String> = src
             .lines()
             .filter_map(|l| l.trim().strip_prefix("GEMV_INSTANCE(MAXM, "))

@@ -315,10 +315,10 @@ impl KernelTable<CudaFunction> {
             let dynamic = |v: &AttnVariant| match v.kind {
                 AttnKind::Stream if hopper => CTA_SMEM_LIMIT,
                 AttnKind::Stream => 0,
-                _ => tc_dynamic_smem(v, *hd, false),
+                _ => tc_dynamic_smem(v, *hd, v.fp8),
             };
             let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, dynamic(v)));
-            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, tc_dynamic_smem(v, *hd, true)));
+            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, dynamic(v)));
             for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;

@@ -88,6 +88,8 @@ pub struct AttnVariant {
     pub max_group: u32,
     /// Register double-buffering of the next tile ([`AttnKind::Registers`] only).
     pub prefetch: bool,
+    /// Whether the kernel reads an FP8 (E4M3) cache: the entries of [`ATTN_FP8_VARIANTS`].
+    pub fp8: bool,
 }
 
 impl AttnVariant {
@@ -157,11 +159,11 @@ pub(crate) const CTA_SMEM_LIMIT: usize = 227 * 1024;
 const STREAM_STAGE_TOKENS: usize = 16;
 
 /// Shared memory of a streaming CTA over `kvc` KV heads (`attention_stream.cu`): `unroll`
-/// stages of K and V rows of 16 tokens, each row the CTA's heads padded by 16 bytes, and one
-/// 8-byte mbarrier per stage.
+/// stages of K and V rows of 16 tokens, each row the CTA's heads (bf16, or FP8 codes) padded by
+/// 16 bytes, and one 8-byte mbarrier per stage.
 pub(crate) fn stream_smem_bytes(v: &AttnVariant, kvc: usize, head_dim: usize) -> usize {
-    let ns = v.unroll as usize;
-    ns * 2 * STREAM_STAGE_TOKENS * (kvc * head_dim * 2 + 16) + ns * 8
+    let (ns, elem) = (v.unroll as usize, if v.fp8 { 1 } else { 2 });
+    ns * 2 * STREAM_STAGE_TOKENS * (kvc * head_dim * elem + 16) + ns * 8
 }
 
 /// KV heads one CTA of a streaming variant takes: the largest divisor of `n_kv_heads` of at
@@ -183,22 +185,38 @@ pub(crate) fn combine_kernel_name(head_dim: usize) -> String {
 }
 
 const fn reg(warps: u32, unroll: u32, max_group: u32, prefetch: bool) -> AttnVariant {
-    AttnVariant { kind: AttnKind::Registers, warps, unroll, max_group, prefetch }
+    AttnVariant { kind: AttnKind::Registers, warps, unroll, max_group, prefetch, fp8: false }
 }
 
 const fn tc(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
-    AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false }
+    AttnVariant { kind: AttnKind::TensorCore, warps, unroll: stages, max_group, prefetch: false, fp8: false }
 }
 
 const fn st(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
-    AttnVariant { kind: AttnKind::Stream, warps, unroll: stages, max_group, prefetch: false }
+    AttnVariant { kind: AttnKind::Stream, warps, unroll: stages, max_group, prefetch: false, fp8: false }
 }
 
-/// The tensor-core variants over an FP8 (E4M3) cache (`ATT_TC_FP8_INSTANCE` in
-/// attention_tc_fp8.cu, kernel names `paged_attention_tc_fp8_*`): tokens are the mma's M, 16 a
+/// `variant` over an FP8 cache.
+const fn fp8(variant: AttnVariant) -> AttnVariant {
+    AttnVariant { fp8: true, ..variant }
+}
+
+/// The variants over an FP8 (E4M3) cache: the tensor-core ones (`ATT_TC_FP8_INSTANCE` in
+/// attention_tc_fp8.cu, kernel names `paged_attention_tc_fp8_*`: tokens are the mma's M, 16 a
 /// warp per stage, so a stage of 2 warps is 32 tokens; at head_dim 128, 4 stages are 36.9 KB
-/// of codes (6 CTAs per SM), 3 stages 27.6 KB.
-pub const ATTN_FP8_VARIANTS: [AttnVariant; 3] = [tc(2, 3, 8), tc(2, 4, 8), tc(2, 4, 16)];
+/// of codes (6 CTAs per SM), 3 stages 27.6 KB), then the streaming ones (`ATT_ST_FP8_INSTANCE` in
+/// attention_stream.cu, `paged_attention_st_fp8_*`).
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 7] = [
+    fp8(tc(2, 3, 8)),
+    fp8(tc(2, 4, 8)),
+    fp8(tc(2, 4, 16)),
+    // Streaming (attention_stream.cu): 8 KV heads a CTA at 3 stages of 33 KB (Llama-3.1-8B heads:
+    // two CTAs per SM), at 6 (one per SM); 4 KV heads at 4 stages (three per SM); 16 heads a warp.
+    fp8(st(8, 3, 8)),
+    fp8(st(8, 6, 8)),
+    fp8(st(4, 4, 8)),
+    fp8(st(8, 3, 16)),
+];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
 /// (index in [`ATTN_FP8_VARIANTS`]): the 3-stage ring, or with 16 heads per CTA beyond a group
@@ -211,7 +229,8 @@ pub fn attn_fp8_default(group: usize) -> usize {
 
 /// The FP8-cache kernel's name of `variant` (a tensor-core variant) for `head_dim`.
 pub(crate) fn fp8_kernel_name(variant: &AttnVariant, head_dim: usize) -> String {
-    format!("paged_attention_tc_fp8_hd{head_dim}_w{}_s{}_g{}", variant.warps, variant.unroll, variant.max_group)
+    let kind = if variant.kind == AttnKind::Stream { "st" } else { "tc" };
+    format!("paged_attention_{kind}_fp8_hd{head_dim}_w{}_s{}_g{}", variant.warps, variant.unroll, variant.max_group)
 }
 
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
@@ -250,10 +269,16 @@ pub fn attn_tc_default(group: usize) -> usize {
     if group > 8 { 8 } else { 6 }
 }
 
-/// The streaming variant for a GQA group of `group` query heads: two stages, 8 query heads a
-/// warp up to a group of 8 and 16 beyond.
-pub fn attn_stream_default(group: usize) -> usize {
-    if group > 8 { 12 } else { 10 }
+/// The streaming variant for a GQA group of `group` query heads (index in [`ATTN_VARIANTS`], or
+/// with `fp8` in [`ATTN_FP8_VARIANTS`]): bf16 two stages, FP8 three, 8 query heads a warp up to a
+/// group of 8 and 16 beyond.
+pub fn attn_stream_default(group: usize, fp8: bool) -> usize {
+    match (fp8, group > 8) {
+        (false, false) => 10,
+        (false, true) => 12,
+        (true, false) => 3,
+        (true, true) => 6,
+    }
 }
 
 /// Fewest CTAs per split at which the streaming kernel is the default: measured on an H100
@@ -285,23 +310,21 @@ impl DecodeShape {
     }
 }
 
-/// The variant the decode kernel uses by default for `shape`: over an FP8 cache
-/// [`attn_fp8_default`] (index in [`ATTN_FP8_VARIANTS`]); over bf16, where the device has the bulk
-/// copy engine (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] streaming CTAs
-/// per split, [`attn_stream_default`], else [`attn_tc_default`] (indices in [`ATTN_VARIANTS`]).
+/// The variant the decode kernel uses by default for `shape` (an index in [`ATTN_VARIANTS`], or
+/// over an FP8 cache in [`ATTN_FP8_VARIANTS`]): where the device has the bulk copy engine
+/// (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] streaming CTAs per split,
+/// [`attn_stream_default`]; else the tensor-core kernel, [`attn_tc_default`] or
+/// [`attn_fp8_default`].
 pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
     let group = shape.group();
-    if shape.fp8 {
-        return attn_fp8_default(group);
-    }
-    let st = attn_stream_default(group);
-    let v = &ATTN_VARIANTS[st];
+    let st = attn_stream_default(group, shape.fp8);
+    let v = if shape.fp8 { &ATTN_FP8_VARIANTS[st] } else { &ATTN_VARIANTS[st] };
     let fits = stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0;
-    if stream && fits && shape.rows * v.ctas_per_row(shape.n_heads, shape.n_kv_heads, shape.head_dim) >= STREAM_MIN_CTAS
-    {
-        st
-    } else {
-        attn_tc_default(group)
+    let ctas = shape.rows * v.ctas_per_row(shape.n_heads, shape.n_kv_heads, shape.head_dim);
+    match (stream && fits && ctas >= STREAM_MIN_CTAS, shape.fp8) {
+        (true, _) => st,
+        (false, false) => attn_tc_default(group),
+        (false, true) => attn_fp8_default(group),
     }
 }
 
@@ -423,7 +446,7 @@ mod tests {
         // 8 (16 beyond) in one CTA per KV head.
         for group in 1..=32 {
             for (vi, kind) in
-                [(attn_tc_default(group), AttnKind::TensorCore), (attn_stream_default(group), AttnKind::Stream)]
+                [(attn_tc_default(group), AttnKind::TensorCore), (attn_stream_default(group, false), AttnKind::Stream)]
             {
                 let v = ATTN_VARIANTS[vi];
                 assert_eq!(v.kind, kind);
@@ -504,21 +527,25 @@ mod tests {
         assert_eq!(auto_splits(132, &llama(512, false), 4096, false), 1, "a full batch needs no split");
         let no_kv = DecodeShape { n_kv_heads: 0, ..llama(1, false) };
         assert!(auto_splits(132, &no_kv, 100, true) >= 1, "no KV heads: still a plan (the launch refuses)");
-        // An FP8 cache aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads at 8k
-        // split in two where the bf16 tensor-core kernel does not split; one row at 8k in 33
-        // (as bf16); a full batch is not split either way.
+        // The FP8 tensor-core kernel aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads
+        // at 8k split in two where the bf16 tensor-core kernel does not split; one row at 8k in
+        // 33 (as bf16); a full batch is not split either way.
         assert_eq!(auto_splits(132, &llama(32, false), 8192, false), 1);
-        assert_eq!(auto_splits(132, &llama(32, true), 8192, true), 2);
-        assert_eq!(auto_splits(132, &llama(8, true), 4096, true), 5);
+        assert_eq!(auto_splits(132, &llama(32, true), 8192, false), 2);
+        assert_eq!(auto_splits(132, &llama(8, true), 4096, false), 5);
         assert_eq!(auto_splits(132, &llama(1, true), 8192, true), auto_splits(132, &llama(1, false), 8192, false));
-        assert_eq!(auto_splits(132, &llama(256, true), 1024, true), 1);
+        assert_eq!(auto_splits(132, &llama(256, true), 1024, false), 1);
+        // The FP8 streaming kernel's 3-stage ring (99,864 bytes) fits two CTAs per SM: 32 rows
+        // at 8k split in 8.
+        assert_eq!(auto_splits(132, &llama(32, true), 8192, true), 8);
         // With the streaming kernel (sm_90) from 8 rows: one CTA per row takes an SM alone, so
         // 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all; below 8 rows
         // the tensor-core kernel stays.
-        assert_eq!(attn_default(&llama(8, false), true), attn_stream_default(4));
+        assert_eq!(attn_default(&llama(8, false), true), attn_stream_default(4, false));
         assert_eq!(attn_default(&llama(7, false), true), attn_tc_default(4));
         assert_eq!(attn_default(&llama(256, false), false), attn_tc_default(4));
-        assert_eq!(attn_default(&llama(256, true), true), attn_fp8_default(4));
+        assert_eq!(attn_default(&llama(256, true), true), attn_stream_default(4, true));
+        assert_eq!(attn_default(&llama(4, true), true), attn_fp8_default(4));
         assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
         assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
         assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
