@@ -281,13 +281,20 @@ pub fn attn_stream_default(group: usize, fp8: bool) -> usize {
     }
 }
 
-/// Fewest CTAs per split at which the streaming kernel is the default: measured on an H100
-/// (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one CTA per row there), it is as fast as the
-/// tensor-core kernel at 8 rows × 4k (64.4 against 65.8 µs), faster from 32 rows (110 against
-/// 114 µs at 32 × 2k, 381 against 428 µs at 256 × 1k, 740 against 877 µs at 128 × 4k) and slower
-/// for one row (33.4 µs at its best split count against 31.1 at 8k), where a few CTAs each
-/// stream one row's whole slots and the tensor-core kernel's small CTAs spread wider.
+/// Fewest CTAs per split at which the streaming kernel is the default over a bf16 cache:
+/// measured on an H100 (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one CTA per row there), it is
+/// as fast as the tensor-core kernel at 8 rows × 4k (64.4 against 65.8 µs), faster from 32 rows
+/// (110 against 114 µs at 32 × 2k, 381 against 428 µs at 256 × 1k, 740 against 877 µs at
+/// 128 × 4k) and slower for one row (33.4 µs at its best split count against 31.1 at 8k), where
+/// a few CTAs each stream one row's whole slots and the tensor-core kernel's small CTAs spread
+/// wider.
 pub const STREAM_MIN_CTAS: usize = 8;
+
+/// The same over an FP8 cache, whose tensor-core kernel is closer to its floor: measured on an
+/// H100 (`cuda_bench_fp8`, 1a3484f) the streaming kernel is slower at 8 rows × 4k (43.4 against
+/// 40.2 µs) and at 32 × 2k (67.8 against 66.5), equal at 64 × 2k, faster at 32 × 8k (211.9
+/// against 217.2), 128 × 4k (402 against 422) and 256 × 1k (204.5 against 220.6).
+pub const STREAM_FP8_MIN_CTAS: usize = 32;
 
 /// One decode attention launch as the default rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,7 +319,8 @@ impl DecodeShape {
 
 /// The variant the decode kernel uses by default for `shape` (an index in [`ATTN_VARIANTS`], or
 /// over an FP8 cache in [`ATTN_FP8_VARIANTS`]): where the device has the bulk copy engine
-/// (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] streaming CTAs per split,
+/// (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] (FP8:
+/// [`STREAM_FP8_MIN_CTAS`]) streaming CTAs per split,
 /// [`attn_stream_default`]; else the tensor-core kernel, [`attn_tc_default`] or
 /// [`attn_fp8_default`].
 pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
@@ -321,7 +329,8 @@ pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
     let v = if shape.fp8 { &ATTN_FP8_VARIANTS[st] } else { &ATTN_VARIANTS[st] };
     let fits = stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0;
     let ctas = shape.rows * v.ctas_per_row(shape.n_heads, shape.n_kv_heads, shape.head_dim);
-    match (stream && fits && ctas >= STREAM_MIN_CTAS, shape.fp8) {
+    let min_ctas = if shape.fp8 { STREAM_FP8_MIN_CTAS } else { STREAM_MIN_CTAS };
+    match (stream && fits && ctas >= min_ctas, shape.fp8) {
         (true, _) => st,
         (false, false) => attn_tc_default(group),
         (false, true) => attn_fp8_default(group),
@@ -545,7 +554,8 @@ mod tests {
         assert_eq!(attn_default(&llama(7, false), true), attn_tc_default(4));
         assert_eq!(attn_default(&llama(256, false), false), attn_tc_default(4));
         assert_eq!(attn_default(&llama(256, true), true), attn_stream_default(4, true));
-        assert_eq!(attn_default(&llama(4, true), true), attn_fp8_default(4));
+        assert_eq!(attn_default(&llama(31, true), true), attn_fp8_default(4));
+        assert_eq!(attn_default(&llama(32, true), true), attn_stream_default(4, true));
         assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
         assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
         assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
