@@ -281,21 +281,6 @@ pub fn attn_stream_default(group: usize, fp8: bool) -> usize {
     }
 }
 
-/// Fewest CTAs per split at which the streaming kernel is the default over a bf16 cache:
-/// measured on an H100 (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one CTA per row there), it is
-/// as fast as the tensor-core kernel at 8 rows × 4k (64.4 against 65.8 µs), faster from 32 rows
-/// (110 against 114 µs at 32 × 2k, 381 against 428 µs at 256 × 1k, 740 against 877 µs at
-/// 128 × 4k) and slower for one row (33.4 µs at its best split count against 31.1 at 8k), where
-/// a few CTAs each stream one row's whole slots and the tensor-core kernel's small CTAs spread
-/// wider.
-pub const STREAM_MIN_CTAS: usize = 8;
-
-/// The same over an FP8 cache, whose tensor-core kernel is closer to its floor: measured on an
-/// H100 (`cuda_bench_fp8`, 1a3484f) the streaming kernel is slower at 8 rows × 4k (43.4 against
-/// 40.2 µs) and at 32 × 2k (67.8 against 66.5), equal at 64 × 2k, faster at 32 × 8k (211.9
-/// against 217.2), 128 × 4k (402 against 422) and 256 × 1k (204.5 against 220.6).
-pub const STREAM_FP8_MIN_CTAS: usize = 32;
-
 /// One decode attention launch as the default rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeShape {
@@ -319,18 +304,23 @@ impl DecodeShape {
 
 /// The variant the decode kernel uses by default for `shape` (an index in [`ATTN_VARIANTS`], or
 /// over an FP8 cache in [`ATTN_FP8_VARIANTS`]): where the device has the bulk copy engine
-/// (`stream`: sm_90) and the launch has at least [`STREAM_MIN_CTAS`] (FP8:
-/// [`STREAM_FP8_MIN_CTAS`]) streaming CTAs per split,
-/// [`attn_stream_default`]; else the tensor-core kernel, [`attn_tc_default`] or
-/// [`attn_fp8_default`].
+/// (`stream`: sm_90) and the CTA's ring fits, [`attn_stream_default`]; else the tensor-core
+/// kernel, [`attn_tc_default`] or [`attn_fp8_default`].
+///
+/// The choice does not depend on the batch (`shape.rows`): a row's output must not change with
+/// how many rows share its step, or a graph replay (at its padded bucket) would differ from the
+/// eager step (at the exact count), and async scheduling (whose steps may carry a row that has
+/// just stopped) from sync scheduling; the GPU tests check both token for token. The cost, as
+/// measured on an H100 (Llama-3.1-8B heads; `cuda_bench` 34590ad, `cuda_bench_fp8` 1a3484f):
+/// at one row the streaming kernel is slower than the tensor-core kernel (bf16 22.0 against
+/// 18.8 µs at 2k, 33.4 against 30.5 at 8k; FP8 32.0 against 22.7 at 8k) where few CTAs each
+/// stream a row's whole slots; from 32 rows it is as fast or faster (bf16 381 against 428 µs at
+/// 256 × 1k, 743 against 877 at 128 × 4k; FP8 204.5 against 220.6 at 256 × 1k).
 pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
     let group = shape.group();
     let st = attn_stream_default(group, shape.fp8);
     let v = if shape.fp8 { &ATTN_FP8_VARIANTS[st] } else { &ATTN_VARIANTS[st] };
-    let fits = stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0;
-    let ctas = shape.rows * v.ctas_per_row(shape.n_heads, shape.n_kv_heads, shape.head_dim);
-    let min_ctas = if shape.fp8 { STREAM_FP8_MIN_CTAS } else { STREAM_MIN_CTAS };
-    match (stream && fits && ctas >= min_ctas, shape.fp8) {
+    match (stream && stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0, shape.fp8) {
         (true, _) => st,
         (false, false) => attn_tc_default(group),
         (false, true) => attn_fp8_default(group),
@@ -366,11 +356,13 @@ pub(crate) const TARGET_CTAS_PER_SM: usize = 2;
 pub struct SplitTarget {
     ctas_per_sm: usize,
     round_up: bool,
+    /// Most splits `Auto` makes (the context's length allowing).
+    max_auto: usize,
 }
 
 impl SplitTarget {
     /// Two CTAs per SM, rounded down (a batch with more CTAs is not split).
-    pub const BF16: Self = Self { ctas_per_sm: TARGET_CTAS_PER_SM, round_up: false };
+    pub const BF16: Self = Self { ctas_per_sm: TARGET_CTAS_PER_SM, round_up: false, max_auto: MAX_SPLITS };
     /// Two CTAs per SM, rounded up: an FP8 stage carries half the bytes, so a CTA alone streams
     /// more slowly and a batch just short of two per SM gains from a second split. Measured on
     /// an H100 (`cuda_bench_fp8` fixed-split sweep of the tokens-as-M kernel, Llama-3.1-8B heads,
@@ -378,7 +370,7 @@ impl SplitTarget {
     /// (three per SM, rounded up); 8 rows at 4k 39.9 at 4, 40.6 at 8 (41.0 at that rule's 7);
     /// 32 rows at 8k 218.8 at 2 splits, 223.5 unsplit; 32 rows at 2k 66.1 at 2, 64.2 unsplit
     /// (the one shape where rounding down would win, by 3 %); 64 rows and more fastest unsplit.
-    pub const FP8: Self = Self { ctas_per_sm: 2, round_up: true };
+    pub const FP8: Self = Self { ctas_per_sm: 2, round_up: true, max_auto: MAX_SPLITS };
 
     /// The target for a cache of FP8 codes or of bf16 values.
     pub fn for_cache(fp8: bool) -> Self {
@@ -386,10 +378,17 @@ impl SplitTarget {
     }
 
     /// The target of `variant` over such a cache: a streaming variant aims at the CTAs that fit
-    /// an SM by shared memory (usually one: its ring holds every KV head of a row), rounded down.
+    /// an SM by shared memory (usually one: its ring holds every KV head of a row), rounded down,
+    /// in at most 64 splits. Measured on an H100 (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one
+    /// CTA per row and split): one row at 8k 33.4 µs at 64 splits, 40.6 at 128; at 32k 72.2
+    /// against 75.7; at 2k the context allows 32 (22.0 µs).
     pub fn for_variant(variant: &AttnVariant, n_kv_heads: usize, head_dim: usize, fp8: bool) -> Self {
         match variant.kind {
-            AttnKind::Stream => Self { ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim), round_up: false },
+            AttnKind::Stream => Self {
+                ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim),
+                round_up: false,
+                max_auto: MAX_SPLITS / 2,
+            },
             _ => Self::for_cache(fp8),
         }
     }
@@ -417,7 +416,8 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, ta
         // already has that many CTAs is not split.
         AttnSplit::Auto => {
             let (want, have) = (target.ctas_per_sm * sms.max(1), ctas.max(1));
-            if target.round_up { want.div_ceil(have) } else { (want / have).max(1) }
+            let want = if target.round_up { want.div_ceil(have) } else { (want / have).max(1) };
+            want.min(target.max_auto)
         }
         AttnSplit::Fixed(n) | AttnSplit::Exact(n) => n,
     };
@@ -542,20 +542,21 @@ mod tests {
         assert_eq!(auto_splits(132, &llama(32, false), 8192, false), 1);
         assert_eq!(auto_splits(132, &llama(32, true), 8192, false), 2);
         assert_eq!(auto_splits(132, &llama(8, true), 4096, false), 5);
-        assert_eq!(auto_splits(132, &llama(1, true), 8192, true), auto_splits(132, &llama(1, false), 8192, false));
+        assert_eq!(auto_splits(132, &llama(1, true), 8192, false), auto_splits(132, &llama(1, false), 8192, false));
         assert_eq!(auto_splits(132, &llama(256, true), 1024, false), 1);
         // The FP8 streaming kernel's 3-stage ring (99,864 bytes) fits two CTAs per SM: 32 rows
         // at 8k split in 8.
         assert_eq!(auto_splits(132, &llama(32, true), 8192, true), 8);
-        // With the streaming kernel (sm_90) from 8 rows: one CTA per row takes an SM alone, so
-        // 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all; below 8 rows
-        // the tensor-core kernel stays.
-        assert_eq!(attn_default(&llama(8, false), true), attn_stream_default(4, false));
-        assert_eq!(attn_default(&llama(7, false), true), attn_tc_default(4));
-        assert_eq!(attn_default(&llama(256, false), false), attn_tc_default(4));
-        assert_eq!(attn_default(&llama(256, true), true), attn_stream_default(4, true));
-        assert_eq!(attn_default(&llama(31, true), true), attn_fp8_default(4));
-        assert_eq!(attn_default(&llama(32, true), true), attn_stream_default(4, true));
+        // With the streaming kernel (sm_90), whatever the batch: one CTA per row takes an SM
+        // alone, so 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all, one
+        // row in at most 64.
+        for rows in [1, 7, 8, 256] {
+            assert_eq!(attn_default(&llama(rows, false), true), attn_stream_default(4, false));
+            assert_eq!(attn_default(&llama(rows, true), true), attn_stream_default(4, true));
+            assert_eq!(attn_default(&llama(rows, false), false), attn_tc_default(4));
+        }
+        assert_eq!(auto_splits(132, &llama(1, false), 8192, true), 64);
+        assert_eq!(auto_splits(132, &llama(1, false), 2048, true), 32);
         assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
         assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
         assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
