@@ -719,6 +719,52 @@ __device__ __forceinline__ TcChunk tc_chunk(const int* __restrict__ row_ctx, int
     return k;
 }
 
+// Q of `row` as mma A fragments (rows g and g + 8 = query heads h0 + g (+ 8), k = head dims;
+// heads past ng are zero), unscaled: the scale is applied to the f32 scores so q keeps its bf16
+// value exactly. Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row
+// g+8, k 2t+8); with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows). Shared by
+// the bf16 tensor-core and streaming decode kernels.
+template <int HD, int MG>
+__device__ __forceinline__ void tc_load_q(const bf16_t* __restrict__ q, int row, int n_heads, int h0, int ng, int g,
+                                          int t, unsigned (&qa)[HD / 16][MG / 4]) {
+    constexpr int RH = MG / 8;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+        for (int h = 0; h < RH; h++) {
+            const int r = g + 8 * h;
+            unsigned lo = 0, hi = 0;
+            if (r < ng) {
+                const unsigned* qr =
+                    reinterpret_cast<const unsigned*>(q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
+                lo = qr[0];
+                hi = qr[4];
+            }
+            if constexpr (RH == 2) {
+                qa[kk][h] = lo;
+                qa[kk][2 + h] = hi;
+            } else {
+                qa[kk][0] = lo;
+                qa[kk][1] = hi;
+            }
+        }
+    }
+}
+
+// An empty online-softmax state: running max -inf, sum 0, accumulators 0.
+template <int HD, int RH>
+__device__ __forceinline__ void tc_clear_state(float (&m)[RH], float (&l)[RH], float (&acc)[HD / 8][2 * RH]) {
+#pragma unroll
+    for (int h = 0; h < RH; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < HD / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 2 * RH; i++) acc[j][i] = 0.f;
+}
+
 // The bf16-cache kernel (an FP8 cache has its own, attention_tc_fp8.cu).
 template <int HD, int NW, int NS, int MG>
 __device__ __forceinline__ void paged_attention_tc_body(
@@ -750,43 +796,11 @@ __device__ __forceinline__ void paged_attention_tc_body(
     Ring ring(smem_addr(smem), k_cache, v_cache, ck.kvh, n_kv_heads, block_size, block_tables + row_bt[ck.row], c0,
               c1, tid);
 
-    // Q as A fragments (rows g and g + 8 = query heads of this CTA, k = head dims), unscaled:
-    // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
+    // Q as A fragments, and the running softmax state.
     unsigned qa[HD / 16][2 * RH];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-#pragma unroll
-        for (int h = 0; h < RH; h++) {
-            const int r = g + 8 * h;
-            unsigned lo = 0, hi = 0;
-            if (r < ng) {
-                const unsigned* qr = reinterpret_cast<const unsigned*>(
-                    q + ((long long)ck.row * n_heads + ck.h0 + r) * HD + kk * 16 + 2 * t);
-                lo = qr[0];
-                hi = qr[4];
-            }
-            // Fragment order a0 (row g, k 2t), a1 (row g+8), a2 (row g, k 2t+8), a3 (row g+8, k 2t+8);
-            // with MG = 8 only a0, a2 are kept (tc_mma_k16 supplies the zero rows).
-            if constexpr (RH == 2) {
-                qa[kk][h] = lo;
-                qa[kk][2 + h] = hi;
-            } else {
-                qa[kk][0] = lo;
-                qa[kk][1] = hi;
-            }
-        }
-    }
-
+    tc_load_q<HD, MG>(q, ck.row, n_heads, ck.h0, ng, g, t, qa);
     float m[RH], l[RH], acc[HD / 8][2 * RH];
-#pragma unroll
-    for (int h = 0; h < RH; h++) {
-        m[h] = NEG_INF;
-        l[h] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < HD / 8; j++)
-#pragma unroll
-        for (int i = 0; i < 2 * RH; i++) acc[j][i] = 0.f;
+    tc_clear_state<HD, RH>(m, l, acc);
 
     // The ring: NS - 1 stages in flight while one is consumed. Empty commit groups keep the
     // wait count uniform at the tail.

@@ -240,42 +240,12 @@ __device__ __forceinline__ void paged_attention_st_body(
     const int g = lane >> 2, t = lane & 3;
     const int c0 = ring.c0, c1 = ring.c1, ng = ring.ng, row = ring.row, rb = ring.rb;
 
-    // Q as A fragments (rows g and g + 8 = this warp's query heads, k = head dims), unscaled:
-    // the scale is applied to the f32 scores so q keeps its bf16 value exactly.
+    // Q as A fragments (this warp's query heads), and the running softmax state.
     const int h0 = ring.head0(warp);
     unsigned qa[HD / 16][2 * RH];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-#pragma unroll
-        for (int h = 0; h < RH; h++) {
-            const int r = g + 8 * h;
-            unsigned lo2 = 0, hi2 = 0;
-            if (r < ng) {
-                const unsigned* qr = reinterpret_cast<const unsigned*>(
-                    q + ((long long)row * n_heads + h0 + r) * HD + kk * 16 + 2 * t);
-                lo2 = qr[0];
-                hi2 = qr[4];
-            }
-            if constexpr (RH == 2) {
-                qa[kk][h] = lo2;
-                qa[kk][2 + h] = hi2;
-            } else {
-                qa[kk][0] = lo2;
-                qa[kk][1] = hi2;
-            }
-        }
-    }
-
+    tc_load_q<HD, MG>(q, row, n_heads, h0, ng, g, t, qa);
     float m[RH], l[RH], acc[HD / 8][2 * RH];
-#pragma unroll
-    for (int h = 0; h < RH; h++) {
-        m[h] = NEG_INF;
-        l[h] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < HD / 8; j++)
-#pragma unroll
-        for (int i = 0; i < 2 * RH; i++) acc[j][i] = 0.f;
+    tc_clear_state<HD, RH>(m, l, acc);
 
     // ldmatrix lane addresses within a stage, bytes: K (non-transposed, 8 tokens x 8 dims per
     // matrix): lane l gives token l % 8 at dims (l / 8) * 8; V (transposed, 16 tokens as k):
