@@ -164,12 +164,24 @@ fn golden_mistral_sliding_window_matches_transformers() {
 
 #[test]
 fn hf_folder_and_gguf_give_the_same_logits() {
-    for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied(), TinySpec::qwen3()] {
+    // Qwen3-MoE (a dense middle layer, routing without renormalisation) and Mixtral (Q/K
+    // permuted as `llama`) as llama.cpp writes them: stacked experts per projection.
+    let specs = [
+        TinySpec::llama(),
+        TinySpec::qwen2(),
+        TinySpec::tied(),
+        TinySpec::qwen3(),
+        TinySpec::qwen3_moe(),
+        TinySpec::mixtral(),
+    ];
+    for spec in specs {
         let dir = tempfile::tempdir().expect("tmp");
         let hf = load_model(&write_hf_folder(&dir.path().join("hf"), &spec).expect("hf"), LoadFormat::Auto)
             .expect("load hf");
         let gguf_path = write_gguf(&dir.path().join("m.gguf"), &spec, GgufType::F32).expect("gguf");
         let gg = load_model(&gguf_path, LoadFormat::Auto).expect("load gguf");
+        assert_eq!(gg.config.architecture, hf.config.architecture);
+        assert_eq!(gg.config.moe, hf.config.moe, "{:?}: routing read from the metadata", spec.architecture);
         let ids = prompt(77, 37, spec.vocab_size);
         let a = last_logits(&hf, &ids);
         let b = last_logits(&gg, &ids);

@@ -71,21 +71,21 @@ impl Architecture {
     }
 
     /// llama.cpp's `general.architecture` for this family, where Baton reads GGUF files of it
-    /// (Mistral GGUF files say `llama`). None for the MoE families: their GGUF files (llama.cpp's
-    /// `qwen3moe`, and `llama` with `expert_count` for Mixtral) are refused when the metadata
-    /// is read (`gguf_config`), naming the expert count. Gemma GGUF files are not read (their
-    /// tensor names and norm conventions are not mapped), so the Gemma families have none.
+    /// (Mistral and Mixtral GGUF files say `llama`, Mixtral's with `llama.expert_count`; the
+    /// experts' stacked layout: `gguf/model.rs`). Gemma GGUF files are not read (their tensor
+    /// names and norm conventions are not mapped), so the Gemma families have none.
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
-            Self::Mistral | Self::Qwen3Moe | Self::Mixtral | Self::Gemma2 | Self::Gemma3Text => None,
+            Self::Mistral | Self::Mixtral | Self::Gemma2 | Self::Gemma3Text => None,
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
+            Self::Qwen3Moe => Some("qwen3moe"),
             // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
             // tensors) is not mapped: refused when a GGUF names it.
             Self::Phi3 => None,
-            // llama.cpp's `gpt-oss` GGUF stores experts (refused by their `expert_count`, as
-            // every MoE GGUF is) and is not mapped.
+            // llama.cpp's `gpt-oss` GGUF (MXFP4 experts with biases, sinks) is not mapped:
+            // refused by its expert layout.
             Self::GptOss => None,
         }
     }

@@ -82,20 +82,34 @@ fn unsupported_architecture_is_named() {
 }
 
 #[test]
-fn mixture_of_experts_gguf_is_refused_naming_the_expert_count() {
-    // Mixtral GGUF files say `llama` with an expert count; Qwen3-MoE ones `qwen3moe`.
+fn mixture_of_experts_gguf_options_baton_does_not_compute_are_refused_by_name() {
+    // An expert layout Baton does not map (llama.cpp's `qwen2moe`), shared experts, sigmoid
+    // gating, a routed scaling factor, and a `qwen3moe` file without its expert count.
     let tmp = tempfile::tempdir().expect("tmp");
-    for arch in ["llama", "qwen3moe"] {
-        let path = tmp.path().join(format!("{arch}.gguf"));
-        let mut w = gguf_writer(&TinySpec::llama(), GgufType::F32).expect("writer");
+    let cases: [(&str, &str, GgufValue, &str); 4] = [
+        ("qwen2moe", "qwen2moe.expert_count", GgufValue::U32(8), "qwen2moe.expert_count 8"),
+        ("qwen3moe", "qwen3moe.expert_shared_count", GgufValue::U32(1), "qwen3moe.expert_shared_count 1"),
+        ("qwen3moe", "qwen3moe.expert_gating_func", GgufValue::U32(2), "qwen3moe.expert_gating_func 2"),
+        ("qwen3moe", "qwen3moe.expert_weights_scale", GgufValue::F32(2.5), "qwen3moe.expert_weights_scale 2.5"),
+    ];
+    for (i, (arch, key, value, named)) in cases.into_iter().enumerate() {
+        let path = tmp.path().join(format!("{i}.gguf"));
+        let mut w = gguf_writer(&TinySpec::qwen3_moe(), GgufType::F32).expect("writer");
         w.add_meta("general.architecture", GgufValue::String(arch.into()));
         w.add_meta(&format!("{arch}.expert_count"), GgufValue::U32(8));
+        w.add_meta(key, value);
         w.write(&path).expect("write");
         let err = load_err(&path, LoadFormat::Auto);
         let msg = err.to_string();
-        assert!(matches!(err, FormatError::Unsupported { .. }), "{msg}");
-        assert!(msg.contains(&format!("{arch}.expert_count 8")) && msg.contains("safetensors"), "{msg}");
+        assert!(matches!(err, FormatError::Unsupported { .. }), "{arch} {key}: {msg}");
+        assert!(msg.contains(named), "{arch} {key}: {msg}");
     }
+    let path = tmp.path().join("no-count.gguf");
+    let mut w = gguf_writer(&TinySpec::qwen3_moe(), GgufType::F32).expect("writer");
+    w.add_meta("qwen3moe.expert_count", GgufValue::U32(0));
+    w.write(&path).expect("write");
+    let msg = load_err(&path, LoadFormat::Auto).to_string();
+    assert!(msg.contains("missing metadata qwen3moe.expert_count"), "{msg}");
 }
 
 #[test]

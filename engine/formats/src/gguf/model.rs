@@ -1,6 +1,16 @@
 //! Maps a llama.cpp GGUF model onto Baton's HF view: hyperparameters → [`ModelConfig`],
 //! tensor names → HF names, quantized tensors → f32, and llama.cpp's RoPE row permutation
 //! of Q/K (applied to `llama`-architecture files only; `qwen2`/`qwen3` files keep HF order) undone.
+//!
+//! Mixture-of-experts files as llama.cpp's converter writes them: `qwen3moe` (Qwen3-MoE) and
+//! `llama` with `llama.expert_count` (Mixtral). Each MoE layer holds its router
+//! (`blk.N.ffn_gate_inp`) and its experts stacked in one 3-D tensor per projection
+//! (`blk.N.ffn_{gate,up,down}_exps`, `[experts, out, in]` in HF order), which this store serves
+//! as the per-expert HF tensors the engine loads (views into the mapped file for plain floats).
+//! A layer without a router is dense (`mlp_only_layers`). Routing is a softmax over the
+//! experts, renormalised over the chosen ones unless `{arch}.expert_weights_norm` says false
+//! (llama.cpp's `qwen3moe` always renormalises); shared experts, a gating function other than
+//! softmax and a routed scaling factor other than 1 are refused by name.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -10,7 +20,7 @@ use rayon::prelude::*;
 
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
-use crate::config::{Architecture, LayerType, ModelConfig, RopeScaling, llama3_rope_divisors};
+use crate::config::{Architecture, ExpertProj, LayerType, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors};
 use crate::error::FormatError;
 use crate::tensor::{DType, TensorView, WeightStore, f32_to_bytes};
 
@@ -113,23 +123,26 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         .get("general.architecture")
         .and_then(GgufValue::as_str)
         .ok_or_else(|| FormatError::gguf(path, "missing general.architecture"))?;
-    // Mixture-of-experts GGUF files (llama.cpp's `qwen3moe`, or `llama` with experts for
-    // Mixtral) store the experts stacked under names this loader does not map: refused here,
-    // by name, rather than as a missing tensor later.
-    if let Some(n) = g.get(&format!("{arch_name}.expert_count")).and_then(GgufValue::as_u64).filter(|&n| n > 0) {
-        return Err(FormatError::unsupported(
-            path,
-            format!(
-                "mixture-of-experts GGUF ({arch_name}.expert_count {n}); load the Hugging Face safetensors \
-                 checkpoint instead"
-            ),
-        ));
-    }
+    let experts = g.get(&format!("{arch_name}.expert_count")).and_then(GgufValue::as_u64).filter(|&n| n > 0);
     // Only the families whose GGUF tensor layout is mapped (those with a `gguf_name`, and
-    // Mistral, which llama.cpp writes as `llama`) load from GGUF.
-    let architecture = Architecture::from_name(arch_name)
-        .filter(|a| a.gguf_name().is_some() || *a == Architecture::Mistral)
-        .ok_or_else(|| FormatError::UnsupportedArchitecture { path: path.clone(), name: arch_name.to_string() })?;
+    // Mistral and Mixtral, which llama.cpp writes as `llama`) load from GGUF.
+    let architecture = match (experts, arch_name) {
+        (Some(_), "qwen3moe") => Architecture::Qwen3Moe,
+        (Some(_), "llama") => Architecture::Mixtral,
+        (Some(n), _) => {
+            return Err(FormatError::unsupported(
+                path,
+                format!(
+                    "mixture-of-experts GGUF ({arch_name}.expert_count {n}): Baton maps the expert layout of \
+                     `qwen3moe` and `llama` (Mixtral) files only; load the Hugging Face safetensors checkpoint instead"
+                ),
+            ));
+        }
+        (None, "qwen3moe") => return Err(FormatError::gguf(path, "missing metadata qwen3moe.expert_count")),
+        (None, _) => Architecture::from_name(arch_name)
+            .filter(|a| a.gguf_name().is_some() || *a == Architecture::Mistral)
+            .ok_or_else(|| FormatError::UnsupportedArchitecture { path: path.clone(), name: arch_name.to_string() })?,
+    };
     let key = |k: &str| format!("{arch_name}.{k}");
     let num = |k: &str| g.get(&key(k)).and_then(GgufValue::as_u64).map(|v| v as usize);
     let req = |k: &str| num(k).ok_or_else(|| FormatError::gguf(path, format!("missing metadata {}", key(k))));
@@ -174,6 +187,10 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
             eos_token_ids.push(v);
         }
     }
+    let moe = match experts {
+        Some(n) => Some(gguf_moe(g, arch_name, architecture, n as usize)?),
+        None => None,
+    };
     let cfg = ModelConfig {
         architecture,
         hidden_size,
@@ -197,13 +214,103 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         sliding_rope: None,
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
-        moe: None,
+        moe,
         gemma: None,
         gpt_oss: None,
         quantization: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)
+}
+
+/// The routing of a mixture-of-experts file of `n` experts a layer (see the module doc).
+fn gguf_moe(g: &GgufFile, arch_name: &str, architecture: Architecture, n: usize) -> Result<MoeConfig, FormatError> {
+    let path = &g.path;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let num = |k: &str| g.get(&key(k)).and_then(GgufValue::as_u64).map(|v| v as usize);
+    let req = |k: &str| num(k).ok_or_else(|| FormatError::gguf(path, format!("missing metadata {}", key(k))));
+    if let Some(shared) = num("expert_shared_count").filter(|&s| s > 0) {
+        return Err(FormatError::unsupported(
+            path,
+            format!("{} {shared} (shared experts)", key("expert_shared_count")),
+        ));
+    }
+    // llama.cpp's gating functions: 1 softmax, 2 sigmoid.
+    if let Some(f) = num("expert_gating_func").filter(|&f| f != 1) {
+        return Err(FormatError::unsupported(
+            path,
+            format!("{} {f} (Baton routes by softmax, 1)", key("expert_gating_func")),
+        ));
+    }
+    if let Some(s) = g.get(&key("expert_weights_scale")).and_then(GgufValue::as_f64).filter(|&s| s != 1.0) {
+        return Err(FormatError::unsupported(
+            path,
+            format!("{} {s} (a routed scaling factor)", key("expert_weights_scale")),
+        ));
+    }
+    // Qwen3-MoE's experts have their own width; Mixtral's is the model's feed-forward length.
+    let intermediate_size = match architecture {
+        Architecture::Qwen3Moe => req("expert_feed_forward_length")?,
+        _ => num("expert_feed_forward_length").map_or_else(|| req("feed_forward_length"), Ok)?,
+    };
+    let blocks = req("block_count")?;
+    Ok(MoeConfig {
+        num_experts: n,
+        experts_per_token: req("expert_used_count")?,
+        intermediate_size,
+        norm_topk_prob: g.get(&key("expert_weights_norm")).and_then(GgufValue::as_bool).unwrap_or(true),
+        decoder_sparse_step: 1,
+        mlp_only_layers: (0..blocks).filter(|i| g.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_none()).collect(),
+    })
+}
+
+/// The GGUF name of projection `proj`'s stacked experts in layer `layer`.
+pub fn gguf_experts_name(layer: usize, proj: ExpertProj) -> String {
+    let p = match proj {
+        ExpertProj::Gate => "gate",
+        ExpertProj::Up => "up",
+        ExpertProj::Down => "down",
+    };
+    format!("blk.{layer}.ffn_{p}_exps.weight")
+}
+
+/// The GGUF name of layer `layer`'s router.
+pub fn gguf_router_name(layer: usize) -> String {
+    format!("blk.{layer}.ffn_gate_inp.weight")
+}
+
+/// What the store makes of a GGUF tensor: a whole HF tensor, or expert `expert` of a stacked
+/// `[experts, out, in]` tensor.
+enum Job {
+    Whole(String, GgufTensorInfo),
+    Expert { hf: String, info: GgufTensorInfo, expert: usize, experts: usize },
+}
+
+/// The HF tensors of a GGUF tensor under `config` (a MoE layer's router and stacked experts
+/// included; names the model does not use map to nothing).
+fn jobs_for(t: &GgufTensorInfo, config: &ModelConfig) -> Vec<Job> {
+    if let Some(hf) = gguf_to_hf_name(&t.name) {
+        return vec![Job::Whole(hf, t.clone())];
+    }
+    let Some(moe) = &config.moe else { return Vec::new() };
+    let layer = t.name.strip_prefix("blk.").and_then(|r| r.split_once('.')).and_then(|(l, _)| l.parse::<usize>().ok());
+    let Some(layer) = layer.filter(|&l| l < config.num_hidden_layers) else { return Vec::new() };
+    if t.name == gguf_router_name(layer) {
+        return vec![Job::Whole(config.router_tensor(layer), t.clone())];
+    }
+    for proj in [ExpertProj::Gate, ExpertProj::Up, ExpertProj::Down] {
+        if t.name == gguf_experts_name(layer, proj) {
+            return (0..moe.num_experts)
+                .map(|e| Job::Expert {
+                    hf: config.expert_tensor(layer, e, proj),
+                    info: t.clone(),
+                    expert: e,
+                    experts: moe.num_experts,
+                })
+                .collect();
+        }
+    }
+    Vec::new()
 }
 
 /// Recovers Llama 3 rope scaling from llama.cpp's per-frequency divisors, assuming the
@@ -224,6 +331,8 @@ fn fit_llama3(divisors: &[f32], theta: f32, head_dim: usize) -> Option<RopeScali
 
 enum Stored {
     Mapped(GgufTensorInfo, GgufType),
+    /// Bytes `start..start + len` of a plain-float tensor (one expert of a stacked tensor).
+    Slice(GgufTensorInfo, GgufType, usize, usize),
     Owned(DType, Vec<u8>),
 }
 
@@ -253,52 +362,14 @@ impl GgufStore {
     /// Converts the tensors of `file` (already parsed) for `config`.
     pub fn new(file: GgufFile, config: &ModelConfig) -> Result<Self, FormatError> {
         // llama.cpp's converter permutes Q/K rows for the `llama` architecture only.
-        let permute = matches!(config.architecture, Architecture::Llama | Architecture::Mistral);
-        let jobs: Vec<(String, GgufTensorInfo)> =
-            file.tensors.iter().filter_map(|t| gguf_to_hf_name(&t.name).map(|hf| (hf, t.clone()))).collect();
+        let permute =
+            matches!(config.architecture, Architecture::Llama | Architecture::Mistral | Architecture::Mixtral);
+        let jobs: Vec<Job> = file.tensors.iter().flat_map(|t| jobs_for(t, config)).collect();
         let converted: Result<Vec<_>, FormatError> = jobs
             .into_par_iter()
-            .map(|(hf, t)| {
-                let ty = GgufType::from_id(t.ggml_type).ok_or_else(|| {
-                    FormatError::unsupported(
-                        &file.path,
-                        format!(
-                            "tensor {:?} has type {} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
-                            t.name,
-                            ggml_type_name(t.ggml_type)
-                        ),
-                    )
-                })?;
-                let shape = t.hf_shape();
-                let n_head = if hf.contains(".q_proj.") {
-                    Some(config.num_attention_heads)
-                } else if hf.contains(".k_proj.") {
-                    Some(config.num_key_value_heads)
-                } else {
-                    None
-                }
-                .filter(|_| permute);
-                let stored = match (plain_dtype(ty), n_head) {
-                    (Some(_), None) => Stored::Mapped(t.clone(), ty),
-                    (dtype, _) => {
-                        let raw = file.tensor_bytes(&t, ty)?;
-                        let (dtype, bytes) = match dtype {
-                            Some(d) => (d, raw.to_vec()),
-                            None => (DType::F32, f32_to_bytes(&dequantize(ty, raw))),
-                        };
-                        let bytes = match n_head {
-                            Some(n) => permute_qk_rows(&bytes, shape[0], n, false).ok_or_else(|| {
-                                FormatError::gguf(
-                                    &file.path,
-                                    format!("tensor {:?}: {} rows do not split into {n} heads", t.name, shape[0]),
-                                )
-                            })?,
-                            None => bytes,
-                        };
-                        Stored::Owned(dtype, bytes)
-                    }
-                };
-                Ok((hf, (shape, stored)))
+            .map(|job| match job {
+                Job::Whole(hf, t) => whole_tensor(&file, config, permute, hf, t),
+                Job::Expert { hf, info, expert, experts } => expert_tensor(&file, hf, info, expert, experts),
             })
             .collect();
         Ok(Self { tensors: converted?.into_iter().collect(), file })
@@ -308,6 +379,90 @@ impl GgufStore {
     pub fn file(&self) -> &GgufFile {
         &self.file
     }
+}
+
+/// The type of a GGUF tensor, refused by name when Baton does not read it.
+fn tensor_type(file: &GgufFile, t: &GgufTensorInfo) -> Result<GgufType, FormatError> {
+    GgufType::from_id(t.ggml_type).ok_or_else(|| {
+        FormatError::unsupported(
+            &file.path,
+            format!(
+                "tensor {:?} has type {} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
+                t.name,
+                ggml_type_name(t.ggml_type)
+            ),
+        )
+    })
+}
+
+/// A whole GGUF tensor under its HF name `hf`: borrowed when plain floats in HF order,
+/// otherwise dequantized and/or with llama.cpp's Q/K row permutation undone.
+fn whole_tensor(
+    file: &GgufFile,
+    config: &ModelConfig,
+    permute: bool,
+    hf: String,
+    t: GgufTensorInfo,
+) -> Result<(String, (Vec<usize>, Stored)), FormatError> {
+    let ty = tensor_type(file, &t)?;
+    let shape = t.hf_shape();
+    let n_head = if hf.contains(".q_proj.") {
+        Some(config.num_attention_heads)
+    } else if hf.contains(".k_proj.") {
+        Some(config.num_key_value_heads)
+    } else {
+        None
+    }
+    .filter(|_| permute);
+    let stored = match (plain_dtype(ty), n_head) {
+        (Some(_), None) => Stored::Mapped(t.clone(), ty),
+        (dtype, _) => {
+            let raw = file.tensor_bytes(&t, ty)?;
+            let (dtype, bytes) = match dtype {
+                Some(d) => (d, raw.to_vec()),
+                None => (DType::F32, f32_to_bytes(&dequantize(ty, raw))),
+            };
+            let bytes = match n_head {
+                Some(n) => permute_qk_rows(&bytes, shape[0], n, false).ok_or_else(|| {
+                    FormatError::gguf(
+                        &file.path,
+                        format!("tensor {:?}: {} rows do not split into {n} heads", t.name, shape[0]),
+                    )
+                })?,
+                None => bytes,
+            };
+            Stored::Owned(dtype, bytes)
+        }
+    };
+    Ok((hf, (shape, stored)))
+}
+
+/// Expert `expert` of the stacked `[experts, out, in]` tensor `t` under its HF name `hf`: a view
+/// of the mapped file for plain floats, dequantized otherwise (an expert is whole rows, so
+/// whole quantization blocks).
+fn expert_tensor(
+    file: &GgufFile,
+    hf: String,
+    t: GgufTensorInfo,
+    expert: usize,
+    experts: usize,
+) -> Result<(String, (Vec<usize>, Stored)), FormatError> {
+    let ty = tensor_type(file, &t)?;
+    let shape = t.hf_shape();
+    if shape.len() != 3 || shape[0] != experts {
+        return Err(FormatError::gguf(
+            &file.path,
+            format!("tensor {:?}: shape {shape:?} is not [{experts} experts, out, in]", t.name),
+        ));
+    }
+    let raw = file.tensor_bytes(&t, ty)?;
+    let len = raw.len() / experts;
+    let start = expert * len;
+    let stored = match plain_dtype(ty) {
+        Some(_) => Stored::Slice(t.clone(), ty, start, len),
+        None => Stored::Owned(DType::F32, f32_to_bytes(&dequantize(ty, &raw[start..start + len]))),
+    };
+    Ok((hf, (shape[1..].to_vec(), stored)))
 }
 
 impl WeightStore for GgufStore {
@@ -320,6 +475,10 @@ impl WeightStore for GgufStore {
             Stored::Mapped(t, ty) => {
                 (plain_dtype(*ty).unwrap_or(DType::F32), Cow::Borrowed(self.file.tensor_bytes(t, *ty)?))
             }
+            Stored::Slice(t, ty, start, len) => (
+                plain_dtype(*ty).unwrap_or(DType::F32),
+                Cow::Borrowed(&self.file.tensor_bytes(t, *ty)?[*start..*start + *len]),
+            ),
             Stored::Owned(d, b) => (*d, Cow::Borrowed(b.as_slice())),
         };
         Ok(TensorView { name: name.to_string(), shape: shape.clone(), dtype, bytes })

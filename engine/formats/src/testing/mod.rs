@@ -10,11 +10,15 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use crate::config::{Architecture, GenerationConfig, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors};
+use crate::config::{
+    Architecture, ExpertProj, GenerationConfig, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors,
+};
 use crate::dummy::DummyStore;
 use crate::error::FormatError;
-use crate::gguf::{GgufType, GgufValue, GgufWriter, hf_to_gguf_name, permute_qk_rows};
-use crate::tensor::{DType, f32_to_bytes};
+use crate::gguf::{
+    GgufType, GgufValue, GgufWriter, gguf_experts_name, gguf_router_name, hf_to_gguf_name, permute_qk_rows,
+};
+use crate::tensor::{DType, WeightStore, f32_to_bytes};
 use crate::tokenizer::gguf_vocab::bpe_to_gguf_metadata;
 use crate::tokenizer::{ByteLevelBpe, PreTokenizerKind};
 
@@ -295,7 +299,10 @@ pub fn write_hf_folder(dir: &Path, spec: &TinySpec) -> Result<PathBuf, FormatErr
 
 /// Writes `spec` as a GGUF v3 file: 2-D tensors as `tensor_type`, 1-D ones as F32 (as
 /// llama.cpp does), Q/K rows permuted for `llama`-architecture files, the tokenizer and
-/// ChatML template in the metadata, and `rope_freqs.weight` for Llama 3 scaling.
+/// ChatML template in the metadata, and `rope_freqs.weight` for Llama 3 scaling. A
+/// mixture-of-experts spec is written as llama.cpp's converter writes Qwen3-MoE (`qwen3moe`)
+/// and Mixtral (`llama` with an expert count): each MoE layer's router and its experts stacked
+/// per projection (`[experts, out, in]`), the routing in the metadata.
 pub fn write_gguf(path: &Path, spec: &TinySpec, tensor_type: GgufType) -> Result<PathBuf, FormatError> {
     let w = gguf_writer(spec, tensor_type)?;
     w.write(path)?;
@@ -309,9 +316,10 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     let arch = match config.architecture {
         Architecture::Qwen2 => "qwen2",
         Architecture::Qwen3 => "qwen3",
-        Architecture::Llama | Architecture::Mistral => "llama",
-        Architecture::Qwen3Moe | Architecture::Mixtral | Architecture::GptOss => {
-            return Err(FormatError::unsupported(Path::new("gguf"), "mixture-of-experts GGUF (not written or read)"));
+        Architecture::Llama | Architecture::Mistral | Architecture::Mixtral => "llama",
+        Architecture::Qwen3Moe => "qwen3moe",
+        Architecture::GptOss => {
+            return Err(FormatError::unsupported(Path::new("gguf"), "gpt-oss GGUF (not written or read)"));
         }
         Architecture::Gemma2 | Architecture::Gemma3Text => {
             return Err(FormatError::unsupported("gguf", "GGUF files of the Gemma families are not written"));
@@ -338,6 +346,17 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     w.add_meta(&k("attention.layer_norm_rms_epsilon"), GgufValue::F32(config.rms_norm_eps));
     w.add_meta(&k("rope.freq_base"), GgufValue::F32(config.rope_theta));
     w.add_meta(&k("vocab_size"), u(config.vocab_size));
+    if let Some(moe) = &config.moe {
+        w.add_meta(&k("expert_count"), u(moe.num_experts));
+        w.add_meta(&k("expert_used_count"), u(moe.experts_per_token));
+        if config.architecture == Architecture::Qwen3Moe {
+            w.add_meta(&k("expert_feed_forward_length"), u(moe.intermediate_size));
+        }
+        // llama.cpp renormalises unless told otherwise.
+        if !moe.norm_topk_prob {
+            w.add_meta(&k("expert_weights_norm"), GgufValue::Bool(false));
+        }
+    }
     if let Some(RopeScaling::Linear { factor }) = config.rope_scaling {
         w.add_meta(&k("rope.scaling.type"), GgufValue::String("linear".into()));
         w.add_meta(&k("rope.scaling.factor"), GgufValue::F32(factor));
@@ -349,7 +368,29 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     w.add_meta("tokenizer.chat_template", GgufValue::String(CHATML_TEMPLATE.into()));
     let store = spec.weights();
     let permute = arch == "llama";
-    for (name, shape) in config.expected_tensors() {
+    // The MoE layers' routers and experts, written stacked below rather than one by one.
+    let mut moe_names = std::collections::HashSet::new();
+    if let Some(moe) = &config.moe {
+        for layer in (0..config.num_hidden_layers).filter(|&l| moe.is_moe_layer(l)) {
+            let router = config.router_tensor(layer);
+            let values = store.values(&router)?;
+            w.add_tensor(&gguf_router_name(layer), &[moe.num_experts, config.hidden_size], tensor_type, &values)?;
+            moe_names.insert(router);
+            for proj in [ExpertProj::Gate, ExpertProj::Up, ExpertProj::Down] {
+                let mut stacked = Vec::new();
+                let mut rows_cols = Vec::new();
+                for e in 0..moe.num_experts {
+                    let name = config.expert_tensor(layer, e, proj);
+                    rows_cols = store.shape(&name)?;
+                    stacked.extend(store.values(&name)?);
+                    moe_names.insert(name);
+                }
+                let shape = [vec![moe.num_experts], rows_cols].concat();
+                w.add_tensor(&gguf_experts_name(layer, proj), &shape, tensor_type, &stacked)?;
+            }
+        }
+    }
+    for (name, shape) in config.expected_tensors().into_iter().filter(|(n, _)| !moe_names.contains(n)) {
         let mut values = store.values(&name)?;
         let n_head = if name.contains(".q_proj.") {
             Some(config.num_attention_heads)
