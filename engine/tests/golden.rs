@@ -17,7 +17,7 @@ use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_engine::{EngineConfig, EngineHandle};
 use baton_formats::testing::{TinySpec, golden_checkpoint_copy, load_golden, write_gguf, write_hf_folder};
-use baton_formats::{GgufType, LoadFormat, LoadedModel, load_model};
+use baton_formats::{Architecture, GgufType, LoadFormat, LoadedModel, load_model};
 use common::*;
 
 /// Logits of the last prompt position, computed by one prefill through the paged cache.
@@ -173,6 +173,10 @@ fn hf_folder_and_gguf_give_the_same_logits() {
         TinySpec::qwen3(),
         TinySpec::qwen3_moe(),
         TinySpec::mixtral(),
+        // Gemma 2 and 3 as llama.cpp writes them: 1 + w norms, its norm names, the window
+        // pattern and attention scale implied rather than stored.
+        TinySpec::gemma2(),
+        TinySpec::gemma3(),
     ];
     for spec in specs {
         let dir = tempfile::tempdir().expect("tmp");
@@ -181,7 +185,15 @@ fn hf_folder_and_gguf_give_the_same_logits() {
         let gguf_path = write_gguf(&dir.path().join("m.gguf"), &spec, GgufType::F32).expect("gguf");
         let gg = load_model(&gguf_path, LoadFormat::Auto).expect("load gguf");
         assert_eq!(gg.config.architecture, hf.config.architecture);
-        assert_eq!(gg.config.moe, hf.config.moe, "{:?}: routing read from the metadata", spec.architecture);
+        let what = spec.architecture;
+        assert_eq!(gg.config.moe, hf.config.moe, "{what:?}: routing read from the metadata");
+        assert_eq!(gg.config.gemma, hf.config.gemma, "{what:?}: Gemma options");
+        assert_eq!(gg.config.layer_types, hf.config.layer_types, "{what:?}: layer types");
+        assert_eq!(
+            (gg.config.sliding_window, gg.config.sliding_rope),
+            (hf.config.sliding_window, hf.config.sliding_rope),
+            "{what:?}: window and sliding RoPE"
+        );
         let ids = prompt(77, 37, spec.vocab_size);
         let a = last_logits(&hf, &ids);
         let b = last_logits(&gg, &ids);
@@ -194,7 +206,11 @@ fn hf_folder_and_gguf_give_the_same_logits() {
         let c = last_logits(&q8, &ids);
         let rel =
             (a.iter().zip(&c).map(|(x, y)| (x - y).powi(2)).sum::<f32>() / a.iter().map(|x| x * x).sum::<f32>()).sqrt();
-        assert!(rel < 0.05, "{:?}: Q8_0 logits relative error {rel}", spec.architecture);
+        // The tiny Gemma 3 spec amplifies weight rounding about 5× the others (measured,
+        // relative logit error of F16 / BF16 / Q8_0 files: 0.53 / 3.8 / 10.1 % against 0.05–0.1 /
+        // 0.4–0.8 / 1.4–2.8 % for the other specs, with its F32 file exact), so its bound is wider.
+        let bound = if what == Architecture::Gemma3Text { 0.15 } else { 0.05 };
+        assert!(rel < bound, "{what:?}: Q8_0 logits relative error {rel}");
     }
 }
 

@@ -72,12 +72,14 @@ impl Architecture {
 
     /// llama.cpp's `general.architecture` for this family, where Baton reads GGUF files of it
     /// (Mistral and Mixtral GGUF files say `llama`, Mixtral's with `llama.expert_count`; the
-    /// experts' stacked layout: `gguf/model.rs`). Gemma GGUF files are not read (their tensor
-    /// names and norm conventions are not mapped), so the Gemma families have none.
+    /// experts' stacked layout, and the Gemma files' norm names and `1 + w` norm weights:
+    /// `gguf/model.rs`).
     pub fn gguf_name(self) -> Option<&'static str> {
         match self {
             Self::Llama => Some("llama"),
-            Self::Mistral | Self::Mixtral | Self::Gemma2 | Self::Gemma3Text => None,
+            Self::Mistral | Self::Mixtral => None,
+            Self::Gemma2 => Some("gemma2"),
+            Self::Gemma3Text => Some("gemma3"),
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
             Self::Qwen3Moe => Some("qwen3moe"),

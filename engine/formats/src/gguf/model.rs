@@ -20,7 +20,10 @@ use rayon::prelude::*;
 
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
-use crate::config::{Architecture, ExpertProj, LayerType, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors};
+use crate::config::{
+    Architecture, ExpertProj, GemmaOptions, LayerType, ModelConfig, MoeConfig, RopeParameters, RopeScaling,
+    llama3_rope_divisors,
+};
 use crate::error::FormatError;
 use crate::tensor::{DType, TensorView, WeightStore, f32_to_bytes};
 
@@ -54,6 +57,50 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The HF name of a GGUF tensor name in a file of `architecture`: as [`gguf_to_hf_name`], except
+/// that llama.cpp's Gemma files put the pre-feedforward norm in `ffn_norm` and add the
+/// post-attention (`post_attention_norm`) and post-feedforward (`post_ffw_norm`) norms.
+pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture.is_gemma()
+        && let Some((layer, module)) = gemma_norm(name)
+    {
+        let hf = match module {
+            "ffn_norm" => "pre_feedforward_layernorm",
+            "post_attention_norm" => "post_attention_layernorm",
+            _ => "post_feedforward_layernorm",
+        };
+        return Some(format!("model.layers.{layer}.{hf}.weight"));
+    }
+    gguf_to_hf_name(name)
+}
+
+/// The GGUF name of a HF tensor name in a file of `architecture` (inverse of
+/// [`gguf_to_hf_name_for`]).
+pub fn hf_to_gguf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture.is_gemma()
+        && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
+    {
+        let g = match tail {
+            "pre_feedforward_layernorm.weight" => Some("ffn_norm"),
+            "post_attention_layernorm.weight" => Some("post_attention_norm"),
+            "post_feedforward_layernorm.weight" => Some("post_ffw_norm"),
+            _ => None,
+        };
+        if let Some(g) = g {
+            return Some(format!("blk.{layer}.{g}.weight"));
+        }
+    }
+    hf_to_gguf_name(name)
+}
+
+/// A Gemma layer norm whose GGUF name differs from the Llama layout: (layer, module).
+fn gemma_norm(name: &str) -> Option<(usize, &str)> {
+    let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
+    let module = tail.strip_suffix(".weight")?;
+    matches!(module, "ffn_norm" | "post_attention_norm" | "post_ffw_norm").then_some(())?;
+    Some((layer.parse().ok()?, module))
 }
 
 /// The GGUF name of a HF tensor name (inverse of [`gguf_to_hf_name`]).
@@ -191,6 +238,11 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         Some(n) => Some(gguf_moe(g, arch_name, architecture, n as usize)?),
         None => None,
     };
+    let blocks = req("block_count")?;
+    let full_rope = RopeParameters { theta: rope_theta, scaling: rope_scaling };
+    let gemma =
+        architecture.is_gemma().then(|| gguf_gemma(g, arch_name, architecture, blocks, hidden_size / heads, head_dim));
+    let gemma_layout = gemma.as_ref().map(|_| gguf_gemma_layers(g, arch_name, architecture, blocks, full_rope));
     let cfg = ModelConfig {
         architecture,
         hidden_size,
@@ -209,18 +261,71 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         max_position_embeddings,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),
-        layer_types: vec![LayerType::Full; req("block_count")?],
-        sliding_window: None,
-        sliding_rope: None,
+        layer_types: gemma_layout.as_ref().map_or_else(|| vec![LayerType::Full; blocks], |l| l.0.clone()),
+        sliding_window: gemma_layout.as_ref().and_then(|l| l.1),
+        sliding_rope: gemma_layout.as_ref().and_then(|l| l.2),
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
         moe,
-        gemma: None,
+        gemma,
         gpt_oss: None,
         quantization: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)
+}
+
+/// A Gemma file's options as llama.cpp reads them (`llama-model.cpp`): the soft-caps from the
+/// metadata (Gemma 2: llama.cpp's defaults 50 and 30 where absent; Gemma 3: no attention cap),
+/// and the attention scale, which the file does not carry, from the model size: the 27B models
+/// (46 layers for Gemma 2, 62 for Gemma 3) scale by `hidden / heads` (`embd_per_head`), every
+/// other by `head_dim`, as their `query_pre_attn_scalar` says.
+fn gguf_gemma(
+    g: &GgufFile,
+    arch_name: &str,
+    architecture: Architecture,
+    blocks: usize,
+    embd_per_head: usize,
+    head_dim: usize,
+) -> GemmaOptions {
+    let cap = |k: &str| g.get(&format!("{arch_name}.{k}")).and_then(GgufValue::as_f64).map(|c| c as f32);
+    let gemma2 = architecture == Architecture::Gemma2;
+    let big = if gemma2 { 46 } else { 62 };
+    GemmaOptions {
+        query_pre_attn_scalar: if blocks == big { embd_per_head } else { head_dim } as f32,
+        attn_logit_softcapping: if gemma2 { Some(cap("attn_logit_softcapping").unwrap_or(50.0)) } else { None }
+            .filter(|&c| c > 0.0),
+        final_logit_softcapping: cap("final_logit_softcapping").or(gemma2.then_some(30.0)).filter(|&c| c > 0.0),
+    }
+}
+
+/// A Gemma file's layers as llama.cpp lays them out: with a sliding window, Gemma 2 slides on
+/// even layers, Gemma 3 on five of every six (layer `i` with `i % 6 < 5`), as transformers'
+/// `layer_types` do; sliding layers rotate with `{arch}.rope.freq_base_swa` (Gemma 3: 10,000
+/// where absent, unscaled). Returns (layer types, window, sliding rope if it differs).
+fn gguf_gemma_layers(
+    g: &GgufFile,
+    arch_name: &str,
+    architecture: Architecture,
+    blocks: usize,
+    full: RopeParameters,
+) -> (Vec<LayerType>, Option<usize>, Option<RopeParameters>) {
+    let window = g
+        .get(&format!("{arch_name}.attention.sliding_window"))
+        .and_then(GgufValue::as_u64)
+        .map(|w| w as usize)
+        .filter(|&w| w > 0);
+    let period = if architecture == Architecture::Gemma2 { 2 } else { 6 };
+    let types = (0..blocks)
+        .map(|i| if window.is_some() && i % period < period - 1 { LayerType::Sliding } else { LayerType::Full })
+        .collect();
+    let swa_theta = g.get(&format!("{arch_name}.rope.freq_base_swa")).and_then(GgufValue::as_f64).map(|t| t as f32);
+    let theta = match architecture {
+        Architecture::Gemma3Text => Some(swa_theta.unwrap_or(10000.0)),
+        _ => swa_theta,
+    };
+    let sliding = theta.map(|theta| RopeParameters { theta, scaling: None }).filter(|s| *s != full);
+    (types, window, sliding.filter(|_| window.is_some()))
 }
 
 /// The routing of a mixture-of-experts file of `n` experts a layer (see the module doc).
@@ -289,7 +394,7 @@ enum Job {
 /// The HF tensors of a GGUF tensor under `config` (a MoE layer's router and stacked experts
 /// included; names the model does not use map to nothing).
 fn jobs_for(t: &GgufTensorInfo, config: &ModelConfig) -> Vec<Job> {
-    if let Some(hf) = gguf_to_hf_name(&t.name) {
+    if let Some(hf) = gguf_to_hf_name_for(&t.name, config.architecture) {
         return vec![Job::Whole(hf, t.clone())];
     }
     let Some(moe) = &config.moe else { return Vec::new() };
@@ -414,6 +519,19 @@ fn whole_tensor(
         None
     }
     .filter(|_| permute);
+    // llama.cpp's Gemma converter stores every norm weight as 1 + w (the RMSNorm's factor):
+    // back to w, which is exact for factors in [0.5, 2] (Sterbenz).
+    if config.architecture.is_gemma() && hf.ends_with("norm.weight") {
+        let raw = file.tensor_bytes(&t, ty)?;
+        let values = match plain_dtype(ty) {
+            Some(dtype) => {
+                TensorView { name: hf.clone(), shape: shape.clone(), dtype, bytes: Cow::Borrowed(raw) }.to_f32()
+            }
+            None => dequantize(ty, raw),
+        };
+        let shifted: Vec<f32> = values.iter().map(|v| v - 1.0).collect();
+        return Ok((hf, (shape, Stored::Owned(DType::F32, f32_to_bytes(&shifted)))));
+    }
     let stored = match (plain_dtype(ty), n_head) {
         (Some(_), None) => Stored::Mapped(t.clone(), ty),
         (dtype, _) => {

@@ -11,12 +11,13 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::config::{
-    Architecture, ExpertProj, GenerationConfig, ModelConfig, MoeConfig, RopeScaling, llama3_rope_divisors,
+    Architecture, ExpertProj, GemmaOptions, GenerationConfig, LayerType, ModelConfig, MoeConfig, RopeParameters,
+    RopeScaling, llama3_rope_divisors,
 };
 use crate::dummy::DummyStore;
 use crate::error::FormatError;
 use crate::gguf::{
-    GgufType, GgufValue, GgufWriter, gguf_experts_name, gguf_router_name, hf_to_gguf_name, permute_qk_rows,
+    GgufType, GgufValue, GgufWriter, gguf_experts_name, gguf_router_name, hf_to_gguf_name_for, permute_qk_rows,
 };
 use crate::tensor::{DType, WeightStore, f32_to_bytes};
 use crate::tokenizer::gguf_vocab::bpe_to_gguf_metadata;
@@ -83,6 +84,13 @@ pub struct TinySpec {
     pub pre_tokenizer: PreTokenizerKind,
     /// Routed experts (Qwen3-MoE, Mixtral); `None` for a dense model.
     pub moe: Option<MoeConfig>,
+    /// Gemma 2 / 3 options; `None` for the other families.
+    pub gemma: Option<GemmaOptions>,
+    /// The sliding window of a Gemma spec: Gemma 2 slides on even layers, Gemma 3 on five of
+    /// every six (transformers' and llama.cpp's patterns).
+    pub sliding_window: Option<usize>,
+    /// RoPE of the sliding layers where it differs (Gemma 3's local base).
+    pub sliding_rope: Option<RopeParameters>,
 }
 
 impl TinySpec {
@@ -106,6 +114,9 @@ impl TinySpec {
             init_std: 0.08,
             pre_tokenizer: PreTokenizerKind::Smollm,
             moe: None,
+            gemma: None,
+            sliding_window: None,
+            sliding_rope: None,
         }
     }
 
@@ -174,6 +185,45 @@ impl TinySpec {
         }
     }
 
+    /// Gemma 2: 4 layers sliding on even ones (window 16), both soft-caps, head_dim 32 with
+    /// `query_pre_attn_scalar` 32 (the only value a llama.cpp file of this size can express),
+    /// tied embeddings.
+    pub fn gemma2() -> Self {
+        Self {
+            architecture: Architecture::Gemma2,
+            num_layers: 4,
+            head_dim: Some(32),
+            tie_embeddings: true,
+            seed: 7,
+            gemma: Some(GemmaOptions {
+                query_pre_attn_scalar: 32.0,
+                attn_logit_softcapping: Some(50.0),
+                final_logit_softcapping: Some(30.0),
+            }),
+            sliding_window: Some(16),
+            ..Self::llama()
+        }
+    }
+
+    /// Gemma 3 (text): 7 layers of which the sixth is global (window 16 elsewhere), q/k norm,
+    /// global RoPE base 1e6 with linear scaling 8, local base 1e4, no soft-caps, tied.
+    pub fn gemma3() -> Self {
+        Self {
+            architecture: Architecture::Gemma3Text,
+            num_layers: 7,
+            rope_theta: 1_000_000.0,
+            rope_scaling: Some(RopeScaling::Linear { factor: 8.0 }),
+            seed: 8,
+            gemma: Some(GemmaOptions {
+                query_pre_attn_scalar: 32.0,
+                attn_logit_softcapping: None,
+                final_logit_softcapping: None,
+            }),
+            sliding_rope: Some(RopeParameters { theta: 10000.0, scaling: None }),
+            ..Self::gemma2()
+        }
+    }
+
     /// Llama with tied embeddings and Llama 3.1 RoPE scaling.
     pub fn tied() -> Self {
         Self {
@@ -223,16 +273,26 @@ impl TinySpec {
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
-            layer_types: vec![crate::config::LayerType::Full; self.num_layers],
-            sliding_window: None,
-            sliding_rope: None,
+            layer_types: (0..self.num_layers).map(|i| self.layer_type(i)).collect(),
+            sliding_window: self.sliding_window,
+            sliding_rope: self.sliding_rope,
             bos_token_id: Some(BOS_ID),
             eos_token_ids: vec![EOS_ID],
             moe: self.moe.clone(),
-            gemma: None,
+            gemma: self.gemma,
             gpt_oss: None,
             quantization: None,
         }
+    }
+
+    /// Layer `i`'s kind: sliding where the family's pattern says so and a window is set.
+    fn layer_type(&self, i: usize) -> LayerType {
+        let period = match self.architecture {
+            Architecture::Gemma2 => 2,
+            Architecture::Gemma3Text => 6,
+            _ => return LayerType::Full,
+        };
+        if self.sliding_window.is_some() && i % period < period - 1 { LayerType::Sliding } else { LayerType::Full }
     }
 
     /// The weights, by HF name, as f32 (identical for every file format).
@@ -321,9 +381,8 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         Architecture::GptOss => {
             return Err(FormatError::unsupported(Path::new("gguf"), "gpt-oss GGUF (not written or read)"));
         }
-        Architecture::Gemma2 | Architecture::Gemma3Text => {
-            return Err(FormatError::unsupported("gguf", "GGUF files of the Gemma families are not written"));
-        }
+        Architecture::Gemma2 => "gemma2",
+        Architecture::Gemma3Text => "gemma3",
         Architecture::Phi3 => {
             return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
         }
@@ -346,6 +405,35 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     w.add_meta(&k("attention.layer_norm_rms_epsilon"), GgufValue::F32(config.rms_norm_eps));
     w.add_meta(&k("rope.freq_base"), GgufValue::F32(config.rope_theta));
     w.add_meta(&k("vocab_size"), u(config.vocab_size));
+    if let Some(gemma) = &config.gemma {
+        // What llama.cpp's Gemma converter writes; the attention scale is not in the file, so a
+        // spec whose scale the size rule would not give cannot be written faithfully.
+        let rule = if config.num_hidden_layers == if arch == "gemma2" { 46 } else { 62 } {
+            config.hidden_size / config.num_attention_heads
+        } else {
+            config.head_dim
+        };
+        if gemma.query_pre_attn_scalar != rule as f32 {
+            return Err(FormatError::InvalidArgument(format!(
+                "query_pre_attn_scalar {} is not what a {arch} GGUF of this size implies ({rule})",
+                gemma.query_pre_attn_scalar
+            )));
+        }
+        if let Some(window) = config.sliding_window {
+            w.add_meta(&k("attention.sliding_window"), u(window));
+        }
+        for (key, cap) in [
+            ("attn_logit_softcapping", gemma.attn_logit_softcapping),
+            ("final_logit_softcapping", gemma.final_logit_softcapping),
+        ] {
+            if let Some(c) = cap {
+                w.add_meta(&k(key), GgufValue::F32(c));
+            }
+        }
+        if let Some(s) = config.sliding_rope.filter(|s| s.theta != 10000.0 || arch == "gemma2") {
+            w.add_meta(&k("rope.freq_base_swa"), GgufValue::F32(s.theta));
+        }
+    }
     if let Some(moe) = &config.moe {
         w.add_meta(&k("expert_count"), u(moe.num_experts));
         w.add_meta(&k("expert_used_count"), u(moe.experts_per_token));
@@ -404,9 +492,13 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
                 .ok_or_else(|| FormatError::InvalidArgument(format!("{name}: rows do not split into {n} heads")))?;
             values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         }
+        // llama.cpp's Gemma converter stores each norm weight as its factor, 1 + w.
+        if config.gemma.is_some() && name.ends_with("norm.weight") {
+            values.iter_mut().for_each(|v| *v += 1.0);
+        }
         let ty = if shape.len() == 1 { GgufType::F32 } else { tensor_type };
-        let gname =
-            hf_to_gguf_name(&name).ok_or_else(|| FormatError::InvalidArgument(format!("no GGUF name for {name}")))?;
+        let gname = hf_to_gguf_name_for(&name, config.architecture)
+            .ok_or_else(|| FormatError::InvalidArgument(format!("no GGUF name for {name}")))?;
         w.add_tensor(&gname, &shape, ty, &values)?;
     }
     if let Some(s @ RopeScaling::Llama3 { .. }) = &config.rope_scaling {
