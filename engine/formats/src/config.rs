@@ -2,18 +2,22 @@
 //! parsed from Hugging Face `config.json` / `generation_config.json` (GGUF metadata is
 //! mapped onto the same types in `gguf::model`). A `ModelConfig` that passed
 //! [`ModelConfig::validate`] has consistent head counts and sizes, so
-//! [`ModelConfig::expected_tensors`] describes exactly what a loader must find.
+//! [`ModelConfig::expected_tensors`] describes exactly what a loader must find. The RoPE types
+//! live in `rope`, [`GenerationConfig`] in `generation` (both re-exported here), and the
+//! config.json Baton writes (`ModelConfig::to_hf_json`) in `config_json`.
 
 use std::path::Path;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::error::FormatError;
+pub use crate::generation::GenerationConfig;
 pub use crate::hf_options::declared_dtype;
 use crate::hf_options::{
     gemma_options, gpt_oss_options, layer_types, parse_longrope, parse_rope, partial_rotary_factor,
     refuse_unimplemented_options,
 };
+pub use crate::rope::{LongRope, RopeParameters, RopeScaling, llama3_rope_divisors};
 
 /// The transformer families Baton implements. All share Llama's attention layout; Qwen2 adds
 /// q/k/v biases, Qwen3 a per-head RMSNorm of q and k before RoPE; Qwen3-MoE and Mixtral
@@ -132,87 +136,6 @@ impl Architecture {
             Self::Phi3 => "Phi3ForCausalLM",
             Self::GptOss => "GptOssForCausalLM",
         }
-    }
-}
-
-/// RoPE frequency scaling schemes Baton supports.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum RopeScaling {
-    /// Positions divided by `factor` (`rope_type: linear`).
-    Linear {
-        /// Position divisor.
-        factor: f32,
-    },
-    /// Llama 3.1's frequency-dependent scaling (`rope_type: llama3`).
-    Llama3 {
-        /// Scale applied to low frequencies.
-        factor: f32,
-        /// Wavelength boundary (as a divisor of the original context) for low frequencies.
-        low_freq_factor: f32,
-        /// Wavelength boundary for high frequencies.
-        high_freq_factor: f32,
-        /// Context length the model was pre-trained with.
-        original_max_position_embeddings: usize,
-    },
-    /// YaRN (`rope_type: yarn`: gpt-oss, Qwen with long contexts): frequencies blended
-    /// between the plain ones and `1 / factor` of them over the `beta_fast`..`beta_slow`
-    /// correction range, cos/sin scaled by an attention factor.
-    Yarn {
-        /// Context extension factor.
-        factor: f32,
-        /// Context length the model was pre-trained with.
-        original_max_position_embeddings: usize,
-        /// Rotations at the high-frequency end of the ramp (default 32).
-        beta_fast: f32,
-        /// Rotations at the low-frequency end of the ramp (default 1).
-        beta_slow: f32,
-        /// Round the ramp's ends outwards to whole dims (default true; gpt-oss: false).
-        truncate: bool,
-        /// The scale of cos and sin when the config fixes it (`attention_factor`, or the
-        /// `mscale` / `mscale_all_dim` ratio); `None`: `0.1 · ln(factor) + 1`.
-        attention_factor: Option<f32>,
-    },
-}
-
-/// Rotary parameters of one kind of layer.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeParameters {
-    /// RoPE base.
-    pub theta: f32,
-    /// Frequency scaling, if any.
-    pub scaling: Option<RopeScaling>,
-}
-
-/// LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini: `rope_type` `longrope`, legacy `su`): every
-/// rotary frequency `i` divided by `short_factor[i]` or `long_factor[i]`, and cos/sin scaled
-/// by `attention_factor`.
-///
-/// Which list applies is fixed for a whole engine, not per forward pass: transformers picks
-/// per pass (`long_factor` once a pass reaches past `original_max_position_embeddings`),
-/// which rotates one sequence's cached keys with both lists once it grows past that length
-/// and makes a chunked prefill differ from a whole one. Baton uses `long_factor` iff the
-/// served context (`--max-model-len`, [`ModelConfig::with_served_context`]) exceeds
-/// `original_max_position_embeddings`: identical to transformers for every sequence that
-/// stays on one side of it (all of them when the served context does not cross it).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LongRope {
-    /// Divisors of the frequencies for contexts up to the original length (`rotary_dim / 2`).
-    pub short_factor: Vec<f32>,
-    /// Divisors for longer contexts (`rotary_dim / 2`).
-    pub long_factor: Vec<f32>,
-    /// Context length the model was pre-trained with.
-    pub original_max_position_embeddings: usize,
-    /// Scale of cos and sin: the config's `attention_factor`, else `sqrt(1 + ln(s) / ln(o))`
-    /// with `s = max_position_embeddings / o` (1 when `s <= 1`).
-    pub attention_factor: f32,
-    /// Whether `long_factor` applies (see the type's doc).
-    pub use_long: bool,
-}
-
-impl LongRope {
-    /// The factor list in use.
-    pub fn factors(&self) -> &[f32] {
-        if self.use_long { &self.long_factor } else { &self.short_factor }
     }
 }
 
@@ -877,164 +800,6 @@ impl ModelConfig {
         cfg.validate_at(path)?;
         Ok(cfg)
     }
-
-    /// The HF `config.json` transformers needs to build this model (legacy `rope_theta` /
-    /// `rope_scaling` keys, which every transformers version reads).
-    pub fn to_hf_json(&self) -> Value {
-        let rope_scaling = match self.rope_scaling {
-            None => Value::Null,
-            Some(RopeScaling::Linear { factor }) => {
-                json!({"rope_type": "linear", "type": "linear", "factor": f32_json(factor)})
-            }
-            Some(RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings,
-            }) => json!({
-                "rope_type": "llama3", "factor": f32_json(factor),
-                "low_freq_factor": f32_json(low_freq_factor),
-                "high_freq_factor": f32_json(high_freq_factor),
-                "original_max_position_embeddings": original_max_position_embeddings
-            }),
-            Some(RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings,
-                beta_fast,
-                beta_slow,
-                truncate,
-                attention_factor,
-            }) => json!({
-                "rope_type": "yarn", "factor": f32_json(factor),
-                "original_max_position_embeddings": original_max_position_embeddings,
-                "beta_fast": f32_json(beta_fast), "beta_slow": f32_json(beta_slow), "truncate": truncate,
-                "attention_factor": attention_factor.map_or(Value::Null, f32_json)
-            }),
-        };
-        let eos: Value = match self.eos_token_ids.as_slice() {
-            [] => Value::Null,
-            [one] => json!(one),
-            many => json!(many),
-        };
-        let mut v = json!({
-            "architectures": [self.architecture.hf_class()],
-            "model_type": self.architecture.model_type(),
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": f32_json(self.rms_norm_eps),
-            "rope_theta": f32_json(self.rope_theta),
-            "rope_scaling": rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "torch_dtype": "float32",
-            "use_cache": true,
-        });
-        if let Some(obj) = v.as_object_mut() {
-            if let Some(m) = &self.moe {
-                obj.insert("num_experts_per_tok".into(), json!(m.experts_per_token));
-            }
-            match self.architecture {
-                Architecture::Llama => {
-                    obj.insert("attention_bias".into(), json!(self.attention_bias));
-                    obj.insert("mlp_bias".into(), json!(false));
-                }
-                Architecture::Mistral => {
-                    obj.insert("sliding_window".into(), Value::Null);
-                }
-                Architecture::Qwen3 => {
-                    obj.insert("attention_bias".into(), json!(self.attention_bias));
-                    obj.insert("use_sliding_window".into(), json!(false));
-                    obj.insert("sliding_window".into(), Value::Null);
-                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
-                }
-                Architecture::Qwen3Moe => {
-                    obj.insert("attention_bias".into(), json!(self.attention_bias));
-                    obj.insert("use_sliding_window".into(), json!(false));
-                    obj.insert("sliding_window".into(), Value::Null);
-                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
-                    if let Some(m) = &self.moe {
-                        obj.insert("num_experts".into(), json!(m.num_experts));
-                        obj.insert("moe_intermediate_size".into(), json!(m.intermediate_size));
-                        obj.insert("norm_topk_prob".into(), json!(m.norm_topk_prob));
-                        obj.insert("decoder_sparse_step".into(), json!(m.decoder_sparse_step));
-                        obj.insert("mlp_only_layers".into(), json!(m.mlp_only_layers));
-                    }
-                }
-                Architecture::Mixtral => {
-                    obj.insert("sliding_window".into(), Value::Null);
-                    if let Some(m) = &self.moe {
-                        obj.insert("num_local_experts".into(), json!(m.num_experts));
-                    }
-                }
-                Architecture::Qwen2 => {
-                    obj.insert("use_sliding_window".into(), json!(false));
-                    obj.insert("sliding_window".into(), Value::Null);
-                    obj.insert("max_window_layers".into(), json!(self.num_hidden_layers));
-                }
-                Architecture::Gemma2 | Architecture::Gemma3Text => self.insert_gemma_keys(obj),
-                Architecture::GptOss => {
-                    obj.insert("attention_bias".into(), json!(self.attention_bias));
-                    let types: Vec<&str> = self.layer_types.iter().map(|t| t.hf_name()).collect();
-                    obj.insert("layer_types".into(), json!(types));
-                    obj.insert("sliding_window".into(), json!(self.sliding_window));
-                    if let Some(m) = &self.moe {
-                        obj.insert("num_local_experts".into(), json!(m.num_experts));
-                    }
-                    if let Some(g) = self.gpt_oss {
-                        obj.insert("swiglu_alpha".into(), f32_json(g.swiglu_alpha));
-                        obj.insert("swiglu_limit".into(), f32_json(g.swiglu_limit));
-                    }
-                }
-                Architecture::Phi3 => {
-                    obj.insert("sliding_window".into(), Value::Null);
-                    obj.insert("partial_rotary_factor".into(), f32_json(self.partial_rotary_factor));
-                    if let Some(l) = &self.longrope {
-                        let list = |f: &[f32]| f.iter().map(|x| f32_json(*x)).collect::<Vec<_>>();
-                        obj.insert(
-                            "rope_scaling".into(),
-                            json!({"rope_type": "longrope", "type": "longrope",
-                                   "short_factor": list(&l.short_factor), "long_factor": list(&l.long_factor),
-                                   "original_max_position_embeddings": l.original_max_position_embeddings,
-                                   "attention_factor": f32_json(l.attention_factor)}),
-                        );
-                        obj.insert(
-                            "original_max_position_embeddings".into(),
-                            json!(l.original_max_position_embeddings),
-                        );
-                    }
-                }
-            }
-        }
-        v
-    }
-
-    /// The Gemma keys of [`ModelConfig::to_hf_json`] (transformers 4 names, which 5 reads too).
-    fn insert_gemma_keys(&self, obj: &mut serde_json::Map<String, Value>) {
-        obj.remove("hidden_act");
-        obj.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
-        obj.insert("attention_bias".into(), json!(self.attention_bias));
-        let types: Vec<&str> = self.layer_types.iter().map(|t| t.hf_name()).collect();
-        obj.insert("layer_types".into(), json!(types));
-        obj.insert("sliding_window".into(), json!(self.sliding_window));
-        if self.architecture == Architecture::Gemma3Text {
-            let local = self.rope_for(LayerType::Sliding).theta;
-            obj.insert("rope_local_base_freq".into(), f32_json(local));
-        }
-        if let Some(g) = self.gemma {
-            let cap = |c: Option<f32>| c.map_or(Value::Null, f32_json);
-            obj.insert("query_pre_attn_scalar".into(), f32_json(g.query_pre_attn_scalar));
-            obj.insert("attn_logit_softcapping".into(), cap(g.attn_logit_softcapping));
-            obj.insert("final_logit_softcapping".into(), cap(g.final_logit_softcapping));
-        }
-    }
 }
 
 /// The experts of the MoE families (`None` for the dense ones). Qwen3-MoE names the expert
@@ -1103,13 +868,8 @@ fn parse_moe(v: &Value, architecture: Architecture, path: &Path) -> Result<Optio
     }
 }
 
-/// An f32 as the JSON number with its shortest decimal form (`1e-5`, not `9.99999974e-6`).
-fn f32_json(x: f32) -> Value {
-    x.to_string().parse::<f64>().map(Value::from).unwrap_or(Value::Null)
-}
-
 /// Reads an int, a list of ints, or null as a list of token ids.
-fn parse_id_list(v: Option<&Value>) -> Vec<u32> {
+pub(crate) fn parse_id_list(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
@@ -1121,87 +881,4 @@ fn parse_id_list(v: Option<&Value>) -> Vec<u32> {
 pub(crate) fn read_json(path: &Path) -> Result<Value, FormatError> {
     let text = std::fs::read_to_string(path).map_err(|e| FormatError::io(path, e))?;
     serde_json::from_str(&text).map_err(|e| FormatError::Json { path: path.to_path_buf(), message: e.to_string() })
-}
-
-/// Sampling defaults and stop tokens from `generation_config.json` (or the model file).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GenerationConfig {
-    /// Tokens that end generation.
-    pub eos_token_ids: Vec<u32>,
-    /// Beginning-of-sequence token.
-    pub bos_token_id: Option<u32>,
-    /// Default temperature.
-    pub temperature: Option<f32>,
-    /// Default nucleus threshold.
-    pub top_p: Option<f32>,
-    /// Default top-k.
-    pub top_k: Option<usize>,
-}
-
-impl GenerationConfig {
-    /// Defaults taken from the model config alone (no generation_config.json).
-    pub fn from_model(config: &ModelConfig) -> Self {
-        Self { eos_token_ids: config.eos_token_ids.clone(), bos_token_id: config.bos_token_id, ..Self::default() }
-    }
-
-    /// Parses `generation_config.json`, filling eos/bos from `config` when the file has none.
-    pub fn from_hf_file(path: &Path, config: &ModelConfig) -> Result<Self, FormatError> {
-        let v = read_json(path)?;
-        let mut eos = parse_id_list(v.get("eos_token_id"));
-        for id in &config.eos_token_ids {
-            if !eos.contains(id) {
-                eos.push(*id);
-            }
-        }
-        let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
-        Ok(Self {
-            eos_token_ids: eos,
-            bos_token_id: v.get("bos_token_id").and_then(Value::as_u64).map(|x| x as u32).or(config.bos_token_id),
-            temperature: f("temperature"),
-            top_p: f("top_p"),
-            top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
-        })
-    }
-
-    /// The `generation_config.json` for these defaults.
-    pub fn to_hf_json(&self) -> Value {
-        json!({
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_ids,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "do_sample": self.temperature.is_some_and(|t| t > 0.0),
-        })
-    }
-}
-
-/// llama.cpp's per-frequency RoPE divisors for Llama 3 scaling (`rope_freqs.weight`): the
-/// scaled inverse frequency of pair `i` is `theta^(-2i/head_dim) / divisors[i]`. Other
-/// scalings give all-ones.
-pub fn llama3_rope_divisors(theta: f32, head_dim: usize, scaling: &RopeScaling) -> Vec<f32> {
-    let half = head_dim / 2;
-    let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } = *scaling
-    else {
-        return vec![1.0; half];
-    };
-    let orig = original_max_position_embeddings as f64;
-    let (factor, low, high) = (f64::from(factor), f64::from(low_freq_factor), f64::from(high_freq_factor));
-    let low_wavelen = orig / low;
-    let high_wavelen = orig / high;
-    (0..half)
-        .map(|i| {
-            let freq = f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64);
-            let wavelen = 2.0 * std::f64::consts::PI / freq;
-            let divisor = if wavelen < high_wavelen {
-                1.0
-            } else if wavelen > low_wavelen {
-                factor
-            } else {
-                let smooth = (orig / wavelen - low) / (high - low);
-                1.0 / ((1.0 - smooth) / factor + smooth)
-            };
-            divisor as f32
-        })
-        .collect()
 }

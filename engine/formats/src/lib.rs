@@ -8,13 +8,16 @@
 
 pub mod chat_template;
 pub mod config;
+mod config_json;
 pub mod dummy;
 pub mod error;
 pub mod export;
+pub mod generation;
 pub mod gguf;
 mod hf_options;
 pub mod mxfp4;
 pub mod quantization;
+pub mod rope;
 pub mod safetensors_store;
 pub mod tensor;
 pub mod testing;
