@@ -212,15 +212,23 @@ fn unsupported_gguf_tensor_type_is_named() {
 }
 
 #[test]
-fn gguf_missing_tensor_and_sentencepiece_tokenizer() {
+fn gguf_missing_tensor_and_unknown_tokenizer_model() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let spec = TinySpec::llama();
+    // A vocabulary kind llama.cpp writes that Baton does not read (WordPiece) is refused by name.
+    let p = tmp.path().join("bert.gguf");
+    let mut w = gguf_writer(&spec, GgufType::F16).expect("writer");
+    w.add_meta("tokenizer.ggml.model", GgufValue::String("bert".into()));
+    w.write(&p).expect("write");
+    let err = load_err(&p, LoadFormat::Gguf);
+    assert!(matches!(err, FormatError::Unsupported { .. }) && err.to_string().contains("\"bert\""), "{err}");
+    // A SentencePiece (`llama`) vocabulary without its scores is refused naming them.
     let p = tmp.path().join("spm.gguf");
     let mut w = gguf_writer(&spec, GgufType::F16).expect("writer");
     w.add_meta("tokenizer.ggml.model", GgufValue::String("llama".into()));
     w.write(&p).expect("write");
     let err = load_err(&p, LoadFormat::Gguf);
-    assert!(matches!(err, FormatError::Unsupported { .. }) && err.to_string().contains("\"llama\""), "{err}");
+    assert!(err.to_string().contains("tokenizer.ggml.scores"), "{err}");
 
     // One layer more in the metadata than in the tensors.
     let p = tmp.path().join("short.gguf");

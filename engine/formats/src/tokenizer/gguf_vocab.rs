@@ -7,6 +7,7 @@
 use serde_json::{Value, json};
 
 use super::Tokenizer;
+use super::gguf_spm::SpmVocab;
 use crate::error::FormatError;
 use crate::gguf::{GgufFile, GgufValue};
 
@@ -174,7 +175,7 @@ pub fn bpe_from_gguf(g: &GgufFile) -> Result<ByteLevelBpe, FormatError> {
     if model != "gpt2" {
         return Err(FormatError::unsupported(
             path,
-            format!("tokenizer.ggml.model {model:?} (only byte-level BPE \"gpt2\" tokenizers are supported)"),
+            format!("tokenizer.ggml.model {model:?} (supported: byte-level BPE \"gpt2\", SentencePiece \"llama\")"),
         ));
     }
     let strings = |key: &str| -> Result<Vec<String>, FormatError> {
@@ -223,12 +224,18 @@ pub fn bpe_from_gguf(g: &GgufFile) -> Result<ByteLevelBpe, FormatError> {
     Ok(ByteLevelBpe { tokens, merges, added, pre, bos, add_bos })
 }
 
-/// Builds the tokenizer a GGUF file describes.
+/// Builds the tokenizer a GGUF file describes: byte-level BPE (`gpt2`) or SentencePiece
+/// (`llama`, [`SpmVocab`]).
 pub fn tokenizer_from_gguf(g: &GgufFile) -> Result<Tokenizer, FormatError> {
-    let bpe = bpe_from_gguf(g)?;
     let ctx = g.path.display().to_string();
-    let inner = bpe.build(&ctx)?;
-    let name = |key: &str| g.get(key).and_then(GgufValue::as_u64).and_then(|id| bpe.tokens.get(id as usize).cloned());
+    let (inner, tokens) = if g.get("tokenizer.ggml.model").and_then(GgufValue::as_str) == Some("llama") {
+        let spm = SpmVocab::from_gguf(g)?;
+        (spm.build(&ctx)?, spm.pieces)
+    } else {
+        let bpe = bpe_from_gguf(g)?;
+        (bpe.build(&ctx)?, bpe.tokens)
+    };
+    let name = |key: &str| g.get(key).and_then(GgufValue::as_u64).and_then(|id| tokens.get(id as usize).cloned());
     Ok(Tokenizer::from_inner(inner, name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"), ctx))
 }
 

@@ -1,11 +1,13 @@
 //! Baton's tokenizer: a cheap-to-clone handle on a `tokenizers::Tokenizer` plus the bos/eos
 //! strings and the set of special ids the server needs. Built from `tokenizer.json` (+
-//! `tokenizer_config.json`) or from GGUF metadata (`gguf_vocab`). Streaming helpers live
+//! `tokenizer_config.json`) or from GGUF metadata (`gguf_vocab`: byte-level BPE; `gguf_spm`:
+//! SentencePiece). Streaming helpers live
 //! in `detok` (incremental detokenization, by table for byte-level vocabularies: `byte_level`)
 //! and `stop` (stop strings).
 
 mod byte_level;
 pub mod detok;
+pub mod gguf_spm;
 pub mod gguf_vocab;
 pub mod stop;
 
@@ -18,6 +20,7 @@ use serde_json::Value;
 use crate::error::FormatError;
 
 pub use detok::IncrementalDetokenizer;
+pub use gguf_spm::SpmVocab;
 pub use gguf_vocab::{ByteLevelBpe, PreTokenizerKind, tokenizer_from_gguf};
 pub use stop::{StopMatcher, StopOutput};
 
