@@ -177,6 +177,9 @@ fn hf_folder_and_gguf_give_the_same_logits() {
         // pattern and attention scale implied rather than stored.
         TinySpec::gemma2(),
         TinySpec::gemma3(),
+        // Phi-3 as llama.cpp writes it: fused qkv and gate_up, LongRoPE factors as tensors,
+        // partial rotation, a window on every layer.
+        TinySpec::phi3(),
     ];
     for spec in specs {
         let dir = tempfile::tempdir().expect("tmp");
@@ -193,6 +196,11 @@ fn hf_folder_and_gguf_give_the_same_logits() {
             (gg.config.sliding_window, gg.config.sliding_rope),
             (hf.config.sliding_window, hf.config.sliding_rope),
             "{what:?}: window and sliding RoPE"
+        );
+        assert_eq!(
+            (&gg.config.longrope, gg.config.partial_rotary_factor),
+            (&hf.config.longrope, hf.config.partial_rotary_factor),
+            "{what:?}: LongRoPE and partial rotation"
         );
         let ids = prompt(77, 37, spec.vocab_size);
         let a = last_logits(&hf, &ids);

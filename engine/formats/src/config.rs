@@ -87,9 +87,8 @@ impl Architecture {
             Self::Qwen2 => Some("qwen2"),
             Self::Qwen3 => Some("qwen3"),
             Self::Qwen3Moe => Some("qwen3moe"),
-            // llama.cpp's `phi3` GGUF (fused tensors under other names, rope factors as
-            // tensors) is not mapped: refused when a GGUF names it.
-            Self::Phi3 => None,
+            // Fused `attn_qkv` / `ffn_up`, LongRoPE factors as tensors (`gguf/model.rs`).
+            Self::Phi3 => Some("phi3"),
             // llama.cpp's `gpt-oss` GGUF (MXFP4 experts with biases, sinks) is not mapped:
             // refused by its expert layout.
             Self::GptOss => None,

@@ -123,7 +123,7 @@ impl ModelConfig {
                     }
                 }
                 Architecture::Phi3 => {
-                    obj.insert("sliding_window".into(), Value::Null);
+                    obj.insert("sliding_window".into(), json!(self.sliding_window));
                     obj.insert("partial_rotary_factor".into(), f32_json(self.partial_rotary_factor));
                     if let Some(l) = &self.longrope {
                         let list = |f: &[f32]| f.iter().map(|x| f32_json(*x)).collect::<Vec<_>>();

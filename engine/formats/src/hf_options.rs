@@ -160,7 +160,7 @@ pub(crate) fn parse_longrope(
 
 /// transformers' default LongRoPE attention factor: `sqrt(1 + ln(s) / ln(o))` with
 /// `s = max_position_embeddings / o`, 1 when the context is not extended.
-fn baton_longrope_attention_factor(max_position_embeddings: usize, original: usize) -> f32 {
+pub(crate) fn baton_longrope_attention_factor(max_position_embeddings: usize, original: usize) -> f32 {
     let s = max_position_embeddings as f64 / original.max(1) as f64;
     if s <= 1.0 { 1.0 } else { (1.0 + s.ln() / (original.max(2) as f64).ln()).sqrt() as f32 }
 }

@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
 use crate::config::{
-    Architecture, ExpertProj, GemmaOptions, LayerType, ModelConfig, MoeConfig, RopeParameters, RopeScaling,
+    Architecture, ExpertProj, GemmaOptions, LayerType, LongRope, ModelConfig, MoeConfig, RopeParameters, RopeScaling,
     llama3_rope_divisors,
 };
 use crate::error::FormatError;
@@ -63,6 +63,19 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
 /// that llama.cpp's Gemma files put the pre-feedforward norm in `ffn_norm` and add the
 /// post-attention (`post_attention_norm`) and post-feedforward (`post_ffw_norm`) norms.
 pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture == Architecture::Phi3
+        && let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.'))
+    {
+        // llama.cpp's Phi-3 files keep the checkpoint's fused projections.
+        let hf = match tail {
+            "attn_qkv.weight" => Some("self_attn.qkv_proj.weight"),
+            "ffn_up.weight" => Some("mlp.gate_up_proj.weight"),
+            _ => None,
+        };
+        if let Some(hf) = hf {
+            return Some(format!("model.layers.{layer}.{hf}"));
+        }
+    }
     if architecture.is_gemma()
         && let Some((layer, module)) = gemma_norm(name)
     {
@@ -79,6 +92,18 @@ pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<Str
 /// The GGUF name of a HF tensor name in a file of `architecture` (inverse of
 /// [`gguf_to_hf_name_for`]).
 pub fn hf_to_gguf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture == Architecture::Phi3
+        && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
+    {
+        let g = match tail {
+            "self_attn.qkv_proj.weight" => Some("attn_qkv"),
+            "mlp.gate_up_proj.weight" => Some("ffn_up"),
+            _ => None,
+        };
+        if let Some(g) = g {
+            return Some(format!("blk.{layer}.{g}.weight"));
+        }
+    }
     if architecture.is_gemma()
         && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
     {
@@ -239,6 +264,12 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         None => None,
     };
     let blocks = req("block_count")?;
+    let phi3 = architecture == Architecture::Phi3;
+    // Phi-3: the rotary share (`rope.dimension_count` rotary dims of each head), its sliding
+    // window on every layer (0: none, Phi-4-mini), and LongRoPE's factor lists as tensors.
+    let rotary_dims = num("rope.dimension_count").filter(|_| phi3).unwrap_or(head_dim);
+    let longrope = if phi3 { gguf_longrope(g, arch_name, max_position_embeddings)? } else { None };
+    let phi3_window = num("attention.sliding_window").filter(|&w| phi3 && w > 0);
     let full_rope = RopeParameters { theta: rope_theta, scaling: rope_scaling };
     let gemma =
         architecture.is_gemma().then(|| gguf_gemma(g, arch_name, architecture, blocks, hidden_size / heads, head_dim));
@@ -256,13 +287,17 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
             as f32,
         rope_theta,
         rope_scaling,
-        longrope: None,
-        partial_rotary_factor: 1.0,
+        longrope,
+        partial_rotary_factor: rotary_dims as f32 / head_dim as f32,
         max_position_embeddings,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),
-        layer_types: gemma_layout.as_ref().map_or_else(|| vec![LayerType::Full; blocks], |l| l.0.clone()),
-        sliding_window: gemma_layout.as_ref().and_then(|l| l.1),
+        layer_types: match (&gemma_layout, phi3_window) {
+            (Some(l), _) => l.0.clone(),
+            (None, Some(_)) => vec![LayerType::Sliding; blocks],
+            (None, None) => vec![LayerType::Full; blocks],
+        },
+        sliding_window: gemma_layout.as_ref().and_then(|l| l.1).or(phi3_window),
         sliding_rope: gemma_layout.as_ref().and_then(|l| l.2),
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
@@ -273,6 +308,40 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
     };
     cfg.validate_at(path)?;
     Ok(cfg)
+}
+
+/// LongRoPE as llama.cpp's Phi-3 converter writes it: the factor lists as the tensors
+/// `rope_factors_short.weight` and `rope_factors_long.weight`, the original context in
+/// `rope.scaling.original_context_length`, the attention factor in `rope.scaling.attn_factor`.
+/// None when the file has no factor tensors.
+fn gguf_longrope(g: &GgufFile, arch_name: &str, max_position: usize) -> Result<Option<LongRope>, FormatError> {
+    let path = &g.path;
+    let factors = |name: &str| -> Result<Option<Vec<f32>>, FormatError> {
+        let Some(t) = g.tensor(name) else { return Ok(None) };
+        let ty = GgufType::from_id(t.ggml_type)
+            .ok_or_else(|| FormatError::unsupported(path, format!("{name} has an unsupported type")))?;
+        Ok(Some(dequantize(ty, g.tensor_bytes(t, ty)?)))
+    };
+    let (short, long) = match (factors("rope_factors_short.weight")?, factors("rope_factors_long.weight")?) {
+        (Some(s), Some(l)) => (s, l),
+        (None, None) => return Ok(None),
+        _ => return Err(FormatError::gguf(path, "one of rope_factors_short / rope_factors_long without the other")),
+    };
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let original = g.get(&key("rope.scaling.original_context_length")).and_then(GgufValue::as_u64).ok_or_else(|| {
+        FormatError::gguf(path, format!("LongRoPE factors without {}", key("rope.scaling.original_context_length")))
+    })? as usize;
+    let attention_factor = g
+        .get(&key("rope.scaling.attn_factor"))
+        .and_then(GgufValue::as_f64)
+        .map_or_else(|| crate::hf_options::baton_longrope_attention_factor(max_position, original), |f| f as f32);
+    Ok(Some(LongRope {
+        short_factor: short,
+        long_factor: long,
+        original_max_position_embeddings: original,
+        attention_factor,
+        use_long: max_position > original,
+    }))
 }
 
 /// A Gemma file's options as llama.cpp reads them (`llama-model.cpp`): the soft-caps from the

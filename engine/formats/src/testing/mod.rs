@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::config::{
-    Architecture, ExpertProj, GemmaOptions, GenerationConfig, LayerType, ModelConfig, MoeConfig, RopeParameters,
-    RopeScaling, llama3_rope_divisors,
+    Architecture, ExpertProj, GemmaOptions, GenerationConfig, LayerType, LongRope, ModelConfig, MoeConfig,
+    RopeParameters, RopeScaling, llama3_rope_divisors,
 };
 use crate::dummy::DummyStore;
 use crate::error::FormatError;
@@ -91,6 +91,10 @@ pub struct TinySpec {
     pub sliding_window: Option<usize>,
     /// RoPE of the sliding layers where it differs (Gemma 3's local base).
     pub sliding_rope: Option<RopeParameters>,
+    /// Share of each head's dims that rotate (Phi-3 / Phi-4-mini).
+    pub partial_rotary_factor: f32,
+    /// LongRoPE factors (Phi-3).
+    pub longrope: Option<LongRope>,
 }
 
 impl TinySpec {
@@ -117,6 +121,8 @@ impl TinySpec {
             gemma: None,
             sliding_window: None,
             sliding_rope: None,
+            partial_rotary_factor: 1.0,
+            longrope: None,
         }
     }
 
@@ -224,6 +230,28 @@ impl TinySpec {
         }
     }
 
+    /// Phi-3 / Phi-4-mini: fused qkv and gate_up, three quarters of each head's dims rotating,
+    /// LongRoPE (long factors: the served context passes the original one), a sliding window on
+    /// every layer, tied embeddings.
+    pub fn phi3() -> Self {
+        let rotary_half = 16 * 3 / 4 / 2;
+        Self {
+            architecture: Architecture::Phi3,
+            tie_embeddings: true,
+            seed: 9,
+            sliding_window: Some(24),
+            partial_rotary_factor: 0.75,
+            longrope: Some(LongRope {
+                short_factor: (0..rotary_half).map(|i| 1.0 + i as f32 * 0.05).collect(),
+                long_factor: (0..rotary_half).map(|i| 1.5 + i as f32 * 0.25).collect(),
+                original_max_position_embeddings: 128,
+                attention_factor: 1.2,
+                use_long: true,
+            }),
+            ..Self::llama()
+        }
+    }
+
     /// Llama with tied embeddings and Llama 3.1 RoPE scaling.
     pub fn tied() -> Self {
         Self {
@@ -268,8 +296,8 @@ impl TinySpec {
             rms_norm_eps: 1e-5,
             rope_theta: self.rope_theta,
             rope_scaling: self.rope_scaling,
-            longrope: None,
-            partial_rotary_factor: 1.0,
+            longrope: self.longrope.clone(),
+            partial_rotary_factor: self.partial_rotary_factor,
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
@@ -290,6 +318,7 @@ impl TinySpec {
         let period = match self.architecture {
             Architecture::Gemma2 => 2,
             Architecture::Gemma3Text => 6,
+            Architecture::Phi3 if self.sliding_window.is_some() => return LayerType::Sliding,
             _ => return LayerType::Full,
         };
         if self.sliding_window.is_some() && i % period < period - 1 { LayerType::Sliding } else { LayerType::Full }
@@ -383,9 +412,7 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         }
         Architecture::Gemma2 => "gemma2",
         Architecture::Gemma3Text => "gemma3",
-        Architecture::Phi3 => {
-            return Err(FormatError::config(Path::new("gguf"), "the test GGUF writer has no phi3 layout"));
-        }
+        Architecture::Phi3 => "phi3",
     };
     let mut w = GgufWriter::new();
     w.add_meta("general.architecture", GgufValue::String(arch.into()));
@@ -397,7 +424,7 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     w.add_meta(&k("embedding_length"), u(config.hidden_size));
     w.add_meta(&k("block_count"), u(config.num_hidden_layers));
     w.add_meta(&k("feed_forward_length"), u(config.intermediate_size));
-    w.add_meta(&k("rope.dimension_count"), u(config.head_dim));
+    w.add_meta(&k("rope.dimension_count"), u(config.rotary_dim()));
     w.add_meta(&k("attention.head_count"), u(config.num_attention_heads));
     w.add_meta(&k("attention.head_count_kv"), u(config.num_key_value_heads));
     w.add_meta(&k("attention.key_length"), u(config.head_dim));
@@ -432,6 +459,16 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
         }
         if let Some(s) = config.sliding_rope.filter(|s| s.theta != 10000.0 || arch == "gemma2") {
             w.add_meta(&k("rope.freq_base_swa"), GgufValue::F32(s.theta));
+        }
+    }
+    if config.architecture == Architecture::Phi3 {
+        // What llama.cpp's Phi-3 converter writes (0: no window, as for Phi-4-mini).
+        w.add_meta(&k("attention.sliding_window"), u(config.sliding_window.unwrap_or(0)));
+        if let Some(lr) = &config.longrope {
+            w.add_meta(&k("rope.scaling.original_context_length"), u(lr.original_max_position_embeddings));
+            w.add_meta(&k("rope.scaling.attn_factor"), GgufValue::F32(lr.attention_factor));
+            w.add_tensor("rope_factors_long.weight", &[lr.long_factor.len()], GgufType::F32, &lr.long_factor)?;
+            w.add_tensor("rope_factors_short.weight", &[lr.short_factor.len()], GgufType::F32, &lr.short_factor)?;
         }
     }
     if let Some(moe) = &config.moe {
