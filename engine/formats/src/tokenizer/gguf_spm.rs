@@ -16,6 +16,7 @@ use std::collections::HashMap;
 
 use serde_json::{Value, json};
 
+use super::json_doc::{bos_post_processor, build_tokenizer};
 use crate::error::FormatError;
 use crate::gguf::{GgufFile, GgufValue};
 
@@ -120,17 +121,7 @@ impl SpmVocab {
             })
             .collect();
         let unk = self.types.iter().position(|&t| t == TYPE_UNKNOWN).map(|i| self.pieces[i].clone());
-        let bos = self.bos.and_then(|b| self.pieces.get(b as usize).map(|s| (b, s)));
-        let post = match bos {
-            Some((id, s)) if self.add_bos => json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": s, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": s, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": s, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {s.as_str(): {"id": s, "ids": [id], "tokens": [s]}}
-            }),
-            _ => Value::Null,
-        };
+        let post = bos_post_processor(&self.pieces, self.bos.filter(|_| self.add_bos)).unwrap_or(Value::Null);
         // A `▁` before every text fragment (llama.cpp prefixes each fragment that starts the
         // text or follows a special token; the normalizer runs on each such fragment), even one
         // that already starts with a space, as sentencepiece's dummy prefix does.
@@ -166,10 +157,7 @@ impl SpmVocab {
 
     /// Builds the `tokenizers` tokenizer; `context` names the source in errors.
     pub fn build(&self, context: &str) -> Result<tokenizers::Tokenizer, FormatError> {
-        let bytes = serde_json::to_vec(&self.to_json())
-            .map_err(|e| FormatError::Tokenizer { context: context.to_string(), message: e.to_string() })?;
-        tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| FormatError::Tokenizer { context: context.to_string(), message: e.to_string() })
+        build_tokenizer(&self.to_json(), context)
     }
 
     /// The GGUF metadata entries describing this vocabulary, as llama.cpp's converter writes

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::Tokenizer;
 use super::gguf_spm::SpmVocab;
+use super::json_doc::{bos_post_processor, build_tokenizer};
 use crate::error::FormatError;
 use crate::gguf::{GgufFile, GgufValue};
 
@@ -119,17 +120,9 @@ impl ByteLevelBpe {
                        "rstrip": false, "normalized": !t.special, "special": t.special})
             })
             .collect();
-        let bos = self.bos.and_then(|b| self.tokens.get(b as usize).map(|s| (b, s)));
-        let post = match bos {
-            Some((id, s)) if self.add_bos => json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": s, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": s, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": s, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {s.as_str(): {"id": s, "ids": [id], "tokens": [s]}}
-            }),
-            _ => json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
-        };
+        let post = bos_post_processor(&self.tokens, self.bos.filter(|_| self.add_bos)).unwrap_or_else(
+            || json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+        );
         let normalizer = match self.pre {
             PreTokenizerKind::Qwen2 => json!({"type": "NFC"}),
             _ => Value::Null,
@@ -154,10 +147,7 @@ impl ByteLevelBpe {
 
     /// Builds the `tokenizers` tokenizer; `context` names the source in errors.
     pub fn build(&self, context: &str) -> Result<tokenizers::Tokenizer, FormatError> {
-        let bytes = serde_json::to_vec(&self.to_json())
-            .map_err(|e| FormatError::Tokenizer { context: context.to_string(), message: e.to_string() })?;
-        tokenizers::Tokenizer::from_bytes(bytes)
-            .map_err(|e| FormatError::Tokenizer { context: context.to_string(), message: e.to_string() })
+        build_tokenizer(&self.to_json(), context)
     }
 }
 

@@ -9,6 +9,7 @@ mod byte_level;
 pub mod detok;
 pub mod gguf_spm;
 pub mod gguf_vocab;
+mod json_doc;
 pub mod stop;
 
 use std::collections::HashSet;
