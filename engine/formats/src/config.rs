@@ -148,6 +148,13 @@ pub enum LayerType {
 }
 
 impl LayerType {
+    /// Layers that slide except every `period`-th one (layer `i` is full when `(i + 1) % period
+    /// == 0`): transformers' and llama.cpp's Gemma rule (Gemma 2: period 2, Gemma 3: 6).
+    pub fn periodic(num_layers: usize, period: usize) -> Vec<Self> {
+        let period = period.max(1);
+        (0..num_layers).map(|i| if (i + 1) % period != 0 { Self::Sliding } else { Self::Full }).collect()
+    }
+
     /// The HF name.
     pub fn hf_name(self) -> &'static str {
         match self {

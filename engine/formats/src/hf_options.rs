@@ -277,7 +277,7 @@ fn gemma_layer_types(
                 .find_map(|k| v.get(*k).and_then(Value::as_u64))
                 .map_or(6, |p| p.max(1) as usize),
         };
-        (0..num_layers).map(|i| if (i + 1) % pattern != 0 { LayerType::Sliding } else { LayerType::Full }).collect()
+        LayerType::periodic(num_layers, pattern)
     });
     let window = types.contains(&LayerType::Sliding).then_some(window);
     Ok((types, window))

@@ -265,15 +265,14 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
     };
     let blocks = req("block_count")?;
     let phi3 = architecture == Architecture::Phi3;
-    // Phi-3: the rotary share (`rope.dimension_count` rotary dims of each head), its sliding
-    // window on every layer (0: none, Phi-4-mini), and LongRoPE's factor lists as tensors.
+    // Phi-3: the rotary share (`rope.dimension_count` rotary dims of each head) and LongRoPE's
+    // factor lists as tensors.
     let rotary_dims = num("rope.dimension_count").filter(|_| phi3).unwrap_or(head_dim);
     let longrope = if phi3 { gguf_longrope(g, arch_name, max_position_embeddings)? } else { None };
-    let phi3_window = num("attention.sliding_window").filter(|&w| phi3 && w > 0);
     let full_rope = RopeParameters { theta: rope_theta, scaling: rope_scaling };
+    let layout = gguf_layers(g, arch_name, architecture, blocks, full_rope);
     let gemma =
         architecture.is_gemma().then(|| gguf_gemma(g, arch_name, architecture, blocks, hidden_size / heads, head_dim));
-    let gemma_layout = gemma.as_ref().map(|_| gguf_gemma_layers(g, arch_name, architecture, blocks, full_rope));
     let cfg = ModelConfig {
         architecture,
         hidden_size,
@@ -292,13 +291,9 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         max_position_embeddings,
         tie_word_embeddings: g.tensor("output.weight").is_none(),
         attention_bias: g.tensor("blk.0.attn_q.bias").is_some(),
-        layer_types: match (&gemma_layout, phi3_window) {
-            (Some(l), _) => l.0.clone(),
-            (None, Some(_)) => vec![LayerType::Sliding; blocks],
-            (None, None) => vec![LayerType::Full; blocks],
-        },
-        sliding_window: gemma_layout.as_ref().and_then(|l| l.1).or(phi3_window),
-        sliding_rope: gemma_layout.as_ref().and_then(|l| l.2),
+        layer_types: layout.layer_types,
+        sliding_window: layout.window,
+        sliding_rope: layout.sliding_rope,
         bos_token_id: id("tokenizer.ggml.bos_token_id"),
         eos_token_ids,
         moe,
@@ -359,42 +354,62 @@ fn gguf_gemma(
 ) -> GemmaOptions {
     let cap = |k: &str| g.get(&format!("{arch_name}.{k}")).and_then(GgufValue::as_f64).map(|c| c as f32);
     let gemma2 = architecture == Architecture::Gemma2;
-    let big = if gemma2 { 46 } else { 62 };
     GemmaOptions {
-        query_pre_attn_scalar: if blocks == big { embd_per_head } else { head_dim } as f32,
+        query_pre_attn_scalar: gemma_attention_scalar(architecture, blocks, embd_per_head, head_dim),
         attn_logit_softcapping: if gemma2 { Some(cap("attn_logit_softcapping").unwrap_or(50.0)) } else { None }
             .filter(|&c| c > 0.0),
         final_logit_softcapping: cap("final_logit_softcapping").or(gemma2.then_some(30.0)).filter(|&c| c > 0.0),
     }
 }
 
-/// A Gemma file's layers as llama.cpp lays them out: with a sliding window, Gemma 2 slides on
-/// even layers, Gemma 3 on five of every six (layer `i` with `i % 6 < 5`), as transformers'
-/// `layer_types` do; sliding layers rotate with `{arch}.rope.freq_base_swa` (Gemma 3: 10,000
-/// where absent, unscaled). Returns (layer types, window, sliding rope if it differs).
-fn gguf_gemma_layers(
+/// `query_pre_attn_scalar` as llama.cpp derives it for a Gemma file (which does not store it):
+/// `embd_per_head` (hidden / heads) for the 27B sizes (46 layers for Gemma 2, 62 for Gemma 3),
+/// else `head_dim`.
+pub fn gemma_attention_scalar(architecture: Architecture, blocks: usize, embd_per_head: usize, head_dim: usize) -> f32 {
+    let big = if architecture == Architecture::Gemma2 { 46 } else { 62 };
+    (if blocks == big { embd_per_head } else { head_dim }) as f32
+}
+
+/// Which layers of a file slide, over which window, with which RoPE.
+struct LayerLayout {
+    layer_types: Vec<LayerType>,
+    window: Option<usize>,
+    sliding_rope: Option<RopeParameters>,
+}
+
+/// The layers of a file as llama.cpp lays them out, given `{arch}.attention.sliding_window`
+/// (absent or 0: every layer full). Gemma 2 slides on even layers, Gemma 3 on five of every six,
+/// as transformers' `layer_types` do ([`LayerType::periodic`]); their sliding layers rotate with
+/// `{arch}.rope.freq_base_swa` (Gemma 3: 10,000 where absent, unscaled). Phi-3 slides on every
+/// layer. Other families' files are read all full, as before.
+fn gguf_layers(
     g: &GgufFile,
     arch_name: &str,
     architecture: Architecture,
     blocks: usize,
     full: RopeParameters,
-) -> (Vec<LayerType>, Option<usize>, Option<RopeParameters>) {
+) -> LayerLayout {
+    let all_full = LayerLayout { layer_types: vec![LayerType::Full; blocks], window: None, sliding_rope: None };
     let window = g
         .get(&format!("{arch_name}.attention.sliding_window"))
         .and_then(GgufValue::as_u64)
         .map(|w| w as usize)
         .filter(|&w| w > 0);
-    let period = if architecture == Architecture::Gemma2 { 2 } else { 6 };
-    let types = (0..blocks)
-        .map(|i| if window.is_some() && i % period < period - 1 { LayerType::Sliding } else { LayerType::Full })
-        .collect();
+    let Some(window) = window else { return all_full };
+    let layer_types = match architecture {
+        Architecture::Gemma2 => LayerType::periodic(blocks, 2),
+        Architecture::Gemma3Text => LayerType::periodic(blocks, 6),
+        Architecture::Phi3 => vec![LayerType::Sliding; blocks],
+        _ => return all_full,
+    };
     let swa_theta = g.get(&format!("{arch_name}.rope.freq_base_swa")).and_then(GgufValue::as_f64).map(|t| t as f32);
     let theta = match architecture {
         Architecture::Gemma3Text => Some(swa_theta.unwrap_or(10000.0)),
-        _ => swa_theta,
+        Architecture::Gemma2 => swa_theta,
+        _ => None,
     };
-    let sliding = theta.map(|theta| RopeParameters { theta, scaling: None }).filter(|s| *s != full);
-    (types, window, sliding.filter(|_| window.is_some()))
+    let sliding_rope = theta.map(|theta| RopeParameters { theta, scaling: None }).filter(|s| *s != full);
+    LayerLayout { layer_types, window: Some(window), sliding_rope }
 }
 
 /// The routing of a mixture-of-experts file of `n` experts a layer (see the module doc).

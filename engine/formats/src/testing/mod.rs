@@ -17,7 +17,8 @@ use crate::config::{
 use crate::dummy::DummyStore;
 use crate::error::FormatError;
 use crate::gguf::{
-    GgufType, GgufValue, GgufWriter, gguf_experts_name, gguf_router_name, hf_to_gguf_name_for, permute_qk_rows,
+    GgufType, GgufValue, GgufWriter, gemma_attention_scalar, gguf_experts_name, gguf_router_name, hf_to_gguf_name_for,
+    permute_qk_rows,
 };
 use crate::tensor::{DType, WeightStore, f32_to_bytes};
 use crate::tokenizer::gguf_vocab::bpe_to_gguf_metadata;
@@ -301,7 +302,7 @@ impl TinySpec {
             max_position_embeddings: self.max_position_embeddings,
             tie_word_embeddings: self.tie_embeddings,
             attention_bias: self.attention_bias,
-            layer_types: (0..self.num_layers).map(|i| self.layer_type(i)).collect(),
+            layer_types: self.layer_types(),
             sliding_window: self.sliding_window,
             sliding_rope: self.sliding_rope,
             bos_token_id: Some(BOS_ID),
@@ -313,15 +314,15 @@ impl TinySpec {
         }
     }
 
-    /// Layer `i`'s kind: sliding where the family's pattern says so and a window is set.
-    fn layer_type(&self, i: usize) -> LayerType {
-        let period = match self.architecture {
-            Architecture::Gemma2 => 2,
-            Architecture::Gemma3Text => 6,
-            Architecture::Phi3 if self.sliding_window.is_some() => return LayerType::Sliding,
-            _ => return LayerType::Full,
-        };
-        if self.sliding_window.is_some() && i % period < period - 1 { LayerType::Sliding } else { LayerType::Full }
+    /// The layers' kinds: sliding where the family's pattern says so and a window is set.
+    fn layer_types(&self) -> Vec<LayerType> {
+        let n = self.num_layers;
+        match (self.sliding_window, self.architecture) {
+            (Some(_), Architecture::Gemma2) => LayerType::periodic(n, 2),
+            (Some(_), Architecture::Gemma3Text) => LayerType::periodic(n, 6),
+            (Some(_), Architecture::Phi3) => vec![LayerType::Sliding; n],
+            _ => vec![LayerType::Full; n],
+        }
     }
 
     /// The weights, by HF name, as f32 (identical for every file format).
@@ -435,12 +436,13 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     if let Some(gemma) = &config.gemma {
         // What llama.cpp's Gemma converter writes; the attention scale is not in the file, so a
         // spec whose scale the size rule would not give cannot be written faithfully.
-        let rule = if config.num_hidden_layers == if arch == "gemma2" { 46 } else { 62 } {
-            config.hidden_size / config.num_attention_heads
-        } else {
-            config.head_dim
-        };
-        if gemma.query_pre_attn_scalar != rule as f32 {
+        let rule = gemma_attention_scalar(
+            config.architecture,
+            config.num_hidden_layers,
+            config.hidden_size / config.num_attention_heads,
+            config.head_dim,
+        );
+        if gemma.query_pre_attn_scalar != rule {
             return Err(FormatError::InvalidArgument(format!(
                 "query_pre_attn_scalar {} is not what a {arch} GGUF of this size implies ({rule})",
                 gemma.query_pre_attn_scalar
