@@ -25,9 +25,15 @@
 // Warp 0's lanes each copy one token's K or V row (ST * 2 = 32 lanes); lane 0 first announces
 // the stage's bytes on the stage's mbarrier (arrive.expect_tx), every warp waits on its phase.
 // A slot is refilled only after a CTA barrier at the top of the next iteration (every warp is
-// done with it). The ring starts zeroed: tokens past the chunk are not copied, and their V rows
-// (weighed by a zero probability) then hold zeros or an earlier stage's finite values, never
-// uninitialized shared memory that could be NaN; their scores are masked to -inf.
+// done with it). Tokens past the chunk (only in its last stage) are not copied: their lanes write
+// zeros into their V rows instead, before lane 0 arrives on the stage's barrier (a warp barrier
+// orders those stores before its release), so that a zero probability never meets uninitialized
+// shared memory that could be NaN; their scores are masked to -inf. Nothing is copied into the
+// ring after the last stage, so these ordinary stores never race the copy engine.
+//
+// Every warp computes its KV head the same way whatever the CTA's KVC and ring depth, so the
+// variants (warps, stages) give bit-identical rows for the same split count: the launcher picks
+// the variant from the batch without making a row's output depend on the rows beside it.
 //
 // Products (per warp, per stage of 16 tokens): S (MG x 16) = Q K^T as two m16n8k16 N tiles of
 // 8 tokens (K rows by ldmatrix, non-transposed), online softmax per query head over the 16
@@ -100,7 +106,7 @@ __device__ __forceinline__ void st_part2(float* __restrict__ part_o, long long i
 
 // The CTA's share of a row and its ring, shared by the bf16 and FP8 streaming kernels: the grid
 // mapping (KV heads, query-head chunk, row, split), the chunk [c0, c1) of the row's context,
-// the zeroed ring of NS stages of ST tokens (K rows then V rows of KVC heads of C, rows padded
+// the ring of NS stages of ST tokens (K rows then V rows of KVC heads of C, rows padded
 // by 16 bytes) with one mbarrier a stage, and warp 0's copy state. `run` is false when the CTA
 // has nothing to do: a padding row (whose zeros the first split writes here) or a split past the
 // row's context.
@@ -160,16 +166,12 @@ struct StRing {
         ring = smem_addr(smem);
         bars = ring + (unsigned)(NS * 2 * tile_b);  // 16-byte aligned: tile_b is
 
-        // Zero the ring (see the header), then initialize the barriers; the fence orders these
-        // ordinary stores before the copy engine's writes to the same bytes.
-        uint4* z = reinterpret_cast<uint4*>(smem);
-        for (int i = tid; i < NS * 2 * tile_b / 16; i += blockDim.x) z[i] = make_uint4(0u, 0u, 0u, 0u);
+        // The barriers, visible to the copy engine before any copy names them.
         if (tid == 0) {
 #pragma unroll
             for (int s = 0; s < NS; s++) mbar_init(bars + 8 * s, 1);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
 
         ctok = lane % ST;
@@ -187,16 +189,20 @@ struct StRing {
         }
     }
 
-    // Warp 0: copies stage j (the next one in order) into ring slot j % NS.
+    // Warp 0: copies stage j (the next one in order) into ring slot j % NS; the lanes of tokens
+    // past the chunk zero their V rows first (see the header).
     __device__ __forceinline__ void issue(int j, int lane) {
         const int s = j % NS;
         const unsigned bar = bars + 8 * s;
+        const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
+        if (cp >= c1 && cv) {
+            for (int b = 0; b < row_b; b += 16)
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst + b), "r"(0u) : "memory");
+        }
+        __syncwarp();
         if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
         __syncwarp();
-        if (cp < c1) {
-            const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
-            bulk_copy_g2s(dst, src + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
-        }
+        if (cp < c1) bulk_copy_g2s(dst, src + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
         cp += ST;
         coff += ST;
         while (coff >= block_size) {
@@ -449,10 +455,12 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     ATT_ST_INSTANCE(HD, 8, 2, 8)     \
     ATT_ST_INSTANCE(HD, 4, 3, 8)     \
     ATT_ST_INSTANCE(HD, 8, 2, 16)    \
+    ATT_ST_INSTANCE(HD, 1, 4, 8)     \
     ATT_ST_FP8_INSTANCE(HD, 8, 3, 8) \
     ATT_ST_FP8_INSTANCE(HD, 8, 6, 8) \
     ATT_ST_FP8_INSTANCE(HD, 4, 4, 8) \
-    ATT_ST_FP8_INSTANCE(HD, 8, 3, 16)
+    ATT_ST_FP8_INSTANCE(HD, 8, 3, 16) \
+    ATT_ST_FP8_INSTANCE(HD, 1, 4, 8)
 
 ATT_ST_VARIANTS(16)
 ATT_ST_VARIANTS(32)

@@ -206,7 +206,7 @@ const fn fp8(variant: AttnVariant) -> AttnVariant {
 /// warp per stage, so a stage of 2 warps is 32 tokens; at head_dim 128, 4 stages are 36.9 KB
 /// of codes (6 CTAs per SM), 3 stages 27.6 KB), then the streaming ones (`ATT_ST_FP8_INSTANCE` in
 /// attention_stream.cu, `paged_attention_st_fp8_*`).
-pub const ATTN_FP8_VARIANTS: [AttnVariant; 7] = [
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 8] = [
     fp8(tc(2, 3, 8)),
     fp8(tc(2, 4, 8)),
     fp8(tc(2, 4, 16)),
@@ -216,6 +216,8 @@ pub const ATTN_FP8_VARIANTS: [AttnVariant; 7] = [
     fp8(st(8, 6, 8)),
     fp8(st(4, 4, 8)),
     fp8(st(8, 3, 16)),
+    // One KV head a CTA, 4 stages (17.4 KB at those heads), for small batches.
+    fp8(st(1, 4, 8)),
 ];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
@@ -236,7 +238,7 @@ pub(crate) fn fp8_kernel_name(variant: &AttnVariant, head_dim: usize) -> String 
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
 /// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu), then the streaming
 /// kernels in the order of `ATT_ST_VARIANTS` (attention_stream.cu).
-pub const ATTN_VARIANTS: [AttnVariant; 13] = [
+pub const ATTN_VARIANTS: [AttnVariant; 14] = [
     reg(4, 4, 4, false),
     reg(4, 8, 4, false),
     reg(4, 4, 8, false),
@@ -258,6 +260,9 @@ pub const ATTN_VARIANTS: [AttnVariant; 13] = [
     st(4, 3, 8),
     // 16 query heads a warp (a group of 12 or 16 reads K/V once), two stages.
     st(8, 2, 16),
+    // One KV head a CTA, 4 stages (Llama-3.1-8B heads: 34.8 KB, six CTAs per SM): for small
+    // batches, where CTAs of every KV head of a row would leave SMs idle.
+    st(1, 4, 8),
 ];
 
 /// The tensor-core variant for a GQA group of `group` query heads: 4 shared-memory stages, 8
@@ -270,8 +275,8 @@ pub fn attn_tc_default(group: usize) -> usize {
 }
 
 /// The streaming variant for a GQA group of `group` query heads (index in [`ATTN_VARIANTS`], or
-/// with `fp8` in [`ATTN_FP8_VARIANTS`]): bf16 two stages, FP8 three, 8 query heads a warp up to a
-/// group of 8 and 16 beyond.
+/// with `fp8` in [`ATTN_FP8_VARIANTS`]): up to 8 KV heads a CTA, bf16 two stages, FP8 three, 8
+/// query heads a warp up to a group of 8 and 16 beyond.
 pub fn attn_stream_default(group: usize, fp8: bool) -> usize {
     match (fp8, group > 8) {
         (false, false) => 10,
@@ -280,6 +285,21 @@ pub fn attn_stream_default(group: usize, fp8: bool) -> usize {
         (true, true) => 6,
     }
 }
+
+/// The streaming variant of one KV head a CTA (8 query heads a warp; index as
+/// [`attn_stream_default`]), for launches of fewer than [`STREAM_WIDE_MIN_CTAS`] wide CTAs per
+/// split. Its rows are bit for bit those of the wide variant (attention_stream.cu: each warp
+/// computes its KV head alike whatever its CTA), so the switch keeps a row's output independent
+/// of the rows beside it.
+pub fn attn_stream_narrow(fp8: bool) -> usize {
+    if fp8 { 7 } else { 13 }
+}
+
+/// Fewest CTAs per split of the wide streaming variant ([`attn_stream_default`]) below which a
+/// launch takes the narrow one ([`attn_stream_narrow`]): with every KV head of a row in one CTA,
+/// a batch of one row fills a fraction of the SMs (Llama-3.1-8B, H100: one row at 8k 33.4 µs at
+/// its best split count against 30.5 for the tensor-core kernel's eight CTAs a split).
+pub const STREAM_WIDE_MIN_CTAS: usize = 8;
 
 /// One decode attention launch as the default rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,24 +327,29 @@ impl DecodeShape {
 /// (`stream`: sm_90) and the CTA's ring fits, [`attn_stream_default`]; else the tensor-core
 /// kernel, [`attn_tc_default`] or [`attn_fp8_default`].
 ///
-/// The choice does not depend on the batch (`shape.rows`): a row's output must not change with
-/// how many rows share its step, or a graph replay (at its padded bucket) would differ from the
-/// eager step (at the exact count), and async scheduling (whose steps may carry a row that has
-/// just stopped) from sync scheduling; the GPU tests check both token for token. The cost, as
-/// measured on an H100 (Llama-3.1-8B heads; `cuda_bench` 34590ad, `cuda_bench_fp8` 1a3484f):
-/// at one row the streaming kernel is slower than the tensor-core kernel (bf16 22.0 against
-/// 18.8 µs at 2k, 33.4 against 30.5 at 8k; FP8 32.0 against 22.7 at 8k) where few CTAs each
-/// stream a row's whole slots; from 32 rows it is as fast or faster (bf16 381 against 428 µs at
-/// 256 × 1k, 743 against 877 at 128 × 4k; FP8 204.5 against 220.6 at 256 × 1k).
+/// The kernel does not depend on the batch (`shape.rows`), only the variant does, among
+/// variants that compute a row bit for bit alike ([`attn_stream_narrow`]): a row's output must
+/// not change with how many rows share its step, or a graph replay (at its padded bucket) would
+/// differ from the eager step (at the exact count), and async scheduling (whose steps may carry a
+/// row that has just stopped) from sync scheduling; the GPU tests check both token for token. A
+/// rule that switched between the tensor-core and streaming kernels by batch size failed both
+/// (H100, 1a3484f: `gpu_gemma_graph_replays_match_eager_steps`,
+/// `gpu_async_scheduling_matches_sync`). Measured on an H100 (Llama-3.1-8B heads; `cuda_bench`
+/// 34590ad, `cuda_bench_fp8` 1a3484f), the wide streaming variant is as fast as the tensor-core
+/// kernel or faster from 8 rows (bf16 381 against 428 µs at 256 × 1k, 743 against 877 at
+/// 128 × 4k; FP8 204.5 against 220.6 at 256 × 1k).
 pub fn attn_default(shape: &DecodeShape, stream: bool) -> usize {
     let group = shape.group();
-    let st = attn_stream_default(group, shape.fp8);
-    let v = if shape.fp8 { &ATTN_FP8_VARIANTS[st] } else { &ATTN_VARIANTS[st] };
-    match (stream && stream_kv_heads(v, shape.n_kv_heads, shape.head_dim) > 0, shape.fp8) {
-        (true, _) => st,
-        (false, false) => attn_tc_default(group),
-        (false, true) => attn_fp8_default(group),
+    let table: &[AttnVariant] = if shape.fp8 { &ATTN_FP8_VARIANTS } else { &ATTN_VARIANTS };
+    let wide = attn_stream_default(group, shape.fp8);
+    let v = &table[wide];
+    let (n_heads, n_kv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+    if stream && stream_kv_heads(v, n_kv, hd) > 0 {
+        let narrow = attn_stream_narrow(shape.fp8);
+        let small = shape.rows * v.ctas_per_row(n_heads, n_kv, hd) < STREAM_WIDE_MIN_CTAS;
+        return if small && group <= 8 && stream_kv_heads(&table[narrow], n_kv, hd) > 0 { narrow } else { wide };
     }
+    if shape.fp8 { attn_fp8_default(group) } else { attn_tc_default(group) }
 }
 
 /// How the decode kernel splits each row's context across CTAs: `Auto` aims at several CTAs
@@ -550,13 +575,21 @@ mod tests {
         // With the streaming kernel (sm_90), whatever the batch: one CTA per row takes an SM
         // alone, so 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all, one
         // row in at most 64.
+        // Below 8 rows (one wide CTA a row) the narrow variant, one KV head a CTA (six per SM).
         for rows in [1, 7, 8, 256] {
-            assert_eq!(attn_default(&llama(rows, false), true), attn_stream_default(4, false));
-            assert_eq!(attn_default(&llama(rows, true), true), attn_stream_default(4, true));
+            for fp8 in [false, true] {
+                let want = if rows < 8 { attn_stream_narrow(fp8) } else { attn_stream_default(4, fp8) };
+                assert_eq!(attn_default(&llama(rows, fp8), true), want, "{rows} rows, fp8 {fp8}");
+            }
             assert_eq!(attn_default(&llama(rows, false), false), attn_tc_default(4));
         }
+        // A group of 12 has no narrow variant.
+        assert_eq!(attn_default(&DecodeShape { rows: 1, ..g12 }, true), attn_stream_default(12, false));
+        let narrow = ATTN_VARIANTS[attn_stream_narrow(false)];
+        assert_eq!((narrow.ctas_per_row(32, 8, 128), narrow.stream_ctas_per_sm(8, 128)), (8, 6));
         assert_eq!(auto_splits(132, &llama(1, false), 8192, true), 64);
         assert_eq!(auto_splits(132, &llama(1, false), 2048, true), 32);
+        assert_eq!(auto_splits(132, &llama(8, false), 4096, true), 16);
         assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
         assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
         assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
