@@ -23,7 +23,7 @@
 use super::launch::{Args, MAX_GRID_YZ, cfg, int, need, shape_check, shape_error};
 use super::paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_HEAD_DIMS, ATTN_VARIANTS, AttnKind, AttnSplit, DecodeShape, MIN_SPLIT_TOKENS, SplitTarget,
-    attn_default, plan_splits, stream_kv_heads, stream_smem_bytes, tc_dynamic_smem,
+    attn_default, plan_splits, stream_carveout, stream_kv_heads, stream_smem_bytes, tc_dynamic_smem,
 };
 use super::prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WGMMA, PrefillLists, block_magic,
@@ -366,6 +366,10 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
+        let args = match (v.kind, stream_carveout(rows)) {
+            (AttnKind::Stream, Some(percent)) => args.carveout(percent),
+            _ => args,
+        };
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks

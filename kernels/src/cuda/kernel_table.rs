@@ -309,7 +309,7 @@ impl KernelTable<CudaFunction> {
     ///
     /// The streaming decode shapes (sm_90 only: `hopper`) may take up to a CTA's limit of
     /// dynamic shared memory ([`CTA_SMEM_LIMIT`]; how much a launch takes depends on the KV
-    /// heads, `stream_smem_bytes`).
+    /// heads, `stream_smem_bytes`); their carve-out is a launch attribute instead.
     pub fn prepare(&self, hopper: bool) -> Result<(), CudaError> {
         for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
             let dynamic = |v: &AttnVariant| match v.kind {
@@ -317,11 +317,14 @@ impl KernelTable<CudaFunction> {
                 AttnKind::Stream => 0,
                 _ => tc_dynamic_smem(v, *hd, v.fp8),
             };
-            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (f, dynamic(v)));
-            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (f, dynamic(v)));
-            for (func, bytes) in bf16.chain(fp8).filter(|(_, b)| *b > 0) {
+            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (v, f, dynamic(v)));
+            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (v, f, dynamic(v)));
+            for (v, func, bytes) in bf16.chain(fp8).filter(|(_, _, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
-                func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                // The streaming kernels' carve-out is chosen per launch (`stream_carveout`).
+                if v.kind != AttnKind::Stream {
+                    func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+                }
             }
         }
         let bf16 = self.prefill.iter().zip(&self.prefill_opt);

@@ -109,7 +109,8 @@ pub(crate) enum Arg<'a> {
     F32(f32),
 }
 
-/// A kernel's argument list, in the kernel's parameter order, built before the launch.
+/// A kernel's argument list, in the kernel's parameter order, built before the launch, and the
+/// launch's own attributes ([`Args::carveout`]).
 ///
 /// The scalars live here until [`Args::launch`] returns (the driver copies the parameters at
 /// launch), so a launcher never keeps locals alive for them. Conversions that can fail
@@ -117,12 +118,22 @@ pub(crate) enum Arg<'a> {
 pub(crate) struct Args<'a> {
     op: &'static str,
     list: Vec<Arg<'a>>,
+    carveout: Option<u32>,
 }
 
 impl<'a> Args<'a> {
     /// An empty list for `op`.
     pub fn new(op: &'static str) -> Self {
-        Self { op, list: Vec::with_capacity(16) }
+        Self { op, list: Vec::with_capacity(16), carveout: None }
+    }
+
+    /// This launch's preferred shared-memory carve-out, in percent of the SM's largest (the
+    /// launch attribute, over the function's own `PREFERRED_SHARED_MEMORY_CARVEOUT`). An SM
+    /// changes its L1/shared split only once it has drained, so a kernel whose carve-out
+    /// differs from its neighbours' cannot overlap them (programmatic dependent launch).
+    pub fn carveout(mut self, percent: u32) -> Self {
+        self.carveout = Some(percent.min(100));
+        self
     }
 
     /// A device slice (the kernel may read or write it: event tracking is off, see
@@ -212,11 +223,22 @@ impl<'a> Args<'a> {
             .collect();
         let mut params: Vec<*mut std::ffi::c_void> =
             slots.iter_mut().map(|v| (v as *mut u64).cast::<std::ffi::c_void>()).collect();
-        let mut attr = sys::CUlaunchAttribute {
+        let pdl = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
         };
+        let carveout = self.carveout.map(|percent| sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { sharedMemCarveout: percent },
+        });
+        let mut attrs = [pdl; 2];
+        let mut n_attrs = usize::from(dev.pdl());
+        if let Some(c) = carveout {
+            attrs[n_attrs] = c;
+            n_attrs += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -226,11 +248,11 @@ impl<'a> Args<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(dev.pdl()),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n_attrs as u32,
         };
         // SAFETY: the caller's contract above; `params` points at `slots`, which outlive the
-        // call (the driver copies the parameters at launch), and `attr` outlives it too.
+        // call (the driver copies the parameters at launch), and `attrs` outlives it too.
         unsafe {
             sys::cuLaunchKernelEx(&config, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result()
         }?;

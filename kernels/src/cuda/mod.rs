@@ -138,7 +138,7 @@ pub use norm_linear::{NormLinearCall, NormLinearOut, ResidualLinearCall, norm_st
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, DecodeShape, STREAM_WIDE_MIN_CTAS, SplitTarget,
     attn_default, attn_fp8_default, attn_stream_default, attn_stream_narrow, attn_tc_default, auto_splits, plan_splits,
-    stream_kv_heads,
+    stream_carveout, stream_kv_heads,
 };
 pub use prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WARPS, PREFILL_WGMMA,
