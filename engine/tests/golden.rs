@@ -16,7 +16,9 @@ use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_engine::{EngineConfig, EngineHandle};
-use baton_formats::testing::{TinySpec, golden_checkpoint_copy, load_golden, write_gguf, write_hf_folder};
+use baton_formats::testing::{
+    TinySpec, gguf_fixtures_dir, golden_checkpoint_copy, load_golden, write_gguf, write_hf_folder,
+};
 use baton_formats::{Architecture, GgufType, LoadFormat, LoadedModel, load_model};
 use common::*;
 
@@ -54,10 +56,10 @@ fn check_fixture(name: &str) {
     check_fixture_in(name, &dir);
 }
 
-/// [`check_fixture`] with the fixture's model loaded from `dir`.
-fn check_fixture_in(name: &str, dir: &std::path::Path) {
+/// [`check_fixture`] with the fixture's model loaded from `path` (a checkpoint folder or a GGUF file).
+fn check_fixture_in(name: &str, path: &std::path::Path) {
     let (_, golden) = load_golden(name).expect("golden fixture");
-    let model = load_model(dir, LoadFormat::Auto).expect("load fixture model");
+    let model = load_model(path, LoadFormat::Auto).expect("load fixture model");
     let engine = engine(&model, EngineConfig::default());
     assert!(!golden.prompts.is_empty());
     for p in &golden.prompts {
@@ -242,6 +244,15 @@ fn golden_gpt_oss_matches_transformers() {
     // reach past it) and full attention on layer 1, YaRN (factor 32, truncate false), q/k/v/o
     // biases, top-2 of 4 experts with router and expert biases and the clamped SwiGLU.
     check_fixture("gpt_oss");
+}
+
+#[test]
+fn golden_gpt_oss_gguf_matches_transformers() {
+    // The same checkpoints as llama.cpp's converter writes them (scripts/golden/
+    // make_gguf_gpt_oss.py): MXFP4 experts repacked with split gate/up, and float experts with
+    // the fused gate/up tensor; transformers' logits and greedy tokens of each checkpoint.
+    check_fixture_in("gpt_oss_mxfp4", &gguf_fixtures_dir().join("gpt_oss_mxfp4.gguf"));
+    check_fixture_in("gpt_oss", &gguf_fixtures_dir().join("gpt_oss_fused_f32.gguf"));
 }
 
 #[test]

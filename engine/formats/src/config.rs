@@ -89,9 +89,8 @@ impl Architecture {
             Self::Qwen3Moe => Some("qwen3moe"),
             // Fused `attn_qkv` / `ffn_up`, LongRoPE factors as tensors (`gguf/model.rs`).
             Self::Phi3 => Some("phi3"),
-            // llama.cpp's `gpt-oss` GGUF (MXFP4 experts with biases, sinks) is not mapped:
-            // refused by its expert layout.
-            Self::GptOss => None,
+            // Split or fused gate/up experts with biases, MXFP4 or float (`gguf/gpt_oss.rs`).
+            Self::GptOss => Some("gpt-oss"),
         }
     }
 

@@ -29,7 +29,15 @@ fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn exported_gguf_reloads_bit_identical_with_same_config_and_tokenizer() {
     for spec in [TinySpec::llama(), TinySpec::qwen2(), TinySpec::tied()] {
-        for ty in [GgufType::F32, GgufType::F16, GgufType::BF16, GgufType::Q8_0, GgufType::Q4_1, GgufType::Q4_0] {
+        for ty in [
+            GgufType::F32,
+            GgufType::F16,
+            GgufType::BF16,
+            GgufType::Q8_0,
+            GgufType::Q4_1,
+            GgufType::Q4_0,
+            GgufType::MXFP4,
+        ] {
             let tmp = tempfile::tempdir().expect("tmp");
             let src = gguf_model(tmp.path(), &spec, ty);
             let out = tmp.path().join("hf");
@@ -70,6 +78,8 @@ fn exported_gguf_reloads_bit_identical_with_same_config_and_tokenizer() {
                     GgufType::BF16 => 4e-3,
                     GgufType::Q8_0 => 0.02,
                     GgufType::Q4_0 | GgufType::Q4_1 => 0.2,
+                    // e2m1 codes (eight magnitudes) under a power-of-two scale.
+                    GgufType::MXFP4 => 0.3,
                 };
                 assert!(err <= limit, "{what} {name}: relative error {err} against the HF-order weights");
             }

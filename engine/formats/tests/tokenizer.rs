@@ -51,7 +51,13 @@ fn hf_and_gguf(spec: &TinySpec) -> (Tokenizer, Tokenizer, tempfile::TempDir) {
 
 #[test]
 fn gguf_tokenizer_matches_tokenizer_json_for_every_pre_tokenizer() {
-    let kinds = [PreTokenizerKind::Gpt2, PreTokenizerKind::Smollm, PreTokenizerKind::Llama3, PreTokenizerKind::Qwen2];
+    let kinds = [
+        PreTokenizerKind::Gpt2,
+        PreTokenizerKind::Smollm,
+        PreTokenizerKind::Llama3,
+        PreTokenizerKind::Qwen2,
+        PreTokenizerKind::Gpt4o,
+    ];
     for (i, pre) in kinds.into_iter().enumerate() {
         let spec = TinySpec { pre_tokenizer: pre, ..TinySpec::llama() };
         let (hf, gg, _tmp) = hf_and_gguf(&spec);
@@ -88,6 +94,27 @@ fn pre_tokenizers_differ_where_their_regexes_do() {
     assert_eq!(pieces(PreTokenizerKind::Smollm), 7);
     assert_eq!(pieces(PreTokenizerKind::Qwen2), 7);
     assert_eq!(pieces(PreTokenizerKind::Llama3), 3);
+    assert_eq!(pieces(PreTokenizerKind::Gpt4o), 3);
+}
+
+#[test]
+fn o200k_splits_words_by_case_and_keeps_contractions() {
+    // gpt-oss's o200k regex (`gpt-4o`) against Llama 3's on one string: o200k starts a word at
+    // each capital run and keeps a contraction on its word; Llama 3 splits on letters alone.
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let splits = |pre| {
+        let spec = TinySpec { pre_tokenizer: pre, ..TinySpec::llama() };
+        let tok = spec.tokenizer_spec().expect("bpe").build("t").expect("build");
+        let mut s = PreTokenizedString::from("HelloWorld's 1234567 a/b\n");
+        tok.get_pre_tokenizer().expect("pre").pre_tokenize(&mut s).expect("split");
+        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(p, _, _)| p.to_string())
+            .collect::<Vec<_>>()
+    };
+    // Byte-level maps the space to 'Ġ' and the newline to 'Ċ'.
+    assert_eq!(splits(PreTokenizerKind::Gpt4o), ["Hello", "World's", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]);
+    assert_eq!(splits(PreTokenizerKind::Llama3), ["HelloWorld", "'s", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! GGUF support: a bounds-checked reader and a writer for the container, ggml block
 //! quantizations, and the mapping of llama.cpp models onto HF names and shapes.
 
+mod gpt_oss;
 pub mod model;
 pub mod quant;
 pub mod reader;

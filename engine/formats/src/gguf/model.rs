@@ -3,7 +3,7 @@
 //! of Q/K (applied to `llama`-architecture files only; `qwen2`/`qwen3` files keep HF order) undone.
 //!
 //! Mixture-of-experts files as llama.cpp's converter writes them: `qwen3moe` (Qwen3-MoE) and
-//! `llama` with `llama.expert_count` (Mixtral). Each MoE layer holds its router
+//! `llama` with `llama.expert_count` (Mixtral) here, `gpt-oss` in `gpt_oss.rs`. Each MoE layer holds its router
 //! (`blk.N.ffn_gate_inp`) and its experts stacked in one 3-D tensor per projection
 //! (`blk.N.ffn_{gate,up,down}_exps`, `[experts, out, in]` in HF order), which this store serves
 //! as the per-expert HF tensors the engine loads (views into the mapped file for plain floats).
@@ -18,11 +18,12 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
+use super::gpt_oss::{ExpertJob, build_expert, expert_job, gpt_oss_gguf_name, gpt_oss_hf_name};
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
 use crate::config::{
-    Architecture, ExpertProj, GemmaOptions, LayerType, LongRope, ModelConfig, MoeConfig, RopeParameters, RopeScaling,
-    llama3_rope_divisors,
+    Architecture, ExpertProj, GemmaOptions, GptOssOptions, LayerType, LongRope, ModelConfig, MoeConfig, RopeParameters,
+    RopeScaling, llama3_rope_divisors,
 };
 use crate::error::FormatError;
 use crate::tensor::{DType, TensorView, WeightStore, f32_to_bytes};
@@ -61,8 +62,15 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
 
 /// The HF name of a GGUF tensor name in a file of `architecture`: as [`gguf_to_hf_name`], except
 /// that llama.cpp's Gemma files put the pre-feedforward norm in `ffn_norm` and add the
-/// post-attention (`post_attention_norm`) and post-feedforward (`post_ffw_norm`) norms.
+/// post-attention (`post_attention_norm`) and post-feedforward (`post_ffw_norm`) norms, Phi-3
+/// files keep their fused projections, and gpt-oss files rename their sinks, router bias and
+/// post-attention norm (`gpt_oss.rs`; its experts are reshaped there too).
 pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture == Architecture::GptOss
+        && let Some(hf) = gpt_oss_hf_name(name)
+    {
+        return Some(hf);
+    }
     if architecture == Architecture::Phi3
         && let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.'))
     {
@@ -92,6 +100,11 @@ pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<Str
 /// The GGUF name of a HF tensor name in a file of `architecture` (inverse of
 /// [`gguf_to_hf_name_for`]).
 pub fn hf_to_gguf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    if architecture == Architecture::GptOss
+        && let Some(g) = gpt_oss_gguf_name(name)
+    {
+        return Some(g);
+    }
     if architecture == Architecture::Phi3
         && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
     {
@@ -201,16 +214,19 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
     let architecture = match (experts, arch_name) {
         (Some(_), "qwen3moe") => Architecture::Qwen3Moe,
         (Some(_), "llama") => Architecture::Mixtral,
+        (Some(_), "gpt-oss") => Architecture::GptOss,
         (Some(n), _) => {
             return Err(FormatError::unsupported(
                 path,
                 format!(
                     "mixture-of-experts GGUF ({arch_name}.expert_count {n}): Baton maps the expert layout of \
-                     `qwen3moe` and `llama` (Mixtral) files only; load the Hugging Face safetensors checkpoint instead"
+                     `qwen3moe`, `llama` (Mixtral) and `gpt-oss` files only; load the Hugging Face safetensors checkpoint instead"
                 ),
             ));
         }
-        (None, "qwen3moe") => return Err(FormatError::gguf(path, "missing metadata qwen3moe.expert_count")),
+        (None, "qwen3moe" | "gpt-oss") => {
+            return Err(FormatError::gguf(path, format!("missing metadata {arch_name}.expert_count")));
+        }
         (None, _) => Architecture::from_name(arch_name)
             .filter(|a| a.gguf_name().is_some() || *a == Architecture::Mistral)
             .ok_or_else(|| FormatError::UnsupportedArchitecture { path: path.clone(), name: arch_name.to_string() })?,
@@ -240,6 +256,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
                 .ok_or_else(|| FormatError::gguf(path, "linear rope scaling without rope.scaling.factor"))?
                 as f32,
         }),
+        Some("yarn") => Some(gguf_yarn(g, arch_name, architecture)?),
         Some(other) => return Err(FormatError::unsupported(path, format!("rope scaling type {other:?}"))),
     };
     let max_position_embeddings = num("context_length").unwrap_or(2048);
@@ -298,11 +315,44 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig, FormatError> {
         eos_token_ids,
         moe,
         gemma,
-        gpt_oss: None,
+        // llama.cpp's gpt-oss graph fixes the clamped SwiGLU at transformers' defaults; the
+        // file carries neither.
+        gpt_oss: (architecture == Architecture::GptOss)
+            .then_some(GptOssOptions { swiglu_alpha: 1.702, swiglu_limit: 7.0 }),
         quantization: None,
     };
     cfg.validate_at(path)?;
     Ok(cfg)
+}
+
+/// YaRN as llama.cpp's converter writes it (`{arch}.rope.scaling.*`): the factor and the
+/// original context (both required), `yarn_beta_fast` / `yarn_beta_slow` (transformers' 32 and
+/// 1 where absent), `yarn_attn_factor` as the cos/sin scale where given. The file does not say
+/// whether the ramp's ends round to whole dims (transformers' `truncate`): gpt-oss checkpoints
+/// all say false, every other family the default, true. An extrapolation factor other than 1
+/// or a log multiplier (DeepSeek's mscale) is refused by name: transformers' YaRN has neither.
+fn gguf_yarn(g: &GgufFile, arch_name: &str, architecture: Architecture) -> Result<RopeScaling, FormatError> {
+    let path = &g.path;
+    let key = |k: &str| format!("{arch_name}.rope.scaling.{k}");
+    let float = |k: &str| g.get(&key(k)).and_then(GgufValue::as_f64).map(|v| v as f32);
+    let need = |k: &str| format!("yarn rope scaling without {}", key(k));
+    for (k, neutral) in [("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)] {
+        if let Some(v) = float(k).filter(|&v| v != neutral) {
+            return Err(FormatError::unsupported(path, format!("{} {v}", key(k))));
+        }
+    }
+    Ok(RopeScaling::Yarn {
+        factor: float("factor").ok_or_else(|| FormatError::gguf(path, need("factor")))?,
+        original_max_position_embeddings: g
+            .get(&key("original_context_length"))
+            .and_then(GgufValue::as_u64)
+            .ok_or_else(|| FormatError::gguf(path, need("original_context_length")))?
+            as usize,
+        beta_fast: float("yarn_beta_fast").unwrap_or(32.0),
+        beta_slow: float("yarn_beta_slow").unwrap_or(1.0),
+        truncate: architecture != Architecture::GptOss,
+        attention_factor: float("yarn_attn_factor"),
+    })
 }
 
 /// LongRoPE as llama.cpp's Phi-3 converter writes it: the factor lists as the tensors
@@ -380,8 +430,9 @@ struct LayerLayout {
 /// The layers of a file as llama.cpp lays them out, given `{arch}.attention.sliding_window`
 /// (absent or 0: every layer full). Gemma 2 slides on even layers, Gemma 3 on five of every six,
 /// as transformers' `layer_types` do ([`LayerType::periodic`]); their sliding layers rotate with
-/// `{arch}.rope.freq_base_swa` (Gemma 3: 10,000 where absent, unscaled). Phi-3 slides on every
-/// layer. Other families' files are read all full, as before.
+/// `{arch}.rope.freq_base_swa` (Gemma 3: 10,000 where absent, unscaled). gpt-oss slides on even
+/// layers like Gemma 2 (llama.cpp's swa pattern 2), with the full layers' RoPE. Phi-3 slides on
+/// every layer. Other families' files are read all full, as before.
 fn gguf_layers(
     g: &GgufFile,
     arch_name: &str,
@@ -397,7 +448,7 @@ fn gguf_layers(
         .filter(|&w| w > 0);
     let Some(window) = window else { return all_full };
     let layer_types = match architecture {
-        Architecture::Gemma2 => LayerType::periodic(blocks, 2),
+        Architecture::Gemma2 | Architecture::GptOss => LayerType::periodic(blocks, 2),
         Architecture::Gemma3Text => LayerType::periodic(blocks, 6),
         Architecture::Phi3 => vec![LayerType::Sliding; blocks],
         _ => return all_full,
@@ -439,7 +490,7 @@ fn gguf_moe(g: &GgufFile, arch_name: &str, architecture: Architecture, n: usize)
     }
     // Qwen3-MoE's experts have their own width; Mixtral's is the model's feed-forward length.
     let intermediate_size = match architecture {
-        Architecture::Qwen3Moe => req("expert_feed_forward_length")?,
+        Architecture::Qwen3Moe | Architecture::GptOss => req("expert_feed_forward_length")?,
         _ => num("expert_feed_forward_length").map_or_else(|| req("feed_forward_length"), Ok)?,
     };
     let blocks = req("block_count")?;
@@ -472,7 +523,14 @@ pub fn gguf_router_name(layer: usize) -> String {
 /// `[experts, out, in]` tensor.
 enum Job {
     Whole(String, GgufTensorInfo),
-    Expert { hf: String, info: GgufTensorInfo, expert: usize, experts: usize },
+    Expert {
+        hf: String,
+        info: GgufTensorInfo,
+        expert: usize,
+        experts: usize,
+    },
+    /// gpt-oss's fused, transposed experts, built from one or two GGUF tensors.
+    GptOss(ExpertJob),
 }
 
 /// The HF tensors of a GGUF tensor under `config` (a MoE layer's router and stacked experts
@@ -486,6 +544,10 @@ fn jobs_for(t: &GgufTensorInfo, config: &ModelConfig) -> Vec<Job> {
     let Some(layer) = layer.filter(|&l| l < config.num_hidden_layers) else { return Vec::new() };
     if t.name == gguf_router_name(layer) {
         return vec![Job::Whole(config.router_tensor(layer), t.clone())];
+    }
+    if config.architecture == Architecture::GptOss {
+        // The up tensors are read by their gate tensor's job.
+        return expert_job(&t.name, config.num_hidden_layers).map(Job::GptOss).into_iter().collect();
     }
     for proj in [ExpertProj::Gate, ExpertProj::Up, ExpertProj::Down] {
         if t.name == gguf_experts_name(layer, proj) {
@@ -518,7 +580,8 @@ fn fit_llama3(divisors: &[f32], theta: f32, head_dim: usize) -> Option<RopeScali
     close.then_some(guess)
 }
 
-enum Stored {
+/// Where a served tensor's bytes live.
+pub(super) enum Stored {
     Mapped(GgufTensorInfo, GgufType),
     /// Bytes `start..start + len` of a plain-float tensor (one expert of a stacked tensor).
     Slice(GgufTensorInfo, GgufType, usize, usize),
@@ -559,6 +622,7 @@ impl GgufStore {
             .map(|job| match job {
                 Job::Whole(hf, t) => whole_tensor(&file, config, permute, hf, t),
                 Job::Expert { hf, info, expert, experts } => expert_tensor(&file, hf, info, expert, experts),
+                Job::GptOss(job) => build_expert(&file, config, job),
             })
             .collect();
         Ok(Self { tensors: converted?.into_iter().collect(), file })
@@ -571,12 +635,12 @@ impl GgufStore {
 }
 
 /// The type of a GGUF tensor, refused by name when Baton does not read it.
-fn tensor_type(file: &GgufFile, t: &GgufTensorInfo) -> Result<GgufType, FormatError> {
+pub(super) fn tensor_type(file: &GgufFile, t: &GgufTensorInfo) -> Result<GgufType, FormatError> {
     GgufType::from_id(t.ggml_type).ok_or_else(|| {
         FormatError::unsupported(
             &file.path,
             format!(
-                "tensor {:?} has type {} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
+                "tensor {:?} has type {} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4)",
                 t.name,
                 ggml_type_name(t.ggml_type)
             ),

@@ -30,6 +30,8 @@ pub enum GgufType {
     Q4_0,
     /// 32-element blocks: f16 scale, f16 min + 32 × 4-bit.
     Q4_1,
+    /// 32-element blocks: e8m0 scale byte + 32 × 4-bit e2m1 (OCP MXFP4; gpt-oss experts).
+    MXFP4,
 }
 
 impl GgufType {
@@ -42,6 +44,7 @@ impl GgufType {
             Self::Q4_1 => 3,
             Self::Q8_0 => 8,
             Self::BF16 => 30,
+            Self::MXFP4 => 39,
         }
     }
 
@@ -54,6 +57,7 @@ impl GgufType {
             3 => Some(Self::Q4_1),
             8 => Some(Self::Q8_0),
             30 => Some(Self::BF16),
+            39 => Some(Self::MXFP4),
             _ => None,
         }
     }
@@ -62,7 +66,7 @@ impl GgufType {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 => 32,
+            Self::Q8_0 | Self::Q4_0 | Self::Q4_1 | Self::MXFP4 => 32,
         }
     }
 
@@ -74,6 +78,7 @@ impl GgufType {
             Self::Q8_0 => 34,
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
+            Self::MXFP4 => 17,
         }
     }
 
@@ -106,6 +111,7 @@ pub fn ggml_type_name(id: u32) -> String {
         27 => "I64",
         28 => "F64",
         30 => "BF16",
+        39 => "MXFP4",
         _ => return format!("ggml type {id}"),
     };
     name.to_string()

@@ -48,6 +48,11 @@ impl GgufWriter {
         Ok(())
     }
 
+    /// Adds a tensor as stored bytes of `ty` with ggml-order `dims` (copying a file's tensor).
+    pub fn add_raw_tensor(&mut self, name: &str, dims: &[u64], ty: GgufType, bytes: Vec<u8>) {
+        self.tensors.push((name.to_string(), dims.to_vec(), ty, bytes));
+    }
+
     /// Writes a GGUF v3 file.
     pub fn write(&self, path: &Path) -> Result<(), FormatError> {
         self.write_version(path, 3)

@@ -552,6 +552,12 @@ pub fn golden_fixtures_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden")
 }
 
+/// The GGUF fixtures (`scripts/golden/make_gguf_gpt_oss.py`): golden checkpoints written as
+/// llama.cpp's converter writes them.
+pub fn gguf_fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf")
+}
+
 /// Where `scripts/fetch-default-model.sh` puts the default model.
 pub fn default_model_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -20,6 +20,15 @@ const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_REGEX: &str =
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The o200k split regex (gpt-oss, GPT-4o; llama.cpp's `gpt-4o`): case-aware words with an
+/// optional contraction, digits in groups of up to three, punctuation runs that keep a trailing
+/// newline or slash.
+const O200K_REGEX: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+);
+
 /// Pre-tokenizer families (GGUF `tokenizer.ggml.pre`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreTokenizerKind {
@@ -31,6 +40,8 @@ pub enum PreTokenizerKind {
     Llama3,
     /// Qwen2: NFC, single digits.
     Qwen2,
+    /// o200k (`gpt-4o`: gpt-oss).
+    Gpt4o,
 }
 
 impl PreTokenizerKind {
@@ -41,6 +52,7 @@ impl PreTokenizerKind {
             "smollm" | "starcoder" | "refact" => Some(Self::Smollm),
             "llama-bpe" | "llama3" | "llama-v3" => Some(Self::Llama3),
             "qwen2" => Some(Self::Qwen2),
+            "gpt-4o" => Some(Self::Gpt4o),
             _ => None,
         }
     }
@@ -52,6 +64,7 @@ impl PreTokenizerKind {
             Self::Smollm => "smollm",
             Self::Llama3 => "llama-bpe",
             Self::Qwen2 => "qwen2",
+            Self::Gpt4o => "gpt-4o",
         }
     }
 
@@ -65,6 +78,7 @@ impl PreTokenizerKind {
                 {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
             Self::Llama3 => json!({"type": "Sequence", "pretokenizers": [split(LLAMA3_REGEX), byte_level(false)]}),
             Self::Qwen2 => json!({"type": "Sequence", "pretokenizers": [split(QWEN2_REGEX), byte_level(false)]}),
+            Self::Gpt4o => json!({"type": "Sequence", "pretokenizers": [split(O200K_REGEX), byte_level(false)]}),
         }
     }
 
@@ -74,6 +88,7 @@ impl PreTokenizerKind {
             Self::Gpt2 | Self::Smollm => GPT2_REGEX,
             Self::Llama3 => LLAMA3_REGEX,
             Self::Qwen2 => QWEN2_REGEX,
+            Self::Gpt4o => O200K_REGEX,
         }
     }
 }
