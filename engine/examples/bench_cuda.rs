@@ -484,6 +484,7 @@ fn run() -> Res<()> {
                     ctx,
                     cfg: &cfg,
                     kv_elem_bytes: kv_elem_bytes as f64,
+                    projection_bytes,
                     dense_layers: dense_layers as f64,
                     moe_layers: moe_layers as f64,
                     touched: touched(b),
@@ -580,6 +581,9 @@ struct OpShape<'a> {
     cfg: &'a baton_formats::ModelConfig,
     /// Bytes of one cached K or V value (2 for bf16, 1 for FP8).
     kv_elem_bytes: f64,
+    /// Bytes of one weight of the attention and dense MLP projections (1 with
+    /// `--quantization fp8`, as the step's floor counts them).
+    projection_bytes: f64,
     /// Layers with a dense MLP, and with a mixture of experts.
     dense_layers: f64,
     moe_layers: f64,
@@ -615,7 +619,7 @@ impl OpShape<'_> {
         let kvd = (c.num_key_value_heads * c.head_dim) as f64;
         let inter = c.intermediate_size as f64;
         let vocab = c.vocab_size as f64;
-        let linear = |n: f64, k: f64| 2.0 * n * k + 2.0 * b * (n + k);
+        let linear = |n: f64, k: f64| self.projection_bytes * n * k + 2.0 * b * (n + k);
         let dl = self.dense_layers;
         // MoE: `a` assignments (rows × k), experts of width `mi`; the products read the
         // touched experts' weights once and their entries' activations (the fused gate_up
