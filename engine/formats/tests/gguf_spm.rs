@@ -109,3 +109,43 @@ fn sentencepiece_gguf_metadata_that_disagrees_is_refused() {
     let err = tokenizer_from_gguf(&GgufFile::open(&path).expect("open")).expect_err("scores short");
     assert!(err.to_string().contains("10 scores"), "{err}");
 }
+
+#[test]
+fn direct_build_equals_the_tokenizer_json_build() {
+    // `SpmVocab::build` makes the BPE model directly; `build_from_json` goes through the
+    // `tokenizer.json` document. The fixture's vocabulary with one piece made user-defined (an
+    // added, normalized token) gives the same ids, offsets-free decodes and special-token
+    // handling both ways, on the fixture's texts and on texts full of control, user-defined
+    // and out-of-vocabulary characters.
+    let f = fixture();
+    let mut types = f.types.clone();
+    let user = types.iter().rposition(|&t| t == 1).expect("a normal piece");
+    types[user] = 4;
+    for add_space_prefix in [true, false] {
+        let vocab = SpmVocab {
+            pieces: f.pieces.clone(),
+            scores: f.scores.clone(),
+            types: types.clone(),
+            bos: Some(f.bos_id),
+            add_bos: true,
+            add_space_prefix,
+        };
+        let direct = vocab.build("direct").expect("direct build");
+        let json = vocab.build_from_json("json").expect("json build");
+        let mut texts: Vec<String> = f.cases.iter().map(|c| c.text.clone()).collect();
+        let piece = f.pieces[user].replace('▁', " ");
+        texts.push(format!("</s>Phileas{piece}Fogg <s> naïve 漢字 🚂{piece}"));
+        texts.push(String::new());
+        for text in &texts {
+            for special in [false, true] {
+                let a = direct.encode(text.as_str(), special).expect("encode").get_ids().to_vec();
+                let b = json.encode(text.as_str(), special).expect("encode").get_ids().to_vec();
+                assert_eq!(a, b, "{text:?} (special tokens {special}, space prefix {add_space_prefix})");
+                let skip = !special;
+                assert_eq!(direct.decode(&a, skip).expect("decode"), json.decode(&b, skip).expect("decode"));
+            }
+        }
+        assert_eq!(direct.get_vocab_size(true), json.get_vocab_size(true));
+        assert_eq!(direct.token_to_id(&f.pieces[user]), Some(user as u32));
+    }
+}
