@@ -78,18 +78,22 @@ fn gguf_tokenizer_matches_tokenizer_json_for_every_pre_tokenizer() {
     }
 }
 
+/// The pieces `pre`'s pre-tokenizer splits `text` into (byte-level mapped: a space is 'Ġ', a
+/// newline 'Ċ').
+fn pre_splits(pre: PreTokenizerKind, text: &str) -> Vec<String> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let spec = TinySpec { pre_tokenizer: pre, ..TinySpec::llama() };
+    let tok = spec.tokenizer_spec().expect("bpe").build("t").expect("build");
+    let mut s = PreTokenizedString::from(text);
+    tok.get_pre_tokenizer().expect("pre").pre_tokenize(&mut s).expect("split");
+    s.get_splits(OffsetReferential::Original, OffsetType::Byte).into_iter().map(|(p, _, _)| p.to_string()).collect()
+}
+
 #[test]
 fn pre_tokenizers_differ_where_their_regexes_do() {
-    // Digits: GPT-2 keeps runs together, SmolLM and Qwen2 split every digit, Llama 3
-    // groups by three. Counted on the pre-tokenizer's splits.
-    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
-    let pieces = |pre| {
-        let spec = TinySpec { pre_tokenizer: pre, ..TinySpec::llama() };
-        let tok = spec.tokenizer_spec().expect("bpe").build("t").expect("build");
-        let mut s = PreTokenizedString::from("1234567");
-        tok.get_pre_tokenizer().expect("pre").pre_tokenize(&mut s).expect("split");
-        s.get_splits(OffsetReferential::Original, OffsetType::Byte).len()
-    };
+    // Digits: GPT-2 keeps runs together, SmolLM and Qwen2 split every digit, Llama 3 and o200k
+    // group by three.
+    let pieces = |pre| pre_splits(pre, "1234567").len();
     assert_eq!(pieces(PreTokenizerKind::Gpt2), 1);
     assert_eq!(pieces(PreTokenizerKind::Smollm), 7);
     assert_eq!(pieces(PreTokenizerKind::Qwen2), 7);
@@ -101,20 +105,15 @@ fn pre_tokenizers_differ_where_their_regexes_do() {
 fn o200k_splits_words_by_case_and_keeps_contractions() {
     // gpt-oss's o200k regex (`gpt-4o`) against Llama 3's on one string: o200k starts a word at
     // each capital run and keeps a contraction on its word; Llama 3 splits on letters alone.
-    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
-    let splits = |pre| {
-        let spec = TinySpec { pre_tokenizer: pre, ..TinySpec::llama() };
-        let tok = spec.tokenizer_spec().expect("bpe").build("t").expect("build");
-        let mut s = PreTokenizedString::from("HelloWorld's 1234567 a/b\n");
-        tok.get_pre_tokenizer().expect("pre").pre_tokenize(&mut s).expect("split");
-        s.get_splits(OffsetReferential::Original, OffsetType::Byte)
-            .into_iter()
-            .map(|(p, _, _)| p.to_string())
-            .collect::<Vec<_>>()
-    };
-    // Byte-level maps the space to 'Ġ' and the newline to 'Ċ'.
-    assert_eq!(splits(PreTokenizerKind::Gpt4o), ["Hello", "World's", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]);
-    assert_eq!(splits(PreTokenizerKind::Llama3), ["HelloWorld", "'s", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]);
+    let text = "HelloWorld's 1234567 a/b\n";
+    assert_eq!(
+        pre_splits(PreTokenizerKind::Gpt4o, text),
+        ["Hello", "World's", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]
+    );
+    assert_eq!(
+        pre_splits(PreTokenizerKind::Llama3, text),
+        ["HelloWorld", "'s", "Ġ", "123", "456", "7", "Ġa", "/b", "Ċ"]
+    );
 }
 
 #[test]

@@ -30,30 +30,26 @@ use crate::tensor::{DType, TensorView, f32_to_bytes};
 use half::bf16;
 use std::borrow::Cow;
 
-/// The HF name of a gpt-oss GGUF tensor that is renamed but not reshaped (the shared names
-/// of `gguf_to_hf_name` cover the rest).
+/// The per-layer tensors a gpt-oss file renames but does not reshape: (GGUF suffix, HF suffix)
+/// after `blk.N.` and `model.layers.N.` (the shared names of `gguf_to_hf_name` cover the rest).
+const RENAMED: [(&str, &str); 4] = [
+    ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    ("attn_sinks.weight", "self_attn.sinks"),
+    ("ffn_gate_inp.bias", "mlp.router.bias"),
+    ("ffn_down_exps.bias", "mlp.experts.down_proj_bias"),
+];
+
+/// The HF name of a gpt-oss GGUF tensor in [`RENAMED`].
 pub(super) fn gpt_oss_hf_name(name: &str) -> Option<String> {
     let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
-    let hf = match tail {
-        "post_attention_norm.weight" => "post_attention_layernorm.weight",
-        "attn_sinks.weight" => "self_attn.sinks",
-        "ffn_gate_inp.bias" => "mlp.router.bias",
-        "ffn_down_exps.bias" => "mlp.experts.down_proj_bias",
-        _ => return None,
-    };
+    let (_, hf) = RENAMED.iter().find(|(g, _)| *g == tail)?;
     Some(format!("model.layers.{layer}.{hf}"))
 }
 
-/// The GGUF name of a HF gpt-oss tensor that [`gpt_oss_hf_name`] renames (its inverse).
+/// The GGUF name of a HF gpt-oss tensor in [`RENAMED`] (the inverse of [`gpt_oss_hf_name`]).
 pub(super) fn gpt_oss_gguf_name(hf: &str) -> Option<String> {
     let (layer, tail) = hf.strip_prefix("model.layers.")?.split_once('.')?;
-    let g = match tail {
-        "post_attention_layernorm.weight" => "post_attention_norm.weight",
-        "self_attn.sinks" => "attn_sinks.weight",
-        "mlp.router.bias" => "ffn_gate_inp.bias",
-        "mlp.experts.down_proj_bias" => "ffn_down_exps.bias",
-        _ => return None,
-    };
+    let (g, _) = RENAMED.iter().find(|(_, h)| *h == tail)?;
     Some(format!("blk.{layer}.{g}"))
 }
 
