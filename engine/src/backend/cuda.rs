@@ -16,21 +16,20 @@
 //! The optional ops of some architectures (Gemma's norms, embedding scale, GELU-tanh,
 //! soft-caps, windowed attention, per-layer-kind RoPE) live in cuda_arch_ops.rs; the trait
 //! methods here pass them on, as they do the RoPE + KV write entry points (cuda_rope.rs). KV
-//! block I/O is in cuda_kv_io.rs.
+//! block I/O is in cuda_kv_io.rs, weight loading in cuda_weights.rs.
 
 use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, Gate,
     GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp, WeightUploadReport,
 };
 use baton_core::api::PromptLogprob;
-use baton_formats::{CounterInit, DType, TensorView};
+use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, EmbedCall, GatherRowsCall, HostSeq,
     KvGeometry, LinearCall, LinearKernel, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16,
     gemv_supports,
 };
-use baton_kernels::cuda::{HostDType, HostTensor};
 
 /// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
 ///
@@ -227,10 +226,6 @@ fn record_mark(
     }
 }
 
-fn to_bf16(data: &[f32]) -> Vec<bf16> {
-    data.iter().map(|&v| bf16::from_f32(v)).collect()
-}
-
 fn kerr(op: &'static str, message: String) -> BackendError {
     BackendError::Kernel(KernelError { op, message })
 }
@@ -309,49 +304,6 @@ impl CudaBackend {
             moe,
             arch: arch_ops::ArchState::default(),
         })
-    }
-
-    /// The counter draws `parts` (rows each) of `cols` columns, one bf16 buffer.
-    fn draw(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaSlice<bf16>, BackendError> {
-        let total: usize = parts.iter().map(|p| p.0 * cols).sum();
-        let mut data = self.dev.alloc::<bf16>(total)?;
-        let mut offset = 0;
-        for (rows, init) in parts {
-            self.dev.fill_counter(&mut data, offset, rows * cols, (init.key, init.mean, init.amp))?;
-            offset += rows * cols;
-        }
-        Ok(data)
-    }
-
-    /// A new bf16 buffer of `len` elements filled from the stored tensors `parts`, stacked,
-    /// through the weight ring (the copies may still be in flight on return; they precede
-    /// every later op on the stream).
-    fn stream_weights(
-        &mut self,
-        op: &'static str,
-        parts: &[TensorView<'_>],
-        len: usize,
-    ) -> Result<CudaSlice<bf16>, BackendError> {
-        let host: Vec<HostTensor<'_>> = parts
-            .iter()
-            .map(|t| {
-                let dtype = match t.dtype {
-                    DType::BF16 => HostDType::Bf16,
-                    DType::F16 => HostDType::F16,
-                    DType::F32 => HostDType::F32,
-                    // FP8 weights come through `upload_mat_fp8` with their scales.
-                    DType::F8E4M3 => return Err(kerr(op, format!("tensor {} is FP8 without its scales", t.name))),
-                };
-                Ok(HostTensor { bytes: &t.bytes, dtype })
-            })
-            .collect::<Result<_, BackendError>>()?;
-        let have: usize = host.iter().map(HostTensor::len).sum();
-        if have != len || parts.iter().any(|t| t.bytes.len() != t.numel() * t.dtype.size()) {
-            return Err(kerr(op, format!("{have} stored values for {len} elements")));
-        }
-        let mut data = self.dev.alloc::<bf16>(len)?;
-        self.uploader.get_or_insert_with(WeightUploader::default).upload(&self.dev, &host, &mut data)?;
-        Ok(data)
     }
 
     fn ensure(&self, buf: &mut CudaBuf, len: usize) -> Result<(), BackendError> {
@@ -453,14 +405,7 @@ impl Backend for CudaBackend {
     }
 
     fn finish_weights(&mut self) -> Result<Option<WeightUploadReport>, BackendError> {
-        let Some(mut up) = self.uploader.take() else { return Ok(None) };
-        let s = up.finish(&self.dev)?;
-        Ok(Some(WeightUploadReport {
-            bytes_read: s.bytes_read,
-            bytes_uploaded: s.bytes_uploaded,
-            read_s: s.fill_s,
-            wait_s: s.wait_s,
-        }))
+        self.finish_upload()
     }
 
     fn random_mat(&mut self, parts: &[(usize, CounterInit)], cols: usize) -> Result<CudaMat, BackendError> {
@@ -971,10 +916,13 @@ mod moe;
 mod sampler;
 #[path = "cuda_switches.rs"]
 mod switches;
+#[path = "cuda_weights.rs"]
+mod weights;
 use fp8_linear::{ActCodes, Fp8Mat};
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 pub use moe::MoeKernels;
 pub use sampler::{device_ops, device_row, sampled};
+use weights::to_bf16;
 
 #[cfg(test)]
 mod tests {
