@@ -12,7 +12,8 @@
 //! - MXFP4 checkpoints keep their codes (the type MXFP4, nibbles reordered into ggml's block
 //!   layout); unquantized ones are written as floats.
 //!
-//! This module undoes those: the interleave and the transposes are pure moves of elements, so
+//! The renames are in `model.rs`'s per-family table (`layer_renames`). This module undoes the
+//! reshapes: the interleave and the transposes are pure moves of elements, so
 //! float tensors keep their dtype and values bit for bit; MXFP4 experts dequantize exactly to
 //! bf16 (every MXFP4 value is a bf16 value), other block types to f32.
 //!
@@ -29,29 +30,6 @@ use crate::error::FormatError;
 use crate::tensor::{DType, TensorView, f32_to_bytes};
 use half::bf16;
 use std::borrow::Cow;
-
-/// The per-layer tensors a gpt-oss file renames but does not reshape: (GGUF suffix, HF suffix)
-/// after `blk.N.` and `model.layers.N.` (the shared names of `gguf_to_hf_name` cover the rest).
-const RENAMED: [(&str, &str); 4] = [
-    ("post_attention_norm.weight", "post_attention_layernorm.weight"),
-    ("attn_sinks.weight", "self_attn.sinks"),
-    ("ffn_gate_inp.bias", "mlp.router.bias"),
-    ("ffn_down_exps.bias", "mlp.experts.down_proj_bias"),
-];
-
-/// The HF name of a gpt-oss GGUF tensor in [`RENAMED`].
-pub(super) fn gpt_oss_hf_name(name: &str) -> Option<String> {
-    let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
-    let (_, hf) = RENAMED.iter().find(|(g, _)| *g == tail)?;
-    Some(format!("model.layers.{layer}.{hf}"))
-}
-
-/// The GGUF name of a HF gpt-oss tensor in [`RENAMED`] (the inverse of [`gpt_oss_hf_name`]).
-pub(super) fn gpt_oss_gguf_name(hf: &str) -> Option<String> {
-    let (layer, tail) = hf.strip_prefix("model.layers.")?.split_once('.')?;
-    let (g, _) = RENAMED.iter().find(|(_, h)| *h == tail)?;
-    Some(format!("blk.{layer}.{g}"))
-}
 
 /// An HF expert tensor built from one or two GGUF tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,9 +240,11 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
+        use crate::config::Architecture;
+        use crate::gguf::model::{gguf_to_hf_name_for, hf_to_gguf_name_for};
         for g in ["blk.3.post_attention_norm.weight", "blk.0.attn_sinks.weight", "blk.1.ffn_gate_inp.bias"] {
-            let hf = gpt_oss_hf_name(g).expect("mapped");
-            assert_eq!(gpt_oss_gguf_name(&hf).as_deref(), Some(g));
+            let hf = gguf_to_hf_name_for(g, Architecture::GptOss).expect("mapped");
+            assert_eq!(hf_to_gguf_name_for(&hf, Architecture::GptOss).as_deref(), Some(g));
         }
         assert_eq!(expert_job("blk.1.ffn_gate_up_exps.weight", 2), Some(ExpertJob::GateUp(1)));
         assert_eq!(expert_job("blk.1.ffn_up_exps.weight", 2), None);

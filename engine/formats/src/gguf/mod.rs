@@ -9,7 +9,7 @@ pub mod writer;
 
 pub use model::{
     GgufStore, gemma_attention_scalar, gguf_config, gguf_experts_name, gguf_router_name, gguf_to_hf_name,
-    gguf_to_hf_name_for, hf_to_gguf_name, hf_to_gguf_name_for, permute_qk_rows,
+    gguf_to_hf_name_for, hf_to_gguf_name, hf_to_gguf_name_for, permute_qk_rows, qk_permute_heads,
 };
 pub use reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue};
 pub use writer::GgufWriter;

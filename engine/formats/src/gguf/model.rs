@@ -18,7 +18,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::gpt_oss::{ExpertJob, build_expert, expert_job, gpt_oss_gguf_name, gpt_oss_hf_name};
+use super::gpt_oss::{ExpertJob, build_expert, expert_job};
 use super::quant::dequantize;
 use super::reader::{GgufFile, GgufTensorInfo, GgufType, GgufValue, ggml_type_name};
 use crate::config::{
@@ -60,85 +60,59 @@ pub fn gguf_to_hf_name(name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
-/// The HF name of a GGUF tensor name in a file of `architecture`: as [`gguf_to_hf_name`], except
-/// that llama.cpp's Gemma files put the pre-feedforward norm in `ffn_norm` and add the
-/// post-attention (`post_attention_norm`) and post-feedforward (`post_ffw_norm`) norms, Phi-3
-/// files keep their fused projections, and gpt-oss files rename their sinks, router bias and
-/// post-attention norm (`gpt_oss.rs`; its experts are reshaped there too).
-pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<String> {
-    if architecture == Architecture::GptOss
-        && let Some(hf) = gpt_oss_hf_name(name)
-    {
-        return Some(hf);
-    }
-    if architecture == Architecture::Phi3
-        && let Some((layer, tail)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.'))
-    {
+/// The per-layer tensors whose GGUF names in a file of `architecture` differ from the shared
+/// layout of [`gguf_to_hf_name`]: (name after `blk.N.`, name after `model.layers.N.`), read both
+/// ways by [`gguf_to_hf_name_for`] and [`hf_to_gguf_name_for`].
+fn layer_renames(architecture: Architecture) -> &'static [(&'static str, &'static str)] {
+    match architecture {
         // llama.cpp's Phi-3 files keep the checkpoint's fused projections.
-        let hf = match tail {
-            "attn_qkv.weight" => Some("self_attn.qkv_proj.weight"),
-            "ffn_up.weight" => Some("mlp.gate_up_proj.weight"),
-            _ => None,
-        };
-        if let Some(hf) = hf {
-            return Some(format!("model.layers.{layer}.{hf}"));
+        Architecture::Phi3 => {
+            &[("attn_qkv.weight", "self_attn.qkv_proj.weight"), ("ffn_up.weight", "mlp.gate_up_proj.weight")]
         }
+        // Gemma files put the pre-feedforward norm in `ffn_norm` and add two post norms.
+        Architecture::Gemma2 | Architecture::Gemma3Text => &[
+            ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+            ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+            ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+        ],
+        // gpt-oss files rename their sinks, router bias, down bias and post-attention norm (its
+        // experts are reshaped in `gpt_oss.rs`).
+        Architecture::GptOss => &[
+            ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+            ("attn_sinks.weight", "self_attn.sinks"),
+            ("ffn_gate_inp.bias", "mlp.router.bias"),
+            ("ffn_down_exps.bias", "mlp.experts.down_proj_bias"),
+        ],
+        _ => &[],
     }
-    if architecture.is_gemma()
-        && let Some((layer, module)) = gemma_norm(name)
-    {
-        let hf = match module {
-            "ffn_norm" => "pre_feedforward_layernorm",
-            "post_attention_norm" => "post_attention_layernorm",
-            _ => "post_feedforward_layernorm",
-        };
-        return Some(format!("model.layers.{layer}.{hf}.weight"));
-    }
-    gguf_to_hf_name(name)
+}
+
+/// `name` with prefix `from` and a layer number, renamed through `pairs` (`(from tail, to tail)`)
+/// under prefix `to`.
+fn rename_layer_tensor<'a>(
+    name: &str,
+    from: &str,
+    to: &str,
+    pairs: impl Iterator<Item = (&'a str, &'a str)>,
+) -> Option<String> {
+    let (layer, tail) = name.strip_prefix(from)?.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (_, renamed) = pairs.into_iter().find(|(f, _)| *f == tail)?;
+    Some(format!("{to}{layer}.{renamed}"))
+}
+
+/// The HF name of a GGUF tensor name in a file of `architecture`: its family's
+/// [`layer_renames`], else [`gguf_to_hf_name`].
+pub fn gguf_to_hf_name_for(name: &str, architecture: Architecture) -> Option<String> {
+    let pairs = layer_renames(architecture).iter().copied();
+    rename_layer_tensor(name, "blk.", "model.layers.", pairs).or_else(|| gguf_to_hf_name(name))
 }
 
 /// The GGUF name of a HF tensor name in a file of `architecture` (inverse of
 /// [`gguf_to_hf_name_for`]).
 pub fn hf_to_gguf_name_for(name: &str, architecture: Architecture) -> Option<String> {
-    if architecture == Architecture::GptOss
-        && let Some(g) = gpt_oss_gguf_name(name)
-    {
-        return Some(g);
-    }
-    if architecture == Architecture::Phi3
-        && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
-    {
-        let g = match tail {
-            "self_attn.qkv_proj.weight" => Some("attn_qkv"),
-            "mlp.gate_up_proj.weight" => Some("ffn_up"),
-            _ => None,
-        };
-        if let Some(g) = g {
-            return Some(format!("blk.{layer}.{g}.weight"));
-        }
-    }
-    if architecture.is_gemma()
-        && let Some((layer, tail)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.'))
-    {
-        let g = match tail {
-            "pre_feedforward_layernorm.weight" => Some("ffn_norm"),
-            "post_attention_layernorm.weight" => Some("post_attention_norm"),
-            "post_feedforward_layernorm.weight" => Some("post_ffw_norm"),
-            _ => None,
-        };
-        if let Some(g) = g {
-            return Some(format!("blk.{layer}.{g}.weight"));
-        }
-    }
-    hf_to_gguf_name(name)
-}
-
-/// A Gemma layer norm whose GGUF name differs from the Llama layout: (layer, module).
-fn gemma_norm(name: &str) -> Option<(usize, &str)> {
-    let (layer, tail) = name.strip_prefix("blk.")?.split_once('.')?;
-    let module = tail.strip_suffix(".weight")?;
-    matches!(module, "ffn_norm" | "post_attention_norm" | "post_ffw_norm").then_some(())?;
-    Some((layer.parse().ok()?, module))
+    let pairs = layer_renames(architecture).iter().map(|&(g, h)| (h, g));
+    rename_layer_tensor(name, "model.layers.", "blk.", pairs).or_else(|| hf_to_gguf_name(name))
 }
 
 /// The GGUF name of a HF tensor name (inverse of [`gguf_to_hf_name`]).
@@ -170,6 +144,22 @@ pub fn hf_to_gguf_name(name: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.{suffix}"))
+}
+
+/// The head count llama.cpp's converter interleaved the rows of HF tensor `hf_name` by, in a
+/// file of `config`'s family ([`permute_qk_rows`]): the Q and K projections of
+/// `llama`-architecture files (Llama, Mistral, Mixtral); None for every other tensor and family.
+pub fn qk_permute_heads(config: &ModelConfig, hf_name: &str) -> Option<usize> {
+    if !matches!(config.architecture, Architecture::Llama | Architecture::Mistral | Architecture::Mixtral) {
+        return None;
+    }
+    if hf_name.contains(".q_proj.") {
+        Some(config.num_attention_heads)
+    } else if hf_name.contains(".k_proj.") {
+        Some(config.num_key_value_heads)
+    } else {
+        None
+    }
 }
 
 /// Reorders the rows of a Q or K projection between HF order and llama.cpp's interleaved
@@ -613,14 +603,11 @@ fn plain_dtype(ty: GgufType) -> Option<DType> {
 impl GgufStore {
     /// Converts the tensors of `file` (already parsed) for `config`.
     pub fn new(file: GgufFile, config: &ModelConfig) -> Result<Self, FormatError> {
-        // llama.cpp's converter permutes Q/K rows for the `llama` architecture only.
-        let permute =
-            matches!(config.architecture, Architecture::Llama | Architecture::Mistral | Architecture::Mixtral);
         let jobs: Vec<Job> = file.tensors.iter().flat_map(|t| jobs_for(t, config)).collect();
         let converted: Result<Vec<_>, FormatError> = jobs
             .into_par_iter()
             .map(|job| match job {
-                Job::Whole(hf, t) => whole_tensor(&file, config, permute, hf, t),
+                Job::Whole(hf, t) => whole_tensor(&file, config, hf, t),
                 Job::Expert { hf, info, expert, experts } => expert_tensor(&file, hf, info, expert, experts),
                 Job::GptOss(job) => build_expert(&file, config, job),
             })
@@ -653,20 +640,12 @@ pub(super) fn tensor_type(file: &GgufFile, t: &GgufTensorInfo) -> Result<GgufTyp
 fn whole_tensor(
     file: &GgufFile,
     config: &ModelConfig,
-    permute: bool,
     hf: String,
     t: GgufTensorInfo,
 ) -> Result<(String, (Vec<usize>, Stored)), FormatError> {
     let ty = tensor_type(file, &t)?;
     let shape = t.hf_shape();
-    let n_head = if hf.contains(".q_proj.") {
-        Some(config.num_attention_heads)
-    } else if hf.contains(".k_proj.") {
-        Some(config.num_key_value_heads)
-    } else {
-        None
-    }
-    .filter(|_| permute);
+    let n_head = qk_permute_heads(config, &hf);
     // llama.cpp's Gemma converter stores every norm weight as 1 + w (the RMSNorm's factor):
     // back to w, which is exact for factors in [0.5, 2] (Sterbenz).
     if config.architecture.is_gemma() && hf.ends_with("norm.weight") {

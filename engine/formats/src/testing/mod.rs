@@ -18,7 +18,7 @@ use crate::dummy::DummyStore;
 use crate::error::FormatError;
 use crate::gguf::{
     GgufType, GgufValue, GgufWriter, gemma_attention_scalar, gguf_experts_name, gguf_router_name, hf_to_gguf_name_for,
-    permute_qk_rows,
+    permute_qk_rows, qk_permute_heads,
 };
 use crate::tensor::{DType, WeightStore, f32_to_bytes};
 use crate::tokenizer::gguf_vocab::bpe_to_gguf_metadata;
@@ -494,7 +494,6 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     }
     w.add_meta("tokenizer.chat_template", GgufValue::String(CHATML_TEMPLATE.into()));
     let store = spec.weights();
-    let permute = arch == "llama";
     // The MoE layers' routers and experts, written stacked below rather than one by one.
     let mut moe_names = std::collections::HashSet::new();
     if let Some(moe) = &config.moe {
@@ -519,14 +518,7 @@ pub fn gguf_writer(spec: &TinySpec, tensor_type: GgufType) -> Result<GgufWriter,
     }
     for (name, shape) in config.expected_tensors().into_iter().filter(|(n, _)| !moe_names.contains(n)) {
         let mut values = store.values(&name)?;
-        let n_head = if name.contains(".q_proj.") {
-            Some(config.num_attention_heads)
-        } else if name.contains(".k_proj.") {
-            Some(config.num_key_value_heads)
-        } else {
-            None
-        };
-        if let (true, Some(n)) = (permute, n_head) {
+        if let Some(n) = qk_permute_heads(&config, &name) {
             let bytes = permute_qk_rows(&f32_to_bytes(&values), shape[0], n, true)
                 .ok_or_else(|| FormatError::InvalidArgument(format!("{name}: rows do not split into {n} heads")))?;
             values = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
