@@ -55,18 +55,18 @@ pub(super) fn expert_job(name: &str, layers: usize) -> Option<ExpertJob> {
     }
 }
 
-/// A tensor's elements in one dtype: floats as stored, MXFP4 as (exact) bf16, other blocks as
-/// f32.
-struct Elements {
+/// A tensor's elements in one dtype: floats as stored (borrowed from the map), MXFP4 as
+/// (exact) bf16, other blocks as f32.
+struct Elements<'a> {
     dtype: DType,
-    bytes: Vec<u8>,
+    bytes: Cow<'a, [u8]>,
 }
 
-impl Elements {
-    fn read(file: &GgufFile, t: &GgufTensorInfo) -> Result<Self, FormatError> {
+impl<'a> Elements<'a> {
+    fn read(file: &'a GgufFile, t: &GgufTensorInfo) -> Result<Self, FormatError> {
         let ty = tensor_type(file, t)?;
         let raw = file.tensor_bytes(t, ty)?;
-        let plain = |dtype| Ok(Self { dtype, bytes: raw.to_vec() });
+        let plain = |dtype| Ok(Self { dtype, bytes: Cow::Borrowed(raw) });
         match ty {
             GgufType::F32 => plain(DType::F32),
             GgufType::F16 => plain(DType::F16),
@@ -79,9 +79,9 @@ impl Elements {
                     ));
                 }
                 let bytes = dequantize(ty, raw).iter().flat_map(|&v| bf16::from_f32(v).to_le_bytes()).collect();
-                Ok(Self { dtype: DType::BF16, bytes })
+                Ok(Self { dtype: DType::BF16, bytes: Cow::Owned(bytes) })
             }
-            _ => Ok(Self { dtype: DType::F32, bytes: f32_to_bytes(&dequantize(ty, raw)) }),
+            _ => Ok(Self { dtype: DType::F32, bytes: Cow::Owned(f32_to_bytes(&dequantize(ty, raw))) }),
         }
     }
 
@@ -91,9 +91,8 @@ impl Elements {
             return (a, b);
         }
         let f32 = |e: Self| {
-            let view =
-                TensorView { name: String::new(), shape: Vec::new(), dtype: e.dtype, bytes: Cow::Owned(e.bytes) };
-            Self { dtype: DType::F32, bytes: f32_to_bytes(&view.to_f32()) }
+            let view = TensorView { name: String::new(), shape: Vec::new(), dtype: e.dtype, bytes: e.bytes };
+            Self { dtype: DType::F32, bytes: Cow::Owned(f32_to_bytes(&view.to_f32())) }
         };
         (f32(a), f32(b))
     }
@@ -138,7 +137,10 @@ pub(super) fn build_expert(
                     shaped(fused, &if bias { vec![experts, 2 * inter] } else { vec![experts, 2 * inter, hidden] })?;
                     let e = Elements::read(file, fused)?;
                     let (g, u) = split_halves(&e.bytes, experts);
-                    (Elements { dtype: e.dtype, bytes: g }, Elements { dtype: e.dtype, bytes: u })
+                    (
+                        Elements { dtype: e.dtype, bytes: Cow::Owned(g) },
+                        Elements { dtype: e.dtype, bytes: Cow::Owned(u) },
+                    )
                 }
                 None => {
                     let want = if bias { vec![experts, inter] } else { vec![experts, inter, hidden] };
