@@ -24,12 +24,13 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
 //! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--fused-norm`
-//! likewise for the RMSNorm fused into the skinny GEMMs around it (`branch_boundary`); `--moe-kernel`
+//! likewise for the RMSNorm fused into the skinny GEMMs around it (`branch_boundary`), and
+//! `--fused-rope` for RoPE and the KV write in the qkv product's epilogue; `--moe-kernel`
 //! runs a MoE config's layers on their first kernels (`legacy`), the five-launch decode set
 //! (`split`), their current ones (`new`, the default: router + routing + permutation and down +
 //! un-permute fused for steps of at most 16 rows), or each of a comma list in turn at every
@@ -383,6 +384,13 @@ fn run() -> Res<()> {
             .map(|v| v.parse::<usize>().map_err(|e| format!("--rope-grouped-min-rows {v}: {e}")))
             .collect::<Result<_, _>>()?,
     };
+    // And with RoPE and the KV write in the qkv product's epilogue or in their own kernel
+    // (`--fused-rope both`).
+    let rope_fused_modes: Vec<bool> = match flag(&args, "--fused-rope").as_deref() {
+        Some("off") => vec![false],
+        Some("both") => vec![true, false],
+        _ => vec![true],
+    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
@@ -390,15 +398,19 @@ fn run() -> Res<()> {
                 for &fused_norm in &norm_modes {
                     for &prefetch in &prefetch_modes {
                         for &rope_min in &rope_modes {
-                            modes.extend(moe_sets.iter().map(|&moe| Mode {
-                                graphs,
-                                pdl,
-                                fused_gate,
-                                fused_norm,
-                                moe,
-                                prefetch,
-                                rope_min,
-                            }));
+                            let with_moe = moe_sets.iter().flat_map(|&moe| {
+                                rope_fused_modes.iter().map(move |&fused_rope| Mode {
+                                    graphs,
+                                    pdl,
+                                    fused_gate,
+                                    fused_norm,
+                                    moe,
+                                    fused_rope,
+                                    prefetch,
+                                    rope_min,
+                                })
+                            });
+                            modes.extend(with_moe);
                         }
                     }
                 }
@@ -416,22 +428,24 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, prefetch, rope_min } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min } in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
             model.backend_mut().set_fused_norm(fused_norm);
+            model.backend_mut().set_fused_rope(fused_rope);
             model.backend_mut().set_moe_kernels(moe);
             model.backend_mut().set_gemv_l2_prefetch(prefetch);
             model.backend_mut().set_rope_grouped_min_rows(rope_min);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
                 if fused_norm { "" } else { "-normunfused" },
+                if fused_rope { "" } else { "-ropeunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
                 if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() }
@@ -457,7 +471,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -469,6 +483,7 @@ fn run() -> Res<()> {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);
             model.backend_mut().set_fused_norm(norm_modes[0]);
+            model.backend_mut().set_fused_rope(rope_fused_modes[0]);
             // Batches past the skinny GEMM run cuBLASLt's measured choice: profiled with plain
             // cuBLAS too, for the comparison.
             let gemms: &[&str] = if b > 16 && gemv { &["default", "cublas"] } else { &["default"] };
@@ -663,6 +678,8 @@ struct Mode {
     fused_gate: bool,
     fused_norm: bool,
     moe: MoeKernels,
+    /// RoPE and the KV write in the qkv product's epilogue (`--fused-rope`).
+    fused_rope: bool,
     /// Bytes of each skinny GEMM's weights pulled into L2 before it waits.
     prefetch: usize,
     /// Rows from which RoPE groups heads into a CTA.

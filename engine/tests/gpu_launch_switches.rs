@@ -11,6 +11,10 @@
 //!   projection (`set_fused_norm`, prefill-sized steps), and SiLU·mul that quantizes its rows for
 //!   the down projection (`BranchBoundary::then`): the same codes as the kernel pairs they
 //!   replace, so the same bits.
+//! - RoPE and the KV write in the qkv product's epilogue (`set_fused_rope`): the same rotated q
+//!   and the same cache bits as the RoPE kernel after the product, so the same logits; over a
+//!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (a qkv bias: the RoPE kernel
+//!   runs) and Qwen3 (q/k norm: never offered).
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
@@ -23,6 +27,7 @@ mod common;
 
 use baton_engine::backend::cuda::CudaBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
+use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
 use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::TinySpec;
@@ -31,13 +36,23 @@ use common::{prompt, tiny};
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 24;
 
-/// What a test switches: PDL, graphs, the fused gate, the fused norm.
+/// What a test switches: PDL, graphs, the fused gate, the fused norm, the fused RoPE; and the
+/// cache it runs over (bf16, or FP8 E4M3 with scales 1).
 #[derive(Clone, Copy)]
 struct Switches {
     pdl: bool,
     graphs: bool,
     fused_gate: bool,
     fused_norm: bool,
+    fused_rope: bool,
+    fp8_kv: bool,
+}
+
+impl Switches {
+    /// Every switch at its default (on) over a bf16 cache, graphs as given.
+    fn defaults(graphs: bool) -> Self {
+        Self { pdl: true, graphs, fused_gate: true, fused_norm: true, fused_rope: true, fp8_kv: false }
+    }
 }
 
 fn model(m: &baton_formats::LoadedModel, sw: Switches) -> ModelRunner<CudaBackend> {
@@ -49,7 +64,11 @@ fn model(m: &baton_formats::LoadedModel, sw: Switches) -> ModelRunner<CudaBacken
     backend.set_graphs(sw.graphs);
     backend.set_fused_gate(sw.fused_gate);
     backend.set_fused_norm(sw.fused_norm);
+    backend.set_fused_rope(sw.fused_rope);
     let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
+    if sw.fp8_kv {
+        model.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, m.weights.as_ref()).expect("fp8 cache");
+    }
     model.alloc_kv_cache(16 * BLOCKS_PER_SEQ, BLOCK).expect("kv cache");
     model
 }
@@ -128,21 +147,33 @@ fn assert_same_steps_on(
 
 #[test]
 fn gpu_pdl_launches_give_bit_identical_steps() {
-    assert_same_steps(
-        "PDL",
-        &[TinySpec::llama(), TinySpec::qwen2()],
-        |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: true },
-        |graphs| Switches { pdl: false, graphs, fused_gate: true, fused_norm: true },
-    );
+    assert_same_steps("PDL", &[TinySpec::llama(), TinySpec::qwen2()], Switches::defaults, |graphs| Switches {
+        pdl: false,
+        ..Switches::defaults(graphs)
+    });
 }
 
 #[test]
 fn gpu_fused_gate_gives_bit_identical_steps() {
+    assert_same_steps("the fused gate", &[TinySpec::llama(), TinySpec::qwen3()], Switches::defaults, |graphs| {
+        Switches { fused_gate: false, ..Switches::defaults(graphs) }
+    });
+}
+
+#[test]
+fn gpu_fused_rope_gives_bit_identical_steps() {
     assert_same_steps(
-        "the fused gate",
-        &[TinySpec::llama(), TinySpec::qwen3()],
-        |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: true },
-        |graphs| Switches { pdl: true, graphs, fused_gate: false, fused_norm: true },
+        "RoPE in the qkv epilogue",
+        &[TinySpec::llama(), TinySpec::qwen2(), TinySpec::qwen3()],
+        Switches::defaults,
+        |graphs| Switches { fused_rope: false, ..Switches::defaults(graphs) },
+    );
+    let fp8 = |graphs| Switches { fp8_kv: true, ..Switches::defaults(graphs) };
+    assert_same_steps_on(
+        "RoPE in the qkv epilogue over an FP8 cache",
+        &tiny(&TinySpec::llama()).model,
+        fp8,
+        |graphs| Switches { fused_rope: false, ..fp8(graphs) },
     );
 }
 
@@ -153,7 +184,7 @@ fn gpu_fused_norm_matches_the_unfused_steps() {
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
         for graphs in [false, true] {
-            let on = Switches { pdl: true, graphs, fused_gate: true, fused_norm: true };
+            let on = Switches::defaults(graphs);
             let off = Switches { fused_norm: false, ..on };
             let fused = run(&mut model(&m.model, on), &prompts, 24);
             let unfused = run(&mut model(&m.model, off), &prompts, 24);
@@ -186,8 +217,8 @@ fn gpu_w8a8_norm_quantization_gives_bit_identical_steps() {
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
         let mut m = tiny(&spec);
         WeightQuantization::Fp8.apply(&mut m.model.config);
-        let on = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: true };
-        let off = |graphs| Switches { pdl: true, graphs, fused_gate: true, fused_norm: false };
+        let on = Switches::defaults;
+        let off = |graphs| Switches { fused_norm: false, ..Switches::defaults(graphs) };
         let (fused, _) = assert_same_steps_on("the W8A8 norm quantization", &m.model, on, off);
         // The prefill step (837 rows) went through cuBLASLt's FP8 GEMM: the fused path ran, and
         // the down projections took SiLU·mul's codes (once a layer of each prefill step).

@@ -48,6 +48,14 @@
 // The FP8-cache kernel (`paged_attention_st_fp8_*`) streams code rows the same way and runs one
 // Fp8WarpTile (attention_tc_fp8.cu: the 16 tokens of a stage as the mma's M) per warp.
 //
+// Warp copies (WC, the one-warp variants: one KV head a CTA). A bulk copy costs the copy engine
+// about the same time whatever its size (H100: ~55 ns for 256 bytes or 2 KB, session 20), so a
+// CTA of one KV head, whose rows are 256 bytes, streamed at ~4.9 GB/s: at one row of the batch
+// every split is such a CTA, and the step was 2-7 % slower than with the tensor-core kernel. WC
+// rings fill each stage with 16-byte cp.async copies instead (consecutive lanes along a row, a
+// commit group a stage; tokens past the chunk zero-filled, K and V alike), into the same padded
+// layout, so the products, and the rows they give, are the bulk-copy ring's bit for bit.
+//
 // The body needs sm_90 (the bulk copy engine); other targets get an entry that traps, which the
 // launcher never selects (CudaDevice::stream_attention_capable).
 // ---------------------------------------------------------------------------------------------
@@ -110,7 +118,7 @@ __device__ __forceinline__ void st_part2(float* __restrict__ part_o, long long i
 // by 16 bytes) with one mbarrier a stage, and warp 0's copy state. `run` is false when the CTA
 // has nothing to do: a padding row (whose zeros the first split writes here) or a split past the
 // row's context.
-template <typename C, int HD, int NS, int MG>
+template <typename C, int HD, int NS, int MG, bool WC>
 struct StRing {
     static constexpr int ST = ST_TOKENS;
     int kvh0, gc, ng, group, row, split, n_splits, c0, c1, n_tiles;
@@ -120,6 +128,8 @@ struct StRing {
     // Warp 0's copy state: lane l copies token l % 16 of each stage, its K row (l < 16) or V
     // row; the block id of its token in the next stage is read one stage ahead.
     const C* src;
+    const C* ksrc;  // WC: this CTA's KV head in the K and V caches
+    const C* vsrc;
     const int* bt;
     long long kv_w;
     int block_size, cp, clb, coff, cblk, ctok;
@@ -167,7 +177,7 @@ struct StRing {
         bars = ring + (unsigned)(NS * 2 * tile_b);  // 16-byte aligned: tile_b is
 
         // The barriers, visible to the copy engine before any copy names them.
-        if (tid == 0) {
+        if (!WC && tid == 0) {
 #pragma unroll
             for (int s = 0; s < NS; s++) mbar_init(bars + 8 * s, 1);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -179,6 +189,8 @@ struct StRing {
         bt = block_tables + row_bt[row];
         kv_w = (long long)n_kv_heads * HD;
         src = (cv ? v_cache : k_cache) + (long long)kvh0 * HD;
+        ksrc = k_cache + (long long)kvh0 * HD;
+        vsrc = v_cache + (long long)kvh0 * HD;
         block_size = block_size_;
         cp = c0 + ctok;
         clb = cp / block_size;
@@ -186,12 +198,42 @@ struct StRing {
         cblk = (warp == 0 && cp < c1) ? bt[clb] : 0;
         if (warp == 0) {
             for (int j = 0; j < NS - 1 && j < n_tiles; j++) issue(j, lane);
+            // WC: NS - 1 commit groups whatever the chunk's length, so that next()'s wait counts
+            // right (empty groups complete at once).
+            if constexpr (WC)
+                for (int j = n_tiles; j < NS - 1; j++) cp_async_commit();
         }
+    }
+
+    // WC: stage j's rows by 16-byte copies into ring slot j % NS, one commit group. Chunk c of
+    // the stage (32 rows: 16 K then 16 V, CPR chunks a row) is copied by lane c % 32, so a warp
+    // instruction reads whole rows; each lane's token slot (lane % 16) is shuffled to the lanes
+    // copying that token's rows. Tokens past the chunk read nothing and land as zeros.
+    __device__ __forceinline__ void issue_warp(int j, int lane) {
+        constexpr int CPR = HD * (int)sizeof(C) / 16;
+        constexpr int EPC = 16 / (int)sizeof(C);
+        const unsigned dst0 = ring + (unsigned)((j % NS) * 2 * tile_b);
+        const int my_slot = cp < c1 ? cblk * block_size + coff : -1;
+#pragma unroll
+        for (int i = 0; i < CPR; i++) {
+            const int c = i * 32 + lane, r = c / CPR, col = c - (c / CPR) * CPR;
+            const int tok = r & (ST - 1);
+            const bool v = r >= ST;
+            const int slot = __shfl_sync(0xffffffffu, my_slot, tok);
+            const C* from = (v ? vsrc : ksrc) + (long long)max(slot, 0) * kv_w + col * EPC;
+            cp_async16(dst0 + (unsigned)((v ? tile_b : 0) + tok * rb + col * 16), from, slot >= 0 ? 16 : 0);
+        }
+        cp_async_commit();
     }
 
     // Warp 0: copies stage j (the next one in order) into ring slot j % NS; the lanes of tokens
     // past the chunk zero their V rows first (see the header).
     __device__ __forceinline__ void issue(int j, int lane) {
+        if constexpr (WC) {
+            issue_warp(j, lane);
+            advance();
+            return;
+        }
         const int s = j % NS;
         const unsigned bar = bars + 8 * s;
         const unsigned dst = ring + (unsigned)(s * 2 * tile_b + (cv ? tile_b : 0) + ctok * rb);
@@ -203,6 +245,11 @@ struct StRing {
         if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
         __syncwarp();
         if (cp < c1) bulk_copy_g2s(dst, src + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
+        advance();
+    }
+
+    // This lane's token moves one stage on: its position, block and block id.
+    __device__ __forceinline__ void advance() {
         cp += ST;
         coff += ST;
         while (coff >= block_size) {
@@ -219,7 +266,15 @@ struct StRing {
         __syncthreads();
         if (warp == 0 && it + NS - 1 < n_tiles) issue(it + NS - 1, lane);
         const int s = it % NS;
-        mbar_wait(bars + 8 * s, (unsigned)((it / NS) & 1));
+        if constexpr (WC) {
+            // One group a call (empty past the last stage): stage it is group it, and NS - 1
+            // groups were committed after it.
+            if (it + NS - 1 >= n_tiles) cp_async_commit();
+            cp_async_wait<NS - 1>();
+            __syncwarp();
+        } else {
+            mbar_wait(bars + 8 * s, (unsigned)((it / NS) & 1));
+        }
         return ring + (unsigned)(s * 2 * tile_b);
     }
 
@@ -227,7 +282,7 @@ struct StRing {
     __device__ __forceinline__ int head0(int w) const { return (kvh0 + w) * group + gc * MG; }
 };
 
-template <int HD, int NS, int MG>
+template <int HD, int NS, int MG, bool WC>
 __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
@@ -239,7 +294,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     static_assert(NS >= 2, "at least double buffering");
     constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
     extern __shared__ __align__(16) unsigned char st_smem[];
-    StRing<bf16_t, HD, NS, MG> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
+    StRing<bf16_t, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
                                     n_kv_heads, block_size, min_chunk, window);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -367,7 +422,7 @@ __device__ __forceinline__ void paged_attention_st_body(
 // The FP8-cache streaming kernel: the ring above over code rows (KVC * HD bytes a token), each
 // warp one Fp8WarpTile (attention_tc_fp8.cu: tokens as M, the 16 tokens of a stage) for its KV
 // head. qscale already holds the K scale; v_scale multiplies the output (or the partial).
-template <int HD, int NS, int MG>
+template <int HD, int NS, int MG, bool WC>
 __device__ __forceinline__ void paged_attention_st_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
@@ -377,7 +432,7 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     static_assert(NS >= 2, "at least double buffering");
     using Tile = Fp8WarpTile<HD, MG>;
     extern __shared__ __align__(16) unsigned char st_smem[];
-    StRing<unsigned char, HD, NS, MG> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
+    StRing<unsigned char, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
                                            n_kv_heads, block_size, min_chunk, window);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -429,9 +484,9 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
         const float* __restrict__ sinks) { PDL_ENTER();                                                           \
-        paged_attention_st_body<HD, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,           \
-                                            block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk,     \
-                                            window, cap2, sinks);                                                 \
+        paged_attention_st_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,         \
+                                                     row_bt, block_tables, n_heads, n_kv_heads, block_size,       \
+                                                     qscale, min_chunk, window, cap2, sinks);                     \
     }
 
 // Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
@@ -442,12 +497,13 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
         int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
-        paged_attention_st_fp8_body<HD, NS, MG>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx, row_bt,       \
-                                                block_tables, n_heads, n_kv_heads, block_size, qscale, min_chunk, \
-                                                v_scale, window, cap2, sinks);                                    \
+        paged_attention_st_fp8_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,     \
+                                                         row_bt, block_tables, n_heads, n_kv_heads, block_size,   \
+                                                         qscale, min_chunk, v_scale, window, cap2, sinks);        \
     }
 
-// The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp), in the
+// The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:
+// the ring of 16-byte copies, see WC in the header), in the
 // order they follow the tensor-core variants in ATTN_VARIANTS, then the FP8 ones in the order
 // they follow the tensor-core ones in ATTN_FP8_VARIANTS.
 #define ATT_ST_VARIANTS(HD)          \

@@ -47,6 +47,19 @@
 // kernel computes it, and every chunk of x is bf16(r * inv * w_norm) at load, the norm
 // kernel's formula. The normalized activation is never stored. Both kinds trigger the next
 // kernel's launch (PDL) after their k loop rather than at their start (measured, see gemv_body).
+//
+// RoPE fusion (RopeAct: the norm-input qkv product of a decode step, bf16 weights, full
+// rotation). rope_kv.cu's kernel was one more launch a layer on the critical path between this
+// product and attention, for a few KB of bytes. Here the CTAs of the q and k rows take, like the
+// gated product's, 8 rows of a head's first half as tile rows g and the 8 matching rows of its
+// second half (element d + head_dim / 2, the "rotate half" pair of d) as rows g + 8, so a
+// thread's accumulators D[g][j] and D[g + 8][j] hold both elements of a rotation pair for one
+// row of x. The epilogue rounds both to bf16 (as the stored qkv rows were), rotates them with
+// rope_kv.cu's formula (the f64 angle position * inv_freq[d], cos and sin times cs_scale) and
+// writes q to q_out ([m][n_heads][head_dim]) and k to the row's cache slot through kv_put; the
+// CTAs of the v rows (plain 16-row tiles, after the q and k rows) write v to the slot. A row
+// without a slot (a graph bucket's padding) writes q only. The qkv rows are never stored:
+// bit for bit the unfused qkv product + rope_qkv_write_kv. head_dim must be a multiple of 16.
 
 __device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
     uint4 v;
@@ -110,6 +123,33 @@ template <>
 struct IsResid<ResidAct> {
     static constexpr bool value = true;
 };
+// The epilogue of the RoPE-fused qkv product (see the top of the file): where the rotated q,
+// k and the v go, each row's position and slot, and the rotation's table. C: the cache's
+// element (bf16, or an FP8 cache's E4M3 codes with the layer's K and V scales).
+template <typename C>
+struct RopeAct {
+    C* k_cache;
+    C* v_cache;
+    const int* positions;
+    const long long* slots;
+    const double* inv_freq;
+    int n_heads, n_kv_heads, head_dim;
+    float cs_scale, k_scale, v_scale;
+    // CTAs of the q and k rows (pairs); the v rows' CTAs follow.
+    __device__ __forceinline__ int qk_ctas() const { return (n_heads + n_kv_heads) * head_dim / 16; }
+};
+template <typename C>
+struct IsGated<RopeAct<C>> {
+    static constexpr bool value = false;
+};
+template <typename ACT>
+struct IsRope {
+    static constexpr bool value = false;
+};
+template <typename C>
+struct IsRope<RopeAct<C>> {
+    static constexpr bool value = true;
+};
 
 // Row of w that tile row i (0..15) of CTA `cta` reads, clamped to valid memory. Plain: rows
 // 16 cta + i of n. Gated: gate row 8 cta + i for i < 8, its up row n + 8 cta + (i - 8) after.
@@ -124,6 +164,19 @@ __device__ __forceinline__ long long gemv_w_row<SiluAct>(int cta, int i, int n) 
 template <>
 __device__ __forceinline__ long long gemv_w_row<GeluTanhAct>(int cta, int i, int n) {
     return gemv_w_row<SiluAct>(cta, i, n);
+}
+
+// gemv_w_row for an epilogue object: the type's rule, except RoPE's, whose q and k CTAs take a
+// head's rotation pairs (d, d + head_dim / 2), d = 8 j .. 8 j + 7, for CTA j of the head.
+template <typename ACT>
+__device__ __forceinline__ long long gemv_act_row(const ACT&, int cta, int i, int n) {
+    return gemv_w_row<ACT>(cta, i, n);
+}
+template <typename C>
+__device__ __forceinline__ long long gemv_act_row(const RopeAct<C>& r, int cta, int i, int n) {
+    if (cta >= r.qk_ctas()) return min(cta * 16 + i, n - 1);
+    const int per = r.head_dim >> 4, head = cta / per;
+    return (long long)head * r.head_dim + (cta - head * per) * 8 + (i & 7) + (i >= 8 ? r.head_dim >> 1 : 0);
 }
 
 // A per-output-row factor applied in the plain epilogue: none for bf16 weights (x 1 is exact).
@@ -361,6 +414,55 @@ __device__ __forceinline__ void gemv_resid_preload(const float* __restrict__ res
     }
 }
 
+// The RoPE epilogue (RopeAct, see the top of the file): one thread per (rotation pair or pair
+// of v rows, row of x) sums the pair's two accumulators (j = h and h + 2 of its tile, rows g
+// and g + 8), rounds each to bf16 and rotates q and k as rope_kv.cu does (rope_one_head), or
+// stores the two v values.
+template <int NT, int NW, typename C>
+__device__ __forceinline__ void gemv_epilogue_rope(const float (*red)[NT * 4][32], const RopeAct<C>& r,
+                                                   bf16_t* __restrict__ q_out, int m) {
+    const int cta = blockIdx.x, hd = r.head_dim, half = hd >> 1;
+    const long long kv_w = (long long)r.n_kv_heads * hd;
+    const bool pairs = cta < r.qk_ctas();
+    for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
+        const int jj = i >> 5, l = i & 31;
+        const int nt = jj >> 1, h = jj & 1;
+        float a = 0.f, b = 0.f;
+#pragma unroll
+        for (int v = 0; v < NW; v++) {
+            a += red[v][nt * 4 + h][l];
+            b += red[v][nt * 4 + h + 2][l];
+        }
+        const int g = l >> 2, mm = nt * 8 + 2 * (l & 3) + h;
+        if (mm >= m) continue;
+        const long long slot = r.slots[mm];
+        const bf16_t ab = f2bf(a), bb = f2bf(b);
+        if (!pairs) {
+            // v rows cta * 16 + g and + 8, as a v row index (v rows follow the q and k rows).
+            if (slot < 0) continue;
+            C* vc = r.v_cache + slot * kv_w + (cta - r.qk_ctas()) * 16 + g;
+            kv_put(vc, ab, r.v_scale);
+            kv_put(vc + 8, bb, r.v_scale);
+            continue;
+        }
+        const int per = hd >> 4, head = cta / per, d = (cta - head * per) * 8 + g;
+        double sd, cd;
+        sincos((double)r.positions[mm] * r.inv_freq[d], &sd, &cd);
+        const float sn = (float)sd * r.cs_scale, cs = (float)cd * r.cs_scale;
+        const float af = bf2f(ab), bf = bf2f(bb);
+        const bf16_t ra = f2bf(af * cs - bf * sn), rb = f2bf(bf * cs + af * sn);
+        if (head < r.n_heads) {
+            bf16_t* qo = q_out + ((long long)mm * r.n_heads + head) * hd;
+            qo[d] = ra;
+            qo[d + half] = rb;
+        } else if (slot >= 0) {
+            C* kc = r.k_cache + slot * kv_w + (long long)(head - r.n_heads) * hd;
+            kv_put(kc + d, ra, r.k_scale);
+            kv_put(kc + d + half, rb, r.k_scale);
+        }
+    }
+}
+
 // NT: tiles of 8 x rows (m <= 8 * NT). NW: warps per CTA (k split). U: k-steps of 32 per
 // batch (2*U weight loads of 16 bytes in flight per thread). ACT: NoAct, ResidAct (out is the
 // f32 residual stream, stats its sums of squares), or the activation of a gated product (then
@@ -369,7 +471,8 @@ __device__ __forceinline__ void gemv_resid_preload(const float* __restrict__ res
 // PDL wait (at least the first round; see gemv_prefetch_l2_bulk).
 template <int NT, int NW, int U, typename OUT, typename ACT, typename X>
 __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, OUT* __restrict__ out,
-                                          float* __restrict__ stats, int m, int n, int k, int pf) {
+                                          float* __restrict__ stats, int m, int n, int k, int pf,
+                                          const ACT& act = ACT{}) {
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
     // Epilogue entries per thread (the residual epilogue preloads their residual values).
     constexpr int E = (NT * 4 + NW - 1) / NW;
@@ -378,12 +481,12 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kc = k >> 3;
-    const long long ra = gemv_w_row<ACT>(blockIdx.x, g, n), rb = gemv_w_row<ACT>(blockIdx.x, g + 8, n);
+    const long long ra = gemv_act_row(act, blockIdx.x, g, n), rb = gemv_act_row(act, blockIdx.x, g + 8, n);
     const uint4* wa = reinterpret_cast<const uint4*>(w + ra * k) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(w + rb * k) + t;
 
     // The first round: batches 0..NW-1 of the CTA's 16 rows (NW * BATCH 16-byte chunks a row).
-    const auto wrow = [&](int i) { return gemv_w_row<ACT>(blockIdx.x, i, n); };
+    const auto wrow = [&](int i) { return gemv_act_row(act, blockIdx.x, i, n); };
     gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, wrow);
     gemv_prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, pf, wrow);
     // The fused-norm kernels let the next kernel launch only after their k loop: triggered at
@@ -452,7 +555,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
     __syncthreads();
     if constexpr (IsGated<ACT>::value)
-        gemv_epilogue_gated<NT, NW>(red, ACT{}, out, m, n);
+        gemv_epilogue_gated<NT, NW>(red, act, out, m, n);
+    else if constexpr (IsRope<ACT>::value)
+        gemv_epilogue_rope<NT, NW>(red, act, out, m);
     else if constexpr (IsResid<ACT>::value)
         gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
     else
@@ -498,6 +603,21 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         gemv_body<MAXM / 8, NW, U, bf16_t, ACT>(xin, w, out, nullptr, m, n, k, pf);                    \
     }
 
+// The RoPE-fused qkv product (norm input, see the top of the file) into a cache of C: q to
+// q_out, k and v to the cache.
+#define GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, SUFFIX, C)                                                   \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) GEMV_NAME(MAXM, NW, U, SUFFIX)( \
+        const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
+        float eps, const bf16_t* __restrict__ w, bf16_t* __restrict__ q_out, C* __restrict__ k_cache,          \
+        C* __restrict__ v_cache, const int* __restrict__ positions, const long long* __restrict__ slots,       \
+        const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, float cs_scale,       \
+        float k_scale, float v_scale, int m, int n, int k, int pf) {                                           \
+        const GemvXNorm<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, GEMV_T);           \
+        const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, n_heads,                           \
+                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale};                                \
+        gemv_body<MAXM / 8, NW, U, bf16_t, RopeAct<C>>(xin, w, q_out, nullptr, m, n, k, pf, act);             \
+    }
+
 // Every epilogue of one variant, in the order of GemvEpilogue::ALL (kernels/src/cuda/gemv.rs).
 #define GEMV_INSTANCE(MAXM, NW, U)                                 \
     GEMV_KERNEL_BF16(MAXM, NW, U, bf16, bf16_t, NoAct)             \
@@ -506,7 +626,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     GEMV_KERNEL_BF16(MAXM, NW, U, gelu_tanh, bf16_t, GeluTanhAct)  \
     GEMV_KERNEL_RESID(MAXM, NW, U)                                 \
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                \
-    GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)
+    GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)              \
+    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope, bf16_t)          \
+    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope_fp8, unsigned char)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
 // kernels/src/cuda/gemv.rs, for up to 8 and up to 16 rows of x.

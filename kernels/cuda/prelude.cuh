@@ -133,6 +133,14 @@ __device__ __forceinline__ unsigned char f2e4m3(float x) {
 #endif
 }
 
+// A KV-cache element write, one rule for every kernel that writes the cache (rope_kv.cu, and
+// the RoPE epilogue of gemv.cu), so the fused and unfused paths store the same bits: a bf16
+// cache stores the value as it is; an FP8 cache (one byte an element) the E4M3 code of
+// value / scale, the layer's K or V scale (the CPU reference's write_kv_fp8 on the same
+// bf16-rounded values).
+__device__ __forceinline__ void kv_put(bf16_t* c, bf16_t x, float) { *c = x; }
+__device__ __forceinline__ void kv_put(unsigned char* c, bf16_t x, float scale) { *c = f2e4m3(bf2f(x) / scale); }
+
 // The value of an E4M3 code (0x7F / 0xFF: NaN).
 __device__ __forceinline__ float e4m32f(unsigned char c) {
     const unsigned e = (c >> 3) & 0xfu, m = c & 7u;

@@ -44,11 +44,7 @@ struct QkNormArgs {
 // rotation pair, thread i >= rot_half the two pass-through elements 2i and 2i + 1, so the
 // threads of a head still own disjoint elements (in place stays safe). rot_half = head_dim / 2
 // is the full rotation.
-// The cache write: a bf16 cache stores the value as it is; an FP8 cache (one byte an
-// element) the E4M3 code of value / scale, the layer's K or V scale (the CPU reference's
-// write_kv_fp8 on the same bf16-rounded values).
-__device__ __forceinline__ void kv_put(bf16_t* c, bf16_t x, float) { *c = x; }
-__device__ __forceinline__ void kv_put(unsigned char* c, bf16_t x, float scale) { *c = f2e4m3(bf2f(x) / scale); }
+// The cache write: kv_put (prelude.cuh).
 
 // FP8 KV scale calibration (AMAX): the same rotation (and norm), but instead of writing, the
 // largest |k| (as stored: rotated, rounded to bf16) and |v| over the rows with a slot are

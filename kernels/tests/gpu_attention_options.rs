@@ -7,7 +7,10 @@
 //! Windows smaller than, equal to and larger than a row's context, windows that start inside
 //! a block, sinks far below and far above the scores, padding rows (context 0: zeros). Fresh
 //! random inputs every run (the seed is printed), outputs poisoned (NaN) before each launch,
-//! ‖out − ref‖ / ‖ref‖ < 1e-2.
+//! ‖out − ref‖ / ‖ref‖ < 1e-2. The streaming variants of one query-head count (wide rings of
+//! bulk copies, and the one-warp ring of 16-byte copies) must also give bit-identical outputs at
+//! the same split count: the launcher picks among them by batch size, and a row's output must
+//! not depend on the rows beside it.
 //!
 //! These tests need a GPU: they are named `gpu_*`, excluded from CI by name, and FAIL (do not
 //! skip) when no device can be opened.
@@ -16,11 +19,12 @@ mod common;
 
 use baton_kernels::cpu::{self, AttnExtras, Fp8KvLayerRef, KvLayerRef, SeqSpan};
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice,
-    CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, AttnVariant,
+    CudaDevice, CudaSlice, HostSeq, KvCacheRef, KvGeometry, PREFILL_WARPS, StepMeta, bf16, prefill_supported,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
+use std::collections::HashMap;
 
 /// The step: a prefill chunk of 30 rows over 45 cached tokens, decode rows at contexts 1, 37,
 /// 1000 and 4100; then padding rows.
@@ -180,7 +184,10 @@ fn options_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usi
     };
     let qd = up(dev, &step.q);
     let tag = format!("{} hd={hd} heads={nh}/{nkv} bs={bs}", if fp8 { "fp8" } else { "bf16" });
+    let table: &[AttnVariant] = if fp8 { &ATTN_FP8_VARIANTS } else { &ATTN_VARIANTS };
     for (label, window, softcap, sinks) in option_sets(r, nh) {
+        // The first streaming output per (query heads a warp, exact split mode): (run, bits).
+        let mut stream_bits: HashMap<(u32, String), (String, Vec<u32>)> = HashMap::new();
         let extras = AttnExtras { window, softcap, sinks: sinks.as_deref() };
         let want = step.reference(&cache, extras);
         let sinks_d = sinks.as_ref().map(|s| dev.upload(s).expect("sinks"));
@@ -189,6 +196,10 @@ fn options_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usi
             if kernels.iter().any(|k| matches!(k, AttnKernel::Prefill { .. })) && !prefill_supported(nh, nkv, hd) {
                 continue;
             }
+            let stream = match kernels.as_slice() {
+                [AttnKernel::Decode { variant: Some(v) }] if table[*v].kind == AttnKind::Stream => Some(table[*v]),
+                _ => None,
+            };
             let mut out = poisoned(dev, want.len());
             for kernel in kernels {
                 AttentionCall {
@@ -211,6 +222,24 @@ fn options_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usi
             let real = (step.q.len() / (nh * hd) - PAD) * nh * hd;
             assert!(got[real..].iter().all(|&x| x == 0.0), "{tag} {label} {run}: padding rows not zero");
             check(&format!("{tag} {label} {run}"), &got, &want);
+            // Split modes that fix the count whatever the variant (`Auto` and `Fixed(3)` plan
+            // from the variant's CTAs a row).
+            let exact = match split {
+                AttnSplit::Fixed(1) | AttnSplit::Exact(_) => Some(format!("{split:?}")),
+                _ => None,
+            };
+            if let (Some(v), Some(split)) = (stream, exact) {
+                let bits: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+                match stream_bits.get(&(v.max_group, split.clone())) {
+                    Some((first, want_bits)) => {
+                        let diff = bits.iter().zip(want_bits).filter(|(a, b)| a != b).count();
+                        assert_eq!(diff, 0, "{tag} {label}: {run} differs from {first} in {diff} outputs");
+                    }
+                    None => {
+                        stream_bits.insert((v.max_group, split), (run.clone(), bits));
+                    }
+                }
+            }
         }
     }
 }

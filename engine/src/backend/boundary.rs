@@ -6,10 +6,15 @@
 //! in the skinny GEMM's epilogue and normalizes on the next GEMM's loads, so the norm's
 //! single-CTA launch (twice a layer, on the decode step's critical path) disappears.
 //!
-//! Invariant: every implementation leaves `residual` and `out` as [`branch_boundary_unfused`]
-//! does; the scratch buffers ([`BoundaryScratch`]) hold nothing a caller may read afterwards.
+//! When the next branch is attention, the boundary may also take its RoPE and KV write
+//! ([`BoundaryRope`]): CUDA then rotates q and k in the qkv product's epilogue and writes the
+//! cache from there, so RoPE's own launch goes too.
+//!
+//! Invariant: every implementation leaves `residual` and `out` (or, with a [`BoundaryRope`],
+//! its `q` and the layer's cache) as [`branch_boundary_unfused`] does; the scratch buffers
+//! ([`BoundaryScratch`]) hold nothing a caller may read afterwards.
 
-use super::{Backend, BackendError, Gate};
+use super::{Backend, BackendError, BatchLayout, Gate};
 use baton_kernels::cpu::KernelError;
 
 /// What [`Backend::branch_boundary`] computes: `residual += x · wᵀ (+ bias)`, then
@@ -41,6 +46,30 @@ pub struct BranchBoundary<'a, B: Backend + ?Sized> {
     /// own (CUDA: the per-token FP8 codes of a W8A8 down projection's input, so that it does not
     /// quantize `out` again). `out` is written either way. `None`: nothing is assumed.
     pub then: Option<&'a B::Mat>,
+    /// `Some` when `next` is the attention branch's qkv projection and the boundary is to end
+    /// with its RoPE and KV write too (plain projections only).
+    pub rope: Option<BoundaryRope<'a, B>>,
+}
+
+/// The RoPE and KV write that follow a qkv projection ([`Backend::split_rope_and_write_kv`] of
+/// the boundary's `out`, with these arguments). Afterwards `q` holds the rotated q and layer
+/// `layer`'s cache the step's k and v; `out`, `k` and `v` are unspecified (a fused backend
+/// never stores the qkv rows).
+pub struct BoundaryRope<'a, B: Backend + ?Sized> {
+    /// The layer whose cache is written.
+    pub layer: usize,
+    /// `(q, k, v)` widths of a qkv row.
+    pub widths: (usize, usize, usize),
+    /// Query heads.
+    pub n_heads: usize,
+    /// The step's rows (positions, cache slots).
+    pub batch: &'a BatchLayout,
+    /// The rotated q.
+    pub q: &'a mut B::Buf,
+    /// Scratch for k.
+    pub k: &'a mut B::Buf,
+    /// Scratch for v.
+    pub v: &'a mut B::Buf,
 }
 
 /// Buffers [`Backend::branch_boundary`] may use on the way; their contents afterwards are
@@ -54,8 +83,21 @@ pub struct BoundaryScratch<'a, B: Backend + ?Sized> {
     pub gate_up: &'a mut B::Buf,
 }
 
-/// [`Backend::branch_boundary`] as its three ops: [`Backend::linear`], [`Backend::add_rms_norm`]
-/// and [`Backend::linear`] or [`Backend::gated_linear`], each marked for a step profile.
+/// Refuses the combinations no implementation takes: a gated projection with a bias, or with a
+/// [`BoundaryRope`]. Every implementation calls it before enqueuing anything.
+pub fn check_boundary<B: Backend + ?Sized>(s: &BranchBoundary<'_, B>) -> Result<(), BackendError> {
+    let refuse =
+        |message: &str| Err(BackendError::Kernel(KernelError { op: "branch_boundary", message: message.to_string() }));
+    match (s.gate, s.next_bias, &s.rope) {
+        (Some(_), Some(_), _) => refuse("a gated projection with a bias"),
+        (Some(_), _, Some(_)) => refuse("RoPE after a gated projection"),
+        _ => Ok(()),
+    }
+}
+
+/// [`Backend::branch_boundary`] as its ops: [`Backend::linear`], [`Backend::add_rms_norm`],
+/// [`Backend::linear`] or [`Backend::gated_linear`], then with a [`BoundaryRope`]
+/// [`Backend::split_rope_and_write_kv`], each marked for a step profile.
 pub fn branch_boundary_unfused<B: Backend + ?Sized>(
     b: &mut B,
     s: BranchBoundary<'_, B>,
@@ -63,17 +105,24 @@ pub fn branch_boundary_unfused<B: Backend + ?Sized>(
     scratch: BoundaryScratch<'_, B>,
     out: &mut B::Buf,
 ) -> Result<(), BackendError> {
-    if s.gate.is_some() && s.next_bias.is_some() {
-        let message = "a gated projection with a bias".to_string();
-        return Err(BackendError::Kernel(KernelError { op: "branch_boundary", message }));
-    }
+    check_boundary(&s)?;
     b.mark(s.labels.0);
     b.linear(s.x, s.m, s.w, s.bias, scratch.proj)?;
     b.mark("norm");
     b.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
     b.mark(s.labels.1);
     match s.gate {
-        None => b.linear(scratch.hidden, s.m, s.next, s.next_bias, out),
-        Some(gate) => b.gated_linear(scratch.hidden, s.m, s.next, gate, scratch.gate_up, out),
+        None => b.linear(scratch.hidden, s.m, s.next, s.next_bias, out)?,
+        Some(gate) => b.gated_linear(scratch.hidden, s.m, s.next, gate, scratch.gate_up, out)?,
     }
+    match s.rope {
+        Some(r) => rope_after(b, r, out),
+        None => Ok(()),
+    }
+}
+
+/// A [`BoundaryRope`] run as its own op over the stored qkv rows `qkv`.
+pub fn rope_after<B: Backend + ?Sized>(b: &mut B, r: BoundaryRope<'_, B>, qkv: &B::Buf) -> Result<(), BackendError> {
+    b.mark("rope_kv");
+    b.split_rope_and_write_kv(r.layer, qkv, r.widths, r.n_heads, r.batch, r.q, r.k, r.v)
 }

@@ -182,6 +182,10 @@ pub struct CudaBackend {
     /// or (prefill into a W8A8 projection) quantizing its rows for the FP8 GEMM
     /// ([`Backend::branch_boundary`]); off = the three ops, for comparisons.
     fuse_norm: bool,
+    /// A fused boundary into the qkv projection also rotates q and k and writes the cache in
+    /// that product's epilogue ([`crate::backend::BoundaryRope`]); off = the RoPE kernel after
+    /// it, for comparisons.
+    fuse_rope: bool,
     /// The per-CTA sums of squares the fused boundary passes from one GEMM to the next
     /// (allocated at the first fused boundary, for the most rows a skinny GEMM takes).
     norm_stats: Option<CudaSlice<f32>>,
@@ -291,6 +295,7 @@ impl CudaBackend {
             gemv: true,
             fuse_gate: true,
             fuse_norm: true,
+            fuse_rope: true,
             norm_stats: None,
             prefill_kernel: true,
             logit_shape: (0, 0),

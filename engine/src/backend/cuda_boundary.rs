@@ -19,25 +19,29 @@
 //! the codes wait in `fp8_act`, tagged with the activation buffer ([`ActCodes`]), and that
 //! product takes them instead of quantizing the stored rows again (`linear_fp8`).
 
-use super::{ActCodes, CudaBackend, CudaBuf, CudaMat, CudaRes, gemv_applies, kerr, record_mark};
+use super::{ActCodes, CudaBackend, CudaBuf, CudaMat, CudaRes, arch_ops, gemv_applies, kerr, record_mark};
 use crate::backend::{
-    Backend, BackendError, BoundaryScratch, BranchBoundary, Gate, GateAct, branch_boundary_unfused, gate_activation,
+    Backend, BackendError, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct, branch_boundary_unfused,
+    check_boundary, gate_activation, rope_after,
 };
 use baton_kernels::cuda::{
-    AddRmsNormQuantCall, BiasAddCall, CudaError, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
-    NormLinearOut, ResidualLinearCall, SiluMulQuantCall, W8A8_MIN_M, norm_quant_supports, norm_stat_parts,
-    w8a8_supports,
+    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
+    NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, SiluMulQuantCall, W8A8_MIN_M, norm_quant_supports,
+    norm_rope_supports, norm_stat_parts, w8a8_supports,
 };
 
 impl CudaBackend {
     /// [`Backend::branch_boundary`] on this device.
     pub(super) fn branch_boundary_cuda(
         &mut self,
-        s: BranchBoundary<'_, Self>,
+        mut s: BranchBoundary<'_, Self>,
         residual: &mut CudaRes,
         scratch: BoundaryScratch<'_, Self>,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
+        check_boundary(&s)?;
+        // Every route but the RoPE epilogue's runs the RoPE + KV write after the product.
+        let rope = s.rope.take();
         let (m, width) = (s.m, s.w.rows);
         let kind = match s.gate {
             None => Some(NormLinearOut::Plain { n: s.next.rows }),
@@ -55,11 +59,17 @@ impl CudaBackend {
             && gemv_applies(self.gemv, m, width);
         let Some(kind) = kind.filter(|_| fusable) else {
             if self.w8a8_input_fusable(&s) {
-                return self.branch_boundary_w8a8(s, residual, scratch, out);
+                self.branch_boundary_w8a8(s, residual, scratch, out)?;
+            } else {
+                branch_boundary_unfused(self, s, residual, scratch, out)?;
             }
-            return branch_boundary_unfused(self, s, residual, scratch, out);
+            return rope.map_or(Ok(()), |r| rope_after(self, r, out));
         };
         check_shapes(&s, residual)?;
+        let rope_epilogue = match &rope {
+            Some(r) if matches!(kind, NormLinearOut::Plain { .. }) => self.rope_epilogue_takes(&s, r)?,
+            _ => false,
+        };
         let cols = match kind {
             NormLinearOut::Plain { n } => n,
             NormLinearOut::GatedSilu { d } => d,
@@ -85,6 +95,18 @@ impl CudaBackend {
             stats: &mut stats,
             variant: None,
         };
+        let (epilogue_rope, rope) = match rope {
+            Some(r) if rope_epilogue => (Some(r), None),
+            other => (None, other),
+        };
+        if let Some(r) = epilogue_rope {
+            let launched = end.launch(&self.dev).map_err(BackendError::from).and_then(|()| {
+                record_mark(&self.dev, &mut self.profile, s.labels.1);
+                self.norm_rope(&s, residual, &stats, r)
+            });
+            self.norm_stats = Some(stats);
+            return launched;
+        }
         let launched = end.launch(&self.dev).and_then(|()| {
             record_mark(&self.dev, &mut self.profile, s.labels.1);
             let next = NormLinearCall {
@@ -106,7 +128,79 @@ impl CudaBackend {
         if let Some(b) = s.next_bias {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
-        Ok(())
+        rope.map_or(Ok(()), |r| rope_after(self, r, out))
+    }
+
+    /// Whether the qkv product of a fused boundary also takes `r`'s RoPE and KV write in its
+    /// epilogue ([`NormRopeCall`]): the switch on, no qkv bias, the full rotation and no q/k norm
+    /// (a [`BoundaryRope`] never carries one), a head the kernel takes, the projection exactly
+    /// `[q; k; v]` of the cache's heads, and no FP8 scale calibration pending for the layer
+    /// (that pass reads the rotated rows first). Builds the step's metadata.
+    fn rope_epilogue_takes(
+        &mut self,
+        s: &BranchBoundary<'_, Self>,
+        r: &BoundaryRope<'_, Self>,
+    ) -> Result<bool, BackendError> {
+        if !self.fuse_rope || s.next_bias.is_some() || r.batch.tokens.len() != s.m {
+            return Ok(false);
+        }
+        let geo = self.geo()?;
+        let (hd, kvw) = (geo.head_dim, geo.n_kv_heads * geo.head_dim);
+        let calibrating = self.fp8.as_ref().is_some_and(|f| f.calibrate.get(r.layer).copied().unwrap_or(false));
+        let takes = norm_rope_supports(hd)
+            && self.rotary_dim.is_none_or(|d| d == hd)
+            && r.widths == (r.n_heads * hd, kvw, kvw)
+            && s.next.rows == r.n_heads * hd + 2 * kvw
+            && !calibrating;
+        if takes {
+            self.step_meta(r.batch)?;
+        }
+        Ok(takes)
+    }
+
+    /// The qkv product with RoPE and the KV write in its epilogue: rotated q into `r.q`, k and v
+    /// into layer `r.layer`'s cache (bf16, or FP8 with the layer's scales).
+    fn norm_rope(
+        &mut self,
+        s: &BranchBoundary<'_, Self>,
+        residual: &CudaRes,
+        stats: &CudaSlice<f32>,
+        r: BoundaryRope<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        let m = s.m;
+        self.ensure(r.q, m * r.widths.0)?;
+        let inv_freq = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), r.layer)?;
+        let missing = || BackendError::Device(format!("layer {} has no KV cache", r.layer));
+        let cache = match self.fp8.as_mut() {
+            Some(fp8) => {
+                let scale = *fp8.scales.get(r.layer).ok_or_else(missing)?;
+                let (k, v) = fp8.layers.get_mut(r.layer).ok_or_else(missing)?;
+                RopeCache::Fp8 { k, v, k_scale: scale.k, v_scale: scale.v }
+            }
+            None => {
+                let (k, v) = self.kv.get_mut(r.layer).ok_or_else(missing)?;
+                RopeCache::Bf16 { k, v }
+            }
+        };
+        let call = NormRopeCall {
+            residual: &residual.data,
+            stats,
+            norm: &s.norm.data,
+            eps: s.eps,
+            m,
+            k: s.w.rows,
+            w: &s.next.data,
+            n_heads: r.n_heads,
+            q_out: &mut r.q.data,
+            cache,
+            meta: &self.meta,
+            inv_freq,
+            attention_factor: self.rope_attention_factor,
+            geo,
+            variant: None,
+        };
+        Ok(call.launch(&self.dev)?)
     }
 
     /// Whether a prefill-sized boundary into an FP8 per-token (W8A8) projection takes the add +

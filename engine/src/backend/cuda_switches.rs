@@ -30,6 +30,14 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Rotates q and k and writes the KV cache in the epilogue of a fused boundary's qkv
+    /// product (`true`, the default) or in the RoPE kernel after it (`false`: for benchmarks and
+    /// comparisons; the same bits either way). Drops recorded graphs.
+    pub fn set_fused_rope(&mut self, on: bool) {
+        self.fuse_rope = on;
+        self.drop_graphs();
+    }
+
     /// Lets the default decode attention take the streaming kernel (`true`, the default on
     /// sm_90) or keeps it on the tensor-core kernel
     /// ([`baton_kernels::cuda::CudaDevice::set_stream_attention`]; for comparisons). Drops

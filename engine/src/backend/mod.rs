@@ -19,7 +19,9 @@ mod boundary;
 pub mod cpu;
 pub mod cuda;
 
-pub use boundary::{BoundaryScratch, BranchBoundary, branch_boundary_unfused};
+pub use boundary::{
+    BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused, check_boundary, rope_after,
+};
 
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
@@ -405,8 +407,10 @@ pub trait Backend: Send + 'static {
     }
     /// The boundary between two residual branches ([`BranchBoundary`]): the ending branch's
     /// projection added to `residual`, the norm, and the next branch's first projection into
-    /// `out`. The default runs the three ops ([`branch_boundary_unfused`]); a backend may fuse
-    /// them (CUDA does for decode-sized batches) as long as `residual` and `out` are the same.
+    /// `out`, and with [`BranchBoundary::rope`] the qkv projection's RoPE and KV write. The
+    /// default runs the ops one by one ([`branch_boundary_unfused`]); a backend may fuse them
+    /// (CUDA does for decode-sized batches) as long as `residual` and `out` (with a rope: its
+    /// `q` and the cache) are the same.
     fn branch_boundary(
         &mut self,
         s: BranchBoundary<'_, Self>,

@@ -3,7 +3,9 @@
 //!
 //! Weights are fused where it saves GEMM launches: `[q; k; v]` into one matrix and
 //! `[gate; up]` into another. One [`Architecture::forward_layers`] runs a whole mixed
-//! batch (prefill chunks and decode rows alike).
+//! batch (prefill chunks and decode rows alike). A dense layer ends in a branch boundary that
+//! computes the next layer's qkv and, where that layer has no q/k norm, its RoPE and KV write
+//! ([`BoundaryRope`]), which a backend may fuse into the projection.
 //!
 //! Qwen3-MoE and Mixtral are the same layers with routed experts instead of the dense MLP
 //! where their [`LayerSpec`] says [`MlpKind::Moe`] (the block is `super::moe`, shared by
@@ -29,7 +31,8 @@
 use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{
-    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, Gate, GateAct, OptionalOp,
+    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct,
+    OptionalOp,
 };
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
@@ -235,6 +238,8 @@ impl<B: Backend> Architecture<B> for Llama<B> {
         // `mark` labels each op for a step profile (a no-op unless the backend profiles).
         b.mark("embed");
         b.embed(&batch.tokens, &batch.pending, &self.embed, &mut ws.residual)?;
+        // Whether the previous layer's last boundary also ran this layer's RoPE and KV write.
+        let mut roped = false;
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 b.mark("norm");
@@ -247,10 +252,11 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                 b.mark("rope_kv");
                 let out = (&mut ws.q, &mut ws.k, &mut ws.v);
                 b.split_qk_norm_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, (q_norm, k_norm, eps), out)?;
-            } else {
+            } else if !roped {
                 b.mark("rope_kv");
                 b.split_rope_and_write_kv(i, &ws.qkv, (qd, kvd, kvd), nh, batch, &mut ws.q, &mut ws.k, &mut ws.v)?;
             }
+            roped = false;
             after_kv(b, i)?;
             b.mark("attention");
             match layer.window {
@@ -278,13 +284,25 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                         labels: ("o_proj", "gate_up"),
                         // The next boundary (or the last layer's down) reads `act` first.
                         then: Some(down),
+                        rope: None,
                     };
                     let scratch =
                         BoundaryScratch { proj: &mut ws.proj, hidden: &mut ws.hidden, gate_up: &mut ws.gate_up };
                     b.branch_boundary(s, &mut ws.residual, scratch, &mut ws.act)?;
                     match next {
-                        // down, the residual add, the next layer's input norm and its qkv.
+                        // down, the residual add, the next layer's input norm and its qkv
+                        // (with the next layer's RoPE and KV write where it has no q/k norm).
                         Some(n) => {
+                            let rope = n.qk_norm.is_none().then(|| BoundaryRope {
+                                layer: i + 1,
+                                widths: (qd, kvd, kvd),
+                                n_heads: nh,
+                                batch,
+                                q: &mut ws.q,
+                                k: &mut ws.k,
+                                v: &mut ws.v,
+                            });
+                            roped = rope.is_some();
                             let s = BranchBoundary {
                                 m: t,
                                 x: &ws.act,
@@ -297,6 +315,7 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                                 gate: None,
                                 labels: ("down", "qkv"),
                                 then: None,
+                                rope,
                             };
                             let scratch = BoundaryScratch {
                                 proj: &mut ws.proj,

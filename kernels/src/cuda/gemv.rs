@@ -67,12 +67,26 @@ pub enum GemvEpilogue {
     NormBf16,
     /// As [`Self::NormBf16`] for the gated MLP with SiLU (as [`Self::Silu`]).
     NormSilu,
+    /// As [`Self::NormBf16`] for the qkv projection with RoPE and the KV write in the epilogue:
+    /// rotated q out, rotated k and v into a bf16 cache ([`NormRopeCall`](super::NormRopeCall)).
+    NormRope,
+    /// As [`Self::NormRope`] into an FP8 (E4M3) cache.
+    NormRopeFp8,
 }
 
 impl GemvEpilogue {
     /// Every epilogue, in the order of the kernel table's entries per variant.
-    pub const ALL: [Self; 7] =
-        [Self::Bf16, Self::F32, Self::Silu, Self::GeluTanh, Self::Residual, Self::NormBf16, Self::NormSilu];
+    pub const ALL: [Self; 9] = [
+        Self::Bf16,
+        Self::F32,
+        Self::Silu,
+        Self::GeluTanh,
+        Self::Residual,
+        Self::NormBf16,
+        Self::NormSilu,
+        Self::NormRope,
+        Self::NormRopeFp8,
+    ];
 
     /// The kernel name's last part (`GEMV_INSTANCE` in gemv.cu).
     fn suffix(self) -> &'static str {
@@ -84,6 +98,8 @@ impl GemvEpilogue {
             Self::Residual => "resid",
             Self::NormBf16 => "norm_bf16",
             Self::NormSilu => "norm_silu",
+            Self::NormRope => "norm_rope",
+            Self::NormRopeFp8 => "norm_rope_fp8",
         }
     }
 

@@ -26,7 +26,8 @@ pub fn norm_stat_parts(width: usize) -> usize {
     width.div_ceil(GEMV_ROWS_PER_CTA)
 }
 
-fn shape_ok(op: &'static str, m: usize, k: usize) -> Result<(), CudaError> {
+/// The skinny GEMM's shape rule ([`gemv_supports`]) as an error naming `op`.
+pub(super) fn gemv_shape_ok(op: &'static str, m: usize, k: usize) -> Result<(), CudaError> {
     shape_check(op, gemv_supports(m, k), || {
         format!("m = {m}, k = {k}: the kernel needs 1 ≤ m ≤ {GEMV_KERNEL_MAX_M} and k a multiple of 8")
     })
@@ -64,7 +65,7 @@ impl ResidualLinearCall<'_> {
         if m == 0 || n == 0 {
             return Ok(());
         }
-        shape_ok(OP, m, k)?;
+        gemv_shape_ok(OP, m, k)?;
         let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
         let (v, func) = gemv_function(dev, OP, m, variant, GemvEpilogue::Residual)?;
         let grid = cfg((int(OP, norm_stat_parts(n))? as u32, 1, 1), v.warps * 32);
@@ -138,7 +139,7 @@ impl NormLinearCall<'_> {
         if m == 0 || cols == 0 {
             return Ok(());
         }
-        shape_ok(OP, m, k)?;
+        gemv_shape_ok(OP, m, k)?;
         let variant = variant.unwrap_or_else(|| gemv_default(rows, dev.sm_count()));
         let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
         let grid = cfg((int(OP, cols.div_ceil(per_cta))? as u32, 1, 1), v.warps * 32);

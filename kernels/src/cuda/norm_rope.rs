@@ -1,0 +1,159 @@
+//! The qkv projection of a decode step with the norm on its loads and RoPE + the KV write in
+//! its epilogue ([`NormRopeCall`], gemv.cu's `norm_rope` kernels): one launch where a layer had
+//! the norm-input product ([`NormLinearCall`](super::NormLinearCall)) and then
+//! [`RopeKvCall`](super::RopeKvCall) with `RopeInput::Fused`.
+//!
+//! Invariants: the rotated q, and the k and v written to the cache, are bit for bit what the
+//! two-launch route stores (the same bf16 rounding of the product, the same f64 angle and
+//! rotation formula, the same `kv_put`); the qkv rows themselves are never stored. Only the
+//! plain case is taken: full rotation (no partial rotary), no q/k norm, no qkv bias; `head_dim`
+//! a multiple of 16 (a CTA holds 8 rotation pairs of one head). Every check is made before
+//! anything is enqueued.
+
+use super::gemv::{GEMV_ROWS_PER_CTA, GemvEpilogue, gemv_default};
+use super::launch::{Args, cfg, int, need, shape_check};
+use super::linear::gemv_function;
+use super::norm_linear::{gemv_shape_ok, norm_stat_parts};
+use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
+use half::bf16;
+
+/// Whether [`NormRopeCall`] takes a head of `head_dim` values: a multiple of 16 up to 256.
+pub fn norm_rope_supports(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(16) && (16..=256).contains(&head_dim)
+}
+
+/// The layer's cache as [`NormRopeCall`] writes it.
+pub enum RopeCache<'a> {
+    /// bf16 K and V (`geo.layer_len()` each).
+    Bf16 {
+        /// The layer's K cache.
+        k: &'a mut CudaSlice<bf16>,
+        /// The layer's V cache.
+        v: &'a mut CudaSlice<bf16>,
+    },
+    /// E4M3 codes of `k / k_scale` and `v / v_scale` (one byte an element).
+    Fp8 {
+        /// The layer's K cache.
+        k: &'a mut CudaSlice<u8>,
+        /// The layer's V cache.
+        v: &'a mut CudaSlice<u8>,
+        /// What a key is divided by before rounding (finite, positive).
+        k_scale: f32,
+        /// What a value is divided by before rounding (finite, positive).
+        v_scale: f32,
+    },
+}
+
+/// `qkv = (rms_norm(residual) · norm) · wᵀ` for the step's `m` rows, then RoPE on q and k at
+/// each row's position: the rotated q into `q_out`, the rotated k and v into each row's cache
+/// slot (a row whose slot is -1, a graph bucket's padding, writes q only).
+pub struct NormRopeCall<'a> {
+    /// `m × k` f32: the residual stream.
+    pub residual: &'a CudaSlice<f32>,
+    /// `m × `[`norm_stat_parts`]`(k)` f32: the sums of squares a residual product left.
+    pub stats: &'a CudaSlice<f32>,
+    /// `k` bf16: the norm's weight.
+    pub norm: &'a CudaSlice<bf16>,
+    /// Added to the mean square.
+    pub eps: f32,
+    /// Rows: the step's rows (`meta`'s).
+    pub m: usize,
+    /// The residual's width: the reduction length.
+    pub k: usize,
+    /// The fused projection `[q; k; v]`: `(n_heads + 2·n_kv_heads)·head_dim × k` bf16.
+    pub w: &'a CudaSlice<bf16>,
+    /// Query heads.
+    pub n_heads: usize,
+    /// `m × n_heads × head_dim` bf16: the rotated q.
+    pub q_out: &'a mut CudaSlice<bf16>,
+    /// The layer's cache.
+    pub cache: RopeCache<'a>,
+    /// The step's positions and slots.
+    pub meta: &'a KvWriteMeta,
+    /// `head_dim / 2` inverse frequencies (scaling applied).
+    pub inv_freq: &'a CudaSlice<f64>,
+    /// YaRN's / LongRoPE's attention factor on cos and sin; `None`: 1.
+    pub attention_factor: Option<f32>,
+    /// The cache's geometry.
+    pub geo: KvGeometry,
+    /// Index in [`GEMV_VARIANTS`](super::GEMV_VARIANTS), or `None` for the variant the plain
+    /// product of this width picks.
+    pub variant: Option<usize>,
+}
+
+impl NormRopeCall<'_> {
+    /// Checks the sizes and enqueues the product.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "norm_rope";
+        let Self {
+            residual,
+            stats,
+            norm,
+            eps,
+            m,
+            k,
+            w,
+            n_heads,
+            q_out,
+            cache,
+            meta,
+            inv_freq,
+            attention_factor,
+            geo,
+            variant,
+        } = self;
+        let (hd, nkv) = (geo.head_dim, geo.n_kv_heads);
+        let n = (n_heads + 2 * nkv) * hd;
+        let parts = norm_stat_parts(k);
+        need(OP, "residual", residual, m * k)?;
+        need(OP, "stats", stats, m * parts)?;
+        need(OP, "norm", norm, k)?;
+        need(OP, "w", w, n * k)?;
+        need(OP, "q_out", q_out, m * n_heads * hd)?;
+        need(OP, "inv_freq", inv_freq, hd / 2)?;
+        shape_check(OP, norm_rope_supports(hd), || {
+            format!("head_dim {hd}: the kernel needs a multiple of 16 up to 256")
+        })?;
+        shape_check(OP, meta.rows == m, || format!("{m} rows, metadata for {}", meta.rows))?;
+        meta.check_geometry(OP, &geo)?;
+        let cs_scale = attention_factor.unwrap_or(1.0);
+        shape_check(OP, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
+        let (epilogue, scales) = match &cache {
+            RopeCache::Bf16 { k, v } => {
+                need(OP, "k_cache", *k, geo.layer_len())?;
+                need(OP, "v_cache", *v, geo.layer_len())?;
+                (GemvEpilogue::NormRope, [1.0, 1.0])
+            }
+            RopeCache::Fp8 { k, v, k_scale, v_scale } => {
+                need(OP, "k_cache", *k, geo.layer_len())?;
+                need(OP, "v_cache", *v, geo.layer_len())?;
+                shape_check(OP, [k_scale, v_scale].iter().all(|s| s.is_finite() && **s > 0.0), || {
+                    format!("FP8 KV scales k {k_scale}, v {v_scale}: each must be finite and positive")
+                })?;
+                (GemvEpilogue::NormRopeFp8, [*k_scale, *v_scale])
+            }
+        };
+        if m == 0 {
+            return Ok(());
+        }
+        gemv_shape_ok(OP, m, k)?;
+        let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
+        let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
+        let grid = cfg((int(OP, n / GEMV_ROWS_PER_CTA)? as u32, 1, 1), v.warps * 32);
+        let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
+        let args = Args::new(OP).buf(residual).buf(stats).int(parts)?.buf(norm).f32(eps).buf(w).buf(q_out);
+        let args = match &cache {
+            RopeCache::Bf16 { k, v } => args.buf(*k).buf(*v),
+            RopeCache::Fp8 { k, v, .. } => args.buf(*k).buf(*v),
+        };
+        let args = args.buf(&meta.positions).buf(&meta.slots).buf(inv_freq);
+        let args = args.int(n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]);
+        let args = args.int(m)?.int(n)?.int(k)?.int(pf)?;
+        // SAFETY: residual holds m × k, stats m × parts, norm k, w n × k, q_out m × n_heads ×
+        // head_dim and inv_freq head_dim / 2 (checked above); n is a multiple of 16 (head_dim
+        // is), so every CTA's 16 weight rows exist; the metadata has m rows and was validated
+        // against this cache's geometry, so each slot the epilogue writes (one per row with a
+        // slot, n_kv_heads × head_dim elements) lies in the layer's cache.
+        unsafe { args.launch(dev, func, grid) }
+    }
+}

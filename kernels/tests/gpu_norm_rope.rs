@@ -1,0 +1,306 @@
+//! The RoPE-fused qkv product ([`NormRopeCall`]) against the two launches it replaces
+//! ([`NormLinearCall`] into the qkv rows, then [`RopeKvCall`] / [`RopeKvFp8Call`] with the fused
+//! input), with the same skinny-GEMM variant, on fresh random inputs (the seed is printed):
+//! - the rotated q bit for bit, every row (padding rows included);
+//! - the K and V caches bit for bit, everywhere: both start NaN-poisoned, so a slot one path
+//!   writes and the other does not, or a stray write, differs;
+//! - that the comparison is not vacuous: every real row's slot was written (no NaN left in it)
+//!   and q holds no NaN;
+//! - bf16 and FP8 (E4M3, scales not 1) caches; head_dim 64, 128 and 256; GQA; decode rows at
+//!   positions up to 10⁵ in shuffled blocks, followed by padding rows (slot −1: q only); an
+//!   attention factor ≠ 1 (YaRN's); every variant, for 1 to 16 rows;
+//! - the refusals: a head_dim off a multiple of 16, metadata for other rows, a bad FP8 scale.
+//!
+//! Needs a GPU: named `gpu_*`, excluded from CI by name, and FAILS (does not skip) when no
+//! device can be opened.
+
+mod common;
+
+use baton_kernels::cpu::{RopeScalingKind, RopeTable};
+use baton_kernels::cuda::{
+    CudaDevice, CudaSlice, GEMV_VARIANTS, HostSeq, KvGeometry, NormLinearCall, NormLinearOut, NormRopeCall, RopeCache,
+    RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call, StepMeta, bf16, norm_stat_parts,
+};
+use common::{device, rand_vec, rng, up};
+use rand::{Rng, rngs::StdRng};
+
+const EPS: f32 = 1e-5;
+const BS: usize = 16;
+const K_SCALE: f32 = 0.37;
+const V_SCALE: f32 = 0.11;
+
+/// One case: `real` decode rows (then `pad` padding rows) of a layer with `nh` / `nkv` heads of
+/// `hd`, over a `k`-wide residual.
+struct Case {
+    hd: usize,
+    nh: usize,
+    nkv: usize,
+    k: usize,
+    real: usize,
+    pad: usize,
+}
+
+/// Which cache the case writes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Cache {
+    Bf16,
+    Fp8,
+}
+
+/// The step's inputs on the device.
+struct Inputs {
+    geo: KvGeometry,
+    meta: StepMeta,
+    residual: CudaSlice<f32>,
+    stats: CudaSlice<f32>,
+    norm: CudaSlice<bf16>,
+    w: CudaSlice<bf16>,
+    inv: CudaSlice<f64>,
+    /// Slot of each real row (padding rows have none).
+    slots: Vec<usize>,
+}
+
+fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
+    let m = c.real + c.pad;
+    let n = (c.nh + 2 * c.nkv) * c.hd;
+    // One block of its own per row, dealt from a shuffled pool with spares.
+    let num_blocks = c.real + 7;
+    let mut pool: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, r.random_range(0..=i));
+    }
+    let positions: Vec<usize> = (0..c.real).map(|_| r.random_range(0..100_000)).collect();
+    // Every logical block before the row's own points anywhere (never read here).
+    let tables: Vec<Vec<u32>> = positions
+        .iter()
+        .zip(&pool)
+        .map(|(&p, &own)| (0..=p / BS).map(|lb| if lb == p / BS { own } else { pool[0] }).collect())
+        .collect();
+    let host: Vec<HostSeq<'_>> = positions
+        .iter()
+        .zip(&tables)
+        .enumerate()
+        .map(|(row, (&p, t))| HostSeq { row_start: row, n_tokens: 1, start_pos: p, block_table: t })
+        .collect();
+    let mut meta = StepMeta::new(dev).expect("meta");
+    meta.set_padded(dev, &host, c.real, m, BS, num_blocks).expect("meta set");
+    let slots = positions.iter().zip(&pool).map(|(&p, &own)| own as usize * BS + p % BS).collect();
+    // The residual and its stats as a residual product leaves them (sums of squares per 16
+    // columns), the norm's weight and the qkv weights.
+    let residual: Vec<f32> = (0..m * c.k).map(|_| r.random_range(-2.0f32..2.0)).collect();
+    let parts = norm_stat_parts(c.k);
+    let stats: Vec<f32> = (0..m * parts)
+        .map(|i| {
+            let (row, p) = (i / parts, i % parts);
+            residual[row * c.k + p * 16..(row * c.k + (p + 1) * 16).min((row + 1) * c.k)].iter().map(|v| v * v).sum()
+        })
+        .collect();
+    let scaling = RopeScalingKind::Linear { factor: 2.0 };
+    let table = RopeTable::new(c.hd, 500_000.0, scaling).expect("table");
+    Inputs {
+        geo: KvGeometry { num_blocks, block_size: BS, n_kv_heads: c.nkv, head_dim: c.hd },
+        meta,
+        residual: dev.upload(&residual).expect("residual"),
+        stats: dev.upload(&stats).expect("stats"),
+        norm: up(dev, &rand_vec(r, c.k, 1.5)),
+        w: up(dev, &rand_vec(r, n * c.k, 0.08)),
+        inv: dev.upload(table.inv_freq()).expect("inv_freq"),
+        slots,
+    }
+}
+
+/// q and both caches after one route, as raw bits (bf16 caches as u16, FP8 as u8 widened).
+struct Written {
+    q: Vec<u16>,
+    k: Vec<u16>,
+    v: Vec<u16>,
+}
+
+fn bits(dev: &CudaDevice, s: &CudaSlice<bf16>, n: usize) -> Vec<u16> {
+    dev.download(s, n).expect("download").iter().map(|x| x.to_bits()).collect()
+}
+
+fn bytes(dev: &CudaDevice, s: &CudaSlice<u8>, n: usize) -> Vec<u16> {
+    dev.download(s, n).expect("download").iter().map(|&x| u16::from(x)).collect()
+}
+
+/// The E4M3 NaN code (0x7F): what the FP8 caches are poisoned with.
+const FP8_NAN: u8 = 0x7f;
+
+/// Runs one route (`fused`: the RoPE epilogue; else the product then the RoPE kernel).
+fn route(dev: &CudaDevice, c: &Case, x: &Inputs, cache: Cache, variant: usize, fused: bool) -> Written {
+    let m = c.real + c.pad;
+    let (qd, kvw) = (c.nh * c.hd, c.nkv * c.hd);
+    let n = qd + 2 * kvw;
+    let len = x.geo.layer_len();
+    let mut q = dev.upload(&vec![bf16::NAN; m * qd]).expect("q");
+    let (mut kb, mut vb) =
+        (dev.upload(&vec![bf16::NAN; len]).expect("k"), dev.upload(&vec![bf16::NAN; len]).expect("v"));
+    let (mut k8, mut v8) = (dev.upload(&vec![FP8_NAN; len]).expect("k8"), dev.upload(&vec![FP8_NAN; len]).expect("v8"));
+    let factor = Some(0.8f32);
+    if fused {
+        let rope_cache = match cache {
+            Cache::Bf16 => RopeCache::Bf16 { k: &mut kb, v: &mut vb },
+            Cache::Fp8 => RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE },
+        };
+        NormRopeCall {
+            residual: &x.residual,
+            stats: &x.stats,
+            norm: &x.norm,
+            eps: EPS,
+            m,
+            k: c.k,
+            w: &x.w,
+            n_heads: c.nh,
+            q_out: &mut q,
+            cache: rope_cache,
+            meta: &x.meta,
+            inv_freq: &x.inv,
+            attention_factor: factor,
+            geo: x.geo,
+            variant: Some(variant),
+        }
+        .launch(dev)
+        .expect("norm_rope");
+    } else {
+        let mut qkv = dev.upload(&vec![bf16::NAN; m * n]).expect("qkv");
+        NormLinearCall {
+            residual: &x.residual,
+            stats: &x.stats,
+            norm: &x.norm,
+            eps: EPS,
+            m,
+            k: c.k,
+            w: &x.w,
+            kind: NormLinearOut::Plain { n },
+            out: &mut qkv,
+            variant: Some(variant),
+        }
+        .launch(dev)
+        .expect("norm_linear");
+        let input = RopeInput::Fused { qkv: &qkv, q_out: &mut q };
+        let extras = RopeExtras { attention_factor: factor, ..Default::default() };
+        let (meta, inv, geo, nh) = (&x.meta, &x.inv, x.geo, c.nh);
+        match cache {
+            Cache::Bf16 => {
+                RopeKvCall { input, k_cache: &mut kb, v_cache: &mut vb, meta, inv_freq: inv, n_heads: nh, geo }
+                    .launch_with(dev, extras)
+            }
+            Cache::Fp8 => RopeKvFp8Call {
+                input,
+                k_cache: &mut k8,
+                v_cache: &mut v8,
+                k_scale: K_SCALE,
+                v_scale: V_SCALE,
+                meta,
+                inv_freq: inv,
+                n_heads: nh,
+                geo,
+            }
+            .launch_with(dev, extras),
+        }
+        .expect("rope_qkv_write_kv");
+    }
+    let q = bits(dev, &q, m * qd);
+    match cache {
+        Cache::Bf16 => Written { q, k: bits(dev, &kb, len), v: bits(dev, &vb, len) },
+        Cache::Fp8 => Written { q, k: bytes(dev, &k8, len), v: bytes(dev, &v8, len) },
+    }
+}
+
+fn is_nan(cache: Cache, b: u16) -> bool {
+    match cache {
+        Cache::Bf16 => bf16::from_bits(b).is_nan(),
+        Cache::Fp8 => b & 0x7f == 0x7f,
+    }
+}
+
+#[test]
+fn gpu_norm_rope_equals_norm_linear_then_rope() {
+    let dev = device();
+    let mut r = rng("norm_rope");
+    let cases = [
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0 },
+        Case { hd: 128, nh: 8, nkv: 2, k: 520, real: 6, pad: 2 },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3 },
+        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0 },
+        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3 },
+    ];
+    for c in &cases {
+        let x = inputs(&dev, &mut r, c);
+        let m = c.real + c.pad;
+        let kvw = c.nkv * c.hd;
+        for cache in [Cache::Bf16, Cache::Fp8] {
+            for variant in 0..GEMV_VARIANTS.len() {
+                let what = format!(
+                    "hd={} heads={}/{} m={m} ({} padding) {cache:?} variant {variant}",
+                    c.hd, c.nh, c.nkv, c.pad
+                );
+                let want = route(&dev, c, &x, cache, variant, false);
+                let got = route(&dev, c, &x, cache, variant, true);
+                // Not vacuous: the reference wrote every q and every real row's slot.
+                assert!(want.q.iter().all(|&b| !bf16::from_bits(b).is_nan()), "{what}: the reference left q unwritten");
+                for &slot in &x.slots {
+                    let span = slot * kvw..(slot + 1) * kvw;
+                    assert!(want.k[span.clone()].iter().all(|&b| !is_nan(cache, b)), "{what}: K slot {slot} unwritten");
+                    assert!(want.v[span].iter().all(|&b| !is_nan(cache, b)), "{what}: V slot {slot} unwritten");
+                }
+                for (name, a, b) in [("q", &got.q, &want.q), ("K cache", &got.k, &want.k), ("V cache", &got.v, &want.v)]
+                {
+                    let diff = a.iter().zip(b.iter()).filter(|(x, y)| x != y).count();
+                    assert_eq!(
+                        diff,
+                        0,
+                        "{what}: {name} differs from the two-launch route in {diff} of {} elements",
+                        a.len()
+                    );
+                }
+            }
+            println!("norm_rope hd={} m={m} {cache:?}: bit-identical, every variant", c.hd);
+        }
+    }
+}
+
+#[test]
+fn gpu_norm_rope_refuses_bad_calls() {
+    let dev = device();
+    let mut r = rng("norm_rope refusals");
+    let c = Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 3, pad: 1 };
+    let x = inputs(&dev, &mut r, &c);
+    let m = c.real + c.pad;
+    let len = x.geo.layer_len();
+    let mut q = dev.upload(&vec![bf16::NAN; m * c.nh * c.hd]).expect("q");
+    let (mut k8, mut v8) = (dev.upload(&vec![FP8_NAN; len]).expect("k8"), dev.upload(&vec![FP8_NAN; len]).expect("v8"));
+    let (mut kb, mut vb) =
+        (dev.upload(&vec![bf16::NAN; len]).expect("k"), dev.upload(&vec![bf16::NAN; len]).expect("v"));
+    let base = |q: &mut CudaSlice<bf16>, cache: RopeCache<'_>, m: usize, geo: KvGeometry| {
+        NormRopeCall {
+            residual: &x.residual,
+            stats: &x.stats,
+            norm: &x.norm,
+            eps: EPS,
+            m,
+            k: c.k,
+            w: &x.w,
+            n_heads: c.nh,
+            q_out: q,
+            cache,
+            meta: &x.meta,
+            inv_freq: &x.inv,
+            attention_factor: None,
+            geo,
+            variant: None,
+        }
+        .launch(&dev)
+    };
+    let zero_scale = RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: 0.0, v_scale: 1.0 };
+    let e = base(&mut q, zero_scale, m, x.geo).expect_err("a zero FP8 scale");
+    assert!(format!("{e}").contains("scale"), "{e}");
+    let e = base(&mut q, RopeCache::Bf16 { k: &mut kb, v: &mut vb }, m - 1, x.geo).expect_err("rows off the metadata");
+    assert!(format!("{e}").contains("metadata"), "{e}");
+    let odd = KvGeometry { head_dim: 120, ..x.geo };
+    let e = base(&mut q, RopeCache::Bf16 { k: &mut kb, v: &mut vb }, m, odd).expect_err("head_dim 120");
+    assert!(format!("{e}").contains("head_dim"), "{e}");
+    // Nothing was written by the refused calls.
+    assert!(bits(&dev, &q, m * c.nh * c.hd).iter().all(|&b| bf16::from_bits(b).is_nan()), "a refused call wrote q");
+}
