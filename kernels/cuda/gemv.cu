@@ -231,6 +231,26 @@ __device__ __forceinline__ void gemv_prefetch_l2_bulk(const unsigned char* base,
 #endif
 }
 
+// Entry i (< NT * 2 * 32) of a paired epilogue (gated, RoPE), whose tile rows g and g + 8 hold
+// the two halves of one output: sums the warps' partials of accumulators j = h of tile nt
+// (row g) into a and j = h + 2 (row g + 8) into b; g = l / 4 is the output's pair index in the
+// CTA and mm its row of x.
+template <int NT, int NW>
+__device__ __forceinline__ void gemv_pair_sums(const float (*red)[NT * 4][32], int i, float& a, float& b, int& g,
+                                               int& mm) {
+    const int jj = i >> 5, l = i & 31;
+    const int nt = jj >> 1, h = jj & 1;
+    a = 0.f;
+    b = 0.f;
+#pragma unroll
+    for (int v = 0; v < NW; v++) {
+        a += red[v][nt * 4 + h][l];
+        b += red[v][nt * 4 + h + 2][l];
+    }
+    g = l >> 2;
+    mm = nt * 8 + 2 * (l & 3) + h;
+}
+
 // The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
 // its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
 template <int NT, int NW, typename ACT>
@@ -238,16 +258,10 @@ __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][3
                                                     bf16_t* __restrict__ out, int m, int n) {
     const int col0 = blockIdx.x * 8;
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
-        const int jj = i >> 5, l = i & 31;
-        const int nt = jj >> 1, h = jj & 1;
-        float gate = 0.f, up = 0.f;
-#pragma unroll
-        for (int v = 0; v < NW; v++) {
-            gate += red[v][nt * 4 + h][l];
-            up += red[v][nt * 4 + h + 2][l];
-        }
-        const int col = col0 + (l >> 2);
-        const int mm = nt * 8 + 2 * (l & 3) + h;
+        float gate, up;
+        int g, mm;
+        gemv_pair_sums<NT, NW>(red, i, gate, up, g, mm);
+        const int col = col0 + g;
         if (col < n && mm < m) out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
     }
 }
@@ -425,15 +439,9 @@ __device__ __forceinline__ void gemv_epilogue_rope(const float (*red)[NT * 4][32
     const long long kv_w = (long long)r.n_kv_heads * hd;
     const bool pairs = cta < r.qk_ctas();
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
-        const int jj = i >> 5, l = i & 31;
-        const int nt = jj >> 1, h = jj & 1;
-        float a = 0.f, b = 0.f;
-#pragma unroll
-        for (int v = 0; v < NW; v++) {
-            a += red[v][nt * 4 + h][l];
-            b += red[v][nt * 4 + h + 2][l];
-        }
-        const int g = l >> 2, mm = nt * 8 + 2 * (l & 3) + h;
+        float a, b;
+        int g, mm;
+        gemv_pair_sums<NT, NW>(red, i, a, b, g, mm);
         if (mm >= m) continue;
         const long long slot = r.slots[mm];
         const bf16_t ab = f2bf(a), bb = f2bf(b);

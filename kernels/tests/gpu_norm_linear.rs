@@ -19,7 +19,7 @@ mod common;
 
 use baton_kernels::cuda::{
     AddRmsNormCall, CudaDevice, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatedAct, GatedLinearCall, LinearCall,
-    LinearKernel, NormLinearCall, NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
+    LinearKernel, NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 
@@ -99,10 +99,7 @@ impl Case {
             .expect("residual_linear");
         let mut out = poisoned(dev, m * cols + spare);
         let call = NormLinearCall {
-            residual: &res,
-            stats: &stats,
-            norm: &self.norm,
-            eps: EPS,
+            input: NormInput { residual: &res, stats: &stats, norm: &self.norm, eps: EPS },
             m,
             k: width,
             w: &self.next,
@@ -225,10 +222,7 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
     let mut out = poisoned(&dev, 2 * 64);
     let short_stats = up_f32(&dev, &vec![0.0; norm_stat_parts(width) - 1]);
     let call = NormLinearCall {
-        residual: &res,
-        stats: &short_stats,
-        norm: &norm,
-        eps: EPS,
+        input: NormInput { residual: &res, stats: &short_stats, norm: &norm, eps: EPS },
         m: 1,
         k: width,
         w: &next,

@@ -18,8 +18,8 @@ mod common;
 
 use baton_kernels::cpu::{RopeScalingKind, RopeTable};
 use baton_kernels::cuda::{
-    CudaDevice, CudaSlice, GEMV_VARIANTS, HostSeq, KvGeometry, NormLinearCall, NormLinearOut, NormRopeCall, RopeCache,
-    RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call, StepMeta, bf16, norm_stat_parts,
+    CudaDevice, CudaSlice, GEMV_VARIANTS, HostSeq, KvGeometry, NormInput, NormLinearCall, NormLinearOut, NormRopeCall,
+    RopeCache, RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call, StepMeta, bf16, norm_stat_parts,
 };
 use common::{device, rand_vec, rng, up};
 use rand::{Rng, rngs::StdRng};
@@ -127,6 +127,40 @@ fn bytes(dev: &CudaDevice, s: &CudaSlice<u8>, n: usize) -> Vec<u16> {
 /// The E4M3 NaN code (0x7F): what the FP8 caches are poisoned with.
 const FP8_NAN: u8 = 0x7f;
 
+impl Inputs {
+    /// The normalized activation's source.
+    fn norm_input(&self) -> NormInput<'_> {
+        NormInput { residual: &self.residual, stats: &self.stats, norm: &self.norm, eps: EPS }
+    }
+
+    /// The fused call over these inputs for `m` rows (the case's, or not: the refusals) of `geo`.
+    fn norm_rope<'a>(
+        &'a self,
+        c: &Case,
+        m: usize,
+        geo: KvGeometry,
+        q_out: &'a mut CudaSlice<bf16>,
+        cache: RopeCache<'a>,
+        attention_factor: Option<f32>,
+        variant: Option<usize>,
+    ) -> NormRopeCall<'a> {
+        NormRopeCall {
+            input: self.norm_input(),
+            m,
+            k: c.k,
+            w: &self.w,
+            n_heads: c.nh,
+            q_out,
+            cache,
+            meta: &self.meta,
+            inv_freq: &self.inv,
+            attention_factor,
+            geo,
+            variant,
+        }
+    }
+}
+
 /// Runs one route (`fused`: the RoPE epilogue; else the product then the RoPE kernel).
 fn route(dev: &CudaDevice, c: &Case, x: &Inputs, cache: Cache, variant: usize, fused: bool) -> Written {
     let m = c.real + c.pad;
@@ -143,32 +177,11 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, cache: Cache, variant: usize, f
             Cache::Bf16 => RopeCache::Bf16 { k: &mut kb, v: &mut vb },
             Cache::Fp8 => RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE },
         };
-        NormRopeCall {
-            residual: &x.residual,
-            stats: &x.stats,
-            norm: &x.norm,
-            eps: EPS,
-            m,
-            k: c.k,
-            w: &x.w,
-            n_heads: c.nh,
-            q_out: &mut q,
-            cache: rope_cache,
-            meta: &x.meta,
-            inv_freq: &x.inv,
-            attention_factor: factor,
-            geo: x.geo,
-            variant: Some(variant),
-        }
-        .launch(dev)
-        .expect("norm_rope");
+        x.norm_rope(c, m, x.geo, &mut q, rope_cache, factor, Some(variant)).launch(dev).expect("norm_rope");
     } else {
         let mut qkv = dev.upload(&vec![bf16::NAN; m * n]).expect("qkv");
         NormLinearCall {
-            residual: &x.residual,
-            stats: &x.stats,
-            norm: &x.norm,
-            eps: EPS,
+            input: x.norm_input(),
             m,
             k: c.k,
             w: &x.w,
@@ -274,24 +287,7 @@ fn gpu_norm_rope_refuses_bad_calls() {
     let (mut kb, mut vb) =
         (dev.upload(&vec![bf16::NAN; len]).expect("k"), dev.upload(&vec![bf16::NAN; len]).expect("v"));
     let base = |q: &mut CudaSlice<bf16>, cache: RopeCache<'_>, m: usize, geo: KvGeometry| {
-        NormRopeCall {
-            residual: &x.residual,
-            stats: &x.stats,
-            norm: &x.norm,
-            eps: EPS,
-            m,
-            k: c.k,
-            w: &x.w,
-            n_heads: c.nh,
-            q_out: q,
-            cache,
-            meta: &x.meta,
-            inv_freq: &x.inv,
-            attention_factor: None,
-            geo,
-            variant: None,
-        }
-        .launch(&dev)
+        x.norm_rope(&c, m, geo, q, cache, None, None).launch(&dev)
     };
     let zero_scale = RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: 0.0, v_scale: 1.0 };
     let e = base(&mut q, zero_scale, m, x.geo).expect_err("a zero FP8 scale");

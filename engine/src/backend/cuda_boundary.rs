@@ -25,9 +25,9 @@ use crate::backend::{
     check_boundary, gate_activation, rope_after,
 };
 use baton_kernels::cuda::{
-    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormLinearCall,
-    NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, SiluMulQuantCall, W8A8_MIN_M, norm_quant_supports,
-    norm_rope_supports, norm_stat_parts, w8a8_supports,
+    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormInput,
+    NormLinearCall, NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, SiluMulQuantCall, W8A8_MIN_M,
+    norm_quant_supports, norm_rope_supports, norm_stat_parts, w8a8_supports,
 };
 
 impl CudaBackend {
@@ -110,10 +110,7 @@ impl CudaBackend {
         let launched = end.launch(&self.dev).and_then(|()| {
             record_mark(&self.dev, &mut self.profile, s.labels.1);
             let next = NormLinearCall {
-                residual: &residual.data,
-                stats: &stats,
-                norm: &s.norm.data,
-                eps: s.eps,
+                input: NormInput { residual: &residual.data, stats: &stats, norm: &s.norm.data, eps: s.eps },
                 m,
                 k: width,
                 w: &s.next.data,
@@ -184,10 +181,7 @@ impl CudaBackend {
             }
         };
         let call = NormRopeCall {
-            residual: &residual.data,
-            stats,
-            norm: &s.norm.data,
-            eps: s.eps,
+            input: NormInput { residual: &residual.data, stats, norm: &s.norm.data, eps: s.eps },
             m,
             k: s.w.rows,
             w: &s.next.data,

@@ -94,9 +94,10 @@ pub enum NormLinearOut {
     },
 }
 
-/// `out = (rms_norm(residual) · norm) · wᵀ`, plain or gated, with `1 / rms` from the stats a
-/// [`ResidualLinearCall`] left.
-pub struct NormLinearCall<'a> {
+/// What a norm-input product reads instead of a bf16 activation (gemv.cu's `GemvNormIn`): the
+/// residual stream, the sums of squares a [`ResidualLinearCall`] left, and the norm.
+#[derive(Clone, Copy)]
+pub struct NormInput<'a> {
     /// `m × k` f32: the residual stream.
     pub residual: &'a CudaSlice<f32>,
     /// `m × `[`norm_stat_parts`]`(k)` f32: the sums of squares of `residual`'s rows.
@@ -105,6 +106,28 @@ pub struct NormLinearCall<'a> {
     pub norm: &'a CudaSlice<bf16>,
     /// Added to the mean square.
     pub eps: f32,
+}
+
+impl<'a> NormInput<'a> {
+    /// Checks the sizes for `m` rows of width `k` (naming `op`).
+    pub(super) fn check(&self, op: &'static str, m: usize, k: usize) -> Result<(), CudaError> {
+        need(op, "residual", self.residual, m * k)?;
+        need(op, "stats", self.stats, m * norm_stat_parts(k))?;
+        need(op, "norm", self.norm, k)
+    }
+
+    /// The kernel's leading arguments for a residual `k` wide: residual, stats, parts, norm, eps.
+    pub(super) fn args(&self, op: &'static str, k: usize) -> Result<Args<'a>, CudaError> {
+        let args = Args::new(op).buf(self.residual).buf(self.stats).int(norm_stat_parts(k))?;
+        Ok(args.buf(self.norm).f32(self.eps))
+    }
+}
+
+/// `out = (rms_norm(residual) · norm) · wᵀ`, plain or gated, with `1 / rms` from the stats a
+/// [`ResidualLinearCall`] left.
+pub struct NormLinearCall<'a> {
+    /// The normalized activation's source.
+    pub input: NormInput<'a>,
     /// Rows.
     pub m: usize,
     /// The residual's width: the reduction length.
@@ -124,16 +147,13 @@ impl NormLinearCall<'_> {
     /// Checks the sizes and enqueues the product.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "norm_linear";
-        let Self { residual, stats, norm, eps, m, k, w, kind, out, variant } = self;
-        let parts = norm_stat_parts(k);
+        let Self { input, m, k, w, kind, out, variant } = self;
         // Output columns, weight rows, columns per CTA, and the epilogue.
         let (cols, rows, per_cta, epilogue) = match kind {
             NormLinearOut::Plain { n } => (n, n, GEMV_ROWS_PER_CTA, GemvEpilogue::NormBf16),
             NormLinearOut::GatedSilu { d } => (d, 2 * d, GEMV_ROWS_PER_CTA / 2, GemvEpilogue::NormSilu),
         };
-        need(OP, "residual", residual, m * k)?;
-        need(OP, "stats", stats, m * parts)?;
-        need(OP, "norm", norm, k)?;
+        input.check(OP, m, k)?;
         need(OP, "w", w, rows * k)?;
         need(OP, "out", out, m * cols)?;
         if m == 0 || cols == 0 {
@@ -144,9 +164,8 @@ impl NormLinearCall<'_> {
         let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
         let grid = cfg((int(OP, cols.div_ceil(per_cta))? as u32, 1, 1), v.warps * 32);
         let pf = v.prefetch_row_bytes(rows, k, dev.gemv_l2_prefetch());
-        let args = Args::new(OP).buf(residual).buf(stats).int(parts)?.buf(norm).f32(eps).buf(w).buf(out);
-        let args = args.int(m)?.int(cols)?.int(k)?.int(pf)?;
-        // SAFETY: residual holds m × k, stats m × parts, norm k, w rows × k and out m × cols
+        let args = input.args(OP, k)?.buf(w).buf(out).int(m)?.int(cols)?.int(k)?.int(pf)?;
+        // SAFETY: residual holds m × k, stats m × norm_stat_parts(k), norm k, w rows × k and out m × cols
         // (checked above); the kernel reads whole 16-byte rows (k % 8 == 0), weight rows below
         // `rows`, and writes only columns < cols of out's m rows.
         unsafe { args.launch(dev, func, grid) }

@@ -11,9 +11,9 @@
 //! anything is enqueued.
 
 use super::gemv::{GEMV_ROWS_PER_CTA, GemvEpilogue, gemv_default};
-use super::launch::{Args, cfg, int, need, shape_check};
+use super::launch::{cfg, int, need, shape_check};
 use super::linear::gemv_function;
-use super::norm_linear::{gemv_shape_ok, norm_stat_parts};
+use super::norm_linear::{NormInput, gemv_shape_ok};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
 use half::bf16;
 
@@ -44,18 +44,12 @@ pub enum RopeCache<'a> {
     },
 }
 
-/// `qkv = (rms_norm(residual) · norm) · wᵀ` for the step's `m` rows, then RoPE on q and k at
+/// `qkv = (rms_norm(residual) · norm) · wᵀ` ([`NormInput`]) for the step's `m` rows, then RoPE on q and k at
 /// each row's position: the rotated q into `q_out`, the rotated k and v into each row's cache
 /// slot (a row whose slot is -1, a graph bucket's padding, writes q only).
 pub struct NormRopeCall<'a> {
-    /// `m × k` f32: the residual stream.
-    pub residual: &'a CudaSlice<f32>,
-    /// `m × `[`norm_stat_parts`]`(k)` f32: the sums of squares a residual product left.
-    pub stats: &'a CudaSlice<f32>,
-    /// `k` bf16: the norm's weight.
-    pub norm: &'a CudaSlice<bf16>,
-    /// Added to the mean square.
-    pub eps: f32,
+    /// The normalized activation's source.
+    pub input: NormInput<'a>,
     /// Rows: the step's rows (`meta`'s).
     pub m: usize,
     /// The residual's width: the reduction length.
@@ -85,29 +79,10 @@ impl NormRopeCall<'_> {
     /// Checks the sizes and enqueues the product.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "norm_rope";
-        let Self {
-            residual,
-            stats,
-            norm,
-            eps,
-            m,
-            k,
-            w,
-            n_heads,
-            q_out,
-            cache,
-            meta,
-            inv_freq,
-            attention_factor,
-            geo,
-            variant,
-        } = self;
+        let Self { input, m, k, w, n_heads, q_out, cache, meta, inv_freq, attention_factor, geo, variant } = self;
         let (hd, nkv) = (geo.head_dim, geo.n_kv_heads);
         let n = (n_heads + 2 * nkv) * hd;
-        let parts = norm_stat_parts(k);
-        need(OP, "residual", residual, m * k)?;
-        need(OP, "stats", stats, m * parts)?;
-        need(OP, "norm", norm, k)?;
+        input.check(OP, m, k)?;
         need(OP, "w", w, n * k)?;
         need(OP, "q_out", q_out, m * n_heads * hd)?;
         need(OP, "inv_freq", inv_freq, hd / 2)?;
@@ -141,7 +116,7 @@ impl NormRopeCall<'_> {
         let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
         let grid = cfg((int(OP, n / GEMV_ROWS_PER_CTA)? as u32, 1, 1), v.warps * 32);
         let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
-        let args = Args::new(OP).buf(residual).buf(stats).int(parts)?.buf(norm).f32(eps).buf(w).buf(q_out);
+        let args = input.args(OP, k)?.buf(w).buf(q_out);
         let args = match &cache {
             RopeCache::Bf16 { k, v } => args.buf(*k).buf(*v),
             RopeCache::Fp8 { k, v, .. } => args.buf(*k).buf(*v),
@@ -149,7 +124,7 @@ impl NormRopeCall<'_> {
         let args = args.buf(&meta.positions).buf(&meta.slots).buf(inv_freq);
         let args = args.int(n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]);
         let args = args.int(m)?.int(n)?.int(k)?.int(pf)?;
-        // SAFETY: residual holds m × k, stats m × parts, norm k, w n × k, q_out m × n_heads ×
+        // SAFETY: residual holds m × k, stats m × norm_stat_parts(k), norm k, w n × k, q_out m × n_heads ×
         // head_dim and inv_freq head_dim / 2 (checked above); n is a multiple of 16 (head_dim
         // is), so every CTA's 16 weight rows exist; the metadata has m rows and was validated
         // against this cache's geometry, so each slot the epilogue writes (one per row with a
