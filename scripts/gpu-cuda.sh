@@ -4,8 +4,13 @@
 # models and a random Llama-3.2-1B-shape model) and, when built, the whole-model benchmark.
 #
 #   here (dev machine):   scripts/gpu-cuda.sh --build
-#       builds the nextest archive (debuginfo stripped), the example programs (release) and copies
-#       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda);
+#       builds the nextest archive of the gpu_* tests (scripts/gpu-archive.sh; BATON_GPU_TESTS =
+#       kernels|engine|all, default all), the example programs (release) and copies
+#       cargo-nextest and the Python scripts into $BATON_GPU_CARRY (default .carry/cuda).
+#       Everything together (~85 MB at 2026-12: tests ~42, programs ~32, kernel cache ~11) is
+#       over the carry limit beside the ~25 MB working tree: copy what a call needs into a
+#       folder of its own (say the tests and cargo-nextest for one call, bench_cuda and the
+#       peer script for the next) and carry that;
 #   there (GPU machine):  bash .carry/cuda/gpu-cuda.sh [tests] [bench] [golden] [model] [e2e] [throughput] [smollm2] [startup]
 #       (default: the first four; e2e is the whole-model bench_cuda, throughput the offline
 #       throughput runs, startup the start-up benchmark (bench_startup: an 8B-shape bf16
@@ -26,7 +31,7 @@ if [[ "${1:-}" == "--build" ]]; then
     export CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=debuginfo
     export CARGO_PROFILE_TEST_DEBUG=0 CARGO_PROFILE_TEST_STRIP=debuginfo
     mkdir -p "$CARRY"
-    cargo nextest archive -p baton-kernels -p baton-engine --archive-file "$CARRY/tests.tar.zst"
+    scripts/gpu-archive.sh "$CARRY/tests.tar.zst" "${BATON_GPU_TESTS:-all}"
     # The benchmark programs are release builds: host-side launch overhead is part of what
     # single-stream decode measures.
     cargo build --release -p baton-kernels -p baton-engine --examples

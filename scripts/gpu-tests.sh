@@ -23,7 +23,7 @@ if [[ "${1:-}" == "--build" ]]; then
     export CARGO_PROFILE_DEV_DEBUG=0 CARGO_PROFILE_DEV_STRIP=debuginfo
     export CARGO_PROFILE_TEST_DEBUG=0 CARGO_PROFILE_TEST_STRIP=debuginfo
     mkdir -p "$CARRY"
-    cargo nextest archive -p baton-kernels -p baton-engine --archive-file "$CARRY/tests.tar.zst"
+    scripts/gpu-archive.sh "$CARRY/tests.tar.zst" "${BATON_GPU_TESTS:-all}"
     cargo build -p baton-kernels --examples
     target="${CARGO_TARGET_DIR:-target}"
     cp "$target/debug/examples/cuda_bench" "$target/debug/examples/cuda_compile" "$CARRY/"
