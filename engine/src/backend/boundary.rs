@@ -85,7 +85,7 @@ pub struct BoundaryScratch<'a, B: Backend + ?Sized> {
 
 /// Refuses the combinations no implementation takes: a gated projection with a bias, or with a
 /// [`BoundaryRope`]. Every implementation calls it before enqueuing anything.
-pub fn check_boundary<B: Backend + ?Sized>(s: &BranchBoundary<'_, B>) -> Result<(), BackendError> {
+pub(crate) fn check_boundary<B: Backend + ?Sized>(s: &BranchBoundary<'_, B>) -> Result<(), BackendError> {
     let refuse =
         |message: &str| Err(BackendError::Kernel(KernelError { op: "branch_boundary", message: message.to_string() }));
     match (s.gate, s.next_bias, &s.rope) {
@@ -122,7 +122,11 @@ pub fn branch_boundary_unfused<B: Backend + ?Sized>(
 }
 
 /// A [`BoundaryRope`] run as its own op over the stored qkv rows `qkv`.
-pub fn rope_after<B: Backend + ?Sized>(b: &mut B, r: BoundaryRope<'_, B>, qkv: &B::Buf) -> Result<(), BackendError> {
+pub(crate) fn rope_after<B: Backend + ?Sized>(
+    b: &mut B,
+    r: BoundaryRope<'_, B>,
+    qkv: &B::Buf,
+) -> Result<(), BackendError> {
     b.mark("rope_kv");
     b.split_rope_and_write_kv(r.layer, qkv, r.widths, r.n_heads, r.batch, r.q, r.k, r.v)
 }

@@ -66,9 +66,12 @@ impl CudaBackend {
             return rope.map_or(Ok(()), |r| rope_after(self, r, out));
         };
         check_shapes(&s, residual)?;
-        let rope_epilogue = match &rope {
-            Some(r) if matches!(kind, NormLinearOut::Plain { .. }) => self.rope_epilogue_takes(&s, r)?,
-            _ => false,
+        // The RoPE epilogue's, or the one run after the product.
+        let (epilogue_rope, rope) = match rope {
+            Some(r) if matches!(kind, NormLinearOut::Plain { .. }) && self.rope_epilogue_takes(&s, &r)? => {
+                (Some(r), None)
+            }
+            other => (None, other),
         };
         let cols = match kind {
             NormLinearOut::Plain { n } => n,
@@ -95,20 +98,11 @@ impl CudaBackend {
             stats: &mut stats,
             variant: None,
         };
-        let (epilogue_rope, rope) = match rope {
-            Some(r) if rope_epilogue => (Some(r), None),
-            other => (None, other),
-        };
-        if let Some(r) = epilogue_rope {
-            let launched = end.launch(&self.dev).map_err(BackendError::from).and_then(|()| {
-                record_mark(&self.dev, &mut self.profile, s.labels.1);
-                self.norm_rope(&s, residual, &stats, r)
-            });
-            self.norm_stats = Some(stats);
-            return launched;
-        }
-        let launched = end.launch(&self.dev).and_then(|()| {
+        let launched = end.launch(&self.dev).map_err(BackendError::from).and_then(|()| {
             record_mark(&self.dev, &mut self.profile, s.labels.1);
+            if let Some(r) = epilogue_rope {
+                return self.norm_rope(&s, residual, &stats, r);
+            }
             let next = NormLinearCall {
                 input: NormInput { residual: &residual.data, stats: &stats, norm: &s.norm.data, eps: s.eps },
                 m,
@@ -118,10 +112,11 @@ impl CudaBackend {
                 out: &mut out.data,
                 variant: None,
             };
-            next.launch(&self.dev)
+            Ok(next.launch(&self.dev)?)
         });
         self.norm_stats = Some(stats);
         launched?;
+        // (No bias and no rope left when the epilogue took the RoPE.)
         if let Some(b) = s.next_bias {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }

@@ -19,9 +19,8 @@ mod boundary;
 pub mod cpu;
 pub mod cuda;
 
-pub use boundary::{
-    BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused, check_boundary, rope_after,
-};
+pub use boundary::{BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused};
+pub(crate) use boundary::{check_boundary, rope_after};
 
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
