@@ -15,6 +15,8 @@
 //!   and the same cache bits as the RoPE kernel after the product, so the same logits; over a
 //!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (a qkv bias: the RoPE kernel
 //!   runs) and Qwen3 (q/k norm: never offered).
+//! - Over FP8 weights, the skinny FP8 GEMM's epilogues (`set_fused_gate`, `set_fused_rope`): the
+//!   gated activation, and RoPE + the KV write; the same bits as the product + kernel pairs.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
@@ -175,6 +177,36 @@ fn gpu_fused_rope_gives_bit_identical_steps() {
         fp8,
         |graphs| Switches { fused_rope: false, ..fp8(graphs) },
     );
+}
+
+#[test]
+fn gpu_fp8_weight_epilogues_give_bit_identical_steps() {
+    // Decode steps of 9 rows run the skinny FP8 kernel: with the switches on, the gated
+    // activation and (Llama: no qkv bias, no q/k norm) RoPE + the KV write in its epilogue.
+    for (spec, rope) in [(TinySpec::llama(), true), (TinySpec::qwen2(), false)] {
+        let mut m = tiny(&spec);
+        WeightQuantization::Fp8.apply(&mut m.model.config);
+        let arch = m.model.config.architecture;
+        let off = |graphs| Switches { fused_rope: false, fused_gate: false, ..Switches::defaults(graphs) };
+        let (on, unfused) = assert_same_steps_on("the FP8 epilogues", &m.model, Switches::defaults, off);
+        assert_eq!(unfused.backend().fp8_fused_epilogues(), (0, 0), "{arch:?}: the switches off, an epilogue ran");
+        // Per decode step: every layer's gate, and where it is offered the qkv product's RoPE of
+        // every layer past the first (layer 0's input norm is no boundary). These runners replay
+        // graphs, so the host counted at least the captured step.
+        let layers = on.config().num_hidden_layers as u64;
+        let (gated, roped) = on.backend().fp8_fused_epilogues();
+        assert!(gated >= layers, "{arch:?}: {gated} gated FP8 epilogues, fewer than one step's {layers}");
+        if rope {
+            assert!(roped >= layers - 1, "{arch:?}: {roped} RoPE FP8 epilogues, fewer than one step's {}", layers - 1);
+        } else {
+            assert_eq!(roped, 0, "{arch:?}: a qkv bias, yet the RoPE epilogue ran");
+        }
+        if rope {
+            let fp8 = |graphs| Switches { fp8_kv: true, ..Switches::defaults(graphs) };
+            let off = |graphs| Switches { fused_rope: false, ..fp8(graphs) };
+            assert_same_steps_on("RoPE in the FP8 qkv epilogue over an FP8 cache", &m.model, fp8, off);
+        }
+    }
 }
 
 #[test]

@@ -252,17 +252,22 @@ __device__ __forceinline__ void gemv_pair_sums(const float (*red)[NT * 4][32], i
 }
 
 // The gated epilogue: one thread per (output column, row of x) sums gate (accumulator j = h of
-// its tile) and up (j = h + 2, tile row g + 8) and stores act(bf16(gate)) * bf16(up) rounded.
-template <int NT, int NW, typename ACT>
+// its tile) and up (j = h + 2, tile row g + 8), scales each by its weight row's factor (1 for
+// bf16 weights; gemv_fp8.cu's per-row scale) and stores act(bf16(gate)) * bf16(up) rounded. The
+// CTA's weight tile is `cta` and its rows of x start at m0 (gemv_fp8.cu's groups; 0 here).
+template <int NT, int NW, typename ACT, typename SCALE>
 __device__ __forceinline__ void gemv_epilogue_gated(const float (*red)[NT * 4][32], ACT act,
-                                                    bf16_t* __restrict__ out, int m, int n) {
-    const int col0 = blockIdx.x * 8;
+                                                    bf16_t* __restrict__ out, int m, int n, int cta, int m0,
+                                                    SCALE scale) {
+    const int col0 = cta * 8;
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
         float gate, up;
         int g, mm;
         gemv_pair_sums<NT, NW>(red, i, gate, up, g, mm);
         const int col = col0 + g;
-        if (col < n && mm < m) out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate))) * bf2f(f2bf(up)));
+        mm += m0;
+        if (col < n && mm < m)
+            out[(long long)mm * n + col] = f2bf(act(bf2f(f2bf(gate * scale(col)))) * bf2f(f2bf(up * scale(n + col))));
     }
 }
 
@@ -430,21 +435,25 @@ __device__ __forceinline__ void gemv_resid_preload(const float* __restrict__ res
 
 // The RoPE epilogue (RopeAct, see the top of the file): one thread per (rotation pair or pair
 // of v rows, row of x) sums the pair's two accumulators (j = h and h + 2 of its tile, rows g
-// and g + 8), rounds each to bf16 and rotates q and k as rope_kv.cu does (rope_one_head), or
-// stores the two v values.
-template <int NT, int NW, typename C>
+// and g + 8), scales each by its weight row's factor (as the gated epilogue), rounds each to
+// bf16 and rotates q and k as rope_kv.cu does (rope_one_head), or stores the two v values.
+// The CTA's weight tile is `cta` and its rows of x start at m0, as in the gated epilogue.
+template <int NT, int NW, typename C, typename SCALE>
 __device__ __forceinline__ void gemv_epilogue_rope(const float (*red)[NT * 4][32], const RopeAct<C>& r,
-                                                   bf16_t* __restrict__ q_out, int m) {
-    const int cta = blockIdx.x, hd = r.head_dim, half = hd >> 1;
+                                                   bf16_t* __restrict__ q_out, int m, int n, int cta, int m0,
+                                                   SCALE scale) {
+    const int hd = r.head_dim, half = hd >> 1;
     const long long kv_w = (long long)r.n_kv_heads * hd;
     const bool pairs = cta < r.qk_ctas();
     for (int i = threadIdx.x; i < NT * 2 * 32; i += NW * 32) {
         float a, b;
         int g, mm;
         gemv_pair_sums<NT, NW>(red, i, a, b, g, mm);
+        mm += m0;
         if (mm >= m) continue;
         const long long slot = r.slots[mm];
-        const bf16_t ab = f2bf(a), bb = f2bf(b);
+        const bf16_t ab = f2bf(a * scale((int)gemv_act_row(r, cta, g, n))),
+                     bb = f2bf(b * scale((int)gemv_act_row(r, cta, g + 8, n)));
         if (!pairs) {
             // v rows cta * 16 + g and + 8, as a v row index (v rows follow the q and k rows).
             if (slot < 0) continue;
@@ -563,9 +572,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[0][nt][j] + acc[1][nt][j];
     __syncthreads();
     if constexpr (IsGated<ACT>::value)
-        gemv_epilogue_gated<NT, NW>(red, act, out, m, n);
+        gemv_epilogue_gated<NT, NW>(red, act, out, m, n, blockIdx.x, 0, NoRowScale{});
     else if constexpr (IsRope<ACT>::value)
-        gemv_epilogue_rope<NT, NW>(red, act, out, m);
+        gemv_epilogue_rope<NT, NW>(red, act, out, m, n, blockIdx.x, 0, NoRowScale{});
     else if constexpr (IsResid<ACT>::value)
         gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
     else

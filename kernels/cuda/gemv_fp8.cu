@@ -28,6 +28,16 @@
 // Rows past m read row m - 1 (valid memory) and are never stored; weight rows past n read row
 // n - 1 and are never stored. k must be a multiple of 16 (16-byte code rows); a last partial
 // batch zeroes the chunks past k on both operands.
+//
+// Epilogues (ACT, gemv.cu's objects): plain (NoAct), gated (SiluAct, GeluTanhAct: w is
+// [gate; up], n the intermediate size, a CTA's tile rows 8 gate and the 8 matching up rows), or
+// RoPE + the KV write (RopeAct: the qkv product, a q/k CTA's tile rows a head's rotation pairs).
+// The weight rows of a tile come from gemv_act_row, as in gemv.cu, and each sum is multiplied by
+// its own row's scale before the epilogue rounds it, as the plain product stores it: the gated
+// and RoPE kernels give bit for bit the plain product followed by gated_mul or by rope_kv.cu's
+// fused-input kernel, one launch and one round trip of the product's rows fewer. x is bf16 here:
+// the norm stays its own kernel before an FP8 product (normalizing on the loads of x cost more
+// than the launch it saved; BENCHMARKS.md, session 16).
 
 // d[h] += the 4 mma of one chunk: A rows g (pa) and g + 8 (pb), B = x pairs px.
 __device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa, const unsigned* pb,
@@ -38,11 +48,12 @@ __device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa,
 }
 
 // NT: tiles of 8 x rows per CTA. NW: warps (k split). U: k-steps of 64 codes per batch (2 U
-// 16-byte weight loads in flight per thread). BLOCKED: column-block scales (see above).
-template <int NT, int NW, int U, bool BLOCKED>
+// 16-byte weight loads in flight per thread). BLOCKED: column-block scales (see above). ACT: the
+// epilogue (see above); n is the output width (the intermediate size for a gated product).
+template <int NT, int NW, int U, bool BLOCKED, typename ACT>
 __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes,
                                               const float* __restrict__ scales, bf16_t* __restrict__ out, int m,
-                                              int n, int k, int rb, int cb, int groups) {
+                                              int n, int k, int rb, int cb, int groups, const ACT& act = ACT{}) {
     constexpr int BATCH = 4 * U;  // chunks per row per batch
     __shared__ float red[NW][NT * 4][32];
 
@@ -50,7 +61,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x / groups, m0 = (blockIdx.x - tile * groups) * 8 * NT;
     const int kc = k >> 4, ncb = (k + cb - 1) / cb;
-    const auto wrow = [&](int i) -> long long { return min(tile * 16 + i, n - 1); };
+    const auto wrow = [&](int i) -> long long { return gemv_act_row(act, tile, i, n); };
     const long long ra = wrow(g), rb8 = wrow(g + 8);
     const uint4* wa = reinterpret_cast<const uint4*>(codes + ra * k) + t;
     const uint4* wb = reinterpret_cast<const uint4*>(codes + rb8 * k) + t;
@@ -161,20 +172,49 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
         for (int j = 0; j < 4; j++) red[warp][nt * 4 + j][lane] = acc[nt][0][j] + acc[nt][1][j];
     __syncthreads();
     const auto row_scale = [&](int row) { return BLOCKED ? 1.f : scales[(row / rb) * ncb]; };
-    gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
+    if constexpr (IsGated<ACT>::value)
+        gemv_epilogue_gated<NT, NW>(red, act, out, m, n, tile, m0, row_scale);
+    else if constexpr (IsRope<ACT>::value)
+        gemv_epilogue_rope<NT, NW>(red, act, out, m, n, tile, m0, row_scale);
+    else
+        gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
 }
 
-#define GEMV_FP8_INSTANCE(MAXM, NW, U)                                                                        \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_row(              \
-        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
-        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
-        gemv_fp8_body<MAXM / 8, NW, U, false>(x, codes, scales, out, m, n, k, rb, cb, groups);                \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_blk(              \
-        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales, \
-        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                          \
-        gemv_fp8_body<MAXM / 8, NW, U, true>(x, codes, scales, out, m, n, k, rb, cb, groups);                 \
+// One instantiation: gemv_fp8_m<MAXM>_w<NW>_u<U>_<row|blk><SUFFIX>, the plain and gated
+// products (the same arguments; a gated product's n is the intermediate size).
+#define GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, SUFFIX, ACT)                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_##SCALING##SUFFIX( \
+        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales,  \
+        bf16_t* __restrict__ out, int m, int n, int k, int rb, int cb, int groups) {                           \
+        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, ACT>(x, codes, scales, out, m, n, k, rb, cb, groups);           \
     }
+
+// The RoPE-fused qkv product into a cache of C (gemv.cu's norm_rope arguments, with x and the
+// FP8 weights in place of the norm's input and the bf16 weights).
+#define GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, SUFFIX, C)                                         \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemv_fp8_m##MAXM##_w##NW##_u##U##_##SCALING##SUFFIX( \
+        const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes, const float* __restrict__ scales,  \
+        bf16_t* __restrict__ q_out, C* __restrict__ k_cache, C* __restrict__ v_cache,                           \
+        const int* __restrict__ positions, const long long* __restrict__ slots,                                 \
+        const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, float cs_scale,        \
+        float k_scale, float v_scale, int m, int n, int k, int rb, int cb, int groups) {                       \
+        const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, n_heads,                            \
+                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale};                                 \
+        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, RopeAct<C>>(x, codes, scales, q_out, m, n, k, rb, cb, groups,   \
+                                                             act);                                              \
+    }
+
+// Every epilogue of one scaling, in the order of Fp8Epilogue::ALL (kernels/src/cuda/fp8_linear.rs).
+#define GEMV_FP8_EPILOGUES(MAXM, NW, U, SCALING, BLOCKED)                             \
+    GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, , NoAct)                           \
+    GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, _silu, SiluAct)                    \
+    GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, _gelu_tanh, GeluTanhAct)           \
+    GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, _rope, bf16_t)                \
+    GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, _rope_fp8, unsigned char)
+
+#define GEMV_FP8_INSTANCE(MAXM, NW, U)              \
+    GEMV_FP8_EPILOGUES(MAXM, NW, U, row, false)     \
+    GEMV_FP8_EPILOGUES(MAXM, NW, U, blk, true)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_FP8_VARIANTS in
 // kernels/src/cuda/fp8_linear.rs, for up to 8 and up to 16 rows of x per CTA.

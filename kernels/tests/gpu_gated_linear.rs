@@ -3,19 +3,25 @@
 //! the same variant, then [`SiluMulCall`] / [`GeluTanhMulCall`]): bit for bit, on fresh random
 //! inputs (the seed is printed), outputs poisoned (NaN) so an unwritten element fails, and
 //! against the CPU reference (f64 product rounded to bf16, then `cpu::silu_mul` /
-//! `cpu::gelu_tanh_mul`) within bf16 storage error.
+//! `cpu::gelu_tanh_mul`) within bf16 storage error. The same over FP8 weights
+//! ([`Fp8GatedGemvCall`] against [`Fp8GemvCall`] then the activation kernel, bit for bit): per
+//! channel, per tensor and block scales (row blocks that put a tile's gate and up rows, or its
+//! rows g and g + 8, in different blocks), every variant, 1 to 64 rows (several CTAs a weight
+//! tile past 16), random E4M3 codes over every non-NaN value.
 //!
 //! Needs a GPU: named `gpu_*`, excluded from CI by name, and FAILS (does not skip) when no
 //! device can be opened.
 
 mod common;
 
-use baton_kernels::cpu;
+use baton_kernels::cpu::{self, Fp8Matrix};
 use baton_kernels::cuda::{
+    CudaDevice, CudaSlice, Fp8GatedGemvCall, Fp8GemvCall, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
     GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatedAct, GatedLinearCall, GeluTanhMulCall, LinearCall, LinearKernel,
     SiluMulCall, bf16,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
+use rand::Rng;
 
 /// `x · wᵀ` in f64, rounded to bf16 as the unfused product stores it.
 fn gemm_bf16(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
@@ -121,4 +127,80 @@ fn gpu_gated_linear_equals_linear_then_activation() {
     assert!(call(1, k, d, None, &mut short).is_err(), "short output accepted");
     call(0, k, d, None, &mut out).expect("m = 0 is a no-op");
     assert!(down(&dev, &out, d).iter().all(|v| v.is_nan()), "m = 0 wrote something");
+}
+
+/// The activation kernel over stored `[gate | up]` rows.
+fn activation(dev: &CudaDevice, act: GatedAct, gate_up: &CudaSlice<bf16>, m: usize, d: usize) -> CudaSlice<bf16> {
+    let mut out = poisoned(dev, m * d);
+    match act {
+        GatedAct::Silu => SiluMulCall { gate_up, rows: m, d, out: &mut out }.launch(dev),
+        GatedAct::GeluTanh => GeluTanhMulCall { gate_up, rows: m, d, out: &mut out }.launch(dev),
+    }
+    .expect("activation");
+    out
+}
+
+#[test]
+fn gpu_fp8_gated_gemv_equals_fp8_gemv_then_activation() {
+    let dev = device();
+    let mut r = rng("fp8_gated_gemv");
+    // (k, d, (row block, column block)): per channel, 128 × 128 blocks, 24-row blocks (a tile's
+    // gate rows and up rows, and its rows g and g + 8, in different blocks), one scale for the
+    // whole matrix; d not a multiple of a CTA's 8 columns; the 8B shape at 1 and 16 rows.
+    let shapes = [
+        (512usize, 1000usize, None),
+        (1024, 257, Some((128, 128))),
+        (256, 33, Some((24, 64))),
+        (208, 40, Some((80, 208))),
+        (4096, 14336, None),
+    ];
+    for (k, d, block) in shapes {
+        let (rb, cb) = block.unwrap_or((1, k));
+        let codes: Vec<u8> =
+            (0..2 * d * k).map(|_| r.random::<u8>()).map(|c| if c & 0x7f == 0x7f { 0 } else { c }).collect();
+        let scales: Vec<f32> =
+            (0..(2 * d).div_ceil(rb) * k.div_ceil(cb)).map(|_| r.random_range(0.5f32..2.0) * 1e-3).collect();
+        let w = Fp8Matrix::new(2 * d, k, codes, scales, rb, cb).expect("matrix");
+        let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+        let rows: &[usize] = if d == 14336 { &[1, 16] } else { &[1, 5, 8, 16, 17, 40, GEMV_FP8_MAX_M] };
+        for &m in rows {
+            let xd = up(&dev, &rand_vec(&mut r, m * k, 1.0));
+            for act in [GatedAct::Silu, GatedAct::GeluTanh] {
+                for vi in (0..GEMV_FP8_VARIANTS.len()).map(Some).chain([None]) {
+                    let what = format!("FP8 gated {act:?} variant {vi:?} m={m} k={k} d={d} blocks {rb}×{cb}");
+                    let mut gate_up = poisoned(&dev, m * 2 * d);
+                    Fp8GemvCall { x: &xd, m, w: &dw, out: &mut gate_up, variant: vi }.launch(&dev).expect("gemv_fp8");
+                    let want = down(&dev, &activation(&dev, act, &gate_up, m, d), m * d);
+                    assert!(want.iter().all(|v| !v.is_nan()), "{what}: the unfused pair left NaN");
+                    let spare = 64;
+                    let mut fused = poisoned(&dev, m * d + spare);
+                    Fp8GatedGemvCall { x: &xd, m, w: &dw, d, act, out: &mut fused, variant: vi }
+                        .launch(&dev)
+                        .expect("gated_gemv_fp8");
+                    let got = down(&dev, &fused, m * d + spare);
+                    assert!(got[m * d..].iter().all(|v| v.is_nan()), "{what}: wrote past m × d");
+                    let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+                    assert_eq!(differ, 0, "{what}: {differ} of {} outputs differ from the unfused pair", m * d);
+                }
+            }
+        }
+        println!("FP8 gated k={k} d={d} blocks {rb}×{cb}: bit-identical to the unfused pair");
+    }
+
+    // Refusals: weights that are not 2d rows, a short output, a bad variant; nothing written.
+    let (k, d) = (256usize, 32usize);
+    let codes = vec![0x38u8; 2 * d * k];
+    let w = Fp8Matrix::new(2 * d, k, codes, vec![1.0; 2 * d], 1, k).expect("matrix");
+    let dw = Fp8Weights::upload(&dev, &w).expect("upload");
+    let xd = up(&dev, &rand_vec(&mut r, k, 1.0));
+    let mut out = poisoned(&dev, d);
+    let call = |d: usize, variant: Option<usize>, out: &mut CudaSlice<bf16>| {
+        Fp8GatedGemvCall { x: &xd, m: 1, w: &dw, d, act: GatedAct::Silu, out, variant }.launch(&dev)
+    };
+    let e = call(d + 1, None, &mut out).expect_err("2d + 2 rows for d + 1");
+    assert!(format!("{e}").contains("intermediate size"), "{e}");
+    assert!(call(d, Some(GEMV_FP8_VARIANTS.len()), &mut out).is_err(), "bad variant accepted");
+    let mut short = poisoned(&dev, d - 1);
+    assert!(call(d, None, &mut short).is_err(), "short output accepted");
+    assert!(down(&dev, &out, d).iter().all(|v| v.is_nan()), "a refused call wrote");
 }

@@ -11,15 +11,20 @@
 //!   attention factor ≠ 1 (YaRN's); every variant, for 1 to 16 rows;
 //! - the refusals: a head_dim off a multiple of 16, metadata for other rows, a bad FP8 scale.
 //!
+//! The same epilogue over FP8 weights ([`Fp8RopeGemvCall`], bf16 x) against [`Fp8GemvCall`]
+//! then the RoPE kernel, bit for bit, the same checks: per-channel and 64 × 64 block scales,
+//! every FP8 variant, 1 to 48 rows (several CTAs a weight tile past 16).
+//!
 //! Needs a GPU: named `gpu_*`, excluded from CI by name, and FAILS (does not skip) when no
 //! device can be opened.
 
 mod common;
 
-use baton_kernels::cpu::{RopeScalingKind, RopeTable};
+use baton_kernels::cpu::{Fp8Matrix, RopeScalingKind, RopeTable};
 use baton_kernels::cuda::{
-    CudaDevice, CudaSlice, GEMV_VARIANTS, HostSeq, KvGeometry, NormInput, NormLinearCall, NormLinearOut, NormRopeCall,
-    RopeCache, RopeExtras, RopeInput, RopeKvCall, RopeKvFp8Call, StepMeta, bf16, norm_stat_parts,
+    CudaDevice, CudaSlice, Fp8GemvCall, Fp8RopeGemvCall, Fp8Weights, GEMV_FP8_VARIANTS, GEMV_VARIANTS, HostSeq,
+    KvGeometry, NormInput, NormLinearCall, NormLinearOut, NormRopeCall, RopeCache, RopeExtras, RopeInput, RopeKvCall,
+    RopeKvFp8Call, RopeOut, StepMeta, bf16, norm_stat_parts,
 };
 use common::{device, rand_vec, rng, up};
 use rand::{Rng, rngs::StdRng};
@@ -31,6 +36,7 @@ const V_SCALE: f32 = 0.11;
 
 /// One case: `real` decode rows (then `pad` padding rows) of a layer with `nh` / `nkv` heads of
 /// `hd`, over a `k`-wide residual.
+#[derive(Clone, Copy)]
 struct Case {
     hd: usize,
     nh: usize,
@@ -58,6 +64,10 @@ struct Inputs {
     inv: CudaSlice<f64>,
     /// Slot of each real row (padding rows have none).
     slots: Vec<usize>,
+    /// The FP8 products' input (`m × k` bf16) and weights: `w` quantized per channel, and the
+    /// same codes with 64 × 64 block scales (where k is a multiple of 16).
+    x: CudaSlice<bf16>,
+    w8: Vec<Fp8Weights>,
 }
 
 fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
@@ -97,15 +107,25 @@ fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
         .collect();
     let scaling = RopeScalingKind::Linear { factor: 2.0 };
     let table = RopeTable::new(c.hd, 500_000.0, scaling).expect("table");
+    let wv = rand_vec(r, n * c.k, 0.08);
+    let mut w8 = Vec::new();
+    if c.k.is_multiple_of(16) {
+        let chan = Fp8Matrix::quantize_per_channel(&wv, n, c.k).expect("quantize");
+        let scales = (0..n.div_ceil(64) * c.k.div_ceil(64)).map(|_| r.random_range(0.5f32..2.0) * 1e-3).collect();
+        let blocked = Fp8Matrix::new(n, c.k, chan.codes().to_vec(), scales, 64, 64).expect("blocked");
+        w8 = [chan, blocked].iter().map(|w| Fp8Weights::upload(dev, w).expect("upload")).collect();
+    }
     Inputs {
         geo: KvGeometry { num_blocks, block_size: BS, n_kv_heads: c.nkv, head_dim: c.hd },
         meta,
         residual: dev.upload(&residual).expect("residual"),
         stats: dev.upload(&stats).expect("stats"),
         norm: up(dev, &rand_vec(r, c.k, 1.5)),
-        w: up(dev, &rand_vec(r, n * c.k, 0.08)),
+        w: up(dev, &wv),
         inv: dev.upload(table.inv_freq()).expect("inv_freq"),
         slots,
+        x: up(dev, &rand_vec(r, m * c.k, 1.0)),
+        w8,
     }
 }
 
@@ -149,20 +169,34 @@ impl Inputs {
             m,
             k: c.k,
             w: &self.w,
-            n_heads: c.nh,
-            q_out,
-            cache,
-            meta: &self.meta,
-            inv_freq: &self.inv,
-            attention_factor,
-            geo,
+            rope: self.rope(c, q_out, cache, attention_factor, geo),
             variant,
         }
     }
+
+    /// Where an epilogue over these inputs writes.
+    fn rope<'a>(
+        &'a self,
+        c: &Case,
+        q_out: &'a mut CudaSlice<bf16>,
+        cache: RopeCache<'a>,
+        attention_factor: Option<f32>,
+        geo: KvGeometry,
+    ) -> RopeOut<'a> {
+        RopeOut { n_heads: c.nh, q_out, cache, meta: &self.meta, inv_freq: &self.inv, attention_factor, geo }
+    }
 }
 
-/// Runs one route (`fused`: the RoPE epilogue; else the product then the RoPE kernel).
-fn route(dev: &CudaDevice, c: &Case, x: &Inputs, cache: Cache, variant: usize, fused: bool) -> Written {
+/// The qkv product a route runs: the norm-input bf16 one, or the FP8 one over `x.w8[i]`.
+#[derive(Clone, Copy, Debug)]
+enum Product {
+    Norm,
+    Fp8(usize),
+}
+
+/// Runs one route of `product` (`fused`: the RoPE epilogue; else the product then the RoPE
+/// kernel).
+fn route(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, cache: Cache, variant: usize, fused: bool) -> Written {
     let m = c.real + c.pad;
     let (qd, kvw) = (c.nh * c.hd, c.nkv * c.hd);
     let n = qd + 2 * kvw;
@@ -177,20 +211,32 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, cache: Cache, variant: usize, f
             Cache::Bf16 => RopeCache::Bf16 { k: &mut kb, v: &mut vb },
             Cache::Fp8 => RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE },
         };
-        x.norm_rope(c, m, x.geo, &mut q, rope_cache, factor, Some(variant)).launch(dev).expect("norm_rope");
+        match p {
+            Product::Norm => x.norm_rope(c, m, x.geo, &mut q, rope_cache, factor, Some(variant)).launch(dev),
+            Product::Fp8(i) => {
+                let rope = x.rope(c, &mut q, rope_cache, factor, x.geo);
+                Fp8RopeGemvCall { x: &x.x, m, w: &x.w8[i], rope, variant: Some(variant) }.launch(dev)
+            }
+        }
+        .expect("the RoPE epilogue");
     } else {
         let mut qkv = dev.upload(&vec![bf16::NAN; m * n]).expect("qkv");
-        NormLinearCall {
-            input: x.norm_input(),
-            m,
-            k: c.k,
-            w: &x.w,
-            kind: NormLinearOut::Plain { n },
-            out: &mut qkv,
-            variant: Some(variant),
+        match p {
+            Product::Norm => NormLinearCall {
+                input: x.norm_input(),
+                m,
+                k: c.k,
+                w: &x.w,
+                kind: NormLinearOut::Plain { n },
+                out: &mut qkv,
+                variant: Some(variant),
+            }
+            .launch(dev),
+            Product::Fp8(i) => {
+                Fp8GemvCall { x: &x.x, m, w: &x.w8[i], out: &mut qkv, variant: Some(variant) }.launch(dev)
+            }
         }
-        .launch(dev)
-        .expect("norm_linear");
+        .expect("the product");
         let input = RopeInput::Fused { qkv: &qkv, q_out: &mut q };
         let extras = RopeExtras { attention_factor: factor, ..Default::default() };
         let (meta, inv, geo, nh) = (&x.meta, &x.inv, x.geo, c.nh);
@@ -228,6 +274,39 @@ fn is_nan(cache: Cache, b: u16) -> bool {
     }
 }
 
+/// Both routes of `p` over `c` for every cache and variant (`variants` of them), bit for bit.
+fn assert_routes_agree(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, variants: usize) {
+    let m = c.real + c.pad;
+    let kvw = c.nkv * c.hd;
+    for cache in [Cache::Bf16, Cache::Fp8] {
+        for variant in 0..variants {
+            let what = format!(
+                "{p:?} hd={} heads={}/{} m={m} ({} padding) {cache:?} variant {variant}",
+                c.hd, c.nh, c.nkv, c.pad
+            );
+            let want = route(dev, c, x, p, cache, variant, false);
+            let got = route(dev, c, x, p, cache, variant, true);
+            // Not vacuous: the reference wrote every q and every real row's slot.
+            assert!(want.q.iter().all(|&b| !bf16::from_bits(b).is_nan()), "{what}: the reference left q unwritten");
+            for &slot in &x.slots {
+                let span = slot * kvw..(slot + 1) * kvw;
+                assert!(want.k[span.clone()].iter().all(|&b| !is_nan(cache, b)), "{what}: K slot {slot} unwritten");
+                assert!(want.v[span].iter().all(|&b| !is_nan(cache, b)), "{what}: V slot {slot} unwritten");
+            }
+            for (name, a, b) in [("q", &got.q, &want.q), ("K cache", &got.k, &want.k), ("V cache", &got.v, &want.v)] {
+                let diff = a.iter().zip(b.iter()).filter(|(x, y)| x != y).count();
+                assert_eq!(
+                    diff,
+                    0,
+                    "{what}: {name} differs from the two-launch route in {diff} of {} elements",
+                    a.len()
+                );
+            }
+        }
+        println!("{p:?} hd={} m={m} {cache:?}: bit-identical, every variant", c.hd);
+    }
+}
+
 #[test]
 fn gpu_norm_rope_equals_norm_linear_then_rope() {
     let dev = device();
@@ -241,37 +320,41 @@ fn gpu_norm_rope_equals_norm_linear_then_rope() {
     ];
     for c in &cases {
         let x = inputs(&dev, &mut r, c);
-        let m = c.real + c.pad;
-        let kvw = c.nkv * c.hd;
-        for cache in [Cache::Bf16, Cache::Fp8] {
-            for variant in 0..GEMV_VARIANTS.len() {
-                let what = format!(
-                    "hd={} heads={}/{} m={m} ({} padding) {cache:?} variant {variant}",
-                    c.hd, c.nh, c.nkv, c.pad
-                );
-                let want = route(&dev, c, &x, cache, variant, false);
-                let got = route(&dev, c, &x, cache, variant, true);
-                // Not vacuous: the reference wrote every q and every real row's slot.
-                assert!(want.q.iter().all(|&b| !bf16::from_bits(b).is_nan()), "{what}: the reference left q unwritten");
-                for &slot in &x.slots {
-                    let span = slot * kvw..(slot + 1) * kvw;
-                    assert!(want.k[span.clone()].iter().all(|&b| !is_nan(cache, b)), "{what}: K slot {slot} unwritten");
-                    assert!(want.v[span].iter().all(|&b| !is_nan(cache, b)), "{what}: V slot {slot} unwritten");
-                }
-                for (name, a, b) in [("q", &got.q, &want.q), ("K cache", &got.k, &want.k), ("V cache", &got.v, &want.v)]
-                {
-                    let diff = a.iter().zip(b.iter()).filter(|(x, y)| x != y).count();
-                    assert_eq!(
-                        diff,
-                        0,
-                        "{what}: {name} differs from the two-launch route in {diff} of {} elements",
-                        a.len()
-                    );
-                }
-            }
-            println!("norm_rope hd={} m={m} {cache:?}: bit-identical, every variant", c.hd);
+        assert_routes_agree(&dev, c, &x, Product::Norm, GEMV_VARIANTS.len());
+    }
+}
+
+#[test]
+fn gpu_fp8_rope_gemv_equals_fp8_gemv_then_rope() {
+    let dev = device();
+    let mut r = rng("fp8_rope_gemv");
+    let cases = [
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0 },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3 },
+        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0 },
+        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3 },
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 40, pad: 8 },
+    ];
+    for c in &cases {
+        let x = inputs(&dev, &mut r, c);
+        assert_eq!(x.w8.len(), 2, "k = {} takes the FP8 kernel", c.k);
+        for i in 0..x.w8.len() {
+            assert_routes_agree(&dev, c, &x, Product::Fp8(i), GEMV_FP8_VARIANTS.len());
         }
     }
+    // A projection that is not [q; k; v] of the cache's heads is refused, writing nothing.
+    let c = &cases[0];
+    let x = inputs(&dev, &mut r, c);
+    let m = c.real + c.pad;
+    let mut q = dev.upload(&vec![bf16::NAN; m * c.nh * c.hd]).expect("q");
+    let len = x.geo.layer_len();
+    let (mut kb, mut vb) =
+        (dev.upload(&vec![bf16::NAN; len]).expect("k"), dev.upload(&vec![bf16::NAN; len]).expect("v"));
+    let short = Case { nh: c.nh - 1, ..*c };
+    let rope = x.rope(&short, &mut q, RopeCache::Bf16 { k: &mut kb, v: &mut vb }, None, x.geo);
+    let e = Fp8RopeGemvCall { x: &x.x, m, w: &x.w8[0], rope, variant: None }.launch(&dev).expect_err("rows");
+    assert!(format!("{e}").contains("weight rows"), "{e}");
+    assert!(bits(&dev, &q, m * c.nh * c.hd).iter().all(|&b| bf16::from_bits(b).is_nan()), "a refused call wrote q");
 }
 
 #[test]

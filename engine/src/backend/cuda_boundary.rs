@@ -11,7 +11,9 @@
 //! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`], except one:
 //! decode-sized FP8 boundaries stay unfused on purpose (the same fusion in the FP8 skinny GEMM,
 //! c686c61..00d922e, reverted, made Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to
-//! 71 %; BENCHMARKS.md, session 16), while a prefill-sized boundary into an FP8 per-token
+//! 71 %; BENCHMARKS.md, session 16): there the norm stays a kernel, and only the qkv product
+//! takes the RoPE and KV write in the FP8 skinny GEMM's epilogue ([`Fp8RopeGemvCall`], the same
+//! bits as the product + RoPE kernel). A prefill-sized boundary into an FP8 per-token
 //! (W8A8) projection has the norm kernel quantize its rows for the FP8 GEMM
 //! ([`AddRmsNormQuantCall`]) instead of storing them for the quantization kernel to re-read:
 //! the same codes, so the same bits. Its gated activation likewise quantizes its rows for the
@@ -25,9 +27,9 @@ use crate::backend::{
     check_boundary, gate_activation, rope_after,
 };
 use baton_kernels::cuda::{
-    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormInput,
-    NormLinearCall, NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, SiluMulQuantCall, W8A8_MIN_M,
-    norm_quant_supports, norm_rope_supports, norm_stat_parts, w8a8_supports,
+    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8RopeGemvCall, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M,
+    NormInput, NormLinearCall, NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, RopeOut, SiluMulQuantCall,
+    W8A8_MIN_M, norm_quant_supports, norm_rope_supports, norm_stat_parts, w8a8_supports,
 };
 
 impl CudaBackend {
@@ -60,10 +62,15 @@ impl CudaBackend {
         let Some(kind) = kind.filter(|_| fusable) else {
             if self.w8a8_input_fusable(&s) {
                 self.branch_boundary_w8a8(s, residual, scratch, out)?;
-            } else {
-                branch_boundary_unfused(self, s, residual, scratch, out)?;
+                return rope.map_or(Ok(()), |r| rope_after(self, r, out));
             }
-            return rope.map_or(Ok(()), |r| rope_after(self, r, out));
+            return match rope {
+                Some(r) if self.fp8_rope_takes(&s, &r)? => self.branch_boundary_fp8_rope(s, residual, scratch, r),
+                rope => {
+                    branch_boundary_unfused(self, s, residual, scratch, out)?;
+                    rope.map_or(Ok(()), |r| rope_after(self, r, out))
+                }
+            };
         };
         check_shapes(&s, residual)?;
         // The RoPE epilogue's, or the one run after the product.
@@ -159,8 +166,20 @@ impl CudaBackend {
         stats: &CudaSlice<f32>,
         r: BoundaryRope<'_, Self>,
     ) -> Result<(), BackendError> {
+        let input = NormInput { residual: &residual.data, stats, norm: &s.norm.data, eps: s.eps };
+        let (m, k, w) = (s.m, s.w.rows, &s.next.data);
+        self.launch_rope_epilogue(r, m, |dev, rope| NormRopeCall { input, m, k, w, rope, variant: None }.launch(dev))
+    }
+
+    /// Where `r`'s RoPE epilogue writes for `m` rows ([`RopeOut`]: `r.q`, sized here, and layer
+    /// `r.layer`'s cache, bf16 or FP8 with the layer's scales), handed to `launch` with the device.
+    fn launch_rope_epilogue(
+        &mut self,
+        r: BoundaryRope<'_, Self>,
+        m: usize,
+        launch: impl FnOnce(&baton_kernels::cuda::CudaDevice, RopeOut<'_>) -> Result<(), CudaError>,
+    ) -> Result<(), BackendError> {
         let geo = self.geo()?;
-        let m = s.m;
         self.ensure(r.q, m * r.widths.0)?;
         let inv_freq = arch_ops::inv_freq_for(&self.arch, self.inv_freq.as_ref(), r.layer)?;
         let missing = || BackendError::Device(format!("layer {} has no KV cache", r.layer));
@@ -175,11 +194,7 @@ impl CudaBackend {
                 RopeCache::Bf16 { k, v }
             }
         };
-        let call = NormRopeCall {
-            input: NormInput { residual: &residual.data, stats, norm: &s.norm.data, eps: s.eps },
-            m,
-            k: s.w.rows,
-            w: &s.next.data,
+        let rope = RopeOut {
             n_heads: r.n_heads,
             q_out: &mut r.q.data,
             cache,
@@ -187,9 +202,47 @@ impl CudaBackend {
             inv_freq,
             attention_factor: self.rope_attention_factor,
             geo,
-            variant: None,
         };
-        Ok(call.launch(&self.dev)?)
+        Ok(launch(&self.dev, rope)?)
+    }
+
+    /// Whether the unfused boundary into an FP8 qkv projection takes `r`'s RoPE and KV write in
+    /// the FP8 skinny GEMM's epilogue ([`Fp8RopeGemvCall`]): the product is the skinny kernel's
+    /// (as `linear_fp8` would route it), ungated, and [`Self::rope_epilogue_takes`] holds.
+    fn fp8_rope_takes(
+        &mut self,
+        s: &BranchBoundary<'_, Self>,
+        r: &BoundaryRope<'_, Self>,
+    ) -> Result<bool, BackendError> {
+        match &s.next.fp8 {
+            Some(f) if s.gate.is_none() && self.fp8_skinny_takes(f, s.m) => self.rope_epilogue_takes(s, r),
+            _ => Ok(false),
+        }
+    }
+
+    /// The unfused boundary's three ops with the last one, the FP8 qkv product, taking the RoPE
+    /// and KV write in its epilogue: the ending projection, the residual add + norm into
+    /// `scratch.hidden`, then [`Fp8RopeGemvCall`] (`out` is not written: the qkv rows are never
+    /// stored).
+    fn branch_boundary_fp8_rope(
+        &mut self,
+        s: BranchBoundary<'_, Self>,
+        residual: &mut CudaRes,
+        scratch: BoundaryScratch<'_, Self>,
+        r: BoundaryRope<'_, Self>,
+    ) -> Result<(), BackendError> {
+        let Some(f) = s.next.fp8.as_ref() else {
+            return Err(kerr("branch_boundary", "the RoPE epilogue over FP8 weights needs an FP8 qkv matrix".into()));
+        };
+        record_mark(&self.dev, &mut self.profile, s.labels.0);
+        self.linear(s.x, s.m, s.w, s.bias, scratch.proj)?;
+        record_mark(&self.dev, &mut self.profile, "norm");
+        self.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
+        record_mark(&self.dev, &mut self.profile, s.labels.1);
+        let (x, m, w) = (&scratch.hidden.data, s.m, &f.w);
+        self.launch_rope_epilogue(r, m, |dev, rope| Fp8RopeGemvCall { x, m, w, rope, variant: None }.launch(dev))?;
+        self.fp8_epilogues[1] += 1;
+        Ok(())
     }
 
     /// Whether a prefill-sized boundary into an FP8 per-token (W8A8) projection takes the add +

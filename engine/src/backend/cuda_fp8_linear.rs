@@ -86,6 +86,19 @@ impl CudaBackend {
         self.fp8_mat(w, act)
     }
 
+    /// Whether `m` rows through `f` run the skinny W8A16 kernel (`linear_fp8`'s first route, which
+    /// the fused FP8 epilogues take only where it holds): a shape the kernel takes, and fewer
+    /// rows than the W8A8 GEMM starts at or no W8A8 route for `f`.
+    pub(super) fn fp8_skinny_takes(&self, f: &Fp8Mat, m: usize) -> bool {
+        use baton_kernels::cuda::{W8A8_MIN_M, gemv_fp8_supports};
+        gemv_fp8_supports(m, f.w.cols, f.w.col_block) && (m < W8A8_MIN_M || !self.w8a8_takes(f))
+    }
+
+    /// Whether `f` takes the W8A8 GEMM (activations quantized per token, cuBLASLt's FP8 GEMM).
+    fn w8a8_takes(&self, f: &Fp8Mat) -> bool {
+        f.per_token && self.w8a8 && baton_kernels::cuda::w8a8_supports(&self.dev, &f.w)
+    }
+
     /// `out = x · W_dqᵀ` for an FP8 matrix: the skinny W8A16 kernel up to `W8A8_MIN_M - 1` (16)
     /// rows; from `W8A8_MIN_M`, for per-token activation quantization and row-constant scales,
     /// the W8A8 FP8 GEMM (activations quantized per token, cuBLASLt); else the skinny kernel up
@@ -99,15 +112,13 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         use baton_kernels::cuda::{
-            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, Fp8W8A8QuantizedCall, W8A8_MIN_M, gemv_fp8_supports,
-            w8a8_supports,
+            CudaError, Fp8DequantCall, Fp8GemvCall, Fp8W8A8Call, Fp8W8A8QuantizedCall, gemv_fp8_supports,
         };
         let w = &f.w;
-        let skinny = gemv_fp8_supports(m, w.cols, w.col_block);
-        if skinny && m < W8A8_MIN_M {
+        if self.fp8_skinny_takes(f, m) {
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
-        if f.per_token && self.w8a8 && w8a8_supports(&self.dev, w) {
+        if self.w8a8_takes(f) {
             // The codes of x as the op that wrote it made them (`BranchBoundary::then`), or made
             // here from the stored rows.
             let handed = self.act_codes.take().is_some_and(|c| c == ActCodes::of(x, m, w.cols));
@@ -133,7 +144,8 @@ impl CudaBackend {
                 Err(e) => return Err(e.into()),
             }
         }
-        if skinny {
+        if gemv_fp8_supports(m, w.cols, w.col_block) {
+            // Only after cuBLASLt refused the W8A8 GEMM above.
             return Ok(Fp8GemvCall { x: &x.data, m, w, out: &mut out.data, variant: None }.launch(&self.dev)?);
         }
         let scratch = self

@@ -1,8 +1,9 @@
 //! The CUDA backend's gated MLP projection ([`Backend::gated_linear`]): for decode-sized
-//! batches over bf16 weights, one skinny-GEMM launch with the activation in its epilogue
-//! ([`GatedLinearCall`]), which saves the activation kernel's launch and the `[gate | up]`
-//! round trip through memory; every other case (more rows than the skinny GEMM takes, FP8
-//! weights, the skinny GEMM switched off) runs the unfused pair.
+//! batches, one skinny-GEMM launch with the activation in its epilogue ([`GatedLinearCall`] over
+//! bf16 weights, [`Fp8GatedGemvCall`] over FP8 weights where the FP8 product would take the
+//! skinny kernel), which saves the activation kernel's launch and the `[gate | up]` round trip
+//! through memory; every other case (more rows than the skinny GEMM takes, the W8A8 route, the
+//! skinny GEMM or the switch off) runs the unfused pair.
 //!
 //! Invariant: both routes write the same bits to `out` (the fused epilogue rounds gate and up
 //! to bf16 and applies the activation kernel's own formula, with the variant the unfused
@@ -10,7 +11,7 @@
 
 use super::{CudaBackend, CudaBuf, CudaMat, gemv_applies, kerr};
 use crate::backend::{BackendError, Gate, GateAct, gated_linear_unfused};
-use baton_kernels::cuda::{GatedAct, GatedLinearCall};
+use baton_kernels::cuda::{Fp8GatedGemvCall, GatedAct, GatedLinearCall};
 
 impl CudaBackend {
     /// [`Backend::gated_linear`] on this device.
@@ -23,7 +24,11 @@ impl CudaBackend {
         scratch: &mut CudaBuf,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
-        let fusable = self.fuse_gate && w.fp8.is_none() && w.rows == 2 * gate.d && gemv_applies(self.gemv, m, w.cols);
+        let shaped = self.fuse_gate && w.rows == 2 * gate.d;
+        let fusable = match &w.fp8 {
+            None => shaped && gemv_applies(self.gemv, m, w.cols),
+            Some(f) => shaped && self.fp8_skinny_takes(f, m),
+        };
         if !fusable {
             return gated_linear_unfused(self, x, m, w, gate, scratch, out);
         }
@@ -35,8 +40,17 @@ impl CudaBackend {
             GateAct::Silu => GatedAct::Silu,
             GateAct::GeluTanh => GatedAct::GeluTanh,
         };
-        let call =
-            GatedLinearCall { x: &x.data, m, k: w.cols, w: &w.data, d: gate.d, act, out: &mut out.data, variant: None };
-        Ok(call.launch(&self.dev)?)
+        let (d, out) = (gate.d, &mut out.data);
+        match &w.fp8 {
+            Some(f) => {
+                Fp8GatedGemvCall { x: &x.data, m, w: &f.w, d, act, out, variant: None }.launch(&self.dev)?;
+                self.fp8_epilogues[0] += 1;
+                Ok(())
+            }
+            None => {
+                let call = GatedLinearCall { x: &x.data, m, k: w.cols, w: &w.data, d, act, out, variant: None };
+                Ok(call.launch(&self.dev)?)
+            }
+        }
     }
 }

@@ -76,6 +76,13 @@ impl CudaBackend {
         self.handoffs
     }
 
+    /// How many FP8 skinny products so far were launched with the next op in their epilogue
+    /// instead of storing their rows for it: `(gated activation, RoPE + the KV write)`. Counted
+    /// at launch on the host, so a replayed graph counts once, when it was captured.
+    pub fn fp8_fused_epilogues(&self) -> (u64, u64) {
+        (self.fp8_epilogues[0], self.fp8_epilogues[1])
+    }
+
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
     /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
     pub fn set_prefill_kernel(&mut self, on: bool) {

@@ -12,12 +12,15 @@
 //! products the engine sends to it (k a multiple of 16, 1 ≤ m ≤ [`GEMV_FP8_MAX_M`]);
 //! [`GEMV_FP8_VARIANTS`] lists the `GEMV_FP8_INSTANCE` lines of gemv_fp8.cu in order (a unit
 //! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
-//! per CTA and for both [`Fp8Scaling`]s.
+//! per CTA, for both [`Fp8Scaling`]s and every [`Fp8Epilogue`]; [`fp8_gemv_plan`] is the one
+//! place that checks a launch of any of them and picks its function and grid (the fused
+//! epilogues' calls are in `fp8_fused.rs`).
 
 use super::gemv::{GEMV_MAX_MS, GEMV_ROWS_PER_CTA, GemvVariant};
 use super::launch::{Args, cfg, grid_stride, int, need, shape_check, shape_error};
 use super::{CudaDevice, CudaError, CudaSlice};
 use crate::cpu::Fp8Matrix;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 use half::bf16;
 
 /// Most rows of x the engine sends to the skinny FP8 kernel. Up to 16 one CTA per weight tile
@@ -57,6 +60,41 @@ impl Fp8Scaling {
     }
 }
 
+/// What the kernel's epilogue does with the finished sums (gemv_fp8.cu's `GEMV_FP8_EPILOGUES`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Epilogue {
+    /// Stores the product.
+    Plain,
+    /// `silu(gate) · up` of a `[gate; up]` product.
+    Silu,
+    /// `gelu_tanh(gate) · up` of a `[gate; up]` product.
+    GeluTanh,
+    /// RoPE on q and k, the KV write into a bf16 cache.
+    Rope,
+    /// RoPE on q and k, the KV write into an FP8 cache.
+    RopeFp8,
+}
+
+impl Fp8Epilogue {
+    /// Every epilogue, in the order of the kernel table's entries per variant.
+    pub const ALL: [Self; 5] = [Self::Plain, Self::Silu, Self::GeluTanh, Self::Rope, Self::RopeFp8];
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Plain => "",
+            Self::Silu => "_silu",
+            Self::GeluTanh => "_gelu_tanh",
+            Self::Rope => "_rope",
+            Self::RopeFp8 => "_rope_fp8",
+        }
+    }
+
+    /// Index in [`Self::ALL`].
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// The compiled (warps, k-steps of 64 codes per batch) shapes of the FP8 kernel, in the order of
 /// `GEMV_FP8_VARIANTS` in gemv_fp8.cu.
 pub const GEMV_FP8_VARIANTS: [GemvVariant; 4] = [
@@ -67,9 +105,10 @@ pub const GEMV_FP8_VARIANTS: [GemvVariant; 4] = [
 ];
 
 impl GemvVariant {
-    /// The FP8 kernel's name for up to `max_m` rows of x per CTA (8 or 16) and `scaling`.
-    pub fn fp8_kernel_name(&self, max_m: usize, scaling: Fp8Scaling) -> String {
-        format!("gemv_fp8_m{max_m}_w{}_u{}_{}", self.warps, self.unroll, scaling.suffix())
+    /// The FP8 kernel's name for up to `max_m` rows of x per CTA (8 or 16), `scaling` and
+    /// `epilogue`.
+    pub fn fp8_kernel_name(&self, max_m: usize, scaling: Fp8Scaling, epilogue: Fp8Epilogue) -> String {
+        format!("gemv_fp8_m{max_m}_w{}_u{}_{}{}", self.warps, self.unroll, scaling.suffix(), epilogue.suffix())
     }
 }
 
@@ -177,47 +216,73 @@ pub struct Fp8GemvCall<'a> {
     pub variant: Option<usize>,
 }
 
+/// A checked launch of the skinny FP8 kernel: its function, its grid, and the trailing
+/// arguments (`m, n, k, rb, cb, groups`) to append after the epilogue's own.
+pub(super) struct Fp8GemvPlan<'d> {
+    pub(super) func: &'d CudaFunction,
+    pub(super) grid: LaunchConfig,
+    groups: usize,
+}
+
+impl Fp8GemvPlan<'_> {
+    /// `args` followed by `m, n, k, row_block, col_block, groups` (n: the kernel's output width).
+    pub(super) fn tail<'a>(&self, args: Args<'a>, m: usize, n: usize, w: &Fp8Weights) -> Result<Args<'a>, CudaError> {
+        args.int(m)?.int(n)?.int(w.cols)?.int(w.row_block)?.int(w.col_block)?.int(self.groups)
+    }
+}
+
+/// Checks `m` rows of a bf16 `x` against `w` for the skinny FP8 kernel (naming `op`) and plans
+/// its launch with `epilogue` over `tiles` weight tiles (16 rows of `w`, or 8 gate + 8 up rows
+/// gated): every check of x, the codes and the scales, made before anything is enqueued. The
+/// variant is `variant` or the default for `w`'s rows. `None`: nothing to launch (no tiles).
+pub(super) fn fp8_gemv_plan<'d>(
+    dev: &'d CudaDevice,
+    op: &'static str,
+    x: &CudaSlice<bf16>,
+    m: usize,
+    w: &Fp8Weights,
+    epilogue: Fp8Epilogue,
+    tiles: usize,
+    variant: Option<usize>,
+) -> Result<Option<Fp8GemvPlan<'d>>, CudaError> {
+    let (n, k) = (w.rows, w.cols);
+    let scaling = gemv_fp8_scaling(k, w.col_block);
+    shape_check(op, m > 0 && k.is_multiple_of(16) && scaling.is_some(), || {
+        format!("m = {m}, k = {k}, column block {}: not a skinny FP8 shape", w.col_block)
+    })?;
+    let scaling = scaling.unwrap_or(Fp8Scaling::Row);
+    need(op, "x", x, m * k)?;
+    need(op, "codes", &w.codes, n * k)?;
+    need(op, "scales", &w.scales, n.div_ceil(w.row_block) * k.div_ceil(w.col_block))?;
+    if tiles == 0 {
+        return Ok(None);
+    }
+    let variant = variant.unwrap_or_else(|| gemv_fp8_default(n, m, dev.sm_count()));
+    let tile = usize::from(m > GEMV_MAX_MS[0]);
+    let funcs = dev.kernels.gemv_fp8[tile].get(variant).and_then(|e| e.get(epilogue.index()));
+    let (v, funcs) = match (GEMV_FP8_VARIANTS.get(variant), funcs) {
+        (Some(v), Some(f)) => (*v, f),
+        _ => return Err(shape_error(op, format!("no gemv_fp8 variant {variant}"))),
+    };
+    let groups = fp8_groups(m);
+    let ctas = int(op, tiles * groups)? as u32;
+    Ok(Some(Fp8GemvPlan { func: &funcs[scaling.index()], grid: cfg((ctas, 1, 1), v.warps * 32), groups }))
+}
+
 impl Fp8GemvCall<'_> {
     /// Checks the shapes and enqueues the kernel.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "gemv_fp8";
         let Self { x, m, w, out, variant } = self;
-        let (n, k) = (w.rows, w.cols);
-        let scaling = gemv_fp8_scaling(k, w.col_block);
-        shape_check(OP, m > 0 && k.is_multiple_of(16) && scaling.is_some(), || {
-            format!("m = {m}, k = {k}, column block {}: not a skinny FP8 shape", w.col_block)
-        })?;
-        let scaling = scaling.unwrap_or(Fp8Scaling::Row);
-        need(OP, "x", x, m * k)?;
-        need(OP, "codes", &w.codes, n * k)?;
-        need(OP, "scales", &w.scales, n.div_ceil(w.row_block) * k.div_ceil(w.col_block))?;
+        let n = w.rows;
+        let plan = fp8_gemv_plan(dev, OP, x, m, w, Fp8Epilogue::Plain, n.div_ceil(GEMV_ROWS_PER_CTA), variant)?;
         need(OP, "out", out, m * n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let variant = variant.unwrap_or_else(|| gemv_fp8_default(n, m, dev.sm_count()));
-        let tile = usize::from(m > GEMV_MAX_MS[0]);
-        let (v, funcs) = match (GEMV_FP8_VARIANTS.get(variant), dev.kernels.gemv_fp8[tile].get(variant)) {
-            (Some(v), Some(f)) => (*v, f),
-            _ => return Err(shape_error(OP, format!("no gemv_fp8 variant {variant}"))),
-        };
-        let groups = fp8_groups(m);
-        let ctas = int(OP, n.div_ceil(GEMV_ROWS_PER_CTA) * groups)? as u32;
-        let args = Args::new(OP)
-            .buf(x)
-            .buf(&w.codes)
-            .buf(&w.scales)
-            .buf(out)
-            .int(m)?
-            .int(n)?
-            .int(k)?
-            .int(w.row_block)?
-            .int(w.col_block)?
-            .int(groups)?;
+        let Some(plan) = plan else { return Ok(()) };
+        let args = plan.tail(Args::new(OP).buf(x).buf(&w.codes).buf(&w.scales).buf(out), m, n, w)?;
         // SAFETY: CTA b reads the 16 weight rows of tile b / groups (clamped to n - 1) over k
         // codes, their scales, and rows of x clamped to m - 1 over k columns; it writes out[i][row]
         // for i < m, row < n only: all sizes checked above (k % 16 == 0: 16-byte code rows).
-        unsafe { args.launch(dev, &funcs[scaling.index()], cfg((ctas, 1, 1), v.warps * 32)) }
+        unsafe { args.launch(dev, plan.func, plan.grid) }
     }
 }
 
@@ -288,10 +353,16 @@ mod tests {
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 1, 132)], GemvVariant { warps: 4, unroll: 4 });
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(28672, 16, 132)], GemvVariant { warps: 4, unroll: 2 });
         assert_eq!(GEMV_FP8_VARIANTS[gemv_fp8_default(4096, 64, 132)].warps, 4, "4 CTAs a tile: wide");
-        assert_eq!(GEMV_FP8_VARIANTS[1].fp8_kernel_name(8, Fp8Scaling::Row), "gemv_fp8_m8_w8_u4_row");
-        assert_eq!(GEMV_FP8_VARIANTS[2].fp8_kernel_name(16, Fp8Scaling::Block), "gemv_fp8_m16_w4_u2_blk");
+        let name = |v: usize, m, s, e| GEMV_FP8_VARIANTS[v].fp8_kernel_name(m, s, e);
+        assert_eq!(name(1, 8, Fp8Scaling::Row, Fp8Epilogue::Plain), "gemv_fp8_m8_w8_u4_row");
+        assert_eq!(name(2, 16, Fp8Scaling::Block, Fp8Epilogue::Plain), "gemv_fp8_m16_w4_u2_blk");
+        assert_eq!(name(0, 8, Fp8Scaling::Row, Fp8Epilogue::Silu), "gemv_fp8_m8_w4_u4_row_silu");
+        assert_eq!(name(3, 16, Fp8Scaling::Block, Fp8Epilogue::RopeFp8), "gemv_fp8_m16_w8_u2_blk_rope_fp8");
         for (i, s) in Fp8Scaling::ALL.into_iter().enumerate() {
             assert_eq!(s.index(), i);
+        }
+        for (i, e) in Fp8Epilogue::ALL.into_iter().enumerate() {
+            assert_eq!(e.index(), i);
         }
     }
 }

@@ -6,12 +6,12 @@
 //! [`kernel_names`] runs the same list to check a compiled module offline (`cuda_compile`).
 //! The templated kernels are indexed like their descriptions: attention
 //! `[ATTN_HEAD_DIMS][ATTN_VARIANTS]`, prefill `[PREFILL_HEAD_DIMS][PREFILL_WARPS]`, gemv
-//! `[GEMV_MAX_MS][GEMV_VARIANTS][GemvEpilogue]`, FP8 gemv `[GEMV_MAX_MS][GEMV_FP8_VARIANTS][Fp8Scaling]`.
+//! `[GEMV_MAX_MS][GEMV_VARIANTS][GemvEpilogue]`, FP8 gemv `[GEMV_MAX_MS][GEMV_FP8_VARIANTS][Fp8Epilogue][Fp8Scaling]`.
 
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
 use super::compile::{Family, Module};
-use super::fp8_linear::{Fp8Scaling, GEMV_FP8_VARIANTS};
+use super::fp8_linear::{Fp8Epilogue, Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
 use super::paged_attention::{
@@ -81,8 +81,8 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     /// projection's input).
     pub silu_mul_quant_e4m3: F,
     /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
-    /// GEMV_FP8_VARIANTS]`, each `[scale of Fp8Scaling::ALL]`.
-    pub gemv_fp8: [Vec<[F; 2]>; 2],
+    /// GEMV_FP8_VARIANTS][epilogue of Fp8Epilogue::ALL]`, each `[scale of Fp8Scaling::ALL]`.
+    pub gemv_fp8: [Vec<Vec<[F; 2]>>; 2],
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
@@ -230,12 +230,16 @@ impl<F> KernelTable<F> {
             Ok(variants)
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
-        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<[F; 2]>, E> {
+        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<Vec<[F; 2]>>, E> {
             let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
             for v in GEMV_FP8_VARIANTS {
-                let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s));
-                variants.push([f(m, &a)?, f(m, &b)?]);
+                let mut epilogues = Vec::with_capacity(Fp8Epilogue::ALL.len());
+                for e in Fp8Epilogue::ALL {
+                    let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s, e));
+                    epilogues.push([f(m, &a)?, f(m, &b)?]);
+                }
+                variants.push(epilogues);
             }
             Ok(variants)
         };
@@ -387,13 +391,13 @@ mod tests {
         // the FP8 KV cache's four RoPE + write entries, their four calibration (amax) passes,
         // and its extended attention per head dims a lane (8); FP8 weights' dequantization (2),
         // per-row quantization (bf16 activations, f32 weights), the add + norm + quantization of
-        // the W8A8 input, SiLU·mul with its quantization, and skinny GEMM per tile, variant and
-        // scaling.
+        // the W8A8 input, SiLU·mul with its quantization, and skinny GEMM per tile, variant,
+        // epilogue and scaling.
         let fp8 = 4
             + 4
             + ATTN_EXT_MAX_HEAD_DIM / 32
             + 6
-            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Scaling::ALL.len();
+            + GEMV_MAX_MS.len() * GEMV_FP8_VARIANTS.len() * Fp8Epilogue::ALL.len() * Fp8Scaling::ALL.len();
         // The FP8-cache decode variants and prefill kernels per head_dim.
         let templated = ATTN_HEAD_DIMS.len() * (ATTN_VARIANTS.len() + ATTN_FP8_VARIANTS.len() + 1)
             + 4 * PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len()
@@ -411,6 +415,10 @@ mod tests {
             "gemv_m8_w4_u4_silu",
             "gemv_fp8_m16_w8_u2_blk",
             "gemv_fp8_m8_w4_u4_row",
+            "gemv_fp8_m8_w4_u4_row_silu",
+            "gemv_fp8_m16_w8_u2_blk_gelu_tanh",
+            "gemv_fp8_m16_w4_u4_row_rope",
+            "gemv_fp8_m8_w8_u4_blk_rope_fp8",
             "rope_qkv_qknorm_write_kv_fp8",
             "rope_qkv_qknorm_write_kv_amax",
             "paged_attention_ext_fp8_d4",

@@ -3,6 +3,9 @@
 //! the norm-input product ([`NormLinearCall`](super::NormLinearCall)) and then
 //! [`RopeKvCall`](super::RopeKvCall) with `RopeInput::Fused`.
 //!
+//! [`RopeOut`] (where the epilogue writes, and its checks) is shared with the FP8-weight product
+//! that takes the same epilogue ([`Fp8RopeGemvCall`](super::Fp8RopeGemvCall)).
+//!
 //! Invariants: the rotated q, and the k and v written to the cache, are bit for bit what the
 //! two-launch route stores (the same bf16 rounding of the product, the same f64 angle and
 //! rotation formula, the same `kv_put`); the qkv rows themselves are never stored. Only the
@@ -11,7 +14,7 @@
 //! anything is enqueued.
 
 use super::gemv::{GEMV_ROWS_PER_CTA, GemvEpilogue, gemv_default};
-use super::launch::{cfg, int, need, shape_check};
+use super::launch::{Args, cfg, int, need, shape_check};
 use super::linear::gemv_function;
 use super::norm_linear::{NormInput, gemv_shape_ok};
 use super::{CudaDevice, CudaError, CudaSlice, KvGeometry, KvWriteMeta};
@@ -44,18 +47,9 @@ pub enum RopeCache<'a> {
     },
 }
 
-/// `qkv = (rms_norm(residual) · norm) · wᵀ` ([`NormInput`]) for the step's `m` rows, then RoPE on q and k at
-/// each row's position: the rotated q into `q_out`, the rotated k and v into each row's cache
-/// slot (a row whose slot is -1, a graph bucket's padding, writes q only).
-pub struct NormRopeCall<'a> {
-    /// The normalized activation's source.
-    pub input: NormInput<'a>,
-    /// Rows: the step's rows (`meta`'s).
-    pub m: usize,
-    /// The residual's width: the reduction length.
-    pub k: usize,
-    /// The fused projection `[q; k; v]`: `(n_heads + 2·n_kv_heads)·head_dim × k` bf16.
-    pub w: &'a CudaSlice<bf16>,
+/// Where a RoPE epilogue writes, and what it rotates with: the rotated q of each row, and k and
+/// v into each row's cache slot (a row whose slot is -1, a graph bucket's padding, writes q only).
+pub struct RopeOut<'a> {
     /// Query heads.
     pub n_heads: usize,
     /// `m × n_heads × head_dim` bf16: the rotated q.
@@ -70,6 +64,73 @@ pub struct NormRopeCall<'a> {
     pub attention_factor: Option<f32>,
     /// The cache's geometry.
     pub geo: KvGeometry,
+}
+
+impl RopeOut<'_> {
+    /// The projection's rows, `(n_heads + 2·n_kv_heads)·head_dim`.
+    pub fn rows(&self) -> usize {
+        (self.n_heads + 2 * self.geo.n_kv_heads) * self.geo.head_dim
+    }
+
+    /// Checks everything the epilogue writes or reads for `m` rows (naming `op`), and returns
+    /// whether the cache is FP8 (the `_fp8` kernel) with the K and V scales (1 for bf16).
+    pub(super) fn check(&self, op: &'static str, m: usize) -> Result<(bool, [f32; 2]), CudaError> {
+        let (hd, geo) = (self.geo.head_dim, &self.geo);
+        need(op, "q_out", self.q_out, m * self.n_heads * hd)?;
+        need(op, "inv_freq", self.inv_freq, hd / 2)?;
+        shape_check(op, norm_rope_supports(hd), || {
+            format!("head_dim {hd}: the kernel needs a multiple of 16 up to 256")
+        })?;
+        shape_check(op, self.meta.rows == m, || format!("{m} rows, metadata for {}", self.meta.rows))?;
+        self.meta.check_geometry(op, geo)?;
+        let cs_scale = self.attention_factor.unwrap_or(1.0);
+        shape_check(op, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
+        match &self.cache {
+            RopeCache::Bf16 { k, v } => {
+                need(op, "k_cache", *k, geo.layer_len())?;
+                need(op, "v_cache", *v, geo.layer_len())?;
+                Ok((false, [1.0, 1.0]))
+            }
+            RopeCache::Fp8 { k, v, k_scale, v_scale } => {
+                need(op, "k_cache", *k, geo.layer_len())?;
+                need(op, "v_cache", *v, geo.layer_len())?;
+                shape_check(op, [k_scale, v_scale].iter().all(|s| s.is_finite() && **s > 0.0), || {
+                    format!("FP8 KV scales k {k_scale}, v {v_scale}: each must be finite and positive")
+                })?;
+                Ok((true, [*k_scale, *v_scale]))
+            }
+        }
+    }
+
+    /// The epilogue's arguments after the product's inputs: q_out, the caches, positions, slots,
+    /// inv_freq, the head counts, head_dim, the cos/sin factor and the K and V scales (`scales`
+    /// from [`Self::check`]).
+    pub(super) fn push<'b>(&'b self, args: Args<'b>, scales: [f32; 2]) -> Result<Args<'b>, CudaError> {
+        let args = args.buf(self.q_out);
+        let args = match &self.cache {
+            RopeCache::Bf16 { k, v } => args.buf(*k).buf(*v),
+            RopeCache::Fp8 { k, v, .. } => args.buf(*k).buf(*v),
+        };
+        let args = args.buf(&self.meta.positions).buf(&self.meta.slots).buf(self.inv_freq);
+        let (nkv, hd) = (self.geo.n_kv_heads, self.geo.head_dim);
+        let cs_scale = self.attention_factor.unwrap_or(1.0);
+        Ok(args.int(self.n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]))
+    }
+}
+
+/// `qkv = (rms_norm(residual) · norm) · wᵀ` ([`NormInput`]) for the step's `m` rows, then RoPE on
+/// q and k at each row's position, written as [`RopeOut`] says.
+pub struct NormRopeCall<'a> {
+    /// The normalized activation's source.
+    pub input: NormInput<'a>,
+    /// Rows: the step's rows (`rope.meta`'s).
+    pub m: usize,
+    /// The residual's width: the reduction length.
+    pub k: usize,
+    /// The fused projection `[q; k; v]`: [`RopeOut::rows`] × k bf16.
+    pub w: &'a CudaSlice<bf16>,
+    /// Where the epilogue writes.
+    pub rope: RopeOut<'a>,
     /// Index in [`GEMV_VARIANTS`](super::GEMV_VARIANTS), or `None` for the variant the plain
     /// product of this width picks.
     pub variant: Option<usize>,
@@ -79,50 +140,21 @@ impl NormRopeCall<'_> {
     /// Checks the sizes and enqueues the product.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "norm_rope";
-        let Self { input, m, k, w, n_heads, q_out, cache, meta, inv_freq, attention_factor, geo, variant } = self;
-        let (hd, nkv) = (geo.head_dim, geo.n_kv_heads);
-        let n = (n_heads + 2 * nkv) * hd;
+        let Self { input, m, k, w, rope, variant } = self;
+        let n = rope.rows();
         input.check(OP, m, k)?;
         need(OP, "w", w, n * k)?;
-        need(OP, "q_out", q_out, m * n_heads * hd)?;
-        need(OP, "inv_freq", inv_freq, hd / 2)?;
-        shape_check(OP, norm_rope_supports(hd), || {
-            format!("head_dim {hd}: the kernel needs a multiple of 16 up to 256")
-        })?;
-        shape_check(OP, meta.rows == m, || format!("{m} rows, metadata for {}", meta.rows))?;
-        meta.check_geometry(OP, &geo)?;
-        let cs_scale = attention_factor.unwrap_or(1.0);
-        shape_check(OP, cs_scale.is_finite() && cs_scale > 0.0, || format!("attention factor {cs_scale}"))?;
-        let (epilogue, scales) = match &cache {
-            RopeCache::Bf16 { k, v } => {
-                need(OP, "k_cache", *k, geo.layer_len())?;
-                need(OP, "v_cache", *v, geo.layer_len())?;
-                (GemvEpilogue::NormRope, [1.0, 1.0])
-            }
-            RopeCache::Fp8 { k, v, k_scale, v_scale } => {
-                need(OP, "k_cache", *k, geo.layer_len())?;
-                need(OP, "v_cache", *v, geo.layer_len())?;
-                shape_check(OP, [k_scale, v_scale].iter().all(|s| s.is_finite() && **s > 0.0), || {
-                    format!("FP8 KV scales k {k_scale}, v {v_scale}: each must be finite and positive")
-                })?;
-                (GemvEpilogue::NormRopeFp8, [*k_scale, *v_scale])
-            }
-        };
+        let (fp8_cache, scales) = rope.check(OP, m)?;
         if m == 0 {
             return Ok(());
         }
         gemv_shape_ok(OP, m, k)?;
+        let epilogue = if fp8_cache { GemvEpilogue::NormRopeFp8 } else { GemvEpilogue::NormRope };
         let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
         let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
         let grid = cfg((int(OP, n / GEMV_ROWS_PER_CTA)? as u32, 1, 1), v.warps * 32);
         let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
-        let args = input.args(OP, k)?.buf(w).buf(q_out);
-        let args = match &cache {
-            RopeCache::Bf16 { k, v } => args.buf(*k).buf(*v),
-            RopeCache::Fp8 { k, v, .. } => args.buf(*k).buf(*v),
-        };
-        let args = args.buf(&meta.positions).buf(&meta.slots).buf(inv_freq);
-        let args = args.int(n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]);
+        let args = rope.push(input.args(OP, k)?.buf(w), scales)?;
         let args = args.int(m)?.int(n)?.int(k)?.int(pf)?;
         // SAFETY: residual holds m × k, stats m × norm_stat_parts(k), norm k, w n × k, q_out m × n_heads ×
         // head_dim and inv_freq head_dim / 2 (checked above); n is a multiple of 16 (head_dim
