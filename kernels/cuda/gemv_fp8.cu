@@ -76,7 +76,16 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
 
     // The first round (batches 0..NW-1 of the tile's 16 rows), once per tile.
     if (m0 == 0) gemv_prefetch_l2(codes, k, NW * BATCH * 16, wrow);
-    PDL_ENTER();
+    // The RoPE kernels let the next kernel (attention) launch only after their k loop, as
+    // gemv.cu's fused-norm kernels do. Triggered at their start, Llama-3.1-8B's b = 1 ctx 8k
+    // step over FP8 weights and cache took 3.56 ms against 3.37 with the RoPE kernel after the
+    // plain product; triggered late, 3.41-3.45 (H200, bench/results/bench-cuda-fp8-pdl-callB-*;
+    // the mechanism, as for the bf16 epilogue at that shape, was not isolated).
+    constexpr bool late = IsRope<ACT>::value;
+    if constexpr (late)
+        pdl_wait();
+    else
+        PDL_ENTER();
 
     // Two accumulator sets per tile (even and odd mma of a chunk) halve the dependent chain.
     float acc[NT][2][4];
@@ -166,6 +175,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
         }
     }
 
+    if constexpr (late) pdl_trigger();
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
