@@ -2,7 +2,8 @@
 // x bf16 (m x k), w[n][k] = e4m3(codes[n][k]) * scales[n / rb][k / cb] (one f32 per rb x cb
 // block: per tensor, per output channel, or 128 x 128), f32 accumulation, bf16 output.
 // Reference: kernels/src/cpu/fp8_linear.rs (linear_fp8 with ActivationScale::None). Compiled
-// after gemv.cu, in the same modules: it uses that file's loads, mma, epilogue and prefetch.
+// after gemv.cu in modules of its own (gemv_fp8_m8, gemv_fp8_m16: gemv.cu without its instances,
+// compile.rs's Family::GemvFp8): it uses that file's loads, mma, epilogues and prefetch.
 //
 // The scheme is gemv.cu's (weights as the mma A operand, 8 rows of x as B, NW warps splitting k
 // in batches of U k-steps, partial sums meeting in shared memory, the first round prefetched

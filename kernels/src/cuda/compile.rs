@@ -37,9 +37,12 @@ pub enum Family {
     Elementwise,
     /// Sampling on the device, and prompt logprobs.
     Sampling,
-    /// The skinny GEMM over bf16 and over FP8 weights, cut by rows of x (the
-    /// `GEMV_VARIANTS(MAXM)` and `GEMV_FP8_VARIANTS(MAXM)` instances).
+    /// The skinny GEMM over bf16 weights, cut by rows of x (the `GEMV_VARIANTS(MAXM)` instances).
     Gemv,
+    /// The skinny GEMM over FP8 weights, cut by rows of x (the `GEMV_FP8_VARIANTS(MAXM)`
+    /// instances), after gemv.cu's loads, mma and epilogues without gemv.cu's instances: its own
+    /// modules, so that they compile beside the bf16 ones (a cold start waits for the longest).
+    GemvFp8,
     /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
     /// `ATT_TC_FP8_VARIANTS(HD)`).
     Attention,
@@ -63,7 +66,8 @@ impl Family {
                 include_str!("../../cuda/fp8_linear.cu"),
             ],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
-            Self::Gemv => &[include_str!("../../cuda/gemv.cu"), include_str!("../../cuda/gemv_fp8.cu")],
+            Self::Gemv => &[include_str!("../../cuda/gemv.cu")],
+            Self::GemvFp8 => &[include_str!("../../cuda/gemv.cu"), include_str!("../../cuda/gemv_fp8.cu")],
             Self::Attention => &[
                 include_str!("../../cuda/attention.cu"),
                 include_str!("../../cuda/attention_tc_fp8.cu"),
@@ -78,9 +82,18 @@ impl Family {
     fn instance_macros(self) -> &'static [&'static str] {
         match self {
             Self::Elementwise | Self::Sampling => &[],
-            Self::Gemv => &["GEMV_VARIANTS", "GEMV_FP8_VARIANTS"],
+            Self::Gemv => &["GEMV_VARIANTS"],
+            Self::GemvFp8 => &["GEMV_FP8_VARIANTS"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS", "ATT_ST_VARIANTS"],
             Self::Prefill => &["PF_INSTANCE", "PF_WG_INSTANCE"],
+        }
+    }
+
+    /// Instance macros of another family's file that this family's modules leave out whole.
+    fn dropped_macros(self) -> &'static [&'static str] {
+        match self {
+            Self::GemvFp8 => &["GEMV_VARIANTS"],
+            _ => &[],
         }
     }
 
@@ -89,6 +102,7 @@ impl Family {
             Self::Elementwise => "elementwise",
             Self::Sampling => "sampling",
             Self::Gemv => "gemv_m",
+            Self::GemvFp8 => "gemv_fp8_m",
             Self::Attention => "attention_hd",
             Self::Prefill => "prefill_hd",
         }
@@ -142,8 +156,11 @@ impl Module {
     }
 
     /// Whether `line` stays in this module's source: every line except the top-level
-    /// instances of another part.
+    /// instances of another part, and those of the macros the family drops.
     fn keeps(&self, line: &str) -> bool {
+        if instance_param(line, self.family.dropped_macros()).is_some() {
+            return false;
+        }
         let Some(part) = self.part else { return true };
         match instance_param(line, self.family.instance_macros()) {
             Some(p) => p == part,
@@ -167,6 +184,7 @@ fn instance_param(line: &str, macros: &[&str]) -> Option<usize> {
 pub fn modules() -> Vec<Module> {
     let mut v = vec![Module::whole(Family::Elementwise), Module::whole(Family::Sampling)];
     v.extend(GEMV_MAX_MS.iter().map(|&m| Module::part(Family::Gemv, m)));
+    v.extend(GEMV_MAX_MS.iter().map(|&m| Module::part(Family::GemvFp8, m)));
     v.extend(ATTN_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Attention, hd)));
     v.extend(PREFILL_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Prefill, hd)));
     v
@@ -596,7 +614,8 @@ mod tests {
         assert_eq!(instance_param("ATT_TC_VARIANTS(16)", att), Some(16));
         assert_eq!(instance_param("PF_INSTANCE(64, 8)", Family::Prefill.instance_macros()), Some(64));
         assert_eq!(instance_param("GEMV_VARIANTS(16)", Family::Gemv.instance_macros()), Some(16));
-        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::Gemv.instance_macros()), Some(8));
+        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::GemvFp8.instance_macros()), Some(8));
+        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::Gemv.instance_macros()), None);
         // Definitions and indented uses inside a macro stay in every module.
         assert_eq!(instance_param("#define ATT_VARIANTS(HD)       \\", att), None);
         assert_eq!(instance_param("    ATT_INSTANCE(HD, 4, 4, 4, 0)  \\", att), None);
@@ -609,7 +628,7 @@ mod tests {
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_VARIANTS"),
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_TC_VARIANTS"),
             (Family::Gemv, GEMV_MAX_MS.to_vec(), "GEMV_VARIANTS"),
-            (Family::Gemv, GEMV_MAX_MS.to_vec(), "GEMV_FP8_VARIANTS"),
+            (Family::GemvFp8, GEMV_MAX_MS.to_vec(), "GEMV_FP8_VARIANTS"),
         ] {
             for &p in &parts {
                 let src = Module::part(family, p).source();
@@ -644,8 +663,9 @@ mod tests {
         let all = modules();
         let names: HashSet<String> = all.iter().map(Module::name).collect();
         assert_eq!(names.len(), all.len());
-        assert_eq!(all.len(), 2 + GEMV_MAX_MS.len() + ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
-        for f in [Family::Elementwise, Family::Sampling, Family::Gemv, Family::Attention, Family::Prefill] {
+        assert_eq!(all.len(), 2 + 2 * GEMV_MAX_MS.len() + ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
+        let families = [Family::Elementwise, Family::Sampling, Family::Gemv, Family::GemvFp8];
+        for f in families.into_iter().chain([Family::Attention, Family::Prefill]) {
             assert!(all.iter().any(|m| m.family == f), "{f:?} has no module");
         }
         for m in &all {
@@ -722,7 +742,14 @@ mod tests {
         // The FP8 table lists its tensor-core variants first.
         let kinds: Vec<AttnKind> = super::super::paged_attention::ATTN_FP8_VARIANTS.iter().map(|v| v.kind).collect();
         assert!(kinds.windows(2).all(|w| w[0] == w[1] || w[1] == AttnKind::Stream), "{kinds:?}");
-        let cuda: Vec<String> = src
+        // The skinny GEMMs per family: the FP8 modules carry gemv.cu's macro definitions too.
+        let of = |f: Family| -> String {
+            modules().iter().filter(|m| m.family == f).map(Module::source).collect::<Vec<_>>().join("\n")
+        };
+        let (gemv, gemv_fp8) = (of(Family::Gemv), of(Family::GemvFp8));
+        assert!(!gemv_fp8.lines().any(|l| l.starts_with("GEMV_VARIANTS(")), "the FP8 modules instantiate bf16 kernels");
+        assert!(!gemv.contains("GEMV_FP8_"), "the bf16 modules hold FP8 kernels");
+        let cuda: Vec<String> = gemv
             .lines()
             .filter_map(|l| l.trim().strip_prefix("GEMV_INSTANCE(MAXM, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
@@ -730,7 +757,7 @@ mod tests {
         let rust: Vec<String> =
             super::super::GEMV_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
         assert_eq!(cuda, vec![rust; GEMV_MAX_MS.len()].concat());
-        let cuda: Vec<String> = src
+        let cuda: Vec<String> = gemv_fp8
             .lines()
             .filter_map(|l| l.trim().strip_prefix("GEMV_FP8_INSTANCE(MAXM, "))
             .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())

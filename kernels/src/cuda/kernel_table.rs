@@ -231,7 +231,7 @@ impl<F> KernelTable<F> {
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
         let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<Vec<[F; 2]>>, E> {
-            let m = Module::part(Family::Gemv, max_m);
+            let m = Module::part(Family::GemvFp8, max_m);
             let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
             for v in GEMV_FP8_VARIANTS {
                 let mut epilogues = Vec::with_capacity(Fp8Epilogue::ALL.len());
@@ -444,7 +444,7 @@ mod tests {
                 None => assert!(src.contains(&format!("void {n}(")), "{n} is not defined in {}", module.name()),
                 Some(p) => {
                     let tag = match module.family {
-                        Family::Gemv if n.starts_with("gemv_fp8_") => format!("gemv_fp8_m{p}_"),
+                        Family::GemvFp8 => format!("gemv_fp8_m{p}_"),
                         Family::Gemv => format!("gemv_m{p}_"),
                         _ => format!("_hd{p}"),
                     };
