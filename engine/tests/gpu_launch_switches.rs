@@ -13,8 +13,8 @@
 //!   replace, so the same bits.
 //! - RoPE and the KV write in the qkv product's epilogue (`set_fused_rope`): the same rotated q
 //!   and the same cache bits as the RoPE kernel after the product, so the same logits; over a
-//!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (a qkv bias: the RoPE kernel
-//!   runs) and Qwen3 (q/k norm: never offered).
+//!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (the epilogue adds the qkv bias
+//!   too) and Qwen3 (q/k norm: never offered).
 //! - Over FP8 weights, the skinny FP8 GEMM's epilogues (`set_fused_gate`, `set_fused_rope`): the
 //!   gated activation, and RoPE + the KV write; the same bits as the product + kernel pairs.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
@@ -182,8 +182,9 @@ fn gpu_fused_rope_gives_bit_identical_steps() {
 #[test]
 fn gpu_fp8_weight_epilogues_give_bit_identical_steps() {
     // Decode steps of 9 rows run the skinny FP8 kernel: with the switches on, the gated
-    // activation and (Llama: no qkv bias, no q/k norm) RoPE + the KV write in its epilogue.
-    for (spec, rope) in [(TinySpec::llama(), true), (TinySpec::qwen2(), false)] {
+    // activation and (Llama; Qwen2 with its qkv bias; not Qwen3, whose q/k norm keeps the RoPE
+    // kernel) RoPE + the KV write in its epilogue.
+    for (spec, rope) in [(TinySpec::llama(), true), (TinySpec::qwen2(), true), (TinySpec::qwen3(), false)] {
         let mut m = tiny(&spec);
         WeightQuantization::Fp8.apply(&mut m.model.config);
         let arch = m.model.config.architecture;
@@ -199,7 +200,7 @@ fn gpu_fp8_weight_epilogues_give_bit_identical_steps() {
         if rope {
             assert!(roped >= layers - 1, "{arch:?}: {roped} RoPE FP8 epilogues, fewer than one step's {}", layers - 1);
         } else {
-            assert_eq!(roped, 0, "{arch:?}: a qkv bias, yet the RoPE epilogue ran");
+            assert_eq!(roped, 0, "{arch:?}: a q/k norm, yet the RoPE epilogue ran");
         }
         if rope {
             let fp8 = |graphs| Switches { fp8_kv: true, ..Switches::defaults(graphs) };

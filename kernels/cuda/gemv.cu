@@ -58,8 +58,10 @@
 // rope_kv.cu's formula (the f64 angle position * inv_freq[d], cos and sin times cs_scale) and
 // writes q to q_out ([m][n_heads][head_dim]) and k to the row's cache slot through kv_put; the
 // CTAs of the v rows (plain 16-row tiles, after the q and k rows) write v to the slot. A row
-// without a slot (a graph bucket's padding) writes q only. The qkv rows are never stored:
-// bit for bit the unfused qkv product + rope_qkv_write_kv. head_dim must be a multiple of 16.
+// without a slot (a graph bucket's padding) writes q only. A qkv bias (Qwen2), where given, is
+// added to each rounded value and the sum rounded again, as bias_add_bf16 does to the stored
+// rows. The qkv rows are never stored: bit for bit the unfused qkv product (+ bias_add_bf16) +
+// rope_qkv_write_kv. head_dim must be a multiple of 16.
 
 __device__ __forceinline__ uint4 gemv_ld_stream(const uint4* p) {
     uint4 v;
@@ -133,6 +135,7 @@ struct RopeAct {
     const int* positions;
     const long long* slots;
     const double* inv_freq;
+    const bf16_t* bias;  // the qkv bias, one per weight row, or null
     int n_heads, n_kv_heads, head_dim;
     float cs_scale, k_scale, v_scale;
     // CTAs of the q and k rows (pairs); the v rows' CTAs follow.
@@ -452,8 +455,12 @@ __device__ __forceinline__ void gemv_epilogue_rope(const float (*red)[NT * 4][32
         mm += m0;
         if (mm >= m) continue;
         const long long slot = r.slots[mm];
-        const bf16_t ab = f2bf(a * scale((int)gemv_act_row(r, cta, g, n))),
-                     bb = f2bf(b * scale((int)gemv_act_row(r, cta, g + 8, n)));
+        const int row_a = (int)gemv_act_row(r, cta, g, n), row_b = (int)gemv_act_row(r, cta, g + 8, n);
+        bf16_t ab = f2bf(a * scale(row_a)), bb = f2bf(b * scale(row_b));
+        if (r.bias) {
+            ab = f2bf(bf2f(ab) + bf2f(r.bias[row_a]));
+            bb = f2bf(bf2f(bb) + bf2f(r.bias[row_b]));
+        }
         if (!pairs) {
             // v rows cta * 16 + g and + 8, as a v row index (v rows follow the q and k rows).
             if (slot < 0) continue;
@@ -627,10 +634,10 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         const float* __restrict__ res, const float* __restrict__ stats, int parts, const bf16_t* __restrict__ nw, \
         float eps, const bf16_t* __restrict__ w, bf16_t* __restrict__ q_out, C* __restrict__ k_cache,          \
         C* __restrict__ v_cache, const int* __restrict__ positions, const long long* __restrict__ slots,       \
-        const double* __restrict__ inv_freq, int n_heads, int n_kv_heads, int head_dim, float cs_scale,       \
-        float k_scale, float v_scale, int m, int n, int k, int pf) {                                           \
+        const double* __restrict__ inv_freq, const bf16_t* __restrict__ bias, int n_heads, int n_kv_heads,   \
+        int head_dim, float cs_scale, float k_scale, float v_scale, int m, int n, int k, int pf) {             \
         const GemvXNorm<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, GEMV_T);           \
-        const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, n_heads,                           \
+        const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, bias, n_heads,                     \
                              n_kv_heads, head_dim, cs_scale, k_scale, v_scale};                                \
         gemv_body<MAXM / 8, NW, U, bf16_t, RopeAct<C>>(xin, w, q_out, nullptr, m, n, k, pf, act);             \
     }

@@ -6,6 +6,7 @@
 //!   writes and the other does not, or a stray write, differs;
 //! - that the comparison is not vacuous: every real row's slot was written (no NaN left in it)
 //!   and q holds no NaN;
+//! - with and without a qkv bias (Qwen2's: added to the rounded product before the rotation);
 //! - bf16 and FP8 (E4M3, scales not 1) caches; head_dim 64, 128 and 256; GQA; decode rows at
 //!   positions up to 10⁵ in shuffled blocks, followed by padding rows (slot −1: q only); an
 //!   attention factor ≠ 1 (YaRN's); every variant, for 1 to 16 rows;
@@ -22,9 +23,9 @@ mod common;
 
 use baton_kernels::cpu::{Fp8Matrix, RopeScalingKind, RopeTable};
 use baton_kernels::cuda::{
-    CudaDevice, CudaSlice, Fp8GemvCall, Fp8RopeGemvCall, Fp8Weights, GEMV_FP8_VARIANTS, GEMV_VARIANTS, HostSeq,
-    KvGeometry, NormInput, NormLinearCall, NormLinearOut, NormRopeCall, RopeCache, RopeExtras, RopeInput, RopeKvCall,
-    RopeKvFp8Call, RopeOut, StepMeta, bf16, norm_stat_parts,
+    BiasAddCall, CudaDevice, CudaSlice, Fp8GemvCall, Fp8RopeGemvCall, Fp8Weights, GEMV_FP8_VARIANTS, GEMV_VARIANTS,
+    HostSeq, KvGeometry, NormInput, NormLinearCall, NormLinearOut, NormRopeCall, RopeCache, RopeExtras, RopeInput,
+    RopeKvCall, RopeKvFp8Call, RopeOut, StepMeta, bf16, norm_stat_parts,
 };
 use common::{device, rand_vec, rng, up};
 use rand::{Rng, rngs::StdRng};
@@ -44,6 +45,8 @@ struct Case {
     k: usize,
     real: usize,
     pad: usize,
+    /// Whether the projection has a bias (Qwen2's qkv bias).
+    bias: bool,
 }
 
 /// Which cache the case writes.
@@ -68,6 +71,8 @@ struct Inputs {
     /// same codes with 64 × 64 block scales (where k is a multiple of 16).
     x: CudaSlice<bf16>,
     w8: Vec<Fp8Weights>,
+    /// A bias for the projection's rows (used where the case has one).
+    bias: CudaSlice<bf16>,
 }
 
 fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
@@ -126,6 +131,7 @@ fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
         slots,
         x: up(dev, &rand_vec(r, m * c.k, 1.0)),
         w8,
+        bias: up(dev, &rand_vec(r, n, 0.5)),
     }
 }
 
@@ -183,7 +189,8 @@ impl Inputs {
         attention_factor: Option<f32>,
         geo: KvGeometry,
     ) -> RopeOut<'a> {
-        RopeOut { n_heads: c.nh, q_out, cache, meta: &self.meta, inv_freq: &self.inv, attention_factor, geo }
+        let bias = c.bias.then_some(&self.bias);
+        RopeOut { n_heads: c.nh, q_out, cache, meta: &self.meta, inv_freq: &self.inv, bias, attention_factor, geo }
     }
 }
 
@@ -237,6 +244,9 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, cache: Cache, varia
             }
         }
         .expect("the product");
+        if c.bias {
+            BiasAddCall { x: &mut qkv, bias: &x.bias, rows: m, n }.launch(dev).expect("bias_add");
+        }
         let input = RopeInput::Fused { qkv: &qkv, q_out: &mut q };
         let extras = RopeExtras { attention_factor: factor, ..Default::default() };
         let (meta, inv, geo, nh) = (&x.meta, &x.inv, x.geo, c.nh);
@@ -281,8 +291,8 @@ fn assert_routes_agree(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, varia
     for cache in [Cache::Bf16, Cache::Fp8] {
         for variant in 0..variants {
             let what = format!(
-                "{p:?} hd={} heads={}/{} m={m} ({} padding) {cache:?} variant {variant}",
-                c.hd, c.nh, c.nkv, c.pad
+                "{p:?} hd={} heads={}/{} m={m} ({} padding) bias {} {cache:?} variant {variant}",
+                c.hd, c.nh, c.nkv, c.pad, c.bias
             );
             let want = route(dev, c, x, p, cache, variant, false);
             let got = route(dev, c, x, p, cache, variant, true);
@@ -312,11 +322,13 @@ fn gpu_norm_rope_equals_norm_linear_then_rope() {
     let dev = device();
     let mut r = rng("norm_rope");
     let cases = [
-        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0 },
-        Case { hd: 128, nh: 8, nkv: 2, k: 520, real: 6, pad: 2 },
-        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3 },
-        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0 },
-        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3 },
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0, bias: false },
+        Case { hd: 128, nh: 8, nkv: 2, k: 520, real: 6, pad: 2, bias: false },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3, bias: false },
+        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0, bias: false },
+        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3, bias: false },
+        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3, bias: true },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 1, pad: 0, bias: true },
     ];
     for c in &cases {
         let x = inputs(&dev, &mut r, c);
@@ -329,11 +341,13 @@ fn gpu_fp8_rope_gemv_equals_fp8_gemv_then_rope() {
     let dev = device();
     let mut r = rng("fp8_rope_gemv");
     let cases = [
-        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0 },
-        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3 },
-        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0 },
-        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3 },
-        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 40, pad: 8 },
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 1, pad: 0, bias: false },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3, bias: false },
+        Case { hd: 256, nh: 4, nkv: 1, k: 384, real: 16, pad: 0, bias: false },
+        Case { hd: 128, nh: 16, nkv: 4, k: 1024, real: 13, pad: 3, bias: false },
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 40, pad: 8, bias: false },
+        Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 40, pad: 8, bias: true },
+        Case { hd: 64, nh: 6, nkv: 3, k: 256, real: 9, pad: 3, bias: true },
     ];
     for c in &cases {
         let x = inputs(&dev, &mut r, c);
@@ -361,7 +375,7 @@ fn gpu_fp8_rope_gemv_equals_fp8_gemv_then_rope() {
 fn gpu_norm_rope_refuses_bad_calls() {
     let dev = device();
     let mut r = rng("norm_rope refusals");
-    let c = Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 3, pad: 1 };
+    let c = Case { hd: 128, nh: 8, nkv: 2, k: 512, real: 3, pad: 1, bias: false };
     let x = inputs(&dev, &mut r, &c);
     let m = c.real + c.pad;
     let len = x.geo.layer_len();

@@ -434,6 +434,7 @@ fn every_model_config_under_configs_loads_as_dummy_weights() {
             let vocab = match name {
                 n if n.starts_with("llama-3") => 128_256,
                 n if n.starts_with("qwen3-") => 151_936,
+                n if n.starts_with("qwen2.5-") => 152_064,
                 n if n.starts_with("gemma-3-") => 262_208,
                 other => panic!("{other}: which model's vocabulary does this shape use?"),
             };

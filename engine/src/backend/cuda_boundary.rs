@@ -84,6 +84,8 @@ impl CudaBackend {
             NormLinearOut::Plain { n } => n,
             NormLinearOut::GatedSilu { d } => d,
         };
+        // The bias left for its own kernel: none where the RoPE epilogue adds it.
+        let bias_after = s.next_bias.filter(|_| epilogue_rope.is_none());
         if let Some(b) = s.next_bias.filter(|b| b.len != cols) {
             return Err(kerr("branch_boundary", format!("bias has {} values for {cols} outputs", b.len)));
         }
@@ -124,14 +126,14 @@ impl CudaBackend {
         self.norm_stats = Some(stats);
         launched?;
         // (No bias and no rope left when the epilogue took the RoPE.)
-        if let Some(b) = s.next_bias {
+        if let Some(b) = bias_after {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         rope.map_or(Ok(()), |r| rope_after(self, r, out))
     }
 
     /// Whether the qkv product of a fused boundary also takes `r`'s RoPE and KV write in its
-    /// epilogue ([`NormRopeCall`]): the switch on, no qkv bias, the full rotation and no q/k norm
+    /// epilogue ([`NormRopeCall`]): the switch on, a qkv bias (if any) of the projection's rows, the full rotation and no q/k norm
     /// (a [`BoundaryRope`] never carries one), a head the kernel takes, the projection exactly
     /// `[q; k; v]` of the cache's heads, and no FP8 scale calibration pending for the layer
     /// (that pass reads the rotated rows first). Builds the step's metadata.
@@ -140,7 +142,7 @@ impl CudaBackend {
         s: &BranchBoundary<'_, Self>,
         r: &BoundaryRope<'_, Self>,
     ) -> Result<bool, BackendError> {
-        if !self.fuse_rope || s.next_bias.is_some() || r.batch.tokens.len() != s.m {
+        if !self.fuse_rope || s.next_bias.is_some_and(|b| b.len != s.next.rows) || r.batch.tokens.len() != s.m {
             return Ok(false);
         }
         let geo = self.geo()?;
@@ -168,15 +170,19 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let input = NormInput { residual: &residual.data, stats, norm: &s.norm.data, eps: s.eps };
         let (m, k, w) = (s.m, s.w.rows, &s.next.data);
-        self.launch_rope_epilogue(r, m, |dev, rope| NormRopeCall { input, m, k, w, rope, variant: None }.launch(dev))
+        self.launch_rope_epilogue(r, m, s.next_bias, |dev, rope| {
+            NormRopeCall { input, m, k, w, rope, variant: None }.launch(dev)
+        })
     }
 
     /// Where `r`'s RoPE epilogue writes for `m` rows ([`RopeOut`]: `r.q`, sized here, and layer
-    /// `r.layer`'s cache, bf16 or FP8 with the layer's scales), handed to `launch` with the device.
+    /// `r.layer`'s cache, bf16 or FP8 with the layer's scales), with the qkv `bias` it adds,
+    /// handed to `launch` with the device.
     fn launch_rope_epilogue(
         &mut self,
         r: BoundaryRope<'_, Self>,
         m: usize,
+        bias: Option<&CudaBuf>,
         launch: impl FnOnce(&baton_kernels::cuda::CudaDevice, RopeOut<'_>) -> Result<(), CudaError>,
     ) -> Result<(), BackendError> {
         let geo = self.geo()?;
@@ -200,6 +206,7 @@ impl CudaBackend {
             cache,
             meta: &self.meta,
             inv_freq,
+            bias: bias.map(|b| &b.data),
             attention_factor: self.rope_attention_factor,
             geo,
         };
@@ -240,7 +247,9 @@ impl CudaBackend {
         self.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
         record_mark(&self.dev, &mut self.profile, s.labels.1);
         let (x, m, w) = (&scratch.hidden.data, s.m, &f.w);
-        self.launch_rope_epilogue(r, m, |dev, rope| Fp8RopeGemvCall { x, m, w, rope, variant: None }.launch(dev))?;
+        self.launch_rope_epilogue(r, m, s.next_bias, |dev, rope| {
+            Fp8RopeGemvCall { x, m, w, rope, variant: None }.launch(dev)
+        })?;
         self.fp8_epilogues[1] += 1;
         Ok(())
     }

@@ -8,8 +8,9 @@
 //!
 //! Invariants: the rotated q, and the k and v written to the cache, are bit for bit what the
 //! two-launch route stores (the same bf16 rounding of the product, the same f64 angle and
-//! rotation formula, the same `kv_put`); the qkv rows themselves are never stored. Only the
-//! plain case is taken: full rotation (no partial rotary), no q/k norm, no qkv bias; `head_dim`
+//! rotation formula, the same `kv_put`, and a qkv bias added as `BiasAddCall` adds it to the
+//! stored rows); the qkv rows themselves are never stored. Only the plain case is taken: full
+//! rotation (no partial rotary), no q/k norm; `head_dim`
 //! a multiple of 16 (a CTA holds 8 rotation pairs of one head). Every check is made before
 //! anything is enqueued.
 
@@ -60,6 +61,9 @@ pub struct RopeOut<'a> {
     pub meta: &'a KvWriteMeta,
     /// `head_dim / 2` inverse frequencies (scaling applied).
     pub inv_freq: &'a CudaSlice<f64>,
+    /// The qkv projection's bias ([`Self::rows`] values, Qwen2's), added to each rounded product
+    /// before the rotation; `None`: no bias.
+    pub bias: Option<&'a CudaSlice<bf16>>,
     /// YaRN's / LongRoPE's attention factor on cos and sin; `None`: 1.
     pub attention_factor: Option<f32>,
     /// The cache's geometry.
@@ -78,6 +82,9 @@ impl RopeOut<'_> {
         let (hd, geo) = (self.geo.head_dim, &self.geo);
         need(op, "q_out", self.q_out, m * self.n_heads * hd)?;
         need(op, "inv_freq", self.inv_freq, hd / 2)?;
+        if let Some(b) = self.bias {
+            need(op, "bias", b, self.rows())?;
+        }
         shape_check(op, norm_rope_supports(hd), || {
             format!("head_dim {hd}: the kernel needs a multiple of 16 up to 256")
         })?;
@@ -103,8 +110,8 @@ impl RopeOut<'_> {
     }
 
     /// The epilogue's arguments after the product's inputs: q_out, the caches, positions, slots,
-    /// inv_freq, the head counts, head_dim, the cos/sin factor and the K and V scales (`scales`
-    /// from [`Self::check`]).
+    /// inv_freq, the bias (a null pointer for none), the head counts, head_dim, the cos/sin
+    /// factor and the K and V scales (`scales` from [`Self::check`]).
     pub(super) fn push<'b>(&'b self, args: Args<'b>, scales: [f32; 2]) -> Result<Args<'b>, CudaError> {
         let args = args.buf(self.q_out);
         let args = match &self.cache {
@@ -112,6 +119,10 @@ impl RopeOut<'_> {
             RopeCache::Fp8 { k, v, .. } => args.buf(*k).buf(*v),
         };
         let args = args.buf(&self.meta.positions).buf(&self.meta.slots).buf(self.inv_freq);
+        let args = match self.bias {
+            Some(b) => args.buf(b),
+            None => args.u64(0),
+        };
         let (nkv, hd) = (self.geo.n_kv_heads, self.geo.head_dim);
         let cs_scale = self.attention_factor.unwrap_or(1.0);
         Ok(args.int(self.n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]))
