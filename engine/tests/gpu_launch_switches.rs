@@ -13,8 +13,9 @@
 //!   replace, so the same bits.
 //! - RoPE and the KV write in the qkv product's epilogue (`set_fused_rope`): the same rotated q
 //!   and the same cache bits as the RoPE kernel after the product, so the same logits; over a
-//!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (the epilogue adds the qkv bias
-//!   too) and Qwen3 (q/k norm: never offered).
+//!   bf16 and an FP8 cache, on Llama (the epilogue runs), Qwen2 (a qkv bias: over bf16 weights
+//!   the bias kernel and the RoPE kernel run, over FP8 weights the epilogue adds the bias) and
+//!   Qwen3 (q/k norm: never offered).
 //! - Over FP8 weights, the skinny FP8 GEMM's epilogues (`set_fused_gate`, `set_fused_rope`): the
 //!   gated activation, and RoPE + the KV write; the same bits as the product + kernel pairs.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in

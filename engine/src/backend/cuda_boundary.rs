@@ -132,8 +132,9 @@ impl CudaBackend {
         rope.map_or(Ok(()), |r| rope_after(self, r, out))
     }
 
-    /// Whether the qkv product of a fused boundary also takes `r`'s RoPE and KV write in its
-    /// epilogue ([`NormRopeCall`]): the switch on, a qkv bias (if any) of the projection's rows, the full rotation and no q/k norm
+    /// Whether the qkv product of a boundary also takes `r`'s RoPE and KV write in its epilogue
+    /// ([`NormRopeCall`], [`Fp8RopeGemvCall`]): the switch on, no qkv bias (over FP8 weights, a
+    /// bias of the projection's rows), the full rotation and no q/k norm
     /// (a [`BoundaryRope`] never carries one), a head the kernel takes, the projection exactly
     /// `[q; k; v]` of the cache's heads, and no FP8 scale calibration pending for the layer
     /// (that pass reads the rotated rows first). Builds the step's metadata.
@@ -142,7 +143,15 @@ impl CudaBackend {
         s: &BranchBoundary<'_, Self>,
         r: &BoundaryRope<'_, Self>,
     ) -> Result<bool, BackendError> {
-        if !self.fuse_rope || s.next_bias.is_some_and(|b| b.len != s.next.rows) || r.batch.tokens.len() != s.m {
+        // A qkv bias (Qwen2) rides in the epilogue over FP8 weights only: over bf16 weights the
+        // epilogue with the bias made Qwen2.5-7B's b = 4-8 steps 1-3 % slower than the product +
+        // bias + RoPE kernels (1.5 % faster at b = 1; H200, bench-cuda-rope-bias-call{D,E}-*),
+        // over FP8 weights 1.4-2 % faster at b = 1 and 8 (call D). Not explained.
+        let bias_rides = match s.next_bias {
+            None => true,
+            Some(b) => s.next.fp8.is_some() && b.len == s.next.rows,
+        };
+        if !self.fuse_rope || !bias_rides || r.batch.tokens.len() != s.m {
             return Ok(false);
         }
         let geo = self.geo()?;
