@@ -106,11 +106,7 @@ pub fn branch_boundary_unfused<B: Backend + ?Sized>(
     out: &mut B::Buf,
 ) -> Result<(), BackendError> {
     check_boundary(&s)?;
-    b.mark(s.labels.0);
-    b.linear(s.x, s.m, s.w, s.bias, scratch.proj)?;
-    b.mark("norm");
-    b.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
-    b.mark(s.labels.1);
+    end_branch_and_norm(b, &s, residual, scratch.proj, scratch.hidden)?;
     match s.gate {
         None => b.linear(scratch.hidden, s.m, s.next, s.next_bias, out)?,
         Some(gate) => b.gated_linear(scratch.hidden, s.m, s.next, gate, scratch.gate_up, out)?,
@@ -119,6 +115,24 @@ pub fn branch_boundary_unfused<B: Backend + ?Sized>(
         Some(r) => rope_after(b, r, out),
         None => Ok(()),
     }
+}
+
+/// The unfused boundary's first two ops, each marked: the ending projection into `proj`, then
+/// the residual add and the norm into `hidden` (what the next projection reads). Also the start
+/// of a backend's route that fuses only the next projection's epilogue.
+pub(crate) fn end_branch_and_norm<B: Backend + ?Sized>(
+    b: &mut B,
+    s: &BranchBoundary<'_, B>,
+    residual: &mut B::Res,
+    proj: &mut B::Buf,
+    hidden: &mut B::Buf,
+) -> Result<(), BackendError> {
+    b.mark(s.labels.0);
+    b.linear(s.x, s.m, s.w, s.bias, proj)?;
+    b.mark("norm");
+    b.add_rms_norm(residual, proj, s.norm, s.eps, hidden)?;
+    b.mark(s.labels.1);
+    Ok(())
 }
 
 /// A [`BoundaryRope`] run as its own op over the stored qkv rows `qkv`.

@@ -150,9 +150,11 @@ pub struct CudaBackend {
     act_codes: Option<ActCodes>,
     /// W8A8 products that took their input's codes that way (see [`CudaBackend::w8a8_handoffs`]).
     handoffs: u64,
-    /// FP8 skinny products launched with the next op in their epilogue, gated and RoPE (see
+    /// FP8 skinny products launched with the gated activation in their epilogue (see
     /// [`CudaBackend::fp8_fused_epilogues`]).
-    fp8_epilogues: [u64; 2],
+    fp8_gated_epilogues: u64,
+    /// FP8 skinny products launched with RoPE + the KV write in their epilogue (the same).
+    fp8_rope_epilogues: u64,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -281,7 +283,8 @@ impl CudaBackend {
             fp8_act: None,
             act_codes: None,
             handoffs: 0,
-            fp8_epilogues: [0; 2],
+            fp8_gated_epilogues: 0,
+            fp8_rope_epilogues: 0,
             w8a8: true,
             dev,
             ordinal: opts.ordinal,

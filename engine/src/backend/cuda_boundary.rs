@@ -24,7 +24,7 @@
 use super::{ActCodes, CudaBackend, CudaBuf, CudaMat, CudaRes, arch_ops, gemv_applies, kerr, record_mark};
 use crate::backend::{
     Backend, BackendError, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct, branch_boundary_unfused,
-    check_boundary, gate_activation, rope_after,
+    check_boundary, end_branch_and_norm, gate_activation, rope_after,
 };
 use baton_kernels::cuda::{
     AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8RopeGemvCall, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M,
@@ -250,16 +250,12 @@ impl CudaBackend {
         let Some(f) = s.next.fp8.as_ref() else {
             return Err(kerr("branch_boundary", "the RoPE epilogue over FP8 weights needs an FP8 qkv matrix".into()));
         };
-        record_mark(&self.dev, &mut self.profile, s.labels.0);
-        self.linear(s.x, s.m, s.w, s.bias, scratch.proj)?;
-        record_mark(&self.dev, &mut self.profile, "norm");
-        self.add_rms_norm(residual, scratch.proj, s.norm, s.eps, scratch.hidden)?;
-        record_mark(&self.dev, &mut self.profile, s.labels.1);
+        end_branch_and_norm(self, &s, residual, scratch.proj, scratch.hidden)?;
         let (x, m, w) = (&scratch.hidden.data, s.m, &f.w);
         self.launch_rope_epilogue(r, m, s.next_bias, |dev, rope| {
             Fp8RopeGemvCall { x, m, w, rope, variant: None }.launch(dev)
         })?;
-        self.fp8_epilogues[1] += 1;
+        self.fp8_rope_epilogues += 1;
         Ok(())
     }
 

@@ -44,7 +44,7 @@ impl CudaBackend {
         match &w.fp8 {
             Some(f) => {
                 Fp8GatedGemvCall { x: &x.data, m, w: &f.w, d, act, out, variant: None }.launch(&self.dev)?;
-                self.fp8_epilogues[0] += 1;
+                self.fp8_gated_epilogues += 1;
                 Ok(())
             }
             None => {

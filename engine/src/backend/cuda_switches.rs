@@ -80,7 +80,7 @@ impl CudaBackend {
     /// instead of storing their rows for it: `(gated activation, RoPE + the KV write)`. Counted
     /// at launch on the host, so a replayed graph counts once, when it was captured.
     pub fn fp8_fused_epilogues(&self) -> (u64, u64) {
-        (self.fp8_epilogues[0], self.fp8_epilogues[1])
+        (self.fp8_gated_epilogues, self.fp8_rope_epilogues)
     }
 
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every

@@ -20,7 +20,7 @@ pub mod cpu;
 pub mod cuda;
 
 pub use boundary::{BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused};
-pub(crate) use boundary::{check_boundary, rope_after};
+pub(crate) use boundary::{check_boundary, end_branch_and_norm, rope_after};
 
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
