@@ -111,9 +111,11 @@ fn run() -> Res<()> {
     if all_global {
         cfg.sliding_window = None;
     }
+    // The kernels the server would load for this model, no more.
     let opts = baton_kernels::cuda::CudaOptions {
         ordinal: 0,
         cache_dir: Some(std::env::temp_dir().join("baton-bench-kernels")),
+        needs: baton_engine::backend::cuda::kernel_needs(&cfg),
     };
     let mut backend = CudaBackend::new(&opts)?;
     let gemv = !args.iter().any(|a| a == "--cublas");

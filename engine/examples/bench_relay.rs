@@ -125,7 +125,7 @@ fn nccl_transport(cfg: &baton_formats::ModelConfig, tokens: usize, contiguous: b
     for rank in 0..2usize {
         let (id, barrier, runs) = (id.clone(), barrier.clone(), runs.clone());
         handles.push(std::thread::spawn(move || -> Result<Vec<f64>, String> {
-            let opts = baton_kernels::cuda::CudaOptions { ordinal: rank, cache_dir: None };
+            let opts = baton_kernels::cuda::CudaOptions { ordinal: rank, cache_dir: None, ..Default::default() };
             let mut backend = CudaBackend::new(&opts).map_err(|e| e.to_string())?;
             backend.alloc_kv_cache(shape).map_err(|e| e.to_string())?;
             let stream = backend.new_transfer_stream().map_err(|e| e.to_string())?;

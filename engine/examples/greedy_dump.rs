@@ -74,7 +74,7 @@ fn run(model_dir: &Path, prompts: &[Vec<u32>], steps: usize, top: usize, device:
     let (per_prompt, logits0, dev_name) = match device {
         "cuda" => {
             let cache = std::env::temp_dir().join("baton-greedy-dump-kernels");
-            let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: Some(cache) };
+            let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: Some(cache), ..Default::default() };
             let backend = baton_engine::backend::cuda::CudaBackend::new(&opts)?;
             let name = backend.device().name().to_string();
             let model = ModelRunner::load(&loaded.config, loaded.weights.as_ref(), backend)?;

@@ -150,7 +150,11 @@ pub fn start_engine(
     let (model_box, num_blocks, device_name, kv_dtype): (Box<dyn engine_loop::StepModel>, usize, String, KvDtype) =
         match device {
             DeviceSpec::Cuda(ordinal) => {
-                let opts = baton_kernels::cuda::CudaOptions { ordinal, cache_dir: config.kernel_cache_dir.clone() };
+                let opts = baton_kernels::cuda::CudaOptions {
+                    ordinal,
+                    cache_dir: config.kernel_cache_dir.clone(),
+                    needs: backend::cuda::kernel_needs(cfg),
+                };
                 let mut backend = backend::cuda::CudaBackend::new(&opts)?;
                 backend.set_graphs(!config.enforce_eager);
                 let mut llama = runner::ModelRunner::load(cfg, model.weights.as_ref(), backend)?;

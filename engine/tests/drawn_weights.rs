@@ -68,7 +68,7 @@ fn logits_with<B: Backend>(spec: &TinySpec, q: WeightQuantization, store: &dyn W
 /// tests here open several).
 fn cuda_backend() -> baton_engine::backend::cuda::CudaBackend {
     let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
-    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: Some(cache) };
+    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: Some(cache), ..Default::default() };
     baton_engine::backend::cuda::CudaBackend::new(&opts).expect("a CUDA device")
 }
 

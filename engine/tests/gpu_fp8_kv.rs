@@ -158,7 +158,7 @@ fn gpu_calibrated_kv_scales_match_the_cpu_reference() {
         let m = tiny(&spec);
         let prompt = prompt(5, 40, m.model.config.vocab_size);
         let cpu = calibrated_scales(&m.model, CpuBackend::emulating_bf16(), &prompt);
-        let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
+        let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() };
         let gpu = calibrated_scales(&m.model, CudaBackend::new(&opts).expect("open cuda:0"), &prompt);
         assert_eq!(cpu.len(), gpu.len());
         for (l, (c, g)) in cpu.iter().zip(&gpu).enumerate() {

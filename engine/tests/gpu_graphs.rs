@@ -27,7 +27,7 @@ const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 48;
 
 fn cuda_model(m: &baton_formats::LoadedModel, graphs: bool) -> ModelRunner<CudaBackend> {
-    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
+    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() };
     let mut backend = CudaBackend::new(&opts).expect("open cuda:0");
     backend.set_graphs(graphs);
     let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");

@@ -17,7 +17,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn device() -> CudaDevice {
     let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
-    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
+    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache), ..Default::default() })
         .expect("a CUDA device is required for gpu_* tests")
 }
 

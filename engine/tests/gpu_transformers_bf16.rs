@@ -56,7 +56,7 @@ fn check(name: &str) {
     let bf16 = baton_formats::testing::load_golden_bf16(name).expect("golden_bf16.json");
     let model = load_model(&dir, LoadFormat::Auto).expect("load fixture model");
     assert_eq!(golden.prompts.len(), bf16.prompts.len(), "{name}: prompt lists differ");
-    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None };
+    let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() };
     for (i, p) in bf16.prompts.iter().enumerate() {
         let reference = &p.last_logits;
         // LongRoPE: transformers picks the short factors for a prompt within the original

@@ -52,7 +52,7 @@ fn run() -> Result<(), CudaError> {
     let args: Vec<String> = std::env::args().collect();
     let out_path = args.get(1).cloned().unwrap_or_else(|| "cuda_bench.json".into());
     let commit = args.get(2).cloned().unwrap_or_default();
-    let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None })?;
+    let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() })?;
     let mut r = StdRng::seed_from_u64(0x5eed);
     let mut table = String::new();
     let mut json = Vec::new();

@@ -76,7 +76,7 @@ fn run() -> Result<(), CudaError> {
             })
             .collect()
     });
-    let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None })?;
+    let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() })?;
     let mut r = StdRng::seed_from_u64(0xf8);
     let mut table = String::new();
     let mut json = Vec::new();

@@ -5,16 +5,31 @@
 //! `CudaDevice::open` on a GPU, and prints each module's compile time (the longest one bounds a
 //! cold start on a machine with enough cores).
 //!
-//! Usage: `cuda_compile [ARCH] [OUT_DIR]` (default `sm_90a`, `baton_kernels/`). An `sm_*`
-//! architecture gives CUBINs, a `compute_*` one PTX. To fill a kernel *cache* (what a server
-//! reads), use `baton kernels build --arch ARCH --out DIR`.
+//! Usage: `cuda_compile [ARCH] [OUT_DIR] [--head-dim N [--experts] [--fp8-weights]]` (default
+//! `sm_90a`, `baton_kernels/`, every module). An `sm_*` architecture gives CUBINs, a `compute_*`
+//! one PTX. `--head-dim` compiles only what a model of that head_dim (with experts, with FP8
+//! weights) loads, as its cold start does (`KernelNeeds::model`). To fill a kernel *cache* (what
+//! a server reads), use `baton kernels build --arch ARCH --out DIR`.
 
-use baton_kernels::cuda::{ImageKind, compile_all, missing_kernels};
+use baton_kernels::cuda::{ImageKind, KernelNeeds, compile_needed, missing_kernels};
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let arch = args.get(1).map(String::as_str).unwrap_or("sm_90a");
-    let out = std::path::PathBuf::from(args.get(2).map(String::as_str).unwrap_or("baton_kernels"));
+    let all: Vec<String> = std::env::args().collect();
+    let flag = |f: &str| all.iter().any(|a| a == f);
+    let head_dim = all.iter().position(|a| a == "--head-dim").map(|i| match all.get(i + 1).map(|v| v.parse()) {
+        Some(Ok(hd)) => hd,
+        _ => {
+            eprintln!("--head-dim needs a number");
+            std::process::exit(2);
+        }
+    });
+    let needs = match head_dim {
+        Some(hd) => KernelNeeds::model(hd, flag("--experts"), flag("--fp8-weights")),
+        None => KernelNeeds::all(),
+    };
+    let args: Vec<&String> = all.iter().take_while(|a| !a.starts_with("--")).collect();
+    let arch = args.get(1).map(|s| s.as_str()).unwrap_or("sm_90a");
+    let out = std::path::PathBuf::from(args.get(2).map(|s| s.as_str()).unwrap_or("baton_kernels"));
     let kind = match ImageKind::for_arch(arch) {
         Ok(k) => k,
         Err(e) => {
@@ -23,7 +38,7 @@ fn main() {
         }
     };
     let t0 = std::time::Instant::now();
-    let compiled = match compile_all(arch) {
+    let compiled = match compile_needed(arch, &needs) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

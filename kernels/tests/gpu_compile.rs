@@ -21,12 +21,12 @@ fn gpu_build_cache_compiles_every_module_once_and_repairs_a_bad_entry() {
     println!("sm_90a: {} modules, longest {longest:.0} ms", first.len());
 
     // Everything is cached now; a truncated entry is compiled again and rewritten.
-    let victim = files.iter().find(|p| p.to_string_lossy().contains("gemv_m8-")).expect("gemv_m8 entry");
+    let victim = files.iter().find(|p| p.to_string_lossy().contains("gemv_m8_v0-")).expect("gemv_m8_v0 entry");
     let good = std::fs::read(victim).expect("read");
     std::fs::write(victim, &good[..good.len() / 2]).expect("truncate");
     let second = build_cache("sm_90a", &dir).expect("rebuild");
     for r in &second {
-        assert_eq!(r.from_cache, r.name != "gemv_m8", "{r:?}");
+        assert_eq!(r.from_cache, r.name != "gemv_m8_v0", "{r:?}");
     }
     assert_eq!(std::fs::read(victim).expect("read").len(), good.len(), "the entry was repaired");
 

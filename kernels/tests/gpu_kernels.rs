@@ -654,7 +654,7 @@ fn gpu_step_meta_refuses_bad_tables() {
 fn gpu_kernel_cache_round_trip() {
     let dir = std::env::temp_dir().join(format!("baton-kcache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let opts = CudaOptions { ordinal: 0, cache_dir: Some(dir.clone()) };
+    let opts = CudaOptions { ordinal: 0, cache_dir: Some(dir.clone()), ..Default::default() };
     let first = CudaDevice::open(&opts).expect("open");
     assert!(!first.module_load().1, "an empty cache cannot hit");
     drop(first);
@@ -663,4 +663,32 @@ fn gpu_kernel_cache_round_trip() {
     println!("arch {} cached load {ms:.1} ms", second.arch());
     assert!(hit, "second open must load from the cache");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A device opened for one model (a dense bf16 model of head_dim 128) compiles and loads only
+/// that model's modules, and a kernel of a module it left out fails its launch with an error
+/// naming the module, not a panic.
+#[test]
+fn gpu_device_for_one_model_loads_only_its_modules() {
+    use baton_kernels::cuda::{ClampedSwigluCall, CudaError, KernelNeeds, QuantRows, QuantizeRowsCall};
+    let needs = KernelNeeds::model(128, false, false);
+    let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
+    let dev =
+        CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache), needs: needs.clone() }).expect("open");
+    let loaded: Vec<String> = dev.module_reports().iter().map(|r| r.name.clone()).collect();
+    let wanted: Vec<String> = needs.modules().iter().map(|m| m.name()).collect();
+    assert_eq!(loaded, wanted);
+    let gate_up = dev.upload(&vec![bf16::from_f32(0.5); 2 * 64]).expect("up");
+    let mut out = dev.upload(&vec![bf16::from_f32(f32::NAN); 64]).expect("up");
+    let moe =
+        ClampedSwigluCall { gate_up: &gate_up, rows: 1, d: 64, alpha: 1.702, limit: 7.0, out: &mut out }.launch(&dev);
+    assert!(matches!(&moe, Err(CudaError::NotLoaded { module, .. }) if module == "moe"), "{moe:?}");
+    let (mut codes, mut scales) = (dev.alloc::<u8>(64).expect("alloc"), dev.alloc::<f32>(1).expect("alloc"));
+    let x = QuantRows::Bf16(&gate_up);
+    let fp8 = QuantizeRowsCall { x, m: 1, k: 64, codes: &mut codes, scales: &mut scales, row0: 0 }.launch(&dev);
+    assert!(matches!(&fp8, Err(CudaError::NotLoaded { module, .. }) if module == "fp8"), "{fp8:?}");
+    // The modules it did load run: the same device converts a row.
+    let mut f = dev.upload(&vec![f32::NAN; 128]).expect("up");
+    baton_kernels::cuda::CastCall { src: &gate_up, dst: &mut f, n: 128 }.launch(&dev).expect("bf16_to_f32");
+    assert!(dev.download(&f, 128).expect("download").iter().all(|&v| v == 0.5));
 }

@@ -239,6 +239,13 @@ fn kerr(op: &'static str, message: String) -> BackendError {
     BackendError::Kernel(KernelError { op, message })
 }
 
+/// The kernel modules a device serving `cfg` compiles and loads: attention for its head_dim,
+/// the experts' kernels where it has experts, FP8 weights' kernels where its weights are
+/// FP8 (as stored, or quantized at load), and the modules every model runs.
+pub fn kernel_needs(cfg: &baton_formats::ModelConfig) -> baton_kernels::cuda::KernelNeeds {
+    baton_kernels::cuda::KernelNeeds::model(cfg.head_dim, cfg.moe.is_some(), cfg.quantization.is_some())
+}
+
 impl CudaBackend {
     /// Opens the device in `opts` and compiles (or loads from the cache) the kernels.
     pub fn new(opts: &CudaOptions) -> Result<Self, BackendError> {
@@ -953,6 +960,22 @@ mod tests {
         assert_eq!(linear_kernel(true, TUNED_MAX_M + 1, 4096), LinearKernel::Cublas, "prefill chunks: cuBLAS");
         assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
         assert_eq!(linear_kernel(false, 64, 4096), LinearKernel::Cublas);
+    }
+
+    #[test]
+    fn a_model_loads_the_kernel_modules_it_runs() {
+        use crate::weight_quantization::WeightQuantization;
+        use baton_kernels::cuda::KernelNeeds;
+        let config = |name: &str| {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/models").join(name);
+            baton_formats::ModelConfig::from_hf_file(&path).expect("config")
+        };
+        let mut llama = config("llama-3.1-8b.json");
+        assert_eq!(kernel_needs(&llama), KernelNeeds::model(128, false, false));
+        WeightQuantization::Fp8.apply(&mut llama);
+        assert_eq!(kernel_needs(&llama), KernelNeeds::model(128, false, true), "quantized at load");
+        assert_eq!(kernel_needs(&config("qwen3-30b-a3b.json")), KernelNeeds::model(128, true, false));
+        assert_eq!(kernel_needs(&config("gemma-3-12b.json")), KernelNeeds::model(256, false, false));
     }
 
     #[test]

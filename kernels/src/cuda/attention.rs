@@ -295,8 +295,8 @@ impl AttentionCall<'_> {
             .position(|&d| d == hd)
             .ok_or_else(|| shape_error(OP, format!("head_dim {hd} has no kernel")))?;
         let (variants, funcs) = match self.cache {
-            KvCacheRef::Bf16 { .. } => (&ATTN_VARIANTS[..], &dev.kernels.attention[hd_idx]),
-            KvCacheRef::Fp8 { .. } => (&ATTN_FP8_VARIANTS[..], &dev.kernels.attention_fp8[hd_idx]),
+            KvCacheRef::Bf16 { .. } => (&ATTN_VARIANTS[..], &dev.kernels.attention(hd_idx)?.bf16),
+            KvCacheRef::Fp8 { .. } => (&ATTN_FP8_VARIANTS[..], &dev.kernels.attention(hd_idx)?.fp8),
         };
         let (v, func) = match (variants.get(variant), funcs.get(variant)) {
             (Some(v), Some(f)) => (*v, f),
@@ -389,7 +389,7 @@ impl AttentionCall<'_> {
                 .i32(window);
             let args = push_sinks(args, self.options.sinks);
             // SAFETY: as above: the partials and out of `rows × n_heads` heads.
-            unsafe { args.launch(dev, &dev.kernels.attention_combine[hd_idx], grid) }?;
+            unsafe { args.launch(dev, &dev.kernels.attention(hd_idx)?.combine, grid) }?;
         }
         Ok(())
     }
@@ -423,23 +423,18 @@ impl AttentionCall<'_> {
             return Ok(());
         }
         // The `_opt_` entries compute the options; the plain ones compile them out.
-        let k = &dev.kernels;
         let plain = self.options.is_none();
         if wg {
-            return self.prefill_wg(dev, items);
+            return self.prefill_wg(dev, hd_idx, items);
         }
+        let k = dev.kernels.prefill(hd_idx)?;
         let (table, smem) = match self.cache {
-            KvCacheRef::Bf16 { .. } => {
-                (if plain { &k.prefill } else { &k.prefill_opt }, prefill_smem_bytes(geo.head_dim))
-            }
-            KvCacheRef::Fp8 { .. } => {
-                (if plain { &k.prefill_fp8 } else { &k.prefill_fp8_opt }, prefill_fp8_smem_bytes(geo.head_dim))
-            }
+            KvCacheRef::Bf16 { .. } => (if plain { &k.bf16 } else { &k.bf16_opt }, prefill_smem_bytes(geo.head_dim)),
+            KvCacheRef::Fp8 { .. } => (if plain { &k.fp8 } else { &k.fp8_opt }, prefill_fp8_smem_bytes(geo.head_dim)),
         };
-        let func = table
-            .get(hd_idx)
-            .and_then(|v| v.get(variant))
-            .ok_or_else(|| shape_error(OP, format!("no prefill kernel loaded for head_dim {}", geo.head_dim)))?;
+        let func = table.get(variant).ok_or_else(|| {
+            shape_error(OP, format!("no prefill kernel variant {variant} for head_dim {}", geo.head_dim))
+        })?;
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
             block_dim: (32 * warps as u32, 1, 1),
@@ -475,13 +470,19 @@ impl AttentionCall<'_> {
         Ok(if self.cache.is_fp8() { args.f32(v_scale) } else { args })
     }
 
-    /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles);
-    /// the caller checked the device, the shape and the arguments.
-    fn prefill_wg(&self, dev: &CudaDevice, items: usize) -> Result<(), CudaError> {
+    /// The warpgroup-MMA prefill kernel over the step's prefill chunks (`items` query tiles),
+    /// `hd_idx` the head_dim's index in `PREFILL_HEAD_DIMS`; the caller checked the device, the shape and the arguments.
+    fn prefill_wg(&self, dev: &CudaDevice, hd_idx: usize, items: usize) -> Result<(), CudaError> {
         const OP: &str = "prefill_attention_wg";
         let geo = self.geo;
         let fp8 = self.cache.is_fp8();
-        let func = if fp8 { &dev.kernels.prefill_wg_fp8 } else { &dev.kernels.prefill_wg };
+        let [bf16, fp8_func] = dev
+            .kernels
+            .prefill(hd_idx)?
+            .wg
+            .as_ref()
+            .ok_or_else(|| shape_error(OP, format!("head_dim {} has no warpgroup prefill kernel", geo.head_dim)))?;
+        let func = if fp8 { fp8_func } else { bf16 };
         let grid = LaunchConfig {
             grid_dim: (geo.n_kv_heads as u32, items as u32, 1),
             // One warpgroup.

@@ -18,7 +18,8 @@
 //! carry can bring compiled kernels along.
 
 use super::CudaError;
-use super::gemv::GEMV_MAX_MS;
+use super::fp8_linear::GEMV_FP8_VARIANTS;
+use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
 use super::paged_attention::ATTN_HEAD_DIMS;
 use super::prefill::PREFILL_HEAD_DIMS;
 use cudarc::driver::{CudaContext, CudaModule};
@@ -33,15 +34,24 @@ const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
 /// A family of kernel sources: one `.cu` file or a few small ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
-    /// Row-wise and element-wise kernels, RoPE + KV write, the MoE kernels, and the utility kernels.
+    /// Row-wise and element-wise kernels, RoPE + KV write, and the utility kernels: every
+    /// model's.
     Elementwise,
+    /// The mixture-of-experts kernels (routing, permutation, the grouped expert products):
+    /// models with experts only.
+    Moe,
+    /// Decode attention with a window, soft-cap or sinks, any head_dim up to 256.
+    AttentionExt,
+    /// FP8 weights' dequantization and the per-row E4M3 quantization (fp8_linear.cu).
+    Fp8,
     /// Sampling on the device, and prompt logprobs.
     Sampling,
-    /// The skinny GEMM over bf16 weights, cut by rows of x (the `GEMV_VARIANTS(MAXM)` instances).
+    /// The skinny GEMM over bf16 weights, cut by rows of x and variant (the `GEMV_INSTANCE`
+    /// lines).
     Gemv,
-    /// The skinny GEMM over FP8 weights, cut by rows of x (the `GEMV_FP8_VARIANTS(MAXM)`
-    /// instances), after gemv.cu's loads, mma and epilogues without gemv.cu's instances: its own
-    /// modules, so that they compile beside the bf16 ones (a cold start waits for the longest).
+    /// The skinny GEMM over FP8 weights, cut by rows of x and variant (the `GEMV_FP8_INSTANCE`
+    /// lines), after gemv.cu's loads, mma and epilogues without gemv.cu's instances: modules of
+    /// their own, so that they compile beside the bf16 ones (a cold start waits for the longest).
     GemvFp8,
     /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
     /// `ATT_TC_FP8_VARIANTS(HD)`).
@@ -57,14 +67,16 @@ impl Family {
             Self::Elementwise => &[
                 include_str!("../../cuda/elementwise.cu"),
                 include_str!("../../cuda/rope_kv.cu"),
+                include_str!("../../cuda/util.cu"),
+            ],
+            Self::Moe => &[
                 include_str!("../../cuda/moe.cu"),
                 include_str!("../../cuda/moe_skinny.cu"),
                 include_str!("../../cuda/moe_router.cu"),
                 include_str!("../../cuda/moe_gemm.cu"),
-                include_str!("../../cuda/attention_ext.cu"),
-                include_str!("../../cuda/util.cu"),
-                include_str!("../../cuda/fp8_linear.cu"),
             ],
+            Self::AttentionExt => &[include_str!("../../cuda/attention_ext.cu")],
+            Self::Fp8 => &[include_str!("../../cuda/fp8_linear.cu")],
             Self::Sampling => &[include_str!("../../cuda/sampling.cu"), include_str!("../../cuda/prompt_logprobs.cu")],
             Self::Gemv => &[include_str!("../../cuda/gemv.cu")],
             Self::GemvFp8 => &[include_str!("../../cuda/gemv.cu"), include_str!("../../cuda/gemv_fp8.cu")],
@@ -81,9 +93,9 @@ impl Family {
     /// the parameter a module keeps one value of; empty for families compiled whole.
     fn instance_macros(self) -> &'static [&'static str] {
         match self {
-            Self::Elementwise | Self::Sampling => &[],
-            Self::Gemv => &["GEMV_VARIANTS"],
-            Self::GemvFp8 => &["GEMV_FP8_VARIANTS"],
+            Self::Elementwise | Self::Moe | Self::AttentionExt | Self::Fp8 | Self::Sampling => &[],
+            Self::Gemv => &["GEMV_INSTANCE"],
+            Self::GemvFp8 => &["GEMV_FP8_INSTANCE"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS", "ATT_ST_VARIANTS"],
             Self::Prefill => &["PF_INSTANCE", "PF_WG_INSTANCE"],
         }
@@ -92,7 +104,7 @@ impl Family {
     /// Instance macros of another family's file that this family's modules leave out whole.
     fn dropped_macros(self) -> &'static [&'static str] {
         match self {
-            Self::GemvFp8 => &["GEMV_VARIANTS"],
+            Self::GemvFp8 => &["GEMV_INSTANCE"],
             _ => &[],
         }
     }
@@ -100,6 +112,9 @@ impl Family {
     fn label(self) -> &'static str {
         match self {
             Self::Elementwise => "elementwise",
+            Self::Moe => "moe",
+            Self::AttentionExt => "attention_ext",
+            Self::Fp8 => "fp8",
             Self::Sampling => "sampling",
             Self::Gemv => "gemv_m",
             Self::GemvFp8 => "gemv_fp8_m",
@@ -109,44 +124,56 @@ impl Family {
     }
 }
 
-/// One translation unit: a family, and for a cut family the one parameter value it
-/// instantiates (head_dim, rows of x).
+/// One translation unit: a family, for a cut family the one parameter value it instantiates
+/// (head_dim, rows of x), and for a family cut by variant too (the skinny GEMMs) the one
+/// instance line of that part it keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Module {
     /// The sources.
     pub family: Family,
     /// The instantiation parameter this module keeps (`None`: the family is compiled whole).
     pub part: Option<usize>,
+    /// Which of the part's top-level instance lines it keeps, counted in file order (`None`:
+    /// all of them).
+    pub variant: Option<usize>,
 }
 
 impl Module {
     /// A whole family.
     pub const fn whole(family: Family) -> Self {
-        Self { family, part: None }
+        Self { family, part: None, variant: None }
     }
 
     /// One part of a cut family.
     pub const fn part(family: Family, part: usize) -> Self {
-        Self { family, part: Some(part) }
+        Self { family, part: Some(part), variant: None }
     }
 
-    /// A short name: `elementwise`, `attention_hd128`, `gemv_m8`...
+    /// One instance line, the `variant`-th of `part`'s, of a family cut by variant.
+    pub const fn variant(family: Family, part: usize, variant: usize) -> Self {
+        Self { family, part: Some(part), variant: Some(variant) }
+    }
+
+    /// A short name: `elementwise`, `attention_hd128`, `gemv_m8_v1`...
     pub fn name(&self) -> String {
-        match self.part {
-            Some(p) => format!("{}{p}", self.family.label()),
-            None => self.family.label().to_string(),
+        match (self.part, self.variant) {
+            (Some(p), Some(v)) => format!("{}{p}_v{v}", self.family.label()),
+            (Some(p), None) => format!("{}{p}", self.family.label()),
+            _ => self.family.label().to_string(),
         }
     }
 
-    /// The module's source: the prelude, then the family's files with only this part's
-    /// top-level instance lines.
+    /// The module's source: the prelude, then the family's files with only this part's (and
+    /// variant's) top-level instance lines.
     pub fn source(&self) -> String {
         let mut out = String::with_capacity(64 << 10);
         out.push_str(PRELUDE);
+        // This part's instance lines so far (the variant index of the next one).
+        let mut seen = 0usize;
         for file in self.family.files() {
             out.push('\n');
             for line in file.lines() {
-                if self.keeps(line) {
+                if self.keeps(line, &mut seen) {
                     out.push_str(line);
                     out.push('\n');
                 }
@@ -156,14 +183,19 @@ impl Module {
     }
 
     /// Whether `line` stays in this module's source: every line except the top-level
-    /// instances of another part, and those of the macros the family drops.
-    fn keeps(&self, line: &str) -> bool {
+    /// instances of another part or variant, and those of the macros the family drops.
+    fn keeps(&self, line: &str, seen: &mut usize) -> bool {
         if instance_param(line, self.family.dropped_macros()).is_some() {
             return false;
         }
         let Some(part) = self.part else { return true };
         match instance_param(line, self.family.instance_macros()) {
-            Some(p) => p == part,
+            Some(p) if p == part => {
+                let index = *seen;
+                *seen += 1;
+                self.variant.is_none_or(|v| v == index)
+            }
+            Some(_) => false,
             None => true,
         }
     }
@@ -182,12 +214,74 @@ fn instance_param(line: &str, macros: &[&str]) -> Option<usize> {
 
 /// Every module, in load order.
 pub fn modules() -> Vec<Module> {
-    let mut v = vec![Module::whole(Family::Elementwise), Module::whole(Family::Sampling)];
-    v.extend(GEMV_MAX_MS.iter().map(|&m| Module::part(Family::Gemv, m)));
-    v.extend(GEMV_MAX_MS.iter().map(|&m| Module::part(Family::GemvFp8, m)));
+    let mut v = vec![
+        Module::whole(Family::Elementwise),
+        Module::whole(Family::Moe),
+        Module::whole(Family::AttentionExt),
+        Module::whole(Family::Fp8),
+        Module::whole(Family::Sampling),
+    ];
+    for (family, variants) in [(Family::Gemv, GEMV_VARIANTS.len()), (Family::GemvFp8, GEMV_FP8_VARIANTS.len())] {
+        v.extend(GEMV_MAX_MS.iter().flat_map(|&m| (0..variants).map(move |i| Module::variant(family, m, i))));
+    }
     v.extend(ATTN_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Attention, hd)));
     v.extend(PREFILL_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Prefill, hd)));
     v
+}
+
+/// Which kernel modules a device compiles and loads: every one (the default, for tests and
+/// benchmarks that run any shape), or what one model runs. Every model gets the element-wise,
+/// extended-attention, sampling and bf16 skinny-GEMM modules; the others are the large ones a
+/// model may not touch: the experts' kernels, FP8 weights' kernels, and decode and prefill
+/// attention per head_dim. A cold start compiles only what it loads, so it waits for less CPU
+/// work (and a kernel of a module left out fails its launch with [`CudaError::NotLoaded`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelNeeds {
+    /// The head_dims whose decode and prefill attention modules load; `None` for every one.
+    /// (A head_dim without modules runs the extended attention, which is always loaded.)
+    pub head_dims: Option<Vec<usize>>,
+    /// The mixture-of-experts kernels.
+    pub experts: bool,
+    /// The FP8 weights' kernels: dequantization, quantization, the FP8 skinny GEMM.
+    pub fp8_weights: bool,
+}
+
+impl Default for KernelNeeds {
+    fn default() -> Self {
+        Self::all()
+    }
+}
+
+impl KernelNeeds {
+    /// Every module.
+    pub fn all() -> Self {
+        Self { head_dims: None, experts: true, fp8_weights: true }
+    }
+
+    /// What a model with one `head_dim` runs, with or without experts and FP8 weights.
+    pub fn model(head_dim: usize, experts: bool, fp8_weights: bool) -> Self {
+        Self { head_dims: Some(vec![head_dim]), experts, fp8_weights }
+    }
+
+    /// Whether `module` loads.
+    pub fn loads(&self, module: &Module) -> bool {
+        let head_dim = |m: &Module| match (&self.head_dims, m.part) {
+            (None, _) => true,
+            (Some(dims), Some(hd)) => dims.contains(&hd),
+            (Some(_), None) => false,
+        };
+        match module.family {
+            Family::Elementwise | Family::AttentionExt | Family::Sampling | Family::Gemv => true,
+            Family::Moe => self.experts,
+            Family::Fp8 | Family::GemvFp8 => self.fp8_weights,
+            Family::Attention | Family::Prefill => head_dim(module),
+        }
+    }
+
+    /// The modules that load, in [`modules`]' order.
+    pub fn modules(&self) -> Vec<Module> {
+        modules().into_iter().filter(|m| self.loads(m)).collect()
+    }
 }
 
 /// NVRTC flags besides the architecture. Precise division and square root stay on; the
@@ -381,8 +475,14 @@ pub struct Compiled {
 
 /// Compiles every module for `arch` in parallel (no GPU needed).
 pub fn compile_all(arch: &str) -> Result<Vec<Compiled>, CudaError> {
+    compile_needed(arch, &KernelNeeds::all())
+}
+
+/// Compiles the modules `needs` loads for `arch` in parallel (no GPU needed): what a cold
+/// start compiles.
+pub fn compile_needed(arch: &str, needs: &KernelNeeds) -> Result<Vec<Compiled>, CudaError> {
     nvrtc_present()?;
-    let wanted: Vec<(Module, String)> = modules().into_iter().map(|m| (m, m.source())).collect();
+    let wanted: Vec<(Module, String)> = needs.modules().into_iter().map(|m| (m, m.source())).collect();
     let images = compile_parallel(&wanted, arch);
     wanted
         .into_iter()
@@ -428,9 +528,9 @@ struct Lookup {
     read_ms: f64,
 }
 
-fn look_up(arch: &str, kind: ImageKind, cache_dir: Option<&Path>) -> Vec<Lookup> {
+fn look_up(wanted: Vec<Module>, arch: &str, kind: ImageKind, cache_dir: Option<&Path>) -> Vec<Lookup> {
     let nvrtc = nvrtc_version();
-    modules()
+    wanted
         .into_iter()
         .map(|module| {
             let src = module.source();
@@ -490,7 +590,7 @@ pub fn build_cache(arch: &str, dir: &Path) -> Result<Vec<ModuleReport>, CudaErro
     let kind = ImageKind::for_arch(arch)?;
     nvrtc_present()?;
     std::fs::create_dir_all(dir).map_err(|e| CudaError::Cache { path: dir.to_path_buf(), message: e.to_string() })?;
-    let resolved = resolve(look_up(arch, kind, Some(dir)), arch, kind, Some(dir))?;
+    let resolved = resolve(look_up(modules(), arch, kind, Some(dir)), arch, kind, Some(dir))?;
     let mut reports = Vec::with_capacity(resolved.len());
     for Resolved { module, image: img, from_cache, ms, key } in resolved {
         let path = cache_file(dir, &module, key, kind);
@@ -506,17 +606,18 @@ pub fn build_cache(arch: &str, dir: &Path) -> Result<Vec<ModuleReport>, CudaErro
     Ok(reports)
 }
 
-/// Loads every module for `arch` into `ctx`, each from `cache_dir` when it holds this exact
-/// build, the rest compiled in parallel (and cached). Returns the modules in [`modules`]'
-/// order and a report per module.
+/// Loads the modules `needs` names for `arch` into `ctx`, each from `cache_dir` when it holds
+/// this exact build, the rest compiled in parallel (and cached). Returns the modules in
+/// [`KernelNeeds::modules`]' order, each with a report.
 pub(crate) fn load_modules(
     ctx: &Arc<CudaContext>,
     arch: &str,
     cache_dir: Option<&Path>,
-) -> Result<(Vec<Arc<CudaModule>>, Vec<ModuleReport>), CudaError> {
+    needs: &KernelNeeds,
+) -> Result<(Vec<(Module, Arc<CudaModule>)>, Vec<ModuleReport>), CudaError> {
     nvrtc_present()?;
     let kind = ImageKind::for_arch(arch)?;
-    let resolved = resolve(look_up(arch, kind, cache_dir), arch, kind, cache_dir)?;
+    let resolved = resolve(look_up(needs.modules(), arch, kind, cache_dir), arch, kind, cache_dir)?;
     let mut loaded = Vec::with_capacity(resolved.len());
     let mut reports = Vec::with_capacity(resolved.len());
     for Resolved { module, image: img, from_cache, ms, key } in resolved {
@@ -536,7 +637,7 @@ pub(crate) fn load_modules(
             }
             Err(e) => return Err(e.into()),
         };
-        loaded.push(m);
+        loaded.push((module, m));
         reports.push(ModuleReport {
             name: module.name(),
             from_cache,
@@ -613,9 +714,10 @@ mod tests {
         assert_eq!(instance_param("ATT_VARIANTS(128)", att), Some(128));
         assert_eq!(instance_param("ATT_TC_VARIANTS(16)", att), Some(16));
         assert_eq!(instance_param("PF_INSTANCE(64, 8)", Family::Prefill.instance_macros()), Some(64));
-        assert_eq!(instance_param("GEMV_VARIANTS(16)", Family::Gemv.instance_macros()), Some(16));
-        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::GemvFp8.instance_macros()), Some(8));
-        assert_eq!(instance_param("GEMV_FP8_VARIANTS(8)", Family::Gemv.instance_macros()), None);
+        assert_eq!(instance_param("GEMV_INSTANCE(16, 4, 8)", Family::Gemv.instance_macros()), Some(16));
+        assert_eq!(instance_param("GEMV_FP8_INSTANCE(8, 8, 2)", Family::GemvFp8.instance_macros()), Some(8));
+        assert_eq!(instance_param("GEMV_FP8_INSTANCE(8, 8, 2)", Family::Gemv.instance_macros()), None);
+        assert_eq!(instance_param("#define GEMV_INSTANCE(MAXM, NW, U) \\", Family::Gemv.instance_macros()), None);
         // Definitions and indented uses inside a macro stay in every module.
         assert_eq!(instance_param("#define ATT_VARIANTS(HD)       \\", att), None);
         assert_eq!(instance_param("    ATT_INSTANCE(HD, 4, 4, 4, 0)  \\", att), None);
@@ -627,14 +729,33 @@ mod tests {
         for (family, parts, mac) in [
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_VARIANTS"),
             (Family::Attention, ATTN_HEAD_DIMS.to_vec(), "ATT_TC_VARIANTS"),
-            (Family::Gemv, GEMV_MAX_MS.to_vec(), "GEMV_VARIANTS"),
-            (Family::GemvFp8, GEMV_MAX_MS.to_vec(), "GEMV_FP8_VARIANTS"),
         ] {
             for &p in &parts {
                 let src = Module::part(family, p).source();
                 for &q in &parts {
                     let line = format!("\n{mac}({q})\n");
                     assert_eq!(src.contains(&line), p == q, "{mac}({q}) in the {p} module of {family:?}");
+                }
+            }
+        }
+        // The skinny GEMMs: one instance line a module, the variant-th of its rows of x.
+        for (family, mac, variants) in [
+            (Family::Gemv, "GEMV_INSTANCE(", GEMV_VARIANTS.len()),
+            (Family::GemvFp8, "GEMV_FP8_INSTANCE(", GEMV_FP8_VARIANTS.len()),
+        ] {
+            let all: Vec<String> = Family::files(family)
+                .iter()
+                .flat_map(|f| f.lines())
+                .filter(|l| l.starts_with(mac))
+                .map(str::to_string)
+                .collect();
+            assert_eq!(all.len(), GEMV_MAX_MS.len() * variants, "{family:?}");
+            for (pi, &p) in GEMV_MAX_MS.iter().enumerate() {
+                for v in 0..variants {
+                    let src = Module::variant(family, p, v).source();
+                    let kept: Vec<&str> = src.lines().filter(|l| l.starts_with(mac)).collect();
+                    assert_eq!(kept, [all[pi * variants + v].as_str()], "{family:?} m{p} v{v}");
+                    assert!(kept[0].starts_with(&format!("{mac}{p},")));
                 }
             }
         }
@@ -656,6 +777,11 @@ mod tests {
                 && el.contains("void fill_counter_bf16(")
                 && el.contains("void rope_qkv_write_kv_bf16(")
         );
+        // The experts', extended attention's and FP8 weights' kernels are modules of their own.
+        assert!(!el.contains("void moe_route_f32(") && !el.contains("void fp8_dequant_bf16("));
+        assert!(Module::whole(Family::Moe).source().contains("void moe_route_f32("));
+        assert!(Module::whole(Family::AttentionExt).source().contains("void paged_attention_ext_d1("));
+        assert!(Module::whole(Family::Fp8).source().contains("void fp8_dequant_bf16("));
     }
 
     #[test]
@@ -663,14 +789,60 @@ mod tests {
         let all = modules();
         let names: HashSet<String> = all.iter().map(Module::name).collect();
         assert_eq!(names.len(), all.len());
-        assert_eq!(all.len(), 2 + 2 * GEMV_MAX_MS.len() + ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
-        let families = [Family::Elementwise, Family::Sampling, Family::Gemv, Family::GemvFp8];
+        let gemv = GEMV_MAX_MS.len() * (GEMV_VARIANTS.len() + GEMV_FP8_VARIANTS.len());
+        assert_eq!(all.len(), 5 + gemv + ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
+        let families = [
+            Family::Elementwise,
+            Family::Moe,
+            Family::AttentionExt,
+            Family::Fp8,
+            Family::Sampling,
+            Family::Gemv,
+            Family::GemvFp8,
+        ];
         for f in families.into_iter().chain([Family::Attention, Family::Prefill]) {
             assert!(all.iter().any(|m| m.family == f), "{f:?} has no module");
         }
         for m in &all {
             assert!(!m.source().contains("#include"), "{}: kernels must stay self-contained", m.name());
         }
+    }
+
+    #[test]
+    fn a_model_loads_only_the_modules_it_runs() {
+        let names = |n: &KernelNeeds| n.modules().iter().map(Module::name).collect::<Vec<_>>();
+        assert_eq!(KernelNeeds::all().modules(), modules());
+        assert_eq!(KernelNeeds::default(), KernelNeeds::all());
+        // A dense bf16 model of head_dim 128 (Llama-3.1-8B).
+        let dense = KernelNeeds::model(128, false, false);
+        assert_eq!(
+            names(&dense),
+            [
+                "elementwise",
+                "attention_ext",
+                "sampling",
+                "gemv_m8_v0",
+                "gemv_m8_v1",
+                "gemv_m8_v2",
+                "gemv_m8_v3",
+                "gemv_m16_v0",
+                "gemv_m16_v1",
+                "gemv_m16_v2",
+                "gemv_m16_v3",
+                "attention_hd128",
+                "prefill_hd128"
+            ]
+        );
+        // Experts and FP8 weights add their modules, and only those.
+        let moe_fp8 = KernelNeeds::model(128, true, true);
+        let extra: Vec<String> = names(&moe_fp8).into_iter().filter(|n| !names(&dense).contains(n)).collect();
+        let fp8_gemv = (0..8).map(|i| format!("gemv_fp8_m{}_v{}", [8, 16][i / 4], i % 4));
+        assert_eq!(extra, ["moe".to_string(), "fp8".to_string()].into_iter().chain(fp8_gemv).collect::<Vec<_>>());
+        // Gemma-3's head_dim 256; a head_dim with no modules (Phi-3's 96) loads no attention module.
+        assert!(names(&KernelNeeds::model(256, false, false)).contains(&"prefill_hd256".to_string()));
+        let odd = names(&KernelNeeds::model(96, false, false));
+        assert!(odd.iter().all(|n| !n.starts_with("attention_hd") && !n.starts_with("prefill_hd")), "{odd:?}");
+        assert!(odd.contains(&"attention_ext".to_string()), "the extended attention serves any head_dim");
     }
 
     /// The instance lists of the `.cu` files against the Rust variant tables (every module's
@@ -747,24 +919,19 @@ mod tests {
             modules().iter().filter(|m| m.family == f).map(Module::source).collect::<Vec<_>>().join("\n")
         };
         let (gemv, gemv_fp8) = (of(Family::Gemv), of(Family::GemvFp8));
-        assert!(!gemv_fp8.lines().any(|l| l.starts_with("GEMV_VARIANTS(")), "the FP8 modules instantiate bf16 kernels");
+        assert!(!gemv_fp8.lines().any(|l| l.starts_with("GEMV_INSTANCE(")), "the FP8 modules instantiate bf16 kernels");
         assert!(!gemv.contains("GEMV_FP8_"), "the bf16 modules hold FP8 kernels");
-        let cuda: Vec<String> = gemv
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("GEMV_INSTANCE(MAXM, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
-        let rust: Vec<String> =
-            super::super::GEMV_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
-        assert_eq!(cuda, vec![rust; GEMV_MAX_MS.len()].concat());
-        let cuda: Vec<String> = gemv_fp8
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("GEMV_FP8_INSTANCE(MAXM, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
-        let rust: Vec<String> =
-            super::super::GEMV_FP8_VARIANTS.iter().map(|v| format!("{}, {}", v.warps, v.unroll)).collect();
-        assert_eq!(cuda, vec![rust; GEMV_MAX_MS.len()].concat());
+        // Each module's one instance line, in module order: every rows-of-x × variant.
+        let instances = |src: &str, mac: &str| -> Vec<String> {
+            src.lines().filter_map(|l| l.strip_prefix(mac)).map(|l| l.trim_end_matches(')').to_string()).collect()
+        };
+        let rows_variants = |variants: Vec<(u32, u32)>| -> Vec<String> {
+            GEMV_MAX_MS.iter().flat_map(|m| variants.iter().map(move |(w, u)| format!("{m}, {w}, {u}"))).collect()
+        };
+        let rust = rows_variants(GEMV_VARIANTS.iter().map(|v| (v.warps, v.unroll)).collect());
+        assert_eq!(instances(&gemv, "GEMV_INSTANCE("), rust);
+        let rust = rows_variants(GEMV_FP8_VARIANTS.iter().map(|v| (v.warps, v.unroll)).collect());
+        assert_eq!(instances(&gemv_fp8, "GEMV_FP8_INSTANCE("), rust);
         // The prefill instances: every head_dim × CTA size, in the function table's order.
         let cuda: Vec<String> = src
             .lines()

@@ -42,6 +42,8 @@ pub struct CudaOptions {
     pub ordinal: usize,
     /// Where compiled kernels are cached; `None` compiles every time.
     pub cache_dir: Option<PathBuf>,
+    /// Which kernel modules to compile and load (default: every one).
+    pub needs: compile::KernelNeeds,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -116,11 +118,10 @@ impl CudaDevice {
         let wgmma_capable = arch == WGMMA_ARCH;
         let name = ctx.name()?;
         let t0 = std::time::Instant::now();
-        let (modules, module_reports) = compile::load_modules(&ctx, &arch, opts.cache_dir.as_deref())?;
+        let (modules, module_reports) = compile::load_modules(&ctx, &arch, opts.cache_dir.as_deref(), &opts.needs)?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let by_module: HashMap<compile::Module, Arc<CudaModule>> =
-            compile::modules().into_iter().zip(modules).collect();
-        let kernels = KernelTable::load(|module, n| match by_module.get(&module) {
+        let by_module: HashMap<compile::Module, Arc<CudaModule>> = modules.into_iter().collect();
+        let kernels = KernelTable::load(&opts.needs, |module, n| match by_module.get(&module) {
             Some(m) => Ok(m.load_function(n)?),
             None => Err(CudaError::Compile(format!("no module {} for kernel {n}", module.name()))),
         })?;

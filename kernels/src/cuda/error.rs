@@ -39,6 +39,15 @@ pub enum CudaError {
     /// A call that must not happen while a CUDA graph is being recorded, or a failed recording.
     #[error("CUDA graph: {0}")]
     Capture(String),
+    /// A kernel whose module the device did not load ([`KernelNeeds`](super::KernelNeeds):
+    /// it was opened for a model that does not run it).
+    #[error("kernel module {module} is not loaded on this device (it was opened without {what})")]
+    NotLoaded {
+        /// The module's name.
+        module: String,
+        /// What the device was opened without, e.g. "experts".
+        what: &'static str,
+    },
     /// A launcher was given inconsistent sizes (a bug in the caller).
     #[error("{op}: {message}")]
     Shape {

@@ -259,7 +259,7 @@ pub(super) fn fp8_gemv_plan<'d>(
     }
     let variant = variant.unwrap_or_else(|| gemv_fp8_default(n, m, dev.sm_count()));
     let tile = usize::from(m > GEMV_MAX_MS[0]);
-    let funcs = dev.kernels.gemv_fp8[tile].get(variant).and_then(|e| e.get(epilogue.index()));
+    let funcs = dev.kernels.fp8()?.gemv[tile].get(variant).and_then(|e| e.get(epilogue.index()));
     let (v, funcs) = match (GEMV_FP8_VARIANTS.get(variant), funcs) {
         (Some(v), Some(f)) => (*v, f),
         _ => return Err(shape_error(op, format!("no gemv_fp8 variant {variant}"))),
@@ -309,7 +309,7 @@ impl Fp8DequantCall<'_> {
         // 16 weights a thread when every 16-code chunk lies in one row and one column block.
         let wide = w.cols.is_multiple_of(16) && (w.col_block >= w.cols || w.col_block.is_multiple_of(16));
         let (func, units) =
-            if wide { (&dev.kernels.fp8_dequant16, total / 16) } else { (&dev.kernels.fp8_dequant, total) };
+            if wide { (&dev.kernels.fp8()?.dequant16, total / 16) } else { (&dev.kernels.fp8()?.dequant, total) };
         let args = Args::new(OP)
             .buf(&w.codes)
             .buf(&w.scales)

@@ -71,8 +71,8 @@ impl QuantizeRowsCall<'_> {
             return Ok(());
         }
         let (args, func) = match x {
-            QuantRows::Bf16(x) => (Args::new(OP).buf(x), &dev.kernels.quantize_rows_e4m3),
-            QuantRows::F32(x) => (Args::new(OP).buf(x), &dev.kernels.quantize_rows_e4m3_f32),
+            QuantRows::Bf16(x) => (Args::new(OP).buf(x), &dev.kernels.fp8()?.quantize_rows_e4m3),
+            QuantRows::F32(x) => (Args::new(OP).buf(x), &dev.kernels.fp8()?.quantize_rows_e4m3_f32),
         };
         let args = args.buf(codes).buf(scales).int(k)?.long(row0)?;
         // SAFETY: CTA r reads row r of x and writes row row0 + r of codes and scales[row0 + r],
@@ -115,7 +115,9 @@ impl SiluMulQuantCall<'_> {
         let args = Args::new(OP).buf(gate_up).buf(act).buf(codes).buf(scales).int(d)?;
         // SAFETY: CTA r reads row r of gate_up (2d values) and writes row r of act and codes
         // (d each) and scales[r], r < m, in whole 8-value pieces (d % 8 == 0): sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS)) }
+        unsafe {
+            args.launch(dev, &dev.kernels.fp8()?.silu_mul_quant_e4m3, cfg((int(OP, m)? as u32, 1, 1), QUANT_THREADS))
+        }
     }
 }
 

@@ -10,7 +10,7 @@
 
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
-use super::compile::{Family, Module};
+use super::compile::{Family, KernelNeeds, Module};
 use super::fp8_linear::{Fp8Epilogue, Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
@@ -54,59 +54,20 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub gelu_tanh_mul: F,
     pub softcap: F,
     pub scale_round: F,
-    pub moe_route: F,
-    pub moe_permute: F,
-    pub moe_grouped_gemv: F,
-    /// The grouped expert product on the tensor cores (many entries per expert: prefill).
-    pub moe_grouped_gemm: F,
-    /// Its wide-tiled version (moe_gemm.cu: experts with many entries).
-    pub moe_grouped_gemm_wide: F,
-    pub moe_unpermute: F,
-    /// Routing and permutation in one CTA (decode-sized steps).
-    pub moe_route_permute: F,
-    /// The grouped product over the experts in use on the tensor cores (moe_skinny.cu):
-    /// `[activation of MOE_SKINNY_ACTS][variant of MOE_SKINNY_VARIANTS]`.
-    pub moe_skinny: [[F; 2]; 4],
-    /// The router GEMV, routing and permutation in one launch (moe_router.cu, decode-sized steps).
-    pub moe_router_route_permute: F,
-    pub clamped_swiglu: F,
-    /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
-    pub fp8_dequant: F,
-    pub fp8_dequant16: F,
-    /// Per-row E4M3 quantization (fp8_linear.cu): of bf16 activations per token (the W8A8
-    /// GEMM's input), and of f32 random weights per channel.
-    pub quantize_rows_e4m3: F,
-    pub quantize_rows_e4m3_f32: F,
-    /// SiLU·mul with its bf16 rows also quantized per token (fp8_linear.cu: the W8A8 down
-    /// projection's input).
-    pub silu_mul_quant_e4m3: F,
-    /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
-    /// GEMV_FP8_VARIANTS][epilogue of Fp8Epilogue::ALL]`, each `[scale of Fp8Scaling::ALL]`.
-    pub gemv_fp8: [Vec<Vec<[F; 2]>>; 2],
+    /// The experts' kernels, where loaded (use [`KernelTable::moe`]).
+    pub moe: Option<MoeKernels<F>>,
+    /// FP8 weights' kernels, where loaded (use [`KernelTable::fp8`]).
+    pub fp8: Option<Fp8Kernels<F>>,
     /// Attention with window / soft-cap / sinks: `[ceil(head_dim / 32) - 1]` (attention_ext.cu).
     pub attention_ext: Vec<F>,
     /// [`Self::attention_ext`] over an FP8 (E4M3) cache: `[ceil(head_dim / 32) - 1]`.
     pub attention_ext_fp8: Vec<F>,
-    /// Paged (decode) attention: `[head_dim of ATTN_HEAD_DIMS][variant of ATTN_VARIANTS]`.
-    pub attention: Vec<Vec<F>>,
-    /// Paged (decode) attention over an FP8 cache: `[head_dim of ATTN_HEAD_DIMS][variant of
-    /// ATTN_FP8_VARIANTS]`.
-    pub attention_fp8: Vec<Vec<F>>,
-    /// The merge of split-attention partials, per head_dim as above (either cache type).
-    pub attention_combine: Vec<F>,
-    /// Prefill flash attention: `[head_dim of PREFILL_HEAD_DIMS][variant of PREFILL_WARPS]`.
-    pub prefill: Vec<Vec<F>>,
-    /// Prefill flash attention over an FP8 cache, indexed as [`Self::prefill`].
-    pub prefill_fp8: Vec<Vec<F>>,
-    /// [`Self::prefill`] with a window, soft-cap and sinks (`prefill_attention_opt_*`).
-    pub prefill_opt: Vec<Vec<F>>,
-    /// [`Self::prefill_fp8`] with a window, soft-cap and sinks.
-    pub prefill_fp8_opt: Vec<Vec<F>>,
-    /// Prefill flash attention on the warpgroup MMA (prefill_wg.cu, head_dim 128; its body
-    /// is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`).
-    pub prefill_wg: F,
-    /// The same over an FP8 cache.
-    pub prefill_wg_fp8: F,
+    /// Paged (decode) attention per head_dim of `ATTN_HEAD_DIMS`, where loaded (use
+    /// [`KernelTable::attention`]).
+    pub attention: Vec<Option<AttentionKernels<F>>>,
+    /// Prefill flash attention per head_dim of `PREFILL_HEAD_DIMS`, where loaded (use
+    /// [`KernelTable::prefill`]).
+    pub prefill: Vec<Option<PrefillKernels<F>>>,
     /// Skinny GEMM: `[up to 8, up to 16 rows of x][variant of GEMV_VARIANTS]`, each
     /// `[epilogue of GemvEpilogue::ALL]`.
     pub gemv: [Vec<Vec<F>>; 2],
@@ -123,9 +84,73 @@ pub(crate) struct KernelTable<F = CudaFunction> {
     pub spin: F,
 }
 
+/// The mixture-of-experts kernels (the `moe` module).
+pub(crate) struct MoeKernels<F = CudaFunction> {
+    pub route: F,
+    pub permute: F,
+    pub grouped_gemv: F,
+    /// The grouped expert product on the tensor cores (many entries per expert: prefill).
+    pub grouped_gemm: F,
+    /// Its wide-tiled version (moe_gemm.cu: experts with many entries).
+    pub grouped_gemm_wide: F,
+    pub unpermute: F,
+    /// Routing and permutation in one CTA (decode-sized steps).
+    pub route_permute: F,
+    /// The grouped product over the experts in use on the tensor cores (moe_skinny.cu):
+    /// `[activation of MOE_SKINNY_ACTS][variant of MOE_SKINNY_VARIANTS]`.
+    pub skinny: [[F; 2]; 4],
+    /// The router GEMV, routing and permutation in one launch (moe_router.cu, decode-sized steps).
+    pub router_route_permute: F,
+    /// gpt-oss's clamped SwiGLU.
+    pub clamped_swiglu: F,
+}
+
+/// FP8 weights' kernels (the `fp8` module and the `gemv_fp8_m*` modules).
+pub(crate) struct Fp8Kernels<F = CudaFunction> {
+    /// FP8 weight dequantization to bf16 (fp8_linear.cu): any shape, and 16 weights a thread.
+    pub dequant: F,
+    pub dequant16: F,
+    /// Per-row E4M3 quantization (fp8_linear.cu): of bf16 activations per token (the W8A8
+    /// GEMM's input), and of f32 random weights per channel.
+    pub quantize_rows_e4m3: F,
+    pub quantize_rows_e4m3_f32: F,
+    /// SiLU·mul with its bf16 rows also quantized per token (fp8_linear.cu: the W8A8 down
+    /// projection's input).
+    pub silu_mul_quant_e4m3: F,
+    /// The W8A16 skinny GEMM (gemv_fp8.cu): `[up to 8, up to 16 rows of x per CTA][variant of
+    /// GEMV_FP8_VARIANTS][epilogue of Fp8Epilogue::ALL]`, each `[scale of Fp8Scaling::ALL]`.
+    pub gemv: [Vec<Vec<[F; 2]>>; 2],
+}
+
+/// Decode attention for one head_dim (an `attention_hd*` module).
+pub(crate) struct AttentionKernels<F = CudaFunction> {
+    /// Over a bf16 cache: `[variant of ATTN_VARIANTS]`.
+    pub bf16: Vec<F>,
+    /// Over an FP8 cache: `[variant of ATTN_FP8_VARIANTS]`.
+    pub fp8: Vec<F>,
+    /// The merge of split-attention partials (either cache type).
+    pub combine: F,
+}
+
+/// Prefill flash attention for one head_dim (a `prefill_hd*` module), each `[variant of
+/// PREFILL_WARPS]`.
+pub(crate) struct PrefillKernels<F = CudaFunction> {
+    pub bf16: Vec<F>,
+    /// Over an FP8 cache.
+    pub fp8: Vec<F>,
+    /// With a window, soft-cap and sinks (`prefill_attention_opt_*`).
+    pub bf16_opt: Vec<F>,
+    /// Over an FP8 cache with a window, soft-cap and sinks.
+    pub fp8_opt: Vec<F>,
+    /// The warpgroup-MMA kernel over a bf16 and an FP8 cache (prefill_wg.cu, head_dim 128 only;
+    /// its body is compiled for `sm_90a` only, see `CudaDevice::prefill_wgmma`).
+    pub wg: Option<[F; 2]>,
+}
+
 impl<F> KernelTable<F> {
-    /// Resolves every kernel's name with `f`, given the module that defines it.
-    pub fn load<E>(mut f: impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+    /// Resolves the name of every kernel that `needs` loads with `f`, given the module that
+    /// defines it.
+    pub fn load<E>(needs: &KernelNeeds, mut f: impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
         let el = Module::whole(Family::Elementwise);
         let embed = f(el, "embed_f32")?;
         let rms_norm = f(el, "rms_norm_f32")?;
@@ -158,92 +183,36 @@ impl<F> KernelTable<F> {
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
         let scale_round = f(el, "scale_round_bf16_f32")?;
-        let moe_route = f(el, "moe_route_f32")?;
-        let moe_permute = f(el, "moe_permute")?;
-        let moe_grouped_gemv = f(el, "moe_grouped_gemv_bf16")?;
-        let moe_grouped_gemm = f(el, "moe_grouped_gemm_bf16")?;
-        let moe_grouped_gemm_wide = f(el, "moe_grouped_gemm_wide_bf16")?;
-        let moe_unpermute = f(el, "moe_unpermute_bf16")?;
-        let moe_route_permute = f(el, "moe_route_permute")?;
-        let mut skinny = |act: MoeSkinnyAct| -> Result<[F; 2], E> {
-            Ok([f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[0]))?, f(el, &act.kernel_name(MOE_SKINNY_VARIANTS[1]))?])
-        };
-        let moe_skinny = [
-            skinny(MOE_SKINNY_ACTS[0])?,
-            skinny(MOE_SKINNY_ACTS[1])?,
-            skinny(MOE_SKINNY_ACTS[2])?,
-            skinny(MOE_SKINNY_ACTS[3])?,
-        ];
-        let moe_router_route_permute = f(el, "moe_router_route_permute")?;
-        let clamped_swiglu = f(el, "clamped_swiglu_bf16")?;
-        let fp8_dequant = f(el, "fp8_dequant_bf16")?;
-        let fp8_dequant16 = f(el, "fp8_dequant16_bf16")?;
-        let quantize_rows_e4m3 = f(el, "quantize_rows_e4m3")?;
-        let quantize_rows_e4m3_f32 = f(el, "quantize_rows_e4m3_f32")?;
-        let silu_mul_quant_e4m3 = f(el, "silu_mul_quant_e4m3")?;
+        let ext = Module::whole(Family::AttentionExt);
         let attention_ext = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
-            .map(|d| f(el, &format!("paged_attention_ext_d{d}")))
+            .map(|d| f(ext, &format!("paged_attention_ext_d{d}")))
             .collect::<Result<_, _>>()?;
         let attention_ext_fp8 = (1..=ATTN_EXT_MAX_HEAD_DIM / 32)
-            .map(|d| f(el, &format!("paged_attention_ext_fp8_d{d}")))
+            .map(|d| f(ext, &format!("paged_attention_ext_fp8_d{d}")))
             .collect::<Result<_, _>>()?;
+        let moe_module = Module::whole(Family::Moe);
+        let moe = if needs.loads(&moe_module) { Some(MoeKernels::load(moe_module, &mut f)?) } else { None };
+        let fp8 = if needs.loads(&Module::whole(Family::Fp8)) { Some(Fp8Kernels::load(&mut f)?) } else { None };
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
-        let mut attention_fp8 = Vec::with_capacity(ATTN_HEAD_DIMS.len());
-        let mut attention_combine = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         for hd in ATTN_HEAD_DIMS {
             let m = Module::part(Family::Attention, hd);
-            attention.push(ATTN_VARIANTS.iter().map(|v| f(m, &v.kernel_name(hd))).collect::<Result<Vec<_>, _>>()?);
-            attention_fp8
-                .push(ATTN_FP8_VARIANTS.iter().map(|v| f(m, &fp8_kernel_name(v, hd))).collect::<Result<Vec<_>, _>>()?);
-            attention_combine.push(f(m, &combine_kernel_name(hd))?);
+            attention.push(if needs.loads(&m) { Some(AttentionKernels::load(m, hd, &mut f)?) } else { None });
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
-        let mut prefill_fp8 = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
-        let mut prefill_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
-        let mut prefill_fp8_opt = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
             let m = Module::part(Family::Prefill, hd);
-            for (opt, bf, fp8) in
-                [(false, &mut prefill, &mut prefill_fp8), (true, &mut prefill_opt, &mut prefill_fp8_opt)]
-            {
-                bf.push(
-                    PREFILL_WARPS.iter().map(|&w| f(m, &prefill_kernel_name(hd, w, opt))).collect::<Result<_, _>>()?,
-                );
-                fp8.push(
-                    PREFILL_WARPS
-                        .iter()
-                        .map(|&w| f(m, &prefill_fp8_kernel_name(hd, w, opt)))
-                        .collect::<Result<_, _>>()?,
-                );
-            }
+            prefill.push(if needs.loads(&m) { Some(PrefillKernels::load(m, hd, &mut f)?) } else { None });
         }
-        let wg_module = Module::part(Family::Prefill, PREFILL_WG_HEAD_DIM);
-        let prefill_wg = f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, false))?;
-        let prefill_wg_fp8 = f(wg_module, &prefill_wg_kernel_name(PREFILL_WG_HEAD_DIM, true))?;
         let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
-            let m = Module::part(Family::Gemv, max_m);
             let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
-            for v in GEMV_VARIANTS {
+            for (i, v) in GEMV_VARIANTS.iter().enumerate() {
+                let m = Module::variant(Family::Gemv, max_m, i);
                 let funcs = GemvEpilogue::ALL.iter().map(|&e| f(m, &v.kernel_name(max_m, e)));
                 variants.push(funcs.collect::<Result<Vec<F>, E>>()?);
             }
             Ok(variants)
         };
         let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
-        let mut gemv_fp8_for = |max_m: usize| -> Result<Vec<Vec<[F; 2]>>, E> {
-            let m = Module::part(Family::GemvFp8, max_m);
-            let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
-            for v in GEMV_FP8_VARIANTS {
-                let mut epilogues = Vec::with_capacity(Fp8Epilogue::ALL.len());
-                for e in Fp8Epilogue::ALL {
-                    let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s, e));
-                    epilogues.push([f(m, &a)?, f(m, &b)?]);
-                }
-                variants.push(epilogues);
-            }
-            Ok(variants)
-        };
-        let gemv_fp8 = [gemv_fp8_for(GEMV_MAX_MS[0])?, gemv_fp8_for(GEMV_MAX_MS[1])?];
         let sampling = Module::whole(Family::Sampling);
         Ok(Self {
             embed,
@@ -267,33 +236,12 @@ impl<F> KernelTable<F> {
             gelu_tanh_mul,
             softcap,
             scale_round,
-            moe_route,
-            moe_permute,
-            moe_grouped_gemv,
-            moe_grouped_gemm,
-            moe_grouped_gemm_wide,
-            moe_unpermute,
-            moe_route_permute,
-            moe_skinny,
-            moe_router_route_permute,
-            clamped_swiglu,
-            fp8_dequant,
-            fp8_dequant16,
-            quantize_rows_e4m3,
-            quantize_rows_e4m3_f32,
-            silu_mul_quant_e4m3,
-            gemv_fp8,
+            moe,
+            fp8,
             attention_ext,
             attention_ext_fp8,
             attention,
-            attention_fp8,
-            attention_combine,
             prefill,
-            prefill_fp8,
-            prefill_opt,
-            prefill_fp8_opt,
-            prefill_wg,
-            prefill_wg_fp8,
             gemv,
             sample_rows: f(sampling, "sample_rows")?,
             take_sampled_ids: f(sampling, "take_sampled_ids")?,
@@ -302,6 +250,125 @@ impl<F> KernelTable<F> {
             fill_counter_f32: f(el, "fill_counter_f32")?,
             spin: f(el, "spin_ns")?,
         })
+    }
+}
+
+impl<F> MoeKernels<F> {
+    fn load<E>(m: Module, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        let mut skinny = |act: MoeSkinnyAct| -> Result<[F; 2], E> {
+            Ok([f(m, &act.kernel_name(MOE_SKINNY_VARIANTS[0]))?, f(m, &act.kernel_name(MOE_SKINNY_VARIANTS[1]))?])
+        };
+        let skinny = [
+            skinny(MOE_SKINNY_ACTS[0])?,
+            skinny(MOE_SKINNY_ACTS[1])?,
+            skinny(MOE_SKINNY_ACTS[2])?,
+            skinny(MOE_SKINNY_ACTS[3])?,
+        ];
+        Ok(Self {
+            route: f(m, "moe_route_f32")?,
+            permute: f(m, "moe_permute")?,
+            grouped_gemv: f(m, "moe_grouped_gemv_bf16")?,
+            grouped_gemm: f(m, "moe_grouped_gemm_bf16")?,
+            grouped_gemm_wide: f(m, "moe_grouped_gemm_wide_bf16")?,
+            unpermute: f(m, "moe_unpermute_bf16")?,
+            route_permute: f(m, "moe_route_permute")?,
+            skinny,
+            router_route_permute: f(m, "moe_router_route_permute")?,
+            clamped_swiglu: f(m, "clamped_swiglu_bf16")?,
+        })
+    }
+}
+
+impl<F> Fp8Kernels<F> {
+    fn load<E>(f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        let m = Module::whole(Family::Fp8);
+        let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<[F; 2]>>, E> {
+            let mut variants = Vec::with_capacity(GEMV_FP8_VARIANTS.len());
+            for (i, v) in GEMV_FP8_VARIANTS.iter().enumerate() {
+                let m = Module::variant(Family::GemvFp8, max_m, i);
+                let mut epilogues = Vec::with_capacity(Fp8Epilogue::ALL.len());
+                for e in Fp8Epilogue::ALL {
+                    let [a, b] = Fp8Scaling::ALL.map(|s| v.fp8_kernel_name(max_m, s, e));
+                    epilogues.push([f(m, &a)?, f(m, &b)?]);
+                }
+                variants.push(epilogues);
+            }
+            Ok(variants)
+        };
+        let gemv = [gemv_for(GEMV_MAX_MS[0])?, gemv_for(GEMV_MAX_MS[1])?];
+        Ok(Self {
+            dequant: f(m, "fp8_dequant_bf16")?,
+            dequant16: f(m, "fp8_dequant16_bf16")?,
+            quantize_rows_e4m3: f(m, "quantize_rows_e4m3")?,
+            quantize_rows_e4m3_f32: f(m, "quantize_rows_e4m3_f32")?,
+            silu_mul_quant_e4m3: f(m, "silu_mul_quant_e4m3")?,
+            gemv,
+        })
+    }
+}
+
+impl<F> AttentionKernels<F> {
+    fn load<E>(m: Module, hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        Ok(Self {
+            bf16: ATTN_VARIANTS.iter().map(|v| f(m, &v.kernel_name(hd))).collect::<Result<_, _>>()?,
+            fp8: ATTN_FP8_VARIANTS.iter().map(|v| f(m, &fp8_kernel_name(v, hd))).collect::<Result<_, _>>()?,
+            combine: f(m, &combine_kernel_name(hd))?,
+        })
+    }
+}
+
+impl<F> PrefillKernels<F> {
+    fn load<E>(m: Module, hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        let mut each = |fp8: bool, opt: bool| -> Result<Vec<F>, E> {
+            PREFILL_WARPS
+                .iter()
+                .map(|&w| {
+                    f(m, &if fp8 { prefill_fp8_kernel_name(hd, w, opt) } else { prefill_kernel_name(hd, w, opt) })
+                })
+                .collect()
+        };
+        let (bf16, fp8, bf16_opt, fp8_opt) =
+            (each(false, false)?, each(true, false)?, each(false, true)?, each(true, true)?);
+        let wg = if hd == PREFILL_WG_HEAD_DIM {
+            Some([f(m, &prefill_wg_kernel_name(hd, false))?, f(m, &prefill_wg_kernel_name(hd, true))?])
+        } else {
+            None
+        };
+        Ok(Self { bf16, fp8, bf16_opt, fp8_opt, wg })
+    }
+}
+
+fn not_loaded(module: Module, what: &'static str) -> CudaError {
+    CudaError::NotLoaded { module: module.name(), what }
+}
+
+impl<F> KernelTable<F> {
+    /// The experts' kernels, or [`CudaError::NotLoaded`].
+    pub fn moe(&self) -> Result<&MoeKernels<F>, CudaError> {
+        self.moe.as_ref().ok_or_else(|| not_loaded(Module::whole(Family::Moe), "experts"))
+    }
+
+    /// FP8 weights' kernels, or [`CudaError::NotLoaded`].
+    pub fn fp8(&self) -> Result<&Fp8Kernels<F>, CudaError> {
+        self.fp8.as_ref().ok_or_else(|| not_loaded(Module::whole(Family::Fp8), "FP8 weights"))
+    }
+
+    /// Decode attention for `ATTN_HEAD_DIMS[hd_idx]`, or [`CudaError::NotLoaded`].
+    pub fn attention(&self, hd_idx: usize) -> Result<&AttentionKernels<F>, CudaError> {
+        let hd = ATTN_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0);
+        self.attention
+            .get(hd_idx)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| not_loaded(Module::part(Family::Attention, hd), "this head_dim"))
+    }
+
+    /// Prefill attention for `PREFILL_HEAD_DIMS[hd_idx]`, or [`CudaError::NotLoaded`].
+    pub fn prefill(&self, hd_idx: usize) -> Result<&PrefillKernels<F>, CudaError> {
+        let hd = PREFILL_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0);
+        self.prefill
+            .get(hd_idx)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| not_loaded(Module::part(Family::Prefill, hd), "this head_dim"))
     }
 }
 
@@ -315,14 +382,15 @@ impl KernelTable<CudaFunction> {
     /// dynamic shared memory ([`CTA_SMEM_LIMIT`]; how much a launch takes depends on the KV
     /// heads, `stream_smem_bytes`); their carve-out is a launch attribute instead.
     pub fn prepare(&self, hopper: bool) -> Result<(), CudaError> {
-        for (hd, (funcs, fp8)) in ATTN_HEAD_DIMS.iter().zip(self.attention.iter().zip(&self.attention_fp8)) {
+        for (hd, att) in ATTN_HEAD_DIMS.iter().zip(&self.attention) {
+            let Some(att) = att else { continue };
             let dynamic = |v: &AttnVariant| match v.kind {
                 AttnKind::Stream if hopper => CTA_SMEM_LIMIT,
                 AttnKind::Stream => 0,
                 _ => tc_dynamic_smem(v, *hd, v.fp8),
             };
-            let bf16 = ATTN_VARIANTS.iter().zip(funcs).map(|(v, f)| (v, f, dynamic(v)));
-            let fp8 = ATTN_FP8_VARIANTS.iter().zip(fp8).map(|(v, f)| (v, f, dynamic(v)));
+            let bf16 = ATTN_VARIANTS.iter().zip(&att.bf16).map(|(v, f)| (v, f, dynamic(v)));
+            let fp8 = ATTN_FP8_VARIANTS.iter().zip(&att.fp8).map(|(v, f)| (v, f, dynamic(v)));
             for (v, func, bytes) in bf16.chain(fp8).filter(|(_, _, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 // The streaming kernels' carve-out is chosen per launch (`stream_carveout`).
@@ -331,22 +399,18 @@ impl KernelTable<CudaFunction> {
                 }
             }
         }
-        let bf16 = self.prefill.iter().zip(&self.prefill_opt);
-        let fp8 = self.prefill_fp8.iter().zip(&self.prefill_fp8_opt);
-        for (hd, ((funcs, opt), (fp8, fp8_opt))) in PREFILL_HEAD_DIMS.iter().zip(bf16.zip(fp8)) {
-            let sized = funcs.iter().chain(opt).map(|f| (f, prefill_smem_bytes(*hd)));
-            let fp8_sized = fp8.iter().chain(fp8_opt).map(|f| (f, prefill_fp8_smem_bytes(*hd)));
-            for (func, bytes) in sized.chain(fp8_sized) {
+        for (hd, pf) in PREFILL_HEAD_DIMS.iter().zip(&self.prefill) {
+            let Some(pf) = pf else { continue };
+            let sized = pf.bf16.iter().chain(&pf.bf16_opt).map(|f| (f, prefill_smem_bytes(*hd)));
+            let fp8_sized = pf.fp8.iter().chain(&pf.fp8_opt).map(|f| (f, prefill_fp8_smem_bytes(*hd)));
+            let wg = pf
+                .wg
+                .iter()
+                .flat_map(|[bf, fp8]| [(bf, prefill_wg_smem_bytes(false)), (fp8, prefill_wg_smem_bytes(true))]);
+            for (func, bytes) in sized.chain(fp8_sized).chain(wg) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
             }
-        }
-        for (fp8, wg) in [(false, &self.prefill_wg), (true, &self.prefill_wg_fp8)] {
-            wg.set_attribute(
-                FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                prefill_wg_smem_bytes(fp8) as i32,
-            )?;
-            wg.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         }
         Ok(())
     }
@@ -361,7 +425,7 @@ pub fn kernel_names() -> Vec<String> {
 /// Every kernel the device loads with the module that defines it, in load order.
 pub fn kernel_modules() -> Vec<(Module, String)> {
     let mut names = Vec::new();
-    let listed = KernelTable::<()>::load(|module, name| {
+    let listed = KernelTable::<()>::load(&KernelNeeds::all(), |module, name| {
         names.push((module, name.to_string()));
         Ok::<(), std::convert::Infallible>(())
     });
@@ -460,5 +524,36 @@ mod tests {
         // Every module serves at least one kernel.
         let used: HashSet<Module> = kernel_modules().into_iter().map(|(m, _)| m).collect();
         assert_eq!(used.len(), super::super::compile::modules().len());
+    }
+
+    /// A table loaded for one model asks only its modules for kernels, asks each of them for
+    /// every kernel it serves, and names what it left out when asked for it.
+    #[test]
+    fn a_table_for_one_model_resolves_only_its_modules() {
+        let needs = KernelNeeds::model(128, false, false);
+        let mut asked: Vec<(Module, String)> = Vec::new();
+        let table = KernelTable::<()>::load(&needs, |m, n| {
+            asked.push((m, n.to_string()));
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap_or_else(|e| match e {});
+        let loaded: HashSet<Module> = needs.modules().into_iter().collect();
+        assert!(asked.iter().all(|(m, _)| loaded.contains(m)), "asked a module that is not loaded");
+        let expected: Vec<(Module, String)> =
+            kernel_modules().into_iter().filter(|(m, _)| loaded.contains(m)).collect();
+        assert_eq!(asked, expected, "every kernel of a loaded module, in the full table's order");
+        let hd128 = ATTN_HEAD_DIMS.iter().position(|&d| d == 128).expect("128");
+        assert!(table.attention(hd128).is_ok() && table.prefill(hd128).is_ok());
+        assert!(table.prefill(hd128).is_ok_and(|p| p.wg.is_some()), "the warpgroup kernel is head_dim 128's");
+        let message = |r: Result<(), CudaError>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            message(table.moe().map(|_| ())),
+            "kernel module moe is not loaded on this device (it was opened without experts)"
+        );
+        assert!(message(table.fp8().map(|_| ())).contains("fp8 is not loaded"));
+        let hd64 = ATTN_HEAD_DIMS.iter().position(|&d| d == 64).expect("64");
+        assert!(message(table.attention(hd64).map(|_| ())).contains("attention_hd64 is not loaded"));
+        assert!(message(table.prefill(hd64).map(|_| ())).contains("prefill_hd64 is not loaded"));
+        assert!(table.attention(ATTN_HEAD_DIMS.len()).is_err(), "an index past the table");
     }
 }

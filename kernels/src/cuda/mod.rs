@@ -106,8 +106,8 @@ mod weight_upload;
 pub use attention::{AttentionCall, AttentionOptions, AttnKernel, KvCacheRef, attention_supports};
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
 pub use compile::{
-    Compiled, Family, ImageKind, Module, ModuleReport, build_cache, compile_all, compile_module, device_arch,
-    missing_kernels, modules,
+    Compiled, Family, ImageKind, KernelNeeds, Module, ModuleReport, build_cache, compile_all, compile_module,
+    compile_needed, device_arch, missing_kernels, modules,
 };
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};

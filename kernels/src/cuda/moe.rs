@@ -162,7 +162,7 @@ impl MoeRouteCall<'_> {
         let grid = cfg((int(OP, rows.div_ceil(ROUTE_ROWS_PER_CTA))? as u32, 1, 1), (32 * ROUTE_ROWS_PER_CTA) as u32);
         // SAFETY: warp r reads row r's `n_experts` logits and writes its `k` ids and weights, for
         // r < rows (the kernel skips the rest), all checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_route, grid) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.route, grid) }
     }
 }
 
@@ -225,7 +225,7 @@ impl MoePermuteCall<'_> {
         // Launched even for no assignments: the offsets are still written (all zero).
         // SAFETY: the CTA reads `n` ids, writes `n_experts + 1` offsets and places each in-range
         // id once into `order`/`position` (`n` each), all checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_permute, cfg((1, 1, 1), 1024)) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.permute, cfg((1, 1, 1), 1024)) }
     }
 }
 
@@ -275,7 +275,7 @@ impl MoeRoutePermuteCall<'_> {
         // logits, writing their k ids and weights), then the CTA permutes the rows · k ids as
         // moe_permute does (writing n_experts + 1 offsets and rows · k order and position), all
         // sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_route_permute, cfg((1, 1, 1), 1024)) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.route_permute, cfg((1, 1, 1), 1024)) }
     }
 }
 
@@ -369,8 +369,8 @@ impl MoeGroupedGemvCall<'_> {
             let tiles = a.div_ceil(GEMM_TILE) + ne;
             shape_check(OP, tiles <= MAX_GRID_YZ, || format!("{tiles} entry tiles exceed the grid"))?;
             let (cols, threads, func) = match kernel {
-                MoeExpertKernel::GemmWide => (GEMM_WIDE_COLS, GEMM_WIDE_THREADS, &dev.kernels.moe_grouped_gemm_wide),
-                _ => (GEMM_TILE, 128, &dev.kernels.moe_grouped_gemm),
+                MoeExpertKernel::GemmWide => (GEMM_WIDE_COLS, GEMM_WIDE_THREADS, &dev.kernels.moe()?.grouped_gemm_wide),
+                _ => (GEMM_TILE, 128, &dev.kernels.moe()?.grouped_gemm),
             };
             let grid = cfg((int(OP, n.div_ceil(cols))? as u32, tiles as u32, 1), threads);
             let args = args.int(ne)?;
@@ -385,7 +385,7 @@ impl MoeGroupedGemvCall<'_> {
         // segment offsets[e]..offsets[e + 1], which the permutation wrote within 0..assignments
         // along with their `order` (assignment indices < assignments, so token rows < a / k);
         // it writes those entries' rows of `out`. Sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_grouped_gemv, grid) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.grouped_gemv, grid) }
     }
 }
 
@@ -438,7 +438,7 @@ impl MoeUnpermuteCall<'_> {
         // SAFETY: CTA r reads its k weights and positions (< rows · k, written by the
         // permutation), those rows of `expert_out` (rows · k × d), its `shared` row if given,
         // and writes its `out` row; sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_unpermute, grid) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.unpermute, grid) }
     }
 }
 
@@ -478,7 +478,7 @@ impl ClampedSwigluCall<'_> {
         let args =
             Args::new(OP).buf(self.gate_up).buf(self.out).int(self.d)?.long(total)?.f32(self.alpha).f32(self.limit);
         // SAFETY: the loop writes `total` outputs and reads their gate/up pairs, checked above.
-        unsafe { args.launch(dev, &dev.kernels.clamped_swiglu, grid_stride(total)) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.clamped_swiglu, grid_stride(total)) }
     }
 }
 

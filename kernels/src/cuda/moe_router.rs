@@ -77,7 +77,7 @@ impl MoeRouterCall<'_> {
         // expert's logit of each row (rows × n_experts); the last CTA reads the logits, writes
         // `rows · k` ids and weights, n_experts + 1 offsets and `rows · k` order and position
         // entries (ranks within 0..rows · k), and one counter; all sizes checked above.
-        unsafe { args.launch(dev, &dev.kernels.moe_router_route_permute, grid) }
+        unsafe { args.launch(dev, &dev.kernels.moe()?.router_route_permute, grid) }
     }
 }
 

@@ -164,7 +164,7 @@ impl SkinnyLaunch<'_> {
         let (ne, a) = (self.n_experts, self.assignments);
         let cols = self.out_cols();
         let variant = usize::from(self.d >= WIDE_INPUT);
-        let func = &dev.kernels.moe_skinny[self.act.index()][variant];
+        let func = &dev.kernels.moe()?.skinny[self.act.index()][variant];
         let args = Args::new(op).buf(self.x).i32(i32::from(self.rows == MoeRows::PerToken)).int(self.k)?.buf(self.w);
         // A null pointer tells the kernel there is no bias.
         let args = match self.bias {

@@ -13,7 +13,7 @@ pub fn device() -> CudaDevice {
     // A cache shared by the tests of this run (the module has many attention instantiations);
     // gpu_kernel_cache_round_trip checks the cache itself from an empty directory.
     let cache = std::env::temp_dir().join("baton-gpu-test-kernels");
-    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache) })
+    CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: Some(cache), ..Default::default() })
         .expect("a CUDA device is required for gpu_* tests")
 }
 
