@@ -678,8 +678,8 @@ fn gpu_device_for_one_model_loads_only_its_modules() {
     let loaded: Vec<String> = dev.module_reports().iter().map(|r| r.name.clone()).collect();
     let wanted: Vec<String> = needs.modules().iter().map(|m| m.name()).collect();
     assert_eq!(loaded, wanted);
-    let gate_up = dev.upload(&vec![bf16::from_f32(0.5); 2 * 64]).expect("up");
-    let mut out = dev.upload(&vec![bf16::from_f32(f32::NAN); 64]).expect("up");
+    let gate_up = dev.upload(&[bf16::from_f32(0.5); 2 * 64]).expect("up");
+    let mut out = dev.upload(&[bf16::from_f32(f32::NAN); 64]).expect("up");
     let moe =
         ClampedSwigluCall { gate_up: &gate_up, rows: 1, d: 64, alpha: 1.702, limit: 7.0, out: &mut out }.launch(&dev);
     assert!(matches!(&moe, Err(CudaError::NotLoaded { module, .. }) if module == "moe"), "{moe:?}");
@@ -688,7 +688,7 @@ fn gpu_device_for_one_model_loads_only_its_modules() {
     let fp8 = QuantizeRowsCall { x, m: 1, k: 64, codes: &mut codes, scales: &mut scales, row0: 0 }.launch(&dev);
     assert!(matches!(&fp8, Err(CudaError::NotLoaded { module, .. }) if module == "fp8"), "{fp8:?}");
     // The modules it did load run: the same device converts a row.
-    let mut f = dev.upload(&vec![f32::NAN; 128]).expect("up");
+    let mut f = dev.upload(&[f32::NAN; 128]).expect("up");
     baton_kernels::cuda::CastCall { src: &gate_up, dst: &mut f, n: 128 }.launch(&dev).expect("bf16_to_f32");
     assert!(dev.download(&f, 128).expect("download").iter().all(|&v| v == 0.5));
 }

@@ -606,6 +606,9 @@ pub fn build_cache(arch: &str, dir: &Path) -> Result<Vec<ModuleReport>, CudaErro
     Ok(reports)
 }
 
+/// A module and its image loaded into a context.
+pub(crate) type LoadedModule = (Module, Arc<CudaModule>);
+
 /// Loads the modules `needs` names for `arch` into `ctx`, each from `cache_dir` when it holds
 /// this exact build, the rest compiled in parallel (and cached). Returns the modules in
 /// [`KernelNeeds::modules`]' order, each with a report.
@@ -614,7 +617,7 @@ pub(crate) fn load_modules(
     arch: &str,
     cache_dir: Option<&Path>,
     needs: &KernelNeeds,
-) -> Result<(Vec<(Module, Arc<CudaModule>)>, Vec<ModuleReport>), CudaError> {
+) -> Result<(Vec<LoadedModule>, Vec<ModuleReport>), CudaError> {
     nvrtc_present()?;
     let kind = ImageKind::for_arch(arch)?;
     let resolved = resolve(look_up(needs.modules(), arch, kind, cache_dir), arch, kind, cache_dir)?;
