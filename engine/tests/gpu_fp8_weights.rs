@@ -72,3 +72,63 @@ fn gpu_fp8_dummy_weights_of_a_real_shape_serve() {
     }
     engine.shutdown();
 }
+
+/// `--quantization fp8` over a bf16 checkpoint: the CUDA backend quantizes the stored rows on
+/// the device (`Backend::quantize_mat_fp8`; the host did it at 0.03 GB/s). Its matrices must hold
+/// the host's codes and scales (`Fp8Matrix::quantize_per_channel`, what the loader uploaded
+/// before), so every product over them is bit for bit the product over the host's: compared at
+/// 1, 5, 16 and 40 rows (the skinny W8A16 kernel, the W8A8 GEMM) on fresh random weights (seed
+/// printed) with a row of zeros, a row with one outlier, and a stack of three parts (a fused
+/// `[q; k; v]`). An f32 part and a width off a multiple of 8 take the host's way; compared too.
+#[test]
+fn gpu_fp8_quantized_at_load_on_the_device_equals_the_host_quantization() {
+    use baton_engine::backend::Backend;
+    use baton_engine::backend::cuda::CudaBackend;
+    use baton_formats::{DType, TensorView};
+    use baton_kernels::cpu::{ActivationScale, Fp8Matrix};
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+    use std::borrow::Cow;
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1);
+    println!("seed {seed}");
+    let mut rng = StdRng::seed_from_u64(seed as u64);
+    let mut b = CudaBackend::new(&baton_kernels::cuda::CudaOptions::default()).expect("open cuda:0");
+    let bf16 = |v: f32| half::bf16::from_f32(v);
+    for (cols, dtypes) in [
+        (4096, [DType::BF16; 3]),
+        (272, [DType::BF16; 3]),
+        (4096, [DType::BF16, DType::F32, DType::BF16]),
+        (100, [DType::BF16; 3]),
+    ] {
+        let part_rows = [48usize, 16, 16];
+        let rows: usize = part_rows.iter().sum();
+        let mut values: Vec<f32> = (0..rows * cols).map(|_| bf16(rng.random_range(-0.05f32..0.05)).to_f32()).collect();
+        values[..cols].fill(0.0);
+        values[cols + 7] = 300.0;
+        let mut views = Vec::new();
+        let mut start = 0;
+        for (i, (&r, dtype)) in part_rows.iter().zip(dtypes).enumerate() {
+            let part = &values[start * cols..(start + r) * cols];
+            let bytes: Vec<u8> = match dtype {
+                DType::BF16 => part.iter().flat_map(|&v| bf16(v).to_le_bytes()).collect(),
+                _ => part.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            views.push(TensorView { name: format!("part{i}"), shape: vec![r, cols], dtype, bytes: Cow::Owned(bytes) });
+            start += r;
+        }
+        let act = ActivationScale::PerToken;
+        let device = b.quantize_mat_fp8(&views, rows, cols, act).expect("quantize on the device");
+        let host = Fp8Matrix::quantize_per_channel(&values, rows, cols).expect("host quantization");
+        let host = b.upload_mat_fp8(host, act).expect("upload");
+        for m in [1usize, 5, 16, 40] {
+            let x: Vec<f32> = (0..m * cols).map(|_| bf16(rng.random_range(-1f32..1.0)).to_f32()).collect();
+            let x = b.upload_vec(x).expect("x");
+            let (mut got, mut want) = (b.alloc(m * rows).expect("out"), b.alloc(m * rows).expect("out"));
+            b.linear(&x, m, &device, None, &mut got).expect("linear over the device's codes");
+            b.linear(&x, m, &host, None, &mut want).expect("linear over the host's codes");
+            let (got, want) = (b.to_host(&got, m * rows).expect("down"), b.to_host(&want, m * rows).expect("down"));
+            assert!(want.iter().all(|v| v.is_finite()), "cols {cols}, m {m}: the reference is not finite");
+            let differ = got.iter().zip(&want).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "cols {cols} ({dtypes:?}), {m} rows: {differ} of {} outputs differ", m * rows);
+        }
+    }
+}

@@ -410,6 +410,16 @@ impl Backend for CudaBackend {
         self.draw_fp8(parts, cols, act)
     }
 
+    fn quantize_mat_fp8(
+        &mut self,
+        parts: &[TensorView<'_>],
+        rows: usize,
+        cols: usize,
+        act: baton_kernels::cpu::ActivationScale,
+    ) -> Result<CudaMat, BackendError> {
+        self.quantize_fp8(parts, rows, cols, act)
+    }
+
     fn upload_vec(&mut self, data: Vec<f32>) -> Result<CudaBuf, BackendError> {
         Ok(CudaBuf { data: self.dev.upload(&to_bf16(&data))?, len: data.len() })
     }

@@ -234,6 +234,21 @@ pub trait Backend: Send + 'static {
         let (rows, cols) = (w.rows(), w.cols());
         self.upload_mat(w.dequantize(), rows, cols)
     }
+    /// A `rows × cols` FP8 matrix for `linear` (inputs quantized as `act` says), quantized at
+    /// load from the stored tensors `parts` stacked in order (a bf16 or f32 checkpoint served
+    /// with `--quantization fp8`): per output channel, the codes and scales
+    /// [`Fp8Matrix::quantize_per_channel`] gives for the stored values. The default quantizes
+    /// on the host and calls [`Backend::upload_mat_fp8`]; a device backend may quantize where
+    /// the weights are uploaded to, to the same codes and scales.
+    fn quantize_mat_fp8(
+        &mut self,
+        parts: &[TensorView<'_>],
+        rows: usize,
+        cols: usize,
+        act: ActivationScale,
+    ) -> Result<Self::Mat, BackendError> {
+        self.upload_mat_fp8(Fp8Matrix::quantize_per_channel(&stacked_f32(parts), rows, cols)?, act)
+    }
     /// Uploads a vector stacked from stored tensors (see [`Backend::upload_mat_raw`]).
     fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<Self::Buf, BackendError> {
         self.upload_vec(stacked_f32(parts))

@@ -80,6 +80,13 @@ impl<'a> WeightLoader<'a> {
             return Ok(b.random_mat_fp8(&parts, cols, act)?);
         }
         let store = self.store;
+        if q.source == QuantSource::AtLoad && !self.any_stored_fp8(names)? {
+            // A bf16/f32 checkpoint quantized per output channel, by the backend (on the device
+            // the weights are uploaded to): per row, so the stack quantizes as its parts would.
+            let rows = names.iter().map(|n| n.1).sum();
+            let views = self.views(names, cols)?;
+            return Ok(b.quantize_mat_fp8(&views, rows, cols, act)?);
+        }
         let mut mats = Vec::with_capacity(names.len());
         for (name, rows) in names {
             let stored_fp8 = store.get(name)?.dtype == DType::F8E4M3;
@@ -258,6 +265,16 @@ impl<'a> WeightLoader<'a> {
     }
 
     /// The stored tensors `names`, each checked to hold `rows × cols` elements.
+    /// Whether any of `names` is stored as FP8.
+    fn any_stored_fp8(&self, names: &[(String, usize)]) -> Result<bool, ModelLoadError> {
+        for (name, _) in names {
+            if self.store.get(name)?.dtype == DType::F8E4M3 {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     fn views(&mut self, names: &[(String, usize)], cols: usize) -> Result<Vec<TensorView<'a>>, ModelLoadError> {
         let store = self.store;
         let views = names
