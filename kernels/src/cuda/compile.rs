@@ -53,8 +53,8 @@ pub enum Family {
     /// lines), after gemv.cu's loads, mma and epilogues without gemv.cu's instances: modules of
     /// their own, so that they compile beside the bf16 ones (a cold start waits for the longest).
     GemvFp8,
-    /// Paged decode attention, cut by head_dim (`ATT_VARIANTS(HD)`, `ATT_TC_VARIANTS(HD)`,
-    /// `ATT_TC_FP8_VARIANTS(HD)`).
+    /// Paged decode attention, cut by head_dim and by instance line (`ATT_VARIANTS(HD)`,
+    /// `ATT_TC_VARIANTS(HD)`, `ATT_TC_FP8_VARIANTS(HD)`, `ATT_ST_VARIANTS(HD)`: [`ATTN_MODULES`]).
     Attention,
     /// Prefill flash attention, cut by head_dim (`PF_INSTANCE(HD, ..)`, `PF_WG_INSTANCE(HD, ..)`).
     Prefill,
@@ -212,6 +212,12 @@ fn instance_param(line: &str, macros: &[&str]) -> Option<usize> {
     })
 }
 
+/// Modules per head_dim of decode attention: one per instance line of a head_dim, in file order
+/// (`ATT_VARIANTS`: the register kernels and the combine; `ATT_TC_VARIANTS`; `ATT_TC_FP8_VARIANTS`;
+/// `ATT_ST_VARIANTS`: the streaming kernels of both caches). Whole, head_dim 128's took 15 s of
+/// NVRTC on a fresh machine, the longest module of a cold start.
+pub(crate) const ATTN_MODULES: usize = 4;
+
 /// Every module, in load order.
 pub fn modules() -> Vec<Module> {
     let mut v = vec![
@@ -224,7 +230,9 @@ pub fn modules() -> Vec<Module> {
     for (family, variants) in [(Family::Gemv, GEMV_VARIANTS.len()), (Family::GemvFp8, GEMV_FP8_VARIANTS.len())] {
         v.extend(GEMV_MAX_MS.iter().flat_map(|&m| (0..variants).map(move |i| Module::variant(family, m, i))));
     }
-    v.extend(ATTN_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Attention, hd)));
+    v.extend(
+        ATTN_HEAD_DIMS.iter().flat_map(|&hd| (0..ATTN_MODULES).map(move |i| Module::variant(Family::Attention, hd, i))),
+    );
     v.extend(PREFILL_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Prefill, hd)));
     v
 }
@@ -793,7 +801,7 @@ mod tests {
         let names: HashSet<String> = all.iter().map(Module::name).collect();
         assert_eq!(names.len(), all.len());
         let gemv = GEMV_MAX_MS.len() * (GEMV_VARIANTS.len() + GEMV_FP8_VARIANTS.len());
-        assert_eq!(all.len(), 5 + gemv + ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
+        assert_eq!(all.len(), 5 + gemv + ATTN_MODULES * ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
         let families = [
             Family::Elementwise,
             Family::Moe,
@@ -832,7 +840,10 @@ mod tests {
                 "gemv_m16_v1",
                 "gemv_m16_v2",
                 "gemv_m16_v3",
-                "attention_hd128",
+                "attention_hd128_v0",
+                "attention_hd128_v1",
+                "attention_hd128_v2",
+                "attention_hd128_v3",
                 "prefill_hd128"
             ]
         );
@@ -852,7 +863,15 @@ mod tests {
     /// instances together are the family's).
     #[test]
     fn instance_lists_match_the_variant_tables() {
-        let src: String = modules().iter().map(Module::source).collect::<Vec<_>>().join("\n");
+        // Each family or part once (a part cut by variant as the whole part).
+        let mut parts: Vec<Module> = Vec::new();
+        for m in modules() {
+            let whole_part = Module { variant: None, ..m };
+            if !parts.contains(&whole_part) {
+                parts.push(whole_part);
+            }
+        }
+        let src: String = parts.iter().map(Module::source).collect::<Vec<_>>().join("\n");
         let cuda: Vec<String> = src
             .lines()
             .filter_map(|l| l.trim().strip_prefix("ATT_INSTANCE(HD, "))

@@ -196,7 +196,7 @@ impl<F> KernelTable<F> {
         let mut attention = Vec::with_capacity(ATTN_HEAD_DIMS.len());
         for hd in ATTN_HEAD_DIMS {
             let m = Module::part(Family::Attention, hd);
-            attention.push(if needs.loads(&m) { Some(AttentionKernels::load(m, hd, &mut f)?) } else { None });
+            attention.push(if needs.loads(&m) { Some(AttentionKernels::load(hd, &mut f)?) } else { None });
         }
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
@@ -308,11 +308,21 @@ impl<F> Fp8Kernels<F> {
 }
 
 impl<F> AttentionKernels<F> {
-    fn load<E>(m: Module, hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+    fn load<E>(hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        // The module of each instance line (compile.rs's ATTN_MODULES, in file order).
+        let module = |v: &AttnVariant| {
+            let line = match (v.kind, v.fp8) {
+                (AttnKind::Registers, _) => 0,
+                (AttnKind::TensorCore, false) => 1,
+                (AttnKind::TensorCore, true) => 2,
+                (AttnKind::Stream, _) => 3,
+            };
+            Module::variant(Family::Attention, hd, line)
+        };
         Ok(Self {
-            bf16: ATTN_VARIANTS.iter().map(|v| f(m, &v.kernel_name(hd))).collect::<Result<_, _>>()?,
-            fp8: ATTN_FP8_VARIANTS.iter().map(|v| f(m, &fp8_kernel_name(v, hd))).collect::<Result<_, _>>()?,
-            combine: f(m, &combine_kernel_name(hd))?,
+            bf16: ATTN_VARIANTS.iter().map(|v| f(module(v), &v.kernel_name(hd))).collect::<Result<_, _>>()?,
+            fp8: ATTN_FP8_VARIANTS.iter().map(|v| f(module(v), &fp8_kernel_name(v, hd))).collect::<Result<_, _>>()?,
+            combine: f(Module::variant(Family::Attention, hd, 0), &combine_kernel_name(hd))?,
         })
     }
 }
