@@ -72,15 +72,20 @@ impl Fp8Matrix {
         let mut codes = vec![0u8; rows * cols];
         let mut scales = vec![1.0f32; rows];
         if cols > 0 {
-            for ((row, dst), scale) in values.chunks_exact(cols).zip(codes.chunks_exact_mut(cols)).zip(&mut scales) {
-                let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                if amax > 0.0 && amax.is_finite() {
-                    *scale = amax / E4M3_MAX;
-                }
-                for (d, v) in dst.iter_mut().zip(row) {
-                    *d = e4m3_from_f32(v / *scale);
-                }
-            }
+            // Rows in parallel (each row's result depends on that row alone): an 8B checkpoint
+            // quantized here row after row took a minute.
+            use rayon::prelude::*;
+            values.par_chunks_exact(cols).zip(codes.par_chunks_exact_mut(cols)).zip(scales.par_iter_mut()).for_each(
+                |((row, dst), scale)| {
+                    let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                    if amax > 0.0 && amax.is_finite() {
+                        *scale = amax / E4M3_MAX;
+                    }
+                    for (d, v) in dst.iter_mut().zip(row) {
+                        *d = e4m3_from_f32(v / *scale);
+                    }
+                },
+            );
         }
         Self::new(rows, cols, codes, scales, 1, cols.max(1))
     }

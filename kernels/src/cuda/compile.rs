@@ -21,7 +21,7 @@ use super::CudaError;
 use super::fp8_linear::GEMV_FP8_VARIANTS;
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS};
 use super::paged_attention::ATTN_HEAD_DIMS;
-use super::prefill::PREFILL_HEAD_DIMS;
+use super::prefill::{PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_HEAD_DIM};
 use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::Ptx;
 use std::ffi::CString;
@@ -34,9 +34,11 @@ const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
 /// A family of kernel sources: one `.cu` file or a few small ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Family {
-    /// Row-wise and element-wise kernels, RoPE + KV write, and the utility kernels: every
-    /// model's.
+    /// Row-wise and element-wise kernels and the utility kernels: every model's.
     Elementwise,
+    /// RoPE + the KV write (rope_kv.cu): every model's, a module of its own (it is most of the
+    /// row-wise kernels' NVRTC time).
+    Rope,
     /// The mixture-of-experts kernels (routing, permutation, the grouped expert products):
     /// models with experts only.
     Moe,
@@ -64,11 +66,8 @@ impl Family {
     /// The family's `.cu` files, in order (the prelude goes before them).
     fn files(self) -> &'static [&'static str] {
         match self {
-            Self::Elementwise => &[
-                include_str!("../../cuda/elementwise.cu"),
-                include_str!("../../cuda/rope_kv.cu"),
-                include_str!("../../cuda/util.cu"),
-            ],
+            Self::Elementwise => &[include_str!("../../cuda/elementwise.cu"), include_str!("../../cuda/util.cu")],
+            Self::Rope => &[include_str!("../../cuda/rope_kv.cu")],
             Self::Moe => &[
                 include_str!("../../cuda/moe.cu"),
                 include_str!("../../cuda/moe_skinny.cu"),
@@ -93,7 +92,7 @@ impl Family {
     /// the parameter a module keeps one value of; empty for families compiled whole.
     fn instance_macros(self) -> &'static [&'static str] {
         match self {
-            Self::Elementwise | Self::Moe | Self::AttentionExt | Self::Fp8 | Self::Sampling => &[],
+            Self::Elementwise | Self::Rope | Self::Moe | Self::AttentionExt | Self::Fp8 | Self::Sampling => &[],
             Self::Gemv => &["GEMV_INSTANCE"],
             Self::GemvFp8 => &["GEMV_FP8_INSTANCE"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS", "ATT_ST_VARIANTS"],
@@ -112,6 +111,7 @@ impl Family {
     fn label(self) -> &'static str {
         match self {
             Self::Elementwise => "elementwise",
+            Self::Rope => "rope_kv",
             Self::Moe => "moe",
             Self::AttentionExt => "attention_ext",
             Self::Fp8 => "fp8",
@@ -218,10 +218,18 @@ fn instance_param(line: &str, macros: &[&str]) -> Option<usize> {
 /// NVRTC on a fresh machine, the longest module of a cold start.
 pub(crate) const ATTN_MODULES: usize = 4;
 
+/// Modules of prefill attention for `head_dim`: one per instance line, in file order (a
+/// `PF_INSTANCE(HD, warps)` per CTA size of `PREFILL_WARPS`, then head_dim 128's
+/// `PF_WG_INSTANCE`).
+pub(crate) fn prefill_modules(head_dim: usize) -> usize {
+    PREFILL_WARPS.len() + usize::from(head_dim == PREFILL_WG_HEAD_DIM)
+}
+
 /// Every module, in load order.
 pub fn modules() -> Vec<Module> {
     let mut v = vec![
         Module::whole(Family::Elementwise),
+        Module::whole(Family::Rope),
         Module::whole(Family::Moe),
         Module::whole(Family::AttentionExt),
         Module::whole(Family::Fp8),
@@ -233,7 +241,11 @@ pub fn modules() -> Vec<Module> {
     v.extend(
         ATTN_HEAD_DIMS.iter().flat_map(|&hd| (0..ATTN_MODULES).map(move |i| Module::variant(Family::Attention, hd, i))),
     );
-    v.extend(PREFILL_HEAD_DIMS.iter().map(|&hd| Module::part(Family::Prefill, hd)));
+    v.extend(
+        PREFILL_HEAD_DIMS
+            .iter()
+            .flat_map(|&hd| (0..prefill_modules(hd)).map(move |i| Module::variant(Family::Prefill, hd, i))),
+    );
     v
 }
 
@@ -279,7 +291,7 @@ impl KernelNeeds {
             (Some(_), None) => false,
         };
         match module.family {
-            Family::Elementwise | Family::AttentionExt | Family::Sampling | Family::Gemv => true,
+            Family::Elementwise | Family::Rope | Family::AttentionExt | Family::Sampling | Family::Gemv => true,
             Family::Moe => self.experts,
             Family::Fp8 | Family::GemvFp8 => self.fp8_weights,
             Family::Attention | Family::Prefill => head_dim(module),
@@ -783,11 +795,9 @@ mod tests {
         // Whole families are their files verbatim after the prelude.
         let el = Module::whole(Family::Elementwise).source();
         assert!(el.starts_with(PRELUDE));
-        assert!(
-            el.contains("void embed_f32(")
-                && el.contains("void fill_counter_bf16(")
-                && el.contains("void rope_qkv_write_kv_bf16(")
-        );
+        assert!(el.contains("void embed_f32(") && el.contains("void fill_counter_bf16("));
+        assert!(!el.contains("void rope_qkv_write_kv_bf16("));
+        assert!(Module::whole(Family::Rope).source().contains("void rope_qkv_write_kv_bf16("));
         // The experts', extended attention's and FP8 weights' kernels are modules of their own.
         assert!(!el.contains("void moe_route_f32(") && !el.contains("void fp8_dequant_bf16("));
         assert!(Module::whole(Family::Moe).source().contains("void moe_route_f32("));
@@ -801,9 +811,11 @@ mod tests {
         let names: HashSet<String> = all.iter().map(Module::name).collect();
         assert_eq!(names.len(), all.len());
         let gemv = GEMV_MAX_MS.len() * (GEMV_VARIANTS.len() + GEMV_FP8_VARIANTS.len());
-        assert_eq!(all.len(), 5 + gemv + ATTN_MODULES * ATTN_HEAD_DIMS.len() + PREFILL_HEAD_DIMS.len());
+        let prefill = PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len() + 1;
+        assert_eq!(all.len(), 6 + gemv + ATTN_MODULES * ATTN_HEAD_DIMS.len() + prefill);
         let families = [
             Family::Elementwise,
+            Family::Rope,
             Family::Moe,
             Family::AttentionExt,
             Family::Fp8,
@@ -830,6 +842,7 @@ mod tests {
             names(&dense),
             [
                 "elementwise",
+                "rope_kv",
                 "attention_ext",
                 "sampling",
                 "gemv_m8_v0",
@@ -844,7 +857,9 @@ mod tests {
                 "attention_hd128_v1",
                 "attention_hd128_v2",
                 "attention_hd128_v3",
-                "prefill_hd128"
+                "prefill_hd128_v0",
+                "prefill_hd128_v1",
+                "prefill_hd128_v2"
             ]
         );
         // Experts and FP8 weights add their modules, and only those.
@@ -853,7 +868,7 @@ mod tests {
         let fp8_gemv = (0..8).map(|i| format!("gemv_fp8_m{}_v{}", [8, 16][i / 4], i % 4));
         assert_eq!(extra, ["moe".to_string(), "fp8".to_string()].into_iter().chain(fp8_gemv).collect::<Vec<_>>());
         // Gemma-3's head_dim 256; a head_dim with no modules (Phi-3's 96) loads no attention module.
-        assert!(names(&KernelNeeds::model(256, false, false)).contains(&"prefill_hd256".to_string()));
+        assert!(names(&KernelNeeds::model(256, false, false)).contains(&"prefill_hd256_v1".to_string()));
         let odd = names(&KernelNeeds::model(96, false, false));
         assert!(odd.iter().all(|n| !n.starts_with("attention_hd") && !n.starts_with("prefill_hd")), "{odd:?}");
         assert!(odd.contains(&"attention_ext".to_string()), "the extended attention serves any head_dim");

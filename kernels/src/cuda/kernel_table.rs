@@ -164,21 +164,22 @@ impl<F> KernelTable<F> {
         let gather_rows_f32 = f(el, "gather_rows_f32")?;
         let bf16_to_f32 = f(el, "bf16_to_f32")?;
         let f32_to_bf16 = f(el, "f32_to_bf16")?;
-        let rope_write_kv = f(el, "rope_write_kv_bf16")?;
-        let rope_qkv_write_kv = f(el, "rope_qkv_write_kv_bf16")?;
-        let rope_qknorm_write_kv = f(el, "rope_qknorm_write_kv_bf16")?;
-        let rope_qkv_qknorm_write_kv = f(el, "rope_qkv_qknorm_write_kv_bf16")?;
+        let rope = Module::whole(Family::Rope);
+        let rope_write_kv = f(rope, "rope_write_kv_bf16")?;
+        let rope_qkv_write_kv = f(rope, "rope_qkv_write_kv_bf16")?;
+        let rope_qknorm_write_kv = f(rope, "rope_qknorm_write_kv_bf16")?;
+        let rope_qkv_qknorm_write_kv = f(rope, "rope_qkv_qknorm_write_kv_bf16")?;
         let rope_write_kv_fp8 = [
-            f(el, "rope_write_kv_fp8")?,
-            f(el, "rope_qkv_write_kv_fp8")?,
-            f(el, "rope_qknorm_write_kv_fp8")?,
-            f(el, "rope_qkv_qknorm_write_kv_fp8")?,
+            f(rope, "rope_write_kv_fp8")?,
+            f(rope, "rope_qkv_write_kv_fp8")?,
+            f(rope, "rope_qknorm_write_kv_fp8")?,
+            f(rope, "rope_qkv_qknorm_write_kv_fp8")?,
         ];
         let rope_write_kv_amax = [
-            f(el, "rope_write_kv_amax")?,
-            f(el, "rope_qkv_write_kv_amax")?,
-            f(el, "rope_qknorm_write_kv_amax")?,
-            f(el, "rope_qkv_qknorm_write_kv_amax")?,
+            f(rope, "rope_write_kv_amax")?,
+            f(rope, "rope_qkv_write_kv_amax")?,
+            f(rope, "rope_qknorm_write_kv_amax")?,
+            f(rope, "rope_qkv_qknorm_write_kv_amax")?,
         ];
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
@@ -201,7 +202,7 @@ impl<F> KernelTable<F> {
         let mut prefill = Vec::with_capacity(PREFILL_HEAD_DIMS.len());
         for hd in PREFILL_HEAD_DIMS {
             let m = Module::part(Family::Prefill, hd);
-            prefill.push(if needs.loads(&m) { Some(PrefillKernels::load(m, hd, &mut f)?) } else { None });
+            prefill.push(if needs.loads(&m) { Some(PrefillKernels::load(hd, &mut f)?) } else { None });
         }
         let mut gemv_for = |max_m: usize| -> Result<Vec<Vec<F>>, E> {
             let mut variants = Vec::with_capacity(GEMV_VARIANTS.len());
@@ -328,18 +329,23 @@ impl<F> AttentionKernels<F> {
 }
 
 impl<F> PrefillKernels<F> {
-    fn load<E>(m: Module, hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+    fn load<E>(hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
+        // A module per instance line (compile.rs's prefill_modules): one per CTA size, then the
+        // warpgroup kernel's.
         let mut each = |fp8: bool, opt: bool| -> Result<Vec<F>, E> {
             PREFILL_WARPS
                 .iter()
-                .map(|&w| {
-                    f(m, &if fp8 { prefill_fp8_kernel_name(hd, w, opt) } else { prefill_kernel_name(hd, w, opt) })
+                .enumerate()
+                .map(|(i, &w)| {
+                    let name = if fp8 { prefill_fp8_kernel_name(hd, w, opt) } else { prefill_kernel_name(hd, w, opt) };
+                    f(Module::variant(Family::Prefill, hd, i), &name)
                 })
                 .collect()
         };
         let (bf16, fp8, bf16_opt, fp8_opt) =
             (each(false, false)?, each(true, false)?, each(false, true)?, each(true, true)?);
         let wg = if hd == PREFILL_WG_HEAD_DIM {
+            let m = Module::variant(Family::Prefill, hd, PREFILL_WARPS.len());
             Some([f(m, &prefill_wg_kernel_name(hd, false))?, f(m, &prefill_wg_kernel_name(hd, true))?])
         } else {
             None
