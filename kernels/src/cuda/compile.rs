@@ -36,9 +36,15 @@ const PRELUDE: &str = include_str!("../../cuda/prelude.cuh");
 pub enum Family {
     /// Row-wise and element-wise kernels and the utility kernels: every model's.
     Elementwise,
-    /// RoPE + the KV write (rope_kv.cu): every model's, a module of its own (it is most of the
-    /// row-wise kernels' NVRTC time).
+    /// RoPE + the KV write into a bf16 cache (rope_kv.cu's body, rope_kv_bf16.cu's entries):
+    /// every model's. The RoPE kernels are three modules, one per cache kind and the
+    /// calibration pass: whole, they were the longest module of a cold start (8.3 s of NVRTC on
+    /// a fresh H200 machine).
     Rope,
+    /// RoPE + the KV write into an FP8 cache (rope_kv_fp8.cu after rope_kv.cu).
+    RopeFp8,
+    /// The FP8 KV scale calibration passes (rope_kv_amax.cu after rope_kv.cu).
+    RopeAmax,
     /// The mixture-of-experts kernels (routing, permutation, the grouped expert products):
     /// models with experts only.
     Moe,
@@ -67,7 +73,9 @@ impl Family {
     fn files(self) -> &'static [&'static str] {
         match self {
             Self::Elementwise => &[include_str!("../../cuda/elementwise.cu"), include_str!("../../cuda/util.cu")],
-            Self::Rope => &[include_str!("../../cuda/rope_kv.cu")],
+            Self::Rope => &[include_str!("../../cuda/rope_kv.cu"), include_str!("../../cuda/rope_kv_bf16.cu")],
+            Self::RopeFp8 => &[include_str!("../../cuda/rope_kv.cu"), include_str!("../../cuda/rope_kv_fp8.cu")],
+            Self::RopeAmax => &[include_str!("../../cuda/rope_kv.cu"), include_str!("../../cuda/rope_kv_amax.cu")],
             Self::Moe => &[
                 include_str!("../../cuda/moe.cu"),
                 include_str!("../../cuda/moe_skinny.cu"),
@@ -92,7 +100,14 @@ impl Family {
     /// the parameter a module keeps one value of; empty for families compiled whole.
     fn instance_macros(self) -> &'static [&'static str] {
         match self {
-            Self::Elementwise | Self::Rope | Self::Moe | Self::AttentionExt | Self::Fp8 | Self::Sampling => &[],
+            Self::Elementwise
+            | Self::Rope
+            | Self::RopeFp8
+            | Self::RopeAmax
+            | Self::Moe
+            | Self::AttentionExt
+            | Self::Fp8
+            | Self::Sampling => &[],
             Self::Gemv => &["GEMV_INSTANCE"],
             Self::GemvFp8 => &["GEMV_FP8_INSTANCE"],
             Self::Attention => &["ATT_VARIANTS", "ATT_TC_VARIANTS", "ATT_TC_FP8_VARIANTS", "ATT_ST_VARIANTS"],
@@ -112,6 +127,8 @@ impl Family {
         match self {
             Self::Elementwise => "elementwise",
             Self::Rope => "rope_kv",
+            Self::RopeFp8 => "rope_kv_fp8",
+            Self::RopeAmax => "rope_kv_amax",
             Self::Moe => "moe",
             Self::AttentionExt => "attention_ext",
             Self::Fp8 => "fp8",
@@ -230,6 +247,8 @@ pub fn modules() -> Vec<Module> {
     let mut v = vec![
         Module::whole(Family::Elementwise),
         Module::whole(Family::Rope),
+        Module::whole(Family::RopeFp8),
+        Module::whole(Family::RopeAmax),
         Module::whole(Family::Moe),
         Module::whole(Family::AttentionExt),
         Module::whole(Family::Fp8),
@@ -291,7 +310,13 @@ impl KernelNeeds {
             (Some(_), None) => false,
         };
         match module.family {
-            Family::Elementwise | Family::Rope | Family::AttentionExt | Family::Sampling | Family::Gemv => true,
+            Family::Elementwise
+            | Family::Rope
+            | Family::RopeFp8
+            | Family::RopeAmax
+            | Family::AttentionExt
+            | Family::Sampling
+            | Family::Gemv => true,
             Family::Moe => self.experts,
             Family::Fp8 | Family::GemvFp8 => self.fp8_weights,
             Family::Attention | Family::Prefill => head_dim(module),
@@ -797,7 +822,10 @@ mod tests {
         assert!(el.starts_with(PRELUDE));
         assert!(el.contains("void embed_f32(") && el.contains("void fill_counter_bf16("));
         assert!(!el.contains("void rope_qkv_write_kv_bf16("));
-        assert!(Module::whole(Family::Rope).source().contains("void rope_qkv_write_kv_bf16("));
+        let rope = Module::whole(Family::Rope).source();
+        assert!(rope.contains("void rope_qkv_write_kv_bf16(") && !rope.contains("void rope_write_kv_fp8("));
+        assert!(Module::whole(Family::RopeFp8).source().contains("void rope_qkv_qknorm_write_kv_fp8("));
+        assert!(Module::whole(Family::RopeAmax).source().contains("void rope_write_kv_amax("));
         // The experts', extended attention's and FP8 weights' kernels are modules of their own.
         assert!(!el.contains("void moe_route_f32(") && !el.contains("void fp8_dequant_bf16("));
         assert!(Module::whole(Family::Moe).source().contains("void moe_route_f32("));
@@ -812,10 +840,12 @@ mod tests {
         assert_eq!(names.len(), all.len());
         let gemv = GEMV_MAX_MS.len() * (GEMV_VARIANTS.len() + GEMV_FP8_VARIANTS.len());
         let prefill = PREFILL_HEAD_DIMS.len() * PREFILL_WARPS.len() + 1;
-        assert_eq!(all.len(), 6 + gemv + ATTN_MODULES * ATTN_HEAD_DIMS.len() + prefill);
+        assert_eq!(all.len(), 8 + gemv + ATTN_MODULES * ATTN_HEAD_DIMS.len() + prefill);
         let families = [
             Family::Elementwise,
             Family::Rope,
+            Family::RopeFp8,
+            Family::RopeAmax,
             Family::Moe,
             Family::AttentionExt,
             Family::Fp8,
@@ -843,6 +873,8 @@ mod tests {
             [
                 "elementwise",
                 "rope_kv",
+                "rope_kv_fp8",
+                "rope_kv_amax",
                 "attention_ext",
                 "sampling",
                 "gemv_m8_v0",

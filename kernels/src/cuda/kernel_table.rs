@@ -169,17 +169,18 @@ impl<F> KernelTable<F> {
         let rope_qkv_write_kv = f(rope, "rope_qkv_write_kv_bf16")?;
         let rope_qknorm_write_kv = f(rope, "rope_qknorm_write_kv_bf16")?;
         let rope_qkv_qknorm_write_kv = f(rope, "rope_qkv_qknorm_write_kv_bf16")?;
+        let (rope_fp8, rope_amax) = (Module::whole(Family::RopeFp8), Module::whole(Family::RopeAmax));
         let rope_write_kv_fp8 = [
-            f(rope, "rope_write_kv_fp8")?,
-            f(rope, "rope_qkv_write_kv_fp8")?,
-            f(rope, "rope_qknorm_write_kv_fp8")?,
-            f(rope, "rope_qkv_qknorm_write_kv_fp8")?,
+            f(rope_fp8, "rope_write_kv_fp8")?,
+            f(rope_fp8, "rope_qkv_write_kv_fp8")?,
+            f(rope_fp8, "rope_qknorm_write_kv_fp8")?,
+            f(rope_fp8, "rope_qkv_qknorm_write_kv_fp8")?,
         ];
         let rope_write_kv_amax = [
-            f(rope, "rope_write_kv_amax")?,
-            f(rope, "rope_qkv_write_kv_amax")?,
-            f(rope, "rope_qknorm_write_kv_amax")?,
-            f(rope, "rope_qkv_qknorm_write_kv_amax")?,
+            f(rope_amax, "rope_write_kv_amax")?,
+            f(rope_amax, "rope_qkv_write_kv_amax")?,
+            f(rope_amax, "rope_qknorm_write_kv_amax")?,
+            f(rope_amax, "rope_qkv_qknorm_write_kv_amax")?,
         ];
         let gelu_tanh_mul = f(el, "gelu_tanh_mul_bf16")?;
         let softcap = f(el, "softcap_f32")?;
