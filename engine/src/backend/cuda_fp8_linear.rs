@@ -16,8 +16,7 @@
 //! into the scratch buffer sized at upload (no allocation in a step) and the bf16 GEMM.
 
 use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel};
-use crate::backend::stacked_f32;
-use crate::backend::{Backend, BackendError, counter_fp8};
+use crate::backend::{Backend, BackendError, counter_fp8, quantize_stacked_fp8};
 use baton_formats::{CounterInit, DType, TensorView};
 use baton_kernels::cpu::ActivationScale;
 use baton_kernels::cuda::{CudaSlice, Fp8Weights, LinearCall, QuantRows, QuantizeRowsCall, bf16};
@@ -102,8 +101,7 @@ impl CudaBackend {
     ) -> Result<CudaMat, BackendError> {
         let device_takes = rows > 0 && cols.is_multiple_of(8) && parts.iter().all(|t| t.dtype == DType::BF16);
         if !device_takes {
-            let host = baton_kernels::cpu::Fp8Matrix::quantize_per_channel(&stacked_f32(parts), rows, cols)?;
-            return self.upload_mat_fp8(host, act);
+            return self.upload_mat_fp8(quantize_stacked_fp8(parts, rows, cols)?, act);
         }
         let stored = self.stream_weights("quantize_mat_fp8", parts, rows * cols)?;
         let dev = &self.dev;

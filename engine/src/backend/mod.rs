@@ -57,6 +57,13 @@ pub fn counter_fp8(parts: &[(usize, CounterInit)], cols: usize) -> Result<Fp8Mat
     Fp8Matrix::stack(&mats)
 }
 
+/// The stored tensors `parts` stacked by rows and quantized per output channel on the host
+/// ([`Fp8Matrix::quantize_per_channel`]): [`Backend::quantize_mat_fp8`]'s rule, and its way for
+/// what a device backend does not quantize itself.
+pub fn quantize_stacked_fp8(parts: &[TensorView<'_>], rows: usize, cols: usize) -> Result<Fp8Matrix, KernelError> {
+    Fp8Matrix::quantize_per_channel(&stacked_f32(parts), rows, cols)
+}
+
 /// The elements of `parts`, stacked in order, as f32 (how the default
 /// [`Backend::upload_mat_raw`] reads stored tensors).
 pub fn stacked_f32(parts: &[TensorView<'_>]) -> Vec<f32> {
@@ -247,7 +254,7 @@ pub trait Backend: Send + 'static {
         cols: usize,
         act: ActivationScale,
     ) -> Result<Self::Mat, BackendError> {
-        self.upload_mat_fp8(Fp8Matrix::quantize_per_channel(&stacked_f32(parts), rows, cols)?, act)
+        self.upload_mat_fp8(quantize_stacked_fp8(parts, rows, cols)?, act)
     }
     /// Uploads a vector stacked from stored tensors (see [`Backend::upload_mat_raw`]).
     fn upload_vec_raw(&mut self, parts: &[TensorView<'_>]) -> Result<Self::Buf, BackendError> {

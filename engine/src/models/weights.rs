@@ -264,7 +264,6 @@ impl<'a> WeightLoader<'a> {
         Ok(b.upload_mat_raw(&[view], batches * rows, cols)?)
     }
 
-    /// The stored tensors `names`, each checked to hold `rows × cols` elements.
     /// Whether any of `names` is stored as FP8.
     fn any_stored_fp8(&self, names: &[(String, usize)]) -> Result<bool, ModelLoadError> {
         for (name, _) in names {
@@ -275,6 +274,7 @@ impl<'a> WeightLoader<'a> {
         Ok(false)
     }
 
+    /// The stored tensors `names`, each checked to hold `rows × cols` elements.
     fn views(&mut self, names: &[(String, usize)], cols: usize) -> Result<Vec<TensorView<'a>>, ModelLoadError> {
         let store = self.store;
         let views = names

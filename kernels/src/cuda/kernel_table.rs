@@ -372,20 +372,22 @@ impl<F> KernelTable<F> {
 
     /// Decode attention for `ATTN_HEAD_DIMS[hd_idx]`, or [`CudaError::NotLoaded`].
     pub fn attention(&self, hd_idx: usize) -> Result<&AttentionKernels<F>, CudaError> {
-        let hd = ATTN_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0);
-        self.attention
-            .get(hd_idx)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| not_loaded(Module::part(Family::Attention, hd), "this head_dim"))
+        self.attention.get(hd_idx).and_then(Option::as_ref).ok_or_else(|| {
+            not_loaded(
+                Module::part(Family::Attention, ATTN_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0)),
+                "this head_dim",
+            )
+        })
     }
 
     /// Prefill attention for `PREFILL_HEAD_DIMS[hd_idx]`, or [`CudaError::NotLoaded`].
     pub fn prefill(&self, hd_idx: usize) -> Result<&PrefillKernels<F>, CudaError> {
-        let hd = PREFILL_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0);
-        self.prefill
-            .get(hd_idx)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| not_loaded(Module::part(Family::Prefill, hd), "this head_dim"))
+        self.prefill.get(hd_idx).and_then(Option::as_ref).ok_or_else(|| {
+            not_loaded(
+                Module::part(Family::Prefill, PREFILL_HEAD_DIMS.get(hd_idx).copied().unwrap_or(0)),
+                "this head_dim",
+            )
+        })
     }
 }
 
