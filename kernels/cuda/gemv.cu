@@ -48,13 +48,6 @@
 // kernel's formula. The normalized activation is never stored. Both kinds trigger the next
 // kernel's launch (PDL) after their k loop rather than at their start (measured, see gemv_body).
 //
-// Norm output (ResidNormAct: a residual product whose next product reads a bf16 x, e.g. over
-// FP8 weights, where normalizing on the loads of x cost more than it saved). After the residual
-// epilogue each CTA counts itself on a device counter; the last one to finish sums every row's
-// stats (GemvXNorm::ready's order, so the same 1 / rms) and stores hidden = bf16(r * inv * w_norm)
-// for the whole row, the norm kernel's formula, then resets the counter. One launch does what
-// the product and the add + norm kernel did; the residual is the same bits.
-//
 // RoPE fusion (RopeAct: the norm-input qkv product of a decode step, bf16 weights, full
 // rotation). rope_kv.cu's kernel was one more launch a layer on the critical path between this
 // product and attention, for a few KB of bytes. Here the CTAs of the q and k rows take, like the
@@ -130,33 +123,6 @@ struct IsResid {
 };
 template <>
 struct IsResid<ResidAct> {
-    static constexpr bool value = true;
-};
-// The epilogue of a residual product that also stores the next RMSNorm's output (see the top of
-// the file): ResidAct's add and stats into res and stats, then the grid's last CTA normalizes
-// the new residual rows into hidden. counter is 0 between launches (the last CTA resets it).
-struct ResidNormAct {
-    float* res;
-    float* stats;
-    bf16_t* hidden;
-    const bf16_t* norm_w;
-    float eps;
-    unsigned* counter;
-};
-template <>
-struct IsGated<ResidNormAct> {
-    static constexpr bool value = false;
-};
-template <>
-struct IsResid<ResidNormAct> {
-    static constexpr bool value = true;
-};
-template <typename ACT>
-struct HasNormOut {
-    static constexpr bool value = false;
-};
-template <>
-struct HasNormOut<ResidNormAct> {
     static constexpr bool value = true;
 };
 // The epilogue of the RoPE-fused qkv product (see the top of the file): where the rotated q,
@@ -415,14 +381,14 @@ struct GemvXNorm {
     }
 };
 
-// The epilogue of a residual product: residual += bf16(sum * scale(row)) (add_rms_norm_f32's add,
-// on the product's rounded output; the scale is gemv_fp8.cu's per-row one, 1 here), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
+// The epilogue of a residual product: residual += bf16(sum) (add_rms_norm_f32's add, on the
+// product's rounded output), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
 // residual squared, for each row mm < m. rp holds the residual values this thread's entries
 // (the plain epilogue's indexing) had, loaded before the k loop.
-template <int NT, int NW, int E, typename SCALE>
+template <int NT, int NW, int E>
 __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][32], const float* rp,
                                                     float* __restrict__ res, float* __restrict__ stats, int m,
-                                                    int n, SCALE scale) {
+                                                    int n) {
     __shared__ float sq[16][NT * 8];
     const int row0 = blockIdx.x * 16;
 #pragma unroll
@@ -437,7 +403,7 @@ __device__ __forceinline__ void gemv_epilogue_resid(const float (*red)[NT * 4][3
             const int mm = (j >> 2) * 8 + 2 * (l & 3) + (j & 1);
             float q = 0.f;
             if (row0 + r < n && mm < m) {
-                const float v = rp[e] + bf2f(f2bf(s * scale(row0 + r)));
+                const float v = rp[e] + bf2f(f2bf(s));
                 res[(long long)mm * n + row0 + r] = v;
                 q = v * v;
             }
@@ -468,81 +434,6 @@ __device__ __forceinline__ void gemv_resid_preload(const float* __restrict__ res
             if (row0 + r < n && mm < m) rp[e] = res[(long long)mm * n + row0 + r];
         }
     }
-}
-
-// L2 loads for data other CTAs of this grid wrote (the last CTA's reads below): no L1 copy.
-__device__ __forceinline__ float gemv_ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ float4 gemv_ld_cg_f4(const float4* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-    return v;
-}
-
-// Before the PDL wait: the norm weight (n bf16, 256 bytes a CTA, CTA b the b-th) into L2, so
-// that the last CTA's loads of it are not a DRAM round trip at the end of the kernel.
-__device__ __forceinline__ void gemv_prefetch_norm_weight(const bf16_t* w, int n) {
-    const long long off = (long long)blockIdx.x * 128 + threadIdx.x * 64;
-    if (threadIdx.x < 2 && off < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + off));
-}
-
-// After a residual epilogue (ResidNormAct): the grid's last CTA to finish (counted on
-// a.counter, which it leaves at 0 for the next launch) sums each row's stats as GemvXNorm::ready
-// does (the same order, so the same 1 / rms), then writes hidden[mm][c] = bf16(r * inv * w[c])
-// for every row mm < m (at most MAXM) and column c < n, the norm kernel's formula. n % 8 == 0.
-// Every thread of every CTA calls it. The writers' fence before the count and the last CTA's
-// fence after it make every CTA's residual columns and stats visible to the last one, which
-// reads them from L2.
-template <int MAXM>
-__device__ __forceinline__ void gemv_resid_norm_last(const ResidNormAct& a, int m, int n) {
-    __shared__ unsigned s_last;
-    __shared__ float s_inv[MAXM];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(a.counter, 1u) == gridDim.x - 1 ? 1u : 0u;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    const int parts = gridDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int mm = warp; mm < m; mm += nw) {
-        float s = 0.f;
-        for (int p = lane; p < parts; p += 32) s += gemv_ld_cg(a.stats + (long long)mm * parts + p);
-        s = warp_sum(s);
-        if (lane == 0) s_inv[mm] = rsqrtf(s / (float)n + a.eps);
-    }
-    __syncthreads();
-    // V chunks of 8 values a thread in flight per round (loads first, then the stores).
-    constexpr int V = 4;
-    const int chunks = n >> 3, total = m * chunks, step = blockDim.x;
-    for (int i0 = threadIdx.x; i0 < total; i0 += V * step) {
-        float4 lo[V], hi[V];
-        uint4 wv[V];
-#pragma unroll
-        for (int u = 0; u < V; u++) {
-            const int i = min(i0 + u * step, total - 1);
-            const int mm = i / chunks, c = i - mm * chunks;
-            const float4* r = reinterpret_cast<const float4*>(a.res + (long long)mm * n) + 2 * c;
-            lo[u] = gemv_ld_cg_f4(r);
-            hi[u] = gemv_ld_cg_f4(r + 1);
-            wv[u] = gemv_ld_cached(reinterpret_cast<const uint4*>(a.norm_w) + c);
-        }
-#pragma unroll
-        for (int u = 0; u < V; u++) {
-            const int i = i0 + u * step;
-            if (i < total) {
-                const int mm = i / chunks, c = i - mm * chunks;
-                const float iv = s_inv[mm];
-                reinterpret_cast<uint4*>(a.hidden + (long long)mm * n)[c] =
-                    make_uint4(gemv_norm_pair(lo[u].x, lo[u].y, iv, wv[u].x), gemv_norm_pair(lo[u].z, lo[u].w, iv, wv[u].y),
-                               gemv_norm_pair(hi[u].x, hi[u].y, iv, wv[u].z), gemv_norm_pair(hi[u].z, hi[u].w, iv, wv[u].w));
-            }
-        }
-    }
-    if (threadIdx.x == 0) *a.counter = 0u;
 }
 
 // The RoPE epilogue (RopeAct, see the top of the file): one thread per (rotation pair or pair
@@ -622,7 +513,6 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     const auto wrow = [&](int i) { return gemv_act_row(act, blockIdx.x, i, n); };
     gemv_prefetch_l2(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, wrow);
     gemv_prefetch_l2_bulk(reinterpret_cast<const unsigned char*>(w), 2ll * k, NW * BATCH * 16, pf, wrow);
-    if constexpr (HasNormOut<ACT>::value) gemv_prefetch_norm_weight(act.norm_w, n);
     // The fused-norm kernels let the next kernel launch only after their k loop: triggered at
     // the start, as the other kernels do, they made Llama-3.1-8B's b = 1 ctx 1k step 6.49 ms
     // against 5.83 (and 5.98 unfused; H100, bench/results/bench-cuda-fusednorm-*).
@@ -692,10 +582,9 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         gemv_epilogue_gated<NT, NW>(red, act, out, m, n, blockIdx.x, 0, NoRowScale{});
     else if constexpr (IsRope<ACT>::value)
         gemv_epilogue_rope<NT, NW>(red, act, out, m, n, blockIdx.x, 0, NoRowScale{});
-    else if constexpr (IsResid<ACT>::value) {
-        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n, NoRowScale{});
-        if constexpr (HasNormOut<ACT>::value) gemv_resid_norm_last<NT * 8>(act, m, n);
-    } else
+    else if constexpr (IsResid<ACT>::value)
+        gemv_epilogue_resid<NT, NW, E>(red, rp, out, stats, m, n);
+    else
         gemv_epilogue_plain<NT, NW>(red, out, m, n, blockIdx.x * 16, 0, NoRowScale{});
 }
 
@@ -725,18 +614,6 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
                                       int k, int pf) {                                                 \
         const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, GEMV_T);                                        \
         gemv_body<MAXM / 8, NW, U, float, ResidAct>(xin, w, res, stats, m, n, k, pf);                  \
-    }
-
-// The residual product that also stores the next norm's output (ResidNormAct): hidden is
-// rms_norm(res) * nw after the add.
-#define GEMV_KERNEL_RESID_NORM(MAXM, NW, U)                                                              \
-    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW)) GEMV_NAME(MAXM, NW, U, resid_norm)( \
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, float* __restrict__ res,                 \
-        float* __restrict__ stats, const bf16_t* __restrict__ nw, float eps, bf16_t* __restrict__ hidden,     \
-        unsigned* __restrict__ counter, int m, int n, int k, int pf) {                                       \
-        const GemvXBf16<MAXM / 8> xin(x, m, k, GEMV_G, GEMV_T);                                              \
-        const ResidNormAct act{res, stats, hidden, nw, eps, counter};                                        \
-        gemv_body<MAXM / 8, NW, U, float, ResidNormAct>(xin, w, res, stats, m, n, k, pf, act);               \
     }
 
 // A norm-input instantiation: x is rms_norm(res) * nw (see the top of the file).
@@ -775,8 +652,7 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                \
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)              \
     GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope, bf16_t)          \
-    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope_fp8, unsigned char)   \
-    GEMV_KERNEL_RESID_NORM(MAXM, NW, U)
+    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope_fp8, unsigned char)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
 // kernels/src/cuda/gemv.rs, for up to 8 and up to 16 rows of x: one top-level line each, so that

@@ -37,11 +37,8 @@
 // its own row's scale before the epilogue rounds it, as the plain product stores it: the gated
 // and RoPE kernels give bit for bit the plain product followed by gated_mul or by rope_kv.cu's
 // fused-input kernel, one launch and one round trip of the product's rows fewer. x is bf16 here:
-// normalizing on the loads of x cost more than the launch it saved (BENCHMARKS.md, session 16).
-// Instead the product that ends a residual branch (o_proj, down) can store the next norm's
-// output itself (ResidNormAct, gemv.cu): the residual add and stats in its epilogue, each sum
-// scaled by its row's scale and rounded as the plain product stores it, then the grid's last
-// CTA normalizes the rows (groups == 1 only: at most 16 rows of x).
+// the norm stays its own kernel before an FP8 product (normalizing on the loads of x cost more
+// than the launch it saved; BENCHMARKS.md, session 16).
 
 // d[h] += the 4 mma of one chunk: A rows g (pa) and g + 8 (pb), B = x pairs px.
 __device__ __forceinline__ void fp8_chunk_mma(float (*d)[4], const unsigned* pa, const unsigned* pb,
@@ -85,19 +82,11 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
     // step over FP8 weights and cache took 3.56 ms against 3.37 with the RoPE kernel after the
     // plain product; triggered late, 3.41-3.45 (H200, bench/results/bench-cuda-fp8-pdl-callB-*;
     // the mechanism, as for the bf16 epilogue at that shape, was not isolated).
-    // The residual kernels too (they read the residual after the wait), as gemv.cu's.
-    constexpr bool resid = IsResid<ACT>::value;
-    constexpr bool late = IsRope<ACT>::value || resid;
-    if constexpr (HasNormOut<ACT>::value) gemv_prefetch_norm_weight(act.norm_w, n);
+    constexpr bool late = IsRope<ACT>::value;
     if constexpr (late)
         pdl_wait();
     else
         PDL_ENTER();
-    // Epilogue entries per thread (the residual epilogue preloads their residual values; one
-    // CTA a weight tile: the host launches these with groups == 1).
-    constexpr int E = (NT * 4 + NW - 1) / NW;
-    float rp[E];
-    if constexpr (resid) gemv_resid_preload<NT, NW, E>(act.res, rp, m, n);
 
     // Two accumulator sets per tile (even and odd mma of a chunk) halve the dependent chain.
     float acc[NT][2][4];
@@ -198,10 +187,7 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
         gemv_epilogue_gated<NT, NW>(red, act, out, m, n, tile, m0, row_scale);
     else if constexpr (IsRope<ACT>::value)
         gemv_epilogue_rope<NT, NW>(red, act, out, m, n, tile, m0, row_scale);
-    else if constexpr (resid) {
-        gemv_epilogue_resid<NT, NW, E>(red, rp, act.res, act.stats, m, n, row_scale);
-        gemv_resid_norm_last<NT * 8>(act, m, n);
-    } else
+    else
         gemv_epilogue_plain<NT, NW>(red, out, m, n, tile * 16, m0, row_scale);
 }
 
@@ -230,28 +216,13 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
                                                              act);                                              \
     }
 
-// The residual product with the next norm's output (gemv.cu's ResidNormAct): res += the
-// product, hidden = rms_norm(res) * nw. Launched with groups == 1 (at most 16 rows of x).
-#define GEMV_FP8_KERNEL_RESID_NORM(MAXM, NW, U, SCALING, BLOCKED)                                          \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                   \
-        gemv_fp8_m##MAXM##_w##NW##_u##U##_##SCALING##_resid_norm(                                            \
-            const bf16_t* __restrict__ x, const unsigned char* __restrict__ codes,                           \
-            const float* __restrict__ scales, float* __restrict__ res, float* __restrict__ stats,             \
-            const bf16_t* __restrict__ nw, float eps, bf16_t* __restrict__ hidden, unsigned* __restrict__ counter, \
-            int m, int n, int k, int rb, int cb, int groups) {                                               \
-        const ResidNormAct act{res, stats, hidden, nw, eps, counter};                                        \
-        gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, ResidNormAct>(x, codes, scales, nullptr, m, n, k, rb, cb,    \
-                                                              groups, act);                                 \
-    }
-
 // Every epilogue of one scaling, in the order of Fp8Epilogue::ALL (kernels/src/cuda/fp8_linear.rs).
 #define GEMV_FP8_EPILOGUES(MAXM, NW, U, SCALING, BLOCKED)                             \
     GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, , NoAct)                           \
     GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, _silu, SiluAct)                    \
     GEMV_FP8_KERNEL(MAXM, NW, U, SCALING, BLOCKED, _gelu_tanh, GeluTanhAct)           \
     GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, _rope, bf16_t)                \
-    GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, _rope_fp8, unsigned char)     \
-    GEMV_FP8_KERNEL_RESID_NORM(MAXM, NW, U, SCALING, BLOCKED)
+    GEMV_FP8_KERNEL_ROPE(MAXM, NW, U, SCALING, BLOCKED, _rope_fp8, unsigned char)
 
 #define GEMV_FP8_INSTANCE(MAXM, NW, U)              \
     GEMV_FP8_EPILOGUES(MAXM, NW, U, row, false)     \

@@ -94,19 +94,9 @@ impl Case {
         let parts = norm_stat_parts(width);
         let mut res = up_f32(dev, &self.residual);
         let mut stats = up_f32(dev, &vec![f32::NAN; m * parts]);
-        ResidualLinearCall {
-            x: &self.x,
-            m,
-            k,
-            w: &self.w,
-            n: width,
-            residual: &mut res,
-            stats: &mut stats,
-            norm_out: None,
-            variant,
-        }
-        .launch(dev)
-        .expect("residual_linear");
+        ResidualLinearCall { x: &self.x, m, k, w: &self.w, n: width, residual: &mut res, stats: &mut stats, variant }
+            .launch(dev)
+            .expect("residual_linear");
         let mut out = poisoned(dev, m * cols + spare);
         let call = NormLinearCall {
             input: NormInput { residual: &res, stats: &stats, norm: &self.norm, eps: EPS },
@@ -221,8 +211,7 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
             }
             None => &mut stats,
         };
-        ResidualLinearCall { x: &x, m, k, w: &w, n: width, residual: &mut res, stats, norm_out: None, variant }
-            .launch(&dev)
+        ResidualLinearCall { x: &x, m, k, w: &w, n: width, residual: &mut res, stats, variant }.launch(&dev)
     };
     assert!(call(m_max, k, None, None).is_err(), "m > GEMV_KERNEL_MAX_M accepted");
     assert!(call(1, k - 4, None, None).is_err(), "k % 8 != 0 accepted");

@@ -72,56 +72,6 @@ pub struct BoundaryRope<'a, B: Backend + ?Sized> {
     pub v: &'a mut B::Buf,
 }
 
-impl<'a, B: Backend + ?Sized> BranchBoundary<'a, B> {
-    /// The boundary's first two ops: the ending projection, the residual add and the norm.
-    pub fn end(&self) -> EndBranch<'a, B> {
-        EndBranch {
-            m: self.m,
-            x: self.x,
-            w: self.w,
-            bias: self.bias,
-            norm: self.norm,
-            eps: self.eps,
-            label: self.labels.0,
-        }
-    }
-}
-
-/// What [`Backend::end_branch`] computes: `residual += x · wᵀ (+ bias)`, then
-/// `hidden = rms_norm(residual) · norm` (a [`BranchBoundary`] without the next projection, for a
-/// next branch that is not one projection: the MoE block).
-pub struct EndBranch<'a, B: Backend + ?Sized> {
-    /// Rows (tokens).
-    pub m: usize,
-    /// The ending branch's last activation (`m × w.cols`).
-    pub x: &'a B::Buf,
-    /// The ending branch's output projection (o_proj, down).
-    pub w: &'a B::Mat,
-    /// Its bias, if the checkpoint has one.
-    pub bias: Option<&'a B::Buf>,
-    /// The norm's weight.
-    pub norm: &'a B::Buf,
-    /// Added to the mean square.
-    pub eps: f32,
-    /// Step-profile label of the projection (`"o_proj"`).
-    pub label: &'static str,
-}
-
-/// [`Backend::end_branch`] as its ops, each marked: [`Backend::linear`] into `proj`, then
-/// [`Backend::add_rms_norm`] into `hidden`.
-pub fn end_branch_unfused<B: Backend + ?Sized>(
-    b: &mut B,
-    s: EndBranch<'_, B>,
-    residual: &mut B::Res,
-    proj: &mut B::Buf,
-    hidden: &mut B::Buf,
-) -> Result<(), BackendError> {
-    b.mark(s.label);
-    b.linear(s.x, s.m, s.w, s.bias, proj)?;
-    b.mark("norm");
-    b.add_rms_norm(residual, proj, s.norm, s.eps, hidden)
-}
-
 /// Buffers [`Backend::branch_boundary`] may use on the way; their contents afterwards are
 /// unspecified.
 pub struct BoundaryScratch<'a, B: Backend + ?Sized> {
@@ -167,10 +117,9 @@ pub fn branch_boundary_unfused<B: Backend + ?Sized>(
     }
 }
 
-/// The unfused boundary's first two ops as [`Backend::end_branch`] (which a backend may fuse):
-/// the ending projection, the residual add and the norm into `hidden` (what the next projection
-/// reads), then the next projection's mark. Also the start of a backend's route that fuses only
-/// the next projection's epilogue.
+/// The unfused boundary's first two ops, each marked: the ending projection into `proj`, then
+/// the residual add and the norm into `hidden` (what the next projection reads). Also the start
+/// of a backend's route that fuses only the next projection's epilogue.
 pub(crate) fn end_branch_and_norm<B: Backend + ?Sized>(
     b: &mut B,
     s: &BranchBoundary<'_, B>,
@@ -178,7 +127,10 @@ pub(crate) fn end_branch_and_norm<B: Backend + ?Sized>(
     proj: &mut B::Buf,
     hidden: &mut B::Buf,
 ) -> Result<(), BackendError> {
-    b.end_branch(s.end(), residual, proj, hidden)?;
+    b.mark(s.labels.0);
+    b.linear(s.x, s.m, s.w, s.bias, proj)?;
+    b.mark("norm");
+    b.add_rms_norm(residual, proj, s.norm, s.eps, hidden)?;
     b.mark(s.labels.1);
     Ok(())
 }

@@ -19,8 +19,8 @@
 //! block I/O is in cuda_kv_io.rs, weight loading in cuda_weights.rs.
 
 use super::{
-    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, EndBranch,
-    Gate, GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp, WeightUploadReport,
+    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, Gate,
+    GraphReplay, KvCacheShape, KvIo, MoeWeights, OptionalOp, WeightUploadReport,
 };
 use baton_core::api::PromptLogprob;
 use baton_formats::{CounterInit, TensorView};
@@ -155,8 +155,6 @@ pub struct CudaBackend {
     fp8_gated_epilogues: u64,
     /// FP8 skinny products launched with RoPE + the KV write in their epilogue (the same).
     fp8_rope_epilogues: u64,
-    /// Residual products launched with the next norm's output in them (`end_branch_cuda`).
-    norm_outputs: u64,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -196,9 +194,6 @@ pub struct CudaBackend {
     /// The per-CTA sums of squares the fused boundary passes from one GEMM to the next
     /// (allocated at the first fused boundary, for the most rows a skinny GEMM takes).
     norm_stats: Option<CudaSlice<f32>>,
-    /// The counter by which a residual product's last CTA knows it is last, 0 between launches
-    /// ([`baton_kernels::cuda::NormOut`]; allocated with `norm_stats`).
-    norm_counter: Option<CudaSlice<u32>>,
     /// Prefill chunks through the tensor-core prefill kernel (`AttnKernel::Mixed`);
     /// off = the decode kernel for every row, for comparisons.
     prefill_kernel: bool,
@@ -297,7 +292,6 @@ impl CudaBackend {
             handoffs: 0,
             fp8_gated_epilogues: 0,
             fp8_rope_epilogues: 0,
-            norm_outputs: 0,
             w8a8: true,
             dev,
             ordinal: opts.ordinal,
@@ -317,7 +311,6 @@ impl CudaBackend {
             fuse_norm: true,
             fuse_rope: true,
             norm_stats: None,
-            norm_counter: None,
             prefill_kernel: true,
             logit_shape: (0, 0),
             sample_bufs,
@@ -811,16 +804,6 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         self.branch_boundary_cuda(s, residual, scratch, out)
-    }
-
-    fn end_branch(
-        &mut self,
-        s: EndBranch<'_, Self>,
-        residual: &mut CudaRes,
-        proj: &mut CudaBuf,
-        hidden: &mut CudaBuf,
-    ) -> Result<(), BackendError> {
-        self.end_branch_cuda(s, residual, proj, hidden)
     }
 
     fn gather_rows(

@@ -8,15 +8,12 @@
 //! rounding of the projection, the same f32 add) and its `out` differs only where the row's
 //! `1 / rms`, summed in another order, lands on the other side of a bf16 rounding; every case
 //! it does not cover (more rows than the skinny GEMM takes, FP8 weights, a bias on the ending
-//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`], whose first two
-//! ops are [`Backend::end_branch`]: for decode-sized batches that is one launch here too
-//! ([`Self::end_branch_cuda`]), the ending projection adding to the residual and its last CTA
-//! storing the norm's output ([`NormOut`]) for a next product that reads a bf16 x. That is the
-//! FP8 route: normalizing on the FP8 skinny GEMM's loads (c686c61..00d922e, reverted) made
-//! Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to 71 % (BENCHMARKS.md, session 16),
-//! so over FP8 weights the next product reads the stored norm, and the qkv product takes the
-//! RoPE and KV write in the FP8 skinny GEMM's epilogue ([`Fp8RopeGemvCall`], the same bits as
-//! the product + RoPE kernel). A prefill-sized boundary into an FP8 per-token
+//! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`], except one:
+//! decode-sized FP8 boundaries stay unfused on purpose (the same fusion in the FP8 skinny GEMM,
+//! c686c61..00d922e, reverted, made Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to
+//! 71 %; BENCHMARKS.md, session 16): there the norm stays a kernel, and only the qkv product
+//! takes the RoPE and KV write in the FP8 skinny GEMM's epilogue ([`Fp8RopeGemvCall`], the same
+//! bits as the product + RoPE kernel). A prefill-sized boundary into an FP8 per-token
 //! (W8A8) projection has the norm kernel quantize its rows for the FP8 GEMM
 //! ([`AddRmsNormQuantCall`]) instead of storing them for the quantization kernel to re-read:
 //! the same codes, so the same bits. Its gated activation likewise quantizes its rows for the
@@ -26,14 +23,13 @@
 
 use super::{ActCodes, CudaBackend, CudaBuf, CudaMat, CudaRes, arch_ops, gemv_applies, kerr, record_mark};
 use crate::backend::{
-    Backend, BackendError, BoundaryRope, BoundaryScratch, BranchBoundary, EndBranch, Gate, GateAct,
-    branch_boundary_unfused, check_boundary, end_branch_and_norm, end_branch_unfused, gate_activation, rope_after,
+    Backend, BackendError, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct, branch_boundary_unfused,
+    check_boundary, end_branch_and_norm, gate_activation, rope_after,
 };
 use baton_kernels::cuda::{
-    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8ResidualNormGemvCall, Fp8RopeGemvCall,
-    Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M, NormInput, NormLinearCall, NormLinearOut, NormOut, NormRopeCall,
-    ResidualLinearCall, RopeCache, RopeOut, SiluMulQuantCall, W8A8_MIN_M, norm_quant_supports, norm_rope_supports,
-    norm_stat_parts, w8a8_supports,
+    AddRmsNormQuantCall, BiasAddCall, CudaError, CudaSlice, Fp8RopeGemvCall, Fp8W8A8QuantizedCall, GEMV_KERNEL_MAX_M,
+    NormInput, NormLinearCall, NormLinearOut, NormRopeCall, ResidualLinearCall, RopeCache, RopeOut, SiluMulQuantCall,
+    W8A8_MIN_M, norm_quant_supports, norm_rope_supports, norm_stat_parts, w8a8_supports,
 };
 
 impl CudaBackend {
@@ -93,7 +89,12 @@ impl CudaBackend {
         if let Some(b) = s.next_bias.filter(|b| b.len != cols) {
             return Err(kerr("branch_boundary", format!("bias has {} values for {cols} outputs", b.len)));
         }
-        let mut stats = self.take_norm_stats(width)?;
+        // Sized once for the most rows a skinny GEMM takes, so a recorded graph's pointer stays.
+        let need = GEMV_KERNEL_MAX_M * norm_stat_parts(width);
+        let mut stats = match self.norm_stats.take() {
+            Some(b) if b.len() >= need => b,
+            _ => self.dev.alloc(need)?,
+        };
         self.ensure(out, m * cols)?;
         record_mark(&self.dev, &mut self.profile, s.labels.0);
         let end = ResidualLinearCall {
@@ -104,7 +105,6 @@ impl CudaBackend {
             n: width,
             residual: &mut residual.data,
             stats: &mut stats,
-            norm_out: None,
             variant: None,
         };
         let launched = end.launch(&self.dev).map_err(BackendError::from).and_then(|()| {
@@ -130,68 +130,6 @@ impl CudaBackend {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         rope.map_or(Ok(()), |r| rope_after(self, r, out))
-    }
-
-    /// The per-CTA sums of squares for a residual `width` wide, taken out of `norm_stats` (put
-    /// it back after the launch). Sized for the most rows a skinny GEMM takes, so a recorded
-    /// graph's pointer stays.
-    fn take_norm_stats(&mut self, width: usize) -> Result<CudaSlice<f32>, BackendError> {
-        let need = GEMV_KERNEL_MAX_M * norm_stat_parts(width);
-        Ok(match self.norm_stats.take() {
-            Some(b) if b.len() >= need => b,
-            _ => self.dev.alloc(need)?,
-        })
-    }
-
-    /// [`Backend::end_branch`] on this device: for decode-sized batches one launch, the skinny
-    /// GEMM (bf16 or FP8 weights) adding its rows to the residual and its last CTA storing the
-    /// norm ([`NormOut`]); otherwise, or with a bias or the norm fusion off, the two ops.
-    pub(super) fn end_branch_cuda(
-        &mut self,
-        s: EndBranch<'_, Self>,
-        residual: &mut CudaRes,
-        proj: &mut CudaBuf,
-        hidden: &mut CudaBuf,
-    ) -> Result<(), BackendError> {
-        let (m, width) = (s.m, s.w.rows);
-        let skinny = match &s.w.fp8 {
-            Some(f) => self.fp8_skinny_takes(f, m),
-            None => gemv_applies(self.gemv, m, s.w.cols),
-        };
-        let fusable = self.fuse_norm
-            && s.bias.is_none()
-            && skinny
-            && (1..=GEMV_KERNEL_MAX_M).contains(&m)
-            && width.is_multiple_of(8)
-            && s.norm.len == width
-            && residual.len == m * width
-            && s.x.len >= m * s.w.cols;
-        if !fusable {
-            return end_branch_unfused(self, s, residual, proj, hidden);
-        }
-        self.ensure(hidden, m * width)?;
-        let mut stats = self.take_norm_stats(width)?;
-        let mut counter = match self.norm_counter.take() {
-            Some(c) => c,
-            None => self.dev.upload(&[0u32])?,
-        };
-        record_mark(&self.dev, &mut self.profile, s.label);
-        let norm_out = NormOut { norm: &s.norm.data, eps: s.eps, hidden: &mut hidden.data, counter: &mut counter };
-        let (x, residual, st) = (&s.x.data, &mut residual.data, &mut stats);
-        let launched = match &s.w.fp8 {
-            Some(f) => Fp8ResidualNormGemvCall { x, m, w: &f.w, residual, stats: st, norm_out, variant: None }
-                .launch(&self.dev),
-            None => {
-                let (k, w) = (s.w.cols, &s.w.data);
-                let norm_out = Some(norm_out);
-                ResidualLinearCall { x, m, k, w, n: width, residual, stats: st, norm_out, variant: None }
-                    .launch(&self.dev)
-            }
-        };
-        self.norm_stats = Some(stats);
-        self.norm_counter = Some(counter);
-        self.norm_outputs += u64::from(launched.is_ok());
-        Ok(launched?)
     }
 
     /// Whether the qkv product of a boundary also takes `r`'s RoPE and KV write in its epilogue

@@ -83,15 +83,6 @@ impl CudaBackend {
         (self.fp8_gated_epilogues, self.fp8_rope_epilogues)
     }
 
-    /// How many residual products so far stored the next RMSNorm's output themselves (one
-    /// launch for the projection and the add + norm kernel; [`Backend::end_branch`]). Counted at
-    /// launch on the host, as [`Self::fp8_fused_epilogues`].
-    ///
-    /// [`Backend::end_branch`]: crate::backend::Backend::end_branch
-    pub fn fused_norm_outputs(&self) -> u64 {
-        self.norm_outputs
-    }
-
     /// Sends prefill chunks to the tensor-core prefill kernel (`true`, the default) or every
     /// attention row to the decode kernel (`false`: for benchmarks and comparisons).
     pub fn set_prefill_kernel(&mut self, on: bool) {

@@ -19,9 +19,7 @@ mod boundary;
 pub mod cpu;
 pub mod cuda;
 
-pub use boundary::{
-    BoundaryRope, BoundaryScratch, BranchBoundary, EndBranch, branch_boundary_unfused, end_branch_unfused,
-};
+pub use boundary::{BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused};
 pub(crate) use boundary::{check_boundary, end_branch_and_norm, rope_after};
 
 use baton_core::api::PromptLogprob;
@@ -442,21 +440,6 @@ pub trait Backend: Send + 'static {
         out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
         branch_boundary_unfused(self, s, residual, scratch, out)
-    }
-    /// The end of a residual branch and the next norm ([`EndBranch`]): the projection added to
-    /// `residual`, then `hidden = rms_norm(residual) · norm`. The default runs the two ops
-    /// ([`end_branch_unfused`], the projection through `proj`); a backend may fuse them (CUDA
-    /// does for decode-sized batches: the skinny GEMM adds to the residual and its last CTA
-    /// stores the norm, `proj` untouched) as long as `residual` is the same and `hidden`
-    /// differs only where `1 / rms`, summed in another order, rounds an element the other way.
-    fn end_branch(
-        &mut self,
-        s: EndBranch<'_, Self>,
-        residual: &mut Self::Res,
-        proj: &mut Self::Buf,
-        hidden: &mut Self::Buf,
-    ) -> Result<(), BackendError> {
-        end_branch_unfused(self, s, residual, proj, hidden)
     }
     /// `out[i] = x[rows[i]]` for rows of width `width`.
     fn gather_rows(

@@ -31,8 +31,8 @@
 use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{
-    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryRope, BoundaryScratch, BranchBoundary, EndBranch,
-    Gate, GateAct, OptionalOp,
+    AttentionExtras, Backend, BackendError, BatchLayout, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct,
+    OptionalOp,
 };
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
@@ -332,18 +332,10 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                     }
                 }
                 Mlp::Moe(moe) => {
-                    // o_proj, the residual add and the post-attention norm (one launch where
-                    // the backend fuses them), then the routed experts.
-                    let end = EndBranch {
-                        m: t,
-                        x: &ws.attn,
-                        w: &layer.o,
-                        bias: layer.o_bias.as_ref(),
-                        norm: &layer.post_attn_norm,
-                        eps,
-                        label: "o_proj",
-                    };
-                    b.end_branch(end, &mut ws.residual, &mut ws.proj, &mut ws.hidden)?;
+                    b.mark("o_proj");
+                    b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
+                    b.mark("norm");
+                    b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
                     b.mark("moe");
                     moe.forward(b, &ws.hidden, t, &mut ws.proj)?;
                     if let Some(n) = next {

@@ -4,68 +4,18 @@
 //! product ([`Fp8GemvCall`](super::Fp8GemvCall)) storing its rows, then the activation kernel or
 //! RoPE + KV write kernel reading them back.
 //!
-//! The product that ends a residual branch (o_proj, down) takes the add + RMSNorm kernel after
-//! it the same way ([`Fp8ResidualNormGemvCall`]): the residual add in its epilogue and the norm's
-//! output stored by its last CTA, so the next product reads a bf16 x as before.
-//!
 //! Invariants: each writes bit for bit what the two launches store (gemv_fp8.cu scales each sum
 //! by its own weight row's scale and rounds it to bf16 as the plain product stores it, then
-//! applies the activation kernel's or the RoPE kernel's own formula), except the norm's output,
-//! whose `1 / rms` is summed in another order than the norm kernel's (an element may round the
-//! other way; the residual is the same bits); the variant is the plain product's for the same
-//! matrix; every check is made before anything is enqueued.
+//! applies the activation kernel's or the RoPE kernel's own formula); the variant is the plain
+//! product's for the same matrix; every check is made before anything is enqueued. x is bf16:
+//! the norm before these products stays a kernel of its own.
 
 use super::fp8_linear::{Fp8Epilogue, Fp8Weights, fp8_gemv_plan};
-use super::gemv::{GEMV_KERNEL_MAX_M, GEMV_ROWS_PER_CTA};
+use super::gemv::GEMV_ROWS_PER_CTA;
 use super::launch::{Args, need, shape_check};
-use super::norm_linear::{NormOut, norm_stat_parts};
 use super::norm_rope::RopeOut;
 use super::{CudaDevice, CudaError, CudaSlice, GatedAct};
 use half::bf16;
-
-/// `residual += bf16(x · W_dqᵀ)` over an FP8 matrix, then the next norm's output
-/// `rms_norm(residual) · norm` into [`NormOut::hidden`] (gemv.cu's `ResidNormAct`).
-pub struct Fp8ResidualNormGemvCall<'a> {
-    /// `m × k` bf16: the branch's last activation.
-    pub x: &'a CudaSlice<bf16>,
-    /// Rows of x: at most [`GEMV_KERNEL_MAX_M`] (one CTA a weight tile).
-    pub m: usize,
-    /// The projection (`n × k`): n is the residual's width.
-    pub w: &'a Fp8Weights,
-    /// `m × n` f32, updated in place.
-    pub residual: &'a mut CudaSlice<f32>,
-    /// `m × `[`norm_stat_parts`]`(n)` f32 scratch: the per-CTA sums of squares.
-    pub stats: &'a mut CudaSlice<f32>,
-    /// The norm and where its output goes.
-    pub norm_out: NormOut<'a>,
-    /// Index in [`GEMV_FP8_VARIANTS`](super::GEMV_FP8_VARIANTS), or `None` for the plain
-    /// product's default.
-    pub variant: Option<usize>,
-}
-
-impl Fp8ResidualNormGemvCall<'_> {
-    /// Checks the shapes and enqueues the kernel.
-    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
-        const OP: &str = "residual_norm_gemv_fp8";
-        let Self { x, m, w, residual, stats, norm_out, variant } = self;
-        let n = w.rows;
-        shape_check(OP, m <= GEMV_KERNEL_MAX_M, || format!("{m} rows: at most {GEMV_KERNEL_MAX_M}"))?;
-        let tiles = n.div_ceil(GEMV_ROWS_PER_CTA);
-        let plan = fp8_gemv_plan(dev, OP, x, m, w, Fp8Epilogue::ResidNorm, tiles, variant)?;
-        need(OP, "residual", residual, m * n)?;
-        need(OP, "stats", stats, m * norm_stat_parts(n))?;
-        norm_out.check(OP, m, n)?;
-        let Some(plan) = plan else { return Ok(()) };
-        let args = Args::new(OP).buf(x).buf(&w.codes).buf(&w.scales).buf(residual).buf(stats);
-        let args = plan.tail(norm_out.push(args), m, n, w)?;
-        // SAFETY: m ≤ 16, so one CTA a tile (groups 1) and stats[row][cta] has one entry per CTA;
-        // CTA b reads the 16 weight rows of tile b (clamped to n - 1) over k codes, their scales,
-        // rows of x clamped to m - 1, and writes residual[i][row] for i < m, row < n; the last
-        // CTA reads the norm weight (n) and writes hidden's m × n (n % 8 == 0) and the counter:
-        // all sizes checked above.
-        unsafe { args.launch(dev, plan.func, plan.grid) }
-    }
-}
 
 /// `out = act(x · W_gateᵀ) · (x · W_upᵀ)` over an FP8 `[gate; up]` matrix (`2d × k`).
 pub struct Fp8GatedGemvCall<'a> {

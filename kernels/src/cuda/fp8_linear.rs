@@ -73,14 +73,11 @@ pub enum Fp8Epilogue {
     Rope,
     /// RoPE on q and k, the KV write into an FP8 cache.
     RopeFp8,
-    /// The end of a residual branch: `residual += bf16(x · W_dqᵀ)`, and the next RMSNorm's
-    /// output stored by the grid's last CTA ([`Fp8ResidualNormGemvCall`](super::Fp8ResidualNormGemvCall)).
-    ResidNorm,
 }
 
 impl Fp8Epilogue {
     /// Every epilogue, in the order of the kernel table's entries per variant.
-    pub const ALL: [Self; 6] = [Self::Plain, Self::Silu, Self::GeluTanh, Self::Rope, Self::RopeFp8, Self::ResidNorm];
+    pub const ALL: [Self; 5] = [Self::Plain, Self::Silu, Self::GeluTanh, Self::Rope, Self::RopeFp8];
 
     fn suffix(self) -> &'static str {
         match self {
@@ -89,7 +86,6 @@ impl Fp8Epilogue {
             Self::GeluTanh => "_gelu_tanh",
             Self::Rope => "_rope",
             Self::RopeFp8 => "_rope_fp8",
-            Self::ResidNorm => "_resid_norm",
         }
     }
 

@@ -72,14 +72,11 @@ pub enum GemvEpilogue {
     NormRope,
     /// As [`Self::NormRope`] into an FP8 (E4M3) cache.
     NormRopeFp8,
-    /// As [`Self::Residual`], and the next RMSNorm's output `rms_norm(residual) · w_norm`
-    /// stored by the grid's last CTA ([`NormOut`](super::NormOut)).
-    ResidualNorm,
 }
 
 impl GemvEpilogue {
     /// Every epilogue, in the order of the kernel table's entries per variant.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 9] = [
         Self::Bf16,
         Self::F32,
         Self::Silu,
@@ -89,7 +86,6 @@ impl GemvEpilogue {
         Self::NormSilu,
         Self::NormRope,
         Self::NormRopeFp8,
-        Self::ResidualNorm,
     ];
 
     /// The kernel name's last part (`GEMV_INSTANCE` in gemv.cu).
@@ -104,7 +100,6 @@ impl GemvEpilogue {
             Self::NormSilu => "norm_silu",
             Self::NormRope => "norm_rope",
             Self::NormRopeFp8 => "norm_rope_fp8",
-            Self::ResidualNorm => "resid_norm",
         }
     }
 

@@ -115,7 +115,7 @@ pub use elementwise::{
     BiasAddCall, BiasAddF32Call, CastCall, CopyColsCall, GeluTanhMulCall, ScaleRoundCall, SiluMulCall, SoftcapCall,
 };
 pub use error::CudaError;
-pub use fp8_fused::{Fp8GatedGemvCall, Fp8ResidualNormGemvCall, Fp8RopeGemvCall};
+pub use fp8_fused::{Fp8GatedGemvCall, Fp8RopeGemvCall};
 pub use fp8_linear::{
     Fp8DequantCall, Fp8Epilogue, Fp8GemvCall, Fp8Scaling, Fp8Weights, GEMV_FP8_MAX_M, GEMV_FP8_VARIANTS,
     gemv_fp8_default, gemv_fp8_scaling, gemv_fp8_supports,
@@ -137,7 +137,7 @@ pub use moe::{
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
 pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
 pub use norm::{AddRmsNormCall, AddRmsNormQuantCall, NORM_QUANT_MAX_DIM, RmsNormCall, norm_quant_supports};
-pub use norm_linear::{NormInput, NormLinearCall, NormLinearOut, NormOut, ResidualLinearCall, norm_stat_parts};
+pub use norm_linear::{NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
 pub use norm_rope::{NormRopeCall, RopeCache, RopeOut, norm_rope_supports};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, DecodeShape, STREAM_WIDE_MIN_CTAS, SplitTarget,

@@ -6,10 +6,7 @@
 //!   branch output, and each row's sum of squares over each CTA's 16 columns into `stats`;
 //! - [`NormLinearCall`], the product that starts the next branch (qkv, gate_up): it reads the
 //!   residual and the stats instead of a bf16 activation and normalizes on the loads of x, so
-//!   `rms_norm(residual) · w_norm` is never stored;
-//! - or, where the next product reads a bf16 activation (FP8 weights, the MoE router), the
-//!   residual product stores `rms_norm(residual) · w_norm` itself ([`NormOut`]): the grid's last
-//!   CTA to finish normalizes the rows, so the add + norm kernel's launch goes all the same.
+//!   `rms_norm(residual) · w_norm` is never stored.
 //!
 //! Invariants: `stats` is `m × parts` f32 with `parts = `[`norm_stat_parts`]`(width)`, written
 //! whole by the residual product and read whole by the norm-input product, in a fixed order (so
@@ -36,43 +33,7 @@ pub(super) fn gemv_shape_ok(op: &'static str, m: usize, k: usize) -> Result<(), 
     })
 }
 
-/// Where a residual product also stores the next RMSNorm's output (gemv.cu's `ResidNormAct`):
-/// `hidden = bf16(r · inv · norm)` with `inv = 1 / rms(r)` from the stats, the norm kernel's
-/// formula, for every row of the updated residual.
-pub struct NormOut<'a> {
-    /// The norm's weight (the residual's width).
-    pub norm: &'a CudaSlice<bf16>,
-    /// Added to the mean square.
-    pub eps: f32,
-    /// `m × width` bf16, overwritten.
-    pub hidden: &'a mut CudaSlice<bf16>,
-    /// One counter, 0 before the launch and left at 0 after it (the grid's last CTA is the one
-    /// that counts the others in; it resets it). Launches that share it must be ordered on one
-    /// stream.
-    pub counter: &'a mut CudaSlice<u32>,
-}
-
-impl NormOut<'_> {
-    /// Checks the sizes for `m` rows `width` wide (naming `op`): whole 16-byte chunks a row.
-    pub(super) fn check(&self, op: &'static str, m: usize, width: usize) -> Result<(), CudaError> {
-        need(op, "norm", self.norm, width)?;
-        need(op, "hidden", self.hidden, m * width)?;
-        need(op, "counter", self.counter, 1)?;
-        shape_check(op, width.is_multiple_of(8) && m <= GEMV_KERNEL_MAX_M, || {
-            format!(
-                "norm output of {m} rows × {width}: needs a width multiple of 8 and at most {GEMV_KERNEL_MAX_M} rows"
-            )
-        })
-    }
-
-    /// `args` followed by the kernel's norm arguments: norm, eps, hidden, counter.
-    pub(super) fn push<'b>(&'b self, args: Args<'b>) -> Args<'b> {
-        args.buf(self.norm).f32(self.eps).buf(self.hidden).buf(self.counter)
-    }
-}
-
-/// `residual += bf16(x · wᵀ)` and the new residual's per-CTA sums of squares into `stats`, and
-/// with [`Self::norm_out`] the next norm's output too.
+/// `residual += bf16(x · wᵀ)` and the new residual's per-CTA sums of squares into `stats`.
 pub struct ResidualLinearCall<'a> {
     /// `m × k` bf16: the branch's last activation (attention output, SiLU·mul).
     pub x: &'a CudaSlice<bf16>,
@@ -88,8 +49,6 @@ pub struct ResidualLinearCall<'a> {
     pub residual: &'a mut CudaSlice<f32>,
     /// `m × `[`norm_stat_parts`]`(n)` f32, overwritten.
     pub stats: &'a mut CudaSlice<f32>,
-    /// `Some`: also store the next norm's output.
-    pub norm_out: Option<NormOut<'a>>,
     /// Index in [`GEMV_VARIANTS`](super::GEMV_VARIANTS), or `None` for the plain product's default.
     pub variant: Option<usize>,
 }
@@ -98,34 +57,23 @@ impl ResidualLinearCall<'_> {
     /// Checks the sizes and enqueues the product.
     pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
         const OP: &str = "residual_linear";
-        let Self { x, m, k, w, n, residual, stats, norm_out, variant } = self;
+        let Self { x, m, k, w, n, residual, stats, variant } = self;
         need(OP, "x", x, m * k)?;
         need(OP, "w", w, n * k)?;
         need(OP, "residual", residual, m * n)?;
         need(OP, "stats", stats, m * norm_stat_parts(n))?;
-        if let Some(o) = &norm_out {
-            o.check(OP, m, n)?;
-        }
         if m == 0 || n == 0 {
             return Ok(());
         }
         gemv_shape_ok(OP, m, k)?;
         let variant = variant.unwrap_or_else(|| gemv_default(n, dev.sm_count()));
-        let epilogue = if norm_out.is_some() { GemvEpilogue::ResidualNorm } else { GemvEpilogue::Residual };
-        let (v, func) = gemv_function(dev, OP, m, variant, epilogue)?;
+        let (v, func) = gemv_function(dev, OP, m, variant, GemvEpilogue::Residual)?;
         let grid = cfg((int(OP, norm_stat_parts(n))? as u32, 1, 1), v.warps * 32);
         let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
-        let args = Args::new(OP).buf(x).buf(w).buf(residual).buf(stats);
-        let args = match &norm_out {
-            Some(o) => o.push(args),
-            None => args,
-        };
-        let args = args.int(m)?.int(n)?.int(k)?.int(pf)?;
+        let args = Args::new(OP).buf(x).buf(w).buf(residual).buf(stats).int(m)?.int(n)?.int(k)?.int(pf)?;
         // SAFETY: x holds m × k, w n × k, residual m × n and stats m × parts (checked above);
         // the kernel reads whole 16-byte rows (k % 8 == 0) and writes residual rows < m,
-        // columns < n, and stats[row][cta] for rows < m and one entry per CTA; with a norm
-        // output, its last CTA reads the norm weight (n) and writes hidden's m × n (n % 8 == 0,
-        // m ≤ 16: NormOut::check) and the counter's one value.
+        // columns < n, and stats[row][cta] for rows < m and one entry per CTA.
         unsafe { args.launch(dev, func, grid) }
     }
 }
