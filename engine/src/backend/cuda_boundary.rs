@@ -11,9 +11,10 @@
 //! projection, a GELU gate, the switch off) runs [`branch_boundary_unfused`], except one:
 //! decode-sized FP8 boundaries stay unfused on purpose (the same fusion in the FP8 skinny GEMM,
 //! c686c61..00d922e, reverted, made Llama-3.1-8B's b = 1 step 3.5–16 % slower and b = 8 up to
-//! 71 %; BENCHMARKS.md, session 16): there the norm stays a kernel, and only the qkv product
-//! takes the RoPE and KV write in the FP8 skinny GEMM's epilogue ([`Fp8RopeGemvCall`], the same
-//! bits as the product + RoPE kernel). A prefill-sized boundary into an FP8 per-token
+//! 71 %; BENCHMARKS.md, session 16; so did storing the norm from the FP8 residual product's
+//! last CTA, d37392f, reverted: +1-9 %, session 24): there the norm stays a kernel, and only
+//! the qkv product takes the RoPE and KV write in the FP8 skinny GEMM's epilogue
+//! ([`Fp8RopeGemvCall`], the same bits as the product + RoPE kernel). A prefill-sized boundary into an FP8 per-token
 //! (W8A8) projection has the norm kernel quantize its rows for the FP8 GEMM
 //! ([`AddRmsNormQuantCall`]) instead of storing them for the quantization kernel to re-read:
 //! the same codes, so the same bits. Its gated activation likewise quantizes its rows for the
