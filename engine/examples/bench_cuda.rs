@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--early-kv on|off|both] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -393,6 +393,13 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
+    // And with the streaming attention copying a row's settled tokens before it waits for the
+    // previous kernel or after (`--early-kv both`).
+    let early_modes: Vec<bool> = match flag(&args, "--early-kv").as_deref() {
+        Some("off") => vec![false],
+        Some("both") => vec![true, false],
+        _ => vec![true],
+    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
@@ -400,19 +407,21 @@ fn run() -> Res<()> {
                 for &fused_norm in &norm_modes {
                     for &prefetch in &prefetch_modes {
                         for &rope_min in &rope_modes {
-                            let with_moe = moe_sets.iter().flat_map(|&moe| {
-                                rope_fused_modes.iter().map(move |&fused_rope| Mode {
-                                    graphs,
-                                    pdl,
-                                    fused_gate,
-                                    fused_norm,
-                                    moe,
-                                    fused_rope,
-                                    prefetch,
-                                    rope_min,
-                                })
-                            });
-                            modes.extend(with_moe);
+                            for &moe in &moe_sets {
+                                for &fused_rope in &rope_fused_modes {
+                                    modes.extend(early_modes.iter().map(|&early_kv| Mode {
+                                        graphs,
+                                        pdl,
+                                        fused_gate,
+                                        fused_norm,
+                                        moe,
+                                        fused_rope,
+                                        prefetch,
+                                        rope_min,
+                                        early_kv,
+                                    }));
+                                }
+                            }
                         }
                     }
                 }
@@ -430,7 +439,7 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min, early_kv } in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
@@ -439,10 +448,11 @@ fn run() -> Res<()> {
             model.backend_mut().set_moe_kernels(moe);
             model.backend_mut().set_gemv_l2_prefetch(prefetch);
             model.backend_mut().set_rope_grouped_min_rows(rope_min);
+            model.backend_mut().set_attention_early_copies(early_kv);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
@@ -450,7 +460,8 @@ fn run() -> Res<()> {
                 if fused_rope { "" } else { "-ropeunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
-                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() }
+                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() },
+                if early_kv { "" } else { "-latekv" }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -473,7 +484,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"early_kv\":{early_kv},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -481,6 +492,7 @@ fn run() -> Res<()> {
             ));
         }
         model.backend_mut().set_gemv_l2_prefetch(default_prefetch);
+        model.backend_mut().set_attention_early_copies(early_modes[0]);
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);
@@ -686,4 +698,6 @@ struct Mode {
     prefetch: usize,
     /// Rows from which RoPE groups heads into a CTA.
     rope_min: usize,
+    /// Streaming attention copies settled tokens before its PDL wait (`--early-kv`).
+    early_kv: bool,
 }

@@ -19,8 +19,8 @@
 //! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
 //! zeros); weights rotate among copies so that no shape is served from L2.
 //!
-//! Usage: `cuda_bench OUT.json [COMMIT] [attention]`; prints a table and writes every figure as
-//! JSON. With `attention`, only sections 1 and 2.
+//! Usage: `cuda_bench OUT.json [COMMIT] [attention [B:CTX,...]]`; prints a table and writes every
+//! figure as JSON. With `attention`, only sections 1 and 2, at the listed decode shapes if given.
 
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice, CudaError,
@@ -71,8 +71,11 @@ fn run() -> Result<(), CudaError> {
         "\ndecode attention (32/8 heads, hd 128, bs 16); variant = w(warps)_u(tokens per thread)_g(heads/CTA)_p(prefetch), tc_ = tensor cores with s(stages); split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s  rel diff"
     )
     .ok();
-    for &(batch, ctx) in &[
-        (1usize, 2048usize),
+    // `cuda_bench OUT COMMIT attention B:CTX,...`: only these decode shapes (one, for a profiler).
+    let all_shapes = [
+        (1usize, 128usize),
+        (1, 1024),
+        (1, 2048),
         (1, 8192),
         (1, 32768),
         (8, 4096),
@@ -84,7 +87,24 @@ fn run() -> Result<(), CudaError> {
         (128, 1024),
         (128, 4096),
         (256, 1024),
-    ] {
+    ];
+    let shapes: Vec<(usize, usize)> = match args.get(4) {
+        Some(list) => list
+            .split(',')
+            .map(|s| {
+                let (b, c) = s
+                    .split_once(':')
+                    .ok_or_else(|| CudaError::Shape { op: "cuda_bench", message: format!("shape {s}: B:CTX") })?;
+                let parse = |v: &str| {
+                    v.parse::<usize>()
+                        .map_err(|e| CudaError::Shape { op: "cuda_bench", message: format!("shape {s}: {e}") })
+                };
+                Ok((parse(b)?, parse(c)?))
+            })
+            .collect::<Result<_, CudaError>>()?,
+        None => all_shapes.to_vec(),
+    };
+    for &(batch, ctx) in &shapes {
         let common::DecodeSets { geo, mut metas, copies } =
             common::decode_sets(&dev, &mut r, (batch, ctx), (bs, nkv, hd), 2)?;
         let kc = random_bf16(&dev, &mut r, geo.layer_len())?;

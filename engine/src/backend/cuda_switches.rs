@@ -47,6 +47,15 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Lets streaming decode attention copy a row's settled tokens before it waits for the
+    /// previous kernel (`true`, the default) or only after
+    /// ([`baton_kernels::cuda::CudaDevice::set_attention_early_copies`]; for comparisons, the
+    /// same bits either way). Drops recorded graphs.
+    pub fn set_attention_early_copies(&mut self, on: bool) {
+        self.device().set_attention_early_copies(on);
+        self.drop_graphs();
+    }
+
     /// Sets the rows from which RoPE + KV-write launches group several heads into a CTA
     /// ([`baton_kernels::cuda::CudaDevice::set_rope_grouped_min_rows`]; for comparisons, the
     /// same bits either way). Drops recorded graphs.

@@ -366,6 +366,17 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
+        // The streaming entries take whether they may copy settled tokens before the PDL wait:
+        // only when every row of the launch has one new token (its last), the one token a kernel
+        // of this step writes into its context.
+        let one_new_token = match which {
+            DecodeRows::All => meta.prefill.lists.one_new_token,
+            DecodeRows::DecodeOnly => meta.prefill.lists.decode_one_new_token,
+        };
+        let args = match v.kind {
+            AttnKind::Stream => args.i32(i32::from(one_new_token && dev.attention_early_copies())),
+            _ => args,
+        };
         let args = match (v.kind, stream_carveout(rows)) {
             (AttnKind::Stream, Some(percent)) => args.carveout(percent),
             _ => args,

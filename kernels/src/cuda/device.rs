@@ -79,6 +79,9 @@ pub struct CudaDevice {
     /// Whether the default decode attention may take the streaming kernel
     /// ([`CudaDevice::stream_attention`]).
     stream_attention: AtomicBool,
+    /// Whether streaming decode attention copies a row's settled tokens before it waits for the
+    /// previous kernel ([`CudaDevice::attention_early_copies`]).
+    attention_early_copies: AtomicBool,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -166,6 +169,7 @@ impl CudaDevice {
             prefill_wgmma: AtomicBool::new(wgmma_capable),
             rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
             stream_attention: AtomicBool::new(major >= 9),
+            attention_early_copies: AtomicBool::new(true),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -361,6 +365,23 @@ impl CudaDevice {
     /// allocation for [`CudaDevice::alloc_generation`].
     pub fn set_stream_attention(&self, on: bool) {
         self.stream_attention.store(on && self.stream_attention_capable(), Ordering::Relaxed);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Whether the streaming decode attention kernel starts copying a row's cached tokens
+    /// before it waits for the previous kernel (programmatic dependent launch), on launches
+    /// whose rows each have one new token: the stages before the one holding that token (the
+    /// only one a kernel of this step writes) overlap the previous kernel's tail. On by
+    /// default; the rows are the same bits either way.
+    pub fn attention_early_copies(&self) -> bool {
+        self.attention_early_copies.load(Ordering::Relaxed)
+    }
+
+    /// Turns [`CudaDevice::attention_early_copies`] on or off (for comparisons). Recorded
+    /// graphs hold the old launches, so this counts as an allocation for
+    /// [`CudaDevice::alloc_generation`].
+    pub fn set_attention_early_copies(&self, on: bool) {
+        self.attention_early_copies.store(on, Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 
