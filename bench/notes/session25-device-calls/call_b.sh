@@ -8,7 +8,7 @@ set -uo pipefail
 T0=$(date +%s)
 C=.carry/s25a
 export TMPDIR=$PWD/.nx-tmp; mkdir -p $TMPDIR/nx
-S=$TMPDIR/carry; mkdir -p $S; cp -r $C/. $S/; gunzip -f $S/*.gz; chmod +x $S/bench_cuda* $S/cargo-nextest
+S=$TMPDIR/carry; mkdir -p $S; cp -r $C/. $S/; xz -d -f $S/*.xz; chmod +x $S/bench_cuda* $S/cargo-nextest
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" NCCL_NVLS_ENABLE=0
 O=$OUT/b; mkdir -p $O
 L8=configs/models/llama-3.1-8b.json
