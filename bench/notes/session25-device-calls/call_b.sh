@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Session 25, call B (42875c6): the gpu_* tests of attention, the engine, graphs, FP8 KV and the
+# Session 25, call B (9fe2928): the gpu_* tests of attention, the engine, graphs, FP8 KV and the
 # launch switches (the early copies' bit-identity test among them); then why call A's
-# bench_cuda of 42875c6 ran b=4 x 4k 23 % slower than cf55dbd's: the three binaries (42875c6;
-# 42875c6 with cf55dbd's attention.cu, i.e. the old combine; cf55dbd) at one to four rows, and
-# each one's eager per-op profile of b=4 x 4k.
+# bench_cuda of 42875c6 ran b=4 x 4k 23 % slower than cf55dbd's: the three binaries (9fe2928,
+# the combine without shared memory; 42875c6, the combine with 1 KB of it; cf55dbd) at one to
+# eight rows, and each one's eager per-op profile of b=4 x 4k.
 set -uo pipefail
 T0=$(date +%s)
 C=.carry/s25a
@@ -16,12 +16,12 @@ t2=$(date +%s)
 timeout 330 $S/cargo-nextest nextest run --archive-file $S/tests.tar.zst --extract-to $TMPDIR/nx --workspace-remap . \
   -E 'test(/^gpu_/) & !test(/^gpu2_/)' --no-fail-fast --success-output never --test-threads 2 > $O/gpu-tests.log 2>&1
 echo "tests rc=$? in $(( $(date +%s) - t2 )) s"
-for bin in bench_cuda bench_cuda_oldcombine bench_cuda_head; do
+for bin in bench_cuda bench_cuda_smem bench_cuda_head; do
   t0=$(date +%s)
-  timeout 45 $S/$bin --commit 42875c6 --graphs on --no-profile --config $L8 --shapes 1:4096,2:4096,4:4096,4:2048,4:8192,8:4096 \
+  timeout 45 $S/$bin --commit $bin --graphs on --no-profile --config $L8 --shapes 1:4096,2:4096,4:4096,4:2048,4:8192,8:4096 \
     --out $O/$bin-rows.json > $O/$bin-rows.log 2>&1
   echo "$bin rows rc=$? in $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-  timeout 40 $S/$bin --commit 42875c6 --graphs on --config $L8 --shapes 4:4096 --out $O/$bin-profile.json > $O/$bin-profile.log 2>&1
+  timeout 40 $S/$bin --commit $bin --graphs on --config $L8 --shapes 4:4096 --out $O/$bin-profile.json > $O/$bin-profile.log 2>&1
   echo "$bin profile rc=$? in $(( $(date +%s) - t0 )) s"
   [[ $(( $(date +%s) - T0 )) -gt 560 ]] && break
 done
