@@ -307,7 +307,8 @@ template <int HD>
 __device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
                                                        const float* __restrict__ part_ml, bf16_t* __restrict__ out,
                                                        const int* __restrict__ row_ctx, int n_heads, int n_splits,
-                                                       int min_chunk, int window, const float* __restrict__ sinks) {
+                                                       int min_chunk, int window, const float* __restrict__ sinks,
+                                                       bool batched) {
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
     const int ctx = row_ctx[row];
     const long long rh = (long long)row * n_heads + h;
@@ -320,7 +321,19 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     const int used = min(n_splits, (len + chunk - 1) / chunk);
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + rh * n_splits;
     const float* po = part_o + rh * n_splits * HD + d;
-    float mx = NEG_INF;
+    float mx = NEG_INF, L = 0.f, o = 0.f;
+    if (!batched) {
+        // One split an iteration (the loop before the batches; kept for comparisons).
+        for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[s].x);
+        for (int s = 0; s < used; s++) {
+            const float f = exp2f(ml[s].x - mx);
+            L += ml[s].y * f;
+            o += po[(long long)s * HD] * f;
+        }
+        add_sink(sinks, h, mx, L, o);
+        out[rh * HD + d] = f2bf(o / L);
+        return;
+    }
     for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
         float m[COMBINE_BATCH];
 #pragma unroll
@@ -328,7 +341,6 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
 #pragma unroll
         for (int j = 0; j < COMBINE_BATCH; j++) mx = fmaxf(mx, m[j]);
     }
-    float L = 0.f, o = 0.f;
     for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
         float2 w[COMBINE_BATCH];
         float v[COMBINE_BATCH];
@@ -374,8 +386,10 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int min_chunk, int window, const float* __restrict__ sinks) { PDL_ENTER(); \
-        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks);    \
+                                                        int min_chunk, int window, const float* __restrict__ sinks, \
+                                                        int batched) { PDL_ENTER();                                  \
+        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks,     \
+                                   batched != 0);                                                                  \
     }
 
 ATT_VARIANTS(16)

@@ -72,6 +72,10 @@
 
 // Tokens a stage.
 #define ST_TOKENS 16
+// The launch's `flags` (kernels/src/cuda/attention.rs: StreamFlags): copy settled stages before
+// the PDL wait; read the first stages' block ids together.
+#define ST_EARLY_COPIES 1
+#define ST_IDS_TOGETHER 2
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -149,8 +153,9 @@ struct StRing {
                                       const C* __restrict__ v_cache, bf16_t* __restrict__ out,
                                       const int* __restrict__ row_ctx, const int* __restrict__ row_bt,
                                       const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
-                                      int block_size_, int min_chunk, int window, bool early) {
+                                      int block_size_, int min_chunk, int window, int flags) {
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+        const bool early = (flags & ST_EARLY_COPIES) != 0, together = (flags & ST_IDS_TOGETHER) != 0;
         // Without early copies nothing is read before the previous kernel has completed.
         if (!early) PDL_ENTER();
         const int kvc = blockDim.x >> 5;
@@ -210,28 +215,29 @@ struct StRing {
         cblk = 0;
         clb = cp / block_size;
         coff = cp - clb * block_size;
-        // The block ids of the first NS - 1 stages, loaded together (one round trip, where
-        // loading each after the previous stage's copies was NS - 1 dependent ones).
+        // ST_IDS_TOGETHER: the block ids of the first NS - 1 stages, loaded together (one round
+        // trip, where loading each after the previous stage's copies is NS - 1 dependent ones).
         int first_blk[NS - 1];
 #pragma unroll
         for (int j = 0; j < NS - 1; j++) {
             const int p = cp + j * ST;
-            first_blk[j] = (warp == 0 && p < c1) ? bt[p / block_size] : 0;
+            first_blk[j] = (together && warp == 0 && p < c1) ? bt[p / block_size] : 0;
         }
         // Early copies: the stages before the one holding the row's last token (ctx - 1, the
         // only one the previous kernel writes when every row has one new token) are copied
         // before the wait, so their memory latency overlaps the previous kernel's tail.
         const int pre = early ? min(NS - 1, min(n_tiles, (ctx - 1 - c0) / ST)) : 0;
         if (warp == 0) {
+            if (!together) cblk = cp < c1 ? bt[clb] : 0;
 #pragma unroll
             for (int j = 0; j < NS - 1; j++) {
                 if (j == pre && early) PDL_ENTER();
                 if (j >= n_tiles) break;
-                cblk = first_blk[j];
-                issue(j, lane, false);
+                if (together) cblk = first_blk[j];
+                issue(j, lane, !together);
             }
             if (early && pre == NS - 1) PDL_ENTER();
-            cblk = cp < c1 ? bt[clb] : 0;
+            if (together) cblk = cp < c1 ? bt[clb] : 0;
             // WC: NS - 1 commit groups whatever the chunk's length, so that next()'s wait counts
             // right (empty groups complete at once).
             if constexpr (WC)
@@ -325,7 +331,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks, bool early) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks, int flags) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
@@ -333,7 +339,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
     extern __shared__ __align__(16) unsigned char st_smem[];
     StRing<bf16_t, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
-                                    n_kv_heads, block_size, min_chunk, window, early);
+                                    n_kv_heads, block_size, min_chunk, window, flags);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -465,13 +471,13 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, bool early) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, int flags) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(NS >= 2, "at least double buffering");
     using Tile = Fp8WarpTile<HD, MG>;
     extern __shared__ __align__(16) unsigned char st_smem[];
     StRing<unsigned char, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
-                                           n_kv_heads, block_size, min_chunk, window, early);
+                                           n_kv_heads, block_size, min_chunk, window, flags);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -521,10 +527,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks, int early) {                                                             \
+        const float* __restrict__ sinks, int flags) {                                                             \
         paged_attention_st_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,         \
                                                      row_bt, block_tables, n_heads, n_kv_heads, block_size,       \
-                                                     qscale, min_chunk, window, cap2, sinks, early != 0);         \
+                                                     qscale, min_chunk, window, cap2, sinks, flags);              \
     }
 
 // Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
@@ -534,11 +540,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, int early) {       \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, int flags) {       \
         paged_attention_st_fp8_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,     \
                                                          row_bt, block_tables, n_heads, n_kv_heads, block_size,   \
-                                                         qscale, min_chunk, v_scale, window, cap2, sinks,         \
-                                                         early != 0);                                             \
+                                                         qscale, min_chunk, v_scale, window, cap2, sinks, flags); \
     }
 
 // The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:

@@ -4,7 +4,7 @@
 
 use super::CudaBackend;
 use crate::backend::BackendError;
-use baton_kernels::cuda::{CudaDevice, CudaError};
+use baton_kernels::cuda::{AttnLaunch, CudaDevice, CudaError};
 
 impl CudaBackend {
     /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
@@ -47,12 +47,12 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
-    /// Lets streaming decode attention copy a row's settled tokens before it waits for the
-    /// previous kernel (`true`, the default) or only after
-    /// ([`baton_kernels::cuda::CudaDevice::set_attention_early_copies`]; for comparisons, the
-    /// same bits either way). Drops recorded graphs.
-    pub fn set_attention_early_copies(&mut self, on: bool) {
-        self.device().set_attention_early_copies(on);
+    /// Sets how decode attention launches start and merge their splits
+    /// ([`baton_kernels::cuda::CudaDevice::set_attn_launch`]: early copies, block ids read
+    /// together, the batched combine; for comparisons, the same bits either way). Drops
+    /// recorded graphs.
+    pub fn set_attn_launch(&mut self, launch: AttnLaunch) {
+        self.device().set_attn_launch(launch);
         self.drop_graphs();
     }
 
