@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--attn-launch default|late|serial-ids|serial-combine|serial,...] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -38,10 +38,6 @@
 //! MoE layer into its `moe_*` kernels, each with its floor;
 //! `--l2-prefetch` runs the decode timings once per listed budget (MiB of each skinny GEMM's
 //! weights pulled into L2 before it waits for the previous kernel; `CudaDevice::gemv_l2_prefetch`);
-//! `--attn-launch` runs them once per listed way of starting decode attention and merging its
-//! splits (`AttnLaunch`: `default` every choice on, `late` no early copies, `serial-ids` the
-//! block ids one stage at a time, `serial-combine` the combine one split an iteration, `serial`
-//! every choice off), alternating per shape in one process;
 //! `--all-global` treats every layer as global (no sliding window; each layer keeps its RoPE
 //! and everything else), so that a windowed model (`configs/models/gemma-3-12b.json`) can be
 //! compared with itself attending over the whole context. The decode floors count what each
@@ -55,7 +51,6 @@ use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
-use baton_kernels::cuda::AttnLaunch;
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -398,12 +393,6 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
-    // And with each listed way of starting decode attention and merging its splits
-    // (`--attn-launch default,late,...`: `AttnLaunch`; the default when not given).
-    let attn_modes: Vec<(&str, AttnLaunch)> = match flag(&args, "--attn-launch") {
-        None => vec![("default", AttnLaunch::DEFAULT)],
-        Some(list) => list.split(',').map(attn_launch_named).collect::<Result<_, _>>()?,
-    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
@@ -411,21 +400,19 @@ fn run() -> Res<()> {
                 for &fused_norm in &norm_modes {
                     for &prefetch in &prefetch_modes {
                         for &rope_min in &rope_modes {
-                            for &moe in &moe_sets {
-                                for &fused_rope in &rope_fused_modes {
-                                    modes.extend(attn_modes.iter().map(|&attn| Mode {
-                                        graphs,
-                                        pdl,
-                                        fused_gate,
-                                        fused_norm,
-                                        moe,
-                                        fused_rope,
-                                        prefetch,
-                                        rope_min,
-                                        attn,
-                                    }));
-                                }
-                            }
+                            let with_moe = moe_sets.iter().flat_map(|&moe| {
+                                rope_fused_modes.iter().map(move |&fused_rope| Mode {
+                                    graphs,
+                                    pdl,
+                                    fused_gate,
+                                    fused_norm,
+                                    moe,
+                                    fused_rope,
+                                    prefetch,
+                                    rope_min,
+                                })
+                            });
+                            modes.extend(with_moe);
                         }
                     }
                 }
@@ -443,7 +430,7 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min, attn } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min } in &modes {
             model.backend_mut().set_graphs(graphs);
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
@@ -452,11 +439,10 @@ fn run() -> Res<()> {
             model.backend_mut().set_moe_kernels(moe);
             model.backend_mut().set_gemv_l2_prefetch(prefetch);
             model.backend_mut().set_rope_grouped_min_rows(rope_min);
-            model.backend_mut().set_attn_launch(attn.1);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
             let mode = format!(
-                "{}{}{}{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
@@ -464,8 +450,7 @@ fn run() -> Res<()> {
                 if fused_rope { "" } else { "-ropeunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
-                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() },
-                if attn.0 == "default" { String::new() } else { format!("+attn-{}", attn.0) }
+                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -488,8 +473,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"attn_launch\":\"{}\",\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
-                attn.0,
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -497,7 +481,6 @@ fn run() -> Res<()> {
             ));
         }
         model.backend_mut().set_gemv_l2_prefetch(default_prefetch);
-        model.backend_mut().set_attn_launch(attn_modes[0].1);
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);
@@ -689,19 +672,6 @@ impl OpShape<'_> {
     }
 }
 
-/// `--attn-launch`'s names: every choice on, then each one off, then every one off.
-fn attn_launch_named(name: &str) -> Result<(&'static str, AttnLaunch), String> {
-    let d = AttnLaunch::DEFAULT;
-    Ok(match name {
-        "default" => ("default", d),
-        "late" => ("late", AttnLaunch { early_copies: false, ..d }),
-        "serial-ids" => ("serial-ids", AttnLaunch { ids_together: false, ..d }),
-        "serial-combine" => ("serial-combine", AttnLaunch { batched_combine: false, ..d }),
-        "serial" => ("serial", AttnLaunch::SERIAL),
-        _ => return Err(format!("--attn-launch {name}: default, late, serial-ids, serial-combine or serial")),
-    })
-}
-
 /// One configuration the decode timings run a shape under.
 #[derive(Clone, Copy)]
 struct Mode {
@@ -716,6 +686,4 @@ struct Mode {
     prefetch: usize,
     /// Rows from which RoPE groups heads into a CTA.
     rope_min: usize,
-    /// How decode attention starts and merges (`--attn-launch`): its name and choices.
-    attn: (&'static str, AttnLaunch),
 }

@@ -18,13 +18,6 @@
 //!   Qwen3 (q/k norm: never offered).
 //! - Over FP8 weights, the skinny FP8 GEMM's epilogues (`set_fused_gate`, `set_fused_rope`): the
 //!   gated activation, and RoPE + the KV write; the same bits as the product + kernel pairs.
-//! - How decode attention launches start and merge (`set_attn_launch`): the streaming kernel
-//!   copying a row's settled stages before its PDL wait (only the stages before the one that
-//!   holds the row's new token, which the kernel before attention writes; a stage taken too
-//!   early would read that token's stale cache slot, logits that differ from the copies made
-//!   after the wait), its first block ids read together, the combine's batched loads. Each
-//!   against every choice off, over a bf16 and an FP8 cache, eager and from graphs, contexts of
-//!   1 to 209 tokens.
 //! - The RMSNorm fused into the skinny GEMMs around it (`set_fused_norm`): the residual add in
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
@@ -41,14 +34,13 @@ use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
 use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::TinySpec;
-use baton_kernels::cuda::AttnLaunch;
 use common::{prompt, tiny};
 
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 24;
 
-/// What a test switches: PDL, graphs, the fused gate, the fused norm, the fused RoPE, how
-/// attention launches; and the cache it runs over (bf16, or FP8 E4M3 with scales 1).
+/// What a test switches: PDL, graphs, the fused gate, the fused norm, the fused RoPE; and the
+/// cache it runs over (bf16, or FP8 E4M3 with scales 1).
 #[derive(Clone, Copy)]
 struct Switches {
     pdl: bool,
@@ -56,22 +48,13 @@ struct Switches {
     fused_gate: bool,
     fused_norm: bool,
     fused_rope: bool,
-    attn: AttnLaunch,
     fp8_kv: bool,
 }
 
 impl Switches {
     /// Every switch at its default (on) over a bf16 cache, graphs as given.
     fn defaults(graphs: bool) -> Self {
-        Self {
-            pdl: true,
-            graphs,
-            fused_gate: true,
-            fused_norm: true,
-            fused_rope: true,
-            attn: AttnLaunch::DEFAULT,
-            fp8_kv: false,
-        }
+        Self { pdl: true, graphs, fused_gate: true, fused_norm: true, fused_rope: true, fp8_kv: false }
     }
 }
 
@@ -85,8 +68,6 @@ fn model(m: &baton_formats::LoadedModel, sw: Switches) -> ModelRunner<CudaBacken
     backend.set_fused_gate(sw.fused_gate);
     backend.set_fused_norm(sw.fused_norm);
     backend.set_fused_rope(sw.fused_rope);
-    assert_eq!(backend.device().attn_launch(), AttnLaunch::DEFAULT, "the attention launch choices' defaults");
-    backend.set_attn_launch(sw.attn);
     let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
     if sw.fp8_kv {
         model.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, m.weights.as_ref()).expect("fp8 cache");
@@ -196,27 +177,6 @@ fn gpu_fused_rope_gives_bit_identical_steps() {
         &tiny(&TinySpec::llama()).model,
         fp8,
         |graphs| Switches { fused_rope: false, ..fp8(graphs) },
-    );
-}
-
-#[test]
-fn gpu_attention_launch_choices_give_bit_identical_steps() {
-    // Every choice off, then each one alone: the early copies are the one that can race.
-    let early_only = AttnLaunch { early_copies: true, ..AttnLaunch::SERIAL };
-    for other in [AttnLaunch::SERIAL, early_only] {
-        assert_same_steps(
-            &format!("the attention launch {:?} against {other:?}", AttnLaunch::DEFAULT),
-            &[TinySpec::llama(), TinySpec::qwen3()],
-            Switches::defaults,
-            |graphs| Switches { attn: other, ..Switches::defaults(graphs) },
-        );
-    }
-    let fp8 = |graphs| Switches { fp8_kv: true, ..Switches::defaults(graphs) };
-    assert_same_steps_on(
-        "the attention launch choices over an FP8 cache",
-        &tiny(&TinySpec::llama()).model,
-        fp8,
-        |graphs| Switches { attn: AttnLaunch::SERIAL, ..fp8(graphs) },
     );
 }
 

@@ -292,23 +292,11 @@ __device__ __forceinline__ void paged_attention_body(
 
 // Merges the splits of each (row, head): grid (n_heads, rows), HD threads. Splits past the
 // row's context hold max = -inf and weigh nothing.
-//
-// The loads come COMBINE_BATCH splits at a time, all issued before their first use: a loop of
-// unknown length over the splits, one load pair an iteration, has only the few iterations the
-// compiler unrolls in flight, and at one row of 8k (64 splits) this kernel is on the step's
-// critical path between attention and o_proj. The sums still run over the splits
-// in order, the same expressions, so the output is that loop's bit for bit. No shared memory:
-// a kernel that asks for none keeps the L1 / shared split of the kernels around it (a change
-// drains the SM; see stream_carveout in paged_attention.rs). Every thread of the CTA reads the
-// same (max, sum) pairs: one transaction a warp.
-#define COMBINE_BATCH 16
-
 template <int HD>
 __device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
                                                        const float* __restrict__ part_ml, bf16_t* __restrict__ out,
                                                        const int* __restrict__ row_ctx, int n_heads, int n_splits,
-                                                       int min_chunk, int window, const float* __restrict__ sinks,
-                                                       bool batched) {
+                                                       int min_chunk, int window, const float* __restrict__ sinks) {
     const int h = blockIdx.x, row = blockIdx.y, d = threadIdx.x;
     const int ctx = row_ctx[row];
     const long long rh = (long long)row * n_heads + h;
@@ -319,45 +307,14 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     const int len = ctx - window_start(ctx, window);
     const int chunk = split_chunk(len, n_splits, min_chunk);
     const int used = min(n_splits, (len + chunk - 1) / chunk);
-    const float2* ml = reinterpret_cast<const float2*>(part_ml) + rh * n_splits;
-    const float* po = part_o + rh * n_splits * HD + d;
-    float mx = NEG_INF, L = 0.f, o = 0.f;
-    if (!batched) {
-        // One split an iteration (the loop before the batches; kept for comparisons).
-        for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[s].x);
-        for (int s = 0; s < used; s++) {
-            const float f = exp2f(ml[s].x - mx);
-            L += ml[s].y * f;
-            o += po[(long long)s * HD] * f;
-        }
-        add_sink(sinks, h, mx, L, o);
-        out[rh * HD + d] = f2bf(o / L);
-        return;
-    }
-    for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
-        float m[COMBINE_BATCH];
-#pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; j++) m[j] = s0 + j < used ? ml[s0 + j].x : NEG_INF;
-#pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; j++) mx = fmaxf(mx, m[j]);
-    }
-    for (int s0 = 0; s0 < used; s0 += COMBINE_BATCH) {
-        float2 w[COMBINE_BATCH];
-        float v[COMBINE_BATCH];
-#pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; j++) {
-            const bool in = s0 + j < used;
-            w[j] = in ? ml[s0 + j] : make_float2(NEG_INF, 0.f);
-            v[j] = in ? po[(long long)(s0 + j) * HD] : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < COMBINE_BATCH; j++) {
-            if (s0 + j < used) {
-                const float f = exp2f(w[j].x - mx);
-                L += w[j].y * f;
-                o += v[j] * f;
-            }
-        }
+    const float* ml = part_ml + rh * n_splits * 2;
+    float mx = NEG_INF;
+    for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[2 * s]);
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < used; s++) {
+        const float f = exp2f(ml[2 * s] - mx);
+        L += ml[2 * s + 1] * f;
+        o += part_o[(rh * n_splits + s) * HD + d] * f;
     }
     add_sink(sinks, h, mx, L, o);
     out[rh * HD + d] = f2bf(o / L);
@@ -386,10 +343,8 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
     extern "C" __global__ void attention_combine_hd##HD(const float* __restrict__ part_o,                          \
                                                         const float* __restrict__ part_ml, bf16_t* __restrict__ out, \
                                                         const int* __restrict__ row_ctx, int n_heads, int n_splits,  \
-                                                        int min_chunk, int window, const float* __restrict__ sinks, \
-                                                        int batched) { PDL_ENTER();                                  \
-        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks,     \
-                                   batched != 0);                                                                  \
+                                                        int min_chunk, int window, const float* __restrict__ sinks) { PDL_ENTER(); \
+        attention_combine_body<HD>(part_o, part_ml, out, row_ctx, n_heads, n_splits, min_chunk, window, sinks);    \
     }
 
 ATT_VARIANTS(16)

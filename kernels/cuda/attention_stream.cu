@@ -56,26 +56,12 @@
 // commit group a stage; tokens past the chunk zero-filled, K and V alike), into the same padded
 // layout, so the products, and the rows they give, are the bulk-copy ring's bit for bit.
 //
-// Early copies (`early`, the launcher's flag: every row of the launch has one new token, its
-// last, as in a decode step). Under programmatic dependent launch the CTA starts while the
-// kernel before it (the qkv product with RoPE and the KV write, or the RoPE kernel) drains, and
-// that kernel writes only the row's last token into the row's context. So the ring's first
-// stages that end before that token are copied before `griddepcontrol.wait`, with the row's
-// context, block table and the block ids they need (metadata the host uploaded before the
-// step); the stage holding the last token, q, and every store wait. The first stages' block
-// ids are read together, not one after each stage's copies. The copies land in the same slots
-// in the same order either way, so the rows are bit for bit the same.
-//
 // The body needs sm_90 (the bulk copy engine); other targets get an entry that traps, which the
 // launcher never selects (CudaDevice::stream_attention_capable).
 // ---------------------------------------------------------------------------------------------
 
 // Tokens a stage.
 #define ST_TOKENS 16
-// The launch's `flags` (kernels/src/cuda/attention.rs: StreamFlags): copy settled stages before
-// the PDL wait; read the first stages' block ids together.
-#define ST_EARLY_COPIES 1
-#define ST_IDS_TOGETHER 2
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -153,11 +139,8 @@ struct StRing {
                                       const C* __restrict__ v_cache, bf16_t* __restrict__ out,
                                       const int* __restrict__ row_ctx, const int* __restrict__ row_bt,
                                       const int* __restrict__ block_tables, int n_heads, int n_kv_heads,
-                                      int block_size_, int min_chunk, int window, int flags) {
+                                      int block_size_, int min_chunk, int window) {
         const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-        const bool early = (flags & ST_EARLY_COPIES) != 0, together = (flags & ST_IDS_TOGETHER) != 0;
-        // Without early copies nothing is read before the previous kernel has completed.
-        if (!early) PDL_ENTER();
         const int kvc = blockDim.x >> 5;
         group = n_heads / n_kv_heads;
         const int gchunks = (group + MG - 1) / MG;
@@ -171,9 +154,7 @@ struct StRing {
         run = false;
         const int ctx = row_ctx[row];
         if (ctx <= 0) {
-            // A padding row: zeros, so that nothing downstream reads uninitialized memory (stored
-            // after the wait, as every write of this kernel).
-            if (early) PDL_ENTER();
+            // A padding row: zeros, so that nothing downstream reads uninitialized memory.
             if (split == 0) {
                 for (int i = tid; i < kvc * ng * HD; i += blockDim.x) {
                     const int w = i / (ng * HD), r = (i / HD) % ng;
@@ -212,38 +193,15 @@ struct StRing {
         vsrc = v_cache + (long long)kvh0 * HD;
         block_size = block_size_;
         cp = c0 + ctok;
-        cblk = 0;
         clb = cp / block_size;
         coff = cp - clb * block_size;
-        // ST_IDS_TOGETHER: the block ids of the first NS - 1 stages, loaded together (one round
-        // trip, where loading each after the previous stage's copies is NS - 1 dependent ones).
-        int first_blk[NS - 1];
-#pragma unroll
-        for (int j = 0; j < NS - 1; j++) {
-            const int p = cp + j * ST;
-            first_blk[j] = (together && warp == 0 && p < c1) ? bt[p / block_size] : 0;
-        }
-        // Early copies: the stages before the one holding the row's last token (ctx - 1, the
-        // only one the previous kernel writes when every row has one new token) are copied
-        // before the wait, so their memory latency overlaps the previous kernel's tail.
-        const int pre = early ? min(NS - 1, min(n_tiles, (ctx - 1 - c0) / ST)) : 0;
+        cblk = (warp == 0 && cp < c1) ? bt[clb] : 0;
         if (warp == 0) {
-            if (!together) cblk = cp < c1 ? bt[clb] : 0;
-#pragma unroll
-            for (int j = 0; j < NS - 1; j++) {
-                if (j == pre && early) PDL_ENTER();
-                if (j >= n_tiles) break;
-                if (together) cblk = first_blk[j];
-                issue(j, lane, !together);
-            }
-            if (early && pre == NS - 1) PDL_ENTER();
-            if (together) cblk = cp < c1 ? bt[clb] : 0;
+            for (int j = 0; j < NS - 1 && j < n_tiles; j++) issue(j, lane);
             // WC: NS - 1 commit groups whatever the chunk's length, so that next()'s wait counts
             // right (empty groups complete at once).
             if constexpr (WC)
                 for (int j = n_tiles; j < NS - 1; j++) cp_async_commit();
-        } else if (early) {
-            PDL_ENTER();
         }
     }
 
@@ -269,13 +227,11 @@ struct StRing {
     }
 
     // Warp 0: copies stage j (the next one in order) into ring slot j % NS; the lanes of tokens
-    // past the chunk zero their V rows first (see the header). Then moves the lane's token on a
-    // stage, and with `load` reads its block id (the constructor reads the first stages' ids
-    // itself).
-    __device__ __forceinline__ void issue(int j, int lane, bool load = true) {
+    // past the chunk zero their V rows first (see the header).
+    __device__ __forceinline__ void issue(int j, int lane) {
         if constexpr (WC) {
             issue_warp(j, lane);
-            advance(load);
+            advance();
             return;
         }
         const int s = j % NS;
@@ -289,18 +245,18 @@ struct StRing {
         if (lane == 0) mbar_arrive_expect_tx(bar, (unsigned)(2 * min(ST, c1 - (c0 + j * ST)) * row_b));
         __syncwarp();
         if (cp < c1) bulk_copy_g2s(dst, src + ((long long)cblk * block_size + coff) * kv_w, (unsigned)row_b, bar);
-        advance(load);
+        advance();
     }
 
-    // This lane's token moves one stage on: its position and block, and with `load` its block id.
-    __device__ __forceinline__ void advance(bool load) {
+    // This lane's token moves one stage on: its position, block and block id.
+    __device__ __forceinline__ void advance() {
         cp += ST;
         coff += ST;
         while (coff >= block_size) {
             coff -= block_size;
             clb++;
         }
-        if (load) cblk = cp < c1 ? bt[clb] : 0;
+        cblk = cp < c1 ? bt[clb] : 0;
     }
 
     // The top of iteration it: once every warp is done with the slot the next copy overwrites
@@ -331,7 +287,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks, int flags) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
@@ -339,7 +295,7 @@ __device__ __forceinline__ void paged_attention_st_body(
     constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
     extern __shared__ __align__(16) unsigned char st_smem[];
     StRing<bf16_t, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
-                                    n_kv_heads, block_size, min_chunk, window, flags);
+                                    n_kv_heads, block_size, min_chunk, window);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -471,13 +427,13 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, int flags) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(NS >= 2, "at least double buffering");
     using Tile = Fp8WarpTile<HD, MG>;
     extern __shared__ __align__(16) unsigned char st_smem[];
     StRing<unsigned char, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
-                                           n_kv_heads, block_size, min_chunk, window, flags);
+                                           n_kv_heads, block_size, min_chunk, window);
     if (!ring.run) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -527,10 +483,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks, int flags) {                                                             \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_st_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,         \
                                                      row_bt, block_tables, n_heads, n_kv_heads, block_size,       \
-                                                     qscale, min_chunk, window, cap2, sinks, flags);              \
+                                                     qscale, min_chunk, window, cap2, sinks);                     \
     }
 
 // Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
@@ -540,10 +496,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks, int flags) {       \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
         paged_attention_st_fp8_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,     \
                                                          row_bt, block_tables, n_heads, n_kv_heads, block_size,   \
-                                                         qscale, min_chunk, v_scale, window, cap2, sinks, flags); \
+                                                         qscale, min_chunk, v_scale, window, cap2, sinks);        \
     }
 
 // The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:

@@ -4,7 +4,7 @@
 
 use super::CudaBackend;
 use crate::backend::BackendError;
-use baton_kernels::cuda::{AttnLaunch, CudaDevice, CudaError};
+use baton_kernels::cuda::{CudaDevice, CudaError};
 
 impl CudaBackend {
     /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
@@ -44,15 +44,6 @@ impl CudaBackend {
     /// recorded graphs.
     pub fn set_stream_attention(&mut self, on: bool) {
         self.device().set_stream_attention(on);
-        self.drop_graphs();
-    }
-
-    /// Sets how decode attention launches start and merge their splits
-    /// ([`baton_kernels::cuda::CudaDevice::set_attn_launch`]: early copies, block ids read
-    /// together, the batched combine; for comparisons, the same bits either way). Drops
-    /// recorded graphs.
-    pub fn set_attn_launch(&mut self, launch: AttnLaunch) {
-        self.device().set_attn_launch(launch);
         self.drop_graphs();
     }
 

@@ -366,18 +366,6 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
-        // The streaming entries take their `AttnLaunch` flags; early copies only when every row
-        // of the launch has one new token (its last), the one token a kernel of this step writes
-        // into its context.
-        let one_new_token = match which {
-            DecodeRows::All => meta.prefill.lists.one_new_token,
-            DecodeRows::DecodeOnly => meta.prefill.lists.decode_one_new_token,
-        };
-        let launch = dev.attn_launch();
-        let args = match v.kind {
-            AttnKind::Stream => args.i32(launch.stream_flags(one_new_token)),
-            _ => args,
-        };
         let args = match (v.kind, stream_carveout(rows)) {
             (AttnKind::Stream, Some(percent)) => args.carveout(percent),
             _ => args,
@@ -399,7 +387,7 @@ impl AttentionCall<'_> {
                 .int(splits)?
                 .i32(min_chunk)
                 .i32(window);
-            let args = push_sinks(args, self.options.sinks).i32(i32::from(launch.batched_combine));
+            let args = push_sinks(args, self.options.sinks);
             // SAFETY: as above: the partials and out of `rows × n_heads` heads.
             unsafe { args.launch(dev, &dev.kernels.attention(hd_idx)?.combine, grid) }?;
         }

@@ -13,7 +13,6 @@ use super::error::CudaError;
 use super::gemv::GEMV_L2_PREFETCH_DEFAULT;
 use super::kernel_table::KernelTable;
 use super::launch::shape_check;
-use super::paged_attention::AttnLaunch;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr};
 use std::collections::HashMap;
@@ -23,7 +22,7 @@ use std::sync::Arc;
 /// The one NVRTC target whose build of the warpgroup-MMA prefill kernel runs (wgmma needs the
 /// architecture-specific Hopper target; other builds trap, see prefill_wg.cu).
 const WGMMA_ARCH: &str = "sm_90a";
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Bytes of the workspace cuBLAS gets at open: given one, it allocates nothing per call, which
 /// a GEMM recorded into a CUDA graph requires.
@@ -80,9 +79,6 @@ pub struct CudaDevice {
     /// Whether the default decode attention may take the streaming kernel
     /// ([`CudaDevice::stream_attention`]).
     stream_attention: AtomicBool,
-    /// How decode attention launches start and merge ([`CudaDevice::attn_launch`]), as
-    /// `AttnLaunch::to_bits`.
-    attn_launch: AtomicU8,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -170,7 +166,6 @@ impl CudaDevice {
             prefill_wgmma: AtomicBool::new(wgmma_capable),
             rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
             stream_attention: AtomicBool::new(major >= 9),
-            attn_launch: AtomicU8::new(AttnLaunch::DEFAULT.to_bits()),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -366,19 +361,6 @@ impl CudaDevice {
     /// allocation for [`CudaDevice::alloc_generation`].
     pub fn set_stream_attention(&self, on: bool) {
         self.stream_attention.store(on && self.stream_attention_capable(), Ordering::Relaxed);
-        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// How decode attention launches start and merge their splits ([`AttnLaunch`]; every
-    /// choice on by default, the same bits either way).
-    pub fn attn_launch(&self) -> AttnLaunch {
-        AttnLaunch::from_bits(self.attn_launch.load(Ordering::Relaxed))
-    }
-
-    /// Sets [`CudaDevice::attn_launch`] (for comparisons). Recorded graphs hold the old
-    /// launches, so this counts as an allocation for [`CudaDevice::alloc_generation`].
-    pub fn set_attn_launch(&self, launch: AttnLaunch) {
-        self.attn_launch.store(launch.to_bits(), Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
     }
 

@@ -140,9 +140,9 @@ pub use norm::{AddRmsNormCall, AddRmsNormQuantCall, NORM_QUANT_MAX_DIM, RmsNormC
 pub use norm_linear::{NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
 pub use norm_rope::{NormRopeCall, RopeCache, RopeOut, norm_rope_supports};
 pub use paged_attention::{
-    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnLaunch, AttnSplit, AttnVariant, DecodeShape, STREAM_WIDE_MIN_CTAS,
-    SplitTarget, attn_default, attn_fp8_default, attn_stream_default, attn_stream_narrow, attn_tc_default, auto_splits,
-    plan_splits, stream_carveout, stream_kv_heads,
+    ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, DecodeShape, STREAM_WIDE_MIN_CTAS, SplitTarget,
+    attn_default, attn_fp8_default, attn_stream_default, attn_stream_narrow, attn_tc_default, auto_splits, plan_splits,
+    stream_carveout, stream_kv_heads,
 };
 pub use prefill::{
     PREFILL_DEFAULT_VARIANT, PREFILL_MAX_GROUP, PREFILL_MIN_TOKENS, PREFILL_VARIANTS, PREFILL_WARPS, PREFILL_WGMMA,

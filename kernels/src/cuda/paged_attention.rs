@@ -318,44 +318,6 @@ pub fn stream_carveout(rows: usize) -> Option<u32> {
     (rows > GEMV_KERNEL_MAX_M).then_some(100)
 }
 
-/// How a decode attention launch starts and merges its splits (`CudaDevice::set_attn_launch`, for
-/// comparisons): every choice gives a row the same bits, only the timing moves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttnLaunch {
-    /// The streaming kernel copies a row's settled stages (those before the one holding its new
-    /// token) before it waits for the previous kernel, on launches whose rows each have one new
-    /// token (attention_stream.cu: early copies).
-    pub early_copies: bool,
-    /// The streaming kernel reads its first stages' block ids together rather than each after
-    /// the previous stage's copies.
-    pub ids_together: bool,
-    /// The combine loads its splits' partials in batches rather than one split an iteration.
-    pub batched_combine: bool,
-}
-
-impl AttnLaunch {
-    /// Every choice on (the default).
-    pub const DEFAULT: Self = Self { early_copies: true, ids_together: true, batched_combine: true };
-    /// Every choice off: the launches as they were before these choices existed.
-    pub const SERIAL: Self = Self { early_copies: false, ids_together: false, batched_combine: false };
-
-    /// The streaming kernel's `flags` argument (`ST_EARLY_COPIES`, `ST_IDS_TOGETHER` in
-    /// attention_stream.cu) for a launch whose rows have one new token each or not.
-    pub(crate) fn stream_flags(self, one_new_token: bool) -> i32 {
-        i32::from(self.early_copies && one_new_token) | (i32::from(self.ids_together) << 1)
-    }
-
-    /// The bits `CudaDevice` keeps.
-    pub(crate) fn to_bits(self) -> u8 {
-        u8::from(self.early_copies) | (u8::from(self.ids_together) << 1) | (u8::from(self.batched_combine) << 2)
-    }
-
-    /// The inverse of [`AttnLaunch::to_bits`].
-    pub(crate) fn from_bits(b: u8) -> Self {
-        Self { early_copies: b & 1 != 0, ids_together: b & 2 != 0, batched_combine: b & 4 != 0 }
-    }
-}
-
 /// One decode attention launch as the default rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeShape {
@@ -522,19 +484,6 @@ pub fn auto_splits(sms: usize, shape: &DecodeShape, max_ctx: usize, stream: bool
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn attention_launch_choices_round_trip_and_set_the_stream_flags() {
-        for b in 0..8u8 {
-            assert_eq!(AttnLaunch::from_bits(b).to_bits(), b);
-        }
-        assert_eq!(AttnLaunch::DEFAULT.stream_flags(true), 3);
-        // Early copies only where every row has one new token.
-        assert_eq!(AttnLaunch::DEFAULT.stream_flags(false), 2);
-        assert_eq!(AttnLaunch::SERIAL.stream_flags(true), 0);
-        let late = AttnLaunch { early_copies: false, ..AttnLaunch::DEFAULT };
-        assert_eq!(late.stream_flags(true), 2);
-    }
 
     #[test]
     fn attention_variants_name_their_kernels() {

@@ -143,12 +143,6 @@ pub(crate) struct PrefillLists {
     pub decode_max_ctx: usize,
     /// Largest `start_pos + n_tokens` of a prefill sequence.
     pub max_end: usize,
-    /// Whether every sequence of the step has one new token (a decode step): no row's context
-    /// holds a token that a kernel of this step writes, except the row's own last one.
-    pub one_new_token: bool,
-    /// The same for the rows the decode launch of a mixed step covers: no chunk of 2 to
-    /// `PREFILL_MIN_TOKENS - 1` tokens (shorter chunks stay decode rows).
-    pub decode_one_new_token: bool,
 }
 
 impl PrefillLists {
@@ -162,12 +156,8 @@ impl PrefillLists {
         const OP: &str = "prefill_meta";
         let mut out = PrefillLists { decode_ctx: row_ctx.to_vec(), ..Default::default() };
         let mut prefill_row = vec![false; row_ctx.len()];
-        out.one_new_token = true;
-        out.decode_one_new_token = true;
         for (row_start, n_tokens, start_pos) in chunks {
-            out.one_new_token &= n_tokens <= 1;
             if n_tokens < PREFILL_MIN_TOKENS {
-                out.decode_one_new_token &= n_tokens <= 1;
                 continue;
             }
             shape_check(OP, row_start + n_tokens <= row_ctx.len(), || {
@@ -216,9 +206,6 @@ mod tests {
         assert_eq!(l.max_end, 100);
         assert!(l.decode_ctx[3..13].iter().all(|&c| c == 0) && l.decode_ctx[14..].iter().all(|&c| c == 0));
         assert_eq!(&l.decode_ctx[..3], &[5, 9, 1]);
-        // Chunks write their own context: the step has rows with more than one new token, the
-        // decode launch (single-token rows only) none.
-        assert!(!l.one_new_token && l.decode_one_new_token);
         // Tiles of 64 / group tokens: group 4 → 16 tokens: 7 + 1 tiles; group 64 → 1 token.
         assert_eq!(l.items(4, 64), 7 + 1);
         assert_eq!(l.items(1, 64), 2 + 1);
@@ -232,7 +219,6 @@ mod tests {
         // A decode-only step has nothing for the prefill kernel.
         let d = PrefillLists::build([(0, 1, 3)].into_iter(), &[4], &[0]).expect("lists");
         assert!(d.seqs.is_empty() && d.decode_rows_end == 1 && d.items(8, 64) == 0);
-        assert!(d.one_new_token && d.decode_one_new_token);
         // A chunk outside the rows is refused.
         assert!(PrefillLists::build([(0, 4, 0)].into_iter(), &[1, 2, 3], &[0, 0, 0]).is_err());
     }
