@@ -88,20 +88,8 @@ fn run() -> Result<(), CudaError> {
         (128, 4096),
         (256, 1024),
     ];
-    let shapes: Vec<(usize, usize)> = match args.get(4) {
-        Some(list) => list
-            .split(',')
-            .map(|s| {
-                let (b, c) = s
-                    .split_once(':')
-                    .ok_or_else(|| CudaError::Shape { op: "cuda_bench", message: format!("shape {s}: B:CTX") })?;
-                let parse = |v: &str| {
-                    v.parse::<usize>()
-                        .map_err(|e| CudaError::Shape { op: "cuda_bench", message: format!("shape {s}: {e}") })
-                };
-                Ok((parse(b)?, parse(c)?))
-            })
-            .collect::<Result<_, CudaError>>()?,
+    let shapes = match args.get(4) {
+        Some(list) => common::decode_shapes(list)?,
         None => all_shapes.to_vec(),
     };
     for &(batch, ctx) in &shapes {

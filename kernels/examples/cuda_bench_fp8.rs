@@ -68,14 +68,7 @@ fn run() -> Result<(), CudaError> {
     let commit = args.get(2).cloned().unwrap_or_default();
     // Optional `B:CTX[,B:CTX...]`: only those decode shapes (for a profiler run of one launch,
     // or shapes off the default list).
-    let only: Option<Vec<(usize, usize)>> = args.get(3).map(|list| {
-        list.split(',')
-            .filter_map(|s| {
-                let (b, c) = s.split_once(':')?;
-                Some((b.parse().ok()?, c.parse().ok()?))
-            })
-            .collect()
-    });
+    let only = args.get(3).map(|list| common::decode_shapes(list)).transpose()?;
     let dev = CudaDevice::open(&CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() })?;
     let mut r = StdRng::seed_from_u64(0xf8);
     let mut table = String::new();

@@ -19,7 +19,8 @@
 //! per query head of its group (twice here) and one token per warp step: expect it several
 //! times slower than the tuned windowed kernel.
 //!
-//! Usage: `cuda_bench_window OUT.json [COMMIT]`; prints a table and writes every figure as JSON.
+//! Usage: `cuda_bench_window OUT.json [COMMIT [B:CTX,...]]` (B:CTX: only those decode shapes);
+//! prints a table and writes every figure as JSON.
 
 use baton_kernels::cuda::{
     AttentionCall, AttentionExtCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
@@ -82,8 +83,11 @@ fn run() -> Result<(), CudaError> {
         "\ndecode attention, Gemma-3-12B shape (16/8 heads, hd 256, bs 16), window {window}, Auto splits\n mode          batch   ctx      us  floor us  %floor  rel diff (window: tuned vs ext)"
     )
     .ok();
-    for &(batch, ctx) in &[(1usize, 8192usize), (8, 8192), (16, 8192), (32, 8192), (64, 8192), (1, 32768), (16, 32768)]
-    {
+    let shapes = match args.get(3) {
+        Some(list) => common::decode_shapes(list)?,
+        None => vec![(1, 8192), (8, 8192), (16, 8192), (32, 8192), (64, 8192), (1, 32768), (16, 32768)],
+    };
+    for &(batch, ctx) in &shapes {
         let common::DecodeSets { geo, mut metas, copies } =
             common::decode_sets(&dev, &mut r, (batch, ctx), (bs, nkv, hd), 2)?;
         let kc = random_bf16(&dev, &mut r, geo.layer_len())?;

@@ -3,6 +3,19 @@
 
 use baton_kernels::cuda::{CudaDevice, CudaError, CudaSlice, bf16};
 
+/// Decode shapes from a `B:CTX[,B:CTX...]` argument (batch, context), as the benchmarks take
+/// them to run only those shapes (one, for a profiler); a malformed entry is an error.
+pub fn decode_shapes(list: &str) -> Result<Vec<(usize, usize)>, CudaError> {
+    let bad = |s: &str, why: String| CudaError::Shape { op: "decode_shapes", message: format!("shape {s}: {why}") };
+    list.split(',')
+        .map(|s| {
+            let (b, c) = s.split_once(':').ok_or_else(|| bad(s, "not B:CTX".into()))?;
+            let parse = |v: &str| v.parse::<usize>().map_err(|e| bad(s, e.to_string()));
+            Ok((parse(b)?, parse(c)?))
+        })
+        .collect()
+}
+
 /// The median of `v` (the upper one of an even count).
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
