@@ -22,9 +22,9 @@
 //!   over the copy bandwidth); `--no-profile` skips it.
 //!
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
-//! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile]
+//! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -38,6 +38,10 @@
 //! MoE layer into its `moe_*` kernels, each with its floor;
 //! `--l2-prefetch` runs the decode timings once per listed budget (MiB of each skinny GEMM's
 //! weights pulled into L2 before it waits for the previous kernel; `CudaDevice::gemv_l2_prefetch`);
+//! `--carveout` runs them once per listed carve-out choice: `auto` (the backend's per-step
+//! rule, the default) or pins `OTHERS[/ATTENTION[p]]` (percents of the SM's largest or `none`;
+//! one value pins both; `p` plans attention's splits in its share;
+//! `CudaDevice::set_carveout_policy`);
 //! `--all-global` treats every layer as global (no sliding window; each layer keeps its RoPE
 //! and everything else), so that a windowed model (`configs/models/gemma-3-12b.json`) can be
 //! compared with itself attending over the whole context. The decode floors count what each
@@ -51,6 +55,7 @@ use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
+use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -284,6 +289,10 @@ fn run() -> Res<()> {
         ttft_runs.push((last, true, false));
     }
     ttft_runs.push((last, false, true));
+    // `--no-ttft`: decode only (a profiler's launch window then starts in the decode steps).
+    if args.iter().any(|a| a == "--no-ttft") {
+        ttft_runs.clear();
+    }
     // `--fp8-fast-accum on|off`: cuBLASLt's FP8 products with fast accumulation or not (the
     // device's default when not given).
     if let Some(v) = flag(&args, "--fp8-fast-accum") {
@@ -332,7 +341,7 @@ fn run() -> Res<()> {
     model.backend_mut().set_prefill_wgmma(true);
     model.backend_mut().set_moe_kernels(last);
     // Where the prefill step's time goes: the same step op by op (eager, events between ops).
-    if !args.iter().any(|a| a == "--no-profile") {
+    if !args.iter().any(|a| a == "--no-profile" || a == "--no-ttft") {
         writeln!(table, "  per-op TTFT step (eager, queue filled first): op | us")?;
         for (op, us) in profile_step(&mut model, &prefill, 3)? {
             writeln!(table, "    {op:12}| {us:9.1}")?;
@@ -393,6 +402,12 @@ fn run() -> Res<()> {
         Some("both") => vec![true, false],
         _ => vec![true],
     };
+    // And with the launches' shared-memory carve-outs chosen per step (`auto`, the default) or
+    // pinned (`--carveout auto,none,50,50/none,40/50p,...`: see `parse_carveout`).
+    let carveout_modes: Vec<Carveout> = match flag(&args, "--carveout") {
+        None => vec![Carveout::Auto],
+        Some(list) => list.split(',').map(parse_carveout).collect::<Result<_, _>>()?,
+    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
@@ -400,16 +415,20 @@ fn run() -> Res<()> {
                 for &fused_norm in &norm_modes {
                     for &prefetch in &prefetch_modes {
                         for &rope_min in &rope_modes {
+                            let carveouts = &carveout_modes;
                             let with_moe = moe_sets.iter().flat_map(|&moe| {
-                                rope_fused_modes.iter().map(move |&fused_rope| Mode {
-                                    graphs,
-                                    pdl,
-                                    fused_gate,
-                                    fused_norm,
-                                    moe,
-                                    fused_rope,
-                                    prefetch,
-                                    rope_min,
+                                rope_fused_modes.iter().flat_map(move |&fused_rope| {
+                                    carveouts.iter().map(move |&carveout| Mode {
+                                        graphs,
+                                        pdl,
+                                        fused_gate,
+                                        fused_norm,
+                                        moe,
+                                        fused_rope,
+                                        prefetch,
+                                        rope_min,
+                                        carveout,
+                                    })
                                 })
                             });
                             modes.extend(with_moe);
@@ -430,8 +449,9 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min, carveout } in &modes {
             model.backend_mut().set_graphs(graphs);
+            model.backend_mut().set_carveout_policy(carveout.policy());
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
             model.backend_mut().set_fused_norm(fused_norm);
@@ -441,8 +461,9 @@ fn run() -> Res<()> {
             model.backend_mut().set_rope_grouped_min_rows(rope_min);
             let legacy = moe == MoeKernels::First;
             let moe_name = moe.name();
+            let carveout_json = format!("\"{}\"", carveout.name());
             let mode = format!(
-                "{}{}{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
@@ -450,7 +471,8 @@ fn run() -> Res<()> {
                 if fused_rope { "" } else { "-ropeunfused" },
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
-                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() }
+                if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() },
+                if carveout_modes.len() > 1 { format!("+co{}", carveout.name()) } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -473,7 +495,7 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"carveout_pin\":{carveout_json},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -481,6 +503,7 @@ fn run() -> Res<()> {
             ));
         }
         model.backend_mut().set_gemv_l2_prefetch(default_prefetch);
+        model.backend_mut().set_carveout_policy(carveout_modes[0].policy());
         if !args.iter().any(|a| a == "--no-profile") {
             model.backend_mut().set_pdl(pdl_modes[0]);
             model.backend_mut().set_fused_gate(fused_modes[0]);
@@ -686,4 +709,60 @@ struct Mode {
     prefetch: usize,
     /// Rows from which RoPE groups heads into a CTA.
     rope_min: usize,
+    /// The carve-outs the launches ask for (`--carveout`).
+    carveout: Carveout,
+}
+
+/// The launches' carve-outs (`--carveout`): chosen per step, or pinned.
+#[derive(Clone, Copy)]
+enum Carveout {
+    /// The backend's per-step rule (`step_carveout`), the default.
+    Auto,
+    /// These pins on every step.
+    Fixed(CarveoutPins),
+}
+
+impl Carveout {
+    fn policy(self) -> CarveoutPolicy {
+        match self {
+            Self::Auto => CarveoutPolicy::PerStep,
+            Self::Fixed(pins) => CarveoutPolicy::Fixed(pins),
+        }
+    }
+
+    /// The `--carveout` entry this was parsed from (`auto`, `none`, `50`, `50/none`, ...).
+    fn name(self) -> String {
+        let Self::Fixed(pins) = self else { return "auto".into() };
+        let p = |v: Option<u32>| v.map_or("none".to_string(), |c| c.to_string());
+        let plan = if pins.split_by_pin { "p" } else { "" };
+        if pins.others == pins.attention && !pins.split_by_pin {
+            p(pins.others)
+        } else {
+            format!("{}/{}{plan}", p(pins.others), p(pins.attention))
+        }
+    }
+}
+
+/// One `--carveout` entry: `auto` (the per-step rule), or `OTHERS[/ATTENTION[p]]` pinned on
+/// every step: percents of the SM's largest shared memory or `none` (the driver's choice, and
+/// attention's own), one value pinning both; `p`: attention's splits planned in its share.
+fn parse_carveout(entry: &str) -> Result<Carveout, String> {
+    if entry == "auto" {
+        return Ok(Carveout::Auto);
+    }
+    let one = |v: &str| match v {
+        "none" => Ok(None),
+        _ => v.parse::<u32>().map(Some).map_err(|e| format!("--carveout {entry}: {e}")),
+    };
+    let pins = match entry.split_once('/') {
+        Some((o, a)) => {
+            let (a, split_by_pin) = a.strip_suffix('p').map_or((a, false), |a| (a, true));
+            CarveoutPins { others: one(o)?, attention: one(a)?, split_by_pin }
+        }
+        None => {
+            let p = one(entry)?;
+            CarveoutPins { others: p, attention: p, split_by_pin: false }
+        }
+    };
+    Ok(Carveout::Fixed(pins))
 }

@@ -24,6 +24,11 @@
 //!   normalized activation may round the other way: the logits agree within the bf16 check
 //!   and the greedy tokens agree except at a near tie, where the comparison stops.
 //!
+//! - The shared-memory carve-outs the launches ask for (`set_carveout_policy`): the per-step
+//!   rule pins 50 % on every launch of a decode step of 1-4 rows and plans attention's splits
+//!   in that share; the same pins fixed give the same bits, and pins alone (splits planned as
+//!   without) change no bit either.
+//!
 //! Named `gpu_*`: excluded from CI by name, and they FAIL when no GPU is present.
 
 mod common;
@@ -34,13 +39,14 @@ use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
 use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::testing::TinySpec;
+use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy, STEP_CARVEOUT_PERCENT};
 use common::{prompt, tiny};
 
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 24;
 
-/// What a test switches: PDL, graphs, the fused gate, the fused norm, the fused RoPE; and the
-/// cache it runs over (bf16, or FP8 E4M3 with scales 1).
+/// What a test switches: PDL, graphs, the fused gate, the fused norm, the fused RoPE, the
+/// carve-out policy; and the cache it runs over (bf16, or FP8 E4M3 with scales 1).
 #[derive(Clone, Copy)]
 struct Switches {
     pdl: bool,
@@ -48,13 +54,22 @@ struct Switches {
     fused_gate: bool,
     fused_norm: bool,
     fused_rope: bool,
+    carveout: CarveoutPolicy,
     fp8_kv: bool,
 }
 
 impl Switches {
     /// Every switch at its default (on) over a bf16 cache, graphs as given.
     fn defaults(graphs: bool) -> Self {
-        Self { pdl: true, graphs, fused_gate: true, fused_norm: true, fused_rope: true, fp8_kv: false }
+        Self {
+            pdl: true,
+            graphs,
+            fused_gate: true,
+            fused_norm: true,
+            fused_rope: true,
+            carveout: CarveoutPolicy::PerStep,
+            fp8_kv: false,
+        }
     }
 }
 
@@ -68,6 +83,7 @@ fn model(m: &baton_formats::LoadedModel, sw: Switches) -> ModelRunner<CudaBacken
     backend.set_fused_gate(sw.fused_gate);
     backend.set_fused_norm(sw.fused_norm);
     backend.set_fused_rope(sw.fused_rope);
+    backend.set_carveout_policy(sw.carveout);
     let mut model = ModelRunner::load(&m.config, m.weights.as_ref(), backend).expect("load");
     if sw.fp8_kv {
         model.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, m.weights.as_ref()).expect("fp8 cache");
@@ -120,7 +136,8 @@ fn assert_same_steps(what: &str, specs: &[TinySpec], a: impl Fn(bool) -> Switche
     }
 }
 
-/// [`assert_same_steps`] on one loaded model; returns the runners of the last (graphs) pair.
+/// [`assert_same_steps`] on one loaded model (nine sequences: decode steps of 9 rows); returns
+/// the runners of the last (graphs) pair.
 fn assert_same_steps_on(
     what: &str,
     m: &baton_formats::LoadedModel,
@@ -129,11 +146,22 @@ fn assert_same_steps_on(
 ) -> (ModelRunner<CudaBackend>, ModelRunner<CudaBackend>) {
     let vocab = m.config.vocab_size;
     let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
+    assert_same_steps_over(what, m, &prompts, a, b)
+}
+
+/// [`assert_same_steps_on`] over the given prompts (one sequence each).
+fn assert_same_steps_over(
+    what: &str,
+    m: &baton_formats::LoadedModel,
+    prompts: &[Vec<u32>],
+    a: impl Fn(bool) -> Switches,
+    b: impl Fn(bool) -> Switches,
+) -> (ModelRunner<CudaBackend>, ModelRunner<CudaBackend>) {
     let mut last = None;
     for graphs in [false, true] {
         let (mut ma, mut mb) = (model(m, a(graphs)), model(m, b(graphs)));
-        let with = run(&mut ma, &prompts, 24);
-        let without = run(&mut mb, &prompts, 24);
+        let with = run(&mut ma, prompts, 24);
+        let without = run(&mut mb, prompts, 24);
         assert_eq!(with.len(), without.len());
         for (step, (x, y)) in with.iter().zip(&without).enumerate() {
             assert!(x.iter().all(|v| v.is_finite()), "{:?} step {step}: non-finite logits", m.config.architecture);
@@ -262,5 +290,45 @@ fn gpu_w8a8_norm_quantization_gives_bit_identical_steps() {
             "{:?}: no down projection took SiLU·mul's codes",
             spec.architecture
         );
+    }
+}
+
+#[test]
+fn gpu_carveout_policies_give_bit_identical_steps() {
+    let rule = CarveoutPins {
+        others: Some(STEP_CARVEOUT_PERCENT),
+        attention: Some(STEP_CARVEOUT_PERCENT),
+        split_by_pin: true,
+    };
+    let pins_only = CarveoutPins { split_by_pin: false, ..rule };
+    let fixed = |pins, fp8_kv| {
+        move |graphs| Switches { carveout: CarveoutPolicy::Fixed(pins), fp8_kv, ..Switches::defaults(graphs) }
+    };
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        let m = tiny(&spec).model;
+        let arch = m.config.architecture;
+        let vocab = m.config.vocab_size;
+        // Decode steps of one row and of three (a graph's bucket of four): the rule's shapes.
+        for n in [1, 3] {
+            let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(70 + i, 150 + 40 * i as usize, vocab)).collect();
+            for fp8_kv in [false, true] {
+                let per_step = move |graphs| Switches { fp8_kv, ..Switches::defaults(graphs) };
+                let what = format!("{n} rows, FP8 cache {fp8_kv}: the per-step carve-out against its pins fixed");
+                let (auto, _) = assert_same_steps_over(&what, &m, &prompts, per_step, fixed(rule, fp8_kv));
+                // The last step was a decode step of n rows: the rule pinned it.
+                assert_eq!(auto.backend().device().carveout_pins(), rule, "{arch:?}, {n} rows: the rule did not pin");
+                let what = format!("{n} rows, FP8 cache {fp8_kv}: pins alone against none");
+                assert_same_steps_over(
+                    &what,
+                    &m,
+                    &prompts,
+                    fixed(pins_only, fp8_kv),
+                    fixed(CarveoutPins::default(), fp8_kv),
+                );
+            }
+        }
+        // Nine rows take the wide variant: no pin.
+        let (nine, _) = assert_same_steps_on("nine rows", &m, Switches::defaults, Switches::defaults);
+        assert_eq!(nine.backend().device().carveout_pins(), CarveoutPins::default(), "{arch:?}: nine rows were pinned");
     }
 }

@@ -137,7 +137,7 @@ fn run() -> Result<(), CudaError> {
                 attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
                 let x = v.ctas_per_row(nh, nkv, hd);
-                let target = SplitTarget::for_variant(v, nkv, hd, false);
+                let target = SplitTarget::for_variant(v, nkv, hd, false, dev.attention_split_smem());
                 let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), target);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;

@@ -348,10 +348,11 @@ impl CudaBackend {
     /// Builds the step metadata unless it was built for this very layout (every layer of a
     /// step passes the same layout).
     fn step_meta(&mut self, batch: &BatchLayout) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        self.set_step_carveout(batch, geo);
         if self.meta_for.as_ref() == Some(batch) {
             return Ok(());
         }
-        let geo = self.geo()?;
         let seqs: Vec<HostSeq<'_>> = batch
             .seqs
             .iter()

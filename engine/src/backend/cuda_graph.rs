@@ -199,7 +199,13 @@ impl CudaBackend {
         self.ids.stage(&self.dev, &padded.tokens, vocab, &padded.pending, Some(&self.sample_bufs))?;
         let fp8 = self.fp8.is_some();
         let shape = DecodeShape { rows, n_heads, n_kv_heads: geo.n_kv_heads, head_dim: geo.head_dim, fp8 };
-        let auto = auto_splits(self.dev.sm_count(), &shape, self.meta.max_ctx(), self.dev.stream_attention());
+        let auto = auto_splits(
+            self.dev.sm_count(),
+            &shape,
+            self.meta.max_ctx(),
+            self.dev.stream_attention(),
+            self.dev.attention_split_smem(),
+        );
         // Graphs are keyed by a power of two (few graphs as contexts grow), rounded down:
         // rounding 3 up to 4 at 32 rows of 8k cost 7 % of the step (more CTAs than the device
         // runs well at once), while fewer splits than `Auto` measured no slower.

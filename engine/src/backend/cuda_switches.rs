@@ -1,10 +1,10 @@
 //! The CUDA backend's launch switches, statistics and step profiler: what benchmarks and tests
-//! turn and read. Every switch keeps the results (bit for bit, or within the rounding its doc
+//! turn and read; and the one switch the backend turns itself, each step's carve-out. Every switch keeps the results (bit for bit, or within the rounding its doc
 //! names) and only moves timing; one that changes recorded launches drops the graphs.
 
 use super::CudaBackend;
-use crate::backend::BackendError;
-use baton_kernels::cuda::{CudaDevice, CudaError};
+use crate::backend::{BackendError, BatchLayout};
+use baton_kernels::cuda::{CarveoutPolicy, CudaDevice, CudaError, DecodeShape, KvGeometry, step_carveout};
 
 impl CudaBackend {
     /// Sends small-batch GEMMs to the skinny-GEMM kernel (`true`, the default) or every GEMM
@@ -44,6 +44,35 @@ impl CudaBackend {
     /// recorded graphs.
     pub fn set_stream_attention(&mut self, on: bool) {
         self.device().set_stream_attention(on);
+        self.drop_graphs();
+    }
+
+    /// Sets the carve-out of the step about to run from its padded shape
+    /// ([`baton_kernels::cuda::step_carveout`]; ignored under a fixed policy). Before the heads
+    /// are known (the first attention of the backend's life) no pin is set: a step's first
+    /// launches run under the previous step's pins until then, a matter of timing only.
+    pub(super) fn set_step_carveout(&self, batch: &BatchLayout, geo: KvGeometry) {
+        let pin = self.graphs.n_heads.and_then(|n_heads| {
+            let shape = DecodeShape {
+                rows: batch.tokens.len(),
+                n_heads,
+                n_kv_heads: geo.n_kv_heads,
+                head_dim: geo.head_dim,
+                fp8: self.fp8.is_some(),
+            };
+            let decode_only = batch.seqs.iter().all(|s| s.n_tokens == 1);
+            step_carveout(&shape, self.dev.stream_attention(), decode_only)
+        });
+        self.dev.set_step_carveout(pin);
+    }
+
+    /// How the kernel launches get their shared-memory carve-out: per step from its shape
+    /// (the default, `baton_kernels::cuda::step_carveout`) or fixed pins
+    /// ([`baton_kernels::cuda::CudaDevice::set_carveout_policy`]; for comparisons, the same bits
+    /// either way, except that attention's splits planned in a pinned share change the split
+    /// count and so the f32 sums' grouping). Drops recorded graphs.
+    pub fn set_carveout_policy(&mut self, policy: CarveoutPolicy) {
+        self.device().set_carveout_policy(policy);
         self.drop_graphs();
     }
 

@@ -332,7 +332,7 @@ impl AttentionCall<'_> {
         // Only the split count reaches the kernel: each row's chunk is cut there from its own
         // length (`split_chunk` in attention.cu), with MIN_SPLIT_TOKENS as the least.
         // A windowed row reads min(ctx, window) tokens: the plan is made for that length.
-        let target = SplitTarget::for_variant(&v, geo.n_kv_heads, hd, self.cache.is_fp8());
+        let target = SplitTarget::for_variant(&v, geo.n_kv_heads, hd, self.cache.is_fp8(), dev.attention_split_smem());
         let read = self.options.effective_ctx(max_ctx);
         let (splits, _) = plan_splits(self.split, x * rows, read, dev.sm_count(), target);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
@@ -366,9 +366,10 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
-        let args = match (v.kind, stream_carveout(rows)) {
-            (AttnKind::Stream, Some(percent)) => args.carveout(percent),
-            _ => args,
+        let own = if v.kind == AttnKind::Stream { stream_carveout(rows) } else { None };
+        let args = match dev.carveout_pins().attention.or(own) {
+            Some(percent) => args.carveout(percent),
+            None => args,
         };
         // SAFETY: q, out and the caches were checked against the rows, heads and geometry;
         // the metadata's contexts, block-table offsets and tables were validated against this

@@ -8,6 +8,7 @@
 //! (`graph.rs`) the device refuses to allocate, upload or download; every allocation a graph
 //! may use bumps [`CudaDevice::alloc_generation`].
 
+use super::carveout::{CarveoutPins, CarveoutPolicy, CarveoutState};
 use super::compile;
 use super::error::CudaError;
 use super::gemv::GEMV_L2_PREFETCH_DEFAULT;
@@ -79,6 +80,8 @@ pub struct CudaDevice {
     /// Whether the default decode attention may take the streaming kernel
     /// ([`CudaDevice::stream_attention`]).
     stream_attention: AtomicBool,
+    /// The shared-memory carve-outs the launches ask for ([`CudaDevice::carveout_pins`]).
+    carveout: CarveoutState,
     /// cuBLAS's workspace; kept alive as long as the handle.
     _blas_workspace: CudaSlice<u8>,
     /// cuBLASLt with measured algorithm choice, when the library loads (see `lt.rs`).
@@ -166,6 +169,7 @@ impl CudaDevice {
             prefill_wgmma: AtomicBool::new(wgmma_capable),
             rope_grouped_min_rows: AtomicUsize::new(super::rope::ROPE_GROUPED_MIN_ROWS),
             stream_attention: AtomicBool::new(major >= 9),
+            carveout: CarveoutState::new(),
             _blas_workspace: blas_workspace,
             lt,
         })
@@ -375,6 +379,36 @@ impl CudaDevice {
     pub fn set_prefill_wgmma(&self, on: bool) {
         self.prefill_wgmma.store(on && self.prefill_wgmma_capable(), Ordering::Relaxed);
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The shared-memory carve-outs the launches ask for now (`carveout.rs`): under the
+    /// default [`CarveoutPolicy::PerStep`] those the backend set for the current step.
+    pub fn carveout_pins(&self) -> CarveoutPins {
+        self.carveout.pins()
+    }
+
+    /// The shared memory per SM decode attention's split rule plans CTAs in
+    /// (`paged_attention::split_smem`): the SM's whole, or attention's pinned share when the
+    /// pins say to plan in it.
+    pub fn attention_split_smem(&self) -> usize {
+        let pins = self.carveout.pins();
+        super::paged_attention::split_smem(pins.attention.filter(|_| pins.split_by_pin))
+    }
+
+    /// Sets how the launches get their carve-out (for comparisons; the default is
+    /// [`CarveoutPolicy::PerStep`]). Recorded graphs hold the old launches, so this counts as an
+    /// allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_carveout_policy(&self, policy: CarveoutPolicy) {
+        self.carveout.set_policy(policy);
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Under [`CarveoutPolicy::PerStep`], the carve-out every launch of the step about to run
+    /// asks for (`carveout::step_carveout`); ignored under a fixed policy. Not an allocation:
+    /// the rule is a function of the step's shape, so a graph recorded for that shape holds
+    /// the same pins.
+    pub fn set_step_carveout(&self, pin: Option<u32>) {
+        self.carveout.set_step(pin);
     }
 
     /// How many bytes of its weight matrix a skinny GEMM pulls into L2 before it waits for the

@@ -228,7 +228,7 @@ impl<'a> Args<'a> {
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
         };
-        let carveout = self.carveout.map(|percent| sys::CUlaunchAttribute {
+        let carveout = self.carveout.or(dev.carveout_pins().others).map(|percent| sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue { sharedMemCarveout: percent },

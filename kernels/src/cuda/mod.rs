@@ -72,6 +72,7 @@
 
 mod attention;
 mod attention_ext;
+mod carveout;
 mod compile;
 mod device;
 mod elementwise;
@@ -105,6 +106,7 @@ mod weight_upload;
 
 pub use attention::{AttentionCall, AttentionOptions, AttnKernel, KvCacheRef, attention_supports};
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
+pub use carveout::{CarveoutPins, CarveoutPolicy, STEP_CARVEOUT_PERCENT, step_carveout};
 pub use compile::{
     Compiled, Family, ImageKind, KernelNeeds, Module, ModuleReport, build_cache, compile_all, compile_module,
     compile_needed, device_arch, missing_kernels, modules,

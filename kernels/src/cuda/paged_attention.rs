@@ -147,16 +147,24 @@ impl AttnVariant {
         }
     }
 
-    /// CTAs of this variant that fit on one SM by shared memory (228 KiB, 1 KiB reserved per
-    /// CTA), for the split rule: the streaming ring usually takes the SM alone.
-    pub(crate) fn stream_ctas_per_sm(&self, n_kv_heads: usize, head_dim: usize) -> usize {
+    /// CTAs of this variant that fit on one SM of `sm_smem` bytes of shared memory (1 KiB
+    /// reserved per CTA; [`split_smem`]), for the split rule: the streaming ring usually takes
+    /// the SM alone.
+    pub(crate) fn stream_ctas_per_sm(&self, n_kv_heads: usize, head_dim: usize, sm_smem: usize) -> usize {
         let kvc = stream_kv_heads(self, n_kv_heads, head_dim).max(1);
-        (SM_SMEM / (stream_smem_bytes(self, kvc, head_dim) + 1024)).max(1)
+        (sm_smem / (stream_smem_bytes(self, kvc, head_dim) + 1024)).max(1)
     }
 }
 
 /// Shared memory of one SM (H100), of which a CTA may take [`CTA_SMEM_LIMIT`].
 const SM_SMEM: usize = 228 * 1024;
+
+/// The shared memory per SM the split rule plans the streaming kernel's CTAs in: the SM's
+/// whole, or, when decode attention's carve-out is pinned and the plan follows it
+/// (`CudaDevice::attention_split_smem`), that share of it.
+pub(crate) fn split_smem(pin: Option<u32>) -> usize {
+    pin.map_or(SM_SMEM, |p| SM_SMEM * p.min(100) as usize / 100)
+}
 /// The most dynamic shared memory one CTA may take on sm_90 (227 KiB).
 pub(crate) const CTA_SMEM_LIMIT: usize = 227 * 1024;
 /// Tokens of one streaming ring stage (`ST_TOKENS` in attention_stream.cu).
@@ -424,10 +432,10 @@ impl SplitTarget {
     /// in at most 64 splits. Measured on an H100 (`cuda_bench`, Llama-3.1-8B heads, 34590ad; one
     /// CTA per row and split): one row at 8k 33.4 µs at 64 splits, 40.6 at 128; at 32k 72.2
     /// against 75.7; at 2k the context allows 32 (22.0 µs).
-    pub fn for_variant(variant: &AttnVariant, n_kv_heads: usize, head_dim: usize, fp8: bool) -> Self {
+    pub fn for_variant(variant: &AttnVariant, n_kv_heads: usize, head_dim: usize, fp8: bool, sm_smem: usize) -> Self {
         match variant.kind {
             AttnKind::Stream => Self {
-                ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim),
+                ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim, sm_smem),
                 round_up: false,
                 max_auto: MAX_SPLITS / 2,
             },
@@ -472,13 +480,13 @@ pub fn plan_splits(split: AttnSplit, ctas: usize, max_ctx: usize, sms: usize, ta
 /// The splits the default decode launch ([`AttnSplit::Auto`], the variant of [`attn_default`])
 /// uses for `shape` over contexts up to `max_ctx` on `sms` SMs (`stream`: the device runs the
 /// streaming kernel): what a CUDA graph recorded for such a step is keyed by. For a windowed
-/// layer pass the tokens it reads, `min(max_ctx, window)`.
-pub fn auto_splits(sms: usize, shape: &DecodeShape, max_ctx: usize, stream: bool) -> usize {
+/// layer pass the tokens it reads, `min(max_ctx, window)`; `sm_smem` as [`split_smem`].
+pub fn auto_splits(sms: usize, shape: &DecodeShape, max_ctx: usize, stream: bool, sm_smem: usize) -> usize {
     let vi = attn_default(shape, stream);
     let variant = if shape.fp8 { ATTN_FP8_VARIANTS[vi] } else { ATTN_VARIANTS[vi] };
     let (n_kv, hd) = (shape.n_kv_heads, shape.head_dim);
     let ctas = variant.ctas_per_row(shape.n_heads, n_kv, hd) * shape.rows;
-    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_variant(&variant, n_kv, hd, shape.fp8)).0
+    plan_splits(AttnSplit::Auto, ctas, max_ctx, sms, SplitTarget::for_variant(&variant, n_kv, hd, shape.fp8, sm_smem)).0
 }
 
 #[cfg(test)]
@@ -565,30 +573,33 @@ mod tests {
         // tensor-core CTA per KV head) at batch 1, 2k: the plan for 8 CTAs per split; at 12/1
         // heads (group 12: the 16-head variant) one CTA per row.
         assert_eq!(
-            auto_splits(132, &llama(1, false), 2048, false),
+            auto_splits(132, &llama(1, false), 2048, false, SM_SMEM),
             plan_splits(AttnSplit::Auto, 8, 2048, 132, SplitTarget::BF16).0
         );
         let g12 = DecodeShape { rows: 3, n_heads: 12, n_kv_heads: 1, head_dim: 128, fp8: false };
         assert_eq!(
-            auto_splits(132, &g12, 4096, false),
+            auto_splits(132, &g12, 4096, false, SM_SMEM),
             plan_splits(AttnSplit::Auto, 3, 4096, 132, SplitTarget::BF16).0
         );
         // A group of 32 takes two CTAs of 16 heads per KV head.
         assert_eq!(ATTN_VARIANTS[attn_tc_default(32)].ctas_per_row(64, 2, 128), 4);
-        assert_eq!(auto_splits(132, &llama(512, false), 4096, false), 1, "a full batch needs no split");
+        assert_eq!(auto_splits(132, &llama(512, false), 4096, false, SM_SMEM), 1, "a full batch needs no split");
         let no_kv = DecodeShape { n_kv_heads: 0, ..llama(1, false) };
-        assert!(auto_splits(132, &no_kv, 100, true) >= 1, "no KV heads: still a plan (the launch refuses)");
+        assert!(auto_splits(132, &no_kv, 100, true, SM_SMEM) >= 1, "no KV heads: still a plan (the launch refuses)");
         // The FP8 tensor-core kernel aims at two CTAs per SM, rounded up: 32 rows of 8 KV heads
         // at 8k split in two where the bf16 tensor-core kernel does not split; one row at 8k in
         // 33 (as bf16); a full batch is not split either way.
-        assert_eq!(auto_splits(132, &llama(32, false), 8192, false), 1);
-        assert_eq!(auto_splits(132, &llama(32, true), 8192, false), 2);
-        assert_eq!(auto_splits(132, &llama(8, true), 4096, false), 5);
-        assert_eq!(auto_splits(132, &llama(1, true), 8192, false), auto_splits(132, &llama(1, false), 8192, false));
-        assert_eq!(auto_splits(132, &llama(256, true), 1024, false), 1);
+        assert_eq!(auto_splits(132, &llama(32, false), 8192, false, SM_SMEM), 1);
+        assert_eq!(auto_splits(132, &llama(32, true), 8192, false, SM_SMEM), 2);
+        assert_eq!(auto_splits(132, &llama(8, true), 4096, false, SM_SMEM), 5);
+        assert_eq!(
+            auto_splits(132, &llama(1, true), 8192, false, SM_SMEM),
+            auto_splits(132, &llama(1, false), 8192, false, SM_SMEM)
+        );
+        assert_eq!(auto_splits(132, &llama(256, true), 1024, false, SM_SMEM), 1);
         // The FP8 streaming kernel's 3-stage ring (99,864 bytes) fits two CTAs per SM: 32 rows
         // at 8k split in 8.
-        assert_eq!(auto_splits(132, &llama(32, true), 8192, true), 8);
+        assert_eq!(auto_splits(132, &llama(32, true), 8192, true, SM_SMEM), 8);
         // With the streaming kernel (sm_90), whatever the batch: one CTA per row takes an SM
         // alone, so 32 rows at 8k split in 4 (128 CTAs), 64 rows in 2, 256 rows not at all, one
         // row in at most 64.
@@ -603,13 +614,13 @@ mod tests {
         // A group of 12 has no narrow variant.
         assert_eq!(attn_default(&DecodeShape { rows: 1, ..g12 }, true), attn_stream_default(12, false));
         let narrow = ATTN_VARIANTS[attn_stream_narrow(false)];
-        assert_eq!((narrow.ctas_per_row(32, 8, 128), narrow.stream_ctas_per_sm(8, 128)), (8, 6));
-        assert_eq!(auto_splits(132, &llama(1, false), 8192, true), 64);
-        assert_eq!(auto_splits(132, &llama(1, false), 2048, true), 32);
-        assert_eq!(auto_splits(132, &llama(8, false), 4096, true), 16);
-        assert_eq!(auto_splits(132, &llama(32, false), 8192, true), 4);
-        assert_eq!(auto_splits(132, &llama(64, false), 8192, true), 2);
-        assert_eq!(auto_splits(132, &llama(256, false), 1024, true), 1);
+        assert_eq!((narrow.ctas_per_row(32, 8, 128), narrow.stream_ctas_per_sm(8, 128, SM_SMEM)), (8, 6));
+        assert_eq!(auto_splits(132, &llama(1, false), 8192, true, SM_SMEM), 64);
+        assert_eq!(auto_splits(132, &llama(1, false), 2048, true, SM_SMEM), 32);
+        assert_eq!(auto_splits(132, &llama(8, false), 4096, true, SM_SMEM), 16);
+        assert_eq!(auto_splits(132, &llama(32, false), 8192, true, SM_SMEM), 4);
+        assert_eq!(auto_splits(132, &llama(64, false), 8192, true, SM_SMEM), 2);
+        assert_eq!(auto_splits(132, &llama(256, false), 1024, true, SM_SMEM), 1);
         // The carve-out follows the GEMMs around the launch: none up to the skinny GEMM's rows.
         assert_eq!((stream_carveout(1), stream_carveout(16)), (None, None));
         assert_eq!((stream_carveout(17), stream_carveout(256)), (Some(100), Some(100)));
@@ -622,7 +633,7 @@ mod tests {
         assert_eq!(stream_kv_heads(&s3, 8, 128), 8);
         assert_eq!(stream_smem_bytes(&s3, 8, 128), 3 * 2 * 16 * 2064 + 24);
         assert_eq!(stream_smem_bytes(&s2, 8, 128), 132_112);
-        assert_eq!((s2.stream_ctas_per_sm(8, 128), w4.stream_ctas_per_sm(8, 128)), (1, 2));
+        assert_eq!((s2.stream_ctas_per_sm(8, 128, SM_SMEM), w4.stream_ctas_per_sm(8, 128, SM_SMEM)), (1, 2));
         assert_eq!((s2.ctas_per_row(32, 8, 128), s2.threads(8, 128)), (1, 256));
         assert_eq!((w4.ctas_per_row(32, 8, 128), w4.threads(8, 128)), (2, 128));
         // Gemma-3-12B (8 KV heads at 256): 4 a CTA (8 would take 263 KB at two stages).
