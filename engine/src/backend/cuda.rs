@@ -191,6 +191,9 @@ pub struct CudaBackend {
     /// that product's epilogue ([`crate::backend::BoundaryRope`]); off = the RoPE kernel after
     /// it, for comparisons.
     fuse_rope: bool,
+    /// Whether a decode step's qkv product has carried RoPE in its epilogue: the steps that
+    /// take the per-step carve-out (`set_step_carveout`).
+    rope_epilogue_seen: bool,
     /// The per-CTA sums of squares the fused boundary passes from one GEMM to the next
     /// (allocated at the first fused boundary, for the most rows a skinny GEMM takes).
     norm_stats: Option<CudaSlice<f32>>,
@@ -310,6 +313,7 @@ impl CudaBackend {
             fuse_gate: true,
             fuse_norm: true,
             fuse_rope: true,
+            rope_epilogue_seen: false,
             norm_stats: None,
             prefill_kernel: true,
             logit_shape: (0, 0),

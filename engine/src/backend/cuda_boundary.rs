@@ -164,6 +164,7 @@ impl CudaBackend {
             && s.next.rows == r.n_heads * hd + 2 * kvw
             && !calibrating;
         if takes {
+            self.rope_epilogue_seen = true;
             self.step_meta(r.batch)?;
         }
         Ok(takes)

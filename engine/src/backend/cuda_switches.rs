@@ -35,6 +35,7 @@ impl CudaBackend {
     /// comparisons; the same bits either way). Drops recorded graphs.
     pub fn set_fused_rope(&mut self, on: bool) {
         self.fuse_rope = on;
+        self.rope_epilogue_seen = false;
         self.drop_graphs();
     }
 
@@ -48,11 +49,17 @@ impl CudaBackend {
     }
 
     /// Sets the carve-out of the step about to run from its padded shape
-    /// ([`baton_kernels::cuda::step_carveout`]; ignored under a fixed policy). Before the heads
-    /// are known (the first attention of the backend's life) no pin is set: a step's first
-    /// launches run under the previous step's pins until then, a matter of timing only.
+    /// ([`baton_kernels::cuda::step_carveout`]; ignored under a fixed policy), on models whose
+    /// qkv product carries RoPE in its epilogue (the Llama family; FP8 Qwen2) only: where RoPE is
+    /// a kernel of its own (q/k norms: Qwen3, Qwen3-MoE, Gemma 3; bf16 Qwen2's bias) the pin
+    /// measured mixed (H200, session 26, call E: Qwen3-8B 4 × 1k +2.3 %, Qwen2.5-7B 4 × 1k
+    /// +1.6 %, Qwen3-30B-A3B one row +0.6 to +1.2 %, though Gemma-3-12B one row −4.5 %), not
+    /// explained. That is known once a decode step ran the epilogue (layer 1 of the first
+    /// one), as are the heads (the first attention): until then no pin is set, and a step's
+    /// first launches run under the previous step's pins, a matter of timing only (a graph's
+    /// attention runs its key's splits whatever the pins).
     pub(super) fn set_step_carveout(&self, batch: &BatchLayout, geo: KvGeometry) {
-        let pin = self.graphs.n_heads.and_then(|n_heads| {
+        let pin = self.graphs.n_heads.filter(|_| self.rope_epilogue_seen).and_then(|n_heads| {
             let shape = DecodeShape {
                 rows: batch.tokens.len(),
                 n_heads,
