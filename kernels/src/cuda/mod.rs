@@ -25,7 +25,8 @@
 //! 2. **kernel descriptions** (`paged_attention.rs`, `prefill.rs`, `gemv.rs`): for each
 //!    templated kernel, its compiled variants in the order of the `.cu` instance lists, their
 //!    names, the rule that picks one, the shapes it takes. Pure functions, unit-tested here.
-//!    `kernel_table.rs` resolves every name once (the only list of names), `compile.rs` builds
+//!    `carveout.rs` likewise holds the rule for the shared-memory carve-out a decode step's
+//!    launches ask for ([`step_carveout`], [`CarveoutPolicy`]). `kernel_table.rs` resolves every name once (the only list of names), `compile.rs` builds
 //!    the module.
 //! 3. **device** (`device.rs`, `graph.rs`, `staging.rs`, `weight_upload.rs`): [`CudaDevice`]
 //!    (context, stream, cuBLAS, the kernel table, memory), graph capture, page-locked staging,
