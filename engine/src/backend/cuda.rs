@@ -353,6 +353,9 @@ impl CudaBackend {
     /// step passes the same layout).
     fn step_meta(&mut self, batch: &BatchLayout) -> Result<(), BackendError> {
         let geo = self.geo()?;
+        // Before the early return: a graph's recording pass repeats its eager pass's layout, and
+        // must run under the pins that pass settled (it is the first decode step that shows
+        // whether the qkv product carries RoPE). A few atomic stores per op, host side only.
         self.set_step_carveout(batch, geo);
         if self.meta_for.as_ref() == Some(batch) {
             return Ok(());

@@ -1,6 +1,7 @@
 //! The CUDA backend's launch switches, statistics and step profiler: what benchmarks and tests
-//! turn and read; and the one switch the backend turns itself, each step's carve-out. Every switch keeps the results (bit for bit, or within the rounding its doc
-//! names) and only moves timing; one that changes recorded launches drops the graphs.
+//! turn and read; and the one switch the backend turns itself, each step's carve-out. Every
+//! switch keeps the results (bit for bit, or within the rounding its doc names) and only moves
+//! timing; one that changes recorded launches drops the graphs.
 
 use super::CudaBackend;
 use crate::backend::{BackendError, BatchLayout};

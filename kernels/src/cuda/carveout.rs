@@ -4,9 +4,9 @@
 //! Why it matters: an SM changes its split only once it has drained, so under programmatic
 //! dependent launch a kernel whose split differs from the previous kernel's cannot start on an
 //! SM until that SM is empty, and the overlap PDL buys is lost. Left to the driver, one
-//! Llama-3.1-8B decode layer at one row runs four splits (ncu, H200, session 26: the skinny
-//! GEMMs 32 KiB of shared memory, the residual products 64 KiB, the streaming attention 228 KiB,
-//! its combine 32 KiB). Asking every launch of a small decode step for one split
+//! Llama-3.1-8B decode layer at one row changes split five times (ncu, H200, session 26: the
+//! skinny GEMMs 32 KiB of shared memory, the residual products 64 KiB, the streaming attention
+//! 228 KiB, its combine 32 KiB). Asking every launch of a small decode step for one split
 //! ([`STEP_CARVEOUT_PERCENT`]) removes those drains; the split must leave the skinny GEMMs their
 //! L1 (at 60 % and above they lose 8-50 %: their loads in flight need it) and the attention
 //! kernel room for its rings, whose CTAs the split rule then plans in that share
