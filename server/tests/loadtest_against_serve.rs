@@ -4,7 +4,10 @@
 //! the results JSON must hold the config, one full record per request and the
 //! summary.
 
-use std::net::TcpListener;
+#[path = "common/port.rs"]
+mod port;
+use port::free_port;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,10 +37,6 @@ impl Serve {
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
 }
 
 async fn start_serve(dir: &Path) -> (Serve, PathBuf) {

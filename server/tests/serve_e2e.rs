@@ -3,6 +3,10 @@
 //! bad-input table, auth, config layering (flag > env > file), disconnects freeing KV blocks,
 //! the gRPC API (streaming, abort) with its example client, and the CLI's own errors.
 
+#[path = "common/port.rs"]
+mod port;
+use port::free_port;
+
 use baton_formats::testing::{TinySpec, write_hf_folder};
 use baton_proto::v1::baton_client::BatonClient;
 use baton_proto::v1::{
@@ -10,7 +14,6 @@ use baton_proto::v1::{
     generate_response::Response as Msg,
 };
 use serde_json::{Value, json};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,10 +39,6 @@ impl Drop for Serve {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
 }
 
 fn tiny_model(dir: &Path) -> PathBuf {

@@ -8,7 +8,6 @@
 
 use baton_formats::testing::{TinySpec, write_hf_folder};
 use serde_json::{Value, json};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,10 +19,9 @@ pub const MODEL: &str = "tiny";
 /// Output tokens of [`completion`].
 pub const MAX_TOKENS: usize = 24;
 
-/// A free TCP port on loopback.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("free port").port()
-}
+#[path = "port.rs"]
+mod port;
+pub use port::free_port;
 
 /// The repository's `configs/`.
 pub fn configs() -> PathBuf {
