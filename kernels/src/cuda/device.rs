@@ -14,6 +14,7 @@ use super::error::CudaError;
 use super::gemv::GEMV_L2_PREFETCH_DEFAULT;
 use super::kernel_table::KernelTable;
 use super::launch::shape_check;
+use super::sources;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DeviceRepr};
 use std::collections::HashMap;
@@ -44,7 +45,7 @@ pub struct CudaOptions {
     /// Where compiled kernels are cached; `None` compiles every time.
     pub cache_dir: Option<PathBuf>,
     /// Which kernel modules to compile and load (default: every one).
-    pub needs: compile::KernelNeeds,
+    pub needs: sources::KernelNeeds,
 }
 
 /// One GPU: context, stream, cuBLAS handle and the loaded kernels.
@@ -123,7 +124,7 @@ impl CudaDevice {
         let t0 = std::time::Instant::now();
         let (modules, module_reports) = compile::load_modules(&ctx, &arch, opts.cache_dir.as_deref(), &opts.needs)?;
         let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let by_module: HashMap<compile::Module, Arc<CudaModule>> = modules.into_iter().collect();
+        let by_module: HashMap<sources::Module, Arc<CudaModule>> = modules.into_iter().collect();
         let kernels = KernelTable::load(&opts.needs, |module, n| match by_module.get(&module) {
             Some(m) => Ok(m.load_function(n)?),
             None => Err(CudaError::Compile(format!("no module {} for kernel {n}", module.name()))),

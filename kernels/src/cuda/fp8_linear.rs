@@ -11,7 +11,7 @@
 //! that no 64-code k-step straddles two) and [`gemv_fp8_supports`] the one rule for which
 //! products the engine sends to it (k a multiple of 16, 1 ≤ m ≤ [`GEMV_FP8_MAX_M`]);
 //! [`GEMV_FP8_VARIANTS`] lists the `GEMV_FP8_INSTANCE` lines of gemv_fp8.cu in order (a unit
-//! test of `compile.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
+//! test of `sources.rs` compares them), each instantiated for up to 8 and up to 16 rows of x
 //! per CTA, for both [`Fp8Scaling`]s and every [`Fp8Epilogue`]; [`fp8_gemv_plan`] is the one
 //! place that checks a launch of any of them and picks its function and grid (the fused
 //! epilogues' calls are in `fp8_fused.rs`).

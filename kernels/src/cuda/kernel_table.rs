@@ -10,7 +10,6 @@
 
 use super::CudaError;
 use super::attention_ext::ATTN_EXT_MAX_HEAD_DIM;
-use super::compile::{Family, KernelNeeds, Module};
 use super::fp8_linear::{Fp8Epilogue, Fp8Scaling, GEMV_FP8_VARIANTS};
 use super::gemv::{GEMV_MAX_MS, GEMV_VARIANTS, GemvEpilogue};
 use super::moe_skinny::{MOE_SKINNY_ACTS, MOE_SKINNY_VARIANTS, MoeSkinnyAct};
@@ -22,6 +21,7 @@ use super::prefill::{
     PREFILL_HEAD_DIMS, PREFILL_WARPS, PREFILL_WG_HEAD_DIM, prefill_fp8_kernel_name, prefill_fp8_smem_bytes,
     prefill_kernel_name, prefill_smem_bytes, prefill_wg_kernel_name, prefill_wg_smem_bytes,
 };
+use super::sources::{Family, KernelNeeds, Module};
 use cudarc::driver::CudaFunction;
 use cudarc::driver::sys::CUfunction_attribute_enum as FuncAttr;
 
@@ -311,7 +311,7 @@ impl<F> Fp8Kernels<F> {
 
 impl<F> AttentionKernels<F> {
     fn load<E>(hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
-        // The module of each instance line (compile.rs's ATTN_MODULES, in file order).
+        // The module of each instance line (sources.rs's ATTN_MODULES, in file order).
         let module = |v: &AttnVariant| {
             let line = match (v.kind, v.fp8) {
                 (AttnKind::Registers, _) => 0,
@@ -331,7 +331,7 @@ impl<F> AttentionKernels<F> {
 
 impl<F> PrefillKernels<F> {
     fn load<E>(hd: usize, f: &mut impl FnMut(Module, &str) -> Result<F, E>) -> Result<Self, E> {
-        // A module per instance line (compile.rs's prefill_modules): one per CTA size, then the
+        // A module per instance line (sources.rs's prefill_modules): one per CTA size, then the
         // warpgroup kernel's.
         let mut each = |fp8: bool, opt: bool| -> Result<Vec<F>, E> {
             PREFILL_WARPS
@@ -519,7 +519,7 @@ mod tests {
             assert!(unique.contains(&n.to_string()), "{n} missing");
         }
         // The plain kernels are defined verbatim in their module's source; a templated kernel's
-        // module instantiates its parameter (`compile::tests` compares the instance lists with
+        // module instantiates its parameter (`sources::tests` compares the instance lists with
         // the variant tables).
         for (module, n) in kernel_modules() {
             let src = module.source();
@@ -542,7 +542,7 @@ mod tests {
         }
         // Every module serves at least one kernel.
         let used: HashSet<Module> = kernel_modules().into_iter().map(|(m, _)| m).collect();
-        assert_eq!(used.len(), super::super::compile::modules().len());
+        assert_eq!(used.len(), super::super::sources::modules().len());
     }
 
     /// A table loaded for one model asks only its modules for kernels, asks each of them for

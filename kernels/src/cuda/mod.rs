@@ -26,8 +26,10 @@
 //!    templated kernel, its compiled variants in the order of the `.cu` instance lists, their
 //!    names, the rule that picks one, the shapes it takes. Pure functions, unit-tested here.
 //!    `carveout.rs` likewise holds the rule for the shared-memory carve-out a decode step's
-//!    launches ask for ([`step_carveout`], [`CarveoutPolicy`]). `kernel_table.rs` resolves every name once (the only list of names), `compile.rs` builds
-//!    the module.
+//!    launches ask for ([`step_carveout`], [`CarveoutPolicy`]). `sources.rs` cuts the sources
+//!    into modules ([`Module`]) and says which a model loads ([`KernelNeeds`]); `compile.rs`
+//!    compiles and caches them; `kernel_table.rs` resolves every name once (the only list of
+//!    names).
 //! 3. **device** (`device.rs`, `graph.rs`, `staging.rs`, `weight_upload.rs`): [`CudaDevice`]
 //!    (context, stream, cuBLAS, the kernel table, memory), graph capture, page-locked staging,
 //!    and [`WeightUploader`] (stored weights through a page-locked ring at page-cache speed).
@@ -51,10 +53,10 @@
 //!
 //! # Adding a kernel
 //!
-//! 1. Write it in `kernels/cuda/` (a new file goes into a [`Family`] in `compile.rs`, or
+//! 1. Write it in `kernels/cuda/` (a new file goes into a [`Family`] in `sources.rs`, or
 //!    makes a new one); keep it self-contained (no headers beyond the prelude). A templated
 //!    kernel gets an instance list, mirrored by a variant table in its description module with
-//!    a unit test in `compile.rs` comparing the two (see `ATTN_VARIANTS`, `GEMV_VARIANTS`);
+//!    a unit test in `sources.rs` comparing the two (see `ATTN_VARIANTS`, `GEMV_VARIANTS`);
 //!    a family cut into parts names its top-level instance macros in `Family::instance_macros`.
 //! 2. Add its handle to `KernelTable` (field + one line in `load`, naming its module);
 //!    `CudaDevice::open` then fails if the module lacks it, and `cargo run -p baton-kernels
@@ -99,6 +101,7 @@ mod prefill;
 mod prompt_logprobs;
 mod rope;
 mod sampling;
+mod sources;
 mod staging;
 mod step_ids;
 mod step_meta;
@@ -109,8 +112,8 @@ pub use attention::{AttentionCall, AttentionOptions, AttnKernel, KvCacheRef, att
 pub use attention_ext::{ATTN_EXT_MAX_HEAD_DIM, AttentionExtCall, AttentionExtFp8Call};
 pub use carveout::{CarveoutPins, CarveoutPolicy, STEP_CARVEOUT_PERCENT, step_carveout};
 pub use compile::{
-    Compiled, Family, ImageKind, KernelNeeds, Module, ModuleReport, build_cache, compile_all, compile_module,
-    compile_needed, device_arch, missing_kernels, modules,
+    Compiled, ImageKind, ModuleReport, build_cache, compile_all, compile_module, compile_needed, device_arch,
+    missing_kernels,
 };
 pub use cudarc::driver::{CudaSlice, CudaStream};
 pub use device::{CudaDevice, CudaOptions, driver_present};
@@ -156,6 +159,7 @@ pub use rope::{QkNorm, RopeExtras, RopeInput, RopeKvAmaxCall, RopeKvCall, RopeKv
 pub use sampling::{
     DeviceMask, DeviceOp, DeviceOpKind, DeviceRow, DeviceSample, SAMPLE_MAX_TOP, SAMPLE_MAX_VOCAB, SampleBuffers,
 };
+pub use sources::{Family, KernelNeeds, Module, modules};
 pub use step_ids::StepIds;
 pub use weight_upload::{
     DEFAULT_SLOT_ELEMS, DEFAULT_SLOTS, HostDType, HostTensor, UploadStats, WeightUploader, fill_bf16, plan_chunks,

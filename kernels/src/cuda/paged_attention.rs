@@ -4,7 +4,7 @@
 //! [`AttentionCall`](super::AttentionCall).
 //!
 //! Invariants: [`ATTN_VARIANTS`] lists the `ATT_INSTANCE` then the `ATT_TC_INSTANCE` lines of
-//! attention.cu in order (a unit test of `compile.rs` compares them), and every variant is
+//! attention.cu in order (a unit test of `sources.rs` compares them), and every variant is
 //! instantiated for every head_dim of [`ATTN_HEAD_DIMS`]; [`plan_splits`] never returns more
 //! than 128 splits, and its splits cover the longest context.
 
