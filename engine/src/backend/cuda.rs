@@ -16,7 +16,9 @@
 //! The optional ops of some architectures (Gemma's norms, embedding scale, GELU-tanh,
 //! soft-caps, windowed attention, per-layer-kind RoPE) live in cuda_arch_ops.rs; the trait
 //! methods here pass them on, as they do the RoPE + KV write entry points (cuda_rope.rs). KV
-//! block I/O is in cuda_kv_io.rs, weight loading in cuda_weights.rs.
+//! block I/O is in cuda_kv_io.rs, weight loading in cuda_weights.rs, the rule that picks a
+//! product's implementation in cuda_linear_rule.rs, the mapping of CUDA failures to backend
+//! errors in cuda_errors.rs.
 
 use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, BoundaryScratch, BranchBoundary, DeviceSampler, Gate,
@@ -27,82 +29,8 @@ use baton_formats::{CounterInit, TensorView};
 use baton_kernels::cpu::{KernelError, MoeRouting, NormWeight, RopeTable};
 use baton_kernels::cuda::{
     BiasAddCall, CopyColsCall, CudaDevice, CudaError, CudaOptions, CudaSlice, EmbedCall, GatherRowsCall, HostSeq,
-    KvGeometry, LinearCall, LinearKernel, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16,
-    gemv_supports,
+    KvGeometry, LinearCall, SampleBuffers, SiluMulCall, StepIds, StepMeta, WeightUploader, bf16,
 };
-
-/// Largest batch (rows of `x`) whose GEMMs go to the skinny-GEMM kernel instead of cuBLAS.
-///
-/// Up to 8 rows the kernel costs what one row costs: one 8-column tensor-core tile, and the
-/// weights are read once whatever m is, while cuBLAS reads them at 40–90% of copy bandwidth
-/// on an H100, with the same time at M = 1, 8 and 32 on all five Llama-3.1-8B shapes
-/// (bench/results/cuda-kernels-split-*). The kernel takes up to 16 rows (a second tile) and
-/// would likely win there too, but every CTA re-reads m × k of x from L1 or L2 (at m = 16 as
-/// many bytes as its weights; more than L1 holds at k = 14336), which may make it L2-bound;
-/// so 9–16 stays on cuBLAS until `cuda_bench`'s M = 16 rows show gemv ahead on every shape.
-pub const GEMV_MAX_M: usize = 8;
-
-/// Whether a product of `m` rows over `k` columns goes to the skinny-GEMM kernel.
-fn gemv_applies(enabled: bool, m: usize, k: usize) -> bool {
-    enabled && m <= GEMV_MAX_M && gemv_supports(m, k)
-}
-
-/// The implementation of a product of `m` rows over `k` columns: the skinny GEMM (its default
-/// variant) where [`gemv_applies`], else cuBLAS.
-fn linear_kernel(gemv: bool, m: usize, k: usize) -> LinearKernel {
-    if gemv_applies(gemv, m, k) {
-        LinearKernel::GEMV
-    } else if gemv && m <= TUNED_MAX_M {
-        // Batched decode: cuBLASLt's algorithm measured fastest per shape (the skinny GEMM's
-        // switch turns this off too: `--cublas` compares against plain cuBLAS).
-        LinearKernel::Tuned
-    } else {
-        LinearKernel::Cublas
-    }
-}
-
-/// Most rows whose products go to [`LinearKernel::Tuned`]: decode batches (graphs pad them
-/// to at most 512); prefill chunks, which are larger, keep plain cuBLAS (compute-bound, where
-/// it does well, and too many distinct shapes to time each).
-const TUNED_MAX_M: usize = 512;
-
-impl From<CudaError> for BackendError {
-    fn from(e: CudaError) -> Self {
-        match e {
-            CudaError::Shape { op, message } => BackendError::Kernel(KernelError { op, message }),
-            CudaError::Driver(d) => driver_error(d),
-            other => BackendError::Device(other.to_string()),
-        }
-    }
-}
-
-/// A driver error as a backend error: [`BackendError::DeviceLost`] for the errors that leave
-/// the context unusable ([`is_sticky`]), [`BackendError::Device`] for the others.
-pub fn driver_error(e: cudarc::driver::DriverError) -> BackendError {
-    if is_sticky(e.0) { BackendError::DeviceLost(e.to_string()) } else { BackendError::Device(e.to_string()) }
-}
-
-/// CUDA errors after which the context is corrupt and every later call fails ("the process
-/// must be terminated and relaunched", as the CUDA documentation puts it for these codes),
-/// plus a context that is gone. Out of memory, invalid values and the like are not sticky.
-pub fn is_sticky(code: cudarc::driver::sys::CUresult) -> bool {
-    use cudarc::driver::sys::CUresult as R;
-    matches!(
-        code,
-        R::CUDA_ERROR_ILLEGAL_ADDRESS
-            | R::CUDA_ERROR_LAUNCH_FAILED
-            | R::CUDA_ERROR_LAUNCH_TIMEOUT
-            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
-            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
-            | R::CUDA_ERROR_MISALIGNED_ADDRESS
-            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
-            | R::CUDA_ERROR_INVALID_PC
-            | R::CUDA_ERROR_ASSERT
-            | R::CUDA_ERROR_ECC_UNCORRECTABLE
-            | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
-            | R::CUDA_ERROR_DEINITIALIZED
-    )
-}
 
 /// An activation buffer: `len` live bf16 values in an allocation that may be larger.
 pub struct CudaBuf {
@@ -943,10 +871,14 @@ mod graph;
 mod arch_ops;
 #[path = "cuda_boundary.rs"]
 mod boundary;
+#[path = "cuda_errors.rs"]
+mod errors;
 #[path = "cuda_fp8_linear.rs"]
 mod fp8_linear;
 #[path = "cuda_gated.rs"]
 mod gated;
+#[path = "cuda_linear_rule.rs"]
+mod linear_rule;
 #[path = "cuda_moe.rs"]
 mod moe;
 #[path = "cuda_sampler.rs"]
@@ -955,8 +887,11 @@ mod sampler;
 mod switches;
 #[path = "cuda_weights.rs"]
 mod weights;
+pub use errors::{driver_error, is_sticky};
 use fp8_linear::{ActCodes, Fp8Mat};
 pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
+pub use linear_rule::GEMV_MAX_M;
+use linear_rule::{gemv_applies, linear_kernel};
 pub use moe::MoeKernels;
 pub use sampler::{device_ops, device_row, sampled};
 use weights::to_bf16;
@@ -964,21 +899,6 @@ use weights::to_bf16;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn gemv_dispatch_rule() {
-        assert!(gemv_applies(true, 1, 4096) && gemv_applies(true, GEMV_MAX_M, 14336));
-        assert!(!gemv_applies(false, 1, 4096), "switched off: cuBLAS");
-        assert!(!gemv_applies(true, GEMV_MAX_M + 1, 4096), "larger batches: cuBLAS");
-        assert!(!gemv_applies(true, 0, 4096));
-        assert!(!gemv_applies(true, 1, 4100), "k off a multiple of 8: cuBLAS");
-        assert_eq!(linear_kernel(true, 1, 4096), LinearKernel::GEMV);
-        assert_eq!(linear_kernel(true, GEMV_MAX_M + 1, 4096), LinearKernel::Tuned, "batched decode: cuBLASLt");
-        assert_eq!(linear_kernel(true, TUNED_MAX_M, 4096), LinearKernel::Tuned);
-        assert_eq!(linear_kernel(true, TUNED_MAX_M + 1, 4096), LinearKernel::Cublas, "prefill chunks: cuBLAS");
-        assert_eq!(linear_kernel(false, 1, 4096), LinearKernel::Cublas);
-        assert_eq!(linear_kernel(false, 64, 4096), LinearKernel::Cublas);
-    }
 
     #[test]
     fn a_model_loads_the_kernel_modules_it_runs() {
@@ -994,21 +914,5 @@ mod tests {
         assert_eq!(kernel_needs(&llama), KernelNeeds::model(128, false, true), "quantized at load");
         assert_eq!(kernel_needs(&config("qwen3-30b-a3b.json")), KernelNeeds::model(128, true, false));
         assert_eq!(kernel_needs(&config("gemma-3-12b.json")), KernelNeeds::model(256, false, false));
-    }
-
-    #[test]
-    fn only_context_poisoning_driver_errors_are_fatal() {
-        // Formatting a driver error needs the driver, so this checks the rule itself.
-        use cudarc::driver::sys::CUresult as R;
-        for code in [R::CUDA_ERROR_ILLEGAL_ADDRESS, R::CUDA_ERROR_LAUNCH_FAILED, R::CUDA_ERROR_ECC_UNCORRECTABLE] {
-            assert!(is_sticky(code), "{code:?}");
-        }
-        for code in [R::CUDA_ERROR_OUT_OF_MEMORY, R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY] {
-            assert!(!is_sticky(code), "{code:?}");
-        }
-        let shape: BackendError = CudaError::Shape { op: "gemm", message: "m".into() }.into();
-        assert!(!shape.is_fatal());
-        assert!(BackendError::DeviceLost("illegal address".into()).is_fatal());
-        assert!(!BackendError::Device("out of memory".into()).is_fatal());
     }
 }
