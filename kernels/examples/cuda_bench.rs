@@ -4,7 +4,10 @@
 //! 2. paged decode attention at the Llama-3.1-8B shape (32 query heads, 8 KV heads,
 //!    head_dim 128, block size 16, bf16 cache) for several batches and context lengths;
 //!    fewest bytes = every K and V element of every sequence read once, plus q and out;
-//!    FLOPs = 4 · batch · heads · ctx · head_dim;
+//!    FLOPs = 4 · batch · heads · ctx · head_dim; each shape under the carve-out a decode step
+//!    of that shape pins (`step_carveout`: the engine's rule on a Llama-family model), so a
+//!    figure here is the kernel as it runs inside the step (split counts planned in the pinned
+//!    share), with `carveout_pin` in its JSON;
 //! 3. the bf16 GEMM (cuBLAS, our `linear`) at the model's decode shapes, with the weight
 //!    bytes as the fewest bytes (`M · K + N · K + M · N` elements) and `2 · M · N · K` FLOPs,
 //!    and for M ≤ 16 every variant of the skinny GEMM (`gemv`) on the same inputs, with its
@@ -26,7 +29,7 @@ use baton_kernels::cuda::{
     ATTN_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice, CudaError,
     CudaOptions, CudaSlice, DecodeShape, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, HostSeq, KvCacheRef, KvGeometry, LinearCall,
     LinearKernel, PREFILL_DEFAULT_VARIANT, PREFILL_VARIANTS, PREFILL_WGMMA, SplitTarget, StepMeta, attn_default,
-    attn_tc_default, bf16, gemv_default, plan_splits, prefill_variant_warps,
+    attn_tc_default, bf16, gemv_default, plan_splits, prefill_variant_warps, step_carveout,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
@@ -104,6 +107,13 @@ fn run() -> Result<(), CudaError> {
         let flops = 4.0 * (batch * nh * ctx * hd) as f64;
         // What was timed is checked too: each variant's output on the first block-table set
         // against the register kernel's unsplit output (bf16 outputs: expect ~1e-3).
+        // Pinned as the step pins it, before the reference, so every launch below runs in it.
+        let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: false };
+        let pin = step_carveout(&shape, dev.stream_attention(), true);
+        dev.set_step_carveout(pin);
+        let pin_json = pin.map_or("null".to_string(), |p| p.to_string());
+        writeln!(table, " batch {batch} ctx {ctx}: carve-out pin {}", pin.map_or("none".into(), |p| format!("{p} %")))
+            .ok();
         let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, variant, split| {
             let kernel = AttnKernel::Decode { variant: Some(variant) };
             AttentionCall {
@@ -127,7 +137,6 @@ fn run() -> Result<(), CudaError> {
             let mut splits_to_time = vec![AttnSplit::Auto, AttnSplit::Fixed(1)];
             // Likewise the first streaming variant.
             let first_stream = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Stream);
-            let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: false };
             let default = attn_default(&shape, dev.stream_attention());
             if vi == default || vi == attn_tc_default(nh / nkv) || Some(vi) == first_stream {
                 splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
@@ -151,7 +160,7 @@ fn run() -> Result<(), CudaError> {
                 )
                 .ok();
                 json.push(format!(
-                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3},\"rel_diff_vs_reg_unsplit\":{diff:.2e}}}",
+                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"carveout_pin\":{pin_json},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3},\"rel_diff_vs_reg_unsplit\":{diff:.2e}}}",
                     v.label(),
                     mark == '*',
                     ms * 1e3,
@@ -160,6 +169,9 @@ fn run() -> Result<(), CudaError> {
             }
         }
     }
+
+    // The later sections measure each launch under its own carve-out, as before.
+    dev.set_step_carveout(None);
 
     if args.get(3).is_some_and(|a| a == "attention") {
         let (cms, cached) = dev.module_load();
