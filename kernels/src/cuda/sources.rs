@@ -482,11 +482,14 @@ mod tests {
             }
         }
         let src: String = parts.iter().map(Module::source).collect::<Vec<_>>().join("\n");
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("ATT_INSTANCE(HD, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect::<Vec<_>>();
+        // The arguments of every `prefix...)` instance line, a macro's continuation trimmed.
+        let instance_args = |src: &str, prefix: &str| -> Vec<String> {
+            src.lines()
+                .filter_map(|l| l.trim().strip_prefix(prefix))
+                .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
+                .collect()
+        };
+        let cuda = instance_args(&src, "ATT_INSTANCE(HD, ");
         use super::super::paged_attention::{ATTN_VARIANTS, AttnKind};
         let rust: Vec<String> = ATTN_VARIANTS
             .iter()
@@ -495,11 +498,7 @@ mod tests {
             .collect();
         // Each attention module carries the (identical) macro definition once.
         assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("ATT_TC_INSTANCE(HD, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
+        let cuda = instance_args(&src, "ATT_TC_INSTANCE(HD, ");
         let rust: Vec<String> = ATTN_VARIANTS
             .iter()
             .skip_while(|v| v.kind == AttnKind::Registers)
@@ -510,11 +509,7 @@ mod tests {
             })
             .collect();
         assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("ATT_ST_INSTANCE(HD, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
+        let cuda = instance_args(&src, "ATT_ST_INSTANCE(HD, ");
         let rust: Vec<String> = ATTN_VARIANTS
             .iter()
             .skip_while(|v| v.kind != AttnKind::Stream)
@@ -524,11 +519,7 @@ mod tests {
             })
             .collect();
         assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("ATT_TC_FP8_INSTANCE(HD, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
+        let cuda = instance_args(&src, "ATT_TC_FP8_INSTANCE(HD, ");
         let fp8_list = |kind: AttnKind| -> Vec<String> {
             super::super::paged_attention::ATTN_FP8_VARIANTS
                 .iter()
@@ -537,11 +528,7 @@ mod tests {
                 .collect()
         };
         assert_eq!(cuda, vec![fp8_list(AttnKind::TensorCore); ATTN_HEAD_DIMS.len()].concat());
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("ATT_ST_FP8_INSTANCE(HD, "))
-            .map(|l| l.trim_end_matches(['\\', ' ', ')']).to_string())
-            .collect();
+        let cuda = instance_args(&src, "ATT_ST_FP8_INSTANCE(HD, ");
         assert_eq!(cuda, vec![fp8_list(AttnKind::Stream); ATTN_HEAD_DIMS.len()].concat());
         // The FP8 table lists its tensor-core variants first.
         let kinds: Vec<AttnKind> = super::super::paged_attention::ATTN_FP8_VARIANTS.iter().map(|v| v.kind).collect();
@@ -565,11 +552,7 @@ mod tests {
         let rust = rows_variants(GEMV_FP8_VARIANTS.iter().map(|v| (v.warps, v.unroll)).collect());
         assert_eq!(instances(&gemv_fp8, "GEMV_FP8_INSTANCE("), rust);
         // The prefill instances: every head_dim × CTA size, in the function table's order.
-        let cuda: Vec<String> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("PF_INSTANCE("))
-            .map(|l| l.trim_end_matches(')').to_string())
-            .collect();
+        let cuda = instance_args(&src, "PF_INSTANCE(");
         use super::super::prefill::PREFILL_WARPS;
         let rust: Vec<String> =
             PREFILL_HEAD_DIMS.iter().flat_map(|hd| PREFILL_WARPS.iter().map(move |w| format!("{hd}, {w}"))).collect();
