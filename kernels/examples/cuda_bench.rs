@@ -19,7 +19,9 @@
 //!    the old path), with causal FLOPs = 4 · S · S · head_dim · n_heads / 2 (the FA2/FA3/torch
 //!    convention: the diagonal's extra S · hd · n_heads · 2 terms are ignored).
 //!
-//! Times are medians of CUDA-event-timed repeats after warm-up. Inputs are random (never
+//! Times are medians of CUDA-event-timed repeats after warm-up; decode attention is also timed
+//! as 20 calls queued back to back (`us_back_to_back`, the mean: no host launch latency, as in
+//! a captured step). Inputs are random (never
 //! zeros); weights rotate among copies so that no shape is served from L2.
 //!
 //! Usage: `cuda_bench OUT.json [COMMIT] [attention [B:CTX,...]]`; prints a table and writes every
@@ -35,7 +37,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
 
 mod common;
-use common::{download_f32, rel_diff, time_ms};
+use common::{download_f32, rel_diff, time_ms, time_ms_both};
 
 /// A device buffer of `n` random bf16 values in [-1, 1], built from a 16 Mi-element random
 /// tile copied repeatedly (generating gigabytes on the host would dominate the run).
@@ -71,7 +73,7 @@ fn run() -> Result<(), CudaError> {
     let (nh, nkv, hd, bs) = (32usize, 8usize, 128usize, 16usize);
     writeln!(
         table,
-        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = w(warps)_u(tokens per thread)_g(heads/CTA)_p(prefetch), tc_ = tensor cores with s(stages); split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s  rel diff"
+        "\ndecode attention (32/8 heads, hd 128, bs 16); variant = w(warps)_u(tokens per thread)_g(heads/CTA)_p(prefetch), tc_ = tensor cores with s(stages); split auto|1, * = default\n variant        split batch   ctx     us    GB/s  %copy  TFLOP/s  rel diff | back to back: us %copy"
     )
     .ok();
     // `cuda_bench OUT COMMIT attention B:CTX,...`: only these decode shapes (one, for a profiler).
@@ -142,29 +144,34 @@ fn run() -> Result<(), CudaError> {
                 splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
             }
             for split in splits_to_time {
-                let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;
+                let (ms, b2b) = time_ms_both(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;
                 attention(&mut metas[0], &mut o, vi, split)?;
                 let diff = rel_diff(&download_f32(&dev, &o, batch * nh * hd)?, &reference);
                 let x = v.ctas_per_row(nh, nkv, hd);
                 let target = SplitTarget::for_variant(v, nkv, hd, false, dev.attention_split_smem());
                 let (splits, _) = plan_splits(split, x * batch, ctx, dev.sm_count(), target);
                 let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+                let gbs_b2b = bytes as f64 / (b2b * 1e-3) / 1e9;
                 let tf = flops / (ms * 1e-3) / 1e12;
                 let mark = if vi == default && split == AttnSplit::Auto { '*' } else { ' ' };
                 let tag = format!("{}{mark}", v.label());
                 writeln!(
                     table,
-                    " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}  {diff:.1e}",
+                    " {tag:13} {splits:5} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}% {tf:7.2}  {diff:.1e} | {:7.1} {:5.1}%",
                     ms * 1e3,
-                    100.0 * gbs / copy_gbs
+                    100.0 * gbs / copy_gbs,
+                    b2b * 1e3,
+                    100.0 * gbs_b2b / copy_gbs
                 )
                 .ok();
                 json.push(format!(
-                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"carveout_pin\":{pin_json},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3},\"rel_diff_vs_reg_unsplit\":{diff:.2e}}}",
+                    "{{\"name\":\"decode_attention\",\"variant\":\"{}\",\"splits\":{splits},\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"n_heads\":{nh},\"n_kv_heads\":{nkv},\"head_dim\":{hd},\"block_size\":{bs},\"carveout_pin\":{pin_json},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"tflop_s\":{tf:.3},\"rel_diff_vs_reg_unsplit\":{diff:.2e},\"us_back_to_back\":{:.2},\"frac_of_copy_back_to_back\":{:.4}}}",
                     v.label(),
                     mark == '*',
                     ms * 1e3,
-                    gbs / copy_gbs
+                    gbs / copy_gbs,
+                    b2b * 1e3,
+                    gbs_b2b / copy_gbs
                 ));
             }
         }

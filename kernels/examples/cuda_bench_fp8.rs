@@ -8,6 +8,9 @@
 //! device-to-device copy bandwidth measured first. Pools are replicated (one block-table set
 //! per copy, used in turn) so that no timing is served from L2. Per shape, the default FP8
 //! variant and the bf16 default also run at fixed split counts (1 = one launch, no combine).
+//! Every decode figure is timed twice: each call from an idle stream (`us`, as before), and 20
+//! calls queued back to back (`us_back_to_back`, the mean: no host launch latency, as inside a
+//! captured step).
 //!
 //! Prefill attention (one sequence of S tokens, causal) through the router (`Mixed`), FP8 and
 //! bf16: causal FLOPs = 2 · S² · head_dim · heads.
@@ -30,7 +33,7 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::fmt::Write as _;
 
 mod common;
-use common::{tiled, time_ms};
+use common::{tiled, time_ms, time_ms_both};
 
 /// A K or V layer of `n` values as E4M3 codes and as their exact bf16 images.
 struct TwinCache {
@@ -115,7 +118,8 @@ fn run() -> Result<(), CudaError> {
         let attention = |meta: &mut StepMeta, out: &mut CudaSlice<bf16>, cache, variant| {
             attention_split(meta, out, cache, variant, AttnSplit::Auto)
         };
-        let bf16_ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o_ref, bf16_cache, None))?;
+        let (bf16_ms, bf16_b2b) =
+            time_ms_both(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o_ref, bf16_cache, None))?;
         attention(&mut metas[0], &mut o_ref, bf16_cache, None)?;
         // The default FP8 variant of this launch (the streaming kernel from 8 rows on sm_90).
         let shape = DecodeShape { rows: batch, n_heads: nh, n_kv_heads: nkv, head_dim: hd, fp8: true };
@@ -127,61 +131,83 @@ fn run() -> Result<(), CudaError> {
             for n in [1usize, 2, 4, 8, 16, 32, 64] {
                 let split = AttnSplit::Fixed(n);
                 let v = Some(vi);
-                let ms =
-                    time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, fp8_cache, v, split))?;
-                sweep.push(format!("{n}:{:.1}", ms * 1e3));
+                let (ms, b2b) = time_ms_both(&dev, 3, 20, |i| {
+                    attention_split(&mut metas[i % copies], &mut o, fp8_cache, v, split)
+                })?;
+                sweep.push(format!("{n}:{:.1}/{:.1}", ms * 1e3, b2b * 1e3));
                 json.push(format!(
-                    "{{\"name\":\"decode_attention_fp8_split\",\"kernel\":\"{name}\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
-                    ms * 1e3
+                    "{{\"name\":\"decode_attention_fp8_split\",\"kernel\":\"{name}\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2},\"us_back_to_back\":{:.2}}}",
+                    ms * 1e3,
+                    b2b * 1e3
                 ));
             }
-            writeln!(table, " fp8 {name} at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
+            writeln!(
+                table,
+                " fp8 {name} at fixed splits (splits:us isolated/back to back) b={batch} ctx={ctx}: {}",
+                sweep.join(" ")
+            )
+            .ok();
         }
         // The bf16 default at the same fixed splits (1 = no combine launch).
         let mut sweep = Vec::new();
         for n in [1usize, 2, 4, 8, 16, 32, 64] {
             let split = AttnSplit::Fixed(n);
-            let ms =
-                time_ms(&dev, 3, 20, |i| attention_split(&mut metas[i % copies], &mut o, bf16_cache, None, split))?;
-            sweep.push(format!("{n}:{:.1}", ms * 1e3));
+            let (ms, b2b) = time_ms_both(&dev, 3, 20, |i| {
+                attention_split(&mut metas[i % copies], &mut o, bf16_cache, None, split)
+            })?;
+            sweep.push(format!("{n}:{:.1}/{:.1}", ms * 1e3, b2b * 1e3));
             json.push(format!(
-                "{{\"name\":\"decode_attention_bf16_split\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2}}}",
-                ms * 1e3
+                "{{\"name\":\"decode_attention_bf16_split\",\"batch\":{batch},\"ctx\":{ctx},\"fixed_splits\":{n},\"us\":{:.2},\"us_back_to_back\":{:.2}}}",
+                ms * 1e3,
+                b2b * 1e3
             ));
         }
-        writeln!(table, " bf16 default at fixed splits (splits:us) b={batch} ctx={ctx}: {}", sweep.join(" ")).ok();
+        writeln!(
+            table,
+            " bf16 default at fixed splits (splits:us isolated/back to back) b={batch} ctx={ctx}: {}",
+            sweep.join(" ")
+        )
+        .ok();
         let qo_bytes = 2 * len * 2;
         let kv_values = 2 * batch * ctx * nkv * hd;
-        let mut rows = vec![("bf16".to_string(), "default".to_string(), bf16_ms, kv_values * 2 + qo_bytes, 0.0)];
+        let mut rows =
+            vec![("bf16".to_string(), "default".to_string(), bf16_ms, bf16_b2b, kv_values * 2 + qo_bytes, 0.0)];
         for (vi, var) in ATTN_FP8_VARIANTS.iter().enumerate() {
-            let ms = time_ms(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, fp8_cache, Some(vi)))?;
+            let (ms, b2b) =
+                time_ms_both(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, fp8_cache, Some(vi)))?;
             attention(&mut metas[0], &mut o, fp8_cache, Some(vi))?;
             let mark = if vi == fp8_default { "*" } else { "" };
             rows.push((
                 "fp8".into(),
                 format!("{}{mark}", var.label()),
                 ms,
+                b2b,
                 kv_values + qo_bytes,
                 rel_diff(&dev, &o, &o_ref, len)?,
             ));
         }
-        for (cache, variant, ms, bytes, diff) in rows {
+        for (cache, variant, ms, b2b, bytes, diff) in rows {
             let gbs = bytes as f64 / (ms * 1e-3) / 1e9;
+            let gbs_b2b = bytes as f64 / (b2b * 1e-3) / 1e9;
             writeln!(
                 table,
-                " {cache:5} {variant:12} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}%  {:5.2}x  {diff:.1e}",
+                " {cache:5} {variant:12} {batch:5} {ctx:5} {:7.1} {gbs:7.0} {:5.1}%  {:5.2}x  {diff:.1e} | back to back {:7.1} {:5.1}%",
                 ms * 1e3,
                 100.0 * gbs / copy_gbs,
-                bf16_ms / ms
+                bf16_ms / ms,
+                b2b * 1e3,
+                100.0 * gbs_b2b / copy_gbs
             )
             .ok();
             json.push(format!(
-                "{{\"name\":\"decode_attention\",\"cache\":\"{cache}\",\"variant\":\"{}\",\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"speed_vs_bf16\":{:.4},\"rel_diff_vs_bf16\":{diff:.2e}}}",
+                "{{\"name\":\"decode_attention\",\"cache\":\"{cache}\",\"variant\":\"{}\",\"default\":{},\"batch\":{batch},\"ctx\":{ctx},\"us\":{:.2},\"min_bytes\":{bytes},\"gb_s\":{gbs:.1},\"frac_of_copy\":{:.4},\"speed_vs_bf16\":{:.4},\"rel_diff_vs_bf16\":{diff:.2e},\"us_back_to_back\":{:.2},\"frac_of_copy_back_to_back\":{:.4}}}",
                 variant.trim_end_matches('*'),
                 variant.ends_with('*') || cache == "bf16",
                 ms * 1e3,
                 gbs / copy_gbs,
-                bf16_ms / ms
+                bf16_ms / ms,
+                b2b * 1e3,
+                gbs_b2b / copy_gbs
             ));
         }
     }

@@ -46,6 +46,43 @@ pub fn time_ms(
     Ok(median(out))
 }
 
+/// Mean milliseconds a call of `reps` calls of `f` enqueued back to back between two CUDA
+/// events, after `warm` untimed ones. The stream never waits for the host here, so the host's
+/// launch latency and the idle stream before each call (both inside [`time_ms`]'s figure) are
+/// not timed: what a kernel costs inside a captured step, where its launch is queued before
+/// the previous kernel ends. `f(i)` should cycle through enough copies of its inputs that no
+/// call is served from L2.
+pub fn time_ms_back_to_back(
+    dev: &CudaDevice,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), CudaError>,
+) -> Result<f64, CudaError> {
+    for i in 0..warm {
+        f(i)?;
+    }
+    dev.synchronize()?;
+    let a = dev.event()?;
+    let b = dev.event()?;
+    a.record(dev.stream())?;
+    for i in 0..reps {
+        f(i)?;
+    }
+    b.record(dev.stream())?;
+    b.synchronize()?;
+    Ok(f64::from(a.elapsed_ms(&b)?) / reps.max(1) as f64)
+}
+
+/// [`time_ms`] and then [`time_ms_back_to_back`] of the same calls: (isolated, back to back).
+pub fn time_ms_both(
+    dev: &CudaDevice,
+    warm: usize,
+    reps: usize,
+    mut f: impl FnMut(usize) -> Result<(), CudaError>,
+) -> Result<(f64, f64), CudaError> {
+    Ok((time_ms(dev, warm, reps, &mut f)?, time_ms_back_to_back(dev, warm, reps, &mut f)?))
+}
+
 /// The device-to-device copy of a 1 GiB buffer of random bf16: its median milliseconds and
 /// bandwidth (GB/s, bytes read plus written), the ceiling a memory-bound kernel's figure is
 /// compared with.
