@@ -22,6 +22,14 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Runs `f(0..warm)` untimed and waits for the device: the start of every timing below.
+fn warm_up(dev: &CudaDevice, warm: usize, f: &mut impl FnMut(usize) -> Result<(), CudaError>) -> Result<(), CudaError> {
+    for i in 0..warm {
+        f(i)?;
+    }
+    dev.synchronize()
+}
+
 /// Median milliseconds of `reps` CUDA-event-timed calls of `f` after `warm` untimed ones.
 pub fn time_ms(
     dev: &CudaDevice,
@@ -29,10 +37,7 @@ pub fn time_ms(
     reps: usize,
     mut f: impl FnMut(usize) -> Result<(), CudaError>,
 ) -> Result<f64, CudaError> {
-    for i in 0..warm {
-        f(i)?;
-    }
-    dev.synchronize()?;
+    warm_up(dev, warm, &mut f)?;
     let mut out = Vec::with_capacity(reps);
     for i in 0..reps {
         let a = dev.event()?;
@@ -46,7 +51,7 @@ pub fn time_ms(
     Ok(median(out))
 }
 
-/// Mean milliseconds a call of `reps` calls of `f` enqueued back to back between two CUDA
+/// Mean milliseconds per call of `reps` calls of `f` enqueued back to back between two CUDA
 /// events, after `warm` untimed ones. The stream never waits for the host here, so the host's
 /// launch latency and the idle stream before each call (both inside [`time_ms`]'s figure) are
 /// not timed: what a kernel costs inside a captured step, where its launch is queued before
@@ -58,10 +63,7 @@ pub fn time_ms_back_to_back(
     reps: usize,
     mut f: impl FnMut(usize) -> Result<(), CudaError>,
 ) -> Result<f64, CudaError> {
-    for i in 0..warm {
-        f(i)?;
-    }
-    dev.synchronize()?;
+    warm_up(dev, warm, &mut f)?;
     let a = dev.event()?;
     let b = dev.event()?;
     a.record(dev.stream())?;
