@@ -282,42 +282,38 @@ struct StRing {
     __device__ __forceinline__ int head0(int w) const { return (kvh0 + w) * group + gc * MG; }
 };
 
-template <int HD, int NS, int MG, bool WC>
-__device__ __forceinline__ void paged_attention_st_body(
-    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
-    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
-    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
-    static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
-    static_assert(NS >= 2, "at least double buffering");
-    constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
-    extern __shared__ __align__(16) unsigned char st_smem[];
-    StRing<bf16_t, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
-                                    n_kv_heads, block_size, min_chunk, window);
-    if (!ring.run) return;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int c0 = ring.c0, c1 = ring.c1, ng = ring.ng, row = ring.row, rb = ring.rb;
-
-    // Q as A fragments (this warp's query heads), and the running softmax state.
-    const int h0 = ring.head0(warp);
+// One warp's query heads over its KV head in the bf16 streaming kernels (this file's over one
+// chunk a CTA, attention_queue.cu's over a work queue): Q as A fragments, the running softmax
+// state, the products of one stage of 16 tokens, and the finished output or partial. Both
+// kernels run these same instructions, so a row's output does not depend on which of them
+// computed it (for the same split count).
+template <int HD, int MG>
+struct StBf16Warp {
+    static constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
     unsigned qa[HD / 16][2 * RH];
-    tc_load_q<HD, MG>(q, row, n_heads, h0, ng, g, t, qa);
     float m[RH], l[RH], acc[HD / 8][2 * RH];
-    tc_clear_state<HD, RH>(m, l, acc);
-
     // ldmatrix lane addresses within a stage, bytes: K (non-transposed, 8 tokens x 8 dims per
     // matrix): lane l gives token l % 8 at dims (l / 8) * 8; V (transposed, 16 tokens as k):
     // lane l gives token (l % 8) + 8 * ((l / 8) % 2) at dims (l / 16) * 8.
-    const unsigned head_b = (unsigned)(warp * HD * 2);
-    const unsigned lk = (unsigned)((lane & 7) * rb + (lane >> 3) * 16) + head_b;
-    const unsigned lk2 = (unsigned)((lane & 7) * rb + ((lane >> 3) & 1) * 16) + head_b;
-    const unsigned lv = (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * rb + (lane >> 4) * 16) + head_b;
-    for (int it = 0; it < ring.n_tiles; it++) {
-        const unsigned ks = ring.next(it, warp, lane), vs = ks + (unsigned)ring.tile_b;
+    unsigned lk, lk2, lv;
 
+    __device__ __forceinline__ StBf16Warp(int warp, int lane, int rb) {
+        const unsigned head_b = (unsigned)(warp * HD * 2);
+        lk = (unsigned)((lane & 7) * rb + (lane >> 3) * 16) + head_b;
+        lk2 = (unsigned)((lane & 7) * rb + ((lane >> 3) & 1) * 16) + head_b;
+        lv = (unsigned)(((lane & 7) + ((lane >> 3) & 1) * 8) * rb + (lane >> 4) * 16) + head_b;
+    }
+
+    // Loads Q for query heads h0 .. h0 + ng - 1 of `row` and clears the softmax state.
+    __device__ __forceinline__ void start(const bf16_t* __restrict__ q, int row, int n_heads, int h0, int ng, int g,
+                                          int t) {
+        tc_load_q<HD, MG>(q, row, n_heads, h0, ng, g, t, qa);
+        tc_clear_state<HD, RH>(m, l, acc);
+    }
+
+    // Consumes one stage: K rows at ks, V rows at vs (row stride rb bytes); pt is the position
+    // of this lane's first token (the stage's first + 2t); tokens at or past c1 are masked.
+    __device__ __forceinline__ void stage(unsigned ks, unsigned vs, int rb, int pt, int c1, float qscale, float cap2) {
         // S = Q K^T: two N tiles of 8 tokens.
         float sc[2][2 * RH];
 #pragma unroll
@@ -341,7 +337,6 @@ __device__ __forceinline__ void paged_attention_st_body(
         }
         // Online softmax (log2 domain) per query head over the 16 tokens; a head lives in one
         // quad. P goes straight into the A fragment of the P V product (k = the 16 tokens).
-        const int pt = c0 + it * ST_TOKENS + 2 * t;
         unsigned pa[2 * RH];
         float corr[RH];
 #pragma unroll
@@ -390,30 +385,99 @@ __device__ __forceinline__ void paged_attention_st_body(
         }
     }
 
-    // Each warp saw every token of the chunk (at least one valid), so its max is finite: write
-    // the normalized output (one split; the sink joins the softmax here) or the partial.
+    // The warp saw every token of its chunk (at least one valid), so its max is finite: writes
+    // the normalized output (one split; the sink joins the softmax here) or split `split`'s
+    // partial.
+    __device__ __forceinline__ void finish(bf16_t* __restrict__ out, float* __restrict__ part_o,
+                                           float* __restrict__ part_ml, int row, int n_heads, int h0, int ng,
+                                           int n_splits, int split, const float* __restrict__ sinks, int g, int t) {
 #pragma unroll
-    for (int h = 0; h < RH; h++) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const int r = g + 8 * h;
-        if (r >= ng) continue;
-        const long long rh = (long long)row * n_heads + h0 + r;
-        if (ring.n_splits == 1) {
-            const float norm = st_norm(sinks, h0 + r, m[h], l[h], 1.f);
+        for (int h = 0; h < RH; h++) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+            const int r = g + 8 * h;
+            if (r >= ng) continue;
+            const long long rh = (long long)row * n_heads + h0 + r;
+            if (n_splits == 1) {
+                const float norm = st_norm(sinks, h0 + r, m[h], l[h], 1.f);
 #pragma unroll
-            for (int j = 0; j < HD / 8; j++)
-                st_out2(out, rh * HD + j * 8 + 2 * t, acc[j][2 * h] * norm, acc[j][2 * h + 1] * norm);
-        } else {
-            const long long ps = rh * ring.n_splits + ring.split;
+                for (int j = 0; j < HD / 8; j++)
+                    st_out2(out, rh * HD + j * 8 + 2 * t, acc[j][2 * h] * norm, acc[j][2 * h + 1] * norm);
+            } else {
+                const long long ps = rh * n_splits + split;
 #pragma unroll
-            for (int j = 0; j < HD / 8; j++) st_part2(part_o, ps * HD + j * 8 + 2 * t, acc[j][2 * h], acc[j][2 * h + 1]);
-            if (t == 0) {
-                part_ml[ps * 2] = m[h];
-                part_ml[ps * 2 + 1] = l[h];
+                for (int j = 0; j < HD / 8; j++)
+                    st_part2(part_o, ps * HD + j * 8 + 2 * t, acc[j][2 * h], acc[j][2 * h + 1]);
+                if (t == 0) {
+                    part_ml[ps * 2] = m[h];
+                    part_ml[ps * 2 + 1] = l[h];
+                }
             }
         }
     }
+};
+
+// The FP8 kernels' end of a chunk (this file's and attention_queue.cu's): lane (g, t) writes heads
+// 8 nt + 2t + c, dims 16i + 2g and + 1, normalized (one split; the sink joins the softmax here)
+// or as split `split`'s partial; v_scale multiplies either.
+template <int HD, int MG>
+__device__ __forceinline__ void st_fp8_finish(const Fp8WarpTile<HD, MG>& tile, bf16_t* __restrict__ out,
+                                              float* __restrict__ part_o, float* __restrict__ part_ml, int row,
+                                              int n_heads, int h0, int ng, int n_splits, int split,
+                                              const float* __restrict__ sinks, float v_scale, int g, int t) {
+    using Tile = Fp8WarpTile<HD, MG>;
+#pragma unroll
+    for (int nt = 0; nt < Tile::NT; nt++) {
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const float lc = tile.sum(nt, c);
+            const int h = 8 * nt + 2 * t + c;
+            if (h >= ng) continue;
+            const long long rh = (long long)row * n_heads + h0 + h;
+            if (n_splits == 1) {
+                const float norm = st_norm(sinks, h0 + h, tile.m[nt][c], lc, v_scale);
+#pragma unroll
+                for (int i = 0; i < Tile::SEGS; i++)
+                    st_out2(out, rh * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * norm, tile.acc[i][nt][2 + c] * norm);
+            } else {
+                const long long ps = rh * n_splits + split;
+#pragma unroll
+                for (int i = 0; i < Tile::SEGS; i++)
+                    st_part2(part_o, ps * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * v_scale,
+                             tile.acc[i][nt][2 + c] * v_scale);
+                if (g == 0) {
+                    part_ml[ps * 2] = tile.m[nt][c];
+                    part_ml[ps * 2 + 1] = lc;
+                }
+            }
+        }
+    }
+}
+
+template <int HD, int NS, int MG, bool WC>
+__device__ __forceinline__ void paged_attention_st_body(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
+    bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
+    const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
+    static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
+    static_assert(NS >= 2, "at least double buffering");
+    extern __shared__ __align__(16) unsigned char st_smem[];
+    StRing<bf16_t, HD, NS, MG, WC> ring(st_smem, k_cache, v_cache, out, row_ctx, row_bt, block_tables, n_heads,
+                                    n_kv_heads, block_size, min_chunk, window);
+    if (!ring.run) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int h0 = ring.head0(warp);
+    StBf16Warp<HD, MG> w(warp, lane, ring.rb);
+    w.start(q, ring.row, n_heads, h0, ring.ng, g, t);
+    for (int it = 0; it < ring.n_tiles; it++) {
+        const unsigned ks = ring.next(it, warp, lane);
+        w.stage(ks, ks + (unsigned)ring.tile_b, ring.rb, ring.c0 + it * ST_TOKENS + 2 * t, ring.c1, qscale, cap2);
+    }
+    w.finish(out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks, g, t);
 #else
     __trap();
 #endif
@@ -444,34 +508,9 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const unsigned ks = ring.next(it, warp, lane);
         tile.stage(ks + lrow, ks + (unsigned)ring.tile_b + lrow, ring.c0 + it * ST_TOKENS + g, ring.c1, cap2);
     }
-    // As the bf16 kernel: every warp saw a valid token. Lane (g, t) writes heads 8 nt + 2t + c,
-    // dims 16i + 2g and + 1.
-#pragma unroll
-    for (int nt = 0; nt < Tile::NT; nt++) {
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const float lc = tile.sum(nt, c);
-            const int h = 8 * nt + 2 * t + c;
-            if (h >= ring.ng) continue;
-            const long long rh = (long long)ring.row * n_heads + h0 + h;
-            if (ring.n_splits == 1) {
-                const float norm = st_norm(sinks, h0 + h, tile.m[nt][c], lc, v_scale);
-#pragma unroll
-                for (int i = 0; i < Tile::SEGS; i++)
-                    st_out2(out, rh * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * norm, tile.acc[i][nt][2 + c] * norm);
-            } else {
-                const long long ps = rh * ring.n_splits + ring.split;
-#pragma unroll
-                for (int i = 0; i < Tile::SEGS; i++)
-                    st_part2(part_o, ps * HD + i * 16 + 2 * g, tile.acc[i][nt][c] * v_scale,
-                             tile.acc[i][nt][2 + c] * v_scale);
-                if (g == 0) {
-                    part_ml[ps * 2] = tile.m[nt][c];
-                    part_ml[ps * 2 + 1] = lc;
-                }
-            }
-        }
-    }
+    // As the bf16 kernel: every warp saw a valid token.
+    st_fp8_finish<HD, MG>(tile, out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks,
+                          v_scale, g, t);
 #else
     __trap();
 #endif
@@ -502,24 +541,5 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
                                                          qscale, min_chunk, v_scale, window, cap2, sinks);        \
     }
 
-// The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:
-// the ring of 16-byte copies, see WC in the header), in the
-// order they follow the tensor-core variants in ATTN_VARIANTS, then the FP8 ones in the order
-// they follow the tensor-core ones in ATTN_FP8_VARIANTS.
-#define ATT_ST_VARIANTS(HD)          \
-    ATT_ST_INSTANCE(HD, 8, 3, 8)     \
-    ATT_ST_INSTANCE(HD, 8, 2, 8)     \
-    ATT_ST_INSTANCE(HD, 4, 3, 8)     \
-    ATT_ST_INSTANCE(HD, 8, 2, 16)    \
-    ATT_ST_INSTANCE(HD, 1, 4, 8)     \
-    ATT_ST_FP8_INSTANCE(HD, 8, 3, 8) \
-    ATT_ST_FP8_INSTANCE(HD, 8, 6, 8) \
-    ATT_ST_FP8_INSTANCE(HD, 4, 4, 8) \
-    ATT_ST_FP8_INSTANCE(HD, 8, 3, 16) \
-    ATT_ST_FP8_INSTANCE(HD, 1, 4, 8)
-
-ATT_ST_VARIANTS(16)
-ATT_ST_VARIANTS(32)
-ATT_ST_VARIANTS(64)
-ATT_ST_VARIANTS(128)
-ATT_ST_VARIANTS(256)
+// The instance lines of this file and attention_queue.cu (ATT_ST_VARIANTS) are at the end of
+// attention_queue.cu, after the work-queue entries they name.

@@ -316,7 +316,7 @@ impl AttentionCall<'_> {
         }
         shape_check(OP, rows <= MAX_GRID_YZ, || format!("{rows} rows exceed the grid's y limit"))?;
         let smem = match v.kind {
-            AttnKind::Stream => {
+            AttnKind::Stream | AttnKind::Queue => {
                 shape_check(OP, dev.stream_attention_capable(), || {
                     format!("the streaming attention kernel needs sm_90 (built for {})", dev.arch())
                 })?;
@@ -345,7 +345,15 @@ impl AttentionCall<'_> {
             DecodeRows::DecodeOnly => &meta.prefill.decode_ctx,
         };
         let threads = v.threads(geo.n_kv_heads, hd);
-        let mut grid = cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), threads);
+        let queue = v.kind == AttnKind::Queue;
+        let mut grid = if queue {
+            // The CTAs that fit the device at once, each taking items (a row's split) from the
+            // queue until it is empty; never more CTAs than items.
+            let resident = dev.sm_count() * v.stream_ctas_per_sm(geo.n_kv_heads, hd, dev.attention_split_smem());
+            cfg((int(OP, resident.min(x * rows * splits))? as u32, 1, 1), threads)
+        } else {
+            cfg((int(OP, x)? as u32, int(OP, rows)? as u32, splits as u32), threads)
+        };
         grid.shared_mem_bytes = smem as u32;
         let (qscale, v_scale) = self.cache.kernel_scales(self.scale);
         let (window, cap2) = self.options.kernel_args();
@@ -366,7 +374,10 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
-        let own = if v.kind == AttnKind::Stream { stream_carveout(rows) } else { None };
+        // The work queue's launch: its rows and splits (the grid no longer says them), and the
+        // self-resetting counters (attention_queue.cu).
+        let args = if queue { args.int(rows)?.int(splits)?.buf(&meta.queue) } else { args };
+        let own = if v.streams() { stream_carveout(rows) } else { None };
         let args = match dev.carveout_pins().attention.or(own) {
             Some(percent) => args.carveout(percent),
             None => args,
@@ -375,7 +386,8 @@ impl AttentionCall<'_> {
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks
         // hold at least `n_heads` values; the dynamic shared memory is the variant's own
-        // (`tc_dynamic_smem`, `stream_smem_bytes`: at most its limit, raised at load).
+        // (`tc_dynamic_smem`, `stream_smem_bytes`: at most its limit, raised at load); the
+        // queue's two counters are zero between launches (StepMeta::queue).
         unsafe { args.launch(dev, func, grid) }?;
         if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
