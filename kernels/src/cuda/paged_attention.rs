@@ -664,6 +664,28 @@ mod tests {
     }
 
     #[test]
+    fn queue_variants_share_the_streaming_shape_and_aim_at_more_chunks() {
+        let (st2, sq2) = (ATTN_VARIANTS[10], ATTN_VARIANTS[14]);
+        assert_eq!((sq2.kind, sq2.kernel_name(128)), (AttnKind::Queue, "paged_attention_sq_hd128_w8_s2_g8".to_string()));
+        assert_eq!(fp8_kernel_name(&ATTN_FP8_VARIANTS[8], 128), "paged_attention_sq_fp8_hd128_w8_s3_g8");
+        // The same CTA as the streaming variant, plus a 16-byte record a stage.
+        assert_eq!(stream_smem_bytes(&sq2, 8, 128), stream_smem_bytes(&st2, 8, 128) + 2 * 16);
+        assert_eq!(
+            (sq2.ctas_per_row(32, 8, 128), sq2.threads(8, 128), stream_kv_heads(&sq2, 8, 128)),
+            (st2.ctas_per_row(32, 8, 128), st2.threads(8, 128), 8)
+        );
+        // Auto aims at QUEUE_ITEMS_PER_CTA chunks per resident CTA: 32 rows of one CTA each on
+        // 132 SMs of one CTA: 8 splits (264 chunks), where the streaming variant takes 4.
+        let target = |v: &AttnVariant| SplitTarget::for_variant(v, 8, 128, false, SM_SMEM);
+        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, target(&st2)).0, 4);
+        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, target(&sq2)).0, 8);
+        let sq8 = ATTN_FP8_VARIANTS[8];
+        assert_eq!(sq8.stream_ctas_per_sm(8, 128, SM_SMEM), 2);
+        let fp8_target = SplitTarget::for_variant(&sq8, 8, 128, true, SM_SMEM);
+        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, fp8_target).0, 16);
+    }
+
+    #[test]
     fn streaming_ctas_fit_their_shared_memory() {
         let (s3, s2, w4) = (ATTN_VARIANTS[9], ATTN_VARIANTS[10], ATTN_VARIANTS[11]);
         // Llama-3.1-8B heads: every KV head in one CTA, rows of 8 × 128 × 2 + 16 = 2,064 bytes.
