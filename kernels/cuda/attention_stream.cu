@@ -282,11 +282,9 @@ struct StRing {
     __device__ __forceinline__ int head0(int w) const { return (kvh0 + w) * group + gc * MG; }
 };
 
-// One warp's query heads over its KV head in the bf16 streaming kernels (this file's over one
-// chunk a CTA, attention_queue.cu's over a work queue): Q as A fragments, the running softmax
-// state, the products of one stage of 16 tokens, and the finished output or partial. Both
-// kernels run these same instructions, so a row's output does not depend on which of them
-// computed it (for the same split count).
+// One warp's query heads over its KV head in the bf16 streaming kernel: Q as A fragments, the
+// running softmax state, the products of one stage of 16 tokens, and the finished output or
+// partial.
 template <int HD, int MG>
 struct StBf16Warp {
     static constexpr int RH = MG / 8;  // accumulator row halves per thread (g, g + 8)
@@ -417,7 +415,7 @@ struct StBf16Warp {
     }
 };
 
-// The FP8 kernels' end of a chunk (this file's and attention_queue.cu's): lane (g, t) writes heads
+// The FP8 kernel's end of a chunk: lane (g, t) writes heads
 // 8 nt + 2t + c, dims 16i + 2g and + 1, normalized (one split; the sink joins the softmax here)
 // or as split `split`'s partial; v_scale multiplies either.
 template <int HD, int MG>
@@ -454,12 +452,48 @@ __device__ __forceinline__ void st_fp8_finish(const Fp8WarpTile<HD, MG>& tile, b
     }
 }
 
+// The fused combine of a split launch (n_splits > 1), called by every thread of a CTA once its
+// partial is written: the CTA counts itself on its (row, x) counter (row_done[row * gridDim.x +
+// x]), and the last of the row's used splits merges the partials of the CTA's query heads into
+// `out` with the combine kernel's arithmetic (combine_splits, attention.cu: the same bits, in
+// split order whichever CTA came last) and sets the counter back to zero, so no combine launch
+// follows and the next launch (a graph replay too) finds the counters at zero. The counters
+// start zeroed (StepMeta::row_done). The flag goes through the ring's first word: after the
+// CTA barrier no warp reads the ring and no copy is in flight.
+template <int HD, int MG>
+__device__ __forceinline__ void st_fused_combine(unsigned char* smem, int row, int kvh0, int gc, int ng, int group,
+                                                 const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                 bf16_t* __restrict__ out, int* __restrict__ row_done,
+                                                 const int* __restrict__ row_ctx, int n_heads, int n_splits,
+                                                 int min_chunk, int window, const float* __restrict__ sinks) {
+    volatile int* flag = reinterpret_cast<volatile int*>(smem);
+    int* counter = row_done + (long long)row * gridDim.x + blockIdx.x;
+    __threadfence();  // this thread's partial before the CTA's count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int used = splits_used(row_ctx[row], window, n_splits, min_chunk);
+        *flag = atomicAdd(counter, 1) == used - 1;
+    }
+    __syncthreads();
+    if (!*flag) return;
+    __threadfence();  // the other splits' partials (counted before this CTA's) after the count
+    const int kvc = blockDim.x >> 5;
+    const int used = splits_used(row_ctx[row], window, n_splits, min_chunk);
+    for (int i = threadIdx.x; i < kvc * ng * HD; i += blockDim.x) {
+        const int w = i / (ng * HD), r = (i / HD) % ng, d = i % HD;
+        const int h = (kvh0 + w) * group + gc * MG + r;
+        const long long rh = (long long)row * n_heads + h;
+        out[rh * HD + d] = f2bf(combine_splits<HD>(part_o, part_ml, rh, n_splits, used, d, sinks, h));
+    }
+    if (threadIdx.x == 0) *counter = 0;
+}
+
 template <int HD, int NS, int MG, bool WC>
 __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks, int* __restrict__ row_done) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
@@ -478,6 +512,9 @@ __device__ __forceinline__ void paged_attention_st_body(
         w.stage(ks, ks + (unsigned)ring.tile_b, ring.rb, ring.c0 + it * ST_TOKENS + 2 * t, ring.c1, qscale, cap2);
     }
     w.finish(out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks, g, t);
+    if (ring.n_splits > 1)
+        st_fused_combine<HD, MG>(st_smem, ring.row, ring.kvh0, ring.gc, ring.ng, ring.group, part_o, part_ml, out,
+                                 row_done, row_ctx, n_heads, ring.n_splits, min_chunk, window, sinks);
 #else
     __trap();
 #endif
@@ -491,7 +528,8 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,
+    int* __restrict__ row_done) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(NS >= 2, "at least double buffering");
     using Tile = Fp8WarpTile<HD, MG>;
@@ -511,6 +549,9 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     // As the bf16 kernel: every warp saw a valid token.
     st_fp8_finish<HD, MG>(tile, out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks,
                           v_scale, g, t);
+    if (ring.n_splits > 1)
+        st_fused_combine<HD, MG>(st_smem, ring.row, ring.kvh0, ring.gc, ring.ng, ring.group, part_o, part_ml, out,
+                                 row_done, row_ctx, n_heads, ring.n_splits, min_chunk, window, sinks);
 #else
     __trap();
 #endif
@@ -522,10 +563,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
+        const float* __restrict__ sinks, int* __restrict__ row_done) { PDL_ENTER();                              \
         paged_attention_st_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,         \
                                                      row_bt, block_tables, n_heads, n_kv_heads, block_size,       \
-                                                     qscale, min_chunk, window, cap2, sinks);                     \
+                                                     qscale, min_chunk, window, cap2, sinks, row_done);           \
     }
 
 // Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
@@ -535,11 +576,32 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,                   \
+        int* __restrict__ row_done) { PDL_ENTER();                                                                \
         paged_attention_st_fp8_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,     \
                                                          row_bt, block_tables, n_heads, n_kv_heads, block_size,   \
-                                                         qscale, min_chunk, v_scale, window, cap2, sinks);        \
+                                                         qscale, min_chunk, v_scale, window, cap2, sinks,         \
+                                                         row_done);                                               \
     }
 
-// The instance lines of this file and attention_queue.cu (ATT_ST_VARIANTS) are at the end of
-// attention_queue.cu, after the work-queue entries they name.
+// The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:
+// the ring of 16-byte copies, see WC in the header), in the
+// order they follow the tensor-core variants in ATTN_VARIANTS, then the FP8 ones in the order
+// they follow the tensor-core ones in ATTN_FP8_VARIANTS.
+#define ATT_ST_VARIANTS(HD)          \
+    ATT_ST_INSTANCE(HD, 8, 3, 8)     \
+    ATT_ST_INSTANCE(HD, 8, 2, 8)     \
+    ATT_ST_INSTANCE(HD, 4, 3, 8)     \
+    ATT_ST_INSTANCE(HD, 8, 2, 16)    \
+    ATT_ST_INSTANCE(HD, 1, 4, 8)     \
+    ATT_ST_FP8_INSTANCE(HD, 8, 3, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 8, 6, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 4, 4, 8) \
+    ATT_ST_FP8_INSTANCE(HD, 8, 3, 16) \
+    ATT_ST_FP8_INSTANCE(HD, 1, 4, 8)
+
+ATT_ST_VARIANTS(16)
+ATT_ST_VARIANTS(32)
+ATT_ST_VARIANTS(64)
+ATT_ST_VARIANTS(128)
+ATT_ST_VARIANTS(256)

@@ -69,9 +69,6 @@ struct Fp8WarpTile {
     int src_a, src_b;
     unsigned half_sel;
 
-    // Empty (the work-queue kernel assigns a loaded tile at its first item).
-    __device__ __forceinline__ Fp8WarpTile() {}
-
     // Loads Q^T for heads h0 .. h0 + ng - 1 of `row` (lane (g, t): head g (+ 8 per n-tile), dims
     // 16i + 4t + 0..3 of each segment i, the code fragments' order) in f16, and clears the state.
     __device__ __forceinline__ Fp8WarpTile(const bf16_t* __restrict__ q, int row, int n_heads, int h0, int ng,

@@ -140,9 +140,8 @@ fn run() -> Result<(), CudaError> {
             // Likewise the first streaming variant.
             let first_stream = ATTN_VARIANTS.iter().position(|v| v.kind == AttnKind::Stream);
             let default = attn_default(&shape, dev.stream_attention());
-            let queue = v.kind == AttnKind::Queue;
-            if vi == default || vi == attn_tc_default(nh / nkv) || Some(vi) == first_stream || queue {
-                splits_to_time.extend([2, 4, 8, 16, 32, 64, 128].map(AttnSplit::Fixed));
+            if vi == default || vi == attn_tc_default(nh / nkv) || Some(vi) == first_stream {
+                splits_to_time.extend([2, 4, 16, 32, 64, 128].map(AttnSplit::Fixed));
             }
             for split in splits_to_time {
                 let (ms, b2b) = time_ms_both(&dev, 3, 20, |i| attention(&mut metas[i % copies], &mut o, vi, split))?;

@@ -25,8 +25,8 @@
 
 use baton_kernels::cpu::fp8::e4m3_to_f32;
 use baton_kernels::cuda::{
-    ATTN_FP8_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnKind, AttnSplit, CudaDevice, CudaError,
-    CudaOptions, CudaSlice, DecodeShape, HostSeq, KvCacheRef, KvGeometry, StepMeta, attn_default, attn_fp8_default,
+    ATTN_FP8_VARIANTS, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, CudaDevice, CudaError, CudaOptions,
+    CudaSlice, DecodeShape, HostSeq, KvCacheRef, KvGeometry, StepMeta, attn_default, attn_fp8_default,
     attn_stream_default, bf16,
 };
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -126,11 +126,7 @@ fn run() -> Result<(), CudaError> {
         let fp8_default = attn_default(&shape, dev.stream_attention());
         // Where the split count matters: the FP8 tensor-core and streaming defaults at fixed
         // splits (what `Auto` would choose is in the rows below).
-        let queues = ATTN_FP8_VARIANTS.iter().enumerate().filter(|(_, v)| v.kind == AttnKind::Queue);
-        let queues: Vec<(String, usize)> = queues.map(|(i, v)| (v.label(), i)).collect();
-        let defaults =
-            [("tc".to_string(), attn_fp8_default(nh / nkv)), ("st".into(), attn_stream_default(nh / nkv, true))];
-        for (name, vi) in defaults.into_iter().chain(queues) {
+        for (name, vi) in [("tc", attn_fp8_default(nh / nkv)), ("st", attn_stream_default(nh / nkv, true))] {
             let mut sweep = Vec::new();
             for n in [1usize, 2, 4, 8, 16, 32, 64] {
                 let split = AttnSplit::Fixed(n);

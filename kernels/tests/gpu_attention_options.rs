@@ -197,7 +197,7 @@ fn options_case(dev: &CudaDevice, r: &mut StdRng, hd: usize, nh: usize, nkv: usi
                 continue;
             }
             let stream = match kernels.as_slice() {
-                [AttnKernel::Decode { variant: Some(v) }] if table[*v].streams() => Some(table[*v]),
+                [AttnKernel::Decode { variant: Some(v) }] if table[*v].kind == AttnKind::Stream => Some(table[*v]),
                 _ => None,
             };
             let mut out = poisoned(dev, want.len());

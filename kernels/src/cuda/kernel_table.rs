@@ -317,7 +317,7 @@ impl<F> AttentionKernels<F> {
                 (AttnKind::Registers, _) => 0,
                 (AttnKind::TensorCore, false) => 1,
                 (AttnKind::TensorCore, true) => 2,
-                (AttnKind::Stream | AttnKind::Queue, _) => 3,
+                (AttnKind::Stream, _) => 3,
             };
             Module::variant(Family::Attention, hd, line)
         };
@@ -397,20 +397,15 @@ impl KernelTable<CudaFunction> {
     /// shared-memory carve-out (three CTAs of 68 KiB per SM at head_dim 128); likewise for the
     /// decode kernel's tensor-core shapes that take dynamic shared memory (head_dim 256).
     ///
-    /// The streaming and work-queue decode shapes (sm_90 only: `hopper`) may take up to a CTA's limit of
+    /// The streaming decode shapes (sm_90 only: `hopper`) may take up to a CTA's limit of
     /// dynamic shared memory ([`CTA_SMEM_LIMIT`]; how much a launch takes depends on the KV
     /// heads, `stream_smem_bytes`); their carve-out is a launch attribute instead.
     pub fn prepare(&self, hopper: bool) -> Result<(), CudaError> {
         for (hd, att) in ATTN_HEAD_DIMS.iter().zip(&self.attention) {
             let Some(att) = att else { continue };
             let dynamic = |v: &AttnVariant| match v.kind {
-                _ if v.streams() => {
-                    if hopper {
-                        CTA_SMEM_LIMIT
-                    } else {
-                        0
-                    }
-                }
+                AttnKind::Stream if hopper => CTA_SMEM_LIMIT,
+                AttnKind::Stream => 0,
                 _ => tc_dynamic_smem(v, *hd, v.fp8),
             };
             let bf16 = ATTN_VARIANTS.iter().zip(&att.bf16).map(|(v, f)| (v, f, dynamic(v)));
@@ -418,7 +413,7 @@ impl KernelTable<CudaFunction> {
             for (v, func, bytes) in bf16.chain(fp8).filter(|(_, _, b)| *b > 0) {
                 func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
                 // The streaming kernels' carve-out is chosen per launch (`stream_carveout`).
-                if !v.streams() {
+                if v.kind != AttnKind::Stream {
                     func.set_attribute(FuncAttr::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
                 }
             }

@@ -3,8 +3,8 @@
 //! is split across CTAs. Pure data and rules, no device: the launcher is
 //! [`AttentionCall`](super::AttentionCall).
 //!
-//! Invariants: [`ATTN_VARIANTS`] lists the `ATT_INSTANCE`, `ATT_TC_INSTANCE`, `ATT_ST_INSTANCE`
-//! and `ATT_SQ_INSTANCE` lines in order (a unit test of `sources.rs` compares them), and every variant is
+//! Invariants: [`ATTN_VARIANTS`] lists the `ATT_INSTANCE` then the `ATT_TC_INSTANCE` lines of
+//! attention.cu in order (a unit test of `sources.rs` compares them), and every variant is
 //! instantiated for every head_dim of [`ATTN_HEAD_DIMS`]; [`plan_splits`] never returns more
 //! than 128 splits, and its splits cover the longest context.
 
@@ -72,11 +72,6 @@ pub enum AttnKind {
     /// single KV head, by 16-byte cp.async copies instead: a bulk copy costs the same ~55 ns
     /// for 256 bytes as for 2 KB); products as [`AttnKind::TensorCore`].
     Stream,
-    /// `paged_attention_sq_hd*` (attention_queue.cu, sm_90): the streaming kernel's ring and
-    /// products over a work queue: the grid is the CTAs that fit the device, and each takes the
-    /// next (row, split) chunk as it frees up, so SMs that stream faster take more chunks. Rows are
-    /// bit for bit the streaming kernel's at the same split count.
-    Queue,
 }
 
 /// One compiled shape of the paged attention kernel (see attention.cu): the kernel kind,
@@ -102,13 +97,6 @@ pub struct AttnVariant {
 }
 
 impl AttnVariant {
-    /// Whether the variant streams every KV head of a row's CTA through a bulk-copy ring
-    /// ([`AttnKind::Stream`] or [`AttnKind::Queue`]): the two share their CTA shape, shared
-    /// memory and arithmetic.
-    pub fn streams(&self) -> bool {
-        matches!(self.kind, AttnKind::Stream | AttnKind::Queue)
-    }
-
     /// The kernel's name for `head_dim` (see `ATT_INSTANCE` and `ATT_TC_INSTANCE` in
     /// attention.cu). Both kinds are instantiated for every head_dim the launcher accepts
     /// ([`ATTN_HEAD_DIMS`]), so no variant needs a fallback.
@@ -126,7 +114,6 @@ impl AttnVariant {
             }
             AttnKind::TensorCore => format!("tc_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
             AttnKind::Stream => format!("st_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
-            AttnKind::Queue => format!("sq_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
         }
     }
 
@@ -137,7 +124,6 @@ impl AttnVariant {
                 format!("tc_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group)
             }
             AttnKind::Stream => format!("st_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
-            AttnKind::Queue => format!("sq_hd{head_dim}_w{}_s{}_g{}", self.warps, self.unroll, self.max_group),
         }
     }
 
@@ -145,15 +131,20 @@ impl AttnVariant {
     /// [`stream_kv_heads`] KV heads) and chunk of `max_group` query heads of its GQA group.
     pub fn ctas_per_row(&self, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> usize {
         let group = n_heads / n_kv_heads.max(1);
-        let heads =
-            if self.streams() { n_kv_heads / stream_kv_heads(self, n_kv_heads, head_dim).max(1) } else { n_kv_heads };
+        let heads = match self.kind {
+            AttnKind::Stream => n_kv_heads / stream_kv_heads(self, n_kv_heads, head_dim).max(1),
+            _ => n_kv_heads,
+        };
         heads * group.div_ceil((self.max_group as usize).max(1))
     }
 
     /// Threads of one CTA: `warps` warps, or for a streaming variant one warp per KV head of
     /// the CTA.
     pub(crate) fn threads(&self, n_kv_heads: usize, head_dim: usize) -> u32 {
-        if self.streams() { 32 * stream_kv_heads(self, n_kv_heads, head_dim).max(1) as u32 } else { 32 * self.warps }
+        match self.kind {
+            AttnKind::Stream => 32 * stream_kv_heads(self, n_kv_heads, head_dim).max(1) as u32,
+            _ => 32 * self.warps,
+        }
     }
 
     /// CTAs of this variant that fit on one SM of `sm_smem` bytes of shared memory (1 KiB
@@ -181,19 +172,17 @@ const STREAM_STAGE_TOKENS: usize = 16;
 
 /// Shared memory of a streaming CTA over `kvc` KV heads (`attention_stream.cu`): `unroll`
 /// stages of K and V rows of 16 tokens, each row the CTA's heads (bf16, or FP8 codes) padded by
-/// 16 bytes, and one 8-byte mbarrier per stage; a work-queue CTA (`attention_queue.cu`) adds a
-/// 16-byte record per stage (its item, tile and chunk).
+/// 16 bytes, and one 8-byte mbarrier per stage.
 pub(crate) fn stream_smem_bytes(v: &AttnVariant, kvc: usize, head_dim: usize) -> usize {
     let (ns, elem) = (v.unroll as usize, if v.fp8 { 1 } else { 2 });
-    let records = if v.kind == AttnKind::Queue { ns * 16 } else { 0 };
-    ns * 2 * STREAM_STAGE_TOKENS * (kvc * head_dim * elem + 16) + records + ns * 8
+    ns * 2 * STREAM_STAGE_TOKENS * (kvc * head_dim * elem + 16) + ns * 8
 }
 
 /// KV heads one CTA of a streaming variant takes: the largest divisor of `n_kv_heads` of at
 /// most `warps` whose ring fits a CTA's shared memory ([`CTA_SMEM_LIMIT`]); 0 for other kinds
 /// or when none fits.
 pub fn stream_kv_heads(v: &AttnVariant, n_kv_heads: usize, head_dim: usize) -> usize {
-    if !v.streams() {
+    if v.kind != AttnKind::Stream {
         return 0;
     }
     (1..=(v.warps as usize).min(n_kv_heads))
@@ -219,10 +208,6 @@ const fn st(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
     AttnVariant { kind: AttnKind::Stream, warps, unroll: stages, max_group, prefetch: false, fp8: false }
 }
 
-const fn sq(warps: u32, stages: u32, max_group: u32) -> AttnVariant {
-    AttnVariant { kind: AttnKind::Queue, warps, unroll: stages, max_group, prefetch: false, fp8: false }
-}
-
 /// `variant` over an FP8 cache.
 const fn fp8(variant: AttnVariant) -> AttnVariant {
     AttnVariant { fp8: true, ..variant }
@@ -233,7 +218,7 @@ const fn fp8(variant: AttnVariant) -> AttnVariant {
 /// warp per stage, so a stage of 2 warps is 32 tokens; at head_dim 128, 4 stages are 36.9 KB
 /// of codes (6 CTAs per SM), 3 stages 27.6 KB), then the streaming ones (`ATT_ST_FP8_INSTANCE` in
 /// attention_stream.cu, `paged_attention_st_fp8_*`).
-pub const ATTN_FP8_VARIANTS: [AttnVariant; 10] = [
+pub const ATTN_FP8_VARIANTS: [AttnVariant; 8] = [
     fp8(tc(2, 3, 8)),
     fp8(tc(2, 4, 8)),
     fp8(tc(2, 4, 16)),
@@ -245,10 +230,6 @@ pub const ATTN_FP8_VARIANTS: [AttnVariant; 10] = [
     fp8(st(8, 3, 16)),
     // One KV head a CTA, 4 stages (17.4 KB at those heads), for small batches.
     fp8(st(1, 4, 8)),
-    // The work queue (attention_queue.cu) over the 3-stage ring (two CTAs per SM) and the
-    // 6-stage one (one per SM).
-    fp8(sq(8, 3, 8)),
-    fp8(sq(8, 6, 8)),
 ];
 
 /// The FP8 variant the decode kernel uses by default for a GQA group of `group` query heads
@@ -262,18 +243,14 @@ pub fn attn_fp8_default(group: usize) -> usize {
 
 /// The FP8-cache kernel's name of `variant` (a tensor-core variant) for `head_dim`.
 pub(crate) fn fp8_kernel_name(variant: &AttnVariant, head_dim: usize) -> String {
-    let kind = match variant.kind {
-        AttnKind::Stream => "st",
-        AttnKind::Queue => "sq",
-        _ => "tc",
-    };
+    let kind = if variant.kind == AttnKind::Stream { "st" } else { "tc" };
     format!("paged_attention_{kind}_fp8_hd{head_dim}_w{}_s{}_g{}", variant.warps, variant.unroll, variant.max_group)
 }
 
 /// Every instantiated variant: the register kernels in the order of `ATT_VARIANTS`, then the
-/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu), then the streaming and
-/// then the work-queue kernels in the order of `ATT_ST_VARIANTS` (attention_queue.cu).
-pub const ATTN_VARIANTS: [AttnVariant; 16] = [
+/// tensor-core kernels in the order of `ATT_TC_VARIANTS` (attention.cu), then the streaming
+/// kernels in the order of `ATT_ST_VARIANTS` (attention_stream.cu).
+pub const ATTN_VARIANTS: [AttnVariant; 14] = [
     reg(4, 4, 4, false),
     reg(4, 8, 4, false),
     reg(4, 4, 8, false),
@@ -298,10 +275,6 @@ pub const ATTN_VARIANTS: [AttnVariant; 16] = [
     // One KV head a CTA, 4 stages (Llama-3.1-8B heads: 34.8 KB, six CTAs per SM): for small
     // batches, where CTAs of every KV head of a row would leave SMs idle.
     st(1, 4, 8),
-    // The work queue (attention_queue.cu) over the default 2-stage ring (one CTA per SM) and the
-    // 4-head 3-stage one (two per SM).
-    sq(8, 2, 8),
-    sq(4, 3, 8),
 ];
 
 /// The tensor-core variant for a GQA group of `group` query heads: 4 shared-memory stages, 8
@@ -466,20 +439,10 @@ impl SplitTarget {
                 round_up: false,
                 max_auto: MAX_SPLITS / 2,
             },
-            AttnKind::Queue => Self {
-                ctas_per_sm: variant.stream_ctas_per_sm(n_kv_heads, head_dim, sm_smem) * QUEUE_ITEMS_PER_CTA,
-                round_up: false,
-                max_auto: MAX_SPLITS / 2,
-            },
             _ => Self::for_cache(fp8),
         }
     }
 }
-
-/// Chunks per resident CTA that [`AttnSplit::Auto`] aims at for a work-queue variant
-/// ([`AttnKind::Queue`]): more than one, so that an SM that streams faster takes more of them;
-/// few, since each chunk writes a partial that the combine reads back.
-pub(crate) const QUEUE_ITEMS_PER_CTA: usize = 2;
 
 /// Most splits of one row's context.
 pub(crate) const MAX_SPLITS: usize = 128;
@@ -664,28 +627,6 @@ mod tests {
     }
 
     #[test]
-    fn queue_variants_share_the_streaming_shape_and_aim_at_more_chunks() {
-        let (st2, sq2) = (ATTN_VARIANTS[10], ATTN_VARIANTS[14]);
-        assert_eq!((sq2.kind, sq2.kernel_name(128)), (AttnKind::Queue, "paged_attention_sq_hd128_w8_s2_g8".to_string()));
-        assert_eq!(fp8_kernel_name(&ATTN_FP8_VARIANTS[8], 128), "paged_attention_sq_fp8_hd128_w8_s3_g8");
-        // The same CTA as the streaming variant, plus a 16-byte record a stage.
-        assert_eq!(stream_smem_bytes(&sq2, 8, 128), stream_smem_bytes(&st2, 8, 128) + 2 * 16);
-        assert_eq!(
-            (sq2.ctas_per_row(32, 8, 128), sq2.threads(8, 128), stream_kv_heads(&sq2, 8, 128)),
-            (st2.ctas_per_row(32, 8, 128), st2.threads(8, 128), 8)
-        );
-        // Auto aims at QUEUE_ITEMS_PER_CTA chunks per resident CTA: 32 rows of one CTA each on
-        // 132 SMs of one CTA: 8 splits (264 chunks), where the streaming variant takes 4.
-        let target = |v: &AttnVariant| SplitTarget::for_variant(v, 8, 128, false, SM_SMEM);
-        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, target(&st2)).0, 4);
-        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, target(&sq2)).0, 8);
-        let sq8 = ATTN_FP8_VARIANTS[8];
-        assert_eq!(sq8.stream_ctas_per_sm(8, 128, SM_SMEM), 2);
-        let fp8_target = SplitTarget::for_variant(&sq8, 8, 128, true, SM_SMEM);
-        assert_eq!(plan_splits(AttnSplit::Auto, 32, 2048, 132, fp8_target).0, 16);
-    }
-
-    #[test]
     fn streaming_ctas_fit_their_shared_memory() {
         let (s3, s2, w4) = (ATTN_VARIANTS[9], ATTN_VARIANTS[10], ATTN_VARIANTS[11]);
         // Llama-3.1-8B heads: every KV head in one CTA, rows of 8 × 128 × 2 + 16 = 2,064 bytes.
@@ -702,7 +643,7 @@ mod tests {
         // A group of 24 at 8 query heads a warp: three CTAs per KV-head set.
         assert_eq!(s2.ctas_per_row(48, 2, 128), 3);
         assert_eq!(stream_kv_heads(&ATTN_VARIANTS[6], 8, 128), 0, "not a streaming variant");
-        for v in ATTN_VARIANTS.iter().filter(|v| v.streams()) {
+        for v in ATTN_VARIANTS.iter().filter(|v| v.kind == AttnKind::Stream) {
             for hd in ATTN_HEAD_DIMS {
                 for nkv in 1..=16 {
                     let k = stream_kv_heads(v, nkv, hd);

@@ -76,7 +76,6 @@ impl Family {
                 include_str!("../../cuda/attention.cu"),
                 include_str!("../../cuda/attention_tc_fp8.cu"),
                 include_str!("../../cuda/attention_stream.cu"),
-                include_str!("../../cuda/attention_queue.cu"),
             ],
             Self::Prefill => &[include_str!("../../cuda/prefill.cu"), include_str!("../../cuda/prefill_wg.cu")],
         }
@@ -510,26 +509,16 @@ mod tests {
             })
             .collect();
         assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
-        let listed = |kind: AttnKind| -> Vec<String> {
-            ATTN_VARIANTS
-                .iter()
-                .filter(|v| v.kind == kind)
-                .map(|v| format!("{}, {}, {}", v.warps, v.unroll, v.max_group))
-                .collect()
-        };
-        assert_eq!(
-            instance_args(&src, "ATT_ST_INSTANCE(HD, "),
-            vec![listed(AttnKind::Stream); ATTN_HEAD_DIMS.len()].concat()
-        );
-        assert_eq!(
-            instance_args(&src, "ATT_SQ_INSTANCE(HD, "),
-            vec![listed(AttnKind::Queue); ATTN_HEAD_DIMS.len()].concat()
-        );
-        let kinds: Vec<AttnKind> = ATTN_VARIANTS.iter().map(|v| v.kind).collect();
-        assert!(
-            kinds.windows(2).all(|w| w[0] == w[1] || !w[0].eq(&AttnKind::Queue)),
-            "the work-queue variants come last"
-        );
+        let cuda = instance_args(&src, "ATT_ST_INSTANCE(HD, ");
+        let rust: Vec<String> = ATTN_VARIANTS
+            .iter()
+            .skip_while(|v| v.kind != AttnKind::Stream)
+            .map(|v| {
+                assert_eq!(v.kind, AttnKind::Stream, "the streaming variants come last");
+                format!("{}, {}, {}", v.warps, v.unroll, v.max_group)
+            })
+            .collect();
+        assert_eq!(cuda, vec![rust; ATTN_HEAD_DIMS.len()].concat());
         let cuda = instance_args(&src, "ATT_TC_FP8_INSTANCE(HD, ");
         let fp8_list = |kind: AttnKind| -> Vec<String> {
             super::super::paged_attention::ATTN_FP8_VARIANTS
@@ -541,14 +530,9 @@ mod tests {
         assert_eq!(cuda, vec![fp8_list(AttnKind::TensorCore); ATTN_HEAD_DIMS.len()].concat());
         let cuda = instance_args(&src, "ATT_ST_FP8_INSTANCE(HD, ");
         assert_eq!(cuda, vec![fp8_list(AttnKind::Stream); ATTN_HEAD_DIMS.len()].concat());
-        let cuda = instance_args(&src, "ATT_SQ_FP8_INSTANCE(HD, ");
-        assert_eq!(cuda, vec![fp8_list(AttnKind::Queue); ATTN_HEAD_DIMS.len()].concat());
-        // The FP8 table lists its tensor-core variants first, then the streaming, then the
-        // work-queue ones.
+        // The FP8 table lists its tensor-core variants first.
         let kinds: Vec<AttnKind> = super::super::paged_attention::ATTN_FP8_VARIANTS.iter().map(|v| v.kind).collect();
-        let order = [AttnKind::TensorCore, AttnKind::Stream, AttnKind::Queue];
-        let rank = |k: &AttnKind| order.iter().position(|o| o == k);
-        assert!(kinds.windows(2).all(|w| rank(&w[0]) <= rank(&w[1])), "{kinds:?}");
+        assert!(kinds.windows(2).all(|w| w[0] == w[1] || w[1] == AttnKind::Stream), "{kinds:?}");
         // The skinny GEMMs per family: the FP8 modules carry gemv.cu's macro definitions too.
         let of = |f: Family| -> String {
             modules().iter().filter(|m| m.family == f).map(Module::source).collect::<Vec<_>>().join("\n")
