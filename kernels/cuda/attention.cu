@@ -290,36 +290,8 @@ __device__ __forceinline__ void paged_attention_body(
     }
 }
 
-// Splits of a row of ctx tokens that hold tokens (the others wrote no partial).
-__device__ __forceinline__ int splits_used(int ctx, int window, int n_splits, int min_chunk) {
-    const int len = ctx - window_start(ctx, window);
-    const int chunk = split_chunk(len, n_splits, min_chunk);
-    return min(n_splits, (len + chunk - 1) / chunk);
-}
-
-// Dim d of (row, head) rh merged over its first `used` splits' partials, head h's sink joining
-// the denominator: the arithmetic of the combine kernel and of the streaming kernels' fused
-// combine (attention_stream.cu), one function so that both give the same bits. Reads through L2
-// (ld.global.cg): in the fused combine other CTAs of the grid wrote the partials.
-template <int HD>
-__device__ __forceinline__ float combine_splits(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                long long rh, int n_splits, int used, int d,
-                                                const float* __restrict__ sinks, int h) {
-    const float* ml = part_ml + rh * n_splits * 2;
-    float mx = NEG_INF;
-    for (int s = 0; s < used; s++) mx = fmaxf(mx, __ldcg(ml + 2 * s));
-    float L = 0.f, o = 0.f;
-    for (int s = 0; s < used; s++) {
-        const float f = exp2f(__ldcg(ml + 2 * s) - mx);
-        L += __ldcg(ml + 2 * s + 1) * f;
-        o += __ldcg(part_o + (rh * n_splits + s) * HD + d) * f;
-    }
-    add_sink(sinks, h, mx, L, o);
-    return o / L;
-}
-
 // Merges the splits of each (row, head): grid (n_heads, rows), HD threads. Splits past the
-// row's context wrote nothing and are not read.
+// row's context hold max = -inf and weigh nothing.
 template <int HD>
 __device__ __forceinline__ void attention_combine_body(const float* __restrict__ part_o,
                                                        const float* __restrict__ part_ml, bf16_t* __restrict__ out,
@@ -332,8 +304,20 @@ __device__ __forceinline__ void attention_combine_body(const float* __restrict__
         out[rh * HD + d] = f2bf(0.f);  // a padding row (see above)
         return;
     }
-    const int used = splits_used(ctx, window, n_splits, min_chunk);
-    out[rh * HD + d] = f2bf(combine_splits<HD>(part_o, part_ml, rh, n_splits, used, d, sinks, h));
+    const int len = ctx - window_start(ctx, window);
+    const int chunk = split_chunk(len, n_splits, min_chunk);
+    const int used = min(n_splits, (len + chunk - 1) / chunk);
+    const float* ml = part_ml + rh * n_splits * 2;
+    float mx = NEG_INF;
+    for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[2 * s]);
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < used; s++) {
+        const float f = exp2f(ml[2 * s] - mx);
+        L += ml[2 * s + 1] * f;
+        o += part_o[(rh * n_splits + s) * HD + d] * f;
+    }
+    add_sink(sinks, h, mx, L, o);
+    out[rh * HD + d] = f2bf(o / L);
 }
 
 #define ATT_INSTANCE(HD, NW, U, G, P)                                                                              \

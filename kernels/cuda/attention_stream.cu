@@ -452,48 +452,12 @@ __device__ __forceinline__ void st_fp8_finish(const Fp8WarpTile<HD, MG>& tile, b
     }
 }
 
-// The fused combine of a split launch (n_splits > 1), called by every thread of a CTA once its
-// partial is written: the CTA counts itself on its (row, x) counter (row_done[row * gridDim.x +
-// x]), and the last of the row's used splits merges the partials of the CTA's query heads into
-// `out` with the combine kernel's arithmetic (combine_splits, attention.cu: the same bits, in
-// split order whichever CTA came last) and sets the counter back to zero, so no combine launch
-// follows and the next launch (a graph replay too) finds the counters at zero. The counters
-// start zeroed (StepMeta::row_done). The flag goes through the ring's first word: after the
-// CTA barrier no warp reads the ring and no copy is in flight.
-template <int HD, int MG>
-__device__ __forceinline__ void st_fused_combine(unsigned char* smem, int row, int kvh0, int gc, int ng, int group,
-                                                 const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                 bf16_t* __restrict__ out, int* __restrict__ row_done,
-                                                 const int* __restrict__ row_ctx, int n_heads, int n_splits,
-                                                 int min_chunk, int window, const float* __restrict__ sinks) {
-    volatile int* flag = reinterpret_cast<volatile int*>(smem);
-    int* counter = row_done + (long long)row * gridDim.x + blockIdx.x;
-    __threadfence();  // this thread's partial before the CTA's count
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int used = splits_used(row_ctx[row], window, n_splits, min_chunk);
-        *flag = atomicAdd(counter, 1) == used - 1;
-    }
-    __syncthreads();
-    if (!*flag) return;
-    __threadfence();  // the other splits' partials (counted before this CTA's) after the count
-    const int kvc = blockDim.x >> 5;
-    const int used = splits_used(row_ctx[row], window, n_splits, min_chunk);
-    for (int i = threadIdx.x; i < kvc * ng * HD; i += blockDim.x) {
-        const int w = i / (ng * HD), r = (i / HD) % ng, d = i % HD;
-        const int h = (kvh0 + w) * group + gc * MG + r;
-        const long long rh = (long long)row * n_heads + h;
-        out[rh * HD + d] = f2bf(combine_splits<HD>(part_o, part_ml, rh, n_splits, used, d, sinks, h));
-    }
-    if (threadIdx.x == 0) *counter = 0;
-}
-
 template <int HD, int NS, int MG, bool WC>
 __device__ __forceinline__ void paged_attention_st_body(
     const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache, const bf16_t* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks, int* __restrict__ row_done) {
+    float qscale, int min_chunk, int window, float cap2, const float* __restrict__ sinks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(HD % 16 == 0 && HD >= 16 && HD <= 256, "head_dim: a multiple of 16, at most 256");
     static_assert(MG == 8 || MG == 16, "8 or 16 query heads a warp (the mma's M rows)");
@@ -512,9 +476,6 @@ __device__ __forceinline__ void paged_attention_st_body(
         w.stage(ks, ks + (unsigned)ring.tile_b, ring.rb, ring.c0 + it * ST_TOKENS + 2 * t, ring.c1, qscale, cap2);
     }
     w.finish(out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks, g, t);
-    if (ring.n_splits > 1)
-        st_fused_combine<HD, MG>(st_smem, ring.row, ring.kvh0, ring.gc, ring.ng, ring.group, part_o, part_ml, out,
-                                 row_done, row_ctx, n_heads, ring.n_splits, min_chunk, window, sinks);
 #else
     __trap();
 #endif
@@ -528,8 +489,7 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     const bf16_t* __restrict__ q, const unsigned char* __restrict__ k_cache, const unsigned char* __restrict__ v_cache,
     bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ row_ctx,
     const int* __restrict__ row_bt, const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size,
-    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,
-    int* __restrict__ row_done) {
+    float qscale, int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     static_assert(NS >= 2, "at least double buffering");
     using Tile = Fp8WarpTile<HD, MG>;
@@ -549,9 +509,6 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
     // As the bf16 kernel: every warp saw a valid token.
     st_fp8_finish<HD, MG>(tile, out, part_o, part_ml, ring.row, n_heads, h0, ring.ng, ring.n_splits, ring.split, sinks,
                           v_scale, g, t);
-    if (ring.n_splits > 1)
-        st_fused_combine<HD, MG>(st_smem, ring.row, ring.kvh0, ring.gc, ring.ng, ring.group, part_o, part_ml, out,
-                                 row_done, row_ctx, n_heads, ring.n_splits, min_chunk, window, sinks);
 #else
     __trap();
 #endif
@@ -563,10 +520,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         bf16_t* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,                        \
         const int* __restrict__ row_ctx, const int* __restrict__ row_bt, const int* __restrict__ block_tables,    \
         int n_heads, int n_kv_heads, int block_size, float qscale, int min_chunk, int window, float cap2,          \
-        const float* __restrict__ sinks, int* __restrict__ row_done) { PDL_ENTER();                              \
+        const float* __restrict__ sinks) { PDL_ENTER();                                                           \
         paged_attention_st_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,         \
                                                      row_bt, block_tables, n_heads, n_kv_heads, block_size,       \
-                                                     qscale, min_chunk, window, cap2, sinks, row_done);           \
+                                                     qscale, min_chunk, window, cap2, sinks);                     \
     }
 
 // Over an FP8 (E4M3) cache: the FP8 tensor-core kernel's arguments (qscale holds the K scale).
@@ -576,12 +533,10 @@ __device__ __forceinline__ void paged_attention_st_fp8_body(
         const unsigned char* __restrict__ v_cache, bf16_t* __restrict__ out, float* __restrict__ part_o,          \
         float* __restrict__ part_ml, const int* __restrict__ row_ctx, const int* __restrict__ row_bt,             \
         const int* __restrict__ block_tables, int n_heads, int n_kv_heads, int block_size, float qscale,          \
-        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks,                   \
-        int* __restrict__ row_done) { PDL_ENTER();                                                                \
+        int min_chunk, float v_scale, int window, float cap2, const float* __restrict__ sinks) { PDL_ENTER();     \
         paged_attention_st_fp8_body<HD, NS, MG, NW == 1>(q, k_cache, v_cache, out, part_o, part_ml, row_ctx,     \
                                                          row_bt, block_tables, n_heads, n_kv_heads, block_size,   \
-                                                         qscale, min_chunk, v_scale, window, cap2, sinks,         \
-                                                         row_done);                                               \
+                                                         qscale, min_chunk, v_scale, window, cap2, sinks);        \
     }
 
 // The streaming variants (most KV heads a CTA = warps, ring stages, query heads a warp; one warp:

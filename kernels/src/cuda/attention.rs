@@ -6,10 +6,9 @@
 //! - every launch checks the GQA heads, the metadata's cache geometry and the sizes of `q`,
 //!   `out` and the caches before it enqueues anything;
 //! - the decode kernel splits long contexts across CTAs by [`AttnSplit`] and merges the
-//!   partials with a combine launch, except the streaming kernel, whose last CTA of each row
-//!   merges them itself (`st_fused_combine`, on counters that are zero between launches); the
-//!   partial buffers and the counters live in the step's metadata and grow on demand (never
-//!   while a graph is recorded: the staged split count was run op by op first);
+//!   partials with a combine launch; the partial buffers live in the step's metadata and grow
+//!   on demand (never while a graph is recorded: the staged split count was run op by op
+//!   first);
 //! - in a mixed batch the decode kernel runs first (over rows up to the last decode row; the
 //!   prefill rows among them have context 0 and get zeros) and the prefill kernel after it,
 //!   on the same stream, overwriting the prefill rows (see `prefill.rs`);
@@ -337,15 +336,9 @@ impl AttentionCall<'_> {
         let read = self.options.effective_ctx(max_ctx);
         let (splits, _) = plan_splits(self.split, x * rows, read, dev.sm_count(), target);
         let min_chunk = int(OP, MIN_SPLIT_TOKENS)?;
-        // The streaming kernel merges its own partials (`st_fused_combine` in
-        // attention_stream.cu); the others leave that to the combine launch below.
-        let stream = v.kind == AttnKind::Stream;
         if splits > 1 {
             dev.grow(&mut meta.part_o, rows * n_heads * splits * hd)?;
             dev.grow(&mut meta.part_ml, rows * n_heads * splits * 2)?;
-            if stream {
-                dev.grow_zeroed(&mut meta.row_done, rows * x)?;
-            }
         }
         let row_ctx = match which {
             DecodeRows::All => &meta.row_ctx,
@@ -373,8 +366,7 @@ impl AttentionCall<'_> {
         // The FP8 entries take the V scale before the options.
         let args = if self.cache.is_fp8() { args.f32(v_scale) } else { args };
         let args = push_sinks(args.i32(window).f32(cap2), self.options.sinks);
-        let args = if stream { args.buf(&meta.row_done) } else { args };
-        let own = if stream { stream_carveout(rows) } else { None };
+        let own = if v.kind == AttnKind::Stream { stream_carveout(rows) } else { None };
         let args = match dev.carveout_pins().attention.or(own) {
             Some(percent) => args.carveout(percent),
             None => args,
@@ -383,10 +375,9 @@ impl AttentionCall<'_> {
         // the metadata's contexts, block-table offsets and tables were validated against this
         // geometry when it was set; the partials hold `rows × heads × splits` entries; sinks
         // hold at least `n_heads` values; the dynamic shared memory is the variant's own
-        // (`tc_dynamic_smem`, `stream_smem_bytes`: at most its limit, raised at load); the
-        // streaming kernel's counters hold `rows × x` zeros (`StepMeta::row_done`).
+        // (`tc_dynamic_smem`, `stream_smem_bytes`: at most its limit, raised at load).
         unsafe { args.launch(dev, func, grid) }?;
-        if splits > 1 && !stream {
+        if splits > 1 {
             let grid = cfg((int(OP, n_heads)? as u32, int(OP, rows)? as u32, 1), hd as u32);
             let args = Args::new(OP)
                 .buf(&meta.part_o)

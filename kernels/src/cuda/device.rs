@@ -250,17 +250,6 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// [`CudaDevice::grow`] for a buffer whose readers need zeros where nothing was written (the
-    /// fused combine's counters): a new buffer is zeroed on the stream.
-    pub(crate) fn grow_zeroed(&self, buf: &mut CudaSlice<i32>, len: usize) -> Result<(), CudaError> {
-        if buf.len() < len {
-            self.not_capturing("allocating")?;
-            self.alloc_gen.fetch_add(1, Ordering::SeqCst);
-            *buf = self.stream.alloc_zeros::<i32>(len.next_power_of_two())?;
-        }
-        Ok(())
-    }
-
     /// [`CudaDevice::grow`] for a buffer no CUDA graph uses (see
     /// [`CudaDevice::alloc_outside_graphs`]).
     pub(crate) fn grow_outside_graphs<T: DeviceRepr>(

@@ -65,10 +65,6 @@ pub struct StepMeta {
     /// `rows × heads × splits × 2` (max, sum), grown on demand.
     pub(crate) part_o: CudaSlice<f32>,
     pub(crate) part_ml: CudaSlice<f32>,
-    /// The streaming decode kernel's fused-combine counters, one per (row, CTA column) of a
-    /// split launch (attention_stream.cu, `st_fused_combine`): zero when allocated, and set back
-    /// to zero by the CTA that merges the row, so zero between launches.
-    pub(crate) row_done: CudaSlice<i32>,
     host: HostMeta,
     up: MetaStaging,
     /// The routing of prefill chunks and decode rows (see `prefill.rs`).
@@ -109,11 +105,6 @@ impl StepMeta {
             max_ctx: 0,
             part_o: dev.alloc(64)?,
             part_ml: dev.alloc(64)?,
-            row_done: {
-                let mut zeros = dev.alloc(0)?;
-                dev.grow_zeroed(&mut zeros, 64)?;
-                zeros
-            },
             host: Default::default(),
             up: MetaStaging::new(),
             prefill: PrefillMeta::new(dev)?,
