@@ -22,7 +22,10 @@
 //!   o_proj's and down's epilogues, the normalization on qkv's and gate_up's loads. Its
 //!   `1 / rms` is summed in another order than the norm kernel's, so an element of the
 //!   normalized activation may round the other way: the logits agree within the bf16 check
-//!   and the greedy tokens agree except at a near tie, where the comparison stops.
+//!   and the greedy tokens agree except at a near tie, where the comparison stops. On the MoE
+//!   models (Qwen3-MoE, Mixtral) the same switch fuses both norms of a MoE layer
+//!   (`Backend::moe_branch`: the router normalizes on its loads, down's un-permute adds to the
+//!   residual), which their decode steps must take.
 //!
 //! - The shared-memory carve-outs the launches ask for (`set_carveout_policy`): the per-step
 //!   rule pins 50 % on every launch of a decode step of 1-4 rows (on Llama, whose qkv product
@@ -242,15 +245,33 @@ fn gpu_fp8_weight_epilogues_give_bit_identical_steps() {
 
 #[test]
 fn gpu_fused_norm_matches_the_unfused_steps() {
-    for spec in [TinySpec::llama(), TinySpec::qwen3(), TinySpec::qwen2()] {
+    let specs = [TinySpec::llama(), TinySpec::qwen3(), TinySpec::qwen2(), TinySpec::qwen3_moe(), TinySpec::mixtral()];
+    for spec in specs {
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
         let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
         for graphs in [false, true] {
             let on = Switches::defaults(graphs);
             let off = Switches { fused_norm: false, ..on };
-            let fused = run(&mut model(&m.model, on), &prompts, 24);
-            let unfused = run(&mut model(&m.model, off), &prompts, 24);
+            let mut fused_model = model(&m.model, on);
+            let fused = run(&mut fused_model, &prompts, 24);
+            let mut unfused_model = model(&m.model, off);
+            let unfused = run(&mut unfused_model, &prompts, 24);
+            // The MoE models' decode steps (9 rows) took the fused MoE branch; never with the
+            // switch off.
+            let moe = spec.moe.is_some();
+            assert_eq!(
+                fused_model.backend().moe_branch_fusions() > 0,
+                moe,
+                "{:?}: fused MoE branches",
+                spec.architecture
+            );
+            assert_eq!(
+                unfused_model.backend().moe_branch_fusions(),
+                0,
+                "{:?}: fused with the switch off",
+                spec.architecture
+            );
             let mut compared = 0;
             'steps: for (step, (x, y)) in fused.iter().zip(&unfused).enumerate() {
                 let what = format!("{:?}, graphs {graphs}, step {step}", spec.architecture);

@@ -381,6 +381,40 @@ struct GemvXNorm {
     }
 };
 
+// GemvXNorm that also stores the normalized x it computes (x_out: m x k bf16, the norm
+// kernel's output) when x_out is not null: the router of a MoE layer, whose experts read the
+// normalized rows next. The launch passes x_out to CTA 0 only (every CTA loads all of x, and
+// that CTA's threads together load every chunk of every row); rows >= m, which repeat row
+// m - 1, store nothing.
+template <int NT>
+struct GemvXNormOut : GemvXNorm<NT> {
+    uint4* x_out;  // the t-th 16-byte chunk of row g (of tile 0), or null
+    int g, m, k;
+    __device__ __forceinline__ GemvXNormOut(const GemvNormIn& a, int m_, int k_, int g_, int t, bf16_t* out)
+        : GemvXNorm<NT>(a, m_, k_, g_, t), g(g_), m(m_), k(k_) {
+        x_out = out ? reinterpret_cast<uint4*>(out) + t : nullptr;
+    }
+    __device__ __forceinline__ void store(int nt, int c, uint4 v) const {
+        const int row = nt * 8 + g;
+        if (x_out && row < m) x_out[(long long)row * (k >> 3) + c] = v;
+    }
+    __device__ __forceinline__ uint4 load(int nt, int c) const {
+        // Chunk c + t of the row. A chunk past k in a partial batch arrives as c = -t: chunk 0
+        // again, whose normalized value is then stored once more before the caller zeroes it.
+        const uint4 v = GemvXNorm<NT>::load(nt, c);
+        store(nt, c, v);
+        return v;
+    }
+    template <int U>
+    __device__ __forceinline__ void load_batch(int c0, uint4 (*vx)[U]) const {
+        GemvXNorm<NT>::template load_batch<U>(c0, vx);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int u = 0; u < U; u++) store(nt, c0 + 4 * u, vx[nt][u]);
+    }
+};
+
 // The epilogue of a residual product: residual += bf16(sum) (add_rms_norm_f32's add, on the
 // product's rounded output), then stats[mm][cta] = the sum over the CTA's 16 columns of the new
 // residual squared, for each row mm < m. rp holds the residual values this thread's entries
@@ -627,6 +661,20 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         gemv_body<MAXM / 8, NW, U, bf16_t, ACT>(xin, w, out, nullptr, m, n, k, pf);                    \
     }
 
+// A norm-input product with an f32 output that also stores the normalized x (GemvXNormOut,
+// from CTA 0): a MoE layer's router, whose logits the routing reads in f32 and whose input the
+// experts read next.
+#define GEMV_KERNEL_NORM_F32_X(MAXM, NW, U)                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32, GEMV_MIN_CTAS(NW))                           \
+        GEMV_NAME(MAXM, NW, U, norm_f32_x)(const float* __restrict__ res, const float* __restrict__ stats, \
+                                           int parts, const bf16_t* __restrict__ nw, float eps,         \
+                                           const bf16_t* __restrict__ w, float* __restrict__ out,       \
+                                           bf16_t* __restrict__ x_out, int m, int n, int k, int pf) {   \
+        const GemvXNormOut<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, GEMV_T,   \
+                                         blockIdx.x == 0 ? x_out : nullptr);                            \
+        gemv_body<MAXM / 8, NW, U, float, NoAct>(xin, w, out, nullptr, m, n, k, pf);                    \
+    }
+
 // The RoPE-fused qkv product (norm input, see the top of the file) into a cache of C: q to
 // q_out, k and v to the cache.
 #define GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, SUFFIX, C)                                                   \
@@ -652,7 +700,8 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_bf16, NoAct)                \
     GEMV_KERNEL_NORM(MAXM, NW, U, norm_silu, SiluAct)              \
     GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope, bf16_t)          \
-    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope_fp8, unsigned char)
+    GEMV_KERNEL_NORM_ROPE(MAXM, NW, U, norm_rope_fp8, unsigned char) \
+    GEMV_KERNEL_NORM_F32_X(MAXM, NW, U)
 
 // The variants (warps, k-steps per batch), in the order of GEMV_VARIANTS in
 // kernels/src/cuda/gemv.rs, for up to 8 and up to 16 rows of x: one top-level line each, so that

@@ -23,6 +23,8 @@
 // - MOE_ACT_SILU: gate rows c0 .. c0 + 7 and up rows I + c0 .. (w is [gate | up], I = n / 2);
 // - MOE_ACT_SWIGLU: gate rows 2c, up rows 2c + 1 (gpt-oss's interleaved columns);
 // - MOE_ACT_UNPERMUTE: as MOE_ACT_NONE, then the un-permute of its 16 columns fused in (below);
+// - MOE_ACT_UNPERMUTE_RESID: as MOE_ACT_UNPERMUTE, the un-permuted rows added to the f32
+//   residual stream with their sums of squares (gemv.cu's residual epilogue), not stored;
 // the fused epilogue rounds gate and up to bf16 exactly as MOE_ACT_NONE stores them (same sum
 // order over the warps, same bias add), then applies the activation kernels' formula, so its
 // output is bit-identical to the unfused product followed by silu_mul_bf16 /
@@ -32,6 +34,7 @@
 #define MOE_ACT_SILU 1
 #define MOE_ACT_SWIGLU 2
 #define MOE_ACT_UNPERMUTE 3
+#define MOE_ACT_UNPERMUTE_RESID 4
 #define MOE_SK_WARPS 4
 
 // The y-th expert, in index order, with at least one entry: its id and segment. Every lane of
@@ -81,9 +84,17 @@ __device__ __forceinline__ uint4 moe_ld_stream(const uint4* p) {
 // un-permute launch disappears and the result is bit-identical to moe_unpermute_bf16 after the
 // plain product (same stored y, same helper). It leaves the counter at zero for the next
 // launch (CUDA graph replays). Every thread of the CTA calls it (barriers).
+//
+// With RESID (MOE_ACT_UNPERMUTE_RESID) the tile's rows are not stored: res[r, c] += bf16 of
+// the same sum, and stats[r][tile] = the sum over the tile's 16 columns of the new residual
+// squared (0 past n), as gemv.cu's gemv_epilogue_resid leaves them for a norm-input product
+// (the same formulas, the columns summed in the same order, gridDim.x = n / 16 parts), so the
+// next layer's RMSNorm needs no launch of its own. rows <= 16 (MOE_ROUTER_MAX_ROWS).
+template <bool RESID>
 __device__ __forceinline__ void moe_unpermute_tile(const bf16_t* y, int n, const int* __restrict__ position,
                                                    const float* __restrict__ weights, int k, int rows,
-                                                   bf16_t* __restrict__ final_out, unsigned* counters) {
+                                                   bf16_t* __restrict__ final_out, float* __restrict__ res,
+                                                   float* __restrict__ stats, unsigned* counters) {
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -94,18 +105,44 @@ __device__ __forceinline__ void moe_unpermute_tile(const bf16_t* y, int n, const
     __threadfence();
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;
     const int c0 = blockIdx.x * 16;
-    for (int i = threadIdx.x; i < rows * 16; i += blockDim.x) {
-        const int r = i >> 4, col = c0 + (i & 15);
-        if (col < n) final_out[(long long)r * n + col] = f2bf(moe_unpermute_at(y, position, weights, k, nullptr, r, n, col));
+    if constexpr (RESID) {
+        __shared__ float sq[16][16];  // [column of the tile][row]
+        for (int i = threadIdx.x; i < rows * 16; i += blockDim.x) {
+            const int r = i >> 4, ci = i & 15, col = c0 + ci;
+            float q = 0.f;
+            if (col < n) {
+                const long long at = (long long)r * n + col;
+                const float v = res[at] + bf2f(f2bf(moe_unpermute_at(y, position, weights, k, nullptr, r, n, col)));
+                res[at] = v;
+                q = v * v;
+            }
+            sq[ci][r] = q;
+        }
+        __syncthreads();
+        if (threadIdx.x < rows) {
+            float s = 0.f;
+#pragma unroll
+            for (int ci = 0; ci < 16; ci++) s += sq[ci][threadIdx.x];
+            stats[(long long)threadIdx.x * gridDim.x + blockIdx.x] = s;
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows * 16; i += blockDim.x) {
+            const int r = i >> 4, col = c0 + (i & 15);
+            if (col < n)
+                final_out[(long long)r * n + col] = f2bf(moe_unpermute_at(y, position, weights, k, nullptr, r, n, col));
+        }
     }
 }
 
-// The un-permute's operands of a MOE_ACT_UNPERMUTE launch (unused otherwise).
+// The un-permute's operands of a MOE_ACT_UNPERMUTE(_RESID) launch (unused otherwise): the
+// bf16 rows out, or (RESID) the residual stream and its stats.
 struct MoeUnpermuteArgs {
     const int* position;
     const float* weights;
     int rows;
     bf16_t* out;
+    float* res;
+    float* stats;
     unsigned* counters;
 };
 
@@ -116,13 +153,16 @@ __device__ __forceinline__ void moe_skinny_body(const bf16_t* __restrict__ x, in
                                                 bf16_t* __restrict__ out, int n, int d, int n_experts, float alpha,
                                                 float limit, MoeUnpermuteArgs un) {
     constexpr int NW = MOE_SK_WARPS;
-    constexpr bool PLAIN = ACT == MOE_ACT_NONE || ACT == MOE_ACT_UNPERMUTE;
+    constexpr bool UNPERMUTE = ACT == MOE_ACT_UNPERMUTE || ACT == MOE_ACT_UNPERMUTE_RESID;
+    constexpr bool PLAIN = ACT == MOE_ACT_NONE || UNPERMUTE;
     constexpr int BATCH = 4 * U;  // 16-byte chunks per row per batch
     __shared__ float red[NW][4][32];
     PDL_ENTER();
     int e = 0, begin = 0, end = 0;
     if (!moe_active_expert(offsets, n_experts, blockIdx.y, e, begin, end)) {
-        if (ACT == MOE_ACT_UNPERMUTE) moe_unpermute_tile(out, n, un.position, un.weights, k, un.rows, un.out, un.counters);
+        if constexpr (UNPERMUTE)
+            moe_unpermute_tile<ACT == MOE_ACT_UNPERMUTE_RESID>(out, n, un.position, un.weights, k, un.rows, un.out,
+                                                               un.res, un.stats, un.counters);
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -236,7 +276,9 @@ __device__ __forceinline__ void moe_skinny_body(const bf16_t* __restrict__ x, in
         // Every thread is done reading red before the next entry batch writes it.
         __syncthreads();
     }
-    if (ACT == MOE_ACT_UNPERMUTE) moe_unpermute_tile(out, n, un.position, un.weights, k, un.rows, un.out, un.counters);
+    if constexpr (UNPERMUTE)
+        moe_unpermute_tile<ACT == MOE_ACT_UNPERMUTE_RESID>(out, n, un.position, un.weights, k, un.rows, un.out, un.res,
+                                                           un.stats, un.counters);
 }
 
 // Six CTAs an SM (__launch_bounds__(128, 6): at most 80 registers, none spilled with NVRTC
@@ -305,7 +347,7 @@ extern "C" __global__ __launch_bounds__(128, 8) void moe_skinny_unpermute_bf16_u
     int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
     int rows, bf16_t* __restrict__ final_out, unsigned* counters) {
     moe_skinny_body<MOE_ACT_UNPERMUTE, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
-                                          MoeUnpermuteArgs{position, weights, rows, final_out, counters});
+                                          MoeUnpermuteArgs{position, weights, rows, final_out, nullptr, nullptr, counters});
 }
 
 extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_unpermute_bf16_u4(
@@ -314,5 +356,25 @@ extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_unpermute_bf16_u
     int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
     int rows, bf16_t* __restrict__ final_out, unsigned* counters) {
     moe_skinny_body<MOE_ACT_UNPERMUTE, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha, limit,
-                                          MoeUnpermuteArgs{position, weights, rows, final_out, counters});
+                                          MoeUnpermuteArgs{position, weights, rows, final_out, nullptr, nullptr, counters});
+}
+
+// The down product with the un-permute and the residual add fused (MOE_ACT_UNPERMUTE_RESID):
+// the launch bounds of the plain un-permute entries above.
+extern "C" __global__ __launch_bounds__(128, 8) void moe_skinny_unpermute_resid_bf16_u2(
+    const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+    const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
+    int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
+    int rows, float* __restrict__ res, float* __restrict__ stats, unsigned* counters) {
+    moe_skinny_body<MOE_ACT_UNPERMUTE_RESID, 2>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha,
+                                                limit, MoeUnpermuteArgs{position, weights, rows, nullptr, res, stats, counters});
+}
+
+extern "C" __global__ __launch_bounds__(128, 6) void moe_skinny_unpermute_resid_bf16_u4(
+    const bf16_t* __restrict__ x, int per_token, int k, const bf16_t* __restrict__ w, const bf16_t* __restrict__ bias,
+    const int* __restrict__ offsets, const int* __restrict__ order, bf16_t* __restrict__ out, int n, int d,
+    int n_experts, float alpha, float limit, const int* __restrict__ position, const float* __restrict__ weights,
+    int rows, float* __restrict__ res, float* __restrict__ stats, unsigned* counters) {
+    moe_skinny_body<MOE_ACT_UNPERMUTE_RESID, 4>(x, per_token, k, w, bias, offsets, order, out, n, d, n_experts, alpha,
+                                                limit, MoeUnpermuteArgs{position, weights, rows, nullptr, res, stats, counters});
 }

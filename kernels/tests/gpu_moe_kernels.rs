@@ -17,9 +17,9 @@ mod common;
 
 use baton_kernels::cpu::{self, ExpertWeights, MoePermutation, MoeRouting, MoeRows, MoeScoring};
 use baton_kernels::cuda::{
-    ClampedSwigluCall, CudaDevice, CudaSlice, MOE_ROUTER_MAX_ROWS, MoeDownUnpermuteCall, MoeExpertKernel,
-    MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoeRouteCall, MoeRoutePermuteCall, MoeRouterCall,
-    MoeUnpermuteCall, SiluMulCall, bf16, moe_unpermute_counters,
+    ClampedSwigluCall, CudaDevice, CudaSlice, MOE_ROUTER_MAX_ROWS, MOE_UNPERMUTE_RESID_MAX_ROWS, MoeDownOut,
+    MoeDownUnpermuteCall, MoeExpertKernel, MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoeRouteCall,
+    MoeRoutePermuteCall, MoeRouterCall, MoeUnpermuteCall, SiluMulCall, bf16, moe_unpermute_counters,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 use rand::{Rng, rngs::StdRng};
@@ -550,7 +550,9 @@ fn gpu_moe_router_fused_matches_cpu() {
 /// rows), and against the CPU (product rounded to bf16 as stored, then the weighted sum); with
 /// and without a bias, uniform and skewed routing (with k = 1, every token to one expert, so a
 /// tile's one active CTA may not be its last), rows up to 64. Each case launches twice on fresh
-/// poisoned outputs and checks the tile counters are back at 0.
+/// poisoned outputs and checks the tile counters are back at 0. Up to 16 rows it also runs the
+/// residual form ([`MoeDownOut::Residual`]): the residual and the tiles' sums of squares bit for
+/// bit against the unfused rows added on the host.
 #[test]
 fn gpu_moe_down_unpermute_is_bit_identical_to_unfused() {
     let dev = device();
@@ -624,7 +626,7 @@ fn gpu_moe_down_unpermute_is_bit_identical_to_unfused() {
                                 assignments: a,
                                 expert_out: &mut fy,
                                 counters: &mut counters,
-                                out: &mut fused,
+                                out: MoeDownOut::Rows(&mut fused),
                             }
                             .launch(&dev)
                             .expect("fused down + un-permute");
@@ -636,6 +638,62 @@ fn gpu_moe_down_unpermute_is_bit_identical_to_unfused() {
                             let fb = bits(&dev, &fused, rows * hidden);
                             if let Some(i) = (0..ub.len()).find(|&i| fb[i] != ub[i]) {
                                 panic!("{what}: fused differs from unfused at {i}: {:#06x} vs {:#06x}", fb[i], ub[i]);
+                            }
+                            let left: Vec<u32> = dev.download(&counters, tiles).expect("counters");
+                            assert!(left.iter().all(|&c| c == 0), "{what}: tile counters left set: {left:?}");
+                        }
+                        if rows <= MOE_UNPERMUTE_RESID_MAX_ROWS {
+                            // The residual form: the same rows added to a random residual stream
+                            // (bf16 rounded, then the f32 add), and each tile's sum of squares of
+                            // the new residual over its 16 columns in column order, bit for bit.
+                            let what = format!("{what} into the residual");
+                            let res0: Vec<f32> = (0..rows * hidden).map(|_| r.random_range(-2.0f32..2.0)).collect();
+                            let mut residual = dev.upload(&res0).expect("residual");
+                            let mut stats = dev.upload(&vec![f32::NAN; rows * tiles]).expect("stats");
+                            let mut fy = poisoned(&dev, a * hidden);
+                            MoeDownUnpermuteCall {
+                                x: &xpd,
+                                k,
+                                w: &w2d,
+                                bias,
+                                n_experts: ne,
+                                n: hidden,
+                                d: inter,
+                                offsets: &p.offsets,
+                                order: &p.order,
+                                position: &p.position,
+                                weights: &p.weights,
+                                assignments: a,
+                                expert_out: &mut fy,
+                                counters: &mut counters,
+                                out: MoeDownOut::Residual { residual: &mut residual, stats: &mut stats },
+                            }
+                            .launch(&dev)
+                            .expect("fused down + un-permute into the residual");
+                            let got: Vec<f32> = dev.download(&residual, rows * hidden).expect("residual");
+                            for i in 0..rows * hidden {
+                                let want = res0[i] + bf16::from_bits(ub[i]).to_f32();
+                                assert_eq!(
+                                    got[i].to_bits(),
+                                    want.to_bits(),
+                                    "{what}: residual {i}: {} vs {want}",
+                                    got[i]
+                                );
+                            }
+                            let got_stats: Vec<f32> = dev.download(&stats, rows * tiles).expect("stats");
+                            for row in 0..rows {
+                                for t in 0..tiles {
+                                    let cols = t * 16..(t * 16 + 16).min(hidden);
+                                    let want = cols
+                                        .map(|c| got[row * hidden + c] * got[row * hidden + c])
+                                        .fold(0f32, |s, q| s + q);
+                                    let g = got_stats[row * tiles + t];
+                                    assert_eq!(
+                                        g.to_bits(),
+                                        want.to_bits(),
+                                        "{what}: stats row {row} tile {t}: {g} vs {want}"
+                                    );
+                                }
                             }
                             let left: Vec<u32> = dev.download(&counters, tiles).expect("counters");
                             assert!(left.iter().all(|&c| c == 0), "{what}: tile counters left set: {left:?}");

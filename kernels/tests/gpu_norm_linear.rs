@@ -12,6 +12,10 @@
 //! - outputs NaN-poisoned past their end, so a stray write fails;
 //! - the refusals: too many rows, k off a multiple of 8, short stats, a missing variant.
 //!
+//! And the MoE router from the residual stream ([`NormRouterCall`]): its normalized rows
+//! against [`AddRmsNormCall`]'s (within one bf16 step, in at most a tenth of the elements), and
+//! its f32 logits bit for bit against [`LinearCall`] over the rows it stored.
+//!
 //! Needs a GPU: named `gpu_*`, excluded from CI by name, and FAILS (does not skip) when no
 //! device can be opened.
 
@@ -19,7 +23,7 @@ mod common;
 
 use baton_kernels::cuda::{
     AddRmsNormCall, CudaDevice, CudaSlice, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatedAct, GatedLinearCall, LinearCall,
-    LinearKernel, NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
+    LinearKernel, NormInput, NormLinearCall, NormLinearOut, NormRouterCall, ResidualLinearCall, bf16, norm_stat_parts,
 };
 use common::{check, device, down, poisoned, rand_vec, rng, up};
 
@@ -232,4 +236,89 @@ fn gpu_norm_fused_boundary_equals_the_unfused_ops() {
     };
     assert!(call.launch(&dev).is_err(), "short stats accepted by norm_linear");
     assert!(down(&dev, &out, 2 * 64).iter().all(|v| v.is_nan()), "a refused launch wrote something");
+}
+
+/// [`NormRouterCall`] after a [`ResidualLinearCall`] (a MoE layer's o_proj, then its router):
+/// the rows it stores against the norm kernel's over the same residual, and its logits bit for
+/// bit against the f32 skinny product of those rows; outputs poisoned past their end. Shapes:
+/// Qwen3-30B-A3B's (attention 4,096 → hidden 2,048, 128 experts), a width off a multiple of 16
+/// with a partial k batch, and a small one.
+#[test]
+fn gpu_norm_router_stores_the_norm_and_its_logits() {
+    let dev = device();
+    let mut r = rng("norm_router");
+    for (k, width, n) in [(4096usize, 2048usize, 128usize), (136, 264, 8), (64, 64, 60)] {
+        for m in [1usize, 3, 8, 9, GEMV_KERNEL_MAX_M] {
+            let what = format!("k={k} width={width} experts={n} m={m}");
+            let x = up(&dev, &rand_vec(&mut r, m * k, 1.0));
+            let w = up(&dev, &rand_vec(&mut r, width * k, 1.0 / (k as f32).sqrt()));
+            let residual0 = rand_vec(&mut r, m * width, 2.0);
+            let norm = up(&dev, &rand_vec(&mut r, width, 1.5));
+            let router = up(&dev, &rand_vec(&mut r, n * width, 1.0 / (width as f32).sqrt()));
+            let spare = 64;
+            // Fused: o_proj into the residual with its stats, then the router from them.
+            let mut res = up_f32(&dev, &residual0);
+            let mut stats = up_f32(&dev, &vec![f32::NAN; m * norm_stat_parts(width)]);
+            ResidualLinearCall { x: &x, m, k, w: &w, n: width, residual: &mut res, stats: &mut stats, variant: None }
+                .launch(&dev)
+                .expect("residual_linear");
+            let mut logits = up_f32(&dev, &vec![f32::NAN; m * n + spare]);
+            let mut hidden = poisoned(&dev, m * width + spare);
+            NormRouterCall {
+                input: NormInput { residual: &res, stats: &stats, norm: &norm, eps: EPS },
+                m,
+                k: width,
+                w: &router,
+                n,
+                logits: &mut logits,
+                hidden: &mut hidden,
+            }
+            .launch(&dev)
+            .expect("norm_router");
+            let got_hidden = down(&dev, &hidden, m * width + spare);
+            let got_logits = down_f32(&dev, &logits, m * n + spare);
+            assert!(got_hidden[m * width..].iter().all(|v| v.is_nan()), "{what}: hidden written past m × width");
+            assert!(got_logits[m * n..].iter().all(|v| v.is_nan()), "{what}: logits written past m × n");
+            // The unfused norm over the same residual.
+            let kernel = LinearKernel::Gemv { variant: None };
+            let mut proj = poisoned(&dev, m * width);
+            LinearCall { x: &x, m, k, w: &w, n: width, out: &mut proj, kernel }.launch(&dev).expect("linear");
+            let mut res2 = up_f32(&dev, &residual0);
+            let mut want_hidden = poisoned(&dev, m * width);
+            AddRmsNormCall {
+                residual: &mut res2,
+                x: &proj,
+                weight: &norm,
+                rows: m,
+                dim: width,
+                eps: EPS,
+                out: &mut want_hidden,
+            }
+            .launch(&dev)
+            .expect("add_rms_norm");
+            let want_hidden = down(&dev, &want_hidden, m * width);
+            let got_hidden = &got_hidden[..m * width];
+            let mut differ = 0;
+            for (i, (a, b)) in got_hidden.iter().zip(&want_hidden).enumerate() {
+                if a.to_bits() != b.to_bits() {
+                    differ += 1;
+                    assert!((a - b).abs() <= bf16_step(*b), "{what}: hidden [{i}] {a} vs the norm kernel's {b}");
+                }
+            }
+            assert!(
+                differ * 10 <= got_hidden.len().max(10),
+                "{what}: {differ} of {} rows' values differ",
+                got_hidden.len()
+            );
+            // The logits are the f32 product of exactly the rows stored.
+            let mut want_logits = up_f32(&dev, &vec![f32::NAN; m * n]);
+            LinearCall { x: &hidden, m, k: width, w: &router, n, out: &mut want_logits, kernel }
+                .launch(&dev)
+                .expect("router");
+            let want_logits = down_f32(&dev, &want_logits, m * n);
+            for (i, (a, b)) in got_logits[..m * n].iter().zip(&want_logits).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: logit {i}: {a} vs {b} from the stored rows");
+            }
+        }
+    }
 }

@@ -83,6 +83,8 @@ pub struct CudaBackend {
     fp8_gated_epilogues: u64,
     /// FP8 skinny products launched with RoPE + the KV write in their epilogue (the same).
     fp8_rope_epilogues: u64,
+    /// MoE branches launched with both norms fused (see [`CudaBackend::moe_branch_fusions`]).
+    moe_branch_fusions: u64,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -221,6 +223,7 @@ impl CudaBackend {
             fp8_act: None,
             act_codes: None,
             handoffs: 0,
+            moe_branch_fusions: 0,
             fp8_gated_epilogues: 0,
             fp8_rope_epilogues: 0,
             w8a8: true,
@@ -835,6 +838,16 @@ impl Backend for CudaBackend {
         self.moe_layer(x, m, w, routing, out)
     }
 
+    fn moe_branch(
+        &mut self,
+        s: crate::backend::MoeBranch<'_, Self>,
+        residual: &mut CudaRes,
+        scratch: crate::backend::BoundaryScratch<'_, Self>,
+        out: &mut CudaBuf,
+    ) -> Result<(), BackendError> {
+        self.moe_branch_cuda(s, residual, scratch, out)
+    }
+
     fn kv_device(&mut self) -> Option<&mut dyn super::KvDeviceAccess> {
         Some(self)
     }
@@ -881,6 +894,8 @@ mod gated;
 mod linear_rule;
 #[path = "cuda_moe.rs"]
 mod moe;
+#[path = "cuda_moe_branch.rs"]
+mod moe_branch;
 #[path = "cuda_sampler.rs"]
 mod sampler;
 #[path = "cuda_switches.rs"]

@@ -27,14 +27,15 @@
 //! it recorded. Padding rows of a replayed step are routed like real ones; their outputs are
 //! never read.
 
-use super::{CudaBackend, CudaBuf, CudaMat, kerr, linear_kernel, record_mark};
+use super::{CudaBackend, CudaBuf, CudaMat, gemv_applies, kerr, linear_kernel, record_mark};
 use crate::backend::{BackendError, MoeActivation, MoeWeights};
 use baton_kernels::cpu::{MoeRouting, MoeRows};
 use baton_kernels::cuda::{
     BiasAddF32Call, ClampedSwigluCall, CudaDevice, CudaSlice, LinearCall, MOE_MAX_EXPERTS, MOE_MAX_K,
-    MOE_ROUTER_MAX_ROWS, MoeDownUnpermuteCall, MoeExpertKernel, MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall,
-    MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeRouterCall, MoeUnpermuteCall, SiluMulCall, bf16,
-    moe_gemm_preferred, moe_unpermute_counters,
+    MOE_ROUTER_MAX_ROWS, MOE_UNPERMUTE_RESID_MAX_ROWS, MoeDownOut, MoeDownUnpermuteCall, MoeExpertKernel,
+    MoeGateUpActCall, MoeGatedAct, MoeGroupedGemvCall, MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall,
+    MoeRouterCall, MoeUnpermuteCall, NormInput, NormRouterCall, SiluMulCall, bf16, moe_gemm_preferred,
+    moe_unpermute_counters,
 };
 use cudarc::driver::DeviceRepr;
 
@@ -160,8 +161,43 @@ impl CudaBackend {
         routing: MoeRouting,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
+        if x.len < m * w.router.cols {
+            return Err(kerr("moe", format!("input has {} values, need {m}×{}", x.len, w.router.cols)));
+        }
+        self.ensure(out, m * w.router.cols)?;
+        self.moe_run(MoeIo::Rows { x: &x.data, out: &mut out.data }, m, w, routing)
+    }
+
+    /// Whether [`Self::moe_run`] takes [`MoeIo::Residual`] for `m` rows of these weights: the fused set,
+    /// a decode-sized step on the skinny products (gate_up with its activation, down with the
+    /// un-permute) and no router bias.
+    pub(super) fn moe_takes_residual(&self, m: usize, w: &MoeWeights<'_, CudaMat, CudaBuf>, k: usize) -> bool {
+        let (ne, a) = (w.num_experts, m * k);
+        self.moe.kernels == MoeKernels::Fused
+            && m <= MOE_ROUTER_MAX_ROWS.min(MOE_UNPERMUTE_RESID_MAX_ROWS)
+            && w.router_bias.is_none()
+            && !moe_gemm_preferred(a, ne, w.router.cols)
+            && !moe_gemm_preferred(a, ne, w.intermediate_size)
+            && gemv_applies(self.gemv, m, w.router.cols)
+    }
+
+    /// The MoE block over `m` rows (the shapes of [`Self::moe_layer`]), from and to where `io`
+    /// says; [`MoeIo::Residual`] only where [`Self::moe_takes_residual`].
+    pub(super) fn moe_run(
+        &mut self,
+        io: MoeIo<'_>,
+        m: usize,
+        w: MoeWeights<'_, CudaMat, CudaBuf>,
+        routing: MoeRouting,
+    ) -> Result<(), BackendError> {
         let (ne, inter, k) = (w.num_experts, w.intermediate_size, routing.k);
         let h = w.router.cols;
+        if matches!(io, MoeIo::Residual { .. }) && !self.moe_takes_residual(m, &w, k) {
+            return Err(kerr(
+                "moe",
+                format!("{m} rows: the residual stream's input or output is for decode-sized steps"),
+            ));
+        }
         let shapes_ok = w.router.rows == ne
             && (w.gate_up.rows, w.gate_up.cols) == (ne * 2 * inter, h)
             && (w.down.rows, w.down.cols) == (ne * h, inter)
@@ -187,9 +223,6 @@ impl CudaBackend {
                 ),
             ));
         }
-        if x.len < m * h {
-            return Err(kerr("moe", format!("input has {} values, need {m}×{h}", x.len)));
-        }
         let a = m * k;
         let dev = &self.dev;
         let s = &mut self.moe;
@@ -203,7 +236,6 @@ impl CudaBackend {
         grow(dev, &mut s.act, a * inter)?;
         grow(dev, &mut s.expert_out, a * h)?;
         grow_zeroed(dev, &mut s.tile_counters, moe_unpermute_counters(h))?;
-        self.ensure(out, m * h)?;
         let dev = &self.dev;
         let s = &mut self.moe;
         let profile = &mut self.profile;
@@ -227,16 +259,38 @@ impl CudaBackend {
         let small = matches!(s.kernels, MoeKernels::Fused | MoeKernels::FusedRouter) && m <= MOE_ROUTER_MAX_ROWS;
         let fused_down = small && !moe_gemm_preferred(a, ne, inter);
         let fused_router = small && s.kernels == MoeKernels::FusedRouter;
-        if !fused_router {
-            // The router in f32, as transformers' softmax reads it (an f32 GEMM output, no bf16
-            // rounding of the logits).
-            record_mark(dev, profile, "moe_router");
-            let kernel = linear_kernel(self.gemv, m, h);
-            LinearCall { x: &x.data, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
-            if let Some(b) = w.router_bias {
-                BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+        // The experts' input: the given rows, or the ones the norm-input router stores; and
+        // where their weighted sum goes.
+        let (x, out) = match io {
+            MoeIo::Rows { x, out } => {
+                if !fused_router {
+                    // The router in f32, as transformers' softmax reads it (an f32 GEMM output,
+                    // no bf16 rounding of the logits).
+                    record_mark(dev, profile, "moe_router");
+                    let kernel = linear_kernel(self.gemv, m, h);
+                    LinearCall { x, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
+                    if let Some(b) = w.router_bias {
+                        BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+                    }
+                }
+                (x, MoeDownOut::Rows(out))
             }
-        }
+            MoeIo::Residual { residual, stats, norm, eps, hidden } => {
+                record_mark(dev, profile, "moe_router");
+                let input = NormInput { residual, stats, norm, eps };
+                NormRouterCall {
+                    input,
+                    m,
+                    k: h,
+                    w: &w.router.data,
+                    n: ne,
+                    logits: &mut s.logits,
+                    hidden: &mut *hidden,
+                }
+                .launch(dev)?;
+                (&*hidden, MoeDownOut::Residual { residual, stats })
+            }
+        };
         let route = MoeRouteCall {
             logits: &s.logits,
             rows: m,
@@ -249,7 +303,7 @@ impl CudaBackend {
             // The same logits, summed by the fused kernel (in f32 too), then routed as above.
             record_mark(dev, profile, "moe_router_route");
             MoeRouterCall {
-                x: &x.data,
+                x,
                 h,
                 w: &w.router.data,
                 bias: w.router_bias.map(|b| &b.data),
@@ -286,7 +340,7 @@ impl CudaBackend {
                 MoeActivation::ClampedSwiglu { alpha, limit } => MoeGatedAct::ClampedSwiglu { alpha, limit },
             };
             MoeGateUpActCall {
-                x: &x.data,
+                x,
                 rows: MoeRows::PerToken,
                 k,
                 w: &w.gate_up.data,
@@ -303,7 +357,7 @@ impl CudaBackend {
             .launch(dev)?;
         } else {
             MoeGroupedGemvCall {
-                x: &x.data,
+                x,
                 rows: MoeRows::PerToken,
                 k,
                 w: &w.gate_up.data,
@@ -345,10 +399,13 @@ impl CudaBackend {
                 assignments: a,
                 expert_out: &mut s.expert_out,
                 counters: &mut s.tile_counters,
-                out: &mut out.data,
+                out,
             }
             .launch(dev)?);
         }
+        let MoeDownOut::Rows(out) = out else {
+            return Err(kerr("moe", "the residual output without the fused down product".into()));
+        };
         record_mark(dev, profile, "moe_down");
         MoeGroupedGemvCall {
             x: &s.act,
@@ -374,9 +431,27 @@ impl CudaBackend {
             k,
             d: h,
             shared: None,
-            out: &mut out.data,
+            out,
         }
         .launch(dev)?;
         Ok(())
     }
+}
+
+/// Where [`CudaBackend::moe_run`] reads the block's input and puts its output.
+pub(super) enum MoeIo<'a> {
+    /// `x`: `m × hidden` bf16, the normalized rows; `out`: `m × hidden` bf16, written.
+    Rows { x: &'a CudaSlice<bf16>, out: &'a mut CudaSlice<bf16> },
+    /// From and back to the residual stream (`m × hidden` f32) and its sums of squares: the
+    /// router normalizes on its loads (`rms_norm(residual) · norm`) and stores the normalized
+    /// rows to `hidden` (`m × hidden`) for the experts; the down product adds the experts'
+    /// weighted sum to `residual` and leaves the new sums of squares in `stats` for the next
+    /// norm-input product.
+    Residual {
+        residual: &'a mut CudaSlice<f32>,
+        stats: &'a mut CudaSlice<f32>,
+        norm: &'a CudaSlice<bf16>,
+        eps: f32,
+        hidden: &'a mut CudaSlice<bf16>,
+    },
 }

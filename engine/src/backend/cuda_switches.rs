@@ -113,6 +113,13 @@ impl CudaBackend {
         self.handoffs
     }
 
+    /// How many MoE branches ([`Backend::moe_branch`](crate::backend::Backend::moe_branch)) so
+    /// far ran with both norms fused into the products around them. Counted at launch on the
+    /// host, so a replayed graph counts once, when it was captured.
+    pub fn moe_branch_fusions(&self) -> u64 {
+        self.moe_branch_fusions
+    }
+
     /// How many FP8 skinny products so far were launched with the next op in their epilogue
     /// instead of storing their rows for it: `(gated activation, RoPE + the KV write)`. Counted
     /// at launch on the host, so a replayed graph counts once, when it was captured.

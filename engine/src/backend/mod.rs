@@ -18,9 +18,11 @@
 mod boundary;
 pub mod cpu;
 pub mod cuda;
+mod moe_branch;
 
 pub use boundary::{BoundaryRope, BoundaryScratch, BranchBoundary, branch_boundary_unfused};
 pub(crate) use boundary::{check_boundary, end_branch_and_norm, rope_after};
+pub use moe_branch::{MoeBranch, moe_branch_unfused};
 
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, prompt_logprob};
@@ -440,6 +442,21 @@ pub trait Backend: Send + 'static {
         out: &mut Self::Buf,
     ) -> Result<(), BackendError> {
         branch_boundary_unfused(self, s, residual, scratch, out)
+    }
+    /// A MoE layer's MLP branch up to the next layer's qkv product ([`MoeBranch`]): o_proj
+    /// added to `residual`, the norm, the MoE block added to `residual`, the next norm and the
+    /// qkv product into `out`. The default runs the ops one by one ([`moe_branch_unfused`]); a
+    /// backend may fuse them (CUDA does for decode-sized batches) as long as `residual` and
+    /// `out` are the same (to the rounding of `1 / rms` that [`Backend::branch_boundary`]
+    /// allows). Optional as [`Backend::moe`] is: the default fails where `moe` does.
+    fn moe_branch(
+        &mut self,
+        s: MoeBranch<'_, Self>,
+        residual: &mut Self::Res,
+        scratch: BoundaryScratch<'_, Self>,
+        out: &mut Self::Buf,
+    ) -> Result<(), BackendError> {
+        moe_branch_unfused(self, s, residual, scratch, out)
     }
     /// `out[i] = x[rows[i]]` for rows of width `width`.
     fn gather_rows(

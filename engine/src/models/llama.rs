@@ -32,7 +32,7 @@ use super::moe::MoeMlp;
 use super::{AfterKv, Architecture, LayerSpec, MlpKind, ModelLoadError, RopeSpec, WeightLoader};
 use crate::backend::{
     AttentionExtras, Backend, BackendError, BatchLayout, BoundaryRope, BoundaryScratch, BranchBoundary, Gate, GateAct,
-    OptionalOp,
+    MoeBranch, OptionalOp,
 };
 use baton_formats::ModelConfig;
 use baton_kernels::cpu::RopeTable;
@@ -331,20 +331,38 @@ impl<B: Backend> Architecture<B> for Llama<B> {
                         }
                     }
                 }
-                Mlp::Moe(moe) => {
-                    b.mark("o_proj");
-                    b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
-                    b.mark("norm");
-                    b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
-                    b.mark("moe");
-                    moe.forward(b, &ws.hidden, t, &mut ws.proj)?;
-                    if let Some(n) = next {
-                        b.mark("norm");
-                        b.add_rms_norm(&mut ws.residual, &ws.proj, &n.input_norm, eps, &mut ws.hidden)?;
-                        b.mark("qkv");
-                        b.linear(&ws.hidden, t, &n.qkv, n.qkv_bias.as_ref(), &mut ws.qkv)?;
+                // o_proj, the residual add, the post-attention norm, the experts, their residual
+                // add, the next layer's input norm and its qkv (one op, fused where it can be).
+                Mlp::Moe(moe) => match next {
+                    Some(n) => {
+                        let (weights, routing) = moe.weights();
+                        let s = MoeBranch {
+                            m: t,
+                            x: &ws.attn,
+                            o: &layer.o,
+                            o_bias: layer.o_bias.as_ref(),
+                            norm: &layer.post_attn_norm,
+                            eps,
+                            moe: weights,
+                            routing,
+                            next_norm: &n.input_norm,
+                            next: &n.qkv,
+                            next_bias: n.qkv_bias.as_ref(),
+                        };
+                        let scratch =
+                            BoundaryScratch { proj: &mut ws.proj, hidden: &mut ws.hidden, gate_up: &mut ws.gate_up };
+                        b.moe_branch(s, &mut ws.residual, scratch, &mut ws.qkv)?;
                     }
-                }
+                    // The last layer's output stays in `proj` for the final norm (`logits`).
+                    None => {
+                        b.mark("o_proj");
+                        b.linear(&ws.attn, t, &layer.o, layer.o_bias.as_ref(), &mut ws.proj)?;
+                        b.mark("norm");
+                        b.add_rms_norm(&mut ws.residual, &ws.proj, &layer.post_attn_norm, eps, &mut ws.hidden)?;
+                        b.mark("moe");
+                        moe.forward(b, &ws.hidden, t, &mut ws.proj)?;
+                    }
+                },
             }
         }
         Ok(())

@@ -98,6 +98,12 @@ impl<B: Backend> MoeMlp<B> {
 
     /// The block over `m` rows of `x` (normed hidden states) into `out`.
     pub fn forward(&self, b: &mut B, x: &B::Buf, m: usize, out: &mut B::Buf) -> Result<(), BackendError> {
+        let (w, routing) = self.weights();
+        b.moe(x, m, w, routing, out)
+    }
+
+    /// The block's weights and routing as the backend's MoE ops take them.
+    pub fn weights(&self) -> (MoeWeights<'_, B::Mat, B::Buf>, MoeRouting) {
         let [router_bias, gate_up_bias, down_bias] = match &self.biases {
             Some([r, g, d]) => [Some(r), Some(g), Some(d)],
             None => [None; 3],
@@ -113,6 +119,6 @@ impl<B: Backend> MoeMlp<B> {
             intermediate_size: self.intermediate_size,
             activation: self.activation,
         };
-        b.moe(x, m, w, self.routing, out)
+        (w, self.routing)
     }
 }

@@ -72,11 +72,15 @@ pub enum GemvEpilogue {
     NormRope,
     /// As [`Self::NormRope`] into an FP8 (E4M3) cache.
     NormRopeFp8,
+    /// As [`Self::NormBf16`] with an f32 output, also storing the normalized activation from
+    /// the first CTA: a MoE layer's router, whose experts read that activation next
+    /// ([`NormRouterCall`](super::NormRouterCall)).
+    NormF32X,
 }
 
 impl GemvEpilogue {
     /// Every epilogue, in the order of the kernel table's entries per variant.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Bf16,
         Self::F32,
         Self::Silu,
@@ -86,6 +90,7 @@ impl GemvEpilogue {
         Self::NormSilu,
         Self::NormRope,
         Self::NormRopeFp8,
+        Self::NormF32X,
     ];
 
     /// The kernel name's last part (`GEMV_INSTANCE` in gemv.cu).
@@ -100,6 +105,7 @@ impl GemvEpilogue {
             Self::NormSilu => "norm_silu",
             Self::NormRope => "norm_rope",
             Self::NormRopeFp8 => "norm_rope_fp8",
+            Self::NormF32X => "norm_f32_x",
         }
     }
 

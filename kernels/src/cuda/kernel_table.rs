@@ -98,7 +98,7 @@ pub(crate) struct MoeKernels<F = CudaFunction> {
     pub route_permute: F,
     /// The grouped product over the experts in use on the tensor cores (moe_skinny.cu):
     /// `[activation of MOE_SKINNY_ACTS][variant of MOE_SKINNY_VARIANTS]`.
-    pub skinny: [[F; 2]; 4],
+    pub skinny: [[F; 2]; 5],
     /// The router GEMV, routing and permutation in one launch (moe_router.cu, decode-sized steps).
     pub router_route_permute: F,
     /// gpt-oss's clamped SwiGLU.
@@ -265,6 +265,7 @@ impl<F> MoeKernels<F> {
             skinny(MOE_SKINNY_ACTS[1])?,
             skinny(MOE_SKINNY_ACTS[2])?,
             skinny(MOE_SKINNY_ACTS[3])?,
+            skinny(MOE_SKINNY_ACTS[4])?,
         ];
         Ok(Self {
             route: f(m, "moe_route_f32")?,

@@ -141,9 +141,12 @@ pub use moe::{
     MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred, moe_gemm_wide_preferred,
 };
 pub use moe_router::{MOE_ROUTER_MAX_ROWS, MoeRouterCall};
-pub use moe_skinny::{MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct, moe_unpermute_counters};
+pub use moe_skinny::{
+    MOE_UNPERMUTE_RESID_MAX_ROWS, MoeDownOut, MoeDownUnpermuteCall, MoeGateUpActCall, MoeGatedAct,
+    moe_unpermute_counters,
+};
 pub use norm::{AddRmsNormCall, AddRmsNormQuantCall, NORM_QUANT_MAX_DIM, RmsNormCall, norm_quant_supports};
-pub use norm_linear::{NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts};
+pub use norm_linear::{NormInput, NormLinearCall, NormLinearOut, NormRouterCall, ResidualLinearCall, norm_stat_parts};
 pub use norm_rope::{NormRopeCall, RopeCache, RopeOut, norm_rope_supports};
 pub use paged_attention::{
     ATTN_FP8_VARIANTS, ATTN_VARIANTS, AttnKind, AttnSplit, AttnVariant, DecodeShape, STREAM_WIDE_MIN_CTAS, SplitTarget,

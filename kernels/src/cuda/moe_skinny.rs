@@ -30,11 +30,19 @@ pub(crate) enum MoeSkinnyAct {
     Swiglu,
     /// Plain product, then the un-permute of its 16 columns by the tile's last CTA.
     Unpermute,
+    /// [`Self::Unpermute`] with the rows added to the f32 residual stream (and their sums of
+    /// squares left for the next norm-input product) instead of stored.
+    UnpermuteResid,
 }
 
 /// Every epilogue, in the kernel table's order.
-pub(crate) const MOE_SKINNY_ACTS: [MoeSkinnyAct; 4] =
-    [MoeSkinnyAct::None, MoeSkinnyAct::Silu, MoeSkinnyAct::Swiglu, MoeSkinnyAct::Unpermute];
+pub(crate) const MOE_SKINNY_ACTS: [MoeSkinnyAct; 5] = [
+    MoeSkinnyAct::None,
+    MoeSkinnyAct::Silu,
+    MoeSkinnyAct::Swiglu,
+    MoeSkinnyAct::Unpermute,
+    MoeSkinnyAct::UnpermuteResid,
+];
 
 /// The k-steps of 32 inputs per batch (`U`) of the compiled variants: 2 for narrow inputs (the
 /// `down` projection's 768), 4 from [`WIDE_INPUT`] on (hidden 2,048), so each of the 4 warps
@@ -63,6 +71,7 @@ impl MoeSkinnyAct {
             Self::Silu => "silu_",
             Self::Swiglu => "swiglu_",
             Self::Unpermute => "unpermute_",
+            Self::UnpermuteResid => "unpermute_resid_",
         };
         format!("moe_skinny_{act}bf16_u{u}")
     }
@@ -79,7 +88,12 @@ impl MoeSkinnyAct {
 
     /// One output column per weight row (no gated activation pairing them).
     fn plain(self) -> bool {
-        matches!(self, Self::None | Self::Unpermute)
+        matches!(self, Self::None | Self::Unpermute | Self::UnpermuteResid)
+    }
+
+    /// Whether the tile's last CTA un-permutes (so the launch carries an [`UnpermuteTail`]).
+    fn unpermutes(self) -> bool {
+        matches!(self, Self::Unpermute | Self::UnpermuteResid)
     }
 }
 
@@ -118,18 +132,39 @@ pub(crate) struct SkinnyLaunch<'a> {
     pub act: MoeSkinnyAct,
     pub alpha: f32,
     pub limit: f32,
-    /// The fused un-permute's operands (with [`MoeSkinnyAct::Unpermute`] only): position,
-    /// weights, the `rows × n` output and the tile counters.
+    /// The fused un-permute's operands (with [`MoeSkinnyAct::Unpermute`] and
+    /// [`MoeSkinnyAct::UnpermuteResid`] only): position, weights, where the `rows × n` result
+    /// goes, and the tile counters.
     pub unpermute: Option<UnpermuteTail<'a>>,
 }
 
-/// What a [`MoeSkinnyAct::Unpermute`] launch passes after the product's operands.
+/// What an un-permuting launch passes after the product's operands.
 pub(crate) struct UnpermuteTail<'a> {
     pub position: &'a CudaSlice<i32>,
     pub weights: &'a CudaSlice<f32>,
-    pub out: &'a mut CudaSlice<bf16>,
+    pub out: MoeDownOut<'a>,
     pub counters: &'a mut CudaSlice<u32>,
 }
+
+/// Where a [`MoeDownUnpermuteCall`] puts each token's weighted sum of its experts' outputs.
+pub enum MoeDownOut<'a> {
+    /// `rows × n` bf16, written.
+    Rows(&'a mut CudaSlice<bf16>),
+    /// Added to the f32 residual stream (`rows × n`: `residual[r, c] += bf16(sum)`, as the
+    /// residual add of an RMSNorm kernel does), with each row's sum of squares of the new
+    /// residual over every 16-column tile in `stats` (`rows × n / 16`, the layout
+    /// [`super::ResidualLinearCall`] leaves for a [`super::NormLinearCall`]); at most
+    /// [`MOE_UNPERMUTE_RESID_MAX_ROWS`] rows.
+    Residual {
+        /// `rows × n` f32, updated.
+        residual: &'a mut CudaSlice<f32>,
+        /// `rows ×` [`super::norm_stat_parts`]`(n)` f32, written.
+        stats: &'a mut CudaSlice<f32>,
+    },
+}
+
+/// Most token rows of a [`MoeDownOut::Residual`] launch (the tile's shared sums).
+pub const MOE_UNPERMUTE_RESID_MAX_ROWS: usize = 16;
 
 impl SkinnyLaunch<'_> {
     /// Output columns per assignment: `n`, or `n / 2` when a gated activation pairs rows.
@@ -181,8 +216,18 @@ impl SkinnyLaunch<'_> {
             .f32(self.alpha)
             .f32(self.limit);
         let args = match &self.unpermute {
-            Some(t) => args.buf(t.position).buf(t.weights).int(a / self.k)?.buf(&*t.out).buf(&*t.counters),
-            None if self.act == MoeSkinnyAct::Unpermute => {
+            Some(t) => {
+                let args = args.buf(t.position).buf(t.weights).int(a / self.k)?;
+                match (&t.out, self.act) {
+                    (MoeDownOut::Rows(out), MoeSkinnyAct::Unpermute) => args.buf(&**out),
+                    (MoeDownOut::Residual { residual, stats }, MoeSkinnyAct::UnpermuteResid) => {
+                        args.buf(&**residual).buf(&**stats)
+                    }
+                    _ => return Err(super::launch::shape_error(op, "an un-permute output of the other kind")),
+                }
+                .buf(&*t.counters)
+            }
+            None if self.act.unpermutes() => {
                 return Err(super::launch::shape_error(op, "the fused un-permute without its operands"));
             }
             None => args,
@@ -196,8 +241,9 @@ impl SkinnyLaunch<'_> {
         // columns < cols of `out` (assignments × cols). With the fused un-permute, CTA (c, y)
         // increments counters[c] (c < n / 16, checked by the caller) and the tile's last CTA
         // reads its 16 columns of the entries of every token row (positions < assignments,
-        // written by the permutation) and writes them to the `rows × n` output, weights `rows ×
-        // k`. Sizes checked by the caller.
+        // written by the permutation) and writes them to the `rows × n` output (or updates
+        // those columns of the `rows × n` residual and writes stats[r][c] of `rows × n / 16`),
+        // weights `rows × k`. Sizes checked by the caller.
         unsafe { args.launch(dev, func, cfg(grid, SKINNY_THREADS)) }
     }
 }
@@ -313,8 +359,8 @@ pub struct MoeDownUnpermuteCall<'a> {
     pub expert_out: &'a mut CudaSlice<bf16>,
     /// [`moe_unpermute_counters`]`(n)` tile counters, zero (left zero).
     pub counters: &'a mut CudaSlice<u32>,
-    /// `rows × n` bf16 (written).
-    pub out: &'a mut CudaSlice<bf16>,
+    /// Where the rows go.
+    pub out: MoeDownOut<'a>,
 }
 
 impl MoeDownUnpermuteCall<'_> {
@@ -325,7 +371,21 @@ impl MoeDownUnpermuteCall<'_> {
         need(OP, "counters", self.counters, moe_unpermute_counters(n))?;
         need(OP, "position", self.position, a)?;
         need(OP, "weights", self.weights, a)?;
-        need(OP, "out", self.out, (a / k.max(1)) * n)?;
+        let rows = a / k.max(1);
+        let act = match &self.out {
+            MoeDownOut::Rows(out) => {
+                need(OP, "out", out, rows * n)?;
+                MoeSkinnyAct::Unpermute
+            }
+            MoeDownOut::Residual { residual, stats } => {
+                shape_check(OP, rows <= MOE_UNPERMUTE_RESID_MAX_ROWS, || {
+                    format!("{rows} rows into the residual (at most {MOE_UNPERMUTE_RESID_MAX_ROWS})")
+                })?;
+                need(OP, "residual", residual, rows * n)?;
+                need(OP, "stats", stats, rows * moe_unpermute_counters(n))?;
+                MoeSkinnyAct::UnpermuteResid
+            }
+        };
         let product = SkinnyLaunch {
             x: self.x,
             rows: MoeRows::Permuted,
@@ -339,7 +399,7 @@ impl MoeDownUnpermuteCall<'_> {
             d: self.d,
             n_experts: self.n_experts,
             assignments: a,
-            act: MoeSkinnyAct::Unpermute,
+            act,
             alpha: 0.0,
             limit: 0.0,
             unpermute: Some(UnpermuteTail {

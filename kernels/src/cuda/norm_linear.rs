@@ -171,3 +171,51 @@ impl NormLinearCall<'_> {
         unsafe { args.launch(dev, func, grid) }
     }
 }
+
+/// A MoE layer's router from the residual stream: `logits = h · wᵀ` in f32 with
+/// `h = rms_norm(residual) · norm` normalized on the loads as [`NormLinearCall`] does, and `h`
+/// itself stored to `hidden` (by the first CTA, which loads all of it), since the experts read it
+/// next. One launch where the norm kernel and the router product were two; `hidden` holds the
+/// bits a [`NormLinearCall`] over the same stats normalizes to.
+pub struct NormRouterCall<'a> {
+    /// The normalized activation's source.
+    pub input: NormInput<'a>,
+    /// Rows.
+    pub m: usize,
+    /// The residual's width: the reduction length.
+    pub k: usize,
+    /// The router's weights, `n × k` bf16.
+    pub w: &'a CudaSlice<bf16>,
+    /// Experts: rows of `w`, columns of `logits`.
+    pub n: usize,
+    /// `m × n` f32, written.
+    pub logits: &'a mut CudaSlice<f32>,
+    /// `m × k` bf16, written: the normalized activation.
+    pub hidden: &'a mut CudaSlice<bf16>,
+}
+
+impl NormRouterCall<'_> {
+    /// Checks the sizes and enqueues the product.
+    pub fn launch(self, dev: &CudaDevice) -> Result<(), CudaError> {
+        const OP: &str = "norm_router";
+        let Self { input, m, k, w, n, logits, hidden } = self;
+        input.check(OP, m, k)?;
+        need(OP, "w", w, n * k)?;
+        need(OP, "logits", logits, m * n)?;
+        need(OP, "hidden", hidden, m * k)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        gemv_shape_ok(OP, m, k)?;
+        let variant = gemv_default(n, dev.sm_count());
+        let (v, func) = gemv_function(dev, OP, m, variant, GemvEpilogue::NormF32X)?;
+        let grid = cfg((int(OP, n.div_ceil(GEMV_ROWS_PER_CTA))? as u32, 1, 1), v.warps * 32);
+        let pf = v.prefetch_row_bytes(n, k, dev.gemv_l2_prefetch());
+        let args = input.args(OP, k)?.buf(w).buf(logits).buf(hidden).int(m)?.int(n)?.int(k)?.int(pf)?;
+        // SAFETY: residual holds m × k, stats m × norm_stat_parts(k), norm k, w n × k, logits
+        // m × n and hidden m × k (checked above); the kernel reads whole 16-byte rows (k % 8 ==
+        // 0) and weight rows below n, writes only columns < n of logits' m rows, and (CTA 0)
+        // the m rows of hidden.
+        unsafe { args.launch(dev, func, grid) }
+    }
+}
