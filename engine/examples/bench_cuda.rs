@@ -24,13 +24,15 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-norm both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
 //! skinny GEMM (`on`, the default), unfused (`off`) or each in turn (`both`); `--fused-norm`
 //! likewise for the RMSNorm fused into the skinny GEMMs around it (`branch_boundary`), and
-//! `--fused-rope` for RoPE and the KV write in the qkv product's epilogue; `--moe-kernel`
+//! `--fused-rope` for RoPE and the KV write in the qkv product's epilogue; `--moe-norm` picks
+//! which of a MoE layer's two norms the fused norm takes (`CudaBackend::set_moe_norm_fusion`);
+//! `--moe-kernel`
 //! runs a MoE config's layers on their first kernels (`legacy`), the five-launch decode set
 //! (`split`), their current ones (`new`, the default: router + routing + permutation and down +
 //! un-permute fused for steps of at most 16 rows), or each of a comma list in turn at every
@@ -51,7 +53,7 @@
 //! kernel), for comparisons; decode is measured with CUDA graphs and op by op (`--graphs`,
 //! default both).
 
-use baton_engine::backend::cuda::{CudaBackend, MoeKernels};
+use baton_engine::backend::cuda::{CudaBackend, MoeKernels, MoeNormFusion};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
@@ -302,6 +304,14 @@ fn run() -> Res<()> {
     // (the device's default, on sm_90) or stays on the tensor-core kernel.
     if let Some(v) = flag(&args, "--stream-attention") {
         model.backend_mut().set_stream_attention(v == "on");
+    }
+    // `--moe-norm both|router|down`: which of a MoE layer's two norms the fused norm takes.
+    if let Some(v) = flag(&args, "--moe-norm") {
+        let Some(fusion) = MoeNormFusion::parse(&v) else {
+            eprintln!("--moe-norm takes both, router or down, not {v}");
+            std::process::exit(2);
+        };
+        model.backend_mut().set_moe_norm_fusion(fusion);
     }
     // The TTFT runs with the fused norm as `--fused-norm` says (`off`: unfused; `on` and `both`:
     // fused, the default).

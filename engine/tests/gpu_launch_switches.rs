@@ -25,7 +25,7 @@
 //!   and the greedy tokens agree except at a near tie, where the comparison stops. On the MoE
 //!   models (Qwen3-MoE, Mixtral) the same switch fuses both norms of a MoE layer
 //!   (`Backend::moe_branch`: the router normalizes on its loads, down's un-permute adds to the
-//!   residual), which their decode steps must take.
+//!   residual), or either one (`set_moe_norm_fusion`), which their decode steps must take.
 //!
 //! - The shared-memory carve-outs the launches ask for (`set_carveout_policy`): the per-step
 //!   rule pins 50 % on every launch of a decode step of 1-4 rows (on Llama, whose qkv product
@@ -37,11 +37,12 @@
 
 mod common;
 
-use baton_engine::backend::cuda::CudaBackend;
+use baton_engine::backend::cuda::{CudaBackend, MoeNormFusion};
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
 use baton_engine::weight_quantization::WeightQuantization;
+use baton_formats::Architecture;
 use baton_formats::testing::TinySpec;
 use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy, STEP_CARVEOUT_PERCENT};
 use common::{prompt, tiny};
@@ -249,32 +250,32 @@ fn gpu_fused_norm_matches_the_unfused_steps() {
     for spec in specs {
         let m = tiny(&spec);
         let vocab = m.model.config.vocab_size;
-        let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
-        for graphs in [false, true] {
+        // Eight sequences: decode steps of 8 rows, the most the skinny GEMM (so the fusion) takes.
+        let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(40 + i, 1 + 23 * i as usize, vocab)).collect();
+        // On the MoE models, each choice of the MoE branch's norms to fuse.
+        let fusions: &[MoeNormFusion] = match spec.moe {
+            Some(_) => &[MoeNormFusion::Both, MoeNormFusion::Router, MoeNormFusion::Down],
+            None => &[MoeNormFusion::Both],
+        };
+        for (&fusion, graphs) in fusions.iter().flat_map(|f| [(f, false), (f, true)]) {
             let on = Switches::defaults(graphs);
             let off = Switches { fused_norm: false, ..on };
             let mut fused_model = model(&m.model, on);
+            fused_model.backend_mut().set_moe_norm_fusion(fusion);
             let fused = run(&mut fused_model, &prompts, 24);
             let mut unfused_model = model(&m.model, off);
             let unfused = run(&mut unfused_model, &prompts, 24);
-            // The MoE models' decode steps (9 rows) took the fused MoE branch; never with the
-            // switch off.
-            let moe = spec.moe.is_some();
-            assert_eq!(
-                fused_model.backend().moe_branch_fusions() > 0,
-                moe,
-                "{:?}: fused MoE branches",
-                spec.architecture
-            );
-            assert_eq!(
-                unfused_model.backend().moe_branch_fusions(),
-                0,
-                "{:?}: fused with the switch off",
-                spec.architecture
-            );
+            // The decode steps (8 rows: the skinny GEMM's largest) took the fused route: every
+            // model's dense boundaries (Qwen3-MoE has a dense layer), the MoE models' MoE branches;
+            // nothing with the switch off.
+            let (dense, moe) = fused_model.backend().norm_fusions();
+            let what = format!("{:?}, {fusion:?}, graphs {graphs}", spec.architecture);
+            assert_eq!(dense > 0, spec.architecture != Architecture::Mixtral, "{what}: fused dense boundaries {dense}");
+            assert_eq!(moe > 0, spec.moe.is_some(), "{what}: fused MoE branches {moe}");
+            assert_eq!(unfused_model.backend().norm_fusions(), (0, 0), "{what}: fused with the switch off");
             let mut compared = 0;
             'steps: for (step, (x, y)) in fused.iter().zip(&unfused).enumerate() {
-                let what = format!("{:?}, graphs {graphs}, step {step}", spec.architecture);
+                let what = format!("{:?}, {fusion:?}, graphs {graphs}, step {step}", spec.architecture);
                 assert!(x.iter().all(|v| v.is_finite()), "{what}: non-finite logits");
                 let err = x.iter().zip(y).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
                 let norm = y.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();

@@ -83,8 +83,11 @@ pub struct CudaBackend {
     fp8_gated_epilogues: u64,
     /// FP8 skinny products launched with RoPE + the KV write in their epilogue (the same).
     fp8_rope_epilogues: u64,
-    /// MoE branches launched with both norms fused (see [`CudaBackend::moe_branch_fusions`]).
-    moe_branch_fusions: u64,
+    /// Dense branch boundaries and MoE branches launched with their norms fused (see
+    /// [`CudaBackend::norm_fusions`]).
+    norm_fusions: (u64, u64),
+    /// Which norms a MoE branch fuses ([`CudaBackend::set_moe_norm_fusion`]).
+    moe_norm_fusion: moe_branch::MoeNormFusion,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -223,7 +226,8 @@ impl CudaBackend {
             fp8_act: None,
             act_codes: None,
             handoffs: 0,
-            moe_branch_fusions: 0,
+            norm_fusions: (0, 0),
+            moe_norm_fusion: moe_branch::MoeNormFusion::Both,
             fp8_gated_epilogues: 0,
             fp8_rope_epilogues: 0,
             w8a8: true,
@@ -908,6 +912,7 @@ pub use graph::{GRAPH_MAX_ROWS, GraphStats, graph_bucket, is_pure_decode};
 pub use linear_rule::GEMV_MAX_M;
 use linear_rule::{gemv_applies, linear_kernel};
 pub use moe::MoeKernels;
+pub use moe_branch::MoeNormFusion;
 pub use sampler::{device_ops, device_row, sampled};
 use weights::to_bf16;
 

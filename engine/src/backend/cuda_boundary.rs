@@ -126,6 +126,7 @@ impl CudaBackend {
         });
         self.norm_stats = Some(stats);
         launched?;
+        self.norm_fusions.0 += 1;
         // (No bias and no rope left when the epilogue took the RoPE.)
         if let Some(b) = bias_after {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;

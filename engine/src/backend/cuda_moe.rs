@@ -168,7 +168,8 @@ impl CudaBackend {
         self.moe_run(MoeIo::Rows { x: &x.data, out: &mut out.data }, m, w, routing)
     }
 
-    /// Whether [`Self::moe_run`] takes [`MoeIo::Residual`] for `m` rows of these weights: the fused set,
+    /// Whether [`Self::moe_run`] takes the residual stream's forms of [`MoeIo`] for `m` rows of
+    /// these weights: the fused set,
     /// a decode-sized step on the skinny products (gate_up with its activation, down with the
     /// un-permute) and no router bias.
     pub(super) fn moe_takes_residual(&self, m: usize, w: &MoeWeights<'_, CudaMat, CudaBuf>, k: usize) -> bool {
@@ -182,7 +183,7 @@ impl CudaBackend {
     }
 
     /// The MoE block over `m` rows (the shapes of [`Self::moe_layer`]), from and to where `io`
-    /// says; [`MoeIo::Residual`] only where [`Self::moe_takes_residual`].
+    /// says; the residual stream's forms only where [`Self::moe_takes_residual`].
     pub(super) fn moe_run(
         &mut self,
         io: MoeIo<'_>,
@@ -192,7 +193,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let (ne, inter, k) = (w.num_experts, w.intermediate_size, routing.k);
         let h = w.router.cols;
-        if matches!(io, MoeIo::Residual { .. }) && !self.moe_takes_residual(m, &w, k) {
+        if !matches!(io, MoeIo::Rows { .. }) && !self.moe_takes_residual(m, &w, k) {
             return Err(kerr(
                 "moe",
                 format!("{m} rows: the residual stream's input or output is for decode-sized steps"),
@@ -264,30 +265,20 @@ impl CudaBackend {
         let (x, out) = match io {
             MoeIo::Rows { x, out } => {
                 if !fused_router {
-                    // The router in f32, as transformers' softmax reads it (an f32 GEMM output,
-                    // no bf16 rounding of the logits).
-                    record_mark(dev, profile, "moe_router");
-                    let kernel = linear_kernel(self.gemv, m, h);
-                    LinearCall { x, m, k: h, w: &w.router.data, n: ne, out: &mut s.logits, kernel }.launch(dev)?;
-                    if let Some(b) = w.router_bias {
-                        BiasAddF32Call { x: &mut s.logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
-                    }
+                    plain_router(dev, self.gemv, profile, x, m, &w, &mut s.logits)?;
                 }
                 (x, MoeDownOut::Rows(out))
             }
+            MoeIo::RowsToResidual { x, residual, stats } => {
+                plain_router(dev, self.gemv, profile, x, m, &w, &mut s.logits)?;
+                (x, MoeDownOut::Residual { residual, stats })
+            }
+            MoeIo::ResidualToRows { input, hidden, out } => {
+                norm_router(dev, profile, input, m, &w, &mut s.logits, hidden)?;
+                (&*hidden, MoeDownOut::Rows(out))
+            }
             MoeIo::Residual { residual, stats, norm, eps, hidden } => {
-                record_mark(dev, profile, "moe_router");
-                let input = NormInput { residual, stats, norm, eps };
-                NormRouterCall {
-                    input,
-                    m,
-                    k: h,
-                    w: &w.router.data,
-                    n: ne,
-                    logits: &mut s.logits,
-                    hidden: &mut *hidden,
-                }
-                .launch(dev)?;
+                norm_router(dev, profile, NormInput { residual, stats, norm, eps }, m, &w, &mut s.logits, hidden)?;
                 (&*hidden, MoeDownOut::Residual { residual, stats })
             }
         };
@@ -438,15 +429,20 @@ impl CudaBackend {
     }
 }
 
-/// Where [`CudaBackend::moe_run`] reads the block's input and puts its output.
+/// Where [`CudaBackend::moe_run`] reads the block's input and puts its output. The residual
+/// stream's forms: the router normalizes on its loads (`rms_norm(residual) · norm`, from the
+/// sums of squares a residual product left) and stores the normalized rows to `hidden`
+/// (`m × hidden`) for the experts; or the down product adds the experts' weighted sum to
+/// `residual` (`m × hidden` f32) and leaves the new sums of squares in `stats` for the next
+/// norm-input product; or both.
 pub(super) enum MoeIo<'a> {
     /// `x`: `m × hidden` bf16, the normalized rows; `out`: `m × hidden` bf16, written.
     Rows { x: &'a CudaSlice<bf16>, out: &'a mut CudaSlice<bf16> },
-    /// From and back to the residual stream (`m × hidden` f32) and its sums of squares: the
-    /// router normalizes on its loads (`rms_norm(residual) · norm`) and stores the normalized
-    /// rows to `hidden` (`m × hidden`) for the experts; the down product adds the experts'
-    /// weighted sum to `residual` and leaves the new sums of squares in `stats` for the next
-    /// norm-input product.
+    /// From normalized rows, into the residual stream.
+    RowsToResidual { x: &'a CudaSlice<bf16>, residual: &'a mut CudaSlice<f32>, stats: &'a mut CudaSlice<f32> },
+    /// From the residual stream, into `out` (`m × hidden` bf16).
+    ResidualToRows { input: NormInput<'a>, hidden: &'a mut CudaSlice<bf16>, out: &'a mut CudaSlice<bf16> },
+    /// From the residual stream and back into it.
     Residual {
         residual: &'a mut CudaSlice<f32>,
         stats: &'a mut CudaSlice<f32>,
@@ -454,4 +450,42 @@ pub(super) enum MoeIo<'a> {
         eps: f32,
         hidden: &'a mut CudaSlice<bf16>,
     },
+}
+
+/// The router in f32 over the normalized rows `x`, as transformers' softmax reads it (an f32
+/// GEMM output, no bf16 rounding of the logits), plus its bias; `gemv`: the skinny GEMM's
+/// switch.
+fn plain_router(
+    dev: &CudaDevice,
+    gemv: bool,
+    profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+    x: &CudaSlice<bf16>,
+    m: usize,
+    w: &MoeWeights<'_, CudaMat, CudaBuf>,
+    logits: &mut CudaSlice<f32>,
+) -> Result<(), BackendError> {
+    let (h, ne) = (w.router.cols, w.num_experts);
+    record_mark(dev, profile, "moe_router");
+    let kernel = linear_kernel(gemv, m, h);
+    LinearCall { x, m, k: h, w: &w.router.data, n: ne, out: logits, kernel }.launch(dev)?;
+    if let Some(b) = w.router_bias {
+        BiasAddF32Call { x: logits, bias: &b.data, rows: m, n: ne }.launch(dev)?;
+    }
+    Ok(())
+}
+
+/// The router from the residual stream (no bias: [`CudaBackend::moe_takes_residual`]), storing
+/// the normalized rows to `hidden`.
+fn norm_router(
+    dev: &CudaDevice,
+    profile: &mut Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>,
+    input: NormInput<'_>,
+    m: usize,
+    w: &MoeWeights<'_, CudaMat, CudaBuf>,
+    logits: &mut CudaSlice<f32>,
+    hidden: &mut CudaSlice<bf16>,
+) -> Result<(), BackendError> {
+    record_mark(dev, profile, "moe_router");
+    let (k, n) = (w.router.cols, w.num_experts);
+    Ok(NormRouterCall { input, m, k, w: &w.router.data, n, logits, hidden }.launch(dev)?)
 }

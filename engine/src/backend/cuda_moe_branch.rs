@@ -21,7 +21,8 @@ use super::moe::MoeIo;
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, MoeBranch, moe_branch_unfused};
 use baton_kernels::cuda::{
-    BiasAddCall, GEMV_KERNEL_MAX_M, NormInput, NormLinearCall, NormLinearOut, ResidualLinearCall, norm_stat_parts,
+    AddRmsNormCall, BiasAddCall, CudaSlice, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, NormInput, NormLinearCall,
+    NormLinearOut, ResidualLinearCall, norm_stat_parts,
 };
 
 impl CudaBackend {
@@ -63,53 +64,135 @@ impl CudaBackend {
         let hidden = scratch.hidden;
         self.ensure(hidden, m * h)?;
         self.ensure(out, m * s.next.rows)?;
-        let launched = self.moe_branch_launches(&s, residual, &mut stats, hidden, out);
+        let proj = scratch.proj;
+        self.ensure(proj, m * h)?;
+        let launched = self.moe_branch_launches(&s, residual, &mut stats, hidden, proj, out);
         self.norm_stats = Some(stats);
         launched?;
-        self.moe_branch_fusions += 1;
+        self.norm_fusions.1 += 1;
         if let Some(b) = s.next_bias {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: s.next.rows }.launch(&self.dev)?;
         }
         Ok(())
     }
 
-    /// The fused route's launches: o_proj into the residual, the MoE block from and back to it,
-    /// the next qkv product from it.
+    /// The fused route's launches (both norms fused, or the one `self.moe_norm_fusion` picks;
+    /// the other as the norm kernel): o_proj, the MoE block, the next qkv product.
     fn moe_branch_launches(
         &mut self,
         s: &MoeBranch<'_, Self>,
         residual: &mut CudaRes,
-        stats: &mut baton_kernels::cuda::CudaSlice<f32>,
+        stats: &mut CudaSlice<f32>,
         hidden: &mut CudaBuf,
+        proj: &mut CudaBuf,
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let (m, h) = (s.m, s.o.rows);
-        record_mark(&self.dev, &mut self.profile, "o_proj");
-        ResidualLinearCall {
-            x: &s.x.data,
-            m,
-            k: s.o.cols,
-            w: &s.o.data,
-            n: h,
-            residual: &mut residual.data,
-            stats,
-            variant: None,
+        let mode = self.moe_norm_fusion;
+        let dev = &self.dev;
+        let profile = &mut self.profile;
+        record_mark(dev, profile, "o_proj");
+        if mode == MoeNormFusion::Down {
+            LinearCall {
+                x: &s.x.data,
+                m,
+                k: s.o.cols,
+                w: &s.o.data,
+                n: h,
+                out: &mut proj.data,
+                kernel: LinearKernel::GEMV,
+            }
+            .launch(dev)?;
+            record_mark(dev, profile, "norm");
+            AddRmsNormCall {
+                residual: &mut residual.data,
+                x: &proj.data,
+                weight: &s.norm.data,
+                rows: m,
+                dim: h,
+                eps: s.eps,
+                out: &mut hidden.data,
+            }
+            .launch(dev)?;
+        } else {
+            let w = &s.o.data;
+            ResidualLinearCall {
+                x: &s.x.data,
+                m,
+                k: s.o.cols,
+                w,
+                n: h,
+                residual: &mut residual.data,
+                stats,
+                variant: None,
+            }
+            .launch(dev)?;
         }
-        .launch(&self.dev)?;
-        record_mark(&self.dev, &mut self.profile, "moe");
-        let io = MoeIo::Residual {
-            residual: &mut residual.data,
-            stats,
-            norm: &s.norm.data,
-            eps: s.eps,
-            hidden: &mut hidden.data,
+        record_mark(dev, profile, "moe");
+        let (res, norm, eps) = (&mut residual.data, &s.norm.data, s.eps);
+        let io = match mode {
+            MoeNormFusion::Both => MoeIo::Residual { residual: res, stats, norm, eps, hidden: &mut hidden.data },
+            MoeNormFusion::Down => MoeIo::RowsToResidual { x: &hidden.data, residual: res, stats },
+            MoeNormFusion::Router => MoeIo::ResidualToRows {
+                input: NormInput { residual: res, stats, norm, eps },
+                hidden: &mut hidden.data,
+                out: &mut proj.data,
+            },
         };
         self.moe_run(io, m, s.moe, s.routing)?;
-        record_mark(&self.dev, &mut self.profile, "qkv");
+        let dev = &self.dev;
+        let profile = &mut self.profile;
+        if mode == MoeNormFusion::Router {
+            record_mark(dev, profile, "norm");
+            AddRmsNormCall {
+                residual: &mut residual.data,
+                x: &proj.data,
+                weight: &s.next_norm.data,
+                rows: m,
+                dim: h,
+                eps: s.eps,
+                out: &mut hidden.data,
+            }
+            .launch(dev)?;
+            record_mark(dev, profile, "qkv");
+            let n = s.next.rows;
+            let kernel = LinearKernel::GEMV;
+            return Ok(
+                LinearCall { x: &hidden.data, m, k: h, w: &s.next.data, n, out: &mut out.data, kernel }.launch(dev)?
+            );
+        }
+        record_mark(dev, profile, "qkv");
         let input = NormInput { residual: &residual.data, stats, norm: &s.next_norm.data, eps: s.eps };
         let kind = NormLinearOut::Plain { n: s.next.rows };
-        NormLinearCall { input, m, k: h, w: &s.next.data, kind, out: &mut out.data, variant: None }
-            .launch(&self.dev)?;
+        NormLinearCall { input, m, k: h, w: &s.next.data, kind, out: &mut out.data, variant: None }.launch(dev)?;
         Ok(())
+    }
+}
+
+/// Which of a MoE layer's two norms [`Backend::moe_branch`](crate::backend::Backend::moe_branch)
+/// fuses on CUDA when the fused norm is on ([`CudaBackend::set_moe_norm_fusion`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeNormFusion {
+    /// Both: o_proj into the residual, the router from it, down's un-permute into it, qkv from it.
+    Both,
+    /// The post-attention norm only: o_proj into the residual and the router from it.
+    Router,
+    /// The next layer's input norm only: down's un-permute into the residual and qkv from it.
+    Down,
+}
+
+impl MoeNormFusion {
+    /// The name `bench_cuda --moe-norm` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Router => "router",
+            Self::Down => "down",
+        }
+    }
+
+    /// The fusion `name` (as [`Self::name`] writes it), if any.
+    pub fn parse(name: &str) -> Option<Self> {
+        [Self::Both, Self::Router, Self::Down].into_iter().find(|f| f.name() == name)
     }
 }

@@ -31,6 +31,14 @@ impl CudaBackend {
         self.drop_graphs();
     }
 
+    /// Which of a MoE layer's two norms the fused norm (`set_fused_norm`) takes into the
+    /// products around it ([`MoeNormFusion::Both`] by default): for comparisons. Drops recorded
+    /// graphs.
+    pub fn set_moe_norm_fusion(&mut self, fusion: super::MoeNormFusion) {
+        self.moe_norm_fusion = fusion;
+        self.drop_graphs();
+    }
+
     /// Rotates q and k and writes the KV cache in the epilogue of a fused boundary's qkv
     /// product (`true`, the default) or in the RoPE kernel after it (`false`: for benchmarks and
     /// comparisons; the same bits either way). Drops recorded graphs.
@@ -113,11 +121,13 @@ impl CudaBackend {
         self.handoffs
     }
 
-    /// How many MoE branches ([`Backend::moe_branch`](crate::backend::Backend::moe_branch)) so
-    /// far ran with both norms fused into the products around them. Counted at launch on the
+    /// How many ops so far ran with their norms fused into the products around them
+    /// (`set_fused_norm`): `(dense branch boundaries, MoE branches)`
+    /// ([`Backend::branch_boundary`](crate::backend::Backend::branch_boundary),
+    /// [`Backend::moe_branch`](crate::backend::Backend::moe_branch)). Counted at launch on the
     /// host, so a replayed graph counts once, when it was captured.
-    pub fn moe_branch_fusions(&self) -> u64 {
-        self.moe_branch_fusions
+    pub fn norm_fusions(&self) -> (u64, u64) {
+        self.norm_fusions
     }
 
     /// How many FP8 skinny products so far were launched with the next op in their epilogue
