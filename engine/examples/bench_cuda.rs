@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-norm both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -305,10 +305,10 @@ fn run() -> Res<()> {
     if let Some(v) = flag(&args, "--stream-attention") {
         model.backend_mut().set_stream_attention(v == "on");
     }
-    // `--moe-norm both|router|down`: which of a MoE layer's two norms the fused norm takes.
+    // `--moe-norm off|both|router|down`: which of a MoE layer's two norms the fused norm takes.
     if let Some(v) = flag(&args, "--moe-norm") {
         let Some(fusion) = MoeNormFusion::parse(&v) else {
-            eprintln!("--moe-norm takes both, router or down, not {v}");
+            eprintln!("--moe-norm takes off, both, router or down, not {v}");
             std::process::exit(2);
         };
         model.backend_mut().set_moe_norm_fusion(fusion);

@@ -227,7 +227,7 @@ impl CudaBackend {
             act_codes: None,
             handoffs: 0,
             norm_fusions: (0, 0),
-            moe_norm_fusion: moe_branch::MoeNormFusion::Both,
+            moe_norm_fusion: moe_branch::MoeNormFusion::Off,
             fp8_gated_epilogues: 0,
             fp8_rope_epilogues: 0,
             w8a8: true,

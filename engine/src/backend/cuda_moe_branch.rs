@@ -1,6 +1,8 @@
-//! The CUDA backend's MoE branch ([`Backend::moe_branch`](crate::backend::Backend::moe_branch)): for decode-sized steps over bf16
-//! weights, the two RMSNorms of a MoE layer leave the launch sequence, as the dense layer's do
-//! in the branch boundary (`cuda_boundary.rs`):
+//! The CUDA backend's MoE branch ([`Backend::moe_branch`](crate::backend::Backend::moe_branch)):
+//! for decode-sized steps over bf16 weights, the two RMSNorms of a MoE layer can leave the launch
+//! sequence, as the dense layer's do in the branch boundary (`cuda_boundary.rs`). Off by default
+//! ([`MoeNormFusion::Off`]): on the H100 each choice measured slower than the norm kernels
+//! (BENCHMARKS.md, session 32); [`CudaBackend::set_moe_norm_fusion`] picks one for comparisons.
 //! - o_proj's skinny GEMM adds its rows to the residual stream and leaves their sums of squares
 //!   ([`ResidualLinearCall`]);
 //! - the router normalizes on its loads and stores the normalized rows, which the experts'
@@ -36,6 +38,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let (m, h) = (s.m, s.o.rows);
         let fusable = self.fuse_norm
+            && self.moe_norm_fusion != MoeNormFusion::Off
             && s.o_bias.is_none()
             && [s.o, s.next, s.moe.router].iter().all(|w| w.fp8.is_none())
             && s.moe.router.cols == h
@@ -131,7 +134,10 @@ impl CudaBackend {
         record_mark(dev, profile, "moe");
         let (res, norm, eps) = (&mut residual.data, &s.norm.data, s.eps);
         let io = match mode {
-            MoeNormFusion::Both => MoeIo::Residual { residual: res, stats, norm, eps, hidden: &mut hidden.data },
+            // (`Off` never reaches here: `moe_branch_cuda` runs the unfused ops.)
+            MoeNormFusion::Both | MoeNormFusion::Off => {
+                MoeIo::Residual { residual: res, stats, norm, eps, hidden: &mut hidden.data }
+            }
             MoeNormFusion::Down => MoeIo::RowsToResidual { x: &hidden.data, residual: res, stats },
             MoeNormFusion::Router => MoeIo::ResidualToRows {
                 input: NormInput { residual: res, stats, norm, eps },
@@ -173,6 +179,11 @@ impl CudaBackend {
 /// fuses on CUDA when the fused norm is on ([`CudaBackend::set_moe_norm_fusion`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeNormFusion {
+    /// Neither (the default): the norms stay kernels of their own. Each fusion below measured
+    /// slower on the H100 (Qwen3-30B-A3B shape; BENCHMARKS.md, session 32): removing a norm's
+    /// launch saves less than the norm-input products (the router's 8 CTAs among them) add to
+    /// the step's critical path under PDL.
+    Off,
     /// Both: o_proj into the residual, the router from it, down's un-permute into it, qkv from it.
     Both,
     /// The post-attention norm only: o_proj into the residual and the router from it.
@@ -185,6 +196,7 @@ impl MoeNormFusion {
     /// The name `bench_cuda --moe-norm` takes.
     pub fn name(self) -> &'static str {
         match self {
+            Self::Off => "off",
             Self::Both => "both",
             Self::Router => "router",
             Self::Down => "down",
@@ -193,6 +205,6 @@ impl MoeNormFusion {
 
     /// The fusion `name` (as [`Self::name`] writes it), if any.
     pub fn parse(name: &str) -> Option<Self> {
-        [Self::Both, Self::Router, Self::Down].into_iter().find(|f| f.name() == name)
+        [Self::Off, Self::Both, Self::Router, Self::Down].into_iter().find(|f| f.name() == name)
     }
 }

@@ -32,7 +32,7 @@ impl CudaBackend {
     }
 
     /// Which of a MoE layer's two norms the fused norm (`set_fused_norm`) takes into the
-    /// products around it ([`MoeNormFusion::Both`] by default): for comparisons. Drops recorded
+    /// products around it (none by default, [`MoeNormFusion::Off`]): for comparisons. Drops recorded
     /// graphs.
     pub fn set_moe_norm_fusion(&mut self, fusion: super::MoeNormFusion) {
         self.moe_norm_fusion = fusion;
