@@ -24,7 +24,7 @@ use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, MoeBranch, moe_branch_unfused};
 use baton_kernels::cuda::{
     AddRmsNormCall, BiasAddCall, CudaSlice, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, NormInput, NormLinearCall,
-    NormLinearOut, ResidualLinearCall, norm_stat_parts,
+    NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
 };
 
 impl CudaBackend {
@@ -107,16 +107,7 @@ impl CudaBackend {
             }
             .launch(dev)?;
             record_mark(dev, profile, "norm");
-            AddRmsNormCall {
-                residual: &mut residual.data,
-                x: &proj.data,
-                weight: &s.norm.data,
-                rows: m,
-                dim: h,
-                eps: s.eps,
-                out: &mut hidden.data,
-            }
-            .launch(dev)?;
+            add_rms_norm(dev, residual, proj, &s.norm.data, s.eps, (m, h), hidden)?;
         } else {
             let w = &s.o.data;
             ResidualLinearCall {
@@ -150,16 +141,7 @@ impl CudaBackend {
         let profile = &mut self.profile;
         if mode == MoeNormFusion::Router {
             record_mark(dev, profile, "norm");
-            AddRmsNormCall {
-                residual: &mut residual.data,
-                x: &proj.data,
-                weight: &s.next_norm.data,
-                rows: m,
-                dim: h,
-                eps: s.eps,
-                out: &mut hidden.data,
-            }
-            .launch(dev)?;
+            add_rms_norm(dev, residual, proj, &s.next_norm.data, s.eps, (m, h), hidden)?;
             record_mark(dev, profile, "qkv");
             let n = s.next.rows;
             let kernel = LinearKernel::GEMV;
@@ -173,6 +155,21 @@ impl CudaBackend {
         NormLinearCall { input, m, k: h, w: &s.next.data, kind, out: &mut out.data, variant: None }.launch(dev)?;
         Ok(())
     }
+}
+
+/// The unfused norm of the half that is not fused: `residual += proj`, `hidden = rms_norm ·
+/// weight`, over `rows` rows of `dim`.
+fn add_rms_norm(
+    dev: &baton_kernels::cuda::CudaDevice,
+    residual: &mut CudaRes,
+    proj: &CudaBuf,
+    weight: &CudaSlice<bf16>,
+    eps: f32,
+    (rows, dim): (usize, usize),
+    hidden: &mut CudaBuf,
+) -> Result<(), BackendError> {
+    let (residual, x, out) = (&mut residual.data, &proj.data, &mut hidden.data);
+    Ok(AddRmsNormCall { residual, x, weight, rows, dim, eps, out }.launch(dev)?)
 }
 
 /// Which of a MoE layer's two norms [`Backend::moe_branch`](crate::backend::Backend::moe_branch)
