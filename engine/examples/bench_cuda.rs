@@ -307,9 +307,15 @@ fn run() -> Res<()> {
     }
     // `--moe-norm off|both|router|down`: which of a MoE layer's two norms the fused norm takes.
     if let Some(v) = flag(&args, "--moe-norm") {
-        let Some(fusion) = MoeNormFusion::parse(&v) else {
-            eprintln!("--moe-norm takes off, both, router or down, not {v}");
-            std::process::exit(2);
+        let fusion = match v.as_str() {
+            "off" => None,
+            name => match MoeNormFusion::parse(name) {
+                Some(f) => Some(f),
+                None => {
+                    eprintln!("--moe-norm takes off, both, router or down, not {v}");
+                    std::process::exit(2);
+                }
+            },
         };
         model.backend_mut().set_moe_norm_fusion(fusion);
     }

@@ -261,7 +261,7 @@ fn gpu_fused_norm_matches_the_unfused_steps() {
             let on = Switches::defaults(graphs);
             let off = Switches { fused_norm: false, ..on };
             let mut fused_model = model(&m.model, on);
-            fused_model.backend_mut().set_moe_norm_fusion(fusion);
+            fused_model.backend_mut().set_moe_norm_fusion(Some(fusion));
             let fused = run(&mut fused_model, &prompts, 24);
             let mut unfused_model = model(&m.model, off);
             let unfused = run(&mut unfused_model, &prompts, 24);

@@ -86,8 +86,8 @@ pub struct CudaBackend {
     /// Dense branch boundaries and MoE branches launched with their norms fused (see
     /// [`CudaBackend::norm_fusions`]).
     norm_fusions: (u64, u64),
-    /// Which norms a MoE branch fuses ([`CudaBackend::set_moe_norm_fusion`]).
-    moe_norm_fusion: moe_branch::MoeNormFusion,
+    /// Which norms a MoE branch fuses, if any ([`CudaBackend::set_moe_norm_fusion`]).
+    moe_norm_fusion: Option<moe_branch::MoeNormFusion>,
     /// Whether W8A8 products use cuBLASLt's FP8 GEMM; cleared (with a warning) the first time
     /// cuBLASLt refuses one, after which they dequantize like W8A16.
     w8a8: bool,
@@ -227,7 +227,7 @@ impl CudaBackend {
             act_codes: None,
             handoffs: 0,
             norm_fusions: (0, 0),
-            moe_norm_fusion: moe_branch::MoeNormFusion::Off,
+            moe_norm_fusion: None,
             fp8_gated_epilogues: 0,
             fp8_rope_epilogues: 0,
             w8a8: true,

@@ -90,12 +90,7 @@ impl CudaBackend {
         if let Some(b) = s.next_bias.filter(|b| b.len != cols) {
             return Err(kerr("branch_boundary", format!("bias has {} values for {cols} outputs", b.len)));
         }
-        // Sized once for the most rows a skinny GEMM takes, so a recorded graph's pointer stays.
-        let need = GEMV_KERNEL_MAX_M * norm_stat_parts(width);
-        let mut stats = match self.norm_stats.take() {
-            Some(b) if b.len() >= need => b,
-            _ => self.dev.alloc(need)?,
-        };
+        let mut stats = self.take_norm_stats(width)?;
         self.ensure(out, m * cols)?;
         record_mark(&self.dev, &mut self.profile, s.labels.0);
         let end = ResidualLinearCall {
@@ -132,6 +127,17 @@ impl CudaBackend {
             BiasAddCall { x: &mut out.data, bias: &b.data, rows: m, n: cols }.launch(&self.dev)?;
         }
         rope.map_or(Ok(()), |r| rope_after(self, r, out))
+    }
+
+    /// The fused norm's sums of squares for a residual `width` wide, taken from the backend
+    /// (put back after the launches): sized once for the most rows a skinny GEMM takes, so a
+    /// recorded graph's pointer stays.
+    pub(super) fn take_norm_stats(&mut self, width: usize) -> Result<CudaSlice<f32>, BackendError> {
+        let need = GEMV_KERNEL_MAX_M * norm_stat_parts(width);
+        Ok(match self.norm_stats.take() {
+            Some(b) if b.len() >= need => b,
+            _ => self.dev.alloc(need)?,
+        })
     }
 
     /// Whether the qkv product of a boundary also takes `r`'s RoPE and KV write in its epilogue

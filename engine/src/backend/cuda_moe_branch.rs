@@ -1,8 +1,8 @@
 //! The CUDA backend's MoE branch ([`Backend::moe_branch`](crate::backend::Backend::moe_branch)):
 //! for decode-sized steps over bf16 weights, the two RMSNorms of a MoE layer can leave the launch
-//! sequence, as the dense layer's do in the branch boundary (`cuda_boundary.rs`). Off by default
-//! ([`MoeNormFusion::Off`]): on the H100 each choice measured slower than the norm kernels
-//! (BENCHMARKS.md, session 32); [`CudaBackend::set_moe_norm_fusion`] picks one for comparisons.
+//! sequence, as the dense layer's do in the branch boundary (`cuda_boundary.rs`). Off by default:
+//! on the H100 each choice measured slower than the norm kernels (BENCHMARKS.md, session 32);
+//! [`CudaBackend::set_moe_norm_fusion`] picks one for comparisons.
 //! - o_proj's skinny GEMM adds its rows to the residual stream and leaves their sums of squares
 //!   ([`ResidualLinearCall`]);
 //! - the router normalizes on its loads and stores the normalized rows, which the experts'
@@ -23,8 +23,8 @@ use super::moe::MoeIo;
 use super::{CudaBackend, CudaBuf, CudaRes, gemv_applies, kerr, record_mark};
 use crate::backend::{BackendError, BoundaryScratch, MoeBranch, moe_branch_unfused};
 use baton_kernels::cuda::{
-    AddRmsNormCall, BiasAddCall, CudaSlice, GEMV_KERNEL_MAX_M, LinearCall, LinearKernel, NormInput, NormLinearCall,
-    NormLinearOut, ResidualLinearCall, bf16, norm_stat_parts,
+    AddRmsNormCall, BiasAddCall, CudaSlice, LinearCall, LinearKernel, NormInput, NormLinearCall, NormLinearOut,
+    ResidualLinearCall, bf16,
 };
 
 impl CudaBackend {
@@ -37,18 +37,19 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let (m, h) = (s.m, s.o.rows);
-        let fusable = self.fuse_norm
-            && self.moe_norm_fusion != MoeNormFusion::Off
-            && s.o_bias.is_none()
-            && [s.o, s.next, s.moe.router].iter().all(|w| w.fp8.is_none())
-            && s.moe.router.cols == h
-            && s.next.cols == h
-            && gemv_applies(self.gemv, m, s.o.cols)
-            && gemv_applies(self.gemv, m, h)
-            && self.moe_takes_residual(m, &s.moe, s.routing.k);
-        if !fusable {
+        let fusion = self.moe_norm_fusion.filter(|_| {
+            self.fuse_norm
+                && s.o_bias.is_none()
+                && [s.o, s.next, s.moe.router].iter().all(|w| w.fp8.is_none())
+                && s.moe.router.cols == h
+                && s.next.cols == h
+                && gemv_applies(self.gemv, m, s.o.cols)
+                && gemv_applies(self.gemv, m, h)
+                && self.moe_takes_residual(m, &s.moe, s.routing.k)
+        });
+        let Some(fusion) = fusion else {
             return moe_branch_unfused(self, s, residual, scratch, out);
-        }
+        };
         if residual.len < m * h || s.x.len < m * s.o.cols {
             return Err(kerr(
                 "moe_branch",
@@ -58,18 +59,13 @@ impl CudaBackend {
         if let Some(b) = s.next_bias.filter(|b| b.len != s.next.rows) {
             return Err(kerr("moe_branch", format!("qkv bias has {} values for {} outputs", b.len, s.next.rows)));
         }
-        // Sized once for the most rows a skinny GEMM takes, so a recorded graph's pointer stays.
-        let need = GEMV_KERNEL_MAX_M * norm_stat_parts(h);
-        let mut stats = match self.norm_stats.take() {
-            Some(b) if b.len() >= need => b,
-            _ => self.dev.alloc(need)?,
-        };
+        let mut stats = self.take_norm_stats(h)?;
         let hidden = scratch.hidden;
         self.ensure(hidden, m * h)?;
         self.ensure(out, m * s.next.rows)?;
         let proj = scratch.proj;
         self.ensure(proj, m * h)?;
-        let launched = self.moe_branch_launches(&s, residual, &mut stats, hidden, proj, out);
+        let launched = self.moe_branch_launches(&s, fusion, residual, &mut stats, hidden, proj, out);
         self.norm_stats = Some(stats);
         launched?;
         self.norm_fusions.1 += 1;
@@ -79,11 +75,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The fused route's launches (both norms fused, or the one `self.moe_norm_fusion` picks;
-    /// the other as the norm kernel): o_proj, the MoE block, the next qkv product.
+    /// The fused route's launches (both norms fused, or the one `mode` picks, the other as the
+    /// norm kernel): o_proj, the MoE block, the next qkv product.
     fn moe_branch_launches(
         &mut self,
         s: &MoeBranch<'_, Self>,
+        mode: MoeNormFusion,
         residual: &mut CudaRes,
         stats: &mut CudaSlice<f32>,
         hidden: &mut CudaBuf,
@@ -91,7 +88,6 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Result<(), BackendError> {
         let (m, h) = (s.m, s.o.rows);
-        let mode = self.moe_norm_fusion;
         let dev = &self.dev;
         let profile = &mut self.profile;
         record_mark(dev, profile, "o_proj");
@@ -125,10 +121,7 @@ impl CudaBackend {
         record_mark(dev, profile, "moe");
         let (res, norm, eps) = (&mut residual.data, &s.norm.data, s.eps);
         let io = match mode {
-            // (`Off` never reaches here: `moe_branch_cuda` runs the unfused ops.)
-            MoeNormFusion::Both | MoeNormFusion::Off => {
-                MoeIo::Residual { residual: res, stats, norm, eps, hidden: &mut hidden.data }
-            }
+            MoeNormFusion::Both => MoeIo::Residual { residual: res, stats, norm, eps, hidden: &mut hidden.data },
             MoeNormFusion::Down => MoeIo::RowsToResidual { x: &hidden.data, residual: res, stats },
             MoeNormFusion::Router => MoeIo::ResidualToRows {
                 input: NormInput { residual: res, stats, norm, eps },
@@ -173,14 +166,13 @@ fn add_rms_norm(
 }
 
 /// Which of a MoE layer's two norms [`Backend::moe_branch`](crate::backend::Backend::moe_branch)
-/// fuses on CUDA when the fused norm is on ([`CudaBackend::set_moe_norm_fusion`]).
+/// fuses on CUDA when the fused norm is on ([`CudaBackend::set_moe_norm_fusion`]; by default
+/// neither, and the norms stay kernels of their own). Each measured slower on the H100
+/// (Qwen3-30B-A3B shape; BENCHMARKS.md, session 32): removing a norm's launch saves less than
+/// the norm-input products (the router's 8 CTAs among them) add to the step's critical path
+/// under PDL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MoeNormFusion {
-    /// Neither (the default): the norms stay kernels of their own. Each fusion below measured
-    /// slower on the H100 (Qwen3-30B-A3B shape; BENCHMARKS.md, session 32): removing a norm's
-    /// launch saves less than the norm-input products (the router's 8 CTAs among them) add to
-    /// the step's critical path under PDL.
-    Off,
     /// Both: o_proj into the residual, the router from it, down's un-permute into it, qkv from it.
     Both,
     /// The post-attention norm only: o_proj into the residual and the router from it.
@@ -193,7 +185,6 @@ impl MoeNormFusion {
     /// The name `bench_cuda --moe-norm` takes.
     pub fn name(self) -> &'static str {
         match self {
-            Self::Off => "off",
             Self::Both => "both",
             Self::Router => "router",
             Self::Down => "down",
@@ -202,6 +193,6 @@ impl MoeNormFusion {
 
     /// The fusion `name` (as [`Self::name`] writes it), if any.
     pub fn parse(name: &str) -> Option<Self> {
-        [Self::Off, Self::Both, Self::Router, Self::Down].into_iter().find(|f| f.name() == name)
+        [Self::Both, Self::Router, Self::Down].into_iter().find(|f| f.name() == name)
     }
 }

@@ -32,9 +32,9 @@ impl CudaBackend {
     }
 
     /// Which of a MoE layer's two norms the fused norm (`set_fused_norm`) takes into the
-    /// products around it (none by default, [`MoeNormFusion::Off`]): for comparisons. Drops recorded
+    /// products around it (`None`, the default: neither): for comparisons. Drops recorded
     /// graphs.
-    pub fn set_moe_norm_fusion(&mut self, fusion: super::MoeNormFusion) {
+    pub fn set_moe_norm_fusion(&mut self, fusion: Option<super::MoeNormFusion>) {
         self.moe_norm_fusion = fusion;
         self.drop_graphs();
     }
