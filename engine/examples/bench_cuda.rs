@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--lt-search heuristic|splitk|both] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -57,7 +57,7 @@ use baton_engine::backend::cuda::{CudaBackend, MoeKernels, MoeNormFusion};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
-use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy};
+use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy, DEFAULT_SEARCH, LtSearch};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -424,6 +424,17 @@ fn run() -> Res<()> {
         None => vec![Carveout::Auto],
         Some(list) => list.split(',').map(parse_carveout).collect::<Result<_, _>>()?,
     };
+    // And with cuBLASLt's products chosen among the heuristic's first 12 (`heuristic`), those
+    // and their split-K variants (`splitk`), or each in turn (`both`); the device's default
+    // when not given.
+    let default_search = model.backend().device().lt_search()?.unwrap_or(DEFAULT_SEARCH);
+    let search_modes: Vec<LtSearch> = match flag(&args, "--lt-search").as_deref() {
+        None => vec![default_search],
+        Some("heuristic") => vec![LtSearch::Heuristic(12)],
+        Some("splitk") => vec![LtSearch::SplitK(12)],
+        Some("both") => vec![LtSearch::Heuristic(12), LtSearch::SplitK(12)],
+        Some(v) => return Err(format!("--lt-search takes heuristic, splitk or both, not {v}").into()),
+    };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
         for &pdl in &pdl_modes {
@@ -432,18 +443,22 @@ fn run() -> Res<()> {
                     for &prefetch in &prefetch_modes {
                         for &rope_min in &rope_modes {
                             let carveouts = &carveout_modes;
+                            let searches = &search_modes;
                             let with_moe = moe_sets.iter().flat_map(|&moe| {
                                 rope_fused_modes.iter().flat_map(move |&fused_rope| {
-                                    carveouts.iter().map(move |&carveout| Mode {
-                                        graphs,
-                                        pdl,
-                                        fused_gate,
-                                        fused_norm,
-                                        moe,
-                                        fused_rope,
-                                        prefetch,
-                                        rope_min,
-                                        carveout,
+                                    carveouts.iter().flat_map(move |&carveout| {
+                                        searches.iter().map(move |&lt_search| Mode {
+                                            graphs,
+                                            pdl,
+                                            fused_gate,
+                                            fused_norm,
+                                            moe,
+                                            fused_rope,
+                                            prefetch,
+                                            rope_min,
+                                            carveout,
+                                            lt_search,
+                                        })
                                     })
                                 })
                             });
@@ -465,8 +480,13 @@ fn run() -> Res<()> {
             writeln!(table, "  b={b:3}: {:.1} experts touched per MoE layer in the floor", touched(b))?;
         }
         let floor_ms = bytes / (copy_gbs * 1e9) * 1e3;
-        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min, carveout } in &modes {
+        for &Mode { graphs, pdl, fused_gate, fused_norm, moe, fused_rope, prefetch, rope_min, carveout, lt_search } in
+            &modes
+        {
             model.backend_mut().set_graphs(graphs);
+            if model.backend().device().lt_search()? != Some(lt_search) {
+                model.backend_mut().set_lt_search(lt_search)?;
+            }
             model.backend_mut().set_carveout_policy(carveout.policy());
             model.backend_mut().set_pdl(pdl);
             model.backend_mut().set_fused_gate(fused_gate);
@@ -479,7 +499,7 @@ fn run() -> Res<()> {
             let moe_name = moe.name();
             let carveout_json = format!("\"{}\"", carveout.name());
             let mode = format!(
-                "{}{}{}{}{}{}{}{}{}",
+                "{}{}{}{}{}{}{}{}{}{}",
                 if graphs { "graphs" } else { "eager" },
                 if pdl { "+pdl" } else { "" },
                 if fused_gate { "" } else { "-unfused" },
@@ -488,7 +508,8 @@ fn run() -> Res<()> {
                 if moe == MoeKernels::Fused || cfg.moe.is_none() { String::new() } else { format!("+{moe_name}-moe") },
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
                 if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() },
-                if carveout_modes.len() > 1 { format!("+co{}", carveout.name()) } else { String::new() }
+                if carveout_modes.len() > 1 { format!("+co{}", carveout.name()) } else { String::new() },
+                if search_modes.len() > 1 { format!("+lt-{}", search_name(lt_search)) } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -511,7 +532,8 @@ fn run() -> Res<()> {
                 100.0 * floor_ms / ms
             )?;
             json.push(format!(
-                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"carveout_pin\":{carveout_json},\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"carveout_pin\":{carveout_json},\"lt_search\":\"{}\",\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
+                search_name(lt_search),
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -727,6 +749,17 @@ struct Mode {
     rope_min: usize,
     /// The carve-outs the launches ask for (`--carveout`).
     carveout: Carveout,
+    /// The cuBLASLt configurations each product shape is timed over (`--lt-search`).
+    lt_search: LtSearch,
+}
+
+/// `--lt-search`'s name for a search.
+fn search_name(s: LtSearch) -> String {
+    match s {
+        LtSearch::Heuristic(n) => format!("heuristic{n}"),
+        LtSearch::SplitK(n) => format!("splitk{n}"),
+        LtSearch::Exhaustive(n) => format!("exhaustive{n}"),
+    }
 }
 
 /// The launches' carve-outs (`--carveout`): chosen per step, or pinned.

@@ -12,8 +12,8 @@ use baton_kernels::cpu::{self, KvLayerMut, KvLayerRef, RopeScalingKind, RopeTabl
 use baton_kernels::cuda::{
     ATTN_VARIANTS, AddRmsNormCall, AttentionCall, AttentionOptions, AttnKernel, AttnSplit, BiasAddCall, CopyColsCall,
     CudaDevice, CudaOptions, CudaSlice, DeviceRow, EmbedCall, GEMV_KERNEL_MAX_M, GEMV_VARIANTS, GatherRowsCall,
-    HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel, RmsNormCall, RopeInput, RopeKvCall, SampleBuffers,
-    SiluMulCall, StepIds, StepMeta, bf16, gemv_supports,
+    HostSeq, KvCacheRef, KvGeometry, LinearCall, LinearKernel, LtSearch, LtShape, RmsNormCall, RopeInput, RopeKvCall,
+    SampleBuffers, SiluMulCall, StepIds, StepMeta, bf16, gemv_supports,
 };
 use common::{check, device, down, poisoned, rand_vec, rel_err, rng, shuffled_tables, up};
 use rand::{Rng, rngs::StdRng};
@@ -258,6 +258,43 @@ fn gpu_linear_matches_cpu_gemm() {
                 &want,
                 bound,
             );
+        }
+    }
+}
+
+/// Every configuration of cuBLASLt's split-K search (`LtSearch::SplitK`: the heuristic's
+/// first picks and their split-K variants, which the tuner may choose) against the CPU GEMM,
+/// bf16 and f32 outputs, each into a poisoned buffer: a split reduction that dropped or doubled
+/// a slice of k would miss by far more than the bound.
+#[test]
+fn gpu_lt_split_k_candidates_match_cpu_gemm() {
+    let dev = device();
+    let mut r = rng("lt_split_k");
+    for &(m, k, n) in &[(64usize, 4096usize, 4096usize), (32, 14336, 1024), (200, 1024, 1536)] {
+        let x = rand_vec(&mut r, m * k, 1.0);
+        let w = rand_vec(&mut r, n * k, 0.05);
+        let mut want = vec![0.0; m * n];
+        cpu::linear(&x, &w, None, m, k, n, &mut want).expect("cpu");
+        let (xd, wd) = (up(&dev, &x), up(&dev, &w));
+        for f32_out in [false, true] {
+            let shape = LtShape { m, n, k, f32_out, fp8: false };
+            let probe = dev.lt_probe(shape, LtSearch::SplitK(12)).expect("probe");
+            let split = probe.infos().iter().filter(|a| a.split_k > 1).count();
+            eprintln!("m={m} k={k} n={n} f32_out={f32_out}: {} candidates, {split} split", probe.infos().len());
+            assert!(!probe.infos().is_empty(), "no candidate for {shape:?}");
+            for (i, info) in probe.infos().iter().enumerate() {
+                let what = format!("lt candidate {i} ({info}) m={m} k={k} n={n} f32_out={f32_out}");
+                if f32_out {
+                    let mut out = poisoned32(&dev, m * n);
+                    dev.lt_probe_launch(&probe, i, &xd, &wd, &mut out).expect("launch");
+                    let bound = 1e-5 * (k as f64 / 4096.0).max(1.0);
+                    check32_within(&what, &down32(&dev, &out, m * n), &want, bound);
+                } else {
+                    let mut out = poisoned(&dev, m * n);
+                    dev.lt_probe_launch(&probe, i, &xd, &wd, &mut out).expect("launch");
+                    check(&what, &down(&dev, &out, m * n), &want);
+                }
+            }
         }
     }
 }

@@ -109,6 +109,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Which cuBLASLt configurations each product shape is timed over
+    /// ([`baton_kernels::cuda::CudaDevice::set_lt_search`]; for comparisons). Every shape is
+    /// timed again at its next eager call; drops recorded graphs.
+    pub fn set_lt_search(&mut self, search: baton_kernels::cuda::LtSearch) -> Result<(), BackendError> {
+        self.device().set_lt_search(search)?;
+        self.drop_graphs();
+        Ok(())
+    }
+
     /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
     /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
     pub fn w8a8_active(&self) -> bool {

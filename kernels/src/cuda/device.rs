@@ -458,6 +458,43 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Which cuBLASLt configurations each new product shape is timed over (`lt.rs`,
+    /// `lt_search.rs`; [`super::DEFAULT_SEARCH`] unless set); `None` without cuBLASLt.
+    pub fn lt_search(&self) -> Result<Option<super::LtSearch>, CudaError> {
+        self.lt.as_ref().map(|lt| lt.search()).transpose()
+    }
+
+    /// Sets [`CudaDevice::lt_search`] (nothing to do without cuBLASLt); every shape is timed
+    /// again at its next eager call, and recorded graphs hold the old choices, so this counts as
+    /// an allocation for [`CudaDevice::alloc_generation`].
+    pub fn set_lt_search(&self, search: super::LtSearch) -> Result<(), CudaError> {
+        if let Some(lt) = &self.lt {
+            lt.set_search(search)?;
+        }
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// For benchmarks: the cuBLASLt candidates `search` gives for a bf16 product shape, each
+    /// launchable with [`CudaDevice::lt_probe_launch`].
+    pub fn lt_probe(&self, shape: super::LtShape, search: super::LtSearch) -> Result<super::LtProbe, CudaError> {
+        let lt = self.lt.as_ref().ok_or_else(|| CudaError::BlasLt("cuBLASLt is not loaded".into()))?;
+        lt.probe(&self.stream, shape, search)
+    }
+
+    /// Runs candidate `i` of `probe`: `out = x · wᵀ`.
+    pub fn lt_probe_launch<O>(
+        &self,
+        probe: &super::LtProbe,
+        i: usize,
+        x: &CudaSlice<half::bf16>,
+        w: &CudaSlice<half::bf16>,
+        out: &mut CudaSlice<O>,
+    ) -> Result<(), CudaError> {
+        let lt = self.lt.as_ref().ok_or_else(|| CudaError::BlasLt("cuBLASLt is not loaded".into()))?;
+        lt.probe_launch(&self.stream, probe, i, x, w, out)
+    }
+
     /// How many device allocations this device has made; a graph recorded at one generation
     /// may hold pointers to buffers replaced since.
     pub fn alloc_generation(&self) -> u64 {

@@ -25,6 +25,7 @@
 //! and the launches can be recorded); a shape no algorithm supports is an error the caller
 //! turns into plain cuBLAS.
 
+use super::lt_search::{self, LtAlgoInfo, LtDescs, LtSearch};
 use super::{CudaError, CudaSlice};
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -37,6 +38,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub const CANDIDATES: usize = 12;
 /// Timed runs per candidate (after one warm-up); the median decides.
 pub const TIMED_REPS: usize = 5;
+/// What a new shape is timed over unless [`LtGemm::set_search`] says otherwise.
+pub const DEFAULT_SEARCH: LtSearch = LtSearch::Heuristic(CANDIDATES);
 /// Bytes of the cuBLASLt workspace (split-K algorithms keep partial sums there).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -73,6 +76,8 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
     candidates: Vec<sys::cublasLtMatmulHeuristicResult_t>,
+    /// What each candidate is (same order).
+    infos: Vec<LtAlgoInfo>,
     /// Index in `candidates` of the one measured fastest; `None` until measured.
     chosen: Option<usize>,
 }
@@ -101,6 +106,8 @@ pub(crate) struct LtGemm {
     /// Whether FP8 products accumulate in the tensor cores' fast mode (see
     /// [`LtGemm::set_fp8_fast_accum`]).
     fp8_fast_accum: AtomicBool,
+    /// The configurations each new shape is timed over ([`LtGemm::set_search`]).
+    search: Mutex<LtSearch>,
 }
 
 // SAFETY: the handle is used from one stream and every use holds the `plans` mutex.
@@ -142,7 +149,13 @@ impl LtGemm {
         let handle = result::create_handle().map_err(lt_err)?;
         // SAFETY: the workspace's contents never matter.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }?;
-        Ok(Some(Self { handle, workspace, plans: Mutex::new(HashMap::new()), fp8_fast_accum: AtomicBool::new(true) }))
+        Ok(Some(Self {
+            handle,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
+            fp8_fast_accum: AtomicBool::new(true),
+            search: Mutex::new(DEFAULT_SEARCH),
+        }))
     }
 
     /// Whether FP8 (W8A8) products run with cuBLASLt's fast accumulation
@@ -164,9 +177,66 @@ impl LtGemm {
         Ok(())
     }
 
+    /// The configurations each new shape is timed over.
+    pub fn search(&self) -> Result<LtSearch, CudaError> {
+        Ok(*self.search.lock().map_err(|_| CudaError::BlasLt("the search's lock is poisoned".into()))?)
+    }
+
+    /// Sets [`LtGemm::search`]; forgets every plan, as [`LtGemm::set_fp8_fast_accum`] does.
+    pub fn set_search(&self, search: LtSearch) -> Result<(), CudaError> {
+        *self.search.lock().map_err(|_| CudaError::BlasLt("the search's lock is poisoned".into()))? = search;
+        self.plans.lock().map_err(|_| CudaError::BlasLt("the plans' lock is poisoned".into()))?.clear();
+        Ok(())
+    }
+
+    /// For benchmarks: the candidates `search` gives for the bf16 shape `shape`, described and
+    /// launchable one by one ([`LtGemm::probe_launch`]); nothing is timed or kept.
+    pub fn probe(&self, stream: &CudaStream, shape: LtShape, search: LtSearch) -> Result<LtProbe, CudaError> {
+        if shape.fp8 {
+            return Err(CudaError::BlasLt(format!("{shape:?}: probes are for bf16 shapes")));
+        }
+        Ok(LtProbe { shape, plan: self.plan(stream, shape, None, search)? })
+    }
+
+    /// Runs candidate `i` of `probe` on `x` (`m × k`), `w` (`n × k`) into `out` (`m × n`).
+    pub fn probe_launch<O>(
+        &self,
+        stream: &CudaStream,
+        probe: &LtProbe,
+        i: usize,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        out: &mut CudaSlice<O>,
+    ) -> Result<(), CudaError> {
+        let LtShape { m, n, k, f32_out, .. } = probe.shape;
+        let out_elem = if f32_out { 4 } else { 2 };
+        if x.len() < m * k
+            || w.len() < n * k
+            || out.len() < m * n
+            || std::mem::size_of::<O>() != out_elem
+            || i >= probe.plan.candidates.len()
+        {
+            return Err(CudaError::BlasLt(format!(
+                "probe {:?}: candidate {i} of {}, x {}, w {}, out {}",
+                probe.shape,
+                probe.plan.candidates.len(),
+                x.len(),
+                w.len(),
+                out.len()
+            )));
+        }
+        self.launch(stream, &probe.plan, i, x, w, out)
+    }
+
     /// The descriptors of `s` and the heuristic's candidates (an FP8 shape's scale pointers are
     /// set first, from `scales`: the heuristic sees a complete descriptor).
-    fn plan(&self, stream: &CudaStream, s: LtShape, scales: Option<LtScales<'_>>) -> Result<Plan, CudaError> {
+    fn plan(
+        &self,
+        stream: &CudaStream,
+        s: LtShape,
+        scales: Option<LtScales<'_>>,
+        search: LtSearch,
+    ) -> Result<Plan, CudaError> {
         use sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         use sys::cudaDataType::{CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_32F};
         let (m, n, k) = (s.m as u64, s.n as u64, s.k as u64);
@@ -215,48 +285,16 @@ impl LtGemm {
         let b = result::create_matrix_layout(operand, k, m, k as i64).map_err(lt_err)?;
         let d = result::create_matrix_layout(if s.f32_out { CUDA_R_32F } else { CUDA_R_16BF }, n, m, n as i64)
             .map_err(lt_err)?;
-        let mut plan = Plan { desc, a, b, d, candidates: Vec::new(), chosen: None };
-        let pref = result::create_matmul_pref().map_err(lt_err)?;
-        let ws = WORKSPACE_BYTES;
-        // SAFETY: a plain C struct of integers and bytes, for which all zeros is valid.
-        let zero: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let mut found = vec![zero; CANDIDATES];
-        let mut count = 0i32;
-        // SAFETY: every descriptor is live; `found` holds CANDIDATES results.
-        let status = unsafe {
-            result::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws as *const usize).cast(),
-                std::mem::size_of::<usize>(),
-            )
-            .and_then(|()| {
-                sys::cublasLtMatmulAlgoGetHeuristic(
-                    self.handle,
-                    desc,
-                    a,
-                    b,
-                    d,
-                    d,
-                    pref,
-                    CANDIDATES as i32,
-                    found.as_mut_ptr(),
-                    &mut count,
-                )
-                .result()
-            })
-        };
-        // SAFETY: created above, destroyed once.
-        let _ = unsafe { result::destroy_matmul_pref(pref) };
-        status.map_err(lt_err)?;
-        plan.candidates = found
-            .into_iter()
-            .take(count.max(0) as usize)
-            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .collect();
-        if plan.candidates.is_empty() {
+        let mut plan = Plan { desc, a, b, d, candidates: Vec::new(), infos: Vec::new(), chosen: None };
+        let descs = LtDescs { handle: self.handle, desc, a, b, d, workspace: WORKSPACE_BYTES };
+        let out_type = if s.f32_out { CUDA_R_32F } else { CUDA_R_16BF };
+        let found =
+            lt_search::candidates(&descs, search, (CUBLAS_COMPUTE_32F, CUDA_R_32F, operand, out_type, out_type))?;
+        if found.is_empty() {
             return Err(CudaError::BlasLt(format!("no algorithm for {s:?}")));
         }
+        plan.infos = found.iter().map(|(f, h)| lt_search::describe(f, *h)).collect();
+        plan.candidates = found.into_iter().map(|(f, _)| f).collect();
         Ok(plan)
     }
 
@@ -308,7 +346,9 @@ impl LtGemm {
         let stream = dev.stream();
         let plan = match plans.entry(shape) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.plan(stream, shape, scales)?),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.plan(stream, shape, scales, self.search()?)?)
+            }
         };
         if let Some(sc) = scales {
             set_scale_pointers(stream, plan.desc, sc)?;
@@ -378,6 +418,19 @@ impl LtGemm {
             )
         }
         .map_err(lt_err)
+    }
+}
+
+/// A shape's candidates for a benchmark ([`LtGemm::probe`]).
+pub struct LtProbe {
+    shape: LtShape,
+    plan: Plan,
+}
+
+impl LtProbe {
+    /// What each candidate is, in launch-index order (the heuristic's first).
+    pub fn infos(&self) -> &[LtAlgoInfo] {
+        &self.plan.infos
     }
 }
 

@@ -90,6 +90,7 @@ mod kernel_table;
 mod launch;
 mod linear;
 mod lt;
+mod lt_search;
 mod moe;
 mod moe_router;
 mod moe_skinny;
@@ -135,7 +136,8 @@ pub use graph::StepGraph;
 pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
-pub use lt::{LtChoice, LtShape};
+pub use lt::{DEFAULT_SEARCH, LtChoice, LtProbe, LtShape};
+pub use lt_search::{LtAlgoInfo, LtSearch, SPLIT_K};
 pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_ROUTE_PERMUTE_MAX_ROWS, MoeExpertKernel, MoeGroupedGemvCall,
     MoePermuteCall, MoeRouteCall, MoeRoutePermuteCall, MoeUnpermuteCall, moe_gemm_preferred, moe_gemm_wide_preferred,
