@@ -148,6 +148,9 @@ fn run() -> Result<(), CudaError> {
                 100.0 * floor / best_us,
             )
             .ok();
+            // Each row as it is measured (a timeout keeps what ran).
+            print!("{table}");
+            table.clear();
             let cfgs = |p: &baton_kernels::cuda::LtProbe, t: &[Timed]| {
                 p.infos()
                     .iter()
