@@ -11,7 +11,7 @@ export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PAT
 C=$(cat $B/COMMIT)
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 timeout 240 $B/cuda_bench_lt $OUT/lt.json $C --limit 1500 > $OUT/lt.log 2>&1; echo "cuda_bench_lt rc=$? $(( $(date +%s) - T0 )) s"
-timeout 150 $B/bench_cuda --out $OUT/step.json --commit $C --shapes 32:1024,64:1024,256:1024 --graphs on --no-ttft --no-profile --lt-search both > $OUT/step.log 2>&1; echo "bench_cuda rc=$? $(( $(date +%s) - T0 )) s"
+timeout 150 $B/bench_cuda --config configs/models/llama-3.1-8b.json --out $OUT/step.json --commit $C --shapes 32:1024,64:1024,256:1024 --graphs on --no-ttft --no-profile --lt-search both > $OUT/step.log 2>&1; echo "bench_cuda rc=$? $(( $(date +%s) - T0 )) s"
 timeout 150 python3 scripts/bench/peer_linear.py $OUT/peer-linear.json --autotune-rows 64 > $OUT/peer-linear.log 2>&1; echo "peer_linear rc=$? $(( $(date +%s) - T0 )) s"
 echo "===== summary ====="
 tail -22 $OUT/lt.log
