@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--lt-search heuristic|splitk|both] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--lt-tuner heuristic|splitk[-flushed],...] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -424,16 +424,17 @@ fn run() -> Res<()> {
         None => vec![Carveout::Auto],
         Some(list) => list.split(',').map(parse_carveout).collect::<Result<_, _>>()?,
     };
-    // And with cuBLASLt's products chosen among the heuristic's first 12 (`heuristic`), those
-    // and their split-K variants (`splitk`), or each in turn (`both`); the device's default
-    // when not given.
-    let default_search = model.backend().device().lt_search()?.unwrap_or(DEFAULT_SEARCH);
-    let search_modes: Vec<LtSearch> = match flag(&args, "--lt-search").as_deref() {
-        None => vec![default_search],
-        Some("heuristic") => vec![LtSearch::Heuristic(12)],
-        Some("splitk") => vec![LtSearch::SplitK(12)],
-        Some("both") => vec![LtSearch::Heuristic(12), LtSearch::SplitK(12)],
-        Some(v) => return Err(format!("--lt-search takes heuristic, splitk or both, not {v}").into()),
+    // And with cuBLASLt's tuner as `--lt-tuner LIST` says: each entry `heuristic` (the
+    // heuristic's first 12) or `splitk` (those and their split-K variants), `-flushed` for the
+    // candidates timed behind an L2 flush (e.g. `heuristic,heuristic-flushed`); the device's
+    // setting when not given.
+    let dev_tuner = LtTuner {
+        search: model.backend().device().lt_search()?.unwrap_or(DEFAULT_SEARCH),
+        flushed: model.backend().device().lt_flushed_timing(),
+    };
+    let search_modes: Vec<LtTuner> = match flag(&args, "--lt-tuner") {
+        None => vec![dev_tuner],
+        Some(list) => list.split(',').map(LtTuner::parse).collect::<Result<_, _>>()?,
     };
     let mut modes: Vec<Mode> = Vec::new();
     for &graphs in &graph_modes {
@@ -484,8 +485,10 @@ fn run() -> Res<()> {
             &modes
         {
             model.backend_mut().set_graphs(graphs);
-            if model.backend().device().lt_search()? != Some(lt_search) {
-                model.backend_mut().set_lt_search(lt_search)?;
+            let dev = model.backend().device();
+            if dev.lt_search()? != Some(lt_search.search) || dev.lt_flushed_timing() != lt_search.flushed {
+                model.backend_mut().set_lt_search(lt_search.search)?;
+                model.backend_mut().set_lt_flushed_timing(lt_search.flushed)?;
             }
             model.backend_mut().set_carveout_policy(carveout.policy());
             model.backend_mut().set_pdl(pdl);
@@ -509,7 +512,7 @@ fn run() -> Res<()> {
                 if prefetch_modes.len() > 1 { format!("+pf{}M", prefetch >> 20) } else { String::new() },
                 if rope_modes.len() > 1 { format!("+rope{rope_min}") } else { String::new() },
                 if carveout_modes.len() > 1 { format!("+co{}", carveout.name()) } else { String::new() },
-                if search_modes.len() > 1 { format!("+lt-{}", search_name(lt_search)) } else { String::new() }
+                if search_modes.len() > 1 { format!("+lt-{}", lt_search.name()) } else { String::new() }
             );
             let mut times = Vec::new();
             for s in 0..48 {
@@ -533,7 +536,7 @@ fn run() -> Res<()> {
             )?;
             json.push(format!(
                 "{{\"name\":\"decode_step\",\"graphs\":{graphs},\"pdl\":{pdl},\"fused_gate\":{fused_gate},\"fused_norm\":{fused_norm},\"fused_rope\":{fused_rope},\"gemv_l2_prefetch\":{prefetch},\"rope_grouped_min_rows\":{rope_min},\"carveout_pin\":{carveout_json},\"lt_search\":\"{}\",\"legacy_moe\":{legacy},\"moe_kernels\":\"{moe_name}\",\"all_global\":{all_global},\"batch\":{b},\"context\":{ctx},\"ms_per_step\":{ms:.4},\"tok_s\":{:.1},\"floor_ms\":{floor_ms:.4},\"floor_all_global_ms\":{global_floor_ms:.4},\"frac_of_floor\":{:.4},\"peer_ms_per_step\":{},\"speed_vs_peer\":{}}}",
-                search_name(lt_search),
+                lt_search.name(),
                 b as f64 * 1e3 / ms,
                 floor_ms / ms,
                 peer.map_or("null".into(), |p| format!("{p:.4}")),
@@ -749,16 +752,39 @@ struct Mode {
     rope_min: usize,
     /// The carve-outs the launches ask for (`--carveout`).
     carveout: Carveout,
-    /// The cuBLASLt configurations each product shape is timed over (`--lt-search`).
-    lt_search: LtSearch,
+    /// How cuBLASLt's tuner picks each product's configuration (`--lt-tuner`).
+    lt_search: LtTuner,
 }
 
-/// `--lt-search`'s name for a search.
-fn search_name(s: LtSearch) -> String {
-    match s {
-        LtSearch::Heuristic(n) => format!("heuristic{n}"),
-        LtSearch::SplitK(n) => format!("splitk{n}"),
-        LtSearch::Exhaustive(n) => format!("exhaustive{n}"),
+/// How cuBLASLt's tuner picks a product's configuration (`--lt-tuner`).
+#[derive(Clone, Copy, PartialEq)]
+struct LtTuner {
+    search: LtSearch,
+    /// Candidates timed behind an L2 flush.
+    flushed: bool,
+}
+
+impl LtTuner {
+    fn parse(v: &str) -> Result<Self, String> {
+        let (name, flushed) = match v.strip_suffix("-flushed") {
+            Some(n) => (n, true),
+            None => (v, false),
+        };
+        let search = match name {
+            "heuristic" => LtSearch::Heuristic(12),
+            "splitk" => LtSearch::SplitK(12),
+            _ => return Err(format!("--lt-tuner takes heuristic or splitk, each with -flushed or not, not {v}")),
+        };
+        Ok(Self { search, flushed })
+    }
+
+    fn name(self) -> String {
+        let search = match self.search {
+            LtSearch::Heuristic(n) => format!("heuristic{n}"),
+            LtSearch::SplitK(n) => format!("splitk{n}"),
+            LtSearch::Exhaustive(n) => format!("exhaustive{n}"),
+        };
+        if self.flushed { search + "-flushed" } else { search }
     }
 }
 

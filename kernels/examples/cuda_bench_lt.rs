@@ -9,7 +9,9 @@
 //! - every candidate of `LtSearch::SplitK(16)` (the heuristic's first 16, then their split-K
 //!   variants) and of `LtSearch::Exhaustive(--limit)`, each timed two ways: back to back over
 //!   weights that rotate among copies (≥ 256 MB together, so from DRAM; the figure reported),
-//!   and as `LtGemm` times (the same weights, median of 5 after a warm-up: mostly from L2);
+//!   as `LtGemm` times by default (the same weights, median of 5 after a warm-up, each from an
+//!   idle stream: launch latency included, weights mostly in L2), and as it times with flushed
+//!   timing on (each run queued behind a write over 128 MB, so from DRAM on a busy stream);
 //! - the pick each timing would make among the heuristic's first 12 (today's tuner), among the
 //!   split-K set, and among the exhaustive set, each at its DRAM time.
 //!
@@ -50,6 +52,8 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 struct Timed {
     dram: f64,
     l2: f64,
+    /// As `LtGemm` times with flushed timing on: each run behind a write over twice the L2.
+    flushed: f64,
 }
 
 /// The index of the smallest `key` among `idx`.
@@ -78,9 +82,11 @@ fn run() -> Result<(), CudaError> {
     writeln!(table, "device {} ({}); copy 1 GiB d2d: {copy_gbs:.0} GB/s", dev.name(), dev.arch()).ok();
     writeln!(
         table,
-        "\nµs from DRAM (back to back, weights rotating); floor = max(bytes/copy, FLOPs/780T)\n shape      M  floor  engine  tuner12(L2)  best12  splitK(L2)  best splitK  exh(L2)  best exh   n_sk n_exh  best config"
+        "\nµs from DRAM (back to back, weights rotating); floor = max(bytes/copy, FLOPs/780T)\n shape      M  floor  engine  tuner12(L2)  tuner12(flushed)  best12  splitK(L2)  best splitK  exh(L2)  best exh   n_sk n_exh  best config"
     )
     .ok();
+    // Twice an H100's 50 MB L2, written before each flushed timing.
+    let mut flush = dev.alloc::<u8>(128 << 20)?;
     let tile: Vec<bf16> = (0..1 << 20).map(|_| bf16::from_f32(r.random_range(-1.0f32..1.0) * 0.05)).collect();
     for (name, k, n) in [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)] {
         let copies = (256usize << 20).div_ceil(2 * n * k).clamp(2, 8);
@@ -108,7 +114,17 @@ fn run() -> Result<(), CudaError> {
                             dev.lt_probe_launch(&probe, i, &x, &ws[j % copies], &mut out)
                         })?;
                     let l2 = 1e3 * time_ms(&dev, 1, 5, |_| dev.lt_probe_launch(&probe, i, &x, &ws[0], &mut out))?;
-                    t.push(Timed { dram, l2 });
+                    let mut fl = Vec::with_capacity(5);
+                    for _ in 0..5 {
+                        dev.stream().memset_zeros(&mut flush)?;
+                        let (a, b) = (dev.event()?, dev.event()?);
+                        a.record(dev.stream())?;
+                        dev.lt_probe_launch(&probe, i, &x, &ws[0], &mut out)?;
+                        b.record(dev.stream())?;
+                        b.synchronize()?;
+                        fl.push(1e3 * f64::from(a.elapsed_ms(&b)?));
+                    }
+                    t.push(Timed { dram, l2, flushed: common::median(fl) });
                 }
                 sets.push((probe, t));
             }
@@ -119,6 +135,7 @@ fn run() -> Result<(), CudaError> {
             let (ex, ext) = &sets[1];
             let heur12 = sk.infos().iter().take_while(|a| a.heuristic).count().min(12);
             let tuner = pick(skt, 0..heur12, |t| t.l2).unwrap_or(0);
+            let tuner_flushed = pick(skt, 0..heur12, |t| t.flushed).unwrap_or(0);
             let best12 = pick(skt, 0..heur12, |t| t.dram).unwrap_or(0);
             let sk_l2 = pick(skt, 0..skt.len(), |t| t.l2).unwrap_or(0);
             let sk_best = pick(skt, 0..skt.len(), |t| t.dram).unwrap_or(0);
@@ -136,8 +153,9 @@ fn run() -> Result<(), CudaError> {
             };
             writeln!(
                 table,
-                " {name:8} {m:4} {floor:6.1} {engine:7.1} {:11.1} {:7.1} {:11.1} {:12.1} {:8.1} {:9.1} {:6} {:5}  {best_info} ({:.0} % of floor)",
+                " {name:8} {m:4} {floor:6.1} {engine:7.1} {:11.1} {:16.1} {:7.1} {:11.1} {:12.1} {:8.1} {:9.1} {:6} {:5}  {best_info} ({:.0} % of floor)",
                 skt[tuner].dram,
+                skt[tuner_flushed].dram,
                 skt[best12].dram,
                 skt[sk_l2].dram,
                 skt[sk_best].dram,
@@ -155,13 +173,19 @@ fn run() -> Result<(), CudaError> {
                 p.infos()
                     .iter()
                     .zip(t)
-                    .map(|(a, t)| format!("{{\"config\":\"{a}\",\"dram_us\":{:.2},\"l2_us\":{:.2}}}", t.dram, t.l2))
+                    .map(|(a, t)| {
+                        format!(
+                            "{{\"config\":\"{a}\",\"dram_us\":{:.2},\"l2_us\":{:.2},\"flushed_us\":{:.2}}}",
+                            t.dram, t.l2, t.flushed
+                        )
+                    })
                     .collect::<Vec<_>>()
                     .join(",")
             };
             json.push(format!(
-                "{{\"shape\":\"{name}\",\"m\":{m},\"n\":{n},\"k\":{k},\"bytes\":{bytes},\"floor_us\":{floor:.2},\"engine_us\":{engine:.2},\"tuner12_l2_pick_us\":{:.2},\"best12_us\":{:.2},\"splitk_l2_pick_us\":{:.2},\"splitk_best_us\":{:.2},\"exhaustive_l2_pick_us\":{:.2},\"exhaustive_best_us\":{:.2},\"best_config\":\"{best_info}\",\"rel_diff_splitk_best\":{:.2e},\"rel_diff_exhaustive_best\":{:.2e},\"splitk\":[{}],\"exhaustive\":[{}]}}",
+                "{{\"shape\":\"{name}\",\"m\":{m},\"n\":{n},\"k\":{k},\"bytes\":{bytes},\"floor_us\":{floor:.2},\"engine_us\":{engine:.2},\"tuner12_l2_pick_us\":{:.2},\"tuner12_flushed_pick_us\":{:.2},\"best12_us\":{:.2},\"splitk_l2_pick_us\":{:.2},\"splitk_best_us\":{:.2},\"exhaustive_l2_pick_us\":{:.2},\"exhaustive_best_us\":{:.2},\"best_config\":\"{best_info}\",\"rel_diff_splitk_best\":{:.2e},\"rel_diff_exhaustive_best\":{:.2e},\"splitk\":[{}],\"exhaustive\":[{}]}}",
                 skt[tuner].dram,
+                skt[tuner_flushed].dram,
                 skt[best12].dram,
                 skt[sk_l2].dram,
                 skt[sk_best].dram,

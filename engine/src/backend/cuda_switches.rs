@@ -118,6 +118,15 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Times cuBLASLt's candidates behind an L2 flush or not
+    /// ([`baton_kernels::cuda::CudaDevice::set_lt_flushed_timing`]; for comparisons). Every
+    /// shape is timed again at its next eager call; drops recorded graphs.
+    pub fn set_lt_flushed_timing(&mut self, on: bool) -> Result<(), BackendError> {
+        self.device().set_lt_flushed_timing(on)?;
+        self.drop_graphs();
+        Ok(())
+    }
+
     /// Whether FP8 products past the skinny kernel run on cuBLASLt's FP8 GEMM (W8A8): true until
     /// cuBLASLt refuses one (then they dequantize, see `linear_fp8`).
     pub fn w8a8_active(&self) -> bool {

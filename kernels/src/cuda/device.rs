@@ -149,7 +149,9 @@ impl CudaDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
             .max(1) as usize;
-        let lt = super::lt::LtGemm::new(&stream)?;
+        let l2_bytes =
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as usize;
+        let lt = super::lt::LtGemm::new(&stream, l2_bytes)?;
         Ok(Self {
             ctx,
             stream,
@@ -470,6 +472,22 @@ impl CudaDevice {
     pub fn set_lt_search(&self, search: super::LtSearch) -> Result<(), CudaError> {
         if let Some(lt) = &self.lt {
             lt.set_search(search)?;
+        }
+        self.alloc_gen.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Whether cuBLASLt's candidates are timed with L2 flushed first (`lt.rs`,
+    /// `LtGemm::flushed_timing`); false without cuBLASLt.
+    pub fn lt_flushed_timing(&self) -> bool {
+        self.lt.as_ref().is_some_and(|lt| lt.flushed_timing())
+    }
+
+    /// Sets [`CudaDevice::lt_flushed_timing`] (nothing to do without cuBLASLt); as
+    /// [`CudaDevice::set_lt_search`], every shape is timed again and graphs are re-recorded.
+    pub fn set_lt_flushed_timing(&self, on: bool) -> Result<(), CudaError> {
+        if let Some(lt) = &self.lt {
+            lt.set_flushed_timing(on)?;
         }
         self.alloc_gen.fetch_add(1, Ordering::SeqCst);
         Ok(())
