@@ -9,9 +9,18 @@
 //! run leaves the product in `out`, so the first call is the op too. Later calls of the shape
 //! launch the kept algorithm. A shape met first while a CUDA graph is being recorded (no
 //! timing is possible then) takes the heuristic's first choice and is timed at its next
-//! eager call. The candidates run back to back, so a weight matrix smaller than L2 is timed from
-//! L2; timing them with L2 scrubbed before each run instead (as inside a step) was tried and
-//! chose nothing faster (Llama-3.1-8B FP8, b=256: 13.68 ms a step against 13.61; H100, 4d14f82).
+//! eager call. Each timed run starts from an idle stream (its launch latency is in the figure) on
+//! weights the previous run left in L2. Two other rules were measured on an H100 and chose
+//! nothing faster: L2 scrubbed before each run (Llama-3.1-8B FP8, b=256: 13.68 ms a step against
+//! 13.61; 4d14f82), and each run queued behind a write over twice the L2
+//! ([`LtGemm::set_flushed_timing`], off by default; session 33: every step within the ±1 % two
+//! isolated tunings differ by).
+//!
+//! Which configurations are timed is [`LtSearch`] (`lt_search.rs`): the heuristic's first
+//! [`CANDIDATES`] by default. Session 33 timed, per 8B decode product at 32-256 rows, the
+//! heuristic's picks, their split-K variants and 1,500 configurations of the exhaustive walk
+//! from DRAM (`kernels/examples/cuda_bench_lt.rs`): none beat the heuristic's best by more than
+//! 0.8 µs, so the wider searches are for benchmarks.
 //!
 //! The same machinery runs the W8A8 FP8 product ([`LtShape::fp8`]): E4M3 weights and E4M3
 //! activations (quantized per token by `quantize_rows_e4m3`), f32 accumulation (cuBLASLt's fast
