@@ -151,9 +151,10 @@ fn run() -> Result<(), CudaError> {
             } else {
                 (sk.infos()[sk_best], skt[sk_best].dram)
             };
-            writeln!(
-                table,
-                " {name:8} {m:4} {floor:6.1} {engine:7.1} {:11.1} {:16.1} {:7.1} {:11.1} {:12.1} {:8.1} {:9.1} {:6} {:5}  {best_info} ({:.0} % of floor)",
+            // The DRAM time of each pick: tuner (isolated), tuner (flushed), best of the heuristic's,
+            // split-K by isolated timing, best split-K, exhaustive by isolated timing, best
+            // exhaustive.
+            let picks = [
                 skt[tuner].dram,
                 skt[tuner_flushed].dram,
                 skt[best12].dram,
@@ -161,6 +162,17 @@ fn run() -> Result<(), CudaError> {
                 skt[sk_best].dram,
                 ext[ex_l2].dram,
                 ext[ex_best].dram,
+            ];
+            writeln!(
+                table,
+                " {name:8} {m:4} {floor:6.1} {engine:7.1} {:11.1} {:16.1} {:7.1} {:11.1} {:12.1} {:8.1} {:9.1} {:6} {:5}  {best_info} ({:.0} % of floor)",
+                picks[0],
+                picks[1],
+                picks[2],
+                picks[3],
+                picks[4],
+                picks[5],
+                picks[6],
                 skt.len(),
                 ext.len(),
                 100.0 * floor / best_us,
@@ -184,13 +196,13 @@ fn run() -> Result<(), CudaError> {
             };
             json.push(format!(
                 "{{\"shape\":\"{name}\",\"m\":{m},\"n\":{n},\"k\":{k},\"bytes\":{bytes},\"floor_us\":{floor:.2},\"engine_us\":{engine:.2},\"tuner12_l2_pick_us\":{:.2},\"tuner12_flushed_pick_us\":{:.2},\"best12_us\":{:.2},\"splitk_l2_pick_us\":{:.2},\"splitk_best_us\":{:.2},\"exhaustive_l2_pick_us\":{:.2},\"exhaustive_best_us\":{:.2},\"best_config\":\"{best_info}\",\"rel_diff_splitk_best\":{:.2e},\"rel_diff_exhaustive_best\":{:.2e},\"splitk\":[{}],\"exhaustive\":[{}]}}",
-                skt[tuner].dram,
-                skt[tuner_flushed].dram,
-                skt[best12].dram,
-                skt[sk_l2].dram,
-                skt[sk_best].dram,
-                ext[ex_l2].dram,
-                ext[ex_best].dram,
+                picks[0],
+                picks[1],
+                picks[2],
+                picks[3],
+                picks[4],
+                picks[5],
+                picks[6],
                 diffs[0],
                 diffs[1],
                 cfgs(sk, skt),
