@@ -57,7 +57,7 @@ use baton_engine::backend::cuda::{CudaBackend, MoeKernels, MoeNormFusion};
 use baton_engine::backend::{Backend, BatchLayout, SeqLayout};
 use baton_engine::runner::ModelRunner;
 use baton_formats::{LoadFormat, load_model};
-use baton_kernels::cuda::{CarveoutPins, CarveoutPolicy, DEFAULT_SEARCH, LtSearch};
+use baton_kernels::cuda::{CANDIDATES, CarveoutPins, CarveoutPolicy, DEFAULT_SEARCH, LtSearch};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -425,7 +425,7 @@ fn run() -> Res<()> {
         Some(list) => list.split(',').map(parse_carveout).collect::<Result<_, _>>()?,
     };
     // And with cuBLASLt's tuner as `--lt-tuner LIST` says: each entry `heuristic` (the
-    // heuristic's first 12) or `splitk` (those and their split-K variants), `-flushed` for the
+    // heuristic's first CANDIDATES) or `splitk` (those and their split-K variants), `-flushed` for the
     // candidates timed behind an L2 flush (e.g. `heuristic,heuristic-flushed`); the device's
     // setting when not given.
     let dev_tuner = LtTuner {
@@ -771,20 +771,15 @@ impl LtTuner {
             None => (v, false),
         };
         let search = match name {
-            "heuristic" => LtSearch::Heuristic(12),
-            "splitk" => LtSearch::SplitK(12),
+            "heuristic" => LtSearch::Heuristic(CANDIDATES),
+            "splitk" => LtSearch::SplitK(CANDIDATES),
             _ => return Err(format!("--lt-tuner takes heuristic or splitk, each with -flushed or not, not {v}")),
         };
         Ok(Self { search, flushed })
     }
 
     fn name(self) -> String {
-        let search = match self.search {
-            LtSearch::Heuristic(n) => format!("heuristic{n}"),
-            LtSearch::SplitK(n) => format!("splitk{n}"),
-            LtSearch::Exhaustive(n) => format!("exhaustive{n}"),
-        };
-        if self.flushed { search + "-flushed" } else { search }
+        format!("{}{}", self.search, if self.flushed { "-flushed" } else { "" })
     }
 }
 

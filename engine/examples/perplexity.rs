@@ -58,14 +58,20 @@ struct RunStats {
     top1: Option<f64>,
 }
 
-/// The run over `ids`; with `keep`, its log-probabilities per position (`vocab` each) are
-/// appended there (the base run); with `base`, they are compared with those.
+/// What a run does with its log-probabilities per position (`vocab` each).
+enum Base<'a> {
+    /// Appends them here: this is the base run.
+    Record(&'a mut Vec<f32>),
+    /// Compares them with the base run's.
+    Compare(&'a [f32]),
+}
+
+/// The run over `ids`, recording or comparing its log-probabilities as `base` says.
 fn mean_nll(
     model: &LoadedModel,
     ids: &[u32],
     run: &Run,
-    base: Option<&[f32]>,
-    mut keep: Option<&mut Vec<f32>>,
+    mut base: Base<'_>,
 ) -> Result<RunStats, Box<dyn std::error::Error>> {
     let store = model.weights.as_ref();
     let mut cfg = model.config.clone();
@@ -112,19 +118,20 @@ fn mean_nll(
             let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
             nll += lse - row[next as usize] as f64;
             let lp = row.iter().map(|&x| (x as f64 - lse) as f32);
-            if let Some(k) = keep.as_deref_mut() {
-                k.extend(lp);
-            } else if let Some(b) = base {
-                let b = b.get(n * vocab..(n + 1) * vocab).ok_or("the base run has fewer positions")?;
-                let lp: Vec<f32> = lp.collect();
-                kl += b.iter().zip(&lp).map(|(&p, &q)| (p as f64).exp() * (p as f64 - q as f64)).sum::<f64>();
-                agree += usize::from(argmax(b) == argmax(&lp));
+            match &mut base {
+                Base::Record(k) => k.extend(lp),
+                Base::Compare(b) => {
+                    let b = b.get(n * vocab..(n + 1) * vocab).ok_or("the base run has fewer positions")?;
+                    let lp: Vec<f32> = lp.collect();
+                    kl += b.iter().zip(&lp).map(|(&p, &q)| (p as f64).exp() * (p as f64 - q as f64)).sum::<f64>();
+                    agree += usize::from(argmax(b) == argmax(&lp));
+                }
             }
             n += 1;
         }
     }
     let n_f = n.max(1) as f64;
-    let compared = base.is_some() && keep.is_none();
+    let compared = matches!(base, Base::Compare(_));
     Ok(RunStats { nll: nll / n_f, kl: compared.then_some(kl / n_f), top1: compared.then_some(agree as f64 / n_f) })
 }
 
@@ -184,9 +191,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut base_lp = Vec::new();
     for (i, run) in runs.iter().enumerate() {
         let st = if i == 0 {
-            mean_nll(&model, &ids, run, None, Some(&mut base_lp))?
+            mean_nll(&model, &ids, run, Base::Record(&mut base_lp))?
         } else {
-            mean_nll(&model, &ids, run, Some(&base_lp), None)?
+            mean_nll(&model, &ids, run, Base::Compare(&base_lp))?
         };
         let p = st.nll.exp();
         let cmp = match (st.kl, st.top1) {

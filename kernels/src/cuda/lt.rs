@@ -410,10 +410,10 @@ impl LtGemm {
         }
         let mut choice = LtChoice::default();
         if plan.chosen.is_none() && !dev.is_capturing() {
+            let flushed = self.flushed_timing();
             for i in 0..plan.candidates.len() {
                 self.launch(stream, plan, i, x, w, out)?;
                 let mut t = Vec::with_capacity(TIMED_REPS);
-                let flushed = self.flushed_timing();
                 for _ in 0..TIMED_REPS {
                     if flushed {
                         self.flush_l2(stream)?;

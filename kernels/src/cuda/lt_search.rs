@@ -39,6 +39,17 @@ pub enum LtSearch {
     Exhaustive(usize),
 }
 
+impl std::fmt::Display for LtSearch {
+    /// `heuristic12`, `splitk12`, `exhaustive1500`: how benchmarks name a search.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Heuristic(n) => write!(f, "heuristic{n}"),
+            Self::SplitK(n) => write!(f, "splitk{n}"),
+            Self::Exhaustive(n) => write!(f, "exhaustive{n}"),
+        }
+    }
+}
+
 /// Split-K counts tried beside each heuristic result ([`LtSearch::SplitK`]) and in the
 /// exhaustive search.
 pub const SPLIT_K: [u32; 6] = [2, 3, 4, 6, 8, 12];

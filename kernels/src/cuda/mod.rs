@@ -136,7 +136,7 @@ pub use graph::StepGraph;
 pub use half::bf16;
 pub use kernel_table::{kernel_modules, kernel_names};
 pub use linear::{GatedAct, GatedLinearCall, LinearCall, LinearKernel};
-pub use lt::{DEFAULT_SEARCH, LtChoice, LtProbe, LtShape};
+pub use lt::{CANDIDATES, DEFAULT_SEARCH, LtChoice, LtProbe, LtShape};
 pub use lt_search::{LtAlgoInfo, LtSearch, SPLIT_K};
 pub use moe::{
     ClampedSwigluCall, MOE_MAX_EXPERTS, MOE_MAX_K, MOE_ROUTE_PERMUTE_MAX_ROWS, MoeExpertKernel, MoeGroupedGemvCall,
