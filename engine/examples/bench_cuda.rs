@@ -24,7 +24,7 @@
 //! Usage: `bench_cuda --config configs/models/llama-3.1-8b.json --out OUT.json [--commit C]
 //! [--shapes B:CTX,...] [--peer PEER.json] [--cublas] [--graphs on|off|both] [--no-profile] [--no-ttft]
 //! [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--fused-gate on|off|both] [--fused-norm on|off|both]
-//! [--fused-rope on|off|both] [--lt-tuner heuristic|splitk[-flushed],...] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
+//! [--fused-rope on|off|both] [--lt-tuner heuristic|splitk[-flushed],...] [--moe-norm off|both|router|down] [--moe-kernel legacy|split|new|fused-router|both|LIST] [--l2-prefetch MIB,...] [--rope-grouped-min-rows ROWS,...] [--carveout auto|none|PERCENT[/PERCENT[p]],...] [--fp8-fast-accum on|off] [--stream-attention on|off] [--kv-k-shift X] [--all-global]`; with `--kv-cache-dtype fp8` the cache holds random E4M3
 //! codes (scales 1) and the floors count one byte per cached K or V value; with
 //! `--quantization fp8` the projections are quantized at load (per channel) and count one byte
 //! per weight; `--fused-gate` runs the gated MLP projection with its activation fused into the
@@ -240,6 +240,16 @@ fn run() -> Res<()> {
     let prefill_blocks = n.div_ceil(bs);
     model.alloc_kv_cache(decode_blocks + prefill_blocks, bs)?;
     model.backend_mut().fill_kv_random(7)?;
+    // `--kv-k-shift X`: every FP8 layer's keys stored less a shift of X in every channel (the
+    // cost of key smoothing's extra load in each key write; the values are random anyway).
+    if let Some(x) = flag(&args, "--kv-k-shift") {
+        let x: f32 = x.parse()?;
+        let stride = cfg.num_key_value_heads * cfg.head_dim;
+        for layer in 0..cfg.num_hidden_layers {
+            model.set_kv_k_shift(layer, &vec![x; stride])?;
+        }
+        println!("FP8 key shift {x} in every layer");
+    }
     let decode_batch = |b: usize, ctx: usize, pos: usize| BatchLayout {
         tokens: (0..b).map(|i| (i * 7919 % cfg.vocab_size) as u32).collect(),
         positions: vec![pos; b],

@@ -27,6 +27,7 @@
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{BatchLayout, SeqLayout};
 use baton_engine::kv_cache_dtype::KvCacheDtype;
+use baton_engine::kv_k_smoothing;
 use baton_engine::runner::ModelRunner;
 use baton_engine::weight_quantization::WeightQuantization;
 use baton_formats::{ActivationQuant, LoadFormat, LoadedModel, load_model};
@@ -48,6 +49,9 @@ struct Run {
     weights: WeightQuantization,
     per_token_activations: bool,
     calibrate: bool,
+    /// Key smoothing: the calibration tokens and the served context the shift is spread
+    /// over (`kv_k_smoothing::calibrate`); `None`: keys unshifted.
+    smoothing: Option<(Vec<u32>, usize)>,
 }
 
 /// What one run measured: the mean negative log-likelihood of the next token, and against the
@@ -85,6 +89,10 @@ fn mean_nll(
     r.set_kv_cache_dtype(run.kv, store)?;
     let blocks = ids.len().div_ceil(BLOCK);
     r.alloc_kv_cache(blocks, BLOCK)?;
+    if let Some((tokens, served)) = &run.smoothing {
+        let done = kv_k_smoothing::calibrate(&mut r, tokens, (blocks, BLOCK), *served)?;
+        println!("  key smoothing for contexts up to {served}: {done:?}");
+    }
     if run.calibrate {
         r.calculate_kv_scales()?;
     }
@@ -165,6 +173,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         weights,
         per_token_activations,
         calibrate,
+        smoothing: None,
     };
     let (auto, fp8kv, none, fp8w) =
         (KvCacheDtype::Auto, KvCacheDtype::Fp8E4M3, WeightQuantization::None, WeightQuantization::Fp8);
@@ -178,6 +187,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if calibrate {
         runs.push(run("fp8_kv_calibrated", fp8kv, none, true, true));
         runs.push(run("fp8_weights_and_kv_calibrated", fp8kv, fp8w, true, true));
+    }
+    // Key smoothing as the engine runs it (`--kv-k-smoothing auto`): the shift measured on
+    // the calibration text, spread over the served context (the model's whole, unless
+    // `--served-len N`).
+    let served: usize =
+        arg(&args, "--served-len").map(|t| t.parse()).transpose()?.unwrap_or(model.config.max_position_embeddings);
+    let calibration = tok.encode(kv_k_smoothing::CALIBRATION_TEXT, true)?;
+    for (name, weights) in [("fp8_kv_smoothed", none), ("fp8_weights_and_kv_smoothed", fp8w)] {
+        runs.push(Run { smoothing: Some((calibration.clone(), served)), ..run(name, fp8kv, weights, true, false) });
     }
     if let Some(list) = arg(&args, "--runs") {
         let wanted: Vec<&str> = list.split(',').collect();

@@ -62,6 +62,9 @@ pub struct EngineConfig {
     /// then fixed; see [`crate::kv_cache_dtype`]. Refused at start unless `kv_cache_dtype` is
     /// FP8.
     pub calculate_kv_scales: bool,
+    /// `--kv-k-smoothing`: whether an FP8 cache stores each layer's keys less their mean,
+    /// measured at start-up ([`crate::kv_k_smoothing`]).
+    pub kv_k_smoothing: crate::kv_k_smoothing::KvKSmoothing,
     /// FP8 projection weights (`--quantization`): `None` serves the checkpoint as it is.
     pub quantization: crate::weight_quantization::WeightQuantization,
     /// KV blocks in the pool; `None` derives it from `kv_cache_memory_bytes`.
@@ -120,6 +123,7 @@ impl Default for EngineConfig {
             block_size: 16,
             kv_cache_dtype: crate::kv_cache_dtype::KvCacheDtype::Auto,
             calculate_kv_scales: false,
+            kv_k_smoothing: crate::kv_k_smoothing::KvKSmoothing::Auto,
             quantization: crate::weight_quantization::WeightQuantization::None,
             num_kv_blocks: None,
             kv_cache_memory_bytes: 1 << 30,

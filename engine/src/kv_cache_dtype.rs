@@ -94,6 +94,17 @@ impl KvCacheDtype {
     }
 }
 
+/// How one layer's FP8 codes were written, as a hand-off carries it: keys as
+/// `e4m3((k - k_shift) / scale.k)`, values as `e4m3(v / scale.v)` (see
+/// [`crate::kv_k_smoothing`]; an empty `k_shift` is none).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KvCoding {
+    /// The layer's scales.
+    pub scale: KvScale,
+    /// The layer's key shift, `n_kv_heads × head_dim` values or empty.
+    pub k_shift: Vec<f32>,
+}
+
 /// One layer's FP8 scales: a K value `x` is stored as `e4m3(x / k)`, read as `code × k`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvScale {

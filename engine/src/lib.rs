@@ -17,6 +17,7 @@ mod grammar_pool;
 mod handle;
 pub mod kv_cache_dtype;
 pub mod kv_connector;
+pub mod kv_k_smoothing;
 pub mod kv_transport;
 mod liveness;
 pub mod models;
@@ -147,6 +148,7 @@ pub fn start_engine(
         .thread_name(|i| format!("baton-cpu-{i}"))
         .build()
         .map_err(|e| EngineStartError::Thread(e.to_string()))?;
+    let calibration = smoothing_tokens(model, config.kv_cache_dtype, config.kv_k_smoothing);
     let (model_box, num_blocks, device_name, kv_dtype): (Box<dyn engine_loop::StepModel>, usize, String, KvDtype) =
         match device {
             DeviceSpec::Cuda(ordinal) => {
@@ -161,7 +163,7 @@ pub fn start_engine(
                 llama.set_kv_cache_dtype(config.kv_cache_dtype, model.weights.as_ref())?;
                 let kv_started = std::time::Instant::now();
                 let config = gpu_memory::size_from_free_memory(&mut llama, &config)?;
-                let sized = size_kv(llama, &config, max_model_len)?;
+                let sized = size_kv(llama, &config, max_model_len, (&calibration, &pool))?;
                 log_phase("kv_cache", kv_started);
                 sized
             }
@@ -174,7 +176,7 @@ pub fn start_engine(
                 let mut llama = pool.install(|| runner::ModelRunner::load(cfg, model.weights.as_ref(), backend))?;
                 llama.set_kv_cache_dtype(config.kv_cache_dtype, model.weights.as_ref())?;
                 let kv_started = std::time::Instant::now();
-                let sized = size_kv(llama, &config, max_model_len)?;
+                let sized = size_kv(llama, &config, max_model_len, (&calibration, &pool))?;
                 log_phase("kv_cache", kv_started);
                 sized
             }
@@ -282,11 +284,32 @@ fn run_engine_thread(mut engine: EngineLoop, shared: &Shared) {
     }
 }
 
-/// Sizes the KV pool for `llama` (at its cache's element type), allocates it, and boxes the model.
+/// The tokens of the key-smoothing calibration text ([`kv_k_smoothing::CALIBRATION_TEXT`])
+/// when an FP8 cache is asked for with smoothing on: `Ok(None)` when it is not asked for,
+/// `Err(reason)` when it cannot be encoded (no tokenizer).
+fn smoothing_tokens(
+    model: &baton_formats::LoadedModel,
+    dtype: kv_cache_dtype::KvCacheDtype,
+    smoothing: kv_k_smoothing::KvKSmoothing,
+) -> Result<Option<Vec<u32>>, String> {
+    if dtype != kv_cache_dtype::KvCacheDtype::Fp8E4M3 || smoothing == kv_k_smoothing::KvKSmoothing::Off {
+        return Ok(None);
+    }
+    let tokenizer = model.tokenizer.as_ref().ok_or("the model has no tokenizer to encode the calibration text")?;
+    let encoded = tokenizer
+        .encode(kv_k_smoothing::CALIBRATION_TEXT, true)
+        .map_err(|e| format!("the calibration text does not encode: {e}"))?;
+    Ok(Some(encoded))
+}
+
+/// Sizes the KV pool for `llama` (at its cache's element type), allocates it, smooths an FP8
+/// cache's keys from `calibration`'s tokens (see [`smoothing_tokens`]; run in `pool`), and
+/// boxes the model.
 fn size_kv<B: backend::Backend>(
     mut llama: runner::ModelRunner<B>,
     config: &EngineConfig,
     max_model_len: usize,
+    (calibration, pool): (&Result<Option<Vec<u32>>, String>, &rayon::ThreadPool),
 ) -> Result<(Box<dyn engine_loop::StepModel>, usize, String, KvDtype), EngineStartError> {
     let shape = llama.kv_shape(1, config.block_size);
     let num_blocks = config.num_kv_blocks.unwrap_or(shape.blocks_in(config.kv_cache_memory_bytes));
@@ -298,6 +321,30 @@ fn size_kv<B: backend::Backend>(
         )));
     }
     llama.alloc_kv_cache(num_blocks, config.block_size)?;
+    // Before the scale calibration arms: this prefill must not set the scales.
+    let smoothed = match calibration {
+        Ok(None) => None,
+        Ok(Some(tokens)) => {
+            let started = std::time::Instant::now();
+            let geometry = (num_blocks, config.block_size);
+            let done = pool.install(|| kv_k_smoothing::calibrate(&mut llama, tokens, geometry, max_model_len))?;
+            log_phase("kv_k_smoothing", started);
+            Some(done)
+        }
+        Err(why) => Some(kv_k_smoothing::Smoothing::Unshifted(why.clone())),
+    };
+    match smoothed {
+        Some(kv_k_smoothing::Smoothing::Shifted { tokens, retained, max_abs }) => tracing::info!(
+            tokens,
+            retained,
+            max_abs_shift = max_abs,
+            "FP8 KV keys smoothed: each layer's keys are stored less their mean (--kv-k-smoothing off turns it off)"
+        ),
+        Some(kv_k_smoothing::Smoothing::Unshifted(reason)) => {
+            tracing::info!(%reason, "FP8 KV keys stored unshifted (no key smoothing)")
+        }
+        None => {}
+    }
     // After the CUDA profiling step (its dummy tokens must not calibrate anything).
     if config.calculate_kv_scales {
         llama.calculate_kv_scales()?;

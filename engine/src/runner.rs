@@ -18,6 +18,7 @@
 //! sample on the host. A sampling launch is collected at most once.
 
 use crate::backend::{Backend, BackendError, BatchLayout, KvCacheShape, KvScale, PromptLogprobRow, ReplayStart};
+use crate::kv_cache_dtype::KvCoding;
 use crate::models::{Architecture, ModelLoadError, WeightLoader, build_architecture};
 use baton_core::api::PromptLogprob;
 use baton_core::sampling::{RowPlan, Sampled, SamplingContext, plan_row, sample_batch};
@@ -54,6 +55,10 @@ pub struct ModelRunner<B: Backend> {
     /// still to be set, by the first step with prefill tokens or, on a decode worker, by the
     /// first sender whose codes it stores. Empty when calibration is off.
     kv_calibrate: Vec<bool>,
+    /// Whether a step has written keys into the cache since it was allocated or calibrated
+    /// ([`ModelRunner::forget_written_keys`]): until then a received hand-off's key shift may
+    /// be adopted rather than requantized ([`crate::kv_k_smoothing`]).
+    keys_written: bool,
 }
 
 /// Most rows of vocabulary logits the LM head produces at once for prompt logprobs: a long
@@ -108,7 +113,48 @@ impl<B: Backend> ModelRunner<B> {
             launched: None,
             prompt_logprobs: Vec::new(),
             kv_calibrate: Vec::new(),
+            keys_written: false,
         })
+    }
+
+    /// Decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.arch.config().num_hidden_layers
+    }
+
+    /// `(head_dim, num_key_value_heads)`: the shape of one token's keys in a layer.
+    pub fn key_geometry(&self) -> (usize, usize) {
+        let cfg = self.arch.config();
+        (cfg.head_dim, cfg.num_key_value_heads)
+    }
+
+    /// Layer `layer`'s rotary table as its keys are rotated
+    /// ([`Architecture::key_rope`]).
+    pub fn key_rope(&self, layer: usize) -> Result<baton_kernels::cpu::RopeTable, BackendError> {
+        self.arch.key_rope(layer)
+    }
+
+    /// What in the model's attention would see a key shift
+    /// ([`Architecture::key_shift_blocker`]).
+    pub fn key_shift_blocker(&self) -> Option<&'static str> {
+        self.arch.key_shift_blocker()
+    }
+
+    /// Layer `layer`'s FP8 key shift in use (empty: none; see [`crate::kv_k_smoothing`]).
+    pub fn kv_k_shift(&self, layer: usize) -> Vec<f32> {
+        self.backend.kv_k_shift(layer)
+    }
+
+    /// Sets layer `layer`'s FP8 key shift ([`Backend::set_kv_k_shift`]); only sound while no
+    /// stored key a later step reads was written under another.
+    pub fn set_kv_k_shift(&mut self, layer: usize, shift: &[f32]) -> Result<(), BackendError> {
+        self.backend.set_kv_k_shift(layer, shift)
+    }
+
+    /// Declares the cache's keys unread from now on (after [`crate::kv_k_smoothing::calibrate`]'s
+    /// prefill: its blocks are free again), so the first hand-off may still set the shift.
+    pub fn forget_written_keys(&mut self) {
+        self.keys_written = false;
     }
 
     /// The model's configuration.
@@ -134,7 +180,10 @@ impl<B: Backend> ModelRunner<B> {
     /// Allocates the paged KV cache for `num_blocks` blocks of `block_size` tokens.
     pub fn alloc_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), BackendError> {
         let shape = self.kv_shape(num_blocks, block_size);
-        self.backend.alloc_kv_cache(shape)
+        self.backend.alloc_kv_cache(shape)?;
+        // A new cache holds no key any step will read.
+        self.keys_written = false;
+        Ok(())
     }
 
     /// Writes received K/V bytes into `blocks` of layer `layer` (see
@@ -343,6 +392,7 @@ impl<B: Backend> ModelRunner<B> {
     ) -> Result<(), BackendError> {
         self.logit_count = 0;
         self.prompt_logprobs.clear();
+        self.keys_written = true;
         let resolved = self.resolve_pending(batch)?;
         let batch = resolved.as_ref().unwrap_or(batch);
         if self.kv_scales_pending() && has_prefill(batch) {
@@ -494,8 +544,9 @@ impl<B: Backend> crate::kv_connector::KvAccess for ModelRunner<B> {
         self.backend.kv_device()
     }
 
-    fn kv_scale(&self, layer: usize) -> Option<KvScale> {
-        self.backend.kv_scales().get(layer).copied()
+    fn kv_coding(&self, layer: usize) -> Option<KvCoding> {
+        let scale = self.backend.kv_scales().get(layer).copied()?;
+        Some(KvCoding { scale, k_shift: self.backend.kv_k_shift(layer) })
     }
 
     fn import_kv_blocks(
@@ -504,16 +555,24 @@ impl<B: Backend> crate::kv_connector::KvAccess for ModelRunner<B> {
         blocks: &[u32],
         k: &[u8],
         v: &[u8],
-        sender: Option<KvScale>,
+        sender: Option<&KvCoding>,
     ) -> Result<(), BackendError> {
         if let Some(sent) = sender
             && self.kv_calibrate.get(layer).copied().unwrap_or(false)
         {
-            self.backend.set_kv_scale(layer, sent)?;
+            self.backend.set_kv_scale(layer, sent.scale)?;
             self.kv_calibrate[layer] = false;
-            tracing::info!(layer, k_scale = sent.k, v_scale = sent.v, "FP8 KV scales adopted from a prefill worker");
+            let (k_scale, v_scale) = (sent.scale.k, sent.scale.v);
+            tracing::info!(layer, k_scale, v_scale, "FP8 KV scales adopted from a prefill worker");
         }
-        crate::kv_connector::write_in_own_scales(self, layer, blocks, (k, v), sender)
+        if let Some(sent) = sender
+            && !self.keys_written
+            && sent.k_shift != self.backend.kv_k_shift(layer)
+        {
+            self.backend.set_kv_k_shift(layer, &sent.k_shift)?;
+            tracing::debug!(layer, "FP8 KV key shift adopted from a prefill worker (no key stored yet)");
+        }
+        crate::kv_connector::write_in_own_coding(self, layer, blocks, (k, v), sender)
     }
 }
 

@@ -13,7 +13,7 @@ mod common;
 use baton_core::kv_transfer::KvDtype;
 use baton_engine::backend::cpu::CpuBackend;
 use baton_engine::backend::{Backend, BatchLayout, KvCacheShape, KvScale, SeqLayout};
-use baton_engine::kv_cache_dtype::{K_SCALE_CONSTANT, KvCacheDtype, V_SCALE_CONSTANT};
+use baton_engine::kv_cache_dtype::{K_SCALE_CONSTANT, KvCacheDtype, KvCoding, V_SCALE_CONSTANT};
 use baton_engine::kv_connector::KvAccess;
 use baton_engine::kv_transport::tcp::TcpKvListener;
 use baton_engine::{DeviceSpec, EngineConfig, start_engine};
@@ -211,10 +211,10 @@ fn a_receiving_cache_adopts_pending_scales_and_otherwise_requantizes() {
     let p_logits = p.feed(&prompt);
     let p_scales = p.runner.kv_scales();
     let layers = p_scales.len();
-    let frames: Vec<(Vec<u8>, Vec<u8>, Option<KvScale>)> = (0..layers)
+    let frames: Vec<(Vec<u8>, Vec<u8>, Option<KvCoding>)> = (0..layers)
         .map(|l| {
             let (k, v) = KvAccess::read_kv_blocks(&mut p.runner, l, &blocks).expect("read");
-            (k, v, KvAccess::kv_scale(&p.runner, l))
+            (k, v, KvAccess::kv_coding(&p.runner, l))
         })
         .collect();
     assert!(frames.iter().all(|f| f.2.is_some()));
@@ -222,7 +222,7 @@ fn a_receiving_cache_adopts_pending_scales_and_otherwise_requantizes() {
     // D with calibration pending adopts them, and decodes exactly as P does.
     let mut d = Seq::new(&model, store, KvCacheDtype::Fp8E4M3, 32).calibrated();
     for (l, (k, v, s)) in frames.iter().enumerate() {
-        d.runner.import_kv_blocks(l, &blocks, k, v, *s).expect("import");
+        d.runner.import_kv_blocks(l, &blocks, k, v, s.as_ref()).expect("import");
     }
     assert_eq!(d.runner.kv_scales(), p_scales);
     assert!(!d.runner.kv_scales_pending(), "adopted scales are fixed");
@@ -233,10 +233,10 @@ fn a_receiving_cache_adopts_pending_scales_and_otherwise_requantizes() {
     // D without calibration keeps scale 1.0 and stores the codes requantized into it.
     let mut fixed = Seq::new(&model, store, KvCacheDtype::Fp8E4M3, 32);
     for (l, (k, v, s)) in frames.iter().enumerate() {
-        fixed.runner.import_kv_blocks(l, &blocks, k, v, *s).expect("import");
+        fixed.runner.import_kv_blocks(l, &blocks, k, v, s.as_ref()).expect("import");
         let (kc, vc) = KvAccess::read_kv_blocks(&mut fixed.runner, l, &blocks).expect("read back");
         let (mut want_k, mut want_v) = (k.clone(), v.clone());
-        let sent = s.expect("fp8");
+        let sent = s.as_ref().expect("fp8").scale;
         requantize_e4m3(&mut want_k, sent.k, 1.0);
         requantize_e4m3(&mut want_v, sent.v, 1.0);
         assert_eq!((kc, vc), (want_k, want_v), "layer {l}");

@@ -236,3 +236,96 @@ fn gpu_fp8_kv_pool_holds_twice_the_blocks() {
     let ratio = fp8 as f64 / bf16 as f64;
     assert!((1.9..2.1).contains(&ratio), "FP8 pool {fp8} blocks vs bf16 {bf16}");
 }
+
+/// Feeds `tokens` at `pos..` of one sequence (blocks `table`); the last position's logits.
+fn feed<B: Backend>(r: &mut ModelRunner<B>, tokens: &[u32], pos: usize, table: &[u32]) -> Vec<f32> {
+    let n = tokens.len();
+    let batch = BatchLayout {
+        tokens: tokens.to_vec(),
+        positions: (pos..pos + n).collect(),
+        seqs: vec![SeqLayout { row_start: 0, n_tokens: n, start_pos: pos, block_table: table.to_vec() }],
+        logit_rows: vec![n - 1],
+        pending: Vec::new(),
+        prompt_logprobs: Vec::new(),
+    };
+    r.forward(&batch).expect("forward")
+}
+
+/// FP8 key smoothing (`kv_k_smoothing::calibrate`) on `cuda:0` against the CPU reference, on
+/// the same calibration tokens: the shifts agree (each decodes its own codes, which may sit a
+/// step apart), and with the CPU's shifts set on both, a prefill and greedy decode steps (the
+/// RoPE kernels' and the fused qkv epilogue's shifted writes) give the reference's tokens up
+/// to near ties.
+#[test]
+fn gpu_smoothed_fp8_kv_cache_matches_cpu_fp8_reference() {
+    use baton_engine::kv_k_smoothing::Smoothing;
+    for (name, spec) in [("llama", TinySpec::llama()), ("qwen3", TinySpec::qwen3())] {
+        let spec = TinySpec { init_std: 0.5, seed: spec.seed + 2000, ..spec };
+        let m = tiny(&spec);
+        let store = m.model.weights.as_ref();
+        let vocab = m.model.config.vocab_size;
+        let calibration = prompt(9, 200, vocab);
+        let (blocks, table): (usize, Vec<u32>) = (40, (1..=32u32).rev().collect());
+        let mut cpu = ModelRunner::load(&m.model.config, store, CpuBackend::emulating_bf16()).expect("load");
+        let opts = baton_kernels::cuda::CudaOptions { ordinal: 0, cache_dir: None, ..Default::default() };
+        let mut gpu =
+            ModelRunner::load(&m.model.config, store, CudaBackend::new(&opts).expect("cuda:0")).expect("load");
+        let mut max_shift = 0.0f32;
+        for (side, done) in [
+            ("cpu", smooth(&mut cpu, store, &calibration, blocks)),
+            ("gpu", smooth(&mut gpu, store, &calibration, blocks)),
+        ] {
+            println!("{name} {side}: {done:?}");
+            assert!(matches!(done, Smoothing::Shifted { tokens: 200, .. }), "{name} {side}: {done:?}");
+        }
+        for l in 0..cpu.num_layers() {
+            let (c, g) = (cpu.kv_k_shift(l), gpu.kv_k_shift(l));
+            assert_eq!(c.len(), g.len());
+            let scale = c.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            max_shift = max_shift.max(scale);
+            let worst = c.iter().zip(&g).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= scale / 32.0, "{name} layer {l}: shifts differ by {worst} (largest {scale})");
+            gpu.set_kv_k_shift(l, &c).expect("the CPU's shift on the GPU");
+        }
+        assert!(max_shift > 0.0, "{name}: no shift measured");
+        let p = prompt(10, 37, vocab);
+        let (mut lc, mut lg) = (feed(&mut cpu, &p, 0, &table), feed(&mut gpu, &p, 0, &table));
+        let mut flips = 0;
+        for step in 0..12 {
+            let (tc, tg) = (teacher_argmax(&lc), teacher_argmax(&lg));
+            if tc != tg {
+                let gap = top2_gap(&lc);
+                println!("{name} step {step}: cpu {tc} gpu {tg}, reference gap {gap}");
+                assert!(gap < TIE, "{name} step {step}: tokens differ at a gap of {gap}");
+                flips += 1;
+            }
+            let next = [tc];
+            lc = feed(&mut cpu, &next, p.len() + step, &table);
+            lg = feed(&mut gpu, &next, p.len() + step, &table);
+        }
+        println!("{name}: smoothed FP8 cache, {flips} of 12 greedy tokens differ (near ties only)");
+        assert!(flips <= 2, "{name}: {flips} flips");
+    }
+}
+
+/// An FP8 cache of `blocks` blocks on `r`, its keys smoothed on `tokens` (for contexts up to 512).
+fn smooth<B: Backend>(
+    r: &mut ModelRunner<B>,
+    store: &dyn baton_formats::WeightStore,
+    tokens: &[u32],
+    blocks: usize,
+) -> baton_engine::kv_k_smoothing::Smoothing {
+    r.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, store).expect("fp8");
+    r.alloc_kv_cache(blocks, 16).expect("cache");
+    baton_engine::kv_k_smoothing::calibrate(r, tokens, (blocks, 16), 512).expect("calibrate")
+}
+
+fn teacher_argmax(xs: &[f32]) -> u32 {
+    xs.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
+}
+
+fn top2_gap(xs: &[f32]) -> f32 {
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[0] - v[1]
+}

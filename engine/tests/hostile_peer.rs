@@ -262,7 +262,7 @@ fn hostile_handshakes_and_frames_cost_their_own_request_a_recompute() {
                     let mut sender = connect(addr, hs).await.expect("accepted");
                     for layer in 0..layout.num_layers {
                         sender
-                            .send_layer(&LayerFrame { layer, k: vec![0; half], v: vec![0; half], seq: 0, scale: None })
+                            .send_layer(&LayerFrame { layer, k: vec![0; half], v: vec![0; half], seq: 0, coding: None })
                             .await
                             .expect("layer");
                     }
@@ -286,14 +286,14 @@ fn hostile_handshakes_and_frames_cost_their_own_request_a_recompute() {
                         k: vec![0; half],
                         v: vec![0; half],
                         seq: 0,
-                        scale: None,
+                        coding: None,
                     };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }
                 8 => {
                     let frame =
-                        LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0, scale: None };
+                        LayerFrame { layer: 0, k: vec![0; half + 4], v: vec![0; half + 4], seq: 0, coding: None };
                     d.import_layer(id, table.clone(), frame);
                     router_recomputes = false;
                 }

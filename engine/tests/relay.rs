@@ -163,7 +163,7 @@ fn a_transfer_aimed_at_blocks_outside_the_reservation_is_refused_and_recomputed(
             let mut s = TcpKvSender::connect(addr, hs, std::time::Duration::from_secs(10), None).await?;
             let half = plan.bytes_per_layer / 2;
             for layer in 0..layout.num_layers {
-                s.send_layer(&LayerFrame { layer, k: vec![0x7f; half], v: vec![0x7f; half], seq: 0, scale: None })
+                s.send_layer(&LayerFrame { layer, k: vec![0x7f; half], v: vec![0x7f; half], seq: 0, coding: None })
                     .await?;
             }
             s.finish(&TransferTrailer { first_token, logprobs: None }).await

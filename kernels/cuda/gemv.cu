@@ -138,6 +138,7 @@ struct RopeAct {
     const bf16_t* bias;  // the qkv bias, one per weight row, or null
     int n_heads, n_kv_heads, head_dim;
     float cs_scale, k_scale, v_scale;
+    const float* k_shift;  // the layer's key shift (FP8 cache), or null
     // CTAs of the q and k rows (pairs); the v rows' CTAs follow.
     __device__ __forceinline__ int qk_ctas() const { return (n_heads + n_kv_heads) * head_dim / 16; }
 };
@@ -515,8 +516,9 @@ __device__ __forceinline__ void gemv_epilogue_rope(const float (*red)[NT * 4][32
             qo[d + half] = rb;
         } else if (slot >= 0) {
             C* kc = r.k_cache + slot * kv_w + (long long)(head - r.n_heads) * hd;
-            kv_put(kc + d, ra, r.k_scale);
-            kv_put(kc + d + half, rb, r.k_scale);
+            const long long at = (long long)(head - r.n_heads) * hd;
+            kv_put_key(kc + d, ra, r.k_scale, k_shift_at(r.k_shift, at + d));
+            kv_put_key(kc + d + half, rb, r.k_scale, k_shift_at(r.k_shift, at + d + half));
         }
     }
 }
@@ -683,10 +685,11 @@ __device__ __forceinline__ void gemv_body(X xin, const bf16_t* __restrict__ w, O
         float eps, const bf16_t* __restrict__ w, bf16_t* __restrict__ q_out, C* __restrict__ k_cache,          \
         C* __restrict__ v_cache, const int* __restrict__ positions, const long long* __restrict__ slots,       \
         const double* __restrict__ inv_freq, const bf16_t* __restrict__ bias, int n_heads, int n_kv_heads,   \
-        int head_dim, float cs_scale, float k_scale, float v_scale, int m, int n, int k, int pf) {             \
+        int head_dim, float cs_scale, float k_scale, float v_scale, const float* __restrict__ k_shift, int m,  \
+        int n, int k, int pf) {                                                                                 \
         const GemvXNorm<MAXM / 8> xin(GemvNormIn{res, stats, nw, parts, eps}, m, k, GEMV_G, GEMV_T);           \
         const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, bias, n_heads,                     \
-                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale};                                \
+                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale, k_shift};                       \
         gemv_body<MAXM / 8, NW, U, bf16_t, RopeAct<C>>(xin, w, q_out, nullptr, m, n, k, pf, act);             \
     }
 

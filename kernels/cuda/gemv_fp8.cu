@@ -208,10 +208,10 @@ __device__ __forceinline__ void gemv_fp8_body(const bf16_t* __restrict__ x, cons
         bf16_t* __restrict__ q_out, C* __restrict__ k_cache, C* __restrict__ v_cache,                           \
         const int* __restrict__ positions, const long long* __restrict__ slots,                                 \
         const double* __restrict__ inv_freq, const bf16_t* __restrict__ bias, int n_heads, int n_kv_heads,    \
-        int head_dim, float cs_scale, float k_scale, float v_scale, int m, int n, int k, int rb, int cb,        \
-        int groups) {                                                                                           \
+        int head_dim, float cs_scale, float k_scale, float v_scale, const float* __restrict__ k_shift, int m,   \
+        int n, int k, int rb, int cb, int groups) {                                                             \
         const RopeAct<C> act{k_cache, v_cache, positions, slots,  inv_freq, bias, n_heads,                      \
-                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale};                                 \
+                             n_kv_heads, head_dim, cs_scale, k_scale, v_scale, k_shift};                        \
         gemv_fp8_body<MAXM / 8, NW, U, BLOCKED, RopeAct<C>>(x, codes, scales, q_out, m, n, k, rb, cb, groups,   \
                                                              act);                                              \
     }

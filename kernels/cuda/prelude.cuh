@@ -140,6 +140,15 @@ __device__ __forceinline__ unsigned char f2e4m3(float x) {
 // bf16-rounded values).
 __device__ __forceinline__ void kv_put(bf16_t* c, bf16_t x, float) { *c = x; }
 __device__ __forceinline__ void kv_put(unsigned char* c, bf16_t x, float scale) { *c = f2e4m3(bf2f(x) / scale); }
+// A key's store with the layer's smoothing shift (kv_fp8.rs: e4m3((k - shift) / scale); a bf16
+// cache stores keys as they are and is never given a shift). x - 0 is x, so no shift stores
+// exactly what kv_put does.
+__device__ __forceinline__ void kv_put_key(bf16_t* c, bf16_t x, float, float) { *c = x; }
+__device__ __forceinline__ void kv_put_key(unsigned char* c, bf16_t x, float scale, float shift) {
+    *c = f2e4m3((bf2f(x) - shift) / scale);
+}
+// Element i of a layer's key shift (n_kv_heads * head_dim floats), 0 without one.
+__device__ __forceinline__ float k_shift_at(const float* __restrict__ shift, long long i) { return shift ? shift[i] : 0.f; }
 
 // The value of an E4M3 code (0x7F / 0xFF: NaN).
 __device__ __forceinline__ float e4m32f(unsigned char c) {

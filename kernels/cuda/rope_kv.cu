@@ -114,7 +114,8 @@ __device__ __forceinline__ void rope_one_head(int head, int row, int i, long lon
                                               float w1, float a, float b, bf16_t* q_out, bf16_t* k_out,
                                               C* __restrict__ k_cache, C* __restrict__ v_cache, int n_heads,
                                               int n_kv_heads, int head_dim, int rot_half, QkNormArgs norm,
-                                              float k_scale, float v_scale, float* amax) {
+                                              float k_scale, float v_scale, float* amax,
+                                              const float* __restrict__ k_shift) {
     // A calibration pass reads keys and values only.
     if (AMAX && head < n_heads) return;
     const int half = head_dim >> 1;
@@ -171,8 +172,9 @@ __device__ __forceinline__ void rope_one_head(int head, int row, int i, long lon
     }
     if (slot >= 0) {
         C* kc = k_cache + slot * kv_w + h * head_dim;
-        kv_put(kc + e0, ra, k_scale);
-        kv_put(kc + e1, rb, k_scale);
+        const long long at = (long long)h * head_dim;
+        kv_put_key(kc + e0, ra, k_scale, k_shift_at(k_shift, at + e0));
+        kv_put_key(kc + e1, rb, k_scale, k_shift_at(k_shift, at + e1));
     }
 }
 
@@ -188,7 +190,8 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                                                    const long long* __restrict__ slots,
                                                    const double* __restrict__ inv_freq, int n_heads, int n_kv_heads,
                                                    int head_dim, int rot_half, float cs_scale, QkNormArgs norm,
-                                                   float k_scale, float v_scale, float* amax = nullptr) {
+                                                   float k_scale, float v_scale, float* amax = nullptr,
+                                                   const float* __restrict__ k_shift = nullptr) {
     const int row = blockIdx.x;
     const int first = blockIdx.y, total = n_heads + 2 * n_kv_heads;
     const int i = threadIdx.x;
@@ -234,7 +237,7 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
                 if (j > 0) rope_norm_weights<QK_NORM>(norm, head, n_heads, n_kv_heads, active, e0, e1, &w0, &w1);
                 rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, a[j], b[j], q_out, k_out, k_cache,
                                                  v_cache, n_heads, n_kv_heads, head_dim, rot_half, norm, k_scale,
-                                                 v_scale, amax);
+                                                 v_scale, amax, k_shift);
             }
         }
         return;
@@ -245,7 +248,8 @@ __device__ __forceinline__ void rope_write_kv_body(const bf16_t* q_in, long long
         rope_load_head<QK_NORM, AMAX>(head, row, i, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, n_heads,
                                       n_kv_heads, head_dim, rot_half, &a, &b);
         rope_one_head<QK_NORM, C, AMAX>(head, row, i, slot, c, s, w0, w1, a, b, q_out, k_out, k_cache, v_cache,
-                                         n_heads, n_kv_heads, head_dim, rot_half, norm, k_scale, v_scale, amax);
+                                         n_heads, n_kv_heads, head_dim, rot_half, norm, k_scale, v_scale, amax,
+                                         k_shift);
     }
 }
 

@@ -87,6 +87,7 @@ fn rope_fp8_case(
             v: &mut vc,
             k_scale: ks,
             v_scale: vs,
+            k_shift: &[],
             block_size: bs,
             n_kv_heads: nkv,
             head_dim: hd,
@@ -136,6 +137,7 @@ fn rope_fp8_case(
         v_cache: &mut vcd,
         k_scale: ks,
         v_scale: vs,
+        k_shift: None,
         meta: &meta,
         inv_freq: &inv,
         n_heads: nh,
@@ -165,6 +167,7 @@ fn rope_fp8_case(
         v_cache: &mut vcd,
         k_scale: ks,
         v_scale: vs,
+        k_shift: None,
         meta: &meta,
         inv_freq: &inv,
         n_heads: nh,
@@ -216,12 +219,140 @@ fn rope_fp8_case(
             v_cache: &mut vcd,
             k_scale: bad,
             v_scale: vs,
+            k_shift: None,
             meta: &meta,
             inv_freq: &inv,
             n_heads: nh,
             geo,
         };
         assert!(call.launch_with(dev, RopeExtras::default()).is_err(), "k_scale {bad} accepted");
+    }
+}
+
+/// RoPE + FP8 KV write with a key shift (`crate::cpu::Fp8KvLayerMut::k_shift`), both input
+/// forms: every stored key is the code of `(k - shift) / k_scale` for the k this kernel
+/// rotated (read back from the split form, which rotates k in place), bit for bit; values as
+/// without a shift; padding rows write nothing; a shift one value short is refused.
+fn rope_fp8_shifted_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    hd: usize,
+    norm: Option<NormWeight>,
+    specs: &[(usize, usize)],
+) {
+    let (nh, nkv, bs, pad) = (4usize, 2usize, 16usize, 2usize);
+    let (ks, vs) = (0.05f32, 0.5f32);
+    let (num_blocks, tables, rows) = shuffled_tables(r, specs, bs, 3);
+    let table = RopeTable::new(hd, 10_000.0, RopeScalingKind::None).expect("table");
+    let (qw_len, kw_len) = (nh * hd, nkv * hd);
+    let q = rand_vec(r, (rows + pad) * qw_len, 2.0);
+    let k = rand_vec(r, (rows + pad) * kw_len, 8.0);
+    let v = rand_vec(r, (rows + pad) * kw_len, 30.0);
+    let shift = rand_vec(r, kw_len, 6.0);
+    let geo = KvGeometry { num_blocks, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+    let mut host = Vec::new();
+    let mut row = 0;
+    for (&(start, n), t) in specs.iter().zip(&tables) {
+        host.push(HostSeq { row_start: row, n_tokens: n, start_pos: start, block_table: t });
+        row += n;
+    }
+    let mut meta = StepMeta::new(dev).expect("meta");
+    meta.set_padded(dev, &host, rows, rows + pad, bs, num_blocks).expect("meta set");
+    let (inv, wd) = (dev.upload(table.inv_freq()).expect("inv_freq"), up(dev, &rand_vec(r, hd, 0.5)));
+    let extras = || RopeExtras {
+        qk_norm: norm.map(|weight| QkNorm { q_weight: &wd, k_weight: &wd, eps: 1e-6, weight }),
+        ..RopeExtras::default()
+    };
+    let shift_d = dev.upload(&shift).expect("shift");
+    let what = format!("rope fp8 shifted hd={hd} qk_norm={norm:?}");
+    let run = |input: RopeInput<'_>, k_shift: Option<&CudaSlice<f32>>| {
+        let (mut kcd, mut vcd) = (poisoned_codes(dev, geo.layer_len()), poisoned_codes(dev, geo.layer_len()));
+        let call = RopeKvFp8Call {
+            input,
+            k_cache: &mut kcd,
+            v_cache: &mut vcd,
+            k_scale: ks,
+            v_scale: vs,
+            k_shift,
+            meta: &meta,
+            inv_freq: &inv,
+            n_heads: nh,
+            geo,
+        };
+        call.launch_with(dev, extras()).expect("rope fp8 with a shift");
+        (codes(dev, &kcd, geo.layer_len()), codes(dev, &vcd, geo.layer_len()))
+    };
+    let (mut qd, mut kd, vd) = (up(dev, &q), up(dev, &k), up(dev, &v));
+    let split = run(RopeInput::Split { q: &mut qd, k: &mut kd, v: &vd }, Some(&shift_d));
+    // The reference quantizes the keys this kernel rotated (and normed), with the shift.
+    let rotated = down(dev, &kd, rows * kw_len);
+    let (mut kc, mut vc) = (vec![E4M3_NAN; geo.layer_len()], vec![E4M3_NAN; geo.layer_len()]);
+    let mut row = 0;
+    for (&(start, n), t) in specs.iter().zip(&tables) {
+        let mut layer = Fp8KvLayerMut {
+            k: &mut kc,
+            v: &mut vc,
+            k_scale: ks,
+            v_scale: vs,
+            k_shift: &shift,
+            block_size: bs,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
+        let span = SeqSpan { start_pos: start, n_tokens: n, block_table: t };
+        let rows_kv = row * kw_len..(row + n) * kw_len;
+        cpu::write_kv_fp8(&rotated[rows_kv.clone()], &v[rows_kv], span, &mut layer).expect("cpu write_kv_fp8");
+        row += n;
+    }
+    assert_eq!(split.0, kc, "{what}: split K codes (and untouched padding slots) as the reference");
+    assert_eq!(split.1, vc, "{what}: split V codes as the reference");
+    let written = kc.iter().filter(|&&c| c != E4M3_NAN).count();
+    assert_eq!(written, rows * kw_len, "{what}: every real row's K slot written once");
+    // Not vacuous: without the shift the keys differ.
+    let (mut qd, mut kd) = (up(dev, &q), up(dev, &k));
+    let plain = run(RopeInput::Split { q: &mut qd, k: &mut kd, v: &vd }, None);
+    assert_ne!(plain.0, split.0, "{what}: the shift changed no key");
+    assert_eq!(plain.1, split.1, "{what}: the shift changed a value");
+
+    let qkv: Vec<f32> = (0..rows + pad)
+        .flat_map(|i| {
+            let (qr, kr) = (i * qw_len..(i + 1) * qw_len, i * kw_len..(i + 1) * kw_len);
+            q[qr].iter().chain(&k[kr.clone()]).chain(&v[kr]).copied().collect::<Vec<_>>()
+        })
+        .collect();
+    let (qkvd, mut q_out) = (up(dev, &qkv), poisoned(dev, (rows + pad) * qw_len));
+    let fused = run(RopeInput::Fused { qkv: &qkvd, q_out: &mut q_out }, Some(&shift_d));
+    assert_eq!(fused, split, "{what}: the fused form stores what the split form does");
+
+    let short = dev.upload(&shift[..kw_len - 1]).expect("short shift");
+    let (mut kcd, mut vcd) = (poisoned_codes(dev, geo.layer_len()), poisoned_codes(dev, geo.layer_len()));
+    let call = RopeKvFp8Call {
+        input: RopeInput::Fused { qkv: &qkvd, q_out: &mut q_out },
+        k_cache: &mut kcd,
+        v_cache: &mut vcd,
+        k_scale: ks,
+        v_scale: vs,
+        k_shift: Some(&short),
+        meta: &meta,
+        inv_freq: &inv,
+        n_heads: nh,
+        geo,
+    };
+    let e = call.launch_with(dev, extras()).expect_err("a shift one value short");
+    assert!(e.to_string().contains("k_shift"), "{e}");
+    assert!(codes(dev, &kcd, geo.layer_len()).iter().all(|&c| c == E4M3_NAN), "{what}: a refused call wrote");
+    println!("{what}: {written} K codes bit for bit, fused = split");
+}
+
+#[test]
+fn gpu_rope_write_kv_fp8_subtracts_the_key_shift() {
+    let dev = device();
+    let mut r = rng("rope_write_kv_fp8 shifted");
+    for specs in [&[(37usize, 20usize), (5000, 1), (0, 3)][..], &[(37, 20), (5000, 1), (0, 600)]] {
+        for hd in [64usize, 128] {
+            rope_fp8_shifted_case(&dev, &mut r, hd, None, specs);
+            rope_fp8_shifted_case(&dev, &mut r, hd, Some(NormWeight::Plain), specs);
+        }
     }
 }
 

@@ -54,6 +54,8 @@ struct Case {
 enum Cache {
     Bf16,
     Fp8,
+    /// FP8 with a key shift (`Inputs::k_shift`) subtracted before each key is quantized.
+    Fp8Shifted,
 }
 
 /// The step's inputs on the device.
@@ -73,6 +75,8 @@ struct Inputs {
     w8: Vec<Fp8Weights>,
     /// A bias for the projection's rows (used where the case has one).
     bias: CudaSlice<bf16>,
+    /// A key shift (`nkv × hd` f32) for [`Cache::Fp8Shifted`].
+    k_shift: CudaSlice<f32>,
 }
 
 fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
@@ -132,6 +136,7 @@ fn inputs(dev: &CudaDevice, r: &mut StdRng, c: &Case) -> Inputs {
         x: up(dev, &rand_vec(r, m * c.k, 1.0)),
         w8,
         bias: up(dev, &rand_vec(r, n, 0.5)),
+        k_shift: dev.upload(&rand_vec(r, c.nkv * c.hd, 0.3)).expect("k_shift"),
     }
 }
 
@@ -216,7 +221,11 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, cache: Cache, varia
     if fused {
         let rope_cache = match cache {
             Cache::Bf16 => RopeCache::Bf16 { k: &mut kb, v: &mut vb },
-            Cache::Fp8 => RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE },
+            Cache::Fp8 => RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE, k_shift: None },
+            Cache::Fp8Shifted => {
+                let k_shift = Some(&x.k_shift);
+                RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: K_SCALE, v_scale: V_SCALE, k_shift }
+            }
         };
         match p {
             Product::Norm => x.norm_rope(c, m, x.geo, &mut q, rope_cache, factor, Some(variant)).launch(dev),
@@ -255,12 +264,13 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, cache: Cache, varia
                 RopeKvCall { input, k_cache: &mut kb, v_cache: &mut vb, meta, inv_freq: inv, n_heads: nh, geo }
                     .launch_with(dev, extras)
             }
-            Cache::Fp8 => RopeKvFp8Call {
+            Cache::Fp8 | Cache::Fp8Shifted => RopeKvFp8Call {
                 input,
                 k_cache: &mut k8,
                 v_cache: &mut v8,
                 k_scale: K_SCALE,
                 v_scale: V_SCALE,
+                k_shift: (cache == Cache::Fp8Shifted).then_some(&x.k_shift),
                 meta,
                 inv_freq: inv,
                 n_heads: nh,
@@ -273,14 +283,14 @@ fn route(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, cache: Cache, varia
     let q = bits(dev, &q, m * qd);
     match cache {
         Cache::Bf16 => Written { q, k: bits(dev, &kb, len), v: bits(dev, &vb, len) },
-        Cache::Fp8 => Written { q, k: bytes(dev, &k8, len), v: bytes(dev, &v8, len) },
+        Cache::Fp8 | Cache::Fp8Shifted => Written { q, k: bytes(dev, &k8, len), v: bytes(dev, &v8, len) },
     }
 }
 
 fn is_nan(cache: Cache, b: u16) -> bool {
     match cache {
         Cache::Bf16 => bf16::from_bits(b).is_nan(),
-        Cache::Fp8 => b & 0x7f == 0x7f,
+        Cache::Fp8 | Cache::Fp8Shifted => b & 0x7f == 0x7f,
     }
 }
 
@@ -288,7 +298,7 @@ fn is_nan(cache: Cache, b: u16) -> bool {
 fn assert_routes_agree(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, variants: usize) {
     let m = c.real + c.pad;
     let kvw = c.nkv * c.hd;
-    for cache in [Cache::Bf16, Cache::Fp8] {
+    for cache in [Cache::Bf16, Cache::Fp8, Cache::Fp8Shifted] {
         for variant in 0..variants {
             let what = format!(
                 "{p:?} hd={} heads={}/{} m={m} ({} padding) bias {} {cache:?} variant {variant}",
@@ -302,6 +312,12 @@ fn assert_routes_agree(dev: &CudaDevice, c: &Case, x: &Inputs, p: Product, varia
                 let span = slot * kvw..(slot + 1) * kvw;
                 assert!(want.k[span.clone()].iter().all(|&b| !is_nan(cache, b)), "{what}: K slot {slot} unwritten");
                 assert!(want.v[span].iter().all(|&b| !is_nan(cache, b)), "{what}: V slot {slot} unwritten");
+            }
+            if cache == Cache::Fp8Shifted {
+                // Not vacuous either: the shift changed the stored keys (and only them).
+                let plain = route(dev, c, x, p, Cache::Fp8, variant, false);
+                assert_ne!(plain.k, want.k, "{what}: the shift left every key code as it was");
+                assert_eq!(plain.v, want.v, "{what}: the shift moved a value");
             }
             for (name, a, b) in [("q", &got.q, &want.q), ("K cache", &got.k, &want.k), ("V cache", &got.v, &want.v)] {
                 let diff = a.iter().zip(b.iter()).filter(|(x, y)| x != y).count();
@@ -386,9 +402,13 @@ fn gpu_norm_rope_refuses_bad_calls() {
     let base = |q: &mut CudaSlice<bf16>, cache: RopeCache<'_>, m: usize, geo: KvGeometry| {
         x.norm_rope(&c, m, geo, q, cache, None, None).launch(&dev)
     };
-    let zero_scale = RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: 0.0, v_scale: 1.0 };
+    let zero_scale = RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: 0.0, v_scale: 1.0, k_shift: None };
     let e = base(&mut q, zero_scale, m, x.geo).expect_err("a zero FP8 scale");
     assert!(format!("{e}").contains("scale"), "{e}");
+    let short = dev.upload(&vec![0.5f32; c.nkv * c.hd - 1]).expect("short shift");
+    let short_shift = RopeCache::Fp8 { k: &mut k8, v: &mut v8, k_scale: 1.0, v_scale: 1.0, k_shift: Some(&short) };
+    let e = base(&mut q, short_shift, m, x.geo).expect_err("a key shift one value short");
+    assert!(format!("{e}").contains("k_shift"), "{e}");
     let e = base(&mut q, RopeCache::Bf16 { k: &mut kb, v: &mut vb }, m - 1, x.geo).expect_err("rows off the metadata");
     assert!(format!("{e}").contains("metadata"), "{e}");
     let odd = KvGeometry { head_dim: 120, ..x.geo };

@@ -108,6 +108,11 @@ pub struct ServeArgs {
     /// then keep them; needs --kv-cache-dtype fp8 [default: false]
     #[arg(long, env = "BATON_CALCULATE_KV_SCALES", num_args = 0..=1, require_equals = true, default_missing_value = "true", value_name = "BOOL")]
     pub calculate_kv_scales: Option<bool>,
+    /// FP8 KV key smoothing: auto stores each layer's keys less their mean (measured at
+    /// start-up on a fixed text; exact for softmax attention, so skipped for models with
+    /// attention soft-caps or sinks), off stores them as they are [default: auto]
+    #[arg(long, env = "BATON_KV_K_SMOOTHING", value_name = "auto|off")]
+    pub kv_k_smoothing: Option<baton_engine::kv_k_smoothing::KvKSmoothing>,
     /// Weight quantization: none (as the checkpoint says: FP8 checkpoints load as FP8) or fp8
     /// (quantize a bf16 checkpoint's projections at load, per output channel) [default: none]
     #[arg(long, env = "BATON_QUANTIZATION", value_name = "METHOD")]

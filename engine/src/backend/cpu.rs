@@ -15,15 +15,16 @@
 //! dequantizes ([`baton_kernels::cpu::write_kv_fp8`], [`baton_kernels::cpu::paged_attention_fp8`]),
 //! and the KV I/O moves the codes. It is the reference for the CUDA FP8 cache.
 
+mod kv_fp8;
+
 use super::{
     AttentionExtras, Backend, BackendError, BatchLayout, KvCacheShape, KvIo, KvScale, MoeActivation, MoeWeights,
     OptionalOp,
 };
-use crate::kv_cache_dtype::{KvAmax, calibrated_scale, check_scale};
+use crate::kv_cache_dtype::check_scale;
 use baton_core::kv_transfer::KvDtype;
 use baton_kernels::cpu::{
-    self as k, AttnExtras, Fp8KvLayerMut, Fp8KvLayerRef, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight,
-    RopeTable, SeqSpan,
+    self as k, AttnExtras, KernelError, KvLayerMut, KvLayerRef, MoeRouting, NormWeight, RopeTable, SeqSpan,
 };
 
 /// A `rows × cols` row-major f32 weight matrix; for an FP8 weight, its dequantized values
@@ -51,6 +52,8 @@ pub struct CpuBackend {
     fp8_scales: Option<Vec<KvScale>>,
     /// Layers whose next FP8 write calibrates their scales ([`Backend::calibrate_kv_scales`]).
     kv_calibrate: Vec<bool>,
+    /// The FP8 cache's key shift per layer ([`Backend::set_kv_k_shift`]), each empty for none.
+    fp8_k_shift: Vec<Vec<f32>>,
     shape: Option<KvCacheShape>,
     rope: Option<RopeTable>,
     /// Rotary tables per layer kind and each layer's index into them (see
@@ -463,6 +466,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_k_shift(&self, layer: usize) -> Vec<f32> {
+        self.fp8_k_shift.get(layer).cloned().unwrap_or_default()
+    }
+
+    fn set_kv_k_shift(&mut self, layer: usize, shift: &[f32]) -> Result<(), BackendError> {
+        self.set_fp8_k_shift(layer, shift)
+    }
+
     fn calibrate_kv_scales(&mut self, layers: &[bool]) -> Result<(), BackendError> {
         match &self.fp8_scales {
             Some(s) if layers.is_empty() || layers.len() == s.len() => {}
@@ -479,11 +490,15 @@ impl Backend for CpuBackend {
 
     fn set_kv_cache_dtype(&mut self, dtype: KvDtype, scales: Vec<KvScale>) -> Result<(), BackendError> {
         match dtype {
-            KvDtype::F32 => self.fp8_scales = None,
+            KvDtype::F32 => {
+                self.fp8_scales = None;
+                self.fp8_k_shift.clear();
+            }
             KvDtype::Fp8E4M3 => {
                 for (i, s) in scales.iter().enumerate() {
                     check_scale(i, s)?;
                 }
+                self.fp8_k_shift = vec![Vec::new(); scales.len()];
                 self.fp8_scales = Some(scales);
             }
             other => {
@@ -830,119 +845,6 @@ impl KvIo for CpuBackend {
             }
         }
         Ok(())
-    }
-}
-
-impl CpuBackend {
-    /// [`Backend::rope_and_write_kv`]'s write into an FP8 cache (`k`, `v` already rotated
-    /// and rounded as stored activations).
-    fn write_kv_fp8(&mut self, layer: usize, kb: &[f32], v: &[f32], batch: &BatchLayout) -> Result<(), BackendError> {
-        let shape = self.shape()?;
-        let stride = shape.num_kv_heads * shape.head_dim;
-        if self.kv_calibrate.get(layer).copied().unwrap_or(false) {
-            self.calibrate_layer(layer, kb, v, stride, batch)?;
-        }
-        let scale = self.fp8_layer(layer)?.1;
-        let (kc, vc) = self
-            .kv_fp8
-            .get_mut(layer)
-            .ok_or_else(|| BackendError::Device(format!("layer {layer} has no FP8 KV cache")))?;
-        let mut cache = Fp8KvLayerMut {
-            k: kc,
-            v: vc,
-            k_scale: scale.k,
-            v_scale: scale.v,
-            block_size: shape.block_size,
-            n_kv_heads: shape.num_kv_heads,
-            head_dim: shape.head_dim,
-        };
-        for s in &batch.seqs {
-            let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
-            let (Some(kr), Some(vr)) = (kb.get(rows.clone()), v.get(rows)) else {
-                return Err(kerr(
-                    "write_kv_fp8",
-                    format!("rows {}..{} outside the batch", s.row_start, s.row_start + s.n_tokens),
-                ));
-            };
-            k::write_kv_fp8(
-                kr,
-                vr,
-                SeqSpan { start_pos: s.start_pos, n_tokens: s.n_tokens, block_table: &s.block_table },
-                &mut cache,
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Sets layer `layer`'s scales from the amax of the rows this step writes (each
-    /// sequence's chunk; rows of no sequence are never written, so they do not count).
-    fn calibrate_layer(
-        &mut self,
-        layer: usize,
-        kb: &[f32],
-        v: &[f32],
-        stride: usize,
-        batch: &BatchLayout,
-    ) -> Result<(), BackendError> {
-        let mut amax = KvAmax { k: 0.0, v: 0.0 };
-        for s in &batch.seqs {
-            let rows = s.row_start * stride..(s.row_start + s.n_tokens) * stride;
-            let (Some(kr), Some(vr)) = (kb.get(rows.clone()), v.get(rows)) else {
-                return Err(kerr(
-                    "calibrate_kv_scales",
-                    format!("rows of sequence at {} outside the batch", s.row_start),
-                ));
-            };
-            amax = KvAmax { k: k::abs_max(&[amax.k, k::abs_max(kr)]), v: k::abs_max(&[amax.v, k::abs_max(vr)]) };
-        }
-        let scales =
-            self.fp8_scales.as_mut().ok_or_else(|| kerr("calibrate_kv_scales", "the cache is not FP8".into()))?;
-        let slot = scales.get_mut(layer).ok_or_else(|| kerr("calibrate_kv_scales", format!("no layer {layer}")))?;
-        *slot = calibrated_scale(layer, amax, *slot);
-        Ok(())
-    }
-
-    /// [`Backend::attention`] (with `extras`: [`Backend::attention_ext`]) over an FP8 cache
-    /// (dequantized as it is read).
-    fn attention_fp8(
-        &self,
-        layer: usize,
-        q: &[f32],
-        n_heads: usize,
-        scale: f32,
-        batch: &BatchLayout,
-        extras: AttnExtras<'_>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), BackendError> {
-        let shape = self.shape()?;
-        let ((kc, vc), kv_scale) = self.fp8_layer(layer)?;
-        let width = n_heads * shape.head_dim;
-        let cache = Fp8KvLayerRef {
-            k: kc,
-            v: vc,
-            k_scale: kv_scale.k,
-            v_scale: kv_scale.v,
-            block_size: shape.block_size,
-            n_kv_heads: shape.num_kv_heads,
-            head_dim: shape.head_dim,
-        };
-        attend_per_sequence(q, out, width, batch, |qr, span, or| {
-            k::paged_attention_fp8(qr, n_heads, scale, span, cache, extras, or)
-        })?;
-        self.store(out);
-        Ok(())
-    }
-
-    /// Elements per block of one layer's K (or V), after checking every block id is in the pool.
-    fn kv_block_len(&self, blocks: &[u32]) -> Result<usize, BackendError> {
-        let shape = self.shape()?;
-        if let Some(bad) = blocks.iter().find(|&&b| b as usize >= shape.num_blocks) {
-            return Err(BackendError::Kernel(KernelError {
-                op: "kv_blocks",
-                message: format!("block {bad} is outside the pool of {}", shape.num_blocks),
-            }));
-        }
-        Ok(shape.block_size * shape.num_kv_heads * shape.head_dim)
     }
 }
 

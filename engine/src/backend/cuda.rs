@@ -827,6 +827,14 @@ impl Backend for CudaBackend {
         self.set_fp8_scale(layer, scale)
     }
 
+    fn kv_k_shift(&self, layer: usize) -> Vec<f32> {
+        self.fp8.as_ref().and_then(|f| f.k_shift.get(layer)).map(|(h, _)| h.clone()).unwrap_or_default()
+    }
+
+    fn set_kv_k_shift(&mut self, layer: usize, shift: &[f32]) -> Result<(), BackendError> {
+        self.set_fp8_k_shift(layer, shift)
+    }
+
     fn calibrate_kv_scales(&mut self, layers: &[bool]) -> Result<(), BackendError> {
         self.calibrate_fp8(layers)
     }

@@ -210,8 +210,9 @@ impl CudaBackend {
         let cache = match self.fp8.as_mut() {
             Some(fp8) => {
                 let scale = *fp8.scales.get(r.layer).ok_or_else(missing)?;
+                let k_shift = fp8.k_shift.get(r.layer).and_then(|(_, d)| d.as_ref());
                 let (k, v) = fp8.layers.get_mut(r.layer).ok_or_else(missing)?;
-                RopeCache::Fp8 { k, v, k_scale: scale.k, v_scale: scale.v }
+                RopeCache::Fp8 { k, v, k_scale: scale.k, v_scale: scale.v, k_shift }
             }
             None => {
                 let (k, v) = self.kv.get_mut(r.layer).ok_or_else(missing)?;

@@ -31,6 +31,9 @@ pub(super) struct Fp8Cache {
     pub(super) calibrate: Vec<bool>,
     /// A calibration pass's `[max |k|, max |v|]`, allocated by the first calibration.
     pub(super) amax: Option<CudaSlice<f32>>,
+    /// Per layer, its key shift ([`crate::kv_k_smoothing`]): the host values (empty for
+    /// none) and their device copy, which every key write of the layer reads.
+    pub(super) k_shift: Vec<(Vec<f32>, Option<CudaSlice<f32>>)>,
 }
 
 impl Fp8Cache {
@@ -56,7 +59,8 @@ impl CudaBackend {
                 for (i, s) in scales.iter().enumerate() {
                     crate::kv_cache_dtype::check_scale(i, s)?;
                 }
-                self.fp8 = Some(Fp8Cache { scales, layers: Vec::new(), calibrate: Vec::new(), amax: None });
+                let k_shift = (0..scales.len()).map(|_| (Vec::new(), None)).collect();
+                self.fp8 = Some(Fp8Cache { scales, layers: Vec::new(), calibrate: Vec::new(), amax: None, k_shift });
             }
             other => {
                 return Err(BackendError::Device(format!(
@@ -119,6 +123,7 @@ impl CudaBackend {
             *slot = crate::kv_cache_dtype::calibrated_scale(layer, KvAmax { k: got[0], v: got[1] }, *slot);
         }
         let scale = *fp8.scales.get(layer).ok_or_else(|| no_layer(layer))?;
+        let k_shift = fp8.k_shift.get(layer).and_then(|(_, d)| d.as_ref());
         let (kc, vc) = fp8.layers.get_mut(layer).ok_or_else(|| no_layer(layer))?;
         let call = RopeKvFp8Call {
             input,
@@ -126,6 +131,7 @@ impl CudaBackend {
             v_cache: vc,
             k_scale: scale.k,
             v_scale: scale.v,
+            k_shift,
             meta: &self.meta,
             inv_freq: inv,
             n_heads,
@@ -140,6 +146,18 @@ impl CudaBackend {
         crate::kv_cache_dtype::check_scale(layer, &scale)?;
         let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
         *fp8.scales.get_mut(layer).ok_or_else(|| no_layer(layer))? = scale;
+        self.drop_graphs();
+        Ok(())
+    }
+
+    /// [`crate::backend::Backend::set_kv_k_shift`]: the shift is uploaded (or dropped when
+    /// empty); recorded graphs hold the old pointer as a launch argument, so they are dropped.
+    pub(super) fn set_fp8_k_shift(&mut self, layer: usize, shift: &[f32]) -> Result<(), BackendError> {
+        let geo = self.geo()?;
+        crate::kv_k_smoothing::check_shift(layer, shift, geo.n_kv_heads * geo.head_dim)?;
+        let device = if shift.is_empty() { None } else { Some(self.dev.upload(shift)?) };
+        let fp8 = self.fp8.as_mut().ok_or_else(|| no_layer(layer))?;
+        *fp8.k_shift.get_mut(layer).ok_or_else(|| no_layer(layer))? = (shift.to_vec(), device);
         self.drop_graphs();
         Ok(())
     }

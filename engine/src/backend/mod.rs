@@ -513,6 +513,18 @@ pub trait Backend: Send + 'static {
     fn set_kv_scale(&mut self, layer: usize, _scale: KvScale) -> Result<(), BackendError> {
         Err(BackendError::Device(format!("{} has no FP8 KV scales to set (layer {layer})", self.device_name())))
     }
+    /// Layer `layer`'s FP8 key shift ([`crate::kv_k_smoothing`]): each key is stored as the
+    /// code of `(k - shift) / k_scale`, one shift value per (KV head, dim); empty for none
+    /// (and for a cache that is not FP8).
+    fn kv_k_shift(&self, _layer: usize) -> Vec<f32> {
+        Vec::new()
+    }
+    /// Replaces layer `layer`'s key shift (`n_kv_heads × head_dim` values, or empty for none;
+    /// else refused). Only sound while the layer's cache holds no key a later step reads: keys
+    /// stored under two shifts in one sequence would be scored inconsistently.
+    fn set_kv_k_shift(&mut self, layer: usize, _shift: &[f32]) -> Result<(), BackendError> {
+        Err(BackendError::Device(format!("{} has no FP8 KV key shift to set (layer {layer})", self.device_name())))
+    }
     /// FP8 KV scale calibration (`--calculate-kv-scales`, see [`crate::kv_cache_dtype`]):
     /// from now on, each KV write into a layer `i` with `layers[i]` first sets that layer's
     /// scales from the write's own new K (as stored: rotated, normed) and V

@@ -309,7 +309,7 @@ impl LinkConnector {
                     k: Vec::new(),
                     v: Vec::new(),
                     seq,
-                    scale: None,
+                    coding: None,
                 }));
             }
             Err(e) => o.failed = Some(e.to_string()),

@@ -33,7 +33,8 @@ pub use link::{GateState, HandoffGate, Link, LinkComm, LinkError, Links, Pending
 pub use link_connector::LinkConnector;
 pub use tcp::TcpConnector;
 
-use crate::backend::{Backend, BackendError, KvDeviceAccess, KvScale};
+use crate::backend::{Backend, BackendError, KvDeviceAccess};
+use crate::kv_cache_dtype::KvCoding;
 use crate::kv_transport::LayerFrame;
 use crate::relay::{ExportEvent, Reservation, TransferTrailer};
 use baton_core::api::RequestId;
@@ -54,40 +55,48 @@ pub trait KvAccess {
     fn write_kv_blocks(&mut self, layer: usize, blocks: &[u32], k: &[u8], v: &[u8]) -> Result<(), BackendError>;
     /// The device side of the cache, on backends that have one.
     fn device(&mut self) -> Option<&mut dyn KvDeviceAccess>;
-    /// Layer `layer`'s FP8 scales, what its codes are written with (`None` when the cache
-    /// is not FP8).
-    fn kv_scale(&self, layer: usize) -> Option<KvScale>;
-    /// Stores codes another cache of the same layout wrote with the scales `sender` (`None`:
-    /// not FP8, the bytes are stored as they are). Codes of scales other than this layer's
-    /// are requantized into this layer's ([`baton_kernels::cpu::requantize_e4m3`]); the
-    /// engine's model overrides this so that a layer still waiting for its calibration adopts
-    /// the sender's scales instead (`crate::runner::ModelRunner`).
+    /// How layer `layer`'s FP8 codes are written (scales and key shift), `None` when the
+    /// cache is not FP8.
+    fn kv_coding(&self, layer: usize) -> Option<KvCoding>;
+    /// Stores codes another cache of the same layout wrote as `sender` says (`None`: not
+    /// FP8, the bytes are stored as they are). Codes written otherwise than this layer's are
+    /// requantized into this layer's coding ([`write_in_own_coding`]); the engine's model
+    /// overrides this so that a layer still waiting for its calibration adopts the sender's
+    /// scales, and a cache no step has written adopts its key shift, instead
+    /// (`crate::runner::ModelRunner`).
     fn import_kv_blocks(
         &mut self,
         layer: usize,
         blocks: &[u32],
         k: &[u8],
         v: &[u8],
-        sender: Option<KvScale>,
+        sender: Option<&KvCoding>,
     ) -> Result<(), BackendError> {
-        write_in_own_scales(self, layer, blocks, (k, v), sender)
+        write_in_own_coding(self, layer, blocks, (k, v), sender)
     }
 }
 
-/// [`KvAccess::import_kv_blocks`]'s default: the codes requantized from `sender`'s scales into
-/// layer `layer`'s own where they differ, else stored as they are.
-pub fn write_in_own_scales<A: KvAccess + ?Sized>(
+/// [`KvAccess::import_kv_blocks`]'s default: the codes requantized from `sender`'s coding into
+/// layer `layer`'s own where they differ (values by their scales; keys by their scales and
+/// shifts, [`baton_kernels::cpu::requantize_keys_e4m3`]), else stored as they are.
+pub fn write_in_own_coding<A: KvAccess + ?Sized>(
     kv: &mut A,
     layer: usize,
     blocks: &[u32],
     (k, v): (&[u8], &[u8]),
-    sender: Option<KvScale>,
+    sender: Option<&KvCoding>,
 ) -> Result<(), BackendError> {
-    match (sender, kv.kv_scale(layer)) {
-        (Some(sent), Some(own)) if sent != own => {
+    match (sender, kv.kv_coding(layer)) {
+        (Some(sent), Some(own)) if *sent != own => {
             let (mut k, mut v) = (k.to_vec(), v.to_vec());
-            baton_kernels::cpu::requantize_e4m3(&mut k, sent.k, own.k);
-            baton_kernels::cpu::requantize_e4m3(&mut v, sent.v, own.v);
+            let stride = sent.k_shift.len().max(own.k_shift.len());
+            if stride == 0 {
+                baton_kernels::cpu::requantize_e4m3(&mut k, sent.scale.k, own.scale.k);
+            } else {
+                let (from, to) = ((sent.scale.k, &sent.k_shift[..]), (own.scale.k, &own.k_shift[..]));
+                baton_kernels::cpu::requantize_keys_e4m3(&mut k, stride, from, to)?;
+            }
+            baton_kernels::cpu::requantize_e4m3(&mut v, sent.scale.v, own.scale.v);
             kv.write_kv_blocks(layer, blocks, &k, &v)
         }
         _ => kv.write_kv_blocks(layer, blocks, k, v),
@@ -107,8 +116,9 @@ impl<B: Backend> KvAccess for B {
         Backend::kv_device(self)
     }
 
-    fn kv_scale(&self, layer: usize) -> Option<KvScale> {
-        Backend::kv_scales(self).get(layer).copied()
+    fn kv_coding(&self, layer: usize) -> Option<KvCoding> {
+        let scale = Backend::kv_scales(self).get(layer).copied()?;
+        Some(KvCoding { scale, k_shift: Backend::kv_k_shift(self, layer) })
     }
 }
 

@@ -64,14 +64,16 @@ impl KvConnector for TcpConnector {
         match event {
             KvEvent::Layer { id, blocks, frame } => match self.check(id, &blocks, &frame) {
                 Ok(false) => {}
-                Ok(true) => match kv.import_kv_blocks(frame.layer, &blocks, &frame.k, &frame.v, frame.scale) {
-                    Ok(()) => {}
-                    Err(e) if e.is_fatal() => out.push(KvOutcome::Fatal(e)),
-                    Err(e) => {
-                        self.reservations.remove(&id);
-                        out.push(KvOutcome::Recompute { id, reason: e.to_string() });
+                Ok(true) => {
+                    match kv.import_kv_blocks(frame.layer, &blocks, &frame.k, &frame.v, frame.coding.as_ref()) {
+                        Ok(()) => {}
+                        Err(e) if e.is_fatal() => out.push(KvOutcome::Fatal(e)),
+                        Err(e) => {
+                            self.reservations.remove(&id);
+                            out.push(KvOutcome::Recompute { id, reason: e.to_string() });
+                        }
                     }
-                },
+                }
                 Err(reason) => {
                     self.reservations.remove(&id);
                     out.push(KvOutcome::Recompute {
@@ -119,10 +121,10 @@ impl KvConnector for TcpConnector {
     fn after_layer(&mut self, layer: usize, kv: &mut dyn KvAccess) -> Result<(), BackendError> {
         for e in &self.step {
             let (k, v) = kv.read_kv_blocks(layer, &e.blocks)?;
-            // The scales the codes were written with: calibrated ones once this layer's
-            // calibration ran (it runs before the layer's KV write, so before this hook).
-            let scale = kv.kv_scale(layer);
-            let _ = e.tx.send(ExportEvent::Layer(LayerFrame { layer, k, v, seq: 0, scale }));
+            // How the codes were written: calibrated scales once this layer's calibration ran
+            // (it runs before the layer's KV write, so before this hook), and the key shift.
+            let coding = kv.kv_coding(layer);
+            let _ = e.tx.send(ExportEvent::Layer(LayerFrame { layer, k, v, seq: 0, coding }));
         }
         Ok(())
     }

@@ -68,6 +68,13 @@ impl Handshake {
     pub fn frame_half(&self) -> usize {
         if self.nccl.is_some() { 0 } else { self.bytes_per_layer_half }
     }
+
+    /// Key-shift values in each layer frame: one per (KV head, dim) for an FP8 cache's bytes
+    /// (all zero for none), none otherwise.
+    pub fn frame_shift_values(&self) -> usize {
+        let fp8 = self.layout.dtype == baton_core::kv_transfer::KvDtype::Fp8E4M3;
+        if self.nccl.is_none() && fp8 { self.layout.num_kv_heads * self.layout.head_dim } else { 0 }
+    }
 }
 
 /// The NCCL part of a handshake.
@@ -99,10 +106,10 @@ pub struct LayerFrame {
     /// Over an NCCL link (where `k` and `v` are empty): the number of this layer's send
     /// group on the link, which orders the receives (see [`nccl`]). 0 otherwise.
     pub seq: u64,
-    /// The FP8 scales the sender's codes were written with (its layer's scales, calibrated or
-    /// not); `None` for a cache that is not FP8. The receiver stores the codes under its own
-    /// scales ([`crate::kv_connector::KvAccess::import_kv_blocks`]).
-    pub scale: Option<crate::kv_cache_dtype::KvScale>,
+    /// How the sender's codes were written (its layer's scales, calibrated or not, and key
+    /// shift); `None` for a cache that is not FP8. The receiver stores the codes in its own
+    /// coding ([`crate::kv_connector::KvAccess::import_kv_blocks`]).
+    pub coding: Option<crate::kv_cache_dtype::KvCoding>,
 }
 
 /// A hand-off that failed.

@@ -4,9 +4,12 @@
 //! 32-byte random challenge; the sender checks the magic, answers with the magic, then
 //! frames of `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (a 32-byte proof,
 //! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64,
-//! k_scale: f32, v_scale: f32`, then K and V bytes; `seq` orders NCCL receives, see `nccl`;
-//! the scales are the FP8 scales the codes were written with, both 0 for a cache that is not
-//! FP8, anything else not finite and positive refused), `DONE` (JSON [`TransferTrailer`]: the first token).
+//! k_scale: f32, v_scale: f32`, for an FP8 cache `n_kv_heads × head_dim` f32 of key shift, then
+//! K and V bytes; `seq` orders NCCL receives, see `nccl`; the scales are the FP8 scales the
+//! codes were written with, both 0 for a cache that is not FP8, anything else not finite and
+//! positive refused; the key shift is the one the keys were stored less, all zero for none, a
+//! value that is not finite refused; see `crate::kv_k_smoothing`), `DONE` (JSON
+//! [`TransferTrailer`]: the first token).
 //! Receiver → sender: `ACCEPT` or `REFUSE` (reason text) after `HELLO`, and
 //! `ACCEPT` after `DONE` once every layer is stored (or `REFUSE` when the trailer is bad).
 //!
@@ -30,7 +33,7 @@
 //! sizes the handshake declares, then the caller's admission (the reservation's own checks).
 
 use super::{Handshake, LayerFrame, TransportError};
-use crate::kv_cache_dtype::KvScale;
+use crate::kv_cache_dtype::{KvCoding, KvScale};
 use crate::relay::TransferTrailer;
 use baton_core::cluster_auth::{ClusterSecret, KV_NONCE_LEN, KvChallenge, TAG_LEN};
 use baton_core::kv_transfer::KvLayout;
@@ -40,7 +43,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Bumped with every wire change, so mismatched builds refuse each other at once.
-const MAGIC: &[u8; 4] = b"BKV4";
+const MAGIC: &[u8; 4] = b"BKV5";
 const HELLO: u8 = 1;
 const ACCEPT: u8 = 2;
 const REFUSE: u8 = 3;
@@ -171,13 +174,25 @@ impl TcpKvSender {
                 frame.v.len()
             )));
         }
-        let mut head = [0u8; LAYER_HEAD];
+        let shift = frame.coding.as_ref().map_or(&[][..], |c| &c.k_shift[..]);
+        let values = self.hs.frame_shift_values();
+        if !shift.is_empty() && shift.len() != values {
+            return Err(TransportError::Protocol(format!(
+                "layer {} has a key shift of {} values; this layout's frames carry {values}",
+                frame.layer,
+                shift.len()
+            )));
+        }
+        let mut head = vec![0u8; LAYER_HEAD + 4 * values];
         head[..4].copy_from_slice(&(frame.layer as u32).to_le_bytes());
         head[4..12].copy_from_slice(&(frame.k.len() as u64).to_le_bytes());
         head[12..20].copy_from_slice(&frame.seq.to_le_bytes());
-        let (ks, vs) = frame.scale.map_or((0.0f32, 0.0f32), |s| (s.k, s.v));
+        let (ks, vs) = frame.coding.as_ref().map_or((0.0f32, 0.0f32), |c| (c.scale.k, c.scale.v));
         head[20..24].copy_from_slice(&ks.to_le_bytes());
-        head[24..].copy_from_slice(&vs.to_le_bytes());
+        head[24..28].copy_from_slice(&vs.to_le_bytes());
+        for (dst, x) in head[LAYER_HEAD..].chunks_exact_mut(4).zip(shift) {
+            dst.copy_from_slice(&x.to_le_bytes());
+        }
         let d = self.deadline;
         with_deadline(d, "sending a layer", write_frame(&mut self.stream, LAYER, &[&head, &frame.k, &frame.v])).await?;
         self.next_layer += 1;
@@ -312,7 +327,11 @@ impl PendingHandoff {
             .iter()
             .try_fold(0usize, |n, r| n.checked_add(r.len))
             .and_then(|b| b.checked_mul(layout.bytes_per_block()));
-        let frame_len = hs.frame_half().checked_mul(2).and_then(|kv| kv.checked_add(LAYER_HEAD));
+        let frame_len = hs
+            .frame_half()
+            .checked_mul(2)
+            .and_then(|kv| kv.checked_add(LAYER_HEAD))
+            .and_then(|n| n.checked_add(hs.frame_shift_values().checked_mul(4)?));
         let (Some(frame_len), true) = (frame_len, need == Some(hs.bytes_per_layer_half)) else {
             let need = need.map_or_else(|| "more than can be counted".to_owned(), |n| n.to_string());
             let msg =
@@ -359,6 +378,7 @@ impl IncomingTransfer {
     /// sender is then told every layer is stored).
     pub async fn next(&mut self) -> Result<Incoming, TransportError> {
         let half = self.hs.frame_half();
+        let shift_values = self.hs.frame_shift_values();
         let (num_layers, frame_len) = (self.hs.layout.num_layers, self.frame_len);
         let next_layer = self.next_layer;
         let stream = &mut self.stream;
@@ -395,12 +415,16 @@ impl IncomingTransfer {
                 let f32_at = |at: usize| f32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
                 let scale = frame_scale(f32_at(20), f32_at(24))
                     .map_err(|e| TransportError::Protocol(format!("layer {layer}: {e}")))?;
+                let shift: Vec<f32> = (0..shift_values).map(|i| f32_at(LAYER_HEAD + 4 * i)).collect();
+                let coding =
+                    frame_coding(scale, shift).map_err(|e| TransportError::Protocol(format!("layer {layer}: {e}")))?;
+                let data = LAYER_HEAD + 4 * shift_values;
                 Ok(Incoming::Layer(LayerFrame {
                     layer,
-                    k: body[LAYER_HEAD..LAYER_HEAD + half].to_vec(),
-                    v: body[LAYER_HEAD + half..].to_vec(),
+                    k: body[data..data + half].to_vec(),
+                    v: body[data + half..].to_vec(),
                     seq: u64::from_le_bytes(sb),
-                    scale,
+                    coding,
                 }))
             }
             DONE => {
@@ -441,6 +465,21 @@ fn frame_scale(k: f32, v: f32) -> Result<Option<KvScale>, String> {
     }
 }
 
+/// A layer frame's coding from its scales and key-shift values: none without scales (a
+/// shift is then refused unless all zero), an empty shift for all zeros, a value that is not
+/// finite refused.
+fn frame_coding(scale: Option<KvScale>, shift: Vec<f32>) -> Result<Option<KvCoding>, String> {
+    if let Some((i, x)) = shift.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+        return Err(format!("key shift value {i} is {x}"));
+    }
+    let none = shift.iter().all(|&x| x == 0.0);
+    match scale {
+        Some(scale) => Ok(Some(KvCoding { scale, k_shift: if none { Vec::new() } else { shift } })),
+        None if none => Ok(None),
+        None => Err("a key shift without FP8 scales".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,7 +515,7 @@ mod tests {
             k,
             v,
             seq: layer as u64 + 100,
-            scale: (layer % 2 == 1).then_some(KvScale { k: 0.25, v: 3.5 }),
+            coding: (layer % 2 == 1).then(|| KvCoding { scale: KvScale { k: 0.25, v: 3.5 }, k_shift: Vec::new() }),
         }
     }
 

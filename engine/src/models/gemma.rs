@@ -195,6 +195,10 @@ impl<B: Backend> Architecture<B> for Gemma<B> {
         &self.specs
     }
 
+    fn key_shift_blocker(&self) -> Option<&'static str> {
+        self.opts.attn_logit_softcapping.map(|_| "attention logit soft-capping (attn_logit_softcapping)")
+    }
+
     fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
         let tables = self.ropes.0.iter().map(|r| r.table(self.cfg.head_dim)).collect::<Result<Vec<_>, _>>()?;
         if let Some(first) = tables.first() {

@@ -171,6 +171,10 @@ impl<B: Backend> Architecture<B> for GptOss<B> {
         &self.specs
     }
 
+    fn key_shift_blocker(&self) -> Option<&'static str> {
+        Some("attention sinks (a sink logit does not move with the keys)")
+    }
+
     fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
         let tables = self.ropes.0.iter().map(|r| r.table(self.cfg.head_dim)).collect::<Result<Vec<_>, _>>()?;
         let mut tables = tables.into_iter();

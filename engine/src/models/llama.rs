@@ -208,15 +208,18 @@ impl<B: Backend> Architecture<B> for Llama<B> {
         &self.specs
     }
 
-    fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
+    fn key_rope(&self, _layer: usize) -> Result<RopeTable, BackendError> {
         // Over the rotated dims only (partial rotary); LongRoPE's factor list is the one the
         // served context selects (`ModelConfig::with_served_context`).
         let rot = self.cfg.rotary_dim();
-        let table = match &self.cfg.longrope {
+        Ok(match &self.cfg.longrope {
             Some(l) => RopeTable::with_factors(rot, self.rope.theta, l.factors(), l.attention_factor)?,
             None => self.rope.table(rot)?,
-        };
-        b.set_rope(table)
+        })
+    }
+
+    fn prepare(&mut self, b: &mut B) -> Result<(), BackendError> {
+        b.set_rope(self.key_rope(0)?)
     }
 
     fn forward_layers(

@@ -82,6 +82,21 @@ pub trait Architecture<B: Backend>: Send {
     fn config(&self) -> &ModelConfig;
     /// One spec per layer, in order.
     fn layers(&self) -> &[LayerSpec];
+    /// Layer `layer`'s rotary table as the forward rotates its keys with it (its inverse
+    /// frequencies cover the rotated dims; the others pass through). The default is the
+    /// layer spec's table over the whole head; an architecture with partial rotary or
+    /// per-context factors overrides it. [`crate::kv_k_smoothing`] reads the frequencies.
+    fn key_rope(&self, layer: usize) -> Result<baton_kernels::cpu::RopeTable, BackendError> {
+        let spec = self.layers().get(layer).ok_or_else(|| BackendError::Device(format!("no layer {layer}")))?;
+        Ok(spec.rope.table(spec.head_dim)?)
+    }
+    /// What in this model's attention would see one shift of every key of a layer (a
+    /// soft-cap on the scores, sink logits), or `None` where nothing does: a plain softmax
+    /// over `q · k` moves every score of a query by the same `q · shift`
+    /// ([`crate::kv_k_smoothing`]). The default: nothing.
+    fn key_shift_blocker(&self) -> Option<&'static str> {
+        None
+    }
     /// Called once after the weights are on the device (the backend finished uploading):
     /// sets what the forward reads besides weights (rotary tables).
     fn prepare(&mut self, b: &mut B) -> Result<(), BackendError>;

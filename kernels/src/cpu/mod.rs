@@ -18,7 +18,9 @@ pub use activation::{clamped_swiglu, gelu_tanh, gelu_tanh_mul, silu_mul, softcap
 pub use attention::{AttnExtras, KvLayerMut, KvLayerRef, SeqSpan, paged_attention, paged_attention_ext, write_kv};
 pub use embed::embed;
 pub use fp8_linear::{ActivationScale, Fp8Matrix, linear_fp8, quantize_rows_per_token};
-pub use kv_fp8::{Fp8KvLayerMut, Fp8KvLayerRef, abs_max, paged_attention_fp8, requantize_e4m3, write_kv_fp8};
+pub use kv_fp8::{
+    Fp8KvLayerMut, Fp8KvLayerRef, abs_max, paged_attention_fp8, requantize_e4m3, requantize_keys_e4m3, write_kv_fp8,
+};
 pub use linear::linear;
 pub use logprobs::prompt_logprob;
 pub use moe::{

@@ -35,7 +35,7 @@ pub enum RopeCache<'a> {
         /// The layer's V cache.
         v: &'a mut CudaSlice<bf16>,
     },
-    /// E4M3 codes of `k / k_scale` and `v / v_scale` (one byte an element).
+    /// E4M3 codes of `(k - k_shift) / k_scale` and `v / v_scale` (one byte an element).
     Fp8 {
         /// The layer's K cache.
         k: &'a mut CudaSlice<u8>,
@@ -45,6 +45,9 @@ pub enum RopeCache<'a> {
         k_scale: f32,
         /// What a value is divided by before rounding (finite, positive).
         v_scale: f32,
+        /// Subtracted from each key first, `n_kv_heads × head_dim` values (the layer's
+        /// smoothing; see `crate::cpu::Fp8KvLayerMut::k_shift`); `None`: none.
+        k_shift: Option<&'a CudaSlice<f32>>,
     },
 }
 
@@ -98,9 +101,12 @@ impl RopeOut<'_> {
                 need(op, "v_cache", *v, geo.layer_len())?;
                 Ok((false, [1.0, 1.0]))
             }
-            RopeCache::Fp8 { k, v, k_scale, v_scale } => {
+            RopeCache::Fp8 { k, v, k_scale, v_scale, k_shift } => {
                 need(op, "k_cache", *k, geo.layer_len())?;
                 need(op, "v_cache", *v, geo.layer_len())?;
+                if let Some(s) = k_shift {
+                    need(op, "k_shift", *s, geo.n_kv_heads * hd)?;
+                }
                 shape_check(op, [k_scale, v_scale].iter().all(|s| s.is_finite() && **s > 0.0), || {
                     format!("FP8 KV scales k {k_scale}, v {v_scale}: each must be finite and positive")
                 })?;
@@ -111,7 +117,8 @@ impl RopeOut<'_> {
 
     /// The epilogue's arguments after the product's inputs: q_out, the caches, positions, slots,
     /// inv_freq, the bias (a null pointer for none), the head counts, head_dim, the cos/sin
-    /// factor and the K and V scales (`scales` from [`Self::check`]).
+    /// factor, the K and V scales (`scales` from [`Self::check`]) and the key shift (a null
+    /// pointer for none, always for a bf16 cache).
     pub(super) fn push<'b>(&'b self, args: Args<'b>, scales: [f32; 2]) -> Result<Args<'b>, CudaError> {
         let args = args.buf(self.q_out);
         let args = match &self.cache {
@@ -125,7 +132,11 @@ impl RopeOut<'_> {
         };
         let (nkv, hd) = (self.geo.n_kv_heads, self.geo.head_dim);
         let cs_scale = self.attention_factor.unwrap_or(1.0);
-        Ok(args.int(self.n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]))
+        let args = args.int(self.n_heads)?.int(nkv)?.int(hd)?.f32(cs_scale).f32(scales[0]).f32(scales[1]);
+        Ok(match &self.cache {
+            RopeCache::Fp8 { k_shift: Some(s), .. } => args.buf(*s),
+            _ => args.u64(0),
+        })
     }
 }
 
@@ -171,7 +182,8 @@ impl NormRopeCall<'_> {
         // head_dim and inv_freq head_dim / 2 (checked above); n is a multiple of 16 (head_dim
         // is), so every CTA's 16 weight rows exist; the metadata has m rows and was validated
         // against this cache's geometry, so each slot the epilogue writes (one per row with a
-        // slot, n_kv_heads × head_dim elements) lies in the layer's cache.
+        // slot, n_kv_heads × head_dim elements) lies in the layer's cache; a key shift holds
+        // n_kv_heads × head_dim values (checked).
         unsafe { args.launch(dev, func, grid) }
     }
 }

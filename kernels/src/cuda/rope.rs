@@ -116,7 +116,7 @@ impl RopeKvCall<'_> {
     /// normalized, rotated one, v is not normalized); with `rotary_dim`, the dims past it
     /// pass through unrotated (normalized when `qk_norm` is given).
     pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
-        let cache = Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: None };
+        let cache = Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8: None };
         let call = RopeParts {
             input: self.input,
             cache,
@@ -130,7 +130,7 @@ impl RopeKvCall<'_> {
 }
 
 /// [`RopeKvCall`] into an FP8 (E4M3) cache: the same rotation (and extras), then each k
-/// written as `e4m3(k / k_scale)` and each v as `e4m3(v / v_scale)`, one byte an element
+/// written as `e4m3((k - k_shift) / k_scale)` and each v as `e4m3(v / v_scale)`, one byte an element
 /// (reference: [`crate::cpu::write_kv_fp8`] on the bf16-rounded rotated k and v). Kernels
 /// `rope*_write_kv_fp8` (rope_kv.cu).
 pub struct RopeKvFp8Call<'a> {
@@ -144,6 +144,9 @@ pub struct RopeKvFp8Call<'a> {
     pub k_scale: f32,
     /// What a value is divided by before rounding (finite, positive).
     pub v_scale: f32,
+    /// Subtracted from each (rotated, normed, bf16-rounded) key first, `n_kv_heads × head_dim`
+    /// values (the layer's smoothing; see [`crate::cpu::Fp8KvLayerMut::k_shift`]); `None`: none.
+    pub k_shift: Option<&'a CudaSlice<f32>>,
     /// The step's positions and slots.
     pub meta: &'a KvWriteMeta,
     /// `rotary_dim / 2` inverse frequencies (scaling applied).
@@ -158,8 +161,8 @@ impl RopeKvFp8Call<'_> {
     /// Checks the sizes and scales and enqueues the `_fp8` kernel for the input form and
     /// extras (see [`RopeKvCall::launch_with`]).
     pub fn launch_with(self, dev: &CudaDevice, extras: RopeExtras<'_>) -> Result<(), CudaError> {
-        let cache =
-            Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8_scales: Some([self.k_scale, self.v_scale]) };
+        let fp8 = Fp8Coding { k_scale: self.k_scale, v_scale: self.v_scale, k_shift: self.k_shift };
+        let cache = Dest::Cache { k: &*self.k_cache, v: &*self.v_cache, fp8: Some(fp8) };
         let call = RopeParts {
             input: self.input,
             cache,
@@ -208,11 +211,19 @@ impl RopeKvAmaxCall<'_> {
     }
 }
 
-/// Where the rotated k and v go: a layer's K and V caches (with the FP8 scales when they are
-/// E4M3 codes), or a calibration pass's two maxima.
+/// Where the rotated k and v go: a layer's K and V caches (with the FP8 scales and key shift
+/// when they are E4M3 codes), or a calibration pass's two maxima.
 enum Dest<'a, T> {
-    Cache { k: &'a CudaSlice<T>, v: &'a CudaSlice<T>, fp8_scales: Option<[f32; 2]> },
+    Cache { k: &'a CudaSlice<T>, v: &'a CudaSlice<T>, fp8: Option<Fp8Coding<'a>> },
     Amax(&'a CudaSlice<f32>),
+}
+
+/// How an FP8 cache's codes are written: [`RopeKvFp8Call`]'s scales and key shift.
+#[derive(Clone, Copy)]
+struct Fp8Coding<'a> {
+    k_scale: f32,
+    v_scale: f32,
+    k_shift: Option<&'a CudaSlice<f32>>,
 }
 
 /// The fields of [`RopeKvCall`], [`RopeKvFp8Call`] or [`RopeKvAmaxCall`].
@@ -235,8 +246,8 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     let normed = norm.is_some();
     // 0: bf16 cache, 1: FP8 cache, 2: calibration pass.
     let mode = match &cache {
-        Dest::Cache { fp8_scales: None, .. } => 0,
-        Dest::Cache { fp8_scales: Some(_), .. } => 1,
+        Dest::Cache { fp8: None, .. } => 0,
+        Dest::Cache { fp8: Some(_), .. } => 1,
         Dest::Amax(_) => 2,
     };
     let kt = &dev.kernels;
@@ -271,17 +282,21 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     };
     shape_check(op, hd >= 2 && hd.is_multiple_of(2) && hd <= 256, || format!("head_dim {hd} unsupported"))?;
     meta.check_geometry(op, &geo)?;
-    let mut fp8_scales = None;
+    let mut coding = None;
     match &cache {
-        Dest::Cache { k, v, fp8_scales: scales } => {
+        Dest::Cache { k, v, fp8 } => {
             need(op, "k_cache", *k, geo.layer_len())?;
             need(op, "v_cache", *v, geo.layer_len())?;
-            if let Some([k, v]) = *scales {
+            if let Some(c) = fp8 {
+                let (k, v) = (c.k_scale, c.v_scale);
                 shape_check(op, [k, v].iter().all(|s| s.is_finite() && *s > 0.0), || {
                     format!("FP8 KV scales k {k}, v {v}: each must be finite and positive")
                 })?;
+                if let Some(s) = c.k_shift {
+                    need(op, "k_shift", s, nkv * hd)?;
+                }
             }
-            fp8_scales = *scales;
+            coding = *fp8;
         }
         Dest::Amax(a) => need(op, "amax", *a, 2)?,
     }
@@ -323,15 +338,19 @@ fn launch_rope<T: Elem>(dev: &CudaDevice, call: RopeParts<'_, T>, extras: RopeEx
     if let Some(n) = norm {
         args = args.buf(n.q_weight).buf(n.k_weight).f32(n.eps).f32(n.weight.offset());
     }
-    if let Some([k, v]) = fp8_scales {
-        args = args.f32(k).f32(v);
+    if let Some(c) = coding {
+        args = args.f32(c.k_scale).f32(c.v_scale);
+        args = match c.k_shift {
+            Some(s) => args.buf(s),
+            None => args.u64(0),
+        };
     }
     // SAFETY: each CTA reads and writes heads of its own row of the inputs (checked against `rows`
     // and the head counts above), writes one slot validated by the metadata against this
     // cache's geometry (or none for slot -1; a calibration pass writes only the two floats of
     // `amax`, checked above), and reads `rotary_dim / 2` frequencies (and, with
     // the norm, `head_dim` weights of each norm, checked above; threads past `head_dim / 2`
-    // touch nothing).
+    // touch nothing); a key shift is read at `n_kv_heads × head_dim` elements at most (checked).
     unsafe { args.launch(dev, func, grid) }
 }
 

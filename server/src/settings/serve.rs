@@ -55,6 +55,8 @@ pub struct ServeFile {
     pub kv_cache_dtype: Option<baton_engine::kv_cache_dtype::KvCacheDtype>,
     /// See `--calculate-kv-scales`.
     pub calculate_kv_scales: Option<bool>,
+    /// See `--kv-k-smoothing`.
+    pub kv_k_smoothing: Option<baton_engine::kv_k_smoothing::KvKSmoothing>,
     /// See `--quantization`.
     pub quantization: Option<baton_engine::weight_quantization::WeightQuantization>,
     /// See `--gpu-memory-utilization`.
@@ -122,6 +124,8 @@ pub struct ServeSettings {
     pub kv_cache_dtype: baton_engine::kv_cache_dtype::KvCacheDtype,
     /// FP8 KV scales calculated from the first prefill (checked against the dtype at start).
     pub calculate_kv_scales: bool,
+    /// FP8 KV keys stored less their start-up mean.
+    pub kv_k_smoothing: baton_engine::kv_k_smoothing::KvKSmoothing,
     /// The projection weights' quantization.
     pub quantization: baton_engine::weight_quantization::WeightQuantization,
     /// Fraction of GPU memory the engine may use (`None`: the engine's default).
@@ -161,6 +165,7 @@ impl ServeSettings {
             num_kv_blocks: self.num_kv_blocks.or(d.num_kv_blocks),
             kv_cache_dtype: self.kv_cache_dtype,
             calculate_kv_scales: self.calculate_kv_scales,
+            kv_k_smoothing: self.kv_k_smoothing,
             quantization: self.quantization,
             gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(d.gpu_memory_utilization),
             kernel_cache_dir: self.kernel_cache_dir.clone(),
@@ -200,6 +205,7 @@ pub fn resolve(args: &ServeArgs, file: &ServeFile) -> ServeSettings {
         num_kv_blocks: args.num_kv_blocks.or(file.num_kv_blocks),
         kv_cache_dtype: args.kv_cache_dtype.or(file.kv_cache_dtype).unwrap_or_default(),
         calculate_kv_scales: args.calculate_kv_scales.or(file.calculate_kv_scales).unwrap_or(false),
+        kv_k_smoothing: args.kv_k_smoothing.or(file.kv_k_smoothing).unwrap_or_default(),
         quantization: args.quantization.or(file.quantization).unwrap_or_default(),
         gpu_memory_utilization: args.gpu_memory_utilization.or(file.gpu_memory_utilization),
         // The default comes from the environment, read here at the binary's edge.
@@ -407,6 +413,22 @@ mod tests {
             .expect_err("e5m2 refused in the file")
             .to_string();
         assert!(bad.contains("fp8_e5m2"), "{bad}");
+    }
+
+    #[test]
+    fn kv_k_smoothing_from_flag_and_file_and_bad_values_named() {
+        use baton_engine::kv_k_smoothing::KvKSmoothing;
+        assert_eq!(resolve(&serve_args(&[]), &ServeFile::default()).engine_config().kv_k_smoothing, KvKSmoothing::Auto);
+        let off = resolve(&serve_args(&["--kv-k-smoothing", "off"]), &ServeFile::default());
+        assert_eq!(off.engine_config().kv_k_smoothing, KvKSmoothing::Off);
+        let file = ConfigFile::parse("[serve]\nkv_k_smoothing = \"off\"\n", Path::new("t.toml")).expect("valid");
+        assert_eq!(resolve(&serve_args(&[]), &file.serve).kv_k_smoothing, KvKSmoothing::Off);
+        let flag_wins = resolve(&serve_args(&["--kv-k-smoothing", "auto"]), &file.serve);
+        assert_eq!(flag_wins.kv_k_smoothing, KvKSmoothing::Auto);
+        let bad = ConfigFile::parse("[serve]\nkv_k_smoothing = \"on\"\n", Path::new("t.toml"))
+            .expect_err("on is not a value")
+            .to_string();
+        assert!(bad.contains("kv-k-smoothing") && bad.contains("'on'"), "{bad}");
     }
 
     #[test]
