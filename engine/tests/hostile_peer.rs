@@ -11,7 +11,7 @@
 //! against the reservation hold even for a peer inside the cluster.
 //!
 //! The raw-wire cases speak the TCP transport's documented format themselves
-//! (`baton_engine::kv_transport::tcp`): the receiver's magic `BKV4` and 32-byte challenge,
+//! (`baton_engine::kv_transport::tcp`): the receiver's magic `BKV5` and 32-byte challenge,
 //! then the sender's magic and frames `kind: u8, len: u64 LE`, the `HELLO` carrying a
 //! 32-byte proof before the handshake JSON.
 
@@ -137,9 +137,9 @@ impl RawPeer {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         let mut greeting = [0u8; 4 + KV_NONCE_LEN];
         s.read_exact(&mut greeting).await.expect("the receiver's challenge");
-        assert_eq!(&greeting[..4], b"BKV4");
+        assert_eq!(&greeting[..4], b"BKV5");
         let challenge = KvChallenge(greeting[4..].try_into().expect("32 bytes"));
-        s.write_all(b"BKV4").await.expect("magic");
+        s.write_all(b"BKV5").await.expect("magic");
         let body = serde_json::to_vec(hs).expect("json");
         let proof = secret().kv_proof(&challenge, &body);
         let mut peer = RawPeer(s);

@@ -1,6 +1,6 @@
 //! The TCP KV transport: host-staged layer frames over one connection per hand-off.
 //!
-//! Wire format: as soon as it accepts, the receiver sends the 4-byte magic `BKV4` and a
+//! Wire format: as soon as it accepts, the receiver sends the 4-byte magic `BKV5` and a
 //! 32-byte random challenge; the sender checks the magic, answers with the magic, then
 //! frames of `kind: u8, len: u64 LE, payload`. Sender → receiver: `HELLO` (a 32-byte proof,
 //! then the JSON [`Handshake`]), one `LAYER` per layer in order (`layer: u32, k_len: u64, seq: u64,
