@@ -545,8 +545,7 @@ impl<B: Backend> crate::kv_connector::KvAccess for ModelRunner<B> {
     }
 
     fn kv_coding(&self, layer: usize) -> Option<KvCoding> {
-        let scale = self.backend.kv_scales().get(layer).copied()?;
-        Some(KvCoding { scale, k_shift: self.backend.kv_k_shift(layer) })
+        crate::kv_connector::KvAccess::kv_coding(&self.backend, layer)
     }
 
     fn import_kv_blocks(

@@ -27,7 +27,7 @@ use baton_engine::kv_cache_dtype::KvCacheDtype;
 use baton_engine::runner::ModelRunner;
 use baton_engine::{DeviceSpec, EngineConfig, EngineHandle, start_engine};
 use baton_formats::testing::TinySpec;
-use common::{drain, peaked_fixture, peaked_gemma_fixture, prompt, tiny};
+use common::{drain, peaked_fixture, peaked_gemma_fixture, prompt, teacher_forced, tiny};
 
 const MAX_TOKENS: usize = 24;
 /// The reference's top-2 gap (nats) below which a greedy token may flip. The FP8 cache goes
@@ -292,7 +292,7 @@ fn gpu_smoothed_fp8_kv_cache_matches_cpu_fp8_reference() {
         let (mut lc, mut lg) = (feed(&mut cpu, &p, 0, &table), feed(&mut gpu, &p, 0, &table));
         let mut flips = 0;
         for step in 0..12 {
-            let (tc, tg) = (teacher_argmax(&lc), teacher_argmax(&lg));
+            let (tc, tg) = (teacher_forced::argmax(&lc), teacher_forced::argmax(&lg));
             if tc != tg {
                 let gap = top2_gap(&lc);
                 println!("{name} step {step}: cpu {tc} gpu {tg}, reference gap {gap}");
@@ -318,10 +318,6 @@ fn smooth<B: Backend>(
     r.set_kv_cache_dtype(KvCacheDtype::Fp8E4M3, store).expect("fp8");
     r.alloc_kv_cache(blocks, 16).expect("cache");
     baton_engine::kv_k_smoothing::calibrate(r, tokens, (blocks, 16), 512).expect("calibrate")
-}
-
-fn teacher_argmax(xs: &[f32]) -> u32 {
-    xs.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
 }
 
 fn top2_gap(xs: &[f32]) -> f32 {
